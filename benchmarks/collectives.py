@@ -1,0 +1,853 @@
+#!/usr/bin/env python
+"""Collective benchmark: rumor vs torch.distributed (gloo), per benchmarks/BENCHMARKS.md.
+
+Needs: the installed rumor package, torch, and for the plot `pip install matplotlib`.
+
+Modes
+  one host (default): allreduce, allgather and reduce_scatter of fp32, 4 KiB .. 256 MiB, with 2
+      and 4 ranks on this machine. Bound: single-threaded memcpy bandwidth (torch copy_ of 64 MiB),
+      measured in the same run.
+  --hosts H: H emulated hosts (Linux network namespaces on one bridge, rumor.testing.netns), each
+      host's link shaped with `tbf rate 1gbit burst 256kb latency 20ms` (--rate), --ranks-per-host
+      ranks each (default 1). Needs root. Bound: the ring bound B*n/(2(n-1)) on the shaped link
+      rate B (n = hosts), and the same bound on the single-stream TCP throughput measured through
+      one shaped link in the same run.
+
+How it measures
+  Every job starts its ranks itself (subprocesses with torchrun's env variables); each rank calls
+  rumor.init() and then torch.distributed.init_process_group("gloo") (sharing rumor's TCPStore),
+  so both libraries run in the same processes on the same data. Per (op, size): warm-up, then
+  --iters measured samples per library, alternating which library goes first. A sample starts
+  after a gloo barrier and times `reps` back-to-back ops (reps > 1 only for small sizes, the
+  same for both libraries, so a sample lasts >= --target-ms); its time is the slowest rank's
+  elapsed time / reps. Reported: median over samples and min-max.
+  Both libraries are called through their public APIs, in place where the API allows:
+    allreduce       rumor.allreduce_(x, SUM)          dist.all_reduce(x, SUM)
+    allgather       rumor.allgather(x)  (allocates)   dist.all_gather_single(out, x)
+    reduce_scatter  rumor.reduce_scatter(x, SUM)      dist.reduce_scatter_single(out, x, SUM)
+  Sizes are the full buffer: allreduce input, allgather output, reduce_scatter input.
+  algbw = size / time.  busbw = algbw * 2(n-1)/n for allreduce, algbw * (n-1)/n for allgather
+  and reduce_scatter (the nccl-tests convention: the bytes each rank's link must carry).
+  Results are checked once per cell against exact expected values (integer multiples of 2^-100,
+  so sums are exact and repeated in-place sums cannot overflow).
+
+Output: a table per job, the issue targets, JSON with every raw figure and a PNG plot in --out
+(default benchmarks/results/); the last line printed is the headline ratio.
+
+  python benchmarks/collectives.py                          # full one-host run (2 and 4 ranks)
+  python benchmarks/collectives.py --max-size 16MiB         # quicker
+  sudo python benchmarks/collectives.py --hosts 4           # 4 emulated hosts x 1 rank, 1 Gbit
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OPS = ("allreduce", "allgather", "reduce_scatter")
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SCALE_EXP = -100  # inputs are small integers times 2^-100 (see _template)
+
+# Variables that would change what rumor.init() / the launcher see in a rank.
+_SCRUB_PREFIXES = ("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_", "PMIX_")
+_SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "RUMOR_HOST_ID", "RUMOR_ADVERTISE_ADDR", "RUMOR_PORT")
+
+
+# ==== small helpers ==================================================================================
+
+def parse_size(s: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", s, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {s!r} (examples: 4096, 4KiB, 16MiB, 1GiB)")
+    unit = (m.group(2) or "").upper().replace("I", "").replace("B", "")
+    mult = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": 1 << 40}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def fmt_size(b: int) -> str:
+    for unit, m in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if b >= m and b % m == 0:
+            return f"{b // m} {unit}"
+    return f"{b} B"
+
+
+def fmt_time(s: float) -> str:
+    if s != s:  # nan
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f}us"
+    if s < 1:
+        return f"{s * 1e3:.2f}ms"
+    return f"{s:.3f}s"
+
+
+def fmt_bw(bps: float) -> str:
+    if bps != bps:
+        return "-"
+    return f"{bps / 1e9:.3f}" if bps < 10e9 else f"{bps / 1e9:.2f}"
+
+
+def parse_rate(rate: str) -> float:
+    """tc rate string -> bytes/s ("1gbit" -> 125e6, "100mbit", "500kbit", "10mbps" = bytes)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*", rate.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad rate {rate!r} (examples: 1gbit, 500mbit)")
+    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    v = float(m.group(1)) * mult
+    return v / 8 if (m.group(3) or "bit") == "bit" else v
+
+
+def busbw_factor(op: str, n: int) -> float:
+    return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_memcpy(nbytes: int = 64 * MiB, iters: int = 20) -> Dict:
+    """Single-threaded torch copy_ bandwidth (bytes copied per second), the one-host bound."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            samples.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    med = statistics.median(samples)
+    return dict(bytes=nbytes, samples_s=samples, median_s=med, bw=nbytes / med,
+                bw_min=nbytes / max(samples), bw_max=nbytes / min(samples))
+
+
+class Progress:
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total = max(1, total)
+        self.done = 0
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.t0 = time.monotonic()
+        self.label = ""
+        self.lock = threading.Lock()
+
+    def update(self, done: Optional[int] = None, label: str = "") -> None:
+        with self.lock:
+            if done is not None:
+                self.done = done
+            self.label = label or self.label
+            frac = min(1.0, self.done / self.total)
+            width = 30
+            bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+            el = time.monotonic() - self.t0
+            line = f"[{bar}] {self.done}/{self.total} {el:6.0f}s  {self.label}"
+            if self.tty:
+                self.stream.write("\r\033[K" + line[:150])
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty:
+            with self.lock:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+
+
+# ==== inside a rank ==================================================================================
+
+def _template(numel: int, owner: int, salt: int):
+    """Rank `owner`'s input: small positive integers times 2^SCALE_EXP. Sums over ranks are exact,
+    and reps in-place sums of n ranks stay finite as long as n^reps < 2^180 (see max_reps)."""
+    import torch
+
+    i = torch.arange(numel, dtype=torch.int64)
+    v = ((i * 7 + owner * 3 + salt) % 13 + 1).to(torch.float32)
+    return torch.ldexp(v, torch.tensor(SCALE_EXP, dtype=torch.int32)).to(torch.float32) if False else v * (2.0 ** SCALE_EXP)
+
+
+def _expected(op: str, numel: int, n: int, rank: int, salt: int, per: int):
+    import torch
+
+    if op == "allgather":
+        return torch.cat([_template(per, r, salt) for r in range(n)])
+    total = sum(_template(numel, r, salt).double() for r in range(n)).float()
+    if op == "reduce_scatter":
+        return total[rank * per:(rank + 1) * per]
+    return total
+
+
+def _emit(kind: str, payload) -> None:
+    sys.stdout.write(f"@@{kind} {json.dumps(payload)}\n")
+    sys.stdout.flush()
+
+
+def worker_main(cfg_path: str) -> int:
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rank = int(os.environ["RANK"])
+    try:
+        return _worker(cfg, rank)
+    except BaseException:  # noqa: BLE001
+        tb = traceback.format_exc()
+        sys.stderr.write(f"rank {rank} failed:\n{tb}")
+        sys.stderr.flush()
+        if rank == 0:
+            _emit("error", {"rank": rank, "traceback": tb})
+        os._exit(1)
+
+
+def _worker(cfg: Dict, rank: int) -> int:
+    import faulthandler
+
+    if cfg.get("dump_after"):
+        faulthandler.dump_traceback_later(cfg["dump_after"], exit=True)
+    import torch
+    import torch.distributed as dist
+
+    import rumor
+
+    rumor.init(timeout=cfg["rumor_timeout"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["rumor_timeout"]))
+    n = rumor.size()
+    assert dist.get_world_size() == n and dist.get_rank() == rank == rumor.rank()
+    info = dict(rank=rank, size=n, local_size=rumor.local_size(), machine_size=rumor.machine_size(),
+                machine_rank=rumor.machine_rank(), torch_threads=torch.get_num_threads(),
+                host_id=os.readlink("/proc/self/ns/net"))
+    infos = [None] * n
+    dist.all_gather_object(infos, info)
+    if rank == 0:
+        _emit("info", infos)
+
+    SUM = rumor.ReduceOp.SUM
+    ag_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    max_reps = max(1, min(cfg["max_reps"], int(180 / math.log2(max(n, 2)))))
+    hier_ok = rumor.machine_size() > 1 and rumor.local_size() > 1
+    cell_index = 0
+
+    for op in cfg["ops"]:
+        for size in cfg["sizes"]:
+            numel = size // 4
+            per = numel // n
+            salt = cell_index % 5
+            # Buffers and the functions each library runs (one call = one op).
+            if op == "allreduce":
+                tmpl = _template(numel, rank, salt)
+                bufs = {"rumor": tmpl.clone(), "gloo": tmpl.clone()}
+                fns = {"rumor": lambda: rumor.allreduce_(bufs["rumor"], op=SUM),
+                       "gloo": lambda: dist.all_reduce(bufs["gloo"], op=dist.ReduceOp.SUM)}
+                results = {"rumor": lambda: bufs["rumor"], "gloo": lambda: bufs["gloo"]}
+                if hier_ok and cfg.get("hierarchical"):
+                    bufs["rumor_hier"] = tmpl.clone()
+                    fns["rumor_hier"] = lambda: rumor.allreduce_(bufs["rumor_hier"], op=SUM, hierarchical=True)
+                    results["rumor_hier"] = lambda: bufs["rumor_hier"]
+                refill = lambda v: bufs[v].copy_(tmpl)
+            elif op == "allgather":
+                tmpl = _template(per, rank, salt)
+                out_g = torch.empty(numel, dtype=torch.float32)
+                last = {}
+                fns = {"rumor": lambda: last.__setitem__("rumor", rumor.allgather(tmpl)),
+                       "gloo": lambda: ag_single(out_g, tmpl)}
+                results = {"rumor": lambda: last["rumor"], "gloo": lambda: out_g}
+                refill = lambda v: None
+            else:  # reduce_scatter
+                tmpl = _template(numel, rank, salt)
+                out_g = torch.empty(per, dtype=torch.float32)
+                in_g = tmpl.clone()
+                last = {}
+                fns = {"rumor": lambda: last.__setitem__("rumor", rumor.reduce_scatter(tmpl, op=SUM)),
+                       "gloo": lambda: rs_single(out_g, in_g, op=dist.ReduceOp.SUM)}
+                results = {"rumor": lambda: last["rumor"], "gloo": lambda: out_g}
+                refill = lambda v: in_g.copy_(tmpl) if v == "gloo" else None
+            variants = list(fns)
+
+            # Warm-up; the first op of each library is checked against the exact result.
+            expected = _expected(op, numel, n, rank, salt, per)
+            correct = {}
+            warm = {v: [] for v in variants}
+            for w in range(cfg["warmup"]):
+                for v in variants:
+                    refill(v)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fns[v]()
+                    warm[v].append(time.perf_counter() - t0)
+                    if w == 0:
+                        got = results[v]()
+                        ok = bool(got.shape == expected.shape and torch.equal(got, expected))
+                        if not ok:
+                            diff = (got != expected).nonzero() if got.shape == expected.shape else None
+                            first = int(diff[0]) if diff is not None and len(diff) else -1
+                            correct[v] = (f"rank {rank}: {v} {op} {size} B wrong: shape {tuple(got.shape)} "
+                                          f"vs {tuple(expected.shape)}, first bad index {first}")
+                        else:
+                            correct[v] = True
+            # reps: the same on every rank and for every library, so a sample lasts >= target.
+            fastest = min(min(warm[v]) for v in variants)
+            t = torch.tensor([fastest], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            reps = max(1, min(max_reps, math.ceil(cfg["target_s"] / max(float(t), 1e-7))))
+
+            samples = {v: [] for v in variants}
+            for i in range(cfg["iters"]):
+                k = i % len(variants)
+                for v in variants[k:] + variants[:k]:  # rotate who goes first
+                    refill(v)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        fns[v]()
+                    samples[v].append((time.perf_counter() - t0) / reps)
+            # Gather every rank's samples; a sample's time is the slowest rank's.
+            per_rank = {}
+            for v in variants:
+                mine = torch.tensor(samples[v], dtype=torch.float64)
+                allr = [torch.empty_like(mine) for _ in range(n)]
+                dist.all_gather(allr, mine)
+                per_rank[v] = [x.tolist() for x in allr]
+            oks = [None] * n
+            dist.all_gather_object(oks, correct)
+            if rank == 0:
+                cell = dict(op=op, size=size, n=n, reps=reps, warmup_s={v: warm[v] for v in variants},
+                            variants={})
+                for v in variants:
+                    sm = [max(per_rank[v][r][i] for r in range(n)) for i in range(cfg["iters"])]
+                    errs = [o[v] for o in oks if o.get(v) is not True]
+                    cell["variants"][v] = dict(samples_s=sm, per_rank_samples_s=per_rank[v],
+                                               correct=not errs, errors=errs[:4])
+                _emit("cell", cell)
+            del fns, results, refill
+            cell_index += 1
+    dist.barrier()
+    rumor.barrier()
+    if rank == 0:
+        _emit("done", {})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip teardown of rumor's and gloo's threads
+
+
+# ==== the driver =====================================================================================
+
+class Job:
+    """One set of ranks (one world size), running the whole size list for every op."""
+
+    def __init__(self, args, n: int, hosts: int, rph: int, ops: List[str], sizes: List[int],
+                 workdir: str, progress: Progress, progress_base: int, cluster=None, rate: str = ""):
+        self.args, self.n, self.hosts, self.rph = args, n, hosts, rph
+        self.ops, self.sizes, self.cluster, self.rate = ops, sizes, cluster, rate
+        self.workdir, self.progress, self.base = workdir, progress, progress_base
+        self.cells: List[Dict] = []
+        self.info = None
+        self.error: Optional[str] = None
+        self.finished = False
+        self.procs: List[subprocess.Popen] = []
+        self.logs: List[str] = []
+
+    @property
+    def label(self) -> str:
+        return f"{self.hosts} hosts x {self.rph} rank(s)" if self.cluster else f"{self.n} ranks, 1 host"
+
+    def _env(self, rank: int, master: str, port: int, ifname: str) -> Dict[str, str]:
+        e = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
+        e.update(RANK=str(rank), WORLD_SIZE=str(self.n), LOCAL_RANK=str(rank % self.rph),
+                 LOCAL_WORLD_SIZE=str(self.rph), MASTER_ADDR=master, MASTER_PORT=str(port),
+                 GLOO_SOCKET_IFNAME=ifname, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                 PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", PYTHONWARNINGS="ignore")
+        return e
+
+    def run(self) -> None:
+        a = self.args
+        cfg = dict(ops=self.ops, sizes=self.sizes, iters=a.iters, warmup=a.warmup,
+                   target_s=a.target_ms / 1e3, max_reps=a.max_reps, rumor_timeout=a.rumor_timeout,
+                   hierarchical=(self.cluster is not None and self.rph > 1),
+                   dump_after=max(10, a.job_timeout - 10))
+        cfg_path = os.path.join(self.workdir, f"cfg-{self.n}.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        if self.cluster is not None:
+            master, port, ifname = self.cluster.ip(0), 29500, "eth0"
+        else:
+            master, port, ifname = "127.0.0.1", free_port(), "lo"
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", cfg_path]
+        for r in range(self.n):
+            log = os.path.join(self.workdir, f"rank{r}-{self.n}-{self.hosts}.log")
+            self.logs.append(log)
+            lf = open(log, "wb")
+            kw = dict(env=self._env(r, master, port, ifname), stdin=subprocess.DEVNULL,
+                      stdout=subprocess.PIPE if r == 0 else lf, stderr=lf)
+            if self.cluster is not None:
+                p = self.cluster.popen(r // self.rph, argv, **kw)
+            else:
+                p = subprocess.Popen(argv, start_new_session=True, **kw)
+            lf.close()
+            self.procs.append(p)
+            _PROCS.append(p)
+        reader = threading.Thread(target=self._read, args=(self.procs[0].stdout,), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + a.job_timeout
+        failed_at = None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                break
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = time.monotonic()
+                deadline = min(deadline, failed_at + 30)  # give the others time to report
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        late = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        for p in self.procs:
+            _kill(p)
+        reader.join(5)
+        bad = [r for r, p in enumerate(self.procs) if p.returncode != 0]
+        if late or bad or not self.finished:
+            parts = [f"{self.label}: ranks {bad} failed" + (f", ranks {late} killed at the deadline "
+                                                             f"({a.job_timeout:.0f}s)" if late else "")]
+            for r, log in enumerate(self.logs):
+                try:
+                    with open(log, "rb") as f:
+                        tail = f.read()[-3000:].decode("utf-8", "replace")
+                except OSError:
+                    tail = ""
+                parts.append(f"--- rank {r} (exit {self.procs[r].returncode}) ---\n{tail}")
+            self.error = (self.error + "\n" if self.error else "") + "\n".join(parts)
+
+    def _read(self, stream) -> None:
+        for raw in stream:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if not line.startswith("@@"):
+                continue
+            kind, _, payload = line[2:].partition(" ")
+            try:
+                data = json.loads(payload)
+            except ValueError:
+                continue
+            if kind == "cell":
+                data.update(hosts=self.hosts, ranks_per_host=self.rph, job=self.label)
+                self.cells.append(data)
+                self.progress.update(self.base + len(self.cells),
+                                     f"{self.label}: {data['op']} {fmt_size(data['size'])} done")
+            elif kind == "info":
+                self.info = data
+            elif kind == "error":
+                self.error = f"rank {data['rank']} raised:\n{data['traceback']}"
+            elif kind == "done":
+                self.finished = True
+
+
+_PROCS: List[subprocess.Popen] = []
+
+
+def _kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                p.kill()
+            except ProcessLookupError:
+                pass
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _kill_all() -> None:
+    for p in _PROCS:
+        _kill(p)
+
+
+def summarize(cell: Dict, bound: Dict) -> None:
+    """Adds median/min/max, algbw and busbw to every variant of a cell (in place)."""
+    op, n, size = cell["op"], cell["n"], cell["size"]
+    for v, d in cell["variants"].items():
+        s = d["samples_s"]
+        d["median_s"], d["min_s"], d["max_s"] = statistics.median(s), min(s), max(s)
+        d["algbw"] = size / d["median_s"]
+        d["busbw"] = d["algbw"] * busbw_factor(op, n)
+        d["algbw_min"], d["algbw_max"] = size / d["max_s"], size / d["min_s"]
+    r, g = cell["variants"].get("rumor"), cell["variants"].get("gloo")
+    if r and g:
+        cell["rumor_over_gloo_bw"] = g["median_s"] / r["median_s"]
+    cell["bound"] = bound
+
+
+def print_table(cells: List[Dict], title: str, bound_kind: str, bound_bw: Optional[float],
+                extra_bound: Optional[float] = None) -> None:
+    if not cells:
+        return
+    op, n = cells[0]["op"], cells[0]["n"]
+    variants = list(cells[0]["variants"])
+    bw_name = "busbw" if bound_kind == "memcpy" else "algbw"
+    formula = ("busbw = algbw*2(n-1)/n" if op == "allreduce" else "busbw = algbw*(n-1)/n")
+    print(f"\n{title}: {op}, n={n}   (algbw = size/time; {formula}; GB/s = 1e9 B/s; "
+          f"time = median [min-max] of {len(cells[0]['variants']['rumor']['samples_s'])} samples)")
+    head = f"{'size':>9} {'reps':>4} |"
+    for v in variants:
+        head += f" {v + ' time':>27} {'algbw':>7} {'busbw':>7} |"
+    head += f" {'rumor/gloo':>10}"
+    if bound_kind == "memcpy":
+        head += f" {'rumor busbw/memcpy':>18}"
+    else:
+        head += f" {'ring bound':>10} {'rumor/bound':>11}"
+        if extra_bound:
+            head += f" {'rumor/tcp-bound':>15}"
+    print(head)
+    print("-" * len(head))
+    for c in cells:
+        row = f"{fmt_size(c['size']):>9} {c['reps']:>4} |"
+        for v in variants:
+            d = c["variants"][v]
+            t = f"{fmt_time(d['median_s'])} [{fmt_time(d['min_s'])}-{fmt_time(d['max_s'])}]"
+            flag = "" if d["correct"] else "!"
+            row += f" {t + flag:>27} {fmt_bw(d['algbw']):>7} {fmt_bw(d['busbw']):>7} |"
+        row += f" {c.get('rumor_over_gloo_bw', float('nan')):>9.2f}x"
+        rb = c["variants"]["rumor"][bw_name]
+        if bound_kind == "memcpy":
+            row += f" {rb / bound_bw:>18.2f}"
+        else:
+            row += f" {fmt_bw(bound_bw):>10} {100 * rb / bound_bw:>10.1f}%"
+            if extra_bound:
+                row += f" {100 * rb / extra_bound:>14.1f}%"
+        print(row)
+    if any(not d["correct"] for c in cells for d in c["variants"].values()):
+        print("  ! = result differed from the exact expected value (see JSON 'errors')")
+
+
+def plot(path: str, cells: List[Dict], mode: str, bounds: Dict) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no plot written"
+    ops = [o for o in OPS if any(c["op"] == o for c in cells)]
+    fig, axes = plt.subplots(2, len(ops), figsize=(6 * len(ops), 8), squeeze=False)
+    styles = {"rumor": "-", "gloo": "--", "rumor_hier": "-."}
+    for j, op in enumerate(ops):
+        ax_bw, ax_t = axes[0][j], axes[1][j]
+        groups = sorted({(c["job"], c["n"]) for c in cells if c["op"] == op}, key=lambda x: x[1])
+        for job, n in groups:
+            cs = sorted((c for c in cells if c["op"] == op and c["job"] == job), key=lambda c: c["size"])
+            for v in cs[0]["variants"]:
+                xs = [c["size"] for c in cs]
+                key = "busbw" if mode == "memcpy" else "algbw"
+                ys = [c["variants"][v][key] / 1e9 for c in cs]
+                lo = [c["variants"][v][key] / 1e9 * (c["variants"][v]["median_s"] / c["variants"][v]["max_s"]) for c in cs]
+                hi = [c["variants"][v][key] / 1e9 * (c["variants"][v]["median_s"] / c["variants"][v]["min_s"]) for c in cs]
+                lab = f"{v} ({job})"
+                line, = ax_bw.plot(xs, ys, styles.get(v, ":"), marker="o", ms=3, label=lab)
+                ax_bw.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+                ax_t.plot(xs, [c["variants"][v]["median_s"] * 1e3 for c in cs], styles.get(v, ":"),
+                          marker="o", ms=3, color=line.get_color(), label=lab)
+        if mode == "memcpy":
+            ax_bw.axhline(bounds["memcpy_bw"] / 1e9, color="k", lw=1, ls=":", label="memcpy (1 thread)")
+            ax_bw.set_ylabel("busbw (GB/s)")
+        else:
+            ax_bw.axhline(bounds["ring_bound"] / 1e9, color="k", lw=1, ls=":", label=f"ring bound ({bounds['rate']})")
+            if bounds.get("tcp_ring_bound"):
+                ax_bw.axhline(bounds["tcp_ring_bound"] / 1e9, color="gray", lw=1, ls=":",
+                              label="ring bound (measured TCP)")
+            ax_bw.set_ylabel("algbw (GB/s)")
+        for ax in (ax_bw, ax_t):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("size (bytes)")
+            ax.grid(True, which="both", alpha=0.3)
+        ax_t.set_yscale("log")
+        ax_t.set_ylabel("time per op (ms)")
+        ax_bw.set_title(op)
+        ax_bw.legend(fontsize=7)
+    fig.suptitle(bounds.get("title", "rumor vs gloo"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def find(cells, op, n, size, job_hosts=None):
+    for c in cells:
+        if c["op"] == op and c["n"] == n and c["size"] == size and (job_hosts is None or c["hosts"] == job_hosts):
+            return c
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="rumor vs gloo collectives (see the module docstring)",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=0,
+                    help="0: one host (ranks from --ranks); H>=2: H emulated hosts in network namespaces")
+    ap.add_argument("--ranks", default="2,4", help="one-host mode: world sizes to run")
+    ap.add_argument("--ranks-per-host", type=int, default=1, help="--hosts mode: ranks per emulated host")
+    ap.add_argument("--rate", default="1gbit", help="--hosts mode: tbf rate of each host's link")
+    ap.add_argument("--ops", default=None,
+                    help="comma list of allreduce,allgather,reduce_scatter "
+                         "(default: all three; --hosts mode: allreduce)")
+    ap.add_argument("--min-size", type=parse_size, default=4 * KiB)
+    ap.add_argument("--max-size", type=parse_size, default=None,
+                    help="largest size (default 256MiB; --hosts mode 64MiB)")
+    ap.add_argument("--factor", type=int, default=4, help="ratio between consecutive sizes (2 or 4)")
+    ap.add_argument("--sizes", default=None, help="explicit comma list of sizes (overrides min/max/factor)")
+    ap.add_argument("--iters", type=int, default=10, help="measured samples per library (protocol: >= 10)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up ops per library per cell")
+    ap.add_argument("--target-ms", type=float, default=5.0,
+                    help="small sizes: run several ops per sample so it lasts at least this long")
+    ap.add_argument("--max-reps", type=int, default=64)
+    ap.add_argument("--rumor-timeout", type=float, default=300.0, help="rumor.init(timeout) and gloo's")
+    ap.add_argument("--job-timeout", type=float, default=3600.0, help="deadline of each job (seconds)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+
+    hosts_mode = args.hosts > 0
+    ops = [o.strip() for o in (args.ops or ("allreduce" if hosts_mode else ",".join(OPS))).split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        ap.error(f"unknown ops {bad}; choose from {OPS}")
+    if args.sizes:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    else:
+        mx = args.max_size or (64 * MiB if hosts_mode else 256 * MiB)
+        if args.factor < 2:
+            ap.error("--factor must be >= 2")
+        sizes, s = [], args.min_size
+        while s <= mx:
+            sizes.append(s)
+            s *= args.factor
+    if hosts_mode:
+        if args.hosts < 2:
+            ap.error("--hosts needs at least 2 hosts")
+        worlds = [args.hosts * args.ranks_per_host]
+    else:
+        worlds = [int(x) for x in args.ranks.split(",")]
+    for n in worlds:
+        for s in sizes:
+            if s % (4 * n):
+                ap.error(f"size {s} is not a multiple of 4*{n} bytes (fp32, split over {n} ranks)")
+    if args.iters < 10:
+        print(f"WARNING: --iters {args.iters} is below the protocol's minimum of 10; "
+              f"use these figures for smoke tests only", file=sys.stderr)
+
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"{args.hosts}hosts" if hosts_mode else "1host"
+    json_path = os.path.join(args.out, f"collectives-{tag}.json")
+    png_path = os.path.join(args.out, f"collectives-{tag}.png")
+
+    import torch
+
+    import rumor
+
+    meta = dict(started=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv,
+                args={k: v for k, v in vars(args).items() if k != "worker"}, ops=ops, sizes=sizes,
+                worlds=worlds, python=platform.python_version(), torch=torch.__version__,
+                rumor=getattr(rumor, "__version__", "?"), hostname=socket.gethostname(),
+                cpus=os.cpu_count(), loadavg_start=os.getloadavg(),
+                rumor_env={k: v for k, v in os.environ.items() if k.startswith("RUMOR_")},
+                sample_time="slowest rank's elapsed time for `reps` back-to-back ops / reps, after a gloo barrier",
+                busbw="allreduce: algbw*2(n-1)/n; allgather, reduce_scatter: algbw*(n-1)/n",
+                size_meaning="allreduce: buffer; allgather: gathered output; reduce_scatter: input")
+    result = dict(meta=meta, cells=[], jobs=[], targets=[], errors=[])
+    print(f"rumor {meta['rumor']} vs torch {meta['torch']} gloo | {meta['hostname']}, {meta['cpus']} cpus, "
+          f"load {meta['loadavg_start'][0]:.2f} | ops {','.join(ops)} | sizes {fmt_size(sizes[0])}.."
+          f"{fmt_size(sizes[-1])} ({len(sizes)}) | iters {args.iters}, warmup {args.warmup}")
+
+    workdir = tempfile.mkdtemp(prefix="rumor-bench-")
+    progress = Progress(len(worlds) * len(ops) * len(sizes))
+    cluster = None
+    rc = 0
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        mc = measure_memcpy()
+        result["memcpy"] = [mc]
+        print(f"memcpy (torch copy_, 1 thread, {fmt_size(mc['bytes'])}): {mc['bw'] / 1e9:.2f} GB/s "
+              f"[{mc['bw_min'] / 1e9:.2f}-{mc['bw_max'] / 1e9:.2f}]")
+        bounds: Dict = {}
+        if hosts_mode:
+            from rumor.testing import netns
+
+            ok, why = netns.available()
+            if not ok:
+                print(f"cannot emulate hosts: {why}", file=sys.stderr)
+                return 2
+            cluster = netns.Cluster(args.hosts, rate=args.rate).start()
+            B = parse_rate(args.rate)
+            tcp = [netns.tcp_throughput(cluster, 0, 1, nbytes=64 * MiB)]
+            n_h = args.hosts
+            bounds = dict(rate=args.rate, link_Bps=B, ring_bound=B * n_h / (2 * (n_h - 1)),
+                          title=f"{args.hosts} emulated hosts x {args.ranks_per_host} rank(s), tbf {args.rate}")
+            print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), namespaces "
+                  f"{' '.join(cluster.namespaces)}, tbf {args.rate} = {B / 1e6:.0f} MB/s per link; "
+                  f"single TCP stream through one shaped link: {tcp[0] / 1e6:.1f} MB/s")
+        else:
+            bounds = dict(memcpy_bw=mc["bw"], title="one host: rumor vs gloo (bound: 1-thread memcpy)")
+
+        done = 0
+        jobs = []
+        for n in worlds:
+            job = Job(args, n, args.hosts if hosts_mode else 1, args.ranks_per_host if hosts_mode else n,
+                      ops, sizes, workdir, progress, done, cluster=cluster, rate=args.rate)
+            progress.update(done, f"{job.label}: starting")
+            job.run()
+            jobs.append(job)
+            done += len(ops) * len(sizes)
+            result["cells"].extend(job.cells)
+            result["jobs"].append(dict(label=job.label, n=n, info=job.info, error=job.error))
+            if job.error:
+                progress.clear()
+                print(f"\nERROR in job {job.label}:\n{job.error}", file=sys.stderr)
+                result["errors"].append(job.error)
+                rc = 1
+
+        if hosts_mode:
+            tcp.append(netns.tcp_throughput(cluster, 0, 1, nbytes=64 * MiB))
+            cluster.close()
+            cluster = None
+            result["tcp_single_stream_Bps"] = tcp
+            tcp_b = statistics.median(tcp)
+            n_h = args.hosts
+            bounds["tcp_Bps"] = tcp_b
+            bounds["tcp_ring_bound"] = tcp_b * n_h / (2 * (n_h - 1))
+        mc2 = measure_memcpy()
+        result["memcpy"].append(mc2)
+        if not hosts_mode:
+            bounds["memcpy_bw"] = statistics.median([m["bw"] for m in result["memcpy"]])
+        progress.clear()
+
+        for c in result["cells"]:
+            summarize(c, bounds)
+        result["bounds"] = bounds
+        meta["loadavg_end"] = os.getloadavg()
+        meta["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+
+        # ---- tables
+        for job in jobs:
+            for op in ops:
+                cs = sorted((c for c in job.cells if c["op"] == op), key=lambda c: c["size"])
+                if hosts_mode:
+                    print_table(cs, job.label + f", tbf {args.rate}", "ring", bounds["ring_bound"],
+                                bounds.get("tcp_ring_bound"))
+                else:
+                    print_table(cs, job.label, "memcpy", bounds["memcpy_bw"])
+        print()
+        if hosts_mode:
+            print(f"bounds: link B = {args.rate} = {bounds['link_Bps'] / 1e6:.1f} MB/s -> ring bound "
+                  f"B*n/(2(n-1)) = {bounds['ring_bound'] / 1e6:.1f} MB/s algbw (n = {args.hosts} hosts); "
+                  f"measured single-stream TCP through one shaped link: "
+                  f"{' / '.join(f'{t / 1e6:.1f}' for t in tcp)} MB/s (before / after) -> "
+                  f"{bounds['tcp_ring_bound'] / 1e6:.1f} MB/s")
+        memcpys = " / ".join(f"{m['bw'] / 1e9:.2f}" for m in result["memcpy"])
+        print(f"memcpy bound (torch copy_ 64 MiB, 1 thread): {memcpys} GB/s (start / end)")
+
+        # ---- targets and headline
+        headline = None
+        if hosts_mode:
+            n = worlds[0]
+            size = 64 * MiB if 64 * MiB in sizes else max(sizes)
+            c = find(result["cells"], "allreduce", n, size)
+            if c:
+                frac = c["variants"]["rumor"]["algbw"] / bounds["ring_bound"]
+                tfrac = c["variants"]["rumor"]["algbw"] / bounds["tcp_ring_bound"]
+                t = dict(name=f"{args.hosts} emulated hosts {args.rate}, allreduce {fmt_size(size)}: "
+                              f"rumor algbw >= 90% of ring bound", value=frac, met=frac >= 0.9)
+                result["targets"].append(t)
+                print(f"target: {t['name']}: {100 * frac:.1f}% (of the bound on measured TCP: {100 * tfrac:.1f}%)"
+                      f" -> {'MET' if t['met'] else 'NOT MET'}")
+                hv = c["variants"].get("rumor_hier")
+                if hv:
+                    print(f"        hierarchical: {100 * hv['algbw'] / bounds['ring_bound']:.1f}% of the ring bound")
+                headline = (f"headline: allreduce {fmt_size(size)} {args.hosts} hosts x {args.ranks_per_host} "
+                            f"@{args.rate} algbw rumor/ring bound = {100 * frac:.1f}% "
+                            f"(rumor/gloo = {c['rumor_over_gloo_bw']:.2f}x)")
+        else:
+            nmax = max(worlds)
+            big = 64 * MiB if 64 * MiB in sizes else max(sizes)
+            c = find(result["cells"], "allreduce", nmax, big)
+            if c:
+                ratio = c["rumor_over_gloo_bw"]
+                t = dict(name=f"allreduce {fmt_size(big)} {nmax} ranks one host: rumor busbw >= 3x gloo",
+                         value=ratio, met=ratio >= 3.0)
+                result["targets"].append(t)
+                note = "" if big == 64 * MiB else " (64 MiB not in the size list: largest size used)"
+                print(f"target: {t['name']}: {ratio:.2f}x -> {'MET' if t['met'] else 'NOT MET'}{note}")
+                headline = f"headline: allreduce {fmt_size(big)} {nmax} ranks busbw rumor/gloo = {ratio:.2f}x"
+            small = 4 * KiB if 4 * KiB in sizes else min(sizes)
+            c = find(result["cells"], "allreduce", nmax, small)
+            if c:
+                r_t, g_t = c["variants"]["rumor"]["median_s"], c["variants"]["gloo"]["median_s"]
+                t = dict(name=f"allreduce {fmt_size(small)} {nmax} ranks: rumor latency <= gloo",
+                         value=r_t / g_t, rumor_s=r_t, gloo_s=g_t, met=r_t <= g_t)
+                result["targets"].append(t)
+                print(f"target: {t['name']}: {fmt_time(r_t)} vs {fmt_time(g_t)} ({r_t / g_t:.2f}x) -> "
+                      f"{'MET' if t['met'] else 'NOT MET'}")
+        slower = [(c["op"], c["n"], c["size"]) for c in result["cells"] if c.get("rumor_over_gloo_bw", 9) < 1.0]
+        if slower:
+            print("rumor slower than gloo in: " + ", ".join(f"{o} n={n} {fmt_size(s)}" for o, n, s in slower))
+        wrong = [(c["op"], c["n"], c["size"], v) for c in result["cells"] for v, d in c["variants"].items()
+                 if not d["correct"]]
+        if wrong:
+            print("WRONG RESULTS: " + ", ".join(f"{v} {o} n={n} {fmt_size(s)}" for o, n, s, v in wrong))
+            rc = rc or 1
+        result["headline"] = headline
+
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {json_path}")
+        if not args.no_plot and result["cells"]:
+            err = plot(png_path, result["cells"], "ring" if hosts_mode else "memcpy", bounds)
+            print(err or f"wrote {png_path}")
+        if result["errors"]:
+            print(f"{len(result['errors'])} job(s) failed (see above and JSON 'errors')")
+        print(headline or "headline: n/a (the run produced no allreduce figure)")
+        return rc
+    except KeyboardInterrupt:
+        progress.clear()
+        print("\ninterrupted: killing ranks and removing namespaces", file=sys.stderr)
+        return 130
+    finally:
+        _kill_all()
+        if cluster is not None:
+            cluster.close()
+        signal.signal(signal.SIGTERM, old_term)
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

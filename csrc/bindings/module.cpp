@@ -1,0 +1,196 @@
+// The Python extension. It sees tensors only as (address, element count, dtype code): no torch
+// header is included, so one build serves every torch 2.x. Every call that communicates
+// releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/context.h"
+#include "core/reduce.h"
+#include "net/handshake.h"
+#include "net/socket.h"
+
+namespace py = pybind11;
+using namespace rumor;
+
+namespace {
+
+void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+DType to_dtype(int code) {
+  if (code < 0 || code >= kNumDTypes)
+    throw Error(ErrorKind::kInvalidArgument, "unknown dtype code " + std::to_string(code));
+  return static_cast<DType>(code);
+}
+
+ReduceOp to_op(int code) {
+  if (code < 0 || code > static_cast<int>(ReduceOp::PROD))
+    throw Error(ErrorKind::kInvalidArgument, "unknown reduce op code " + std::to_string(code));
+  return static_cast<ReduceOp>(code);
+}
+
+net::Token to_token(const py::bytes& b) {
+  std::string s = b;
+  if (s.size() != net::kTokenBytes)
+    throw Error(ErrorKind::kInvalidArgument,
+                "job token must be " + std::to_string(net::kTokenBytes) + " bytes");
+  net::Token t{};
+  std::memcpy(t.data(), s.data(), t.size());
+  return t;
+}
+
+// Runs fn on the communicator's queue: returns a Work if nonblocking, else waits for it.
+std::shared_ptr<Work> dispatch(Communicator& c, bool nonblocking, std::function<void()> fn) {
+  py::gil_scoped_release nogil;
+  if (nonblocking) return c.worker().submit(std::move(fn));
+  // Ops queued ahead each have their own deadline; this wait only needs to outlast them.
+  c.worker().run(std::move(fn), Deadline::after(c.timeout_s() * 64));
+  return nullptr;
+}
+
+bool probe_connect(const std::string& address, const py::bytes& token, uint32_t rank, uint64_t comm_id,
+                   uint32_t stream, double timeout_s) {
+  net::Token t = to_token(token);
+  py::gil_scoped_release nogil;
+  Deadline dl = Deadline::after(timeout_s);
+  net::Fd fd = net::connect_tcp(net::HostPort::parse(address), dl, "probe");
+  net::Hello h = net::make_hello(t, rank, comm_id, stream);
+  net::write_all(fd.get(), &h, sizeof(h), dl, "probe");
+  char ack[8];
+  try {
+    net::read_all(fd.get(), ack, sizeof(ack), dl, "probe");
+  } catch (const Error&) {
+    return false;
+  }
+  return std::memcmp(ack, net::kAccept, sizeof(ack)) == 0;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "rumor's C++ communication core";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      static const char* names[] = {"_InvalidArgument", "CommTimeoutError", "PeerError",
+                                    "ProtocolError",    "AbortedError",     "RumorError"};
+      py::object errors = py::module_::import("rumor.errors");
+      py::object cls = errors.attr(names[static_cast<int>(e.kind())]);
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  m.def("reduce_isa", &reduce_isa);
+  m.def("protocol_version", [] { return net::kProtocolVersion; });
+  m.def("probe_connect", &probe_connect, py::arg("address"), py::arg("token"), py::arg("rank"),
+        py::arg("comm_id") = 0, py::arg("stream") = 0, py::arg("timeout") = 10.0,
+        "Opens a TCP connection and sends a handshake; True if the listener accepted it.");
+  m.def(
+      "reduce_into",
+      [](uintptr_t dst, uintptr_t src, size_t count, int dtype, int op) {
+        py::gil_scoped_release nogil;
+        reduce_into(ptr(dst), ptr(src), count, to_dtype(dtype), to_op(op));
+      },
+      "dst[i] = dst[i] op src[i] (AVG accumulates as SUM).");
+
+  py::class_<Options>(m, "Options")
+      .def(py::init<>())
+      .def_readwrite("timeout", &Options::timeout_s)
+      .def_readwrite("streams", &Options::streams)
+      .def_readwrite("stripe_min", &Options::stripe_min)
+      .def_readwrite("shm", &Options::shm)
+      .def_readwrite("shm_ring_bytes", &Options::shm_ring_bytes)
+      .def_readwrite("small_allreduce_bytes", &Options::small_allreduce_bytes)
+      .def_readwrite("large_broadcast_bytes", &Options::large_broadcast_bytes)
+      .def_readwrite("spin_us", &Options::spin_us);
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
+      .def("done", &Work::done)
+      .def(
+          "wait",
+          [](const Work& w, double timeout_s) {
+            py::gil_scoped_release nogil;
+            w.wait(Deadline::after(timeout_s));
+          },
+          py::arg("timeout"));
+
+  py::class_<Context, std::shared_ptr<Context>>(m, "Context")
+      .def(py::init([](uint32_t rank, uint32_t size, const py::bytes& token, const Options& opts, int port) {
+             return std::make_shared<Context>(rank, size, to_token(token), opts, port);
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("token"), py::arg("options"), py::arg("port") = 0)
+      .def_property_readonly("rank", &Context::rank)
+      .def_property_readonly("size", &Context::size)
+      .def_property_readonly("port", &Context::port)
+      .def_property_readonly("rejected_connections", &Context::rejected_connections)
+      .def("set_peers", &Context::set_peers, py::call_guard<py::gil_scoped_release>())
+      .def("seal", &Context::seal);
+
+  using C = Communicator;
+  py::class_<C, std::shared_ptr<C>>(m, "Communicator")
+      .def(py::init<std::shared_ptr<Context>, uint64_t, std::string, std::vector<uint32_t>>())
+      .def_property_readonly("rank", &C::rank)
+      .def_property_readonly("size", &C::size)
+      .def_property_readonly("world_ranks", &C::world_ranks)
+      .def_property_readonly("name", &C::name)
+      .def_property_readonly("aborted", &C::aborted)
+      .def("allreduce",
+           [](C& c, uintptr_t buf, size_t count, int dtype, int op, int algo, bool nb) {
+             DType dt = to_dtype(dtype);
+             ReduceOp o = to_op(op);
+             auto a = static_cast<AllreduceAlgo>(algo);
+             return dispatch(c, nb, [&c, buf, count, dt, o, a] { c.allreduce(ptr(buf), count, dt, o, a); });
+           })
+      .def("reduce_scatter",
+           [](C& c, uintptr_t buf, std::vector<size_t> counts, int dtype, int op, bool nb) {
+             DType dt = to_dtype(dtype);
+             ReduceOp o = to_op(op);
+             return dispatch(c, nb, [&c, buf, counts = std::move(counts), dt, o] {
+               c.reduce_scatter(ptr(buf), counts, dt, o);
+             });
+           })
+      .def("allgather",
+           [](C& c, uintptr_t buf, std::vector<size_t> counts, int dtype, bool nb) {
+             DType dt = to_dtype(dtype);
+             return dispatch(
+                 c, nb, [&c, buf, counts = std::move(counts), dt] { c.allgather(ptr(buf), counts, dt); });
+           })
+      .def("broadcast",
+           [](C& c, uintptr_t buf, size_t count, int dtype, uint32_t root, bool nb) {
+             DType dt = to_dtype(dtype);
+             return dispatch(c, nb, [&c, buf, count, dt, root] { c.broadcast(ptr(buf), count, dt, root); });
+           })
+      .def("reduce",
+           [](C& c, uintptr_t buf, size_t count, int dtype, int op, uint32_t root, bool nb) {
+             DType dt = to_dtype(dtype);
+             ReduceOp o = to_op(op);
+             return dispatch(c, nb,
+                             [&c, buf, count, dt, o, root] { c.reduce(ptr(buf), count, dt, o, root); });
+           })
+      .def("alltoall",
+           [](C& c, uintptr_t in, std::vector<size_t> sc, uintptr_t out, std::vector<size_t> rc, int dtype,
+              bool nb) {
+             DType dt = to_dtype(dtype);
+             return dispatch(c, nb, [&c, in, sc = std::move(sc), out, rc = std::move(rc), dt] {
+               c.alltoall(ptr(in), sc, ptr(out), rc, dt);
+             });
+           })
+      .def("barrier", [](C& c, bool nb) { return dispatch(c, nb, [&c] { c.barrier(); }); })
+      .def("send",
+           [](C& c, uintptr_t buf, size_t bytes, uint32_t dst, bool nb) {
+             return dispatch(c, nb, [&c, buf, bytes, dst] { c.send(ptr(buf), bytes, dst); });
+           })
+      .def("recv",
+           [](C& c, uintptr_t buf, size_t bytes, uint32_t src, bool nb) {
+             return dispatch(c, nb, [&c, buf, bytes, src] { c.recv(ptr(buf), bytes, src); });
+           })
+      .def("abort", &C::abort);
+}

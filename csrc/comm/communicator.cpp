@@ -1,0 +1,512 @@
+#include "comm/communicator.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "core/log.h"
+#include "core/reduce.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace rumor {
+
+using net::make_recv;
+using net::make_recv_reduce;
+using net::make_send;
+using net::Transfer;
+
+namespace {
+
+void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// Splits count elements into n blocks whose sizes differ by at most one (larger ones first).
+std::vector<size_t> even_split(size_t count, size_t n) {
+  std::vector<size_t> c(n, count / n);
+  for (size_t i = 0; i < count % n; ++i) ++c[i];
+  return c;
+}
+
+std::vector<size_t> byte_offsets(std::span<const size_t> counts, size_t es) {
+  std::vector<size_t> off(counts.size() + 1, 0);
+  for (size_t i = 0; i < counts.size(); ++i) off[i + 1] = off[i] + counts[i] * es;
+  return off;
+}
+
+// Sub-communicators used by the hierarchical allreduce get ids that group ids never reach.
+constexpr uint64_t kLocalCommBit = 1ull << 48;
+constexpr uint64_t kLeaderCommBit = 2ull << 48;
+
+}  // namespace
+
+Communicator::Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::string name,
+                           std::vector<uint32_t> world_ranks)
+    : ctx_(std::move(ctx)), id_(id), name_(std::move(name)), world_ranks_(std::move(world_ranks)) {
+  auto it = std::find(world_ranks_.begin(), world_ranks_.end(), ctx_->rank());
+  if (it == world_ranks_.end())
+    throw Error(ErrorKind::kInvalidArgument,
+                name_ + ": world rank " + std::to_string(ctx_->rank()) + " is not a member");
+  for (uint32_t r : world_ranks_)
+    if (r >= ctx_->size())
+      throw Error(ErrorKind::kInvalidArgument,
+                  name_ + ": rank " + std::to_string(r) + " is not in the world");
+  rank_ = static_cast<uint32_t>(it - world_ranks_.begin());
+  channels_.resize(world_ranks_.size());
+  p2p_sent_.assign(world_ranks_.size(), 0);
+  p2p_recv_.assign(world_ranks_.size(), 0);
+}
+
+Communicator::~Communicator() = default;
+
+std::string Communicator::peer_desc(uint32_t peer) const {
+  return "rank " + std::to_string(world_ranks_.at(peer));
+}
+
+net::OpInfo Communicator::begin(const char* name, Opcode code) {
+  net::OpInfo op;
+  op.name = name;
+  op.comm = name_;
+  op.opcode = static_cast<uint8_t>(code);
+  op.tag = next_tag_++;
+  op.timeout_s = ctx_->options().timeout_s;
+  op.deadline = Deadline::after(op.timeout_s);
+  if (broken_.load()) {
+    std::lock_guard lk(broken_mu_);
+    throw Error(ErrorKind::kAborted, op.where() + ": communicator " + name_ +
+                                         " is unusable after an earlier failure: " + broken_why_);
+  }
+  return op;
+}
+
+template <typename Fn>
+void Communicator::guarded(const net::OpInfo& op, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    abort(e.what());
+    throw;
+  } catch (const std::exception& e) {
+    abort(e.what());
+    throw Error(ErrorKind::kSystem, op.where() + ": " + e.what());
+  }
+}
+
+void Communicator::abort(const std::string& why) {
+  {
+    std::lock_guard lk(broken_mu_);
+    if (broken_.exchange(true)) return;
+    broken_why_ = why;
+  }
+  RUMOR_LOG(kWarn, name_ << ": aborting after error: " << why);
+  for (auto& c : channels_)
+    if (c) c->abort();
+  if (local_) local_->abort(why);
+  if (leaders_) leaders_->abort(why);
+}
+
+net::Channel& Communicator::channel(uint32_t peer, const net::OpInfo& op) {
+  if (!channels_[peer]) {
+    try {
+      channels_[peer] = ctx_->connect(id_, world_ranks_[peer], op.deadline);
+    } catch (const Error& e) {
+      throw Error(e.kind(), op.where() + ": setting up the channel to " + peer_desc(peer) + ": " + e.what());
+    }
+  }
+  return *channels_[peer];
+}
+
+void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) {
+  const auto spin = std::chrono::microseconds(ctx_->options().spin_us);
+  net::Doorbell* bell = ctx_->doorbell();
+  auto spin_until = Clock::now() + spin;
+  auto next_alive_check = Clock::now() + std::chrono::milliseconds(100);
+  std::vector<pollfd> fds;
+  std::vector<std::pair<uint32_t, bool>> busy;  // (peer, send) pairs with an earlier transfer pending
+  std::vector<net::Channel*> shm_waiting;
+  while (true) {
+    const uint32_t seen = bell != nullptr ? bell->seq.load(std::memory_order_seq_cst) : 0;
+    bool moved = false, pending = false, any_tcp = false;
+    busy.clear();
+    shm_waiting.clear();
+    for (Transfer& t : ts) {
+      if (t.finished()) continue;
+      pending = true;
+      std::pair<uint32_t, bool> key{t.peer, t.send};
+      // Messages to one peer in one direction go strictly in order.
+      if (std::find(busy.begin(), busy.end(), key) != busy.end()) continue;
+      busy.push_back(key);
+      net::Channel& ch = channel(t.peer, op);
+      if (!t.begun) ch.begin(t, op);
+      moved |= ch.progress(t, op);
+      if (!t.finished()) {
+        if (ch.is_shm())
+          shm_waiting.push_back(&ch);
+        else
+          any_tcp = true;
+      }
+    }
+    if (!pending) return;
+    auto now = Clock::now();
+    if (moved) {
+      spin_until = now + spin;
+      continue;
+    }
+    if (now < spin_until) {
+      cpu_relax();
+      continue;
+    }
+    if (op.deadline.expired()) {
+      std::string waiting;
+      for (const Transfer& t : ts) {
+        if (t.finished()) continue;
+        if (!waiting.empty()) waiting += ", ";
+        waiting += peer_desc(t.peer) + (t.send ? " (sending " : " (receiving ") +
+                   std::to_string(t.bytes_done()) + " of " + std::to_string(t.len) + " bytes)";
+      }
+      throw Error(ErrorKind::kTimeout, op.where() + ": timed out after " + std::to_string(op.timeout_s) +
+                                           " s waiting for " + waiting);
+    }
+    if (any_tcp) {
+      fds.clear();
+      busy.clear();
+      for (const Transfer& t : ts) {
+        if (t.finished() || !t.begun) continue;
+        net::Channel& ch = *channels_[t.peer];
+        if (!ch.is_shm()) ch.want(t, fds);
+      }
+      // With shared-memory transfers also pending, nothing wakes poll() for them: keep the
+      // sleep short. Otherwise sleep until a socket is ready (bounded, to re-check the deadline).
+      timespec ts_wait{0, shm_waiting.empty() ? 0 : 200 * 1000};
+      if (shm_waiting.empty()) {
+        int ms = op.deadline.ms_left(100);
+        ts_wait = {ms / 1000, static_cast<long>(ms % 1000) * 1000000};
+      }
+      ::ppoll(fds.data(), fds.size(), &ts_wait, nullptr);
+    } else if (!shm_waiting.empty() && bell != nullptr) {
+      net::wait_doorbell(bell, seen, 50 * 1000);
+    }
+    if (!shm_waiting.empty() && Clock::now() >= next_alive_check) {
+      for (net::Channel* ch : shm_waiting) ch->check_alive(op);
+      next_alive_check = Clock::now() + std::chrono::milliseconds(100);
+    }
+  }
+}
+
+// ---- allreduce -------------------------------------------------------------------------------
+
+void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, AllreduceAlgo algo) {
+  net::OpInfo info = begin("allreduce", Opcode::kAllreduce);
+  if (size() == 1 || count == 0) return;
+  auto* b = static_cast<std::byte*>(buf);
+  guarded(info, [&] {
+    const size_t bytes = count * dtype_size(dtype);
+    if (algo == AllreduceAlgo::kHierarchical) {
+      allreduce_hier(b, count, dtype, op, info);
+    } else if (algo == AllreduceAlgo::kRecursiveDoubling ||
+               (algo == AllreduceAlgo::kAuto && bytes <= ctx_->options().small_allreduce_bytes) ||
+               count < size()) {
+      allreduce_rd(b, count, dtype, op, info);
+    } else {
+      allreduce_ring(b, count, dtype, op, info);
+    }
+  });
+}
+
+void Communicator::allreduce_ring(std::byte* buf, size_t count, DType dtype, ReduceOp op,
+                                  const net::OpInfo& info) {
+  auto counts = even_split(count, size());
+  ring_reduce_scatter(buf, counts, dtype, op, info);
+  if (op == ReduceOp::AVG) {
+    auto off = byte_offsets(counts, dtype_size(dtype));
+    // Divide once, by the owner of the block, so every rank receives identical bits.
+    finish_average(buf + off[rank_], counts[rank_], dtype, size());
+  }
+  ring_allgather(buf, counts, dtype, info);
+}
+
+// Latency-optimal for small messages: log2(n) rounds of full-buffer exchange. Ranks beyond the
+// largest power of two fold their data into a partner first and receive the result at the end.
+void Communicator::allreduce_rd(std::byte* buf, size_t count, DType dtype, ReduceOp op,
+                                const net::OpInfo& info) {
+  const uint32_t n = size(), r = rank_;
+  const size_t bytes = count * dtype_size(dtype);
+  uint32_t p2 = 1;
+  while (p2 * 2 <= n) p2 *= 2;
+  const uint32_t extra = n - p2;
+  if (r >= p2) {
+    Transfer s[1] = {make_send(r - p2, buf, bytes)};
+    exchange(s, info);
+    Transfer q[1] = {make_recv(r - p2, buf, bytes)};
+    exchange(q, info);
+    return;
+  }
+  if (r < extra) {
+    Transfer q[1] = {make_recv_reduce(r + p2, buf, bytes, dtype, op)};
+    exchange(q, info);
+  }
+  scratch_.resize(bytes);
+  for (uint32_t mask = 1; mask < p2; mask <<= 1) {
+    uint32_t partner = r ^ mask;
+    Transfer ts[2] = {make_send(partner, buf, bytes), make_recv(partner, scratch_.data(), bytes)};
+    exchange(ts, info);
+    // a op b == b op a bit for bit, so both partners hold identical results.
+    reduce_into(buf, scratch_.data(), count, dtype, op);
+  }
+  if (op == ReduceOp::AVG) finish_average(buf, count, dtype, n);
+  if (r < extra) {
+    Transfer s[1] = {make_send(r + p2, buf, bytes)};
+    exchange(s, info);
+  }
+}
+
+void Communicator::ensure_hierarchy() {
+  if (hierarchy_built_) return;
+  hierarchy_built_ = true;
+  const auto& hosts = ctx_->host_ids();
+  const std::string& mine = hosts.at(ctx_->rank());
+  std::vector<uint32_t> local, leaders;
+  std::vector<std::string> seen;
+  for (uint32_t w : world_ranks_) {
+    if (hosts.at(w) == mine) local.push_back(w);
+    if (std::find(seen.begin(), seen.end(), hosts.at(w)) == seen.end()) {
+      seen.push_back(hosts.at(w));
+      leaders.push_back(w);
+    }
+  }
+  local_ = std::make_unique<Communicator>(ctx_, id_ | kLocalCommBit, name_ + "/local", local);
+  is_leader_ = local.front() == ctx_->rank();
+  if (is_leader_)
+    leaders_ = std::make_unique<Communicator>(ctx_, id_ | kLeaderCommBit, name_ + "/leaders", leaders);
+}
+
+// Reduce inside the host (shared memory), allreduce among one leader per host (network),
+// broadcast inside the host. The network carries each byte once per host instead of per rank.
+void Communicator::allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op,
+                                  const net::OpInfo& info) {
+  ensure_hierarchy();
+  const ReduceOp partial = op == ReduceOp::AVG ? ReduceOp::SUM : op;
+  local_->reduce(buf, count, dtype, partial, 0);
+  if (is_leader_) {
+    leaders_->allreduce(buf, count, dtype, partial, AllreduceAlgo::kAuto);
+    if (op == ReduceOp::AVG) finish_average(buf, count, dtype, size());
+  }
+  local_->broadcast(buf, count, dtype, 0);
+  (void)info;
+}
+
+// ---- reduce_scatter / allgather --------------------------------------------------------------
+
+void Communicator::ring_reduce_scatter(std::byte* buf, std::span<const size_t> counts, DType dtype,
+                                       ReduceOp op, const net::OpInfo& info) {
+  const uint32_t n = size(), r = rank_;
+  const size_t es = dtype_size(dtype);
+  auto off = byte_offsets(counts, es);
+  const uint32_t next = (r + 1) % n, prev = (r + n - 1) % n;
+  // Block b starts at rank b+1 and travels the ring, gathering one contribution per hop,
+  // until rank b adds the last one.
+  for (uint32_t s = 0; s + 1 < n; ++s) {
+    uint32_t sb = (r + 2 * n - 1 - s) % n;
+    uint32_t rb = (r + 2 * n - 2 - s) % n;
+    Transfer ts[2] = {make_send(next, buf + off[sb], counts[sb] * es),
+                      make_recv_reduce(prev, buf + off[rb], counts[rb] * es, dtype, op)};
+    exchange(ts, info);
+  }
+}
+
+void Communicator::ring_allgather(std::byte* buf, std::span<const size_t> counts, DType dtype,
+                                  const net::OpInfo& info) {
+  const uint32_t n = size(), r = rank_;
+  const size_t es = dtype_size(dtype);
+  auto off = byte_offsets(counts, es);
+  const uint32_t next = (r + 1) % n, prev = (r + n - 1) % n;
+  for (uint32_t s = 0; s + 1 < n; ++s) {
+    uint32_t sb = (r + n - s) % n;
+    uint32_t rb = (r + 2 * n - s - 1) % n;
+    Transfer ts[2] = {make_send(next, buf + off[sb], counts[sb] * es),
+                      make_recv(prev, buf + off[rb], counts[rb] * es)};
+    exchange(ts, info);
+  }
+}
+
+void Communicator::reduce_scatter(void* buf, std::span<const size_t> counts, DType dtype, ReduceOp op) {
+  if (counts.size() != size())
+    throw Error(ErrorKind::kInvalidArgument, "reduce_scatter: " + std::to_string(counts.size()) +
+                                                 " block counts for a group of " + std::to_string(size()));
+  net::OpInfo info = begin("reduce_scatter", Opcode::kReduceScatter);
+  if (size() == 1) return;
+  auto* b = static_cast<std::byte*>(buf);
+  guarded(info, [&] {
+    ring_reduce_scatter(b, counts, dtype, op, info);
+    if (op == ReduceOp::AVG) {
+      auto off = byte_offsets(counts, dtype_size(dtype));
+      finish_average(b + off[rank_], counts[rank_], dtype, size());
+    }
+  });
+}
+
+void Communicator::allgather(void* buf, std::span<const size_t> counts, DType dtype) {
+  if (counts.size() != size())
+    throw Error(ErrorKind::kInvalidArgument, "allgather: " + std::to_string(counts.size()) +
+                                                 " block counts for a group of " + std::to_string(size()));
+  net::OpInfo info = begin("allgather", Opcode::kAllgather);
+  if (size() == 1) return;
+  guarded(info, [&] { ring_allgather(static_cast<std::byte*>(buf), counts, dtype, info); });
+}
+
+// ---- broadcast / reduce ----------------------------------------------------------------------
+
+void Communicator::binomial_broadcast(std::byte* buf, size_t bytes, uint32_t root, const net::OpInfo& info) {
+  const uint32_t n = size();
+  const uint32_t vr = (rank_ + n - root) % n;
+  for (uint32_t mask = 1; mask < n; mask <<= 1) {
+    if (vr < mask) {
+      if (vr + mask < n) {
+        Transfer s[1] = {make_send((vr + mask + root) % n, buf, bytes)};
+        exchange(s, info);
+      }
+    } else if (vr < 2 * mask) {
+      Transfer q[1] = {make_recv((vr - mask + root) % n, buf, bytes)};
+      exchange(q, info);
+    }
+  }
+}
+
+void Communicator::broadcast(void* buf, size_t count, DType dtype, uint32_t root) {
+  if (root >= size())
+    throw Error(ErrorKind::kInvalidArgument, "broadcast: root " + std::to_string(root) +
+                                                 " is not a rank of a group of " + std::to_string(size()));
+  net::OpInfo info = begin("broadcast", Opcode::kBroadcast);
+  if (size() == 1) return;
+  auto* b = static_cast<std::byte*>(buf);
+  const size_t es = dtype_size(dtype);
+  guarded(info, [&] {
+    if (count * es < ctx_->options().large_broadcast_bytes || count < size()) {
+      binomial_broadcast(b, count * es, root, info);
+      return;
+    }
+    // Large: the root scatters one block to each rank, then a ring allgather completes
+    // everyone. The root sends each byte once instead of log2(n) times.
+    auto counts = even_split(count, size());
+    auto off = byte_offsets(counts, es);
+    std::vector<Transfer> ts;
+    if (rank_ == root) {
+      for (uint32_t i = 0; i < size(); ++i)
+        if (i != root) ts.push_back(make_send(i, b + off[i], counts[i] * es));
+    } else {
+      ts.push_back(make_recv(root, b + off[rank_], counts[rank_] * es));
+    }
+    exchange(ts, info);
+    ring_allgather(b, counts, dtype, info);
+  });
+}
+
+void Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, uint32_t root) {
+  if (root >= size())
+    throw Error(ErrorKind::kInvalidArgument, "reduce: root " + std::to_string(root) +
+                                                 " is not a rank of a group of " + std::to_string(size()));
+  net::OpInfo info = begin("reduce", Opcode::kReduce);
+  if (size() == 1 || count == 0) return;
+  auto* b = static_cast<std::byte*>(buf);
+  const size_t es = dtype_size(dtype);
+  guarded(info, [&] {
+    if (count * es <= ctx_->options().small_allreduce_bytes || count < size()) {
+      allreduce_rd(b, count, dtype, op, info);
+      return;
+    }
+    auto counts = even_split(count, size());
+    auto off = byte_offsets(counts, es);
+    ring_reduce_scatter(b, counts, dtype, op, info);
+    if (op == ReduceOp::AVG) finish_average(b + off[rank_], counts[rank_], dtype, size());
+    std::vector<Transfer> ts;
+    if (rank_ == root) {
+      for (uint32_t i = 0; i < size(); ++i)
+        if (i != root) ts.push_back(make_recv(i, b + off[i], counts[i] * es));
+    } else {
+      ts.push_back(make_send(root, b + off[rank_], counts[rank_] * es));
+    }
+    exchange(ts, info);
+  });
+}
+
+// ---- alltoall, barrier, point to point ------------------------------------------------------
+
+void Communicator::alltoall(const void* in, std::span<const size_t> send_counts, void* out,
+                            std::span<const size_t> recv_counts, DType dtype) {
+  if (send_counts.size() != size() || recv_counts.size() != size())
+    throw Error(ErrorKind::kInvalidArgument,
+                "alltoall: split sizes must have one entry per rank (" + std::to_string(size()) + ")");
+  net::OpInfo info = begin("alltoall", Opcode::kAlltoall);
+  const size_t es = dtype_size(dtype);
+  auto soff = byte_offsets(send_counts, es);
+  auto roff = byte_offsets(recv_counts, es);
+  const auto* src = static_cast<const std::byte*>(in);
+  auto* dst = static_cast<std::byte*>(out);
+  if (send_counts[rank_] != recv_counts[rank_])
+    throw Error(ErrorKind::kInvalidArgument,
+                "alltoall: this rank sends itself " + std::to_string(send_counts[rank_]) +
+                    " elements but expects " + std::to_string(recv_counts[rank_]));
+  if (send_counts[rank_] > 0) std::memcpy(dst + roff[rank_], src + soff[rank_], send_counts[rank_] * es);
+  if (size() == 1) return;
+  guarded(info, [&] {
+    std::vector<Transfer> ts;
+    for (uint32_t s = 1; s < size(); ++s) {
+      uint32_t to = (rank_ + s) % size(), from = (rank_ + size() - s) % size();
+      ts.push_back(make_send(to, src + soff[to], send_counts[to] * es));
+      ts.push_back(make_recv(from, dst + roff[from], recv_counts[from] * es));
+    }
+    exchange(ts, info);
+  });
+}
+
+void Communicator::barrier() {
+  net::OpInfo info = begin("barrier", Opcode::kBarrier);
+  if (size() == 1) return;
+  guarded(info, [&] {
+    // Dissemination: after round k every rank has heard, indirectly, from 2^(k+1) ranks.
+    for (uint32_t k = 1; k < size(); k <<= 1) {
+      Transfer ts[2] = {make_send((rank_ + k) % size(), nullptr, 0),
+                        make_recv((rank_ + size() - k) % size(), nullptr, 0)};
+      exchange(ts, info);
+    }
+  });
+}
+
+void Communicator::send(const void* buf, size_t bytes, uint32_t dst) {
+  if (dst >= size() || dst == rank_)
+    throw Error(ErrorKind::kInvalidArgument, "send: destination " + std::to_string(dst) +
+                                                 " is not another rank of a group of " +
+                                                 std::to_string(size()));
+  net::OpInfo info = begin("send", Opcode::kSendRecv);
+  --next_tag_;  // point-to-point messages are numbered per peer, not per collective
+  info.tag = p2p_sent_[dst]++;
+  info.name = "send to " + peer_desc(dst);
+  guarded(info, [&] {
+    Transfer t[1] = {make_send(dst, buf, bytes)};
+    exchange(t, info);
+  });
+}
+
+void Communicator::recv(void* buf, size_t bytes, uint32_t src) {
+  if (src >= size() || src == rank_)
+    throw Error(ErrorKind::kInvalidArgument, "recv: source " + std::to_string(src) +
+                                                 " is not another rank of a group of " +
+                                                 std::to_string(size()));
+  net::OpInfo info = begin("recv", Opcode::kSendRecv);
+  --next_tag_;
+  info.tag = p2p_recv_[src]++;
+  info.name = "recv from " + peer_desc(src);
+  guarded(info, [&] {
+    Transfer t[1] = {make_recv(src, buf, bytes)};
+    exchange(t, info);
+  });
+}
+
+}  // namespace rumor

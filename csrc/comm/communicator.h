@@ -1,0 +1,110 @@
+// A group of ranks and the collectives among them. Collectives are synchronous C++ calls on
+// contiguous buffers; Worker (work.h) makes them asynchronous. Buffers are plain pointers so
+// that tensors of any framework (and any torch version) can cross without torch headers.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "comm/context.h"
+#include "comm/work.h"
+#include "net/channel.h"
+
+namespace rumor {
+
+enum class Opcode : uint8_t {
+  kAllreduce = 1,
+  kReduceScatter = 2,
+  kAllgather = 3,
+  kBroadcast = 4,
+  kReduce = 5,
+  kAlltoall = 6,
+  kBarrier = 7,
+  kSendRecv = 8,
+};
+
+enum class AllreduceAlgo : uint8_t { kAuto = 0, kRing = 1, kRecursiveDoubling = 2, kHierarchical = 3 };
+
+class Communicator {
+ public:
+  // world_ranks: the members in communicator-rank order; the calling process must be one.
+  Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::string name,
+               std::vector<uint32_t> world_ranks);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  uint32_t rank() const { return rank_; }
+  uint32_t size() const { return static_cast<uint32_t>(world_ranks_.size()); }
+  const std::vector<uint32_t>& world_ranks() const { return world_ranks_; }
+  const std::string& name() const { return name_; }
+  Worker& worker() { return worker_; }
+  double timeout_s() const { return ctx_->options().timeout_s; }
+
+  // In place on buf (count elements).
+  void allreduce(void* buf, size_t count, DType dtype, ReduceOp op,
+                 AllreduceAlgo algo = AllreduceAlgo::kAuto);
+  // In place on buf laid out as size() blocks of counts[i] elements; afterwards block rank()
+  // holds the reduction of everyone's block rank(); other blocks are scratch.
+  void reduce_scatter(void* buf, std::span<const size_t> counts, DType dtype, ReduceOp op);
+  // buf holds size() blocks of counts[i] elements; this rank's block must be filled in.
+  void allgather(void* buf, std::span<const size_t> counts, DType dtype);
+  void broadcast(void* buf, size_t count, DType dtype, uint32_t root);
+  // Reduction lands in buf on root; other ranks' buf is scratch afterwards.
+  void reduce(void* buf, size_t count, DType dtype, ReduceOp op, uint32_t root);
+  // send_counts[i] elements from `in` go to rank i; recv_counts[i] from rank i land in `out`.
+  void alltoall(const void* in, std::span<const size_t> send_counts, void* out,
+                std::span<const size_t> recv_counts, DType dtype);
+  void barrier();
+  void send(const void* buf, size_t bytes, uint32_t dst);
+  void recv(void* buf, size_t bytes, uint32_t src);
+
+  // Fails every channel so that peers blocked on this rank error out quickly.
+  void abort(const std::string& why);
+  bool aborted() const { return broken_.load(); }
+
+ private:
+  struct Op;
+  net::OpInfo begin(const char* name, Opcode code);
+  template <typename Fn>
+  void guarded(const net::OpInfo& op, Fn&& fn);
+  net::Channel& channel(uint32_t peer, const net::OpInfo& op);
+  void exchange(std::span<net::Transfer> ts, const net::OpInfo& op);
+  std::string peer_desc(uint32_t peer) const;
+
+  void allreduce_ring(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
+  void allreduce_rd(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
+  void allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
+  void ring_reduce_scatter(std::byte* buf, std::span<const size_t> counts, DType dtype, ReduceOp op,
+                           const net::OpInfo& info);
+  void ring_allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);
+  void binomial_broadcast(std::byte* buf, size_t bytes, uint32_t root, const net::OpInfo& info);
+  void ensure_hierarchy();
+
+  std::shared_ptr<Context> ctx_;
+  uint64_t id_;
+  std::string name_;
+  std::vector<uint32_t> world_ranks_;
+  uint32_t rank_ = 0;
+  std::vector<std::unique_ptr<net::Channel>> channels_;
+  uint64_t next_tag_ = 0;
+  std::vector<uint64_t> p2p_sent_, p2p_recv_;
+  std::vector<std::byte> scratch_;
+  std::atomic<bool> broken_{false};
+  std::string broken_why_;
+  std::mutex broken_mu_;
+  // Hierarchical allreduce: ranks on this host, and one leader per host. Used only from
+  // inside this communicator's operations, so they need no worker of their own.
+  std::unique_ptr<Communicator> local_;
+  std::unique_ptr<Communicator> leaders_;
+  bool hierarchy_built_ = false;
+  bool is_leader_ = false;
+  Worker worker_;  // last: its thread stops before the members it uses go away
+};
+
+}  // namespace rumor

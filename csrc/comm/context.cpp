@@ -1,0 +1,113 @@
+#include "comm/context.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "core/log.h"
+#include "net/tcp_channel.h"
+
+namespace rumor {
+
+namespace {
+std::string hex(const net::Token& t, size_t n) {
+  std::string s;
+  char b[3];
+  for (size_t i = 0; i < n; ++i) {
+    std::snprintf(b, sizeof(b), "%02x", t[i]);
+    s += b;
+  }
+  return s;
+}
+}  // namespace
+
+Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options options, int port)
+    : rank_(rank), size_(size), token_(token), options_(options) {
+  if (size == 0 || rank >= size)
+    throw Error(ErrorKind::kInvalidArgument,
+                "rank " + std::to_string(rank) + " is not in a world of size " + std::to_string(size));
+  if (options_.streams < 1 || options_.streams > static_cast<int>(net::kMaxStreams))
+    throw Error(ErrorKind::kInvalidArgument, "socket streams must be in [1, " +
+                                                 std::to_string(net::kMaxStreams) + "], got " +
+                                                 std::to_string(options_.streams));
+  if (options_.timeout_s <= 0) throw Error(ErrorKind::kInvalidArgument, "timeout must be positive");
+  listener_ = std::make_unique<net::Listener>(token_, size_, port);
+  if (options_.shm) {
+    own_bell_seg_ =
+        net::ShmSegment::create(shm_prefix() + "-db-" + std::to_string(rank_), sizeof(net::Doorbell));
+    own_bell_ = new (own_bell_seg_.data()) net::Doorbell{};  // lives in the segment
+    own_bell_->pid = static_cast<int32_t>(::getpid());
+    own_bell_->magic = net::kDoorbellMagic;
+  }
+}
+
+Context::~Context() = default;
+
+std::string Context::shm_prefix() const { return "/rumor-" + hex(token_, 8); }
+
+void Context::set_peers(std::vector<std::string> addresses, std::vector<std::string> host_ids) {
+  if (addresses.size() != size_ || host_ids.size() != size_)
+    throw Error(ErrorKind::kInvalidArgument,
+                "set_peers: expected " + std::to_string(size_) + " addresses and host ids, got " +
+                    std::to_string(addresses.size()) + " and " + std::to_string(host_ids.size()));
+  addresses_ = std::move(addresses);
+  host_ids_ = std::move(host_ids);
+  if (options_.shm) {
+    Deadline deadline = Deadline::after(options_.timeout_s);
+    for (uint32_t r = 0; r < size_; ++r)
+      if (r != rank_ && same_host(r, rank_)) peer_doorbell(r, deadline);
+  }
+}
+
+void Context::seal() { own_bell_seg_.unlink_name(); }
+
+net::Doorbell* Context::peer_doorbell(uint32_t peer, const Deadline& deadline) {
+  std::lock_guard lk(bells_mu_);
+  auto it = peer_bells_.find(peer);
+  if (it == peer_bells_.end()) {
+    auto seg = net::ShmSegment::open(shm_prefix() + "-db-" + std::to_string(peer), sizeof(net::Doorbell),
+                                     deadline, "doorbell of rank " + std::to_string(peer));
+    it = peer_bells_.emplace(peer, std::move(seg)).first;
+  }
+  return static_cast<net::Doorbell*>(it->second.data());
+}
+
+std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, const Deadline& deadline) {
+  if (addresses_.empty())
+    throw Error(ErrorKind::kInvalidArgument, "context has no peers yet (set_peers not called)");
+  std::string desc = "rank " + std::to_string(peer);
+  if (options_.shm && same_host(rank_, peer)) {
+    uint32_t lo = std::min(rank_, peer), hi = std::max(rank_, peer);
+    std::string name =
+        shm_prefix() + "-c" + std::to_string(comm_id) + "-" + std::to_string(lo) + "-" + std::to_string(hi);
+    RUMOR_LOG(kDebug, "comm " << comm_id << ": shared memory to " << desc);
+    return std::make_unique<net::ShmChannel>(name, rank_ == lo, options_.shm_ring_bytes, own_bell_,
+                                             peer_doorbell(peer, deadline), desc, deadline);
+  }
+  std::vector<net::Fd> streams;
+  for (int s = 0; s < options_.streams; ++s) {
+    // The higher rank dials, the lower one accepts: each pair agrees without negotiation.
+    if (rank_ > peer) {
+      std::string what = "connecting to " + desc + " at " + addresses_[peer];
+      net::Fd fd = net::connect_tcp(net::HostPort::parse(addresses_[peer]), deadline, what);
+      net::Hello h = net::make_hello(token_, rank_, comm_id, static_cast<uint32_t>(s));
+      net::write_all(fd.get(), &h, sizeof(h), deadline, what);
+      char ack[sizeof(net::kAccept)];
+      try {
+        net::read_all(fd.get(), ack, sizeof(ack), deadline, what);
+      } catch (const Error& e) {
+        throw Error(e.kind(),
+                    what + ": the peer refused the handshake (job token or protocol version differ?)");
+      }
+      if (std::memcmp(ack, net::kAccept, sizeof(ack)) != 0)
+        throw Error(ErrorKind::kProtocol, what + ": unexpected handshake reply");
+      streams.push_back(std::move(fd));
+    } else {
+      streams.push_back(listener_->take(comm_id, peer, static_cast<uint32_t>(s), deadline));
+    }
+  }
+  RUMOR_LOG(kDebug, "comm " << comm_id << ": " << options_.streams << " TCP streams to " << desc);
+  return std::make_unique<net::TcpChannel>(std::move(streams), desc, options_.stripe_min);
+}
+
+}  // namespace rumor

@@ -1,0 +1,76 @@
+// The per-process root object: identity in the world, the job token, the listener, the
+// doorbell, the peers' addresses, and the options every communicator reads. There is no other
+// process-wide state; the Python module owns exactly one Context between init() and shutdown().
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/types.h"
+#include "net/channel.h"
+#include "net/handshake.h"
+#include "net/listener.h"
+#include "net/shm.h"
+
+namespace rumor {
+
+struct Options {
+  double timeout_s = 300.0;        // every blocking wait (RUMOR_TIMEOUT)
+  int streams = 2;                 // TCP streams per peer pair (RUMOR_SOCKET_STREAMS)
+  size_t stripe_min = 256 * 1024;  // messages at least this big are striped over all streams
+  bool shm = true;                 // shared memory between ranks of one host (RUMOR_SHM)
+  size_t shm_ring_bytes = 1 << 20;
+  size_t small_allreduce_bytes = 64 * 1024;   // below: recursive doubling, above: ring
+  size_t large_broadcast_bytes = 512 * 1024;  // at or above: scatter + ring allgather
+  int spin_us = 20;                           // busy-poll this long before sleeping (latency vs. CPU)
+};
+
+class Context {
+ public:
+  Context(uint32_t rank, uint32_t size, const net::Token& token, Options options, int port);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  uint32_t rank() const { return rank_; }
+  uint32_t size() const { return size_; }
+  const Options& options() const { return options_; }
+  int port() const { return listener_->port(); }
+  uint64_t rejected_connections() const { return listener_->rejected(); }
+
+  // Called once after rendezvous: every rank's "host:port" and host identity. Maps the
+  // doorbells of the ranks on this host, which must all have their Context by now.
+  void set_peers(std::vector<std::string> addresses, std::vector<std::string> host_ids);
+  // Removes this rank's doorbell name once every local peer has mapped it (the caller runs a
+  // barrier after set_peers first), so that a crash later cannot leak it in /dev/shm.
+  void seal();
+  const std::vector<std::string>& host_ids() const { return host_ids_; }
+  bool same_host(uint32_t a, uint32_t b) const { return host_ids_.at(a) == host_ids_.at(b); }
+
+  // Builds the channel of communicator `comm_id` to world rank `peer`, blocking until the
+  // peer's side exists or the deadline passes.
+  std::unique_ptr<net::Channel> connect(uint64_t comm_id, uint32_t peer, const Deadline& deadline);
+  net::Doorbell* doorbell() const { return own_bell_; }
+
+ private:
+  net::Doorbell* peer_doorbell(uint32_t peer, const Deadline& deadline);
+  std::string shm_prefix() const;
+
+  uint32_t rank_;
+  uint32_t size_;
+  net::Token token_;
+  Options options_;
+  std::unique_ptr<net::Listener> listener_;
+  std::vector<std::string> addresses_;
+  std::vector<std::string> host_ids_;
+  net::ShmSegment own_bell_seg_;
+  net::Doorbell* own_bell_ = nullptr;
+  std::mutex bells_mu_;
+  std::map<uint32_t, net::ShmSegment> peer_bells_;
+};
+
+}  // namespace rumor

@@ -1,0 +1,87 @@
+#include "comm/work.h"
+
+namespace rumor {
+
+bool Work::done() const {
+  std::lock_guard lk(mu_);
+  return done_;
+}
+
+void Work::wait(const Deadline& deadline) const {
+  std::unique_lock lk(mu_);
+  if (!cv_.wait_until(lk, deadline.at(), [&] { return done_; }))
+    throw Error(ErrorKind::kTimeout, "waiting for an asynchronous operation: deadline passed");
+  if (error_) std::rethrow_exception(error_);
+}
+
+void Work::finish(std::exception_ptr error) {
+  std::lock_guard lk(mu_);
+  error_ = std::move(error);
+  done_ = true;
+  cv_.notify_all();
+}
+
+Worker::~Worker() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+std::shared_ptr<Work> Worker::submit(std::function<void()> fn) {
+  auto work = std::make_shared<Work>();
+  std::lock_guard lk(mu_);
+  if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  queue_.emplace_back(std::move(fn), work);
+  cv_.notify_all();
+  return work;
+}
+
+void Worker::run(std::function<void()> fn, const Deadline& deadline) {
+  {
+    std::unique_lock lk(mu_);
+    if (!busy_ && queue_.empty()) {
+      busy_ = true;
+      lk.unlock();
+      std::exception_ptr err;
+      try {
+        fn();
+      } catch (...) {
+        err = std::current_exception();
+      }
+      lk.lock();
+      busy_ = false;
+      cv_.notify_all();
+      if (err) std::rethrow_exception(err);
+      return;
+    }
+  }
+  submit(std::move(fn))->wait(deadline);
+}
+
+void Worker::loop() {
+  std::unique_lock lk(mu_);
+  while (true) {
+    cv_.wait(lk, [&] { return stop_ || (!busy_ && !queue_.empty()); });
+    if (queue_.empty() && stop_) return;
+    if (queue_.empty()) continue;
+    auto [fn, work] = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lk.unlock();
+    std::exception_ptr err;
+    try {
+      fn();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    work->finish(err);
+    lk.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace rumor

@@ -1,0 +1,47 @@
+#include "core/reduce.h"
+
+namespace rumor {
+
+namespace generic {
+void reduce_into(void* dst, const void* src, size_t n, DType t, ReduceOp op);
+void finish_average(void* buf, size_t n, DType t, size_t divisor);
+}  // namespace generic
+#ifdef RUMOR_AVX2_KERNELS
+namespace avx2 {
+void reduce_into(void* dst, const void* src, size_t n, DType t, ReduceOp op);
+void finish_average(void* buf, size_t n, DType t, size_t divisor);
+}  // namespace avx2
+#endif
+
+namespace {
+bool has_avx2() {
+#ifdef RUMOR_AVX2_KERNELS
+  // Evaluated once; the answer cannot change while the process runs.
+  static const bool yes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return yes;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
+  if (count == 0) return;
+#ifdef RUMOR_AVX2_KERNELS
+  if (has_avx2()) return avx2::reduce_into(dst, src, count, dtype, op);
+#endif
+  generic::reduce_into(dst, src, count, dtype, op);
+}
+
+void finish_average(void* buf, size_t count, DType dtype, size_t divisor) {
+  if (count == 0 || divisor <= 1) return;
+#ifdef RUMOR_AVX2_KERNELS
+  if (has_avx2()) return avx2::finish_average(buf, count, dtype, divisor);
+#endif
+  generic::finish_average(buf, count, dtype, divisor);
+}
+
+const char* reduce_isa() { return has_avx2() ? "avx2" : "generic"; }
+
+}  // namespace rumor

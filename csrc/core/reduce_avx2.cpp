@@ -1,0 +1,3 @@
+// Built with -mavx2 -mfma -mf16c (see CMakeLists.txt); only called when the CPU has them.
+#define RUMOR_KERNEL_NS avx2
+#include "core/reduce_impl.h"

@@ -1,0 +1,99 @@
+// A Channel moves framed messages to and from one peer of a communicator. Two kinds exist:
+// TCP (several striped streams) and shared memory (a ring per direction). Both are driven the
+// same way: comm/exchange.cpp calls progress() on non-blocking transfers until they finish,
+// and waits on the channel's file descriptors or on the process doorbell in between.
+#pragma once
+
+#include <poll.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/types.h"
+
+namespace rumor::net {
+
+constexpr uint32_t kFrameMagic = 0x524d5246;  // "FRMR"
+constexpr size_t kMaxStreams = 16;
+
+// Precedes every message part on the wire. The receiver checks it against what it posted, so
+// ranks that run different collectives, or the same one with different sizes, fail loudly.
+struct FrameHeader {
+  uint32_t magic;
+  uint8_t opcode;
+  uint8_t reserved[3];
+  uint64_t tag;
+  uint64_t total_len;
+  uint64_t part_len;
+};
+static_assert(sizeof(FrameHeader) == 32);
+
+// What the running collective is; used for frame checks and error messages.
+struct OpInfo {
+  std::string name;  // e.g. "allreduce"
+  std::string comm;  // e.g. "world" or "group 3"
+  uint8_t opcode = 0;
+  uint64_t tag = 0;  // op sequence number within the communicator
+  Deadline deadline{Clock::now()};
+  double timeout_s = 0;
+  std::string where() const;  // "allreduce (op #12, world)"
+};
+
+struct Part {
+  uint32_t stream = 0;
+  size_t offset = 0;  // into Transfer::data
+  size_t len = 0;
+  size_t hdr_done = 0;
+  size_t done = 0;
+  size_t pad_left = 0;  // shm only: alignment bytes after the payload
+  FrameHeader hdr{};
+  bool finished() const { return hdr_done == sizeof(FrameHeader) && done == len && pad_left == 0; }
+};
+
+struct Transfer {
+  bool send = false;
+  uint32_t peer = 0;  // rank within the communicator
+  std::byte* data = nullptr;
+  size_t len = 0;
+  // Receive only: reduce incoming elements into data instead of overwriting it.
+  bool reduce = false;
+  DType dtype = DType::U8;
+  ReduceOp op = ReduceOp::SUM;
+
+  // Owned by the channel once begun.
+  bool begun = false;
+  size_t nparts = 0;
+  std::array<Part, kMaxStreams> parts{};
+  size_t bytes_done() const;
+  bool finished() const;
+};
+
+Transfer make_send(uint32_t peer, const void* data, size_t len);
+Transfer make_recv(uint32_t peer, void* data, size_t len);
+Transfer make_recv_reduce(uint32_t peer, void* data, size_t len, DType dtype, ReduceOp op);
+
+class Channel {
+ public:
+  virtual ~Channel() = default;
+  virtual bool is_shm() const = 0;
+  // Splits the transfer into parts; called once, in the order transfers reach this channel.
+  virtual void begin(Transfer& t, const OpInfo& op) = 0;
+  // Moves what it can without blocking; true if any byte moved. Throws Error on failure.
+  virtual bool progress(Transfer& t, const OpInfo& op) = 0;
+  // TCP: the descriptors and events that would let t progress.
+  virtual void want(const Transfer& t, std::vector<pollfd>& fds) const = 0;
+  // Shared memory: throws if the peer process is gone.
+  virtual void check_alive(const OpInfo& op) = 0;
+  // Makes the peer's pending and future operations on this channel fail promptly.
+  virtual void abort() = 0;
+};
+
+// Checks a received header against the posted part; throws a descriptive kProtocol error.
+void check_header(const FrameHeader& h, const Part& p, const Transfer& t, const OpInfo& op,
+                  const std::string& peer_desc);
+FrameHeader make_header(const Part& p, const Transfer& t, const OpInfo& op);
+
+}  // namespace rumor::net

@@ -1,0 +1,286 @@
+#include "net/shm.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "core/futex.h"
+#include "core/reduce.h"
+#include "net/socket.h"
+
+namespace rumor::net {
+
+namespace {
+// The writer publishes in whole multiples of this (and pads each message to it), so payloads
+// start aligned and a published range never ends inside an element.
+constexpr size_t kAlign = 32;
+
+struct SegHeader {
+  uint64_t magic;
+  std::atomic<uint32_t> ready;
+  char pad[52];
+  RingCtl ring[2];
+};
+constexpr uint64_t kSegMagic = 0x52554d4f52534d31ull;
+
+size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
+  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) throw Error(ErrorKind::kSystem, "shm_open(" + name + "): " + errno_string(errno));
+  Fd guard(fd);
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    ::shm_unlink(name.c_str());
+    throw Error(ErrorKind::kSystem, "ftruncate(" + name + "): " + errno_string(errno));
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    ::shm_unlink(name.c_str());
+    throw Error(ErrorKind::kSystem, "mmap(" + name + "): " + errno_string(errno));
+  }
+  ShmSegment s;
+  s.data_ = p;
+  s.size_ = bytes;
+  s.name_ = name;
+  s.owns_name_ = true;
+  return s;
+}
+
+ShmSegment ShmSegment::open(const std::string& name, size_t bytes, const Deadline& deadline,
+                            const std::string& what) {
+  while (true) {
+    int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      Fd guard(fd);
+      struct stat st {};
+      // The creator may not have sized it yet; mapping past EOF would SIGBUS.
+      if (::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= bytes) {
+        void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) throw Error(ErrorKind::kSystem, "mmap(" + name + "): " + errno_string(errno));
+        ShmSegment s;
+        s.data_ = p;
+        s.size_ = bytes;
+        s.name_ = name;
+        return s;
+      }
+    } else if (errno != ENOENT) {
+      throw Error(ErrorKind::kSystem, what + ": shm_open(" + name + "): " + errno_string(errno));
+    }
+    if (deadline.expired())
+      throw Error(ErrorKind::kTimeout, what + ": the peer did not create shared memory " + name +
+                                           " before the deadline (is it running the same operation?)");
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+}
+
+ShmSegment::ShmSegment(ShmSegment&& o) noexcept
+    : data_(std::exchange(o.data_, nullptr)),
+      size_(std::exchange(o.size_, 0)),
+      name_(std::move(o.name_)),
+      owns_name_(std::exchange(o.owns_name_, false)) {}
+
+ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
+  if (this != &o) {
+    this->~ShmSegment();
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    name_ = std::move(o.name_);
+    owns_name_ = std::exchange(o.owns_name_, false);
+  }
+  return *this;
+}
+
+ShmSegment::~ShmSegment() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+  data_ = nullptr;
+  unlink_name();
+}
+
+void ShmSegment::unlink_name() {
+  if (!name_.empty()) ::shm_unlink(name_.c_str());
+  name_.clear();
+  owns_name_ = false;
+}
+
+void ring_doorbell(Doorbell* d) {
+  d->seq.fetch_add(1, std::memory_order_seq_cst);
+  if (d->sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&d->seq);
+}
+
+void wait_doorbell(Doorbell* d, uint32_t seen, int timeout_us) {
+  d->sleepers.fetch_add(1, std::memory_order_seq_cst);
+  if (d->seq.load(std::memory_order_seq_cst) == seen) futex_wait(&d->seq, seen, timeout_us);
+  d->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+ShmChannel::ShmChannel(const std::string& name, bool creator, size_t ring_bytes, Doorbell* own,
+                       Doorbell* peer, std::string peer_desc, const Deadline& deadline)
+    : cap_(round_up(std::max<size_t>(ring_bytes, 4096), kAlign)),
+      own_(own),
+      peer_(peer),
+      peer_desc_(std::move(peer_desc)) {
+  const size_t bytes = sizeof(SegHeader) + 2 * cap_;
+  SegHeader* h;
+  if (creator) {
+    seg_ = ShmSegment::create(name, bytes);
+    h = new (seg_.data()) SegHeader{};  // placement-new on shared memory, owned by seg_
+    h->magic = kSegMagic;
+    h->ready.store(1, std::memory_order_release);
+  } else {
+    seg_ = ShmSegment::open(name, bytes, deadline, "shared-memory channel to " + peer_desc_);
+    h = static_cast<SegHeader*>(seg_.data());
+    while (h->ready.load(std::memory_order_acquire) == 0) {
+      if (deadline.expired())
+        throw Error(ErrorKind::kTimeout, "shared-memory channel to " + peer_desc_ + " never became ready");
+      std::this_thread::yield();
+    }
+    // Both sides have it mapped now; the name is no longer needed, and removing it early
+    // means a crash later cannot leak it.
+    seg_.unlink_name();
+  }
+  out_idx_ = creator ? 0 : 1;
+  out_ = &h->ring[out_idx_];
+  in_ = &h->ring[1 - out_idx_];
+}
+
+std::byte* ShmChannel::ring_data(int which) const {
+  return static_cast<std::byte*>(seg_.data()) + sizeof(SegHeader) + static_cast<size_t>(which) * cap_;
+}
+
+void ShmChannel::begin(Transfer& t, const OpInfo& op) {
+  t.nparts = 1;
+  t.parts[0] = Part{};
+  t.parts[0].len = t.len;
+  t.parts[0].pad_left = round_up(t.len, kAlign) - t.len;
+  if (t.send) t.parts[0].hdr = make_header(t.parts[0], t, op);
+  t.begun = true;
+}
+
+void ShmChannel::check_aborted(const Transfer& t, const OpInfo& op) const {
+  if (out_->aborted.load(std::memory_order_acquire) != 0 || in_->aborted.load(std::memory_order_acquire) != 0)
+    throw Error(ErrorKind::kPeerGone,
+                op.where() + ": " + peer_desc_ + " aborted after an error of its own while this rank was " +
+                    (t.send ? "sending " : "receiving ") + std::to_string(t.len) + " bytes");
+}
+
+bool ShmChannel::progress_send(Part& p, Transfer& t) {
+  std::byte* ring = ring_data(out_idx_);
+  uint64_t head = out_->head.load(std::memory_order_relaxed);
+  uint64_t tail = out_->tail.load(std::memory_order_acquire);
+  size_t space = cap_ - static_cast<size_t>(head - tail);
+  bool moved = false;
+  if (p.hdr_done == 0) {
+    if (space < sizeof(FrameHeader)) return false;
+    std::memcpy(ring + head % cap_, &p.hdr, sizeof(FrameHeader));  // 32 | cap: never wraps
+    head += sizeof(FrameHeader);
+    space -= sizeof(FrameHeader);
+    p.hdr_done = sizeof(FrameHeader);
+    moved = true;
+  }
+  // Publish in quarter-ring pieces so the reader can start while we keep writing.
+  const size_t piece_max = cap_ / 4;
+  while (p.done < p.len && space >= kAlign) {
+    size_t n = std::min({p.len - p.done, space, piece_max});
+    bool last = p.done + n == p.len;
+    if (!last)
+      n = n / kAlign * kAlign;
+    else if (round_up(n, kAlign) > space)
+      n = (space / kAlign) * kAlign, last = false;
+    if (n == 0) break;
+    size_t at = head % cap_;
+    size_t first = std::min(n, cap_ - at);
+    std::memcpy(ring + at, t.data + p.offset + p.done, first);
+    if (first < n) std::memcpy(ring, t.data + p.offset + p.done + first, n - first);
+    p.done += n;
+    size_t adv = last ? round_up(n, kAlign) : n;
+    head += adv;
+    space -= adv;
+    if (last) p.pad_left = 0;
+    moved = true;
+    if (!last) {  // let the reader start on this piece while we write the next
+      out_->head.store(head, std::memory_order_release);
+      ring_doorbell(peer_);
+    }
+  }
+  if (moved) {
+    out_->head.store(head, std::memory_order_release);
+    ring_doorbell(peer_);
+  }
+  return moved;
+}
+
+bool ShmChannel::progress_recv(Part& p, Transfer& t, const OpInfo& op) {
+  const std::byte* ring = ring_data(1 - out_idx_);
+  uint64_t tail = in_->tail.load(std::memory_order_relaxed);
+  uint64_t head = in_->head.load(std::memory_order_acquire);
+  size_t avail = static_cast<size_t>(head - tail);
+  bool moved = false;
+  if (p.hdr_done == 0) {
+    if (avail < sizeof(FrameHeader)) return false;
+    std::memcpy(&p.hdr, ring + tail % cap_, sizeof(FrameHeader));
+    check_header(p.hdr, p, t, op, peer_desc_);
+    tail += sizeof(FrameHeader);
+    avail -= sizeof(FrameHeader);
+    p.hdr_done = sizeof(FrameHeader);
+    moved = true;
+  }
+  while (p.done < p.len && avail > 0) {
+    size_t n = std::min(p.len - p.done, avail);
+    size_t at = tail % cap_;
+    size_t first = std::min(n, cap_ - at);
+    std::byte* dst = t.data + p.offset + p.done;
+    if (t.reduce) {
+      const size_t es = dtype_size(t.dtype);
+      reduce_into(dst, ring + at, first / es, t.dtype, t.op);
+      if (first < n) reduce_into(dst + first, ring, (n - first) / es, t.dtype, t.op);
+    } else {
+      std::memcpy(dst, ring + at, first);
+      if (first < n) std::memcpy(dst + first, ring, n - first);
+    }
+    p.done += n;
+    tail += n;
+    avail -= n;
+    moved = true;
+  }
+  if (p.done == p.len && p.pad_left > 0 && avail >= p.pad_left) {
+    tail += p.pad_left;
+    p.pad_left = 0;
+    moved = true;
+  }
+  if (moved) {
+    in_->tail.store(tail, std::memory_order_release);
+    ring_doorbell(peer_);
+  }
+  return moved;
+}
+
+bool ShmChannel::progress(Transfer& t, const OpInfo& op) {
+  check_aborted(t, op);
+  Part& p = t.parts[0];
+  if (p.finished()) return false;
+  return t.send ? progress_send(p, t) : progress_recv(p, t, op);
+}
+
+void ShmChannel::check_alive(const OpInfo& op) {
+  if (peer_->pid > 0 && ::kill(peer_->pid, 0) != 0 && errno == ESRCH)
+    throw Error(ErrorKind::kPeerGone,
+                op.where() + ": " + peer_desc_ + " (pid " + std::to_string(peer_->pid) + ") exited");
+}
+
+void ShmChannel::abort() {
+  out_->aborted.store(1, std::memory_order_release);
+  in_->aborted.store(1, std::memory_order_release);
+  ring_doorbell(peer_);
+  ring_doorbell(own_);
+}
+
+}  // namespace rumor::net

@@ -1,0 +1,93 @@
+// Shared-memory pieces: POSIX shm segments, the per-process doorbell that lets one rank sleep
+// on all of its shared-memory peers at once, and the pair channel built from two rings.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "net/channel.h"
+
+namespace rumor::net {
+
+// An mmap'ed POSIX shared-memory object; unlinks its name on destruction if it created it.
+class ShmSegment {
+ public:
+  ShmSegment() = default;
+  static ShmSegment create(const std::string& name, size_t bytes);
+  // Retries until the creator has made it (and, if given, until *ready != 0) or the deadline.
+  static ShmSegment open(const std::string& name, size_t bytes, const Deadline& deadline,
+                         const std::string& what);
+  ShmSegment(ShmSegment&& o) noexcept;
+  ShmSegment& operator=(ShmSegment&& o) noexcept;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment();
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  void unlink_name();
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  std::string name_;
+  bool owns_name_ = false;
+};
+
+// One per process. Peers bump seq after they publish data or free ring space for us; we
+// futex-wait on it when no transfer can move.
+struct Doorbell {
+  std::atomic<uint32_t> seq;
+  std::atomic<uint32_t> sleepers;
+  int32_t pid;
+  uint32_t magic;
+};
+constexpr uint32_t kDoorbellMagic = 0x44424c4c;
+
+void ring_doorbell(Doorbell* d);
+
+// Sleeps until a doorbell ring newer than `seen`, or timeout_us. Caller read `seen` before its
+// last unsuccessful progress attempt, so a ring in between is never lost.
+void wait_doorbell(Doorbell* d, uint32_t seen, int timeout_us);
+
+struct alignas(64) RingCtl {
+  std::atomic<uint64_t> head;  // bytes published by the writer
+  char pad0[56];
+  std::atomic<uint64_t> tail;  // bytes consumed by the reader
+  char pad1[56];
+  std::atomic<uint32_t> aborted;
+  char pad2[60];
+};
+
+class ShmChannel final : public Channel {
+ public:
+  // lo/hi: world ranks of the pair; the lower creates the segment.
+  ShmChannel(const std::string& name, bool creator, size_t ring_bytes, Doorbell* own, Doorbell* peer,
+             std::string peer_desc, const Deadline& deadline);
+  bool is_shm() const override { return true; }
+  void begin(Transfer& t, const OpInfo& op) override;
+  bool progress(Transfer& t, const OpInfo& op) override;
+  void want(const Transfer&, std::vector<pollfd>&) const override {}
+  void check_alive(const OpInfo& op) override;
+  void abort() override;
+
+ private:
+  bool progress_send(Part& p, Transfer& t);
+  bool progress_recv(Part& p, Transfer& t, const OpInfo& op);
+  void check_aborted(const Transfer& t, const OpInfo& op) const;
+  std::byte* ring_data(int which) const;
+
+  ShmSegment seg_;
+  size_t cap_;
+  RingCtl* out_ = nullptr;
+  RingCtl* in_ = nullptr;
+  int out_idx_ = 0;
+  Doorbell* own_;
+  Doorbell* peer_;
+  std::string peer_desc_;
+};
+
+}  // namespace rumor::net

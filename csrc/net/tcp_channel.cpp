@@ -1,0 +1,161 @@
+#include "net/tcp_channel.h"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/reduce.h"
+
+namespace rumor::net {
+
+namespace {
+// Big enough to amortize a recv() call, small enough to stay in L2 while it is reduced.
+constexpr size_t kStageBytes = 256 * 1024;
+// Stripe boundaries stay multiples of this so that no element straddles two streams.
+constexpr size_t kStripeAlign = 64;
+}  // namespace
+
+TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min)
+    : streams_(std::move(streams)), peer_desc_(std::move(peer_desc)), stripe_min_(stripe_min) {
+  for (auto& s : streams_) set_nonblocking(s.get(), true);
+  stage_.resize(streams_.size());
+  staged_.assign(streams_.size(), 0);
+}
+
+void TcpChannel::begin(Transfer& t, const OpInfo& op) {
+  const size_t k = streams_.size();
+  uint64_t& counter = t.send ? sent_msgs_ : recv_msgs_;
+  if (t.len >= stripe_min_ && k > 1) {
+    size_t per = (t.len / k) / kStripeAlign * kStripeAlign;
+    size_t off = 0;
+    t.nparts = k;
+    for (size_t i = 0; i < k; ++i) {
+      Part& p = t.parts[i];
+      p = Part{};
+      p.stream = static_cast<uint32_t>(i);
+      p.offset = off;
+      p.len = i + 1 == k ? t.len - off : per;
+      off += p.len;
+    }
+  } else {
+    t.nparts = 1;
+    t.parts[0] = Part{};
+    t.parts[0].stream = static_cast<uint32_t>(counter % k);
+    t.parts[0].len = t.len;
+  }
+  ++counter;
+  if (t.send)
+    for (size_t i = 0; i < t.nparts; ++i) t.parts[i].hdr = make_header(t.parts[i], t, op);
+  t.begun = true;
+}
+
+void TcpChannel::fail_io(const Transfer& t, const OpInfo& op, int err, bool closed) {
+  std::string what = op.where() + ": " + peer_desc_ +
+                     (closed ? " closed the connection" : " connection failed (" + errno_string(err) + ")") +
+                     " while this rank was " + (t.send ? "sending " : "receiving ") + std::to_string(t.len) +
+                     " bytes (" + std::to_string(t.bytes_done()) + " done)";
+  throw Error(ErrorKind::kPeerGone, what);
+}
+
+bool TcpChannel::progress_send(Part& p, Transfer& t, const OpInfo& op) {
+  int fd = streams_[p.stream].get();
+  bool moved = false;
+  while (!p.finished()) {
+    iovec iov[2];
+    int n_iov = 0;
+    if (p.hdr_done < sizeof(FrameHeader)) {
+      iov[n_iov++] = {reinterpret_cast<char*>(&p.hdr) + p.hdr_done, sizeof(FrameHeader) - p.hdr_done};
+    }
+    if (p.done < p.len) iov[n_iov++] = {t.data + p.offset + p.done, p.len - p.done};
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(n_iov);
+    ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return moved;
+      if (errno == EINTR) continue;
+      fail_io(t, op, errno, errno == EPIPE || errno == ECONNRESET);
+    }
+    size_t left = static_cast<size_t>(n);
+    size_t h = std::min(left, sizeof(FrameHeader) - p.hdr_done);
+    p.hdr_done += h;
+    left -= h;
+    p.done += left;
+    moved = true;
+  }
+  return moved;
+}
+
+bool TcpChannel::progress_recv(Part& p, Transfer& t, const OpInfo& op) {
+  int fd = streams_[p.stream].get();
+  bool moved = false;
+  while (!p.finished()) {
+    ssize_t n;
+    if (p.hdr_done < sizeof(FrameHeader)) {
+      // Header alone first: the payload must not touch the destination before it is checked.
+      n = ::recv(fd, reinterpret_cast<char*>(&p.hdr) + p.hdr_done, sizeof(FrameHeader) - p.hdr_done,
+                 MSG_DONTWAIT);
+    } else if (!t.reduce) {
+      n = ::recv(fd, t.data + p.offset + p.done, p.len - p.done, MSG_DONTWAIT);
+    } else {
+      auto& stage = stage_[p.stream];
+      if (stage.empty()) stage.resize(kStageBytes);
+      size_t& staged = staged_[p.stream];
+      size_t want = std::min(kStageBytes - staged, p.len - p.done - staged);
+      n = ::recv(fd, stage.data() + staged, want, MSG_DONTWAIT);
+      if (n > 0) {
+        staged += static_cast<size_t>(n);
+        const size_t es = dtype_size(t.dtype);
+        size_t whole = staged / es * es;
+        reduce_into(t.data + p.offset + p.done, stage.data(), whole / es, t.dtype, t.op);
+        p.done += whole;
+        if (staged > whole) std::memmove(stage.data(), stage.data() + whole, staged - whole);
+        staged -= whole;
+        moved = true;
+        continue;
+      }
+    }
+    if (n == 0) fail_io(t, op, 0, true);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return moved;
+      if (errno == EINTR) continue;
+      fail_io(t, op, errno, errno == ECONNRESET);
+    }
+    moved = true;
+    if (p.hdr_done < sizeof(FrameHeader)) {
+      p.hdr_done += static_cast<size_t>(n);
+      if (p.hdr_done == sizeof(FrameHeader)) check_header(p.hdr, p, t, op, peer_desc_);
+    } else {
+      p.done += static_cast<size_t>(n);
+    }
+  }
+  return moved;
+}
+
+bool TcpChannel::progress(Transfer& t, const OpInfo& op) {
+  bool moved = false;
+  for (size_t i = 0; i < t.nparts; ++i) {
+    Part& p = t.parts[i];
+    if (p.finished()) continue;
+    moved |= t.send ? progress_send(p, t, op) : progress_recv(p, t, op);
+  }
+  return moved;
+}
+
+void TcpChannel::want(const Transfer& t, std::vector<pollfd>& fds) const {
+  for (size_t i = 0; i < t.nparts; ++i) {
+    const Part& p = t.parts[i];
+    if (p.finished()) continue;
+    fds.push_back({streams_[p.stream].get(), static_cast<short>(t.send ? POLLOUT : POLLIN), 0});
+  }
+}
+
+void TcpChannel::abort() {
+  // shutdown() rather than close(): the peer sees EOF at once, and our fds stay valid until
+  // the channel is destroyed, so no other thread can be handed a recycled descriptor.
+  for (auto& s : streams_) ::shutdown(s.get(), SHUT_RDWR);
+}
+
+}  // namespace rumor::net

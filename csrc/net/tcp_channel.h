@@ -1,0 +1,39 @@
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "net/channel.h"
+#include "net/socket.h"
+
+namespace rumor::net {
+
+// Messages of at least stripe_min bytes are split into one part per stream; smaller ones go
+// whole on streams in turn. Both ends derive the split from the length and a per-direction
+// message counter, so no extra negotiation travels.
+class TcpChannel final : public Channel {
+ public:
+  TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min);
+  bool is_shm() const override { return false; }
+  void begin(Transfer& t, const OpInfo& op) override;
+  bool progress(Transfer& t, const OpInfo& op) override;
+  void want(const Transfer& t, std::vector<pollfd>& fds) const override;
+  void check_alive(const OpInfo&) override {}
+  void abort() override;
+
+ private:
+  bool progress_send(Part& p, Transfer& t, const OpInfo& op);
+  bool progress_recv(Part& p, Transfer& t, const OpInfo& op);
+  [[noreturn]] void fail_io(const Transfer& t, const OpInfo& op, int err, bool closed);
+
+  std::vector<Fd> streams_;
+  std::string peer_desc_;
+  size_t stripe_min_;
+  uint64_t sent_msgs_ = 0;
+  uint64_t recv_msgs_ = 0;
+  // Per stream: where reduce-receives land before being folded into the destination.
+  std::vector<std::vector<std::byte>> stage_;
+  std::vector<size_t> staged_;
+};
+
+}  // namespace rumor::net

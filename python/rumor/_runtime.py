@@ -1,0 +1,306 @@
+"""Process-wide runtime: init(), shutdown(), rank queries and groups.
+
+All mutable state lives in one _State object, created by init() and dropped by shutdown().
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+from . import _C
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_PORT = 29500
+
+
+@dataclass
+class _Env:
+    rank: int
+    size: int
+    master_addr: str
+    master_port: int
+    source: str
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    # "node[01-04,07],gpu2" -> "node01"; enough for rank 0's host, which is first in the list.
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        first = rest.split(",")[0].split("-")[0].rstrip("]")
+        return prefix + first
+    return head
+
+
+def _read_env() -> _Env:
+    e = os.environ
+    port = int(e.get("MASTER_PORT", DEFAULT_PORT))
+    if "RANK" in e and "WORLD_SIZE" in e:
+        return _Env(int(e["RANK"]), int(e["WORLD_SIZE"]), e.get("MASTER_ADDR", "127.0.0.1"), port, "torchrun")
+    if "OMPI_COMM_WORLD_RANK" in e:
+        single = e.get("OMPI_COMM_WORLD_LOCAL_SIZE") == e.get("OMPI_COMM_WORLD_SIZE")
+        addr = e.get("MASTER_ADDR", "127.0.0.1" if single else "")
+        if not addr:
+            raise RuntimeError("rumor.init(): under mpirun on several hosts, set MASTER_ADDR (and MASTER_PORT) to rank 0's host")
+        return _Env(int(e["OMPI_COMM_WORLD_RANK"]), int(e["OMPI_COMM_WORLD_SIZE"]), addr, port, "mpirun")
+    if "PMI_RANK" in e and "PMI_SIZE" in e:
+        addr = e.get("MASTER_ADDR", "")
+        if not addr:
+            raise RuntimeError("rumor.init(): under an MPICH-style launcher, set MASTER_ADDR (and MASTER_PORT)")
+        return _Env(int(e["PMI_RANK"]), int(e["PMI_SIZE"]), addr, port, "pmi")
+    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
+        addr = e.get("MASTER_ADDR") or _first_slurm_host(e.get("SLURM_JOB_NODELIST", e.get("SLURM_NODELIST", "127.0.0.1")))
+        return _Env(int(e["SLURM_PROCID"]), int(e["SLURM_NTASKS"]), addr, port, "slurm")
+    return _Env(0, 1, "127.0.0.1", port, "single process")
+
+
+def _advertise_address(master_addr: str, master_port: int) -> str:
+    """The local IP other ranks should dial: the one on the route to rank 0's host."""
+    explicit = os.environ.get("RUMOR_ADVERTISE_ADDR")
+    if explicit:
+        return explicit
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, master_port or 9))  # UDP connect sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _host_id() -> str:
+    """Ranks with the same host id share memory. Network namespaces count as separate hosts,
+    so emulated clusters (one namespace per host) really go through the network."""
+    explicit = os.environ.get("RUMOR_HOST_ID")
+    if explicit:
+        return explicit
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}|{netns}"
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+class Group:
+    """A subset of ranks, made by rumor.new_group(). Ranks in collectives are global ranks."""
+
+    def __init__(self, ranks: List[int], comm: Optional["_C.Communicator"], gid: int):
+        self.ranks = list(ranks)
+        self._comm = comm
+        self.id = gid
+
+    def rank(self) -> int:
+        """This process's rank within the group, or -1 if it is not a member."""
+        return self._comm.rank if self._comm is not None else -1
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __contains__(self, global_rank: int) -> bool:
+        return global_rank in self.ranks
+
+    def __repr__(self) -> str:
+        return f"rumor.Group(id={self.id}, ranks={self.ranks})"
+
+
+@dataclass
+class _State:
+    env: _Env
+    ctx: "_C.Context"
+    world: Group
+    hosts: List[str]
+    local_rank: int
+    local_size: int
+    machine_rank: int
+    machine_size: int
+    timeout: float
+    next_group_id: int = 1
+    groups: list = field(default_factory=list)
+
+
+_state: Optional[_State] = None
+_generation = 0
+
+
+def _store_for(env: _Env, timeout: float):
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=timeout)
+    if dist.is_available() and dist.is_initialized():
+        base = dist.distributed_c10d._get_default_store()
+    else:
+        # Under torchrun the agent already hosts the store at MASTER_PORT; otherwise rank 0
+        # hosts it. multi_tenant lets a later torch.distributed.init_process_group() in this
+        # process share the same server instead of failing on a busy port.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        base = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.size,
+            is_master=(env.rank == 0 and not agent),
+            timeout=td,
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+    return dist.PrefixStore(f"rumor/{_generation}/", base)
+
+
+def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = None,
+         shm: Optional[bool] = None) -> None:
+    """Joins the job described by the launcher's environment (torchrun, mpirun or Slurm).
+
+    timeout: seconds every blocking wait may take before it raises (env RUMOR_TIMEOUT, default 300).
+    socket_streams: parallel TCP streams per peer pair (env RUMOR_SOCKET_STREAMS, default 2).
+    shm: use shared memory between ranks on one host (env RUMOR_SHM, default on).
+    """
+    global _state, _generation
+    if _state is not None:
+        raise RuntimeError("rumor.init() was already called; call rumor.shutdown() first")
+    env = _read_env()
+    if timeout is None:
+        timeout = float(os.environ.get("RUMOR_TIMEOUT", DEFAULT_TIMEOUT))
+    if timeout <= 0:
+        raise ValueError(f"rumor.init(): timeout must be positive, got {timeout}")
+    if not 0 <= env.rank < env.size:
+        raise ValueError(f"rumor.init(): rank {env.rank} is outside a world of size {env.size} ({env.source})")
+
+    opts = _C.Options()
+    opts.timeout = float(timeout)
+    opts.streams = int(socket_streams if socket_streams is not None else os.environ.get("RUMOR_SOCKET_STREAMS", 2))
+    opts.shm = _env_bool("RUMOR_SHM", True) if shm is None else bool(shm)
+    if "RUMOR_SHM_RING_BYTES" in os.environ:
+        opts.shm_ring_bytes = int(os.environ["RUMOR_SHM_RING_BYTES"])
+    if "RUMOR_SPIN_US" in os.environ:
+        opts.spin_us = int(os.environ["RUMOR_SPIN_US"])
+
+    host = _host_id()
+    if env.size == 1:
+        token = os.urandom(16)
+        ctx = _C.Context(0, 1, token, opts, 0)
+        addresses, hosts = [f"127.0.0.1:{ctx.port}"], [host]
+    else:
+        store = _store_for(env, timeout)
+        if env.rank == 0:
+            store.set("token", os.urandom(16))
+        token = bytes(store.get("token"))
+        port = int(os.environ.get("RUMOR_PORT", 0))
+        ctx = _C.Context(env.rank, env.size, token, opts, port)
+        me = f"{_advertise_address(env.master_addr, env.master_port)}:{ctx.port}"
+        store.set(f"peer/{env.rank}", f"{me}|{host}")
+        addresses, hosts = [], []
+        for r in range(env.size):
+            a, h = store.get(f"peer/{r}").decode().split("|", 1)
+            addresses.append(a)
+            hosts.append(h)
+    ctx.set_peers(addresses, hosts)
+
+    order: List[str] = []
+    for h in hosts:
+        if h not in order:
+            order.append(h)
+    local = [r for r in range(env.size) if hosts[r] == hosts[env.rank]]
+    world_comm = _C.Communicator(ctx, 0, "world", list(range(env.size)))
+    # Once every rank has mapped its local peers' doorbells (set_peers), the names can go.
+    world_comm.barrier(False)
+    ctx.seal()
+    _state = _State(
+        env=env,
+        ctx=ctx,
+        world=Group(list(range(env.size)), world_comm, 0),
+        hosts=hosts,
+        local_rank=local.index(env.rank),
+        local_size=len(local),
+        machine_rank=order.index(hosts[env.rank]),
+        machine_size=len(order),
+        timeout=float(timeout),
+    )
+    _generation += 1
+
+
+def shutdown() -> None:
+    """Releases sockets, shared memory and threads. Outstanding handles must be waited on first."""
+    global _state
+    _state = None
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def _get() -> _State:
+    if _state is None:
+        raise RuntimeError("rumor is not initialized: call rumor.init() first")
+    return _state
+
+
+def rank() -> int:
+    return _get().env.rank
+
+
+def size() -> int:
+    return _get().env.size
+
+
+def local_rank() -> int:
+    return _get().local_rank
+
+
+def local_size() -> int:
+    return _get().local_size
+
+
+def machine_rank() -> int:
+    return _get().machine_rank
+
+
+def machine_size() -> int:
+    return _get().machine_size
+
+
+def new_group(ranks: Sequence[int]) -> Group:
+    """Creates a group of the given global ranks (their order sets the group ranks). Like
+    torch.distributed.new_group, every rank must call it, in the same order, with the same list."""
+    st = _get()
+    ranks = [int(r) for r in ranks]
+    if not ranks:
+        raise ValueError("rumor.new_group(): ranks must not be empty")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"rumor.new_group(): duplicate ranks in {ranks}")
+    bad = [r for r in ranks if not 0 <= r < st.env.size]
+    if bad:
+        raise ValueError(f"rumor.new_group(): ranks {bad} are outside a world of size {st.env.size}")
+    gid = st.next_group_id
+    st.next_group_id += 1
+    comm = None
+    if st.env.rank in ranks:
+        comm = _C.Communicator(st.ctx, gid, f"group {gid}", ranks)
+    g = Group(ranks, comm, gid)
+    st.groups.append(g)
+    return g
+
+
+def _comm(group: Optional[Group], what: str):
+    st = _get()
+    g = st.world if group is None else group
+    if not isinstance(g, Group):
+        raise TypeError(f"{what}: group must be a rumor.Group from rumor.new_group(), got {type(g).__name__}")
+    if g._comm is None:
+        raise ValueError(f"{what}: rank {st.env.rank} is not a member of {g!r}")
+    return g
+
+
+def _listen_address() -> str:
+    """Where this rank's listener accepts peers (for tests and diagnostics)."""
+    st = _get()
+    return f"127.0.0.1:{st.ctx.port}"
+
+

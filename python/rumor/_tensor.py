@@ -1,0 +1,43 @@
+"""Turning torch tensors into the (address, count, dtype code) views the C++ core takes."""
+from __future__ import annotations
+
+import torch
+
+# Codes match rumor::DType in csrc/core/types.h.
+_DTYPE_CODES = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float64: 3,
+    torch.int32: 4,
+    torch.int64: 5,
+    torch.uint8: 6,
+}
+
+SUPPORTED_DTYPES = tuple(_DTYPE_CODES)
+
+
+def dtype_code(dtype: torch.dtype, what: str) -> int:
+    try:
+        return _DTYPE_CODES[dtype]
+    except KeyError:
+        names = ", ".join(str(d).replace("torch.", "") for d in _DTYPE_CODES)
+        raise TypeError(f"{what}: unsupported dtype {dtype}; expected one of {names}") from None
+
+
+def check_tensor(t, what: str) -> int:
+    """Validates a tensor argument and returns its dtype code."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{what}: expected a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"{what}: expected a CPU tensor, got one on {t.device} "
+            "(rumor's CUDA path is not part of this build)"
+        )
+    return dtype_code(t.dtype, what)
+
+
+def address(t: torch.Tensor) -> int:
+    return t.data_ptr()

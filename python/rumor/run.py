@@ -1,0 +1,67 @@
+"""rumor's launcher: torchrun plus rumor's own flags.
+
+    python -m rumor.run --nproc-per-node 4 [torchrun flags] [rumor flags] train.py [script args]
+    rumor-run ...            (the same, as a console script)
+
+Everything torchrun offers (elastic restarts, multi-node rendezvous, --max-restarts, ...) comes
+from torch.distributed.run, which this module delegates to. rumor's flags become environment
+variables that rumor.init() reads in every worker, so scripts started by plain torchrun, mpirun
+or srun can set the same variables instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+# flag -> (environment variable, help)
+_RUMOR_FLAGS = {
+    "--socket-streams": ("RUMOR_SOCKET_STREAMS", "parallel TCP streams per peer pair (default 2)"),
+    "--rumor-timeout": ("RUMOR_TIMEOUT", "seconds any blocking wait may take before it raises (default 300)"),
+    "--rumor-shm": ("RUMOR_SHM", "1/0: shared memory between ranks of one host (default 1)"),
+    "--rumor-log": ("RUMOR_LOG", "log level of the C++ core: error, warn, info, debug"),
+    "--rumor-port": ("RUMOR_PORT", "fixed port for each worker's listener (default: any free port)"),
+}
+
+
+def _parser():
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "rumor-run"
+    parser.description = "rumor launcher (torchrun's flags plus rumor's)"
+    group = parser.add_argument_group("rumor")
+    for flag, (_, help_) in _RUMOR_FLAGS.items():
+        group.add_argument(flag, dest="rumor_" + flag.lstrip("-").replace("-", "_"), default=None, help=help_)
+    return parser
+
+
+def _validate(args) -> None:
+    streams = args.rumor_socket_streams
+    if streams is not None and (not streams.isdigit() or not 1 <= int(streams) <= 16):
+        raise SystemExit(f"rumor-run: --socket-streams must be an integer in [1, 16], got {streams!r}")
+    timeout = args.rumor_rumor_timeout
+    if timeout is not None:
+        try:
+            ok = float(timeout) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise SystemExit(f"rumor-run: --rumor-timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from torch.distributed.run import run
+
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    _validate(args)
+    for flag, (var, _) in _RUMOR_FLAGS.items():
+        value = getattr(args, "rumor_" + flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            # Workers inherit the launcher's environment.
+            os.environ[var] = str(value)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what rumor needs on a fresh Debian machine (apt and pip packages) and builds and
+# installs rumor itself. Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_pkgs=()
+command -v ip >/dev/null 2>&1 || apt_pkgs+=(iproute2)
+command -v tc >/dev/null 2>&1 || apt_pkgs+=(iproute2)
+[ -f /usr/include/gtest/gtest.h ] || apt_pkgs+=(libgtest-dev)
+command -v g++ >/dev/null 2>&1 || apt_pkgs+=(g++)
+if [ ${#apt_pkgs[@]} -gt 0 ]; then
+  echo "setup: apt-get install ${apt_pkgs[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+# torch is not pinned by the package (any 2.x works); this machine's CPU build is 2.13.0.
+$PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
+$PY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib
+$PY -m pip install -q --no-build-isolation .
+$PY -c "import rumor, rumor._C as c; print('setup: rumor', rumor.__version__, 'installed; reduction kernels:', c.reduce_isa())"

@@ -1,0 +1,104 @@
+// Test support: n ranks as threads of this process, each with its own Context, talking over
+// loopback TCP or shared memory exactly as separate processes would.
+#pragma once
+
+#include <exception>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/context.h"
+
+namespace rumor::testing {
+
+inline net::Token test_token(uint8_t seed = 7) {
+  net::Token t{};
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint8_t>(seed + i * 13);
+  return t;
+}
+
+inline Options quick_options(bool shm) {
+  Options o;
+  o.timeout_s = 20;
+  o.shm = shm;
+  o.shm_ring_bytes = 64 * 1024;  // small ring: messages wrap many times
+  return o;
+}
+
+struct World {
+  std::vector<std::shared_ptr<Context>> ctx;
+};
+
+// host_of[r] gives each rank's host id; equal ids share memory when opts.shm is on.
+// A fresh random token per world, so shared-memory names never collide between tests or
+// with leftovers of an earlier crashed run.
+inline net::Token random_token() {
+  std::random_device rd;
+  net::Token t{};
+  for (auto& b : t) b = static_cast<uint8_t>(rd());
+  return t;
+}
+
+inline World make_world(const std::vector<std::string>& host_of, const Options& opts,
+                        net::Token token = random_token()) {
+  const uint32_t n = static_cast<uint32_t>(host_of.size());
+  World w;
+  std::vector<std::string> addrs;
+  for (uint32_t r = 0; r < n; ++r) {
+    w.ctx.push_back(std::make_shared<Context>(r, n, token, opts, 0));
+    addrs.push_back("127.0.0.1:" + std::to_string(w.ctx.back()->port()));
+  }
+  for (auto& c : w.ctx) c->set_peers(addrs, host_of);
+  for (auto& c : w.ctx) c->seal();
+  return w;
+}
+
+inline std::vector<std::string> one_host(uint32_t n) { return std::vector<std::string>(n, "h"); }
+
+inline std::vector<std::string> hosts_of(uint32_t n, uint32_t per_host) {
+  std::vector<std::string> h;
+  for (uint32_t r = 0; r < n; ++r) h.push_back("h" + std::to_string(r / per_host));
+  return h;
+}
+
+// Runs fn(comm, rank) on every rank in its own thread; returns each rank's exception (or null).
+inline std::vector<std::exception_ptr> run_ranks(World& w,
+                                                 const std::function<void(Communicator&, uint32_t)>& fn) {
+  const uint32_t n = static_cast<uint32_t>(w.ctx.size());
+  std::vector<std::exception_ptr> errs(n);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        std::vector<uint32_t> all(n);
+        for (uint32_t i = 0; i < n; ++i) all[i] = i;
+        Communicator comm(w.ctx[r], 0, "world", all);
+        fn(comm, r);
+      } catch (...) {
+        errs[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errs;
+}
+
+inline std::string describe(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  }
+  return "unknown";
+}
+
+inline void expect_all_ok(const std::vector<std::exception_ptr>& errs) {
+  for (size_t r = 0; r < errs.size(); ++r)
+    if (errs[r]) ADD_FAILURE() << "rank " << r << ": " << describe(errs[r]);
+}
+
+}  // namespace rumor::testing

@@ -1,0 +1,207 @@
+// Every collective on 1..5 ranks, over TCP and over shared memory, against values computed
+// locally. Inputs are small integers stored as floats, so every result is exact.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <tuple>
+
+#include "ranks.h"
+
+namespace rumor {
+namespace {
+
+using testing::expect_all_ok;
+using testing::make_world;
+using testing::one_host;
+using testing::quick_options;
+using testing::run_ranks;
+
+float input(uint32_t rank, size_t i) { return static_cast<float>((rank * 7 + i * 3) % 13); }
+
+class Collectives : public ::testing::TestWithParam<std::tuple<uint32_t, bool>> {
+ protected:
+  uint32_t n() const { return std::get<0>(GetParam()); }
+  bool shm() const { return std::get<1>(GetParam()); }
+};
+
+TEST_P(Collectives, AllreduceAllAlgorithmsAndSizes) {
+  auto w = make_world(one_host(n()), quick_options(shm()));
+  const uint32_t size = n();
+  auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{5}, size_t{1023}, size_t{16384}, size_t{100003}}) {
+      for (auto algo : {AllreduceAlgo::kAuto, AllreduceAlgo::kRing, AllreduceAlgo::kRecursiveDoubling}) {
+        for (ReduceOp op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
+          std::vector<float> buf(count);
+          for (size_t i = 0; i < count; ++i) buf[i] = input(r, i) * static_cast<float>(size);
+          c.allreduce(buf.data(), count, DType::F32, op, algo);
+          for (size_t i = 0; i < count; ++i) {
+            float want = op == ReduceOp::MAX ? 0.0f : 0.0f;
+            for (uint32_t q = 0; q < size; ++q) {
+              float v = input(q, i) * static_cast<float>(size);
+              want = op == ReduceOp::MAX ? (q == 0 ? v : std::max(want, v)) : want + v;
+            }
+            if (op == ReduceOp::AVG) want /= static_cast<float>(size);
+            ASSERT_EQ(buf[i], want) << "count " << count << " i " << i << " op " << op_name(op);
+          }
+        }
+      }
+    }
+  });
+  expect_all_ok(errs);
+}
+
+TEST_P(Collectives, ReduceScatterAndAllgatherUneven) {
+  auto w = make_world(one_host(n()), quick_options(shm()));
+  const uint32_t size = n();
+  auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+    std::vector<size_t> counts(size);
+    for (uint32_t q = 0; q < size; ++q) counts[q] = q * 1000 + (q % 2 ? 0 : 77);  // includes 0
+    size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+    std::vector<size_t> off(size + 1, 0);
+    for (uint32_t q = 0; q < size; ++q) off[q + 1] = off[q] + counts[q];
+
+    std::vector<int64_t> buf(total);
+    for (size_t i = 0; i < total; ++i) buf[i] = static_cast<int64_t>(r * 100000 + i);
+    c.reduce_scatter(buf.data(), counts, DType::I64, ReduceOp::SUM);
+    for (size_t i = off[r]; i < off[r + 1]; ++i) {
+      int64_t want = 0;
+      for (uint32_t q = 0; q < size; ++q) want += static_cast<int64_t>(q * 100000 + i);
+      ASSERT_EQ(buf[i], want);
+    }
+
+    std::vector<int64_t> g(total, -1);
+    for (size_t i = off[r]; i < off[r + 1]; ++i) g[i] = static_cast<int64_t>(i * 3 + r);
+    c.allgather(g.data(), counts, DType::I64);
+    for (uint32_t q = 0; q < size; ++q)
+      for (size_t i = off[q]; i < off[q + 1]; ++i) ASSERT_EQ(g[i], static_cast<int64_t>(i * 3 + q));
+  });
+  expect_all_ok(errs);
+}
+
+TEST_P(Collectives, BroadcastAndReduceFromEveryRoot) {
+  auto w = make_world(one_host(n()), quick_options(shm()));
+  const uint32_t size = n();
+  auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+    for (uint32_t root = 0; root < size; ++root) {
+      for (size_t count : {size_t{3}, size_t{300001}}) {  // binomial tree, scatter + allgather
+        std::vector<float> b(count);
+        for (size_t i = 0; i < count; ++i) b[i] = input(r, i);
+        c.broadcast(b.data(), count, DType::F32, root);
+        for (size_t i = 0; i < count; ++i) ASSERT_EQ(b[i], input(root, i));
+
+        std::vector<float> red(count);
+        for (size_t i = 0; i < count; ++i) red[i] = input(r, i);
+        c.reduce(red.data(), count, DType::F32, ReduceOp::SUM, root);
+        if (r == root)
+          for (size_t i = 0; i < count; ++i) {
+            float want = 0;
+            for (uint32_t q = 0; q < size; ++q) want += input(q, i);
+            ASSERT_EQ(red[i], want);
+          }
+      }
+    }
+  });
+  expect_all_ok(errs);
+}
+
+TEST_P(Collectives, AlltoallBarrierSendRecv) {
+  auto w = make_world(one_host(n()), quick_options(shm()));
+  const uint32_t size = n();
+  auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+    // rank r sends (r + q) % 3 * 50000 elements to rank q: some zero, some striped.
+    auto amount = [](uint32_t from, uint32_t to) -> size_t { return ((from + to) % 3) * 50000; };
+    std::vector<size_t> sc(size), rc(size);
+    for (uint32_t q = 0; q < size; ++q) sc[q] = amount(r, q), rc[q] = amount(q, r);
+    std::vector<int32_t> in(std::accumulate(sc.begin(), sc.end(), size_t{0}));
+    std::vector<int32_t> out(std::accumulate(rc.begin(), rc.end(), size_t{0}), -1);
+    size_t k = 0;
+    for (uint32_t q = 0; q < size; ++q)
+      for (size_t i = 0; i < sc[q]; ++i) in[k++] = static_cast<int32_t>(r * 1000 + q * 10 + i % 7);
+    c.alltoall(in.data(), sc, out.data(), rc, DType::I32);
+    k = 0;
+    for (uint32_t q = 0; q < size; ++q)
+      for (size_t i = 0; i < rc[q]; ++i) ASSERT_EQ(out[k++], static_cast<int32_t>(q * 1000 + r * 10 + i % 7));
+
+    c.barrier();
+
+    if (size > 1) {
+      std::vector<uint8_t> msg(70001);
+      uint32_t to = (r + 1) % size, from = (r + size - 1) % size;
+      for (size_t i = 0; i < msg.size(); ++i) msg[i] = static_cast<uint8_t>(r + i);
+      std::vector<uint8_t> got(msg.size());
+      if (r % 2 == 0) {  // even ranks send first, so odd sizes cannot deadlock on a cycle
+        c.send(msg.data(), msg.size(), to);
+        c.recv(got.data(), got.size(), from);
+      } else {
+        c.recv(got.data(), got.size(), from);
+        c.send(msg.data(), msg.size(), to);
+      }
+      for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], static_cast<uint8_t>(from + i));
+    }
+  });
+  expect_all_ok(errs);
+}
+
+std::string param_name(const ::testing::TestParamInfo<std::tuple<uint32_t, bool>>& p) {
+  return std::to_string(std::get<0>(p.param)) + (std::get<1>(p.param) ? "ranks_shm" : "ranks_tcp");
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, Collectives,
+                         ::testing::Combine(::testing::Values(1u, 2u, 3u, 4u, 5u), ::testing::Bool()),
+                         param_name);
+
+TEST(Hierarchical, TwoHostsOfTwoAndUnevenHosts) {
+  for (auto hosts : {testing::hosts_of(4, 2), std::vector<std::string>{"a", "a", "a", "b", "c"}}) {
+    auto w = make_world(hosts, quick_options(true));
+    const uint32_t size = static_cast<uint32_t>(hosts.size());
+    auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+      for (size_t count : {size_t{9}, size_t{200003}}) {
+        std::vector<float> buf(count);
+        for (size_t i = 0; i < count; ++i) buf[i] = input(r, i) * static_cast<float>(size);
+        c.allreduce(buf.data(), count, DType::F32, ReduceOp::AVG, AllreduceAlgo::kHierarchical);
+        for (size_t i = 0; i < count; ++i) {
+          float want = 0;
+          for (uint32_t q = 0; q < size; ++q) want += input(q, i);
+          ASSERT_EQ(buf[i], want) << "i " << i;
+        }
+      }
+    });
+    expect_all_ok(errs);
+  }
+}
+
+TEST(Striping, ManyStreamsLargeAndSmallMessagesInterleaved) {
+  Options o = quick_options(false);
+  o.streams = 4;
+  auto w = make_world(one_host(3), o);
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    for (size_t count : {size_t{1}, size_t{1 << 20}, size_t{17}, size_t{(1 << 18) + 5}, size_t{2}}) {
+      std::vector<float> buf(count, static_cast<float>(r + 1));
+      c.allreduce(buf.data(), count, DType::F32, ReduceOp::SUM, AllreduceAlgo::kRing);
+      for (float v : buf) ASSERT_EQ(v, 6.0f);
+    }
+  });
+  expect_all_ok(errs);
+}
+
+TEST(Worker, ManyNonblockingOpsInFlight) {
+  auto w = make_world(one_host(3), quick_options(true));
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    constexpr int kOps = 8;
+    std::vector<std::vector<float>> bufs(kOps);
+    std::vector<std::shared_ptr<Work>> works;
+    for (int k = 0; k < kOps; ++k) {
+      bufs[k].assign(static_cast<size_t>(1000 * (k + 1)), static_cast<float>(r + k));
+      works.push_back(c.worker().submit(
+          [&c, &b = bufs[k]] { c.allreduce(b.data(), b.size(), DType::F32, ReduceOp::SUM); }));
+    }
+    for (int k = kOps - 1; k >= 0; --k) {  // waited in reverse order
+      works[k]->wait(Deadline::after(30));
+      for (float v : bufs[k]) ASSERT_EQ(v, static_cast<float>(3 * k + 3));
+    }
+  });
+  expect_all_ok(errs);
+}
+
+}  // namespace
+}  // namespace rumor

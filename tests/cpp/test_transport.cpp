@@ -1,0 +1,160 @@
+// Connection setup and failure behaviour: hostile connections are refused without disturbing
+// the job, and every failure becomes an error on every rank instead of a hang.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "net/handshake.h"
+#include "net/socket.h"
+#include "ranks.h"
+
+namespace rumor {
+namespace {
+
+using testing::describe;
+using testing::make_world;
+using testing::one_host;
+using testing::quick_options;
+using testing::run_ranks;
+
+// Connects to `port` and sends `bytes`; returns true if the listener answered with an accept.
+bool try_handshake(int port, const void* bytes, size_t len) {
+  Deadline dl = Deadline::after(5);
+  net::Fd fd = net::connect_tcp(net::HostPort{"127.0.0.1", port}, dl, "test client");
+  net::write_all(fd.get(), bytes, len, dl, "test client");
+  char ack[8];
+  try {
+    net::read_all(fd.get(), ack, sizeof(ack), dl, "test client");
+  } catch (const Error&) {
+    return false;
+  }
+  return std::memcmp(ack, net::kAccept, 8) == 0;
+}
+
+TEST(Handshake, WrongTokenVersionGarbageAreRejectedAndJobContinues) {
+  const net::Token good = testing::test_token();
+  auto w = make_world(one_host(2), quick_options(false), good);
+  const int port = w.ctx[0]->port();
+
+  net::Token wrong = testing::test_token(99);
+  net::Hello bad_token = net::make_hello(wrong, 1, 0, 0);
+  EXPECT_FALSE(try_handshake(port, &bad_token, sizeof(bad_token)));
+
+  net::Hello bad_version = net::make_hello(good, 1, 0, 0);
+  bad_version.version = net::kProtocolVersion + 1;
+  EXPECT_FALSE(try_handshake(port, &bad_version, sizeof(bad_version)));
+
+  net::Hello bad_rank = net::make_hello(good, 7, 0, 0);
+  EXPECT_FALSE(try_handshake(port, &bad_rank, sizeof(bad_rank)));
+
+  const char garbage[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n0123456789012345678901234567890123456789";
+  EXPECT_FALSE(try_handshake(port, garbage, sizeof(garbage)));
+
+  // A half-open client that never finishes its hello must not block the real peers.
+  net::Fd stalled = net::connect_tcp(net::HostPort{"127.0.0.1", port}, Deadline::after(5), "stalled");
+  ::send(stalled.get(), "RUM", 3, MSG_NOSIGNAL);
+
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    std::vector<double> v(1000, r + 1.0);
+    c.allreduce(v.data(), v.size(), DType::F64, ReduceOp::SUM);
+    for (double x : v) ASSERT_EQ(x, 3.0);
+  });
+  testing::expect_all_ok(errs);
+  EXPECT_GE(w.ctx[0]->rejected_connections(), 4u);
+}
+
+TEST(Failures, MismatchedSizesFailEveryRank) {
+  for (bool shm : {false, true}) {
+    auto w = make_world(one_host(3), quick_options(shm));
+    auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+      std::vector<float> v(r == 1 ? 5000 : 4000, 1.0f);
+      c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM, AllreduceAlgo::kRing);
+    });
+    bool saw_size_message = false;
+    for (size_t r = 0; r < errs.size(); ++r) {
+      ASSERT_TRUE(errs[r]) << "rank " << r << " did not fail (shm=" << shm << ")";
+      saw_size_message |= describe(errs[r]).find("sizes differ across ranks") != std::string::npos;
+    }
+    EXPECT_TRUE(saw_size_message);
+  }
+}
+
+TEST(Failures, DifferentCollectivesAreDetected) {
+  auto w = make_world(one_host(2), quick_options(true));
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    std::vector<float> v(64, 1.0f);
+    if (r == 0)
+      c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM);
+    else
+      c.broadcast(v.data(), v.size(), DType::F32, 1);
+  });
+  ASSERT_TRUE(errs[0]);
+  EXPECT_NE(describe(errs[0]).find("different orders"), std::string::npos) << describe(errs[0]);
+}
+
+TEST(Failures, MissingPeerTimesOutNamingOpAndPeer) {
+  Options o = quick_options(true);
+  o.timeout_s = 1.0;
+  auto w = make_world(one_host(3), o);
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    if (r == 2) return;  // never joins
+    std::vector<float> v(10, 1.0f);
+    c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM);
+  });
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_TRUE(errs[r]);
+    std::string msg = describe(errs[r]);
+    EXPECT_NE(msg.find("allreduce"), std::string::npos) << msg;
+  }
+  std::string msg0 = describe(errs[0]) + describe(errs[1]);
+  EXPECT_NE(msg0.find("rank 2"), std::string::npos) << msg0;
+}
+
+TEST(Failures, AbortedCommunicatorRefusesNewWork) {
+  Options o = quick_options(false);
+  o.timeout_s = 1.0;
+  auto w = make_world(one_host(2), o);
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    std::vector<float> v(10, 1.0f);
+    if (r == 0) {
+      EXPECT_THROW(c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM), Error);
+      try {
+        c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM);
+        ADD_FAILURE() << "second op after failure should throw";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kAborted);
+      }
+    }
+  });
+  testing::expect_all_ok(errs);
+}
+
+TEST(Failures, PeerThatLeavesMidStreamFailsOthersPromptly) {
+  for (bool shm : {false, true}) {
+    auto w = make_world(one_host(3), quick_options(shm));  // 20 s deadline
+    auto start = Clock::now();
+    auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+      std::vector<float> v(1 << 20, 1.0f);
+      c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM);
+      if (r == 1) {
+        c.abort("rank 1 leaves");  // what a dying process's sockets and rings look like to peers
+        return;
+      }
+      c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM);
+    });
+    auto took = std::chrono::duration<double>(Clock::now() - start).count();
+    for (uint32_t r : {0u, 2u}) {
+      ASSERT_TRUE(errs[r]) << "rank " << r << " shm=" << shm;
+      try {
+        std::rethrow_exception(errs[r]);
+      } catch (const Error& e) {
+        EXPECT_TRUE(e.kind() == ErrorKind::kPeerGone || e.kind() == ErrorKind::kAborted) << e.what();
+      }
+    }
+    EXPECT_LT(took, 15.0) << "peers waited for the deadline instead of seeing the abort";
+  }
+}
+
+}  // namespace
+}  // namespace rumor

@@ -1,0 +1,11 @@
+"""Shared pytest setup for rumor's Python tests.
+
+Every test that communicates runs its ranks in spawned processes through harness.run(), which
+enforces a deadline per test; nothing here talks to rumor in the pytest process itself.
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)

@@ -1,0 +1,415 @@
+"""Multi-process test harness: runs a module-level function on N spawned ranks.
+
+    results = harness.run(fn, world_size, timeout=60, env=None, args=(), rank_env=None)
+
+Every rank is a fresh `python -c` process with RANK / WORLD_SIZE / LOCAL_RANK /
+LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT / RUMOR_TIMEOUT set, as torchrun would. Each
+rank calls fn(*args) and its return value comes back through a pickle file. The harness
+guarantees that a test finishes or fails, never hangs:
+
+* the whole run has a deadline (`timeout`); when it passes, every rank still running is
+  killed (SIGKILL to its process group) and the test fails naming those ranks, with the
+  Python stacks faulthandler dumped just before the deadline;
+* a rank that raises makes the test fail with that rank's traceback (and every other
+  failing rank's); the other ranks are not waited for longer than the deadline;
+* a rank that exits without a result fails the test, unless it is listed in `may_die`.
+
+The rank function must be importable by name: a module-level function in a module on
+sys.path (the test modules here and this one are; tests/python is added to PYTHONPATH).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Variables a parent environment could leak into a rank and change what rumor.init() sees.
+_SCRUB_PREFIXES = ("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_", "RUMOR_", "PMIX_")
+_SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankFailed(AssertionError):
+    """One or more ranks raised, died, or missed the deadline."""
+
+
+@dataclass
+class RankResult:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: Optional[str] = None          # formatted traceback
+    error_type: Optional[str] = None     # e.g. "rumor.errors.PeerError"
+    returncode: Optional[int] = None
+    output: str = ""
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(rank: int, world_size: int, port: int, timeout_s: float, env: Optional[Dict[str, str]],
+               rank_env: Optional[Dict[str, str]]) -> Dict[str, str]:
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
+    e.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RUMOR_TIMEOUT="30",
+        # Two cores for up to four ranks: torch's own thread pools would only fight the ranks.
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",
+    )
+    path = e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = HERE + (os.pathsep + path if path else "")
+    if env:
+        e.update({k: str(v) for k, v in env.items()})
+    if rank_env:
+        e.update({k: str(v) for k, v in rank_env.items()})
+    return e
+
+
+_BOOT = "import sys; sys.path.insert(0, {here!r}); import harness; harness._child_main({spec!r})"
+
+
+def run(fn: Callable, world_size: int, timeout: float = 60, env: Optional[Dict[str, str]] = None,
+        args: Sequence[Any] = (), rank_env: Optional[Sequence[Optional[Dict[str, str]]]] = None,
+        may_die: Sequence[int] = (), raw: bool = False, port: Optional[int] = None):
+    """Runs fn(*args) on `world_size` ranks; returns the list of return values by rank.
+
+    env: extra variables for every rank; rank_env: a list with one dict (or None) per rank.
+    may_die: ranks that are allowed to exit without a result (fault injection); their entry
+      in the returned list is None.
+    raw: return the list of RankResult instead of raising on the first problem.
+    """
+    assert 1 <= world_size <= 8
+    if rank_env is not None:
+        assert len(rank_env) == world_size
+    module, name = fn.__module__, fn.__qualname__
+    assert "<" not in name, f"{name}: rank functions must be module-level (they are imported by name)"
+    port = port or free_port()
+    workdir = tempfile.mkdtemp(prefix="rumor-harness-")
+    procs: List[subprocess.Popen] = []
+    logs = []
+    start = time.monotonic()
+    deadline = start + timeout
+    try:
+        for r in range(world_size):
+            spec_path = os.path.join(workdir, f"spec{r}.pkl")
+            out_path = os.path.join(workdir, f"result{r}.pkl")
+            with open(spec_path, "wb") as f:
+                pickle.dump(dict(module=module, name=name, args=tuple(args), out=out_path,
+                                 dump_after=max(1.0, timeout - 4.0) if timeout > 8 else None), f)
+            log = open(os.path.join(workdir, f"log{r}.txt"), "w+b")
+            logs.append(log)
+            e = _child_env(r, world_size, port, timeout, env, rank_env[r] if rank_env else None)
+            cmd = [sys.executable, "-c", _BOOT.format(here=HERE, spec=spec_path)]
+            procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        # Poll (which also reaps exited ranks promptly: rumor notices a dead peer on the same
+        # host through kill(pid, 0), which a zombie would still answer).
+        while True:
+            if all(p.poll() is not None for p in procs):
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        timed_out = [r for r, p in enumerate(procs) if p.poll() is None]
+        for r in timed_out:
+            _kill(procs[r])
+        results = []
+        for r, p in enumerate(procs):
+            logs[r].seek(0)
+            output = logs[r].read().decode("utf-8", "replace")
+            out_path = os.path.join(workdir, f"result{r}.pkl")
+            res = RankResult(rank=r, ok=False, returncode=p.returncode, output=output)
+            if os.path.exists(out_path):
+                with open(out_path, "rb") as f:
+                    payload = pickle.load(f)
+                if payload["ok"]:
+                    res.ok, res.value = True, payload["value"]
+                else:
+                    res.error, res.error_type = payload["error"], payload["type"]
+            elif r in timed_out:
+                res.error = f"rank {r} did not finish within the {timeout:.0f} s deadline and was killed"
+                res.error_type = "timeout"
+            else:
+                res.error = f"rank {r} exited with code {p.returncode} without a result"
+                res.error_type = "died"
+            results.append(res)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill(p)
+        for log in logs:
+            log.close()
+        _rmtree(workdir)
+    if raw:
+        return results
+    bad = [res for res in results if not res.ok and not (res.rank in may_die and res.error_type == "died")]
+    if bad:
+        raise RankFailed(_report(fn, world_size, results, bad))
+    return [res.value if res.ok else None for res in results]
+
+
+def _report(fn, world_size, results, bad) -> str:
+    lines = [f"{fn.__module__}.{fn.__qualname__} on {world_size} rank(s): "
+             f"{len(bad)} rank(s) failed: {[b.rank for b in bad]}"]
+    for res in bad:
+        lines.append(f"\n===== rank {res.rank} ({res.error_type}, exit code {res.returncode}) =====")
+        lines.append(res.error or "")
+        tail = res.output[-6000:]
+        if tail.strip():
+            lines.append(f"----- rank {res.rank} output (tail) -----")
+            lines.append(tail)
+    others = [r.rank for r in results if r not in bad and r.output.strip()]
+    for r in others[:2]:
+        lines.append(f"----- rank {r} output (tail, rank passed) -----")
+        lines.append(results[r].output[-1500:])
+    return "\n".join(lines)
+
+
+def _kill(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            p.kill()
+        except ProcessLookupError:
+            pass
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _rmtree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- inside a rank -----------------------------------------------------------------------------
+
+def _child_main(spec_path: str) -> None:
+    import faulthandler
+    import importlib
+
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    if spec["dump_after"]:
+        # Just before the parent's deadline, print every thread's stack and exit: a hung rank
+        # then shows where it hung.
+        faulthandler.dump_traceback_later(spec["dump_after"], exit=True)
+    try:
+        mod = importlib.import_module(spec["module"])
+        fn = mod
+        for part in spec["name"].split("."):
+            fn = getattr(fn, part)
+        value = fn(*spec["args"])
+        payload = dict(ok=True, value=value)
+        try:
+            data = pickle.dumps(payload)
+        except Exception:  # noqa: BLE001
+            data = pickle.dumps(dict(ok=True, value=repr(value)))
+    except BaseException as e:  # noqa: BLE001
+        t = type(e)
+        data = pickle.dumps(dict(ok=False, error=traceback.format_exc(),
+                                 type=f"{t.__module__}.{t.__qualname__}"))
+    tmp = spec["out"] + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, spec["out"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (torch and rumor threads): the result is already on disk.
+    os._exit(0)
+
+
+# ---- helpers for rank functions ----------------------------------------------------------------
+
+def env_rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def env_world() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+class Checker:
+    """Collects mismatches instead of stopping at the first, so one run reports them all."""
+
+    def __init__(self, limit: int = 200):
+        self.failures: List[str] = []
+        self.count = 0
+        self.limit = limit
+
+    def check(self, ok: bool, what: str) -> None:
+        self.count += 1
+        if not ok and len(self.failures) < self.limit:
+            self.failures.append(what)
+
+    def equal(self, actual, expected, what: str) -> None:
+        import torch
+
+        self.count += 1
+        try:
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+        except AssertionError as e:
+            if len(self.failures) < self.limit:
+                self.failures.append(f"{what}: {_short(e)}")
+
+    def close(self, actual, expected, what: str, rtol=None, atol=None) -> None:
+        import torch
+
+        self.count += 1
+        try:
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+        except AssertionError as e:
+            if len(self.failures) < self.limit:
+                self.failures.append(f"{what}: {_short(e)}")
+
+    def raises(self, exc_types, fn, what: str, match: Optional[str] = None):
+        """fn() must raise one of exc_types (and mention `match`); returns the exception."""
+        self.count += 1
+        try:
+            fn()
+        except exc_types as e:  # noqa: PERF203
+            if match is not None and match.lower() not in str(e).lower():
+                self.failures.append(f"{what}: raised {type(e).__name__} without {match!r}: {e}")
+            return e
+        except BaseException as e:  # noqa: BLE001
+            self.failures.append(f"{what}: expected {_names(exc_types)}, got {type(e).__name__}: {e}")
+            return e
+        self.failures.append(f"{what}: expected {_names(exc_types)}, nothing was raised")
+        return None
+
+
+def _names(exc_types) -> str:
+    if isinstance(exc_types, tuple):
+        return " or ".join(t.__name__ for t in exc_types)
+    return exc_types.__name__
+
+
+def _short(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return " | ".join(s[:6])
+
+
+def assert_no_failures(results, what: str = "") -> int:
+    """results: per-rank (failures, count) pairs from Checker; raises listing every failure."""
+    lines = []
+    total = 0
+    for r, res in enumerate(results):
+        if res is None:
+            continue
+        failures, count = res
+        total += count
+        for f in failures:
+            lines.append(f"rank {r}: {f}")
+    if lines:
+        head = f"{what}: {len(lines)} mismatch(es)\n" if what else f"{len(lines)} mismatch(es)\n"
+        raise AssertionError(head + "\n".join(lines[:80]))
+    return total
+
+
+# ---- deterministic inputs and exact references --------------------------------------------------
+
+OP_NAMES = ("SUM", "AVG", "MIN", "MAX", "PROD")
+
+
+def dtypes():
+    import torch
+
+    return [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.uint8]
+
+
+def dname(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def gen(key: str, owner: int, dtype, op: str, shape):
+    """The input `owner` contributes to the case `key`. Every rank can build every other rank's
+    input, so each rank computes the expected result itself.
+
+    Values are chosen so the exact result is representable in the dtype: small integers for
+    SUM/AVG (sums of four stay exact even in bfloat16 and below 256 in uint8), +-1/+-2 for PROD,
+    anything for MIN/MAX and the copying collectives ("COPY")."""
+    import zlib
+
+    import torch
+
+    if isinstance(shape, int):
+        shape = (shape,)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{key}|{owner}|{dname(dtype)}|{op}|{tuple(shape)}".encode()))
+    n = 1
+    for d in shape:
+        n *= d
+    floating = dtype.is_floating_point
+    if op in ("SUM", "AVG"):
+        t = torch.randint(0, 61, (n,), generator=g) if dtype == torch.uint8 else torch.randint(-8, 9, (n,), generator=g)
+    elif op == "PROD":
+        if dtype == torch.uint8:
+            t = torch.randint(1, 4, (n,), generator=g)
+        else:
+            t = torch.randint(1, 3, (n,), generator=g) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
+    elif floating:
+        t = torch.randn(n, generator=g, dtype=torch.float64) * 100
+    elif dtype == torch.uint8:
+        t = torch.randint(0, 256, (n,), generator=g)
+    elif dtype == torch.int32:
+        t = torch.randint(-(2**31), 2**31, (n,), generator=g)
+    else:
+        t = torch.randint(-(2**62), 2**62, (n,), generator=g)
+    return t.to(dtype).reshape(shape)
+
+
+def reference(inputs, op: str):
+    """The exact reduction of `inputs` (one tensor per rank), in their dtype.
+    AVG on integers truncates toward zero, like rumor's C++ integer division."""
+    import torch
+
+    dtype = inputs[0].dtype
+    n = len(inputs)
+    acc = torch.stack([x.double() if dtype.is_floating_point else x.long() for x in inputs])
+    if op == "SUM":
+        out = acc.sum(0)
+    elif op == "PROD":
+        out = acc.prod(0)
+    elif op == "MIN":
+        out = acc.amin(0) if acc.numel() else acc.sum(0)
+    elif op == "MAX":
+        out = acc.amax(0) if acc.numel() else acc.sum(0)
+    elif op == "AVG":
+        s = acc.sum(0)
+        out = s / n if dtype.is_floating_point else torch.div(s, n, rounding_mode="trunc")
+    else:
+        raise ValueError(op)
+    return out.to(dtype)
+
+
+def check_reduced(chk: "Checker", actual, expected, op: str, what: str) -> None:
+    """Exact where the math is exact (everything but a float AVG, which divides once)."""
+    if op == "AVG" and expected.dtype.is_floating_point:
+        chk.close(actual, expected, what)
+    else:
+        chk.equal(actual, expected, what)
