@@ -183,12 +183,13 @@ class Progress:
 
 def _template(numel: int, owner: int, salt: int):
     """Rank `owner`'s input: small positive integers times 2^SCALE_EXP. Sums over ranks are exact,
-    and reps in-place sums of n ranks stay finite as long as n^reps < 2^180 (see max_reps)."""
+    and reps in-place sums of n ranks stay finite as long as n^reps < 2^180 (see max_reps).
+    The pattern has period 13, so it is built by tiling (cheap even at 256 MiB)."""
     import torch
 
-    i = torch.arange(numel, dtype=torch.int64)
-    v = ((i * 7 + owner * 3 + salt) % 13 + 1).to(torch.float32)
-    return torch.ldexp(v, torch.tensor(SCALE_EXP, dtype=torch.int32)).to(torch.float32) if False else v * (2.0 ** SCALE_EXP)
+    period = ((torch.arange(13) * 7 + owner * 3 + salt) % 13 + 1).to(torch.float32) * (2.0 ** SCALE_EXP)
+    reps = -(-numel // 13)
+    return period.repeat(reps)[:numel].clone() if reps * 13 != numel else period.repeat(reps)
 
 
 def _expected(op: str, numel: int, n: int, rank: int, salt: int, per: int):
@@ -196,7 +197,8 @@ def _expected(op: str, numel: int, n: int, rank: int, salt: int, per: int):
 
     if op == "allgather":
         return torch.cat([_template(per, r, salt) for r in range(n)])
-    total = sum(_template(numel, r, salt).double() for r in range(n)).float()
+    period = sum(_template(13, r, salt).double() for r in range(n)).float()  # exact
+    total = period.repeat(-(-numel // 13))[:numel]
     if op == "reduce_scatter":
         return total[rank * per:(rank + 1) * per]
     return total
@@ -227,13 +229,33 @@ def _worker(cfg: Dict, rank: int) -> int:
 
     if cfg.get("dump_after"):
         faulthandler.dump_traceback_later(cfg["dump_after"], exit=True)
+    parent = os.getppid()
+
+    def orphan_watch():  # the driver was killed (even with SIGKILL): do not linger
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=orphan_watch, daemon=True).start()
     import torch
     import torch.distributed as dist
 
     import rumor
 
+    td = datetime.timedelta(seconds=cfg["rumor_timeout"])
+    # Workaround (rumor 0.1.0): rumor.init() does not keep its TCPStore referenced, so on rank 0 the
+    # multi-tenant store server stops when init() returns; init_process_group() then starts a new
+    # one on the same port while the other ranks' clients may still talk to the old one
+    # ("Failed to recv, got 0 bytes" / "Connection reset by peer", seen often between
+    # namespaces). Holding one more reference to the server on rank 0 keeps it up for both.
+    keep_store = None  # noqa: F841 (only has to stay alive)
+    if rank == 0 and not cfg.get("no_store_workaround"):
+        keep_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   int(os.environ["WORLD_SIZE"]), is_master=True, timeout=td,
+                                   wait_for_workers=False, multi_tenant=True)
     rumor.init(timeout=cfg["rumor_timeout"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["rumor_timeout"]))
+    dist.init_process_group("gloo", timeout=td)
     n = rumor.size()
     assert dist.get_world_size() == n and dist.get_rank() == rank == rumor.rank()
     info = dict(rank=rank, size=n, local_size=rumor.local_size(), machine_size=rumor.machine_size(),
@@ -251,98 +273,102 @@ def _worker(cfg: Dict, rank: int) -> int:
     hier_ok = rumor.machine_size() > 1 and rumor.local_size() > 1
     cell_index = 0
 
+    def run_cell(op: str, size: int, cell_index: int) -> None:
+        # One (op, size): a function so that its buffers are freed before the next one.
+        numel = size // 4
+        per = numel // n
+        salt = cell_index % 5
+        # Buffers and the functions each library runs (one call = one op).
+        if op == "allreduce":
+            tmpl = _template(numel, rank, salt)
+            bufs = {"rumor": tmpl.clone(), "gloo": tmpl.clone()}
+            fns = {"rumor": lambda: rumor.allreduce_(bufs["rumor"], op=SUM),
+                   "gloo": lambda: dist.all_reduce(bufs["gloo"], op=dist.ReduceOp.SUM)}
+            results = {"rumor": lambda: bufs["rumor"], "gloo": lambda: bufs["gloo"]}
+            if hier_ok and cfg.get("hierarchical"):
+                bufs["rumor_hier"] = tmpl.clone()
+                fns["rumor_hier"] = lambda: rumor.allreduce_(bufs["rumor_hier"], op=SUM, hierarchical=True)
+                results["rumor_hier"] = lambda: bufs["rumor_hier"]
+            refill = lambda v: bufs[v].copy_(tmpl)
+        elif op == "allgather":
+            tmpl = _template(per, rank, salt)
+            out_g = torch.empty(numel, dtype=torch.float32)
+            last = {}
+            fns = {"rumor": lambda: last.__setitem__("rumor", rumor.allgather(tmpl)),
+                   "gloo": lambda: ag_single(out_g, tmpl)}
+            results = {"rumor": lambda: last["rumor"], "gloo": lambda: out_g}
+            refill = lambda v: None
+        else:  # reduce_scatter
+            tmpl = _template(numel, rank, salt)
+            out_g = torch.empty(per, dtype=torch.float32)
+            in_g = tmpl.clone()
+            last = {}
+            fns = {"rumor": lambda: last.__setitem__("rumor", rumor.reduce_scatter(tmpl, op=SUM)),
+                   "gloo": lambda: rs_single(out_g, in_g, op=dist.ReduceOp.SUM)}
+            results = {"rumor": lambda: last["rumor"], "gloo": lambda: out_g}
+            refill = lambda v: in_g.copy_(tmpl) if v == "gloo" else None
+        variants = list(fns)
+
+        # Warm-up; the first op of each library is checked against the exact result.
+        expected = _expected(op, numel, n, rank, salt, per)
+        correct = {}
+        warm = {v: [] for v in variants}
+        for w in range(cfg["warmup"]):
+            for v in variants:
+                refill(v)
+                dist.barrier()
+                t0 = time.perf_counter()
+                fns[v]()
+                warm[v].append(time.perf_counter() - t0)
+                if w == 0:
+                    got = results[v]()
+                    ok = bool(got.shape == expected.shape and torch.equal(got, expected))
+                    if not ok:
+                        diff = (got != expected).nonzero() if got.shape == expected.shape else None
+                        first = int(diff[0]) if diff is not None and len(diff) else -1
+                        correct[v] = (f"rank {rank}: {v} {op} {size} B wrong: shape {tuple(got.shape)} "
+                                      f"vs {tuple(expected.shape)}, first bad index {first}")
+                    else:
+                        correct[v] = True
+        del expected
+        # reps: the same on every rank and for every library, so a sample lasts >= target.
+        fastest = min(min(warm[v]) for v in variants)
+        t = torch.tensor([fastest], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        reps = max(1, min(max_reps, math.ceil(cfg["target_s"] / max(float(t), 1e-7))))
+
+        samples = {v: [] for v in variants}
+        for i in range(cfg["iters"]):
+            k = i % len(variants)
+            for v in variants[k:] + variants[:k]:  # rotate who goes first
+                refill(v)
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fns[v]()
+                samples[v].append((time.perf_counter() - t0) / reps)
+        # Gather every rank's samples; a sample's time is the slowest rank's.
+        per_rank = {}
+        for v in variants:
+            mine = torch.tensor(samples[v], dtype=torch.float64)
+            allr = [torch.empty_like(mine) for _ in range(n)]
+            dist.all_gather(allr, mine)
+            per_rank[v] = [x.tolist() for x in allr]
+        oks = [None] * n
+        dist.all_gather_object(oks, correct)
+        if rank == 0:
+            cell = dict(op=op, size=size, n=n, reps=reps, warmup_s={v: warm[v] for v in variants},
+                        variants={})
+            for v in variants:
+                sm = [max(per_rank[v][r][i] for r in range(n)) for i in range(cfg["iters"])]
+                errs = [o[v] for o in oks if o.get(v) is not True]
+                cell["variants"][v] = dict(samples_s=sm, per_rank_samples_s=per_rank[v],
+                                           correct=not errs, errors=errs[:4])
+            _emit("cell", cell)
+
     for op in cfg["ops"]:
         for size in cfg["sizes"]:
-            numel = size // 4
-            per = numel // n
-            salt = cell_index % 5
-            # Buffers and the functions each library runs (one call = one op).
-            if op == "allreduce":
-                tmpl = _template(numel, rank, salt)
-                bufs = {"rumor": tmpl.clone(), "gloo": tmpl.clone()}
-                fns = {"rumor": lambda: rumor.allreduce_(bufs["rumor"], op=SUM),
-                       "gloo": lambda: dist.all_reduce(bufs["gloo"], op=dist.ReduceOp.SUM)}
-                results = {"rumor": lambda: bufs["rumor"], "gloo": lambda: bufs["gloo"]}
-                if hier_ok and cfg.get("hierarchical"):
-                    bufs["rumor_hier"] = tmpl.clone()
-                    fns["rumor_hier"] = lambda: rumor.allreduce_(bufs["rumor_hier"], op=SUM, hierarchical=True)
-                    results["rumor_hier"] = lambda: bufs["rumor_hier"]
-                refill = lambda v: bufs[v].copy_(tmpl)
-            elif op == "allgather":
-                tmpl = _template(per, rank, salt)
-                out_g = torch.empty(numel, dtype=torch.float32)
-                last = {}
-                fns = {"rumor": lambda: last.__setitem__("rumor", rumor.allgather(tmpl)),
-                       "gloo": lambda: ag_single(out_g, tmpl)}
-                results = {"rumor": lambda: last["rumor"], "gloo": lambda: out_g}
-                refill = lambda v: None
-            else:  # reduce_scatter
-                tmpl = _template(numel, rank, salt)
-                out_g = torch.empty(per, dtype=torch.float32)
-                in_g = tmpl.clone()
-                last = {}
-                fns = {"rumor": lambda: last.__setitem__("rumor", rumor.reduce_scatter(tmpl, op=SUM)),
-                       "gloo": lambda: rs_single(out_g, in_g, op=dist.ReduceOp.SUM)}
-                results = {"rumor": lambda: last["rumor"], "gloo": lambda: out_g}
-                refill = lambda v: in_g.copy_(tmpl) if v == "gloo" else None
-            variants = list(fns)
-
-            # Warm-up; the first op of each library is checked against the exact result.
-            expected = _expected(op, numel, n, rank, salt, per)
-            correct = {}
-            warm = {v: [] for v in variants}
-            for w in range(cfg["warmup"]):
-                for v in variants:
-                    refill(v)
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    fns[v]()
-                    warm[v].append(time.perf_counter() - t0)
-                    if w == 0:
-                        got = results[v]()
-                        ok = bool(got.shape == expected.shape and torch.equal(got, expected))
-                        if not ok:
-                            diff = (got != expected).nonzero() if got.shape == expected.shape else None
-                            first = int(diff[0]) if diff is not None and len(diff) else -1
-                            correct[v] = (f"rank {rank}: {v} {op} {size} B wrong: shape {tuple(got.shape)} "
-                                          f"vs {tuple(expected.shape)}, first bad index {first}")
-                        else:
-                            correct[v] = True
-            # reps: the same on every rank and for every library, so a sample lasts >= target.
-            fastest = min(min(warm[v]) for v in variants)
-            t = torch.tensor([fastest], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            reps = max(1, min(max_reps, math.ceil(cfg["target_s"] / max(float(t), 1e-7))))
-
-            samples = {v: [] for v in variants}
-            for i in range(cfg["iters"]):
-                k = i % len(variants)
-                for v in variants[k:] + variants[:k]:  # rotate who goes first
-                    refill(v)
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(reps):
-                        fns[v]()
-                    samples[v].append((time.perf_counter() - t0) / reps)
-            # Gather every rank's samples; a sample's time is the slowest rank's.
-            per_rank = {}
-            for v in variants:
-                mine = torch.tensor(samples[v], dtype=torch.float64)
-                allr = [torch.empty_like(mine) for _ in range(n)]
-                dist.all_gather(allr, mine)
-                per_rank[v] = [x.tolist() for x in allr]
-            oks = [None] * n
-            dist.all_gather_object(oks, correct)
-            if rank == 0:
-                cell = dict(op=op, size=size, n=n, reps=reps, warmup_s={v: warm[v] for v in variants},
-                            variants={})
-                for v in variants:
-                    sm = [max(per_rank[v][r][i] for r in range(n)) for i in range(cfg["iters"])]
-                    errs = [o[v] for o in oks if o.get(v) is not True]
-                    cell["variants"][v] = dict(samples_s=sm, per_rank_samples_s=per_rank[v],
-                                               correct=not errs, errors=errs[:4])
-                _emit("cell", cell)
-            del fns, results, refill
+            run_cell(op, size, cell_index)
             cell_index += 1
     dist.barrier()
     rumor.barrier()
@@ -387,6 +413,7 @@ class Job:
         cfg = dict(ops=self.ops, sizes=self.sizes, iters=a.iters, warmup=a.warmup,
                    target_s=a.target_ms / 1e3, max_reps=a.max_reps, rumor_timeout=a.rumor_timeout,
                    hierarchical=(self.cluster is not None and self.rph > 1),
+                   no_store_workaround=a.no_store_workaround,
                    dump_after=max(10, a.job_timeout - 10))
         cfg_path = os.path.join(self.workdir, f"cfg-{self.n}.json")
         with open(cfg_path, "w") as f:
@@ -429,8 +456,10 @@ class Job:
         reader.join(5)
         bad = [r for r, p in enumerate(self.procs) if p.returncode != 0]
         if late or bad or not self.finished:
-            parts = [f"{self.label}: ranks {bad} failed" + (f", ranks {late} killed at the deadline "
-                                                             f"({a.job_timeout:.0f}s)" if late else "")]
+            why = (f"the job deadline ({a.job_timeout:.0f}s)" if failed_at is None
+                   else "30 s after the first rank failed")
+            parts = [f"{self.label}: ranks {bad} failed" + (f"; ranks {late} were still running and were "
+                                                             f"killed at {why}" if late else "")]
             for r, log in enumerate(self.logs):
                 try:
                     with open(log, "rb") as f:
@@ -626,6 +655,8 @@ def main(argv=None) -> int:
     ap.add_argument("--job-timeout", type=float, default=3600.0, help="deadline of each job (seconds)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-store-workaround", action="store_true",
+                    help="do not hold rank 0's TCPStore open around rumor.init() (see _worker)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -656,6 +687,8 @@ def main(argv=None) -> int:
         for s in sizes:
             if s % (4 * n):
                 ap.error(f"size {s} is not a multiple of 4*{n} bytes (fp32, split over {n} ranks)")
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1 (the first warm-up op is also the correctness check)")
     if args.iters < 10:
         print(f"WARNING: --iters {args.iters} is below the protocol's minimum of 10; "
               f"use these figures for smoke tests only", file=sys.stderr)
@@ -771,6 +804,12 @@ def main(argv=None) -> int:
                   f"measured single-stream TCP through one shaped link: "
                   f"{' / '.join(f'{t / 1e6:.1f}' for t in tcp)} MB/s (before / after) -> "
                   f"{bounds['tcp_ring_bound'] / 1e6:.1f} MB/s")
+            N = worlds[0]
+            if args.ranks_per_host > 1:
+                flat = bounds["link_Bps"] * N / (2 * (N - 1))
+                bounds["flat_ring_bound"] = flat
+                print(f"        (n = hosts is the bound of a hierarchical allreduce; a flat ring over all {N} "
+                      f"ranks crosses each host link with 2(N-1)/N of the data: bound {flat / 1e6:.1f} MB/s)")
         memcpys = " / ".join(f"{m['bw'] / 1e9:.2f}" for m in result["memcpy"])
         print(f"memcpy bound (torch copy_ 64 MiB, 1 thread): {memcpys} GB/s (start / end)")
 
@@ -806,7 +845,7 @@ def main(argv=None) -> int:
                 note = "" if big == 64 * MiB else " (64 MiB not in the size list: largest size used)"
                 print(f"target: {t['name']}: {ratio:.2f}x -> {'MET' if t['met'] else 'NOT MET'}{note}")
                 headline = f"headline: allreduce {fmt_size(big)} {nmax} ranks busbw rumor/gloo = {ratio:.2f}x"
-            small = 4 * KiB if 4 * KiB in sizes else min(sizes)
+            small = 4 * KiB
             c = find(result["cells"], "allreduce", nmax, small)
             if c:
                 r_t, g_t = c["variants"]["rumor"]["median_s"], c["variants"]["gloo"]["median_s"]
@@ -837,7 +876,8 @@ def main(argv=None) -> int:
         return rc
     except KeyboardInterrupt:
         progress.clear()
-        print("\ninterrupted: killing ranks and removing namespaces", file=sys.stderr)
+        print("\ninterrupted: killing ranks" + (" and removing namespaces" if hosts_mode else ""),
+              file=sys.stderr)
         return 130
     finally:
         _kill_all()

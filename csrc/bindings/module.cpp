@@ -150,11 +150,11 @@ PYBIND11_MODULE(_C, m) {
              return dispatch(c, nb, [&c, buf, count, dt, o, a] { c.allreduce(ptr(buf), count, dt, o, a); });
            })
       .def("reduce_scatter",
-           [](C& c, uintptr_t buf, std::vector<size_t> counts, int dtype, int op, bool nb) {
+           [](C& c, uintptr_t in, uintptr_t out, std::vector<size_t> counts, int dtype, int op, bool nb) {
              DType dt = to_dtype(dtype);
              ReduceOp o = to_op(op);
-             return dispatch(c, nb, [&c, buf, counts = std::move(counts), dt, o] {
-               c.reduce_scatter(ptr(buf), counts, dt, o);
+             return dispatch(c, nb, [&c, in, out, counts = std::move(counts), dt, o] {
+               c.reduce_scatter(ptr(in), ptr(out), counts, dt, o);
              });
            })
       .def("allgather",

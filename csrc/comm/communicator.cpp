@@ -60,6 +60,19 @@ Communicator::Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::strin
                   name_ + ": rank " + std::to_string(r) + " is not in the world");
   rank_ = static_cast<uint32_t>(it - world_ranks_.begin());
   channels_.resize(world_ranks_.size());
+  if (!ctx_->host_ids().empty()) {
+    std::vector<std::string> hosts;
+    bool shared_host = false;
+    for (uint32_t w : world_ranks_) {
+      const std::string& h = ctx_->host_ids()[w];
+      if (std::find(hosts.begin(), hosts.end(), h) != hosts.end())
+        shared_host = true;
+      else
+        hosts.push_back(h);
+    }
+    all_local_ = hosts.size() == 1;
+    hierarchical_ = hosts.size() > 1 && shared_host;
+  }
   p2p_sent_.assign(world_ranks_.size(), 0);
   p2p_recv_.assign(world_ranks_.size(), 0);
 }
@@ -124,7 +137,7 @@ net::Channel& Communicator::channel(uint32_t peer, const net::OpInfo& op) {
 }
 
 void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) {
-  const auto spin = std::chrono::microseconds(ctx_->options().spin_us);
+  const auto spin = std::chrono::microseconds(std::max(0, ctx_->options().spin_us));
   net::Doorbell* bell = ctx_->doorbell();
   auto spin_until = Clock::now() + spin;
   auto next_alive_check = Clock::now() + std::chrono::milliseconds(100);
@@ -211,9 +224,10 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
     if (algo == AllreduceAlgo::kHierarchical) {
       allreduce_hier(b, count, dtype, op, info);
     } else if (algo == AllreduceAlgo::kRecursiveDoubling ||
-               (algo == AllreduceAlgo::kAuto && bytes <= ctx_->options().small_allreduce_bytes) ||
-               count < size()) {
+               (algo == AllreduceAlgo::kAuto && bytes <= small_bytes()) || count < size()) {
       allreduce_rd(b, count, dtype, op, info);
+    } else if (algo == AllreduceAlgo::kAuto && hierarchical_) {
+      allreduce_hier(b, count, dtype, op, info);
     } else {
       allreduce_ring(b, count, dtype, op, info);
     }
@@ -265,6 +279,11 @@ void Communicator::allreduce_rd(std::byte* buf, size_t count, DType dtype, Reduc
     Transfer s[1] = {make_send(r + p2, buf, bytes)};
     exchange(s, info);
   }
+}
+
+size_t Communicator::small_bytes() const {
+  size_t s = ctx_->options().small_allreduce_bytes;
+  return all_local_ ? s : std::min<size_t>(s, 16 * 1024);
 }
 
 void Communicator::ensure_hierarchy() {
@@ -336,19 +355,39 @@ void Communicator::ring_allgather(std::byte* buf, std::span<const size_t> counts
   }
 }
 
-void Communicator::reduce_scatter(void* buf, std::span<const size_t> counts, DType dtype, ReduceOp op) {
+void Communicator::reduce_scatter(const void* in, void* out, std::span<const size_t> counts, DType dtype,
+                                  ReduceOp op) {
   if (counts.size() != size())
     throw Error(ErrorKind::kInvalidArgument, "reduce_scatter: " + std::to_string(counts.size()) +
                                                  " block counts for a group of " + std::to_string(size()));
   net::OpInfo info = begin("reduce_scatter", Opcode::kReduceScatter);
-  if (size() == 1) return;
-  auto* b = static_cast<std::byte*>(buf);
+  const size_t es = dtype_size(dtype);
+  auto off = byte_offsets(counts, es);
+  const auto* src = static_cast<const std::byte*>(in);
+  auto* dst = static_cast<std::byte*>(out);
+  if (size() == 1) {
+    if (counts[0] > 0) std::memcpy(dst, src, counts[0] * es);
+    return;
+  }
   guarded(info, [&] {
-    ring_reduce_scatter(b, counts, dtype, op, info);
-    if (op == ReduceOp::AVG) {
-      auto off = byte_offsets(counts, dtype_size(dtype));
-      finish_average(b + off[rank_], counts[rank_], dtype, size());
+    // The ring of ring_reduce_scatter, but partial sums live in two scratch blocks (one being
+    // sent while the next is received) instead of a full-size copy of the input.
+    const uint32_t n = size(), r = rank_;
+    const uint32_t next = (r + 1) % n, prev = (r + n - 1) % n;
+    const size_t block = *std::max_element(counts.begin(), counts.end()) * es;
+    scratch_.resize(2 * block);
+    std::byte* work[2] = {scratch_.data(), scratch_.data() + block};
+    for (uint32_t s = 0; s + 1 < n; ++s) {
+      uint32_t sb = (r + 2 * n - 1 - s) % n;
+      uint32_t rb = (r + 2 * n - 2 - s) % n;
+      const std::byte* send_from = s == 0 ? src + off[sb] : work[(s + 1) % 2];
+      std::byte* recv_into = s + 2 == n ? dst : work[s % 2];
+      if (counts[rb] > 0) std::memcpy(recv_into, src + off[rb], counts[rb] * es);
+      Transfer ts[2] = {make_send(next, send_from, counts[sb] * es),
+                        make_recv_reduce(prev, recv_into, counts[rb] * es, dtype, op)};
+      exchange(ts, info);
     }
+    if (op == ReduceOp::AVG) finish_average(dst, counts[r], dtype, size());
   });
 }
 
@@ -417,7 +456,7 @@ void Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, uin
   auto* b = static_cast<std::byte*>(buf);
   const size_t es = dtype_size(dtype);
   guarded(info, [&] {
-    if (count * es <= ctx_->options().small_allreduce_bytes || count < size()) {
+    if (count * es <= small_bytes() || count < size()) {
       allreduce_rd(b, count, dtype, op, info);
       return;
     }

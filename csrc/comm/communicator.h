@@ -49,9 +49,9 @@ class Communicator {
   // In place on buf (count elements).
   void allreduce(void* buf, size_t count, DType dtype, ReduceOp op,
                  AllreduceAlgo algo = AllreduceAlgo::kAuto);
-  // In place on buf laid out as size() blocks of counts[i] elements; afterwards block rank()
-  // holds the reduction of everyone's block rank(); other blocks are scratch.
-  void reduce_scatter(void* buf, std::span<const size_t> counts, DType dtype, ReduceOp op);
+  // `in` holds size() blocks of counts[i] elements and is left untouched; `out` receives the
+  // reduction of everyone's block rank() (counts[rank()] elements).
+  void reduce_scatter(const void* in, void* out, std::span<const size_t> counts, DType dtype, ReduceOp op);
   // buf holds size() blocks of counts[i] elements; this rank's block must be filled in.
   void allgather(void* buf, std::span<const size_t> counts, DType dtype);
   void broadcast(void* buf, size_t count, DType dtype, uint32_t root);
@@ -85,6 +85,9 @@ class Communicator {
   void ring_allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);
   void binomial_broadcast(std::byte* buf, size_t bytes, uint32_t root, const net::OpInfo& info);
   void ensure_hierarchy();
+  // Below this many bytes allreduce uses recursive doubling. Lower across hosts, where each
+  // extra full-buffer round costs link time rather than memory bandwidth.
+  size_t small_bytes() const;
 
   std::shared_ptr<Context> ctx_;
   uint64_t id_;
@@ -103,6 +106,8 @@ class Communicator {
   std::unique_ptr<Communicator> local_;
   std::unique_ptr<Communicator> leaders_;
   bool hierarchy_built_ = false;
+  bool all_local_ = true;      // every member on this rank's host
+  bool hierarchical_ = false;  // several hosts, and at least one with several members
   bool is_leader_ = false;
   Worker worker_;  // last: its thread stops before the members it uses go away
 };

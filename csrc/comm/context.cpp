@@ -1,5 +1,6 @@
 #include "comm/context.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -52,6 +53,14 @@ void Context::set_peers(std::vector<std::string> addresses, std::vector<std::str
                     std::to_string(addresses.size()) + " and " + std::to_string(host_ids.size()));
   addresses_ = std::move(addresses);
   host_ids_ = std::move(host_ids);
+  if (options_.spin_us < 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    uint32_t local = 0;
+    for (uint32_t r = 0; r < size_; ++r) local += same_host(r, rank_) ? 1 : 0;
+    options_.spin_us = static_cast<int>(local) > cpus ? 0 : 20;
+  }
   if (options_.shm) {
     Deadline deadline = Deadline::after(options_.timeout_s);
     for (uint32_t r = 0; r < size_; ++r)

@@ -123,6 +123,9 @@ class _State:
     machine_rank: int
     machine_size: int
     timeout: float
+    # Rank 0 may host the TCPStore server: it must live as long as rumor does, for the peers
+    # that still talk to it and for a later init_process_group() sharing it (multi_tenant).
+    store: object = None
     next_group_id: int = 1
     groups: list = field(default_factory=list)
 
@@ -183,6 +186,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         opts.spin_us = int(os.environ["RUMOR_SPIN_US"])
 
     host = _host_id()
+    store = None
     if env.size == 1:
         token = os.urandom(16)
         ctx = _C.Context(0, 1, token, opts, 0)
@@ -222,6 +226,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         machine_rank=order.index(hosts[env.rank]),
         machine_size=len(order),
         timeout=float(timeout),
+        store=store,
     )
     _generation += 1
 

@@ -204,7 +204,7 @@ def _shapes(t: torch.Tensor, code: int, g: Group, what: str) -> List[tuple]:
     return shapes
 
 
-def _allgather(t, group, nonblocking, what):
+def _allgather(t, group, out, nonblocking, what):
     code = check_tensor(t, what)
     g = _comm(group, what)
     n = g.size()
@@ -221,7 +221,7 @@ def _allgather(t, group, nonblocking, what):
     per_row = 1
     for d in tail:
         per_row *= d
-    out = torch.empty((sum(rows),) + tuple(tail), dtype=t.dtype)
+    out = _check_out(out, t.dtype, (sum(rows),) + tuple(tail), what)
     start = sum(rows[: g._comm.rank])
     out[start : start + rows[g._comm.rank]].copy_(t)
     counts = [r_ * per_row for r_ in rows]
@@ -229,14 +229,15 @@ def _allgather(t, group, nonblocking, what):
     return _run(nonblocking, issue, (out,), lambda: out)
 
 
-def allgather(t, group=None):
-    """Concatenates every rank's t along dim 0 (the first dim may differ between ranks)."""
-    return _allgather(t, group, False, "rumor.allgather")
+def allgather(t, group=None, *, out=None):
+    """Concatenates every rank's t along dim 0 (the first dim may differ between ranks).
+    out= (contiguous, of the concatenated shape) receives the result instead of a new tensor."""
+    return _allgather(t, group, out, False, "rumor.allgather")
 
 
-def allgather_nonblocking(t, group=None) -> Handle:
+def allgather_nonblocking(t, group=None, *, out=None) -> Handle:
     """Like allgather; the small shape exchange runs before it returns, the data asynchronously."""
-    return _allgather(t, group, True, "rumor.allgather_nonblocking")
+    return _allgather(t, group, out, True, "rumor.allgather_nonblocking")
 
 
 # ---- reduce_scatter ----------------------------------------------------------------------------
@@ -245,7 +246,17 @@ def _split_rows(rows: int, n: int) -> List[int]:
     return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
 
 
-def _reduce_scatter(t, op, group, nonblocking, what):
+def _check_out(out, dtype, shape, what):
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    check_tensor(out, what)
+    if out.dtype != dtype or tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+        raise ValueError(f"{what}: out must be a contiguous {dtype} tensor of shape {list(shape)}, "
+                         f"got {out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ' (non-contiguous)'}")
+    return out
+
+
+def _reduce_scatter(t, op, group, out, nonblocking, what):
     code = check_tensor(t, what)
     g = _comm(group, what)
     o = _op(op, what)
@@ -254,21 +265,22 @@ def _reduce_scatter(t, op, group, nonblocking, what):
     n = g.size()
     rows = _split_rows(t.shape[0], n)
     per_row = t[0].numel() if t.shape[0] > 0 else 0
-    buf = t.contiguous().clone()
+    src = _contig(t)
     me = g._comm.rank
-    start = sum(rows[:me])
-    issue = lambda nb: g._comm.reduce_scatter(address(buf), [r * per_row for r in rows], code, o, nb)
-    return _run(nonblocking, issue, (buf,), lambda: buf[start : start + rows[me]].clone())
+    res = _check_out(out, t.dtype, (rows[me],) + tuple(t.shape[1:]), what)
+    issue = lambda nb: g._comm.reduce_scatter(address(src), address(res), [r * per_row for r in rows], code, o, nb)
+    return _run(nonblocking, issue, (src, res), lambda: res)
 
 
-def reduce_scatter(t, op=ReduceOp.AVG, group=None):
+def reduce_scatter(t, op=ReduceOp.AVG, group=None, *, out=None):
     """Reduces t over the group and returns this rank's block of dim 0 (blocks as in
-    torch.tensor_split: the first dim0 % n ranks get one row more)."""
-    return _reduce_scatter(t, op, group, False, "rumor.reduce_scatter")
+    torch.tensor_split: the first dim0 % n ranks get one row more). t is not modified; out=
+    (contiguous, of the block's shape) receives the result instead of a new tensor."""
+    return _reduce_scatter(t, op, group, out, False, "rumor.reduce_scatter")
 
 
-def reduce_scatter_nonblocking(t, op=ReduceOp.AVG, group=None) -> Handle:
-    return _reduce_scatter(t, op, group, True, "rumor.reduce_scatter_nonblocking")
+def reduce_scatter_nonblocking(t, op=ReduceOp.AVG, group=None, *, out=None) -> Handle:
+    return _reduce_scatter(t, op, group, out, True, "rumor.reduce_scatter_nonblocking")
 
 
 # ---- alltoall ----------------------------------------------------------------------------------

@@ -101,6 +101,7 @@ def run(fn: Callable, world_size: int, timeout: float = 60, env: Optional[Dict[s
       in the returned list is None.
     raw: return the list of RankResult instead of raising on the first problem.
     """
+    __tracebackhide__ = True
     assert 1 <= world_size <= 8
     if rank_env is not None:
         assert len(rank_env) == world_size
@@ -269,24 +270,18 @@ class Checker:
             self.failures.append(what)
 
     def equal(self, actual, expected, what: str) -> None:
-        import torch
-
+        """Same dtype, same shape, same values (bit-exact for floats, NaN == NaN)."""
         self.count += 1
-        try:
-            torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
-        except AssertionError as e:
-            if len(self.failures) < self.limit:
-                self.failures.append(f"{what}: {_short(e)}")
+        msg = compare(actual, expected, exact=True)
+        if msg and len(self.failures) < self.limit:
+            self.failures.append(f"{what}: {msg}")
 
     def close(self, actual, expected, what: str, rtol=None, atol=None) -> None:
-        import torch
-
+        """Same dtype and shape, values within rtol/atol (torch.testing's defaults per dtype)."""
         self.count += 1
-        try:
-            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
-        except AssertionError as e:
-            if len(self.failures) < self.limit:
-                self.failures.append(f"{what}: {_short(e)}")
+        msg = compare(actual, expected, exact=False, rtol=rtol, atol=atol)
+        if msg and len(self.failures) < self.limit:
+            self.failures.append(f"{what}: {msg}")
 
     def raises(self, exc_types, fn, what: str, match: Optional[str] = None):
         """fn() must raise one of exc_types (and mention `match`); returns the exception."""
@@ -304,6 +299,44 @@ class Checker:
         return None
 
 
+_DEFAULT_TOL = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5), "float32": (1.3e-6, 1e-5),
+                "float64": (1e-7, 1e-7)}
+
+
+def compare(actual, expected, exact: bool, rtol=None, atol=None) -> Optional[str]:
+    """None if actual matches expected, else a short description of the first mismatches.
+    (torch.testing.assert_close costs most of a second per process to import its helpers.)"""
+    import torch
+
+    if not isinstance(actual, torch.Tensor):
+        return f"expected a tensor, got {type(actual).__name__}"
+    if actual.dtype != expected.dtype:
+        return f"dtype {actual.dtype}, expected {expected.dtype}"
+    if actual.shape != expected.shape:
+        return f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    if actual.numel() == 0:
+        return None
+    a, e = actual.detach(), expected.detach()
+    if exact or not a.dtype.is_floating_point:
+        if a.dtype.is_floating_point:
+            bad = ~((a == e) | (torch.isnan(a) & torch.isnan(e)))
+        else:
+            bad = a != e
+    else:
+        d_rtol, d_atol = _DEFAULT_TOL[dname(a.dtype)]
+        rtol = d_rtol if rtol is None else rtol
+        atol = d_atol if atol is None else atol
+        bad = ~torch.isclose(a.double(), e.double(), rtol=rtol, atol=atol, equal_nan=True)
+    nbad = int(bad.sum())
+    if nbad == 0:
+        return None
+    idx = bad.reshape(-1).nonzero()[:4].reshape(-1).tolist()
+    af, ef = a.reshape(-1), e.reshape(-1)
+    sample = ", ".join(f"[{i}] {af[i].item()!r} vs {ef[i].item()!r}" for i in idx)
+    kind = "exactly" if exact else f"within rtol={rtol}, atol={atol}"
+    return f"{nbad} of {a.numel()} elements differ ({kind}); first: {sample}"
+
+
 def _names(exc_types) -> str:
     if isinstance(exc_types, tuple):
         return " or ".join(t.__name__ for t in exc_types)
@@ -317,6 +350,7 @@ def _short(e: BaseException) -> str:
 
 def assert_no_failures(results, what: str = "") -> int:
     """results: per-rank (failures, count) pairs from Checker; raises listing every failure."""
+    __tracebackhide__ = True
     lines = []
     total = 0
     for r, res in enumerate(results):
