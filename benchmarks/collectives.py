@@ -23,8 +23,8 @@ How it measures
   elapsed time / reps. Reported: median over samples and min-max.
   Both libraries are called through their public APIs, in place where the API allows:
     allreduce       rumor.allreduce_(x, SUM)          dist.all_reduce(x, SUM)
-    allgather       rumor.allgather(x)  (allocates)   dist.all_gather_single(out, x)
-    reduce_scatter  rumor.reduce_scatter(x, SUM)      dist.reduce_scatter_single(out, x, SUM)
+    allgather       rumor.allgather(x, out=out)       dist.all_gather_single(out, x)
+    reduce_scatter  rumor.reduce_scatter(x, SUM, out=out)  dist.reduce_scatter_single(out, x, SUM)
   Sizes are the full buffer: allreduce input, allgather output, reduce_scatter input.
   algbw = size / time.  busbw = algbw * 2(n-1)/n for allreduce, algbw * (n-1)/n for allgather
   and reduce_scatter (the nccl-tests convention: the bytes each rank's link must carry).
@@ -244,16 +244,6 @@ def _worker(cfg: Dict, rank: int) -> int:
     import rumor
 
     td = datetime.timedelta(seconds=cfg["rumor_timeout"])
-    # Workaround (rumor 0.1.0): rumor.init() does not keep its TCPStore referenced, so on rank 0 the
-    # multi-tenant store server stops when init() returns; init_process_group() then starts a new
-    # one on the same port while the other ranks' clients may still talk to the old one
-    # ("Failed to recv, got 0 bytes" / "Connection reset by peer", seen often between
-    # namespaces). Holding one more reference to the server on rank 0 keeps it up for both.
-    keep_store = None  # noqa: F841 (only has to stay alive)
-    if rank == 0 and not cfg.get("no_store_workaround"):
-        keep_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                   int(os.environ["WORLD_SIZE"]), is_master=True, timeout=td,
-                                   wait_for_workers=False, multi_tenant=True)
     rumor.init(timeout=cfg["rumor_timeout"])
     dist.init_process_group("gloo", timeout=td)
     n = rumor.size()
@@ -293,19 +283,20 @@ def _worker(cfg: Dict, rank: int) -> int:
         elif op == "allgather":
             tmpl = _template(per, rank, salt)
             out_g = torch.empty(numel, dtype=torch.float32)
-            last = {}
-            fns = {"rumor": lambda: last.__setitem__("rumor", rumor.allgather(tmpl)),
+            out_r = torch.empty(numel, dtype=torch.float32)
+            # Both libraries write into preallocated outputs.
+            fns = {"rumor": lambda: rumor.allgather(tmpl, out=out_r),
                    "gloo": lambda: ag_single(out_g, tmpl)}
-            results = {"rumor": lambda: last["rumor"], "gloo": lambda: out_g}
+            results = {"rumor": lambda: out_r, "gloo": lambda: out_g}
             refill = lambda v: None
         else:  # reduce_scatter
             tmpl = _template(numel, rank, salt)
             out_g = torch.empty(per, dtype=torch.float32)
+            out_r = torch.empty(per, dtype=torch.float32)
             in_g = tmpl.clone()
-            last = {}
-            fns = {"rumor": lambda: last.__setitem__("rumor", rumor.reduce_scatter(tmpl, op=SUM)),
+            fns = {"rumor": lambda: rumor.reduce_scatter(tmpl, op=SUM, out=out_r),
                    "gloo": lambda: rs_single(out_g, in_g, op=dist.ReduceOp.SUM)}
-            results = {"rumor": lambda: last["rumor"], "gloo": lambda: out_g}
+            results = {"rumor": lambda: out_r, "gloo": lambda: out_g}
             refill = lambda v: in_g.copy_(tmpl) if v == "gloo" else None
         variants = list(fns)
 
@@ -413,7 +404,6 @@ class Job:
         cfg = dict(ops=self.ops, sizes=self.sizes, iters=a.iters, warmup=a.warmup,
                    target_s=a.target_ms / 1e3, max_reps=a.max_reps, rumor_timeout=a.rumor_timeout,
                    hierarchical=(self.cluster is not None and self.rph > 1),
-                   no_store_workaround=a.no_store_workaround,
                    dump_after=max(10, a.job_timeout - 10))
         cfg_path = os.path.join(self.workdir, f"cfg-{self.n}.json")
         with open(cfg_path, "w") as f:
@@ -655,8 +645,6 @@ def main(argv=None) -> int:
     ap.add_argument("--job-timeout", type=float, default=3600.0, help="deadline of each job (seconds)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--no-store-workaround", action="store_true",
-                    help="do not hold rank 0's TCPStore open around rumor.init() (see _worker)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:

@@ -13,6 +13,7 @@
 #include "comm/communicator.h"
 #include "comm/context.h"
 #include "core/reduce.h"
+#include "engine/bucket_engine.h"
 #include "net/handshake.h"
 #include "net/socket.h"
 
@@ -193,4 +194,39 @@ PYBIND11_MODULE(_C, m) {
              return dispatch(c, nb, [&c, buf, bytes, src] { c.recv(ptr(buf), bytes, src); });
            })
       .def("abort", &C::abort);
+
+  py::class_<BucketOp, std::shared_ptr<BucketOp>>(m, "BucketOp")
+      .def_property_readonly("name", &BucketOp::name);
+  m.def(
+      "allreduce_op",
+      [](int op, int algo) -> std::shared_ptr<BucketOp> {
+        return std::make_shared<AllreduceBucketOp>(to_op(op), static_cast<AllreduceAlgo>(algo));
+      },
+      py::arg("op"), py::arg("algo"), "Bucket op: in-place allreduce of the flat bucket.");
+
+  py::class_<BucketEngine, std::shared_ptr<BucketEngine>>(m, "BucketEngine")
+      .def(py::init<std::shared_ptr<Communicator>>())
+      .def(
+          "set_buckets",
+          [](BucketEngine& e,
+             const std::vector<std::tuple<uintptr_t, size_t, int, uint32_t, std::shared_ptr<BucketOp>>>&
+                 specs) {
+            std::vector<BucketSpec> v;
+            for (const auto& [data, count, dtype, slots, op] : specs)
+              v.push_back(BucketSpec{data, count, to_dtype(dtype), slots, op});
+            e.set_buckets(std::move(v));
+          },
+          "[(address, count, dtype code, parameters, op)]")
+      .def_property_readonly("num_buckets", &BucketEngine::num_buckets)
+      .def("mark_ready", &BucketEngine::mark_ready)
+      .def("launch_all", &BucketEngine::launch_all, py::call_guard<py::gil_scoped_release>())
+      .def("incomplete", &BucketEngine::incomplete)
+      .def("idle", &BucketEngine::idle)
+      .def(
+          "finish",
+          [](BucketEngine& e, double timeout_s) {
+            py::gil_scoped_release nogil;
+            e.finish(Deadline::after(timeout_s));
+          },
+          py::arg("timeout"));
 }

@@ -37,6 +37,8 @@ from .collectives import (  # noqa: F401
     send,
     synchronize,
 )
+from . import algorithms  # noqa: F401
+from .parallel import DistributedDataParallel  # noqa: F401
 from .errors import AbortedError, CommTimeoutError, PeerError, ProtocolError, RumorError  # noqa: F401
 
 __version__ = "0.1.0"

@@ -129,7 +129,8 @@ def run(fn: Callable, world_size: int, timeout: float = 60, env: Optional[Dict[s
         # Poll (which also reaps exited ranks promptly: rumor notices a dead peer on the same
         # host through kill(pid, 0), which a zombie would still answer).
         while True:
-            if all(p.poll() is not None for p in procs):
+            # Poll every rank each time (no short-circuit), so none stays a zombie.
+            if all([p.poll() is not None for p in procs]):
                 break
             if time.monotonic() >= deadline:
                 break

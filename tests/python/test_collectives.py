@@ -37,7 +37,21 @@ def _sizes(dtype, profile):
     thr = SMALL_ALLREDUCE_BYTES // torch.tensor([], dtype=dtype).element_size()
     if profile == "full":
         return [0, 1, 7, 1023, thr, thr + 1]
-    return [0, 1, 1023, thr + 1]
+    if profile == "reduced":
+        return [0, 1, 1023, thr + 1]
+    return [0, 7, thr + 1]
+
+
+def _dtypes(profile):
+    import torch
+
+    if profile == "minimal":
+        return [torch.float32, torch.bfloat16, torch.uint8, torch.int64]
+    return harness.dtypes()
+
+
+def _ops(profile):
+    return ["SUM", "AVG", "MAX"] if profile == "minimal" else OPS
 
 
 def _init_gloo():
@@ -65,8 +79,8 @@ def _reducing_cases(chk, n, r, profile, key):
     import rumor
 
     idx = 0
-    for dtype in harness.dtypes():
-        for op in OPS:
+    for dtype in _dtypes(profile):
+        for op in _ops(profile):
             for size in _sizes(dtype, profile):
                 idx += 1
                 case = f"[{key}] {dname(dtype)} {op} numel={size}"
@@ -109,7 +123,7 @@ def _copying_cases(chk, n, r, profile, key):
     import torch
 
     idx = 0
-    for dtype in harness.dtypes():
+    for dtype in _dtypes(profile):
         sizes = _sizes(dtype, profile) + [LARGE_BROADCAST_BYTES // torch.tensor([], dtype=dtype).element_size()]
         for size in sizes:
             idx += 1
@@ -275,9 +289,10 @@ def test_matrix_shared_memory(world_size):
     harness.assert_no_failures(res)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_matrix_tcp(world_size):
-    """The same over TCP on one host (RUMOR_SHM=0), default two streams per peer."""
+    """The same over TCP on one host (RUMOR_SHM=0), default two streams per peer (three ranks
+    over TCP: see the socket-streams tests)."""
     res = harness.run(matrix_rank, world_size, timeout=240, env={"RUMOR_SHM": "0"},
                       args=("reduced", f"tcp{world_size}", True, False))
     harness.assert_no_failures(res)
@@ -288,14 +303,14 @@ def test_matrix_tcp_socket_streams(streams):
     """One and four TCP streams per peer pair; the large cases stripe messages >= 256 KiB."""
     res = harness.run(matrix_rank, 3, timeout=240,
                       env={"RUMOR_SHM": "0", "RUMOR_SOCKET_STREAMS": str(streams)},
-                      args=("reduced", f"streams{streams}", True, False))
+                      args=("minimal", f"streams{streams}", True, False))
     harness.assert_no_failures(res)
 
 
 def test_matrix_small_shm_ring():
     """A 64 KiB shared-memory ring: every large message wraps around the ring many times."""
     res = harness.run(matrix_rank, 3, timeout=240, env={"RUMOR_SHM_RING_BYTES": str(64 * 1024)},
-                      args=("reduced", "smallring", True, False))
+                      args=("minimal", "smallring", True, False))
     harness.assert_no_failures(res)
 
 
@@ -311,13 +326,14 @@ def algorithms_rank(key: str, hosts):
     _rank_queries(chk, n, r, hosts)
     variants = [("default", {}), ("ring", {"algorithm": "ring"}),
                 ("recursive_doubling", {"algorithm": "recursive_doubling"}),
-                ("hierarchical=True", {"hierarchical": True}), ("algorithm=hierarchical", {"algorithm": "hierarchical"}),
-                ("auto", {"algorithm": "auto"})]
+                ("hierarchical=True", {"hierarchical": True}), ("algorithm=hierarchical", {"algorithm": "hierarchical"})]
     for vname, kw in variants:
-        for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.int32,
-                      torch.float64]:
+        dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8]
+        if vname in ("default", "algorithm=hierarchical"):
+            dtypes = [torch.float32, torch.int32]  # the alias; "default" is the matrix's subject
+        for dtype in dtypes:
             sizes = [0, 1, 3, 7, 1023, SMALL_ALLREDUCE_BYTES // torch.tensor([], dtype=dtype).element_size() + 1]
-            if dtype in (torch.float32, torch.int64):
+            if dtype == torch.float32:
                 sizes.append(300001)  # > 256 KiB: striped on TCP, several shm ring fills
             for op in OPS:
                 for size in sizes:

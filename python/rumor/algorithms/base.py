@@ -1,0 +1,66 @@
+"""The Algorithm extension point of rumor.DistributedDataParallel (see docs/algorithms.md)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..parallel import Bucket, DistributedDataParallel
+
+
+class Algorithm:
+    """Decides what the training engine communicates and how.
+
+    The engine owns the mechanics: gradients live as views into flat bucket buffers, each
+    parameter's post-accumulate-grad hook marks it ready, complete buckets are handed, in bucket
+    order, to the C++ comm thread while backward goes on, and the end of backward waits for them.
+    An algorithm chooses:
+
+    - ``plan_buckets``: how parameters are grouped into buckets (default: by dtype, in the order
+      gradients become ready, capped at bucket_cap_mb with a small first bucket);
+    - ``bucket_op``: which C++ op runs on a bucket (``rumor._C.allreduce_op(...)`` and, as
+      algorithms are added, their own ops);
+    - hooks around the step: ``init`` (once, after wrapping), ``before_forward``,
+      ``after_backward`` (after every bucket finished) and ``after_step`` (after optimizer.step,
+      when an optimizer was given to the wrapper).
+    """
+
+    def init(self, ddp: "DistributedDataParallel") -> None:
+        """Called once, after parameters were broadcast and buckets built."""
+
+    def plan_buckets(self, ddp: "DistributedDataParallel", params: List, cap_bytes: int,
+                     first_cap_bytes: int) -> List[List[int]]:
+        """Returns lists of indices into ``params`` (given in expected ready order), one list per
+        bucket, each of a single dtype. Buckets are launched in the order returned."""
+        return default_bucket_plan(params, cap_bytes, first_cap_bytes)
+
+    def bucket_op(self, ddp: "DistributedDataParallel", bucket: "Bucket"):
+        raise NotImplementedError
+
+    def before_forward(self, ddp: "DistributedDataParallel") -> None:
+        pass
+
+    def after_backward(self, ddp: "DistributedDataParallel") -> None:
+        pass
+
+    def after_step(self, ddp: "DistributedDataParallel") -> None:
+        pass
+
+
+def default_bucket_plan(params: List, cap_bytes: int, first_cap_bytes: int) -> List[List[int]]:
+    """Consecutive parameters of one dtype share a bucket until it would exceed its cap; the very
+    first bucket is capped lower so that communication starts early in backward."""
+    buckets: List[List[int]] = []
+    open_by_dtype = {}  # dtype -> (bucket index, bytes so far)
+    for i, p in enumerate(params):
+        nbytes = p.numel() * p.element_size()
+        cur = open_by_dtype.get(p.dtype)
+        if cur is not None:
+            b, used = cur
+            bucket_cap = first_cap_bytes if b == 0 else cap_bytes
+            if used + nbytes <= bucket_cap or used == 0:
+                buckets[b].append(i)
+                open_by_dtype[p.dtype] = (b, used + nbytes)
+                continue
+        buckets.append([i])
+        open_by_dtype[p.dtype] = (len(buckets) - 1, nbytes)
+    return buckets

@@ -1,0 +1,285 @@
+"""rumor.DistributedDataParallel: data-parallel training on rumor's C++ engine."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from . import _C, _runtime
+from ._runtime import Group, _comm
+from ._tensor import SUPPORTED_DTYPES, address, dtype_code
+from .algorithms import Algorithm, GradientAllReduce
+from .collectives import allgather, broadcast_
+
+_MB = 1024 * 1024
+
+
+@dataclass
+class Bucket:
+    """A flat buffer whose slices are the .grad of ``params`` (views: no copy to communicate)."""
+
+    index: int
+    flat: torch.Tensor
+    params: List[torch.nn.Parameter]
+    names: List[str]
+    offsets: List[int]
+
+
+def _coalesced_broadcast(tensors: List[torch.Tensor], group: Group) -> None:
+    """Broadcasts tensors from the group's first rank, one message per dtype."""
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    root = group.ranks[0]
+    for dtype in sorted(by_dtype, key=str):  # same order on every rank
+        ts = by_dtype[dtype]
+        if dtype not in SUPPORTED_DTYPES:
+            if dtype == torch.bool:
+                flat = torch.cat([t.detach().reshape(-1).to(torch.uint8) for t in ts])
+                broadcast_(flat, root, group)
+                flat = flat.to(torch.bool)
+            else:
+                raise TypeError(f"rumor.DistributedDataParallel: cannot broadcast {dtype} parameters or buffers")
+        else:
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            broadcast_(flat, root, group)
+        off = 0
+        with torch.no_grad():
+            for t in ts:
+                n = t.numel()
+                t.copy_(flat[off:off + n].view_as(t))
+                off += n
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wraps a module for data-parallel training with rumor.
+
+    Parameters and buffers are broadcast from rank 0 when wrapping (and buffers before every
+    forward in training mode if broadcast_buffers). During backward, gradients are averaged by
+    the algorithm (default GradientAllReduce) bucket by bucket, overlapped with the rest of
+    backward; when loss.backward() returns, every rank holds the same gradients.
+
+    Parameters listed in ``module._ddp_params_and_buffers_to_ignore`` (names, as for torch DDP)
+    and parameters with requires_grad=False are neither broadcast nor averaged.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 algorithm: Optional[Algorithm] = None, bucket_cap_mb: float = 25,
+                 first_bucket_mb: float = 1, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True, group: Optional[Group] = None):
+        super().__init__()
+        if not _runtime.is_initialized():
+            raise RuntimeError("rumor.DistributedDataParallel: call rumor.init() before wrapping a model")
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"rumor.DistributedDataParallel: expected a torch.nn.Module, got {type(module).__name__}")
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError("rumor.DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be positive")
+        if algorithm is not None and not isinstance(algorithm, Algorithm):
+            raise TypeError("rumor.DistributedDataParallel: algorithm must be a rumor.algorithms.Algorithm")
+        self.module = module
+        self.optimizer = optimizer
+        self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.group = _comm(group, "rumor.DistributedDataParallel")
+        self._timeout = _runtime._get().timeout
+        self._cap_bytes = int(bucket_cap_mb * _MB)
+        self._first_cap_bytes = int(first_bucket_mb * _MB)
+
+        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
+        self._check_no_sparse(module)
+        for n, p in named:
+            if p.device.type != "cpu":
+                raise ValueError(f"rumor.DistributedDataParallel: parameter {n} is on {p.device}; "
+                                 "this build supports CPU tensors only")
+        self._verify_same_model(named)
+        self._synced_params = [p for _, p in named]
+        self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in ignore]
+        _coalesced_broadcast([p.data for p in self._synced_params] + self._buffers_to_sync, self.group)
+
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        self._names = [n for n, _ in trainable]
+        self._params = [p for _, p in trainable]
+        for n, p in trainable:
+            dtype_code(p.dtype, f"rumor.DistributedDataParallel (parameter {n})")
+        self._engine = _C.BucketEngine(self.group._comm)
+        self._require_sync = True
+        self._marked = [False] * len(self._params)
+        self._ready_order: List[int] = []
+        self._callback_queued = False
+        self._rebuilt = False
+        self.buckets: List[Bucket] = []
+        self._bucket_of: List[int] = [0] * len(self._params)
+        self._views: List[Optional[torch.Tensor]] = [None] * len(self._params)
+        # Before the first backward, assume gradients arrive in reverse definition order.
+        self._build_buckets(list(reversed(range(len(self._params)))))
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                              for i, p in enumerate(self._params)]
+        if optimizer is not None:
+            self._step_hook = optimizer.register_step_post_hook(lambda *_: self.algorithm.after_step(self))
+        self.algorithm.init(self)
+
+    # ---- setup ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_no_sparse(module):
+        for name, m in module.named_modules():
+            if getattr(m, "sparse", False) is True:
+                raise NotImplementedError(
+                    f"rumor.DistributedDataParallel: module {name or type(m).__name__} produces sparse "
+                    "gradients (sparse=True), which rumor does not support yet; use sparse=False")
+
+    def _verify_same_model(self, named):
+        """Every rank must wrap the same parameter shapes: fail at wrap time, on every rank."""
+        sig = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in named)
+        digest = int.from_bytes(hashlib.sha256(sig.encode()).digest()[:8], "little", signed=True)
+        mine = torch.tensor([[len(named), digest]], dtype=torch.int64)
+        every = allgather(mine, self.group)
+        if not bool((every == every[0]).all()):
+            rows = ", ".join(f"rank {self.group.ranks[i]}: {int(every[i, 0])} parameters (signature {int(every[i, 1]) & 0xffffffff:08x})"
+                             for i in range(every.shape[0]))
+            raise ValueError("rumor.DistributedDataParallel: the wrapped models differ across ranks "
+                             f"(parameter names, shapes, dtypes or requires_grad): {rows}")
+
+    def _build_buckets(self, order: List[int]) -> None:
+        """(Re)creates the flat buffers in the given ready order and points every .grad at its
+        slice, keeping whatever gradient values the parameters hold now."""
+        ordered = [self._params[i] for i in order]
+        plan = self.algorithm.plan_buckets(self, ordered, self._cap_bytes, self._first_cap_bytes)
+        seen = sorted(j for b in plan for j in b)
+        if seen != list(range(len(ordered))):
+            raise ValueError("Algorithm.plan_buckets must place every parameter in exactly one bucket")
+        buckets, specs = [], []
+        for bi, members in enumerate(plan):
+            idx = [order[j] for j in members]
+            dtypes = {self._params[i].dtype for i in idx}
+            if len(dtypes) != 1:
+                raise ValueError(f"Algorithm.plan_buckets: bucket {bi} mixes dtypes {dtypes}")
+            dtype = dtypes.pop()
+            total = sum(self._params[i].numel() for i in idx)
+            flat = torch.zeros(total, dtype=dtype)
+            offsets, off = [], 0
+            for i in idx:
+                p = self._params[i]
+                view = flat[off:off + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._views[i] = view
+                self._bucket_of[i] = bi
+                offsets.append(off)
+                off += p.numel()
+            bucket = Bucket(bi, flat, [self._params[i] for i in idx], [self._names[i] for i in idx], offsets)
+            buckets.append(bucket)
+            specs.append((address(flat), total, dtype_code(dtype, "bucket"), len(idx),
+                          self.algorithm.bucket_op(self, bucket)))
+        self._engine.set_buckets(specs)
+        self.buckets = buckets
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if not self._require_sync:
+                return
+            grad = p.grad
+            if grad.is_sparse:
+                raise NotImplementedError(f"rumor.DistributedDataParallel: parameter {self._names[i]} got a "
+                                          "sparse gradient; sparse gradients are not supported yet")
+            view = self._views[i]
+            if grad.data_ptr() != view.data_ptr():
+                # .grad was replaced (zero_grad(set_to_none=True), or assigned): move it back
+                # into the bucket so that the bucket carries it.
+                view.copy_(grad)
+                p.grad = view
+            if self._marked[i]:
+                raise RuntimeError(f"rumor.DistributedDataParallel: parameter {self._names[i]} received two "
+                                   "gradients in one backward pass (is it used in a loop with "
+                                   "retain_graph, or was backward called twice before the step?)")
+            self._marked[i] = True
+            if not self._rebuilt:
+                self._ready_order.append(i)
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._engine.mark_ready(self._bucket_of[i])
+
+        return hook
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        unmarked = [i for i, m in enumerate(self._marked) if not m]
+        self._marked = [False] * len(self._params)
+        if unmarked:
+            if not self.find_unused_parameters:
+                names = ", ".join(self._names[i] for i in unmarked[:10])
+                # Finish the iteration (as all ranks do) so the engine is ready for the next one.
+                self._engine.launch_all()
+                self._engine.finish(self._timeout)
+                raise RuntimeError(
+                    f"rumor.DistributedDataParallel: parameters [{names}] received no gradient in this "
+                    "backward pass; if the model has parameters that are not used every iteration, "
+                    "wrap it with find_unused_parameters=True")
+            with torch.no_grad():
+                for i in unmarked:
+                    p = self._params[i]
+                    if p.grad is None or p.grad.data_ptr() != self._views[i].data_ptr():
+                        # Contributes zeros; after the allreduce it holds the others' average.
+                        self._views[i].zero_()
+                        p.grad = self._views[i]
+            self._engine.launch_all()
+        self._engine.finish(self._timeout)
+        if not self._rebuilt:
+            self._rebuild_in_ready_order()
+        self.algorithm.after_backward(self)
+
+    def _rebuild_in_ready_order(self) -> None:
+        """After the first iteration, buckets follow the order in which gradients really became
+        ready, as seen by the group's first rank (every rank must use the same buckets)."""
+        self._rebuilt = True
+        order = list(dict.fromkeys(self._ready_order))
+        order += [i for i in range(len(self._params)) if i not in set(order)]
+        t = torch.tensor(order, dtype=torch.int64)
+        broadcast_(t, self.group.ranks[0], self.group)
+        order = t.tolist()
+        self._ready_order = []
+        if order != list(reversed(range(len(self._params)))):
+            self._build_buckets(order)
+
+    # ---- user-facing ------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.training and self._buffers_to_sync and torch.is_grad_enabled():
+            _coalesced_broadcast(self._buffers_to_sync, self.group)
+        self.algorithm.before_forward(self)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients of backward passes inside accumulate locally; the first backward outside
+        communicates the accumulated sum."""
+        old = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = old
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict, with its own keys (no 'module.' prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":  # not set yet (inside __init__)
+                raise
+            return getattr(self.module, name)
