@@ -172,7 +172,9 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) {
       spin_until = now + spin;
       continue;
     }
-    if (now < spin_until) {
+    // Spin only while every pending transfer is over shared memory: a socket wait is cheap in
+    // the kernel, and spinning on a slow link would burn a core the computation needs.
+    if (!any_tcp && now < spin_until) {
       cpu_relax();
       continue;
     }

@@ -119,6 +119,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._build_buckets(list(reversed(range(len(self._params)))))
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
+        # Sparse gradients must be refused before autograd folds them into the dense bucket view.
+        self._hook_handles += [p.register_hook(self._make_sparse_check(i)) for i, p in enumerate(self._params)]
         if optimizer is not None:
             self._step_hook = optimizer.register_step_post_hook(lambda *_: self.algorithm.after_step(self))
         self.algorithm.init(self)
@@ -182,14 +184,35 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ---- hooks ------------------------------------------------------------------------------
 
+    def _make_sparse_check(self, i: int):
+        def check(grad: torch.Tensor):
+            if grad.layout != torch.strided:
+                self._abandon_iteration()
+                raise NotImplementedError(f"rumor.DistributedDataParallel: parameter {self._names[i]} got a "
+                                          f"{grad.layout} gradient; only dense gradients are supported")
+            return None
+
+        return check
+
+    def _abandon_iteration(self) -> None:
+        """An error stops this backward on every rank alike: complete the buckets already begun
+        (the same ones everywhere) so that the next iteration starts clean."""
+        self._marked = [False] * len(self._params)
+        self._callback_queued = False
+        if not self._rebuilt:
+            self._ready_order = []
+        if not self._engine.idle():
+            self._engine.launch_all()
+        try:
+            self._engine.finish(self._timeout)
+        except Exception:  # the error being raised is the one the user needs to see
+            pass
+
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
             if not self._require_sync:
                 return
             grad = p.grad
-            if grad.is_sparse:
-                raise NotImplementedError(f"rumor.DistributedDataParallel: parameter {self._names[i]} got a "
-                                          "sparse gradient; sparse gradients are not supported yet")
             view = self._views[i]
             if grad.data_ptr() != view.data_ptr():
                 # .grad was replaced (zero_grad(set_to_none=True), or assigned): move it back
@@ -197,6 +220,7 @@ class DistributedDataParallel(torch.nn.Module):
                 view.copy_(grad)
                 p.grad = view
             if self._marked[i]:
+                self._abandon_iteration()
                 raise RuntimeError(f"rumor.DistributedDataParallel: parameter {self._names[i]} received two "
                                    "gradients in one backward pass (is it used in a loop with "
                                    "retain_graph, or was backward called twice before the step?)")

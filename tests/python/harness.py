@@ -109,7 +109,7 @@ def run(fn: Callable, world_size: int, timeout: float = 60, env: Optional[Dict[s
     assert "<" not in name, f"{name}: rank functions must be module-level (they are imported by name)"
     port = port or free_port()
     workdir = tempfile.mkdtemp(prefix="rumor-harness-")
-    procs: List[subprocess.Popen] = []
+    procs: List[_Rank] = []
     logs = []
     start = time.monotonic()
     deadline = start + timeout
@@ -123,9 +123,7 @@ def run(fn: Callable, world_size: int, timeout: float = 60, env: Optional[Dict[s
             log = open(os.path.join(workdir, f"log{r}.txt"), "w+b")
             logs.append(log)
             e = _child_env(r, world_size, port, timeout, env, rank_env[r] if rank_env else None)
-            cmd = [sys.executable, "-c", _BOOT.format(here=HERE, spec=spec_path)]
-            procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            procs.append(_start(spec_path, e, log))
         # Poll (which also reaps exited ranks promptly: rumor notices a dead peer on the same
         # host through kill(pid, 0), which a zombie would still answer).
         while True:
@@ -190,7 +188,109 @@ def _report(fn, world_size, results, bad) -> str:
     return "\n".join(lines)
 
 
-def _kill(p: subprocess.Popen) -> None:
+# ---- starting ranks ----------------------------------------------------------------------------
+#
+# Importing torch costs about two CPU seconds per process, which over a whole suite of 1-4 rank
+# runs on a two-core machine is most of its time. By default ranks are therefore forked from a
+# multiprocessing fork server that has imported torch and rumor once (a fresh, single-threaded
+# process: thread pools are pinned to one thread before it starts, and rumor creates no thread
+# before init()). Each forked rank gets its own session, environment and log file, exactly like a
+# `python -c` subprocess would. RUMOR_TEST_START=subprocess starts every rank as a fresh
+# interpreter instead.
+
+_PRELOAD = ["torch", "torch.distributed", "numpy", "rumor", "harness"]
+_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_mp_ctx = None
+
+
+class _Rank:
+    """A started rank: poll(), returncode, pid, and kill() (the rank's whole session)."""
+
+    def __init__(self, popen=None, process=None):
+        self._popen, self._process = popen, process
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid if self._popen is not None else self._process.pid
+
+    def poll(self) -> Optional[int]:
+        return self._popen.poll() if self._popen is not None else self._process.exitcode
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.poll()
+
+    def wait(self, timeout: float) -> None:
+        if self._popen is not None:
+            try:
+                self._popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            self._process.join(timeout)
+
+    def kill(self) -> None:
+        if self._popen is not None:
+            self._popen.kill()
+        else:
+            self._process.kill()
+
+
+def _start_method() -> str:
+    return os.environ.get("RUMOR_TEST_START", "forkserver")
+
+
+def _forkserver_context():
+    global _mp_ctx
+    if _mp_ctx is None:
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        # The server inherits this process's environment when it starts: start it now, with
+        # single-threaded math libraries, so that forking from it is safe.
+        saved = {k: os.environ.get(k) for k in _THREAD_ENV}
+        os.environ.update(_THREAD_ENV)
+        try:
+            forkserver.ensure_running()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        _mp_ctx = ctx
+    return _mp_ctx
+
+
+def _start(spec_path: str, env: Dict[str, str], log) -> _Rank:
+    if _start_method() == "subprocess":
+        cmd = [sys.executable, "-c", _BOOT.format(here=HERE, spec=spec_path)]
+        return _Rank(popen=subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True))
+    ctx = _forkserver_context()
+    proc = ctx.Process(target=_forked_main, args=(spec_path, env, log.name), name=os.path.basename(spec_path))
+    proc.start()
+    return _Rank(process=proc)
+
+
+def _forked_main(spec_path: str, env: Dict[str, str], log_path: str) -> None:
+    """Runs in a rank forked from the fork server: become a session of its own with its own
+    environment and output, then continue as a `python -c` rank would."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    _child_main(spec_path)
+
+
+def _kill(p: "_Rank") -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -198,10 +298,7 @@ def _kill(p: subprocess.Popen) -> None:
             p.kill()
         except ProcessLookupError:
             pass
-    try:
-        p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+    p.wait(timeout=10)
 
 
 def _rmtree(path: str) -> None:
@@ -448,3 +545,27 @@ def check_reduced(chk: "Checker", actual, expected, op: str, what: str) -> None:
         chk.close(actual, expected, what)
     else:
         chk.equal(actual, expected, what)
+
+
+def file_barrier(directory: str, name: str, timeout: float = 60.0, rank: Optional[int] = None,
+                 world: Optional[int] = None) -> None:
+    """Waits until every rank has reached the barrier `name` (through marker files in a
+    directory shared by the ranks of one run); for points where no communicator is usable.
+    rank/world default to $RANK/$WORLD_SIZE."""
+    file_barrier_arrive(directory, name, rank)
+    file_barrier_wait(directory, name, range(env_world() if world is None else world), timeout)
+
+
+def file_barrier_arrive(directory: str, name: str, rank: Optional[int] = None) -> None:
+    open(os.path.join(directory, f"{name}.{env_rank() if rank is None else rank}"), "w").close()
+
+
+def file_barrier_wait(directory: str, name: str, ranks, timeout: float = 60.0) -> None:
+    """Waits until every rank in `ranks` has arrived at `name` (with a deadline)."""
+    ranks = list(ranks)
+    end = time.monotonic() + timeout
+    while not all(os.path.exists(os.path.join(directory, f"{name}.{q}")) for q in ranks):
+        if time.monotonic() > end:
+            missing = [q for q in ranks if not os.path.exists(os.path.join(directory, f"{name}.{q}"))]
+            raise TimeoutError(f"file barrier {name!r}: ranks {missing} did not arrive within {timeout} s")
+        time.sleep(0.01)

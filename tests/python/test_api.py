@@ -3,6 +3,8 @@ the exception hierarchy. Everything that initializes rumor runs in spawned ranks
 from __future__ import annotations
 
 import os
+import tempfile
+import time
 
 import pytest
 
@@ -30,7 +32,7 @@ def test_reduce_op_and_version():
     assert not rumor.is_initialized()
 
 
-def lifecycle_rank():
+def lifecycle_rank(sync_dir):
     import torch
 
     import rumor
@@ -90,6 +92,9 @@ def lifecycle_rank():
         chk.check(h.poll(), f"cycle {cycle}: Handle.poll() after wait")
         rumor.barrier()
         rumor.shutdown()
+        # Every rank shuts down before any re-inits: the uncoordinated case is a known library
+        # race of its own (test_reinit_while_rank0_has_not_shut_down_yet).
+        harness.file_barrier(sync_dir, f"cycle{cycle}")
         chk.check(not rumor.is_initialized(), f"cycle {cycle}: is_initialized() after shutdown")
         chk.raises(RuntimeError, lambda: rumor.allreduce(x), f"cycle {cycle}: allreduce after shutdown")
     return chk.failures, chk.count
@@ -99,13 +104,14 @@ def lifecycle_rank():
 def test_lifecycle(world_size):
     """Before init everything raises RuntimeError; init twice raises; shutdown then init again
     works (three times, with different options) in the same processes."""
-    res = harness.run(lifecycle_rank, world_size, timeout=120)
+    with tempfile.TemporaryDirectory() as d:
+        res = harness.run(lifecycle_rank, world_size, timeout=120, args=(d,))
     harness.assert_no_failures(res)
 
 
 # ---- launcher environments ------------------------------------------------------------------------
 
-def launcher_env_rank():
+def launcher_env_rank(sync_dir):
     """rumor.init() reads mpirun (Open MPI), MPICH/PMI and Slurm variables as well as torchrun's."""
     import torch
 
@@ -126,6 +132,7 @@ def launcher_env_rank():
                   f"{style}: allreduce")
         rumor.barrier()
         rumor.shutdown()
+        harness.file_barrier(sync_dir, style, rank=r, world=n)  # see lifecycle_rank
         for k in env:
             del os.environ[k]
     # Nothing at all: a world of one.
@@ -137,7 +144,8 @@ def launcher_env_rank():
 
 
 def test_launcher_environments():
-    res = harness.run(launcher_env_rank, 2, timeout=120)
+    with tempfile.TemporaryDirectory() as d:
+        res = harness.run(launcher_env_rank, 2, timeout=120, args=(d,))
     harness.assert_no_failures(res)
 
 
@@ -154,3 +162,40 @@ def bad_rank_rank():
     chk.raises(ValueError, rumor.init, "init() with RANK=3 WORLD_SIZE=2")
     chk.check(not rumor.is_initialized(), "is_initialized() after a rejected init")
     return chk.failures, chk.count
+
+
+def rank0_shuts_down_last_rank(sync_dir: str):
+    """Rank 0 (which hosts the TCPStore when no launcher agent does) is the last to call
+    shutdown(): the other ranks are already inside their next init() by then."""
+    import torch
+
+    import rumor
+
+    chk = Checker()
+    r = int(os.environ["RANK"])
+    n = int(os.environ["WORLD_SIZE"])
+    for cycle in range(2):
+        rumor.init()
+        chk.equal(rumor.allreduce(torch.ones(3), rumor.ReduceOp.SUM), torch.full((3,), float(n)),
+                  f"cycle {cycle}: allreduce")
+        rumor.barrier()
+        if r == 0:
+            harness.file_barrier_wait(sync_dir, f"reinit{cycle}", [q for q in range(1, n)])
+            # Give the others a moment to reach the store. Without the bug this test passes
+            # however long that takes; with it, it can only fail when they got there first.
+            time.sleep(1.0)
+        else:
+            harness.file_barrier_arrive(sync_dir, f"reinit{cycle}")
+        rumor.shutdown()
+    rumor.init()
+    chk.equal(rumor.allreduce(torch.ones(3), rumor.ReduceOp.SUM), torch.full((3,), float(n)), "final allreduce")
+    rumor.barrier()
+    rumor.shutdown()
+    return chk.failures, chk.count
+
+
+def test_reinit_while_rank0_has_not_shut_down_yet(tmp_path):
+    """shutdown() + init() needs no coordination between ranks: a rank may start its next init()
+    before rank 0 has left the previous one."""
+    res = harness.run(rank0_shuts_down_last_rank, 3, timeout=90, args=(str(tmp_path),), env={"RUMOR_TIMEOUT": "10"})
+    harness.assert_no_failures(res)

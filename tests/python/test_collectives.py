@@ -384,7 +384,7 @@ def test_allreduce_algorithms_emulated_hosts(hosts):
     shared-memory reduce inside each host and a TCP allreduce between host leaders. The rank
     queries (local_rank, machine_rank, ...) follow the emulated hosts."""
     n = len(hosts)
-    res = harness.run(algorithms_rank, n, timeout=240, env={"RUMOR_SHM": "1"},
+    res = harness.run(algorithms_rank, n, timeout=240, env={"RUMOR_SHM": "1", "RUMOR_TIMEOUT": "15"},
                       rank_env=[{"RUMOR_HOST_ID": h} for h in hosts], args=(f"hosts{n}", hosts))
     harness.assert_no_failures(res)
 

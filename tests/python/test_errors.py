@@ -9,6 +9,8 @@ rank, well within the deadline.
 """
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 import harness
@@ -174,7 +176,7 @@ def _expect_rumor_error(chk, rumor, what, call):
     return type(e).__name__ if e is not None else None
 
 
-def mismatch_rank(cases):
+def mismatch_rank(cases, sync_dir):
     import torch
 
     import rumor
@@ -186,6 +188,11 @@ def mismatch_rank(cases):
         kinds[case] = _mismatch_case(chk, rumor, torch, case)
         # The process can leave the broken job and join a new one (re-init after shutdown).
         rumor.shutdown()
+        # Ranks fail at different moments. Without this, a rank may start its next init() while
+        # rank 0 still holds the TCPStore server of the previous init(), connect to it, and
+        # lose the connection when rank 0's init() returns and drops that server (a library
+        # race, seen here as DistNetworkError "Failed to recv, got 0 bytes" in init()).
+        harness.file_barrier(sync_dir, case)
         rumor.init()
         n, r = rumor.size(), rumor.rank()
         chk.equal(rumor.allreduce(torch.full((7,), float(r)), rumor.ReduceOp.SUM),
@@ -244,7 +251,8 @@ def test_mismatch_between_ranks_raises_everywhere(transport):
     env = {"RUMOR_TIMEOUT": "15"}
     if transport == "tcp":
         env["RUMOR_SHM"] = "0"
-    res = harness.run(mismatch_rank, 3, timeout=150, env=env, args=(MISMATCHES,))
+    with tempfile.TemporaryDirectory() as d:
+        res = harness.run(mismatch_rank, 3, timeout=150, env=env, args=(MISMATCHES, d))
     harness.assert_no_failures(res, transport)
 
 

@@ -260,8 +260,23 @@ def intruder_rank():
     got = _raw(target, _hello(version=99, token=os.urandom(16)))
     chk.check(b"RUMOROK1" not in got, f"a hello with a bad version got accepted: {got!r}")
     probes += 1
-    got = _raw(target, _hello(rank=1000, token=os.urandom(16)))
+    # The job's real token (from the rendezvous store of this first init()), but a rank that is
+    # not in the world, or another protocol version.
+    import datetime
+
+    import torch.distributed as dist
+
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=datetime.timedelta(seconds=30))
+    token = bytes(dist.PrefixStore("rumor/0/", client).get("token"))
+    got = _raw(target, _hello(rank=1000, token=token))
     chk.check(b"RUMOROK1" not in got, f"a hello with an out-of-range rank got accepted: {got!r}")
+    probes += 1
+    got = _raw(target, _hello(rank=n, token=token))
+    chk.check(b"RUMOROK1" not in got, f"a hello with rank {n} (= world size) got accepted: {got!r}")
+    probes += 1
+    got = _raw(target, _hello(version=2, rank=0, token=token))
+    chk.check(b"RUMOROK1" not in got, f"a hello with protocol version 2 got accepted: {got!r}")
     probes += 1
     got = _raw(target, _hello()[:20])  # half a handshake, then close
     chk.check(got == b"" or got == b"<reset>", f"half a handshake got a reply: {got!r}")

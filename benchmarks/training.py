@@ -1,0 +1,627 @@
+#!/usr/bin/env python
+"""Training benchmark: rumor.DistributedDataParallel vs torch DDP (gloo), per BENCHMARKS.md.
+
+Models (rumor.testing.models, per-rank batch): mlp25m [32], cnn [32], transformer [16].
+
+Modes
+  one host (default): 2 and 4 ranks on this machine (--ranks).
+  --hosts H: H emulated hosts (network namespaces on one bridge, rumor.testing.netns), each
+      host's link shaped with `tbf rate 1gbit burst 256kb latency 20ms` (--rate), --ranks-per-host
+      ranks each (default 1; 2 with --hierarchical adds rumor GradientAllReduce(hierarchical=True)).
+      Needs root.
+
+How it measures
+  Each job starts its ranks (rumor.testing.launch: torchrun's environment, one torch thread per
+  rank, a deadline); every rank calls rumor.init() and then
+  torch.distributed.init_process_group("gloo") (sharing rumor's store). Per model, every rank
+  builds the same weights three times:
+    compute  the plain model, no communication: the bound (all ranks compute at once, as in
+             the other variants, so they share the cores the same way);
+    rumor    rumor.DistributedDataParallel(model) (GradientAllReduce, 25 MB buckets, 1 MB first);
+    torch    torch.nn.parallel.DistributedDataParallel(model) over gloo (its defaults).
+  A step is zero_grad, forward, cross-entropy, backward, SGD(momentum 0.9) step on the same
+  synthetic batch for every variant. After --warmup steps per variant, --iters steps per variant
+  are measured in blocks of --block, rotating which variant goes first. Each step starts after a
+  gloo barrier; its time is the slowest rank's. Reported: median [min-max] step time and
+  samples/s = global batch / median step time; ratios rumor/torch and rumor/compute-only.
+  With emulated hosts the communication bound is printed too: the ring time 2(n-1)/n * gradient
+  bytes / link rate (n = hosts), and max(compute, ring) is the best any overlap can do.
+
+Output: a table per job (with a progress bar while it runs), the issue's targets, JSON with
+every raw figure and a PNG in --out (default benchmarks/results/); the last line is the headline
+ratio.
+
+  python benchmarks/training.py                               # one host, 2 and 4 ranks
+  python benchmarks/training.py --ranks 4 --models mlp25m --iters 10
+  sudo python benchmarks/training.py --hosts 4                # 4 emulated hosts x 1 rank, 1 Gbit
+  sudo python benchmarks/training.py --hosts 2 --ranks-per-host 2 --hierarchical
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = ("mlp25m", "cnn", "transformer")
+VARIANT_LABEL = {"compute": "compute-only", "rumor": "rumor", "rumor_hier": "rumor hier", "torch": "torch DDP"}
+
+
+# ==== helpers ========================================================================================
+
+def parse_rate(rate: str) -> float:
+    """tc rate string -> bytes/s ("1gbit" -> 125e6)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*", rate.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad rate {rate!r} (examples: 1gbit, 500mbit)")
+    v = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return v / 8 if (m.group(3) or "bit") == "bit" else v
+
+
+def fmt_ms(s: float) -> str:
+    return f"{s * 1e3:.0f}" if s >= 0.1 else f"{s * 1e3:.1f}"
+
+
+class Progress:
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.done, self.stream = max(1, total), 0, stream
+        self.tty = stream.isatty()
+        self.t0 = time.monotonic()
+        self.label = ""
+        self.last = 0.0
+        self.lock = threading.Lock()
+
+    def update(self, done: Optional[int] = None, label: str = "", force: bool = False) -> None:
+        with self.lock:
+            if done is not None:
+                self.done = done
+            self.label = label or self.label
+            now = time.monotonic()
+            if not self.tty and not force and now - self.last < 10:
+                return
+            self.last = now
+            frac = min(1.0, self.done / self.total)
+            bar = "#" * int(frac * 30) + "-" * (30 - int(frac * 30))
+            line = f"[{bar}] {self.done}/{self.total} steps {now - self.t0:6.0f}s  {self.label}"
+            self.stream.write(("\r\033[K" + line[:160]) if self.tty else line + "\n")
+            self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty:
+            with self.lock:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+
+
+# ==== inside a rank ==================================================================================
+
+def _emit(kind: str, payload) -> None:
+    sys.stdout.write(f"@@{kind} {json.dumps(payload)}\n")
+    sys.stdout.flush()
+
+
+def worker_main(cfg_path: str) -> int:
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rank = int(os.environ["RANK"])
+    try:
+        return _worker(cfg, rank)
+    except BaseException:  # noqa: BLE001
+        tb = traceback.format_exc()
+        sys.stderr.write(f"rank {rank} failed:\n{tb}")
+        sys.stderr.flush()
+        if rank == 0:
+            _emit("error", {"rank": rank, "traceback": tb})
+        os._exit(1)
+
+
+def _worker(cfg: Dict, rank: int) -> int:
+    import faulthandler
+
+    if cfg.get("dump_after"):
+        faulthandler.dump_traceback_later(cfg["dump_after"], exit=True)
+    parent = os.getppid()
+
+    def orphan_watch():  # the driver died (even by SIGKILL): do not linger
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=orphan_watch, daemon=True).start()
+    import torch
+    import torch.distributed as dist
+
+    import rumor
+
+    td = datetime.timedelta(seconds=cfg["rumor_timeout"])
+    rumor.init(timeout=cfg["rumor_timeout"])
+    dist.init_process_group("gloo", timeout=td)
+    n = rumor.size()
+    info = dict(rank=rank, size=n, local_size=rumor.local_size(), machine_size=rumor.machine_size(),
+                torch_threads=torch.get_num_threads(), netns=os.readlink("/proc/self/ns/net"))
+    infos = [None] * n
+    dist.all_gather_object(infos, info)
+    if rank == 0:
+        _emit("info", infos)
+    for name in cfg["models"]:
+        _run_model(cfg, name, rank, n)
+    dist.barrier()
+    rumor.barrier()
+    if rank == 0:
+        _emit("done", {})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip teardown of rumor's and gloo's threads
+
+
+def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import rumor
+    from rumor.testing import models
+
+    batch = cfg["batch"].get(name) or models.BATCH[name]
+    variants: Dict[str, tuple] = {}
+
+    def add(v, wrap):
+        model = models.build(name, seed=cfg["seed"])
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        variants[v] = (wrap(model, opt), opt)
+
+    add("compute", lambda m, o: m)
+    add("rumor", lambda m, o: rumor.DistributedDataParallel(m, optimizer=o))
+    if cfg["hierarchical"]:
+        add("rumor_hier", lambda m, o: rumor.DistributedDataParallel(
+            m, optimizer=o, algorithm=rumor.algorithms.GradientAllReduce(hierarchical=True)))
+    add("torch", lambda m, o: TorchDDP(m))
+    nparams = sum(p.numel() for p in variants["compute"][0].parameters())
+    # A few distinct batches, made before timing; every variant sees the same sequence.
+    data = [models.batch(name, batch, step=i, shard=rank, seed=cfg["seed"]) for i in range(4)]
+
+    def step(v, i):
+        model, opt = variants[v]
+        x, y = data[i % len(data)]
+        opt.zero_grad()
+        loss = models.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    names = list(variants)
+    counts = {v: 0 for v in names}
+    times = {v: [] for v in names}
+    losses = {v: [] for v in names}
+    warm = {v: [] for v in names}
+    total = len(names) * (cfg["warmup"] + cfg["iters"])
+    done = 0
+    for v in names:
+        for _ in range(cfg["warmup"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(v, counts[v])
+            warm[v].append(time.perf_counter() - t0)
+            counts[v] += 1
+            done += 1
+        if rank == 0:
+            _emit("progress", {"model": name, "done": done, "total": total, "what": f"warm-up {v}"})
+    blocks = -(-cfg["iters"] // cfg["block"])
+    for b in range(blocks):
+        k = b % len(names)
+        for v in names[k:] + names[:k]:  # rotate who goes first
+            for _ in range(min(cfg["block"], cfg["iters"] - b * cfg["block"])):
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = step(v, counts[v])
+                times[v].append(time.perf_counter() - t0)
+                losses[v].append(loss)
+                counts[v] += 1
+                done += 1
+            if rank == 0:
+                _emit("progress", {"model": name, "done": done, "total": total,
+                                   "what": f"{v} {times[v][-1] * 1e3:.0f} ms/step"})
+    # Every rank's samples; a step's time is the slowest rank's.
+    per_rank = {}
+    for v in names:
+        mine = torch.tensor(times[v], dtype=torch.float64)
+        allr = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(allr, mine)
+        per_rank[v] = [x.tolist() for x in allr]
+    loss_t = {v: torch.tensor(losses[v], dtype=torch.float64) for v in names}
+    for v in names:
+        dist.all_reduce(loss_t[v], op=dist.ReduceOp.SUM)
+    if rank == 0:
+        cell = dict(model=name, n=n, batch=batch, global_batch=batch * n, params=nparams,
+                    grad_bytes=nparams * 4, variants={})
+        for v in names:
+            steps = [max(per_rank[v][r][i] for r in range(n)) for i in range(len(times[v]))]
+            cell["variants"][v] = dict(step_s=steps, per_rank_step_s=per_rank[v], warmup_s=warm[v],
+                                       loss=(loss_t[v] / n).tolist())
+        _emit("cell", cell)
+    del variants, data
+    gc.collect()
+
+
+# ==== the driver =====================================================================================
+
+class Job:
+    """One set of ranks (a world size, on one host or in the emulated cluster), all models."""
+
+    def __init__(self, args, n: int, hosts: int, rph: int, workdir: str, progress: Progress, base: int,
+                 steps_per_model: int, cluster=None):
+        self.args, self.n, self.hosts, self.rph, self.cluster = args, n, hosts, rph, cluster
+        self.workdir, self.progress, self.base, self.steps_per_model = workdir, progress, base, steps_per_model
+        self.cells: List[Dict] = []
+        self.info = None
+        self.error: Optional[str] = None
+        self.finished = False
+        self.model_index = 0
+
+    @property
+    def label(self) -> str:
+        if self.cluster is not None:
+            return f"{self.hosts} emulated hosts x {self.rph} rank(s), tbf {self.args.rate}"
+        return f"{self.n} ranks, 1 host"
+
+    def run(self) -> None:
+        from rumor.testing import launch
+
+        a = self.args
+        cfg = dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, block=a.block, lr=a.lr,
+                   seed=a.seed, rumor_timeout=a.rumor_timeout,
+                   hierarchical=bool(a.hierarchical and self.cluster is not None and self.rph > 1),
+                   dump_after=max(10, a.job_timeout - 10))
+        cfg_path = os.path.join(self.workdir, f"cfg-{self.n}-{self.hosts}.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", cfg_path]
+        logdir = os.path.join(self.workdir, f"logs-{self.n}-{self.hosts}")
+        os.makedirs(logdir, exist_ok=True)
+        ranks = launch.Ranks(argv, self.n, cluster=self.cluster, ranks_per_host=self.rph if self.cluster else None,
+                             env={"PYTHONWARNINGS": "ignore"}, keep_rumor_env=True, logdir=logdir,
+                             pipe_stdout=(0,))
+        _JOBS.append(ranks)
+        reader = threading.Thread(target=self._read, args=(ranks.procs[0].stdout,), daemon=True)
+        reader.start()
+        try:
+            ranks.wait(a.job_timeout, grace_after_failure=30)
+        finally:
+            ranks.kill()
+        reader.join(5)
+        if not ranks.ok or not self.finished:
+            self.error = (self.error + "\n" if self.error else "") + ranks.report(3000)
+
+    def _read(self, stream) -> None:
+        for raw in stream:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if not line.startswith("@@"):
+                continue
+            kind, _, payload = line[2:].partition(" ")
+            try:
+                data = json.loads(payload)
+            except ValueError:
+                continue
+            if kind == "progress":
+                self.progress.update(self.base + self.model_index * self.steps_per_model + data["done"],
+                                     f"{self.label}: {data['model']} {data['what']}")
+            elif kind == "cell":
+                data.update(hosts=self.hosts, ranks_per_host=self.rph, job=self.label)
+                self.cells.append(data)
+                self.model_index += 1
+                self.progress.update(self.base + self.model_index * self.steps_per_model,
+                                     f"{self.label}: {data['model']} done", force=True)
+            elif kind == "info":
+                self.info = data
+            elif kind == "error":
+                self.error = f"rank {data['rank']} raised:\n{data['traceback']}"
+            elif kind == "done":
+                self.finished = True
+
+
+_JOBS: list = []
+
+
+def summarize(cell: Dict, link_Bps: Optional[float]) -> None:
+    gb = cell["global_batch"]
+    for v, d in cell["variants"].items():
+        s = d["step_s"]
+        d["median_s"], d["min_s"], d["max_s"] = statistics.median(s), min(s), max(s)
+        d["samples_per_s"] = gb / d["median_s"]
+        d["samples_per_s_min"], d["samples_per_s_max"] = gb / d["max_s"], gb / d["min_s"]
+    v = cell["variants"]
+    cell["rumor_over_torch"] = v["rumor"]["samples_per_s"] / v["torch"]["samples_per_s"]
+    cell["rumor_over_compute"] = v["rumor"]["samples_per_s"] / v["compute"]["samples_per_s"]
+    cell["torch_over_compute"] = v["torch"]["samples_per_s"] / v["compute"]["samples_per_s"]
+    if "rumor_hier" in v:
+        cell["rumor_hier_over_torch"] = v["rumor_hier"]["samples_per_s"] / v["torch"]["samples_per_s"]
+    if link_Bps:
+        h = cell["hosts"]
+        ring_s = 2 * (h - 1) / h * cell["grad_bytes"] / link_Bps
+        cell["ring_s"] = ring_s
+        cell["overlap_bound_s"] = max(ring_s, v["compute"]["median_s"])
+        cell["overlap_bound_samples_per_s"] = gb / cell["overlap_bound_s"]
+
+
+def print_table(cells: List[Dict], title: str) -> None:
+    if not cells:
+        return
+    variants = list(cells[0]["variants"])
+    print(f"\n{title}   (step time: median [min-max] ms of {len(cells[0]['variants']['rumor']['step_s'])} "
+          f"steps, slowest rank; samples/s = global batch / median step)")
+    head = f"{'model':<12} {'params':>7} {'batch x n':>9} |"
+    for v in variants:
+        head += f" {VARIANT_LABEL[v] + ' ms':>19} {'smp/s':>7} |"
+    head += f" {'rumor/torch':>11} {'rumor/bound':>11}"
+    ring = "ring_s" in cells[0]
+    if ring:
+        head += f" {'ring ms':>8} {'max(c,ring)':>11} {'rumor/max':>9}"
+    print(head)
+    print("-" * len(head))
+    for c in cells:
+        row = f"{c['model']:<12} {c['params'] / 1e6:>6.1f}M {str(c['batch']) + 'x' + str(c['n']):>9} |"
+        for v in variants:
+            d = c["variants"][v]
+            t = f"{fmt_ms(d['median_s'])} [{fmt_ms(d['min_s'])}-{fmt_ms(d['max_s'])}]"
+            row += f" {t:>19} {d['samples_per_s']:>7.1f} |"
+        row += f" {c['rumor_over_torch']:>10.2f}x {100 * c['rumor_over_compute']:>10.0f}%"
+        if ring:
+            row += (f" {c['ring_s'] * 1e3:>8.0f} {c['overlap_bound_s'] * 1e3:>9.0f}ms "
+                    f"{100 * c['overlap_bound_s'] / c['variants']['rumor']['median_s']:>8.0f}%")
+        print(row)
+
+
+def plot(path: str, jobs: List[Dict]) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no plot ({e}); pip install matplotlib"
+    jobs = [j for j in jobs if j["cells"]]
+    if not jobs:
+        return "no plot (no results)"
+    fig, axes = plt.subplots(1, len(jobs), figsize=(5.5 * len(jobs), 4.2), squeeze=False)
+    colors = {"compute": "#bbbbbb", "rumor": "#1f77b4", "rumor_hier": "#6baed6", "torch": "#ff7f0e"}
+    for ax, job in zip(axes[0], jobs):
+        cells = job["cells"]
+        variants = list(cells[0]["variants"])
+        width = 0.8 / len(variants)
+        for k, v in enumerate(variants):
+            xs = [i + (k - (len(variants) - 1) / 2) * width for i in range(len(cells))]
+            # normalized to the compute-only bound, so that the models share one axis
+            ys = [c["variants"][v]["samples_per_s"] / c["variants"]["compute"]["samples_per_s"] for c in cells]
+            lo = [y - c["variants"][v]["samples_per_s_min"] / c["variants"]["compute"]["samples_per_s"]
+                  for y, c in zip(ys, cells)]
+            hi = [c["variants"][v]["samples_per_s_max"] / c["variants"]["compute"]["samples_per_s"] - y
+                  for y, c in zip(ys, cells)]
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=VARIANT_LABEL[v], color=colors[v])
+        for i, c in enumerate(cells):  # rumor/torch above each group's highest error bar
+            bound = c["variants"]["compute"]["samples_per_s"]
+            ytop = max(c["variants"][v]["samples_per_s_max"] for v in variants) / bound
+            ax.text(i, ytop + 0.03, f"rumor/torch {c['rumor_over_torch']:.2f}x", ha="center", fontsize=8,
+                    fontweight="bold")
+        ax.set_xticks(range(len(cells)))
+        ax.set_xticklabels([f"{c['model']}\n{c['variants']['compute']['samples_per_s']:.0f} smp/s bound"
+                            for c in cells], fontsize=8)
+        top = max(c["variants"][v]["samples_per_s_max"] / c["variants"]["compute"]["samples_per_s"]
+                  for c in cells for v in variants)
+        ax.set_ylim(0, max(1.15, top + 0.15))
+        ax.set_ylabel("samples/s relative to compute-only")
+        ax.set_title(job["label"], fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("rumor DDP vs torch DDP (gloo)\nsamples/s relative to compute-only (labels: rumor/torch)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="rumor DDP vs torch DDP training throughput (see the docstring)",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=0, help="0: one host (--ranks); H>=2: H emulated hosts")
+    ap.add_argument("--ranks", default="2,4", help="one-host mode: world sizes")
+    ap.add_argument("--ranks-per-host", type=int, default=1, help="--hosts mode: ranks per emulated host")
+    ap.add_argument("--rate", default="1gbit", help="--hosts mode: tbf rate of each host's link")
+    ap.add_argument("--hierarchical", action="store_true",
+                    help="also rumor GradientAllReduce(hierarchical=True) (with several ranks per host)")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
+    ap.add_argument("--batch", default="", help="per-rank batch overrides, e.g. mlp25m=16,cnn=8")
+    ap.add_argument("--iters", type=int, default=10, help="measured steps per variant (protocol: >= 10)")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant first")
+    ap.add_argument("--block", type=int, default=1,
+                    help="steps per variant before the next one runs (1: finest interleaving, best on a noisy machine)")
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rumor-timeout", type=float, default=300.0)
+    ap.add_argument("--job-timeout", type=float, default=3600.0, help="deadline of each job (seconds)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in args.models if m not in MODELS]
+    if bad:
+        ap.error(f"unknown models {bad}; choose from {MODELS}")
+    args.batch_map = {}
+    for kv in filter(None, args.batch.split(",")):
+        k, _, v = kv.partition("=")
+        args.batch_map[k.strip()] = int(v)
+    hosts_mode = args.hosts > 0
+    if hosts_mode:
+        if args.hosts < 2:
+            ap.error("--hosts needs at least 2 hosts")
+        worlds = [args.hosts * args.ranks_per_host]
+    else:
+        worlds = [int(x) for x in args.ranks.split(",")]
+    if args.iters < 10:
+        print(f"WARNING: --iters {args.iters} is below the protocol's minimum of 10; smoke test only",
+              file=sys.stderr)
+    os.makedirs(args.out, exist_ok=True)
+    tag = "1host"
+    if hosts_mode:
+        tag = f"{args.hosts}hosts" + (f"x{args.ranks_per_host}" if args.ranks_per_host > 1 else "")
+    json_path = os.path.join(args.out, f"training-{tag}.json")
+    png_path = os.path.join(args.out, f"training-{tag}.png")
+
+    import torch
+
+    import rumor
+    from rumor.testing import netns
+
+    meta = dict(started=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv,
+                args={k: v for k, v in vars(args).items() if k != "worker"}, worlds=worlds,
+                python=platform.python_version(), torch=torch.__version__,
+                rumor=getattr(rumor, "__version__", "?"), hostname=socket.gethostname(), cpus=os.cpu_count(),
+                loadavg_start=os.getloadavg(),
+                rumor_env={k: v for k, v in os.environ.items() if k.startswith("RUMOR_")},
+                step="zero_grad + forward + cross-entropy + backward + SGD(momentum 0.9) step; after a gloo "
+                     "barrier; the slowest rank's time",
+                variants={"compute": "plain model, no communication (bound)",
+                          "rumor": "rumor.DistributedDataParallel, GradientAllReduce defaults",
+                          "rumor_hier": "rumor.DistributedDataParallel, GradientAllReduce(hierarchical=True)",
+                          "torch": "torch.nn.parallel.DistributedDataParallel, gloo, defaults"})
+    result = dict(meta=meta, jobs=[], cells=[], targets=[], errors=[])
+    print(f"rumor {meta['rumor']} vs torch {meta['torch']} DDP (gloo) | {meta['hostname']}, {meta['cpus']} cpus, "
+          f"load {meta['loadavg_start'][0]:.2f} | models {','.join(args.models)} | iters {args.iters}, "
+          f"warmup {args.warmup}, block {args.block}")
+
+    n_variants = 3 + (1 if hosts_mode and args.hierarchical and args.ranks_per_host > 1 else 0)
+    steps_per_model = n_variants * (args.warmup + args.iters)
+    progress = Progress(len(worlds) * len(args.models) * steps_per_model)
+    workdir = tempfile.mkdtemp(prefix="rumor-train-bench-")
+    cluster = None
+    link_Bps = None
+    rc = 0
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        if hosts_mode:
+            ok, why = netns.available()
+            if not ok:
+                print(f"cannot emulate hosts: {why}", file=sys.stderr)
+                return 2
+            cluster = netns.Cluster(args.hosts, rate=args.rate).start()
+            link_Bps = parse_rate(args.rate)
+            tcp = netns.tcp_throughput(cluster, 0, 1, nbytes=64 << 20)
+            result["tcp_single_stream_Bps"] = tcp
+            print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), tbf {args.rate} = "
+                  f"{link_Bps / 1e6:.0f} MB/s per link; one TCP stream through a shaped link: {tcp / 1e6:.1f} MB/s")
+        base = 0
+        jobs = []
+        for n in worlds:
+            job = Job(args, n, args.hosts if hosts_mode else 1, args.ranks_per_host if hosts_mode else n, workdir,
+                      progress, base, steps_per_model, cluster=cluster)
+            progress.update(base, f"{job.label}: starting", force=True)
+            job.run()
+            jobs.append(job)
+            base += len(args.models) * steps_per_model
+            result["cells"].extend(job.cells)
+            result["jobs"].append(dict(label=job.label, n=n, info=job.info, error=job.error))
+            if job.error:
+                progress.clear()
+                print(f"\nERROR in job {job.label}:\n{job.error}", file=sys.stderr)
+                result["errors"].append(job.error)
+                rc = 1
+        if cluster is not None:
+            cluster.close()
+            cluster = None
+        progress.clear()
+        for c in result["cells"]:
+            summarize(c, link_Bps)
+        meta["loadavg_end"] = os.getloadavg()
+        meta["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+
+        for job in jobs:
+            print_table(job.cells, job.label)
+        if link_Bps:
+            print(f"\nring ms = 2(n-1)/n x fp32 gradient bytes / link rate (n = {args.hosts} hosts, "
+                  f"{args.rate}); max(c,ring) = the step time of perfect overlap (rumor/max: rumor's samples/s "
+                  f"relative to it); rumor/bound is vs compute-only")
+        print()
+
+        # ---- targets and headline
+        targets = result["targets"]
+        for c in result["cells"]:
+            targets.append(dict(name=f"{c['job']}: {c['model']} rumor/torch >= 1.0", value=c["rumor_over_torch"],
+                                met=c["rumor_over_torch"] >= 1.0))
+        headline = None
+        if hosts_mode:
+            for c in result["cells"]:
+                targets.append(dict(name=f"{c['job']}: {c['model']} rumor/torch >= 1.1",
+                                    value=c["rumor_over_torch"], met=c["rumor_over_torch"] >= 1.1))
+            c = next((c for c in result["cells"] if c["model"] == "mlp25m"),
+                     result["cells"][0] if result["cells"] else None)
+            if c:
+                headline = (f"headline: {c['model']} {args.hosts} emulated hosts x {args.ranks_per_host} @{args.rate}: "
+                            f"rumor/torch DDP = {c['rumor_over_torch']:.2f}x samples/s "
+                            f"(rumor at {100 * c['rumor_over_compute']:.0f}% of compute-only)")
+        else:
+            nmax = max(worlds)
+            for c in result["cells"]:
+                if c["model"] == "mlp25m" and c["n"] == 4:
+                    targets.append(dict(name="mlp25m 4 ranks one host: rumor/torch >= 1.5",
+                                        value=c["rumor_over_torch"], met=c["rumor_over_torch"] >= 1.5))
+            c = next((c for c in result["cells"] if c["model"] == "mlp25m" and c["n"] == nmax), None) \
+                or next((c for c in result["cells"] if c["n"] == nmax), None)
+            if c:
+                headline = (f"headline: {c['model']} {c['n']} ranks one host: rumor/torch DDP = "
+                            f"{c['rumor_over_torch']:.2f}x samples/s (rumor at {100 * c['rumor_over_compute']:.0f}% "
+                            f"of compute-only)")
+        for c in result["cells"]:
+            if "rumor_hier_over_torch" in c:
+                print(f"{c['job']}: {c['model']} rumor hierarchical/torch = {c['rumor_hier_over_torch']:.2f}x")
+        for t in targets:
+            print(f"target: {t['name']}: {t['value']:.2f}x -> {'MET' if t['met'] else 'NOT MET'}")
+        result["headline"] = headline
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {json_path}")
+        if not args.no_plot and result["cells"]:
+            err = plot(png_path, [dict(label=j.label, cells=j.cells) for j in jobs])
+            print(err or f"wrote {png_path}")
+        if result["errors"]:
+            print(f"{len(result['errors'])} job(s) failed (see above and JSON 'errors')")
+        print(headline or "headline: n/a (no results)")
+        return rc
+    except KeyboardInterrupt:
+        progress.clear()
+        print("\ninterrupted: killing ranks" + (" and removing namespaces" if hosts_mode else ""), file=sys.stderr)
+        return 130
+    finally:
+        for r in _JOBS:
+            r.kill()
+        if cluster is not None:
+            cluster.close()
+        signal.signal(signal.SIGTERM, old_term)
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
