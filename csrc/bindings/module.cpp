@@ -143,6 +143,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("world_ranks", &C::world_ranks)
       .def_property_readonly("name", &C::name)
       .def_property_readonly("aborted", &C::aborted)
+      .def_property_readonly("all_local", &C::all_local)
+      .def_property_readonly("uses_shm", &C::uses_shm)
       .def("allreduce",
            [](C& c, uintptr_t buf, size_t count, int dtype, int op, int algo, bool nb) {
              DType dt = to_dtype(dtype);
@@ -203,6 +205,20 @@ PYBIND11_MODULE(_C, m) {
         return std::make_shared<AllreduceBucketOp>(to_op(op), static_cast<AllreduceAlgo>(algo));
       },
       py::arg("op"), py::arg("algo"), "Bucket op: in-place allreduce of the flat bucket.");
+
+  py::class_<SharedArena, std::shared_ptr<SharedArena>>(m, "SharedArena", py::buffer_protocol())
+      .def(py::init<std::shared_ptr<Communicator>, size_t>(), py::arg("comm"), py::arg("bytes"))
+      .def_property_readonly("size", &SharedArena::size)
+      .def_buffer([](SharedArena& a) {
+        return py::buffer_info(a.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(a.size())}, {1});
+      })
+      .def(
+          "allreduce_op",
+          [](std::shared_ptr<SharedArena> a, int op) -> std::shared_ptr<BucketOp> {
+            return std::make_shared<ArenaAllreduceBucketOp>(std::move(a), to_op(op));
+          },
+          "Bucket op: allreduce of a bucket inside this arena, reading peers in place.");
 
   py::class_<BucketEngine, std::shared_ptr<BucketEngine>>(m, "BucketEngine")
       .def(py::init<std::shared_ptr<Communicator>>())

@@ -59,6 +59,7 @@ Communicator::Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::strin
       throw Error(ErrorKind::kInvalidArgument,
                   name_ + ": rank " + std::to_string(r) + " is not in the world");
   rank_ = static_cast<uint32_t>(it - world_ranks_.begin());
+  shm_prefix_ = ctx_->shm_prefix() + "-c" + std::to_string(id_);
   channels_.resize(world_ranks_.size());
   if (!ctx_->host_ids().empty()) {
     std::vector<std::string> hosts;
@@ -97,19 +98,6 @@ net::OpInfo Communicator::begin(const char* name, Opcode code) {
                                          " is unusable after an earlier failure: " + broken_why_);
   }
   return op;
-}
-
-template <typename Fn>
-void Communicator::guarded(const net::OpInfo& op, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    abort(e.what());
-    throw;
-  } catch (const std::exception& e) {
-    abort(e.what());
-    throw Error(ErrorKind::kSystem, op.where() + ": " + e.what());
-  }
 }
 
 void Communicator::abort(const std::string& why) {
@@ -510,14 +498,16 @@ void Communicator::alltoall(const void* in, std::span<const size_t> send_counts,
 void Communicator::barrier() {
   net::OpInfo info = begin("barrier", Opcode::kBarrier);
   if (size() == 1) return;
-  guarded(info, [&] {
-    // Dissemination: after round k every rank has heard, indirectly, from 2^(k+1) ranks.
-    for (uint32_t k = 1; k < size(); k <<= 1) {
-      Transfer ts[2] = {make_send((rank_ + k) % size(), nullptr, 0),
-                        make_recv((rank_ + size() - k) % size(), nullptr, 0)};
-      exchange(ts, info);
-    }
-  });
+  guarded(info, [&] { barrier_within(info); });
+}
+
+void Communicator::barrier_within(const net::OpInfo& info) {
+  // Dissemination: after round k every rank has heard, indirectly, from 2^(k+1) ranks.
+  for (uint32_t k = 1; k < size(); k <<= 1) {
+    Transfer ts[2] = {make_send((rank_ + k) % size(), nullptr, 0),
+                      make_recv((rank_ + size() - k) % size(), nullptr, 0)};
+    exchange(ts, info);
+  }
 }
 
 void Communicator::send(const void* buf, size_t bytes, uint32_t dst) {

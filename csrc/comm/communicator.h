@@ -26,6 +26,7 @@ enum class Opcode : uint8_t {
   kAlltoall = 6,
   kBarrier = 7,
   kSendRecv = 8,
+  kArenaAllreduce = 9,
 };
 
 enum class AllreduceAlgo : uint8_t { kAuto = 0, kRing = 1, kRecursiveDoubling = 2, kHierarchical = 3 };
@@ -61,8 +62,21 @@ class Communicator {
   void alltoall(const void* in, std::span<const size_t> send_counts, void* out,
                 std::span<const size_t> recv_counts, DType dtype);
   void barrier();
+  // Empty-frame barrier inside another operation (shares its tag and deadline).
+  void barrier_within(const net::OpInfo& op);
   void send(const void* buf, size_t bytes, uint32_t dst);
   void recv(void* buf, size_t bytes, uint32_t src);
+
+  bool all_local() const { return all_local_; }
+  bool uses_shm() const { return ctx_->options().shm; }
+  const std::string& shm_prefix() const { return shm_prefix_; }
+  uint64_t id() const { return id_; }
+  uint64_t next_arena_id() { return next_arena_id_++; }
+  net::OpInfo begin_op(const char* name, Opcode code) { return begin(name, code); }
+  template <typename Fn>
+  void run_guarded(const net::OpInfo& op, Fn&& fn) {
+    guarded(op, std::forward<Fn>(fn));
+  }
 
   // Fails every channel so that peers blocked on this rank error out quickly.
   void abort(const std::string& why);
@@ -71,8 +85,19 @@ class Communicator {
  private:
   struct Op;
   net::OpInfo begin(const char* name, Opcode code);
+  // Runs an operation body; any error aborts the communicator (peers then fail promptly).
   template <typename Fn>
-  void guarded(const net::OpInfo& op, Fn&& fn);
+  void guarded(const net::OpInfo& op, Fn&& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      abort(e.what());
+      throw;
+    } catch (const std::exception& e) {
+      abort(e.what());
+      throw Error(ErrorKind::kSystem, op.where() + ": " + e.what());
+    }
+  }
   net::Channel& channel(uint32_t peer, const net::OpInfo& op);
   void exchange(std::span<net::Transfer> ts, const net::OpInfo& op);
   std::string peer_desc(uint32_t peer) const;
@@ -106,6 +131,8 @@ class Communicator {
   std::unique_ptr<Communicator> local_;
   std::unique_ptr<Communicator> leaders_;
   bool hierarchy_built_ = false;
+  std::string shm_prefix_;
+  uint64_t next_arena_id_ = 0;
   bool all_local_ = true;      // every member on this rank's host
   bool hierarchical_ = false;  // several hosts, and at least one with several members
   bool is_leader_ = false;

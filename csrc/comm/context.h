@@ -55,10 +55,11 @@ class Context {
   // peer's side exists or the deadline passes.
   std::unique_ptr<net::Channel> connect(uint64_t comm_id, uint32_t peer, const Deadline& deadline);
   net::Doorbell* doorbell() const { return own_bell_; }
+  // Prefix of every shared-memory name of this job ("/rumor-<token bits>").
+  std::string shm_prefix() const;
 
  private:
   net::Doorbell* peer_doorbell(uint32_t peer, const Deadline& deadline);
-  std::string shm_prefix() const;
 
   uint32_t rank_;
   uint32_t size_;

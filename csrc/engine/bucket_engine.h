@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/arena.h"
 #include "comm/communicator.h"
 
 namespace rumor {
@@ -35,6 +36,21 @@ class AllreduceBucketOp final : public BucketOp {
  private:
   ReduceOp op_;
   AllreduceAlgo algo_;
+};
+
+// Allreduce of a bucket that lives in a SharedArena: peers read it in place.
+class ArenaAllreduceBucketOp final : public BucketOp {
+ public:
+  ArenaAllreduceBucketOp(std::shared_ptr<SharedArena> arena, ReduceOp op)
+      : arena_(std::move(arena)), op_(op) {}
+  void run(Communicator&, void* data, size_t count, DType dtype) override {
+    arena_->allreduce(data, count, dtype, op_);
+  }
+  std::string name() const override { return "allreduce (shared buckets)"; }
+
+ private:
+  std::shared_ptr<SharedArena> arena_;
+  ReduceOp op_;
 };
 
 struct BucketSpec {

@@ -26,6 +26,9 @@ class Bucket:
     params: List[torch.nn.Parameter]
     names: List[str]
     offsets: List[int]
+    # Set when the bucket lives in shared memory that the group's (all-local) peers read in
+    # place; algorithms may then use arena.allreduce_op().
+    arena: Optional[object] = None
 
 
 def _coalesced_broadcast(tensors: List[torch.Tensor], group: Group) -> None:
@@ -155,7 +158,8 @@ class DistributedDataParallel(torch.nn.Module):
         seen = sorted(j for b in plan for j in b)
         if seen != list(range(len(ordered))):
             raise ValueError("Algorithm.plan_buckets must place every parameter in exactly one bucket")
-        buckets, specs = [], []
+        layout = []  # (param indices, dtype, elements, byte offset in the arena)
+        arena_bytes = 0
         for bi, members in enumerate(plan):
             idx = [order[j] for j in members]
             dtypes = {self._params[i].dtype for i in idx}
@@ -163,7 +167,16 @@ class DistributedDataParallel(torch.nn.Module):
                 raise ValueError(f"Algorithm.plan_buckets: bucket {bi} mixes dtypes {dtypes}")
             dtype = dtypes.pop()
             total = sum(self._params[i].numel() for i in idx)
-            flat = torch.zeros(total, dtype=dtype)
+            layout.append((idx, dtype, total, arena_bytes))
+            arena_bytes += (total * torch.empty((), dtype=dtype).element_size() + 63) // 64 * 64
+        arena = _C.SharedArena(self.group._comm, arena_bytes) if self._shared_buckets() else None
+        buckets, specs = [], []
+        for bi, (idx, dtype, total, at) in enumerate(layout):
+            if arena is not None:
+                flat = torch.frombuffer(arena, dtype=dtype, count=total, offset=at)
+                flat.zero_()
+            else:
+                flat = torch.zeros(total, dtype=dtype)
             offsets, off = [], 0
             for i in idx:
                 p = self._params[i]
@@ -175,12 +188,19 @@ class DistributedDataParallel(torch.nn.Module):
                 self._bucket_of[i] = bi
                 offsets.append(off)
                 off += p.numel()
-            bucket = Bucket(bi, flat, [self._params[i] for i in idx], [self._names[i] for i in idx], offsets)
+            bucket = Bucket(bi, flat, [self._params[i] for i in idx], [self._names[i] for i in idx], offsets,
+                            arena)
             buckets.append(bucket)
             specs.append((address(flat), total, dtype_code(dtype, "bucket"), len(idx),
                           self.algorithm.bucket_op(self, bucket)))
         self._engine.set_buckets(specs)
         self.buckets = buckets
+
+    def _shared_buckets(self) -> bool:
+        """Buckets go to shared memory when every rank of the group is on this host."""
+        comm = self.group._comm
+        return (comm.size > 1 and comm.all_local and comm.uses_shm
+                and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True))
 
     # ---- hooks ------------------------------------------------------------------------------
 

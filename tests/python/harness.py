@@ -270,12 +270,13 @@ def _start(spec_path: str, env: Dict[str, str], log) -> _Rank:
         return _Rank(popen=subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True))
     ctx = _forkserver_context()
-    proc = ctx.Process(target=_forked_main, args=(spec_path, env, log.name), name=os.path.basename(spec_path))
+    proc = ctx.Process(target=_forked_main, args=(spec_path, env, log.name, list(sys.path)),
+                       name=os.path.basename(spec_path))
     proc.start()
     return _Rank(process=proc)
 
 
-def _forked_main(spec_path: str, env: Dict[str, str], log_path: str) -> None:
+def _forked_main(spec_path: str, env: Dict[str, str], log_path: str, path: List[str]) -> None:
     """Runs in a rank forked from the fork server: become a session of its own with its own
     environment and output, then continue as a `python -c` rank would."""
     os.setsid()
@@ -285,8 +286,7 @@ def _forked_main(spec_path: str, env: Dict[str, str], log_path: str) -> None:
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
+    sys.path[:] = [HERE] + [p for p in path if p != HERE]  # the caller's, as of this run
     _child_main(spec_path)
 
 

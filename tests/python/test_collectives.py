@@ -725,6 +725,27 @@ def nonblocking_rank(key: str):
         chk.equal(h.wait(), expected[name], f"[{key}] {name}_nonblocking among others in flight")
     chk.equal(bbuf, xs[0], f"[{key}] broadcast_nonblocking_ did not write in place")
     chk.equal(x, xs[r], f"[{key}] nonblocking ops modified their input")
+    # out=: allgather and reduce_scatter write into a given tensor and return it.
+    rows = [q + 1 for q in range(n)]
+    parts = [gen(key + "out", q, torch.int32, "COPY", (rows[q], 3)) for q in range(n)]
+    buf = torch.empty(sum(rows), 3, dtype=torch.int32)
+    ret = rumor.allgather(parts[r], out=buf)
+    chk.check(ret is buf, f"[{key}] allgather(out=) did not return out")
+    chk.equal(buf, torch.cat(parts), f"[{key}] allgather(out=)")
+    buf2 = torch.empty(sum(rows), 3, dtype=torch.int32)
+    h = rumor.allgather_nonblocking(parts[r], out=buf2)
+    chk.check(h.wait() is buf2, f"[{key}] allgather_nonblocking(out=) did not return out")
+    chk.equal(buf2, torch.cat(parts), f"[{key}] allgather_nonblocking(out=)")
+    xs7 = [gen(key + "rso", q, torch.float32, "SUM", (7, 2)) for q in range(n)]
+    blk = reference(xs7, "SUM").tensor_split(n)[r]
+    o = torch.empty_like(blk)
+    chk.check(rumor.reduce_scatter(xs7[r], rumor.ReduceOp.SUM, out=o) is o, f"[{key}] reduce_scatter(out=) return")
+    chk.equal(o, blk, f"[{key}] reduce_scatter(out=)")
+    o2 = torch.empty_like(blk)
+    chk.check(rumor.reduce_scatter_nonblocking(xs7[r], rumor.ReduceOp.SUM, out=o2).wait() is o2,
+              f"[{key}] reduce_scatter_nonblocking(out=) return")
+    chk.equal(o2, blk, f"[{key}] reduce_scatter_nonblocking(out=)")
+    chk.equal(xs7[r], gen(key + "rso", r, torch.float32, "SUM", (7, 2)), f"[{key}] reduce_scatter modified its input")
     # A blocking collective issued while nonblocking ones are queued runs after them.
     h1 = rumor.allreduce_nonblocking(torch.full((300001,), float(r)), rumor.ReduceOp.SUM)
     out = rumor.allreduce(torch.full((3,), 1.0), rumor.ReduceOp.SUM)

@@ -133,6 +133,19 @@ def argument_errors_rank():
     chk.raises(ValueError, lambda: rumor.allgather(torch.zeros([1] * 9)), "allgather(9 dims)")
     _still_in_step(chk, rumor, torch, n, "split errors")
 
+    # out= of the wrong shape, dtype or layout (the same on every rank, so all raise alike).
+    y = torch.ones(2, 3)
+    for what, bad_out in [("shape", torch.empty(2 * n + 1, 3)), ("dtype", torch.empty(2 * n, 3, dtype=torch.float64)),
+                          ("layout", torch.empty(3, 2 * n).t())]:
+        chk.raises(ValueError, lambda: rumor.allgather(y, out=bad_out), f"allgather(out= bad {what})", match="out")
+    rows = [2 * n // n + (1 if q < (2 * n) % n else 0) for q in range(n)][r]
+    for what, bad_out in [("shape", torch.empty(rows + 1, 3)), ("dtype", torch.empty(rows, 3, dtype=torch.int32)),
+                          ("layout", torch.empty(3, rows).t() if rows > 1 else torch.empty(rows, 6)[:, ::2])]:
+        chk.raises(ValueError, lambda: rumor.reduce_scatter(torch.ones(2 * n, 3), out=bad_out),
+                   f"reduce_scatter(out= bad {what})", match="out")
+    chk.raises((TypeError, ValueError), lambda: rumor.allgather(y, out=[0] * 6), "allgather(out=list)")
+    _still_in_step(chk, rumor, torch, n, "out= errors")
+
     # new_group arguments.
     chk.raises(ValueError, lambda: rumor.new_group([]), "new_group([])")
     chk.raises(ValueError, lambda: rumor.new_group([0, 0]), "new_group([0, 0])")
@@ -185,6 +198,10 @@ def mismatch_rank(cases, sync_dir):
     chk = Checker()
     kinds = {}
     for case in cases:
+        # Every rank must have returned from init() before any of them starts the failing op:
+        # a rank that aborts makes a peer still finishing the previous op (init's barrier) fail
+        # there instead (shared memory: the abort flag wins over data already in the ring).
+        harness.file_barrier(sync_dir, f"{case}-start")
         kinds[case] = _mismatch_case(chk, rumor, torch, case)
         # The process can leave the broken job and join a new one (re-init after shutdown).
         rumor.shutdown()

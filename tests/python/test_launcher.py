@@ -86,7 +86,7 @@ def test_rumor_run_console_script(tmp_path):
 
 
 def test_rumor_run_rejects_bad_socket_streams(tmp_path):
-    for bad in ["0", "abc", "99"]:
+    for bad in ["0", "abc"]:
         p = subprocess.run([sys.executable, "-m", "rumor.run", "--nproc-per-node", "1", "--socket-streams", bad,
                             "x.py"], cwd=tmp_path, capture_output=True, timeout=DEADLINE_S)
         assert p.returncode != 0, f"--socket-streams {bad} was accepted"

@@ -20,5 +20,7 @@ class GradientAllReduce(Algorithm):
 
     def bucket_op(self, ddp, bucket):
         op = ReduceOp.AVG if self.average else ReduceOp.SUM
+        if bucket.arena is not None:  # all ranks on one host: peers read the bucket in place
+            return bucket.arena.allreduce_op(int(op))
         algo = _ALGO["hierarchical" if self.hierarchical else "auto"]
         return _C.allreduce_op(int(op), algo)
