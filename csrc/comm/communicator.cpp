@@ -207,7 +207,8 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) {
 
 void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, AllreduceAlgo algo) {
   net::OpInfo info = begin("allreduce", Opcode::kAllreduce);
-  if (size() == 1 || count == 0) return;
+  // An empty buffer still exchanges (empty) frames, so a rank whose size differs is caught.
+  if (size() == 1) return;
   auto* b = static_cast<std::byte*>(buf);
   guarded(info, [&] {
     const size_t bytes = count * dtype_size(dtype);
@@ -442,7 +443,7 @@ void Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, uin
     throw Error(ErrorKind::kInvalidArgument, "reduce: root " + std::to_string(root) +
                                                  " is not a rank of a group of " + std::to_string(size()));
   net::OpInfo info = begin("reduce", Opcode::kReduce);
-  if (size() == 1 || count == 0) return;
+  if (size() == 1) return;
   auto* b = static_cast<std::byte*>(buf);
   const size_t es = dtype_size(dtype);
   guarded(info, [&] {

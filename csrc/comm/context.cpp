@@ -90,7 +90,9 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
     std::string name =
         shm_prefix() + "-c" + std::to_string(comm_id) + "-" + std::to_string(lo) + "-" + std::to_string(hi);
     RUMOR_LOG(kDebug, "comm " << comm_id << ": shared memory to " << desc);
-    return std::make_unique<net::ShmChannel>(name, rank_ == lo, options_.shm_ring_bytes, own_bell_,
+    // The higher rank creates and the lower one waits, as for TCP (the higher rank dials): all
+    // setup waits point from lower to higher ranks, so mixed TCP/shm rings cannot wait in a cycle.
+    return std::make_unique<net::ShmChannel>(name, rank_ == hi, options_.shm_ring_bytes, own_bell_,
                                              peer_doorbell(peer, deadline), desc, deadline);
   }
   std::vector<net::Fd> streams;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -270,8 +271,25 @@ bool ShmChannel::progress(Transfer& t, const OpInfo& op) {
   return t.send ? progress_send(p, t) : progress_recv(p, t, op);
 }
 
+namespace {
+// A process that exited but was not reaped yet still answers kill(pid, 0): read its state too.
+bool process_gone(pid_t pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return false;
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')');  // the name may contain spaces or parentheses
+  return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+}
+}  // namespace
+
 void ShmChannel::check_alive(const OpInfo& op) {
-  if (peer_->pid > 0 && ::kill(peer_->pid, 0) != 0 && errno == ESRCH)
+  if (peer_->pid > 0 && process_gone(peer_->pid))
     throw Error(ErrorKind::kPeerGone,
                 op.where() + ": " + peer_desc_ + " (pid " + std::to_string(peer_->pid) + ") exited");
 }

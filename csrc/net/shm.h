@@ -64,7 +64,7 @@ struct alignas(64) RingCtl {
 
 class ShmChannel final : public Channel {
  public:
-  // lo/hi: world ranks of the pair; the lower creates the segment.
+  // The creator makes the segment; the other side waits for it (both until the deadline).
   ShmChannel(const std::string& name, bool creator, size_t ring_bytes, Doorbell* own, Doorbell* peer,
              std::string peer_desc, const Deadline& deadline);
   bool is_shm() const override { return true; }

@@ -123,15 +123,16 @@ class _State:
     machine_rank: int
     machine_size: int
     timeout: float
-    # Rank 0 may host the TCPStore server: it must live as long as rumor does, for the peers
-    # that still talk to it and for a later init_process_group() sharing it (multi_tenant).
-    store: object = None
     next_group_id: int = 1
     groups: list = field(default_factory=list)
 
 
 _state: Optional[_State] = None
 _generation = 0
+# The TCPStore of the last init() outlives shutdown(): a peer that re-initialises before this
+# rank has shut down may still be talking to the server rank 0 hosts. A later init() in this
+# process shares the same server (multi_tenant) under a new key prefix.
+_store_keepalive = None
 
 
 def _store_for(env: _Env, timeout: float):
@@ -165,7 +166,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     socket_streams: parallel TCP streams per peer pair (env RUMOR_SOCKET_STREAMS, default 2).
     shm: use shared memory between ranks on one host (env RUMOR_SHM, default on).
     """
-    global _state, _generation
+    global _state, _generation, _store_keepalive
     if _state is not None:
         raise RuntimeError("rumor.init() was already called; call rumor.shutdown() first")
     env = _read_env()
@@ -186,13 +187,13 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         opts.spin_us = int(os.environ["RUMOR_SPIN_US"])
 
     host = _host_id()
-    store = None
     if env.size == 1:
         token = os.urandom(16)
         ctx = _C.Context(0, 1, token, opts, 0)
         addresses, hosts = [f"127.0.0.1:{ctx.port}"], [host]
     else:
         store = _store_for(env, timeout)
+        _store_keepalive = store
         if env.rank == 0:
             store.set("token", os.urandom(16))
         token = bytes(store.get("token"))
@@ -226,7 +227,6 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         machine_rank=order.index(hosts[env.rank]),
         machine_size=len(order),
         timeout=float(timeout),
-        store=store,
     )
     _generation += 1
 
