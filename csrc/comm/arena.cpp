@@ -23,6 +23,19 @@ SharedArena::SharedArena(std::shared_ptr<Communicator> comm, size_t bytes)
                 comm_->name() + ": shared buckets need every rank on one host and shared memory enabled");
   own_ = net::ShmSegment::create(arena_name(*comm_, id_, comm_->rank()), bytes_);
   peers_.resize(comm_->size());
+  // Map every peer's arena now and drop the names once all have mapped them, so that no name
+  // outlives construction. Runs through the worker to stay in order with queued operations.
+  comm_->worker().run(
+      [this] {
+        net::OpInfo info = comm_->begin_op("shared bucket setup", Opcode::kArenaAllreduce);
+        comm_->run_guarded(info, [&] {
+          comm_->barrier_within(info);  // every rank has created its arena
+          map_peers(info);
+          comm_->barrier_within(info);  // every rank has mapped every arena
+          own_.unlink_name();
+        });
+      },
+      Deadline::after(comm_->timeout_s() * 4));
 }
 
 bool SharedArena::contains(const void* p, size_t len) const {
@@ -36,7 +49,6 @@ void SharedArena::map_peers(const net::OpInfo& op) {
       peers_[q] = net::ShmSegment::open(
           arena_name(*comm_, id_, q), bytes_, op.deadline,
           op.where() + ": shared buckets of rank " + std::to_string(comm_->world_ranks()[q]));
-  mapped_ = true;
 }
 
 void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
@@ -48,11 +60,7 @@ void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
   if (n == 1 || count == 0) return;
   const size_t offset = static_cast<size_t>(static_cast<std::byte*>(buf) - data());
   comm_->run_guarded(info, [&] {
-    if (!mapped_) map_peers(info);
-    // Everyone's gradients are in place (and, the first time, everyone has mapped our arena,
-    // so its name can go).
-    comm_->barrier_within(info);
-    own_.unlink_name();
+    comm_->barrier_within(info);  // everyone's gradients are in place
 
     std::vector<size_t> begin(n + 1, 0);
     for (uint32_t q = 0; q < n; ++q) begin[q + 1] = begin[q] + (count / n + (q < count % n ? 1 : 0));

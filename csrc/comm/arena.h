@@ -38,7 +38,6 @@ class SharedArena {
   size_t bytes_;
   net::ShmSegment own_;
   std::vector<net::ShmSegment> peers_;  // by communicator rank; empty for this rank
-  bool mapped_ = false;
 };
 
 }  // namespace rumor

@@ -27,7 +27,8 @@ constexpr size_t kAlign = 32;
 struct SegHeader {
   uint64_t magic;
   std::atomic<uint32_t> ready;
-  char pad[52];
+  std::atomic<uint32_t> opened;  // the peer has mapped the segment
+  char pad[48];
   RingCtl ring[2];
 };
 constexpr uint64_t kSegMagic = 0x52554d4f52534d31ull;
@@ -146,11 +147,21 @@ ShmChannel::ShmChannel(const std::string& name, bool creator, size_t ring_bytes,
     }
     // Both sides have it mapped now; the name is no longer needed, and removing it early
     // means a crash later cannot leak it.
+    h->opened.store(1, std::memory_order_release);
     seg_.unlink_name();
   }
+  header_ = h;
+  creator_ = creator;
   out_idx_ = creator ? 0 : 1;
   out_ = &h->ring[out_idx_];
   in_ = &h->ring[1 - out_idx_];
+}
+
+ShmChannel::~ShmChannel() {
+  // A peer that has not mapped the segment yet may still need it: the messages we sent are in
+  // there (as they would be in flight on a socket). It removes the name once it has mapped it.
+  if (creator_ && static_cast<SegHeader*>(header_)->opened.load(std::memory_order_acquire) == 0)
+    seg_.keep_name();
 }
 
 std::byte* ShmChannel::ring_data(int which) const {

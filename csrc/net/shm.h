@@ -29,6 +29,8 @@ class ShmSegment {
   void* data() const { return data_; }
   size_t size() const { return size_; }
   void unlink_name();
+  // Leaves the name in place when this object goes away (someone else will unlink it).
+  void keep_name() { name_.clear(); }
 
  private:
   void* data_ = nullptr;
@@ -67,6 +69,9 @@ class ShmChannel final : public Channel {
   // The creator makes the segment; the other side waits for it (both until the deadline).
   ShmChannel(const std::string& name, bool creator, size_t ring_bytes, Doorbell* own, Doorbell* peer,
              std::string peer_desc, const Deadline& deadline);
+  ~ShmChannel() override;
+  ShmChannel(const ShmChannel&) = delete;
+  ShmChannel& operator=(const ShmChannel&) = delete;
   bool is_shm() const override { return true; }
   void begin(Transfer& t, const OpInfo& op) override;
   bool progress(Transfer& t, const OpInfo& op) override;
@@ -81,6 +86,8 @@ class ShmChannel final : public Channel {
   std::byte* ring_data(int which) const;
 
   ShmSegment seg_;
+  void* header_ = nullptr;
+  bool creator_ = false;
   size_t cap_;
   RingCtl* out_ = nullptr;
   RingCtl* in_ = nullptr;

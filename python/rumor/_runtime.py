@@ -4,6 +4,7 @@ All mutable state lives in one _State object, created by init() and dropped by s
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -235,6 +236,10 @@ def shutdown() -> None:
     """Releases sockets, shared memory and threads. Outstanding handles must be waited on first."""
     global _state
     _state = None
+
+
+# Release shared memory names and sockets at interpreter exit even if shutdown() was not called.
+atexit.register(shutdown)
 
 
 def is_initialized() -> bool:

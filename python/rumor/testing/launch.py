@@ -29,6 +29,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 SCRUB_PREFIXES = ("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_", "PMIX_", "RUMOR_")
 SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+# Where one process listens and which host it is on: right for one process, wrong when every rank inherits it.
+RUMOR_PER_PROCESS = ("RUMOR_HOST_ID", "RUMOR_ADVERTISE_ADDR", "RUMOR_PORT")
 
 
 def free_port() -> int:
@@ -40,10 +42,10 @@ def free_port() -> int:
 
 def base_env(keep_rumor: bool = False) -> Dict[str, str]:
     """This process's environment without the variables that would tell a rank who it is.
-    keep_rumor: keep RUMOR_* settings (RUMOR_SOCKET_STREAMS, ...) except RUMOR_HOST_ID."""
+    keep_rumor: keep RUMOR_* settings (RUMOR_SOCKET_STREAMS, ...) except RUMOR_PER_PROCESS."""
     out = {}
     for k, v in os.environ.items():
-        if k in SCRUB_NAMES or k == "RUMOR_HOST_ID":
+        if k in SCRUB_NAMES or k in RUMOR_PER_PROCESS:
             continue
         if k.startswith(SCRUB_PREFIXES) and not (keep_rumor and k.startswith("RUMOR_")):
             continue
