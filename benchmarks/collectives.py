@@ -41,32 +41,20 @@ Output: a table per job, the issue targets, JSON with every raw figure and a PNG
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-import traceback
 from typing import Dict, List, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import _common
+from _common import Progress, emit, parse_rate
+
 OPS = ("allreduce", "allgather", "reduce_scatter")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SCALE_EXP = -100  # inputs are small integers times 2^-100 (see _template)
-
-# Variables that would change what rumor.init() / the launcher see in a rank.
-_SCRUB_PREFIXES = ("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_", "PMIX_")
-_SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                "MASTER_ADDR", "MASTER_PORT", "RUMOR_HOST_ID", "RUMOR_ADVERTISE_ADDR", "RUMOR_PORT")
 
 
 # ==== small helpers ==================================================================================
@@ -103,24 +91,8 @@ def fmt_bw(bps: float) -> str:
     return f"{bps / 1e9:.3f}" if bps < 10e9 else f"{bps / 1e9:.2f}"
 
 
-def parse_rate(rate: str) -> float:
-    """tc rate string -> bytes/s ("1gbit" -> 125e6, "100mbit", "500kbit", "10mbps" = bytes)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*", rate.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad rate {rate!r} (examples: 1gbit, 500mbit)")
-    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    v = float(m.group(1)) * mult
-    return v / 8 if (m.group(3) or "bit") == "bit" else v
-
-
 def busbw_factor(op: str, n: int) -> float:
     return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure_memcpy(nbytes: int = 64 * MiB, iters: int = 20) -> Dict:
@@ -144,39 +116,6 @@ def measure_memcpy(nbytes: int = 64 * MiB, iters: int = 20) -> Dict:
     med = statistics.median(samples)
     return dict(bytes=nbytes, samples_s=samples, median_s=med, bw=nbytes / med,
                 bw_min=nbytes / max(samples), bw_max=nbytes / min(samples))
-
-
-class Progress:
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total = max(1, total)
-        self.done = 0
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.t0 = time.monotonic()
-        self.label = ""
-        self.lock = threading.Lock()
-
-    def update(self, done: Optional[int] = None, label: str = "") -> None:
-        with self.lock:
-            if done is not None:
-                self.done = done
-            self.label = label or self.label
-            frac = min(1.0, self.done / self.total)
-            width = 30
-            bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
-            el = time.monotonic() - self.t0
-            line = f"[{bar}] {self.done}/{self.total} {el:6.0f}s  {self.label}"
-            if self.tty:
-                self.stream.write("\r\033[K" + line[:150])
-            else:
-                self.stream.write(line + "\n")
-            self.stream.flush()
-
-    def clear(self) -> None:
-        if self.tty:
-            with self.lock:
-                self.stream.write("\r\033[K")
-                self.stream.flush()
 
 
 # ==== inside a rank ==================================================================================
@@ -204,57 +143,21 @@ def _expected(op: str, numel: int, n: int, rank: int, salt: int, per: int):
     return total
 
 
-def _emit(kind: str, payload) -> None:
-    sys.stdout.write(f"@@{kind} {json.dumps(payload)}\n")
-    sys.stdout.flush()
+def _describe(rank: int, n: int) -> Dict:
+    import torch
+
+    import rumor
+
+    return dict(rank=rank, size=n, local_size=rumor.local_size(), machine_size=rumor.machine_size(),
+                machine_rank=rumor.machine_rank(), torch_threads=torch.get_num_threads(),
+                host_id=os.readlink("/proc/self/ns/net"))
 
 
-def worker_main(cfg_path: str) -> int:
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    rank = int(os.environ["RANK"])
-    try:
-        return _worker(cfg, rank)
-    except BaseException:  # noqa: BLE001
-        tb = traceback.format_exc()
-        sys.stderr.write(f"rank {rank} failed:\n{tb}")
-        sys.stderr.flush()
-        if rank == 0:
-            _emit("error", {"rank": rank, "traceback": tb})
-        os._exit(1)
-
-
-def _worker(cfg: Dict, rank: int) -> int:
-    import faulthandler
-
-    if cfg.get("dump_after"):
-        faulthandler.dump_traceback_later(cfg["dump_after"], exit=True)
-    parent = os.getppid()
-
-    def orphan_watch():  # the driver was killed (even with SIGKILL): do not linger
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    threading.Thread(target=orphan_watch, daemon=True).start()
+def _measure(cfg: Dict, rank: int, n: int) -> None:
     import torch
     import torch.distributed as dist
 
     import rumor
-
-    td = datetime.timedelta(seconds=cfg["rumor_timeout"])
-    rumor.init(timeout=cfg["rumor_timeout"])
-    dist.init_process_group("gloo", timeout=td)
-    n = rumor.size()
-    assert dist.get_world_size() == n and dist.get_rank() == rank == rumor.rank()
-    info = dict(rank=rank, size=n, local_size=rumor.local_size(), machine_size=rumor.machine_size(),
-                machine_rank=rumor.machine_rank(), torch_threads=torch.get_num_threads(),
-                host_id=os.readlink("/proc/self/ns/net"))
-    infos = [None] * n
-    dist.all_gather_object(infos, info)
-    if rank == 0:
-        _emit("info", infos)
 
     SUM = rumor.ReduceOp.SUM
     ag_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -338,13 +241,7 @@ def _worker(cfg: Dict, rank: int) -> int:
                 for _ in range(reps):
                     fns[v]()
                 samples[v].append((time.perf_counter() - t0) / reps)
-        # Gather every rank's samples; a sample's time is the slowest rank's.
-        per_rank = {}
-        for v in variants:
-            mine = torch.tensor(samples[v], dtype=torch.float64)
-            allr = [torch.empty_like(mine) for _ in range(n)]
-            dist.all_gather(allr, mine)
-            per_rank[v] = [x.tolist() for x in allr]
+        per_rank = _common.gather_samples(samples)  # a sample's time is the slowest rank's
         oks = [None] * n
         dist.all_gather_object(oks, correct)
         if rank == 0:
@@ -355,154 +252,37 @@ def _worker(cfg: Dict, rank: int) -> int:
                 errs = [o[v] for o in oks if o.get(v) is not True]
                 cell["variants"][v] = dict(samples_s=sm, per_rank_samples_s=per_rank[v],
                                            correct=not errs, errors=errs[:4])
-            _emit("cell", cell)
+            emit("cell", cell)
 
     for op in cfg["ops"]:
         for size in cfg["sizes"]:
             run_cell(op, size, cell_index)
             cell_index += 1
-    dist.barrier()
-    rumor.barrier()
-    if rank == 0:
-        _emit("done", {})
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip teardown of rumor's and gloo's threads
 
 
 # ==== the driver =====================================================================================
 
-class Job:
+class Job(_common.Job):
     """One set of ranks (one world size), running the whole size list for every op."""
 
-    def __init__(self, args, n: int, hosts: int, rph: int, ops: List[str], sizes: List[int],
-                 workdir: str, progress: Progress, progress_base: int, cluster=None, rate: str = ""):
-        self.args, self.n, self.hosts, self.rph = args, n, hosts, rph
-        self.ops, self.sizes, self.cluster, self.rate = ops, sizes, cluster, rate
-        self.workdir, self.progress, self.base = workdir, progress, progress_base
-        self.cells: List[Dict] = []
-        self.info = None
-        self.error: Optional[str] = None
-        self.finished = False
-        self.procs: List[subprocess.Popen] = []
-        self.logs: List[str] = []
+    def __init__(self, args, n: int, ops: List[str], sizes: List[int], workdir: str, progress: Progress,
+                 base: int, cluster=None):
+        super().__init__(os.path.abspath(__file__), args, n, workdir, progress, base, cluster)
+        self.ops, self.sizes = ops, sizes
 
     @property
     def label(self) -> str:
-        return f"{self.hosts} hosts x {self.rph} rank(s)" if self.cluster else f"{self.n} ranks, 1 host"
+        return f"{self.hosts} hosts x {self.rph} rank(s)" if self.cluster is not None else f"{self.n} ranks, 1 host"
 
-    def _env(self, rank: int, master: str, port: int, ifname: str) -> Dict[str, str]:
-        e = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
-        e.update(RANK=str(rank), WORLD_SIZE=str(self.n), LOCAL_RANK=str(rank % self.rph),
-                 LOCAL_WORLD_SIZE=str(self.rph), MASTER_ADDR=master, MASTER_PORT=str(port),
-                 GLOO_SOCKET_IFNAME=ifname, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                 PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", PYTHONWARNINGS="ignore")
-        return e
-
-    def run(self) -> None:
+    def config(self) -> Dict:
         a = self.args
-        cfg = dict(ops=self.ops, sizes=self.sizes, iters=a.iters, warmup=a.warmup,
-                   target_s=a.target_ms / 1e3, max_reps=a.max_reps, rumor_timeout=a.rumor_timeout,
-                   hierarchical=(self.cluster is not None and self.rph > 1),
-                   dump_after=max(10, a.job_timeout - 10))
-        cfg_path = os.path.join(self.workdir, f"cfg-{self.n}.json")
-        with open(cfg_path, "w") as f:
-            json.dump(cfg, f)
-        if self.cluster is not None:
-            master, port, ifname = self.cluster.ip(0), 29500, "eth0"
-        else:
-            master, port, ifname = "127.0.0.1", free_port(), "lo"
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", cfg_path]
-        for r in range(self.n):
-            log = os.path.join(self.workdir, f"rank{r}-{self.n}-{self.hosts}.log")
-            self.logs.append(log)
-            lf = open(log, "wb")
-            kw = dict(env=self._env(r, master, port, ifname), stdin=subprocess.DEVNULL,
-                      stdout=subprocess.PIPE if r == 0 else lf, stderr=lf)
-            if self.cluster is not None:
-                p = self.cluster.popen(r // self.rph, argv, **kw)
-            else:
-                p = subprocess.Popen(argv, start_new_session=True, **kw)
-            lf.close()
-            self.procs.append(p)
-            _PROCS.append(p)
-        reader = threading.Thread(target=self._read, args=(self.procs[0].stdout,), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + a.job_timeout
-        failed_at = None
-        while True:
-            codes = [p.poll() for p in self.procs]
-            if all(c is not None for c in codes):
-                break
-            if failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = time.monotonic()
-                deadline = min(deadline, failed_at + 30)  # give the others time to report
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.1)
-        late = [r for r, p in enumerate(self.procs) if p.poll() is None]
-        for p in self.procs:
-            _kill(p)
-        reader.join(5)
-        bad = [r for r, p in enumerate(self.procs) if p.returncode != 0]
-        if late or bad or not self.finished:
-            why = (f"the job deadline ({a.job_timeout:.0f}s)" if failed_at is None
-                   else "30 s after the first rank failed")
-            parts = [f"{self.label}: ranks {bad} failed" + (f"; ranks {late} were still running and were "
-                                                             f"killed at {why}" if late else "")]
-            for r, log in enumerate(self.logs):
-                try:
-                    with open(log, "rb") as f:
-                        tail = f.read()[-3000:].decode("utf-8", "replace")
-                except OSError:
-                    tail = ""
-                parts.append(f"--- rank {r} (exit {self.procs[r].returncode}) ---\n{tail}")
-            self.error = (self.error + "\n" if self.error else "") + "\n".join(parts)
+        return dict(ops=self.ops, sizes=self.sizes, iters=a.iters, warmup=a.warmup, target_s=a.target_ms / 1e3,
+                    max_reps=a.max_reps, hierarchical=(self.cluster is not None and self.rph > 1))
 
-    def _read(self, stream) -> None:
-        for raw in stream:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            if not line.startswith("@@"):
-                continue
-            kind, _, payload = line[2:].partition(" ")
-            try:
-                data = json.loads(payload)
-            except ValueError:
-                continue
-            if kind == "cell":
-                data.update(hosts=self.hosts, ranks_per_host=self.rph, job=self.label)
-                self.cells.append(data)
-                self.progress.update(self.base + len(self.cells),
-                                     f"{self.label}: {data['op']} {fmt_size(data['size'])} done")
-            elif kind == "info":
-                self.info = data
-            elif kind == "error":
-                self.error = f"rank {data['rank']} raised:\n{data['traceback']}"
-            elif kind == "done":
-                self.finished = True
-
-
-_PROCS: List[subprocess.Popen] = []
-
-
-def _kill(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            try:
-                p.kill()
-            except ProcessLookupError:
-                pass
-    try:
-        p.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _kill_all() -> None:
-    for p in _PROCS:
-        _kill(p)
+    def on_message(self, kind: str, data) -> None:
+        if kind == "cell":
+            self.progress.update(self.base + len(self.cells),
+                                 f"{self.label}: {data['op']} {fmt_size(data['size'])} done")
 
 
 def summarize(cell: Dict, bound: Dict) -> None:
@@ -563,13 +343,9 @@ def print_table(cells: List[Dict], title: str, bound_kind: str, bound_bw: Option
 
 
 def plot(path: str, cells: List[Dict], mode: str, bounds: Dict) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib): no plot written"
+    plt = _common.pyplot()
+    if plt is None:
+        return _common.NO_MATPLOTLIB
     ops = [o for o in OPS if any(c["op"] == o for c in cells)]
     fig, axes = plt.subplots(2, len(ops), figsize=(6 * len(ops), 8), squeeze=False)
     styles = {"rumor": "-", "gloo": "--", "rumor_hier": "-."}
@@ -607,9 +383,7 @@ def plot(path: str, cells: List[Dict], mode: str, bounds: Dict) -> Optional[str]
         ax_bw.set_title(op)
         ax_bw.legend(fontsize=7)
     fig.suptitle(bounds.get("title", "rumor vs gloo"))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _common.save_figure(plt, fig, path)
     return None
 
 
@@ -623,11 +397,7 @@ def find(cells, op, n, size, job_hosts=None):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="rumor vs gloo collectives (see the module docstring)",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--hosts", type=int, default=0,
-                    help="0: one host (ranks from --ranks); H>=2: H emulated hosts in network namespaces")
-    ap.add_argument("--ranks", default="2,4", help="one-host mode: world sizes to run")
-    ap.add_argument("--ranks-per-host", type=int, default=1, help="--hosts mode: ranks per emulated host")
-    ap.add_argument("--rate", default="1gbit", help="--hosts mode: tbf rate of each host's link")
+    _common.add_world_args(ap)
     ap.add_argument("--ops", default=None,
                     help="comma list of allreduce,allgather,reduce_scatter "
                          "(default: all three; --hosts mode: allreduce)")
@@ -641,14 +411,10 @@ def main(argv=None) -> int:
     ap.add_argument("--target-ms", type=float, default=5.0,
                     help="small sizes: run several ops per sample so it lasts at least this long")
     ap.add_argument("--max-reps", type=int, default=64)
-    ap.add_argument("--rumor-timeout", type=float, default=300.0, help="rumor.init(timeout) and gloo's")
-    ap.add_argument("--job-timeout", type=float, default=3600.0, help="deadline of each job (seconds)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    _common.add_run_args(ap)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker_main(args.worker)
+        return _common.worker_main(args.worker, _describe, _measure)
 
     hosts_mode = args.hosts > 0
     ops = [o.strip() for o in (args.ops or ("allreduce" if hosts_mode else ",".join(OPS))).split(",") if o.strip()]
@@ -665,12 +431,7 @@ def main(argv=None) -> int:
         while s <= mx:
             sizes.append(s)
             s *= args.factor
-    if hosts_mode:
-        if args.hosts < 2:
-            ap.error("--hosts needs at least 2 hosts")
-        worlds = [args.hosts * args.ranks_per_host]
-    else:
-        worlds = [int(x) for x in args.ranks.split(",")]
+    worlds = _common.world_sizes(ap, args)
     for n in worlds:
         for s in sizes:
             if s % (4 * n):
@@ -686,16 +447,8 @@ def main(argv=None) -> int:
     json_path = os.path.join(args.out, f"collectives-{tag}.json")
     png_path = os.path.join(args.out, f"collectives-{tag}.png")
 
-    import torch
-
-    import rumor
-
-    meta = dict(started=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv,
-                args={k: v for k, v in vars(args).items() if k != "worker"}, ops=ops, sizes=sizes,
-                worlds=worlds, python=platform.python_version(), torch=torch.__version__,
-                rumor=getattr(rumor, "__version__", "?"), hostname=socket.gethostname(),
-                cpus=os.cpu_count(), loadavg_start=os.getloadavg(),
-                rumor_env={k: v for k, v in os.environ.items() if k.startswith("RUMOR_")},
+    meta = _common.run_meta(args)
+    meta.update(ops=ops, sizes=sizes, worlds=worlds,
                 sample_time="slowest rank's elapsed time for `reps` back-to-back ops / reps, after a gloo barrier",
                 busbw="allreduce: algbw*2(n-1)/n; allgather, reduce_scatter: algbw*(n-1)/n",
                 size_meaning="allreduce: buffer; allgather: gathered output; reduce_scatter: input")
@@ -704,61 +457,37 @@ def main(argv=None) -> int:
           f"load {meta['loadavg_start'][0]:.2f} | ops {','.join(ops)} | sizes {fmt_size(sizes[0])}.."
           f"{fmt_size(sizes[-1])} ({len(sizes)}) | iters {args.iters}, warmup {args.warmup}")
 
-    workdir = tempfile.mkdtemp(prefix="rumor-bench-")
     progress = Progress(len(worlds) * len(ops) * len(sizes))
-    cluster = None
-    rc = 0
+    drv = _common.Driver("rumor-bench-", progress, hosts_mode)
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old_term = signal.signal(signal.SIGTERM, on_term)
-    try:
+    def body() -> int:
         mc = measure_memcpy()
         result["memcpy"] = [mc]
         print(f"memcpy (torch copy_, 1 thread, {fmt_size(mc['bytes'])}): {mc['bw'] / 1e9:.2f} GB/s "
               f"[{mc['bw_min'] / 1e9:.2f}-{mc['bw_max'] / 1e9:.2f}]")
         bounds: Dict = {}
         if hosts_mode:
-            from rumor.testing import netns
-
-            ok, why = netns.available()
-            if not ok:
-                print(f"cannot emulate hosts: {why}", file=sys.stderr)
+            tcp0 = drv.start_cluster(args.hosts, args.rate)
+            if tcp0 is None:
                 return 2
-            cluster = netns.Cluster(args.hosts, rate=args.rate).start()
             B = parse_rate(args.rate)
-            tcp = [netns.tcp_throughput(cluster, 0, 1, nbytes=64 * MiB)]
+            tcp = [tcp0]
             n_h = args.hosts
             bounds = dict(rate=args.rate, link_Bps=B, ring_bound=B * n_h / (2 * (n_h - 1)),
                           title=f"{args.hosts} emulated hosts x {args.ranks_per_host} rank(s), tbf {args.rate}")
             print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), namespaces "
-                  f"{' '.join(cluster.namespaces)}, tbf {args.rate} = {B / 1e6:.0f} MB/s per link; "
+                  f"{' '.join(drv.cluster.namespaces)}, tbf {args.rate} = {B / 1e6:.0f} MB/s per link; "
                   f"single TCP stream through one shaped link: {tcp[0] / 1e6:.1f} MB/s")
         else:
             bounds = dict(memcpy_bw=mc["bw"], title="one host: rumor vs gloo (bound: 1-thread memcpy)")
 
-        done = 0
-        jobs = []
-        for n in worlds:
-            job = Job(args, n, args.hosts if hosts_mode else 1, args.ranks_per_host if hosts_mode else n,
-                      ops, sizes, workdir, progress, done, cluster=cluster, rate=args.rate)
-            progress.update(done, f"{job.label}: starting")
-            job.run()
-            jobs.append(job)
-            done += len(ops) * len(sizes)
-            result["cells"].extend(job.cells)
-            result["jobs"].append(dict(label=job.label, n=n, info=job.info, error=job.error))
-            if job.error:
-                progress.clear()
-                print(f"\nERROR in job {job.label}:\n{job.error}", file=sys.stderr)
-                result["errors"].append(job.error)
-                rc = 1
+        jobs = [Job(args, n, ops, sizes, drv.workdir, progress, k * len(ops) * len(sizes), cluster=drv.cluster)
+                for k, n in enumerate(worlds)]
+        rc = _common.run_jobs(jobs, result, progress)
 
         if hosts_mode:
-            tcp.append(netns.tcp_throughput(cluster, 0, 1, nbytes=64 * MiB))
-            cluster.close()
-            cluster = None
+            tcp.append(drv.tcp_throughput())
+            drv.close_cluster()
             result["tcp_single_stream_Bps"] = tcp
             tcp_b = statistics.median(tcp)
             n_h = args.hosts
@@ -773,8 +502,7 @@ def main(argv=None) -> int:
         for c in result["cells"]:
             summarize(c, bounds)
         result["bounds"] = bounds
-        meta["loadavg_end"] = os.getloadavg()
-        meta["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+        _common.finish_meta(meta)
 
         # ---- tables
         for job in jobs:
@@ -850,31 +578,13 @@ def main(argv=None) -> int:
         if wrong:
             print("WRONG RESULTS: " + ", ".join(f"{v} {o} n={n} {fmt_size(s)}" for o, n, s, v in wrong))
             rc = rc or 1
-        result["headline"] = headline
-
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {json_path}")
-        if not args.no_plot and result["cells"]:
-            err = plot(png_path, result["cells"], "ring" if hosts_mode else "memcpy", bounds)
-            print(err or f"wrote {png_path}")
-        if result["errors"]:
-            print(f"{len(result['errors'])} job(s) failed (see above and JSON 'errors')")
-        print(headline or "headline: n/a (the run produced no allreduce figure)")
+        draw = None if args.no_plot else (
+            lambda: plot(png_path, result["cells"], "ring" if hosts_mode else "memcpy", bounds))
+        _common.write_results(result, headline, "headline: n/a (the run produced no allreduce figure)",
+                              json_path, png_path, draw)
         return rc
-    except KeyboardInterrupt:
-        progress.clear()
-        print("\ninterrupted: killing ranks" + (" and removing namespaces" if hosts_mode else ""),
-              file=sys.stderr)
-        return 130
-    finally:
-        _kill_all()
-        if cluster is not None:
-            cluster.close()
-        signal.signal(signal.SIGTERM, old_term)
-        import shutil
 
-        shutil.rmtree(workdir, ignore_errors=True)
+    return drv.run(body)
 
 
 if __name__ == "__main__":

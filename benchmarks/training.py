@@ -39,132 +39,39 @@ ratio.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import re
-import signal
-import socket
 import statistics
 import sys
-import tempfile
-import threading
 import time
-import traceback
 from typing import Dict, List, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import _common
+from _common import Progress, emit, parse_rate
+
 MODELS = ("mlp25m", "cnn", "transformer")
 VARIANT_LABEL = {"compute": "compute-only", "rumor": "rumor", "rumor_hier": "rumor hier", "torch": "torch DDP"}
 
 
 # ==== helpers ========================================================================================
 
-def parse_rate(rate: str) -> float:
-    """tc rate string -> bytes/s ("1gbit" -> 125e6)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*", rate.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad rate {rate!r} (examples: 1gbit, 500mbit)")
-    v = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    return v / 8 if (m.group(3) or "bit") == "bit" else v
-
-
 def fmt_ms(s: float) -> str:
     return f"{s * 1e3:.0f}" if s >= 0.1 else f"{s * 1e3:.1f}"
 
 
-class Progress:
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.done, self.stream = max(1, total), 0, stream
-        self.tty = stream.isatty()
-        self.t0 = time.monotonic()
-        self.label = ""
-        self.last = 0.0
-        self.lock = threading.Lock()
-
-    def update(self, done: Optional[int] = None, label: str = "", force: bool = False) -> None:
-        with self.lock:
-            if done is not None:
-                self.done = done
-            self.label = label or self.label
-            now = time.monotonic()
-            if not self.tty and not force and now - self.last < 10:
-                return
-            self.last = now
-            frac = min(1.0, self.done / self.total)
-            bar = "#" * int(frac * 30) + "-" * (30 - int(frac * 30))
-            line = f"[{bar}] {self.done}/{self.total} steps {now - self.t0:6.0f}s  {self.label}"
-            self.stream.write(("\r\033[K" + line[:160]) if self.tty else line + "\n")
-            self.stream.flush()
-
-    def clear(self) -> None:
-        if self.tty:
-            with self.lock:
-                self.stream.write("\r\033[K")
-                self.stream.flush()
-
-
 # ==== inside a rank ==================================================================================
 
-def _emit(kind: str, payload) -> None:
-    sys.stdout.write(f"@@{kind} {json.dumps(payload)}\n")
-    sys.stdout.flush()
-
-
-def worker_main(cfg_path: str) -> int:
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    rank = int(os.environ["RANK"])
-    try:
-        return _worker(cfg, rank)
-    except BaseException:  # noqa: BLE001
-        tb = traceback.format_exc()
-        sys.stderr.write(f"rank {rank} failed:\n{tb}")
-        sys.stderr.flush()
-        if rank == 0:
-            _emit("error", {"rank": rank, "traceback": tb})
-        os._exit(1)
-
-
-def _worker(cfg: Dict, rank: int) -> int:
-    import faulthandler
-
-    if cfg.get("dump_after"):
-        faulthandler.dump_traceback_later(cfg["dump_after"], exit=True)
-    parent = os.getppid()
-
-    def orphan_watch():  # the driver died (even by SIGKILL): do not linger
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    threading.Thread(target=orphan_watch, daemon=True).start()
+def _describe(rank: int, n: int) -> Dict:
     import torch
-    import torch.distributed as dist
 
     import rumor
 
-    td = datetime.timedelta(seconds=cfg["rumor_timeout"])
-    rumor.init(timeout=cfg["rumor_timeout"])
-    dist.init_process_group("gloo", timeout=td)
-    n = rumor.size()
-    info = dict(rank=rank, size=n, local_size=rumor.local_size(), machine_size=rumor.machine_size(),
+    return dict(rank=rank, size=n, local_size=rumor.local_size(), machine_size=rumor.machine_size(),
                 torch_threads=torch.get_num_threads(), netns=os.readlink("/proc/self/ns/net"))
-    infos = [None] * n
-    dist.all_gather_object(infos, info)
-    if rank == 0:
-        _emit("info", infos)
+
+
+def _train(cfg: Dict, rank: int, n: int) -> None:
     for name in cfg["models"]:
         _run_model(cfg, name, rank, n)
-    dist.barrier()
-    rumor.barrier()
-    if rank == 0:
-        _emit("done", {})
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip teardown of rumor's and gloo's threads
 
 
 def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
@@ -220,7 +127,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             counts[v] += 1
             done += 1
         if rank == 0:
-            _emit("progress", {"model": name, "done": done, "total": total, "what": f"warm-up {v}"})
+            emit("progress", {"model": name, "done": done, "total": total, "what": f"warm-up {v}"})
     blocks = -(-cfg["iters"] // cfg["block"])
     for b in range(blocks):
         k = b % len(names)
@@ -234,15 +141,9 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                 counts[v] += 1
                 done += 1
             if rank == 0:
-                _emit("progress", {"model": name, "done": done, "total": total,
+                emit("progress", {"model": name, "done": done, "total": total,
                                    "what": f"{v} {times[v][-1] * 1e3:.0f} ms/step"})
-    # Every rank's samples; a step's time is the slowest rank's.
-    per_rank = {}
-    for v in names:
-        mine = torch.tensor(times[v], dtype=torch.float64)
-        allr = [torch.empty_like(mine) for _ in range(n)]
-        dist.all_gather(allr, mine)
-        per_rank[v] = [x.tolist() for x in allr]
+    per_rank = _common.gather_samples(times)  # a step's time is the slowest rank's
     loss_t = {v: torch.tensor(losses[v], dtype=torch.float64) for v in names}
     for v in names:
         dist.all_reduce(loss_t[v], op=dist.ReduceOp.SUM)
@@ -253,24 +154,20 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             steps = [max(per_rank[v][r][i] for r in range(n)) for i in range(len(times[v]))]
             cell["variants"][v] = dict(step_s=steps, per_rank_step_s=per_rank[v], warmup_s=warm[v],
                                        loss=(loss_t[v] / n).tolist())
-        _emit("cell", cell)
+        emit("cell", cell)
     del variants, data
     gc.collect()
 
 
 # ==== the driver =====================================================================================
 
-class Job:
+class Job(_common.Job):
     """One set of ranks (a world size, on one host or in the emulated cluster), all models."""
 
-    def __init__(self, args, n: int, hosts: int, rph: int, workdir: str, progress: Progress, base: int,
-                 steps_per_model: int, cluster=None):
-        self.args, self.n, self.hosts, self.rph, self.cluster = args, n, hosts, rph, cluster
-        self.workdir, self.progress, self.base, self.steps_per_model = workdir, progress, base, steps_per_model
-        self.cells: List[Dict] = []
-        self.info = None
-        self.error: Optional[str] = None
-        self.finished = False
+    def __init__(self, args, n: int, workdir: str, progress: Progress, base: int, steps_per_model: int,
+                 cluster=None):
+        super().__init__(os.path.abspath(__file__), args, n, workdir, progress, base, cluster)
+        self.steps_per_model = steps_per_model
         self.model_index = 0
 
     @property
@@ -279,62 +176,19 @@ class Job:
             return f"{self.hosts} emulated hosts x {self.rph} rank(s), tbf {self.args.rate}"
         return f"{self.n} ranks, 1 host"
 
-    def run(self) -> None:
-        from rumor.testing import launch
-
+    def config(self) -> Dict:
         a = self.args
-        cfg = dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, block=a.block, lr=a.lr,
-                   seed=a.seed, rumor_timeout=a.rumor_timeout,
-                   hierarchical=bool(a.hierarchical and self.cluster is not None and self.rph > 1),
-                   dump_after=max(10, a.job_timeout - 10))
-        cfg_path = os.path.join(self.workdir, f"cfg-{self.n}-{self.hosts}.json")
-        with open(cfg_path, "w") as f:
-            json.dump(cfg, f)
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", cfg_path]
-        logdir = os.path.join(self.workdir, f"logs-{self.n}-{self.hosts}")
-        os.makedirs(logdir, exist_ok=True)
-        ranks = launch.Ranks(argv, self.n, cluster=self.cluster, ranks_per_host=self.rph if self.cluster else None,
-                             env={"PYTHONWARNINGS": "ignore"}, keep_rumor_env=True, logdir=logdir,
-                             pipe_stdout=(0,))
-        _JOBS.append(ranks)
-        reader = threading.Thread(target=self._read, args=(ranks.procs[0].stdout,), daemon=True)
-        reader.start()
-        try:
-            ranks.wait(a.job_timeout, grace_after_failure=30)
-        finally:
-            ranks.kill()
-        reader.join(5)
-        if not ranks.ok or not self.finished:
-            self.error = (self.error + "\n" if self.error else "") + ranks.report(3000)
+        return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, block=a.block, lr=a.lr,
+                    seed=a.seed, hierarchical=bool(a.hierarchical and self.cluster is not None and self.rph > 1))
 
-    def _read(self, stream) -> None:
-        for raw in stream:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            if not line.startswith("@@"):
-                continue
-            kind, _, payload = line[2:].partition(" ")
-            try:
-                data = json.loads(payload)
-            except ValueError:
-                continue
-            if kind == "progress":
-                self.progress.update(self.base + self.model_index * self.steps_per_model + data["done"],
-                                     f"{self.label}: {data['model']} {data['what']}")
-            elif kind == "cell":
-                data.update(hosts=self.hosts, ranks_per_host=self.rph, job=self.label)
-                self.cells.append(data)
-                self.model_index += 1
-                self.progress.update(self.base + self.model_index * self.steps_per_model,
-                                     f"{self.label}: {data['model']} done", force=True)
-            elif kind == "info":
-                self.info = data
-            elif kind == "error":
-                self.error = f"rank {data['rank']} raised:\n{data['traceback']}"
-            elif kind == "done":
-                self.finished = True
-
-
-_JOBS: list = []
+    def on_message(self, kind: str, data) -> None:
+        if kind == "progress":
+            self.progress.update(self.base + self.model_index * self.steps_per_model + data["done"],
+                                 f"{self.label}: {data['model']} {data['what']}")
+        elif kind == "cell":
+            self.model_index += 1
+            self.progress.update(self.base + self.model_index * self.steps_per_model,
+                                 f"{self.label}: {data['model']} done", force=True)
 
 
 def summarize(cell: Dict, link_Bps: Optional[float]) -> None:
@@ -387,13 +241,9 @@ def print_table(cells: List[Dict], title: str) -> None:
 
 
 def plot(path: str, jobs: List[Dict]) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        return f"no plot ({e}); pip install matplotlib"
+    plt = _common.pyplot()
+    if plt is None:
+        return _common.NO_MATPLOTLIB
     jobs = [j for j in jobs if j["cells"]]
     if not jobs:
         return "no plot (no results)"
@@ -428,19 +278,14 @@ def plot(path: str, jobs: List[Dict]) -> Optional[str]:
         ax.legend(fontsize=7, loc="lower right")
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("rumor DDP vs torch DDP (gloo)\nsamples/s relative to compute-only (labels: rumor/torch)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _common.save_figure(plt, fig, path)
     return None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="rumor DDP vs torch DDP training throughput (see the docstring)",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--hosts", type=int, default=0, help="0: one host (--ranks); H>=2: H emulated hosts")
-    ap.add_argument("--ranks", default="2,4", help="one-host mode: world sizes")
-    ap.add_argument("--ranks-per-host", type=int, default=1, help="--hosts mode: ranks per emulated host")
-    ap.add_argument("--rate", default="1gbit", help="--hosts mode: tbf rate of each host's link")
+    _common.add_world_args(ap)
     ap.add_argument("--hierarchical", action="store_true",
                     help="also rumor GradientAllReduce(hierarchical=True) (with several ranks per host)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
@@ -451,14 +296,10 @@ def main(argv=None) -> int:
                     help="steps per variant before the next one runs (1: finest interleaving, best on a noisy machine)")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rumor-timeout", type=float, default=300.0)
-    ap.add_argument("--job-timeout", type=float, default=3600.0, help="deadline of each job (seconds)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    _common.add_run_args(ap)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker_main(args.worker)
+        return _common.worker_main(args.worker, _describe, _train)
 
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODELS]
@@ -469,12 +310,7 @@ def main(argv=None) -> int:
         k, _, v = kv.partition("=")
         args.batch_map[k.strip()] = int(v)
     hosts_mode = args.hosts > 0
-    if hosts_mode:
-        if args.hosts < 2:
-            ap.error("--hosts needs at least 2 hosts")
-        worlds = [args.hosts * args.ranks_per_host]
-    else:
-        worlds = [int(x) for x in args.ranks.split(",")]
+    worlds = _common.world_sizes(ap, args)
     if args.iters < 10:
         print(f"WARNING: --iters {args.iters} is below the protocol's minimum of 10; smoke test only",
               file=sys.stderr)
@@ -485,17 +321,8 @@ def main(argv=None) -> int:
     json_path = os.path.join(args.out, f"training-{tag}.json")
     png_path = os.path.join(args.out, f"training-{tag}.png")
 
-    import torch
-
-    import rumor
-    from rumor.testing import netns
-
-    meta = dict(started=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv,
-                args={k: v for k, v in vars(args).items() if k != "worker"}, worlds=worlds,
-                python=platform.python_version(), torch=torch.__version__,
-                rumor=getattr(rumor, "__version__", "?"), hostname=socket.gethostname(), cpus=os.cpu_count(),
-                loadavg_start=os.getloadavg(),
-                rumor_env={k: v for k, v in os.environ.items() if k.startswith("RUMOR_")},
+    meta = _common.run_meta(args)
+    meta.update(worlds=worlds,
                 step="zero_grad + forward + cross-entropy + backward + SGD(momentum 0.9) step; after a gloo "
                      "barrier; the slowest rank's time",
                 variants={"compute": "plain model, no communication (bound)",
@@ -509,52 +336,27 @@ def main(argv=None) -> int:
 
     n_variants = 3 + (1 if hosts_mode and args.hierarchical and args.ranks_per_host > 1 else 0)
     steps_per_model = n_variants * (args.warmup + args.iters)
-    progress = Progress(len(worlds) * len(args.models) * steps_per_model)
-    workdir = tempfile.mkdtemp(prefix="rumor-train-bench-")
-    cluster = None
-    link_Bps = None
-    rc = 0
+    progress = Progress(len(worlds) * len(args.models) * steps_per_model, unit="steps", quiet_s=10)
+    drv = _common.Driver("rumor-train-bench-", progress, hosts_mode)
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old_term = signal.signal(signal.SIGTERM, on_term)
-    try:
+    def body() -> int:
+        link_Bps = None
         if hosts_mode:
-            ok, why = netns.available()
-            if not ok:
-                print(f"cannot emulate hosts: {why}", file=sys.stderr)
+            tcp = drv.start_cluster(args.hosts, args.rate)
+            if tcp is None:
                 return 2
-            cluster = netns.Cluster(args.hosts, rate=args.rate).start()
             link_Bps = parse_rate(args.rate)
-            tcp = netns.tcp_throughput(cluster, 0, 1, nbytes=64 << 20)
             result["tcp_single_stream_Bps"] = tcp
             print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), tbf {args.rate} = "
                   f"{link_Bps / 1e6:.0f} MB/s per link; one TCP stream through a shaped link: {tcp / 1e6:.1f} MB/s")
-        base = 0
-        jobs = []
-        for n in worlds:
-            job = Job(args, n, args.hosts if hosts_mode else 1, args.ranks_per_host if hosts_mode else n, workdir,
-                      progress, base, steps_per_model, cluster=cluster)
-            progress.update(base, f"{job.label}: starting", force=True)
-            job.run()
-            jobs.append(job)
-            base += len(args.models) * steps_per_model
-            result["cells"].extend(job.cells)
-            result["jobs"].append(dict(label=job.label, n=n, info=job.info, error=job.error))
-            if job.error:
-                progress.clear()
-                print(f"\nERROR in job {job.label}:\n{job.error}", file=sys.stderr)
-                result["errors"].append(job.error)
-                rc = 1
-        if cluster is not None:
-            cluster.close()
-            cluster = None
+        jobs = [Job(args, n, drv.workdir, progress, k * len(args.models) * steps_per_model, steps_per_model,
+                    cluster=drv.cluster) for k, n in enumerate(worlds)]
+        rc = _common.run_jobs(jobs, result, progress)
+        drv.close_cluster()
         progress.clear()
         for c in result["cells"]:
             summarize(c, link_Bps)
-        meta["loadavg_end"] = os.getloadavg()
-        meta["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+        _common.finish_meta(meta)
 
         for job in jobs:
             print_table(job.cells, job.label)
@@ -597,30 +399,12 @@ def main(argv=None) -> int:
                 print(f"{c['job']}: {c['model']} rumor hierarchical/torch = {c['rumor_hier_over_torch']:.2f}x")
         for t in targets:
             print(f"target: {t['name']}: {t['value']:.2f}x -> {'MET' if t['met'] else 'NOT MET'}")
-        result["headline"] = headline
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {json_path}")
-        if not args.no_plot and result["cells"]:
-            err = plot(png_path, [dict(label=j.label, cells=j.cells) for j in jobs])
-            print(err or f"wrote {png_path}")
-        if result["errors"]:
-            print(f"{len(result['errors'])} job(s) failed (see above and JSON 'errors')")
-        print(headline or "headline: n/a (no results)")
+        draw = None if args.no_plot else (
+            lambda: plot(png_path, [dict(label=j.label, cells=j.cells) for j in jobs]))
+        _common.write_results(result, headline, "headline: n/a (no results)", json_path, png_path, draw)
         return rc
-    except KeyboardInterrupt:
-        progress.clear()
-        print("\ninterrupted: killing ranks" + (" and removing namespaces" if hosts_mode else ""), file=sys.stderr)
-        return 130
-    finally:
-        for r in _JOBS:
-            r.kill()
-        if cluster is not None:
-            cluster.close()
-        signal.signal(signal.SIGTERM, old_term)
-        import shutil
 
-        shutil.rmtree(workdir, ignore_errors=True)
+    return drv.run(body)
 
 
 if __name__ == "__main__":

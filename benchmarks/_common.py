@@ -1,0 +1,374 @@
+"""What benchmarks/collectives.py and benchmarks/training.py share.
+
+Both drivers run a job per world size: its ranks are `python <script> --worker <cfg.json>`,
+started by rumor.testing.launch (here or in emulated hosts). Rank 0 reports on stdout in lines
+`@@<kind> <json>` (info, progress, cell, error, done), which the driver's Job reads while the
+ranks run; everything else a rank prints goes to its log, whose tail ends up in the job's error.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Callable, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): no plot written"
+
+
+def parse_rate(rate: str) -> float:
+    """tc rate string -> bytes/s ("1gbit" -> 125e6, "100mbit", "500kbit", "10mbps" = bytes)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*", rate.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad rate {rate!r} (examples: 1gbit, 500mbit)")
+    v = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return v / 8 if (m.group(3) or "bit") == "bit" else v
+
+
+class Progress:
+    """A progress bar on stderr. Where stderr is not a terminal every update is a new line, so
+    quiet_s limits those to one per quiet_s seconds (unless forced)."""
+
+    def __init__(self, total: int, unit: str = "", quiet_s: float = 0.0, stream=sys.stderr):
+        self.total, self.done, self.stream = max(1, total), 0, stream
+        self.unit = f" {unit}" if unit else ""
+        self.quiet_s = quiet_s
+        self.tty = stream.isatty()
+        self.t0 = time.monotonic()
+        self.label = ""
+        self.last = 0.0
+        self.lock = threading.Lock()  # updated from the jobs' reader threads
+
+    def update(self, done: Optional[int] = None, label: str = "", force: bool = False) -> None:
+        with self.lock:
+            if done is not None:
+                self.done = done
+            self.label = label or self.label
+            now = time.monotonic()
+            if not self.tty and not force and now - self.last < self.quiet_s:
+                return
+            self.last = now
+            frac = min(1.0, self.done / self.total)
+            bar = "#" * int(frac * 30) + "-" * (30 - int(frac * 30))
+            line = f"[{bar}] {self.done}/{self.total}{self.unit} {now - self.t0:6.0f}s  {self.label}"
+            self.stream.write(("\r\033[K" + line[:160]) if self.tty else line + "\n")
+            self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty:
+            with self.lock:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+
+
+# ==== inside a rank ==================================================================================
+
+def emit(kind: str, payload) -> None:
+    sys.stdout.write(f"@@{kind} {json.dumps(payload)}\n")
+    sys.stdout.flush()
+
+
+def worker_main(cfg_path: str, describe: Callable[[int, int], Dict], body: Callable[[Dict, int, int], None]) -> int:
+    """A rank: rumor.init(), then a gloo group over rumor's store, so that both libraries run in
+    the same processes. Rank 0 emits every rank's describe(rank, n) as "info", body(cfg, rank, n)
+    measures, rank 0 emits "done". An exception is emitted by rank 0 as "error" (every rank's
+    traceback is in its log) and the rank exits 1."""
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rank = int(os.environ["RANK"])
+    try:
+        _guard(cfg)
+        import torch  # noqa: F401  (before rumor, as in a user's script)
+        import torch.distributed as dist
+
+        import rumor
+
+        rumor.init(timeout=cfg["rumor_timeout"])
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["rumor_timeout"]))
+        n = rumor.size()
+        assert dist.get_world_size() == n and dist.get_rank() == rank == rumor.rank()
+        infos = [None] * n
+        dist.all_gather_object(infos, describe(rank, n))
+        if rank == 0:
+            emit("info", infos)
+        body(cfg, rank, n)
+        dist.barrier()
+        rumor.barrier()
+        if rank == 0:
+            emit("done", {})
+    except BaseException:  # noqa: BLE001
+        tb = traceback.format_exc()
+        sys.stderr.write(f"rank {rank} failed:\n{tb}")
+        sys.stderr.flush()
+        if rank == 0:
+            emit("error", {"rank": rank, "traceback": tb})
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip teardown of rumor's and gloo's threads
+
+
+def gather_samples(samples: Dict[str, List[float]]) -> Dict[str, List[List[float]]]:
+    """Every rank's timings per variant (all ranks must call it, with as many samples each), so
+    that rank 0 can take a sample's time as the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    per_rank = {}
+    for v, mine in samples.items():
+        t = torch.tensor(mine, dtype=torch.float64)
+        allr = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(allr, t)
+        per_rank[v] = [x.tolist() for x in allr]
+    return per_rank
+
+
+def _guard(cfg: Dict) -> None:
+    """A hung rank dumps its stacks (into its log) before the job deadline kills it, and a rank
+    whose driver died, even by SIGKILL, exits instead of waiting for peers forever."""
+    import faulthandler
+
+    if cfg.get("dump_after"):
+        faulthandler.dump_traceback_later(cfg["dump_after"], exit=True)
+    parent = os.getppid()
+
+    def orphan_watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=orphan_watch, daemon=True).start()
+
+
+# ==== the driver =====================================================================================
+
+_LAUNCHED: list = []  # every job's launch.Ranks, killed however the driver ends
+
+
+class Job:
+    """One set of ranks (a world size, on this host or in the emulated cluster) running
+    `script --worker cfg`. Subclasses give the label, the worker's config() and may react to rank
+    0's messages in on_message(); cells, info, error and finished are filled here."""
+
+    def __init__(self, script: str, args, n: int, workdir: str, progress: Progress, base: int, cluster=None):
+        self.script, self.args, self.n, self.cluster = script, args, n, cluster
+        self.hosts = args.hosts if cluster is not None else 1
+        self.rph = args.ranks_per_host if cluster is not None else n
+        self.workdir, self.progress, self.base = workdir, progress, base
+        self.cells: List[Dict] = []
+        self.info = None
+        self.error: Optional[str] = None
+        self.finished = False
+
+    @property
+    def label(self) -> str:
+        raise NotImplementedError
+
+    def config(self) -> Dict:
+        raise NotImplementedError
+
+    def on_message(self, kind: str, data) -> None:
+        pass
+
+    def run(self) -> None:
+        from rumor.testing import launch
+
+        a = self.args
+        cfg = dict(self.config(), rumor_timeout=a.rumor_timeout, dump_after=max(10, a.job_timeout - 10))
+        tag = f"{self.n}-{self.hosts}"
+        cfg_path = os.path.join(self.workdir, f"cfg-{tag}.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        logdir = os.path.join(self.workdir, f"logs-{tag}")
+        os.makedirs(logdir, exist_ok=True)
+        ranks = launch.Ranks([sys.executable, self.script, "--worker", cfg_path], self.n, cluster=self.cluster,
+                             ranks_per_host=self.rph if self.cluster is not None else None,
+                             env={"PYTHONWARNINGS": "ignore"}, keep_rumor_env=True, logdir=logdir,
+                             pipe_stdout=(0,))
+        _LAUNCHED.append(ranks)
+        reader = threading.Thread(target=self._read, args=(ranks.procs[0].stdout,), daemon=True)
+        reader.start()
+        try:
+            ranks.wait(a.job_timeout, grace_after_failure=30)  # the others' time to report
+        finally:
+            ranks.kill()
+        reader.join(5)
+        if not ranks.ok or not self.finished:
+            self.error = (self.error + "\n" if self.error else "") + ranks.report(3000)
+
+    def _read(self, stream) -> None:
+        for raw in stream:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if not line.startswith("@@"):
+                continue
+            kind, _, payload = line[2:].partition(" ")
+            try:
+                data = json.loads(payload)
+            except ValueError:
+                continue
+            if kind == "cell":
+                data.update(hosts=self.hosts, ranks_per_host=self.rph, job=self.label)
+                self.cells.append(data)
+            elif kind == "info":
+                self.info = data
+            elif kind == "error":
+                self.error = f"rank {data['rank']} raised:\n{data['traceback']}"
+            elif kind == "done":
+                self.finished = True
+            self.on_message(kind, data)
+
+
+def run_jobs(jobs: List[Job], result: Dict, progress: Progress) -> int:
+    """Runs the jobs one after the other into result's cells, jobs and errors; 1 if one failed."""
+    rc = 0
+    for job in jobs:
+        progress.update(job.base, f"{job.label}: starting", force=True)
+        job.run()
+        result["cells"].extend(job.cells)
+        result["jobs"].append(dict(label=job.label, n=job.n, info=job.info, error=job.error))
+        if job.error:
+            progress.clear()
+            print(f"\nERROR in job {job.label}:\n{job.error}", file=sys.stderr)
+            result["errors"].append(job.error)
+            rc = 1
+    return rc
+
+
+class Driver:
+    """What a benchmark run must release however it ends (done, failed, Ctrl-C, SIGTERM): the
+    ranks, the emulated hosts and the work directory."""
+
+    def __init__(self, workdir_prefix: str, progress: Progress, hosts_mode: bool):
+        self.workdir = tempfile.mkdtemp(prefix=workdir_prefix)
+        self.progress, self.hosts_mode = progress, hosts_mode
+        self.cluster = None
+
+    def start_cluster(self, hosts: int, rate: str) -> Optional[float]:
+        """Starts the emulated hosts and returns one TCP stream's throughput through a shaped link
+        (bytes/s); None, after saying why, where network namespaces cannot be made here."""
+        from rumor.testing import netns
+
+        ok, why = netns.available()
+        if not ok:
+            print(f"cannot emulate hosts: {why}", file=sys.stderr)
+            return None
+        self.cluster = netns.Cluster(hosts, rate=rate).start()
+        return self.tcp_throughput()
+
+    def tcp_throughput(self) -> float:
+        from rumor.testing import netns
+
+        return netns.tcp_throughput(self.cluster, 0, 1, nbytes=64 << 20)
+
+    def close_cluster(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
+
+    def run(self, body: Callable[[], int]) -> int:
+        def on_term(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        old_term = signal.signal(signal.SIGTERM, on_term)
+        try:
+            return body()
+        except KeyboardInterrupt:
+            self.progress.clear()
+            print("\ninterrupted: killing ranks" + (" and removing namespaces" if self.hosts_mode else ""),
+                  file=sys.stderr)
+            return 130
+        finally:
+            for ranks in _LAUNCHED:
+                ranks.kill()
+            self.close_cluster()
+            signal.signal(signal.SIGTERM, old_term)
+            import shutil
+
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def add_world_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--hosts", type=int, default=0,
+                    help="0: one host (ranks from --ranks); H>=2: H emulated hosts in network namespaces")
+    ap.add_argument("--ranks", default="2,4", help="one-host mode: world sizes to run")
+    ap.add_argument("--ranks-per-host", type=int, default=1, help="--hosts mode: ranks per emulated host")
+    ap.add_argument("--rate", default="1gbit", help="--hosts mode: tbf rate of each host's link")
+
+
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--rumor-timeout", type=float, default=300.0, help="rumor.init(timeout) and gloo's")
+    ap.add_argument("--job-timeout", type=float, default=3600.0, help="deadline of each job (seconds)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def world_sizes(ap: argparse.ArgumentParser, args) -> List[int]:
+    if args.hosts > 0:
+        if args.hosts < 2:
+            ap.error("--hosts needs at least 2 hosts")
+        return [args.hosts * args.ranks_per_host]
+    return [int(x) for x in args.ranks.split(",")]
+
+
+def run_meta(args) -> Dict:
+    """Where and with what a run ran, for the JSON."""
+    import torch
+
+    import rumor
+
+    return dict(started=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv,
+                args={k: v for k, v in vars(args).items() if k != "worker"},
+                python=platform.python_version(), torch=torch.__version__,
+                rumor=getattr(rumor, "__version__", "?"), hostname=socket.gethostname(), cpus=os.cpu_count(),
+                loadavg_start=os.getloadavg(),
+                rumor_env={k: v for k, v in os.environ.items() if k.startswith("RUMOR_")})
+
+
+def finish_meta(meta: Dict) -> None:
+    meta["loadavg_end"] = os.getloadavg()
+    meta["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+
+
+def pyplot():
+    """matplotlib.pyplot drawing into files only, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(plt, fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(result: Dict, headline: Optional[str], no_headline: str, json_path: str, png_path: str,
+                  plot: Optional[Callable[[], Optional[str]]]) -> None:
+    """Writes the JSON and (plot: draws png_path, returns why not or None) the plot, then prints
+    the headline last, where scripts reading the output look for it."""
+    result["headline"] = headline
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {json_path}")
+    if plot is not None and result["cells"]:
+        print(plot() or f"wrote {png_path}")
+    if result["errors"]:
+        print(f"{len(result['errors'])} job(s) failed (see above and JSON 'errors')")
+    print(headline or no_headline)
