@@ -65,9 +65,10 @@ inline std::vector<std::string> hosts_of(uint32_t n, uint32_t per_host) {
   return h;
 }
 
-// Runs fn(comm, rank) on every rank in its own thread; returns each rank's exception (or null).
-inline std::vector<std::exception_ptr> run_ranks(World& w,
-                                                 const std::function<void(Communicator&, uint32_t)>& fn) {
+// Runs fn(comm, rank) on every rank in its own thread, with the world communicator held by a
+// shared_ptr (as Python holds it); returns each rank's exception (or null).
+inline std::vector<std::exception_ptr> run_ranks_shared(
+    World& w, const std::function<void(std::shared_ptr<Communicator>, uint32_t)>& fn) {
   const uint32_t n = static_cast<uint32_t>(w.ctx.size());
   std::vector<std::exception_ptr> errs(n);
   std::vector<std::thread> threads;
@@ -76,8 +77,7 @@ inline std::vector<std::exception_ptr> run_ranks(World& w,
       try {
         std::vector<uint32_t> all(n);
         for (uint32_t i = 0; i < n; ++i) all[i] = i;
-        Communicator comm(w.ctx[r], 0, "world", all);
-        fn(comm, r);
+        fn(std::make_shared<Communicator>(w.ctx[r], 0, "world", all), r);
       } catch (...) {
         errs[r] = std::current_exception();
       }
@@ -85,6 +85,11 @@ inline std::vector<std::exception_ptr> run_ranks(World& w,
   }
   for (auto& t : threads) t.join();
   return errs;
+}
+
+inline std::vector<std::exception_ptr> run_ranks(World& w,
+                                                 const std::function<void(Communicator&, uint32_t)>& fn) {
+  return run_ranks_shared(w, [&fn](std::shared_ptr<Communicator> c, uint32_t r) { fn(*c, r); });
 }
 
 inline std::string describe(std::exception_ptr e) {

@@ -216,41 +216,29 @@ namespace {
 TEST(SharedArena, AllreduceReadsPeersInPlace) {
   for (uint32_t n : {2u, 3u, 4u}) {
     auto w = testing::make_world(testing::one_host(n), testing::quick_options(true));
-    std::vector<std::exception_ptr> errs(n);
-    std::vector<std::thread> threads;
-    for (uint32_t r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          std::vector<uint32_t> all(n);
-          for (uint32_t i = 0; i < n; ++i) all[i] = i;
-          auto comm = std::make_shared<Communicator>(w.ctx[r], 0, "world", all);
-          SharedArena arena(comm, 1 << 20);
-          // Two buckets at different offsets; the second of odd length.
-          auto* a = reinterpret_cast<float*>(arena.data());
-          auto* b = reinterpret_cast<int64_t*>(arena.data() + 512 * 1024);
-          const size_t na = 100003, nb = 7;
+    auto errs = testing::run_ranks_shared(w, [n](std::shared_ptr<Communicator> comm, uint32_t r) {
+      SharedArena arena(comm, 1 << 20);
+      // Two buckets at different offsets; the second of odd length.
+      auto* a = reinterpret_cast<float*>(arena.data());
+      auto* b = reinterpret_cast<int64_t*>(arena.data() + 512 * 1024);
+      const size_t na = 100003, nb = 7;
+      for (size_t i = 0; i < na; ++i) a[i] = input(r, i) * static_cast<float>(n);
+      for (size_t i = 0; i < nb; ++i) b[i] = static_cast<int64_t>(r * 10 + i);
+      for (int rep = 0; rep < 2; ++rep) {
+        if (rep == 1)
           for (size_t i = 0; i < na; ++i) a[i] = input(r, i) * static_cast<float>(n);
-          for (size_t i = 0; i < nb; ++i) b[i] = static_cast<int64_t>(r * 10 + i);
-          for (int rep = 0; rep < 2; ++rep) {
-            if (rep == 1)
-              for (size_t i = 0; i < na; ++i) a[i] = input(r, i) * static_cast<float>(n);
-            arena.allreduce(a, na, DType::F32, ReduceOp::AVG);
-            for (size_t i = 0; i < na; ++i) {
-              float want = 0;
-              for (uint32_t q = 0; q < n; ++q) want += input(q, i);
-              ASSERT_EQ(a[i], want) << "n " << n << " i " << i;
-            }
-          }
-          arena.allreduce(b, nb, DType::I64, ReduceOp::MAX);
-          for (size_t i = 0; i < nb; ++i) ASSERT_EQ(b[i], static_cast<int64_t>((n - 1) * 10 + i));
-          std::vector<float> outside(4);
-          EXPECT_THROW(arena.allreduce(outside.data(), outside.size(), DType::F32, ReduceOp::SUM), Error);
-        } catch (...) {
-          errs[r] = std::current_exception();
+        arena.allreduce(a, na, DType::F32, ReduceOp::AVG);
+        for (size_t i = 0; i < na; ++i) {
+          float want = 0;
+          for (uint32_t q = 0; q < n; ++q) want += input(q, i);
+          ASSERT_EQ(a[i], want) << "n " << n << " i " << i;
         }
-      });
-    }
-    for (auto& t : threads) t.join();
+      }
+      arena.allreduce(b, nb, DType::I64, ReduceOp::MAX);
+      for (size_t i = 0; i < nb; ++i) ASSERT_EQ(b[i], static_cast<int64_t>((n - 1) * 10 + i));
+      std::vector<float> outside(4);
+      EXPECT_THROW(arena.allreduce(outside.data(), outside.size(), DType::F32, ReduceOp::SUM), Error);
+    });
     testing::expect_all_ok(errs);
   }
 }

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from rumor.testing.launch import kill_process_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -135,7 +136,7 @@ def run(fn: Callable, world_size: int, timeout: float = 60, env: Optional[Dict[s
             time.sleep(0.02)
         timed_out = [r for r, p in enumerate(procs) if p.poll() is None]
         for r in timed_out:
-            _kill(procs[r])
+            kill_process_group(procs[r])
         results = []
         for r, p in enumerate(procs):
             logs[r].seek(0)
@@ -159,7 +160,7 @@ def run(fn: Callable, world_size: int, timeout: float = 60, env: Optional[Dict[s
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill(p)
+                kill_process_group(p)
         for log in logs:
             log.close()
         _rmtree(workdir)
@@ -288,17 +289,6 @@ def _forked_main(spec_path: str, env: Dict[str, str], log_path: str, path: List[
     os.environ.update(env)
     sys.path[:] = [HERE] + [p for p in path if p != HERE]  # the caller's, as of this run
     _child_main(spec_path)
-
-
-def _kill(p: "_Rank") -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        try:
-            p.kill()
-        except ProcessLookupError:
-            pass
-    p.wait(timeout=10)
 
 
 def _rmtree(path: str) -> None:

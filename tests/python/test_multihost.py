@@ -12,12 +12,13 @@ with each rank's output.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from rumor.testing.launch import kill_process_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTS = 2
@@ -176,20 +177,6 @@ def _child_env(rank: int, master: str):
     return e
 
 
-def _kill(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        try:
-            p.kill()
-        except ProcessLookupError:
-            pass
-    try:
-        p.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 def test_two_hosts_two_ranks_each(tmp_path):
     from rumor.testing import netns
 
@@ -221,11 +208,11 @@ def test_two_hosts_two_ranks_each(tmp_path):
             elapsed = time.monotonic() - start
             timed_out = [r for r, p in enumerate(procs) if p.poll() is None]
             for r in timed_out:
-                _kill(procs[r])
+                kill_process_group(procs[r])
         finally:
             for p in procs:
                 if p.poll() is None:
-                    _kill(p)
+                    kill_process_group(p)
     # (namespaces are gone here)
     outputs = []
     for log in logs:

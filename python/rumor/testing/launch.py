@@ -53,6 +53,23 @@ def base_env(keep_rumor: bool = False) -> Dict[str, str]:
     return out
 
 
+def kill_process_group(p, wait: bool = True) -> None:
+    """SIGKILLs a process started with start_new_session=True and everything it started (falling
+    back to the process alone), then reaps it (up to 10 s) unless wait=False."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            p.kill()
+        except ProcessLookupError:
+            pass
+    if wait:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 class Ranks:
     """`world` processes running argv (the same for every rank), started at construction.
 
@@ -170,13 +187,7 @@ class Ranks:
     def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    try:
-                        p.kill()
-                    except ProcessLookupError:
-                        pass
+                kill_process_group(p, wait=False)
         for p in self.procs:
             try:
                 p.wait(10)
