@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -90,6 +91,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.group = _comm(group, "rumor.DistributedDataParallel")
         self._timeout = _runtime._get().timeout
         self._cap_bytes = int(bucket_cap_mb * _MB)
+        # Ready-time gap (first iteration, first rank) at which a bucket is closed early.
+        self._split_gap_s = 0.005
         self._first_cap_bytes = int(first_bucket_mb * _MB)
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -113,6 +116,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._require_sync = True
         self._marked = [False] * len(self._params)
         self._ready_order: List[int] = []
+        self._ready_times: Dict[int, float] = {}
         self._callback_queued = False
         self._rebuilt = False
         self.buckets: List[Bucket] = []
@@ -150,11 +154,12 @@ class DistributedDataParallel(torch.nn.Module):
             raise ValueError("rumor.DistributedDataParallel: the wrapped models differ across ranks "
                              f"(parameter names, shapes, dtypes or requires_grad): {rows}")
 
-    def _build_buckets(self, order: List[int]) -> None:
+    def _build_buckets(self, order: List[int], breaks=frozenset()) -> None:
         """(Re)creates the flat buffers in the given ready order and points every .grad at its
         slice, keeping whatever gradient values the parameters hold now."""
         ordered = [self._params[i] for i in order]
-        plan = self.algorithm.plan_buckets(self, ordered, self._cap_bytes, self._first_cap_bytes)
+        plan = self.algorithm.plan_buckets(self, ordered, self._cap_bytes, self._first_cap_bytes,
+                                           breaks=frozenset(breaks))
         seen = sorted(j for b in plan for j in b)
         if seen != list(range(len(ordered))):
             raise ValueError("Algorithm.plan_buckets must place every parameter in exactly one bucket")
@@ -247,6 +252,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._marked[i] = True
             if not self._rebuilt:
                 self._ready_order.append(i)
+                self._ready_times[i] = time.perf_counter()
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -287,12 +293,18 @@ class DistributedDataParallel(torch.nn.Module):
         self._rebuilt = True
         order = list(dict.fromkeys(self._ready_order))
         order += [i for i in range(len(self._params)) if i not in set(order)]
-        t = torch.tensor(order, dtype=torch.int64)
+        # A bucket should not wait for a gradient that arrives much later than the ones before
+        # it: start a new bucket there, so communication begins while backward computes it.
+        times = [self._ready_times.get(i) for i in order]
+        gaps = [0] + [int(a is not None and b is not None and b - a > self._split_gap_s)
+                      for a, b in zip(times, times[1:])]
+        t = torch.tensor([order, gaps], dtype=torch.int64)
         broadcast_(t, self.group.ranks[0], self.group)
-        order = t.tolist()
-        self._ready_order = []
-        if order != list(reversed(range(len(self._params)))):
-            self._build_buckets(order)
+        order, gaps = t.tolist()
+        self._ready_order, self._ready_times = [], {}
+        breaks = {j for j, g in enumerate(gaps) if g}
+        if order != list(reversed(range(len(self._params)))) or breaks:
+            self._build_buckets(order, breaks)
 
     # ---- user-facing ------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The Algorithm extension point of rumor.DistributedDataParallel (see docs/algorithms.md)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, FrozenSet, List
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..parallel import Bucket, DistributedDataParallel
@@ -28,10 +28,12 @@ class Algorithm:
         """Called once, after parameters were broadcast and buckets built."""
 
     def plan_buckets(self, ddp: "DistributedDataParallel", params: List, cap_bytes: int,
-                     first_cap_bytes: int) -> List[List[int]]:
+                     first_cap_bytes: int, breaks: FrozenSet[int] = frozenset()) -> List[List[int]]:
         """Returns lists of indices into ``params`` (given in expected ready order), one list per
-        bucket, each of a single dtype. Buckets are launched in the order returned."""
-        return default_bucket_plan(params, cap_bytes, first_cap_bytes)
+        bucket, each of a single dtype. Buckets are launched in the order returned. ``breaks``
+        holds positions whose gradient arrived well after the previous one (measured in the
+        first iteration): a bucket should not span them."""
+        return default_bucket_plan(params, cap_bytes, first_cap_bytes, breaks)
 
     def bucket_op(self, ddp: "DistributedDataParallel", bucket: "Bucket"):
         raise NotImplementedError
@@ -46,12 +48,15 @@ class Algorithm:
         pass
 
 
-def default_bucket_plan(params: List, cap_bytes: int, first_cap_bytes: int) -> List[List[int]]:
-    """Consecutive parameters of one dtype share a bucket until it would exceed its cap; the very
-    first bucket is capped lower so that communication starts early in backward."""
+def default_bucket_plan(params: List, cap_bytes: int, first_cap_bytes: int,
+                        breaks: FrozenSet[int] = frozenset()) -> List[List[int]]:
+    """Consecutive parameters of one dtype share a bucket until it would exceed its cap or a
+    break comes; the very first bucket is capped lower so that communication starts early."""
     buckets: List[List[int]] = []
     open_by_dtype = {}  # dtype -> (bucket index, bytes so far)
     for i, p in enumerate(params):
+        if i in breaks:
+            open_by_dtype.clear()
         nbytes = p.numel() * p.element_size()
         cur = open_by_dtype.get(p.dtype)
         if cur is not None:
