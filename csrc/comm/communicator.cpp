@@ -213,12 +213,12 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
   guarded(info, [&] {
     const size_t bytes = count * dtype_size(dtype);
     if (algo == AllreduceAlgo::kHierarchical) {
-      allreduce_hier(b, count, dtype, op, info);
+      allreduce_hier(b, count, dtype, op);
     } else if (algo == AllreduceAlgo::kRecursiveDoubling ||
                (algo == AllreduceAlgo::kAuto && bytes <= small_bytes()) || count < size()) {
       allreduce_rd(b, count, dtype, op, info);
     } else if (algo == AllreduceAlgo::kAuto && hierarchical_) {
-      allreduce_hier(b, count, dtype, op, info);
+      allreduce_hier(b, count, dtype, op);
     } else {
       allreduce_ring(b, count, dtype, op, info);
     }
@@ -299,8 +299,7 @@ void Communicator::ensure_hierarchy() {
 
 // Reduce inside the host (shared memory), allreduce among one leader per host (network),
 // broadcast inside the host. The network carries each byte once per host instead of per rank.
-void Communicator::allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op,
-                                  const net::OpInfo& info) {
+void Communicator::allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op) {
   ensure_hierarchy();
   const ReduceOp partial = op == ReduceOp::AVG ? ReduceOp::SUM : op;
   local_->reduce(buf, count, dtype, partial, 0);
@@ -309,7 +308,6 @@ void Communicator::allreduce_hier(std::byte* buf, size_t count, DType dtype, Red
     if (op == ReduceOp::AVG) finish_average(buf, count, dtype, size());
   }
   local_->broadcast(buf, count, dtype, 0);
-  (void)info;
 }
 
 // ---- reduce_scatter / allgather --------------------------------------------------------------

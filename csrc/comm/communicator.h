@@ -104,7 +104,7 @@ class Communicator {
 
   void allreduce_ring(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
   void allreduce_rd(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
-  void allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
+  void allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op);
   void ring_reduce_scatter(std::byte* buf, std::span<const size_t> counts, DType dtype, ReduceOp op,
                            const net::OpInfo& info);
   void ring_allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);

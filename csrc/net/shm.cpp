@@ -187,6 +187,7 @@ void ShmChannel::check_aborted(const Transfer& t, const OpInfo& op) const {
 bool ShmChannel::progress_send(Part& p, Transfer& t) {
   std::byte* ring = ring_data(out_idx_);
   uint64_t head = out_->head.load(std::memory_order_relaxed);
+  uint64_t published = head;
   uint64_t tail = out_->tail.load(std::memory_order_acquire);
   size_t space = cap_ - static_cast<size_t>(head - tail);
   bool moved = false;
@@ -218,12 +219,12 @@ bool ShmChannel::progress_send(Part& p, Transfer& t) {
     space -= adv;
     if (last) p.pad_left = 0;
     moved = true;
-    if (!last) {  // let the reader start on this piece while we write the next
-      out_->head.store(head, std::memory_order_release);
-      ring_doorbell(peer_);
-    }
+    // Publish each piece, so the reader starts on it while we write the next.
+    out_->head.store(head, std::memory_order_release);
+    ring_doorbell(peer_);
+    published = head;
   }
-  if (moved) {
+  if (head != published) {  // only the header went out
     out_->head.store(head, std::memory_order_release);
     ring_doorbell(peer_);
   }

@@ -7,6 +7,7 @@ copy). Every call releases the GIL while the C++ core works.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -218,9 +219,7 @@ def _allgather(t, group, out, nonblocking, what):
                 f"{what}: all dims but the first must match across ranks; rank {g.ranks[r]} has "
                 f"shape {list(s)}, rank {g.ranks[g._comm.rank]} has {list(t.shape)}")
     rows = [s[0] for s in shapes]
-    per_row = 1
-    for d in tail:
-        per_row *= d
+    per_row = math.prod(tail)
     out = _check_out(out, t.dtype, (sum(rows),) + tuple(tail), what)
     start = sum(rows[: g._comm.rank])
     out[start : start + rows[g._comm.rank]].copy_(t)
@@ -264,7 +263,7 @@ def _reduce_scatter(t, op, group, out, nonblocking, what):
         raise ValueError(f"{what}: expected a tensor with at least one dim to split along dim 0")
     n = g.size()
     rows = _split_rows(t.shape[0], n)
-    per_row = t[0].numel() if t.shape[0] > 0 else 0
+    per_row = math.prod(t.shape[1:])
     src = _contig(t)
     me = g._comm.rank
     res = _check_out(out, t.dtype, (rows[me],) + tuple(t.shape[1:]), what)
@@ -301,13 +300,9 @@ def _alltoall(t, splits, group, nonblocking, what):
     send_rows = torch.tensor(splits, dtype=torch.int64)
     recv_rows = torch.empty(n, dtype=torch.int64)
     g._comm.alltoall(address(send_rows), [1] * n, address(recv_rows), [1] * n, 5, False)
-    per_row = t[0].numel() if t.shape[0] > 0 else 1
+    per_row = math.prod(t.shape[1:])
     src = _contig(t)
     out = torch.empty((int(recv_rows.sum()),) + tuple(t.shape[1:]), dtype=t.dtype)
-    if t.shape[0] == 0:
-        per_row = 1
-        for d in t.shape[1:]:
-            per_row *= d
     issue = lambda nb: g._comm.alltoall(address(src), [s * per_row for s in splits], address(out),
                                         [int(r) * per_row for r in recv_rows], code, nb)
     return _run(nonblocking, issue, (src, out), lambda: out)

@@ -292,7 +292,8 @@ class DistributedDataParallel(torch.nn.Module):
         ready, as seen by the group's first rank (every rank must use the same buckets)."""
         self._rebuilt = True
         order = list(dict.fromkeys(self._ready_order))
-        order += [i for i in range(len(self._params)) if i not in set(order)]
+        seen = set(order)
+        order += [i for i in range(len(self._params)) if i not in seen]
         # A bucket should not wait for a gradient that arrives much later than the ones before
         # it: start a new bucket there, so communication begins while backward computes it.
         times = [self._ready_times.get(i) for i in order]
