@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings/common.h"
 #include "comm/communicator.h"
 #include "comm/context.h"
 #include "core/reduce.h"
@@ -20,40 +21,9 @@
 namespace py = pybind11;
 using namespace rumor;
 
+using namespace rumor::bindings;
+
 namespace {
-
-void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
-
-DType to_dtype(int code) {
-  if (code < 0 || code >= kNumDTypes)
-    throw Error(ErrorKind::kInvalidArgument, "unknown dtype code " + std::to_string(code));
-  return static_cast<DType>(code);
-}
-
-ReduceOp to_op(int code) {
-  if (code < 0 || code > static_cast<int>(ReduceOp::PROD))
-    throw Error(ErrorKind::kInvalidArgument, "unknown reduce op code " + std::to_string(code));
-  return static_cast<ReduceOp>(code);
-}
-
-net::Token to_token(const py::bytes& b) {
-  std::string s = b;
-  if (s.size() != net::kTokenBytes)
-    throw Error(ErrorKind::kInvalidArgument,
-                "job token must be " + std::to_string(net::kTokenBytes) + " bytes");
-  net::Token t{};
-  std::memcpy(t.data(), s.data(), t.size());
-  return t;
-}
-
-// Runs fn on the communicator's queue: returns a Work if nonblocking, else waits for it.
-std::shared_ptr<Work> dispatch(Communicator& c, bool nonblocking, std::function<void()> fn) {
-  py::gil_scoped_release nogil;
-  if (nonblocking) return c.worker().submit(std::move(fn));
-  // Ops queued ahead each have their own deadline; this wait only needs to outlast them.
-  c.worker().run(std::move(fn), Deadline::after(c.timeout_s() * 64));
-  return nullptr;
-}
 
 bool probe_connect(const std::string& address, const py::bytes& token, uint32_t rank, uint64_t comm_id,
                    uint32_t stream, double timeout_s) {
@@ -245,4 +215,8 @@ PYBIND11_MODULE(_C, m) {
             e.finish(Deadline::after(timeout_s));
           },
           py::arg("timeout"));
+
+  bind_compression(m);
+  bind_compressed_ops(m);
+  bind_decentralized(m);
 }

@@ -297,6 +297,16 @@ void Communicator::ensure_hierarchy() {
     leaders_ = std::make_unique<Communicator>(ctx_, id_ | kLeaderCommBit, name_ + "/leaders", leaders);
 }
 
+Communicator& Communicator::local_comm() {
+  ensure_hierarchy();
+  return *local_;
+}
+
+Communicator* Communicator::leaders_comm() {
+  ensure_hierarchy();
+  return leaders_.get();
+}
+
 // Reduce inside the host (shared memory), allreduce among one leader per host (network),
 // broadcast inside the host. The network carries each byte once per host instead of per rank.
 void Communicator::allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op) {

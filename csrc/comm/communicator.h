@@ -78,6 +78,17 @@ class Communicator {
     guarded(op, std::forward<Fn>(fn));
   }
 
+  // Building blocks for operations written outside this class (codecs, neighbor exchange):
+  // run all transfers concurrently until done, within op's deadline. Transfers to one peer in
+  // one direction complete in order. Call inside run_guarded so that a failure aborts.
+  void exchange(std::span<net::Transfer> ts, const net::OpInfo& op);
+  std::string peer_desc(uint32_t peer) const;
+  net::Channel& channel(uint32_t peer, const net::OpInfo& op);
+  // Ranks on this rank's host (in communicator order) and one leader per host (the lowest rank
+  // of each host); built on first use, without communication.
+  Communicator& local_comm();
+  Communicator* leaders_comm();  // nullptr on ranks that are not their host's leader
+
   // Fails every channel so that peers blocked on this rank error out quickly.
   void abort(const std::string& why);
   bool aborted() const { return broken_.load(); }
@@ -98,9 +109,6 @@ class Communicator {
       throw Error(ErrorKind::kSystem, op.where() + ": " + e.what());
     }
   }
-  net::Channel& channel(uint32_t peer, const net::OpInfo& op);
-  void exchange(std::span<net::Transfer> ts, const net::OpInfo& op);
-  std::string peer_desc(uint32_t peer) const;
 
   void allreduce_ring(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
   void allreduce_rd(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);

@@ -1,0 +1,7 @@
+#include "bindings/common.h"
+
+namespace rumor::bindings {
+
+void bind_compression(py::module_& m) { (void)m; }
+
+}  // namespace rumor::bindings
