@@ -49,7 +49,58 @@ import _common
 from _common import Progress, emit, parse_rate
 
 MODELS = ("mlp25m", "cnn", "transformer")
-VARIANT_LABEL = {"compute": "compute-only", "rumor": "rumor", "rumor_hier": "rumor hier", "torch": "torch DDP"}
+# --algorithms: rumor variants beside compute-only and torch DDP. Each is built inside the rank
+# (rumor imported there); "onebit_adam" also swaps the optimizer (see _optimizer).
+ALGORITHMS = {
+    "rumor": ("rumor", "GradientAllReduce()"),
+    "rumor_hier": ("rumor hier", "GradientAllReduce(hierarchical=True)"),
+    "bytegrad": ("ByteGrad", "ByteGrad()"),
+    "qsgd": ("QSGD(16)", "QSGD(levels=16)"),
+    "fp16": ("fp16", "LowPrecision(dtype=torch.float16)"),
+    "bf16": ("bf16", "LowPrecision(dtype=torch.bfloat16)"),
+    "onebit_adam": ("1-bit Adam", "OneBitAdam(optimizer) with rumor.optim.OneBitAdam(freeze_step=warmup)"),
+    "dec_all": ("Dec all", "Decentralized(peer_selection='all')"),
+    "dec_shift_one": ("Dec shift_one", "Decentralized(peer_selection='shift_one')"),
+    "dec_exp2": ("Dec exp2", "Decentralized(peer_selection='exp2')"),
+    "lp_dec": ("LowPrecDec", "LowPrecisionDecentralized()"),
+}
+VARIANT_LABEL = {"compute": "compute-only", "torch": "torch DDP", **{k: v[0] for k, v in ALGORITHMS.items()}}
+
+
+# Targets of the algorithm issues (samples/s over torch DDP, 4 emulated hosts at 1 Gbit).
+ALGORITHM_TARGETS = {"bytegrad": 2.5, "onebit_adam": 5.0, "fp16": 1.7, "dec_shift_one": 1.4, "dec_exp2": 1.4,
+                     "lp_dec": 2.5}
+
+
+def _algorithm(key: str, opt):
+    import torch
+
+    from rumor import algorithms as A
+
+    return {
+        "rumor": lambda: A.GradientAllReduce(),
+        "rumor_hier": lambda: A.GradientAllReduce(hierarchical=True),
+        "bytegrad": lambda: A.ByteGrad(),
+        "qsgd": lambda: A.QSGD(levels=16),
+        "fp16": lambda: A.LowPrecision(dtype=torch.float16),
+        "bf16": lambda: A.LowPrecision(dtype=torch.bfloat16),
+        "onebit_adam": lambda: A.OneBitAdam(opt),
+        "dec_all": lambda: A.Decentralized(peer_selection="all"),
+        "dec_shift_one": lambda: A.Decentralized(peer_selection="shift_one"),
+        "dec_exp2": lambda: A.Decentralized(peer_selection="exp2"),
+        "lp_dec": lambda: A.LowPrecisionDecentralized(),
+    }[key]()
+
+
+def _optimizer(key: str, model, cfg):
+    import torch
+
+    if key == "onebit_adam":
+        import rumor.optim
+
+        # frozen variance (the compressed phase) from the first measured step on
+        return rumor.optim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=cfg["warmup"])
+    return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
 
 
 # ==== helpers ========================================================================================
@@ -89,14 +140,12 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
 
     def add(v, wrap):
         model = models.build(name, seed=cfg["seed"])
-        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        opt = _optimizer(v, model, cfg)
         variants[v] = (wrap(model, opt), opt)
 
     add("compute", lambda m, o: m)
-    add("rumor", lambda m, o: rumor.DistributedDataParallel(m, optimizer=o))
-    if cfg["hierarchical"]:
-        add("rumor_hier", lambda m, o: rumor.DistributedDataParallel(
-            m, optimizer=o, algorithm=rumor.algorithms.GradientAllReduce(hierarchical=True)))
+    for key in cfg["algorithms"]:
+        add(key, lambda m, o, key=key: rumor.DistributedDataParallel(m, optimizer=o, algorithm=_algorithm(key, o)))
     add("torch", lambda m, o: TorchDDP(m))
     nparams = sum(p.numel() for p in variants["compute"][0].parameters())
     # A few distinct batches, made before timing; every variant sees the same sequence.
@@ -179,7 +228,7 @@ class Job(_common.Job):
     def config(self) -> Dict:
         a = self.args
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, block=a.block, lr=a.lr,
-                    seed=a.seed, hierarchical=bool(a.hierarchical and self.cluster is not None and self.rph > 1))
+                    seed=a.seed, algorithms=algorithm_list(a, self))
 
     def on_message(self, kind: str, data) -> None:
         if kind == "progress":
@@ -191,6 +240,13 @@ class Job(_common.Job):
                                  f"{self.label}: {data['model']} done", force=True)
 
 
+def algorithm_list(args, job) -> List[str]:
+    """--algorithms, plus GradientAllReduce(hierarchical=True) for --hierarchical on multi-rank hosts."""
+    extra = ["rumor_hier"] if (args.hierarchical and job.cluster is not None and job.rph > 1
+                               and "rumor_hier" not in args.algorithms) else []
+    return args.algorithms + extra
+
+
 def summarize(cell: Dict, link_Bps: Optional[float]) -> None:
     gb = cell["global_batch"]
     for v, d in cell["variants"].items():
@@ -199,11 +255,17 @@ def summarize(cell: Dict, link_Bps: Optional[float]) -> None:
         d["samples_per_s"] = gb / d["median_s"]
         d["samples_per_s_min"], d["samples_per_s_max"] = gb / d["max_s"], gb / d["min_s"]
     v = cell["variants"]
-    cell["rumor_over_torch"] = v["rumor"]["samples_per_s"] / v["torch"]["samples_per_s"]
-    cell["rumor_over_compute"] = v["rumor"]["samples_per_s"] / v["compute"]["samples_per_s"]
-    cell["torch_over_compute"] = v["torch"]["samples_per_s"] / v["compute"]["samples_per_s"]
+    for k, d in v.items():
+        d["over_torch"] = d["samples_per_s"] / v["torch"]["samples_per_s"]
+        d["over_compute"] = d["samples_per_s"] / v["compute"]["samples_per_s"]
+        d["final_loss"] = d["loss"][-1] if d["loss"] else None
+    main = "rumor" if "rumor" in v else next(k for k in v if k not in ("compute", "torch"))
+    cell["main_variant"] = main
+    cell["rumor_over_torch"] = v[main]["over_torch"]
+    cell["rumor_over_compute"] = v[main]["over_compute"]
+    cell["torch_over_compute"] = v["torch"]["over_compute"]
     if "rumor_hier" in v:
-        cell["rumor_hier_over_torch"] = v["rumor_hier"]["samples_per_s"] / v["torch"]["samples_per_s"]
+        cell["rumor_hier_over_torch"] = v["rumor_hier"]["over_torch"]
     if link_Bps:
         h = cell["hosts"]
         ring_s = 2 * (h - 1) / h * cell["grad_bytes"] / link_Bps
@@ -216,7 +278,9 @@ def print_table(cells: List[Dict], title: str) -> None:
     if not cells:
         return
     variants = list(cells[0]["variants"])
-    print(f"\n{title}   (step time: median [min-max] ms of {len(cells[0]['variants']['rumor']['step_s'])} "
+    if len(variants) > 4:
+        return print_long_table(cells, title)
+    print(f"\n{title}   (step time: median [min-max] ms of {len(cells[0]['variants']['torch']['step_s'])} "
           f"steps, slowest rank; samples/s = global batch / median step)")
     head = f"{'model':<12} {'params':>7} {'batch x n':>9} |"
     for v in variants:
@@ -236,8 +300,28 @@ def print_table(cells: List[Dict], title: str) -> None:
         row += f" {c['rumor_over_torch']:>10.2f}x {100 * c['rumor_over_compute']:>10.0f}%"
         if ring:
             row += (f" {c['ring_s'] * 1e3:>8.0f} {c['overlap_bound_s'] * 1e3:>9.0f}ms "
-                    f"{100 * c['overlap_bound_s'] / c['variants']['rumor']['median_s']:>8.0f}%")
+                    f"{100 * c['overlap_bound_s'] / c['variants'][c['main_variant']]['median_s']:>8.0f}%")
         print(row)
+
+
+def print_long_table(cells: List[Dict], title: str) -> None:
+    """One row per (model, variant): for runs that compare many algorithms."""
+    print(f"\n{title}   (step time: median [min-max] ms of {len(cells[0]['variants']['torch']['step_s'])} "
+          f"steps, slowest rank; samples/s = global batch / median step; loss = mean over ranks after the "
+          f"last measured step)")
+    head = (f"{'model':<12} {'variant':<14} {'step ms':>19} {'smp/s':>8} {'x torch':>8} {'of bound':>8} "
+            f"{'loss':>8}")
+    print(head)
+    print("-" * len(head))
+    for c in cells:
+        for v, d in c["variants"].items():
+            t = f"{fmt_ms(d['median_s'])} [{fmt_ms(d['min_s'])}-{fmt_ms(d['max_s'])}]"
+            loss = f"{d['final_loss']:.4f}" if d.get("final_loss") is not None else "-"
+            print(f"{c['model']:<12} {VARIANT_LABEL[v]:<14} {t:>19} {d['samples_per_s']:>8.1f} "
+                  f"{d['over_torch']:>7.2f}x {100 * d['over_compute']:>7.0f}% {loss:>8}")
+        if "ring_s" in c:
+            print(f"{'':<12} {'(fp32 ring)':<14} {c['ring_s'] * 1e3:>17.0f}ms   max(compute, ring) = "
+                  f"{c['overlap_bound_s'] * 1e3:.0f} ms")
 
 
 def plot(path: str, jobs: List[Dict]) -> Optional[str]:
@@ -248,7 +332,10 @@ def plot(path: str, jobs: List[Dict]) -> Optional[str]:
     if not jobs:
         return "no plot (no results)"
     fig, axes = plt.subplots(1, len(jobs), figsize=(5.5 * len(jobs), 4.2), squeeze=False)
-    colors = {"compute": "#bbbbbb", "rumor": "#1f77b4", "rumor_hier": "#6baed6", "torch": "#ff7f0e"}
+    palette = ["#1f77b4", "#6baed6", "#2ca02c", "#98df8a", "#9467bd", "#c5b0d5", "#8c564b", "#e377c2",
+               "#17becf", "#bcbd22", "#7f7f7f"]
+    colors = {"compute": "#bbbbbb", "torch": "#ff7f0e",
+              **{k: palette[i % len(palette)] for i, k in enumerate(ALGORITHMS)}}
     for ax, job in zip(axes[0], jobs):
         cells = job["cells"]
         variants = list(cells[0]["variants"])
@@ -265,8 +352,15 @@ def plot(path: str, jobs: List[Dict]) -> Optional[str]:
         for i, c in enumerate(cells):  # rumor/torch above each group's highest error bar
             bound = c["variants"]["compute"]["samples_per_s"]
             ytop = max(c["variants"][v]["samples_per_s_max"] for v in variants) / bound
-            ax.text(i, ytop + 0.03, f"rumor/torch {c['rumor_over_torch']:.2f}x", ha="center", fontsize=8,
-                    fontweight="bold")
+            if len(variants) <= 4:
+                ax.text(i, ytop + 0.03, f"rumor/torch {c['rumor_over_torch']:.2f}x", ha="center", fontsize=8,
+                        fontweight="bold")
+            else:  # many variants: each bar's ratio to torch DDP above it
+                for k, v in enumerate(variants):
+                    x = i + (k - (len(variants) - 1) / 2) * width
+                    y = c["variants"][v]["samples_per_s_max"] / bound
+                    ax.text(x, y + 0.02, f"{c['variants'][v]['over_torch']:.2f}x", ha="center", fontsize=6,
+                            rotation=90)
         ax.set_xticks(range(len(cells)))
         ax.set_xticklabels([f"{c['model']}\n{c['variants']['compute']['samples_per_s']:.0f} smp/s bound"
                             for c in cells], fontsize=8)
@@ -288,6 +382,9 @@ def main(argv=None) -> int:
     _common.add_world_args(ap)
     ap.add_argument("--hierarchical", action="store_true",
                     help="also rumor GradientAllReduce(hierarchical=True) (with several ranks per host)")
+    ap.add_argument("--algorithms", default="rumor",
+                    help=f"comma list of rumor variants to run beside compute-only and torch DDP: {list(ALGORITHMS)}")
+    ap.add_argument("--tag", default="", help="suffix for the JSON/PNG file names")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
     ap.add_argument("--batch", default="", help="per-rank batch overrides, e.g. mlp25m=16,cnn=8")
     ap.add_argument("--iters", type=int, default=10, help="measured steps per variant (protocol: >= 10)")
@@ -300,6 +397,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return _common.worker_main(args.worker, _describe, _train)
+
+    args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    bad = [a for a in args.algorithms if a not in ALGORITHMS]
+    if bad or not args.algorithms:
+        ap.error(f"unknown algorithms {bad}; choose from {list(ALGORITHMS)}")
 
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODELS]
@@ -318,6 +420,8 @@ def main(argv=None) -> int:
     tag = "1host"
     if hosts_mode:
         tag = f"{args.hosts}hosts" + (f"x{args.ranks_per_host}" if args.ranks_per_host > 1 else "")
+    if args.tag:
+        tag += "-" + args.tag
     json_path = os.path.join(args.out, f"training-{tag}.json")
     png_path = os.path.join(args.out, f"training-{tag}.png")
 
@@ -326,15 +430,17 @@ def main(argv=None) -> int:
                 step="zero_grad + forward + cross-entropy + backward + SGD(momentum 0.9) step; after a gloo "
                      "barrier; the slowest rank's time",
                 variants={"compute": "plain model, no communication (bound)",
-                          "rumor": "rumor.DistributedDataParallel, GradientAllReduce defaults",
-                          "rumor_hier": "rumor.DistributedDataParallel, GradientAllReduce(hierarchical=True)",
-                          "torch": "torch.nn.parallel.DistributedDataParallel, gloo, defaults"})
+                          **{k: "rumor.DistributedDataParallel, " + ALGORITHMS[k][1] for k in ALGORITHMS},
+                          "torch": "torch.nn.parallel.DistributedDataParallel, gloo, defaults"},
+                optimizer="SGD(lr, momentum 0.9) for every variant except onebit_adam (rumor.optim.OneBitAdam, "
+                          "lr 1e-3, variance frozen after the warm-up steps)")
     result = dict(meta=meta, jobs=[], cells=[], targets=[], errors=[])
     print(f"rumor {meta['rumor']} vs torch {meta['torch']} DDP (gloo) | {meta['hostname']}, {meta['cpus']} cpus, "
           f"load {meta['loadavg_start'][0]:.2f} | models {','.join(args.models)} | iters {args.iters}, "
           f"warmup {args.warmup}, block {args.block}")
 
-    n_variants = 3 + (1 if hosts_mode and args.hierarchical and args.ranks_per_host > 1 else 0)
+    n_variants = 2 + len(args.algorithms) + (
+        1 if hosts_mode and args.hierarchical and args.ranks_per_host > 1 and "rumor_hier" not in args.algorithms else 0)
     steps_per_model = n_variants * (args.warmup + args.iters)
     progress = Progress(len(worlds) * len(args.models) * steps_per_model, unit="steps", quiet_s=10)
     drv = _common.Driver("rumor-train-bench-", progress, hosts_mode)
@@ -369,19 +475,26 @@ def main(argv=None) -> int:
         # ---- targets and headline
         targets = result["targets"]
         for c in result["cells"]:
-            targets.append(dict(name=f"{c['job']}: {c['model']} rumor/torch >= 1.0", value=c["rumor_over_torch"],
-                                met=c["rumor_over_torch"] >= 1.0))
+            if "rumor" in c["variants"]:
+                targets.append(dict(name=f"{c['job']}: {c['model']} rumor/torch >= 1.0",
+                                    value=c["rumor_over_torch"], met=c["rumor_over_torch"] >= 1.0))
+            if hosts_mode:  # the algorithm issues' targets, on the emulated cluster
+                for v, goal in ALGORITHM_TARGETS.items():
+                    if v in c["variants"]:
+                        x = c["variants"][v]["over_torch"]
+                        targets.append(dict(name=f"{c['job']}: {c['model']} {VARIANT_LABEL[v]}/torch >= {goal}",
+                                            value=x, met=x >= goal))
         headline = None
         if hosts_mode:
-            for c in result["cells"]:
+            for c in (c for c in result["cells"] if "rumor" in c["variants"]):
                 targets.append(dict(name=f"{c['job']}: {c['model']} rumor/torch >= 1.1",
                                     value=c["rumor_over_torch"], met=c["rumor_over_torch"] >= 1.1))
             c = next((c for c in result["cells"] if c["model"] == "mlp25m"),
                      result["cells"][0] if result["cells"] else None)
             if c:
                 headline = (f"headline: {c['model']} {args.hosts} emulated hosts x {args.ranks_per_host} @{args.rate}: "
-                            f"rumor/torch DDP = {c['rumor_over_torch']:.2f}x samples/s "
-                            f"(rumor at {100 * c['rumor_over_compute']:.0f}% of compute-only)")
+                            f"{VARIANT_LABEL[c['main_variant']]}/torch DDP = {c['rumor_over_torch']:.2f}x samples/s "
+                            f"(at {100 * c['rumor_over_compute']:.0f}% of compute-only)")
         else:
             nmax = max(worlds)
             for c in result["cells"]:
