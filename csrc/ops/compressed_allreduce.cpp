@@ -87,8 +87,10 @@ std::vector<size_t> split_blocks(size_t count, uint32_t n, size_t align) {
   const size_t units = (count + align - 1) / align;
   std::vector<size_t> counts(n, 0);
   size_t left = count;
+  // The extra units go to the last blocks, so the one that ends short is one of the longer
+  // ones: block sizes then differ by at most one unit.
   for (uint32_t j = 0; j < n; ++j) {
-    const size_t u = units / n + (j < units % n ? 1 : 0);
+    const size_t u = units / n + (j >= n - units % n ? 1 : 0);
     counts[j] = std::min(left, u * align);
     left -= counts[j];
   }
