@@ -79,15 +79,16 @@ void bind_compressed_ops(py::module_& m) {
   m.def(
       "onebit_momentum_op",
       [](uintptr_t momentum, uintptr_t worker_error, uintptr_t server_error, size_t count, float beta1,
-         uint32_t chunk) {
+         uint32_t chunk, std::shared_ptr<BucketOp> warmup) {
         return std::make_shared<OneBitMomentumBucketOp>(floats(momentum), floats(worker_error),
-                                                        floats(server_error), count, beta1, chunk);
+                                                        floats(server_error), count, beta1, chunk,
+                                                        std::move(warmup));
       },
       py::arg("momentum"), py::arg("worker_error"), py::arg("server_error"), py::arg("count"),
-      py::arg("beta1"), py::arg("chunk") = 0,
+      py::arg("beta1"), py::arg("chunk") = 0, py::arg("warmup") = nullptr,
       "Bucket op of 1-bit Adam over float32 buffers of count elements owned by the caller: full-precision "
-      "gradient average while not compressing; else momentum update from the local gradient and 1-bit "
-      "allreduce of the momentum with error feedback.");
+      "gradient average while not compressing (the warmup op, or an AVG allreduce); else momentum update "
+      "from the local gradient and 1-bit allreduce of the momentum with error feedback.");
 
   m.def(
       "onebit_allreduce",

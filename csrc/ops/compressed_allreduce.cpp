@@ -312,13 +312,15 @@ std::string CompressedAllreduceBucketOp::name() const {
 }
 
 OneBitMomentumBucketOp::OneBitMomentumBucketOp(float* momentum, float* worker_error, float* server_error,
-                                               size_t count, float beta1, uint32_t chunk)
+                                               size_t count, float beta1, uint32_t chunk,
+                                               std::shared_ptr<BucketOp> warmup)
     : momentum_(momentum),
       worker_error_(worker_error),
       server_error_(server_error),
       count_(count),
       beta1_(beta1),
-      impl_(chunk) {
+      impl_(chunk),
+      warmup_(std::move(warmup)) {
   if (count > 0 && (momentum == nullptr || worker_error == nullptr || server_error == nullptr))
     throw Error(ErrorKind::kInvalidArgument, "1-bit momentum op: null momentum or error buffer");
   if (!(beta1 >= 0.0f && beta1 < 1.0f))
@@ -334,7 +336,10 @@ void OneBitMomentumBucketOp::run(Communicator& comm, void* data, size_t count, D
                                                  std::to_string(count_) + " float32");
   if (!compressing_.load()) {
     // Warm-up: plain Adam on the averaged gradient.
-    comm.allreduce(data, count, dtype, ReduceOp::AVG);
+    if (warmup_)
+      warmup_->run(comm, data, count, dtype);
+    else
+      comm.allreduce(data, count, dtype, ReduceOp::AVG);
     return;
   }
   const auto* g = static_cast<const float*>(data);

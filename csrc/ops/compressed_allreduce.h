@@ -123,10 +123,12 @@ class CompressedAllreduceBucketOp final : public BucketOp {
 // local gradient, m = beta1 * m + (1 - beta1) * g, and replaces m by its 1-bit average over the
 // ranks with error feedback, on the comm thread while backward goes on. The momentum and error
 // buffers (count float32 elements each) belong to the caller and must outlive the op.
+// warmup: the op that averages the gradient during warm-up (e.g. the shared-bucket allreduce);
+// null: the communicator's allreduce.
 class OneBitMomentumBucketOp final : public BucketOp {
  public:
   OneBitMomentumBucketOp(float* momentum, float* worker_error, float* server_error, size_t count, float beta1,
-                         uint32_t chunk);
+                         uint32_t chunk, std::shared_ptr<BucketOp> warmup = nullptr);
   void run(Communicator& comm, void* data, size_t count, DType dtype) override;
   std::string name() const override { return "1-bit momentum allreduce"; }
 
@@ -142,6 +144,7 @@ class OneBitMomentumBucketOp final : public BucketOp {
   float beta1_;
   std::atomic<bool> compressing_{false};
   OneBitAllreduce impl_;
+  std::shared_ptr<BucketOp> warmup_;
 };
 
 }  // namespace rumor::ops
