@@ -381,6 +381,8 @@ def test_bad_arguments():
         rumor.algorithms.LowPrecision(dtype=torch.float32)
     with pytest.raises(ValueError, match="chunk"):
         rumor.algorithms.ByteGrad(chunk=-8)
+    with pytest.raises(ValueError, match="chunk"):
+        rumor.algorithms.QSGD(chunk=100)
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="freeze_step"):
         rumor.optim.OneBitAdam(params, freeze_step=0)

@@ -17,8 +17,9 @@ _FLOAT_BUCKETS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check_chunk(chunk, who: str) -> int:
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk < 2**31:
-        raise ValueError(f"{who}: chunk must be a non-negative int (elements per chunk, 0 = default), got {chunk!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk <= 2**24 or chunk % 8:
+        raise ValueError(f"{who}: chunk must be 0 (the codec's default, 1024) or a multiple of 8 up to 2**24 "
+                         f"(elements per chunk), got {chunk!r}")
     return chunk
 
 
