@@ -47,11 +47,13 @@ struct Elem;
 
 template <>
 struct Elem<DType::F32> {
+  using Raw = float;
   static float load(const void* p, size_t i) { return static_cast<const float*>(p)[i]; }
   static void put(void* p, size_t i, float v) { static_cast<float*>(p)[i] = v; }
 };
 template <>
 struct Elem<DType::F64> {
+  using Raw = double;
   static float load(const void* p, size_t i) { return static_cast<float>(static_cast<const double*>(p)[i]); }
   // Accumulation into float64 output keeps float64 precision for the running value.
   static void add(void* p, size_t i, float v) { static_cast<double*>(p)[i] += static_cast<double>(v); }
@@ -59,11 +61,13 @@ struct Elem<DType::F64> {
 };
 template <>
 struct Elem<DType::F16> {
+  using Raw = uint16_t;
   static float load(const void* p, size_t i) { return f16_to_f32(static_cast<const uint16_t*>(p)[i]); }
   static void put(void* p, size_t i, float v) { static_cast<uint16_t*>(p)[i] = f32_to_f16(v); }
 };
 template <>
 struct Elem<DType::BF16> {
+  using Raw = uint16_t;
   static float load(const void* p, size_t i) { return bf16_to_f32(static_cast<const uint16_t*>(p)[i]); }
   static void put(void* p, size_t i, float v) { static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); }
 };
@@ -88,8 +92,15 @@ inline float load_f32(const std::byte* p) {
 }
 inline void store_f32(std::byte* p, float f) { std::memcpy(p, &f, 4); }
 
-inline double combine_lanes(const double* l) {
+// Chunk sums run over kSumLanes interleaved double lanes (element j of a chunk in lane
+// j % kSumLanes): enough independent chains to hide the vector add latency. This fixes the
+// order in which they are combined.
+constexpr size_t kSumLanes = 32;
+inline double combine8(const double* l) {
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+inline double combine_lanes(const double* l) {
+  return (combine8(l) + combine8(l + 8)) + (combine8(l + 16) + combine8(l + 24));
 }
 
 // Calls f.template operator()<D>() for a float dtype D; the codecs reject other dtypes before

@@ -69,18 +69,20 @@ void qsgd_encode_t(const void* in, size_t count, uint32_t chunk, uint32_t levels
   const bool wide = levels > 127;
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    double lanes[8] = {};
+    double lanes[kSumLanes] = {};
     for (size_t j = 0; j < n; ++j) {
       double x = Elem<D>::load(in, c0 + j);
-      lanes[j & 7] += x * x;  // exact in double for a float x, so fusing cannot change it
+      lanes[j % kSumLanes] += x * x;  // exact in double for a float x, so fusing cannot change it
     }
     const float norm = static_cast<float>(std::sqrt(combine_lanes(lanes)));
     store_f32(scales + 4 * ci, norm);
+    const bool fast = qsgd_multiply(norm);
+    const float scale = s / norm;
     for (size_t j = 0; j < n; ++j) {
       const size_t i = c0 + j;
       const float x = Elem<D>::load(in, i);
-      // |x| / norm <= 1 up to rounding (a zero norm gives NaN, clamped to level 0 below).
-      float v = std::fma(std::fabs(x) / norm, s, qsgd_uniform(key, i));
+      const float u = qsgd_uniform(key, i);
+      float v = fast ? std::fma(std::fabs(x), scale, u) : std::fma(std::fabs(x) / norm, s, u);
       v = v > 0.f ? v : 0.f;
       v = v < s ? v : s;
       const uint32_t level = static_cast<uint32_t>(v);  // v >= 0: truncation is floor
@@ -124,8 +126,9 @@ template <DType D>
 void sign_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* scales, std::byte* bits) {
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    double lanes[8] = {};
-    for (size_t j = 0; j < n; ++j) lanes[j & 7] += std::fabs(static_cast<double>(Elem<D>::load(in, c0 + j)));
+    double lanes[kSumLanes] = {};
+    for (size_t j = 0; j < n; ++j)
+      lanes[j % kSumLanes] += std::fabs(static_cast<double>(Elem<D>::load(in, c0 + j)));
     store_f32(scales + 4 * ci, static_cast<float>(combine_lanes(lanes) / static_cast<double>(n)));
     // chunk is a multiple of 8, so every chunk starts on a byte of its own.
     for (size_t j = 0; j < n; j += 8) {
@@ -175,34 +178,34 @@ void cast_decode(const std::byte* codes, size_t count, void* out, DType dtype, b
   });
 }
 
-void minmax_encode(const void* in, DType dtype, size_t count, uint32_t chunk, std::byte* scales,
-                   std::byte* codes) {
+inline void minmax_encode(const void* in, DType dtype, size_t count, uint32_t chunk, std::byte* scales,
+                          std::byte* codes) {
   by_float_dtype(dtype, [&]<DType D>() { minmax_encode_t<D>(in, count, chunk, scales, codes); });
 }
-void minmax_decode(const std::byte* scales, const std::byte* codes, size_t count, uint32_t chunk, void* out,
-                   DType dtype, bool accumulate) {
+inline void minmax_decode(const std::byte* scales, const std::byte* codes, size_t count, uint32_t chunk,
+                          void* out, DType dtype, bool accumulate) {
   by_float_dtype(dtype, [&]<DType D>() {
     accumulate ? minmax_decode_t<D, true>(scales, codes, count, chunk, out)
                : minmax_decode_t<D, false>(scales, codes, count, chunk, out);
   });
 }
-void qsgd_encode(const void* in, DType dtype, size_t count, uint32_t chunk, uint32_t levels, uint64_t seed,
-                 std::byte* scales, std::byte* codes) {
+inline void qsgd_encode(const void* in, DType dtype, size_t count, uint32_t chunk, uint32_t levels,
+                        uint64_t seed, std::byte* scales, std::byte* codes) {
   by_float_dtype(dtype, [&]<DType D>() { qsgd_encode_t<D>(in, count, chunk, levels, seed, scales, codes); });
 }
-void qsgd_decode(const std::byte* scales, const std::byte* codes, size_t count, uint32_t chunk,
-                 uint32_t levels, void* out, DType dtype, bool accumulate) {
+inline void qsgd_decode(const std::byte* scales, const std::byte* codes, size_t count, uint32_t chunk,
+                        uint32_t levels, void* out, DType dtype, bool accumulate) {
   by_float_dtype(dtype, [&]<DType D>() {
     accumulate ? qsgd_decode_t<D, true>(scales, codes, count, chunk, levels, out)
                : qsgd_decode_t<D, false>(scales, codes, count, chunk, levels, out);
   });
 }
-void sign_encode(const void* in, DType dtype, size_t count, uint32_t chunk, std::byte* scales,
-                 std::byte* bits) {
+inline void sign_encode(const void* in, DType dtype, size_t count, uint32_t chunk, std::byte* scales,
+                        std::byte* bits) {
   by_float_dtype(dtype, [&]<DType D>() { sign_encode_t<D>(in, count, chunk, scales, bits); });
 }
-void sign_decode(const std::byte* scales, const std::byte* bits, size_t count, uint32_t chunk, void* out,
-                 DType dtype, bool accumulate) {
+inline void sign_decode(const std::byte* scales, const std::byte* bits, size_t count, uint32_t chunk,
+                        void* out, DType dtype, bool accumulate) {
   by_float_dtype(dtype, [&]<DType D>() {
     accumulate ? sign_decode_t<D, true>(scales, bits, count, chunk, out)
                : sign_decode_t<D, false>(scales, bits, count, chunk, out);

@@ -80,14 +80,22 @@ class Codec:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         return self._c.encoded_bytes(numel)
 
-    def encode(self, tensor: torch.Tensor, seed: int = 0) -> torch.Tensor:
-        """Encodes ``tensor`` into a new 1-D ``torch.uint8`` tensor. ``seed`` drives QSGD's
-        stochastic rounding (same seed and input, same bytes); the other codecs ignore it."""
-        code = _check_float_tensor(tensor, f"{self.name}.encode")
+    def encode(self, tensor: torch.Tensor, seed: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encodes ``tensor`` into a 1-D ``torch.uint8`` tensor (a new one, or ``out``, which must
+        hold exactly ``encoded_bytes(tensor.numel())`` bytes). ``seed`` drives QSGD's stochastic
+        rounding (same seed and input, same bytes); the other codecs ignore it."""
+        who = f"{self.name}.encode"
+        code = _check_float_tensor(tensor, who)
         if not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         n = tensor.numel()
-        out = torch.empty(self._c.encoded_bytes(n), dtype=torch.uint8)
+        want = self._c.encoded_bytes(n)
+        if out is None:
+            out = torch.empty(want, dtype=torch.uint8)
+        elif not isinstance(out, torch.Tensor) or out.dtype != torch.uint8:
+            raise TypeError(f"{who}: out must be a torch.uint8 tensor")
+        elif out.device.type != "cpu" or not out.is_contiguous() or out.dim() != 1 or out.numel() != want:
+            raise ValueError(f"{who}: out must be a contiguous 1-D CPU tensor of {want} bytes")
         self._c.encode(tensor.data_ptr(), n, code, out.data_ptr(), out.numel(), seed)
         return out
 
