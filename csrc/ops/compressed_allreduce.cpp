@@ -231,6 +231,7 @@ void OneBitAllreduce::run(Communicator& comm, float* buf, size_t count, std::spa
                                                  std::to_string(server_error.size()) +
                                                  " elements for a buffer of " + std::to_string(count));
   if (comm.size() == 1) return;  // a single rank's average is its input: nothing is lost
+  // Owned errors belong to one buffer: a buffer of another size starts from zero error.
   if (worker_error.empty()) {
     if (own_worker_.size() != count) own_worker_.assign(count, 0.0f);
     worker_error = own_worker_;
