@@ -313,10 +313,13 @@ def sc_onebit_state_dict(chk):
     ck = torch.load(blob)
     model2.load_state_dict(ck["model"])
     opt2.load_state_dict(ck["opt"])
-    for p in model2.parameters():  # the state again lives in the algorithm's flat buffers
-        s = opt2.state[p]
-        chk.check(s["exp_avg"].untyped_storage().data_ptr() != ck["opt"]["state"][0]["exp_avg"].untyped_storage().data_ptr(),
-                  "exp_avg not rebound")
+    # The loaded state lives in the algorithm's flat buffers again (the bucket ops use those).
+    flats = {key: {st.flats[key].untyped_storage().data_ptr() for st in ddp2.algorithm._states.values()}
+             for key in ("exp_avg", "worker_error", "server_error")}
+    for name, p in model2.named_parameters():
+        for key, ptrs in flats.items():
+            chk.check(opt2.state[p][key].untyped_storage().data_ptr() in ptrs,
+                      f"{name} {key}: not a view into the algorithm's flat buffer after load_state_dict")
     _onebit_run(model2, opt2, ddp2, range(6, 9))
     chk.equal(_flat_params(model2), uninterrupted, "OneBitAdam resumed from a state_dict")
 
