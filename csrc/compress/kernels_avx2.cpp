@@ -277,10 +277,14 @@ void minmax_encode_v(const void* in, size_t count, uint32_t chunk, std::byte* sc
       lo = l[k] < lo ? l[k] : lo;
       hi = hi < h[k] ? h[k] : hi;
     }
-    const float range = hi - lo;
-    const float inv = range > 0.f && range < INFINITY ? 255.f / range : 0.f;
     store_f32(scales + 8 * ci, lo);
     store_f32(scales + 8 * ci + 4, hi);
+    if (minmax_wide(lo, hi)) {
+      minmax_encode_wide<D>(in, c0, n, lo, hi, codes);
+      continue;
+    }
+    const float range = hi - lo;
+    const float inv = range > 0.f && range < INFINITY ? 255.f / range : 0.f;
     const __m256 vl = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv);
     const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
     emit_bytes(codes + c0, n, [&](size_t j) {
@@ -297,8 +301,12 @@ void minmax_decode_v(const std::byte* scales, const std::byte* codes, size_t cou
                      void* out) {
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    const float lo = load_f32(scales + 8 * ci);
-    const float step = (load_f32(scales + 8 * ci + 4) - lo) / 255.f;
+    const float lo = load_f32(scales + 8 * ci), hi = load_f32(scales + 8 * ci + 4);
+    if (minmax_wide(lo, hi)) {
+      minmax_decode_wide<D, Acc>(codes, c0, n, lo, hi, out);
+      continue;
+    }
+    const float step = (hi - lo) / 255.f;
     const __m256 vl = _mm256_set1_ps(lo), vs = _mm256_set1_ps(step);
     for (size_t j = 0; j < n; j += 8) {
       const __m256 q = _mm256_cvtepi32_ps(load_bytes(codes + c0 + j, std::min<size_t>(8, n - j)));

@@ -24,6 +24,34 @@ namespace {
 // result as the vector convert instruction in its default rounding mode, without a libm call.
 inline float round_even(float v) { return (v + 0x1.8p23f) - 0x1.8p23f; }
 
+// A chunk of finite values whose max - min overflows float32 (values of both signs near the
+// float32 limit). Such chunks are quantized and decoded in double, where the range is finite,
+// by these per-element loops, which both kernel sets share: (a - b) * c leaves a compiler no
+// multiply-add to fuse, so the bytes match whatever instruction set compiles them.
+inline bool minmax_wide(float lo, float hi) {
+  return std::isinf(hi - lo) && std::isfinite(lo) && std::isfinite(hi);
+}
+
+template <DType D>
+void minmax_encode_wide(const void* in, size_t c0, size_t n, float lo, float hi, std::byte* codes) {
+  const double dlo = lo, inv = 255.0 / (static_cast<double>(hi) - dlo);
+  for (size_t j = 0; j < n; ++j) {
+    double v = (static_cast<double>(Elem<D>::load(in, c0 + j)) - dlo) * inv;
+    v = v > 0.0 ? v : 0.0;
+    v = v < 255.0 ? v : 255.0;
+    codes[c0 + j] = static_cast<std::byte>(static_cast<int>(std::nearbyint(v)));
+  }
+}
+
+template <DType D, bool Acc>
+void minmax_decode_wide(const std::byte* codes, size_t c0, size_t n, float lo, float hi, void* out) {
+  const double dlo = lo, step = (static_cast<double>(hi) - dlo) / 255.0;
+  for (size_t j = 0; j < n; ++j) {
+    const double q = static_cast<double>(static_cast<uint8_t>(codes[c0 + j]));
+    store<D, Acc>(out, c0 + j, static_cast<float>(dlo + q * step));
+  }
+}
+
 template <DType D>
 void minmax_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* scales, std::byte* codes) {
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
@@ -34,12 +62,17 @@ void minmax_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* sc
       lo = x < lo ? x : lo;
       hi = hi < x ? x : hi;
     }
-    const float range = hi - lo;
-    // A constant chunk (range 0) encodes every element as 0 and decodes exactly to min; an
-    // infinite or NaN range also gives 0 rather than feeding NaN into the integer conversion.
-    const float inv = range > 0.f && range < INFINITY ? 255.f / range : 0.f;
     store_f32(scales + 8 * ci, lo);
     store_f32(scales + 8 * ci + 4, hi);
+    if (minmax_wide(lo, hi)) {
+      minmax_encode_wide<D>(in, c0, n, lo, hi, codes);
+      continue;
+    }
+    const float range = hi - lo;
+    // A constant chunk (range 0) encodes every element as 0 and decodes exactly to min; an
+    // infinite or NaN range (non-finite input) also gives 0 rather than feeding NaN into the
+    // integer conversion.
+    const float inv = range > 0.f && range < INFINITY ? 255.f / range : 0.f;
     for (size_t j = 0; j < n; ++j) {
       float v = (Elem<D>::load(in, c0 + j) - lo) * inv;
       v = v > 0.f ? v : 0.f;  // also maps NaN to 0
@@ -54,8 +87,12 @@ void minmax_decode_t(const std::byte* scales, const std::byte* codes, size_t cou
                      void* out) {
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    const float lo = load_f32(scales + 8 * ci);
-    const float step = (load_f32(scales + 8 * ci + 4) - lo) / 255.f;
+    const float lo = load_f32(scales + 8 * ci), hi = load_f32(scales + 8 * ci + 4);
+    if (minmax_wide(lo, hi)) {
+      minmax_decode_wide<D, Acc>(codes, c0, n, lo, hi, out);
+      continue;
+    }
+    const float step = (hi - lo) / 255.f;
     for (size_t j = 0; j < n; ++j)
       store<D, Acc>(out, c0 + j, lo + static_cast<float>(static_cast<uint8_t>(codes[c0 + j])) * step);
   }
