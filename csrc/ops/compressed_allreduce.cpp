@@ -4,7 +4,6 @@
 #include <cstring>
 #include <string>
 
-#include "core/reduce.h"
 
 namespace rumor::ops {
 
@@ -136,6 +135,11 @@ void CompressedAllreduce::run(Communicator& comm, void* buf, size_t count, DType
   const uint64_t step = calls_++;
   if (comm.size() == 1) return;  // nothing to exchange: the input is the result
   auto* b = static_cast<std::byte*>(buf);
+  if (hierarchical_ && comm.all_local()) {
+    // One host: nothing would be compressed, and a plain allreduce beats reduce + broadcast.
+    comm.allreduce(b, count, dtype, average_ ? ReduceOp::AVG : ReduceOp::SUM);
+    return;
+  }
   const double divisor = average_ ? static_cast<double>(comm.size()) : 1.0;
   comm.run_guarded(op, [&] {
     if (!hierarchical_) {
@@ -144,15 +148,10 @@ void CompressedAllreduce::run(Communicator& comm, void* buf, size_t count, DType
     }
     Communicator& local = comm.local_comm();
     local.reduce(b, count, dtype, ReduceOp::SUM, 0);
+    // Several hosts (checked above), so the leaders' group has at least two members.
     if (Communicator* leaders = comm.leaders_comm()) {
-      if (leaders->size() > 1) {
-        net::OpInfo lop =
-            leaders->begin_op("compressed allreduce (host leaders)", kCompressedAllreduceOpcode);
-        leaders->run_guarded(lop, [&] { flat(*leaders, b, count, dtype, divisor, step, lop); });
-      } else if (average_) {
-        // One host: nothing crosses a network, so nothing is compressed.
-        finish_average(b, count, dtype, comm.size());
-      }
+      net::OpInfo lop = leaders->begin_op("compressed allreduce (host leaders)", kCompressedAllreduceOpcode);
+      leaders->run_guarded(lop, [&] { flat(*leaders, b, count, dtype, divisor, step, lop); });
     }
     local.broadcast(b, count, dtype, 0);
   });

@@ -82,13 +82,13 @@ def _check_identical(chk, model, what):
         chk.check(torch.equal(every[r], every[0]), f"{what}: rank {r} parameters differ from rank 0's")
 
 
-def _train(chk, algorithm_factory, optimizer_factory, what, steps=STEPS):
-    """Trains the MLP with the given algorithm; returns the final evaluation loss."""
+def _train(chk, algorithm_factory, optimizer_factory, what, steps=STEPS, model=None):
+    """Trains the MLP (or `model`) with the given algorithm; returns the final evaluation loss."""
     import torch.nn.functional as F
 
     import rumor
 
-    model = _mlp()
+    model = _mlp() if model is None else model
     opt = optimizer_factory(model.parameters())
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=algorithm_factory(opt), **SMALL_BUCKETS)
     for step in range(steps):
@@ -214,6 +214,24 @@ def sc_training(chk, algorithms):
     for name, make in algorithms:
         loss = _train(chk, make, sgd, name)
         chk.check(abs(loss - base) <= 0.1 * base, f"{name}: loss {loss:.4f} vs GradientAllReduce {base:.4f}")
+
+
+def sc_single_host_hierarchical(chk):
+    """hierarchical=True on one host compresses nothing: the same bits as GradientAllReduce."""
+    import torch
+
+    import rumor
+
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.2)  # noqa: E731
+    runs = {}
+    for name, make in [("GradientAllReduce", lambda opt: rumor.algorithms.GradientAllReduce()),
+                       ("ByteGrad", lambda opt: rumor.algorithms.ByteGrad()),
+                       ("QSGD", lambda opt: rumor.algorithms.QSGD(levels=4))]:
+        model = _mlp()
+        _train(chk, make, sgd, f"{name} (one host, hierarchical)", steps=3, model=model)
+        runs[name] = _flat_params(model)
+    for name in ("ByteGrad", "QSGD"):
+        chk.equal(runs[name], runs["GradientAllReduce"], f"{name}(hierarchical=True) on one host")
 
 
 def sc_onebit_training(chk):
@@ -349,6 +367,7 @@ def lowprec_rank(n_hosts_expected=1):
             ("LowPrecision bf16", lambda opt: rumor.algorithms.LowPrecision(torch.bfloat16, hierarchical=False)),
         ]
         sc_training(chk, algorithms)
+        sc_single_host_hierarchical(chk)
         sc_onebit_training(chk)
         sc_onebit_warmup_is_adam(chk)
         sc_onebit_state_dict(chk)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
+from ..collectives import ReduceOp
 from .base import Algorithm
 
 # Codec kinds of csrc/compress/codec.h.
@@ -46,6 +47,10 @@ class CompressedAllReduce(Algorithm):
         if bucket.flat.dtype not in _FLOAT_BUCKETS:
             raise TypeError(f"{type(self).__name__}: cannot compress a bucket of {bucket.flat.dtype} gradients "
                             "(expected float32, float16, bfloat16 or float64)")
+        if self.hierarchical and bucket.arena is not None:
+            # All ranks on one host: nothing crosses a network, so nothing is compressed; peers
+            # read the shared bucket in place (the fastest full-precision average).
+            return bucket.arena.allreduce_op(int(ReduceOp.AVG if self.average else ReduceOp.SUM))
         # A distinct, rank-independent seed per bucket: stochastic rounding differs across buckets
         # and steps but is the same from run to run.
         return _C.compressed_allreduce_op(self._kind, self.chunk, self.levels, self.average, self.hierarchical,
