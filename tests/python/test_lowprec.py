@@ -359,6 +359,7 @@ def lowprec_rank(n_hosts_expected=1):
             ("QSGD hierarchical", lambda opt: rumor.algorithms.QSGD(levels=16)),
         ]
         sc_training(chk, algorithms)
+        sc_onebit_training(chk)
     else:
         algorithms = [
             ("ByteGrad", lambda opt: rumor.algorithms.ByteGrad(hierarchical=False)),
