@@ -2,6 +2,7 @@
 // rounded to float32 first, the precision every codec works at) and written back from float.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -42,6 +43,15 @@ inline float f16_to_f32(uint16_t u) {
   return static_cast<float>(h);
 }
 
+// double -> float as IEEE rounds it: past FLT_MAX + half an ulp to infinity, where the C++
+// conversion would be undefined.
+inline float narrow(double v) {
+  constexpr double kOverflow = 0x1.ffffffp127;
+  if (v >= kOverflow) return INFINITY;
+  if (v <= -kOverflow) return -INFINITY;
+  return static_cast<float>(v);
+}
+
 template <DType D>
 struct Elem;
 
@@ -54,7 +64,7 @@ struct Elem<DType::F32> {
 template <>
 struct Elem<DType::F64> {
   using Raw = double;
-  static float load(const void* p, size_t i) { return static_cast<float>(static_cast<const double*>(p)[i]); }
+  static float load(const void* p, size_t i) { return narrow(static_cast<const double*>(p)[i]); }
   // Accumulation into float64 output keeps float64 precision for the running value.
   static void add(void* p, size_t i, float v) { static_cast<double*>(p)[i] += static_cast<double>(v); }
   static void put(void* p, size_t i, float v) { static_cast<double*>(p)[i] = static_cast<double>(v); }

@@ -325,7 +325,7 @@ void qsgd_encode_v(const void* in, size_t count, uint32_t chunk, uint32_t levels
   const __m256 zero = _mm256_setzero_ps(), vs = _mm256_set1_ps(s);
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    const float norm = static_cast<float>(std::sqrt(chunk_sum<D, true>(in, c0, n)));
+    const float norm = narrow(std::sqrt(chunk_sum<D, true>(in, c0, n)));
     store_f32(scales + 4 * ci, norm);
     const __m256 vscale = _mm256_set1_ps(s / norm), vnorm = _mm256_set1_ps(norm);
     // One loop per formula rather than a per-vector select, so the common one has no division.
@@ -382,7 +382,7 @@ void sign_encode_v(const void* in, size_t count, uint32_t chunk, std::byte* scal
       const unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ)));
       bits[(c0 + j) / 8] = static_cast<std::byte>(mask & ((1u << std::min<size_t>(8, n - j)) - 1u));
     }
-    store_f32(scales + 4 * ci, static_cast<float>(chunk_sum<D, false>(in, c0, n) / static_cast<double>(n)));
+    store_f32(scales + 4 * ci, narrow(chunk_sum<D, false>(in, c0, n) / static_cast<double>(n)));
   }
 }
 

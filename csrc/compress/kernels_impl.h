@@ -48,7 +48,7 @@ void minmax_decode_wide(const std::byte* codes, size_t c0, size_t n, float lo, f
   const double dlo = lo, step = (static_cast<double>(hi) - dlo) / 255.0;
   for (size_t j = 0; j < n; ++j) {
     const double q = static_cast<double>(static_cast<uint8_t>(codes[c0 + j]));
-    store<D, Acc>(out, c0 + j, static_cast<float>(dlo + q * step));
+    store<D, Acc>(out, c0 + j, narrow(dlo + q * step));
   }
 }
 
@@ -111,7 +111,7 @@ void qsgd_encode_t(const void* in, size_t count, uint32_t chunk, uint32_t levels
       double x = Elem<D>::load(in, c0 + j);
       lanes[j % kSumLanes] += x * x;  // exact in double for a float x, so fusing cannot change it
     }
-    const float norm = static_cast<float>(std::sqrt(combine_lanes(lanes)));
+    const float norm = narrow(std::sqrt(combine_lanes(lanes)));
     store_f32(scales + 4 * ci, norm);
     const bool fast = qsgd_multiply(norm);
     const float scale = s / norm;
@@ -166,7 +166,7 @@ void sign_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* scal
     double lanes[kSumLanes] = {};
     for (size_t j = 0; j < n; ++j)
       lanes[j % kSumLanes] += std::fabs(static_cast<double>(Elem<D>::load(in, c0 + j)));
-    store_f32(scales + 4 * ci, static_cast<float>(combine_lanes(lanes) / static_cast<double>(n)));
+    store_f32(scales + 4 * ci, narrow(combine_lanes(lanes) / static_cast<double>(n)));
     // chunk is a multiple of 8, so every chunk starts on a byte of its own.
     for (size_t j = 0; j < n; j += 8) {
       unsigned byte = 0;
