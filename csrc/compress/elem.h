@@ -112,6 +112,18 @@ inline double combine8(const double* l) {
 inline double combine_lanes(const double* l) {
   return (combine8(l) + combine8(l + 8)) + (combine8(l + 16) + combine8(l + 24));
 }
+inline float combine8(const float* l) {
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+inline float combine_lanes(const float* l) {
+  return (combine8(l) + combine8(l + 8)) + (combine8(l + 16) + combine8(l + 24));
+}
+
+// QSGD's sum of squares is first taken in float32 with fused multiply-adds (explicit in both
+// kernel sets, so identical), which is a third of the cost of float64; it is redone in float64
+// (exact squares) when the float32 sum is not safely normal: it overflowed (|x| beyond about
+// 1e19), underflowed, or met a NaN. The float32 sum's relative error is below 40 * 2^-24.
+inline bool sumsq_f32_ok(float s) { return s >= 0x1p-100f && s < INFINITY; }
 
 // Calls f.template operator()<D>() for a float dtype D; the codecs reject other dtypes before
 // any kernel runs.
