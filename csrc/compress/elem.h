@@ -2,6 +2,7 @@
 // rounded to float32 first, the precision every codec works at) and written back from float.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -42,6 +43,15 @@ inline float f16_to_f32(uint16_t u) {
   return static_cast<float>(h);
 }
 
+// double -> float as IEEE rounds it: past FLT_MAX + half an ulp to infinity, where the C++
+// conversion would be undefined.
+inline float narrow(double v) {
+  constexpr double kOverflow = 0x1.ffffffp127;
+  if (v >= kOverflow) return INFINITY;
+  if (v <= -kOverflow) return -INFINITY;
+  return static_cast<float>(v);
+}
+
 template <DType D>
 struct Elem;
 
@@ -54,7 +64,7 @@ struct Elem<DType::F32> {
 template <>
 struct Elem<DType::F64> {
   using Raw = double;
-  static float load(const void* p, size_t i) { return static_cast<float>(static_cast<const double*>(p)[i]); }
+  static float load(const void* p, size_t i) { return narrow(static_cast<const double*>(p)[i]); }
   // Accumulation into float64 output keeps float64 precision for the running value.
   static void add(void* p, size_t i, float v) { static_cast<double*>(p)[i] += static_cast<double>(v); }
   static void put(void* p, size_t i, float v) { static_cast<double*>(p)[i] = static_cast<double>(v); }
@@ -102,6 +112,18 @@ inline double combine8(const double* l) {
 inline double combine_lanes(const double* l) {
   return (combine8(l) + combine8(l + 8)) + (combine8(l + 16) + combine8(l + 24));
 }
+inline float combine8(const float* l) {
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+inline float combine_lanes(const float* l) {
+  return (combine8(l) + combine8(l + 8)) + (combine8(l + 16) + combine8(l + 24));
+}
+
+// QSGD's sum of squares is first taken in float32 with fused multiply-adds (explicit in both
+// kernel sets, so identical), which is a third of the cost of float64; it is redone in float64
+// (exact squares) when the float32 sum is not safely normal: it overflowed (|x| beyond about
+// 1e19), underflowed, or met a NaN. The float32 sum's relative error is below 40 * 2^-24.
+inline bool sumsq_f32_ok(float s) { return s >= 0x1p-100f && s < INFINITY; }
 
 // Calls f.template operator()<D>() for a float dtype D; the codecs reject other dtypes before
 // any kernel runs.

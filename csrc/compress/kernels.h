@@ -3,8 +3,9 @@
 // themselves trust their arguments. Both sets must produce the same encoded bytes for the same
 // input (tests compare them), so every floating-point step whose rounding could differ between a
 // scalar and a vector loop is pinned down here:
-//  - chunk sums (QSGD norm, sign scale) are taken in double over 32 interleaved lanes (element
-//    j of a chunk goes to lane j % 32), combined in the fixed order of detail::combine_lanes;
+//  - chunk sums (QSGD norm, sign scale) are taken over 32 interleaved lanes (element j of a
+//    chunk goes to lane j % 32), combined in the fixed order of detail::combine_lanes: in
+//    double, or for QSGD first in float with explicit fused multiply-adds (see sumsq_f32_ok);
 //  - QSGD's stochastic rounding is floor(fma(|x|, s / norm, u)) (one fused rounding in both;
 //    for a chunk whose norm is below 2^-100, where s / norm could overflow, it is
 //    floor(fma(|x| / norm, s, u)));

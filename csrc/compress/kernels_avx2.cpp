@@ -165,6 +165,45 @@ double chunk_sum(const void* in, size_t c0, size_t n) {
   return combine_lanes(l);
 }
 
+// Sum over a chunk of x * x in float32 with fused multiply-adds, lanes as in chunk_sum.
+template <DType D>
+float chunk_sumsq_f32(const void* in, size_t c0, size_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  auto value = [&](size_t j) {
+    return j + 8 <= n ? load8<D>(in, c0 + j) : keep_first(chunk_load<D>(in, c0, j, n), n - j);
+  };
+  size_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m256 a = value(j), b = value(j + 8), c = value(j + 16), d = value(j + 24);
+    s0 = _mm256_fmadd_ps(a, a, s0);
+    s1 = _mm256_fmadd_ps(b, b, s1);
+    s2 = _mm256_fmadd_ps(c, c, s2);
+    s3 = _mm256_fmadd_ps(d, d, s3);
+  }
+  if (j < n) {
+    const __m256 a = value(j);
+    s0 = _mm256_fmadd_ps(a, a, s0);
+  }
+  if (j + 8 < n) {
+    const __m256 b = value(j + 8);
+    s1 = _mm256_fmadd_ps(b, b, s1);
+  }
+  if (j + 16 < n) {
+    const __m256 c = value(j + 16);
+    s2 = _mm256_fmadd_ps(c, c, s2);
+  }
+  if (j + 24 < n) {
+    const __m256 d = value(j + 24);
+    s3 = _mm256_fmadd_ps(d, d, s3);
+  }
+  alignas(32) float l[kSumLanes];
+  _mm256_store_ps(l, s0);
+  _mm256_store_ps(l + 8, s1);
+  _mm256_store_ps(l + 16, s2);
+  _mm256_store_ps(l + 24, s3);
+  return combine_lanes(l);
+}
+
 // Low byte of each 32-bit lane (values 0..255), in order. Two 128-bit halves rather than a
 // cross-lane permute, which is slow on some cores.
 inline uint64_t pack_bytes(__m256i v) {
@@ -325,7 +364,9 @@ void qsgd_encode_v(const void* in, size_t count, uint32_t chunk, uint32_t levels
   const __m256 zero = _mm256_setzero_ps(), vs = _mm256_set1_ps(s);
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    const float norm = static_cast<float>(std::sqrt(chunk_sum<D, true>(in, c0, n)));
+    const float fsum = chunk_sumsq_f32<D>(in, c0, n);
+    const float norm =
+        sumsq_f32_ok(fsum) ? std::sqrt(fsum) : narrow(std::sqrt(chunk_sum<D, true>(in, c0, n)));
     store_f32(scales + 4 * ci, norm);
     const __m256 vscale = _mm256_set1_ps(s / norm), vnorm = _mm256_set1_ps(norm);
     // One loop per formula rather than a per-vector select, so the common one has no division.
@@ -382,7 +423,7 @@ void sign_encode_v(const void* in, size_t count, uint32_t chunk, std::byte* scal
       const unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ)));
       bits[(c0 + j) / 8] = static_cast<std::byte>(mask & ((1u << std::min<size_t>(8, n - j)) - 1u));
     }
-    store_f32(scales + 4 * ci, static_cast<float>(chunk_sum<D, false>(in, c0, n) / static_cast<double>(n)));
+    store_f32(scales + 4 * ci, narrow(chunk_sum<D, false>(in, c0, n) / static_cast<double>(n)));
   }
 }
 

@@ -48,7 +48,7 @@ void minmax_decode_wide(const std::byte* codes, size_t c0, size_t n, float lo, f
   const double dlo = lo, step = (static_cast<double>(hi) - dlo) / 255.0;
   for (size_t j = 0; j < n; ++j) {
     const double q = static_cast<double>(static_cast<uint8_t>(codes[c0 + j]));
-    store<D, Acc>(out, c0 + j, static_cast<float>(dlo + q * step));
+    store<D, Acc>(out, c0 + j, narrow(dlo + q * step));
   }
 }
 
@@ -106,12 +106,21 @@ void qsgd_encode_t(const void* in, size_t count, uint32_t chunk, uint32_t levels
   const bool wide = levels > 127;
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    double lanes[kSumLanes] = {};
+    float flanes[kSumLanes] = {};
     for (size_t j = 0; j < n; ++j) {
-      double x = Elem<D>::load(in, c0 + j);
-      lanes[j % kSumLanes] += x * x;  // exact in double for a float x, so fusing cannot change it
+      const float x = Elem<D>::load(in, c0 + j);
+      flanes[j % kSumLanes] = std::fma(x, x, flanes[j % kSumLanes]);
     }
-    const float norm = static_cast<float>(std::sqrt(combine_lanes(lanes)));
+    const float fsum = combine_lanes(flanes);
+    float norm = std::sqrt(fsum);
+    if (!sumsq_f32_ok(fsum)) {
+      double lanes[kSumLanes] = {};
+      for (size_t j = 0; j < n; ++j) {
+        const double x = Elem<D>::load(in, c0 + j);
+        lanes[j % kSumLanes] += x * x;  // exact in double for a float x, so fusing cannot change it
+      }
+      norm = narrow(std::sqrt(combine_lanes(lanes)));
+    }
     store_f32(scales + 4 * ci, norm);
     const bool fast = qsgd_multiply(norm);
     const float scale = s / norm;
@@ -166,7 +175,7 @@ void sign_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* scal
     double lanes[kSumLanes] = {};
     for (size_t j = 0; j < n; ++j)
       lanes[j % kSumLanes] += std::fabs(static_cast<double>(Elem<D>::load(in, c0 + j)));
-    store_f32(scales + 4 * ci, static_cast<float>(combine_lanes(lanes) / static_cast<double>(n)));
+    store_f32(scales + 4 * ci, narrow(combine_lanes(lanes) / static_cast<double>(n)));
     // chunk is a multiple of 8, so every chunk starts on a byte of its own.
     for (size_t j = 0; j < n; j += 8) {
       unsigned byte = 0;

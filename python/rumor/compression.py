@@ -16,6 +16,7 @@ run without the GIL. See docs/compression.md for formats and error bounds.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Sequence, Union
 
 import torch
@@ -50,13 +51,16 @@ def _check_float_tensor(t, what: str) -> int:
     return dtype_code(t.dtype, what)
 
 
-def _numel(shape) -> int:
-    if isinstance(shape, int):
-        shape = (shape,)
-    dims = tuple(shape)
-    if any((not isinstance(d, int)) or d < 0 for d in dims):
-        raise ValueError(f"shape must be a sequence of non-negative ints, got {shape!r}")
-    return math.prod(dims)
+def _dims(shape) -> tuple:
+    try:
+        dims = (operator.index(shape),) if not isinstance(shape, (tuple, list, torch.Size)) else tuple(
+            operator.index(d) for d in shape
+        )
+    except TypeError:
+        raise ValueError(f"shape must be an int or a sequence of non-negative ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must be an int or a sequence of non-negative ints, got {shape!r}")
+    return dims
 
 
 class Codec:
@@ -124,8 +128,8 @@ class Codec:
             raise TypeError(f"{who}: buf must have dtype torch.uint8, got {buf.dtype}")
         if not buf.is_contiguous():
             raise ValueError(f"{who}: buf must be contiguous")
-        n = _numel(shape)
-        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        dims = _dims(shape)
+        n = math.prod(dims)
         if out is None:
             if accumulate:
                 raise ValueError(f"{who}: accumulate=True needs out=")

@@ -211,6 +211,14 @@ def test_shapes_and_bytes_input():
     d = c.decode(bytes(b.numpy()), x.shape, dtype=torch.float64)
     assert d.shape == x.shape and torch.equal(d, x.to(torch.float16).to(torch.float64))
     assert C.MinMaxUInt8().encode(torch.tensor(2.5)).numel() == C.MinMaxUInt8().encoded_bytes(1)
+    y = torch.randn(6)
+    m = C.MinMaxUInt8()
+    assert m.decode(m.encode(y), np.int64(6)).shape == (6,)
+    assert m.decode(m.encode(y), [2, np.int32(3)]).shape == (2, 3)
+    with pytest.raises(ValueError, match="shape"):
+        m.decode(m.encode(y), (2, -3))
+    with pytest.raises(ValueError, match="shape"):
+        m.decode(m.encode(y), 6.0)
 
 
 def test_generic_isa_gives_identical_bytes():
