@@ -1,3 +1,7 @@
 """Algorithms for rumor.DistributedDataParallel."""
 from .base import Algorithm, default_bucket_plan  # noqa: F401
 from .gradient_allreduce import GradientAllReduce  # noqa: F401
+from .bytegrad import ByteGrad  # noqa: F401
+from .qsgd import QSGD  # noqa: F401
+from .low_precision import LowPrecision  # noqa: F401
+from .onebit_adam import OneBitAdam  # noqa: F401

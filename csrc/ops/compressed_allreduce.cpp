@@ -1,0 +1,351 @@
+#include "ops/compressed_allreduce.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+
+namespace rumor::ops {
+
+using net::make_recv;
+using net::make_send;
+using net::Transfer;
+
+namespace {
+
+uint64_t mix(uint64_t x) {
+  // splitmix64's finalizer: consecutive inputs give unrelated outputs.
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+bool codec_dtype(DType t) {
+  return t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::F64;
+}
+
+void to_f32(const std::byte* src, DType dtype, float* dst, size_t n) {
+  switch (dtype) {
+    case DType::F32:
+      if (n > 0) std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::F16: {
+      const auto* s = reinterpret_cast<const _Float16*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+      return;
+    }
+    case DType::BF16: {
+      const auto* s = reinterpret_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) {
+        uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+        std::memcpy(&dst[i], &u, sizeof(float));
+      }
+      return;
+    }
+    case DType::F64: {
+      const auto* s = reinterpret_cast<const double*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+      return;
+    }
+    default:
+      throw Error(ErrorKind::kInvalidArgument, "compressed allreduce: unsupported dtype");
+  }
+}
+
+std::vector<size_t> prefix(const std::vector<size_t>& v) {
+  std::vector<size_t> off(v.size() + 1, 0);
+  for (size_t i = 0; i < v.size(); ++i) off[i + 1] = off[i] + v[i];
+  return off;
+}
+
+// Slot of peer q among the n-1 peers of rank r (receive buffers hold one slot per peer).
+size_t peer_slot(uint32_t q, uint32_t r) { return q < r ? q : q - 1; }
+
+std::string kind_name(compress::Kind k) {
+  switch (k) {
+    case compress::Kind::kMinMaxU8:
+      return "minmax-u8";
+    case compress::Kind::kQSGD:
+      return "qsgd";
+    case compress::Kind::kSign:
+      return "sign";
+    case compress::Kind::kF16:
+      return "f16";
+    case compress::Kind::kBF16:
+      return "bf16";
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::vector<size_t> split_blocks(size_t count, uint32_t n, size_t align) {
+  if (n == 0) throw Error(ErrorKind::kInvalidArgument, "split_blocks: no ranks");
+  align = std::max<size_t>(align, 1);
+  const size_t units = (count + align - 1) / align;
+  std::vector<size_t> counts(n, 0);
+  size_t left = count;
+  // The extra units go to the last blocks, so the one that ends short is one of the longer
+  // ones: block sizes then differ by at most one unit.
+  for (uint32_t j = 0; j < n; ++j) {
+    const size_t u = units / n + (j >= n - units % n ? 1 : 0);
+    counts[j] = std::min(left, u * align);
+    left -= counts[j];
+  }
+  return counts;
+}
+
+size_t block_align(const compress::CodecParams& params) {
+  if (params.chunk != 0) return params.chunk;
+  // Codec defaults are not part of the interface: a granule that divides the usual power-of-two
+  // chunk sizes keeps most chunks whole without knowing them.
+  switch (params.kind) {
+    case compress::Kind::kF16:
+    case compress::Kind::kBF16:
+      return 32;  // no chunks: only keep blocks cache-line aligned
+    default:
+      return 1024;
+  }
+}
+
+uint64_t encode_seed(uint64_t base, uint64_t step, uint32_t rank, uint32_t block, uint32_t phase) {
+  uint64_t h = mix(base);
+  h = mix(h ^ step);
+  h = mix(h ^ ((static_cast<uint64_t>(rank) << 32) | block));
+  return mix(h ^ phase);
+}
+
+// ---- CompressedAllreduce ----------------------------------------------------------------------
+
+CompressedAllreduce::CompressedAllreduce(const compress::CodecParams& params, bool average, bool hierarchical,
+                                         uint64_t seed)
+    : params_(params),
+      codec_(compress::make_codec(params)),
+      average_(average),
+      hierarchical_(hierarchical),
+      seed_(seed) {}
+
+void CompressedAllreduce::run(Communicator& comm, void* buf, size_t count, DType dtype) {
+  net::OpInfo op = comm.begin_op("compressed allreduce", kCompressedAllreduceOpcode);
+  if (!codec_dtype(dtype))
+    throw Error(ErrorKind::kInvalidArgument, op.where() + ": " + codec_->name() + " cannot encode " +
+                                                 std::string(dtype_name(dtype)) +
+                                                 " (expected float32, float16, bfloat16 or float64)");
+  const uint64_t step = calls_++;
+  if (comm.size() == 1) return;  // nothing to exchange: the input is the result
+  auto* b = static_cast<std::byte*>(buf);
+  if (hierarchical_ && comm.all_local()) {
+    // One host: nothing would be compressed, and a plain allreduce beats reduce + broadcast.
+    comm.allreduce(b, count, dtype, average_ ? ReduceOp::AVG : ReduceOp::SUM);
+    return;
+  }
+  const double divisor = average_ ? static_cast<double>(comm.size()) : 1.0;
+  comm.run_guarded(op, [&] {
+    if (!hierarchical_) {
+      flat(comm, b, count, dtype, divisor, step, op);
+      return;
+    }
+    Communicator& local = comm.local_comm();
+    local.reduce(b, count, dtype, ReduceOp::SUM, 0);
+    // Several hosts (checked above), so the leaders' group has at least two members.
+    if (Communicator* leaders = comm.leaders_comm()) {
+      net::OpInfo lop = leaders->begin_op("compressed allreduce (host leaders)", kCompressedAllreduceOpcode);
+      leaders->run_guarded(lop, [&] { flat(*leaders, b, count, dtype, divisor, step, lop); });
+    }
+    local.broadcast(b, count, dtype, 0);
+  });
+}
+
+void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count, DType dtype, double divisor,
+                               uint64_t step, const net::OpInfo& op) {
+  const uint32_t n = comm.size(), r = comm.rank();
+  const size_t es = dtype_size(dtype);
+  const auto counts = split_blocks(count, n, block_align(params_));
+  const auto off = prefix(counts);
+  std::vector<size_t> enc(n);
+  for (uint32_t j = 0; j < n; ++j) enc[j] = counts[j] > 0 ? codec_->encoded_bytes(counts[j]) : 0;
+  const auto eoff = prefix(enc);
+  // One slot per block: in the reduce-scatter slot j carries our contribution to block j; once
+  // it is sent, the allgather reuses the slots for the reduced blocks.
+  send_.resize(eoff[n]);
+  recv_.resize(static_cast<size_t>(n - 1) * enc[r]);
+  std::byte* wire = send_.data();
+
+  for (uint32_t j = 0; j < n; ++j)
+    if (j != r && counts[j] > 0)
+      codec_->encode(buf + off[j] * es, counts[j], dtype, wire + eoff[j], enc[j],
+                     encode_seed(seed_, step, r, j, 0));
+  std::vector<Transfer> ts;
+  ts.reserve(2 * n);
+  for (uint32_t s = 1; s < n; ++s) {
+    const uint32_t to = (r + s) % n, from = (r + n - s) % n;
+    if (counts[to] > 0) ts.push_back(make_send(to, wire + eoff[to], enc[to]));
+    if (counts[r] > 0) ts.push_back(make_recv(from, recv_.data() + peer_slot(from, r) * enc[r], enc[r]));
+  }
+  comm.exchange(ts, op);
+
+  if (counts[r] > 0) {
+    // Our own contribution enters at full precision; the peers' through their encodings, added
+    // in rank order.
+    acc_.resize(counts[r]);
+    to_f32(buf + off[r] * es, dtype, acc_.data(), counts[r]);
+    for (uint32_t q = 0; q < n; ++q)
+      if (q != r)
+        codec_->decode(recv_.data() + peer_slot(q, r) * enc[r], enc[r], acc_.data(), counts[r], DType::F32,
+                       true);
+    if (divisor != 1.0) {
+      const auto d = static_cast<float>(divisor);
+      for (float& v : acc_) v /= d;
+    }
+    codec_->encode(acc_.data(), counts[r], DType::F32, wire + eoff[r], enc[r],
+                   encode_seed(seed_, step, r, r, 1));
+  }
+
+  ts.clear();
+  for (uint32_t s = 1; s < n; ++s) {
+    const uint32_t to = (r + s) % n, from = (r + n - s) % n;
+    if (counts[r] > 0) ts.push_back(make_send(to, wire + eoff[r], enc[r]));
+    if (counts[from] > 0) ts.push_back(make_recv(from, wire + eoff[from], enc[from]));
+  }
+  comm.exchange(ts, op);
+  // The owner decodes its block from the bytes it sent too, so every rank holds the same bits.
+  for (uint32_t j = 0; j < n; ++j)
+    if (counts[j] > 0) codec_->decode(wire + eoff[j], enc[j], buf + off[j] * es, counts[j], dtype, false);
+}
+
+// ---- OneBitAllreduce --------------------------------------------------------------------------
+
+OneBitAllreduce::OneBitAllreduce(uint32_t chunk)
+    : codec_(compress::make_codec(compress::CodecParams{compress::Kind::kSign, chunk, 16})),
+      align_(block_align(compress::CodecParams{compress::Kind::kSign, chunk, 16})) {}
+
+void OneBitAllreduce::run(Communicator& comm, float* buf, size_t count, std::span<float> worker_error,
+                          std::span<float> server_error) {
+  net::OpInfo op = comm.begin_op("1-bit allreduce", kOneBitAllreduceOpcode);
+  if ((!worker_error.empty() && worker_error.size() != count) ||
+      (!server_error.empty() && server_error.size() != count))
+    throw Error(ErrorKind::kInvalidArgument, op.where() + ": error buffers of " +
+                                                 std::to_string(worker_error.size()) + " and " +
+                                                 std::to_string(server_error.size()) +
+                                                 " elements for a buffer of " + std::to_string(count));
+  if (comm.size() == 1) return;  // a single rank's average is its input: nothing is lost
+  // Owned errors belong to one buffer: a buffer of another size starts from zero error.
+  if (worker_error.empty()) {
+    if (own_worker_.size() != count) own_worker_.assign(count, 0.0f);
+    worker_error = own_worker_;
+  }
+  if (server_error.empty()) {
+    if (own_server_.size() != count) own_server_.assign(count, 0.0f);
+    server_error = own_server_;
+  }
+  comm.run_guarded(op, [&] {
+    const uint32_t n = comm.size(), r = comm.rank();
+    const auto counts = split_blocks(count, n, align_);
+    const auto off = prefix(counts);
+    std::vector<size_t> enc(n);
+    for (uint32_t j = 0; j < n; ++j) enc[j] = counts[j] > 0 ? codec_->encoded_bytes(counts[j]) : 0;
+    const auto eoff = prefix(enc);
+    enc_.resize(eoff[n]);
+    recv_.resize(static_cast<size_t>(n - 1) * enc[r]);
+    std::byte* wire = enc_.data();
+    float* we = worker_error.data();
+
+    // Worker: compress input + carried error, keep what this compression loses.
+    for (size_t i = 0; i < count; ++i) buf[i] += we[i];
+    for (uint32_t j = 0; j < n; ++j) {
+      if (counts[j] == 0) continue;
+      float* x = buf + off[j];
+      float* e = we + off[j];
+      codec_->encode(x, counts[j], DType::F32, wire + eoff[j], enc[j]);
+      codec_->decode(wire + eoff[j], enc[j], e, counts[j], DType::F32, false);
+      for (size_t i = 0; i < counts[j]; ++i) e[i] = x[i] - e[i];
+    }
+    std::vector<Transfer> ts;
+    ts.reserve(2 * n);
+    for (uint32_t s = 1; s < n; ++s) {
+      const uint32_t to = (r + s) % n, from = (r + n - s) % n;
+      if (counts[to] > 0) ts.push_back(make_send(to, wire + eoff[to], enc[to]));
+      if (counts[r] > 0) ts.push_back(make_recv(from, recv_.data() + peer_slot(from, r) * enc[r], enc[r]));
+    }
+    comm.exchange(ts, op);
+
+    // Server: average the compressed contributions (its own included, as sent), add its carried
+    // error, compress once more and keep what that loses.
+    if (counts[r] > 0) {
+      const size_t c = counts[r];
+      acc_.resize(c);
+      dec_.resize(c);
+      for (uint32_t q = 0; q < n; ++q) {
+        const std::byte* src = q == r ? wire + eoff[r] : recv_.data() + peer_slot(q, r) * enc[r];
+        codec_->decode(src, enc[r], acc_.data(), c, DType::F32, q != 0);
+      }
+      float* es = server_error.data() + off[r];
+      const auto nf = static_cast<float>(n);
+      for (size_t i = 0; i < c; ++i) acc_[i] = acc_[i] / nf + es[i];
+      codec_->encode(acc_.data(), c, DType::F32, wire + eoff[r], enc[r]);
+      codec_->decode(wire + eoff[r], enc[r], dec_.data(), c, DType::F32, false);
+      for (size_t i = 0; i < c; ++i) es[i] = acc_[i] - dec_[i];
+    }
+
+    ts.clear();
+    for (uint32_t s = 1; s < n; ++s) {
+      const uint32_t to = (r + s) % n, from = (r + n - s) % n;
+      if (counts[r] > 0) ts.push_back(make_send(to, wire + eoff[r], enc[r]));
+      if (counts[from] > 0) ts.push_back(make_recv(from, wire + eoff[from], enc[from]));
+    }
+    comm.exchange(ts, op);
+    for (uint32_t j = 0; j < n; ++j)
+      if (counts[j] > 0) codec_->decode(wire + eoff[j], enc[j], buf + off[j], counts[j], DType::F32, false);
+  });
+}
+
+// ---- bucket ops -------------------------------------------------------------------------------
+
+std::string CompressedAllreduceBucketOp::name() const {
+  std::string s = "compressed allreduce (" + kind_name(impl_.params().kind);
+  if (impl_.params().kind == compress::Kind::kQSGD)
+    s += ", " + std::to_string(impl_.params().levels) + " levels";
+  if (impl_.hierarchical()) s += ", hierarchical";
+  s += impl_.average() ? ", average)" : ", sum)";
+  return s;
+}
+
+OneBitMomentumBucketOp::OneBitMomentumBucketOp(float* momentum, float* worker_error, float* server_error,
+                                               size_t count, float beta1, uint32_t chunk,
+                                               std::shared_ptr<BucketOp> warmup)
+    : momentum_(momentum),
+      worker_error_(worker_error),
+      server_error_(server_error),
+      count_(count),
+      beta1_(beta1),
+      impl_(chunk),
+      warmup_(std::move(warmup)) {
+  if (count > 0 && (momentum == nullptr || worker_error == nullptr || server_error == nullptr))
+    throw Error(ErrorKind::kInvalidArgument, "1-bit momentum op: null momentum or error buffer");
+  if (!(beta1 >= 0.0f && beta1 < 1.0f))
+    throw Error(ErrorKind::kInvalidArgument,
+                "1-bit momentum op: beta1 must be in [0, 1), got " + std::to_string(beta1));
+}
+
+void OneBitMomentumBucketOp::run(Communicator& comm, void* data, size_t count, DType dtype) {
+  if (dtype != DType::F32 || count != count_)
+    throw Error(ErrorKind::kInvalidArgument, "1-bit momentum op: bucket of " + std::to_string(count) + " " +
+                                                 std::string(dtype_name(dtype)) +
+                                                 " elements, but its momentum holds " +
+                                                 std::to_string(count_) + " float32");
+  if (!compressing_.load()) {
+    // Warm-up: plain Adam on the averaged gradient.
+    if (warmup_)
+      warmup_->run(comm, data, count, dtype);
+    else
+      comm.allreduce(data, count, dtype, ReduceOp::AVG);
+    return;
+  }
+  const auto* g = static_cast<const float*>(data);
+  const float b = beta1_, a = 1.0f - beta1_;
+  for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i];
+  impl_.run(comm, momentum_, count, {worker_error_, count}, {server_error_, count});
+}
+
+}  // namespace rumor::ops

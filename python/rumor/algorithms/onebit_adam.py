@@ -1,0 +1,139 @@
+"""The algorithm side of 1-bit Adam: momentum communicated with 1-bit compression."""
+from __future__ import annotations
+
+from typing import Dict, FrozenSet
+
+import torch
+
+from .. import _C
+from .._tensor import address
+from ..collectives import ReduceOp
+from .base import Algorithm
+from .bytegrad import _check_chunk
+
+_STATE_KEYS = ("exp_avg", "worker_error", "server_error")
+
+
+class _BucketState:
+    """Flat float32 buffers of one bucket: the momentum and the two error-feedback buffers.
+    The optimizer state of each parameter holds views into them."""
+
+    def __init__(self, bucket, op, flats: Dict[str, torch.Tensor]):
+        self.bucket = bucket
+        self.op = op
+        self.flats = flats
+
+    def views(self, key: str):
+        flat = self.flats[key]
+        for p, off in zip(self.bucket.params, self.bucket.offsets):
+            yield p, flat[off:off + p.numel()].view_as(p)
+
+
+class OneBitAdam(Algorithm):
+    """1-bit Adam with ``rumor.optim.OneBitAdam``::
+
+        opt = rumor.optim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100)
+        model = rumor.DistributedDataParallel(model, optimizer=opt,
+                                              algorithm=rumor.algorithms.OneBitAdam(opt))
+
+    For the first ``freeze_step`` steps gradients are averaged at full precision and the optimizer
+    runs Adam. Afterwards each bucket's op, on the communication thread as soon as the bucket's
+    gradients are ready, updates the bucket's momentum from the local gradients and averages it
+    across ranks with 1-bit (sign and per-chunk scale) compression and error feedback on both the
+    sending ("worker") and the reducing ("server") side; the optimizer then applies it with the
+    frozen variance. Momentum and error buffers are flat per bucket; the optimizer's state holds
+    views into them, so ``optimizer.state_dict()`` saves them.
+
+    chunk: elements per 1-bit chunk (one float32 scale each); 0 = the codec's default.
+    """
+
+    def __init__(self, optimizer, chunk: int = 0):
+        from ..optim import OneBitAdam as OneBitAdamOptimizer
+
+        if not isinstance(optimizer, OneBitAdamOptimizer):
+            raise TypeError("rumor.algorithms.OneBitAdam: optimizer must be a rumor.optim.OneBitAdam, "
+                            f"got {type(optimizer).__name__}")
+        if optimizer._algorithm is not None:
+            raise ValueError("rumor.algorithms.OneBitAdam: this optimizer already belongs to another "
+                             "rumor.algorithms.OneBitAdam")
+        self.optimizer = optimizer
+        self.chunk = _check_chunk(chunk, "rumor.algorithms.OneBitAdam")
+        self._states: Dict[int, _BucketState] = {}
+        self._compressed_last = False
+
+    # ---- Algorithm hooks ------------------------------------------------------------------------
+
+    def init(self, ddp) -> None:
+        self.optimizer._algorithm = self
+
+    def bucket_op(self, ddp, bucket):
+        if bucket.flat.dtype != torch.float32:
+            raise TypeError(f"rumor.algorithms.OneBitAdam: parameters {bucket.names[:3]} are "
+                            f"{bucket.flat.dtype}; 1-bit Adam keeps float32 momenta (use float32 parameters)")
+        if bucket.index == 0:  # buckets are being (re)built from scratch
+            self._states = {}
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        betas = set()
+        for name, p in zip(bucket.names, bucket.params):
+            g = group_of.get(id(p))
+            if g is None:
+                raise ValueError(f"rumor.algorithms.OneBitAdam: parameter {name} is trained by the model but "
+                                 "not in the optimizer's parameter groups")
+            betas.add(g["betas"][0])
+        if len(betas) != 1:
+            raise ValueError(f"rumor.algorithms.OneBitAdam: a bucket mixes parameter groups with different "
+                             f"beta1 {sorted(betas)}; use one beta1 for all groups")
+        count = bucket.flat.numel()
+        flats = {k: torch.zeros(count, dtype=torch.float32) for k in _STATE_KEYS}
+        if bucket.arena is not None:  # peers read shared buckets in place: the fast warm-up average
+            warmup = bucket.arena.allreduce_op(int(ReduceOp.AVG))
+        else:
+            warmup = _C.allreduce_op(int(ReduceOp.AVG), 0)
+        op = _C.onebit_momentum_op(address(flats["exp_avg"]), address(flats["worker_error"]),
+                                   address(flats["server_error"]), count, float(betas.pop()), self.chunk,
+                                   warmup)
+        state = _BucketState(bucket, op, flats)
+        self._bind(state)
+        op.compressing = self.optimizer.compressing()
+        self._states[bucket.index] = state
+        return op
+
+    def before_forward(self, ddp) -> None:
+        self._refresh()
+
+    def after_backward(self, ddp) -> None:
+        self._compressed_last = any(s.op.compressing for s in self._states.values())
+
+    # ---- with the optimizer -----------------------------------------------------------------------
+
+    def _bind(self, state: _BucketState) -> None:
+        """Points the optimizer state of the bucket's parameters at views of its flat buffers,
+        keeping the values the state holds now."""
+        opt_state = self.optimizer.state
+        for key in _STATE_KEYS:
+            for p, view in state.views(key):
+                st = opt_state[p]
+                cur = st.get(key)
+                if cur is not None and cur.data_ptr() != view.data_ptr():
+                    view.copy_(cur)
+                elif cur is None:
+                    view.zero_()
+                st[key] = view
+
+    def _rebind(self) -> None:
+        for s in self._states.values():
+            self._bind(s)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Sets the ops for the next backward (between iterations: no bucket is in flight)."""
+        self._compressed_last = False
+        on = self.optimizer.compressing()
+        for s in self._states.values():
+            s.op.compressing = on
+
+    def _momentum_updated(self) -> FrozenSet[int]:
+        """Parameters whose momentum the last backward updated and averaged (compression stage)."""
+        if not self._compressed_last:
+            return frozenset()
+        return frozenset(id(p) for s in self._states.values() for p in s.bucket.params)

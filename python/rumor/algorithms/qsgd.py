@@ -1,0 +1,23 @@
+"""QSGD: stochastic quantization of gradients to a few levels of the chunk's L2 norm."""
+from __future__ import annotations
+
+from .bytegrad import KIND_QSGD, CompressedAllReduce
+
+
+class QSGD(CompressedAllReduce):
+    """Compressed gradient allreduce with QSGD quantization (Alistarh et al., 2017).
+
+    Each chunk is sent as its L2 norm and, per element, a sign and a level in [0, levels],
+    rounded stochastically so that the decoded value is an unbiased estimate of the input. Seeds
+    differ per bucket, step, rank and block and are reproducible.
+    """
+
+    _kind = KIND_QSGD
+
+    def __init__(self, levels: int = 16, hierarchical: bool = True, average: bool = True, chunk: int = 0):
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 2 <= levels <= 256:
+            raise ValueError(f"QSGD: levels must be an int in 2..256, got {levels!r}")
+        super().__init__(hierarchical=hierarchical, average=average, chunk=chunk, levels=levels)
+
+    def __repr__(self) -> str:
+        return f"QSGD(levels={self.levels}, hierarchical={self.hierarchical}, average={self.average})"

@@ -1,0 +1,109 @@
+"""1-bit Adam (Tang et al., 2021): Adam whose momentum, not its gradient, is communicated, with
+1-bit compression once the variance has settled."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    """Adam in two stages, for use with ``rumor.algorithms.OneBitAdam(optimizer)``.
+
+    Warm-up (the first ``freeze_step`` steps): gradients are averaged at full precision and the
+    update is exactly ``torch.optim.Adam``'s (weight decay added to the gradient, bias
+    correction included).
+
+    Compression (every later step): the second moment ``exp_avg_sq`` is frozen (and its bias
+    correction with it). Each rank updates the momentum from its *local* gradient,
+    ``m = beta1 * m + (1 - beta1) * g``, and the momentum is averaged across ranks with 1-bit
+    compression and error feedback (on the communication thread, while backward goes on); the
+    parameters then take ``p -= lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^freeze_step)) + eps)``.
+    Weight decay in this stage is decoupled: ``p *= 1 - lr * weight_decay`` before the update.
+
+    Used without the algorithm (no communication), the compression stage updates the momentum
+    locally. ``state_dict()`` holds, per parameter, ``step``, ``exp_avg``, ``exp_avg_sq`` and the
+    error-feedback buffers ``worker_error`` and ``server_error`` (when the algorithm is used), so a
+    checkpoint resumes exactly.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, freeze_step: int = 100):
+        if not (isinstance(lr, (int, float)) and lr >= 0.0):
+            raise ValueError(f"rumor.optim.OneBitAdam: invalid learning rate {lr!r}")
+        try:
+            b1, b2 = (float(b) for b in betas)
+        except (TypeError, ValueError):
+            raise ValueError(f"rumor.optim.OneBitAdam: betas must be two floats, got {betas!r}") from None
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"rumor.optim.OneBitAdam: betas must lie in [0, 1), got {betas!r}")
+        if not (isinstance(eps, (int, float)) and eps >= 0.0):
+            raise ValueError(f"rumor.optim.OneBitAdam: invalid eps {eps!r}")
+        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
+            raise ValueError(f"rumor.optim.OneBitAdam: invalid weight_decay {weight_decay!r}")
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError("rumor.optim.OneBitAdam: freeze_step must be an int >= 1 (the variance needs at "
+                             f"least one full-precision step), got {freeze_step!r}")
+        super().__init__(params, dict(lr=float(lr), betas=(b1, b2), eps=float(eps),
+                                      weight_decay=float(weight_decay)))
+        self.freeze_step = freeze_step
+        self._algorithm = None  # the rumor.algorithms.OneBitAdam that communicates the momentum
+
+    def steps_taken(self) -> int:
+        """How many steps the parameters have taken (0 before the first)."""
+        return max((int(st["step"]) for st in self.state.values() if "step" in st), default=0)
+
+    def compressing(self) -> bool:
+        """Whether the next step is in the compression stage."""
+        return self.steps_taken() >= self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        alg = self._algorithm
+        # Momenta that the algorithm already updated and averaged during this backward.
+        external = alg._momentum_updated() if alg is not None else frozenset()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("rumor.optim.OneBitAdam does not support sparse gradients")
+                st = self.state[p]
+                if "step" not in st:
+                    st["step"] = 0
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if "exp_avg_sq" not in st:
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                t = st["step"]
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                if t <= self.freeze_step:
+                    grad = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
+                    m.lerp_(grad, 1 - beta1)
+                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    bias2 = 1 - beta2 ** t
+                else:
+                    if id(p) not in external:
+                        m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                    bias2 = 1 - beta2 ** self.freeze_step
+                    if wd != 0:
+                        p.mul_(1 - lr * wd)
+                denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
+                p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+        if alg is not None:
+            alg._refresh()
+        return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch replaced the state tensors; the algorithm's flat buffers must hold them again.
+        if self._algorithm is not None:
+            self._algorithm._rebind()
