@@ -7,6 +7,8 @@ where the weights are powers of two and within float tolerance otherwise.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import harness
@@ -240,3 +242,173 @@ def test_mismatch_without_check_is_an_error_not_a_hang():
     kind, msg = res[0][0]
     assert kind == "ProtocolError", res[0]
     assert "rank 1" in msg, msg
+
+
+# ---- neighbor_allgather ------------------------------------------------------------------------
+
+def allgather_rank():
+    import rumor
+    import torch
+    from rumor import topology as T
+
+    rumor.init()
+    n, r = rumor.size(), rumor.rank()
+    chk = Checker()
+
+    def mine(q, dtype=torch.float32):
+        # Rank q contributes q + 1 rows of 3 (first dims differ between ranks).
+        return (torch.arange((q + 1) * 3, dtype=torch.float64).reshape(q + 1, 3) + 100 * q).to(dtype)
+
+    for topo in (T.ExponentialGraph(n), T.RingGraph(n, 2), T.StarGraph(n)):
+        rumor.set_topology(topo)
+        for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.uint8):
+            got = rumor.neighbor_allgather(mine(r, dtype))
+            want = torch.cat([mine(q, dtype) for q in topo.in_neighbor_ranks(r)] or [mine(0, dtype)[:0]])
+            chk.equal(got, want, f"{topo.name} {dtype}")
+    # Dynamic lists in a chosen order: receive from r-2 then r-1.
+    srcs, dsts = [(r - 2) % n, (r - 1) % n], [(r + 1) % n, (r + 2) % n]
+    got = rumor.neighbor_allgather(mine(r), src_ranks=srcs, dst_ranks=dsts)
+    chk.equal(got, torch.cat([mine(q) for q in srcs]), "src_ranks order")
+    h = rumor.neighbor_allgather_nonblocking(mine(r), src_ranks=srcs[::-1], dst_ranks=dsts)
+    chk.equal(rumor.synchronize(h), torch.cat([mine(q) for q in srcs[::-1]]), "nonblocking, reversed order")
+    # A scalar becomes one row.
+    got = rumor.neighbor_allgather(torch.tensor(float(r)), src_ranks=[(r - 1) % n], dst_ranks=[(r + 1) % n])
+    chk.equal(got, torch.tensor([float((r - 1) % n)]), "scalar")
+    # Mismatched trailing dims: rank 1 has 4 columns, the others 3. Rank 1's receiver and rank
+    # 1 itself raise (after the data moved, so nobody waits); the others succeed.
+    x = torch.zeros(2, 4 if r == 1 else 3)
+    src, dst = [(r - 1) % n], [(r + 1) % n]
+    if r in (1, 2):
+        want = "rank 0 has shape [2, 3], this rank has [2, 4]" if r == 1 else "rank 1 has shape [2, 4]"
+        chk.raises(ValueError, lambda: rumor.neighbor_allgather(x, src_ranks=src, dst_ranks=dst),
+                   "trailing dims", match=want)
+    else:
+        chk.equal(rumor.neighbor_allgather(x, src_ranks=src, dst_ranks=dst), torch.zeros(2, 3), "others unaffected")
+    # Mismatched lists with the check: every rank raises.
+    dst = [(r + 1) % n] + ([(r + 2) % n] if r == 0 else [])
+    chk.raises(ValueError, lambda: rumor.neighbor_allgather(mine(r), src_ranks=[(r - 1) % n], dst_ranks=dst),
+               "allgather mismatch", match="rank 0 sends to rank 2")
+    chk.raises(ValueError, lambda: rumor.neighbor_allgather(mine(r), src_ranks=[(r - 1) % n]), "src without dst",
+               match="together")
+    return _finish(chk)
+
+
+def test_neighbor_allgather():
+    res = harness.run(allgather_rank, 4, timeout=90)
+    harness.assert_no_failures(res, "neighbor_allgather")
+
+
+# ---- hierarchical ------------------------------------------------------------------------------
+
+def hierarchical_rank():
+    import numpy as np
+    import rumor
+    import torch
+    from rumor import topology as T
+
+    rumor.init()
+    r = rumor.rank()
+    chk = Checker()
+    chk.check((rumor.machine_size(), rumor.machine_rank(), rumor.local_size()) == (2, r // 2, 2), "emulated hosts")
+    x = torch.arange(4, dtype=torch.float64) + 10 * r
+    mean = [(torch.arange(4, dtype=torch.float64) * 2 + 10 * (2 * m) + 10 * (2 * m + 1)) / 2 for m in range(2)]
+    m, other = r // 2, 1 - r // 2
+    # Default machine topology: ExponentialGraph(2), uniform weights 1/2.
+    chk.check(rumor.load_machine_topology() == T.ExponentialGraph(2), "default machine topology")
+    chk.check(rumor.in_neighbor_machine_ranks() == [other], "in-neighbor machines")
+    got = rumor.hierarchical_neighbor_allreduce(x)
+    chk.close(got, 0.5 * mean[0] + 0.5 * mean[1], "static uniform")
+    # Weighted machine topology: machine 0 keeps 3/4 of itself, machine 1 keeps 1/2.
+    W = np.array([[0.75, 0.5], [0.25, 0.5]])
+    rumor.set_machine_topology(W, is_weighted=True)
+    got = rumor.hierarchical_neighbor_allreduce(x)
+    chk.close(got, W[0, m] * mean[0] + W[1, m] * mean[1], "static weighted")
+    # Dynamic: take the other machine's mean only.
+    got = rumor.hierarchical_neighbor_allreduce(x, self_weight=0.0, src_machine_weights={other: 1.0},
+                                                dst_machine_weights=[other])
+    chk.close(got, mean[other], "dynamic swap")
+    # The sender scales: machine q sends (q + 1) * its mean.
+    got = rumor.hierarchical_neighbor_allreduce(x, self_weight=1.0, src_machine_weights={other: 1.0},
+                                                dst_machine_weights={other: m + 1.0})
+    chk.close(got, mean[m] + (other + 1.0) * mean[other], "dynamic dst scaling")
+    h = rumor.hierarchical_neighbor_allreduce_nonblocking(x.float(), self_weight=0.5,
+                                                          src_machine_weights={other: 0.5},
+                                                          dst_machine_weights=[other])
+    chk.close(rumor.synchronize(h), (0.5 * mean[0] + 0.5 * mean[1]).float(), "nonblocking float32")
+    # Machine 1 expects machine 0, which sends nothing: ValueError on every rank, both hosts.
+    chk.raises(ValueError, lambda: rumor.hierarchical_neighbor_allreduce(
+        x, self_weight=1.0, src_machine_weights={0: 0.5} if m == 1 else {}, dst_machine_weights=[]),
+        "machine mismatch", match="machine 1 receives from machine 0")
+    got = rumor.hierarchical_neighbor_allreduce(x, self_weight=0.0, src_machine_weights={other: 1.0},
+                                                dst_machine_weights=[other])
+    chk.close(got, mean[other], "after the mismatch")
+    chk.raises(ValueError, lambda: rumor.set_machine_topology(T.RingGraph(3)), "machine topology size",
+               match="machines")
+    return _finish(chk)
+
+
+def test_hierarchical_two_hosts_by_host_id():
+    rank_env = [{"RUMOR_HOST_ID": h} for h in ("hA", "hA", "hB", "hB")]
+    res = harness.run(hierarchical_rank, 4, timeout=90, rank_env=rank_env)
+    harness.assert_no_failures(res, "hierarchical_neighbor_allreduce on 2 hosts x 2 ranks")
+
+
+# ---- consensus ---------------------------------------------------------------------------------
+
+def one_peer_consensus_rank():
+    import math
+
+    import rumor
+    import torch
+    from rumor import topology as T
+
+    rumor.init()
+    n, r = rumor.size(), rumor.rank()
+    chk = Checker()
+    x = (torch.arange(6, dtype=torch.float64) + r) ** 2
+    want = sum((torch.arange(6, dtype=torch.float64) + q) ** 2 for q in range(n)) / n
+    sched = T.one_peer_exponential_schedule(n, r)
+    for step in range(int(math.log2(n))):
+        sends, recvs = next(sched)
+        x = rumor.neighbor_allreduce(x, self_weight=0.5, src_weights={q: 0.5 for q in recvs},
+                                     dst_weights={q: 1.0 for q in sends})
+    # Inputs are integers and every step halves: exact in float64.
+    chk.equal(x, want, f"exact average after log2({n}) steps")
+    return _finish(chk)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_one_peer_exponential_consensus(n):
+    res = harness.run(one_peer_consensus_rank, n, timeout=120)
+    harness.assert_no_failures(res, f"one-peer exponential averaging on {n} ranks")
+
+
+def ring_rate_rank(steps: int):
+    import rumor
+    import torch
+    from rumor import topology as T
+
+    rumor.init()
+    n, r = rumor.size(), rumor.rank()
+    topo = T.RingGraph(n)
+    rumor.set_topology(topo)
+    x = torch.tensor([float((r * 7) % n) - 1.5, float(r * r)], dtype=torch.float64)
+    errors = []
+    for _ in range(steps + 1):
+        allx = rumor.allgather(x.reshape(1, -1))
+        errors.append(float((allx - allx.mean(0)).norm()))
+        x = rumor.neighbor_allreduce(x)
+    return errors, topo.second_largest_eigenvalue_modulus()
+
+
+def test_static_ring_converges_at_the_spectral_rate():
+    """Ring of 5 (weights 1/3, symmetric): the distance to the mean shrinks by at most |lambda_2|
+    per step, and by |lambda_2| asymptotically (the other modes decay faster)."""
+    steps = 25
+    res = harness.run(ring_rate_rank, 5, timeout=90, args=(steps,))
+    errors, slem = res[0]
+    assert all(res[q][0] == errors for q in range(5))  # every rank saw the same (gathered) state
+    assert slem == pytest.approx((1 + 2 * math.cos(2 * math.pi / 5)) / 3)
+    ratios = [b / a for a, b in zip(errors, errors[1:])]
+    assert all(q <= slem * (1 + 1e-9) for q in ratios), ratios
+    assert ratios[-1] == pytest.approx(slem, rel=1e-4), ratios
