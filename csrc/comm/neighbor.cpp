@@ -271,6 +271,9 @@ void hierarchical_neighbor_allreduce(Communicator& comm, const void* in, void* o
   const char* what = "hierarchical_neighbor_allreduce";
   Communicator& local = comm.local_comm();
   Communicator* leaders = comm.leaders_comm();
+  // Every rank checks what it can (a rank that stopped here alone would leave its host waiting);
+  // only leaders know the machine count to check the machine ranks against.
+  validate_allreduce(local, dtype, self_weight, {}, {}, what);
   if (leaders != nullptr) validate_allreduce(*leaders, dtype, self_weight, machine_srcs, machine_dsts, what);
   net::OpInfo op = comm.begin_op(what, Opcode::kNeighbor);
   // A machine-level mismatch is found by the leaders only; they pass the message to their
