@@ -29,6 +29,15 @@ struct NeighborEdge {
   double weight = 1.0;
 };
 
+// Buffers an operation needs for received and scaled messages. Passing the same scratch to
+// successive calls avoids allocating (and page-faulting) them every time; it grows to the
+// largest call and keeps that memory. Calls sharing one scratch must not overlap: pass one per
+// communicator, whose operations run one at a time.
+struct NeighborScratch {
+  std::vector<std::byte> recv;
+  std::vector<std::vector<std::byte>> scaled;
+};
+
 // One disagreement between a sender's and a receiver's lists.
 struct TopologyMismatch {
   uint32_t sender = 0;
@@ -56,7 +65,8 @@ void check_topology(Communicator& comm, std::span<const uint32_t> srcs, std::spa
 // (half types accumulate in float and round once).
 void neighbor_allreduce(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
                         double self_weight, std::span<const NeighborEdge> srcs,
-                        std::span<const NeighborEdge> dsts, bool topo_check);
+                        std::span<const NeighborEdge> dsts, bool topo_check,
+                        NeighborScratch* scratch = nullptr);
 
 // Sends `bytes` bytes of `in` to every rank in dsts and receives recv_bytes[k] bytes from
 // srcs[k], concatenated into `out` in the order of srcs. A size that differs from what the
@@ -78,7 +88,8 @@ std::vector<uint64_t> neighbor_exchange_words(Communicator& comm, std::span<cons
 // weights are used. With topo_check, a mismatch among machines raises on every rank.
 void hierarchical_neighbor_allreduce(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
                                      double self_weight, std::span<const NeighborEdge> machine_srcs,
-                                     std::span<const NeighborEdge> machine_dsts, bool topo_check);
+                                     std::span<const NeighborEdge> machine_dsts, bool topo_check,
+                                     NeighborScratch* scratch = nullptr);
 
 // out = self_weight * in + sum_k weights[k] * srcs[k] over count elements (a kernel of the ops
 // above, exposed for tests). in may alias out; srcs may not.

@@ -90,6 +90,35 @@ TEST_P(NeighborOps, DynamicMoveScalingAndInPlace) {
   expect_all_ok(errs);
 }
 
+TEST_P(NeighborOps, ReusedScratchAcrossSizesAndWeights) {
+  if (n() < 2) GTEST_SKIP() << "needs two ranks";
+  auto w = make_world(one_host(n()), quick_options(shm()));
+  const uint32_t size = n();
+  auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+    NeighborScratch scratch;
+    const uint32_t prev = (r + size - 1) % size, next = (r + 1) % size;
+    // Shrinking and growing sizes, and weights that need 0, 1 or 2 scaled copies, through one scratch.
+    for (size_t count : {size_t{5000}, size_t{3}, size_t{0}, size_t{12000}, size_t{7}}) {
+      for (double dw : {1.0, 0.5, 0.25}) {
+        std::vector<float> x(count), y(count, -1.0f);
+        for (size_t i = 0; i < count; ++i) x[i] = value(r, i);
+        std::vector<NeighborEdge> srcs = {{prev, 1.0}}, dsts = {{next, dw}};
+        if (size > 2) {
+          srcs.push_back({(r + 2) % size, 2.0});
+          dsts.push_back({(r + size - 2) % size, 1.0 - dw + 0.5});
+        }
+        neighbor_allreduce(c, x.data(), y.data(), count, DType::F32, 0.5, srcs, dsts, false, &scratch);
+        for (size_t i = 0; i < count; ++i) {
+          float want = 0.5f * value(r, i) + static_cast<float>(dw) * value(prev, i);
+          if (size > 2) want += 2.0f * static_cast<float>(1.0 - dw + 0.5) * value((r + 2) % size, i);
+          ASSERT_EQ(y[i], want) << "count " << count << " dw " << dw << " i " << i;
+        }
+      }
+    }
+  });
+  expect_all_ok(errs);
+}
+
 TEST_P(NeighborOps, HalfTypesAccumulateInFloat) {
   if (n() < 2) GTEST_SKIP() << "needs two ranks";
   auto w = make_world(one_host(n()), quick_options(shm()));
