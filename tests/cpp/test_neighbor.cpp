@@ -324,6 +324,26 @@ TEST(NeighborHierarchical, TwoHostsTwoRanksEach) {
   expect_all_ok(errs);
 }
 
+TEST(NeighborHierarchical, UnevenInterleavedHostsOverTcp) {
+  // Hosts by rank: A B A B B. Machine 0 = {0, 2}, machine 1 = {1, 3, 4} (first-appearance
+  // order); shared memory off, so the local steps run over TCP too.
+  auto w = make_world({"A", "B", "A", "B", "B"}, quick_options(false));
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    const uint32_t machine = (r == 0 || r == 2) ? 0 : 1, other = 1 - machine;
+    std::vector<NeighborEdge> srcs = {{other, 0.25}}, dsts = {{other, 2.0}};
+    std::vector<double> x(777), y(777);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = value(r, i);
+    hierarchical_neighbor_allreduce(c, x.data(), y.data(), x.size(), DType::F64, 0.5, srcs, dsts, true);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double m0 = (value(0, i) + value(2, i)) / 2.0;
+      const double m1 = (value(1, i) + value(3, i) + value(4, i)) / 3.0;
+      const double mine = machine == 0 ? m0 : m1, theirs = machine == 0 ? m1 : m0;
+      ASSERT_NEAR(y[i], 0.5 * mine + 0.25 * 2.0 * theirs, 1e-12) << "rank " << r << " i " << i;
+    }
+  });
+  expect_all_ok(errs);
+}
+
 TEST(NeighborKernel, WeightedSumMatchesDouble) {
   const size_t n = 1237;
   std::vector<float> a(n), b(n), c(n), out(n);
