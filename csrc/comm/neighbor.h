@@ -59,9 +59,9 @@ std::string describe_mismatch(const TopologyMismatch& m, const Communicator& com
 void check_topology(Communicator& comm, std::span<const uint32_t> srcs, std::span<const uint32_t> dsts,
                     const char* what, const char* unit = "rank");
 
-// out = self_weight * in + sum_k srcs[k].weight * (what srcs[k].rank sent), where each sender
-// sent its `in` scaled by its weight for this receiver (dsts[k].weight; scaled into a scratch
-// buffer only when it is not 1). in and out may be the same buffer. F32, F64, F16 and BF16
+// out = self_weight * in + sum_k srcs[k].weight * m_k, where m_k is what srcs[k].rank sent: its
+// `in` scaled by the weight it lists for this rank among its dsts (the scaled copy is made only
+// for weights other than 1). in and out may be the same buffer. F32, F64, F16 and BF16
 // (half types accumulate in float and round once).
 void neighbor_allreduce(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
                         double self_weight, std::span<const NeighborEdge> srcs,
@@ -75,15 +75,15 @@ void neighbor_allgather(Communicator& comm, const void* in, size_t bytes, std::s
                         std::span<const size_t> recv_bytes, std::span<const uint32_t> dsts, void* out,
                         bool topo_check);
 
-// For allgather with sizes unknown to the receiver: sends `value` (e.g. this rank's byte count
-// or a shape record of `words` u64 values) to every dst and returns what each src sent, in the
-// order of srcs (srcs.size() * words values).
+// For allgather with sizes unknown to the receiver: sends `words` (e.g. this rank's byte count
+// and shape) to every dst and returns what each src sent, in the order of srcs
+// (srcs.size() * words.size() values; every rank must send the same number of words).
 std::vector<uint64_t> neighbor_exchange_words(Communicator& comm, std::span<const uint64_t> words,
                                               std::span<const uint32_t> srcs, std::span<const uint32_t> dsts,
                                               bool topo_check);
 
 // Average within each host (comm.local_comm()), neighbor_allreduce among the host leaders
-// (comm.leaders_comm(): machine m is the m-th host in rank order; machine edges are leaders
+// (comm.leaders_comm(): machine m is the host whose lowest rank comes m-th; machine edges are leaders
 // communicator ranks), then broadcast within the host. Only the leader's machine lists and
 // weights are used. With topo_check, a mismatch among machines raises on every rank.
 void hierarchical_neighbor_allreduce(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
