@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import networkx as nx
 import numpy as np
