@@ -1,3 +1,5 @@
 """Algorithms for rumor.DistributedDataParallel."""
 from .base import Algorithm, default_bucket_plan  # noqa: F401
 from .gradient_allreduce import GradientAllReduce  # noqa: F401
+from .decentralized import Decentralized  # noqa: F401
+from .low_precision_decentralized import LowPrecisionDecentralized  # noqa: F401
