@@ -235,3 +235,32 @@ def test_decentralized_matches_simulation_4_ranks():
                     chk.equal(res[r][si]["mixed"][t], res[0][si]["mixed"][t],
                               f"{what}: rank {r} step {t}: averaged weights bitwise equal to rank 0's")
     harness.assert_no_failures([(chk.failures, chk.count)], "decentralized, 4 ranks")
+
+
+def test_decentralized_odd_world_and_hierarchical():
+    """shift_one on 3 ranks (one sits out each round); hierarchical on hosts faked with
+    RUMOR_HOST_ID: 2 hosts x 2 ranks and 3 hosts of 2, 1 and 1 ranks."""
+    steps = 4
+    chk = harness.Checker()
+    specs3 = [dict(kind="decentralized", sel="shift_one"), dict(kind="decentralized", sel="shift_one", k=2)]
+    res = harness.run(rank_train, 3, timeout=90, args=(specs3, steps))
+    for si, spec in enumerate(specs3):
+        got = [res[r][si]["traj"] for r in range(3)]
+        _check_traj(chk, got, _simulate_decentralized("shift_one", 3, steps, spec.get("k", 1)),
+                    f"shift_one on 3 ranks, k={spec.get('k', 1)}")
+    skew2 = [[0.75, 0.5], [0.25, 0.5]]
+    for hosts, sels in ((("hA", "hA", "hB", "hB"), ("all", "shift_one", skew2)),
+                        (("hA", "hA", "hB", "hC"), ("shift_one", "exp2"))):
+        specs = [dict(kind="decentralized", sel=s, hier=True) for s in sels]
+        res = harness.run(rank_train, 4, timeout=90, args=(specs, steps),
+                          rank_env=[{"RUMOR_HOST_ID": h} for h in hosts])
+        for si, spec in enumerate(specs):
+            got = [res[r][si]["traj"] for r in range(4)]
+            what = f"hierarchical {spec['sel'] if isinstance(spec['sel'], str) else 'matrix'} on hosts {hosts}"
+            _check_traj(chk, got, _simulate_decentralized(spec["sel"], 4, steps, 1, hosts=list(hosts)), what)
+            for r in range(4):  # ranks of a host hold the same mixed weights
+                peer = hosts.index(hosts[r])
+                for t in range(steps):
+                    chk.equal(res[r][si]["mixed"][t], res[peer][si]["mixed"][t],
+                              f"{what}: rank {r} step {t}: mixed weights equal to its host leader's")
+    harness.assert_no_failures([(chk.failures, chk.count)], "decentralized, odd world and hierarchical")
