@@ -1,7 +1,86 @@
+// Neighbor exchange over graph topologies (comm/neighbor.h) for python/rumor/decentralized.py.
+// Ranks here are communicator ranks; Python maps global ranks onto them.
+#include <pybind11/stl.h>
+
+#include <utility>
+#include <vector>
+
 #include "bindings/common.h"
+#include "comm/neighbor.h"
 
 namespace rumor::bindings {
 
-void bind_decentralized(py::module_& m) { (void)m; }
+namespace {
+
+using Edges = std::vector<std::pair<uint32_t, double>>;
+
+std::vector<NeighborEdge> to_edges(const Edges& e) {
+  std::vector<NeighborEdge> v;
+  v.reserve(e.size());
+  for (const auto& [r, w] : e) v.push_back({r, w});
+  return v;
+}
+
+}  // namespace
+
+void bind_decentralized(py::module_& m) {
+  using C = Communicator;
+  m.def(
+      "neighbor_allreduce",
+      [](C& c, uintptr_t in, uintptr_t out, size_t count, int dtype, double self_weight, const Edges& srcs,
+         const Edges& dsts, bool topo_check, bool nb) {
+        DType dt = to_dtype(dtype);
+        return dispatch(
+            c, nb, [&c, in, out, count, dt, self_weight, s = to_edges(srcs), d = to_edges(dsts), topo_check] {
+              neighbor_allreduce(c, ptr(in), ptr(out), count, dt, self_weight, s, d, topo_check);
+            });
+      },
+      py::arg("comm"), py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
+      py::arg("self_weight"), py::arg("srcs"), py::arg("dsts"), py::arg("topo_check"), py::arg("nonblocking"),
+      "out = self_weight*in + sum of w*received over srcs [(rank, weight)]; sends in*w to dsts [(rank, w)].");
+  m.def(
+      "neighbor_allgather",
+      [](C& c, uintptr_t in, size_t bytes, std::vector<uint32_t> srcs, std::vector<size_t> recv_bytes,
+         std::vector<uint32_t> dsts, uintptr_t out, bool topo_check, bool nb) {
+        return dispatch(
+            c, nb,
+            [&c, in, bytes, s = std::move(srcs), rb = std::move(recv_bytes), d = std::move(dsts), out,
+             topo_check] { neighbor_allgather(c, ptr(in), bytes, s, rb, d, ptr(out), topo_check); });
+      },
+      py::arg("comm"), py::arg("input"), py::arg("bytes"), py::arg("srcs"), py::arg("recv_bytes"),
+      py::arg("dsts"), py::arg("output"), py::arg("topo_check"), py::arg("nonblocking"),
+      "Sends bytes of input to every dst; receives recv_bytes[k] from srcs[k] into output, in srcs order.");
+  m.def(
+      "neighbor_exchange_words",
+      [](C& c, std::vector<uint64_t> words, std::vector<uint32_t> srcs, std::vector<uint32_t> dsts,
+         bool topo_check) {
+        std::vector<uint64_t> got;
+        dispatch(c, false, [&] { got = neighbor_exchange_words(c, words, srcs, dsts, topo_check); });
+        return got;
+      },
+      py::arg("comm"), py::arg("words"), py::arg("srcs"), py::arg("dsts"), py::arg("topo_check"),
+      "Sends the u64 words to every dst; returns what each src sent (blocking).");
+  m.def(
+      "hierarchical_neighbor_allreduce",
+      [](C& c, uintptr_t in, uintptr_t out, size_t count, int dtype, double self_weight, const Edges& srcs,
+         const Edges& dsts, bool topo_check, bool nb) {
+        DType dt = to_dtype(dtype);
+        return dispatch(
+            c, nb, [&c, in, out, count, dt, self_weight, s = to_edges(srcs), d = to_edges(dsts), topo_check] {
+              hierarchical_neighbor_allreduce(c, ptr(in), ptr(out), count, dt, self_weight, s, d, topo_check);
+            });
+      },
+      py::arg("comm"), py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
+      py::arg("self_weight"), py::arg("machine_srcs"), py::arg("machine_dsts"), py::arg("topo_check"),
+      py::arg("nonblocking"),
+      "Host average, neighbor_allreduce among host leaders over machine ranks, host broadcast.");
+  m.def(
+      "check_topology",
+      [](C& c, std::vector<uint32_t> srcs, std::vector<uint32_t> dsts) {
+        dispatch(c, false, [&] { check_topology(c, srcs, dsts, "topology check"); });
+      },
+      py::arg("comm"), py::arg("srcs"), py::arg("dsts"),
+      "Collective: raises ValueError on every rank if some rank's sends do not match its receivers' lists.");
+}
 
 }  // namespace rumor::bindings

@@ -27,6 +27,7 @@ enum class Opcode : uint8_t {
   kBarrier = 7,
   kSendRecv = 8,
   kArenaAllreduce = 9,
+  kNeighbor = 10,
 };
 
 enum class AllreduceAlgo : uint8_t { kAuto = 0, kRing = 1, kRecursiveDoubling = 2, kHierarchical = 3 };
