@@ -38,6 +38,7 @@ from .collectives import (  # noqa: F401
     synchronize,
 )
 from . import algorithms  # noqa: F401
+from . import compression  # noqa: F401
 from .parallel import DistributedDataParallel  # noqa: F401
 from .errors import AbortedError, CommTimeoutError, PeerError, ProtocolError, RumorError  # noqa: F401
 

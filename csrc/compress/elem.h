@@ -1,0 +1,114 @@
+// Element access shared by both kernel sets: every input dtype is read as float (float64 is
+// rounded to float32 first, the precision every codec works at) and written back from float.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "core/types.h"
+
+namespace rumor::compress::detail {
+// Internal linkage: these are compiled with different instruction sets in different units, and
+// one linked copy must not serve another unit's callers.
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  // Round to nearest even; a NaN stays a quiet NaN of the same sign instead of rounding to inf.
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t nan = (u >> 16) | 0x40u;
+  bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>(is_nan ? nan : rounded);
+}
+
+inline uint16_t f32_to_f16(float f) {
+  _Float16 h = static_cast<_Float16>(f);
+  uint16_t u;
+  std::memcpy(&u, &h, 2);
+  return u;
+}
+
+inline float f16_to_f32(uint16_t u) {
+  _Float16 h;
+  std::memcpy(&h, &u, 2);
+  return static_cast<float>(h);
+}
+
+template <DType D>
+struct Elem;
+
+template <>
+struct Elem<DType::F32> {
+  static float load(const void* p, size_t i) { return static_cast<const float*>(p)[i]; }
+  static void put(void* p, size_t i, float v) { static_cast<float*>(p)[i] = v; }
+};
+template <>
+struct Elem<DType::F64> {
+  static float load(const void* p, size_t i) { return static_cast<float>(static_cast<const double*>(p)[i]); }
+  // Accumulation into float64 output keeps float64 precision for the running value.
+  static void add(void* p, size_t i, float v) { static_cast<double*>(p)[i] += static_cast<double>(v); }
+  static void put(void* p, size_t i, float v) { static_cast<double*>(p)[i] = static_cast<double>(v); }
+};
+template <>
+struct Elem<DType::F16> {
+  static float load(const void* p, size_t i) { return f16_to_f32(static_cast<const uint16_t*>(p)[i]); }
+  static void put(void* p, size_t i, float v) { static_cast<uint16_t*>(p)[i] = f32_to_f16(v); }
+};
+template <>
+struct Elem<DType::BF16> {
+  static float load(const void* p, size_t i) { return bf16_to_f32(static_cast<const uint16_t*>(p)[i]); }
+  static void put(void* p, size_t i, float v) { static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); }
+};
+
+// out[i] = v, or out[i] += v (in the output's own precision for float64, in float otherwise,
+// rounded once per element for the half types).
+template <DType D, bool Acc>
+inline void store(void* out, size_t i, float v) {
+  if constexpr (!Acc) {
+    Elem<D>::put(out, i, v);
+  } else if constexpr (D == DType::F64) {
+    Elem<D>::add(out, i, v);
+  } else {
+    Elem<D>::put(out, i, Elem<D>::load(out, i) + v);
+  }
+}
+
+inline float load_f32(const std::byte* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+inline void store_f32(std::byte* p, float f) { std::memcpy(p, &f, 4); }
+
+inline double combine_lanes(const double* l) {
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// Calls f.template operator()<D>() for a float dtype D; the codecs reject other dtypes before
+// any kernel runs.
+template <typename F>
+inline void by_float_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::F32:
+      return f.template operator()<DType::F32>();
+    case DType::F64:
+      return f.template operator()<DType::F64>();
+    case DType::F16:
+      return f.template operator()<DType::F16>();
+    case DType::BF16:
+      return f.template operator()<DType::BF16>();
+    default:
+      throw Error(ErrorKind::kInvalidArgument, "codec kernels take float32, float16, bfloat16 or float64");
+  }
+}
+
+}  // namespace
+}  // namespace rumor::compress::detail

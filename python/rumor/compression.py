@@ -1,0 +1,180 @@
+"""Gradient codecs: compact encodings of float tensors for the wire.
+
+Each codec turns a CPU tensor (float32, float16, bfloat16 or float64, contiguous) into a
+self-describing ``torch.uint8`` buffer whose length depends only on the element count
+(``encoded_bytes(numel)``), and decodes such a buffer back, optionally adding into an existing
+tensor. The kernels are C++ (AVX2 where the CPU has it, see :func:`isa`), single-threaded, and
+run without the GIL. See docs/compression.md for formats and error bounds.
+
+- :class:`MinMaxUInt8`: per chunk min and max, one byte per element; error <= (max-min)/510.
+- :class:`QSGD`: per chunk L2 norm, sign and stochastic level per element; unbiased, error
+  <= norm/levels, reproducible for a given ``seed``.
+- :class:`SignScale`: one bit per element and the chunk's mean |x| (signSGD with scale; keep
+  the error feedback ``e = x - decode(encode(x))`` yourself).
+- :class:`Float16`, :class:`BFloat16`: casts, round to nearest even.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _C
+from ._tensor import dtype_code
+
+__all__ = ["Codec", "MinMaxUInt8", "QSGD", "SignScale", "Float16", "BFloat16", "isa"]
+
+_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def isa() -> str:
+    """The kernel set the codecs run: ``"avx2"`` or ``"generic"`` (``RUMOR_CODEC_ISA=generic``
+    forces the scalar one; the variable is read once per process)."""
+    return _C.codec_isa()
+
+
+def _check_float_tensor(t, what: str) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{what}: expected a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"{what}: tensor is on {t.device}; codecs take CPU tensors (no CUDA codec kernels in this build)"
+        )
+    if t.dtype not in _FLOAT_TYPES:
+        raise TypeError(f"{what}: unsupported dtype {t.dtype}; expected float32, float16, bfloat16 or float64")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
+    return dtype_code(t.dtype, what)
+
+
+def _numel(shape) -> int:
+    if isinstance(shape, int):
+        shape = (shape,)
+    dims = tuple(shape)
+    if any((not isinstance(d, int)) or d < 0 for d in dims):
+        raise ValueError(f"shape must be a sequence of non-negative ints, got {shape!r}")
+    return math.prod(dims)
+
+
+class Codec:
+    """Base class: one C++ codec with fixed parameters."""
+
+    def __init__(self, kind, chunk: Optional[int] = None, levels: int = 16):
+        if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
+            raise ValueError(f"chunk must be a positive multiple of 8, got {chunk!r}")
+        self._c = _C.make_codec(kind, 0 if chunk is None else chunk, levels)
+
+    @property
+    def name(self) -> str:
+        return self._c.name
+
+    def __repr__(self) -> str:
+        return self._c.name
+
+    def encoded_bytes(self, numel: int) -> int:
+        """Bytes the encoding of ``numel`` elements takes, header included."""
+        if not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        return self._c.encoded_bytes(numel)
+
+    def encode(self, tensor: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        """Encodes ``tensor`` into a new 1-D ``torch.uint8`` tensor. ``seed`` drives QSGD's
+        stochastic rounding (same seed and input, same bytes); the other codecs ignore it."""
+        code = _check_float_tensor(tensor, f"{self.name}.encode")
+        if not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        n = tensor.numel()
+        out = torch.empty(self._c.encoded_bytes(n), dtype=torch.uint8)
+        self._c.encode(tensor.data_ptr(), n, code, out.data_ptr(), out.numel(), seed)
+        return out
+
+    def decode(
+        self,
+        buf: Union[torch.Tensor, bytes, bytearray],
+        shape: Union[int, Sequence[int]],
+        dtype: Optional[torch.dtype] = None,
+        out: Optional[torch.Tensor] = None,
+        accumulate: bool = False,
+    ) -> torch.Tensor:
+        """Decodes ``buf`` into a tensor of ``shape``. ``dtype`` defaults to ``out.dtype`` if
+        ``out`` is given, else float32. With ``out``, writes into it (or, with ``accumulate``,
+        adds the decoded values to it) and returns it. A buffer that is not a valid encoding of
+        that many elements by this codec raises ValueError (rumor's invalid-argument error)."""
+        who = f"{self.name}.decode"
+        if isinstance(buf, (bytes, bytearray)):
+            buf = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+        if not isinstance(buf, torch.Tensor):
+            raise TypeError(f"{who}: buf must be a torch.uint8 tensor or bytes, got {type(buf).__name__}")
+        if buf.device.type != "cpu":
+            raise ValueError(
+                f"{who}: buffer is on {buf.device}; codecs take CPU tensors (no CUDA codec kernels in this build)"
+            )
+        if buf.dtype != torch.uint8:
+            raise TypeError(f"{who}: buf must have dtype torch.uint8, got {buf.dtype}")
+        if not buf.is_contiguous():
+            raise ValueError(f"{who}: buf must be contiguous")
+        n = _numel(shape)
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        if out is None:
+            if accumulate:
+                raise ValueError(f"{who}: accumulate=True needs out=")
+            dtype = torch.float32 if dtype is None else dtype
+            if dtype not in _FLOAT_TYPES:
+                raise TypeError(f"{who}: unsupported dtype {dtype}; expected float32, float16, bfloat16 or float64")
+            out = torch.empty(dims, dtype=dtype)
+        else:
+            _check_float_tensor(out, who + " out")
+            if dtype is not None and dtype != out.dtype:
+                raise TypeError(f"{who}: dtype {dtype} does not match out.dtype {out.dtype}")
+            if tuple(out.shape) != dims:
+                raise ValueError(f"{who}: out has shape {tuple(out.shape)}, expected {dims}")
+        self._c.decode(buf.data_ptr(), buf.numel(), out.data_ptr(), n, dtype_code(out.dtype, who), bool(accumulate))
+        return out
+
+
+class MinMaxUInt8(Codec):
+    """Per chunk (default 1024 elements) min and max as float32 and one byte per element:
+    q = round((x - min) * 255 / (max - min)); |decode(x) - x| <= (max - min) / 510 plus float
+    rounding; a constant chunk decodes exactly. About 1.008 bytes per element."""
+
+    def __init__(self, chunk: Optional[int] = None):
+        super().__init__(_C.CodecKind.MinMaxU8, chunk)
+
+
+class QSGD(Codec):
+    """QSGD with ``levels`` (2..256) levels: per chunk the L2 norm, per element a sign and a
+    level rounded stochastically (unbiased; |decode(x) - x| <= norm / levels). One byte per
+    element for levels <= 127, two above."""
+
+    def __init__(self, levels: int = 16, chunk: Optional[int] = None):
+        if not isinstance(levels, int):
+            raise TypeError(f"levels must be an int, got {type(levels).__name__}")
+        if not 2 <= levels <= 256:
+            raise ValueError(f"QSGD levels must be in 2..256, got {levels}")
+        super().__init__(_C.CodecKind.QSGD, chunk, levels)
+        self.levels = levels
+
+
+class SignScale(Codec):
+    """One bit per element (set for x < 0; zero encodes as +) and one float32 scale per chunk,
+    the chunk's mean |x|. Biased: pair it with error feedback, e = x - decode(encode(x))."""
+
+    def __init__(self, chunk: Optional[int] = None):
+        super().__init__(_C.CodecKind.Sign, chunk)
+
+
+class Float16(Codec):
+    """IEEE half precision, round to nearest even (matches ``tensor.to(torch.float16)``)."""
+
+    def __init__(self):
+        super().__init__(_C.CodecKind.F16)
+
+
+class BFloat16(Codec):
+    """bfloat16, round to nearest even, NaN stays NaN (matches ``tensor.to(torch.bfloat16)``)."""
+
+    def __init__(self):
+        super().__init__(_C.CodecKind.BF16)
