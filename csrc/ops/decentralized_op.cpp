@@ -5,15 +5,11 @@
 #include <cstring>
 #include <span>
 
-#include "net/channel.h"
+#include "comm/neighbor.h"
 
 namespace rumor::ops {
 
 namespace {
-
-// Elements per block of the weighted sum: every pass over a block stays in L1/L2, so mixing
-// with k peers reads each input once from memory instead of k + 1 times.
-constexpr size_t kBlock = 4096;
 
 void require_float(DType dtype, const char* what) {
   if (dtype != DType::F32 && dtype != DType::F64)
@@ -22,30 +18,16 @@ void require_float(DType dtype, const char* what) {
         std::string(what) + ": weights must be float32 or float64, got " + std::string(dtype_name(dtype)));
 }
 
-template <typename T>
-void weighted_sum(const T* in, T* out, size_t count, T self_w, const std::vector<const T*>& peers,
-                  const std::vector<T>& peer_w) {
-  for (size_t b = 0; b < count; b += kBlock) {
-    const size_t e = std::min(count, b + kBlock);
-    for (size_t i = b; i < e; ++i) out[i] = self_w * in[i];
-    for (size_t k = 0; k < peers.size(); ++k) {
-      const T* p = peers[k];
-      const T w = peer_w[k];
-      for (size_t i = b; i < e; ++i) out[i] += w * p[i];
-    }
-  }
+std::vector<NeighborEdge> edges(const MixPlan& plan) {
+  std::vector<NeighborEdge> e;
+  for (const auto& [r, w] : plan.srcs) e.push_back(NeighborEdge{r, w});
+  return e;
 }
 
-template <typename T>
-void combine(const void* in, void* out, size_t count, const MixPlan& plan, const std::byte* scratch) {
-  std::vector<const T*> peers;
-  std::vector<T> w;
-  for (size_t k = 0; k < plan.srcs.size(); ++k) {
-    peers.push_back(reinterpret_cast<const T*>(scratch + k * count * sizeof(T)));
-    w.push_back(static_cast<T>(plan.srcs[k].second));
-  }
-  weighted_sum(static_cast<const T*>(in), static_cast<T*>(out), count, static_cast<T>(plan.self_weight),
-               peers, w);
+std::vector<NeighborEdge> unit_edges(const std::vector<uint32_t>& ranks) {
+  std::vector<NeighborEdge> e;
+  for (uint32_t r : ranks) e.push_back(NeighborEdge{r, 1.0});
+  return e;
 }
 
 // x += w * (sum of the neighbours' copies) - w * k * xh, in one pass.
@@ -66,51 +48,6 @@ void subtract(const T* a, const T* b, T* out, size_t count) {
 
 }  // namespace
 
-void check_plan(const MixPlan& plan, uint32_t rank, uint32_t size, const char* what) {
-  auto fail = [&](const std::string& msg) {
-    throw Error(ErrorKind::kInvalidArgument, std::string(what) + " (rank " + std::to_string(rank) + " of " +
-                                                 std::to_string(size) + "): " + msg);
-  };
-  if (!std::isfinite(plan.self_weight)) fail("self weight is not finite");
-  std::vector<bool> seen_src(size, false), seen_dst(size, false);
-  for (const auto& [r, w] : plan.srcs) {
-    if (r >= size) fail("source rank " + std::to_string(r) + " is outside the group");
-    if (r == rank) fail("a rank cannot be its own source");
-    if (seen_src[r]) fail("source rank " + std::to_string(r) + " is listed twice");
-    if (!std::isfinite(w)) fail("the weight of source rank " + std::to_string(r) + " is not finite");
-    seen_src[r] = true;
-  }
-  for (uint32_t r : plan.dsts) {
-    if (r >= size) fail("destination rank " + std::to_string(r) + " is outside the group");
-    if (r == rank) fail("a rank cannot be its own destination");
-    if (seen_dst[r]) fail("destination rank " + std::to_string(r) + " is listed twice");
-    seen_dst[r] = true;
-  }
-}
-
-void neighbor_mix(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
-                  const MixPlan& plan, std::vector<std::byte>& scratch) {
-  // Every rank opens the op, even one with no peers this step: op tags count operations per
-  // communicator and must advance alike on every rank.
-  net::OpInfo op = comm.begin_op("decentralized weight mix", Opcode::kSendRecv);
-  comm.run_guarded(op, [&] {
-    check_plan(plan, comm.rank(), comm.size(), "decentralized weight mix");
-    require_float(dtype, "decentralized weight mix");
-    const size_t bytes = count * dtype_size(dtype);
-    if (scratch.size() < plan.srcs.size() * bytes) scratch.resize(plan.srcs.size() * bytes);
-    std::vector<net::Transfer> ts;
-    ts.reserve(plan.srcs.size() + plan.dsts.size());
-    for (uint32_t d : plan.dsts) ts.push_back(net::make_send(d, in, bytes));
-    for (size_t k = 0; k < plan.srcs.size(); ++k)
-      ts.push_back(net::make_recv(plan.srcs[k].first, scratch.data() + k * bytes, bytes));
-    if (!ts.empty() && bytes > 0) comm.exchange(ts, op);
-    if (dtype == DType::F32)
-      combine<float>(in, out, count, plan, scratch.data());
-    else
-      combine<double>(in, out, count, plan, scratch.data());
-  });
-}
-
 // ---- WeightMixOp ----------------------------------------------------------------------------
 
 WeightMixOp::WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType dtype, bool hierarchical)
@@ -119,7 +56,9 @@ WeightMixOp::WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType d
       count_(count),
       dtype_(dtype),
       hierarchical_(hierarchical) {
-  require_float(dtype, "WeightMixOp");
+  if (dtype != DType::F32 && dtype != DType::F64 && dtype != DType::F16 && dtype != DType::BF16)
+    throw Error(ErrorKind::kInvalidArgument,
+                "WeightMixOp: weights must be a floating-point type, got " + std::string(dtype_name(dtype)));
   if (weights == 0 || out == 0) throw Error(ErrorKind::kInvalidArgument, "WeightMixOp: null buffer");
   const size_t bytes = count * dtype_size(dtype);
   if (weights < out + bytes && out < weights + bytes)
@@ -127,23 +66,22 @@ WeightMixOp::WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType d
 }
 
 void WeightMixOp::mix(Communicator& comm, const MixPlan& plan) {
-  const size_t bytes = count_ * dtype_size(dtype_);
   if (plan.average_all) {
-    std::memcpy(out_, weights_, bytes);
+    std::memcpy(out_, weights_, count_ * dtype_size(dtype_));
     comm.allreduce(out_, count_, dtype_, ReduceOp::AVG,
                    hierarchical_ ? AllreduceAlgo::kHierarchical : AllreduceAlgo::kAuto);
     return;
   }
-  if (!hierarchical_) {
-    neighbor_mix(comm, weights_, out_, count_, dtype_, plan, scratch_);
-    return;
-  }
-  Communicator& local = comm.local_comm();
-  Communicator* leaders = comm.leaders_comm();
-  std::memcpy(out_, weights_, bytes);
-  if (local.size() > 1) local.allreduce(out_, count_, dtype_, ReduceOp::AVG);
-  if (leaders != nullptr) neighbor_mix(*leaders, out_, out_, count_, dtype_, plan, scratch_);
-  if (local.size() > 1) local.broadcast(out_, count_, dtype_, 0);
+  // Every rank derives its lists from the same schedule or matrix, so the collective topology
+  // check (an alltoall per step) is left off; a mismatch would still fail, by frame check or
+  // deadline, rather than mix wrong data.
+  const auto srcs = edges(plan);
+  const auto dsts = unit_edges(plan.dsts);
+  if (hierarchical_)
+    hierarchical_neighbor_allreduce(comm, weights_, out_, count_, dtype_, plan.self_weight, srcs, dsts,
+                                    false);
+  else
+    neighbor_allreduce(comm, weights_, out_, count_, dtype_, plan.self_weight, srcs, dsts, false);
 }
 
 // ---- LowPrecisionMixOp ----------------------------------------------------------------------
@@ -179,8 +117,7 @@ void LowPrecisionMixOp::drop_copies_if_idle(Communicator& comm) {
     left_ = self_;
     if (ring(comm)->size() > 2) right_ = self_;
     send_.resize(codec_->encoded_bytes(count_));
-    recv_left_.resize(send_.size());
-    if (ring(comm)->size() > 2) recv_right_.resize(send_.size());
+    recv_.resize(send_.size() * (ring(comm)->size() > 2 ? 2 : 1));
   }
 }
 
@@ -215,23 +152,15 @@ void LowPrecisionMixOp::exchange(Communicator& comm) {
   drop_copies_if_idle(comm);
   Communicator* r = ring(comm);
   if (r == nullptr || count_ == 0) return;
-  net::OpInfo op = r->begin_op("low-precision decentralized exchange", Opcode::kSendRecv);
-  r->run_guarded(op, [&] {
-    const uint32_t n = r->size(), me = r->rank();
-    const uint32_t left = (me + n - 1) % n, right = (me + 1) % n;
-    std::vector<net::Transfer> ts;
-    ts.push_back(net::make_send(left, send_.data(), send_.size()));
-    ts.push_back(net::make_recv(left, recv_left_.data(), recv_left_.size()));
-    if (n > 2) {
-      ts.push_back(net::make_send(right, send_.data(), send_.size()));
-      ts.push_back(net::make_recv(right, recv_right_.data(), recv_right_.size()));
-    }
-    r->exchange(ts, op);
-    codec_->decode(recv_left_.data(), recv_left_.size(), left_.data(), count_, dtype_, /*accumulate=*/true);
-    if (n > 2)
-      codec_->decode(recv_right_.data(), recv_right_.size(), right_.data(), count_, dtype_,
-                     /*accumulate=*/true);
-  });
+  const uint32_t n = r->size(), me = r->rank();
+  const uint32_t left = (me + n - 1) % n, right = (me + 1) % n;
+  // On a ring of two the left and the right neighbour are the same rank: one message each way.
+  std::vector<uint32_t> peers{left};
+  if (n > 2) peers.push_back(right);
+  const std::vector<size_t> sizes(peers.size(), send_.size());
+  neighbor_allgather(*r, send_.data(), send_.size(), peers, sizes, peers, recv_.data(), false);
+  codec_->decode(recv_.data(), send_.size(), left_.data(), count_, dtype_, /*accumulate=*/true);
+  if (n > 2) codec_->decode(recv_.data() + send_.size(), send_.size(), right_.data(), count_, dtype_, true);
 }
 
 std::vector<double> LowPrecisionMixOp::copy_state(int which) const {

@@ -33,22 +33,14 @@ struct MixPlan {
   std::vector<uint32_t> dsts;                     // send this rank's weights to
 };
 
-// Throws Error(kInvalidArgument) naming the problem: peers outside [0, size), this rank among
-// its own peers, duplicates, or weights that are not finite.
-void check_plan(const MixPlan& plan, uint32_t rank, uint32_t size, const char* what);
-
-// out = self_weight * in + sum_j w_j * (peer j's `in`), exchanging with plan's peers on comm.
-// F32 and F64. `in` and `out` may be the same buffer. scratch holds the received copies.
-void neighbor_mix(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
-                  const MixPlan& plan, std::vector<std::byte>& scratch);
-
 // Full-precision decentralized SGD on one bucket: mixes the flat weight buffer `weights` with
 // the step's peers into `out` (a buffer of the same size), leaving `weights` untouched, so the
 // exchange can run while forward and backward read the parameters. The algorithm copies `out`
 // into the weights before optimizer.step().
 //
 // hierarchical: average inside the host first (shared memory), mix among host leaders, then
-// broadcast inside the host; peers in the plan are then host indices.
+// broadcast inside the host; peers in the plan are then host indices. The exchange itself is
+// comm/neighbor.h's neighbor_allreduce (or its hierarchical form).
 class WeightMixOp final : public BucketOp {
  public:
   WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType dtype, bool hierarchical);
@@ -68,7 +60,6 @@ class WeightMixOp final : public BucketOp {
   DType dtype_;
   bool hierarchical_;
   MixPlan plan_;
-  std::vector<std::byte> scratch_;
 };
 
 // Low-precision decentralized SGD (difference compression with error compensation) on one
@@ -109,7 +100,7 @@ class LowPrecisionMixOp final {
   bool hierarchical_;
   std::unique_ptr<compress::Codec> codec_;
   std::vector<std::byte> self_, left_, right_;  // tracked copies, dtype_ elements each
-  std::vector<std::byte> send_, recv_left_, recv_right_;
+  std::vector<std::byte> send_, recv_;          // q, and the neighbours' q (left, then right)
 };
 
 }  // namespace rumor::ops

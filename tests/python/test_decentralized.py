@@ -126,6 +126,7 @@ def rank_train(specs, steps):
             alg.synchronize(ddp)
             res["copies"] = [[torch.tensor(op.copy_state(w), dtype=torch.float64) for w in range(3)]
                              for op in alg.ops]
+            res["sizes"] = [op.count for op in alg.ops]
         out.append(res)
     rumor.shutdown()
     return out
@@ -264,3 +265,80 @@ def test_decentralized_odd_world_and_hierarchical():
                     chk.equal(res[r][si]["mixed"][t], res[peer][si]["mixed"][t],
                               f"{what}: rank {r} step {t}: mixed weights equal to its host leader's")
     harness.assert_no_failures([(chk.failures, chk.count)], "decentralized, odd world and hierarchical")
+
+
+def _simulate_low_precision(n, steps, sizes, k=1, hosts=None):
+    """The documented low-precision rule, quantising with rumor's MinMaxU8 codec, each weight
+    buffer (of `sizes` elements) on its own. Rank (or host) i's tracked copy xh_i is also what
+    its neighbours' replicas of it hold."""
+    import torch
+
+    from rumor.compression import MinMaxUInt8
+
+    codec = MinMaxUInt8()
+    x0 = _flat_params(_net(100))
+    xs = [x0.clone() for _ in range(n)]
+    order = list(dict.fromkeys(hosts)) if hosts is not None else list(range(n))
+    node_of = [order.index(h) for h in hosts] if hosts is not None else list(range(n))
+    m = len(order)
+    xh = [x0.clone() for _ in range(m)]
+    traj = [[] for _ in range(n)]
+    for t in range(steps):
+        gs = [_grad_at(xs[i], t, i) for i in range(n)]
+        ys = [xs[i] - LR * gs[i] for i in range(n)]
+        if t % k == 0:
+            ynode = [torch.stack([ys[i] for i in range(n) if node_of[i] == j]).mean(0) for j in range(m)]
+            new = []
+            for j in range(m):
+                x = ynode[j]
+                if m == 2:
+                    x = x + 0.5 * (xh[1 - j] - xh[j])
+                elif m > 2:
+                    x = x + (1 / 3) * (xh[(j - 1) % m] + xh[(j + 1) % m] - 2 * xh[j])
+                new.append(x)
+            if m > 1:
+                for j in range(m):
+                    diffs = (new[j] - xh[j]).split(sizes)
+                    for part, d in zip(xh[j].split(sizes), diffs):
+                        codec.decode(codec.encode(d.contiguous()), part.shape, out=part, accumulate=True)
+            xs = [new[node_of[i]].clone() for i in range(n)]
+        else:
+            xs = ys
+        for i in range(n):
+            traj[i].append(xs[i].clone())
+    return traj, xh
+
+
+def test_low_precision_matches_simulation():
+    """Parameters follow the simulation; a neighbour's replica of a rank is that rank's tracked
+    copy, bit for bit (4 ranks: 3-neighbour mixing; 2 ranks: one neighbour; 2 hosts x 2)."""
+    import torch
+
+    steps = 5
+    chk = harness.Checker()
+    cases = [(4, None, [dict(kind="lowprec"), dict(kind="lowprec", k=2)]),
+             (2, None, [dict(kind="lowprec")]),
+             (4, ("hA", "hA", "hB", "hB"), [dict(kind="lowprec", hier=True)])]
+    for n, hosts, specs in cases:
+        rank_env = [{"RUMOR_HOST_ID": h} for h in hosts] if hosts else None
+        res = harness.run(rank_train, n, timeout=90, args=(specs, steps), rank_env=rank_env)
+        for si, spec in enumerate(specs):
+            what = f"LowPrecisionDecentralized n={n} k={spec.get('k', 1)} hosts={hosts}"
+            exp, xh = _simulate_low_precision(n, steps, res[0][si]["sizes"], spec.get("k", 1),
+                                              list(hosts) if hosts else None)
+            _check_traj(chk, [res[r][si]["traj"] for r in range(n)], exp, what)
+            leaders = [r for r in range(n) if hosts is None or hosts.index(hosts[r]) == r]
+            m = len(leaders)
+            for j, r in enumerate(leaders):
+                mine = torch.cat([c[0] for c in res[r][si]["copies"]])
+                chk.close(mine, xh[j], f"{what}: rank {r}'s tracked copy vs simulation", **TOL)
+                left = torch.cat([c[1] for c in res[leaders[(j + 1) % m]][si]["copies"]])
+                chk.equal(left, mine, f"{what}: the right neighbour's replica of rank {r}")
+                if m > 2:
+                    right = torch.cat([c[2] for c in res[leaders[(j - 1) % m]][si]["copies"]])
+                    chk.equal(right, mine, f"{what}: the left neighbour's replica of rank {r}")
+            for r in range(n):
+                if r not in leaders:
+                    chk.check(all(len(c[0]) == 0 for c in res[r][si]["copies"]),
+                              f"{what}: non-leader rank {r} keeps no copies")
+    harness.assert_no_failures([(chk.failures, chk.count)], "low-precision decentralized")

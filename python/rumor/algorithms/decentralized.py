@@ -137,11 +137,13 @@ class FlatWeights:
     """Trainable parameters regrouped into flat buffers of one dtype each (the parameters
     become views into them), so that a weight exchange sends one message per buffer."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, what: str):
+    def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, what: str,
+                 dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16)):
         self.params = list(params)
         for p in self.params:
-            if p.dtype not in (torch.float32, torch.float64):
-                raise TypeError(f"{what}: parameters must be float32 or float64, got {p.dtype}")
+            if p.dtype not in dtypes:
+                names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+                raise TypeError(f"{what}: parameters must be one of {names}, got {p.dtype}")
         self.groups: List[List[int]] = default_bucket_plan(self.params, cap_bytes, cap_bytes)
         self.flats: List[torch.Tensor] = []
         for idx in self.groups:

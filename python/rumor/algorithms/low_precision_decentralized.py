@@ -48,7 +48,8 @@ class LowPrecisionDecentralized(Algorithm):
         if ddp.optimizer is None:
             raise ValueError("LowPrecisionDecentralized mixes weights after optimizer.step(): pass the optimizer "
                              "to rumor.DistributedDataParallel(..., optimizer=opt)")
-        self._flat = FlatWeights(ddp._params, ddp._cap_bytes, "LowPrecisionDecentralized")
+        self._flat = FlatWeights(ddp._params, ddp._cap_bytes, "LowPrecisionDecentralized",
+                                 dtypes=(torch.float32, torch.float64))
         self.ops = [_C.LowPrecisionMixOp(address(f), f.numel(), dtype_code(f.dtype, "LowPrecisionDecentralized"),
                                          self.hierarchical, self.chunk)
                     for f in self._flat.flats]
