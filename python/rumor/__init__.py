@@ -39,6 +39,23 @@ from .collectives import (  # noqa: F401
 )
 from . import algorithms  # noqa: F401
 from . import compression  # noqa: F401
+from . import topology  # noqa: F401
+from .decentralized import (  # noqa: F401
+    hierarchical_neighbor_allreduce,
+    hierarchical_neighbor_allreduce_nonblocking,
+    in_neighbor_machine_ranks,
+    in_neighbor_ranks,
+    load_machine_topology,
+    load_topology,
+    neighbor_allgather,
+    neighbor_allgather_nonblocking,
+    neighbor_allreduce,
+    neighbor_allreduce_nonblocking,
+    out_neighbor_machine_ranks,
+    out_neighbor_ranks,
+    set_machine_topology,
+    set_topology,
+)
 from .parallel import DistributedDataParallel  # noqa: F401
 from .errors import AbortedError, CommTimeoutError, PeerError, ProtocolError, RumorError  # noqa: F401
 

@@ -1,0 +1,397 @@
+"""BlueFog-style neighbor operations over graph topologies.
+
+Conventions (as in BlueFog): W[i, j] is the weight of the edge i -> j (row = sender), and
+neighbor_allreduce computes on every rank i
+
+    x_i <- self_weight * x_i + sum over sources j of src_weights[j] * (dst weight of j for i) * x_j
+
+Static mode (no dst_weights) follows the topology set by set_topology(): sources are the
+in-neighbors, destinations the out-neighbors; the weights are uniform (1 / (in_degree + 1) for
+self and every source) unless the topology was set with is_weighted=True, in which case the
+receiver uses column i of W. Dynamic mode (dst_weights given) takes the lists from the call:
+every rank names whom it sends to and whom it receives from, and enable_topo_check verifies
+that these agree before any data moves (a ValueError on every rank otherwise).
+
+Ranks in these calls are global ranks; machine ranks (hierarchical ops) are rumor.machine_rank()
+values.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _C, _runtime
+from ._runtime import Group, _comm
+from ._tensor import address, check_tensor
+from .collectives import Handle, _run
+from .topology import ExponentialGraph, Topology
+
+__all__ = [
+    "set_topology",
+    "load_topology",
+    "set_machine_topology",
+    "load_machine_topology",
+    "in_neighbor_ranks",
+    "out_neighbor_ranks",
+    "in_neighbor_machine_ranks",
+    "out_neighbor_machine_ranks",
+    "neighbor_allreduce",
+    "neighbor_allreduce_nonblocking",
+    "neighbor_allgather",
+    "neighbor_allgather_nonblocking",
+    "hierarchical_neighbor_allreduce",
+    "hierarchical_neighbor_allreduce_nonblocking",
+]
+
+_FLOAT_CODES = {0, 1, 2, 3}  # float32, float16, bfloat16, float64 (rumor::DType)
+_ELEMENT_BYTES = {0: 4, 1: 2, 2: 2, 3: 8, 4: 4, 5: 8, 6: 1}
+_MAX_DIMS = 8
+
+
+class _Topologies:
+    """The topologies of one rumor.init() (kept on the runtime state, so shutdown drops them)."""
+
+    def __init__(self, size: int, machine_size: int):
+        self.topo = ExponentialGraph(size)
+        self.weighted = False
+        self.machine_topo = ExponentialGraph(machine_size)
+        self.machine_weighted = False
+
+
+def _topologies() -> _Topologies:
+    st = _runtime._get()
+    t = getattr(st, "_rumor_topologies", None)
+    if t is None:
+        t = _Topologies(st.env.size, st.machine_size)
+        st._rumor_topologies = t
+    return t
+
+
+def _as_topology(topo, what: str) -> Topology:
+    if isinstance(topo, Topology):
+        return topo
+    try:
+        return Topology(topo)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def _check_same_everywhere(fingerprint: int, what: str, kind: str) -> None:
+    """Every rank must set the same topology: gather the fingerprints and compare (every rank
+    sees the same table, so every rank raises the same error)."""
+    st = _runtime._get()
+    g = st.world
+    n = g.size()
+    table = torch.zeros(n, dtype=torch.int64)
+    table[g._comm.rank] = fingerprint
+    g._comm.allgather(address(table), [1] * n, 5, False)
+    differ = [r for r in range(n) if int(table[r]) != int(table[0])]
+    if differ:
+        raise ValueError(f"{what}: ranks {differ} set a different {kind} than rank 0; "
+                         "every rank must pass the same topology and is_weighted")
+
+
+def set_topology(topo=None, is_weighted: bool = False) -> bool:
+    """Sets the static topology for neighbor_allreduce / neighbor_allgather (a Topology, a
+    networkx.DiGraph or an n x n weight matrix; None = ExponentialGraph(size)). Every rank must
+    call it with the same topology: a cheap allgather of a fingerprint checks this and raises
+    ValueError on every rank if they differ. is_weighted: use the matrix's weights instead of
+    uniform ones. Returns True."""
+    what = "rumor.set_topology"
+    st = _runtime._get()
+    t = ExponentialGraph(st.env.size) if topo is None else _as_topology(topo, what)
+    if t.size != st.env.size:
+        raise ValueError(f"{what}: the topology has {t.size} ranks, the world has {st.env.size}")
+    _check_same_everywhere(t.fingerprint() ^ (1 if is_weighted else 0), what, "topology")
+    tops = _topologies()
+    tops.topo, tops.weighted = t, bool(is_weighted)
+    return True
+
+
+def load_topology() -> Topology:
+    """The static topology (ExponentialGraph(size) until set_topology() is called)."""
+    return _topologies().topo
+
+
+def set_machine_topology(topo=None, is_weighted: bool = False) -> bool:
+    """Sets the topology among machines for hierarchical_neighbor_allreduce (size =
+    rumor.machine_size(); None = ExponentialGraph(machine_size)). Same rules as set_topology."""
+    what = "rumor.set_machine_topology"
+    st = _runtime._get()
+    t = ExponentialGraph(st.machine_size) if topo is None else _as_topology(topo, what)
+    if t.size != st.machine_size:
+        raise ValueError(f"{what}: the topology has {t.size} machines, the job runs on {st.machine_size}")
+    _check_same_everywhere(t.fingerprint() ^ (1 if is_weighted else 0), what, "machine topology")
+    tops = _topologies()
+    tops.machine_topo, tops.machine_weighted = t, bool(is_weighted)
+    return True
+
+
+def load_machine_topology() -> Topology:
+    return _topologies().machine_topo
+
+
+def in_neighbor_ranks() -> List[int]:
+    """This rank's in-neighbors in the static topology (sorted)."""
+    return _topologies().topo.in_neighbor_ranks(_runtime.rank())
+
+
+def out_neighbor_ranks() -> List[int]:
+    """This rank's out-neighbors in the static topology (sorted)."""
+    return _topologies().topo.out_neighbor_ranks(_runtime.rank())
+
+
+def in_neighbor_machine_ranks() -> List[int]:
+    return _topologies().machine_topo.in_neighbor_ranks(_runtime.machine_rank())
+
+
+def out_neighbor_machine_ranks() -> List[int]:
+    return _topologies().machine_topo.out_neighbor_ranks(_runtime.machine_rank())
+
+
+# ---- argument handling ---------------------------------------------------------------------------
+
+def _weight(w, what: str, which: str) -> float:
+    try:
+        f = float(w)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: {which} must be a number, got {w!r}") from None
+    if not math.isfinite(f):
+        raise ValueError(f"{what}: {which} must be finite, got {f}")
+    return f
+
+
+def _rank_index(ranks: Sequence[int], r, what: str, role: str, unit: str = "rank") -> int:
+    if isinstance(r, bool) or not isinstance(r, int):
+        try:
+            r = int(r)
+        except (TypeError, ValueError):
+            raise TypeError(f"{what}: {role} {unit}s must be ints, got {r!r}") from None
+    try:
+        return ranks.index(int(r))
+    except ValueError:
+        raise ValueError(f"{what}: {role} {unit} {r} is not a member ({unit}s {list(ranks)[:16]})") from None
+
+
+def _edges(spec, ranks: Sequence[int], me: int, what: str, role: str, unit: str = "rank",
+           allow_list: bool = True) -> List[Tuple[int, float]]:
+    """{rank: weight} or [rank, ...] (weight 1) -> [(communicator rank, weight)]."""
+    if isinstance(spec, dict):
+        items = list(spec.items())
+    elif allow_list and isinstance(spec, (list, tuple)):
+        items = [(r, 1.0) for r in spec]
+    else:
+        kinds = "a dict {rank: weight} or a list of ranks" if allow_list else "a dict {rank: weight}"
+        raise TypeError(f"{what}: {role} weights must be {kinds}, got {type(spec).__name__}")
+    out, seen = [], set()
+    for r, w in items:
+        idx = _rank_index(ranks, r, what, role, unit)
+        if idx == me:
+            raise ValueError(f"{what}: {role} {unit}s include this {unit} itself ({r}); use self_weight")
+        if idx in seen:
+            raise ValueError(f"{what}: {role} {unit} {r} is named twice")
+        seen.add(idx)
+        out.append((idx, _weight(w, what, f"the weight of {role} {unit} {r}")))
+    return out
+
+
+def _float_tensor(t, what: str) -> int:
+    code = check_tensor(t, what)
+    if code not in _FLOAT_CODES:
+        raise TypeError(f"{what}: expected a floating-point tensor (float32, float64, float16, bfloat16), "
+                        f"got {t.dtype}")
+    return code
+
+
+def _static_receive(topo: Topology, weighted: bool, me: int, self_weight, src_weights, what: str, unit: str):
+    """(self weight, [(src, weight)]) in static mode: the topology's or the caller's weights
+    over exactly the topology's in-neighbors (a source left out of src_weights gets 0)."""
+    ins = topo.in_neighbor_ranks(me)
+    if self_weight is None and src_weights is None:
+        sw, sws = topo.receive_weights(me) if weighted else topo.uniform_receive_weights(me)
+        return sw, [(s, sws[s]) for s in ins]
+    if self_weight is None or src_weights is None:
+        raise ValueError(f"{what}: pass self_weight and src_weights together (or neither)")
+    if not isinstance(src_weights, dict):
+        raise TypeError(f"{what}: src weights must be a dict {{{unit}: weight}}, got {type(src_weights).__name__}")
+    extra = sorted(set(int(r) for r in src_weights) - set(ins))
+    if extra:
+        raise ValueError(f"{what}: src {unit}s {extra} are not in-neighbors of {unit} {me} in the topology "
+                         f"(in-neighbors {ins}); pass dst weights for a dynamic topology")
+    return (_weight(self_weight, what, "self_weight"),
+            [(s, _weight(src_weights.get(s, 0.0), what, f"the weight of src {unit} {s}")) for s in ins])
+
+
+# ---- neighbor_allreduce --------------------------------------------------------------------------
+
+def _neighbor_allreduce(t, self_weight, src_weights, dst_weights, enable_topo_check, group, nonblocking, what):
+    code = _float_tensor(t, what)
+    g = _comm(group, what)
+    me = g._comm.rank
+    check = bool(enable_topo_check)
+    if dst_weights is None:
+        if group is not None and g is not _runtime._get().world:
+            raise ValueError(f"{what}: static mode uses the world topology; with a group, pass self_weight, "
+                             "src_weights and dst_weights")
+        tops = _topologies()
+        sw, srcs = _static_receive(tops.topo, tops.weighted, me, self_weight, src_weights, what, "rank")
+        dsts = [(d, 1.0) for d in tops.topo.out_neighbor_ranks(me)]
+        # Both lists come from one topology that set_topology() verified on every rank.
+        check = False
+    else:
+        if self_weight is None or src_weights is None:
+            raise ValueError(f"{what}: with dst_weights (dynamic topology), self_weight and src_weights are required")
+        sw = _weight(self_weight, what, "self_weight")
+        srcs = _edges(src_weights, g.ranks, me, what, "src", allow_list=False)
+        dsts = _edges(dst_weights, g.ranks, me, what, "dst")
+    buf = t if t.is_contiguous() else t.contiguous()
+    out = torch.empty_like(buf)
+    issue = lambda nb: _C.neighbor_allreduce(g._comm, address(buf), address(out), buf.numel(), code,
+                                                       sw, srcs, dsts, check, nb)
+    return _run(nonblocking, issue, (buf, out, t), lambda: out)
+
+
+def neighbor_allreduce(t, self_weight: Optional[float] = None, src_weights: Optional[Dict[int, float]] = None,
+                       dst_weights: Union[None, Dict[int, float], Sequence[int]] = None,
+                       enable_topo_check: bool = True, group: Optional[Group] = None) -> torch.Tensor:
+    """Returns self_weight * t + sum of weighted in-neighbor tensors (a new tensor).
+
+    Static (dst_weights None): the topology of set_topology(); optional self_weight +
+    src_weights {rank: weight} override the weights of its in-neighbors. Dynamic: dst_weights
+    is a list of ranks to send to (weight 1) or {rank: weight} (the sender scales its tensor by
+    the weight before sending); self_weight and src_weights {rank: weight} are then required.
+    enable_topo_check (dynamic mode) raises ValueError on every rank when some rank's sends
+    do not match its receivers' src lists; without it such a mismatch ends in an error
+    (deadline or protocol check), never in mixed-up data. Floating-point tensors only."""
+    return _neighbor_allreduce(t, self_weight, src_weights, dst_weights, enable_topo_check, group, False,
+                               "rumor.neighbor_allreduce")
+
+
+def neighbor_allreduce_nonblocking(t, self_weight=None, src_weights=None, dst_weights=None,
+                                   enable_topo_check: bool = True, group: Optional[Group] = None) -> Handle:
+    """neighbor_allreduce, returning a Handle (rumor.synchronize(h) gives the result)."""
+    return _neighbor_allreduce(t, self_weight, src_weights, dst_weights, enable_topo_check, group, True,
+                               "rumor.neighbor_allreduce_nonblocking")
+
+
+# ---- neighbor_allgather --------------------------------------------------------------------------
+
+def _neighbor_allgather(t, src_ranks, dst_ranks, enable_topo_check, group, nonblocking, what):
+    code = check_tensor(t, what)
+    g = _comm(group, what)
+    me = g._comm.rank
+    check = bool(enable_topo_check)
+    if src_ranks is None and dst_ranks is None:
+        if group is not None and g is not _runtime._get().world:
+            raise ValueError(f"{what}: static mode uses the world topology; with a group, pass src_ranks and dst_ranks")
+        topo = _topologies().topo
+        srcs, dsts = topo.in_neighbor_ranks(me), topo.out_neighbor_ranks(me)
+        check = False
+    elif src_ranks is None or dst_ranks is None:
+        raise ValueError(f"{what}: pass src_ranks and dst_ranks together (or neither, for the static topology)")
+    else:
+        srcs = [i for i, _ in _edges(list(src_ranks), g.ranks, me, what, "src")]
+        dsts = [i for i, _ in _edges(list(dst_ranks), g.ranks, me, what, "dst")]
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.dim() > _MAX_DIMS:
+        raise ValueError(f"{what}: tensors of more than {_MAX_DIMS} dims are not supported")
+    buf = t if t.is_contiguous() else t.contiguous()
+    nbytes = buf.numel() * buf.element_size()
+    words = [nbytes, code, buf.dim()] + list(buf.shape) + [0] * (_MAX_DIMS - buf.dim())
+    got = _C.neighbor_exchange_words(g._comm, words, srcs, dsts, check)
+    width = len(words)
+    recs = [got[k * width:(k + 1) * width] for k in range(len(srcs))]
+    recv_bytes = [int(r[0]) for r in recs]
+    raw = torch.empty(sum(recv_bytes), dtype=torch.uint8)
+    # The data moves even when shapes disagree (every sender has already committed to sending),
+    # and the disagreement is raised afterwards, so no peer is left waiting.
+    problem = None
+    tail = tuple(buf.shape[1:])
+    rows = 0
+    for k, r in enumerate(recs):
+        src_global = g.ranks[srcs[k]]
+        shape = tuple(int(x) for x in r[3:3 + int(r[2])])
+        if int(r[1]) != code:
+            problem = TypeError(f"{what}: rank {src_global} sent a tensor of another dtype (code {int(r[1])}, "
+                                f"this rank has {t.dtype})")
+            break
+        if len(shape) != len(tail) + 1 or shape[1:] != tail:
+            problem = ValueError(f"{what}: all dims but the first must match; rank {src_global} has shape "
+                                 f"{list(shape)}, this rank has {list(buf.shape)}")
+            break
+        rows += shape[0]
+
+    def finish():
+        if problem is not None:
+            raise problem
+        return raw.view(t.dtype).reshape((rows,) + tail)
+
+    issue = lambda nb: _C.neighbor_allgather(g._comm, address(buf), nbytes, srcs, recv_bytes, dsts,
+                                                       address(raw), False, nb)
+    return _run(nonblocking, issue, (buf, raw), finish)
+
+
+def neighbor_allgather(t, src_ranks: Optional[Sequence[int]] = None, dst_ranks: Optional[Sequence[int]] = None,
+                       enable_topo_check: bool = True, group: Optional[Group] = None) -> torch.Tensor:
+    """Concatenates the in-neighbors' tensors along dim 0 (not including this rank's own), in
+    the order of the static topology's in-neighbors (ascending) or of src_ranks. First dims may
+    differ between ranks; the other dims and the dtype must match. Dynamic mode: src_ranks and
+    dst_ranks together (checked like neighbor_allreduce's lists)."""
+    return _neighbor_allgather(t, src_ranks, dst_ranks, enable_topo_check, group, False, "rumor.neighbor_allgather")
+
+
+def neighbor_allgather_nonblocking(t, src_ranks=None, dst_ranks=None, enable_topo_check: bool = True,
+                                   group: Optional[Group] = None) -> Handle:
+    """Like neighbor_allgather; the small shape exchange runs before it returns."""
+    return _neighbor_allgather(t, src_ranks, dst_ranks, enable_topo_check, group, True,
+                               "rumor.neighbor_allgather_nonblocking")
+
+
+# ---- hierarchical ----------------------------------------------------------------------------------
+
+def _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, nonblocking, what):
+    code = _float_tensor(t, what)
+    st = _runtime._get()
+    g = st.world
+    m, nm = st.machine_rank, st.machine_size
+    machines = list(range(nm))
+    check = bool(enable_topo_check)
+    if dst_machine_weights is None:
+        tops = _topologies()
+        sw, srcs = _static_receive(tops.machine_topo, tops.machine_weighted, m, self_weight, src_machine_weights,
+                                   what, "machine")
+        dsts = [(d, 1.0) for d in tops.machine_topo.out_neighbor_ranks(m)]
+        check = False
+    else:
+        if self_weight is None or src_machine_weights is None:
+            raise ValueError(f"{what}: with dst_machine_weights, self_weight and src_machine_weights are required")
+        sw = _weight(self_weight, what, "self_weight")
+        srcs = _edges(src_machine_weights, machines, m, what, "src", "machine", allow_list=False)
+        dsts = _edges(dst_machine_weights, machines, m, what, "dst", "machine")
+    buf = t if t.is_contiguous() else t.contiguous()
+    out = torch.empty_like(buf)
+    issue = lambda nb: _C.hierarchical_neighbor_allreduce(g._comm, address(buf), address(out), buf.numel(),
+                                                                    code, sw, srcs, dsts, check, nb)
+    return _run(nonblocking, issue, (buf, out, t), lambda: out)
+
+
+def hierarchical_neighbor_allreduce(t, self_weight: Optional[float] = None,
+                                    src_machine_weights: Optional[Dict[int, float]] = None,
+                                    dst_machine_weights: Union[None, Dict[int, float], Sequence[int]] = None,
+                                    enable_topo_check: bool = True) -> torch.Tensor:
+    """Averages t over the ranks of this machine, combines the machine averages over the
+    machine topology (set_machine_topology(); or dynamic, with machine ranks as keys, like
+    neighbor_allreduce), and returns the result on every rank of the machine (a new tensor).
+    Every rank of a machine must pass the same machine weights (the machine's first rank's
+    are used)."""
+    return _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, False,
+                         "rumor.hierarchical_neighbor_allreduce")
+
+
+def hierarchical_neighbor_allreduce_nonblocking(t, self_weight=None, src_machine_weights=None,
+                                                dst_machine_weights=None, enable_topo_check: bool = True) -> Handle:
+    return _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, True,
+                         "rumor.hierarchical_neighbor_allreduce_nonblocking")
