@@ -109,6 +109,9 @@ def rank_train(specs, steps):
     rank = rumor.rank()
     out = []
     for spec in specs:
+        if spec["kind"] in ("awc", "atc"):
+            out.append(_train_wrapped(spec, steps, rank))
+            continue
         model = _net(100 + rank)  # rank-dependent: wrapping must broadcast rank 0's
         alg = _make_alg(spec)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -132,9 +135,44 @@ def rank_train(specs, steps):
     return out
 
 
+def _train_wrapped(spec, steps, rank):
+    """rumor.optim.AdaptWithCombine / AdaptThenCombine around SGD. Returns the flat parameters
+    x_1..x_steps, each read when the next forward has begun (where AdaptThenCombine has applied
+    the combine) and the last after synchronize()."""
+    import torch
+
+    import rumor
+    from rumor.algorithms.decentralized import exp2_peers
+
+    n = rumor.size()
+    model = _net(100 + rank if spec.get("init") == "rank" else 100)
+    wrap = rumor.optim.AdaptWithCombine if spec["kind"] == "awc" else rumor.optim.AdaptThenCombine
+    if spec.get("topology") == "ring":
+        rumor.set_topology(rumor.topology.RingGraph(n))
+    if spec.get("machine_topology") == "ring":
+        rumor.set_machine_topology(rumor.topology.RingGraph(rumor.machine_size()))
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=spec.get("lr", LR)), model, communication=spec["comm"],
+               num_steps_per_communication=spec.get("k", 1))
+    traj = []
+    for t in range(steps):
+        if spec.get("dynamic") == "exp2":
+            dst, src = exp2_peers(n, rank, t)
+            opt.self_weight, opt.src_weights, opt.dst_weights = 0.5, {src: 0.5}, [dst]
+        x, y = _xy(t, rank)
+        opt.zero_grad()
+        out = model(x)
+        if t > 0:
+            traj.append(_flat_params(model))
+        _loss(out, y).backward()
+        opt.step()
+    opt.synchronize()
+    traj.append(_flat_params(model))
+    return {"traj": traj}
+
+
 # ==== the reference ===============================================================================
 
-def _simulate_decentralized(sel, n, steps, k=1, hosts=None):
+def _simulate_decentralized(sel, n, steps, k=1, hosts=None, atc=False):
     """Per-rank flat parameters after every step, following the documented rule: on a
     communicating step x_i <- sum_j W[j, i] x_j (over hosts' averages when hierarchical), then
     x_i <- x_i - lr * g_i(x at the start of the step)."""
@@ -151,6 +189,9 @@ def _simulate_decentralized(sel, n, steps, k=1, hosts=None):
     rounds = 0
     for t in range(steps):
         gs = [_grad_at(xs[i], t, i) for i in range(n)]
+        if atc:  # adapt first, then combine
+            xs = [xs[i] - LR * gs[i] for i in range(n)]
+            gs = [0.0 * g for g in gs]
         if t % k == 0:
             if hosts is None:
                 w = mixing_matrix(sel, n, rounds)
@@ -250,15 +291,27 @@ def test_decentralized_odd_world_and_hierarchical():
         _check_traj(chk, got, _simulate_decentralized("shift_one", 3, steps, spec.get("k", 1)),
                     f"shift_one on 3 ranks, k={spec.get('k', 1)}")
     skew2 = [[0.75, 0.5], [0.25, 0.5]]
-    for hosts, sels in ((("hA", "hA", "hB", "hB"), ("all", "shift_one", skew2)),
-                        (("hA", "hA", "hB", "hC"), ("shift_one", "exp2"))):
-        specs = [dict(kind="decentralized", sel=s, hier=True) for s in sels]
+    half2 = [[0.5, 0.5], [0.5, 0.5]]  # RingGraph(2) with uniform receive weights
+    cases = {("hA", "hA", "hB", "hB"): [dict(kind="decentralized", sel="all", hier=True),
+                                        dict(kind="decentralized", sel="shift_one", hier=True),
+                                        dict(kind="decentralized", sel=skew2, hier=True),
+                                        dict(kind="awc", comm="hierarchical_neighbor_allreduce",
+                                             machine_topology="ring", sel=half2),
+                                        dict(kind="atc", comm="hierarchical_neighbor_allreduce",
+                                             machine_topology="ring", sel=half2)],
+             ("hA", "hA", "hB", "hC"): [dict(kind="decentralized", sel="shift_one", hier=True),
+                                        dict(kind="decentralized", sel="exp2", hier=True)]}
+    for hosts, specs in cases.items():
         res = harness.run(rank_train, 4, timeout=90, args=(specs, steps),
                           rank_env=[{"RUMOR_HOST_ID": h} for h in hosts])
         for si, spec in enumerate(specs):
             got = [res[r][si]["traj"] for r in range(4)]
-            what = f"hierarchical {spec['sel'] if isinstance(spec['sel'], str) else 'matrix'} on hosts {hosts}"
-            _check_traj(chk, got, _simulate_decentralized(spec["sel"], 4, steps, 1, hosts=list(hosts)), what)
+            what = (f"hierarchical {spec['kind']} {spec['sel'] if isinstance(spec['sel'], str) else 'matrix'} "
+                    f"on hosts {hosts}")
+            exp = _simulate_decentralized(spec["sel"], 4, steps, 1, hosts=list(hosts), atc=spec["kind"] == "atc")
+            _check_traj(chk, got, exp, what)
+            if spec["kind"] != "decentralized":
+                continue
             for r in range(4):  # ranks of a host hold the same mixed weights
                 peer = hosts.index(hosts[r])
                 for t in range(steps):
@@ -342,3 +395,76 @@ def test_low_precision_matches_simulation():
                     chk.check(all(len(c[0]) == 0 for c in res[r][si]["copies"]),
                               f"{what}: non-leader rank {r} keeps no copies")
     harness.assert_no_failures([(chk.failures, chk.count)], "low-precision decentralized")
+
+
+def _consensus(xs):
+    """sum_i ||x_i - mean||^2 over the ranks' flat parameters."""
+    import torch
+
+    x = torch.stack(xs)
+    return float(((x - x.mean(0)) ** 2).sum())
+
+
+def test_adapt_with_and_then_combine():
+    """The wrappers against the simulation (static ring, dynamic one-peer exponential weights
+    set every step, allreduce); consensus: neighbour mixing pulls replicas that start apart
+    together, "empty" lets replicas that start equal drift apart."""
+    steps = 5
+    specs = [dict(kind="awc", comm="neighbor_allreduce", topology="ring"),
+             dict(kind="atc", comm="neighbor_allreduce", topology="ring"),
+             dict(kind="awc", comm="neighbor_allreduce", dynamic="exp2"),
+             dict(kind="atc", comm="neighbor_allreduce", dynamic="exp2"),
+             dict(kind="awc", comm="allreduce"),
+             dict(kind="atc", comm="allreduce"),
+             dict(kind="awc", comm="neighbor_allreduce", topology="ring", k=2),
+             dict(kind="atc", comm="empty"),
+             dict(kind="awc", comm="neighbor_allreduce", topology="ring", init="rank", lr=0.0),
+             dict(kind="atc", comm="neighbor_allreduce", topology="ring", init="rank", lr=0.0),
+             dict(kind="awc", comm="empty", init="rank", lr=0.0)]
+    sims = [("awc", RING4, 1), ("atc", RING4, 1), ("awc", "exp2", 1), ("atc", "exp2", 1), ("awc", "all", 1),
+            ("atc", "all", 1), ("awc", RING4, 2), ("atc", None, 1)]
+    res = harness.run(rank_train, 4, timeout=90, args=(specs, steps))
+    chk = harness.Checker()
+    for si, (kind, sel, k) in enumerate(sims):
+        got = [res[r][si]["traj"] for r in range(4)]
+        what = f"{kind} {specs[si]['comm']} {specs[si].get('dynamic') or specs[si].get('topology') or ''} k={k}"
+        if sel is None:  # "empty": every rank alone
+            exp = _simulate_decentralized(torch_eye(4), 4, steps, k, atc=(kind == "atc"))
+        else:
+            exp = _simulate_decentralized(sel, 4, steps, k, atc=(kind == "atc"))
+        _check_traj(chk, got, exp, what)
+    # allreduce after the step (ATC): every rank holds the same bits
+    for r in range(1, 4):
+        chk.equal(res[r][5]["traj"][-1], res[0][5]["traj"][-1], f"ATC allreduce: rank {r} equals rank 0")
+    # replicas that start equal drift apart without communication
+    empty = [res[r][7]["traj"] for r in range(4)]
+    d_empty = [_consensus([empty[r][t] for r in range(4)]) for t in range(steps)]
+    chk.check(d_empty[0] > 0 and d_empty[-1] > d_empty[0], f"empty: consensus distance {d_empty} does not grow")
+    # with the ring (and no gradient steps) replicas that start apart come together
+    for si, name in ((8, "AWC"), (9, "ATC")):
+        d = [_consensus([res[r][si]["traj"][t] for r in range(4)]) for t in range(steps)]
+        chk.check(all(b < a for a, b in zip(d, d[1:])), f"{name} ring: consensus distance {d} does not shrink")
+        alone = _consensus([res[r][10]["traj"][-1] for r in range(4)])
+        chk.check(d[-1] < 0.25 * alone, f"{name} ring: distance {d[-1]} not well below no mixing ({alone})")
+    harness.assert_no_failures([(chk.failures, chk.count)], "AdaptWithCombine / AdaptThenCombine")
+
+
+def torch_eye(n):
+    import torch
+
+    return torch.eye(n, dtype=torch.float64)
+
+
+def test_wrapper_bad_arguments():
+    import torch
+
+    import rumor
+
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="communication"):
+        rumor.optim.AdaptWithCombine(opt, m, communication="gossip")
+    with pytest.raises(ValueError, match="num_steps_per_communication"):
+        rumor.optim.AdaptThenCombine(opt, m, num_steps_per_communication=0)
+    with pytest.raises(TypeError, match="Optimizer"):
+        rumor.optim.AdaptThenCombine("sgd", m)

@@ -52,30 +52,20 @@ def exp2_peers(n: int, rank: int, round_: int) -> Optional[Tuple[int, int]]:
 
 def topology_matrix(topology) -> torch.Tensor:
     """The weight matrix of a topology as float64 [n, n], W[i, j] = weight of edge i -> j
-    (row = sender). Accepts a rumor.topology.Topology, a networkx DiGraph (edge attribute
-    'weight', BlueFog style), or a square matrix (tensor, numpy array, nested lists)."""
-    for attr in ("weight_matrix", "weights", "W", "matrix"):
-        w = getattr(topology, attr, None)
-        if w is not None and not callable(w):
-            topology = w
-            break
-    try:
-        import networkx as nx
+    (row = sender). Accepts a rumor.topology.Topology, a networkx graph (edge attribute
+    'weight', BlueFog style) or a square matrix (tensor, numpy array, nested lists) of finite
+    non-negative weights."""
+    import networkx as nx
+    import numpy as np
 
-        if isinstance(topology, nx.DiGraph):
-            topology = nx.to_numpy_array(topology, nodelist=sorted(topology.nodes()), weight="weight")
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        w = torch.as_tensor(topology, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
+    from ..topology import Topology
+
+    if isinstance(topology, torch.Tensor):
+        topology = topology.detach().cpu().double().numpy()
+    if not isinstance(topology, (Topology, nx.Graph, np.ndarray, list, tuple)):
         raise TypeError("peer_selection: expected 'all', 'shift_one', 'exp2' or a topology (rumor.topology.Topology, "
-                        f"networkx DiGraph or square weight matrix), got {type(topology).__name__}") from None
-    if w.dim() != 2 or w.shape[0] != w.shape[1]:
-        raise ValueError(f"peer_selection: a topology's weight matrix must be square, got shape {tuple(w.shape)}")
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("peer_selection: the topology's weights must be finite")
-    return w
+                        f"networkx graph or square weight matrix), got {type(topology).__name__}")
+    return torch.from_numpy(np.array(Topology(topology).weights, dtype=np.float64))
 
 
 def mixing_plan(peer_selection, n: int, rank: int, round_: int) -> Plan:
