@@ -468,3 +468,54 @@ def test_wrapper_bad_arguments():
         rumor.optim.AdaptThenCombine(opt, m, num_steps_per_communication=0)
     with pytest.raises(TypeError, match="Optimizer"):
         rumor.optim.AdaptThenCombine("sgd", m)
+
+
+def _task_batch(step, shard, n=32):
+    """A learnable task: the class is the arg-max of a fixed linear map of x."""
+    import torch
+
+    w = torch.Generator().manual_seed(424242)
+    true_w = torch.randn(D_IN, CLASSES, generator=w)
+    g = torch.Generator().manual_seed(104729 * step + shard + 1)
+    x = torch.randn(n, D_IN, generator=g)
+    return x, (x @ true_w).argmax(1)
+
+
+def rank_losses(specs, steps, lr):
+    """Trains a float32 model per spec on the learnable task; returns this rank's loss on a
+    fixed evaluation set after training."""
+    import torch
+
+    import rumor
+
+    torch.set_num_threads(1)
+    rumor.init()
+    rank = rumor.rank()
+    xe, ye = _task_batch(10**6, 0, n=512)
+    out = []
+    for spec in specs:
+        model = _net(7, dtype=torch.float32)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=_make_alg(spec))
+        for t in range(steps):
+            x, y = _task_batch(t, rank)
+            opt.zero_grad()
+            _loss(ddp(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            out.append(float(_loss(model(xe), ye)))
+    rumor.shutdown()
+    return out
+
+
+def test_training_loss_close_to_allreduce():
+    """After the same number of steps, the decentralized algorithms' loss (mean over ranks) is
+    within 10% of GradientAllReduce's."""
+    specs = [dict(kind="allreduce"), dict(kind="decentralized", sel="shift_one"),
+             dict(kind="decentralized", sel="exp2"), dict(kind="lowprec")]
+    res = harness.run(rank_losses, 4, timeout=90, args=(specs, 40, 0.5))
+    means = [sum(res[r][i] for r in range(4)) / 4 for i in range(len(specs))]
+    start = 1.4  # ~ln(4): the untrained loss; training must have made real progress
+    assert means[0] < 0.6 * start, f"GradientAllReduce did not learn: {means}"
+    for spec, m in zip(specs[1:], means[1:]):
+        assert abs(m - means[0]) <= 0.1 * means[0], f"{spec}: loss {m} vs GradientAllReduce {means[0]} ({means})"
