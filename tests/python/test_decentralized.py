@@ -112,6 +112,9 @@ def rank_train(specs, steps):
         if spec["kind"] in ("awc", "atc"):
             out.append(_train_wrapped(spec, steps, rank))
             continue
+        if spec["kind"] == "bad_args":
+            out.append(_bad_args())
+            continue
         model = _net(100 + rank)  # rank-dependent: wrapping must broadcast rank 0's
         alg = _make_alg(spec)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -133,6 +136,29 @@ def rank_train(specs, steps):
         out.append(res)
     rumor.shutdown()
     return out
+
+
+def _bad_args():
+    """Wrapping errors that need a running job; returns the Checker's (failures, count)."""
+    import torch
+
+    import rumor
+
+    chk = harness.Checker()
+    n = rumor.size()
+    for hier in (False, True):
+        alg = rumor.algorithms.Decentralized(rumor.topology.RingGraph(n + 1), hierarchical=hier)
+        chk.raises(ValueError, lambda: rumor.DistributedDataParallel(_net(0), algorithm=alg),
+                   f"topology of {n + 1} on {n} ranks (hierarchical={hier})", match="topology")
+    m = _net(0, dtype=torch.float32)
+    chk.raises(ValueError, lambda: rumor.DistributedDataParallel(
+        m, algorithm=rumor.algorithms.LowPrecisionDecentralized()), "low precision without optimizer",
+        match="optimizer")
+    m = _net(0, dtype=torch.float16)
+    chk.raises(TypeError, lambda: rumor.DistributedDataParallel(
+        m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), algorithm=rumor.algorithms.LowPrecisionDecentralized()),
+        "low precision with float16 parameters", match="float32")
+    return chk.failures, chk.count
 
 
 def _train_wrapped(spec, steps, rank):
@@ -285,7 +311,8 @@ def test_decentralized_odd_world_and_hierarchical():
     steps = 4
     chk = harness.Checker()
     specs3 = [dict(kind="decentralized", sel="shift_one"), dict(kind="decentralized", sel="shift_one", k=2)]
-    res = harness.run(rank_train, 3, timeout=90, args=(specs3, steps))
+    res = harness.run(rank_train, 3, timeout=90, args=(specs3 + [dict(kind="bad_args")], steps))
+    harness.assert_no_failures([res[r][-1] for r in range(3)], "bad arguments")
     for si, spec in enumerate(specs3):
         got = [res[r][si]["traj"] for r in range(3)]
         _check_traj(chk, got, _simulate_decentralized("shift_one", 3, steps, spec.get("k", 1)),
