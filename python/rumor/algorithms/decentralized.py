@@ -242,6 +242,16 @@ class Decentralized(Algorithm):
         average_all, self_w, srcs, dsts = self.plan(ddp, self.rounds)
         self._pending = _C.weight_mix(ddp.group._comm, self._ops, average_all, self_w, srcs, dsts, True)
 
+    def __del__(self):
+        # The comm thread may still be reading the weight buffers and writing the output
+        # buffers, which this object owns: let it finish before they are freed.
+        work = getattr(self, "_pending", None)
+        if work is not None:
+            try:
+                work.wait(60.0)
+            except Exception:  # noqa: BLE001 - the error belongs to a step nobody waits for
+                pass
+
     def after_backward(self, ddp) -> None:
         self.step += 1
         work, self._pending = self._pending, None
