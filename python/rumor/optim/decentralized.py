@@ -59,6 +59,7 @@ class _Combine:
         self.enable_topo_check = True
         self._comm_steps = 0  # step() calls so far
         self._pending = None  # (handle, flat groups) of the exchange in flight
+        self._in_step = False  # a closure's forward inside step() must not start an exchange
         # Parameters in model order, grouped by dtype: one message per dtype and step.
         named = [p for p in model.parameters() if p.requires_grad]
         in_opt = {id(p) for g in self.param_groups for p in g["params"]}
@@ -120,6 +121,8 @@ class _Combine:
     # ---- hooks and step -------------------------------------------------------------------------
 
     def _forward_pre_hook(self, module, args):
+        if self._in_step:
+            return
         if self._atc:
             self.synchronize()  # this forward must see the combined parameters
         elif self._pending is None and torch.is_grad_enabled() and self._communicates_now():
@@ -127,17 +130,17 @@ class _Combine:
 
     def step(self, closure=None):
         base = self._base
-        if self._atc:
-            self.synchronize()
-            loss = base.step(self, closure)
-            if self._communicates_now():
+        if self._atc or self._communicates_now():
+            if not self._atc and self._pending is None:  # no forward through the model since the last step
                 self._pending = self._launch()
-        else:
-            if self._communicates_now():
-                if self._pending is None:  # no forward through the model since the last step
-                    self._pending = self._launch()
-                self.synchronize()
+            self.synchronize()
+        self._in_step = True
+        try:
             loss = base.step(self, closure)
+        finally:
+            self._in_step = False
+        if self._atc and self._communicates_now():
+            self._pending = self._launch()
         self._comm_steps += 1
         return loss
 
