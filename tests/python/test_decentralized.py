@@ -87,8 +87,11 @@ def _make_alg(spec):
         sel = spec["sel"]
         if isinstance(sel, list):
             sel = torch.tensor(sel, dtype=torch.float64)
-        return rumor.algorithms.Decentralized(peer_selection=sel, communication_interval=spec.get("k", 1),
-                                              hierarchical=spec.get("hier", False))
+        alg = rumor.algorithms.Decentralized(peer_selection=sel, communication_interval=spec.get("k", 1),
+                                             hierarchical=spec.get("hier", False))
+        if spec.get("swap"):  # parameters re-pointed at the mixed buffer instead of copied back
+            alg._SWAP_MIN_MEAN = 0
+        return alg
     if kind == "lowprec":
         return rumor.algorithms.LowPrecisionDecentralized(hierarchical=spec.get("hier", False),
                                                           communication_interval=spec.get("k", 1))
@@ -290,7 +293,8 @@ SKEW4 = [[0.5, 0.2, 0.4, 0.0], [0.0, 0.8, 0.1, 0.0], [0.0, 0.0, 0.5, 0.5], [0.5,
 def test_decentralized_matches_simulation_4_ranks():
     steps = 4
     specs = [dict(kind="decentralized", sel=s, k=k) for s in ("all", "shift_one", "exp2") for k in (1, 2)]
-    specs += [dict(kind="decentralized", sel=RING4), dict(kind="decentralized", sel=SKEW4, k=3)]
+    specs += [dict(kind="decentralized", sel=RING4), dict(kind="decentralized", sel=SKEW4, k=3),
+              dict(kind="decentralized", sel="exp2", swap=True), dict(kind="decentralized", sel=SKEW4, k=2, swap=True)]
     res = harness.run(rank_train, 4, timeout=90, args=(specs, steps))
     chk = harness.Checker()
     for si, spec in enumerate(specs):
