@@ -179,7 +179,8 @@ class Decentralized(Algorithm):
         x_{t+1} = sum_j W_t[j, i] * x_t^(j)  -  (optimizer update from g_t^(i))
 
     peer_selection (W_t):
-      "all"        average over every rank (an allreduce of the weights; ranks stay identical)
+      "all"        average over every rank (an allreduce of the weights: every rank holds the same
+                   bits before it applies its own gradient)
       "shift_one"  one peer per step, 1/2 each; a round-robin pairing that changes every
                    communication and also works for an odd number of ranks (one sits out)
       "exp2"       one-peer exponential graph: send to rank + 2^k, receive from rank - 2^k,
@@ -188,7 +189,8 @@ class Decentralized(Algorithm):
                    a networkx DiGraph or a square matrix; its size must be the world size
                    (or the number of hosts when hierarchical)
     hierarchical: average inside each host over shared memory first, mix among one leader per
-      host (the schedules then run over hosts), broadcast inside the host.
+      host (the schedules then run over hosts), broadcast inside the host. On a single host
+      that is an exact average over all ranks whatever the peer selection.
     """
 
     _SWAP_MIN_MEAN = 16384  # elements per parameter from which the buffers swap roles
@@ -218,9 +220,11 @@ class Decentralized(Algorithm):
     def init(self, ddp) -> None:
         n, _ = self._layout(ddp)
         if self._matrix is not None and self._matrix.shape[0] != n:
+            hint = (" (with hierarchical=True the topology is over hosts; pass hierarchical=False to mix ranks)"
+                    if self.hierarchical else "")
             unit = "hosts" if self.hierarchical else "ranks"
             raise ValueError(f"Decentralized: the topology has {self._matrix.shape[0]} nodes but the job has {n} "
-                             f"{unit}")
+                             f"{unit}{hint}")
         self._flat = FlatWeights(ddp._params, ddp._cap_bytes, "Decentralized")
         # Two buffer sets: the parameters live in one while the mix writes into the other;
         # after the mix the parameters are re-pointed at the output (no copy of the model).

@@ -29,7 +29,8 @@ class LowPrecisionDecentralized(Algorithm):
     into the next difference. Steps that do not communicate only apply the optimizer.
 
     hierarchical: ranks of a host average their weights over shared memory, the ring runs over
-    one leader per host, and the leader's result is broadcast inside the host.
+    one leader per host, and the leader's result is broadcast inside the host (on a single host:
+    an exact average, no ring).
 
     Needs the optimizer: ``DistributedDataParallel(model, optimizer=opt, algorithm=...)``.
     Parameters must be float32 or float64.
