@@ -30,20 +30,22 @@ std::vector<NeighborEdge> unit_edges(const std::vector<uint32_t>& ranks) {
   return e;
 }
 
-// x += w * (sum of the neighbours' copies) - w * k * xh, in one pass.
+// x += w * (sum of the neighbours' copies) - w * k * xh, and diff = x - xh, in one pass over
+// memory (the buffers are model-sized; every extra pass costs as much as the arithmetic).
 template <typename T>
-void mix_toward_replicas(T* x, const T* self, const T* left, const T* right, size_t count, int k) {
+void mix_toward_replicas(T* x, const T* self, const T* left, const T* right, T* diff, size_t count, int k) {
   const T w = T(1) / static_cast<T>(k + 1);
   if (k == 1) {
-    for (size_t i = 0; i < count; ++i) x[i] += w * (left[i] - self[i]);
+    for (size_t i = 0; i < count; ++i) {
+      x[i] += w * (left[i] - self[i]);
+      diff[i] = x[i] - self[i];
+    }
   } else {
-    for (size_t i = 0; i < count; ++i) x[i] += w * (left[i] + right[i] - T(2) * self[i]);
+    for (size_t i = 0; i < count; ++i) {
+      x[i] += w * (left[i] + right[i] - T(2) * self[i]);
+      diff[i] = x[i] - self[i];
+    }
   }
-}
-
-template <typename T>
-void subtract(const T* a, const T* b, T* out, size_t count) {
-  for (size_t i = 0; i < count; ++i) out[i] = a[i] - b[i];
 }
 
 }  // namespace
@@ -128,21 +130,21 @@ void LowPrecisionMixOp::prepare(Communicator& comm) {
   if (local != nullptr && local->size() > 1) local->allreduce(weights_, count_, dtype_, ReduceOp::AVG);
   if (r != nullptr && count_ > 0) {
     const int k = r->size() == 2 ? 1 : 2;
-    std::vector<std::byte> diff(count_ * dtype_size(dtype_));
+    diff_.resize(count_ * dtype_size(dtype_));
     if (dtype_ == DType::F32) {
       auto* x = reinterpret_cast<float*>(weights_);
       auto* s = reinterpret_cast<const float*>(self_.data());
       mix_toward_replicas(x, s, reinterpret_cast<const float*>(left_.data()),
-                          reinterpret_cast<const float*>(right_.data()), count_, k);
-      subtract(x, s, reinterpret_cast<float*>(diff.data()), count_);
+                          reinterpret_cast<const float*>(right_.data()),
+                          reinterpret_cast<float*>(diff_.data()), count_, k);
     } else {
       auto* x = reinterpret_cast<double*>(weights_);
       auto* s = reinterpret_cast<const double*>(self_.data());
       mix_toward_replicas(x, s, reinterpret_cast<const double*>(left_.data()),
-                          reinterpret_cast<const double*>(right_.data()), count_, k);
-      subtract(x, s, reinterpret_cast<double*>(diff.data()), count_);
+                          reinterpret_cast<const double*>(right_.data()),
+                          reinterpret_cast<double*>(diff_.data()), count_, k);
     }
-    codec_->encode(diff.data(), count_, dtype_, send_.data(), send_.size());
+    codec_->encode(diff_.data(), count_, dtype_, send_.data(), send_.size());
     codec_->decode(send_.data(), send_.size(), self_.data(), count_, dtype_, /*accumulate=*/true);
   }
   if (local != nullptr && local->size() > 1) local->broadcast(weights_, count_, dtype_, 0);

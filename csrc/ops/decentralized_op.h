@@ -100,7 +100,8 @@ class LowPrecisionMixOp final {
   bool hierarchical_;
   std::unique_ptr<compress::Codec> codec_;
   std::vector<std::byte> self_, left_, right_;  // tracked copies, dtype_ elements each
-  std::vector<std::byte> send_, recv_;          // q, and the neighbours' q (left, then right)
+  std::vector<std::byte> diff_;         // x - xh of the step, kept to avoid a model-sized allocation per step
+  std::vector<std::byte> send_, recv_;  // q, and the neighbours' q (left, then right)
 };
 
 }  // namespace rumor::ops
