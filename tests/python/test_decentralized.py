@@ -550,3 +550,39 @@ def test_training_loss_close_to_allreduce():
     assert means[0] < 0.6 * start, f"GradientAllReduce did not learn: {means}"
     for spec, m in zip(specs[1:], means[1:]):
         assert abs(m - means[0]) <= 0.1 * means[0], f"{spec}: loss {m} vs GradientAllReduce {means[0]} ({means})"
+
+
+@pytest.mark.parametrize("kind", ["AdaptWithCombine", "AdaptThenCombine"])
+def test_wrapper_is_the_optimizer_without_communication(kind):
+    """With communication "empty" a wrapped optimizer steps exactly like the optimizer it wraps
+    (state carried over, hyper-parameters kept, step hooks run once per step, LR schedulers
+    work); no communication, so no job is needed."""
+    import torch
+
+    import rumor
+
+    def make(p):
+        return torch.optim.AdamW(p, lr=0.05, weight_decay=0.1, foreach=False)
+
+    a, b = _net(3), _net(3)
+    oa, ob = make(a.parameters()), make(b.parameters())
+    for o, m in ((oa, a), (ob, b)):  # one step before wrapping: the state must carry over
+        _loss(m(_xy(0, 0)[0]), _xy(0, 0)[1]).backward()
+        o.step()
+    wrapped = getattr(rumor.optim, kind)(ob, b, communication="empty")
+    assert isinstance(wrapped, torch.optim.AdamW) and isinstance(wrapped, getattr(rumor.optim, kind))
+    calls = []
+    wrapped.register_step_post_hook(lambda *args: calls.append(1))
+    sa, sb = (torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (oa, wrapped))
+    for t in range(1, 4):
+        x, y = _xy(t, 0)
+        for o, m, s in ((oa, a, sa), (wrapped, b, sb)):
+            o.zero_grad()
+            _loss(m(x), y).backward()
+            o.step()
+            s.step()
+    wrapped.synchronize()
+    assert len(calls) == 3
+    assert wrapped.param_groups[0]["weight_decay"] == 0.1 and wrapped.param_groups[0]["lr"] == oa.param_groups[0]["lr"]
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)

@@ -28,6 +28,7 @@ or the next step()), so it overlaps whatever the training loop does in between.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Optional
 
 import torch
@@ -129,14 +130,17 @@ class _Combine:
             self._pending = self._launch()
 
     def step(self, closure=None):
-        base = self._base
+        # The wrapped class's own step, without torch's hook wrapper: this step() already runs
+        # the optimizer's step hooks once.
+        base_step = self._base.step
+        base_step = base_step.__wrapped__ if getattr(base_step, "hooked", False) else base_step
         if self._atc or self._communicates_now():
             if not self._atc and self._pending is None:  # no forward through the model since the last step
                 self._pending = self._launch()
             self.synchronize()
         self._in_step = True
         try:
-            loss = base.step(self, closure)
+            loss = base_step(self, closure)
         finally:
             self._in_step = False
         if self._atc and self._communicates_now():
@@ -166,7 +170,13 @@ def _wrap(kind: type, optimizer, model, communication, num_steps_per_communicati
     opt = cls.__new__(cls)
     # Construct the new optimizer over the same parameter groups (their hyper-parameters
     # included) and carry over any state the wrapped one already has.
-    base.__init__(opt, optimizer.param_groups, **optimizer.defaults)
+    # Some optimizers keep defaults that their constructor does not take (AdamW's
+    # decoupled_weight_decay): pass only what it accepts, then restore the full defaults.
+    sig = inspect.signature(base.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in sig}
+    base.__init__(opt, optimizer.param_groups, **kwargs)
+    opt.defaults = dict(optimizer.defaults)
     opt.load_state_dict(optimizer.state_dict())
     opt._setup(model, communication, k)
     return opt
