@@ -2,6 +2,7 @@
 // Ranks here are communicator ranks; Python maps global ranks onto them.
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -25,18 +26,32 @@ std::vector<NeighborEdge> to_edges(const Edges& e) {
 
 void bind_decentralized(py::module_& m) {
   using C = Communicator;
+  using Scratch = std::shared_ptr<NeighborScratch>;
+  py::class_<NeighborScratch, Scratch>(m, "NeighborScratch",
+                                       "Receive/scale buffers reused by the neighbor ops of one communicator "
+                                       "(whose operations run one at a time).")
+      .def(py::init<>())
+      .def_property_readonly("bytes", [](const NeighborScratch& s) {
+        size_t b = s.recv.capacity();
+        for (const auto& v : s.scaled) b += v.capacity();
+        return b;
+      });
   m.def(
       "neighbor_allreduce",
       [](C& c, uintptr_t in, uintptr_t out, size_t count, int dtype, double self_weight, const Edges& srcs,
-         const Edges& dsts, bool topo_check, bool nb) {
+         const Edges& dsts, bool topo_check, bool nb, Scratch scratch) {
         DType dt = to_dtype(dtype);
-        return dispatch(
-            c, nb, [&c, in, out, count, dt, self_weight, s = to_edges(srcs), d = to_edges(dsts), topo_check] {
-              neighbor_allreduce(c, ptr(in), ptr(out), count, dt, self_weight, s, d, topo_check);
-            });
+        // The scratch is captured by value: it lives until the operation has finished.
+        return dispatch(c, nb,
+                        [&c, in, out, count, dt, self_weight, s = to_edges(srcs), d = to_edges(dsts),
+                         topo_check, scratch = std::move(scratch)] {
+                          neighbor_allreduce(c, ptr(in), ptr(out), count, dt, self_weight, s, d, topo_check,
+                                             scratch.get());
+                        });
       },
       py::arg("comm"), py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
       py::arg("self_weight"), py::arg("srcs"), py::arg("dsts"), py::arg("topo_check"), py::arg("nonblocking"),
+      py::arg("scratch") = nullptr,
       "out = self_weight*in + sum of w*received over srcs [(rank, weight)]; sends in*w to dsts [(rank, w)].");
   m.def(
       "neighbor_allgather",
@@ -63,16 +78,18 @@ void bind_decentralized(py::module_& m) {
   m.def(
       "hierarchical_neighbor_allreduce",
       [](C& c, uintptr_t in, uintptr_t out, size_t count, int dtype, double self_weight, const Edges& srcs,
-         const Edges& dsts, bool topo_check, bool nb) {
+         const Edges& dsts, bool topo_check, bool nb, Scratch scratch) {
         DType dt = to_dtype(dtype);
-        return dispatch(
-            c, nb, [&c, in, out, count, dt, self_weight, s = to_edges(srcs), d = to_edges(dsts), topo_check] {
-              hierarchical_neighbor_allreduce(c, ptr(in), ptr(out), count, dt, self_weight, s, d, topo_check);
-            });
+        return dispatch(c, nb,
+                        [&c, in, out, count, dt, self_weight, s = to_edges(srcs), d = to_edges(dsts),
+                         topo_check, scratch = std::move(scratch)] {
+                          hierarchical_neighbor_allreduce(c, ptr(in), ptr(out), count, dt, self_weight, s, d,
+                                                          topo_check, scratch.get());
+                        });
       },
       py::arg("comm"), py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
       py::arg("self_weight"), py::arg("machine_srcs"), py::arg("machine_dsts"), py::arg("topo_check"),
-      py::arg("nonblocking"),
+      py::arg("nonblocking"), py::arg("scratch") = nullptr,
       "Host average, neighbor_allreduce among host leaders over machine ranks, host broadcast.");
   m.def(
       "check_topology",

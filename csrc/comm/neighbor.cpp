@@ -167,12 +167,15 @@ namespace {
 // The exchange and combination, without validation or check (shared with the hierarchical op).
 void neighbor_allreduce_body(Communicator& comm, const net::OpInfo& op, const void* in, void* out,
                              size_t count, DType dtype, double self_weight,
-                             std::span<const NeighborEdge> srcs, std::span<const NeighborEdge> dsts) {
+                             std::span<const NeighborEdge> srcs, std::span<const NeighborEdge> dsts,
+                             NeighborScratch* scratch) {
+  NeighborScratch local_scratch;
+  NeighborScratch& sc = scratch != nullptr ? *scratch : local_scratch;
   const size_t bytes = count * dtype_size(dtype);
   // Senders scale by their weight for each destination; destinations sharing a weight share
   // one scaled copy, and weight 1 sends the input itself.
   std::vector<double> scale_weights;
-  std::vector<std::vector<std::byte>> scaled;
+  size_t nscaled = 0;
   std::vector<const void*> send_from(dsts.size(), in);
   for (size_t k = 0; k < dsts.size(); ++k) {
     const double w = dsts[k].weight;
@@ -181,22 +184,24 @@ void neighbor_allreduce_body(Communicator& comm, const net::OpInfo& op, const vo
     size_t idx = static_cast<size_t>(it - scale_weights.begin());
     if (it == scale_weights.end()) {
       scale_weights.push_back(w);
-      scaled.emplace_back(bytes);
-      weighted_sum(scaled.back().data(), in, w, {}, {}, count, dtype);
+      if (sc.scaled.size() <= nscaled) sc.scaled.emplace_back();
+      sc.scaled[nscaled].resize(bytes);
+      weighted_sum(sc.scaled[nscaled].data(), in, w, {}, {}, count, dtype);
+      ++nscaled;
     }
-    send_from[k] = scaled[idx].data();
+    send_from[k] = sc.scaled[idx].data();
   }
-  std::vector<std::byte> recv(srcs.size() * bytes);
+  sc.recv.resize(srcs.size() * bytes);
+  std::byte* recv = sc.recv.data();
   std::vector<Transfer> ts;
   ts.reserve(srcs.size() + dsts.size());
-  for (size_t k = 0; k < srcs.size(); ++k)
-    ts.push_back(make_recv(srcs[k].rank, recv.data() + k * bytes, bytes));
+  for (size_t k = 0; k < srcs.size(); ++k) ts.push_back(make_recv(srcs[k].rank, recv + k * bytes, bytes));
   for (size_t k = 0; k < dsts.size(); ++k) ts.push_back(make_send(dsts[k].rank, send_from[k], bytes));
   comm.exchange(ts, op);
   std::vector<const void*> parts(srcs.size());
   std::vector<double> weights(srcs.size());
   for (size_t k = 0; k < srcs.size(); ++k) {
-    parts[k] = recv.data() + k * bytes;
+    parts[k] = recv + k * bytes;
     weights[k] = srcs[k].weight;
   }
   weighted_sum(out, in, self_weight, parts, weights, count, dtype);
@@ -206,13 +211,14 @@ void neighbor_allreduce_body(Communicator& comm, const net::OpInfo& op, const vo
 
 void neighbor_allreduce(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
                         double self_weight, std::span<const NeighborEdge> srcs,
-                        std::span<const NeighborEdge> dsts, bool topo_check) {
+                        std::span<const NeighborEdge> dsts, bool topo_check, NeighborScratch* scratch) {
   const char* what = "neighbor_allreduce";
   validate_allreduce(comm, dtype, self_weight, srcs, dsts, what);
   if (topo_check) check_topology(comm, ranks_of(srcs), ranks_of(dsts), what);
   net::OpInfo op = comm.begin_op(what, Opcode::kNeighbor);
-  comm.run_guarded(
-      op, [&] { neighbor_allreduce_body(comm, op, in, out, count, dtype, self_weight, srcs, dsts); });
+  comm.run_guarded(op, [&] {
+    neighbor_allreduce_body(comm, op, in, out, count, dtype, self_weight, srcs, dsts, scratch);
+  });
 }
 
 // ---- neighbor_allgather -----------------------------------------------------------------------
@@ -267,10 +273,14 @@ std::vector<uint64_t> neighbor_exchange_words(Communicator& comm, std::span<cons
 
 void hierarchical_neighbor_allreduce(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
                                      double self_weight, std::span<const NeighborEdge> machine_srcs,
-                                     std::span<const NeighborEdge> machine_dsts, bool topo_check) {
+                                     std::span<const NeighborEdge> machine_dsts, bool topo_check,
+                                     NeighborScratch* scratch) {
   const char* what = "hierarchical_neighbor_allreduce";
   Communicator& local = comm.local_comm();
   Communicator* leaders = comm.leaders_comm();
+  // Every rank checks what it can (a rank that stopped here alone would leave its host waiting);
+  // only leaders know the machine count to check the machine ranks against.
+  validate_allreduce(local, dtype, self_weight, {}, {}, what);
   if (leaders != nullptr) validate_allreduce(*leaders, dtype, self_weight, machine_srcs, machine_dsts, what);
   net::OpInfo op = comm.begin_op(what, Opcode::kNeighbor);
   // A machine-level mismatch is found by the leaders only; they pass the message to their
@@ -291,7 +301,7 @@ void hierarchical_neighbor_allreduce(Communicator& comm, const void* in, void* o
         net::OpInfo lop = leaders->begin_op(what, Opcode::kNeighbor);
         leaders->run_guarded(lop, [&] {
           neighbor_allreduce_body(*leaders, lop, out, out, count, dtype, self_weight, machine_srcs,
-                                  machine_dsts);
+                                  machine_dsts, scratch);
         });
       }
     }

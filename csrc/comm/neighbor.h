@@ -29,6 +29,15 @@ struct NeighborEdge {
   double weight = 1.0;
 };
 
+// Buffers an operation needs for received and scaled messages. Passing the same scratch to
+// successive calls avoids allocating (and page-faulting) them every time; it grows to the
+// largest call and keeps that memory. Calls sharing one scratch must not overlap: pass one per
+// communicator, whose operations run one at a time.
+struct NeighborScratch {
+  std::vector<std::byte> recv;
+  std::vector<std::vector<std::byte>> scaled;
+};
+
 // One disagreement between a sender's and a receiver's lists.
 struct TopologyMismatch {
   uint32_t sender = 0;
@@ -50,13 +59,14 @@ std::string describe_mismatch(const TopologyMismatch& m, const Communicator& com
 void check_topology(Communicator& comm, std::span<const uint32_t> srcs, std::span<const uint32_t> dsts,
                     const char* what, const char* unit = "rank");
 
-// out = self_weight * in + sum_k srcs[k].weight * (what srcs[k].rank sent), where each sender
-// sent its `in` scaled by its weight for this receiver (dsts[k].weight; scaled into a scratch
-// buffer only when it is not 1). in and out may be the same buffer. F32, F64, F16 and BF16
+// out = self_weight * in + sum_k srcs[k].weight * m_k, where m_k is what srcs[k].rank sent: its
+// `in` scaled by the weight it lists for this rank among its dsts (the scaled copy is made only
+// for weights other than 1). in and out may be the same buffer. F32, F64, F16 and BF16
 // (half types accumulate in float and round once).
 void neighbor_allreduce(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
                         double self_weight, std::span<const NeighborEdge> srcs,
-                        std::span<const NeighborEdge> dsts, bool topo_check);
+                        std::span<const NeighborEdge> dsts, bool topo_check,
+                        NeighborScratch* scratch = nullptr);
 
 // Sends `bytes` bytes of `in` to every rank in dsts and receives recv_bytes[k] bytes from
 // srcs[k], concatenated into `out` in the order of srcs. A size that differs from what the
@@ -65,20 +75,21 @@ void neighbor_allgather(Communicator& comm, const void* in, size_t bytes, std::s
                         std::span<const size_t> recv_bytes, std::span<const uint32_t> dsts, void* out,
                         bool topo_check);
 
-// For allgather with sizes unknown to the receiver: sends `value` (e.g. this rank's byte count
-// or a shape record of `words` u64 values) to every dst and returns what each src sent, in the
-// order of srcs (srcs.size() * words values).
+// For allgather with sizes unknown to the receiver: sends `words` (e.g. this rank's byte count
+// and shape) to every dst and returns what each src sent, in the order of srcs
+// (srcs.size() * words.size() values; every rank must send the same number of words).
 std::vector<uint64_t> neighbor_exchange_words(Communicator& comm, std::span<const uint64_t> words,
                                               std::span<const uint32_t> srcs, std::span<const uint32_t> dsts,
                                               bool topo_check);
 
 // Average within each host (comm.local_comm()), neighbor_allreduce among the host leaders
-// (comm.leaders_comm(): machine m is the m-th host in rank order; machine edges are leaders
+// (comm.leaders_comm(): machine m is the host whose lowest rank comes m-th; machine edges are leaders
 // communicator ranks), then broadcast within the host. Only the leader's machine lists and
 // weights are used. With topo_check, a mismatch among machines raises on every rank.
 void hierarchical_neighbor_allreduce(Communicator& comm, const void* in, void* out, size_t count, DType dtype,
                                      double self_weight, std::span<const NeighborEdge> machine_srcs,
-                                     std::span<const NeighborEdge> machine_dsts, bool topo_check);
+                                     std::span<const NeighborEdge> machine_dsts, bool topo_check,
+                                     NeighborScratch* scratch = nullptr);
 
 // out = self_weight * in + sum_k weights[k] * srcs[k] over count elements (a kernel of the ops
 // above, exposed for tests). in may alias out; srcs may not.

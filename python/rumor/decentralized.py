@@ -58,6 +58,15 @@ class _Topologies:
         self.weighted = False
         self.machine_topo = ExponentialGraph(machine_size)
         self.machine_weighted = False
+        # One reusable receive/scale buffer set per communicator (group id), so repeated calls
+        # do not allocate and fault in fresh pages; a communicator runs one operation at a time.
+        self.scratch = {}
+
+    def scratch_for(self, g: Group):
+        s = self.scratch.get(g.id)
+        if s is None:
+            s = self.scratch[g.id] = _C.NeighborScratch()
+        return s
 
 
 def _topologies() -> _Topologies:
@@ -248,8 +257,9 @@ def _neighbor_allreduce(t, self_weight, src_weights, dst_weights, enable_topo_ch
         dsts = _edges(dst_weights, g.ranks, me, what, "dst")
     buf = t if t.is_contiguous() else t.contiguous()
     out = torch.empty_like(buf)
+    scratch = _topologies().scratch_for(g)
     issue = lambda nb: _C.neighbor_allreduce(g._comm, address(buf), address(out), buf.numel(), code,
-                                                       sw, srcs, dsts, check, nb)
+                                             sw, srcs, dsts, check, nb, scratch)
     return _run(nonblocking, issue, (buf, out, t), lambda: out)
 
 
@@ -373,8 +383,9 @@ def _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enab
         dsts = _edges(dst_machine_weights, machines, m, what, "dst", "machine")
     buf = t if t.is_contiguous() else t.contiguous()
     out = torch.empty_like(buf)
+    scratch = _topologies().scratch_for(g)
     issue = lambda nb: _C.hierarchical_neighbor_allreduce(g._comm, address(buf), address(out), buf.numel(),
-                                                                    code, sw, srcs, dsts, check, nb)
+                                                          code, sw, srcs, dsts, check, nb, scratch)
     return _run(nonblocking, issue, (buf, out, t), lambda: out)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import networkx as nx
 import numpy as np
@@ -36,6 +36,7 @@ __all__ = [
     "MeshGrid2DGraph",
     "FullyConnectedGraph",
     "uniform_weights",
+    "metropolis_hastings_weights",
     "one_peer_exponential_schedule",
     "one_peer_machine_schedule",
     "one_peer_schedule",
@@ -65,6 +66,26 @@ def uniform_weights(adjacency) -> np.ndarray:
     np.fill_diagonal(a, True)
     w = a.astype(np.float64)
     return w / w.sum(axis=0, keepdims=True)
+
+
+def metropolis_hastings_weights(topo) -> "Topology":
+    """The same edges with Metropolis-Hastings weights W[i, j] = 1 / (1 + max(d_i, d_j)) on every
+    edge and the rest on the diagonal. For an undirected edge set (i -> j exactly when j -> i;
+    e.g. star, mesh, symmetric rings) W is symmetric and doubly stochastic, so averaging
+    converges to the exact mean even on irregular graphs, where uniform weights do not."""
+    t = topo if isinstance(topo, Topology) else Topology(topo)
+    n = t.size
+    adj = t.weights > 0
+    np.fill_diagonal(adj, False)
+    if not np.array_equal(adj, adj.T):
+        raise ValueError("rumor.topology.metropolis_hastings_weights: the edge set must be undirected "
+                         "(i -> j exactly when j -> i)")
+    deg = adj.sum(axis=1)
+    w = np.zeros((n, n))
+    for i, j in zip(*np.nonzero(adj)):
+        w[i, j] = 1.0 / (1 + max(deg[i], deg[j]))
+    w[np.diag_indices(n)] = 1.0 - w.sum(axis=1)
+    return Topology(w, name=t.name)
 
 
 class Topology:

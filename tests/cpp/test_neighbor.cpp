@@ -90,6 +90,35 @@ TEST_P(NeighborOps, DynamicMoveScalingAndInPlace) {
   expect_all_ok(errs);
 }
 
+TEST_P(NeighborOps, ReusedScratchAcrossSizesAndWeights) {
+  if (n() < 2) GTEST_SKIP() << "needs two ranks";
+  auto w = make_world(one_host(n()), quick_options(shm()));
+  const uint32_t size = n();
+  auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+    NeighborScratch scratch;
+    const uint32_t prev = (r + size - 1) % size, next = (r + 1) % size;
+    // Shrinking and growing sizes, and weights that need 0, 1 or 2 scaled copies, through one scratch.
+    for (size_t count : {size_t{5000}, size_t{3}, size_t{0}, size_t{12000}, size_t{7}}) {
+      for (double dw : {1.0, 0.5, 0.25}) {
+        std::vector<float> x(count), y(count, -1.0f);
+        for (size_t i = 0; i < count; ++i) x[i] = value(r, i);
+        std::vector<NeighborEdge> srcs = {{prev, 1.0}}, dsts = {{next, dw}};
+        if (size > 2) {
+          srcs.push_back({(r + 2) % size, 2.0});
+          dsts.push_back({(r + size - 2) % size, 1.0 - dw + 0.5});
+        }
+        neighbor_allreduce(c, x.data(), y.data(), count, DType::F32, 0.5, srcs, dsts, false, &scratch);
+        for (size_t i = 0; i < count; ++i) {
+          float want = 0.5f * value(r, i) + static_cast<float>(dw) * value(prev, i);
+          if (size > 2) want += 2.0f * static_cast<float>(1.0 - dw + 0.5) * value((r + 2) % size, i);
+          ASSERT_EQ(y[i], want) << "count " << count << " dw " << dw << " i " << i;
+        }
+      }
+    }
+  });
+  expect_all_ok(errs);
+}
+
 TEST_P(NeighborOps, HalfTypesAccumulateInFloat) {
   if (n() < 2) GTEST_SKIP() << "needs two ranks";
   auto w = make_world(one_host(n()), quick_options(shm()));
@@ -290,6 +319,26 @@ TEST(NeighborHierarchical, TwoHostsTwoRanksEach) {
     for (size_t i = 0; i < x.size(); ++i) {
       float m0 = (value(0, i) + value(1, i)) / 2, m1 = (value(2, i) + value(3, i)) / 2;
       ASSERT_EQ(y[i], 0.5f * m0 + 0.5f * m1);
+    }
+  });
+  expect_all_ok(errs);
+}
+
+TEST(NeighborHierarchical, UnevenInterleavedHostsOverTcp) {
+  // Hosts by rank: A B A B B. Machine 0 = {0, 2}, machine 1 = {1, 3, 4} (first-appearance
+  // order); shared memory off, so the local steps run over TCP too.
+  auto w = make_world({"A", "B", "A", "B", "B"}, quick_options(false));
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    const uint32_t machine = (r == 0 || r == 2) ? 0 : 1, other = 1 - machine;
+    std::vector<NeighborEdge> srcs = {{other, 0.25}}, dsts = {{other, 2.0}};
+    std::vector<double> x(777), y(777);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = value(r, i);
+    hierarchical_neighbor_allreduce(c, x.data(), y.data(), x.size(), DType::F64, 0.5, srcs, dsts, true);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double m0 = (value(0, i) + value(2, i)) / 2.0;
+      const double m1 = (value(1, i) + value(3, i) + value(4, i)) / 3.0;
+      const double mine = machine == 0 ? m0 : m1, theirs = machine == 0 ? m1 : m0;
+      ASSERT_NEAR(y[i], 0.5 * mine + 0.25 * 2.0 * theirs, 1e-12) << "rank " << r << " i " << i;
     }
   });
   expect_all_ok(errs);

@@ -101,6 +101,15 @@ def static_rank():
     # Ranks that set different topologies all get the same ValueError.
     chk.raises(ValueError, lambda: rumor.set_topology(T.StarGraph(n) if r == 1 else T.FullyConnectedGraph(n)),
                "different topologies", match="ranks [1]")
+    # A networkx DiGraph (as BlueFog's topology functions return) is accepted as it is.
+    rumor.set_topology(T.RingGraph(n, 2).graph, is_weighted=True)
+    chk.check(rumor.load_topology() == T.RingGraph(n, 2), "set_topology from a DiGraph")
+    chk.close(rumor.neighbor_allreduce(values[r]), _expected(T.RingGraph(n, 2).weights, values, r), "DiGraph")
+    # A nonblocking call owns its buffers: the caller may drop its tensor before waiting.
+    tmp = values[r].clone()
+    h = rumor.neighbor_allreduce_nonblocking(tmp)
+    del tmp
+    chk.close(h.wait(), _expected(T.RingGraph(n, 2).weights, values, r), "input dropped before wait")
     # Non-contiguous input.
     xt = values[r].t()
     rumor.set_topology(T.RingGraph(n))

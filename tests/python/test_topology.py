@@ -243,3 +243,20 @@ def test_inner_outer_schedules(world, local):
                 if lr == k % local and machines > 1 and make is T.inner_outer_ring_schedule:
                     assert sends == [((m + 1) % machines) * local + lr]
                     assert recvs == [((m - 1) % machines) * local + lr]
+
+
+def test_metropolis_hastings_weights():
+    for topo in (T.StarGraph(5), T.MeshGrid2DGraph(6), T.RingGraph(7), T.SymmetricExponentialGraph(9)):
+        mh = T.metropolis_hastings_weights(topo)
+        assert _edges(mh) == _edges(topo)
+        assert mh.is_symmetric and mh.is_doubly_stochastic() and mh.spectral_gap() > 0
+        i, j = next(iter(sorted(_edges(topo))))
+        assert mh.weights[i, j] == pytest.approx(1 / (1 + max(topo.out_degree(i), topo.out_degree(j))))
+        # Repeated averaging reaches the exact mean (uniform weights on a star do not).
+        x = np.arange(topo.size, dtype=np.float64) ** 2
+        y = np.linalg.matrix_power(mh.mixing_matrix, 400) @ x
+        np.testing.assert_allclose(y, x.mean(), rtol=1e-9)
+    star = T.StarGraph(5)
+    assert not np.allclose(np.linalg.matrix_power(star.mixing_matrix, 400) @ np.arange(5.0), 2.0)
+    with pytest.raises(ValueError, match="undirected"):
+        T.metropolis_hastings_weights(T.RingGraph(5, 2))
