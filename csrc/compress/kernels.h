@@ -3,9 +3,12 @@
 // themselves trust their arguments. Both sets must produce the same encoded bytes for the same
 // input (tests compare them), so every floating-point step whose rounding could differ between a
 // scalar and a vector loop is pinned down here:
-//  - chunk sums (QSGD norm, sign scale) are taken in double over 8 interleaved lanes (element j
-//    of a chunk goes to lane j % 8) and the lanes are combined as ((0+1)+(2+3))+((4+5)+(6+7));
-//  - QSGD's stochastic rounding is floor(fma(|x|, s / norm, u)), one fused rounding in both;
+//  - chunk sums (QSGD norm, sign scale) are taken over 32 interleaved lanes (element j of a
+//    chunk goes to lane j % 32), combined in the fixed order of detail::combine_lanes: in
+//    double, or for QSGD first in float with explicit fused multiply-adds (see sumsq_f32_ok);
+//  - QSGD's stochastic rounding is floor(fma(|x|, s / norm, u)) (one fused rounding in both;
+//    for a chunk whose norm is below 2^-100, where s / norm could overflow, it is
+//    floor(fma(|x| / norm, s, u)));
 //  - MinMaxU8 rounds (x - min) * (255 / (max - min)) to nearest even.
 #pragma once
 
@@ -60,6 +63,9 @@ QsgdKey qsgd_key(uint64_t seed);
 // Internal linkage for the same reason as elem.h: each kernel unit gets its own copy.
 namespace {
 
+// Whether QSGD multiplies by s / norm (finite for such a norm) rather than divides by norm.
+inline bool qsgd_multiply(float norm) { return norm >= 0x1p-100f; }
+
 inline uint32_t mix32(uint32_t x) {
   // A 32-bit integer finalizer (two multiply-xorshift rounds); cheap to vectorize with AVX2's
   // 32-bit multiplies, unlike 64-bit mixers.
@@ -71,9 +77,12 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
+// One finalizer round over the keyed index: a bijection of the low index word for a given seed
+// (no two of 2^32 consecutive elements share a draw), a different one per seed. One round
+// rather than two halves QSGD's encode cost and is ample for choosing between two levels.
 inline uint32_t qsgd_hash(QsgdKey k, uint64_t index) {
-  uint32_t hi = static_cast<uint32_t>(index >> 32) * 0x9e3779b9u;
-  return mix32(mix32(static_cast<uint32_t>(index) ^ k.k0) ^ k.k1 ^ hi);
+  const uint32_t hi = static_cast<uint32_t>(index >> 32) * 0x9e3779b9u;
+  return mix32((static_cast<uint32_t>(index) + k.k1) ^ (k.k0 ^ hi));
 }
 
 // 24 random bits scaled into [0, 1): exactly representable, never 1.

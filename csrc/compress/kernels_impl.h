@@ -24,6 +24,34 @@ namespace {
 // result as the vector convert instruction in its default rounding mode, without a libm call.
 inline float round_even(float v) { return (v + 0x1.8p23f) - 0x1.8p23f; }
 
+// A chunk of finite values whose max - min overflows float32 (values of both signs near the
+// float32 limit). Such chunks are quantized and decoded in double, where the range is finite,
+// by these per-element loops, which both kernel sets share: (a - b) * c leaves a compiler no
+// multiply-add to fuse, so the bytes match whatever instruction set compiles them.
+inline bool minmax_wide(float lo, float hi) {
+  return std::isinf(hi - lo) && std::isfinite(lo) && std::isfinite(hi);
+}
+
+template <DType D>
+void minmax_encode_wide(const void* in, size_t c0, size_t n, float lo, float hi, std::byte* codes) {
+  const double dlo = lo, inv = 255.0 / (static_cast<double>(hi) - dlo);
+  for (size_t j = 0; j < n; ++j) {
+    double v = (static_cast<double>(Elem<D>::load(in, c0 + j)) - dlo) * inv;
+    v = v > 0.0 ? v : 0.0;
+    v = v < 255.0 ? v : 255.0;
+    codes[c0 + j] = static_cast<std::byte>(static_cast<int>(std::nearbyint(v)));
+  }
+}
+
+template <DType D, bool Acc>
+void minmax_decode_wide(const std::byte* codes, size_t c0, size_t n, float lo, float hi, void* out) {
+  const double dlo = lo, step = (static_cast<double>(hi) - dlo) / 255.0;
+  for (size_t j = 0; j < n; ++j) {
+    const double q = static_cast<double>(static_cast<uint8_t>(codes[c0 + j]));
+    store<D, Acc>(out, c0 + j, narrow(dlo + q * step));
+  }
+}
+
 template <DType D>
 void minmax_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* scales, std::byte* codes) {
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
@@ -34,12 +62,17 @@ void minmax_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* sc
       lo = x < lo ? x : lo;
       hi = hi < x ? x : hi;
     }
-    const float range = hi - lo;
-    // A constant chunk (range 0) encodes every element as 0 and decodes exactly to min; an
-    // infinite or NaN range also gives 0 rather than feeding NaN into the integer conversion.
-    const float inv = range > 0.f && range < INFINITY ? 255.f / range : 0.f;
     store_f32(scales + 8 * ci, lo);
     store_f32(scales + 8 * ci + 4, hi);
+    if (minmax_wide(lo, hi)) {
+      minmax_encode_wide<D>(in, c0, n, lo, hi, codes);
+      continue;
+    }
+    const float range = hi - lo;
+    // A constant chunk (range 0) encodes every element as 0 and decodes exactly to min; an
+    // infinite or NaN range (non-finite input) also gives 0 rather than feeding NaN into the
+    // integer conversion.
+    const float inv = range > 0.f && range < INFINITY ? 255.f / range : 0.f;
     for (size_t j = 0; j < n; ++j) {
       float v = (Elem<D>::load(in, c0 + j) - lo) * inv;
       v = v > 0.f ? v : 0.f;  // also maps NaN to 0
@@ -54,8 +87,12 @@ void minmax_decode_t(const std::byte* scales, const std::byte* codes, size_t cou
                      void* out) {
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    const float lo = load_f32(scales + 8 * ci);
-    const float step = (load_f32(scales + 8 * ci + 4) - lo) / 255.f;
+    const float lo = load_f32(scales + 8 * ci), hi = load_f32(scales + 8 * ci + 4);
+    if (minmax_wide(lo, hi)) {
+      minmax_decode_wide<D, Acc>(codes, c0, n, lo, hi, out);
+      continue;
+    }
+    const float step = (hi - lo) / 255.f;
     for (size_t j = 0; j < n; ++j)
       store<D, Acc>(out, c0 + j, lo + static_cast<float>(static_cast<uint8_t>(codes[c0 + j])) * step);
   }
@@ -69,18 +106,29 @@ void qsgd_encode_t(const void* in, size_t count, uint32_t chunk, uint32_t levels
   const bool wide = levels > 127;
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    double lanes[8] = {};
+    float flanes[kSumLanes] = {};
     for (size_t j = 0; j < n; ++j) {
-      double x = Elem<D>::load(in, c0 + j);
-      lanes[j & 7] += x * x;  // exact in double for a float x, so fusing cannot change it
+      const float x = Elem<D>::load(in, c0 + j);
+      flanes[j % kSumLanes] = std::fma(x, x, flanes[j % kSumLanes]);
     }
-    const float norm = static_cast<float>(std::sqrt(combine_lanes(lanes)));
+    const float fsum = combine_lanes(flanes);
+    float norm = std::sqrt(fsum);
+    if (!sumsq_f32_ok(fsum)) {
+      double lanes[kSumLanes] = {};
+      for (size_t j = 0; j < n; ++j) {
+        const double x = Elem<D>::load(in, c0 + j);
+        lanes[j % kSumLanes] += x * x;  // exact in double for a float x, so fusing cannot change it
+      }
+      norm = narrow(std::sqrt(combine_lanes(lanes)));
+    }
     store_f32(scales + 4 * ci, norm);
+    const bool fast = qsgd_multiply(norm);
+    const float scale = s / norm;
     for (size_t j = 0; j < n; ++j) {
       const size_t i = c0 + j;
       const float x = Elem<D>::load(in, i);
-      // |x| / norm <= 1 up to rounding (a zero norm gives NaN, clamped to level 0 below).
-      float v = std::fma(std::fabs(x) / norm, s, qsgd_uniform(key, i));
+      const float u = qsgd_uniform(key, i);
+      float v = fast ? std::fma(std::fabs(x), scale, u) : std::fma(std::fabs(x) / norm, s, u);
       v = v > 0.f ? v : 0.f;
       v = v < s ? v : s;
       const uint32_t level = static_cast<uint32_t>(v);  // v >= 0: truncation is floor
@@ -124,9 +172,10 @@ template <DType D>
 void sign_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* scales, std::byte* bits) {
   for (size_t c0 = 0, ci = 0; c0 < count; c0 += chunk, ++ci) {
     const size_t n = std::min<size_t>(chunk, count - c0);
-    double lanes[8] = {};
-    for (size_t j = 0; j < n; ++j) lanes[j & 7] += std::fabs(static_cast<double>(Elem<D>::load(in, c0 + j)));
-    store_f32(scales + 4 * ci, static_cast<float>(combine_lanes(lanes) / static_cast<double>(n)));
+    double lanes[kSumLanes] = {};
+    for (size_t j = 0; j < n; ++j)
+      lanes[j % kSumLanes] += std::fabs(static_cast<double>(Elem<D>::load(in, c0 + j)));
+    store_f32(scales + 4 * ci, narrow(combine_lanes(lanes) / static_cast<double>(n)));
     // chunk is a multiple of 8, so every chunk starts on a byte of its own.
     for (size_t j = 0; j < n; j += 8) {
       unsigned byte = 0;
@@ -175,34 +224,34 @@ void cast_decode(const std::byte* codes, size_t count, void* out, DType dtype, b
   });
 }
 
-void minmax_encode(const void* in, DType dtype, size_t count, uint32_t chunk, std::byte* scales,
-                   std::byte* codes) {
+inline void minmax_encode(const void* in, DType dtype, size_t count, uint32_t chunk, std::byte* scales,
+                          std::byte* codes) {
   by_float_dtype(dtype, [&]<DType D>() { minmax_encode_t<D>(in, count, chunk, scales, codes); });
 }
-void minmax_decode(const std::byte* scales, const std::byte* codes, size_t count, uint32_t chunk, void* out,
-                   DType dtype, bool accumulate) {
+inline void minmax_decode(const std::byte* scales, const std::byte* codes, size_t count, uint32_t chunk,
+                          void* out, DType dtype, bool accumulate) {
   by_float_dtype(dtype, [&]<DType D>() {
     accumulate ? minmax_decode_t<D, true>(scales, codes, count, chunk, out)
                : minmax_decode_t<D, false>(scales, codes, count, chunk, out);
   });
 }
-void qsgd_encode(const void* in, DType dtype, size_t count, uint32_t chunk, uint32_t levels, uint64_t seed,
-                 std::byte* scales, std::byte* codes) {
+inline void qsgd_encode(const void* in, DType dtype, size_t count, uint32_t chunk, uint32_t levels,
+                        uint64_t seed, std::byte* scales, std::byte* codes) {
   by_float_dtype(dtype, [&]<DType D>() { qsgd_encode_t<D>(in, count, chunk, levels, seed, scales, codes); });
 }
-void qsgd_decode(const std::byte* scales, const std::byte* codes, size_t count, uint32_t chunk,
-                 uint32_t levels, void* out, DType dtype, bool accumulate) {
+inline void qsgd_decode(const std::byte* scales, const std::byte* codes, size_t count, uint32_t chunk,
+                        uint32_t levels, void* out, DType dtype, bool accumulate) {
   by_float_dtype(dtype, [&]<DType D>() {
     accumulate ? qsgd_decode_t<D, true>(scales, codes, count, chunk, levels, out)
                : qsgd_decode_t<D, false>(scales, codes, count, chunk, levels, out);
   });
 }
-void sign_encode(const void* in, DType dtype, size_t count, uint32_t chunk, std::byte* scales,
-                 std::byte* bits) {
+inline void sign_encode(const void* in, DType dtype, size_t count, uint32_t chunk, std::byte* scales,
+                        std::byte* bits) {
   by_float_dtype(dtype, [&]<DType D>() { sign_encode_t<D>(in, count, chunk, scales, bits); });
 }
-void sign_decode(const std::byte* scales, const std::byte* bits, size_t count, uint32_t chunk, void* out,
-                 DType dtype, bool accumulate) {
+inline void sign_decode(const std::byte* scales, const std::byte* bits, size_t count, uint32_t chunk,
+                        void* out, DType dtype, bool accumulate) {
   by_float_dtype(dtype, [&]<DType D>() {
     accumulate ? sign_decode_t<D, true>(scales, bits, count, chunk, out)
                : sign_decode_t<D, false>(scales, bits, count, chunk, out);

@@ -16,6 +16,7 @@ run without the GIL. See docs/compression.md for formats and error bounds.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Sequence, Union
 
 import torch
@@ -50,13 +51,16 @@ def _check_float_tensor(t, what: str) -> int:
     return dtype_code(t.dtype, what)
 
 
-def _numel(shape) -> int:
-    if isinstance(shape, int):
-        shape = (shape,)
-    dims = tuple(shape)
-    if any((not isinstance(d, int)) or d < 0 for d in dims):
-        raise ValueError(f"shape must be a sequence of non-negative ints, got {shape!r}")
-    return math.prod(dims)
+def _dims(shape) -> tuple:
+    try:
+        dims = (operator.index(shape),) if not isinstance(shape, (tuple, list, torch.Size)) else tuple(
+            operator.index(d) for d in shape
+        )
+    except TypeError:
+        raise ValueError(f"shape must be an int or a sequence of non-negative ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must be an int or a sequence of non-negative ints, got {shape!r}")
+    return dims
 
 
 class Codec:
@@ -80,14 +84,22 @@ class Codec:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         return self._c.encoded_bytes(numel)
 
-    def encode(self, tensor: torch.Tensor, seed: int = 0) -> torch.Tensor:
-        """Encodes ``tensor`` into a new 1-D ``torch.uint8`` tensor. ``seed`` drives QSGD's
-        stochastic rounding (same seed and input, same bytes); the other codecs ignore it."""
-        code = _check_float_tensor(tensor, f"{self.name}.encode")
+    def encode(self, tensor: torch.Tensor, seed: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encodes ``tensor`` into a 1-D ``torch.uint8`` tensor (a new one, or ``out``, which must
+        hold exactly ``encoded_bytes(tensor.numel())`` bytes). ``seed`` drives QSGD's stochastic
+        rounding (same seed and input, same bytes); the other codecs ignore it."""
+        who = f"{self.name}.encode"
+        code = _check_float_tensor(tensor, who)
         if not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         n = tensor.numel()
-        out = torch.empty(self._c.encoded_bytes(n), dtype=torch.uint8)
+        want = self._c.encoded_bytes(n)
+        if out is None:
+            out = torch.empty(want, dtype=torch.uint8)
+        elif not isinstance(out, torch.Tensor) or out.dtype != torch.uint8:
+            raise TypeError(f"{who}: out must be a torch.uint8 tensor")
+        elif out.device.type != "cpu" or not out.is_contiguous() or out.dim() != 1 or out.numel() != want:
+            raise ValueError(f"{who}: out must be a contiguous 1-D CPU tensor of {want} bytes")
         self._c.encode(tensor.data_ptr(), n, code, out.data_ptr(), out.numel(), seed)
         return out
 
@@ -116,8 +128,8 @@ class Codec:
             raise TypeError(f"{who}: buf must have dtype torch.uint8, got {buf.dtype}")
         if not buf.is_contiguous():
             raise ValueError(f"{who}: buf must be contiguous")
-        n = _numel(shape)
-        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        dims = _dims(shape)
+        n = math.prod(dims)
         if out is None:
             if accumulate:
                 raise ValueError(f"{who}: accumulate=True needs out=")

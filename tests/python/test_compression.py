@@ -211,6 +211,14 @@ def test_shapes_and_bytes_input():
     d = c.decode(bytes(b.numpy()), x.shape, dtype=torch.float64)
     assert d.shape == x.shape and torch.equal(d, x.to(torch.float16).to(torch.float64))
     assert C.MinMaxUInt8().encode(torch.tensor(2.5)).numel() == C.MinMaxUInt8().encoded_bytes(1)
+    y = torch.randn(6)
+    m = C.MinMaxUInt8()
+    assert m.decode(m.encode(y), np.int64(6)).shape == (6,)
+    assert m.decode(m.encode(y), [2, np.int32(3)]).shape == (2, 3)
+    with pytest.raises(ValueError, match="shape"):
+        m.decode(m.encode(y), (2, -3))
+    with pytest.raises(ValueError, match="shape"):
+        m.decode(m.encode(y), 6.0)
 
 
 def test_generic_isa_gives_identical_bytes():
@@ -232,3 +240,35 @@ def test_generic_isa_gives_identical_bytes():
         outs[isa] = r.stdout.split()
     assert outs["generic"][0] == "generic"
     assert outs["generic"][1] == outs["auto"][1]
+
+
+def test_encode_into_out():
+    x = torch.randn(1000)
+    c = C.QSGD(levels=64)
+    out = torch.empty(c.encoded_bytes(1000), dtype=torch.uint8)
+    assert c.encode(x, seed=4, out=out) is out
+    assert torch.equal(out, c.encode(x, seed=4))
+    with pytest.raises(ValueError, match="bytes"):
+        c.encode(x, out=torch.empty(out.numel() - 1, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        c.encode(x, out=torch.empty(out.numel(), dtype=torch.int8))
+
+
+def test_float64_input_rounds_through_float32_like_torch():
+    # Values that float32 rounding puts exactly on a float16/bfloat16 tie: torch (and the
+    # codecs) round float64 to float32 first, so these round down to even, not up.
+    x = torch.tensor([1 + 2**-11 + 2**-40, 1 + 2**-8 + 2**-40, -(1 + 2**-11 + 2**-40)], dtype=torch.float64)
+    for codec, dt in ((C.Float16(), torch.float16), (C.BFloat16(), torch.bfloat16)):
+        d = codec.decode(codec.encode(x), x.shape, dtype=dt)
+        assert torch.equal(d.view(torch.int16), x.to(dt).view(torch.int16))
+        assert torch.equal(d.view(torch.int16), x.float().to(dt).view(torch.int16))
+
+
+def test_minmax_extreme_range():
+    x = torch.tensor([3.0e38, -3.0e38, 1.0, -2.5e38] * 300)
+    c = C.MinMaxUInt8()
+    d = c.decode(c.encode(x), x.shape).double()
+    for a, b in chunks(x.numel(), 1024):
+        v = x[a:b].double()
+        rng = v.max().item() - v.min().item()
+        assert (d[a:b] - v).abs().max().item() <= rng / 510 + 4 * EPS * rng
