@@ -118,13 +118,14 @@ def rank_train(specs, steps):
         if spec["kind"] == "bad_args":
             out.append(_bad_args())
             continue
-        model = _net(100 + rank)  # rank-dependent: wrapping must broadcast rank 0's
+        dtype = getattr(torch, spec.get("dtype", "float64"))
+        model = _net(100 + rank, dtype)  # rank-dependent: wrapping must broadcast rank 0's
         alg = _make_alg(spec)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg, **SMALL)
         traj, mixed = [], []
         for t in range(steps):
-            x, y = _xy(t, rank)
+            x, y = _xy(t, rank, dtype)
             opt.zero_grad()
             _loss(ddp(x), y).backward()
             mixed.append(_flat_params(model))  # after the weight mix, before the step
@@ -291,12 +292,26 @@ SKEW4 = [[0.5, 0.2, 0.4, 0.0], [0.0, 0.8, 0.1, 0.0], [0.0, 0.0, 0.5, 0.5], [0.5,
 
 
 def test_decentralized_matches_simulation_4_ranks():
+    import torch
+
     steps = 4
     specs = [dict(kind="decentralized", sel=s, k=k) for s in ("all", "shift_one", "exp2") for k in (1, 2)]
     specs += [dict(kind="decentralized", sel=RING4), dict(kind="decentralized", sel=SKEW4, k=3),
               dict(kind="decentralized", sel="exp2", swap=True), dict(kind="decentralized", sel=SKEW4, k=2, swap=True)]
-    res = harness.run(rank_train, 4, timeout=90, args=(specs, steps))
+    half = [dict(kind="decentralized", sel=s, dtype=d) for s in ("all", "exp2") for d in ("bfloat16", "float16")]
+    res = harness.run(rank_train, 4, timeout=90, args=(specs + half, steps))
     chk = harness.Checker()
+    # Half-precision weights: the same rule within their precision (simulated in float64).
+    for hi, spec in enumerate(half):
+        si = len(specs) + hi
+        exp = _simulate_decentralized(spec["sel"], 4, 1)
+        for r in range(4):
+            want = exp[r][0].to(getattr(torch, spec["dtype"])).double()
+            chk.close(res[r][si]["traj"][0], want, f"Decentralized({spec['sel']}) {spec['dtype']}: rank {r} step 0",
+                      rtol=2e-2, atol=2e-2)
+            if spec["sel"] == "all":
+                chk.equal(res[r][si]["mixed"][0], res[0][si]["mixed"][0],
+                          f"Decentralized(all) {spec['dtype']}: rank {r}'s averaged weights equal rank 0's")
     for si, spec in enumerate(specs):
         got = [res[r][si]["traj"] for r in range(4)]
         what = f"Decentralized({spec['sel'] if isinstance(spec['sel'], str) else 'matrix'}, k={spec.get('k', 1)})"
