@@ -6,15 +6,18 @@ copies); this process compares against a single-process simulation of the docume
 rules (docs/decentralized_training.md), computed here in float64 on the same data:
 
 * Decentralized, each peer selection (4 ranks; shift_one also on 3), every step and every 2nd
-  step: each rank's parameters match the simulation (allclose, float64); "all" keeps ranks
-  bitwise identical;
+  step, weights copied back or re-pointed: each rank's parameters match the simulation
+  (allclose, float64); "all" gives every rank the same averaged bits; bfloat16 / float16
+  weights follow the rule within their precision;
 * hierarchical on RUMOR_HOST_ID-emulated hosts (2 hosts x 2 ranks; and 3 hosts of 2, 1, 1);
 * LowPrecisionDecentralized: a neighbour's replica of a rank equals that rank's tracked copy
   bitwise, and the parameters match a simulation that quantises with rumor's own MinMaxU8
   codec; training reaches a loss within 10% of GradientAllReduce's, as does Decentralized;
 * AdaptWithCombine / AdaptThenCombine: neighbour mixing shrinks the consensus distance,
   "empty" lets replicas drift apart, "allreduce" keeps them identical, weights set per step
-  are used (compared with a simulation).
+  are used (compared with a simulation); with "empty" a wrapper steps exactly like the plain
+  optimizer (state, hyper-parameters, hooks once per step, LR scheduler);
+* wrong arguments raise ValueError / TypeError.
 """
 from __future__ import annotations
 
