@@ -53,5 +53,6 @@ inline std::shared_ptr<Work> dispatch(Communicator& c, bool nonblocking, std::fu
 void bind_compression(py::module_& m);
 void bind_compressed_ops(py::module_& m);
 void bind_decentralized(py::module_& m);
+void bind_decentralized_ops(py::module_& m);
 
 }  // namespace rumor::bindings

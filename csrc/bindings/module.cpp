@@ -219,4 +219,5 @@ PYBIND11_MODULE(_C, m) {
   bind_compression(m);
   bind_compressed_ops(m);
   bind_decentralized(m);
+  bind_decentralized_ops(m);
 }

@@ -5,3 +5,5 @@ from .bytegrad import ByteGrad  # noqa: F401
 from .qsgd import QSGD  # noqa: F401
 from .low_precision import LowPrecision  # noqa: F401
 from .onebit_adam import OneBitAdam  # noqa: F401
+from .decentralized import Decentralized  # noqa: F401
+from .low_precision_decentralized import LowPrecisionDecentralized  # noqa: F401

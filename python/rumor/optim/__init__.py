@@ -1,2 +1,3 @@
-"""Optimizers that work with rumor's algorithms."""
+"""Optimizers and optimizer wrappers for distributed training (1-bit Adam, BlueFog-style combine)."""
 from .onebit_adam import OneBitAdam  # noqa: F401
+from .decentralized import AdaptThenCombine, AdaptWithCombine  # noqa: F401

@@ -1,0 +1,282 @@
+"""Decentralized SGD: every rank averages its WEIGHTS with a few peers instead of allreducing
+gradients (see docs/decentralized_training.md for the update rule and the peer schedules)."""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _C, _runtime
+from .._tensor import address, dtype_code
+from .base import Algorithm, default_bucket_plan
+
+PEER_SELECTIONS = ("all", "shift_one", "exp2")
+
+# (average_all, self_weight, [(src, weight)], [dst]) in the ranks of the communicator that mixes.
+Plan = Tuple[bool, float, List[Tuple[int, float]], List[int]]
+
+
+# ---- peer schedules (pure functions: the tests' reference uses the same ones) ---------------
+
+def shift_one_peer(n: int, rank: int, round_: int) -> Optional[int]:
+    """This rank's partner in communication round ``round_``, or None when it sits out.
+
+    A round-robin tournament (circle method): with n even every rank has a partner in every
+    round; with n odd one rank per round sits out (it pairs with a phantom). Over n' - 1
+    consecutive rounds (n' = n rounded up to even) every pair of ranks meets exactly once.
+    """
+    if n <= 1:
+        return None
+    n_even = n + (n % 2)
+    m = n_even - 1  # odd: the ranks that rotate; rank m (phantom when n is odd) stays put
+    r = round_ % m
+    if rank == m:
+        partner = r
+    elif rank == r:
+        partner = m
+    else:
+        partner = (2 * r - rank) % m
+    return None if partner >= n else partner
+
+
+def exp2_peers(n: int, rank: int, round_: int) -> Optional[Tuple[int, int]]:
+    """(send to, receive from) in round ``round_`` of the one-peer exponential graph: the
+    distance cycles through 1, 2, 4, ... (the powers of two below n)."""
+    if n <= 1:
+        return None
+    powers = max(1, math.ceil(math.log2(n)))
+    d = 2 ** (round_ % powers)
+    return (rank + d) % n, (rank - d) % n
+
+
+def topology_matrix(topology) -> torch.Tensor:
+    """The weight matrix of a topology as float64 [n, n], W[i, j] = weight of edge i -> j
+    (row = sender). Accepts a rumor.topology.Topology, a networkx graph (edge attribute
+    'weight', BlueFog style) or a square matrix (tensor, numpy array, nested lists) of finite
+    non-negative weights."""
+    import networkx as nx
+    import numpy as np
+
+    from ..topology import Topology
+
+    if isinstance(topology, torch.Tensor):
+        topology = topology.detach().cpu().double().numpy()
+    if not isinstance(topology, (Topology, nx.Graph, np.ndarray, list, tuple)):
+        raise TypeError("peer_selection: expected 'all', 'shift_one', 'exp2' or a topology (rumor.topology.Topology, "
+                        f"networkx graph or square weight matrix), got {type(topology).__name__}")
+    return torch.from_numpy(np.array(Topology(topology).weights, dtype=np.float64))
+
+
+def mixing_plan(peer_selection, n: int, rank: int, round_: int) -> Plan:
+    """What rank ``rank`` of ``n`` does in communication round ``round_``."""
+    if isinstance(peer_selection, str):
+        if peer_selection == "all":
+            return True, 1.0, [], []
+        if peer_selection == "shift_one":
+            p = shift_one_peer(n, rank, round_)
+            return (False, 1.0, [], []) if p is None else (False, 0.5, [(p, 0.5)], [p])
+        if peer_selection == "exp2":
+            peers = exp2_peers(n, rank, round_)
+            if peers is None:
+                return False, 1.0, [], []
+            dst, src = peers
+            return False, 0.5, [(src, 0.5)], [dst]
+        raise ValueError(f"unknown peer_selection {peer_selection!r}")
+    w = peer_selection if isinstance(peer_selection, torch.Tensor) else topology_matrix(peer_selection)
+    srcs = [(j, float(w[j, rank])) for j in range(n) if j != rank and float(w[j, rank]) != 0.0]
+    dsts = [j for j in range(n) if j != rank and float(w[rank, j]) != 0.0]
+    return False, float(w[rank, rank]), srcs, dsts
+
+
+def mixing_matrix(peer_selection, n: int, round_: int) -> torch.Tensor:
+    """W (float64, [n, n]) of one round: rank i's new weights are sum_j W[j, i] x_j."""
+    w = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        average_all, self_w, srcs, _ = mixing_plan(peer_selection, n, i, round_)
+        if average_all:
+            w[:, i] = 1.0 / n
+            continue
+        w[i, i] = self_w
+        for j, wj in srcs:
+            w[j, i] = wj
+    return w
+
+
+# ---- the algorithm --------------------------------------------------------------------------
+
+def _check_interval(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"communication_interval must be an integer >= 1, got {k!r}")
+    return k
+
+
+def _host_layout(group) -> Tuple[int, int, int]:
+    """(number of hosts, this rank's host index, ranks on this host) for a group, with hosts
+    in order of their lowest rank: the order of the C++ core's host-leader communicator."""
+    st = _runtime._get()
+    hosts: List[str] = []
+    for r in group.ranks:
+        if st.hosts[r] not in hosts:
+            hosts.append(st.hosts[r])
+    mine = st.hosts[st.env.rank]
+    return len(hosts), hosts.index(mine), sum(1 for r in group.ranks if st.hosts[r] == mine)
+
+
+class FlatWeights:
+    """Trainable parameters regrouped into flat buffers of one dtype each (the parameters
+    become views into them), so that a weight exchange sends one message per buffer."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, what: str,
+                 dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16)):
+        self.params = list(params)
+        for p in self.params:
+            if p.dtype not in dtypes:
+                names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+                raise TypeError(f"{what}: parameters must be one of {names}, got {p.dtype}")
+        self.groups: List[List[int]] = default_bucket_plan(self.params, cap_bytes, cap_bytes)
+        self.flats: List[torch.Tensor] = []
+        for idx in self.groups:
+            total = sum(self.params[i].numel() for i in idx)
+            flat = torch.empty(total, dtype=self.params[idx[0]].dtype)
+            self.flats.append(flat)
+        self._views: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        self.repoint(copy=True)
+
+    def repoint(self, copy: bool) -> None:
+        """Makes every parameter a view into its flat buffer (copying its values in if asked)."""
+        with torch.no_grad():
+            for flat, idx in zip(self.flats, self.groups):
+                off = 0
+                for i in idx:
+                    p = self.params[i]
+                    view = flat[off:off + p.numel()].view_as(p)
+                    if copy:
+                        view.copy_(p.data)
+                    p.data = view
+                    self._views[i] = view
+                    off += p.numel()
+
+    def ensure_views(self) -> None:
+        """If someone replaced a parameter's .data (e.g. load_state_dict(assign=True)), copies
+        the new values into the flat buffer and points the parameter back at it."""
+        for i, p in enumerate(self.params):
+            v = self._views[i]
+            if p.data_ptr() != v.data_ptr() or p.shape != v.shape:
+                with torch.no_grad():
+                    v.copy_(p.data)
+                    p.data = v
+
+
+class Decentralized(Algorithm):
+    """Decentralized SGD: ranks average model weights with peers; gradients stay local.
+
+    Each step that communicates (every ``communication_interval``-th), the exchange of the
+    current weights x_t starts on the comm thread before forward and runs while forward and
+    backward compute the local gradient g_t at x_t. At the end of backward the mixed weights
+    replace the parameters, and ``optimizer.step()`` then applies g_t to them::
+
+        x_{t+1} = sum_j W_t[j, i] * x_t^(j)  -  (optimizer update from g_t^(i))
+
+    peer_selection (W_t):
+      "all"        average over every rank (an allreduce of the weights: every rank holds the same
+                   bits before it applies its own gradient)
+      "shift_one"  one peer per step, 1/2 each; a round-robin pairing that changes every
+                   communication and also works for an odd number of ranks (one sits out)
+      "exp2"       one-peer exponential graph: send to rank + 2^k, receive from rank - 2^k,
+                   k cycling over the powers of two below the world size; 1/2 each
+      a topology   static: W from a rumor.topology.Topology (W[i, j] = weight of edge i -> j),
+                   a networkx DiGraph or a square matrix; its size must be the world size
+                   (or the number of hosts when hierarchical)
+    hierarchical: average inside each host over shared memory first, mix among one leader per
+      host (the schedules then run over hosts), broadcast inside the host. On a single host
+      that is an exact average over all ranks whatever the peer selection.
+    """
+
+    _SWAP_MIN_MEAN = 16384  # elements per parameter from which the buffers swap roles
+
+    def __init__(self, peer_selection="all", communication_interval: int = 1, hierarchical: bool = True):
+        if isinstance(peer_selection, str):
+            if peer_selection not in PEER_SELECTIONS:
+                raise ValueError(f"Decentralized: unknown peer_selection {peer_selection!r}; expected one of "
+                                 f"{', '.join(PEER_SELECTIONS)} or a topology")
+            self._matrix = None
+        else:
+            self._matrix = topology_matrix(peer_selection)
+        self.peer_selection = peer_selection
+        self.communication_interval = _check_interval(communication_interval)
+        self.hierarchical = bool(hierarchical)
+        self.step = 0       # backward passes so far
+        self.rounds = 0     # communications so far
+        self._pending = None
+
+    # The communicator that runs the schedule: hosts when hierarchical, else ranks.
+    def _layout(self, ddp) -> Tuple[int, int]:
+        if self.hierarchical:
+            hosts, host, _ = _host_layout(ddp.group)
+            return hosts, host
+        return ddp.group.size(), ddp.group.rank()
+
+    def init(self, ddp) -> None:
+        n, _ = self._layout(ddp)
+        if self._matrix is not None and self._matrix.shape[0] != n:
+            hint = (" (with hierarchical=True the topology is over hosts; pass hierarchical=False to mix ranks)"
+                    if self.hierarchical else "")
+            unit = "hosts" if self.hierarchical else "ranks"
+            raise ValueError(f"Decentralized: the topology has {self._matrix.shape[0]} nodes but the job has {n} "
+                             f"{unit}{hint}")
+        self._flat = FlatWeights(ddp._params, ddp._cap_bytes, "Decentralized")
+        # Two buffer sets: the parameters live in one while the mix writes into the other;
+        # after the mix the parameters are re-pointed at the output (no copy of the model).
+        self._bufs = [list(self._flat.flats), [torch.empty_like(f) for f in self._flat.flats]]
+        self._ops = [[_C.WeightMixOp(address(a), address(b), a.numel(), dtype_code(a.dtype, "Decentralized"),
+                                     self.hierarchical) for a, b in zip(self._bufs[c], self._bufs[1 - c])]
+                     for c in (0, 1)]
+        self._cur = 0  # which buffer set holds the parameters
+        # Re-pointing costs ~10 us per parameter, copying ~1 ms per 4 MB: re-point when the
+        # parameters are large on average, copy the output back when they are many and small.
+        total = sum(p.numel() for p in ddp._params)
+        self._swap = total >= self._SWAP_MIN_MEAN * max(1, len(ddp._params))
+
+    def bucket_op(self, ddp, bucket):
+        return _C.local_op()
+
+    def plan(self, ddp, round_: int) -> Plan:
+        n, me = self._layout(ddp)
+        sel = self._matrix if self._matrix is not None else self.peer_selection
+        return mixing_plan(sel, n, me, round_)
+
+    def before_forward(self, ddp) -> None:
+        if self._pending is not None or not torch.is_grad_enabled():
+            return
+        if self.step % self.communication_interval != 0:
+            return
+        self._flat.ensure_views()
+        average_all, self_w, srcs, dsts = self.plan(ddp, self.rounds)
+        self._pending = _C.weight_mix(ddp.group._comm, self._ops[self._cur], average_all, self_w, srcs, dsts, True)
+
+    def __del__(self):
+        # The comm thread may still be reading the weight buffers and writing the output
+        # buffers, which this object owns: let it finish before they are freed.
+        work = getattr(self, "_pending", None)
+        if work is not None:
+            try:
+                work.wait(60.0)
+            except Exception:  # noqa: BLE001 - the error belongs to a step nobody waits for
+                pass
+
+    def after_backward(self, ddp) -> None:
+        self.step += 1
+        work, self._pending = self._pending, None
+        if work is None:
+            return
+        work.wait(ddp._timeout)
+        if self._swap:
+            self._cur = 1 - self._cur
+            self._flat.flats = self._bufs[self._cur]
+            self._flat.repoint(copy=False)
+        else:
+            with torch.no_grad():
+                for flat, out in zip(self._bufs[self._cur], self._bufs[1 - self._cur]):
+                    flat.copy_(out)
+        self.rounds += 1

@@ -1,0 +1,82 @@
+"""Low-precision decentralized SGD: ring neighbours exchange 8-bit (MinMaxU8) compressed
+model differences and keep replicas of each other's weights (see docs/decentralized_training.md)."""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from .._tensor import address, dtype_code
+from .base import Algorithm
+from .decentralized import FlatWeights, _check_interval
+
+
+class LowPrecisionDecentralized(Algorithm):
+    """Decentralized SGD on a ring with compressed communication (difference compression with
+    error compensation, the scheme of Bagua's low-precision decentralized SGD).
+
+    Every rank i keeps its weights x, its tracked copy xh (what its neighbours believe x to be;
+    initially x) and replicas xh_l, xh_r of its left and right ring neighbours' tracked copies.
+    A communicating step (every ``communication_interval``-th, after ``optimizer.step()``
+    turned x into y)::
+
+        x   = y + w * (xh_l + xh_r) - 2 * w * xh          (w = 1/3; on a ring of two: w = 1/2
+                                                           and the one neighbour counts once)
+        q   = MinMaxU8(x - xh);   xh += decode(q)
+        send q to both neighbours; xh_l += decode(q_l); xh_r += decode(q_r)
+
+    The exchange of q runs on the comm thread while the next forward and backward compute;
+    the next communicating step waits for it. Quantisation error is not lost: x - xh carries it
+    into the next difference. Steps that do not communicate only apply the optimizer.
+
+    hierarchical: ranks of a host average their weights over shared memory, the ring runs over
+    one leader per host, and the leader's result is broadcast inside the host (on a single host:
+    an exact average, no ring).
+
+    Needs the optimizer: ``DistributedDataParallel(model, optimizer=opt, algorithm=...)``.
+    Parameters must be float32 or float64.
+    """
+
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1, chunk: int = 0):
+        self.hierarchical = bool(hierarchical)
+        self.communication_interval = _check_interval(communication_interval)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"LowPrecisionDecentralized: chunk must be an integer >= 0, got {chunk!r}")
+        self.chunk = chunk
+        self.step = 0
+        self._pending = None
+
+    def init(self, ddp) -> None:
+        if ddp.optimizer is None:
+            raise ValueError("LowPrecisionDecentralized mixes weights after optimizer.step(): pass the optimizer "
+                             "to rumor.DistributedDataParallel(..., optimizer=opt)")
+        self._flat = FlatWeights(ddp._params, ddp._cap_bytes, "LowPrecisionDecentralized",
+                                 dtypes=(torch.float32, torch.float64))
+        self.ops = [_C.LowPrecisionMixOp(address(f), f.numel(), dtype_code(f.dtype, "LowPrecisionDecentralized"),
+                                         self.hierarchical, self.chunk)
+                    for f in self._flat.flats]
+
+    def bucket_op(self, ddp, bucket):
+        return _C.local_op()
+
+    def _wait(self, ddp) -> None:
+        work, self._pending = self._pending, None
+        if work is not None:
+            work.wait(ddp._timeout)
+
+    def after_backward(self, ddp) -> None:
+        # The previous exchange ran behind this forward and backward; surface its errors here.
+        self._wait(ddp)
+
+    def after_step(self, ddp) -> None:
+        step, self.step = self.step, self.step + 1
+        if step % self.communication_interval != 0:
+            return
+        self._wait(ddp)
+        self._flat.ensure_views()
+        comm = ddp.group._comm
+        _C.low_precision_prepare(comm, self.ops)
+        self._pending = _C.low_precision_exchange(comm, self.ops, True)
+
+    def synchronize(self, ddp) -> None:
+        """Waits for the exchange in flight (before checkpointing the replicas, say)."""
+        self._wait(ddp)

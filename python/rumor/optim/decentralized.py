@@ -1,0 +1,211 @@
+"""BlueFog-style decentralized optimizer wrappers: Adapt-With-Combine and Adapt-Then-Combine.
+
+Both wrap a torch optimizer (the result is an instance of a subclass of the optimizer's own
+class, sharing its parameter groups) and mix each rank's parameters with its neighbours':
+
+    AdaptWithCombine:  x_{k+1} = combine(x_k) - (optimizer update from g(x_k))
+    AdaptThenCombine:  x_{k+1} = combine(x_k - (optimizer update from g(x_k)))
+
+combine() is chosen by ``communication``:
+    "neighbor_allreduce"               self_weight * x + sum_j w_j x_j over in-neighbours: the
+                                       topology of rumor.set_topology(), or the weights set on
+                                       the optimizer for this step (dynamic topologies)
+    "hierarchical_neighbor_allreduce"  average inside each machine, then the same over machines
+                                       (rumor.set_machine_topology(); weights keyed by machine)
+    "allreduce"                        the average over all ranks
+    "empty"                            no communication (each rank trains alone)
+
+The weights used by the next communication are the attributes ``self_weight``,
+``src_weights`` ({rank: weight}) and ``dst_weights`` ([rank] or {rank: weight}); all None means
+the static topology. They may be changed before every step.
+
+Overlap: AdaptWithCombine starts the exchange of x_k in a forward pre-hook of ``model`` (the
+parameters are read-only until step()), so it runs while forward and backward compute; step()
+waits for it, writes the combined values into the parameters and applies the optimizer.
+AdaptThenCombine starts the exchange of the updated parameters at the end of step(); the result
+is written into the parameters by the model's next forward pre-hook (or by ``synchronize()``,
+or the next step()), so it overlaps whatever the training loop does in between.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Dict, List, Optional
+
+import torch
+
+from .. import collectives
+from .. import decentralized as _dec
+
+COMMUNICATIONS = ("neighbor_allreduce", "hierarchical_neighbor_allreduce", "allreduce", "empty")
+
+
+class _Combine:
+    """The methods shared by both wrappers (mixed into a subclass of the wrapped optimizer's
+    class, as BlueFog and Horovod do, so isinstance checks and LR schedulers keep working)."""
+
+    _atc = False
+    _base: type = torch.optim.Optimizer  # the wrapped optimizer's class (set per subclass)
+
+    def __init__(self, *args, **kwargs):
+        # Python calls __init__ on what AdaptWithCombine(...) returned: it was built already.
+        pass
+
+    def _setup(self, model: torch.nn.Module, communication: str, num_steps_per_communication: int) -> None:
+        self._model = model
+        self.communication = communication
+        self.num_steps_per_communication = num_steps_per_communication
+        self.self_weight: Optional[float] = None
+        self.src_weights: Optional[Dict[int, float]] = None
+        self.dst_weights = None
+        self.enable_topo_check = True
+        self._comm_steps = 0  # step() calls so far
+        self._pending = None  # (handle, flat groups) of the exchange in flight
+        self._in_step = False  # a closure's forward inside step() must not start an exchange
+        # Parameters in model order, grouped by dtype: one message per dtype and step.
+        named = [p for p in model.parameters() if p.requires_grad]
+        in_opt = {id(p) for g in self.param_groups for p in g["params"]}
+        self._params = [p for p in named if id(p) in in_opt]
+        if not self._params:
+            raise ValueError(f"{type(self).__name__}: the optimizer holds none of the model's trainable parameters")
+        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        for p in self._params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self._groups = [by_dtype[d] for d in sorted(by_dtype, key=str)]
+        self._hook = model.register_forward_pre_hook(self._forward_pre_hook)
+
+    # ---- communication ------------------------------------------------------------------------
+
+    def _communicates_now(self) -> bool:
+        return self.communication != "empty" and self._comm_steps % self.num_steps_per_communication == 0
+
+    def _launch(self):
+        """Starts combining the current parameter values; returns what _finish needs."""
+        handles = []
+        for ps in self._groups:
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
+            handles.append((self._start(flat), ps))
+        return handles
+
+    def _start(self, flat: torch.Tensor):
+        c = self.communication
+        if c == "allreduce":
+            return collectives.allreduce_nonblocking(flat)
+        dynamic = self.dst_weights is not None
+        kw = {}
+        if self.self_weight is not None or self.src_weights is not None or dynamic:
+            kw = dict(self_weight=self.self_weight)
+        if c == "neighbor_allreduce":
+            if kw:
+                kw.update(src_weights=self.src_weights, dst_weights=self.dst_weights)
+            return _dec.neighbor_allreduce_nonblocking(flat, enable_topo_check=self.enable_topo_check, **kw)
+        if kw:
+            kw.update(src_machine_weights=self.src_weights, dst_machine_weights=self.dst_weights)
+        return _dec.hierarchical_neighbor_allreduce_nonblocking(flat, enable_topo_check=self.enable_topo_check, **kw)
+
+    @staticmethod
+    def _finish(pending) -> None:
+        with torch.no_grad():
+            for handle, ps in pending:
+                out = collectives.synchronize(handle)
+                off = 0
+                for p in ps:
+                    n = p.numel()
+                    p.copy_(out[off:off + n].view_as(p))
+                    off += n
+
+    def synchronize(self) -> None:
+        """Waits for the exchange in flight and writes its result into the parameters."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._finish(pending)
+
+    # ---- hooks and step -------------------------------------------------------------------------
+
+    def _forward_pre_hook(self, module, args):
+        if self._in_step:
+            return
+        if self._atc:
+            self.synchronize()  # this forward must see the combined parameters
+        elif self._pending is None and torch.is_grad_enabled() and self._communicates_now():
+            self._pending = self._launch()
+
+    def step(self, closure=None):
+        # The wrapped class's own step, without torch's hook wrapper: this step() already runs
+        # the optimizer's step hooks once.
+        base_step = self._base.step
+        base_step = base_step.__wrapped__ if getattr(base_step, "hooked", False) else base_step
+        if self._atc or self._communicates_now():
+            if not self._atc and self._pending is None:  # no forward through the model since the last step
+                self._pending = self._launch()
+            self.synchronize()
+        self._in_step = True
+        try:
+            loss = base_step(self, closure)
+        finally:
+            self._in_step = False
+        if self._atc and self._communicates_now():
+            self._pending = self._launch()
+        self._comm_steps += 1
+        return loss
+
+    def remove_hooks(self) -> None:
+        """Detaches the forward pre-hook from the model (after synchronize())."""
+        self._hook.remove()
+
+
+def _wrap(kind: type, optimizer, model, communication, num_steps_per_communication):
+    name = kind.__name__
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"rumor.optim.{name}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"rumor.optim.{name}: expected a torch.nn.Module as model, got {type(model).__name__}")
+    if communication not in COMMUNICATIONS:
+        raise ValueError(f"rumor.optim.{name}: unknown communication {communication!r}; expected one of "
+                         f"{', '.join(COMMUNICATIONS)}")
+    k = num_steps_per_communication
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"rumor.optim.{name}: num_steps_per_communication must be an integer >= 1, got {k!r}")
+    base = type(optimizer)
+    cls = type(f"{name}({base.__name__})", (kind, base), {"_base": base})
+    opt = cls.__new__(cls)
+    # Construct the new optimizer over the same parameter groups (their hyper-parameters
+    # included) and carry over any state the wrapped one already has.
+    # Some optimizers keep defaults that their constructor does not take (AdamW's
+    # decoupled_weight_decay): pass only what it accepts, then restore the full defaults.
+    sig = inspect.signature(base.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in sig}
+    base.__init__(opt, optimizer.param_groups, **kwargs)
+    opt.defaults = dict(optimizer.defaults)
+    opt.load_state_dict(optimizer.state_dict())
+    opt._setup(model, communication, k)
+    return opt
+
+
+class AdaptWithCombine(_Combine):
+    """x_{k+1} = combine(x_k) - (update from g(x_k)); the exchange overlaps forward and backward.
+
+    ``rumor.optim.AdaptWithCombine(optimizer, model, communication="neighbor_allreduce",
+    num_steps_per_communication=1)`` returns the wrapped optimizer (see the module doc)."""
+
+    _atc = False
+
+    def __new__(cls, optimizer=None, model=None, communication="neighbor_allreduce", num_steps_per_communication=1):
+        if cls is not AdaptWithCombine:  # the dynamic subclass being created by _wrap
+            return super().__new__(cls)
+        return _wrap(AdaptWithCombine, optimizer, model, communication, num_steps_per_communication)
+
+
+class AdaptThenCombine(_Combine):
+    """x_{k+1} = combine(x_k - update from g(x_k)); the exchange runs after step() until the
+    model's next forward (or synchronize()).
+
+    ``rumor.optim.AdaptThenCombine(optimizer, model, communication="neighbor_allreduce",
+    num_steps_per_communication=1)`` returns the wrapped optimizer (see the module doc)."""
+
+    _atc = True
+
+    def __new__(cls, optimizer=None, model=None, communication="neighbor_allreduce", num_steps_per_communication=1):
+        if cls is not AdaptThenCombine:
+            return super().__new__(cls)
+        return _wrap(AdaptThenCombine, optimizer, model, communication, num_steps_per_communication)
