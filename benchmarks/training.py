@@ -92,14 +92,19 @@ def _algorithm(key: str, opt):
     }[key]()
 
 
+def _warmup_steps(key: str, cfg) -> int:
+    return max(cfg["warmup"], cfg["onebit_freeze"]) if key == "onebit_adam" else cfg["warmup"]
+
+
 def _optimizer(key: str, model, cfg):
     import torch
 
     if key == "onebit_adam":
         import rumor.optim
 
-        # frozen variance (the compressed phase) from the first measured step on
-        return rumor.optim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=cfg["warmup"])
+        # frozen variance (the compressed phase) from the first measured step on; the warm-up
+        # steps of this variant are its full-precision Adam steps
+        return rumor.optim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=_warmup_steps(key, cfg))
     return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
 
 
@@ -165,10 +170,10 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     times = {v: [] for v in names}
     losses = {v: [] for v in names}
     warm = {v: [] for v in names}
-    total = len(names) * (cfg["warmup"] + cfg["iters"])
+    total = sum(_warmup_steps(v, cfg) + cfg["iters"] for v in names)
     done = 0
     for v in names:
-        for _ in range(cfg["warmup"]):
+        for _ in range(_warmup_steps(v, cfg)):
             dist.barrier()
             t0 = time.perf_counter()
             step(v, counts[v])
@@ -228,7 +233,7 @@ class Job(_common.Job):
     def config(self) -> Dict:
         a = self.args
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, block=a.block, lr=a.lr,
-                    seed=a.seed, algorithms=algorithm_list(a, self))
+                    seed=a.seed, algorithms=algorithm_list(a, self), onebit_freeze=a.onebit_freeze)
 
     def on_message(self, kind: str, data) -> None:
         if kind == "progress":
@@ -384,6 +389,8 @@ def main(argv=None) -> int:
                     help="also rumor GradientAllReduce(hierarchical=True) (with several ranks per host)")
     ap.add_argument("--algorithms", default="rumor",
                     help=f"comma list of rumor variants to run beside compute-only and torch DDP: {list(ALGORITHMS)}")
+    ap.add_argument("--onebit-freeze", type=int, default=10,
+                    help="onebit_adam: full-precision Adam steps (its warm-up) before the variance is frozen")
     ap.add_argument("--tag", default="", help="suffix for the JSON/PNG file names")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
     ap.add_argument("--batch", default="", help="per-rank batch overrides, e.g. mlp25m=16,cnn=8")
@@ -433,7 +440,7 @@ def main(argv=None) -> int:
                           **{k: "rumor.DistributedDataParallel, " + ALGORITHMS[k][1] for k in ALGORITHMS},
                           "torch": "torch.nn.parallel.DistributedDataParallel, gloo, defaults"},
                 optimizer="SGD(lr, momentum 0.9) for every variant except onebit_adam (rumor.optim.OneBitAdam, "
-                          "lr 1e-3, variance frozen after the warm-up steps)")
+                          "lr 1e-3, variance frozen after its warm-up: max(--warmup, --onebit-freeze) full-precision steps)")
     result = dict(meta=meta, jobs=[], cells=[], targets=[], errors=[])
     print(f"rumor {meta['rumor']} vs torch {meta['torch']} DDP (gloo) | {meta['hostname']}, {meta['cpus']} cpus, "
           f"load {meta['loadavg_start'][0]:.2f} | models {','.join(args.models)} | iters {args.iters}, "
@@ -441,7 +448,8 @@ def main(argv=None) -> int:
 
     n_variants = 2 + len(args.algorithms) + (
         1 if hosts_mode and args.hierarchical and args.ranks_per_host > 1 and "rumor_hier" not in args.algorithms else 0)
-    steps_per_model = n_variants * (args.warmup + args.iters)
+    steps_per_model = n_variants * (args.warmup + args.iters) + (
+        max(0, args.onebit_freeze - args.warmup) if "onebit_adam" in args.algorithms else 0)
     progress = Progress(len(worlds) * len(args.models) * steps_per_model, unit="steps", quiet_s=10)
     drv = _common.Driver("rumor-train-bench-", progress, hosts_mode)
 

@@ -4,7 +4,6 @@
 #include <cstring>
 #include <string>
 
-
 namespace rumor::ops {
 
 using net::make_recv;
@@ -221,7 +220,7 @@ OneBitAllreduce::OneBitAllreduce(uint32_t chunk)
       align_(block_align(compress::CodecParams{compress::Kind::kSign, chunk, 16})) {}
 
 void OneBitAllreduce::run(Communicator& comm, float* buf, size_t count, std::span<float> worker_error,
-                          std::span<float> server_error) {
+                          std::span<float> server_error, bool input_has_error) {
   net::OpInfo op = comm.begin_op("1-bit allreduce", kOneBitAllreduceOpcode);
   if ((!worker_error.empty() && worker_error.size() != count) ||
       (!server_error.empty() && server_error.size() != count))
@@ -252,7 +251,8 @@ void OneBitAllreduce::run(Communicator& comm, float* buf, size_t count, std::spa
     float* we = worker_error.data();
 
     // Worker: compress input + carried error, keep what this compression loses.
-    for (size_t i = 0; i < count; ++i) buf[i] += we[i];
+    if (!input_has_error)
+      for (size_t i = 0; i < count; ++i) buf[i] += we[i];
     for (uint32_t j = 0; j < n; ++j) {
       if (counts[j] == 0) continue;
       float* x = buf + off[j];
@@ -344,8 +344,15 @@ void OneBitMomentumBucketOp::run(Communicator& comm, void* data, size_t count, D
   }
   const auto* g = static_cast<const float*>(data);
   const float b = beta1_, a = 1.0f - beta1_;
-  for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i];
-  impl_.run(comm, momentum_, count, {worker_error_, count}, {server_error_, count});
+  if (comm.size() == 1) {  // nothing to compress: the momentum is the average
+    for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i];
+    return;
+  }
+  // The momentum update and the worker's error feedback in one pass over memory: the buffer then
+  // holds m + e_w, which is what the worker compresses.
+  const float* we = worker_error_;
+  for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i] + we[i];
+  impl_.run(comm, momentum_, count, {worker_error_, count}, {server_error_, count}, true);
 }
 
 }  // namespace rumor::ops

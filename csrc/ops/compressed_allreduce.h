@@ -85,9 +85,10 @@ class OneBitAllreduce {
 
   // Averages buf over comm's ranks, in place. worker_error and server_error (count elements
   // each, or empty to use owned buffers sized on first use) carry the error feedback; only this
-  // rank's block of server_error is used.
+  // rank's block of server_error is used. input_has_error: the caller already added
+  // worker_error into buf (fused into its own pass over buf, saving one here).
   void run(Communicator& comm, float* buf, size_t count, std::span<float> worker_error = {},
-           std::span<float> server_error = {});
+           std::span<float> server_error = {}, bool input_has_error = false);
 
   // The owned error buffers (empty until the first run that uses them).
   std::span<const float> worker_error() const { return own_worker_; }

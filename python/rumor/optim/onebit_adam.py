@@ -49,6 +49,9 @@ class OneBitAdam(torch.optim.Optimizer):
                                       weight_decay=float(weight_decay)))
         self.freeze_step = freeze_step
         self._algorithm = None  # the rumor.algorithms.OneBitAdam that communicates the momentum
+        # Once the variance is frozen, Adam's denominator is a constant per parameter: computed once
+        # instead of three passes over the parameter every step. Derived, so not in state_dict().
+        self._frozen_denom = {}
 
     def steps_taken(self) -> int:
         """How many steps the parameters have taken (0 before the first)."""
@@ -93,9 +96,15 @@ class OneBitAdam(torch.optim.Optimizer):
                 else:
                     if id(p) not in external:
                         m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                    bias2 = 1 - beta2 ** self.freeze_step
                     if wd != 0:
                         p.mul_(1 - lr * wd)
+                    denom = self._frozen_denom.get(p)
+                    if denom is None or denom.shape != p.shape:
+                        bias2 = 1 - beta2 ** self.freeze_step
+                        denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
+                        self._frozen_denom[p] = denom
+                    p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+                    continue
                 denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
                 p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
         if alg is not None:
@@ -104,6 +113,7 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
+        self._frozen_denom = {}
         # torch replaced the state tensors; the algorithm's flat buffers must hold them again.
         if self._algorithm is not None:
             self._algorithm._rebind()
