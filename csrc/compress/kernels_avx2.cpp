@@ -316,6 +316,8 @@ void minmax_encode_v(const void* in, size_t count, uint32_t chunk, std::byte* sc
       lo = l[k] < lo ? l[k] : lo;
       hi = hi < h[k] ? h[k] : hi;
     }
+    lo += 0.f;  // -0 -> +0, as in the scalar code
+    hi += 0.f;
     store_f32(scales + 8 * ci, lo);
     store_f32(scales + 8 * ci + 4, hi);
     if (minmax_wide(lo, hi)) {

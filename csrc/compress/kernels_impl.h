@@ -62,6 +62,10 @@ void minmax_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* sc
       lo = x < lo ? x : lo;
       hi = hi < x ? x : hi;
     }
+    // Which zero wins a min or max of +0 and -0 depends on the order of comparison, which the
+    // vector code does not share: adding +0 turns either into +0.
+    lo += 0.f;
+    hi += 0.f;
     store_f32(scales + 8 * ci, lo);
     store_f32(scales + 8 * ci + 4, hi);
     if (minmax_wide(lo, hi)) {

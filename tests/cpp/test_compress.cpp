@@ -437,9 +437,18 @@ TEST(CodecKernels, ScalarAndAvx2EncodeIdenticalBytes) {
   if (v == nullptr) GTEST_SKIP() << "no AVX2 on this CPU";
   std::mt19937 rng(99);
   for (DType t : kFloatTypes) {
-    for (size_t n : {1, 3, 8, 13, 31, 64, 1000, 1024, 4133}) {
+    for (size_t n : {1, 3, 8, 13, 31, 64, 999, 1000, 1024, 4131, 4133}) {
       for (uint32_t chunk : {8u, 24u, 1024u}) {
         std::vector<double> vals = random_values(n, 2.0, static_cast<uint32_t>(n * 7 + chunk));
+        // Sizes divisible by 3: non-negative values and zeros of both signs, -0 first in element
+        // order but +0 first in lane order, which then decide MinMaxU8's min.
+        if (n % 3 == 0) {
+          for (size_t i = 0; i < n; ++i) {
+            vals[i] = std::fabs(vals[i]);
+            if (i % 8 == 4) vals[i] = -0.0;
+            if (i % 8 == 1 && i > 8) vals[i] = 0.0;
+          }
+        }
         // Values on exact rounding ties of the minmax grid, zeros and negative zeros.
         for (size_t i = 0; i < n; i += 5) vals[i] = std::round(vals[i] * 4) / 4;
         for (size_t i = 2; i < n; i += 11) vals[i] = (i % 2) ? -0.0 : 0.0;
