@@ -209,8 +209,9 @@ void check_qsgd(const Tensor& t, const std::vector<float>& dec, uint32_t chunk, 
     ChunkStats s = stats(t.seen, c0, n);
     // One level apart at most (levels are norm'/s apart for the stored norm', whose float32
     // sum of squares is within 40 ulp, so norm' within 20 ulp of the norm), plus float rounding
-    // of the step and the product.
-    double bound = s.norm / levels * (1 + 20 * kEps / 2) + 4 * kEps * s.norm;
+    // of the step and the product. A subnormal step (norm below about 1e-36) rounds in absolute terms: at
+    // most 2^-150, times up to `levels` in the product.
+    double bound = s.norm / levels * (1 + 20 * kEps / 2) + 4 * kEps * s.norm + levels * 0x1p-149;
     for (size_t j = 0; j < n; ++j) {
       double x = t.seen[c0 + j], d = dec[c0 + j];
       ASSERT_LE(std::fabs(d - x), bound) << what << " element " << c0 + j << " x=" << x << " decoded " << d;
@@ -227,8 +228,9 @@ void check_sign(const Tensor& t, const std::vector<float>& dec, uint32_t chunk, 
     ChunkStats s = stats(t.seen, c0, n);
     for (size_t j = 0; j < n; ++j) {
       double x = t.seen[c0 + j], d = dec[c0 + j];
-      // The scale is mean |x| summed in double and rounded once to float.
-      ASSERT_NEAR(std::fabs(d), s.mean_abs, kEps * s.mean_abs) << what << " element " << c0 + j;
+      // The scale is mean |x| summed in double and rounded once to float (half an ulp, or
+      // 2^-150 where that float is subnormal), doubled for the reference sum's own rounding.
+      ASSERT_NEAR(std::fabs(d), s.mean_abs, kEps * s.mean_abs + 0x1p-149) << what << " element " << c0 + j;
       bool neg = x < 0;
       ASSERT_EQ(d < 0, neg && s.mean_abs > 0) << what << " element " << c0 + j << " x=" << x;
     }
