@@ -18,7 +18,9 @@ FINITE_MAX = {torch.float32: 1e30, torch.float64: 1e30, torch.bfloat16: 1e30, to
 EPS = 2.0**-23
 
 settings.register_profile("rumor", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("rumor")
+# RUMOR_HYPOTHESIS_PROFILE=long for a deeper search than the quick default.
+settings.register_profile("long", deadline=None, max_examples=1500, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("RUMOR_HYPOTHESIS_PROFILE", "rumor"))
 
 
 @st.composite
