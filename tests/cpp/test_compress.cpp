@@ -286,6 +286,24 @@ TEST(CodecFormat, EncodedBytesAndNames) {
   EXPECT_STREQ(codec_isa(), active_kernels().isa);
 }
 
+TEST(CodecFormat, EncodingsAtAnyByteOffset) {
+  // Callers pack encodings back to back, so one may start at an odd address: every read and
+  // write of the header, scales and codes must be unaligned-safe (UBSan checks alignment).
+  Tensor x = make_tensor(DType::F32, random_values(1037, 1.0, 13));
+  for (const CodecParams& p : all_params()) {
+    auto c = make_codec(p);
+    auto ref = encode(*c, x, 3);
+    for (size_t off : {1, 2, 3, 5}) {
+      std::vector<std::byte> buf(c->encoded_bytes(x.size()) + off);
+      c->encode(x.data(), x.size(), DType::F32, buf.data() + off, buf.size() - off, 3);
+      ASSERT_TRUE(std::equal(ref.begin(), ref.end(), buf.begin() + static_cast<std::ptrdiff_t>(off)));
+      std::vector<float> out(x.size());
+      c->decode(buf.data() + off, buf.size() - off, out.data(), x.size(), DType::F32);
+      EXPECT_EQ(out, decode_f32(*c, ref, x.size())) << c->name() << " offset " << off;
+    }
+  }
+}
+
 TEST(CodecFormat, RejectsBadParameters) {
   for (uint32_t levels : {0u, 1u, 257u, 1000u}) {
     try {
