@@ -11,6 +11,11 @@
 #define RUMOR_KERNEL_NS avx2
 #include "compress/kernels_impl.h"
 
+// The per-vector bodies below are lambdas called four times per 32-element block; GCC's
+// inliner gives up on some of those calls, and a call per vector (with its register spills)
+// costs a third of QSGD's encode time.
+#define RUMOR_INLINE __attribute__((always_inline))
+
 namespace rumor::compress::avx2 {
 
 using namespace detail;
@@ -221,7 +226,7 @@ inline __m128i pack_words(__m256i v) {
 // dst[j] = low byte of lane j % 8 of f(j - j % 8), for j in [0, n): 32 bytes per store where
 // possible, 8 (or the last few) otherwise.
 template <typename F>
-inline void emit_bytes(std::byte* dst, size_t n, F&& f) {
+RUMOR_INLINE inline void emit_bytes(std::byte* dst, size_t n, F&& f) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   size_t j = 0;
   for (; j + 32 <= n; j += 32) {
@@ -242,7 +247,7 @@ inline void emit_bytes(std::byte* dst, size_t n, F&& f) {
 
 // As emit_bytes with 16-bit codes (little endian), 2 * n bytes.
 template <typename F>
-inline void emit_words(std::byte* dst, size_t n, F&& f) {
+RUMOR_INLINE inline void emit_words(std::byte* dst, size_t n, F&& f) {
   size_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(f(j), f(j + 8)), 0xd8);
@@ -279,7 +284,7 @@ inline __m256i load_words(const std::byte* p, size_t m) {
   return _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(w)));
 }
 
-inline __m256i mix32x8(__m256i x) {
+RUMOR_INLINE inline __m256i mix32x8(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
@@ -328,7 +333,7 @@ void minmax_encode_v(const void* in, size_t count, uint32_t chunk, std::byte* sc
     const float inv = range > 0.f && range < INFINITY ? 255.f / range : 0.f;
     const __m256 vl = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv);
     const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
-    emit_bytes(codes + c0, n, [&](size_t j) {
+    emit_bytes(codes + c0, n, [&](size_t j) RUMOR_INLINE {
       __m256 v = _mm256_mul_ps(_mm256_sub_ps(chunk_load<D>(in, c0, j, n), vl), vinv);
       v = _mm256_max_ps(v, zero);  // NaN -> 0
       v = _mm256_min_ps(v, top);
@@ -373,7 +378,7 @@ void qsgd_encode_v(const void* in, size_t count, uint32_t chunk, uint32_t levels
     const __m256 vscale = _mm256_set1_ps(s / norm), vnorm = _mm256_set1_ps(norm);
     // One loop per formula rather than a per-vector select, so the common one has no division.
     auto run = [&]<bool Fast>() {
-      auto code = [&](size_t j) {
+      auto code = [&](size_t j) RUMOR_INLINE {
         const __m256 x = chunk_load<D>(in, c0, j, n);
         const __m256 ax = _mm256_and_ps(x, abs_mask());
         const __m256 u = uniform8(key, c0 + j);
