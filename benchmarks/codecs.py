@@ -97,7 +97,8 @@ def main() -> int:
     )
     print("GB/s of float32 input (ratio to memcpy); wall-clock, then by thread CPU time")
     ops = ("encode", "decode", "decode_accumulate")
-    print(f"{'codec':30s} {'B/elem':>6s} " + " ".join(f"{o:>21s}" for o in ops) + "   | " + " ".join(f"{o:>21s}" for o in ops))
+    heads = " ".join(f"{o:>21s}" for o in ops)
+    print(f"{'codec':30s} {'B/elem':>6s} {heads}   | {heads}")
     for r in rows:
         wall = " ".join(f"{r[o + '_gbs']:12.2f} ({r[o + '_vs_memcpy']:4.2f}x)" for o in ops)
         cpu = " ".join(f"{r[o + '_cpu_gbs']:12.2f} ({r[o + '_cpu_vs_memcpy']:4.2f}x)" for o in ops)

@@ -11,6 +11,11 @@
 #define RUMOR_KERNEL_NS avx2
 #include "compress/kernels_impl.h"
 
+// For the per-vector helpers and loop bodies: GCC's inliner gives up on some of their calls in
+// these large loops, and a call per vector (with its register spills) cost a third of QSGD's
+// encode time.
+#define RUMOR_INLINE __attribute__((always_inline))
+
 namespace rumor::compress::avx2 {
 
 using namespace detail;
@@ -22,14 +27,14 @@ using Raw = typename Elem<D>::Raw;
 
 // A function, not a constant: a namespace-scope vector would be built by AVX code at program
 // start, before anyone has checked the CPU.
-inline __m256 abs_mask() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)); }
+RUMOR_INLINE inline __m256 abs_mask() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)); }
 
-inline __m256 bf16x8_to_f32(__m128i h) {
+RUMOR_INLINE inline __m256 bf16x8_to_f32(__m128i h) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 // The vector form of f32_to_bf16: round to nearest even, NaN kept as a quiet NaN.
-inline __m128i f32x8_to_bf16(__m256 f) {
+RUMOR_INLINE inline __m128i f32x8_to_bf16(__m256 f) {
   const __m256i u = _mm256_castps_si256(f);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i rounded =
@@ -43,7 +48,7 @@ inline __m128i f32x8_to_bf16(__m256 f) {
 }
 
 template <DType D>
-inline __m256 load8(const void* p, size_t i) {
+RUMOR_INLINE inline __m256 load8(const void* p, size_t i) {
   const Raw<D>* s = static_cast<const Raw<D>*>(p) + i;
   if constexpr (D == DType::F32) {
     return _mm256_loadu_ps(s);
@@ -58,7 +63,7 @@ inline __m256 load8(const void* p, size_t i) {
 
 // out[i..i+8) = v, or += v with the same precision rules as detail::store.
 template <DType D, bool Acc>
-inline void store8(void* p, size_t i, __m256 v) {
+RUMOR_INLINE inline void store8(void* p, size_t i, __m256 v) {
   Raw<D>* d = static_cast<Raw<D>*>(p) + i;
   if constexpr (D == DType::F64) {
     __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
@@ -102,25 +107,25 @@ inline void store_part(void* p, size_t i, size_t m, __m256 v) {
 // Elements [c0 + j, c0 + j + 8) of a chunk of n; past the end, lanes repeat the chunk's first
 // element (neutral for min and max; other users ignore those lanes or zero them).
 template <DType D>
-inline __m256 chunk_load(const void* in, size_t c0, size_t j, size_t n) {
+RUMOR_INLINE inline __m256 chunk_load(const void* in, size_t c0, size_t j, size_t n) {
   if (j + 8 <= n) return load8<D>(in, c0 + j);
   return load_part<D>(in, c0 + j, n - j, static_cast<const Raw<D>*>(in)[c0]);
 }
 
 template <DType D, bool Acc>
-inline void chunk_store(void* out, size_t c0, size_t j, size_t n, __m256 v) {
+RUMOR_INLINE inline void chunk_store(void* out, size_t c0, size_t j, size_t n, __m256 v) {
   if (j + 8 <= n) return store8<D, Acc>(out, c0 + j, v);
   store_part<D, Acc>(out, c0 + j, n - j, v);
 }
 
 // Lanes [m, 8) zeroed; m = 8 keeps all.
-inline __m256 keep_first(__m256 v, size_t m) {
+RUMOR_INLINE inline __m256 keep_first(__m256 v, size_t m) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(m)), idx);
   return _mm256_and_ps(v, _mm256_castsi256_ps(keep));
 }
 
-inline void add_lanes(__m256d& a0, __m256d& a1, __m256 v, bool square) {
+RUMOR_INLINE inline void add_lanes(__m256d& a0, __m256d& a1, __m256 v, bool square) {
   const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
   const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
   if (square) {
@@ -138,7 +143,7 @@ inline void add_lanes(__m256d& a0, __m256d& a1, __m256 v, bool square) {
 template <DType D, bool Square>
 double chunk_sum(const void* in, size_t c0, size_t n) {
   __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  auto value = [&](size_t j) {
+  auto value = [&](size_t j) RUMOR_INLINE {
     const __m256 x = j + 8 <= n ? load8<D>(in, c0 + j) : keep_first(chunk_load<D>(in, c0, j, n), n - j);
     return Square ? x : _mm256_and_ps(x, abs_mask());
   };
@@ -169,7 +174,7 @@ double chunk_sum(const void* in, size_t c0, size_t n) {
 template <DType D>
 float chunk_sumsq_f32(const void* in, size_t c0, size_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  auto value = [&](size_t j) {
+  auto value = [&](size_t j) RUMOR_INLINE {
     return j + 8 <= n ? load8<D>(in, c0 + j) : keep_first(chunk_load<D>(in, c0, j, n), n - j);
   };
   size_t j = 0;
@@ -206,7 +211,7 @@ float chunk_sumsq_f32(const void* in, size_t c0, size_t n) {
 
 // Low byte of each 32-bit lane (values 0..255), in order. Two 128-bit halves rather than a
 // cross-lane permute, which is slow on some cores.
-inline uint64_t pack_bytes(__m256i v) {
+RUMOR_INLINE inline uint64_t pack_bytes(__m256i v) {
   const __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(v, v), v);
   const auto lo = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(p)));
   const auto hi = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_extracti128_si256(p, 1)));
@@ -214,14 +219,14 @@ inline uint64_t pack_bytes(__m256i v) {
 }
 
 // Low 16 bits of each 32-bit lane (values 0..65535), in order.
-inline __m128i pack_words(__m256i v) {
+RUMOR_INLINE inline __m128i pack_words(__m256i v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08));
 }
 
 // dst[j] = low byte of lane j % 8 of f(j - j % 8), for j in [0, n): 32 bytes per store where
 // possible, 8 (or the last few) otherwise.
 template <typename F>
-inline void emit_bytes(std::byte* dst, size_t n, F&& f) {
+RUMOR_INLINE inline void emit_bytes(std::byte* dst, size_t n, F&& f) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   size_t j = 0;
   for (; j + 32 <= n; j += 32) {
@@ -242,7 +247,7 @@ inline void emit_bytes(std::byte* dst, size_t n, F&& f) {
 
 // As emit_bytes with 16-bit codes (little endian), 2 * n bytes.
 template <typename F>
-inline void emit_words(std::byte* dst, size_t n, F&& f) {
+RUMOR_INLINE inline void emit_words(std::byte* dst, size_t n, F&& f) {
   size_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(f(j), f(j + 8)), 0xd8);
@@ -261,7 +266,7 @@ inline void emit_words(std::byte* dst, size_t n, F&& f) {
 }
 
 // 8 bytes at p (fewer at the ragged end), widened to 32-bit lanes.
-inline __m256i load_bytes(const std::byte* p, size_t m) {
+RUMOR_INLINE inline __m256i load_bytes(const std::byte* p, size_t m) {
   uint64_t b = 0;
   // A fixed-size copy compiles to one load; a variable one would be a library call.
   if (m == 8) {
@@ -272,14 +277,14 @@ inline __m256i load_bytes(const std::byte* p, size_t m) {
   return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(b)));
 }
 
-inline __m256i load_words(const std::byte* p, size_t m) {
+RUMOR_INLINE inline __m256i load_words(const std::byte* p, size_t m) {
   if (m == 8) return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   alignas(16) uint16_t w[8] = {};
   std::memcpy(w, p, 2 * m);
   return _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(w)));
 }
 
-inline __m256i mix32x8(__m256i x) {
+RUMOR_INLINE inline __m256i mix32x8(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
@@ -289,7 +294,7 @@ inline __m256i mix32x8(__m256i x) {
 
 // qsgd_uniform for elements index .. index + 7 (index a multiple of 8, so the high word is
 // the same for all eight).
-inline __m256 uniform8(QsgdKey k, uint64_t index) {
+RUMOR_INLINE inline __m256 uniform8(QsgdKey k, uint64_t index) {
   const __m256i lo =
       _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(index) + k.k1)),
                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -316,6 +321,8 @@ void minmax_encode_v(const void* in, size_t count, uint32_t chunk, std::byte* sc
       lo = l[k] < lo ? l[k] : lo;
       hi = hi < h[k] ? h[k] : hi;
     }
+    lo += 0.f;  // -0 -> +0, as in the scalar code
+    hi += 0.f;
     store_f32(scales + 8 * ci, lo);
     store_f32(scales + 8 * ci + 4, hi);
     if (minmax_wide(lo, hi)) {
@@ -326,7 +333,7 @@ void minmax_encode_v(const void* in, size_t count, uint32_t chunk, std::byte* sc
     const float inv = range > 0.f && range < INFINITY ? 255.f / range : 0.f;
     const __m256 vl = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv);
     const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
-    emit_bytes(codes + c0, n, [&](size_t j) {
+    emit_bytes(codes + c0, n, [&](size_t j) RUMOR_INLINE {
       __m256 v = _mm256_mul_ps(_mm256_sub_ps(chunk_load<D>(in, c0, j, n), vl), vinv);
       v = _mm256_max_ps(v, zero);  // NaN -> 0
       v = _mm256_min_ps(v, top);
@@ -371,7 +378,7 @@ void qsgd_encode_v(const void* in, size_t count, uint32_t chunk, uint32_t levels
     const __m256 vscale = _mm256_set1_ps(s / norm), vnorm = _mm256_set1_ps(norm);
     // One loop per formula rather than a per-vector select, so the common one has no division.
     auto run = [&]<bool Fast>() {
-      auto code = [&](size_t j) {
+      auto code = [&](size_t j) RUMOR_INLINE {
         const __m256 x = chunk_load<D>(in, c0, j, n);
         const __m256 ax = _mm256_and_ps(x, abs_mask());
         const __m256 u = uniform8(key, c0 + j);

@@ -1,7 +1,7 @@
 // Scalar codec kernels, compiled once per instruction set like core/reduce_impl.h: as
 // kernels_generic.cpp they are the reference and the fallback on CPUs without AVX2 (or with
-// RUMOR_CODEC_ISA=generic); kernels_avx2.cpp replaces the hot loops with intrinsics and keeps
-// these for the rest. Both must give the same encoded bytes (see kernels.h).
+// RUMOR_CODEC_ISA=generic); kernels_avx2.cpp has an intrinsics twin of every kernel and shares
+// the rare-path helpers below. Both must give the same encoded bytes (see kernels.h).
 #pragma once
 
 #include <algorithm>
@@ -25,11 +25,14 @@ namespace {
 inline float round_even(float v) { return (v + 0x1.8p23f) - 0x1.8p23f; }
 
 // A chunk of finite values whose max - min overflows float32 (values of both signs near the
-// float32 limit). Such chunks are quantized and decoded in double, where the range is finite,
-// by these per-element loops, which both kernel sets share: (a - b) * c leaves a compiler no
+// float32 limit), or is so small (below 255 / FLT_MAX, about 7.5e-37) that 255 / (max - min)
+// overflows. Such chunks are quantized and decoded in double, where both are finite, by these
+// per-element loops, which both kernel sets share: (a - b) * c leaves a compiler no
 // multiply-add to fuse, so the bytes match whatever instruction set compiles them.
 inline bool minmax_wide(float lo, float hi) {
-  return std::isinf(hi - lo) && std::isfinite(lo) && std::isfinite(hi);
+  if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
+  const float range = hi - lo;
+  return std::isinf(range) || (range > 0.f && std::isinf(255.f / range));
 }
 
 template <DType D>
@@ -62,6 +65,10 @@ void minmax_encode_t(const void* in, size_t count, uint32_t chunk, std::byte* sc
       lo = x < lo ? x : lo;
       hi = hi < x ? x : hi;
     }
+    // Which zero wins a min or max of +0 and -0 depends on the order of comparison, which the
+    // vector code does not share: adding +0 turns either into +0.
+    lo += 0.f;
+    hi += 0.f;
     store_f32(scales + 8 * ci, lo);
     store_f32(scales + 8 * ci + 4, hi);
     if (minmax_wide(lo, hi)) {

@@ -18,7 +18,9 @@ FINITE_MAX = {torch.float32: 1e30, torch.float64: 1e30, torch.bfloat16: 1e30, to
 EPS = 2.0**-23
 
 settings.register_profile("rumor", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("rumor")
+# RUMOR_HYPOTHESIS_PROFILE=long for a deeper search than the quick default.
+settings.register_profile("long", deadline=None, max_examples=1500, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("RUMOR_HYPOTHESIS_PROFILE", "rumor"))
 
 
 @st.composite
@@ -34,7 +36,7 @@ def tensors(draw, min_size=0, max_size=3000):
     elif kind == "huge":
         x = x.sign() * FINITE_MAX[dtype] * (0.5 + x.abs() / 8).clamp(max=1.0)
     elif kind == "tiny":
-        x = x * 1e-30 if dtype != torch.float16 else x * 1e-3
+        x = x * draw(st.sampled_from([1e-30, 1e-38])) if dtype != torch.float16 else x * 1e-3
     elif kind == "sparse":
         x = x * (torch.rand(n, generator=g) < 0.1)
     return x.to(dtype)
@@ -74,7 +76,10 @@ def test_qsgd_bound_and_reproducible(x, levels, chunk, seed):
     v = seen(x)
     for a, b in chunks(x.numel(), chunk or 1024):
         norm = v[a:b].norm().item()
-        assert (d[a:b] - v[a:b]).abs().max().item() <= norm / levels + 4 * EPS * norm
+        # The stored norm's float32 sum of squares is within 40 ulp (norm within 20), and a
+        # subnormal step rounds by up to 2^-150 per level.
+        bound = norm / levels * (1 + 10 * EPS) + 4 * EPS * norm + levels * 2.0**-149
+        assert (d[a:b] - v[a:b]).abs().max().item() <= bound
 
 
 def test_qsgd_unbiased():
@@ -97,7 +102,9 @@ def test_sign_scale(x, chunk):
     v = seen(x)
     for a, b in chunks(x.numel(), chunk or 1024):
         scale = v[a:b].abs().mean().item()
-        assert torch.allclose(d[a:b].abs(), torch.full((b - a,), scale, dtype=torch.float64), rtol=EPS, atol=0)
+        # mean |x| rounded once to float32 (half an ulp; 2^-150 where subnormal), with margin for
+        # the reference sum's own rounding.
+        assert (d[a:b].abs() - scale).abs().max().item() <= EPS * scale + 2.0**-149
         want_neg = (v[a:b] < 0) & (scale > 0)
         assert torch.equal(d[a:b] < 0, want_neg)
     # Error feedback: what the caller keeps is exactly the residual.
