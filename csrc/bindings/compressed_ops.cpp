@@ -74,7 +74,15 @@ void bind_compressed_ops(py::module_& m) {
 
   py::class_<OneBitMomentumBucketOp, BucketOp, std::shared_ptr<OneBitMomentumBucketOp>>(m, "OneBitMomentumOp")
       .def_property("compressing", &OneBitMomentumBucketOp::compressing,
-                    &OneBitMomentumBucketOp::set_compressing);
+                    &OneBitMomentumBucketOp::set_compressing)
+      .def(
+          "set_preconditioner",
+          [](OneBitMomentumBucketOp& op, uintptr_t inv_denom) {
+            op.set_preconditioner(inv_denom != 0 ? floats(inv_denom) : nullptr);
+          },
+          py::arg("inv_denom"),
+          "Address of count float32 values 1/denominator (0: none); the op then keeps the preconditioned "
+          "momentum. Set between iterations only.");
 
   m.def(
       "onebit_momentum_op",

@@ -345,13 +345,19 @@ void OneBitMomentumBucketOp::run(Communicator& comm, void* data, size_t count, D
   const auto* g = static_cast<const float*>(data);
   const float b = beta1_, a = 1.0f - beta1_;
   if (comm.size() == 1) {  // nothing to compress: the momentum is the average
-    for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i];
+    for (size_t i = 0; i < count; ++i)
+      momentum_[i] = b * momentum_[i] + a * g[i] * (inv_denom_ != nullptr ? inv_denom_[i] : 1.0f);
     return;
   }
   // The momentum update and the worker's error feedback in one pass over memory: the buffer then
   // holds m + e_w, which is what the worker compresses.
   const float* we = worker_error_;
-  for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i] + we[i];
+  if (inv_denom_ != nullptr) {
+    const float* inv = inv_denom_;
+    for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i] * inv[i] + we[i];
+  } else {
+    for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i] + we[i];
+  }
   impl_.run(comm, momentum_, count, {worker_error_, count}, {server_error_, count}, true);
 }
 

@@ -136,9 +136,15 @@ class OneBitMomentumBucketOp final : public BucketOp {
   // Switched by Python between iterations (never while the bucket is in flight).
   void set_compressing(bool on) { compressing_.store(on); }
   bool compressing() const { return compressing_.load(); }
+  // 1 / Adam's frozen denominator, count elements (null: none). With it the op keeps and
+  // communicates the preconditioned momentum u = m / denom: u = beta1 * u + (1 - beta1) * g / denom.
+  // Then compression error is measured in units of the parameter update, so an element whose
+  // variance is tiny does not turn its chunk's sign scale into a huge step.
+  void set_preconditioner(const float* inv_denom) { inv_denom_ = inv_denom; }
 
  private:
   float* momentum_;
+  const float* inv_denom_ = nullptr;
   float* worker_error_;
   float* server_error_;
   size_t count_;

@@ -289,6 +289,34 @@ def _onebit_run(model, opt, ddp, steps):
         opt.step()
 
 
+def sc_onebit_zero_variance(chk):
+    """Weights whose gradient was zero through warm-up have a zero frozen variance. A sign code
+    gives them the chunk's mean magnitude; 1-bit Adam must not turn that into a step of
+    lr * scale / eps (it blew up the 25M MLP in the benchmark): they move no more than live ones."""
+    import torch
+    import torch.nn.functional as F
+
+    import rumor
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(D_IN, CLASSES, bias=False)
+    opt = rumor.optim.OneBitAdam(model.parameters(), lr=0.01, freeze_step=3)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.OneBitAdam(opt))
+    start = model.weight.detach().clone()
+    half = D_IN // 2
+    for step in range(12):
+        x, y = _batch(step, rumor.rank())
+        x[:, half:] = 0  # these inputs never carry signal: their weights get zero gradients
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    moved = (model.weight.detach() - start).abs()
+    chk.check(bool(torch.isfinite(model.weight).all()), "1-bit Adam with zero-variance weights: non-finite weights")
+    live, dead = float(moved[:, :half].max()), float(moved[:, half:].max())
+    chk.check(dead <= 2 * live, f"1-bit Adam: zero-variance weights moved {dead:.3g}, live ones at most {live:.3g}")
+    _check_identical(chk, model, "1-bit Adam with zero-variance weights")
+
+
 def sc_onebit_state_dict(chk):
     """A checkpoint taken in the compression stage (momentum, variance, error buffers, step)
     resumes exactly like the uninterrupted run."""
@@ -372,6 +400,7 @@ def lowprec_rank(n_hosts_expected=1):
         sc_onebit_training(chk)
         sc_onebit_warmup_is_adam(chk)
         sc_onebit_state_dict(chk)
+        sc_onebit_zero_variance(chk)
     return chk.failures, chk.count
 
 
@@ -436,14 +465,16 @@ def test_onebit_adam_alone_is_adam_then_frozen_variance():
         opt.step()
         ref_opt.step()
         torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    # From the freeze step on, exp_avg holds the preconditioned momentum u = m / denom.
     v = opt.state[w]["exp_avg_sq"].clone()
-    m = opt.state[w]["exp_avg"].clone()
+    m = ref_opt.state[ref]["exp_avg"].clone()
+    denom = (v.sqrt() / (1 - 0.999 ** 4) ** 0.5) + 1e-8
+    torch.testing.assert_close(opt.state[w]["exp_avg"], m / denom)
     before = w.detach().clone()
     g = torch.randn(50, generator=torch.Generator().manual_seed(99))
     w.grad = g
     opt.step()
     assert torch.equal(opt.state[w]["exp_avg_sq"], v)
     m_new = 0.9 * m + 0.1 * g
-    torch.testing.assert_close(opt.state[w]["exp_avg"], m_new)
-    denom = (v.sqrt() / (1 - 0.999 ** 4) ** 0.5) + 1e-8
+    torch.testing.assert_close(opt.state[w]["exp_avg"], m_new / denom)
     torch.testing.assert_close(w.detach(), before - 0.01 / (1 - 0.9 ** 5) * m_new / denom)

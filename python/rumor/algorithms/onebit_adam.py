@@ -22,9 +22,14 @@ class _BucketState:
         self.bucket = bucket
         self.op = op
         self.flats = flats
+        # 1 / Adam's frozen denominator, flat like the bucket; filled when compression starts
+        self.inv_denom = torch.zeros_like(flats["exp_avg"])
+        self.preconditioned = False
 
     def views(self, key: str):
-        flat = self.flats[key]
+        return self.views_of(self.flats[key])
+
+    def views_of(self, flat: torch.Tensor):
         for p, off in zip(self.bucket.params, self.bucket.offsets):
             yield p, flat[off:off + p.numel()].view_as(p)
 
@@ -41,7 +46,8 @@ class OneBitAdam(Algorithm):
     gradients are ready, updates the bucket's momentum from the local gradients and averages it
     across ranks with 1-bit (sign and per-chunk scale) compression and error feedback on both the
     sending ("worker") and the reducing ("server") side; the optimizer then applies it with the
-    frozen variance. Momentum and error buffers are flat per bucket; the optimizer's state holds
+    frozen variance. The momentum is kept preconditioned by that variance once it is frozen
+    (see rumor.optim.OneBitAdam), so 1-bit errors are bounded in units of the update. Momentum and error buffers are flat per bucket; the optimizer's state holds
     views into them, so ``optimizer.state_dict()`` saves them.
 
     chunk: elements per 1-bit chunk (one float32 scale each); 0 = the codec's default.
@@ -94,7 +100,7 @@ class OneBitAdam(Algorithm):
                                    warmup)
         state = _BucketState(bucket, op, flats)
         self._bind(state)
-        op.compressing = self.optimizer.compressing()
+        self._set_stage(state, self.optimizer.compressing())
         self._states[bucket.index] = state
         return op
 
@@ -123,6 +129,7 @@ class OneBitAdam(Algorithm):
     def _rebind(self) -> None:
         for s in self._states.values():
             self._bind(s)
+            s.preconditioned = False  # the variance may have changed with the loaded state
         self._refresh()
 
     def _refresh(self) -> None:
@@ -130,7 +137,15 @@ class OneBitAdam(Algorithm):
         self._compressed_last = False
         on = self.optimizer.compressing()
         for s in self._states.values():
-            s.op.compressing = on
+            self._set_stage(s, on)
+
+    def _set_stage(self, s: _BucketState, compressing: bool) -> None:
+        if compressing and not s.preconditioned:
+            for p, view in s.views_of(s.inv_denom):
+                view.copy_(self.optimizer.inverse_denominator(p))
+            s.op.set_preconditioner(address(s.inv_denom))
+            s.preconditioned = True
+        s.op.compressing = compressing
 
     def _momentum_updated(self) -> FrozenSet[int]:
         """Parameters whose momentum the last backward updated and averaged (compression stage)."""

@@ -16,10 +16,15 @@ class OneBitAdam(torch.optim.Optimizer):
     correction included).
 
     Compression (every later step): the second moment ``exp_avg_sq`` is frozen (and its bias
-    correction with it). Each rank updates the momentum from its *local* gradient,
-    ``m = beta1 * m + (1 - beta1) * g``, and the momentum is averaged across ranks with 1-bit
-    compression and error feedback (on the communication thread, while backward goes on); the
-    parameters then take ``p -= lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^freeze_step)) + eps)``.
+    correction with it), so Adam's denominator ``d = sqrt(v / (1 - beta2^freeze_step)) + eps`` is a
+    constant. From the last warm-up step on, ``exp_avg`` holds the *preconditioned* momentum
+    ``u = m / d``. Each rank updates it from its *local* gradient, ``u = beta1 * u + (1 - beta1) *
+    g / d``, and u is averaged across ranks with 1-bit compression and error feedback (on the
+    communication thread, while backward goes on); the parameters then take
+    ``p -= lr / (1 - beta1^t) * u``: the same update as ``m / d`` with m averaged, since d is equal
+    on every rank. Compressing u rather than m matters: a sign code gives every element of a chunk
+    the chunk's mean magnitude, and elements whose variance is (near) zero would turn that into a
+    huge step; in u's units every element's error is at most the chunk's mean step.
     Weight decay in this stage is decoupled: ``p *= 1 - lr * weight_decay`` before the update.
 
     Used without the algorithm (no communication), the compression stage updates the momentum
@@ -51,7 +56,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self._algorithm = None  # the rumor.algorithms.OneBitAdam that communicates the momentum
         # Once the variance is frozen, Adam's denominator is a constant per parameter: computed once
         # instead of three passes over the parameter every step. Derived, so not in state_dict().
-        self._frozen_denom = {}
+        self._frozen_inv = {}
 
     def steps_taken(self) -> int:
         """How many steps the parameters have taken (0 before the first)."""
@@ -92,28 +97,34 @@ class OneBitAdam(torch.optim.Optimizer):
                     grad = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
                     m.lerp_(grad, 1 - beta1)
                     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    bias2 = 1 - beta2 ** t
-                else:
-                    if id(p) not in external:
-                        m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                    if wd != 0:
-                        p.mul_(1 - lr * wd)
-                    denom = self._frozen_denom.get(p)
-                    if denom is None or denom.shape != p.shape:
-                        bias2 = 1 - beta2 ** self.freeze_step
-                        denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
-                        self._frozen_denom[p] = denom
+                    denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
                     p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+                    if t == self.freeze_step:  # from now on exp_avg holds u = m / denom
+                        m.div_(denom)
                     continue
-                denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+                if id(p) not in external:  # not communicated by the algorithm: local update of u
+                    m.mul_(beta1).addcmul_(p.grad, self.inverse_denominator(p), value=1 - beta1)
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                p.add_(m, alpha=-lr / (1 - beta1 ** t))
         if alg is not None:
             alg._refresh()
         return loss
 
+    def inverse_denominator(self, p: torch.Tensor) -> torch.Tensor:
+        """1 / (sqrt(v / (1 - beta2^freeze_step)) + eps) for parameter p, from its frozen variance."""
+        inv = self._frozen_inv.get(p)
+        if inv is None or inv.shape != p.shape:
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            bias2 = 1 - group["betas"][1] ** self.freeze_step
+            v = self.state[p]["exp_avg_sq"]
+            inv = (v.sqrt() / math.sqrt(bias2)).add_(group["eps"]).reciprocal_()
+            self._frozen_inv[p] = inv
+        return inv
+
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
-        self._frozen_denom = {}
+        self._frozen_inv = {}
         # torch replaced the state tensors; the algorithm's flat buffers must hold them again.
         if self._algorithm is not None:
             self._algorithm._rebind()
