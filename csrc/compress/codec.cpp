@@ -8,6 +8,7 @@
 // the per-element codes. The size is a function of (codec, count) alone.
 #include "compress/codec.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstdlib>
 #include <cstring>
@@ -75,6 +76,11 @@ class CodecBase : public Codec {
  public:
   CodecBase(Kind kind, uint32_t chunk, uint32_t levels) : kind_(kind), chunk_(chunk), levels_(levels) {}
   Kind kind() const override { return kind_; }
+  uint32_t chunk() const { return chunk_; }
+  void write_header(std::byte* out, size_t count) const {
+    Header h{kMagic, static_cast<uint8_t>(kind_), kVersion, 0, chunk_, levels_, count, 0};
+    std::memcpy(out, &h, sizeof(h));
+  }
 
   size_t encoded_bytes(size_t count) const override {
     if (count > kMaxCount) fail(name(), "element count " + std::to_string(count) + " is too large");
@@ -90,8 +96,7 @@ class CodecBase : public Codec {
       fail(who, "output buffer is " + std::to_string(out_bytes) + " bytes, the encoding of " +
                     std::to_string(count) + " elements takes " + std::to_string(want));
     if (out == nullptr || (count > 0 && in == nullptr)) fail(who, "null buffer");
-    Header h{kMagic, static_cast<uint8_t>(kind_), kVersion, 0, chunk_, levels_, count, 0};
-    std::memcpy(out, &h, sizeof(h));
+    write_header(out, count);
     if (count > 0) encode_body(active_kernels(), in, count, dtype, out + kHeaderBytes, seed);
   }
 
@@ -260,6 +265,39 @@ const KernelSet& active_kernels() {
 }
 
 const char* codec_isa() { return active_kernels().isa; }
+
+SignTileEncoder::SignTileEncoder(const Codec& sign_codec, size_t count, std::byte* out, size_t out_bytes)
+    : count_(count) {
+  const auto* sign = dynamic_cast<const SignScale*>(&sign_codec);
+  if (sign == nullptr) fail("SignTileEncoder", sign_codec.name() + " is not the sign codec");
+  const size_t want = sign->encoded_bytes(count);
+  if (out == nullptr || out_bytes != want)
+    fail(sign->name() + " tile encoder", "output buffer is " + std::to_string(out_bytes) +
+                                             " bytes, the encoding of " + std::to_string(count) +
+                                             " elements takes " + std::to_string(want));
+  chunk_ = sign->chunk();
+  // 64 KiB of float32 per tile (x and err then sit in L2 together), whole chunks.
+  tile_ = std::max<size_t>(1, (size_t{16} * 1024) / chunk_) * chunk_;
+  sign->write_header(out, count);
+  scales_ = out + kHeaderBytes;
+  bits_ = scales_ + 4 * ((count + chunk_ - 1) / chunk_);
+}
+
+void SignTileEncoder::encode_tile(size_t begin, const float* x, size_t n, float* err) const {
+  if (begin % tile_ != 0 || begin > count_ || n > count_ - begin || (n != tile_ && begin + n != count_))
+    fail("SignTileEncoder", "tile [" + std::to_string(begin) + ", " + std::to_string(begin + n) +
+                                ") does not match tiles of " + std::to_string(tile_) + " in " +
+                                std::to_string(count_) + " elements");
+  if (n == 0) return;
+  const KernelSet& k = active_kernels();
+  // Chunks are independent and a multiple of 8 elements, so a tile's scales and bits are
+  // whole slices of the encoding.
+  std::byte* scales = scales_ + 4 * (begin / chunk_);
+  std::byte* bits = bits_ + begin / 8;
+  k.sign_encode(x, DType::F32, n, chunk_, scales, bits);
+  k.sign_decode(scales, bits, n, chunk_, err, DType::F32, false);
+  for (size_t i = 0; i < n; ++i) err[i] = x[i] - err[i];
+}
 
 std::unique_ptr<Codec> make_codec(const CodecParams& p) {
   switch (p.kind) {

@@ -48,6 +48,30 @@ class Codec {
                       bool accumulate = false) const = 0;
 };
 
+// The sign codec written tile by tile, with its compression error: for 1-bit error feedback,
+// where the input is computed on the fly (1-bit Adam's momentum update) and the error
+// e = x - decode(encode(x)) is needed as well. Each tile is produced, encoded and its error taken
+// while it is in cache: one pass over memory instead of four. The bytes equal encode()'s.
+class SignTileEncoder {
+ public:
+  // sign_codec must be a Kind::kSign codec; writes the header of the encoding of `count`
+  // float32 elements into out (exactly sign_codec.encoded_bytes(count) bytes).
+  SignTileEncoder(const Codec& sign_codec, size_t count, std::byte* out, size_t out_bytes);
+  // Elements per tile: a multiple of the chunk, small enough to stay in L2.
+  size_t tile() const { return tile_; }
+  // Encodes elements [begin, begin + n) of the buffer, given in x (float32), and writes
+  // err[i] = x[i] - decoded[i]. begin must be a multiple of tile(), n == tile() except for the
+  // last tile; x and err may not overlap.
+  void encode_tile(size_t begin, const float* x, size_t n, float* err) const;
+
+ private:
+  size_t count_;
+  uint32_t chunk_;
+  size_t tile_;
+  std::byte* scales_;
+  std::byte* bits_;
+};
+
 // Throws Error(kInvalidArgument) for bad parameters (e.g. levels outside 2..256).
 std::unique_ptr<Codec> make_codec(const CodecParams& params);
 

@@ -220,7 +220,17 @@ OneBitAllreduce::OneBitAllreduce(uint32_t chunk)
       align_(block_align(compress::CodecParams{compress::Kind::kSign, chunk, 16})) {}
 
 void OneBitAllreduce::run(Communicator& comm, float* buf, size_t count, std::span<float> worker_error,
-                          std::span<float> server_error, bool input_has_error) {
+                          std::span<float> server_error) {
+  const float* we = worker_error.empty() ? nullptr : worker_error.data();
+  run_filled(comm, buf, count, worker_error, server_error,
+             [this, buf, &we](size_t begin, size_t n, float* x) {
+               const float* e = we != nullptr ? we : own_worker_.data();
+               for (size_t i = 0; i < n; ++i) x[i] = buf[begin + i] + e[begin + i];
+             });
+}
+
+void OneBitAllreduce::run_filled(Communicator& comm, float* buf, size_t count, std::span<float> worker_error,
+                                 std::span<float> server_error, const Fill& fill) {
   net::OpInfo op = comm.begin_op("1-bit allreduce", kOneBitAllreduceOpcode);
   if ((!worker_error.empty() && worker_error.size() != count) ||
       (!server_error.empty() && server_error.size() != count))
@@ -250,16 +260,17 @@ void OneBitAllreduce::run(Communicator& comm, float* buf, size_t count, std::spa
     std::byte* wire = enc_.data();
     float* we = worker_error.data();
 
-    // Worker: compress input + carried error, keep what this compression loses.
-    if (!input_has_error)
-      for (size_t i = 0; i < count; ++i) buf[i] += we[i];
+    // Worker: compress input + carried error, keep what this compression loses. Tile by tile,
+    // so the input is produced (fill), encoded and its error taken while it is in cache.
     for (uint32_t j = 0; j < n; ++j) {
       if (counts[j] == 0) continue;
-      float* x = buf + off[j];
-      float* e = we + off[j];
-      codec_->encode(x, counts[j], DType::F32, wire + eoff[j], enc[j]);
-      codec_->decode(wire + eoff[j], enc[j], e, counts[j], DType::F32, false);
-      for (size_t i = 0; i < counts[j]; ++i) e[i] = x[i] - e[i];
+      compress::SignTileEncoder tiles(*codec_, counts[j], wire + eoff[j], enc[j]);
+      tile_.resize(tiles.tile());
+      for (size_t t = 0; t < counts[j]; t += tiles.tile()) {
+        const size_t len = std::min(tiles.tile(), counts[j] - t);
+        fill(off[j] + t, len, tile_.data());
+        tiles.encode_tile(t, tile_.data(), len, we + off[j] + t);
+      }
     }
     std::vector<Transfer> ts;
     ts.reserve(2 * n);
@@ -275,7 +286,6 @@ void OneBitAllreduce::run(Communicator& comm, float* buf, size_t count, std::spa
     if (counts[r] > 0) {
       const size_t c = counts[r];
       acc_.resize(c);
-      dec_.resize(c);
       for (uint32_t q = 0; q < n; ++q) {
         const std::byte* src = q == r ? wire + eoff[r] : recv_.data() + peer_slot(q, r) * enc[r];
         codec_->decode(src, enc[r], acc_.data(), c, DType::F32, q != 0);
@@ -283,9 +293,9 @@ void OneBitAllreduce::run(Communicator& comm, float* buf, size_t count, std::spa
       float* es = server_error.data() + off[r];
       const auto nf = static_cast<float>(n);
       for (size_t i = 0; i < c; ++i) acc_[i] = acc_[i] / nf + es[i];
-      codec_->encode(acc_.data(), c, DType::F32, wire + eoff[r], enc[r]);
-      codec_->decode(wire + eoff[r], enc[r], dec_.data(), c, DType::F32, false);
-      for (size_t i = 0; i < c; ++i) es[i] = acc_[i] - dec_[i];
+      compress::SignTileEncoder tiles(*codec_, c, wire + eoff[r], enc[r]);
+      for (size_t t = 0; t < c; t += tiles.tile())
+        tiles.encode_tile(t, acc_.data() + t, std::min(tiles.tile(), c - t), es + t);
     }
 
     ts.clear();
@@ -349,16 +359,21 @@ void OneBitMomentumBucketOp::run(Communicator& comm, void* data, size_t count, D
       momentum_[i] = b * momentum_[i] + a * g[i] * (inv_denom_ != nullptr ? inv_denom_[i] : 1.0f);
     return;
   }
-  // The momentum update and the worker's error feedback in one pass over memory: the buffer then
-  // holds m + e_w, which is what the worker compresses.
+  // The momentum update and the worker's error feedback are computed tile by tile inside the
+  // 1-bit allreduce (m + e_w is what the worker compresses); the momentum itself is overwritten by
+  // the average afterwards, so the update is never stored.
+  const float* u = momentum_;
   const float* we = worker_error_;
-  if (inv_denom_ != nullptr) {
-    const float* inv = inv_denom_;
-    for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i] * inv[i] + we[i];
-  } else {
-    for (size_t i = 0; i < count; ++i) momentum_[i] = b * momentum_[i] + a * g[i] + we[i];
-  }
-  impl_.run(comm, momentum_, count, {worker_error_, count}, {server_error_, count}, true);
+  const float* inv = inv_denom_;
+  impl_.run_filled(comm, momentum_, count, {worker_error_, count}, {server_error_, count},
+                   [=](size_t begin, size_t n, float* x) {
+                     if (inv != nullptr) {
+                       for (size_t i = begin; i < begin + n; ++i)
+                         x[i - begin] = b * u[i] + a * g[i] * inv[i] + we[i];
+                     } else {
+                       for (size_t i = begin; i < begin + n; ++i) x[i - begin] = b * u[i] + a * g[i] + we[i];
+                     }
+                   });
 }
 
 }  // namespace rumor::ops

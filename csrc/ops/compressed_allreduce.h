@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -85,10 +86,16 @@ class OneBitAllreduce {
 
   // Averages buf over comm's ranks, in place. worker_error and server_error (count elements
   // each, or empty to use owned buffers sized on first use) carry the error feedback; only this
-  // rank's block of server_error is used. input_has_error: the caller already added
-  // worker_error into buf (fused into its own pass over buf, saving one here).
+  // rank's block of server_error is used.
   void run(Communicator& comm, float* buf, size_t count, std::span<float> worker_error = {},
-           std::span<float> server_error = {}, bool input_has_error = false);
+           std::span<float> server_error = {});
+  // As run(), but the worker's compressed input (input + worker error) is produced tile by tile:
+  // fill(begin, n, x) writes elements [begin, begin + n) of it into x. buf only receives the
+  // result. Fusing the caller's pass (e.g. a momentum update) with the encoding keeps each tile
+  // in cache: one pass over memory instead of several.
+  using Fill = std::function<void(size_t begin, size_t n, float* x)>;
+  void run_filled(Communicator& comm, float* buf, size_t count, std::span<float> worker_error,
+                  std::span<float> server_error, const Fill& fill);
 
   // The owned error buffers (empty until the first run that uses them).
   std::span<const float> worker_error() const { return own_worker_; }
@@ -101,7 +108,7 @@ class OneBitAllreduce {
   size_t align_;
   std::vector<float> own_worker_, own_server_;
   std::vector<std::byte> enc_, recv_, gathered_;
-  std::vector<float> acc_, dec_;
+  std::vector<float> acc_, tile_;
 };
 
 // Bucket op: compressed allreduce of the bucket (ByteGrad, QSGD, LowPrecision).

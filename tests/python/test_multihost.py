@@ -147,6 +147,19 @@ def _rank_main() -> None:
         exp = (_input(100_003, 2, 41).double() + _input(100_003, 3, 41).double()).float()
         equal(rumor.allreduce(x, op=SUM, group=local1), exp, "allreduce group [2, 3]")
 
+    # -- decentralized ops across the hosts: a dynamic ring (receive from rank - 1, send to rank + 1)
+    #    and the hierarchical neighbor allreduce (host averages over shm, combined between the
+    #    machines over TCP). Values are multiples of 1/8: exact in float32.
+    x = torch.full((1 << 20,), float(rank))
+    left = (rank - 1) % WORLD
+    got = rumor.neighbor_allreduce(x, self_weight=0.5, src_weights={left: 0.5}, dst_weights=[(rank + 1) % WORLD])
+    equal(got, torch.full_like(x, 0.5 * rank + 0.5 * left), "neighbor_allreduce ring across hosts")
+    me, other = rank // RANKS_PER_HOST, 1 - rank // RANKS_PER_HOST
+    host_avg = [sum(range(h * RANKS_PER_HOST, (h + 1) * RANKS_PER_HOST)) / RANKS_PER_HOST for h in range(HOSTS)]
+    got = rumor.hierarchical_neighbor_allreduce(x, self_weight=0.25, src_machine_weights={other: 0.75},
+                                                dst_machine_weights=[other])
+    equal(got, torch.full_like(x, 0.25 * host_avg[me] + 0.75 * host_avg[other]), "hierarchical_neighbor_allreduce")
+
     rumor.barrier()
     print(f"rank {rank}: {len(failures)} failure(s), {time.monotonic() - t0:.2f}s", flush=True)
     if failures:
