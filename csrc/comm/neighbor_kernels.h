@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/half.h"
 #include "core/types.h"
 
 #ifndef RUMOR_KERNEL_NS
@@ -43,21 +44,8 @@ struct F16 {
 struct BF16 {
   using T = uint16_t;
   using Acc = float;
-  static Acc load(T h) {
-    uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  static T store(Acc f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    // Round to nearest even; NaN stays a quiet NaN instead of rounding into infinity.
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    uint32_t nan = (u >> 16) | 0x40u;
-    bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
-    return static_cast<T>(is_nan ? nan : rounded);
-  }
+  static Acc load(T h) { return half::bf16_to_f32(h); }
+  static T store(Acc f) { return half::f32_to_bf16(f); }
 };
 
 template <typename K>

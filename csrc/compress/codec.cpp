@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "compress/kernels.h"
+#include "core/cpu.h"
 
 namespace rumor::compress {
 
@@ -38,16 +39,6 @@ constexpr uint32_t kDefaultChunk = 1024;
 constexpr uint32_t kMaxChunk = 1u << 24;
 // Far beyond any tensor, low enough that no size computation below can overflow.
 constexpr uint64_t kMaxCount = uint64_t{1} << 48;
-
-bool cpu_has_avx2() {
-#ifdef RUMOR_AVX2_KERNELS
-  static const bool yes =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return yes;
-#else
-  return false;
-#endif
-}
 
 struct Header {
   uint32_t magic;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/half.h"
 #include "core/types.h"
 
 namespace rumor::compress::detail {
@@ -13,35 +14,10 @@ namespace rumor::compress::detail {
 // one linked copy must not serve another unit's callers.
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  // Round to nearest even; a NaN stays a quiet NaN of the same sign instead of rounding to inf.
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  uint32_t nan = (u >> 16) | 0x40u;
-  bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
-  return static_cast<uint16_t>(is_nan ? nan : rounded);
-}
-
-inline uint16_t f32_to_f16(float f) {
-  _Float16 h = static_cast<_Float16>(f);
-  uint16_t u;
-  std::memcpy(&u, &h, 2);
-  return u;
-}
-
-inline float f16_to_f32(uint16_t u) {
-  _Float16 h;
-  std::memcpy(&h, &u, 2);
-  return static_cast<float>(h);
-}
+using half::bf16_to_f32;
+using half::f16_to_f32;
+using half::f32_to_bf16;
+using half::f32_to_f16;
 
 // double -> float as IEEE rounds it: past FLT_MAX + half an ulp to infinity, where the C++
 // conversion would be undefined.

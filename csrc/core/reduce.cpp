@@ -1,5 +1,7 @@
 #include "core/reduce.h"
 
+#include "core/cpu.h"
+
 namespace rumor {
 
 namespace generic {
@@ -13,10 +15,8 @@ void finish_average(void* buf, size_t n, DType t, size_t divisor);
 }  // namespace avx2
 #endif
 
-namespace {
-bool has_avx2() {
+bool cpu_has_avx2() {
 #ifdef RUMOR_AVX2_KERNELS
-  // Evaluated once; the answer cannot change while the process runs.
   static const bool yes =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return yes;
@@ -24,12 +24,11 @@ bool has_avx2() {
   return false;
 #endif
 }
-}  // namespace
 
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
   if (count == 0) return;
 #ifdef RUMOR_AVX2_KERNELS
-  if (has_avx2()) return avx2::reduce_into(dst, src, count, dtype, op);
+  if (cpu_has_avx2()) return avx2::reduce_into(dst, src, count, dtype, op);
 #endif
   generic::reduce_into(dst, src, count, dtype, op);
 }
@@ -37,11 +36,11 @@ void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp
 void finish_average(void* buf, size_t count, DType dtype, size_t divisor) {
   if (count == 0 || divisor <= 1) return;
 #ifdef RUMOR_AVX2_KERNELS
-  if (has_avx2()) return avx2::finish_average(buf, count, dtype, divisor);
+  if (cpu_has_avx2()) return avx2::finish_average(buf, count, dtype, divisor);
 #endif
   generic::finish_average(buf, count, dtype, divisor);
 }
 
-const char* reduce_isa() { return has_avx2() ? "avx2" : "generic"; }
+const char* reduce_isa() { return cpu_has_avx2() ? "avx2" : "generic"; }
 
 }  // namespace rumor

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/half.h"
 #include "core/types.h"
 
 #ifndef RUMOR_KERNEL_NS
@@ -16,22 +17,8 @@ namespace rumor::RUMOR_KERNEL_NS {
 
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  // Round to nearest even; NaN stays a (quiet) NaN instead of rounding into infinity.
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  uint32_t nan = (u >> 16) | 0x40u;
-  bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
-  return static_cast<uint16_t>(is_nan ? nan : rounded);
-}
+using half::bf16_to_f32;
+using half::f32_to_bf16;
 
 template <typename T>
 struct Sum {

@@ -61,6 +61,37 @@ std::vector<size_t> prefix(const std::vector<size_t>& v) {
 // Slot of peer q among the n-1 peers of rank r (receive buffers hold one slot per peer).
 size_t peer_slot(uint32_t q, uint32_t r) { return q < r ? q : q - 1; }
 
+// Blocks are encoded back to back in `wire` (block j at eoff[j], enc[j] bytes, counts[j]
+// elements). First every block's encoding goes to its owner: this rank sends block j to rank j
+// and receives each peer's encoding of its own block into recv, at peer_slot(peer).
+void scatter_to_owners(Communicator& comm, const net::OpInfo& op, const std::vector<size_t>& counts,
+                       const std::vector<size_t>& enc, const std::vector<size_t>& eoff, const std::byte* wire,
+                       std::byte* recv) {
+  const uint32_t n = comm.size(), r = comm.rank();
+  std::vector<Transfer> ts;
+  ts.reserve(2 * n);
+  for (uint32_t s = 1; s < n; ++s) {
+    const uint32_t to = (r + s) % n, from = (r + n - s) % n;
+    if (counts[to] > 0) ts.push_back(make_send(to, wire + eoff[to], enc[to]));
+    if (counts[r] > 0) ts.push_back(make_recv(from, recv + peer_slot(from, r) * enc[r], enc[r]));
+  }
+  comm.exchange(ts, op);
+}
+
+// Then each owner's reduced, re-encoded block goes to everyone (an allgather of encodings).
+void gather_from_owners(Communicator& comm, const net::OpInfo& op, const std::vector<size_t>& counts,
+                        const std::vector<size_t>& enc, const std::vector<size_t>& eoff, std::byte* wire) {
+  const uint32_t n = comm.size(), r = comm.rank();
+  std::vector<Transfer> ts;
+  ts.reserve(2 * n);
+  for (uint32_t s = 1; s < n; ++s) {
+    const uint32_t to = (r + s) % n, from = (r + n - s) % n;
+    if (counts[r] > 0) ts.push_back(make_send(to, wire + eoff[r], enc[r]));
+    if (counts[from] > 0) ts.push_back(make_recv(from, wire + eoff[from], enc[from]));
+  }
+  comm.exchange(ts, op);
+}
+
 std::string kind_name(compress::Kind k) {
   switch (k) {
     case compress::Kind::kMinMaxU8:
@@ -175,14 +206,7 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
     if (j != r && counts[j] > 0)
       codec_->encode(buf + off[j] * es, counts[j], dtype, wire + eoff[j], enc[j],
                      encode_seed(seed_, step, r, j, 0));
-  std::vector<Transfer> ts;
-  ts.reserve(2 * n);
-  for (uint32_t s = 1; s < n; ++s) {
-    const uint32_t to = (r + s) % n, from = (r + n - s) % n;
-    if (counts[to] > 0) ts.push_back(make_send(to, wire + eoff[to], enc[to]));
-    if (counts[r] > 0) ts.push_back(make_recv(from, recv_.data() + peer_slot(from, r) * enc[r], enc[r]));
-  }
-  comm.exchange(ts, op);
+  scatter_to_owners(comm, op, counts, enc, eoff, wire, recv_.data());
 
   if (counts[r] > 0) {
     // Our own contribution enters at full precision; the peers' through their encodings, added
@@ -201,13 +225,7 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
                    encode_seed(seed_, step, r, r, 1));
   }
 
-  ts.clear();
-  for (uint32_t s = 1; s < n; ++s) {
-    const uint32_t to = (r + s) % n, from = (r + n - s) % n;
-    if (counts[r] > 0) ts.push_back(make_send(to, wire + eoff[r], enc[r]));
-    if (counts[from] > 0) ts.push_back(make_recv(from, wire + eoff[from], enc[from]));
-  }
-  comm.exchange(ts, op);
+  gather_from_owners(comm, op, counts, enc, eoff, wire);
   // The owner decodes its block from the bytes it sent too, so every rank holds the same bits.
   for (uint32_t j = 0; j < n; ++j)
     if (counts[j] > 0) codec_->decode(wire + eoff[j], enc[j], buf + off[j] * es, counts[j], dtype, false);
@@ -272,14 +290,7 @@ void OneBitAllreduce::run_filled(Communicator& comm, float* buf, size_t count, s
         tiles.encode_tile(t, tile_.data(), len, we + off[j] + t);
       }
     }
-    std::vector<Transfer> ts;
-    ts.reserve(2 * n);
-    for (uint32_t s = 1; s < n; ++s) {
-      const uint32_t to = (r + s) % n, from = (r + n - s) % n;
-      if (counts[to] > 0) ts.push_back(make_send(to, wire + eoff[to], enc[to]));
-      if (counts[r] > 0) ts.push_back(make_recv(from, recv_.data() + peer_slot(from, r) * enc[r], enc[r]));
-    }
-    comm.exchange(ts, op);
+    scatter_to_owners(comm, op, counts, enc, eoff, wire, recv_.data());
 
     // Server: average the compressed contributions (its own included, as sent), add its carried
     // error, compress once more and keep what that loses.
@@ -298,13 +309,7 @@ void OneBitAllreduce::run_filled(Communicator& comm, float* buf, size_t count, s
         tiles.encode_tile(t, acc_.data() + t, std::min(tiles.tile(), c - t), es + t);
     }
 
-    ts.clear();
-    for (uint32_t s = 1; s < n; ++s) {
-      const uint32_t to = (r + s) % n, from = (r + n - s) % n;
-      if (counts[r] > 0) ts.push_back(make_send(to, wire + eoff[r], enc[r]));
-      if (counts[from] > 0) ts.push_back(make_recv(from, wire + eoff[from], enc[from]));
-    }
-    comm.exchange(ts, op);
+    gather_from_owners(comm, op, counts, enc, eoff, wire);
     for (uint32_t j = 0; j < n; ++j)
       if (counts[j] > 0) codec_->decode(wire + eoff[j], enc[j], buf + off[j], counts[j], DType::F32, false);
   });

@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _C
-from ._tensor import dtype_code
+from ._tensor import check_tensor, dtype_code
 
 __all__ = ["Codec", "MinMaxUInt8", "QSGD", "SignScale", "Float16", "BFloat16", "isa"]
 
@@ -36,19 +36,12 @@ def isa() -> str:
 
 
 def _check_float_tensor(t, what: str) -> int:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{what}: expected a dense (strided) tensor, got layout {t.layout}")
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"{what}: tensor is on {t.device}; codecs take CPU tensors (no CUDA codec kernels in this build)"
-        )
+    code = check_tensor(t, what)  # a dense CPU tensor (no CUDA codec kernels in this build)
     if t.dtype not in _FLOAT_TYPES:
         raise TypeError(f"{what}: unsupported dtype {t.dtype}; expected float32, float16, bfloat16 or float64")
     if not t.is_contiguous():
         raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
-    return dtype_code(t.dtype, what)
+    return code
 
 
 def _dims(shape) -> tuple:
