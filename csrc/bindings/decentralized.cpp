@@ -22,6 +22,24 @@ std::vector<NeighborEdge> to_edges(const Edges& e) {
   return v;
 }
 
+using WeightedOp = void (*)(Communicator&, const void*, void*, size_t, DType, double,
+                            std::span<const NeighborEdge>, std::span<const NeighborEdge>, bool,
+                            NeighborScratch*);
+
+// The binding of a weighted neighbor op (flat or hierarchical): same arguments, same dispatch.
+template <WeightedOp Op>
+std::shared_ptr<Work> run_weighted(Communicator& c, uintptr_t in, uintptr_t out, size_t count, int dtype,
+                                   double self_weight, const Edges& srcs, const Edges& dsts, bool topo_check,
+                                   bool nb, std::shared_ptr<NeighborScratch> scratch) {
+  DType dt = to_dtype(dtype);
+  // The scratch is captured by value: it lives until the operation has finished.
+  return dispatch(c, nb,
+                  [&c, in, out, count, dt, self_weight, s = to_edges(srcs), d = to_edges(dsts), topo_check,
+                   scratch = std::move(scratch)] {
+                    Op(c, ptr(in), ptr(out), count, dt, self_weight, s, d, topo_check, scratch.get());
+                  });
+}
+
 }  // namespace
 
 void bind_decentralized(py::module_& m) {
@@ -37,21 +55,9 @@ void bind_decentralized(py::module_& m) {
         return b;
       });
   m.def(
-      "neighbor_allreduce",
-      [](C& c, uintptr_t in, uintptr_t out, size_t count, int dtype, double self_weight, const Edges& srcs,
-         const Edges& dsts, bool topo_check, bool nb, Scratch scratch) {
-        DType dt = to_dtype(dtype);
-        // The scratch is captured by value: it lives until the operation has finished.
-        return dispatch(c, nb,
-                        [&c, in, out, count, dt, self_weight, s = to_edges(srcs), d = to_edges(dsts),
-                         topo_check, scratch = std::move(scratch)] {
-                          neighbor_allreduce(c, ptr(in), ptr(out), count, dt, self_weight, s, d, topo_check,
-                                             scratch.get());
-                        });
-      },
-      py::arg("comm"), py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
-      py::arg("self_weight"), py::arg("srcs"), py::arg("dsts"), py::arg("topo_check"), py::arg("nonblocking"),
-      py::arg("scratch") = nullptr,
+      "neighbor_allreduce", &run_weighted<&neighbor_allreduce>, py::arg("comm"), py::arg("input"),
+      py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("self_weight"), py::arg("srcs"),
+      py::arg("dsts"), py::arg("topo_check"), py::arg("nonblocking"), py::arg("scratch") = nullptr,
       "out = self_weight*in + sum of w*received over srcs [(rank, weight)]; sends in*w to dsts [(rank, w)].");
   m.def(
       "neighbor_allgather",
@@ -75,22 +81,11 @@ void bind_decentralized(py::module_& m) {
       },
       py::arg("comm"), py::arg("words"), py::arg("srcs"), py::arg("dsts"), py::arg("topo_check"),
       "Sends the u64 words to every dst; returns what each src sent (blocking).");
-  m.def(
-      "hierarchical_neighbor_allreduce",
-      [](C& c, uintptr_t in, uintptr_t out, size_t count, int dtype, double self_weight, const Edges& srcs,
-         const Edges& dsts, bool topo_check, bool nb, Scratch scratch) {
-        DType dt = to_dtype(dtype);
-        return dispatch(c, nb,
-                        [&c, in, out, count, dt, self_weight, s = to_edges(srcs), d = to_edges(dsts),
-                         topo_check, scratch = std::move(scratch)] {
-                          hierarchical_neighbor_allreduce(c, ptr(in), ptr(out), count, dt, self_weight, s, d,
-                                                          topo_check, scratch.get());
-                        });
-      },
-      py::arg("comm"), py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
-      py::arg("self_weight"), py::arg("machine_srcs"), py::arg("machine_dsts"), py::arg("topo_check"),
-      py::arg("nonblocking"), py::arg("scratch") = nullptr,
-      "Host average, neighbor_allreduce among host leaders over machine ranks, host broadcast.");
+  m.def("hierarchical_neighbor_allreduce", &run_weighted<&hierarchical_neighbor_allreduce>, py::arg("comm"),
+        py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("self_weight"),
+        py::arg("machine_srcs"), py::arg("machine_dsts"), py::arg("topo_check"), py::arg("nonblocking"),
+        py::arg("scratch") = nullptr,
+        "Host average, neighbor_allreduce among host leaders over machine ranks, host broadcast.");
   m.def(
       "check_topology",
       [](C& c, std::vector<uint32_t> srcs, std::vector<uint32_t> dsts) {

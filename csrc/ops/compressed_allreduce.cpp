@@ -61,13 +61,27 @@ std::vector<size_t> prefix(const std::vector<size_t>& v) {
 // Slot of peer q among the n-1 peers of rank r (receive buffers hold one slot per peer).
 size_t peer_slot(uint32_t q, uint32_t r) { return q < r ? q : q - 1; }
 
-// Blocks are encoded back to back in `wire` (block j at eoff[j], enc[j] bytes, counts[j]
-// elements). First every block's encoding goes to its owner: this rank sends block j to rank j
-// and receives each peer's encoding of its own block into recv, at peer_slot(peer).
-void scatter_to_owners(Communicator& comm, const net::OpInfo& op, const std::vector<size_t>& counts,
-                       const std::vector<size_t>& enc, const std::vector<size_t>& eoff, const std::byte* wire,
+// The split of a buffer into one block per rank, and where each block's encoding lives: block
+// j holds counts[j] elements from element off[j]; its encoding takes enc[j] bytes at eoff[j] of
+// the wire buffer (encodings back to back).
+struct Blocks {
+  std::vector<size_t> counts, off, enc, eoff;
+  Blocks(size_t count, uint32_t n, size_t align, const compress::Codec& codec)
+      : counts(split_blocks(count, n, align)), off(prefix(counts)), enc(n) {
+    for (uint32_t j = 0; j < n; ++j) enc[j] = counts[j] > 0 ? codec.encoded_bytes(counts[j]) : 0;
+    eoff = prefix(enc);
+  }
+  size_t wire_bytes() const { return eoff.back(); }
+};
+
+// First every block's encoding goes to its owner: this rank sends block j to rank j and
+// receives each peer's encoding of its own block into recv, at peer_slot(peer).
+void scatter_to_owners(Communicator& comm, const net::OpInfo& op, const Blocks& b, const std::byte* wire,
                        std::byte* recv) {
   const uint32_t n = comm.size(), r = comm.rank();
+  const auto& counts = b.counts;
+  const auto& enc = b.enc;
+  const auto& eoff = b.eoff;
   std::vector<Transfer> ts;
   ts.reserve(2 * n);
   for (uint32_t s = 1; s < n; ++s) {
@@ -79,9 +93,11 @@ void scatter_to_owners(Communicator& comm, const net::OpInfo& op, const std::vec
 }
 
 // Then each owner's reduced, re-encoded block goes to everyone (an allgather of encodings).
-void gather_from_owners(Communicator& comm, const net::OpInfo& op, const std::vector<size_t>& counts,
-                        const std::vector<size_t>& enc, const std::vector<size_t>& eoff, std::byte* wire) {
+void gather_from_owners(Communicator& comm, const net::OpInfo& op, const Blocks& b, std::byte* wire) {
   const uint32_t n = comm.size(), r = comm.rank();
+  const auto& counts = b.counts;
+  const auto& enc = b.enc;
+  const auto& eoff = b.eoff;
   std::vector<Transfer> ts;
   ts.reserve(2 * n);
   for (uint32_t s = 1; s < n; ++s) {
@@ -191,14 +207,14 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
                                uint64_t step, const net::OpInfo& op) {
   const uint32_t n = comm.size(), r = comm.rank();
   const size_t es = dtype_size(dtype);
-  const auto counts = split_blocks(count, n, block_align(params_));
-  const auto off = prefix(counts);
-  std::vector<size_t> enc(n);
-  for (uint32_t j = 0; j < n; ++j) enc[j] = counts[j] > 0 ? codec_->encoded_bytes(counts[j]) : 0;
-  const auto eoff = prefix(enc);
+  const Blocks blocks(count, n, block_align(params_), *codec_);
+  const auto& counts = blocks.counts;
+  const auto& off = blocks.off;
+  const auto& enc = blocks.enc;
+  const auto& eoff = blocks.eoff;
   // One slot per block: in the reduce-scatter slot j carries our contribution to block j; once
   // it is sent, the allgather reuses the slots for the reduced blocks.
-  send_.resize(eoff[n]);
+  send_.resize(blocks.wire_bytes());
   recv_.resize(static_cast<size_t>(n - 1) * enc[r]);
   std::byte* wire = send_.data();
 
@@ -206,7 +222,7 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
     if (j != r && counts[j] > 0)
       codec_->encode(buf + off[j] * es, counts[j], dtype, wire + eoff[j], enc[j],
                      encode_seed(seed_, step, r, j, 0));
-  scatter_to_owners(comm, op, counts, enc, eoff, wire, recv_.data());
+  scatter_to_owners(comm, op, blocks, wire, recv_.data());
 
   if (counts[r] > 0) {
     // Our own contribution enters at full precision; the peers' through their encodings, added
@@ -225,7 +241,7 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
                    encode_seed(seed_, step, r, r, 1));
   }
 
-  gather_from_owners(comm, op, counts, enc, eoff, wire);
+  gather_from_owners(comm, op, blocks, wire);
   // The owner decodes its block from the bytes it sent too, so every rank holds the same bits.
   for (uint32_t j = 0; j < n; ++j)
     if (counts[j] > 0) codec_->decode(wire + eoff[j], enc[j], buf + off[j] * es, counts[j], dtype, false);
@@ -268,12 +284,12 @@ void OneBitAllreduce::run_filled(Communicator& comm, float* buf, size_t count, s
   }
   comm.run_guarded(op, [&] {
     const uint32_t n = comm.size(), r = comm.rank();
-    const auto counts = split_blocks(count, n, align_);
-    const auto off = prefix(counts);
-    std::vector<size_t> enc(n);
-    for (uint32_t j = 0; j < n; ++j) enc[j] = counts[j] > 0 ? codec_->encoded_bytes(counts[j]) : 0;
-    const auto eoff = prefix(enc);
-    enc_.resize(eoff[n]);
+    const Blocks blocks(count, n, align_, *codec_);
+    const auto& counts = blocks.counts;
+    const auto& off = blocks.off;
+    const auto& enc = blocks.enc;
+    const auto& eoff = blocks.eoff;
+    enc_.resize(blocks.wire_bytes());
     recv_.resize(static_cast<size_t>(n - 1) * enc[r]);
     std::byte* wire = enc_.data();
     float* we = worker_error.data();
@@ -290,7 +306,7 @@ void OneBitAllreduce::run_filled(Communicator& comm, float* buf, size_t count, s
         tiles.encode_tile(t, tile_.data(), len, we + off[j] + t);
       }
     }
-    scatter_to_owners(comm, op, counts, enc, eoff, wire, recv_.data());
+    scatter_to_owners(comm, op, blocks, wire, recv_.data());
 
     // Server: average the compressed contributions (its own included, as sent), add its carried
     // error, compress once more and keep what that loses.
@@ -309,7 +325,7 @@ void OneBitAllreduce::run_filled(Communicator& comm, float* buf, size_t count, s
         tiles.encode_tile(t, acc_.data() + t, std::min(tiles.tile(), c - t), es + t);
     }
 
-    gather_from_owners(comm, op, counts, enc, eoff, wire);
+    gather_from_owners(comm, op, blocks, wire);
     for (uint32_t j = 0; j < n; ++j)
       if (counts[j] > 0) codec_->decode(wire + eoff[j], enc[j], buf + off[j], counts[j], DType::F32, false);
   });

@@ -102,18 +102,23 @@ def _check_same_everywhere(fingerprint: int, what: str, kind: str) -> None:
                          "every rank must pass the same topology and is_weighted")
 
 
+def _verified_topology(topo, is_weighted: bool, size: int, unit: str, kind: str, what: str) -> Topology:
+    """topo as a Topology of `size` nodes (None: ExponentialGraph(size)), checked to be the same
+    on every rank (a collective)."""
+    t = ExponentialGraph(size) if topo is None else _as_topology(topo, what)
+    if t.size != size:
+        raise ValueError(f"{what}: the topology has {t.size} {unit}, the job has {size}")
+    _check_same_everywhere(t.fingerprint() ^ (1 if is_weighted else 0), what, kind)
+    return t
+
+
 def set_topology(topo=None, is_weighted: bool = False) -> bool:
     """Sets the static topology for neighbor_allreduce / neighbor_allgather (a Topology, a
     networkx.DiGraph or an n x n weight matrix; None = ExponentialGraph(size)). Every rank must
     call it with the same topology: a cheap allgather of a fingerprint checks this and raises
     ValueError on every rank if they differ. is_weighted: use the matrix's weights instead of
     uniform ones. Returns True."""
-    what = "rumor.set_topology"
-    st = _runtime._get()
-    t = ExponentialGraph(st.env.size) if topo is None else _as_topology(topo, what)
-    if t.size != st.env.size:
-        raise ValueError(f"{what}: the topology has {t.size} ranks, the world has {st.env.size}")
-    _check_same_everywhere(t.fingerprint() ^ (1 if is_weighted else 0), what, "topology")
+    t = _verified_topology(topo, is_weighted, _runtime._get().env.size, "ranks", "topology", "rumor.set_topology")
     tops = _topologies()
     tops.topo, tops.weighted = t, bool(is_weighted)
     return True
@@ -127,12 +132,8 @@ def load_topology() -> Topology:
 def set_machine_topology(topo=None, is_weighted: bool = False) -> bool:
     """Sets the topology among machines for hierarchical_neighbor_allreduce (size =
     rumor.machine_size(); None = ExponentialGraph(machine_size)). Same rules as set_topology."""
-    what = "rumor.set_machine_topology"
-    st = _runtime._get()
-    t = ExponentialGraph(st.machine_size) if topo is None else _as_topology(topo, what)
-    if t.size != st.machine_size:
-        raise ValueError(f"{what}: the topology has {t.size} machines, the job runs on {st.machine_size}")
-    _check_same_everywhere(t.fingerprint() ^ (1 if is_weighted else 0), what, "machine topology")
+    t = _verified_topology(topo, is_weighted, _runtime._get().machine_size, "machines", "machine topology",
+                           "rumor.set_machine_topology")
     tops = _topologies()
     tops.machine_topo, tops.machine_weighted = t, bool(is_weighted)
     return True

@@ -218,7 +218,8 @@ class Decentralized(Algorithm):
         return ddp.group.size(), ddp.group.rank()
 
     def init(self, ddp) -> None:
-        n, _ = self._layout(ddp)
+        n, me = self._layout(ddp)
+        self._n, self._me = n, me  # the schedule's nodes, fixed for the wrapper's life
         if self._matrix is not None and self._matrix.shape[0] != n:
             hint = (" (with hierarchical=True the topology is over hosts; pass hierarchical=False to mix ranks)"
                     if self.hierarchical else "")
@@ -242,9 +243,8 @@ class Decentralized(Algorithm):
         return _C.local_op()
 
     def plan(self, ddp, round_: int) -> Plan:
-        n, me = self._layout(ddp)
         sel = self._matrix if self._matrix is not None else self.peer_selection
-        return mixing_plan(sel, n, me, round_)
+        return mixing_plan(sel, self._n, self._me, round_)
 
     def before_forward(self, ddp) -> None:
         if self._pending is not None or not torch.is_grad_enabled():

@@ -29,14 +29,16 @@ or the next step()), so it overlaps whatever the training loop does in between.
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
 from .. import collectives
 from .. import decentralized as _dec
+from ..algorithms.decentralized import FlatWeights
 
 COMMUNICATIONS = ("neighbor_allreduce", "hierarchical_neighbor_allreduce", "allreduce", "empty")
+_ONE_BUFFER_PER_DTYPE = 1 << 62  # bucket cap for FlatWeights: no dtype is split
 
 
 class _Combine:
@@ -59,18 +61,16 @@ class _Combine:
         self.dst_weights = None
         self.enable_topo_check = True
         self._comm_steps = 0  # step() calls so far
-        self._pending = None  # (handle, flat groups) of the exchange in flight
+        self._pending = None  # [(handle, flat buffer)] of the exchange in flight
         self._in_step = False  # a closure's forward inside step() must not start an exchange
-        # Parameters in model order, grouped by dtype: one message per dtype and step.
+        # Parameters in model order, as views into one flat buffer per dtype: one message per
+        # dtype and step, sent straight from the parameters' memory.
         named = [p for p in model.parameters() if p.requires_grad]
         in_opt = {id(p) for g in self.param_groups for p in g["params"]}
-        self._params = [p for p in named if id(p) in in_opt]
-        if not self._params:
+        params = [p for p in named if id(p) in in_opt]
+        if not params:
             raise ValueError(f"{type(self).__name__}: the optimizer holds none of the model's trainable parameters")
-        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
-        for p in self._params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        self._groups = [by_dtype[d] for d in sorted(by_dtype, key=str)]
+        self._flat = FlatWeights(params, _ONE_BUFFER_PER_DTYPE, f"rumor.optim.{type(self).__name__}")
         self._hook = model.register_forward_pre_hook(self._forward_pre_hook)
 
     # ---- communication ------------------------------------------------------------------------
@@ -80,11 +80,8 @@ class _Combine:
 
     def _launch(self):
         """Starts combining the current parameter values; returns what _finish needs."""
-        handles = []
-        for ps in self._groups:
-            flat = torch.cat([p.detach().reshape(-1) for p in ps])
-            handles.append((self._start(flat), ps))
-        return handles
+        self._flat.ensure_views()
+        return [(self._start(flat), flat) for flat in self._flat.flats]
 
     def _start(self, flat: torch.Tensor):
         c = self.communication
@@ -105,13 +102,8 @@ class _Combine:
     @staticmethod
     def _finish(pending) -> None:
         with torch.no_grad():
-            for handle, ps in pending:
-                out = collectives.synchronize(handle)
-                off = 0
-                for p in ps:
-                    n = p.numel()
-                    p.copy_(out[off:off + n].view_as(p))
-                    off += n
+            for handle, flat in pending:
+                flat.copy_(collectives.synchronize(handle))
 
     def synchronize(self) -> None:
         """Waits for the exchange in flight and writes its result into the parameters."""
