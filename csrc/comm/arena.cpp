@@ -75,8 +75,9 @@ void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
         const auto* theirs = static_cast<const std::byte*>(peers_[q].data()) + offset + begin[r] * es + c;
         reduce_into(mine + c, theirs, len / es, dtype, op);
       }
+      // While the block is still in cache, not as a second pass over the whole slice.
+      if (op == ReduceOp::AVG) finish_average(mine + c, len / es, dtype, n);
     }
-    if (op == ReduceOp::AVG) finish_average(mine, my_bytes / es, dtype, n);
     comm_->barrier_within(info);  // every block reduced
 
     for (uint32_t q = 0; q < n; ++q) {
