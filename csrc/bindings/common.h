@@ -51,6 +51,7 @@ inline std::shared_ptr<Work> dispatch(Communicator& c, bool nonblocking, std::fu
 
 // One function per feature area, each in its own file, called by PYBIND11_MODULE.
 void bind_compression(py::module_& m);
+void bind_cuda(py::module_& m);
 void bind_compressed_ops(py::module_& m);
 void bind_decentralized(py::module_& m);
 void bind_decentralized_ops(py::module_& m);

@@ -217,6 +217,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("timeout"));
 
   bind_compression(m);
+  bind_cuda(m);
   bind_compressed_ops(m);
   bind_decentralized(m);
   bind_decentralized_ops(m);

@@ -1,10 +1,14 @@
 """Gradient codecs: compact encodings of float tensors for the wire.
 
-Each codec turns a CPU tensor (float32, float16, bfloat16 or float64, contiguous) into a
+Each codec turns a CPU or CUDA tensor (float32, float16, bfloat16 or float64, contiguous) into a
 self-describing ``torch.uint8`` buffer whose length depends only on the element count
 (``encoded_bytes(numel)``), and decodes such a buffer back, optionally adding into an existing
 tensor. The kernels are C++ (AVX2 where the CPU has it, see :func:`isa`), single-threaded, and
-run without the GIL. See docs/compression.md for formats and error bounds.
+run without the GIL. CUDA tensors go to CUDA kernels (where rumor was built with nvcc, see
+:func:`cuda_available`) that write the same bytes as the CPU ones, so encodings cross freely
+between GPU and CPU ranks. They run on torch's current stream; decoding a CUDA buffer first
+reads its 32-byte header to the host to validate it, which waits for that stream. See
+docs/compression.md for formats and error bounds.
 
 - :class:`MinMaxUInt8`: per chunk min and max, one byte per element; error <= (max-min)/510.
 - :class:`QSGD`: per chunk L2 norm, sign and stochastic level per element; unbiased, error
@@ -24,7 +28,7 @@ import torch
 from . import _C
 from ._tensor import check_tensor, dtype_code
 
-__all__ = ["Codec", "MinMaxUInt8", "QSGD", "SignScale", "Float16", "BFloat16", "isa"]
+__all__ = ["Codec", "MinMaxUInt8", "QSGD", "SignScale", "Float16", "BFloat16", "isa", "cuda_available"]
 
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -35,8 +39,41 @@ def isa() -> str:
     return _C.codec_isa()
 
 
+def cuda_available() -> bool:
+    """Whether CUDA tensors can be encoded and decoded: this build has the CUDA codec kernels
+    (nvcc was found when it was built) and a CUDA device is visible. Never raises."""
+    return bool(_C.cuda_built()) and _C.cuda_device_count() > 0
+
+
+def _is_cuda(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cuda"
+
+
+def _cuda_stream(device: torch.device) -> int:
+    # The kernels run on torch's current stream of the tensors' device, ordered with the work
+    # that produced the input and before the work that reads the output.
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _check_same_device(who: str, what: str, t: torch.Tensor, other: str, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{who}: {what} is on {t.device} but {other} is on {device}; both must be on the same device")
+
+
+def _require_cuda(what: str, device: torch.device) -> None:
+    if not cuda_available():
+        why = "has no CUDA codec kernels (built without nvcc)" if not _C.cuda_built() else "sees no CUDA device"
+        raise ValueError(f"{what}: tensor is on {device} but this rumor build {why}")
+
+
 def _check_float_tensor(t, what: str) -> int:
-    code = check_tensor(t, what)  # a dense CPU tensor (no CUDA codec kernels in this build)
+    if _is_cuda(t):
+        _require_cuda(what, t.device)
+        if t.layout != torch.strided:
+            raise TypeError(f"{what}: expected a dense (strided) tensor, got layout {t.layout}")
+        code = dtype_code(t.dtype, what)
+    else:
+        code = check_tensor(t, what)  # a dense CPU tensor
     if t.dtype not in _FLOAT_TYPES:
         raise TypeError(f"{what}: unsupported dtype {t.dtype}; expected float32, float16, bfloat16 or float64")
     if not t.is_contiguous():
@@ -78,9 +115,10 @@ class Codec:
         return self._c.encoded_bytes(numel)
 
     def encode(self, tensor: torch.Tensor, seed: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Encodes ``tensor`` into a 1-D ``torch.uint8`` tensor (a new one, or ``out``, which must
-        hold exactly ``encoded_bytes(tensor.numel())`` bytes). ``seed`` drives QSGD's stochastic
-        rounding (same seed and input, same bytes); the other codecs ignore it."""
+        """Encodes ``tensor`` into a 1-D ``torch.uint8`` tensor on its device (a new one, or
+        ``out``, which must hold exactly ``encoded_bytes(tensor.numel())`` bytes). ``seed``
+        drives QSGD's stochastic rounding (same seed and input, same bytes); the other codecs
+        ignore it."""
         who = f"{self.name}.encode"
         code = _check_float_tensor(tensor, who)
         if not isinstance(seed, int) or not 0 <= seed < 2**64:
@@ -88,12 +126,19 @@ class Codec:
         n = tensor.numel()
         want = self._c.encoded_bytes(n)
         if out is None:
-            out = torch.empty(want, dtype=torch.uint8)
+            out = torch.empty(want, dtype=torch.uint8, device=tensor.device)
         elif not isinstance(out, torch.Tensor) or out.dtype != torch.uint8:
             raise TypeError(f"{who}: out must be a torch.uint8 tensor")
-        elif out.device.type != "cpu" or not out.is_contiguous() or out.dim() != 1 or out.numel() != want:
-            raise ValueError(f"{who}: out must be a contiguous 1-D CPU tensor of {want} bytes")
-        self._c.encode(tensor.data_ptr(), n, code, out.data_ptr(), out.numel(), seed)
+        else:
+            _check_same_device(who, "out", out, "the tensor", tensor.device)
+            if not out.is_contiguous() or out.dim() != 1 or out.numel() != want:
+                raise ValueError(f"{who}: out must be a contiguous 1-D tensor of {want} bytes")
+        if tensor.device.type == "cuda":
+            _C.cuda_encode(
+                self._c, tensor.data_ptr(), n, code, out.data_ptr(), out.numel(), seed, _cuda_stream(tensor.device)
+            )
+        else:
+            self._c.encode(tensor.data_ptr(), n, code, out.data_ptr(), out.numel(), seed)
         return out
 
     def decode(
@@ -104,19 +149,20 @@ class Codec:
         out: Optional[torch.Tensor] = None,
         accumulate: bool = False,
     ) -> torch.Tensor:
-        """Decodes ``buf`` into a tensor of ``shape``. ``dtype`` defaults to ``out.dtype`` if
-        ``out`` is given, else float32. With ``out``, writes into it (or, with ``accumulate``,
-        adds the decoded values to it) and returns it. A buffer that is not a valid encoding of
-        that many elements by this codec raises ValueError (rumor's invalid-argument error)."""
+        """Decodes ``buf`` into a tensor of ``shape`` on ``buf``'s device (``out`` must be on it
+        too). ``dtype`` defaults to ``out.dtype`` if ``out`` is given, else float32. With
+        ``out``, writes into it (or, with ``accumulate``, adds the decoded values to it) and
+        returns it. A buffer that is not a valid encoding of that many elements by this codec
+        raises ValueError (rumor's invalid-argument error)."""
         who = f"{self.name}.decode"
         if isinstance(buf, (bytes, bytearray)):
             buf = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
         if not isinstance(buf, torch.Tensor):
             raise TypeError(f"{who}: buf must be a torch.uint8 tensor or bytes, got {type(buf).__name__}")
-        if buf.device.type != "cpu":
-            raise ValueError(
-                f"{who}: buffer is on {buf.device}; codecs take CPU tensors (no CUDA codec kernels in this build)"
-            )
+        if buf.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{who}: buffer is on {buf.device}; codecs take CPU or CUDA tensors")
+        if buf.device.type == "cuda":
+            _require_cuda(who, buf.device)
         if buf.dtype != torch.uint8:
             raise TypeError(f"{who}: buf must have dtype torch.uint8, got {buf.dtype}")
         if not buf.is_contiguous():
@@ -129,14 +175,21 @@ class Codec:
             dtype = torch.float32 if dtype is None else dtype
             if dtype not in _FLOAT_TYPES:
                 raise TypeError(f"{who}: unsupported dtype {dtype}; expected float32, float16, bfloat16 or float64")
-            out = torch.empty(dims, dtype=dtype)
+            out = torch.empty(dims, dtype=dtype, device=buf.device)
         else:
+            if isinstance(out, torch.Tensor):
+                _check_same_device(who, "out", out, "buf", buf.device)
             _check_float_tensor(out, who + " out")
             if dtype is not None and dtype != out.dtype:
                 raise TypeError(f"{who}: dtype {dtype} does not match out.dtype {out.dtype}")
             if tuple(out.shape) != dims:
                 raise ValueError(f"{who}: out has shape {tuple(out.shape)}, expected {dims}")
-        self._c.decode(buf.data_ptr(), buf.numel(), out.data_ptr(), n, dtype_code(out.dtype, who), bool(accumulate))
+        code = dtype_code(out.dtype, who)
+        if buf.device.type == "cuda":
+            stream = _cuda_stream(buf.device)
+            _C.cuda_decode(self._c, buf.data_ptr(), buf.numel(), out.data_ptr(), n, code, bool(accumulate), stream)
+        else:
+            self._c.decode(buf.data_ptr(), buf.numel(), out.data_ptr(), n, code, bool(accumulate))
         return out
 
 

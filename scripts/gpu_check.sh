@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The GPU check, one command on a machine with a GPU and nvcc, from the repository root:
+#
+#   bash scripts/gpu_check.sh
+#
+# builds and installs rumor with its CUDA kernels (pip, --no-build-isolation --no-deps: no
+# network needed), builds and runs the C++ CUDA tests, runs the Python CUDA tests, and measures
+# the CUDA codecs (benchmarks/codecs.py --device cuda). With RUMOR_EXPECT_GPU=1 the tests fail
+# rather than skip when the GPU or the CUDA build is missing. Logs and the benchmark JSON go to
+# $OUT when set (the device machine's output folder), else to build/gpu-check. Every step runs
+# even if an earlier one failed; the summary at the end lists each, and the exit status is 1 if
+# any failed.
+#
+# Where the GPU machine lacks pytest or GoogleTest, prepare them here first (needs pip's index):
+#   bash scripts/gpu_check.sh --prepare
+# which fills build/gpu-deps (pytest for Python >= 3.10, GoogleTest's sources); carry that path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+DEPS=build/gpu-deps
+OUT_DIR=${OUT:-build/gpu-check}
+JOBS=${JOBS:-$(nproc)}
+
+if [ "${1:-}" = "--prepare" ]; then
+  rm -rf "$DEPS"
+  mkdir -p "$DEPS"
+  # Pure-Python wheels, with the backports Python 3.10 needs (harmless on later versions).
+  "$PY" -m pip install -q --target "$DEPS/py" --python-version 3.10 --only-binary=:all: pytest exceptiongroup tomli \
+    typing_extensions
+  if [ -d /usr/src/googletest ]; then
+    cp -r /usr/src/googletest "$DEPS/googletest-src"
+  else
+    echo "gpu_check --prepare: no /usr/src/googletest here (apt-get install libgtest-dev)" >&2
+  fi
+  du -sh "$DEPS"
+  echo "carry: $DEPS"
+  exit 0
+fi
+
+mkdir -p "$OUT_DIR"
+exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
+
+show() {
+  echo "+ $*"
+  "$@"
+}
+
+results=()
+failed=0
+# step NAME COMMAND...: runs it, records ok / FAILED, never stops the script.
+step() {
+  local name=$1
+  shift
+  echo
+  echo "=== $name"
+  local t0=$SECONDS
+  if "$@"; then
+    results+=("ok      $name ($((SECONDS - t0)) s)")
+  else
+    results+=("FAILED  $name ($((SECONDS - t0)) s)")
+    failed=1
+  fi
+}
+
+# nvcc off PATH is still used where the toolkit sits in its usual place.
+if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDACXX=/usr/local/cuda/bin/nvcc
+fi
+[ -d "$DEPS/py" ] && export PYTHONPATH="$PWD/$DEPS/py${PYTHONPATH:+:$PYTHONPATH}"
+export RUMOR_EXPECT_GPU=1
+export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
+
+environment() {
+  command -v nvidia-smi >/dev/null 2>&1 && show nvidia-smi -L
+  show "${CUDACXX:-nvcc}" --version
+  show "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
+    'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+  for m in pytest numpy hypothesis matplotlib; do
+    "$PY" -c "import $m" 2>/dev/null && echo "python module $m: yes" || echo "python module $m: MISSING"
+  done
+}
+
+install() {
+  local args=(-m pip install --no-build-isolation --no-deps -C cmake.define.RUMOR_CUDA=ON
+    -C build-dir=build/gpu-wheel .)
+  if ! show "$PY" "${args[@]}" 2>&1 | tee "$OUT_DIR/pip.log"; then
+    # A distribution's Python may refuse to install into itself (PEP 668).
+    grep -q externally-managed "$OUT_DIR/pip.log" || return 1
+    show "$PY" "${args[@]}" --break-system-packages
+  fi
+  show "$PY" -c "import rumor._C as c, rumor.compression as C
+print('rumor: cuda built', c.cuda_built(), 'devices', c.cuda_device_count())
+assert C.cuda_available(), 'rumor cannot use the GPU'"
+}
+
+cpp_tests() {
+  local dir=build/gpu-tests
+  # RelWithDebInfo as scripts/test.sh: GCC 12 at -O3 raises a false -Wrestrict in tests/cpp/ranks.h.
+  local cfg=(-S . -B "$dir" -G Ninja -DRUMOR_BUILD_PYTHON=OFF -DRUMOR_BUILD_TESTS=ON -DRUMOR_CUDA=ON
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+  if ! show cmake "${cfg[@]}" >"$OUT_DIR/cmake.log" 2>&1; then
+    grep -q GTest "$OUT_DIR/cmake.log" && [ -d "$DEPS/googletest-src" ] || { cat "$OUT_DIR/cmake.log"; return 1; }
+    # No GoogleTest here: build the carried sources (scripts/gpu_check.sh --prepare).
+    local prefix=$PWD/build/gpu-gtest/prefix
+    show cmake -S "$DEPS/googletest-src" -B build/gpu-gtest -G Ninja -DCMAKE_INSTALL_PREFIX="$prefix" -DBUILD_GMOCK=OFF \
+      -Wno-deprecated >/dev/null
+    show cmake --build build/gpu-gtest --target install >/dev/null
+    show cmake "${cfg[@]}" -DCMAKE_PREFIX_PATH="$prefix" >"$OUT_DIR/cmake.log" 2>&1 ||
+      { cat "$OUT_DIR/cmake.log"; return 1; }
+  fi
+  grep "rumor:" "$OUT_DIR/cmake.log" || true
+  show cmake --build "$dir" --target rumor_tests
+  show "$dir/tests/cpp/rumor_tests" --gtest_filter='Cuda*'
+}
+
+python_tests() {
+  local files=(tests/python/test_cuda_codecs.py)
+  # test_compression.py also checks how CPU codecs treat CUDA tensors; it needs hypothesis.
+  "$PY" -c "import hypothesis" 2>/dev/null && files+=(tests/python/test_compression.py)
+  show "$PY" -m pytest "${files[@]}" -q -p no:cacheprovider -rs --tb=short
+}
+
+benchmark() {
+  show "$PY" benchmarks/codecs.py --device cuda --out "$OUT_DIR/codecs_cuda.json"
+}
+
+step "environment" environment
+step "pip install (CUDA kernels required)" install
+step "C++ CUDA tests" cpp_tests
+step "Python CUDA tests" python_tests
+step "CUDA codec benchmark" benchmark
+
+echo
+echo "=== summary (logs in $OUT_DIR)"
+printf '%s\n' "${results[@]}"
+exit $failed
