@@ -124,7 +124,9 @@ net::Channel& Communicator::channel(uint32_t peer, const net::OpInfo& op) {
   return *channels_[peer];
 }
 
-void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) {
+void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) { exchange(ts, op, nullptr); }
+
+void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op, const std::function<bool()>& work) {
   const auto spin = std::chrono::microseconds(std::max(0, ctx_->options().spin_us));
   net::Doorbell* bell = ctx_->doorbell();
   auto spin_until = Clock::now() + spin;
@@ -134,7 +136,7 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) {
   std::vector<net::Channel*> shm_waiting;
   while (true) {
     const uint32_t seen = bell != nullptr ? bell->seq.load(std::memory_order_seq_cst) : 0;
-    bool moved = false, pending = false, any_tcp = false;
+    bool moved = false, pending = false, any_tcp = false, held = false;
     busy.clear();
     shm_waiting.clear();
     for (Transfer& t : ts) {
@@ -144,6 +146,10 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) {
       // Messages to one peer in one direction go strictly in order.
       if (std::find(busy.begin(), busy.end(), key) != busy.end()) continue;
       busy.push_back(key);
+      if (t.held) {
+        held = true;
+        continue;
+      }
       net::Channel& ch = channel(t.peer, op);
       if (!t.begun) ch.begin(t, op);
       moved |= ch.progress(t, op);
@@ -155,6 +161,11 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) {
       }
     }
     if (!pending) return;
+    // Between rounds of progress, not only when nothing moved: on a steadily moving link the
+    // socket buffers keep it busy while the work runs.
+    if (work && work()) moved = true;
+    if (held && !moved && !any_tcp && shm_waiting.empty())
+      throw Error(ErrorKind::kInvalidArgument, op.where() + ": held sends that no remaining work can release");
     auto now = Clock::now();
     if (moved) {
       spin_until = now + spin;

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -83,6 +84,10 @@ class Communicator {
   // run all transfers concurrently until done, within op's deadline. Transfers to one peer in
   // one direction complete in order. Call inside run_guarded so that a failure aborts.
   void exchange(std::span<net::Transfer> ts, const net::OpInfo& op);
+  // The same, calling work() between rounds of progress so that computation overlaps the
+  // transfers in flight: work does one bounded piece (it returns false when it had none ready)
+  // and may release held sends. A held send with no work left to release it is a logic error.
+  void exchange(std::span<net::Transfer> ts, const net::OpInfo& op, const std::function<bool()>& work);
   std::string peer_desc(uint32_t peer) const;
   net::Channel& channel(uint32_t peer, const net::OpInfo& op);
   // Ranks on this rank's host (in communicator order) and one leader per host (the lowest rank

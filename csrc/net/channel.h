@@ -62,6 +62,9 @@ struct Transfer {
   bool reduce = false;
   DType dtype = DType::U8;
   ReduceOp op = ReduceOp::SUM;
+  // Send only: its data is still being produced (Communicator::exchange with a work function);
+  // it and every later transfer to the same peer wait until the producer clears this.
+  bool held = false;
 
   // Owned by the channel once begun.
   bool begun = false;

@@ -208,6 +208,18 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
   const uint32_t n = comm.size(), r = comm.rank();
   const size_t es = dtype_size(dtype);
   const Blocks blocks(count, n, block_align(params_), *codec_);
+  // Pieces start on chunk boundaries of their block, so each chunk is encoded exactly as in one
+  // piece: the result is bit for bit the unpipelined one. Not for QSGD, whose random draws
+  // follow the element's position in its encoding.
+  // The default piece, 1 MiB of float32, is small enough that codec work on one piece hides
+  // behind the transfer of the next and large enough that per-piece headers cost nothing.
+  const size_t align = block_align(params_);
+  const size_t piece = align * std::max<size_t>(1, piece_ / align);
+  if (piece_ != 0 && params_.kind != compress::Kind::kQSGD &&
+      *std::max_element(blocks.counts.begin(), blocks.counts.end()) > piece) {
+    pipelined(comm, buf, count, dtype, divisor, step, op, piece);
+    return;
+  }
   const auto& counts = blocks.counts;
   const auto& off = blocks.off;
   const auto& enc = blocks.enc;
@@ -245,6 +257,120 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
   // The owner decodes its block from the bytes it sent too, so every rank holds the same bits.
   for (uint32_t j = 0; j < n; ++j)
     if (counts[j] > 0) codec_->decode(wire + eoff[j], enc[j], buf + off[j] * es, counts[j], dtype, false);
+}
+
+void CompressedAllreduce::pipelined(Communicator& comm, std::byte* buf, size_t count, DType dtype, double divisor,
+                                    uint64_t step, const net::OpInfo& op, size_t piece) {
+  const uint32_t n = comm.size(), r = comm.rank();
+  const size_t es = dtype_size(dtype);
+  const Blocks blocks(count, n, block_align(params_), *codec_);
+  const auto& counts = blocks.counts;
+  const auto& off = blocks.off;
+  // Block j in pieces: piece p holds plen(j, p) elements from off[j] + p * piece; its encoding
+  // takes penc[j][p] bytes at pbyte[j][p] of the block's region (regions back to back at rbyte[j]).
+  std::vector<size_t> pieces(n), region(n);
+  std::vector<std::vector<size_t>> penc(n), pbyte(n);
+  auto plen = [&](uint32_t j, size_t p) { return std::min(piece, counts[j] - p * piece); };
+  for (uint32_t j = 0; j < n; ++j) {
+    pieces[j] = (counts[j] + piece - 1) / piece;
+    for (size_t p = 0; p < pieces[j]; ++p) {
+      pbyte[j].push_back(region[j]);
+      penc[j].push_back(codec_->encoded_bytes(plen(j, p)));
+      region[j] += penc[j].back();
+    }
+  }
+  const std::vector<size_t> rbyte = prefix(region);
+  const size_t slots = *std::max_element(pieces.begin(), pieces.end());
+  send_.resize(rbyte.back());      // our contributions to the peers' blocks
+  gathered_.resize(rbyte.back());  // every block reduced, as its owner encoded it
+  recv_.resize(static_cast<size_t>(n - 1) * region[r]);
+  acc_.resize(std::min(piece, counts[r]));
+
+  // Per peer and direction the messages go in one fixed order that both ends derive alike: in
+  // slot t, piece t of the reduce-scatter, then piece t - 1 of the allgather. A send waits (held)
+  // until its piece is encoded; receives are posted at once.
+  std::vector<Transfer> ts;
+  std::vector<std::vector<size_t>> x1_send(n), x1_recv(n), x2_send(n), x2_recv(n);
+  for (size_t t = 0; t <= slots; ++t) {
+    for (uint32_t s = 1; s < n; ++s) {
+      const uint32_t to = (r + s) % n, from = (r + n - s) % n;
+      if (t < pieces[to]) {
+        x1_send[to].push_back(ts.size());
+        ts.push_back(make_send(to, send_.data() + rbyte[to] + pbyte[to][t], penc[to][t]));
+        ts.back().held = true;
+      }
+      if (t < pieces[r]) {
+        x1_recv[from].push_back(ts.size());
+        ts.push_back(make_recv(from, recv_.data() + peer_slot(from, r) * region[r] + pbyte[r][t], penc[r][t]));
+      }
+      if (t >= 1 && t - 1 < pieces[r]) {
+        x2_send[to].push_back(ts.size());
+        ts.push_back(make_send(to, gathered_.data() + rbyte[r] + pbyte[r][t - 1], penc[r][t - 1]));
+        ts.back().held = true;
+      }
+      if (t >= 1 && t - 1 < pieces[from]) {
+        x2_recv[from].push_back(ts.size());
+        ts.push_back(make_recv(from, gathered_.data() + rbyte[from] + pbyte[from][t - 1], penc[from][t - 1]));
+      }
+    }
+  }
+
+  size_t encoded = 0, reduced = 0;  // slots encoded, own pieces reduced
+  std::vector<size_t> decoded(n, 0);
+  // One step of codec work per call, the most urgent first: reducing our piece (the peers wait
+  // for it), encoding the next pieces for the peers, decoding what owners sent back.
+  auto work = [&]() -> bool {
+    if (reduced < pieces[r]) {
+      bool ready = true;
+      for (uint32_t q = 0; q < n && ready; ++q)
+        if (q != r) ready = ts[x1_recv[q][reduced]].finished();
+      if (ready) {
+        const size_t p = reduced, len = plen(r, p), at = off[r] + p * piece;
+        // As flat(): our own contribution at full precision, the peers' decoded in rank order.
+        to_f32(buf + at * es, dtype, acc_.data(), len);
+        for (uint32_t q = 0; q < n; ++q)
+          if (q != r)
+            codec_->decode(recv_.data() + peer_slot(q, r) * region[r] + pbyte[r][p], penc[r][p], acc_.data(), len,
+                           DType::F32, true);
+        if (divisor != 1.0) {
+          const auto d = static_cast<float>(divisor);
+          for (size_t i = 0; i < len; ++i) acc_[i] /= d;
+        }
+        std::byte* mine = gathered_.data() + rbyte[r] + pbyte[r][p];
+        codec_->encode(acc_.data(), len, DType::F32, mine, penc[r][p], encode_seed(seed_, step, r, r, 1));
+        for (uint32_t q = 0; q < n; ++q)
+          if (q != r) ts[x2_send[q][p]].held = false;
+        codec_->decode(mine, penc[r][p], buf + at * es, len, dtype, false);
+        ++reduced;
+        return true;
+      }
+    }
+    if (encoded < slots) {
+      const size_t t = encoded++;
+      for (uint32_t j = 0; j < n; ++j) {
+        if (j == r || t >= pieces[j]) continue;
+        codec_->encode(buf + (off[j] + t * piece) * es, plen(j, t), dtype, send_.data() + rbyte[j] + pbyte[j][t],
+                       penc[j][t], encode_seed(seed_, step, r, j, 0));
+        ts[x1_send[j][t]].held = false;
+      }
+      return true;
+    }
+    for (uint32_t j = 0; j < n; ++j) {
+      if (j == r || decoded[j] >= pieces[j] || !ts[x2_recv[j][decoded[j]]].finished()) continue;
+      const size_t p = decoded[j]++;
+      codec_->decode(gathered_.data() + rbyte[j] + pbyte[j][p], penc[j][p], buf + (off[j] + p * piece) * es,
+                     plen(j, p), dtype, false);
+      return true;
+    }
+    return false;
+  };
+  comm.exchange(ts, op, work);
+  while (work()) {
+  }
+  bool complete = reduced == pieces[r] && encoded == slots;
+  for (uint32_t j = 0; j < n; ++j) complete &= j == r || decoded[j] == pieces[j];
+  if (!complete)
+    throw Error(ErrorKind::kInvalidArgument, op.where() + ": pipelined schedule ended with pieces left undone");
 }
 
 // ---- OneBitAllreduce --------------------------------------------------------------------------

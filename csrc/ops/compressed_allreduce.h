@@ -59,11 +59,18 @@ class CompressedAllreduce {
   uint64_t calls() const { return calls_; }
   // Renumbers the next call (its seeds), e.g. to replay one step of a bucket's op.
   void set_calls(uint64_t calls) { calls_ = calls; }
+  // Elements per piece of the pipelined schedule for large blocks (rounded to the block
+  // alignment; default 2^18); 0 turns pipelining off. Every rank must use the same value.
+  void set_piece_elements(size_t elements) { piece_ = elements; }
 
  private:
   // The reduce-scatter + allgather on comm; the owner divides its reduced block by divisor.
   void flat(Communicator& comm, std::byte* buf, size_t count, DType dtype, double divisor, uint64_t step,
             const net::OpInfo& op);
+  // flat() for large buffers: each block is cut into pieces that are encoded, sent, reduced and
+  // decoded one after another, so codec work overlaps the transfers of neighbouring pieces.
+  void pipelined(Communicator& comm, std::byte* buf, size_t count, DType dtype, double divisor, uint64_t step,
+                 const net::OpInfo& op, size_t piece);
 
   compress::CodecParams params_;
   std::unique_ptr<compress::Codec> codec_;
@@ -71,6 +78,7 @@ class CompressedAllreduce {
   bool hierarchical_;
   uint64_t seed_;
   uint64_t calls_ = 0;
+  size_t piece_ = size_t{1} << 18;
   std::vector<std::byte> send_, recv_, gathered_;
   std::vector<float> acc_;
 };
