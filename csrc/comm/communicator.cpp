@@ -126,7 +126,8 @@ net::Channel& Communicator::channel(uint32_t peer, const net::OpInfo& op) {
 
 void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op) { exchange(ts, op, nullptr); }
 
-void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op, const std::function<bool()>& work) {
+void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op,
+                            const std::function<bool()>& work) {
   const auto spin = std::chrono::microseconds(std::max(0, ctx_->options().spin_us));
   net::Doorbell* bell = ctx_->doorbell();
   auto spin_until = Clock::now() + spin;
@@ -165,7 +166,8 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op, const
     // socket buffers keep it busy while the work runs.
     if (work && work()) moved = true;
     if (held && !moved && !any_tcp && shm_waiting.empty())
-      throw Error(ErrorKind::kInvalidArgument, op.where() + ": held sends that no remaining work can release");
+      throw Error(ErrorKind::kInvalidArgument,
+                  op.where() + ": held sends that no remaining work can release");
     auto now = Clock::now();
     if (moved) {
       spin_until = now + spin;

@@ -40,16 +40,7 @@ constexpr uint32_t kMaxChunk = 1u << 24;
 // Far beyond any tensor, low enough that no size computation below can overflow.
 constexpr uint64_t kMaxCount = uint64_t{1} << 48;
 
-struct Header {
-  uint32_t magic;
-  uint8_t kind;
-  uint8_t version;
-  uint16_t zero16;
-  uint32_t chunk;
-  uint32_t levels;
-  uint64_t count;
-  uint64_t zero64;
-};
+using Header = EncodingHeader;
 static_assert(sizeof(Header) == kHeaderBytes);
 
 uint64_t splitmix64(uint64_t x) {
@@ -99,8 +90,14 @@ class CodecBase : public Codec {
       fail(who, "buffer of " + std::to_string(in_bytes) + " bytes is shorter than the " +
                     std::to_string(kHeaderBytes) + "-byte header");
     if (in == nullptr || (count > 0 && out == nullptr)) fail(who, "null buffer");
+    check_encoding(in, in_bytes, count, who);
+    if (count > 0) decode_body(active_kernels(), in + kHeaderBytes, count, out, dtype, accumulate);
+  }
+
+  void check_encoding(const std::byte* header, size_t in_bytes, size_t count,
+                      const std::string& who) const override {
     Header h;
-    std::memcpy(&h, in, sizeof(h));
+    std::memcpy(&h, header, sizeof(h));
     if (h.magic != kMagic) fail(who, "bad magic (not a rumor codec encoding, or corrupt)");
     if (h.kind != static_cast<uint8_t>(kind_))
       fail(who, "encoding is of codec kind " + std::to_string(h.kind) + ", expected " +
@@ -121,7 +118,6 @@ class CodecBase : public Codec {
     if (in_bytes != want)
       fail(who, "buffer is " + std::to_string(in_bytes) + " bytes, the encoding of " + std::to_string(count) +
                     " elements takes " + std::to_string(want));
-    if (count > 0) decode_body(active_kernels(), in + kHeaderBytes, count, out, dtype, accumulate);
   }
 
  protected:

@@ -29,6 +29,19 @@ struct CodecParams {
   uint32_t levels = 16;  // QSGD only: quantization levels s, 2..256
 };
 
+// The 32-byte header every encoding starts with (little-endian, as laid out in memory here).
+struct EncodingHeader {
+  uint32_t magic;
+  uint8_t kind;
+  uint8_t version;
+  uint16_t zero16;
+  uint32_t chunk;
+  uint32_t levels;
+  uint64_t count;
+  uint64_t zero64;
+};
+static_assert(sizeof(EncodingHeader) == 32);
+
 class Codec {
  public:
   virtual ~Codec() = default;
@@ -46,6 +59,11 @@ class Codec {
   // or the length does not match count / this codec.
   virtual void decode(const std::byte* in, size_t in_bytes, void* out, size_t count, DType dtype,
                       bool accumulate = false) const = 0;
+  // decode()'s checks of an encoding in_bytes long whose header is `header` (32 readable bytes,
+  // e.g. a host copy of a device buffer's): throws Error(kInvalidArgument), its message starting
+  // with `who`, unless it is this codec's encoding of count elements.
+  virtual void check_encoding(const std::byte* header, size_t in_bytes, size_t count,
+                              const std::string& who) const = 0;
 };
 
 // The sign codec written tile by tile, with its compression error: for 1-bit error feedback,

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/hd.h"
 #include "core/types.h"
 
 namespace rumor::compress {
@@ -66,7 +67,7 @@ namespace {
 // Whether QSGD multiplies by s / norm (finite for such a norm) rather than divides by norm.
 inline bool qsgd_multiply(float norm) { return norm >= 0x1p-100f; }
 
-inline uint32_t mix32(uint32_t x) {
+RUMOR_HD uint32_t mix32(uint32_t x) {
   // A 32-bit integer finalizer (two multiply-xorshift rounds); cheap to vectorize with AVX2's
   // 32-bit multiplies, unlike 64-bit mixers.
   x ^= x >> 16;
@@ -80,13 +81,13 @@ inline uint32_t mix32(uint32_t x) {
 // One finalizer round over the keyed index: a bijection of the low index word for a given seed
 // (no two of 2^32 consecutive elements share a draw), a different one per seed. One round
 // rather than two halves QSGD's encode cost and is ample for choosing between two levels.
-inline uint32_t qsgd_hash(QsgdKey k, uint64_t index) {
+RUMOR_HD uint32_t qsgd_hash(QsgdKey k, uint64_t index) {
   const uint32_t hi = static_cast<uint32_t>(index >> 32) * 0x9e3779b9u;
   return mix32((static_cast<uint32_t>(index) + k.k1) ^ (k.k0 ^ hi));
 }
 
 // 24 random bits scaled into [0, 1): exactly representable, never 1.
-inline float qsgd_uniform(QsgdKey k, uint64_t index) {
+RUMOR_HD float qsgd_uniform(QsgdKey k, uint64_t index) {
   return static_cast<float>(qsgd_hash(k, index) >> 8) * 0x1p-24f;
 }
 

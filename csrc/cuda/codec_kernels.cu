@@ -202,21 +202,8 @@ class DeviceGuard {
   int prev_ = -1;
 };
 
-// The header fields, laid out as in compress/codec.cpp.
-struct HeaderFields {
-  uint32_t magic;
-  uint8_t kind;
-  uint8_t version;
-  uint16_t zero16;
-  uint32_t chunk;
-  uint32_t levels;
-  uint64_t count;
-  uint64_t zero64;
-};
-static_assert(sizeof(HeaderFields) == kHeaderBytes);
-
-HeaderFields fields(const Header& h) {
-  HeaderFields f;
+compress::EncodingHeader fields(const Header& h) {
+  compress::EncodingHeader f;
   std::memcpy(&f, h.bytes, sizeof(f));
   return f;
 }
@@ -232,29 +219,9 @@ Header header_of(const compress::Codec& codec, size_t count) {
   return h;
 }
 
-// The CPU decoder's checks, in its order and words.
-void validate_header(const std::string& who, const Header& want, const Header& got) {
-  const HeaderFields w = fields(want), g = fields(got);
-  if (g.magic != w.magic) fail(who, "bad magic (not a rumor codec encoding, or corrupt)");
-  if (g.kind != w.kind)
-    fail(who, "encoding is of codec kind " + std::to_string(g.kind) + ", expected " + std::to_string(w.kind));
-  if (g.version != w.version)
-    fail(who,
-         "format version " + std::to_string(g.version) + ", this build reads " + std::to_string(w.version));
-  if (g.zero16 != 0 || g.zero64 != 0) fail(who, "reserved header fields are not zero (corrupt header)");
-  if (g.chunk != w.chunk)
-    fail(who,
-         "encoding has chunk " + std::to_string(g.chunk) + ", this codec uses " + std::to_string(w.chunk));
-  if (g.levels != w.levels)
-    fail(who,
-         "encoding has levels " + std::to_string(g.levels) + ", this codec uses " + std::to_string(w.levels));
-  if (g.count != w.count)
-    fail(who, "encoding holds " + std::to_string(g.count) + " elements, expected " + std::to_string(w.count));
-}
-
 void launch_encode(Kind kind, const Header& h, const void* in, size_t count, DType dtype, std::byte* out,
                    uint64_t seed, cudaStream_t s) {
-  const HeaderFields f = fields(h);
+  const compress::EncodingHeader f = fields(h);
   std::byte* body = out + kHeaderBytes;
   const size_t chunks = f.chunk == 0 ? 0 : (count + f.chunk - 1) / f.chunk;
   compress::detail::by_float_dtype(dtype, [&]<DType D>() {
@@ -286,7 +253,7 @@ template <bool Acc>
 void launch_decode(Kind kind, const Header& h, const std::byte* in, void* out, size_t count, DType dtype,
                    cudaStream_t s) {
   if (count == 0) return;
-  const HeaderFields f = fields(h);
+  const compress::EncodingHeader f = fields(h);
   const std::byte* body = in + kHeaderBytes;
   const size_t chunks = f.chunk == 0 ? 0 : (count + f.chunk - 1) / f.chunk;
   compress::detail::by_float_dtype(dtype, [&]<DType D>() {
@@ -353,12 +320,8 @@ void decode(const compress::Codec& codec, const std::byte* in, size_t in_bytes, 
   check_cuda(cudaMemcpyAsync(got.bytes, in, kHeaderBytes, cudaMemcpyDeviceToHost, s), who,
              "reading the header");
   check_cuda(cudaStreamSynchronize(s), who, "waiting for the header");
+  codec.check_encoding(reinterpret_cast<const std::byte*>(got.bytes), in_bytes, count, who);
   const Header want = header_of(codec, count);
-  validate_header(who, want, got);
-  const size_t want_bytes = codec.encoded_bytes(count);
-  if (in_bytes != want_bytes)
-    fail(who, "buffer is " + std::to_string(in_bytes) + " bytes, the encoding of " + std::to_string(count) +
-                  " elements takes " + std::to_string(want_bytes));
   if (accumulate) {
     launch_decode<true>(codec.kind(), want, in, out, count, dtype, s);
   } else {

@@ -23,13 +23,8 @@
 #include <cstring>
 
 #include "compress/kernels.h"
+#include "core/hd.h"
 #include "core/types.h"
-
-#if defined(__CUDACC__)
-#define RUMOR_HD __host__ __device__ __forceinline__
-#else
-#define RUMOR_HD inline
-#endif
 
 namespace rumor::cuda::detail {
 
@@ -288,26 +283,10 @@ struct MinMaxDecode {
   }
 };
 
-// --- QSGD (kernels.h: qsgd_hash / qsgd_uniform; kernels_impl.h: qsgd_encode_t / qsgd_decode_t).
-// The generator is kernels.h's again because those functions are host-only; the key comes from
-// compress::qsgd_key on the host.
+// --- QSGD (kernels_impl.h: qsgd_encode_t / qsgd_decode_t). The generator is kernels.h's own
+// qsgd_uniform, compiled for the device too; the key comes from compress::qsgd_key on the host.
+using compress::qsgd_uniform;
 using compress::QsgdKey;
-
-RUMOR_HD uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-
-// A uniform float in [0, 1) for element `index`: 24 bits of one keyed finalizer round.
-RUMOR_HD float qsgd_uniform(QsgdKey k, uint64_t index) {
-  const uint32_t hi = static_cast<uint32_t>(index >> 32) * 0x9e3779b9u;
-  const uint32_t h = mix32((static_cast<uint32_t>(index) + k.k1) ^ (k.k0 ^ hi));
-  return fmul(static_cast<float>(h >> 8), 0x1p-24f);
-}
 
 // The float32 sum of squares is trusted when safely normal; otherwise it is redone in double.
 RUMOR_HD bool sumsq_f32_ok(float s) { return s >= 0x1p-100f && s < bits_f32(0x7f800000u); }

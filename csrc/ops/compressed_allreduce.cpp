@@ -259,8 +259,8 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
     if (counts[j] > 0) codec_->decode(wire + eoff[j], enc[j], buf + off[j] * es, counts[j], dtype, false);
 }
 
-void CompressedAllreduce::pipelined(Communicator& comm, std::byte* buf, size_t count, DType dtype, double divisor,
-                                    uint64_t step, const net::OpInfo& op, size_t piece) {
+void CompressedAllreduce::pipelined(Communicator& comm, std::byte* buf, size_t count, DType dtype,
+                                    double divisor, uint64_t step, const net::OpInfo& op, size_t piece) {
   const uint32_t n = comm.size(), r = comm.rank();
   const size_t es = dtype_size(dtype);
   const Blocks blocks(count, n, block_align(params_), *codec_);
@@ -301,7 +301,8 @@ void CompressedAllreduce::pipelined(Communicator& comm, std::byte* buf, size_t c
       }
       if (t < pieces[r]) {
         x1_recv[from].push_back(ts.size());
-        ts.push_back(make_recv(from, recv_.data() + peer_slot(from, r) * region[r] + pbyte[r][t], penc[r][t]));
+        ts.push_back(
+            make_recv(from, recv_.data() + peer_slot(from, r) * region[r] + pbyte[r][t], penc[r][t]));
       }
       if (t >= 1 && t - 1 < pieces[r]) {
         x2_send[to].push_back(ts.size());
@@ -330,8 +331,8 @@ void CompressedAllreduce::pipelined(Communicator& comm, std::byte* buf, size_t c
         to_f32(buf + at * es, dtype, acc_.data(), len);
         for (uint32_t q = 0; q < n; ++q)
           if (q != r)
-            codec_->decode(recv_.data() + peer_slot(q, r) * region[r] + pbyte[r][p], penc[r][p], acc_.data(), len,
-                           DType::F32, true);
+            codec_->decode(recv_.data() + peer_slot(q, r) * region[r] + pbyte[r][p], penc[r][p], acc_.data(),
+                           len, DType::F32, true);
         if (divisor != 1.0) {
           const auto d = static_cast<float>(divisor);
           for (size_t i = 0; i < len; ++i) acc_[i] /= d;
@@ -349,8 +350,8 @@ void CompressedAllreduce::pipelined(Communicator& comm, std::byte* buf, size_t c
       const size_t t = encoded++;
       for (uint32_t j = 0; j < n; ++j) {
         if (j == r || t >= pieces[j]) continue;
-        codec_->encode(buf + (off[j] + t * piece) * es, plen(j, t), dtype, send_.data() + rbyte[j] + pbyte[j][t],
-                       penc[j][t], encode_seed(seed_, step, r, j, 0));
+        codec_->encode(buf + (off[j] + t * piece) * es, plen(j, t), dtype,
+                       send_.data() + rbyte[j] + pbyte[j][t], penc[j][t], encode_seed(seed_, step, r, j, 0));
         ts[x1_send[j][t]].held = false;
       }
       return true;
@@ -370,7 +371,8 @@ void CompressedAllreduce::pipelined(Communicator& comm, std::byte* buf, size_t c
   bool complete = reduced == pieces[r] && encoded == slots;
   for (uint32_t j = 0; j < n; ++j) complete &= j == r || decoded[j] == pieces[j];
   if (!complete)
-    throw Error(ErrorKind::kInvalidArgument, op.where() + ": pipelined schedule ended with pieces left undone");
+    throw Error(ErrorKind::kInvalidArgument,
+                op.where() + ": pipelined schedule ended with pieces left undone");
 }
 
 // ---- OneBitAllreduce --------------------------------------------------------------------------

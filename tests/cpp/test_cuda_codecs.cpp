@@ -358,14 +358,6 @@ TEST(CudaCodecOps, NarrowMatchesCpu) {
   }
 }
 
-TEST(CudaCodecOps, QsgdUniformMatchesCpu) {
-  for (uint64_t seed : {0ull, 7ull, 0xfeedfacecafebeefull}) {
-    const QsgdKey k = qsgd_key(seed);
-    for (uint64_t i : {0ull, 1ull, 31ull, 4095ull, (1ull << 32) - 1, 1ull << 32, (1ull << 40) + 12345})
-      ASSERT_EQ(ops::qsgd_uniform(k, i), qsgd_uniform(k, i)) << seed << " " << i;
-  }
-}
-
 TEST(CudaCodecOps, EmulatedKernelsEncodeCpuBytes) {
   for_each_input({1, 3, 8, 13, 31, 33, 64, 999, 1024, 1025, 4133},
                  [](const CodecParams& p, const Codec& c, DType t, size_t n, int kind,
