@@ -66,8 +66,10 @@ void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
     for (uint32_t q = 0; q < n; ++q) begin[q + 1] = begin[q] + (count / n + (q < count % n ? 1 : 0));
     std::byte* mine = data() + offset + begin[r] * es;
     const size_t my_bytes = (begin[r + 1] - begin[r]) * es;
-    // Peers in a fixed order, so a block sums the same way in every run; the owner's result is
-    // what every rank copies, so all ranks hold identical bits.
+    // Peers in a fixed order, so a block sums the same way in every run. The owner then writes
+    // its result into every peer's bucket while the chunk is still in cache: pushing costs one
+    // write per copy where pulling later would cost a read and a write, and only the owner ever
+    // touches block r of any bucket during this call, so the writes race with nothing.
     for (size_t c = 0; c < my_bytes; c += kChunkBytes) {
       const size_t len = std::min(kChunkBytes, my_bytes - c);
       for (uint32_t q = 0; q < n; ++q) {
@@ -75,18 +77,12 @@ void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
         const auto* theirs = static_cast<const std::byte*>(peers_[q].data()) + offset + begin[r] * es + c;
         reduce_into(mine + c, theirs, len / es, dtype, op);
       }
-      // While the block is still in cache, not as a second pass over the whole slice.
       if (op == ReduceOp::AVG) finish_average(mine + c, len / es, dtype, n);
+      for (uint32_t q = 0; q < n; ++q)
+        if (q != r)
+          std::memcpy(static_cast<std::byte*>(peers_[q].data()) + offset + begin[r] * es + c, mine + c, len);
     }
-    comm_->barrier_within(info);  // every block reduced
-
-    for (uint32_t q = 0; q < n; ++q) {
-      if (q == r) continue;
-      const size_t from = begin[q] * es, len = (begin[q + 1] - begin[q]) * es;
-      std::memcpy(data() + offset + from, static_cast<const std::byte*>(peers_[q].data()) + offset + from,
-                  len);
-    }
-    comm_->barrier_within(info);  // nobody reads our blocks any more
+    comm_->barrier_within(info);  // every block reduced and delivered everywhere
   });
 }
 

@@ -1,8 +1,8 @@
 // Shared-memory buffers that every rank of an all-local communicator can read directly. The
 // training engine allocates its gradient buckets here, so that an allreduce of a bucket reads
 // the peers' gradients in place: each rank reduces its block straight from everyone's buffer
-// and then copies the other blocks from their owners. That moves about 2.75x the bucket size
-// through memory per rank, against 6.75x for a ring through shared-memory queues (4 ranks).
+// and writes the result into everyone's buffer. That moves about 2x the bucket size through
+// memory per rank, against 6.75x for a ring through shared-memory queues (4 ranks).
 #pragma once
 
 #include <cstddef>
