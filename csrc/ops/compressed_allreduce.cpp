@@ -162,6 +162,10 @@ uint64_t encode_seed(uint64_t base, uint64_t step, uint32_t rank, uint32_t block
   return mix(h ^ phase);
 }
 
+uint64_t piece_seed(uint64_t block_seed, size_t piece) {
+  return piece == 0 ? block_seed : mix(block_seed ^ mix(static_cast<uint64_t>(piece)));
+}
+
 // ---- CompressedAllreduce ----------------------------------------------------------------------
 
 CompressedAllreduce::CompressedAllreduce(const compress::CodecParams& params, bool average, bool hierarchical,
@@ -209,14 +213,12 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
   const size_t es = dtype_size(dtype);
   const Blocks blocks(count, n, block_align(params_), *codec_);
   // Pieces start on chunk boundaries of their block, so each chunk is encoded exactly as in one
-  // piece: the result is bit for bit the unpipelined one. Not for QSGD, whose random draws
-  // follow the element's position in its encoding.
+  // piece: the result is bit for bit the unpipelined one, except for QSGD (see piece_seed).
   // The default piece, 1 MiB of float32, is small enough that codec work on one piece hides
   // behind the transfer of the next and large enough that per-piece headers cost nothing.
   const size_t align = block_align(params_);
   const size_t piece = align * std::max<size_t>(1, piece_ / align);
-  if (piece_ != 0 && params_.kind != compress::Kind::kQSGD &&
-      *std::max_element(blocks.counts.begin(), blocks.counts.end()) > piece) {
+  if (piece_ != 0 && *std::max_element(blocks.counts.begin(), blocks.counts.end()) > piece) {
     pipelined(comm, buf, count, dtype, divisor, step, op, piece);
     return;
   }
@@ -338,7 +340,8 @@ void CompressedAllreduce::pipelined(Communicator& comm, std::byte* buf, size_t c
           for (size_t i = 0; i < len; ++i) acc_[i] /= d;
         }
         std::byte* mine = gathered_.data() + rbyte[r] + pbyte[r][p];
-        codec_->encode(acc_.data(), len, DType::F32, mine, penc[r][p], encode_seed(seed_, step, r, r, 1));
+        codec_->encode(acc_.data(), len, DType::F32, mine, penc[r][p],
+                       piece_seed(encode_seed(seed_, step, r, r, 1), p));
         for (uint32_t q = 0; q < n; ++q)
           if (q != r) ts[x2_send[q][p]].held = false;
         codec_->decode(mine, penc[r][p], buf + at * es, len, dtype, false);
@@ -351,7 +354,8 @@ void CompressedAllreduce::pipelined(Communicator& comm, std::byte* buf, size_t c
       for (uint32_t j = 0; j < n; ++j) {
         if (j == r || t >= pieces[j]) continue;
         codec_->encode(buf + (off[j] + t * piece) * es, plen(j, t), dtype,
-                       send_.data() + rbyte[j] + pbyte[j][t], penc[j][t], encode_seed(seed_, step, r, j, 0));
+                       send_.data() + rbyte[j] + pbyte[j][t], penc[j][t],
+                       piece_seed(encode_seed(seed_, step, r, j, 0), t));
         ts[x1_send[j][t]].held = false;
       }
       return true;

@@ -40,6 +40,12 @@ size_t block_align(const compress::CodecParams& params);
 // every run, so stochastic rounding is reproducible.
 uint64_t encode_seed(uint64_t base, uint64_t step, uint32_t rank, uint32_t block, uint32_t phase);
 
+// The seed of piece `piece` of a pipelined block whose whole-block seed is block_seed (piece 0
+// keeps it). QSGD's draws follow an element's position inside its encoding, so each piece draws
+// afresh under its own seed: a pipelined QSGD allreduce is as reproducible and as random as the
+// whole-block one, but its bytes differ from it. Deterministic codecs ignore seeds.
+uint64_t piece_seed(uint64_t block_seed, size_t piece);
+
 // Compressed allreduce of F32, F16, BF16 or F64 buffers. One object per bucket: it keeps its
 // scratch buffers and a call counter that varies the stochastic-rounding seeds from step to step.
 // Not thread-safe (a bucket's op runs on its communicator's worker thread only).

@@ -89,9 +89,10 @@ Bytes make_input(uint32_t rank, size_t count, DType dt, uint64_t salt) {
 
 // The compressed allreduce computed in one place from the same codec calls: block j's owner j
 // adds the peers' decoded encodings (in rank order) to its own contribution in float32,
-// divides, encodes once, and everyone decodes that.
+// divides, encodes once, and everyone decodes that. With piece > 0 every block is encoded in
+// pieces of that many elements, each under its piece seed, as the pipelined schedule does.
 Bytes reference(const CodecParams& p, const std::vector<Bytes>& in, size_t count, DType dt, double divisor,
-                uint64_t seed, uint64_t step) {
+                uint64_t seed, uint64_t step, size_t piece = 0) {
   auto codec = compress::make_codec(p);
   const auto n = static_cast<uint32_t>(in.size());
   const size_t es = dtype_size(dt);
@@ -101,22 +102,37 @@ Bytes reference(const CodecParams& p, const std::vector<Bytes>& in, size_t count
   for (uint32_t j = 0; j < n; ++j) {
     const size_t c = counts[j];
     if (c == 0) continue;
-    const size_t eb = codec->encoded_bytes(c);
-    std::vector<float> acc(c);
-    for (size_t i = 0; i < c; ++i) acc[i] = load(in[j].data() + off * es, dt, i);
-    Bytes enc(eb);
-    for (uint32_t q = 0; q < n; ++q) {
-      if (q == j) continue;
-      codec->encode(in[q].data() + off * es, c, dt, enc.data(), eb, ops::encode_seed(seed, step, q, j, 0));
-      codec->decode(enc.data(), eb, acc.data(), c, DType::F32, true);
+    const size_t step_len = piece == 0 ? c : piece;
+    for (size_t at = 0, k = 0; at < c; at += step_len, ++k) {
+      const size_t len = std::min(step_len, c - at);
+      const size_t eb = codec->encoded_bytes(len);
+      std::vector<float> acc(len);
+      for (size_t i = 0; i < len; ++i) acc[i] = load(in[j].data() + (off + at) * es, dt, i);
+      Bytes enc(eb);
+      for (uint32_t q = 0; q < n; ++q) {
+        if (q == j) continue;
+        codec->encode(in[q].data() + (off + at) * es, len, dt, enc.data(), eb,
+                      ops::piece_seed(ops::encode_seed(seed, step, q, j, 0), k));
+        codec->decode(enc.data(), eb, acc.data(), len, DType::F32, true);
+      }
+      if (divisor != 1.0)
+        for (float& v : acc) v /= static_cast<float>(divisor);
+      codec->encode(acc.data(), len, DType::F32, enc.data(), eb,
+                    ops::piece_seed(ops::encode_seed(seed, step, j, j, 1), k));
+      codec->decode(enc.data(), eb, out.data() + (off + at) * es, len, dt, false);
     }
-    if (divisor != 1.0)
-      for (float& v : acc) v /= static_cast<float>(divisor);
-    codec->encode(acc.data(), c, DType::F32, enc.data(), eb, ops::encode_seed(seed, step, j, j, 1));
-    codec->decode(enc.data(), eb, out.data() + off * es, c, dt, false);
     off += c;
   }
   return out;
+}
+
+// The pieces CompressedAllreduce cuts a buffer's blocks into when set to `piece` elements, or 0
+// when it keeps whole blocks (as its flat() decides).
+size_t pipelined_piece(const CodecParams& p, size_t count, uint32_t n, size_t piece) {
+  const size_t align = ops::block_align(p);
+  const size_t rounded = align * std::max<size_t>(1, piece / align);
+  const auto counts = ops::split_blocks(count, n, align);
+  return piece != 0 && *std::max_element(counts.begin(), counts.end()) > rounded ? rounded : 0;
 }
 
 std::string describe_first_diff(const Bytes& a, const Bytes& b, DType dt) {
@@ -134,6 +150,8 @@ struct Case {
   DType dtype;
   const char* name;
 };
+
+constexpr size_t kPiece = 2048;
 
 std::vector<Case> cases() {
   return {
@@ -163,8 +181,9 @@ TEST_P(CompressedAllreduceWorlds, MatchesReferenceOnEveryRank) {
       for (bool average : {true, false}) {
         ops::CompressedAllreduce op(k.params, average, false, /*seed=*/99);
         // Pieces of 2048 elements: blocks of the larger buffers go through the pipelined schedule
-        // (up to 18 pieces per block) and must still match the whole-block reference bit for bit.
-        op.set_piece_elements(average ? 2048 : 0);
+        // (up to 18 pieces per block) and must still match the whole-block reference bit for bit
+        // (QSGD: the reference encoded in the same pieces, each under its own seed).
+        op.set_piece_elements(average ? kPiece : 0);
         for (size_t count : counts) {
           for (int call = 0; call < 2; ++call) {
             Bytes buf = make_input(r, count, k.dtype, count * 31 + static_cast<uint64_t>(call));
@@ -186,8 +205,11 @@ TEST_P(CompressedAllreduceWorlds, MatchesReferenceOnEveryRank) {
           std::vector<Bytes> in;
           for (uint32_t q = 0; q < size; ++q)
             in.push_back(make_input(q, count, k.dtype, count * 31 + static_cast<uint64_t>(call)));
-          Bytes want =
-              size == 1 ? in[0] : reference(k.params, in, count, k.dtype, average ? size : 1.0, 99, step);
+          const size_t piece =
+              k.params.kind == Kind::kQSGD && average ? pipelined_piece(k.params, count, size, kPiece) : 0;
+          Bytes want = size == 1
+                           ? in[0]
+                           : reference(k.params, in, count, k.dtype, average ? size : 1.0, 99, step, piece);
           for (uint32_t r = 0; r < size; ++r)
             ASSERT_EQ(results[r][idx], want)
                 << k.name << (average ? " avg" : " sum") << " count " << count << " call " << call << " rank "
