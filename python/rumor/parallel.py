@@ -11,7 +11,7 @@ import torch
 
 from . import _C, _runtime
 from ._runtime import Group, _comm
-from ._tensor import SUPPORTED_DTYPES, address, dtype_code
+from ._tensor import SUPPORTED_DTYPES, address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
 from .collectives import allgather, broadcast_
 
@@ -242,7 +242,7 @@ class DistributedDataParallel(torch.nn.Module):
             if grad.data_ptr() != view.data_ptr():
                 # .grad was replaced (zero_grad(set_to_none=True), or assigned): move it back
                 # into the bucket so that the bucket carries it.
-                view.copy_(grad)
+                copy_into(view, grad)
                 p.grad = view
             if self._marked[i]:
                 self._abandon_iteration()

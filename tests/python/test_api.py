@@ -32,6 +32,31 @@ def test_reduce_op_and_version():
     assert not rumor.is_initialized()
 
 
+@pytest.mark.parametrize("case", ["contiguous", "transposed", "tracked", "dtype", "bfloat16"])
+def test_copy_into_equals_copy_(case):
+    # The gradient-to-bucket copy takes libc's path only for plain contiguous tensors; every
+    # case must land exactly what Tensor.copy_ lands.
+    import torch
+
+    from rumor._tensor import copy_into
+
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(257, 129, generator=g)
+    dst = torch.full((257, 129), float("nan"))
+    if case == "transposed":
+        src = torch.randn(129, 257, generator=g).t()
+    elif case == "tracked":
+        src.requires_grad_(True)
+    elif case == "dtype":
+        src = src.double()
+    elif case == "bfloat16":
+        src, dst = src.bfloat16(), dst.bfloat16()
+    want = torch.empty_like(dst).copy_(src.detach())
+    with torch.no_grad():
+        copy_into(dst, src)
+    assert torch.equal(dst, want)
+
+
 def lifecycle_rank(sync_dir):
     import torch
 
