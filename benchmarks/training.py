@@ -156,13 +156,23 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     # A few distinct batches, made before timing; every variant sees the same sequence.
     data = [models.batch(name, batch, step=i, shard=rank, seed=cfg["seed"]) for i in range(4)]
 
-    def step(v, i):
+    breakdown = {v: [] for v in variants if v not in ("compute", "torch")}
+
+    def step(v, i, record=False):
         model, opt = variants[v]
         x, y = data[i % len(data)]
         opt.zero_grad()
         loss = models.loss(model(x), y)
         loss.backward()
+        t = time.perf_counter()
         opt.step()
+        if record and v in breakdown:
+            tl = model.last_iteration_timeline()
+            if tl is not None:
+                breakdown[v].append(dict(forward=tl["forward_end"],
+                                         backward_compute=tl["backward_compute_end"] - tl["forward_end"],
+                                         exposed_comm=tl["exposed_comm"], comm_busy=tl["comm_busy"],
+                                         optimizer=time.perf_counter() - t))
         return float(loss.detach())
 
     names = list(variants)
@@ -189,7 +199,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             for _ in range(min(cfg["block"], cfg["iters"] - b * cfg["block"])):
                 dist.barrier()
                 t0 = time.perf_counter()
-                loss = step(v, counts[v])
+                loss = step(v, counts[v], record=rank == 0)
                 times[v].append(time.perf_counter() - t0)
                 losses[v].append(loss)
                 counts[v] += 1
@@ -208,6 +218,9 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             steps = [max(per_rank[v][r][i] for r in range(n)) for i in range(len(times[v]))]
             cell["variants"][v] = dict(step_s=steps, per_rank_step_s=per_rank[v], warmup_s=warm[v],
                                        loss=(loss_t[v] / n).tolist())
+            if breakdown.get(v):
+                # rank 0's DistributedDataParallel.last_iteration_timeline() of each measured step
+                cell["variants"][v]["rank0_timeline_s"] = breakdown[v]
         emit("cell", cell)
     del variants, data
     gc.collect()
@@ -264,6 +277,10 @@ def summarize(cell: Dict, link_Bps: Optional[float]) -> None:
         d["over_torch"] = d["samples_per_s"] / v["torch"]["samples_per_s"]
         d["over_compute"] = d["samples_per_s"] / v["compute"]["samples_per_s"]
         d["final_loss"] = d["loss"][-1] if d["loss"] else None
+    for d in v.values():
+        if d.get("rank0_timeline_s"):
+            tl = d["rank0_timeline_s"]
+            d["rank0_breakdown_s"] = {k: statistics.median(x[k] for x in tl) for k in tl[0]}
     main = "rumor" if "rumor" in v else next(k for k in v if k not in ("compute", "torch"))
     cell["main_variant"] = main
     cell["rumor_over_torch"] = v[main]["over_torch"]
@@ -307,6 +324,20 @@ def print_table(cells: List[Dict], title: str) -> None:
             row += (f" {c['ring_s'] * 1e3:>8.0f} {c['overlap_bound_s'] * 1e3:>9.0f}ms "
                     f"{100 * c['overlap_bound_s'] / c['variants'][c['main_variant']]['median_s']:>8.0f}%")
         print(row)
+
+
+def print_breakdown(cells: List[Dict]) -> None:
+    """Where rumor's step goes (rank 0, medians; from last_iteration_timeline()): communication
+    that backward did not hide is what separates a variant from compute-only."""
+    rows = [(c, v, d["rank0_breakdown_s"]) for c in cells for v, d in c["variants"].items()
+            if d.get("rank0_breakdown_s")]
+    if not rows:
+        return
+    print(f"\n{'where the time goes (rank 0, median ms)':<40} {'forward':>8} {'bwd compute':>11} "
+          f"{'exposed comm':>12} {'optimizer':>9} | {'comm busy':>9}")
+    for c, v, b in rows:
+        print(f"{c['model'] + ' ' + VARIANT_LABEL[v]:<40} {b['forward'] * 1e3:>8.0f} {b['backward_compute'] * 1e3:>11.0f} "
+              f"{b['exposed_comm'] * 1e3:>12.0f} {b['optimizer'] * 1e3:>9.0f} | {b['comm_busy'] * 1e3:>9.0f}")
 
 
 def print_long_table(cells: List[Dict], title: str) -> None:
@@ -474,6 +505,7 @@ def main(argv=None) -> int:
 
         for job in jobs:
             print_table(job.cells, job.label)
+            print_breakdown(job.cells)
         if link_Bps:
             print(f"\nring ms = 2(n-1)/n x fp32 gradient bytes / link rate (n = {args.hosts} hosts, "
                   f"{args.rate}); max(c,ring) = the step time of perfect overlap (rumor/max: rumor's samples/s "

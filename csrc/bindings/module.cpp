@@ -218,6 +218,16 @@ PYBIND11_MODULE(_C, m) {
       .def("incomplete", &BucketEngine::incomplete)
       .def("idle", &BucketEngine::idle)
       .def(
+          "last_timings",
+          [](const BucketEngine& e) {
+            std::vector<std::tuple<uint32_t, size_t, double, double, double>> out;
+            for (const auto& t : e.last_timings())
+              out.emplace_back(t.bucket, t.count, t.launched, t.started, t.ended);
+            return out;
+          },
+          "[(bucket, elements, launched, started, ended)] of the last completed iteration, in "
+          "time.monotonic() seconds")
+      .def(
           "finish",
           [](BucketEngine& e, double timeout_s) {
             py::gil_scoped_release nogil;

@@ -1,6 +1,14 @@
 #include "engine/bucket_engine.h"
 
+#include <chrono>
+
 namespace rumor {
+
+namespace {
+double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
 
 BucketEngine::BucketEngine(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
 
@@ -27,14 +35,19 @@ void BucketEngine::set_buckets(std::vector<BucketSpec> buckets) {
       throw Error(ErrorKind::kInvalidArgument, "set_buckets: bucket " + std::to_string(i) + " is empty");
   }
   buckets_.clear();
-  for (auto& s : buckets) buckets_.push_back(Bucket{std::move(s), 0, nullptr});
+  for (auto& s : buckets) buckets_.push_back(Bucket{std::move(s), 0, nullptr, nullptr});
 }
 
 void BucketEngine::launch_locked(Bucket& b) {
   Communicator* comm = comm_.get();
   BucketSpec spec = b.spec;
-  b.work = comm->worker().submit(
-      [comm, spec] { spec.op->run(*comm, reinterpret_cast<void*>(spec.data), spec.count, spec.dtype); });
+  b.timing = std::make_shared<BucketTiming>(
+      BucketTiming{static_cast<uint32_t>(&b - buckets_.data()), spec.count, steady_seconds(), 0, 0});
+  b.work = comm->worker().submit([comm, spec, timing = b.timing] {
+    timing->started = steady_seconds();
+    spec.op->run(*comm, reinterpret_cast<void*>(spec.data), spec.count, spec.dtype);
+    timing->ended = steady_seconds();
+  });
 }
 
 void BucketEngine::launch_ready_locked() {
@@ -73,6 +86,11 @@ std::vector<uint32_t> BucketEngine::incomplete() const {
   return out;
 }
 
+std::vector<BucketTiming> BucketEngine::last_timings() const {
+  std::lock_guard lk(mu_);
+  return last_timings_;
+}
+
 bool BucketEngine::idle() const {
   std::lock_guard lk(mu_);
   return next_launch_ == 0;
@@ -96,6 +114,11 @@ void BucketEngine::finish(const Deadline& deadline) {
   }
   std::lock_guard lk(mu_);
   const bool complete = launched == buckets_.size();
+  if (!first) {
+    // Every launched op has returned (wait() succeeded), so its timing is final.
+    last_timings_.clear();
+    for (size_t i = 0; i < launched; ++i) last_timings_.push_back(*buckets_[i].timing);
+  }
   std::string missing;
   if (!complete)
     for (size_t i = launched; i < buckets_.size(); ++i)
@@ -104,6 +127,7 @@ void BucketEngine::finish(const Deadline& deadline) {
   for (auto& b : buckets_) {
     b.ready = 0;
     b.work.reset();
+    b.timing.reset();
   }
   next_launch_ = 0;
   if (first) std::rethrow_exception(first);

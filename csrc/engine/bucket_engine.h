@@ -61,6 +61,15 @@ struct BucketSpec {
   std::shared_ptr<BucketOp> op;
 };
 
+// When one bucket of an iteration became complete (and was handed to the worker), and when its
+// op started and ended there. Seconds on the steady clock, which on Linux is CLOCK_MONOTONIC,
+// the clock of Python's time.monotonic().
+struct BucketTiming {
+  uint32_t bucket = 0;
+  size_t count = 0;
+  double launched = 0, started = 0, ended = 0;
+};
+
 class BucketEngine {
  public:
   explicit BucketEngine(std::shared_ptr<Communicator> comm);
@@ -84,12 +93,16 @@ class BucketEngine {
   // Which buckets are not yet complete (for error messages and unused-parameter handling).
   std::vector<uint32_t> incomplete() const;
   bool idle() const;
+  // The timings of the last iteration that finish() completed without error, in launch order.
+  std::vector<BucketTiming> last_timings() const;
 
  private:
   struct Bucket {
     BucketSpec spec;
     uint32_t ready = 0;
     std::shared_ptr<Work> work;
+    // Written by the worker while the op runs; read only after finish() has waited for it.
+    std::shared_ptr<BucketTiming> timing;
   };
   void launch_ready_locked();
   void launch_locked(Bucket& b);
@@ -98,6 +111,7 @@ class BucketEngine {
   mutable std::mutex mu_;
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
+  std::vector<BucketTiming> last_timings_;
 };
 
 }  // namespace rumor

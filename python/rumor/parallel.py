@@ -114,6 +114,8 @@ class DistributedDataParallel(torch.nn.Module):
             dtype_code(p.dtype, f"rumor.DistributedDataParallel (parameter {n})")
         self._engine = _C.BucketEngine(self.group._comm)
         self._require_sync = True
+        self._forward_times = (None, None)  # time.monotonic() at the last forward's start and end
+        self._timeline = None  # raw figures of the last synchronized iteration (see last_iteration_timeline)
         self._marked = [False] * len(self._params)
         self._ready_order: List[int] = []
         self._ready_times: Dict[int, float] = {}
@@ -261,6 +263,7 @@ class DistributedDataParallel(torch.nn.Module):
         return hook
 
     def _finish_backward(self) -> None:
+        compute_end = time.monotonic()
         self._callback_queued = False
         unmarked = [i for i, m in enumerate(self._marked) if not m]
         self._marked = [False] * len(self._params)
@@ -283,6 +286,7 @@ class DistributedDataParallel(torch.nn.Module):
                         p.grad = self._views[i]
             self._engine.launch_all()
         self._engine.finish(self._timeout)
+        self._timeline = (self._forward_times, compute_end, time.monotonic(), self._engine.last_timings())
         if not self._rebuilt:
             self._rebuild_in_ready_order()
         self.algorithm.after_backward(self)
@@ -313,7 +317,33 @@ class DistributedDataParallel(torch.nn.Module):
         if self.broadcast_buffers and self.training and self._buffers_to_sync and torch.is_grad_enabled():
             _coalesced_broadcast(self._buffers_to_sync, self.group)
         self.algorithm.before_forward(self)
-        return self.module(*args, **kwargs)
+        start = time.monotonic()
+        out = self.module(*args, **kwargs)
+        self._forward_times = (start, time.monotonic())
+        return out
+
+    def last_iteration_timeline(self) -> Optional[Dict]:
+        """Where this rank's last synchronized iteration spent its time, for profiling; None
+        before the first one. Seconds from the start of its forward (or, without one, from the
+        end of backward's computation):
+
+        - forward_end; backward_compute_end (autograd done); backward_end (every bucket's
+          communication done, when backward() returns);
+        - buckets: one dict per bucket in launch order: bucket, elements, ready (its last
+          gradient arrived and it was handed to the comm thread), start and end of its op there;
+        - exposed_comm = backward_end - backward_compute_end (communication not hidden behind
+          backward), comm_busy = the sum of the buckets' end - start.
+        """
+        if self._timeline is None:
+            return None
+        (f_start, f_end), compute_end, end, timings = self._timeline
+        if f_start is None or f_start > compute_end:
+            f_start, f_end = compute_end, None
+        buckets = [dict(bucket=b, elements=n, ready=ready - f_start, start=t0 - f_start, end=t1 - f_start)
+                   for b, n, ready, t0, t1 in timings]
+        return dict(forward_end=None if f_end is None else f_end - f_start,
+                    backward_compute_end=compute_end - f_start, backward_end=end - f_start, buckets=buckets,
+                    exposed_comm=end - compute_end, comm_busy=sum(b["end"] - b["start"] for b in buckets))
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -370,6 +370,8 @@ def sc_overlap(chk):
     m, ref = _build("mlp25m", 90), _build("mlp25m", 90)
     ddp = rumor.DistributedDataParallel(m, **SMALL_BUCKETS)
     last = m.net[4].weight
+    last_index = [i for i, p in enumerate(ddp._params) if p is last][0]
+    chk.check(ddp.last_iteration_timeline() is None, "timeline before any iteration")
     wait_s = 20.0
     for step in range(2):
         x, y = _batch(m, step, rank)
@@ -394,6 +396,15 @@ def sc_overlap(chk):
         h.remove()
         chk.check(seen.get("ok") is True, f"overlap step {step}: the last layer's gradient was not averaged while "
                                           f"backward was still running ({seen})")
+        _check_timeline(chk, ddp, f"overlap step {step}", sum(p.numel() for p in m.parameters()))
+        if seen.get("ok") is True:
+            # The pre-hook saw the average before the first layer's backward, so the timeline must
+            # show that bucket's op ending before backward's computation did.
+            tl = ddp.last_iteration_timeline()
+            b = [x for x in tl["buckets"] if x["bucket"] == ddp._bucket_of[last_index]][0]
+            chk.check(b["end"] <= tl["backward_compute_end"],
+                      f"overlap step {step}: timeline has the last layer's bucket ending at {b['end']:.4f} s, "
+                      f"after backward's computation ({tl['backward_compute_end']:.4f} s)")
         if seen.get("ok") is not True:
             wait_s = 0.0  # failed once: do not wait again (every rank still runs every step)
         _compare(chk, _grads(m), _grads(ref), f"overlap step {step}: gradients vs single process")
@@ -401,6 +412,26 @@ def sc_overlap(chk):
             for p, q in zip(m.parameters(), ref.parameters()):
                 p.sub_(LR * p.grad)
                 q.sub_(LR * q.grad)
+
+
+def _check_timeline(chk, ddp, what: str, elements: int) -> None:
+    """last_iteration_timeline() is ordered (forward, each bucket's ready <= start <= end, backward)
+    and covers every bucket once, whose elements add up to the model's."""
+    tl = ddp.last_iteration_timeline()
+    chk.check(tl is not None, f"{what}: no timeline after an iteration")
+    if tl is None:
+        return
+    bs = tl["buckets"]
+    chk.check(sorted(b["bucket"] for b in bs) == list(range(ddp._engine.num_buckets)),
+              f"{what}: timeline buckets {[b['bucket'] for b in bs]}")
+    chk.check(sum(b["elements"] for b in bs) == elements, f"{what}: timeline covers {sum(b['elements'] for b in bs)} "
+                                                          f"elements, the model has {elements}")
+    chk.check(0 <= tl["forward_end"] <= tl["backward_compute_end"] <= tl["backward_end"], f"{what}: {tl}")
+    for b in bs:
+        chk.check(tl["forward_end"] <= b["ready"] <= b["start"] <= b["end"] <= tl["backward_end"],
+                  f"{what}: bucket {b}, timeline {tl}")
+    chk.check(abs(tl["exposed_comm"] - (tl["backward_end"] - tl["backward_compute_end"])) < 1e-9
+              and abs(tl["comm_busy"] - sum(b["end"] - b["start"] for b in bs)) < 1e-9, f"{what}: {tl}")
 
 
 def _layout_tensor(ddp):
