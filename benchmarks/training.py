@@ -67,6 +67,11 @@ ALGORITHMS = {
 VARIANT_LABEL = {"compute": "compute-only", "torch": "torch DDP", **{k: v[0] for k, v in ALGORITHMS.items()}}
 
 
+# Bytes per gradient element on the wire between hosts (codec headers and per-chunk scales left
+# out, so what they bound stays a lower bound); variants missing here get no link bound.
+WIRE_BYTES = {"rumor": 4.0, "rumor_hier": 4.0, "bytegrad": 1.0, "qsgd": 1.0, "fp16": 2.0, "bf16": 2.0,
+              "onebit_adam": 1 / 8}
+
 # Targets of the algorithm issues (samples/s over torch DDP, 4 emulated hosts at 1 Gbit).
 ALGORITHM_TARGETS = {"bytegrad": 2.5, "onebit_adam": 5.0, "fp16": 1.7, "dec_shift_one": 1.4, "dec_exp2": 1.4,
                      "lp_dec": 2.5}
@@ -172,7 +177,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                 breakdown[v].append(dict(forward=tl["forward_end"],
                                          backward_compute=tl["backward_compute_end"] - tl["forward_end"],
                                          exposed_comm=tl["exposed_comm"], comm_busy=tl["comm_busy"],
-                                         optimizer=time.perf_counter() - t))
+                                         optimizer=time.perf_counter() - t,
+                                         buckets=[(b["elements"], b["ready"]) for b in tl["buckets"]]))
         return float(loss.detach())
 
     names = list(variants)
@@ -277,10 +283,22 @@ def summarize(cell: Dict, link_Bps: Optional[float]) -> None:
         d["over_torch"] = d["samples_per_s"] / v["torch"]["samples_per_s"]
         d["over_compute"] = d["samples_per_s"] / v["compute"]["samples_per_s"]
         d["final_loss"] = d["loss"][-1] if d["loss"] else None
-    for d in v.values():
+    for key, d in v.items():
         if d.get("rank0_timeline_s"):
             tl = d["rank0_timeline_s"]
-            d["rank0_breakdown_s"] = {k: statistics.median(x[k] for x in tl) for k in tl[0]}
+            d["rank0_breakdown_s"] = {k: statistics.median(x[k] for x in tl) for k in tl[0] if k != "buckets"}
+            if link_Bps and cell.get("ranks_per_host") == 1 and key in WIRE_BYTES:
+                # The step had every bucket crossed the links at link rate from the moment it was
+                # ready (its ready time as measured in this step, bucket after bucket), then the
+                # optimizer: what any schedule of this algorithm could do with this computation.
+                h = cell["hosts"]
+                bounds = []
+                for x in tl:
+                    t = 0.0
+                    for elements, ready in x["buckets"]:
+                        t = max(t, ready) + 2 * (h - 1) / h * elements * WIRE_BYTES[key] / link_Bps
+                    bounds.append(t + x["optimizer"])
+                d["rank0_breakdown_s"]["link_bound_step"] = statistics.median(bounds)
     main = "rumor" if "rumor" in v else next(k for k in v if k not in ("compute", "torch"))
     cell["main_variant"] = main
     cell["rumor_over_torch"] = v[main]["over_torch"]
@@ -333,11 +351,18 @@ def print_breakdown(cells: List[Dict]) -> None:
             if d.get("rank0_breakdown_s")]
     if not rows:
         return
+    bound = any("link_bound_step" in b for _, _, b in rows)
     print(f"\n{'where the time goes (rank 0, median ms)':<40} {'forward':>8} {'bwd compute':>11} "
-          f"{'exposed comm':>12} {'optimizer':>9} | {'comm busy':>9}")
+          f"{'exposed comm':>12} {'optimizer':>9} | {'comm busy':>9}" + (f" {'link-bound step':>15}" if bound else ""))
     for c, v, b in rows:
+        lb = b.get("link_bound_step")
         print(f"{c['model'] + ' ' + VARIANT_LABEL[v]:<40} {b['forward'] * 1e3:>8.0f} {b['backward_compute'] * 1e3:>11.0f} "
-              f"{b['exposed_comm'] * 1e3:>12.0f} {b['optimizer'] * 1e3:>9.0f} | {b['comm_busy'] * 1e3:>9.0f}")
+              f"{b['exposed_comm'] * 1e3:>12.0f} {b['optimizer'] * 1e3:>9.0f} | {b['comm_busy'] * 1e3:>9.0f}"
+              + (f" {lb * 1e3:>15.0f}" if lb is not None else (f" {'-':>15}" if bound else "")))
+    if bound:
+        print("link-bound step: every bucket over the links at link rate from the moment it was ready (as "
+              "measured), one after another, then the optimizer; the best any schedule of that algorithm can "
+              "do with this computation (codec headers left out)")
 
 
 def print_long_table(cells: List[Dict], title: str) -> None:
