@@ -87,16 +87,17 @@ void bind_compressed_ops(py::module_& m) {
   m.def(
       "onebit_momentum_op",
       [](uintptr_t momentum, uintptr_t worker_error, uintptr_t server_error, size_t count, float beta1,
-         uint32_t chunk, std::shared_ptr<BucketOp> warmup) {
+         uint32_t chunk, std::shared_ptr<BucketOp> warmup, bool hierarchical) {
         return std::make_shared<OneBitMomentumBucketOp>(floats(momentum), floats(worker_error),
                                                         floats(server_error), count, beta1, chunk,
-                                                        std::move(warmup));
+                                                        std::move(warmup), hierarchical);
       },
       py::arg("momentum"), py::arg("worker_error"), py::arg("server_error"), py::arg("count"),
-      py::arg("beta1"), py::arg("chunk") = 0, py::arg("warmup") = nullptr,
+      py::arg("beta1"), py::arg("chunk") = 0, py::arg("warmup") = nullptr, py::arg("hierarchical") = false,
       "Bucket op of 1-bit Adam over float32 buffers of count elements owned by the caller: full-precision "
       "gradient average while not compressing (the warmup op, or an AVG allreduce); else momentum update "
-      "from the local gradient and 1-bit allreduce of the momentum with error feedback.");
+      "from the local gradient and 1-bit allreduce of the momentum with error feedback (hierarchical: "
+      "averaged at full precision inside each host, 1-bit among the host leaders).");
 
   m.def(
       "onebit_allreduce",

@@ -476,14 +476,15 @@ std::string CompressedAllreduceBucketOp::name() const {
 
 OneBitMomentumBucketOp::OneBitMomentumBucketOp(float* momentum, float* worker_error, float* server_error,
                                                size_t count, float beta1, uint32_t chunk,
-                                               std::shared_ptr<BucketOp> warmup)
+                                               std::shared_ptr<BucketOp> warmup, bool hierarchical)
     : momentum_(momentum),
       worker_error_(worker_error),
       server_error_(server_error),
       count_(count),
       beta1_(beta1),
       impl_(chunk),
-      warmup_(std::move(warmup)) {
+      warmup_(std::move(warmup)),
+      hierarchical_(hierarchical) {
   if (count > 0 && (momentum == nullptr || worker_error == nullptr || server_error == nullptr))
     throw Error(ErrorKind::kInvalidArgument, "1-bit momentum op: null momentum or error buffer");
   if (!(beta1 >= 0.0f && beta1 < 1.0f))
@@ -507,9 +508,38 @@ void OneBitMomentumBucketOp::run(Communicator& comm, void* data, size_t count, D
   }
   const auto* g = static_cast<const float*>(data);
   const float b = beta1_, a = 1.0f - beta1_;
-  if (comm.size() == 1) {  // nothing to compress: the momentum is the average
+  auto update_locally = [&] {
     for (size_t i = 0; i < count; ++i)
       momentum_[i] = b * momentum_[i] + a * g[i] * (inv_denom_ != nullptr ? inv_denom_[i] : 1.0f);
+  };
+  if (comm.size() == 1) {  // nothing to compress: the momentum is the average
+    update_locally();
+    return;
+  }
+  if (hierarchical_) {
+    update_locally();
+    if (comm.all_local()) {  // no host boundary to compress across
+      comm.allreduce(momentum_, count, DType::F32, ReduceOp::AVG);
+      return;
+    }
+    net::OpInfo op = comm.begin_op("1-bit momentum allreduce (hierarchical)", kOneBitAllreduceOpcode);
+    comm.run_guarded(op, [&] {
+      Communicator& local = comm.local_comm();
+      local.reduce(momentum_, count, DType::F32, ReduceOp::SUM, 0);
+      // Several hosts (checked above), so the leaders' group has at least two members.
+      if (Communicator* leaders = comm.leaders_comm()) {
+        // The 1-bit allreduce averages over leaders; scaling each host's sum by leaders / ranks
+        // makes that the average over every rank, also for hosts of different sizes.
+        const float scale = static_cast<float>(leaders->size()) / static_cast<float>(comm.size());
+        const float* m = momentum_;
+        const float* we = worker_error_;
+        impl_.run_filled(*leaders, momentum_, count, {worker_error_, count}, {server_error_, count},
+                         [=](size_t begin, size_t n, float* x) {
+                           for (size_t i = begin; i < begin + n; ++i) x[i - begin] = m[i] * scale + we[i];
+                         });
+      }
+      local.broadcast(momentum_, count, DType::F32, 0);
+    });
     return;
   }
   // The momentum update and the worker's error feedback are computed tile by tile inside the

@@ -149,10 +149,15 @@ class CompressedAllreduceBucketOp final : public BucketOp {
 // null: the communicator's allreduce.
 class OneBitMomentumBucketOp final : public BucketOp {
  public:
+  // hierarchical: momenta are averaged at full precision inside each host and compressed only
+  // among one leader per host (whose error buffers carry the feedback; the others' stay zero).
   OneBitMomentumBucketOp(float* momentum, float* worker_error, float* server_error, size_t count, float beta1,
-                         uint32_t chunk, std::shared_ptr<BucketOp> warmup = nullptr);
+                         uint32_t chunk, std::shared_ptr<BucketOp> warmup = nullptr,
+                         bool hierarchical = false);
   void run(Communicator& comm, void* data, size_t count, DType dtype) override;
-  std::string name() const override { return "1-bit momentum allreduce"; }
+  std::string name() const override {
+    return hierarchical_ ? "1-bit momentum allreduce (hierarchical)" : "1-bit momentum allreduce";
+  }
 
   // Switched by Python between iterations (never while the bucket is in flight).
   void set_compressing(bool on) { compressing_.store(on); }
@@ -173,6 +178,7 @@ class OneBitMomentumBucketOp final : public BucketOp {
   std::atomic<bool> compressing_{false};
   OneBitAllreduce impl_;
   std::shared_ptr<BucketOp> warmup_;
+  bool hierarchical_;
 };
 
 }  // namespace rumor::ops

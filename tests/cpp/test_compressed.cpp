@@ -485,5 +485,64 @@ TEST(CompressedOneBit, MomentumBucketOp) {
   }
 }
 
+// Hierarchical 1-bit momentum on 2 hosts x 2 ranks: each host's momenta summed at full
+// precision and halved, then exactly the flat 1-bit scheme between the two leaders (same bits,
+// same error buffers), broadcast inside each host; the non-leaders' error buffers stay zero.
+// Two calls, so the second one starts from the errors the first left.
+TEST(CompressedOneBit, HierarchicalMomentumIsFlatAmongLeaders) {
+  const size_t count = 5000;
+  const uint32_t chunk = 256;
+  const float beta1 = 0.9f;
+  auto grad = [](uint32_t r, size_t i, int call) { return value(r, i, 20 + call); };
+  auto w = make_world(testing::hosts_of(4, 2), quick_options(true));
+  std::vector<std::vector<float>> moms(4), wes(4), ses(4);
+  auto errs = run_ranks(w, [&](Communicator& c, uint32_t r) {
+    std::vector<float> m(count), we(count, 0.0f), se(count, 0.0f), g(count);
+    for (size_t i = 0; i < count; ++i) m[i] = value(r, i, 19);
+    ops::OneBitMomentumBucketOp op(m.data(), we.data(), se.data(), count, beta1, chunk, nullptr, true);
+    op.set_compressing(true);
+    for (int call = 0; call < 2; ++call) {
+      for (size_t i = 0; i < count; ++i) g[i] = grad(r, i, call);
+      op.run(c, g.data(), count, DType::F32);
+    }
+    moms[r] = m, wes[r] = we, ses[r] = se;
+  });
+  expect_all_ok(errs);
+  if (::testing::Test::HasFailure()) return;
+
+  // The reference: the flat 1-bit allreduce on 2 ranks of host averages.
+  auto w2 = make_world(one_host(2), quick_options(true));
+  std::vector<std::vector<float>> want_m(2), want_we(2), want_se(2);
+  auto errs2 = run_ranks(w2, [&](Communicator& c, uint32_t h) {
+    std::vector<float> lm[2], m(count), we(count, 0.0f), se(count, 0.0f);
+    for (uint32_t k = 0; k < 2; ++k) {
+      lm[k].resize(count);
+      for (size_t i = 0; i < count; ++i) lm[k][i] = value(2 * h + k, i, 19);
+    }
+    ops::OneBitAllreduce op(chunk);
+    for (int call = 0; call < 2; ++call) {
+      for (size_t i = 0; i < count; ++i) {
+        // Every rank's momentum update as the op computes it; after the first call every rank of
+        // a host holds the same (broadcast) momentum.
+        for (uint32_t k = 0; k < 2; ++k)
+          lm[k][i] = beta1 * (call == 0 ? lm[k][i] : m[i]) + (1.0f - beta1) * grad(2 * h + k, i, call) * 1.0f;
+        m[i] = (lm[0][i] + lm[1][i]) * 0.5f;
+      }
+      op.run(c, m.data(), count, we, se);
+    }
+    want_m[h] = m, want_we[h] = we, want_se[h] = se;
+  });
+  expect_all_ok(errs2);
+  if (::testing::Test::HasFailure()) return;
+  ASSERT_EQ(want_m[0], want_m[1]);
+  const std::vector<float> zeros(count, 0.0f);
+  for (uint32_t r = 0; r < 4; ++r) {
+    ASSERT_EQ(moms[r], want_m[0]) << "rank " << r;
+    const bool leader = r % 2 == 0;
+    ASSERT_EQ(wes[r], leader ? want_we[r / 2] : zeros) << "worker error, rank " << r;
+    ASSERT_EQ(ses[r], leader ? want_se[r / 2] : zeros) << "server error, rank " << r;
+  }
+}
+
 }  // namespace
 }  // namespace rumor

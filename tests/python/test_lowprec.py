@@ -234,7 +234,7 @@ def sc_single_host_hierarchical(chk):
         chk.equal(runs[name], runs["GradientAllReduce"], f"{name}(hierarchical=True) on one host")
 
 
-def sc_onebit_training(chk):
+def sc_onebit_training(chk, hierarchical=False):
     import torch
 
     import rumor
@@ -248,6 +248,10 @@ def sc_onebit_training(chk):
     onebit = _train(chk, lambda opt: rumor.algorithms.OneBitAdam(opt),
                     lambda ps: rumor.optim.OneBitAdam(ps, lr=0.005, freeze_step=5), "OneBitAdam")
     chk.check(abs(onebit - adam) <= 0.1 * adam, f"OneBitAdam: loss {onebit:.4f} vs Adam {adam:.4f}")
+    if hierarchical:
+        hier = _train(chk, lambda opt: rumor.algorithms.OneBitAdam(opt, hierarchical=True),
+                      lambda ps: rumor.optim.OneBitAdam(ps, lr=0.005, freeze_step=5), "OneBitAdam hierarchical")
+        chk.check(abs(hier - adam) <= 0.1 * adam, f"OneBitAdam hierarchical: loss {hier:.4f} vs Adam {adam:.4f}")
 
 
 def sc_onebit_warmup_is_adam(chk):
@@ -387,7 +391,7 @@ def lowprec_rank(n_hosts_expected=1):
             ("QSGD hierarchical", lambda opt: rumor.algorithms.QSGD(levels=16)),
         ]
         sc_training(chk, algorithms)
-        sc_onebit_training(chk)
+        sc_onebit_training(chk, hierarchical=True)
     else:
         algorithms = [
             ("ByteGrad", lambda opt: rumor.algorithms.ByteGrad(hierarchical=False)),

@@ -7,7 +7,7 @@ import torch
 
 from .. import _C
 from .._tensor import address
-from ..collectives import ReduceOp
+from ..collectives import _ALGO, ReduceOp
 from .base import Algorithm
 from .bytegrad import _check_chunk
 
@@ -51,9 +51,13 @@ class OneBitAdam(Algorithm):
     views into them, so ``optimizer.state_dict()`` saves them.
 
     chunk: elements per 1-bit chunk (one float32 scale each); 0 = the codec's default.
+    hierarchical: average the momenta at full precision inside each host (shared memory), compress
+    only among one leader per host, then broadcast inside the host: the network carries one 1-bit
+    message per host and the compression sees each host's average. The leaders keep the error
+    feedback; on one host it is a full-precision average. Off by default (every rank compresses).
     """
 
-    def __init__(self, optimizer, chunk: int = 0):
+    def __init__(self, optimizer, chunk: int = 0, hierarchical: bool = False):
         from ..optim import OneBitAdam as OneBitAdamOptimizer
 
         if not isinstance(optimizer, OneBitAdamOptimizer):
@@ -64,6 +68,7 @@ class OneBitAdam(Algorithm):
                              "rumor.algorithms.OneBitAdam")
         self.optimizer = optimizer
         self.chunk = _check_chunk(chunk, "rumor.algorithms.OneBitAdam")
+        self.hierarchical = bool(hierarchical)
         self._states: Dict[int, _BucketState] = {}
         self._compressed_last = False
 
@@ -94,10 +99,10 @@ class OneBitAdam(Algorithm):
         if bucket.arena is not None:  # peers read shared buckets in place: the fast warm-up average
             warmup = bucket.arena.allreduce_op(int(ReduceOp.AVG))
         else:
-            warmup = _C.allreduce_op(int(ReduceOp.AVG), 0)
+            warmup = _C.allreduce_op(int(ReduceOp.AVG), _ALGO["hierarchical" if self.hierarchical else "auto"])
         op = _C.onebit_momentum_op(address(flats["exp_avg"]), address(flats["worker_error"]),
                                    address(flats["server_error"]), count, float(betas.pop()), self.chunk,
-                                   warmup)
+                                   warmup, self.hierarchical)
         state = _BucketState(bucket, op, flats)
         self._bind(state)
         self._set_stage(state, self.optimizer.compressing())
