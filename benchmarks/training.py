@@ -59,6 +59,7 @@ ALGORITHMS = {
     "fp16": ("fp16", "LowPrecision(dtype=torch.float16)"),
     "bf16": ("bf16", "LowPrecision(dtype=torch.bfloat16)"),
     "onebit_adam": ("1-bit Adam", "OneBitAdam(optimizer) with rumor.optim.OneBitAdam(freeze_step=warmup)"),
+    "onebit_adam_hier": ("1-bit Adam hier", "OneBitAdam(optimizer, hierarchical=True), the same optimizer"),
     "dec_all": ("Dec all", "Decentralized(peer_selection='all')"),
     "dec_shift_one": ("Dec shift_one", "Decentralized(peer_selection='shift_one')"),
     "dec_exp2": ("Dec exp2", "Decentralized(peer_selection='exp2')"),
@@ -70,7 +71,7 @@ VARIANT_LABEL = {"compute": "compute-only", "torch": "torch DDP", **{k: v[0] for
 # Bytes per gradient element on the wire between hosts (codec headers and per-chunk scales left
 # out, so what they bound stays a lower bound); variants missing here get no link bound.
 WIRE_BYTES = {"rumor": 4.0, "rumor_hier": 4.0, "bytegrad": 1.0, "qsgd": 1.0, "fp16": 2.0, "bf16": 2.0,
-              "onebit_adam": 1 / 8}
+              "onebit_adam": 1 / 8, "onebit_adam_hier": 1 / 8}
 
 # Targets of the algorithm issues (samples/s over torch DDP, 4 emulated hosts at 1 Gbit).
 ALGORITHM_TARGETS = {"bytegrad": 2.5, "onebit_adam": 5.0, "fp16": 1.7, "dec_shift_one": 1.4, "dec_exp2": 1.4,
@@ -90,6 +91,7 @@ def _algorithm(key: str, opt):
         "fp16": lambda: A.LowPrecision(dtype=torch.float16),
         "bf16": lambda: A.LowPrecision(dtype=torch.bfloat16),
         "onebit_adam": lambda: A.OneBitAdam(opt),
+        "onebit_adam_hier": lambda: A.OneBitAdam(opt, hierarchical=True),
         "dec_all": lambda: A.Decentralized(peer_selection="all"),
         "dec_shift_one": lambda: A.Decentralized(peer_selection="shift_one"),
         "dec_exp2": lambda: A.Decentralized(peer_selection="exp2"),
@@ -98,13 +100,13 @@ def _algorithm(key: str, opt):
 
 
 def _warmup_steps(key: str, cfg) -> int:
-    return max(cfg["warmup"], cfg["onebit_freeze"]) if key == "onebit_adam" else cfg["warmup"]
+    return max(cfg["warmup"], cfg["onebit_freeze"]) if key.startswith("onebit_adam") else cfg["warmup"]
 
 
 def _optimizer(key: str, model, cfg):
     import torch
 
-    if key == "onebit_adam":
+    if key.startswith("onebit_adam"):
         import rumor.optim
 
         # frozen variance (the compressed phase) from the first measured step on; the warm-up
@@ -505,7 +507,7 @@ def main(argv=None) -> int:
     n_variants = 2 + len(args.algorithms) + (
         1 if hosts_mode and args.hierarchical and args.ranks_per_host > 1 and "rumor_hier" not in args.algorithms else 0)
     steps_per_model = n_variants * (args.warmup + args.iters) + (
-        max(0, args.onebit_freeze - args.warmup) if "onebit_adam" in args.algorithms else 0)
+        sum(max(0, args.onebit_freeze - args.warmup) for a in args.algorithms if a.startswith("onebit_adam")))
     progress = Progress(len(worlds) * len(args.models) * steps_per_model, unit="steps", quiet_s=10)
     drv = _common.Driver("rumor-train-bench-", progress, hosts_mode)
 
