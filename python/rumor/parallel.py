@@ -329,8 +329,9 @@ class DistributedDataParallel(torch.nn.Module):
 
         - forward_end; backward_compute_end (autograd done); backward_end (every bucket's
           communication done, when backward() returns);
-        - buckets: one dict per bucket in launch order: bucket, elements, ready (its last
-          gradient arrived and it was handed to the comm thread), start and end of its op there;
+        - buckets: one dict per bucket in launch order: bucket, elements, ready (handed to the
+          comm thread: its last gradient arrived and every bucket before it had been handed
+          over, since buckets go in order on every rank), start and end of its op there;
         - exposed_comm = backward_end - backward_compute_end (communication not hidden behind
           backward), comm_busy = the sum of the buckets' end - start.
         """
