@@ -26,6 +26,11 @@ How it measures
   samples/s = global batch / median step time; ratios rumor/torch and rumor/compute-only.
   With emulated hosts the communication bound is printed too: the ring time 2(n-1)/n * gradient
   bytes / link rate (n = hosts), and max(compute, ring) is the best any overlap can do.
+  For every rumor variant rank 0 also records DistributedDataParallel.last_iteration_timeline()
+  each measured step; "where the time goes" prints its medians (forward, backward compute,
+  exposed communication, optimizer, comm-thread busy) and, with emulated hosts of one rank, the
+  link-bound step: each bucket over the links at link rate (WIRE_BYTES per element) from its
+  measured ready time, one after another, then the optimizer.
 
 Output: a table per job (with a progress bar while it runs), the issue's targets, JSON with
 every raw figure and a PNG in --out (default benchmarks/results/); the last line is the headline
