@@ -27,7 +27,8 @@ How it measures
   With emulated hosts the communication bound is printed too: the ring time 2(n-1)/n * gradient
   bytes / link rate (n = hosts), and max(compute, ring) is the best any overlap can do.
   For every rumor variant rank 0 also records DistributedDataParallel.last_iteration_timeline()
-  each measured step; "where the time goes" prints its medians (forward, backward compute,
+  each measured step; "where the time goes" prints its medians (before forward: the buffer
+  broadcast and the algorithm's before_forward, e.g. decentralized mixing; forward, backward compute,
   exposed communication, optimizer, comm-thread busy) and, with emulated hosts of one rank, the
   link-bound step: each bucket over the links at link rate (WIRE_BYTES per element) from its
   measured ready time, one after another, then the optimizer.
@@ -181,7 +182,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         if record and v in breakdown:
             tl = model.last_iteration_timeline()
             if tl is not None:
-                breakdown[v].append(dict(forward=tl["forward_end"],
+                breakdown[v].append(dict(before_forward=tl["module_start"],
+                                         forward=tl["forward_end"] - tl["module_start"],
                                          backward_compute=tl["backward_compute_end"] - tl["forward_end"],
                                          exposed_comm=tl["exposed_comm"], comm_busy=tl["comm_busy"],
                                          optimizer=time.perf_counter() - t,
@@ -359,11 +361,12 @@ def print_breakdown(cells: List[Dict]) -> None:
     if not rows:
         return
     bound = any("link_bound_step" in b for _, _, b in rows)
-    print(f"\n{'where the time goes (rank 0, median ms)':<40} {'forward':>8} {'bwd compute':>11} "
+    print(f"\n{'where the time goes (rank 0, median ms)':<40} {'before fwd':>10} {'forward':>8} {'bwd compute':>11} "
           f"{'exposed comm':>12} {'optimizer':>9} | {'comm busy':>9}" + (f" {'link-bound step':>15}" if bound else ""))
     for c, v, b in rows:
         lb = b.get("link_bound_step")
-        print(f"{c['model'] + ' ' + VARIANT_LABEL[v]:<40} {b['forward'] * 1e3:>8.0f} {b['backward_compute'] * 1e3:>11.0f} "
+        print(f"{c['model'] + ' ' + VARIANT_LABEL[v]:<40} {b.get('before_forward', 0.0) * 1e3:>10.0f} "
+              f"{b['forward'] * 1e3:>8.0f} {b['backward_compute'] * 1e3:>11.0f} "
               f"{b['exposed_comm'] * 1e3:>12.0f} {b['optimizer'] * 1e3:>9.0f} | {b['comm_busy'] * 1e3:>9.0f}"
               + (f" {lb * 1e3:>15.0f}" if lb is not None else (f" {'-':>15}" if bound else "")))
     if bound:

@@ -114,7 +114,9 @@ class DistributedDataParallel(torch.nn.Module):
             dtype_code(p.dtype, f"rumor.DistributedDataParallel (parameter {n})")
         self._engine = _C.BucketEngine(self.group._comm)
         self._require_sync = True
-        self._forward_times = (None, None)  # time.monotonic() at the last forward's start and end
+        # time.monotonic() when the last forward began, when the module began (after the buffer
+        # broadcast and the algorithm's before_forward, e.g. decentralized weight mixing), and its end
+        self._forward_times = (None, None, None)
         self._timeline = None  # raw figures of the last synchronized iteration (see last_iteration_timeline)
         self._marked = [False] * len(self._params)
         self._ready_order: List[int] = []
@@ -314,12 +316,13 @@ class DistributedDataParallel(torch.nn.Module):
     # ---- user-facing ------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        start = time.monotonic()
         if self.broadcast_buffers and self.training and self._buffers_to_sync and torch.is_grad_enabled():
             _coalesced_broadcast(self._buffers_to_sync, self.group)
         self.algorithm.before_forward(self)
-        start = time.monotonic()
+        module_start = time.monotonic()
         out = self.module(*args, **kwargs)
-        self._forward_times = (start, time.monotonic())
+        self._forward_times = (start, module_start, time.monotonic())
         return out
 
     def last_iteration_timeline(self) -> Optional[Dict]:
@@ -327,8 +330,9 @@ class DistributedDataParallel(torch.nn.Module):
         before the first one. Seconds from the start of its forward (or, without one, from the
         end of backward's computation):
 
-        - forward_end; backward_compute_end (autograd done); backward_end (every bucket's
-          communication done, when backward() returns);
+        - module_start (after the buffer broadcast and the algorithm's before_forward, e.g. a
+          decentralized algorithm's weight mixing); forward_end; backward_compute_end (autograd
+          done); backward_end (every bucket's communication done, when backward() returns);
         - buckets: one dict per bucket in launch order: bucket, elements, ready (handed to the
           comm thread: its last gradient arrived and every bucket before it had been handed
           over, since buckets go in order on every rank), start and end of its op there;
@@ -337,12 +341,13 @@ class DistributedDataParallel(torch.nn.Module):
         """
         if self._timeline is None:
             return None
-        (f_start, f_end), compute_end, end, timings = self._timeline
+        (f_start, m_start, f_end), compute_end, end, timings = self._timeline
         if f_start is None or f_start > compute_end:
-            f_start, f_end = compute_end, None
+            f_start, m_start, f_end = compute_end, None, None
         buckets = [dict(bucket=b, elements=n, ready=ready - f_start, start=t0 - f_start, end=t1 - f_start)
                    for b, n, ready, t0, t1 in timings]
-        return dict(forward_end=None if f_end is None else f_end - f_start,
+        return dict(module_start=None if m_start is None else m_start - f_start,
+                    forward_end=None if f_end is None else f_end - f_start,
                     backward_compute_end=compute_end - f_start, backward_end=end - f_start, buckets=buckets,
                     exposed_comm=end - compute_end, comm_busy=sum(b["end"] - b["start"] for b in buckets))
 
