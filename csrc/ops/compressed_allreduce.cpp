@@ -162,6 +162,14 @@ uint64_t encode_seed(uint64_t base, uint64_t step, uint32_t rank, uint32_t block
   return mix(h ^ phase);
 }
 
+size_t pipeline_piece(const compress::CodecParams& params, size_t count, uint32_t n, size_t piece_elements) {
+  if (piece_elements == 0) return 0;
+  const size_t align = block_align(params);
+  const size_t piece = align * std::max<size_t>(1, piece_elements / align);
+  const auto counts = split_blocks(count, n, align);
+  return *std::max_element(counts.begin(), counts.end()) > piece ? piece : 0;
+}
+
 uint64_t piece_seed(uint64_t block_seed, size_t piece) {
   return piece == 0 ? block_seed : mix(block_seed ^ mix(static_cast<uint64_t>(piece)));
 }
@@ -211,17 +219,15 @@ void CompressedAllreduce::flat(Communicator& comm, std::byte* buf, size_t count,
                                uint64_t step, const net::OpInfo& op) {
   const uint32_t n = comm.size(), r = comm.rank();
   const size_t es = dtype_size(dtype);
-  const Blocks blocks(count, n, block_align(params_), *codec_);
   // Pieces start on chunk boundaries of their block, so each chunk is encoded exactly as in one
   // piece: the result is bit for bit the unpipelined one, except for QSGD (see piece_seed).
   // The default piece, 1 MiB of float32, is small enough that codec work on one piece hides
   // behind the transfer of the next and large enough that per-piece headers cost nothing.
-  const size_t align = block_align(params_);
-  const size_t piece = align * std::max<size_t>(1, piece_ / align);
-  if (piece_ != 0 && *std::max_element(blocks.counts.begin(), blocks.counts.end()) > piece) {
+  if (const size_t piece = pipeline_piece(params_, count, n, piece_); piece != 0) {
     pipelined(comm, buf, count, dtype, divisor, step, op, piece);
     return;
   }
+  const Blocks blocks(count, n, block_align(params_), *codec_);
   const auto& counts = blocks.counts;
   const auto& off = blocks.off;
   const auto& enc = blocks.enc;

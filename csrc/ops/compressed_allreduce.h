@@ -36,6 +36,11 @@ std::vector<size_t> split_blocks(size_t count, uint32_t n, size_t align);
 // Elements per block boundary for a codec: its chunk, or a fixed granule for codecs without one.
 size_t block_align(const compress::CodecParams& params);
 
+// The piece length the compressed allreduce of `count` elements over n ranks cuts its blocks
+// into when asked for pieces of `piece_elements` (rounded to the block alignment), or 0 when it
+// keeps whole blocks (pipelining off, or no block longer than one piece).
+size_t pipeline_piece(const compress::CodecParams& params, size_t count, uint32_t n, size_t piece_elements);
+
 // A seed for one encoding: distinct for every (base, step, rank, block, phase), and the same on
 // every run, so stochastic rounding is reproducible.
 uint64_t encode_seed(uint64_t base, uint64_t step, uint32_t rank, uint32_t block, uint32_t phase);

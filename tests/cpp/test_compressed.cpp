@@ -126,15 +126,6 @@ Bytes reference(const CodecParams& p, const std::vector<Bytes>& in, size_t count
   return out;
 }
 
-// The pieces CompressedAllreduce cuts a buffer's blocks into when set to `piece` elements, or 0
-// when it keeps whole blocks (as its flat() decides).
-size_t pipelined_piece(const CodecParams& p, size_t count, uint32_t n, size_t piece) {
-  const size_t align = ops::block_align(p);
-  const size_t rounded = align * std::max<size_t>(1, piece / align);
-  const auto counts = ops::split_blocks(count, n, align);
-  return piece != 0 && *std::max_element(counts.begin(), counts.end()) > rounded ? rounded : 0;
-}
-
 std::string describe_first_diff(const Bytes& a, const Bytes& b, DType dt) {
   const size_t es = dtype_size(dt);
   if (a.size() != b.size()) return "sizes differ";
@@ -205,8 +196,9 @@ TEST_P(CompressedAllreduceWorlds, MatchesReferenceOnEveryRank) {
           std::vector<Bytes> in;
           for (uint32_t q = 0; q < size; ++q)
             in.push_back(make_input(q, count, k.dtype, count * 31 + static_cast<uint64_t>(call)));
-          const size_t piece =
-              k.params.kind == Kind::kQSGD && average ? pipelined_piece(k.params, count, size, kPiece) : 0;
+          const size_t piece = k.params.kind == Kind::kQSGD && average
+                                   ? ops::pipeline_piece(k.params, count, size, kPiece)
+                                   : 0;
           Bytes want = size == 1
                            ? in[0]
                            : reference(k.params, in, count, k.dtype, average ? size : 1.0, 99, step, piece);
