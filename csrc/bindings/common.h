@@ -55,5 +55,6 @@ void bind_cuda(py::module_& m);
 void bind_compressed_ops(py::module_& m);
 void bind_decentralized(py::module_& m);
 void bind_decentralized_ops(py::module_& m);
+void bind_window(py::module_& m);
 
 }  // namespace rumor::bindings

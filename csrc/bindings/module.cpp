@@ -240,4 +240,5 @@ PYBIND11_MODULE(_C, m) {
   bind_compressed_ops(m);
   bind_decentralized(m);
   bind_decentralized_ops(m);
+  bind_window(m);
 }

@@ -95,8 +95,17 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
     return std::make_unique<net::ShmChannel>(name, rank_ == hi, options_.shm_ring_bytes, own_bell_,
                                              peer_doorbell(peer, deadline), desc, deadline);
   }
+  std::vector<net::Fd> streams = tcp_streams(comm_id, peer, options_.streams, deadline);
+  RUMOR_LOG(kDebug, "comm " << comm_id << ": " << options_.streams << " TCP streams to " << desc);
+  return std::make_unique<net::TcpChannel>(std::move(streams), desc, options_.stripe_min);
+}
+
+std::vector<net::Fd> Context::tcp_streams(uint64_t comm_id, uint32_t peer, int count, const Deadline& deadline) {
+  if (addresses_.empty())
+    throw Error(ErrorKind::kInvalidArgument, "context has no peers yet (set_peers not called)");
+  std::string desc = "rank " + std::to_string(peer);
   std::vector<net::Fd> streams;
-  for (int s = 0; s < options_.streams; ++s) {
+  for (int s = 0; s < count; ++s) {
     // The higher rank dials, the lower one accepts: each pair agrees without negotiation.
     if (rank_ > peer) {
       std::string what = "connecting to " + desc + " at " + addresses_[peer];
@@ -117,8 +126,7 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
       streams.push_back(listener_->take(comm_id, peer, static_cast<uint32_t>(s), deadline));
     }
   }
-  RUMOR_LOG(kDebug, "comm " << comm_id << ": " << options_.streams << " TCP streams to " << desc);
-  return std::make_unique<net::TcpChannel>(std::move(streams), desc, options_.stripe_min);
+  return streams;
 }
 
 }  // namespace rumor

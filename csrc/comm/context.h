@@ -54,6 +54,10 @@ class Context {
   // Builds the channel of communicator `comm_id` to world rank `peer`, blocking until the
   // peer's side exists or the deadline passes.
   std::unique_ptr<net::Channel> connect(uint64_t comm_id, uint32_t peer, const Deadline& deadline);
+  // `count` raw TCP streams to `peer` tagged with comm_id (the higher rank dials, the lower
+  // accepts through the listener), blocking sockets after the handshake. connect() builds its
+  // TcpChannel from these; the window hub (comm/window.h) uses one as its link.
+  std::vector<net::Fd> tcp_streams(uint64_t comm_id, uint32_t peer, int count, const Deadline& deadline);
   net::Doorbell* doorbell() const { return own_bell_; }
   // Prefix of every shared-memory name of this job ("/rumor-<token bits>").
   std::string shm_prefix() const;

@@ -61,3 +61,25 @@ from .parallel import DistributedDataParallel  # noqa: F401
 from .errors import AbortedError, CommTimeoutError, PeerError, ProtocolError, RumorError  # noqa: F401
 
 __version__ = "0.1.0"
+from .window import (  # noqa: F401
+    WinHandle,
+    get_current_created_window_names,
+    get_win_version,
+    turn_off_win_ops_with_associated_p,
+    turn_on_win_ops_with_associated_p,
+    win_accumulate,
+    win_accumulate_nonblocking,
+    win_associated_p,
+    win_create,
+    win_free,
+    win_get,
+    win_get_nonblocking,
+    win_mutex,
+    win_poll,
+    win_publish,
+    win_put,
+    win_put_nonblocking,
+    win_update,
+    win_update_then_collect,
+    win_wait,
+)

@@ -160,6 +160,23 @@ def _rank_main() -> None:
                                                 dst_machine_weights=[other])
     equal(got, torch.full_like(x, 0.25 * host_avg[me] + 0.75 * host_avg[other]), "hierarchical_neighbor_allreduce")
 
+    # -- one-sided windows across the hosts: ranks 0,1 share memory, 0 <-> 2 goes over TCP and is
+    #    applied by the target's progress thread. Put to rank + 2 (other host) and rank + 1.
+    w = torch.full((1 << 18,), float(rank + 1))
+    rumor.win_create(w, "mh", zero_init=True)
+    far, near = (rank + 2) % WORLD, (rank + 1) % WORLD
+    rumor.win_put(w, "mh", dst_weights={far: 0.5, near: 0.25})
+    rumor.win_accumulate(w, "mh", dst_weights={far: 1.0})
+    rumor.barrier()
+    src_far, src_near = (rank - 2) % WORLD, (rank - 1) % WORLD
+    got = rumor.win_update("mh", self_weight=1.0, neighbor_weights={src_far: 1.0, src_near: 1.0}, clone=True)
+    want = (rank + 1) + 1.5 * (src_far + 1) + 0.25 * (src_near + 1)
+    equal(got, torch.full_like(w, want), "win_put/win_accumulate across hosts")
+    rumor.win_get("mh", src_weights={src_far: 2.0})
+    got = rumor.win_update("mh", self_weight=0.0, neighbor_weights={src_far: 1.0}, clone=True)
+    equal(got, torch.full_like(w, 2.0 * (src_far + 1)), "win_get across hosts")
+    rumor.win_free("mh")
+
     rumor.barrier()
     print(f"rank {rank}: {len(failures)} failure(s), {time.monotonic() - t0:.2f}s", flush=True)
     if failures:

@@ -145,18 +145,12 @@ class _Combine:
         self._hook.remove()
 
 
-def _wrap(kind: type, optimizer, model, communication, num_steps_per_communication):
+def build_subclass(kind: type, optimizer):
+    """An instance of a new class deriving from ``kind`` and the optimizer's own class, over the
+    same parameter groups (hyper-parameters included) and state; ``kind._setup`` is left to the
+    caller. isinstance checks and LR schedulers keep working, as with BlueFog's and Horovod's
+    wrappers."""
     name = kind.__name__
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"rumor.optim.{name}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"rumor.optim.{name}: expected a torch.nn.Module as model, got {type(model).__name__}")
-    if communication not in COMMUNICATIONS:
-        raise ValueError(f"rumor.optim.{name}: unknown communication {communication!r}; expected one of "
-                         f"{', '.join(COMMUNICATIONS)}")
-    k = num_steps_per_communication
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"rumor.optim.{name}: num_steps_per_communication must be an integer >= 1, got {k!r}")
     base = type(optimizer)
     cls = type(f"{name}({base.__name__})", (kind, base), {"_base": base})
     opt = cls.__new__(cls)
@@ -170,6 +164,22 @@ def _wrap(kind: type, optimizer, model, communication, num_steps_per_communicati
     base.__init__(opt, optimizer.param_groups, **kwargs)
     opt.defaults = dict(optimizer.defaults)
     opt.load_state_dict(optimizer.state_dict())
+    return opt
+
+
+def _wrap(kind: type, optimizer, model, communication, num_steps_per_communication):
+    name = kind.__name__
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"rumor.optim.{name}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"rumor.optim.{name}: expected a torch.nn.Module as model, got {type(model).__name__}")
+    if communication not in COMMUNICATIONS:
+        raise ValueError(f"rumor.optim.{name}: unknown communication {communication!r}; expected one of "
+                         f"{', '.join(COMMUNICATIONS)}")
+    k = num_steps_per_communication
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"rumor.optim.{name}: num_steps_per_communication must be an integer >= 1, got {k!r}")
+    opt = build_subclass(kind, optimizer)
     opt._setup(model, communication, k)
     return opt
 

@@ -1,0 +1,983 @@
+#include "comm/window.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <functional>
+
+#include "comm/neighbor.h"
+#include "core/futex.h"
+#include "core/log.h"
+
+namespace rumor {
+
+namespace {
+
+constexpr uint32_t kSegMagic = 0x444e4957;    // "WIND"
+constexpr uint32_t kFrameMagic = 0x4d524657;  // "WFRM"
+// Window links are TCP streams tagged with this communicator id (groups use small ids,
+// hierarchical sub-communicators ids above 2^48).
+constexpr uint64_t kWindowCommId = 1ull << 62;
+
+struct alignas(64) SegHeader {
+  uint32_t magic;
+  int32_t pid;
+  uint32_t owner;
+  uint32_t nranks;
+  uint64_t count;
+  uint32_t dtype;
+  uint32_t reserved;
+  std::atomic<uint32_t> mutex;  // holder's world rank + 1; 0 when free
+  char pad[28];
+};
+static_assert(sizeof(SegHeader) == 64);
+
+size_t round64(size_t n) { return (n + 63) & ~size_t{63}; }
+
+// A futex lock word in shared memory with a deadline; `what` names the wait for the error.
+void lock_word(std::atomic<uint32_t>& w, const Deadline& deadline, const std::function<std::string()>& what) {
+  for (int i = 0; i < 128; ++i) {
+    uint32_t expected = 0;
+    if (w.compare_exchange_weak(expected, 1, std::memory_order_acquire)) return;
+  }
+  for (;;) {
+    if (w.exchange(2, std::memory_order_acquire) == 0) return;
+    if (deadline.expired()) throw Error(ErrorKind::kTimeout, what());
+    futex_wait(&w, 2, 10000);
+  }
+}
+
+void unlock_word(std::atomic<uint32_t>& w) {
+  if (w.exchange(0, std::memory_order_release) == 2) futex_wake_all(&w);
+}
+
+class SlotGuard {
+ public:
+  SlotGuard(WinSlotHeader* s, const Deadline& deadline, const std::function<std::string()>& what) : s_(s) {
+    lock_word(s_->lock, deadline, what);
+  }
+  ~SlotGuard() { unlock_word(s_->lock); }
+  SlotGuard(const SlotGuard&) = delete;
+  SlotGuard& operator=(const SlotGuard&) = delete;
+
+ private:
+  WinSlotHeader* s_;
+};
+
+// dst = w * x, or dst += w * x. Halves are combined in float and rounded once.
+void scaled_write(void* dst, const void* x, size_t count, DType dtype, double w, bool accumulate) {
+  if (accumulate) {
+    const void* srcs[] = {x};
+    const double ws[] = {w};
+    weighted_sum(dst, dst, 1.0, srcs, ws, count, dtype);
+  } else if (w == 1.0) {
+    std::memcpy(dst, x, count * dtype_size(dtype));
+  } else {
+    weighted_sum(dst, x, w, {}, {}, count, dtype);
+  }
+}
+
+enum FrameKind : uint8_t {
+  kPut = 1,
+  kAccumulate = 2,
+  kGetRequest = 3,
+  kGetReply = 4,
+  kAck = 5,
+  kMutexAcquire = 6,
+  kMutexRelease = 7,
+};
+
+enum Status : uint32_t { kOk = 0, kUnknownWindow = 1, kSizeMismatch = 2, kFailed = 3, kNotHolder = 4 };
+
+const char* status_text(uint32_t s) {
+  switch (s) {
+    case kUnknownWindow:
+      return "no such window there (freed, or never created on that rank)";
+    case kSizeMismatch:
+      return "the window there has another size";
+    case kFailed:
+      return "the target could not lock its slot before the deadline";
+    case kNotHolder:
+      return "this rank does not hold that mutex";
+    default:
+      return "unknown status";
+  }
+}
+
+}  // namespace
+
+// The frame every window message starts with on a TCP link.
+struct WinFrame {
+  uint32_t magic;
+  uint8_t kind;
+  uint8_t with_p;
+  uint16_t reserved;
+  uint32_t sender;
+  uint32_t status;
+  uint64_t window;
+  uint64_t op_id;  // the requester's id, echoed in the reply
+  uint64_t bytes;  // payload after the frame
+  double weight;
+  double p;
+  uint64_t pad;
+};
+static_assert(sizeof(WinFrame) == 64);
+
+struct WindowHub::Window {
+  uint64_t id = 0;
+  std::string name;
+  void* data = nullptr;
+  size_t count = 0;
+  DType dtype = DType::F32;
+  size_t bytes = 0;
+  size_t stride = 0;  // slot header + data, 64-byte aligned
+  uint32_t nranks = 0;
+  net::ShmSegment own;
+  std::vector<net::ShmSegment> peers;  // mapped segments of same-host ranks
+  std::vector<std::byte*> base;        // segment of each rank this process can address, else null
+  std::mutex held_mu;
+  std::set<uint32_t> held;  // ranks whose window mutex this process holds
+
+  SegHeader* header(uint32_t owner) const { return reinterpret_cast<SegHeader*>(base[owner]); }
+  WinSlotHeader* slot(uint32_t owner, uint32_t j) const {
+    return reinterpret_cast<WinSlotHeader*>(base[owner] + sizeof(SegHeader) + j * stride);
+  }
+  std::byte* slot_data(uint32_t owner, uint32_t j) const {
+    return reinterpret_cast<std::byte*>(slot(owner, j)) + sizeof(WinSlotHeader);
+  }
+  std::string desc() const { return "window '" + name + "'"; }
+};
+
+struct WindowHub::OutMsg {
+  WinFrame hdr{};
+  const std::byte* data = nullptr;  // payload not owned (a put's tensor: alive until acked)
+  std::shared_ptr<std::vector<std::byte>> owned;  // or owned (a get's reply)
+};
+
+struct WindowHub::Link {
+  uint32_t peer = 0;
+  net::Fd fd;
+  bool dead = false;
+  bool abort_requested = false;
+  std::string why;
+  // Incoming frame being read.
+  WinFrame in{};
+  size_t in_hdr = 0;
+  std::vector<std::byte> payload;
+  size_t in_got = 0;
+  // Outgoing frames; the front one is being written (out_off bytes of frame + payload done).
+  std::deque<OutMsg> out;
+  size_t out_off = 0;
+};
+
+struct WindowHub::Inflight {
+  std::shared_ptr<WinOp> op;
+  uint32_t peer = 0;
+  double weight = 1.0;  // get: the weight applied to the reply
+  bool with_p = false;
+};
+
+// ---- WinOp ----
+
+bool WinOp::done() const {
+  std::lock_guard lk(mu_);
+  return pending_.empty();
+}
+
+void WinOp::add_pending(uint32_t peer) {
+  std::lock_guard lk(mu_);
+  ++pending_[peer];
+}
+
+void WinOp::complete(uint32_t peer, std::exception_ptr err) {
+  std::lock_guard lk(mu_);
+  if (err && !error_) error_ = err;
+  auto it = pending_.find(peer);
+  if (it != pending_.end() && --it->second == 0) pending_.erase(it);
+  if (pending_.empty()) cv_.notify_all();
+}
+
+std::vector<uint32_t> WinOp::outstanding() const {
+  std::lock_guard lk(mu_);
+  std::vector<uint32_t> v;
+  for (const auto& [peer, n] : pending_) v.push_back(peer);
+  return v;
+}
+
+void WinOp::wait(const Deadline& deadline) const {
+  std::unique_lock lk(mu_);
+  if (!cv_.wait_until(lk, deadline.at(), [&] { return pending_.empty(); })) {
+    std::string ranks;
+    for (const auto& [peer, n] : pending_) ranks += (ranks.empty() ? "" : ", ") + std::to_string(peer);
+    throw Error(ErrorKind::kTimeout, what_ + ": deadline passed waiting for rank(s) " + ranks +
+                                         " to acknowledge (is the peer alive and progressing?)");
+  }
+  if (error_) std::rethrow_exception(error_);
+}
+
+// ---- WindowHub ----
+
+WindowHub::WindowHub(std::shared_ptr<Context> ctx)
+    : ctx_(std::move(ctx)), rank_(ctx_->rank()), size_(ctx_->size()), timeout_s_(ctx_->options().timeout_s) {
+  links_.resize(size_);
+  int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (fd < 0) throw Error(ErrorKind::kSystem, "window hub: eventfd: " + net::errno_string(errno));
+  wake_fd_ = net::Fd(fd);
+}
+
+WindowHub::~WindowHub() {
+  stop_.store(true);
+  wake();
+  if (thread_.joinable()) thread_.join();
+}
+
+bool WindowHub::local(uint32_t peer) const { return ctx_->options().shm && ctx_->same_host(rank_, peer); }
+
+bool WindowHub::has(uint64_t id) const {
+  std::lock_guard lk(mu_);
+  return windows_.count(id) != 0;
+}
+
+std::shared_ptr<WindowHub::Window> WindowHub::find(uint64_t id, const char* op) const {
+  std::lock_guard lk(mu_);
+  auto it = windows_.find(id);
+  if (it == windows_.end())
+    throw Error(ErrorKind::kInvalidArgument,
+                std::string(op) + ": window #" + std::to_string(id) + " does not exist (freed?)");
+  return it->second;
+}
+
+void WindowHub::wake() {
+  uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+}
+
+void WindowHub::check_alive(const Window& w, uint32_t peer, const std::string& what) const {
+  int32_t pid = w.header(peer)->pid;
+  if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH)
+    throw Error(ErrorKind::kPeerGone, what + ": rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
+                                          ") has exited");
+}
+
+void WindowHub::ensure_links(const Deadline& deadline) {
+  if (links_built_) return;
+  for (uint32_t r = 0; r < size_; ++r) {
+    if (r == rank_ || local(r)) continue;
+    auto fds = ctx_->tcp_streams(kWindowCommId, r, 1, deadline);
+    auto l = std::make_unique<Link>();
+    l->peer = r;
+    l->fd = std::move(fds.at(0));
+    net::set_nonblocking(l->fd.get(), true);
+    net::tune_stream_socket(l->fd.get());
+    std::lock_guard lk(mu_);
+    links_[r] = std::move(l);
+  }
+  links_built_ = true;
+  bool any = false;
+  for (const auto& l : links_) any = any || l != nullptr;
+  if (any && !thread_.joinable()) thread_ = std::thread([this] { progress_loop(); });
+}
+
+void WindowHub::create(uint64_t id, const std::string& name, void* data, size_t count, DType dtype,
+                       bool zero_init, const Deadline& deadline) {
+  if (dtype != DType::F32 && dtype != DType::F64 && dtype != DType::F16 && dtype != DType::BF16)
+    throw Error(ErrorKind::kInvalidArgument, "win_create('" + name + "'): dtype " + std::string(dtype_name(dtype)) +
+                                                 " is not supported (float32, float64, float16, bfloat16)");
+  {
+    std::lock_guard lk(mu_);
+    if (windows_.count(id))
+      throw Error(ErrorKind::kInvalidArgument, "win_create('" + name + "'): window id already in use");
+  }
+  auto w = std::make_shared<Window>();
+  w->id = id;
+  w->name = name;
+  w->data = data;
+  w->count = count;
+  w->dtype = dtype;
+  w->bytes = count * dtype_size(dtype);
+  w->stride = sizeof(WinSlotHeader) + round64(w->bytes);
+  w->nranks = size_;
+  w->base.assign(size_, nullptr);
+  w->peers.resize(size_);
+  const size_t seg_bytes = sizeof(SegHeader) + size_ * w->stride;
+  w->own = net::ShmSegment::create(ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(rank_),
+                                   seg_bytes);
+  w->base[rank_] = static_cast<std::byte*>(w->own.data());
+  auto* h = new (w->base[rank_]) SegHeader{};  // lives in the segment
+  h->magic = kSegMagic;
+  h->pid = static_cast<int32_t>(::getpid());
+  h->owner = rank_;
+  h->nranks = size_;
+  h->count = count;
+  h->dtype = static_cast<uint32_t>(dtype);
+  for (uint32_t j = 0; j < size_; ++j) {
+    auto* s = new (w->slot(rank_, j)) WinSlotHeader{};
+    s->p = (j == rank_ || !zero_init) ? 1.0 : 0.0;
+    // BlueFog's convention: the neighbour buffers start as this rank's own tensor unless
+    // zero_init; the self slot always holds the tensor (it is what get() reads).
+    if (j == rank_ || !zero_init)
+      std::memcpy(w->slot_data(rank_, j), data, w->bytes);
+    else
+      std::memset(w->slot_data(rank_, j), 0, w->bytes);
+  }
+  ensure_links(deadline);
+  std::lock_guard lk(mu_);
+  windows_[id] = std::move(w);
+}
+
+void WindowHub::attach(uint64_t id, const Deadline& deadline) {
+  auto w = find(id, "win_create");
+  const size_t seg_bytes = sizeof(SegHeader) + size_ * w->stride;
+  for (uint32_t r = 0; r < size_; ++r) {
+    if (r == rank_ || !local(r)) continue;
+    w->peers[r] = net::ShmSegment::open(ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(r),
+                                        seg_bytes, deadline, "window '" + w->name + "' of rank " + std::to_string(r));
+    w->base[r] = static_cast<std::byte*>(w->peers[r].data());
+    const SegHeader* h = w->header(r);
+    if (h->magic != kSegMagic || h->count != w->count || h->dtype != static_cast<uint32_t>(w->dtype) ||
+        h->nranks != size_)
+      throw Error(ErrorKind::kInvalidArgument, "win_create('" + w->name + "'): rank " + std::to_string(r) +
+                                                   " created it with another size or dtype");
+  }
+}
+
+void WindowHub::seal(uint64_t id) { find(id, "win_create")->own.unlink_name(); }
+
+void WindowHub::free(uint64_t id, const Deadline& deadline) {
+  auto w = find(id, "win_free");
+  std::unique_lock lk(mu_);
+  auto busy = [&] {
+    for (const auto& [op_id, f] : inflight_)
+      if (f.op->window() == id) return true;
+    return false;
+  };
+  if (!idle_cv_.wait_until(lk, deadline.at(), [&] { return !busy(); }))
+    throw Error(ErrorKind::kTimeout, "win_free('" + w->name +
+                                         "'): operations on it are still in flight after the deadline "
+                                         "(the window stays allocated)");
+  windows_.erase(id);
+}
+
+WindowHub::Link& WindowHub::link(uint32_t peer) {
+  Link* l = links_.at(peer).get();
+  if (l == nullptr)
+    throw Error(ErrorKind::kInvalidArgument, "window hub: no link to rank " + std::to_string(peer));
+  return *l;
+}
+
+uint64_t WindowHub::register_op(const std::shared_ptr<WinOp>& op, uint32_t peer) {
+  // mu_ held by the caller
+  uint64_t op_id = next_op_++;
+  inflight_[op_id] = Inflight{op, peer};
+  op->add_pending(peer);
+  return op_id;
+}
+
+void WindowHub::enqueue(uint32_t peer, OutMsg msg) {
+  // mu_ held by the caller
+  Link& l = link(peer);
+  if (l.dead) throw Error(ErrorKind::kPeerGone, "window link to rank " + std::to_string(peer) + " failed: " + l.why);
+  l.out.push_back(std::move(msg));
+}
+
+uint32_t WindowHub::apply_write(Window& w, uint32_t sender, const void* x, bool accumulate, double weight,
+                                bool with_p, double p, const Deadline& deadline) {
+  // Writes into this rank's own slot for `sender` (a frame from a remote peer).
+  try {
+    WinSlotHeader* s = w.slot(rank_, sender);
+    SlotGuard g(s, deadline, [&] { return w.desc() + ": slot of rank " + std::to_string(sender) + " stayed locked"; });
+    scaled_write(w.slot_data(rank_, sender), x, w.count, w.dtype, weight, accumulate);
+    if (with_p) s->p = accumulate ? s->p + weight * p : weight * p;
+    s->version.fetch_add(1, std::memory_order_relaxed);
+    ++s->writes;
+    return kOk;
+  } catch (const Error&) {
+    return kFailed;
+  }
+}
+
+double WindowHub::p(uint64_t id) {
+  auto w = find(id, "win_associated_p");
+  WinSlotHeader* s = w->slot(rank_, rank_);
+  SlotGuard g(s, Deadline::after(timeout_s_), [&] { return w->desc() + ": own slot stayed locked"; });
+  return s->p;
+}
+
+void WindowHub::set_p(uint64_t id, double p) {
+  auto w = find(id, "win_set_associated_p");
+  WinSlotHeader* s = w->slot(rank_, rank_);
+  SlotGuard g(s, Deadline::after(timeout_s_), [&] { return w->desc() + ": own slot stayed locked"; });
+  s->p = p;
+}
+
+std::vector<uint64_t> WindowHub::versions(uint64_t id) {
+  auto w = find(id, "get_win_version");
+  std::vector<uint64_t> v(size_, 0);
+  for (uint32_t j = 0; j < size_; ++j)
+    if (j != rank_) v[j] = w->slot(rank_, j)->version.load(std::memory_order_relaxed);
+  return v;
+}
+
+std::shared_ptr<WinOp> WindowHub::put(uint64_t id, const void* x, const Weights& dsts, bool accumulate, bool with_p,
+                                      bool require_mutex, const Deadline& deadline) {
+  auto w = find(id, accumulate ? "win_accumulate" : "win_put");
+  const std::string what = std::string(accumulate ? "win_accumulate" : "win_put") + "('" + w->name + "')";
+  auto op = std::make_shared<WinOp>(what, id);
+  double my_p = with_p ? p(id) : 0.0;
+  for (const auto& [dst, weight] : dsts) {
+    if (dst >= size_ || dst == rank_)
+      throw Error(ErrorKind::kInvalidArgument, what + ": destination rank " + std::to_string(dst) + " is invalid");
+    if (require_mutex) mutex_acquire_one(*w, dst, deadline);
+    if (local(dst)) {
+      check_alive(*w, dst, what);
+      WinSlotHeader* s = w->slot(dst, rank_);
+      {
+        SlotGuard g(s, deadline,
+                    [&] { return what + ": rank " + std::to_string(dst) + " kept its slot locked past the deadline"; });
+        scaled_write(w->slot_data(dst, rank_), x, w->count, w->dtype, weight, accumulate);
+        if (with_p) s->p = accumulate ? s->p + weight * my_p : weight * my_p;
+        s->version.fetch_add(1, std::memory_order_relaxed);
+        ++s->writes;
+      }
+    } else {
+      OutMsg m;
+      m.hdr = WinFrame{kFrameMagic, accumulate ? kAccumulate : kPut, static_cast<uint8_t>(with_p), 0, rank_, 0, id, 0,
+                       w->bytes, weight, my_p, 0};
+      m.data = static_cast<const std::byte*>(x);
+      std::shared_ptr<WinOp> part = op;
+      if (require_mutex) part = std::make_shared<WinOp>(what, id);  // waited here, before the release
+      {
+        std::lock_guard lk(mu_);
+        m.hdr.op_id = register_op(part, dst);
+        try {
+          enqueue(dst, std::move(m));
+        } catch (...) {
+          inflight_.erase(m.hdr.op_id);
+          part->complete(dst, std::current_exception());
+          if (part == op) throw;
+        }
+      }
+      wake();
+      if (require_mutex) wait(part, deadline);
+    }
+    if (require_mutex) mutex_release_one(*w, dst, deadline);
+  }
+  return op;
+}
+
+std::shared_ptr<WinOp> WindowHub::get(uint64_t id, const Weights& srcs, bool with_p, bool require_mutex,
+                                      const Deadline& deadline) {
+  auto w = find(id, "win_get");
+  const std::string what = "win_get('" + w->name + "')";
+  auto op = std::make_shared<WinOp>(what, id);
+  for (const auto& [src, weight] : srcs) {
+    if (src >= size_ || src == rank_)
+      throw Error(ErrorKind::kInvalidArgument, what + ": source rank " + std::to_string(src) + " is invalid");
+    if (require_mutex) mutex_acquire_one(*w, src, deadline);
+    if (local(src)) {
+      check_alive(*w, src, what);
+      WinSlotHeader* mine = w->slot(rank_, src);
+      WinSlotHeader* theirs = w->slot(src, src);
+      SlotGuard g1(mine, deadline, [&] { return what + ": own slot for rank " + std::to_string(src) + " stayed locked"; });
+      SlotGuard g2(theirs, deadline,
+                   [&] { return what + ": rank " + std::to_string(src) + " kept its value locked past the deadline"; });
+      scaled_write(w->slot_data(rank_, src), w->slot_data(src, src), w->count, w->dtype, weight, false);
+      if (with_p) mine->p = weight * theirs->p;
+      mine->version.fetch_add(1, std::memory_order_relaxed);
+      ++mine->writes;
+    } else {
+      OutMsg m;
+      m.hdr = WinFrame{kFrameMagic, kGetRequest, static_cast<uint8_t>(with_p), 0, rank_, 0, id, 0, 0, weight, 0, 0};
+      std::shared_ptr<WinOp> part = require_mutex ? std::make_shared<WinOp>(what, id) : op;
+      {
+        std::lock_guard lk(mu_);
+        uint64_t op_id = register_op(part, src);
+        inflight_[op_id].weight = weight;
+        inflight_[op_id].with_p = with_p;
+        m.hdr.op_id = op_id;
+        try {
+          enqueue(src, std::move(m));
+        } catch (...) {
+          inflight_.erase(op_id);
+          part->complete(src, std::current_exception());
+          if (part == op) throw;
+        }
+      }
+      wake();
+      if (require_mutex) wait(part, deadline);
+    }
+    if (require_mutex) mutex_release_one(*w, src, deadline);
+  }
+  return op;
+}
+
+void WindowHub::update(uint64_t id, double self_weight, const Weights& nbrs_in, bool reset, bool with_p, void* out,
+                       bool require_mutex, const Deadline& deadline) {
+  auto w = find(id, "win_update");
+  const std::string what = "win_update('" + w->name + "')";
+  Weights nbrs = nbrs_in;
+  std::sort(nbrs.begin(), nbrs.end());
+  for (size_t i = 0; i < nbrs.size(); ++i) {
+    if (nbrs[i].first >= size_ || nbrs[i].first == rank_)
+      throw Error(ErrorKind::kInvalidArgument, what + ": neighbor rank " + std::to_string(nbrs[i].first) + " is invalid");
+    if (i > 0 && nbrs[i].first == nbrs[i - 1].first)
+      throw Error(ErrorKind::kInvalidArgument, what + ": neighbor rank " + std::to_string(nbrs[i].first) + " given twice");
+  }
+  if (require_mutex) mutex_acquire_one(*w, rank_, deadline);
+  struct Release {
+    WindowHub* hub;
+    Window* w;
+    bool on;
+    const Deadline& dl;
+    ~Release() {
+      if (on) hub->mutex_release_one(*w, hub->rank_, dl);
+    }
+  } release{this, w.get(), require_mutex, deadline};
+
+  // Neighbour slots in ascending rank, then the self slot (the hub's lock order).
+  std::vector<std::unique_ptr<SlotGuard>> guards;
+  std::vector<const void*> srcs;
+  std::vector<double> weights;
+  for (const auto& [j, wt] : nbrs) {
+    guards.push_back(std::make_unique<SlotGuard>(
+        w->slot(rank_, j), deadline, [&, j = j] { return what + ": slot of rank " + std::to_string(j) + " stayed locked"; }));
+    srcs.push_back(w->slot_data(rank_, j));
+    weights.push_back(wt);
+  }
+  WinSlotHeader* self = w->slot(rank_, rank_);
+  SlotGuard gs(self, deadline, [&] { return what + ": own slot stayed locked"; });
+  weighted_sum(out, w->data, self_weight, srcs, weights, w->count, w->dtype);
+  if (with_p) {
+    double p = self_weight * self->p;
+    for (const auto& [j, wt] : nbrs) p += wt * w->slot(rank_, j)->p;
+    self->p = p;
+  }
+  for (const auto& [j, wt] : nbrs) {
+    WinSlotHeader* s = w->slot(rank_, j);
+    s->version.store(0, std::memory_order_relaxed);
+    if (reset) {
+      std::memset(w->slot_data(rank_, j), 0, w->bytes);
+      s->p = 0.0;
+    }
+  }
+  if (out == w->data) std::memcpy(w->slot_data(rank_, rank_), w->data, w->bytes);
+}
+
+void WindowHub::publish(uint64_t id, const Deadline& deadline) {
+  auto w = find(id, "win_publish");
+  WinSlotHeader* self = w->slot(rank_, rank_);
+  SlotGuard gs(self, deadline, [&] { return w->desc() + ": own slot stayed locked"; });
+  std::memcpy(w->slot_data(rank_, rank_), w->data, w->bytes);
+}
+
+void WindowHub::wait(const std::shared_ptr<WinOp>& op, const Deadline& deadline) {
+  try {
+    op->wait(deadline);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kTimeout) throw;
+    {
+      std::lock_guard lk(mu_);
+      for (uint32_t peer : op->outstanding())
+        if (peer < links_.size() && links_[peer]) links_[peer]->abort_requested = true;
+    }
+    wake();
+    // The progress thread fails the op promptly once it sees the request; only then may the
+    // caller's buffers go away.
+    std::unique_lock lk(op->mu_);
+    op->cv_.wait_for(lk, std::chrono::seconds(10), [&] { return op->pending_.empty(); });
+    throw;
+  }
+}
+
+// ---- window mutexes ----
+
+void WindowHub::mutex_acquire(uint64_t id, std::vector<uint32_t> ranks, const Deadline& deadline) {
+  auto w = find(id, "win_mutex");
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  std::vector<uint32_t> got;
+  try {
+    for (uint32_t r : ranks) {
+      if (r >= size_) throw Error(ErrorKind::kInvalidArgument, "win_mutex: rank " + std::to_string(r) + " is invalid");
+      {
+        std::lock_guard lk(w->held_mu);
+        if (w->held.count(r)) continue;
+      }
+      mutex_acquire_one(*w, r, deadline);
+      got.push_back(r);
+    }
+  } catch (...) {
+    for (auto it = got.rbegin(); it != got.rend(); ++it) mutex_release_one(*w, *it, deadline);
+    throw;
+  }
+}
+
+void WindowHub::mutex_release(uint64_t id, std::vector<uint32_t> ranks, const Deadline& deadline) {
+  auto w = find(id, "win_mutex");
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  for (auto it = ranks.rbegin(); it != ranks.rend(); ++it) mutex_release_one(*w, *it, deadline);
+}
+
+void WindowHub::mutex_acquire_one(Window& w, uint32_t target, const Deadline& deadline) {
+  {
+    std::lock_guard lk(w.held_mu);
+    if (w.held.count(target)) return;  // held by an enclosing win_mutex of this process
+  }
+  const std::string what = "win_mutex('" + w.name + "') of rank " + std::to_string(target);
+  if (target == rank_ || local(target)) {
+    if (target != rank_) check_alive(w, target, what);
+    std::atomic<uint32_t>& m = w.header(target)->mutex;
+    for (;;) {
+      uint32_t expected = 0;
+      if (m.compare_exchange_strong(expected, rank_ + 1, std::memory_order_acquire)) break;
+      if (deadline.expired())
+        throw Error(ErrorKind::kTimeout,
+                    what + ": still held by rank " + std::to_string(expected - 1) + " when the deadline passed");
+      futex_wait(&m, expected, 10000);
+    }
+  } else {
+    auto op = std::make_shared<WinOp>(what, w.id);
+    {
+      std::lock_guard lk(mu_);
+      OutMsg msg;
+      msg.hdr = WinFrame{kFrameMagic, kMutexAcquire, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
+      uint64_t op_id = msg.hdr.op_id;
+      try {
+        enqueue(target, std::move(msg));
+      } catch (...) {
+        inflight_.erase(op_id);
+        throw;
+      }
+    }
+    wake();
+    wait(op, deadline);
+  }
+  std::lock_guard lk(w.held_mu);
+  w.held.insert(target);
+}
+
+void WindowHub::mutex_release_one(Window& w, uint32_t target, const Deadline& deadline) {
+  {
+    std::lock_guard lk(w.held_mu);
+    if (!w.held.erase(target)) return;
+  }
+  if (target == rank_ || local(target)) {
+    std::atomic<uint32_t>& m = w.header(target)->mutex;
+    m.store(0, std::memory_order_release);
+    futex_wake_all(&m);
+  } else {
+    auto op = std::make_shared<WinOp>("win_mutex('" + w.name + "') release at rank " + std::to_string(target), w.id);
+    {
+      std::lock_guard lk(mu_);
+      OutMsg msg;
+      msg.hdr = WinFrame{kFrameMagic, kMutexRelease, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
+      uint64_t op_id = msg.hdr.op_id;
+      try {
+        enqueue(target, std::move(msg));
+      } catch (...) {
+        inflight_.erase(op_id);
+        throw;
+      }
+    }
+    wake();
+    wait(op, deadline);
+  }
+}
+
+// ---- progress thread (TCP links) ----
+
+void WindowHub::finish_inflight(uint64_t op_id, uint32_t peer, std::exception_ptr err) {
+  std::shared_ptr<WinOp> op;
+  {
+    std::lock_guard lk(mu_);
+    auto it = inflight_.find(op_id);
+    if (it == inflight_.end() || it->second.peer != peer) return;  // already failed
+    op = it->second.op;
+    inflight_.erase(it);
+    idle_cv_.notify_all();
+  }
+  op->complete(peer, err);
+}
+
+void WindowHub::fail_link(Link& l, const std::string& why) {
+  std::vector<std::pair<std::shared_ptr<WinOp>, uint32_t>> failed;
+  {
+    std::lock_guard lk(mu_);
+    if (l.dead) return;
+    l.dead = true;
+    l.why = why;
+    l.out.clear();  // drops references to callers' tensors before their ops complete
+    l.out_off = 0;
+    ::shutdown(l.fd.get(), SHUT_RDWR);
+    for (auto it = inflight_.begin(); it != inflight_.end();) {
+      if (it->second.peer == l.peer) {
+        failed.emplace_back(it->second.op, l.peer);
+        it = inflight_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    std::erase_if(mutex_waiters_, [&](const auto& t) { return std::get<0>(t) == l.peer; });
+    idle_cv_.notify_all();
+  }
+  // A peer that shut down cleanly closes its link too; only a link that still had work is news.
+  if (!failed.empty()) RUMOR_LOG(kWarn, "window link to rank " << l.peer << " failed: " << why);
+  auto err = std::make_exception_ptr(
+      Error(ErrorKind::kPeerGone, "window link to rank " + std::to_string(l.peer) + " failed: " + why));
+  for (auto& [op, peer] : failed) op->complete(peer, err);
+}
+
+void WindowHub::reply(Link& l, const WinFrame& req, uint8_t kind, uint32_t status, double p,
+                      std::shared_ptr<std::vector<std::byte>> payload) {
+  OutMsg m;
+  m.hdr = WinFrame{kFrameMagic, kind, req.with_p, 0, rank_, status, req.window, req.op_id,
+                   payload ? payload->size() : 0, req.weight, p, 0};
+  m.owned = std::move(payload);
+  std::lock_guard lk(mu_);
+  if (!l.dead) l.out.push_back(std::move(m));
+}
+
+void WindowHub::retry_remote_mutexes() {
+  std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> granted;
+  {
+    std::lock_guard lk(mu_);
+    for (auto it = mutex_waiters_.begin(); it != mutex_waiters_.end();) {
+      auto [requester, win_id, op_id] = *it;
+      auto wit = windows_.find(win_id);
+      bool drop = wit == windows_.end();
+      if (!drop) {
+        uint32_t expected = 0;
+        if (wit->second->header(rank_)->mutex.compare_exchange_strong(expected, requester + 1)) {
+          granted.push_back(*it);
+          drop = true;
+        }
+      }
+      it = drop ? mutex_waiters_.erase(it) : it + 1;
+    }
+  }
+  for (auto [requester, win_id, op_id] : granted) {
+    WinFrame req{kFrameMagic, kMutexAcquire, 0, 0, requester, 0, win_id, op_id, 0, 0, 0, 0};
+    reply(*links_[requester], req, kAck, kOk, 0, nullptr);
+  }
+}
+
+void WindowHub::handle_frame(Link& l) {
+  const WinFrame& f = l.in;
+  std::shared_ptr<Window> w;
+  {
+    std::lock_guard lk(mu_);
+    auto it = windows_.find(f.window);
+    if (it != windows_.end()) w = it->second;
+  }
+  const Deadline dl = Deadline::after(timeout_s_);
+  switch (f.kind) {
+    case kPut:
+    case kAccumulate: {
+      uint32_t st = !w ? kUnknownWindow : f.bytes != w->bytes ? kSizeMismatch : kOk;
+      if (st == kOk)
+        st = apply_write(*w, l.peer, l.payload.data(), f.kind == kAccumulate, f.weight, f.with_p != 0, f.p, dl);
+      frames_applied_.fetch_add(1);
+      reply(l, f, kAck, st, 0, nullptr);
+      break;
+    }
+    case kGetRequest: {
+      if (!w) {
+        reply(l, f, kGetReply, kUnknownWindow, 0, nullptr);
+        break;
+      }
+      auto snap = std::make_shared<std::vector<std::byte>>(w->bytes);
+      double p = 0;
+      try {
+        WinSlotHeader* s = w->slot(rank_, rank_);
+        SlotGuard g(s, dl, [&] { return w->desc() + ": own slot stayed locked"; });
+        std::memcpy(snap->data(), w->slot_data(rank_, rank_), w->bytes);
+        p = s->p;
+      } catch (const Error&) {
+        reply(l, f, kGetReply, kFailed, 0, nullptr);
+        break;
+      }
+      reply(l, f, kGetReply, kOk, p, std::move(snap));
+      break;
+    }
+    case kGetReply: {
+      std::exception_ptr err;
+      uint32_t st = f.status;
+      if (st == kOk && (!w || f.bytes != w->bytes)) st = !w ? kUnknownWindow : kSizeMismatch;
+      if (st == kOk) {
+        try {
+          WinSlotHeader* s = w->slot(rank_, l.peer);
+          SlotGuard g(s, dl, [&] { return w->desc() + ": slot of rank " + std::to_string(l.peer) + " stayed locked"; });
+          scaled_write(w->slot_data(rank_, l.peer), l.payload.data(), w->count, w->dtype, f.weight, false);
+          if (f.with_p) s->p = f.weight * f.p;
+          s->version.fetch_add(1, std::memory_order_relaxed);
+          ++s->writes;
+        } catch (...) {
+          err = std::current_exception();
+        }
+        frames_applied_.fetch_add(1);
+      }
+      if (st != kOk)
+        err = std::make_exception_ptr(Error(ErrorKind::kInvalidArgument, "win_get: rank " + std::to_string(l.peer) +
+                                                                             " refused: " + status_text(st)));
+      finish_inflight(f.op_id, l.peer, err);
+      break;
+    }
+    case kAck: {
+      std::exception_ptr err;
+      if (f.status != kOk)
+        err = std::make_exception_ptr(Error(f.status == kFailed ? ErrorKind::kTimeout : ErrorKind::kInvalidArgument,
+                                            "window operation refused by rank " + std::to_string(l.peer) + ": " +
+                                                status_text(f.status)));
+      finish_inflight(f.op_id, l.peer, err);
+      break;
+    }
+    case kMutexAcquire: {
+      if (!w) {
+        reply(l, f, kAck, kUnknownWindow, 0, nullptr);
+        break;
+      }
+      std::lock_guard lk(mu_);
+      mutex_waiters_.emplace_back(l.peer, f.window, f.op_id);
+      break;
+    }
+    case kMutexRelease: {
+      uint32_t st = kUnknownWindow;
+      if (w) {
+        uint32_t expected = l.peer + 1;
+        st = w->header(rank_)->mutex.compare_exchange_strong(expected, 0) ? kOk : kNotHolder;
+        if (st == kOk) futex_wake_all(&w->header(rank_)->mutex);
+      }
+      reply(l, f, kAck, st, 0, nullptr);
+      break;
+    }
+    default:
+      throw Error(ErrorKind::kProtocol, "unknown window frame kind " + std::to_string(f.kind));
+  }
+}
+
+void WindowHub::progress_loop() {
+  std::vector<pollfd> fds;
+  std::vector<Link*> order;
+  while (!stop_.load()) {
+    fds.clear();
+    order.clear();
+    fds.push_back(pollfd{wake_fd_.get(), POLLIN, 0});
+    bool waiters = false;
+    {
+      std::lock_guard lk(mu_);
+      for (auto& lp : links_) {
+        if (!lp || lp->dead) continue;
+        if (lp->abort_requested) continue;
+        short ev = POLLIN;
+        if (!lp->out.empty()) ev |= POLLOUT;
+        fds.push_back(pollfd{lp->fd.get(), ev, 0});
+        order.push_back(lp.get());
+      }
+      waiters = !mutex_waiters_.empty();
+    }
+    // A remote mutex request waits for a holder on this host, which releases without telling
+    // this thread: poll for it every millisecond while any request waits.
+    int rc = ::poll(fds.data(), fds.size(), waiters ? 1 : 200);
+    if (rc < 0 && errno != EINTR) {
+      RUMOR_LOG(kError, "window progress thread: poll: " << net::errno_string(errno));
+      continue;
+    }
+    if (fds[0].revents & POLLIN) {
+      uint64_t v;
+      [[maybe_unused]] ssize_t n = ::read(wake_fd_.get(), &v, sizeof(v));
+    }
+    {
+      std::vector<Link*> aborts;
+      {
+        std::lock_guard lk(mu_);
+        for (auto& lp : links_)
+          if (lp && lp->abort_requested && !lp->dead) aborts.push_back(lp.get());
+      }
+      for (Link* l : aborts) fail_link(*l, "a window operation's deadline passed while waiting for this peer");
+    }
+    for (size_t i = 0; i < order.size(); ++i) {
+      Link& l = *order[i];
+      short re = fds[i + 1].revents;
+      try {
+        if (re & (POLLIN | POLLHUP | POLLERR)) {
+          // Read as much as is there: frames, and their payloads.
+          for (;;) {
+            if (l.in_hdr < sizeof(WinFrame)) {
+              ssize_t n = ::recv(l.fd.get(), reinterpret_cast<char*>(&l.in) + l.in_hdr, sizeof(WinFrame) - l.in_hdr, 0);
+              if (n == 0) throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
+              if (n < 0) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+                throw Error(ErrorKind::kPeerGone, "recv: " + net::errno_string(errno));
+              }
+              l.in_hdr += static_cast<size_t>(n);
+              if (l.in_hdr < sizeof(WinFrame)) continue;
+              if (l.in.magic != kFrameMagic) throw Error(ErrorKind::kProtocol, "bad window frame magic");
+              if (l.in.bytes > (size_t{1} << 40)) throw Error(ErrorKind::kProtocol, "implausible window frame size");
+              l.payload.resize(l.in.bytes);
+              l.in_got = 0;
+            }
+            if (l.in_got < l.in.bytes) {
+              ssize_t n = ::recv(l.fd.get(), l.payload.data() + l.in_got, l.in.bytes - l.in_got, 0);
+              if (n == 0) throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
+              if (n < 0) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+                throw Error(ErrorKind::kPeerGone, "recv: " + net::errno_string(errno));
+              }
+              l.in_got += static_cast<size_t>(n);
+              if (l.in_got < l.in.bytes) continue;
+            }
+            handle_frame(l);
+            l.in_hdr = 0;
+            l.in_got = 0;
+          }
+        }
+        // Write queued frames until the socket is full.
+        for (;;) {
+          OutMsg* m = nullptr;
+          {
+            std::lock_guard lk(mu_);
+            if (l.dead || l.out.empty()) break;
+            m = &l.out.front();
+          }
+          const std::byte* payload = m->owned ? m->owned->data() : m->data;
+          const size_t total = sizeof(WinFrame) + m->hdr.bytes;
+          iovec iov[2];
+          int niov = 0;
+          if (l.out_off < sizeof(WinFrame))
+            iov[niov++] = {reinterpret_cast<char*>(&m->hdr) + l.out_off, sizeof(WinFrame) - l.out_off};
+          size_t pay_off = l.out_off > sizeof(WinFrame) ? l.out_off - sizeof(WinFrame) : 0;
+          if (m->hdr.bytes > pay_off)
+            iov[niov++] = {const_cast<std::byte*>(payload) + pay_off, m->hdr.bytes - pay_off};
+          msghdr mh{};
+          mh.msg_iov = iov;
+          mh.msg_iovlen = static_cast<size_t>(niov);
+          ssize_t n = ::sendmsg(l.fd.get(), &mh, MSG_NOSIGNAL);
+          if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+            throw Error(ErrorKind::kPeerGone, "send: " + net::errno_string(errno));
+          }
+          l.out_off += static_cast<size_t>(n);
+          if (l.out_off == total) {
+            std::lock_guard lk(mu_);
+            if (!l.out.empty()) l.out.pop_front();
+            l.out_off = 0;
+          }
+        }
+      } catch (const std::exception& e) {
+        fail_link(l, e.what());
+      }
+    }
+    retry_remote_mutexes();
+  }
+}
+
+}  // namespace rumor

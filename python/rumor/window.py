@@ -1,0 +1,388 @@
+"""One-sided window operations with BlueFog's names and semantics (csrc/comm/window.h).
+
+A window is created collectively from a tensor under a name. Each rank then owns one receive
+slot per other rank and a published copy of its own tensor; other ranks write into its slots
+(``win_put`` overwrites, ``win_accumulate`` adds) or read its published copy (``win_get``)
+without any call on its side: peers on the same host write straight into its shared memory, and
+remote peers' frames are applied by its communication thread. ``win_update`` combines
+``x <- self_weight * x + sum_j w_j * slot_j`` into the registered tensor. Every slot access holds
+the slot's lock, so a combined tensor is never torn and accumulates are atomic per slot.
+
+Differences from BlueFog, on purpose:
+
+* a put/accumulate/get completes when the target *applied* it (acknowledged), so a put followed
+  by a barrier is visible to the target's next ``win_update``;
+* ``win_get`` reads the value the owner last *published*: at ``win_create``, after every in-place
+  ``win_update``, after ``win_put``/``win_accumulate`` of the registered tensor itself, and on
+  ``win_publish(name)``. (BlueFog read the live tensor, which could be torn mid-update.)
+* ``dst_weights``/``src_weights``/``neighbor_weights`` may name any other rank (dynamic
+  topologies); without them the static topology's neighbours are used.
+* the push-sum weight p of ``turn_on_win_ops_with_associated_p()`` travels with every put and
+  accumulate (w * p), is scaled by ``self_weight`` with the tensor, and is combined by
+  ``win_update``, so the sums of x and of p over all ranks and slots are preserved.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from . import _C, _runtime
+from ._tensor import address, check_tensor
+from .decentralized import _topologies, in_neighbor_ranks, out_neighbor_ranks
+
+__all__ = [
+    "win_create",
+    "win_free",
+    "win_put",
+    "win_put_nonblocking",
+    "win_accumulate",
+    "win_accumulate_nonblocking",
+    "win_get",
+    "win_get_nonblocking",
+    "win_update",
+    "win_update_then_collect",
+    "win_publish",
+    "win_poll",
+    "win_wait",
+    "win_mutex",
+    "get_win_version",
+    "get_current_created_window_names",
+    "win_associated_p",
+    "turn_on_win_ops_with_associated_p",
+    "turn_off_win_ops_with_associated_p",
+    "WinHandle",
+]
+
+_FLOAT_CODES = {0, 1, 2, 3}
+
+
+@dataclass
+class _Win:
+    id: int
+    name: str
+    tensor: torch.Tensor
+    code: int
+    handles: List["WinHandle"] = field(default_factory=list)
+
+
+class _Windows:
+    """The windows of one rumor.init() (kept on the runtime state, so shutdown drops them)."""
+
+    def __init__(self, ctx):
+        self.hub = _C.WindowHub(ctx)
+        self.by_name: Dict[str, _Win] = {}
+        self.next_id = 1
+        self.with_p = False
+
+
+def _windows() -> _Windows:
+    st = _runtime._get()
+    w = getattr(st, "_rumor_windows", None)
+    if w is None:
+        w = _Windows(st.ctx)
+        st._rumor_windows = w
+    return w
+
+
+def _timeout() -> float:
+    return _runtime._get().timeout
+
+
+def _find(name: str, what: str) -> _Win:
+    ws = _windows()
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: name must be a str, got {type(name).__name__}")
+    w = ws.by_name.get(name)
+    if w is None:
+        known = sorted(ws.by_name)
+        raise ValueError(f"{what}: no window named {name!r} (created: {known}); call rumor.win_create first")
+    return w
+
+
+def _check_like(t: torch.Tensor, w: _Win, what: str) -> None:
+    code = check_tensor(t, what)
+    if code != w.code or t.numel() != w.tensor.numel():
+        raise ValueError(f"{what}: window {w.name!r} holds {w.tensor.numel()} elements of {w.tensor.dtype}, "
+                         f"got {t.numel()} of {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: the tensor must be contiguous")
+
+
+def _weights(weights, default: List[int], what: str, arg: str) -> Dict[int, float]:
+    me, n = _runtime.rank(), _runtime.size()
+    if weights is None:
+        return {r: 1.0 for r in default}
+    if not isinstance(weights, dict):
+        raise TypeError(f"{what}: {arg} must be a dict {{rank: weight}}, got {type(weights).__name__}")
+    out = {}
+    for r, wt in weights.items():
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"{what}: {arg} keys must be int ranks, got {r!r}")
+        if not 0 <= r < n:
+            raise ValueError(f"{what}: rank {r} in {arg} is outside the world of size {n}")
+        if r == me:
+            raise ValueError(f"{what}: {arg} names this rank ({me}); use self_weight for it")
+        out[r] = float(wt)
+    return out
+
+
+class WinHandle:
+    """What a *_nonblocking window call returns: wait() blocks until the targets applied the
+    operation (then scales the tensor by self_weight), poll() tells whether it is done."""
+
+    def __init__(self, win: _Win, op, tensor: Optional[torch.Tensor], self_weight: float, with_p: bool,
+                 publish: bool):
+        self._win = win
+        self._op = op
+        self._tensor = tensor  # kept alive: the C++ side reads it until the op completes
+        self._self_weight = self_weight
+        self._with_p = with_p
+        self._publish = publish
+        self._done = False
+
+    def poll(self) -> bool:
+        return self._done or self._op.done()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if self._done:
+            return True
+        ws = _windows()
+        try:
+            ws.hub.wait(self._op, timeout if timeout is not None else _timeout())
+        finally:
+            if self in self._win.handles:
+                self._win.handles.remove(self)
+        self._done = True
+        if self._tensor is not None and self._self_weight != 1.0:
+            with torch.no_grad():
+                self._tensor.mul_(self._self_weight)
+            if self._with_p:
+                ws.hub.set_p(self._win.id, ws.hub.p(self._win.id) * self._self_weight)
+        if self._publish:
+            ws.hub.publish(self._win.id, _timeout())
+        self._tensor = None
+        return True
+
+
+def win_poll(handle: WinHandle) -> bool:
+    return handle.poll()
+
+
+def win_wait(handle: WinHandle) -> bool:
+    return handle.wait()
+
+
+def _fingerprint(name: str, numel: int, code: int) -> int:
+    h = hashlib.sha256(f"{name}|{numel}|{code}".encode()).digest()
+    return int.from_bytes(h[:7], "little")
+
+
+def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool:
+    """Creates the window `name` over `tensor` (collective: every rank, same name, size and dtype).
+
+    The slots start as copies of this rank's tensor, or zeros with zero_init. The tensor itself
+    is the window's value: win_update writes into it. Returns True."""
+    what = "rumor.win_create"
+    code = check_tensor(tensor, what)
+    if code not in _FLOAT_CODES:
+        raise TypeError(f"{what}: windows hold float32, float64, float16 or bfloat16, got {tensor.dtype}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: the tensor must be contiguous (win_update writes into it)")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what}: name must be a non-empty str")
+    ws = _windows()
+    if name in ws.by_name:
+        raise ValueError(f"{what}: a window named {name!r} already exists; win_free it first")
+    from .collectives import allgather
+
+    world = _runtime._get().world
+    mine = torch.tensor([_fingerprint(name, tensor.numel(), code), tensor.numel(), code], dtype=torch.int64)
+    every = allgather(mine, group=world).view(-1, 3)
+    bad = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
+    if bad:
+        raise ValueError(f"{what}: ranks disagree on window {name!r}: rank 0 has {int(every[0, 1])} elements "
+                         f"of dtype code {int(every[0, 2])}, rank(s) {bad} another name, size or dtype")
+    wid = ws.next_id
+    ws.next_id += 1
+    t = _timeout()
+    ws.hub.create(wid, name, address(tensor), tensor.numel(), code, bool(zero_init), t)
+    world._comm.barrier(False)
+    ws.hub.attach(wid, t)
+    world._comm.barrier(False)
+    ws.hub.seal(wid)
+    ws.by_name[name] = _Win(wid, name, tensor, code)
+    return True
+
+
+def win_free(name: Optional[str] = None) -> bool:
+    """Frees the window `name`, or every window (collective). This rank's nonblocking operations
+    on it are waited for first; a barrier then makes sure no peer still writes to it."""
+    ws = _windows()
+    wins = list(ws.by_name.values()) if name is None else [_find(name, "rumor.win_free")]
+    for w in wins:
+        for h in list(w.handles):
+            h.wait()
+    _runtime._get().world._comm.barrier(False)
+    for w in wins:
+        ws.hub.free(w.id, _timeout())
+        del ws.by_name[w.name]
+    return True
+
+
+def get_current_created_window_names() -> List[str]:
+    return sorted(_windows().by_name)
+
+
+def _put(tensor, name, self_weight, dst_weights, require_mutex, accumulate: bool, what: str) -> WinHandle:
+    w = _find(name, what)
+    _check_like(tensor, w, what)
+    dsts = _weights(dst_weights, out_neighbor_ranks(), what, "dst_weights")
+    sw = 1.0 if self_weight is None else float(self_weight)
+    ws = _windows()
+    op = ws.hub.put(w.id, address(tensor), sorted(dsts.items()), accumulate, ws.with_p, bool(require_mutex),
+                    _timeout())
+    publish = tensor.data_ptr() == w.tensor.data_ptr()
+    h = WinHandle(w, op, tensor, sw, ws.with_p, publish)
+    w.handles.append(h)
+    return h
+
+
+def win_put_nonblocking(tensor: torch.Tensor, name: str, self_weight: Optional[float] = None,
+                        dst_weights: Optional[Dict[int, float]] = None, require_mutex: bool = False) -> WinHandle:
+    """Starts writing dst_weights[j] * tensor into rank j's slot for this rank (default: every
+    out-neighbour, weight 1); wait() then scales tensor by self_weight (default 1). The tensor
+    must not change until then."""
+    return _put(tensor, name, self_weight, dst_weights, require_mutex, False, "rumor.win_put")
+
+
+def win_put(tensor: torch.Tensor, name: str, self_weight: Optional[float] = None,
+            dst_weights: Optional[Dict[int, float]] = None, require_mutex: bool = False) -> bool:
+    """Overwrites each destination's slot for this rank with w * tensor (landed when this
+    returns), then tensor *= self_weight. require_mutex holds each destination's window mutex
+    around its write."""
+    return win_put_nonblocking(tensor, name, self_weight, dst_weights, require_mutex).wait()
+
+
+def win_accumulate_nonblocking(tensor: torch.Tensor, name: str, self_weight: Optional[float] = None,
+                               dst_weights: Optional[Dict[int, float]] = None,
+                               require_mutex: bool = False) -> WinHandle:
+    return _put(tensor, name, self_weight, dst_weights, require_mutex, True, "rumor.win_accumulate")
+
+
+def win_accumulate(tensor: torch.Tensor, name: str, self_weight: Optional[float] = None,
+                   dst_weights: Optional[Dict[int, float]] = None, require_mutex: bool = False) -> bool:
+    """Adds w * tensor into each destination's slot for this rank, atomically per slot, then
+    tensor *= self_weight."""
+    return win_accumulate_nonblocking(tensor, name, self_weight, dst_weights, require_mutex).wait()
+
+
+def win_get_nonblocking(name: str, src_weights: Optional[Dict[int, float]] = None,
+                        require_mutex: bool = False) -> WinHandle:
+    what = "rumor.win_get"
+    w = _find(name, what)
+    srcs = _weights(src_weights, in_neighbor_ranks(), what, "src_weights")
+    ws = _windows()
+    op = ws.hub.get(w.id, sorted(srcs.items()), ws.with_p, bool(require_mutex), _timeout())
+    h = WinHandle(w, op, None, 1.0, False, False)
+    w.handles.append(h)
+    return h
+
+
+def win_get(name: str, src_weights: Optional[Dict[int, float]] = None, require_mutex: bool = False) -> bool:
+    """Copies w * (rank j's published value) into this rank's slot for j, for each source
+    (default: every in-neighbour, weight 1). win_update then combines the slots."""
+    return win_get_nonblocking(name, src_weights, require_mutex).wait()
+
+
+def _receive_weights(what: str):
+    tops = _topologies()
+    me = _runtime.rank()
+    if tops.weighted:
+        return tops.topo.receive_weights(me)
+    return tops.topo.uniform_receive_weights(me)
+
+
+def win_update(name: str, self_weight: Optional[float] = None,
+               neighbor_weights: Optional[Dict[int, float]] = None, reset: bool = False, clone: bool = False,
+               require_mutex: bool = False) -> torch.Tensor:
+    """x <- self_weight * x + sum_j neighbor_weights[j] * slot_j on the registered tensor (or a
+    clone with clone=True) and returns it. Without weights: the topology's receive weights if it
+    was set with is_weighted=True, else 1/(in_degree + 1) for self and each in-neighbour. reset
+    zeroes the combined slots afterwards. require_mutex holds this rank's window mutex."""
+    what = "rumor.win_update"
+    w = _find(name, what)
+    if (self_weight is None) != (neighbor_weights is None):
+        raise ValueError(f"{what}: give self_weight and neighbor_weights together, or neither")
+    if self_weight is None:
+        sw, nbrs = _receive_weights(what)
+    else:
+        sw = float(self_weight)
+        nbrs = _weights(neighbor_weights, [], what, "neighbor_weights")
+    out = w.tensor.clone() if clone else w.tensor
+    ws = _windows()
+    ws.hub.update(w.id, sw, sorted(nbrs.items()), bool(reset), ws.with_p, address(out), bool(require_mutex),
+                  _timeout())
+    return out
+
+
+def win_update_then_collect(name: str, require_mutex: bool = True) -> torch.Tensor:
+    """x <- x + sum of the in-neighbours' slots, which are then zeroed (what accumulate-based
+    push-sum needs): win_update(name, 1.0, {j: 1.0 for in-neighbours}, reset=True)."""
+    return win_update(name, 1.0, {r: 1.0 for r in in_neighbor_ranks()}, reset=True, require_mutex=require_mutex)
+
+
+def win_publish(name: str) -> None:
+    """Makes the registered tensor's current value the one win_get returns to peers (rumor's
+    addition: see the module docstring)."""
+    w = _find(name, "rumor.win_publish")
+    _windows().hub.publish(w.id, _timeout())
+
+
+def get_win_version(name: str) -> Dict[int, int]:
+    """{in-neighbour: writes into its slot since this rank last combined it} (0: nothing new)."""
+    w = _find(name, "rumor.get_win_version")
+    v = _windows().hub.versions(w.id)
+    return {r: int(v[r]) for r in in_neighbor_ranks()}
+
+
+@contextlib.contextmanager
+def win_mutex(name: str, for_self: bool = False, ranks: Optional[List[int]] = None) -> Iterator[None]:
+    """Holds the window mutex of `ranks` (default: the out-neighbours; for_self: this rank's own)
+    for the body. Puts and accumulates with require_mutex=True, and win_update with
+    require_mutex=True on the owner, wait for it. Acquired in ascending rank order."""
+    what = "rumor.win_mutex"
+    w = _find(name, what)
+    n = _runtime.size()
+    if for_self:
+        targets = [_runtime.rank()]
+    else:
+        targets = list(out_neighbor_ranks() if ranks is None else ranks)
+    for r in targets:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n:
+            raise ValueError(f"{what}: rank {r!r} is not in the world of size {n}")
+    hub = _windows().hub
+    hub.mutex_acquire(w.id, targets, _timeout())
+    try:
+        yield
+    finally:
+        hub.mutex_release(w.id, targets, _timeout())
+
+
+def win_associated_p(name: str) -> float:
+    """This rank's push-sum weight p of the window (1.0 at creation)."""
+    w = _find(name, "rumor.win_associated_p")
+    return float(_windows().hub.p(w.id))
+
+
+def turn_on_win_ops_with_associated_p() -> None:
+    """From now on win_put / win_accumulate carry w * p, win_get fetches w * p_j, and win_update
+    combines p like the tensor."""
+    _windows().with_p = True
+
+
+def turn_off_win_ops_with_associated_p() -> None:
+    _windows().with_p = False
