@@ -1,27 +1,28 @@
 // rumor._C.WindowHub: the one-sided window layer (comm/window.h). Addresses and weights only;
 // the Python layer (python/rumor/window.py) checks names, shapes, dtypes and neighbours.
+#include "comm/window.h"
+
 #include <pybind11/stl.h>
 
 #include "bindings/common.h"
-#include "comm/window.h"
 
 namespace rumor::bindings {
 
 void bind_window(py::module_& m) {
   using W = WindowHub;
   using Weights = W::Weights;
-  py::class_<WinOp, std::shared_ptr<WinOp>>(m, "WinOp").def("done", &WinOp::done).def_property_readonly(
-      "what", &WinOp::what);
+  py::class_<WinOp, std::shared_ptr<WinOp>>(m, "WinOp")
+      .def("done", &WinOp::done)
+      .def_property_readonly("what", &WinOp::what);
   py::class_<W, std::shared_ptr<W>>(m, "WindowHub")
       .def(py::init<std::shared_ptr<Context>>())
-      .def(
-          "create",
-          [](W& h, uint64_t id, const std::string& name, uintptr_t data, size_t count, int dtype, bool zero_init,
-             double timeout) {
-            DType dt = to_dtype(dtype);
-            py::gil_scoped_release nogil;
-            h.create(id, name, ptr(data), count, dt, zero_init, Deadline::after(timeout));
-          })
+      .def("create",
+           [](W& h, uint64_t id, const std::string& name, uintptr_t data, size_t count, int dtype,
+              bool zero_init, double timeout) {
+             DType dt = to_dtype(dtype);
+             py::gil_scoped_release nogil;
+             h.create(id, name, ptr(data), count, dt, zero_init, Deadline::after(timeout));
+           })
       .def("attach",
            [](W& h, uint64_t id, double timeout) {
              py::gil_scoped_release nogil;
@@ -35,8 +36,8 @@ void bind_window(py::module_& m) {
              h.free(id, Deadline::after(timeout));
            })
       .def("put",
-           [](W& h, uint64_t id, uintptr_t x, const Weights& dsts, bool accumulate, bool with_p, bool require_mutex,
-              double timeout) {
+           [](W& h, uint64_t id, uintptr_t x, const Weights& dsts, bool accumulate, bool with_p,
+              bool require_mutex, double timeout) {
              py::gil_scoped_release nogil;
              return h.put(id, ptr(x), dsts, accumulate, with_p, require_mutex, Deadline::after(timeout));
            })
@@ -51,10 +52,11 @@ void bind_window(py::module_& m) {
              h.wait(op, Deadline::after(timeout));
            })
       .def("update",
-           [](W& h, uint64_t id, double self_weight, const Weights& nbrs, bool reset, bool with_p, uintptr_t out,
-              bool require_mutex, double timeout) {
+           [](W& h, uint64_t id, double self_weight, const Weights& nbrs, bool reset, bool with_p,
+              uintptr_t out, bool require_mutex, double timeout) {
              py::gil_scoped_release nogil;
-             h.update(id, self_weight, nbrs, reset, with_p, ptr(out), require_mutex, Deadline::after(timeout));
+             h.update(id, self_weight, nbrs, reset, with_p, ptr(out), require_mutex,
+                      Deadline::after(timeout));
            })
       .def("publish",
            [](W& h, uint64_t id, double timeout) {

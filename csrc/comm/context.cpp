@@ -100,7 +100,8 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
   return std::make_unique<net::TcpChannel>(std::move(streams), desc, options_.stripe_min);
 }
 
-std::vector<net::Fd> Context::tcp_streams(uint64_t comm_id, uint32_t peer, int count, const Deadline& deadline) {
+std::vector<net::Fd> Context::tcp_streams(uint64_t comm_id, uint32_t peer, int count,
+                                          const Deadline& deadline) {
   if (addresses_.empty())
     throw Error(ErrorKind::kInvalidArgument, "context has no peers yet (set_peers not called)");
   std::string desc = "rank " + std::to_string(peer);

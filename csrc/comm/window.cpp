@@ -158,7 +158,7 @@ struct WindowHub::Window {
 
 struct WindowHub::OutMsg {
   WinFrame hdr{};
-  const std::byte* data = nullptr;  // payload not owned (a put's tensor: alive until acked)
+  const std::byte* data = nullptr;                // payload not owned (a put's tensor: alive until acked)
   std::shared_ptr<std::vector<std::byte>> owned;  // or owned (a get's reply)
 };
 
@@ -263,8 +263,8 @@ void WindowHub::wake() {
 void WindowHub::check_alive(const Window& w, uint32_t peer, const std::string& what) const {
   int32_t pid = w.header(peer)->pid;
   if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH)
-    throw Error(ErrorKind::kPeerGone, what + ": rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
-                                          ") has exited");
+    throw Error(ErrorKind::kPeerGone,
+                what + ": rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + ") has exited");
 }
 
 void WindowHub::ensure_links(const Deadline& deadline) {
@@ -289,7 +289,8 @@ void WindowHub::ensure_links(const Deadline& deadline) {
 void WindowHub::create(uint64_t id, const std::string& name, void* data, size_t count, DType dtype,
                        bool zero_init, const Deadline& deadline) {
   if (dtype != DType::F32 && dtype != DType::F64 && dtype != DType::F16 && dtype != DType::BF16)
-    throw Error(ErrorKind::kInvalidArgument, "win_create('" + name + "'): dtype " + std::string(dtype_name(dtype)) +
+    throw Error(ErrorKind::kInvalidArgument, "win_create('" + name + "'): dtype " +
+                                                 std::string(dtype_name(dtype)) +
                                                  " is not supported (float32, float64, float16, bfloat16)");
   {
     std::lock_guard lk(mu_);
@@ -308,8 +309,8 @@ void WindowHub::create(uint64_t id, const std::string& name, void* data, size_t 
   w->base.assign(size_, nullptr);
   w->peers.resize(size_);
   const size_t seg_bytes = sizeof(SegHeader) + size_ * w->stride;
-  w->own = net::ShmSegment::create(ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(rank_),
-                                   seg_bytes);
+  w->own = net::ShmSegment::create(
+      ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(rank_), seg_bytes);
   w->base[rank_] = static_cast<std::byte*>(w->own.data());
   auto* h = new (w->base[rank_]) SegHeader{};  // lives in the segment
   h->magic = kSegMagic;
@@ -338,8 +339,9 @@ void WindowHub::attach(uint64_t id, const Deadline& deadline) {
   const size_t seg_bytes = sizeof(SegHeader) + size_ * w->stride;
   for (uint32_t r = 0; r < size_; ++r) {
     if (r == rank_ || !local(r)) continue;
-    w->peers[r] = net::ShmSegment::open(ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(r),
-                                        seg_bytes, deadline, "window '" + w->name + "' of rank " + std::to_string(r));
+    w->peers[r] =
+        net::ShmSegment::open(ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(r),
+                              seg_bytes, deadline, "window '" + w->name + "' of rank " + std::to_string(r));
     w->base[r] = static_cast<std::byte*>(w->peers[r].data());
     const SegHeader* h = w->header(r);
     if (h->magic != kSegMagic || h->count != w->count || h->dtype != static_cast<uint32_t>(w->dtype) ||
@@ -384,7 +386,8 @@ uint64_t WindowHub::register_op(const std::shared_ptr<WinOp>& op, uint32_t peer)
 void WindowHub::enqueue(uint32_t peer, OutMsg msg) {
   // mu_ held by the caller
   Link& l = link(peer);
-  if (l.dead) throw Error(ErrorKind::kPeerGone, "window link to rank " + std::to_string(peer) + " failed: " + l.why);
+  if (l.dead)
+    throw Error(ErrorKind::kPeerGone, "window link to rank " + std::to_string(peer) + " failed: " + l.why);
   l.out.push_back(std::move(msg));
 }
 
@@ -393,7 +396,8 @@ uint32_t WindowHub::apply_write(Window& w, uint32_t sender, const void* x, bool 
   // Writes into this rank's own slot for `sender` (a frame from a remote peer).
   try {
     WinSlotHeader* s = w.slot(rank_, sender);
-    SlotGuard g(s, deadline, [&] { return w.desc() + ": slot of rank " + std::to_string(sender) + " stayed locked"; });
+    SlotGuard g(s, deadline,
+                [&] { return w.desc() + ": slot of rank " + std::to_string(sender) + " stayed locked"; });
     scaled_write(w.slot_data(rank_, sender), x, w.count, w.dtype, weight, accumulate);
     if (with_p) s->p = accumulate ? s->p + weight * p : weight * p;
     s->version.fetch_add(1, std::memory_order_relaxed);
@@ -426,22 +430,24 @@ std::vector<uint64_t> WindowHub::versions(uint64_t id) {
   return v;
 }
 
-std::shared_ptr<WinOp> WindowHub::put(uint64_t id, const void* x, const Weights& dsts, bool accumulate, bool with_p,
-                                      bool require_mutex, const Deadline& deadline) {
+std::shared_ptr<WinOp> WindowHub::put(uint64_t id, const void* x, const Weights& dsts, bool accumulate,
+                                      bool with_p, bool require_mutex, const Deadline& deadline) {
   auto w = find(id, accumulate ? "win_accumulate" : "win_put");
   const std::string what = std::string(accumulate ? "win_accumulate" : "win_put") + "('" + w->name + "')";
   auto op = std::make_shared<WinOp>(what, id);
   double my_p = with_p ? p(id) : 0.0;
   for (const auto& [dst, weight] : dsts) {
     if (dst >= size_ || dst == rank_)
-      throw Error(ErrorKind::kInvalidArgument, what + ": destination rank " + std::to_string(dst) + " is invalid");
+      throw Error(ErrorKind::kInvalidArgument,
+                  what + ": destination rank " + std::to_string(dst) + " is invalid");
     if (require_mutex) mutex_acquire_one(*w, dst, deadline);
     if (local(dst)) {
       check_alive(*w, dst, what);
       WinSlotHeader* s = w->slot(dst, rank_);
       {
-        SlotGuard g(s, deadline,
-                    [&] { return what + ": rank " + std::to_string(dst) + " kept its slot locked past the deadline"; });
+        SlotGuard g(s, deadline, [&] {
+          return what + ": rank " + std::to_string(dst) + " kept its slot locked past the deadline";
+        });
         scaled_write(w->slot_data(dst, rank_), x, w->count, w->dtype, weight, accumulate);
         if (with_p) s->p = accumulate ? s->p + weight * my_p : weight * my_p;
         s->version.fetch_add(1, std::memory_order_relaxed);
@@ -449,8 +455,18 @@ std::shared_ptr<WinOp> WindowHub::put(uint64_t id, const void* x, const Weights&
       }
     } else {
       OutMsg m;
-      m.hdr = WinFrame{kFrameMagic, accumulate ? kAccumulate : kPut, static_cast<uint8_t>(with_p), 0, rank_, 0, id, 0,
-                       w->bytes, weight, my_p, 0};
+      m.hdr = WinFrame{kFrameMagic,
+                       accumulate ? kAccumulate : kPut,
+                       static_cast<uint8_t>(with_p),
+                       0,
+                       rank_,
+                       0,
+                       id,
+                       0,
+                       w->bytes,
+                       weight,
+                       my_p,
+                       0};
       m.data = static_cast<const std::byte*>(x);
       std::shared_ptr<WinOp> part = op;
       if (require_mutex) part = std::make_shared<WinOp>(what, id);  // waited here, before the release
@@ -486,16 +502,19 @@ std::shared_ptr<WinOp> WindowHub::get(uint64_t id, const Weights& srcs, bool wit
       check_alive(*w, src, what);
       WinSlotHeader* mine = w->slot(rank_, src);
       WinSlotHeader* theirs = w->slot(src, src);
-      SlotGuard g1(mine, deadline, [&] { return what + ": own slot for rank " + std::to_string(src) + " stayed locked"; });
-      SlotGuard g2(theirs, deadline,
-                   [&] { return what + ": rank " + std::to_string(src) + " kept its value locked past the deadline"; });
+      SlotGuard g1(mine, deadline,
+                   [&] { return what + ": own slot for rank " + std::to_string(src) + " stayed locked"; });
+      SlotGuard g2(theirs, deadline, [&] {
+        return what + ": rank " + std::to_string(src) + " kept its value locked past the deadline";
+      });
       scaled_write(w->slot_data(rank_, src), w->slot_data(src, src), w->count, w->dtype, weight, false);
       if (with_p) mine->p = weight * theirs->p;
       mine->version.fetch_add(1, std::memory_order_relaxed);
       ++mine->writes;
     } else {
       OutMsg m;
-      m.hdr = WinFrame{kFrameMagic, kGetRequest, static_cast<uint8_t>(with_p), 0, rank_, 0, id, 0, 0, weight, 0, 0};
+      m.hdr = WinFrame{
+          kFrameMagic, kGetRequest, static_cast<uint8_t>(with_p), 0, rank_, 0, id, 0, 0, weight, 0, 0};
       std::shared_ptr<WinOp> part = require_mutex ? std::make_shared<WinOp>(what, id) : op;
       {
         std::lock_guard lk(mu_);
@@ -519,17 +538,19 @@ std::shared_ptr<WinOp> WindowHub::get(uint64_t id, const Weights& srcs, bool wit
   return op;
 }
 
-void WindowHub::update(uint64_t id, double self_weight, const Weights& nbrs_in, bool reset, bool with_p, void* out,
-                       bool require_mutex, const Deadline& deadline) {
+void WindowHub::update(uint64_t id, double self_weight, const Weights& nbrs_in, bool reset, bool with_p,
+                       void* out, bool require_mutex, const Deadline& deadline) {
   auto w = find(id, "win_update");
   const std::string what = "win_update('" + w->name + "')";
   Weights nbrs = nbrs_in;
   std::sort(nbrs.begin(), nbrs.end());
   for (size_t i = 0; i < nbrs.size(); ++i) {
     if (nbrs[i].first >= size_ || nbrs[i].first == rank_)
-      throw Error(ErrorKind::kInvalidArgument, what + ": neighbor rank " + std::to_string(nbrs[i].first) + " is invalid");
+      throw Error(ErrorKind::kInvalidArgument,
+                  what + ": neighbor rank " + std::to_string(nbrs[i].first) + " is invalid");
     if (i > 0 && nbrs[i].first == nbrs[i - 1].first)
-      throw Error(ErrorKind::kInvalidArgument, what + ": neighbor rank " + std::to_string(nbrs[i].first) + " given twice");
+      throw Error(ErrorKind::kInvalidArgument,
+                  what + ": neighbor rank " + std::to_string(nbrs[i].first) + " given twice");
   }
   if (require_mutex) mutex_acquire_one(*w, rank_, deadline);
   struct Release {
@@ -547,8 +568,9 @@ void WindowHub::update(uint64_t id, double self_weight, const Weights& nbrs_in, 
   std::vector<const void*> srcs;
   std::vector<double> weights;
   for (const auto& [j, wt] : nbrs) {
-    guards.push_back(std::make_unique<SlotGuard>(
-        w->slot(rank_, j), deadline, [&, j = j] { return what + ": slot of rank " + std::to_string(j) + " stayed locked"; }));
+    guards.push_back(std::make_unique<SlotGuard>(w->slot(rank_, j), deadline, [&, j = j] {
+      return what + ": slot of rank " + std::to_string(j) + " stayed locked";
+    }));
     srcs.push_back(w->slot_data(rank_, j));
     weights.push_back(wt);
   }
@@ -606,7 +628,8 @@ void WindowHub::mutex_acquire(uint64_t id, std::vector<uint32_t> ranks, const De
   std::vector<uint32_t> got;
   try {
     for (uint32_t r : ranks) {
-      if (r >= size_) throw Error(ErrorKind::kInvalidArgument, "win_mutex: rank " + std::to_string(r) + " is invalid");
+      if (r >= size_)
+        throw Error(ErrorKind::kInvalidArgument, "win_mutex: rank " + std::to_string(r) + " is invalid");
       {
         std::lock_guard lk(w->held_mu);
         if (w->held.count(r)) continue;
@@ -640,8 +663,8 @@ void WindowHub::mutex_acquire_one(Window& w, uint32_t target, const Deadline& de
       uint32_t expected = 0;
       if (m.compare_exchange_strong(expected, rank_ + 1, std::memory_order_acquire)) break;
       if (deadline.expired())
-        throw Error(ErrorKind::kTimeout,
-                    what + ": still held by rank " + std::to_string(expected - 1) + " when the deadline passed");
+        throw Error(ErrorKind::kTimeout, what + ": still held by rank " + std::to_string(expected - 1) +
+                                             " when the deadline passed");
       futex_wait(&m, expected, 10000);
     }
   } else {
@@ -649,7 +672,8 @@ void WindowHub::mutex_acquire_one(Window& w, uint32_t target, const Deadline& de
     {
       std::lock_guard lk(mu_);
       OutMsg msg;
-      msg.hdr = WinFrame{kFrameMagic, kMutexAcquire, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
+      msg.hdr =
+          WinFrame{kFrameMagic, kMutexAcquire, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
       uint64_t op_id = msg.hdr.op_id;
       try {
         enqueue(target, std::move(msg));
@@ -675,11 +699,13 @@ void WindowHub::mutex_release_one(Window& w, uint32_t target, const Deadline& de
     m.store(0, std::memory_order_release);
     futex_wake_all(&m);
   } else {
-    auto op = std::make_shared<WinOp>("win_mutex('" + w.name + "') release at rank " + std::to_string(target), w.id);
+    auto op = std::make_shared<WinOp>("win_mutex('" + w.name + "') release at rank " + std::to_string(target),
+                                      w.id);
     {
       std::lock_guard lk(mu_);
       OutMsg msg;
-      msg.hdr = WinFrame{kFrameMagic, kMutexRelease, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
+      msg.hdr =
+          WinFrame{kFrameMagic, kMutexRelease, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
       uint64_t op_id = msg.hdr.op_id;
       try {
         enqueue(target, std::move(msg));
@@ -739,8 +765,9 @@ void WindowHub::fail_link(Link& l, const std::string& why) {
 void WindowHub::reply(Link& l, const WinFrame& req, uint8_t kind, uint32_t status, double p,
                       std::shared_ptr<std::vector<std::byte>> payload) {
   OutMsg m;
-  m.hdr = WinFrame{kFrameMagic, kind, req.with_p, 0, rank_, status, req.window, req.op_id,
-                   payload ? payload->size() : 0, req.weight, p, 0};
+  m.hdr = WinFrame{
+      kFrameMagic, kind, req.with_p, 0, rank_, status, req.window, req.op_id, payload ? payload->size() : 0,
+      req.weight,  p,    0};
   m.owned = std::move(payload);
   std::lock_guard lk(mu_);
   if (!l.dead) l.out.push_back(std::move(m));
@@ -784,7 +811,8 @@ void WindowHub::handle_frame(Link& l) {
     case kAccumulate: {
       uint32_t st = !w ? kUnknownWindow : f.bytes != w->bytes ? kSizeMismatch : kOk;
       if (st == kOk)
-        st = apply_write(*w, l.peer, l.payload.data(), f.kind == kAccumulate, f.weight, f.with_p != 0, f.p, dl);
+        st = apply_write(*w, l.peer, l.payload.data(), f.kind == kAccumulate, f.weight, f.with_p != 0, f.p,
+                         dl);
       frames_applied_.fetch_add(1);
       reply(l, f, kAck, st, 0, nullptr);
       break;
@@ -815,7 +843,9 @@ void WindowHub::handle_frame(Link& l) {
       if (st == kOk) {
         try {
           WinSlotHeader* s = w->slot(rank_, l.peer);
-          SlotGuard g(s, dl, [&] { return w->desc() + ": slot of rank " + std::to_string(l.peer) + " stayed locked"; });
+          SlotGuard g(s, dl, [&] {
+            return w->desc() + ": slot of rank " + std::to_string(l.peer) + " stayed locked";
+          });
           scaled_write(w->slot_data(rank_, l.peer), l.payload.data(), w->count, w->dtype, f.weight, false);
           if (f.with_p) s->p = f.weight * f.p;
           s->version.fetch_add(1, std::memory_order_relaxed);
@@ -826,17 +856,18 @@ void WindowHub::handle_frame(Link& l) {
         frames_applied_.fetch_add(1);
       }
       if (st != kOk)
-        err = std::make_exception_ptr(Error(ErrorKind::kInvalidArgument, "win_get: rank " + std::to_string(l.peer) +
-                                                                             " refused: " + status_text(st)));
+        err = std::make_exception_ptr(
+            Error(ErrorKind::kInvalidArgument,
+                  "win_get: rank " + std::to_string(l.peer) + " refused: " + status_text(st)));
       finish_inflight(f.op_id, l.peer, err);
       break;
     }
     case kAck: {
       std::exception_ptr err;
       if (f.status != kOk)
-        err = std::make_exception_ptr(Error(f.status == kFailed ? ErrorKind::kTimeout : ErrorKind::kInvalidArgument,
-                                            "window operation refused by rank " + std::to_string(l.peer) + ": " +
-                                                status_text(f.status)));
+        err = std::make_exception_ptr(Error(
+            f.status == kFailed ? ErrorKind::kTimeout : ErrorKind::kInvalidArgument,
+            "window operation refused by rank " + std::to_string(l.peer) + ": " + status_text(f.status)));
       finish_inflight(f.op_id, l.peer, err);
       break;
     }
@@ -902,7 +933,8 @@ void WindowHub::progress_loop() {
         for (auto& lp : links_)
           if (lp && lp->abort_requested && !lp->dead) aborts.push_back(lp.get());
       }
-      for (Link* l : aborts) fail_link(*l, "a window operation's deadline passed while waiting for this peer");
+      for (Link* l : aborts)
+        fail_link(*l, "a window operation's deadline passed while waiting for this peer");
     }
     for (size_t i = 0; i < order.size(); ++i) {
       Link& l = *order[i];
@@ -912,7 +944,8 @@ void WindowHub::progress_loop() {
           // Read as much as is there: frames, and their payloads.
           for (;;) {
             if (l.in_hdr < sizeof(WinFrame)) {
-              ssize_t n = ::recv(l.fd.get(), reinterpret_cast<char*>(&l.in) + l.in_hdr, sizeof(WinFrame) - l.in_hdr, 0);
+              ssize_t n = ::recv(l.fd.get(), reinterpret_cast<char*>(&l.in) + l.in_hdr,
+                                 sizeof(WinFrame) - l.in_hdr, 0);
               if (n == 0) throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
               if (n < 0) {
                 if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
@@ -921,7 +954,8 @@ void WindowHub::progress_loop() {
               l.in_hdr += static_cast<size_t>(n);
               if (l.in_hdr < sizeof(WinFrame)) continue;
               if (l.in.magic != kFrameMagic) throw Error(ErrorKind::kProtocol, "bad window frame magic");
-              if (l.in.bytes > (size_t{1} << 40)) throw Error(ErrorKind::kProtocol, "implausible window frame size");
+              if (l.in.bytes > (size_t{1} << 40))
+                throw Error(ErrorKind::kProtocol, "implausible window frame size");
               l.payload.resize(l.in.bytes);
               l.in_got = 0;
             }

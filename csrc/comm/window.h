@@ -34,7 +34,7 @@ namespace rumor {
 
 // Where one window's slot lives and what guards it. 64 bytes, at the head of every slot.
 struct alignas(64) WinSlotHeader {
-  std::atomic<uint32_t> lock;     // 0 free, 1 held, 2 held with sleepers (futex word)
+  std::atomic<uint32_t> lock;  // 0 free, 1 held, 2 held with sleepers (futex word)
   uint32_t reserved;
   std::atomic<uint64_t> version;  // writes since the owner last combined this slot
   double p;                       // push-sum weight carried with the data

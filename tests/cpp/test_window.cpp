@@ -49,7 +49,9 @@ TEST_P(WindowTest, PutAccumulateGetUpdateClosedForms) {
     WindowHub hub(w.ctx[r]);
     std::vector<float> x(K);
     for (size_t i = 0; i < K; ++i) x[i] = static_cast<float>(r) + static_cast<float>(i % 7);
-    auto expect_x = [&](uint32_t rank, size_t i) { return static_cast<float>(rank) + static_cast<float>(i % 7); };
+    auto expect_x = [&](uint32_t rank, size_t i) {
+      return static_cast<float>(rank) + static_cast<float>(i % 7);
+    };
     create(hub, c, 1, x.data(), K, DType::F32, /*zero=*/false);
     // Before any put, the slots hold this rank's own tensor (BlueFog's convention).
     if (n > 1) {
@@ -57,6 +59,7 @@ TEST_P(WindowTest, PutAccumulateGetUpdateClosedForms) {
       hub.update(1, 0.0, {{(r + 1) % n, 1.0}}, false, false, out.data(), false, dl());
       for (size_t i = 0; i < K; ++i) ASSERT_EQ(out[i], expect_x(r, i));
     }
+    c.barrier();  // nobody puts before every rank checked its initial slots
     // Ring put: rank r -> r+1 with weight 0.25 + r.
     uint32_t next = (r + 1) % n, prev = (r + n - 1) % n;
     if (n > 1) hub.wait(hub.put(1, x.data(), {{next, 0.25 + r}}, false, false, false, dl()), dl());
@@ -64,7 +67,8 @@ TEST_P(WindowTest, PutAccumulateGetUpdateClosedForms) {
     if (n > 1) {
       hub.update(1, 0.5, {{prev, 1.0}}, /*reset=*/true, false, x.data(), false, dl());
       for (size_t i = 0; i < K; ++i)
-        ASSERT_FLOAT_EQ(x[i], 0.5f * expect_x(r, i) + static_cast<float>(0.25 + prev) * expect_x(prev, i)) << i;
+        ASSERT_FLOAT_EQ(x[i], 0.5f * expect_x(r, i) + static_cast<float>(0.25 + prev) * expect_x(prev, i))
+            << i;
     }
     c.barrier();
     // Accumulate twice from every other rank into a zero-initialised window.
@@ -283,7 +287,8 @@ TEST(Window, Errors) {
     EXPECT_THROW(hub.put(2, x.data(), {{1 - r, 1.0}}, false, false, false, dl()), Error);  // unknown id
     EXPECT_THROW(hub.put(1, x.data(), {{r, 1.0}}, false, false, false, dl()), Error);      // to itself
     EXPECT_THROW(hub.put(1, x.data(), {{7, 1.0}}, false, false, false, dl()), Error);      // no such rank
-    EXPECT_THROW(hub.update(1, 1.0, {{1 - r, 1.0}, {1 - r, 1.0}}, false, false, x.data(), false, dl()), Error);
+    EXPECT_THROW(hub.update(1, 1.0, {{1 - r, 1.0}, {1 - r, 1.0}}, false, false, x.data(), false, dl()),
+                 Error);
     c.barrier();
     // A window freed on the target: the put is refused by the target, naming why.
     if (r == 1) hub.free(1, dl());
@@ -316,7 +321,8 @@ TEST(Window, DeadPeerFailsPromptly) {
     gone_f.wait();
     auto t0 = Clock::now();
     try {
-      for (int i = 0; i < 100; ++i) hub->wait(hub->put(1, x.data(), {{1, 1.0}}, false, false, false, dl()), dl());
+      for (int i = 0; i < 100; ++i)
+        hub->wait(hub->put(1, x.data(), {{1, 1.0}}, false, false, false, dl()), dl());
       ADD_FAILURE() << "put to a closed peer succeeded";
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::kPeerGone) << e.what();

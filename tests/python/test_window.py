@@ -402,3 +402,68 @@ def test_window_optimizers_train(kind):
     for r, (first, last, spread) in enumerate(res):
         assert last < 0.7 * first, f"rank {r}: loss {first:.4f} -> {last:.4f}"
         assert spread < 0.5, f"replicas spread {spread}"
+
+
+def stress_rank(rounds):
+    """Every other rank puts and accumulates into rank 0 as fast as it can while rank 0 combines
+    and collects: each combined tensor must be one whole version per sender (all elements equal
+    to a value that sender put), and the accumulated ones must add up exactly."""
+    import rumor
+    import torch
+
+    rumor.init()
+    n, r = rumor.size(), rumor.rank()
+    k = 1 << 17  # 512 KiB: a copy that is not guarded gets interrupted
+    x = torch.zeros(k)
+    acc = torch.zeros(k, dtype=torch.float64)
+    rumor.win_create(x, "stress", zero_init=True)
+    rumor.win_create(acc, "stress_acc", zero_init=True)
+    senders = {j: 1.0 for j in range(1, n)}
+    if r == 0:
+        collected, reads, bad = 0.0, 0, []
+        done = rumor.barrier  # the senders' barrier below marks the end
+        import threading
+
+        finished = threading.Event()
+
+        def wait_senders():
+            done()
+            finished.set()
+
+        t = threading.Thread(target=wait_senders)
+        t.start()
+        while True:
+            last = finished.is_set()
+            for j in senders:
+                got = rumor.win_update("stress", self_weight=0.0, neighbor_weights={j: 1.0}, clone=True)
+                v = float(got[0])
+                if not torch.all(got == v) or (v != 0 and (int(v) % 1000) != j):
+                    bad.append(f"torn or foreign read from rank {j}: {got.unique()[:5].tolist()}")
+            got = rumor.win_update("stress_acc", self_weight=0.0, neighbor_weights=senders, reset=True, clone=True)
+            if not torch.all(got == got[0]):
+                bad.append("torn accumulate")
+            collected += float(got[0])
+            reads += 1
+            if last:
+                break
+        t.join()
+        want = float(sum(range(1, n)) * rounds)
+        assert not bad, bad[:5]
+        assert collected == want, f"accumulated {collected}, expected {want} (lost or duplicated updates)"
+        assert reads > 1
+    else:
+        one = torch.full((k,), float(r), dtype=torch.float64)
+        v = torch.empty(k)
+        for t in range(1, rounds + 1):
+            v.fill_(float(t * 1000 + r))  # every element carries the version: a torn read shows
+            rumor.win_put(v, "stress", dst_weights={0: 1.0})
+            rumor.win_accumulate(one, "stress_acc", dst_weights={0: 1.0})
+        rumor.barrier()
+    rumor.barrier()
+    rumor.win_free()
+    return True
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_concurrent_puts_no_torn_reads_nothing_lost(shm):
+    assert harness.run(stress_rank, 4, timeout=120, args=(150,), env={"RUMOR_SHM": "1" if shm else "0"}) == [True] * 4
