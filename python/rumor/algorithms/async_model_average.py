@@ -36,7 +36,7 @@ from typing import List, Optional
 import torch
 
 from .. import _C, _runtime
-from .._tensor import address, dtype_code
+from .._tensor import address, copy_into, dtype_code
 from ..collectives import ReduceOp
 from ..errors import RumorError
 from .base import Algorithm
@@ -438,14 +438,14 @@ class AsyncModelAverage(Algorithm):
             retaken = self._pending
             self._pending = False
             for s in slots:
-                s.snap.copy_(s.x)
+                copy_into(s.snap, s.x)  # libc's streaming copy: the lock is held for this only
         for s in slots:
             if retaken:
                 s.delta.add_(s.snap)          # snapshot + old delta (in the delta's dtype)
                 if s.delta is not s.work:
                     s.work.copy_(s.delta)
             else:
-                s.work.copy_(s.snap)
+                copy_into(s.work, s.snap)
         self._mixer.average([s.work for s in slots], census)
         if state == LEAVING:
             # Idle since finish() (which applied any pending delta first): x is the snapshot,
