@@ -236,7 +236,7 @@ def _window(cfg: Dict, v: str, fresh, step, sleep_s: float, rank: int, n: int) -
             dist.all_reduce(flag)
             if flag[0] > 0:
                 break
-    out = dict(t=ends, loss=losses, step_s=durs)
+    out = dict(t=[round(x, 5) for x in ends], loss=[round(x, 5) for x in losses], step_s=[round(x, 5) for x in durs])
     if alg is not None and hasattr(alg, "finish"):
         out["rounds"] = alg.rounds
         alg.finish()  # waits for every rank; not part of the window
@@ -311,7 +311,6 @@ def summarize(cell: Dict) -> None:
                  final_loss=statistics.median(x for x in final if x is not None) if any(final) else None,
                  steps_per_rank=[len(x["t"]) for x in ranks0], fastest_step_s=min(med_steps),
                  slowest_step_s=max(med_steps), rounds=[x.get("rounds") for x in ranks0])
-        d["curve"] = smoothed_curve(ranks0)
         cell["variants"][v] = d
     t = cell["variants"].get("torch")
     for v, d in cell["variants"].items():
@@ -400,9 +399,10 @@ def plot(path: str, cells: List[Dict]) -> Optional[str]:
         ax.grid(True, axis="y", alpha=0.3)
         ax = axes[1][j]
         sc = next((c for c in mc if c["case"] == "straggler"), mc[-1])
-        for v, d in sc["variants"].items():
-            if d["curve"]:
-                ts, ls = zip(*d["curve"])
+        for v in sc["variants"]:
+            curve = smoothed_curve(sc["runs"][v][0])
+            if curve:
+                ts, ls = zip(*curve)
                 ax.plot(ts, ls, label=label(v), color=colors.get(v))
         ax.axhline(sc["target_loss"], color="k", ls="--", lw=0.8, label="target")
         ax.set_xlabel("s from the window start")
