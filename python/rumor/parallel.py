@@ -205,6 +205,14 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine.set_buckets(specs)
         self.buckets = buckets
 
+    def _refresh_bucket_ops(self) -> None:
+        """Asks the algorithm again for each bucket's op, keeping the buckets (for algorithms
+        whose op changes during training, e.g. AsyncModelAverage after its warm-up). Only
+        between iterations (no bucket in flight), e.g. from after_backward."""
+        specs = [(address(b.flat), b.flat.numel(), dtype_code(b.flat.dtype, "bucket"), len(b.params),
+                  self.algorithm.bucket_op(self, b)) for b in self.buckets]
+        self._engine.set_buckets(specs)
+
     def _shared_buckets(self) -> bool:
         """Buckets go to shared memory when every rank of the group is on this host."""
         comm = self.group._comm
@@ -290,7 +298,11 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine.finish(self._timeout)
         self._timeline = (self._forward_times, compute_end, time.monotonic(), self._engine.last_timings())
         if not self._rebuilt:
-            self._rebuild_in_ready_order()
+            if self.algorithm.rebuild_buckets(self):
+                self._rebuild_in_ready_order()
+            else:
+                self._rebuilt = True
+                self._ready_order, self._ready_times = [], {}
         self.algorithm.after_backward(self)
 
     def _rebuild_in_ready_order(self) -> None:

@@ -38,6 +38,13 @@ class Algorithm:
     def bucket_op(self, ddp: "DistributedDataParallel", bucket: "Bucket"):
         raise NotImplementedError
 
+    def rebuild_buckets(self, ddp: "DistributedDataParallel") -> bool:
+        """Whether to rebuild the buckets in the observed ready order after the first iteration.
+        The rebuild is a collective on the wrapper's group (the first rank's order is broadcast)
+        at the end of the first backward; an algorithm whose backward communicates nothing, and
+        whose ranks need not be in step, may return False."""
+        return True
+
     def before_forward(self, ddp: "DistributedDataParallel") -> None:
         pass
 

@@ -1,0 +1,469 @@
+"""Asynchronous model averaging (Bagua's AsyncModelAverage): after a synchronous warm-up, every
+rank trains on its own and a background thread averages the weights every sync_interval_ms
+while computation goes on (see docs/decentralized_training.md for the semantics).
+
+How it fits together
+--------------------
+* Warm-up (the first ``warmup_steps`` synchronized backward passes, i.e. optimizer steps): the
+  buckets run GradientAllReduce's op, so those steps are exactly GradientAllReduce's.
+* Then the buckets switch to the local op (backward communicates nothing) and a daemon thread
+  runs *rounds* on a communicator of its own (``rumor.new_group`` of the wrapper's ranks, made
+  in ``init``), so its collectives never interleave with the training thread's.
+* A round: (1) every rank's thread allreduces a small *census* word saying whether this rank
+  contributes its weights (ACTIVE, or LEAVING: finished and idle) or not (PAUSED by abort());
+  all threads see the same sums, so they agree on what happens next without any other message;
+  (2) if at least two ranks contribute, the weights are averaged: a contributor copies its
+  weights into a private snapshot and a work buffer, non-contributors send zeros, and the sum is
+  divided by the number of contributors; (3) the thread turns the result into a delta
+  ``average - snapshot`` in a private buffer. The training thread adds it to the weights at
+  the next fixed point (``before_forward``), so local progress made while the round ran is
+  kept: ``x <- x + (average - snapshot)``. Weights therefore never change inside a forward or
+  backward, and no lock is held across them (the lock covers one memory copy or one add).
+* When every rank has called ``finish()`` the threads run a last round that sets every rank's
+  weights to the average of all ranks (identical bits everywhere) and exit.
+
+The communication of a round is a strategy object per ``peer_selection_mode`` (``_Mixer``):
+"all" is the census + allreduce above; the gossip modes ("ring", "shift_one", "exp2") will put
+weights into neighbours' one-sided windows and plug in there.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import List, Optional
+
+import torch
+
+from .. import _C, _runtime
+from .._tensor import address, copy_into, dtype_code
+from ..collectives import ReduceOp
+from ..errors import RumorError
+from .base import Algorithm
+from .decentralized import FlatWeights
+from .gradient_allreduce import GradientAllReduce
+
+PEER_SELECTION_MODES = ("all", "ring", "shift_one", "exp2")
+GOSSIP_MODES = ("ring", "shift_one", "exp2")
+
+# What a rank contributes to a round (its census entry).
+ACTIVE = 0   # training; contributes its weights, gets a delta to apply
+PAUSED = 1   # abort() was called; contributes nothing, its weights are left alone
+LEAVING = 2  # finish() was called; idle, contributes its (no longer moving) weights
+
+_HALF = (torch.float16, torch.bfloat16)
+_ONE_FLAT = 1 << 62  # a cap no model reaches: one flat buffer per dtype
+
+
+# ---- the delta rule, per dtype (pure functions; the unit tests call them directly) ---------------
+
+def delta_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype deltas are kept in: float32 for half types (a difference of two halves is
+    exact in float32, and x + delta is then rounded once), the parameter's own otherwise."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def compute_delta(average: torch.Tensor, snapshot: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out <- average - snapshot, computed in out's dtype (out may be ``average`` itself)."""
+    if out.data_ptr() != average.data_ptr():
+        out.copy_(average)
+    return out.sub_(snapshot)
+
+
+def apply_delta(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """x <- x + delta, computed in delta's dtype and rounded once into x's (in-place add with a
+    float32 operand computes in float32 for half x). With no local progress since the snapshot
+    (x == snapshot) this gives the average exactly whenever average - snapshot is exact in the
+    delta dtype: always for half types, and for float32 when the two are within a factor of two."""
+    return x.add_(delta)
+
+
+class _Slot:
+    """One flat weight buffer and the private buffers of the averaging thread."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x                                  # the parameters' storage
+        self.snap = torch.empty_like(x)             # weights when the round took them
+        self.work = torch.empty_like(x)             # what is sent; the average comes back here
+        dd = delta_dtype(x.dtype)
+        # average - snapshot; for full-precision types it lives in ``work`` (no extra copy)
+        self.delta = self.work if dd == x.dtype else torch.empty(x.numel(), dtype=dd)
+
+
+# ---- peer selection strategies ------------------------------------------------------------------
+
+class _Census:
+    """What every rank's thread learnt from a round's census (the same on every rank)."""
+
+    __slots__ = ("active", "paused", "leaving", "ranks")
+
+    def __init__(self, active: int, paused: int, leaving: int, ranks: int):
+        self.active, self.paused, self.leaving, self.ranks = active, paused, leaving, ranks
+
+    @property
+    def contributors(self) -> int:
+        return self.active + self.leaving
+
+    @property
+    def all_leaving(self) -> bool:
+        return self.leaving == self.ranks
+
+
+class _Mixer:
+    """The communication of one averaging round for one peer selection mode. The algorithm owns
+    the rest (when rounds run, snapshots, deltas, abort/resume/finish). Only the background
+    thread calls these, after ``setup`` (called collectively from the algorithm's init)."""
+
+    def setup(self, ddp) -> None:
+        raise NotImplementedError
+
+    def census(self, state: int) -> _Census:
+        """Tells the others what this rank does in this round and learns what they do."""
+        raise NotImplementedError
+
+    def average(self, bufs: List[torch.Tensor], census: _Census) -> None:
+        """Each buffer (one per flat weight buffer, in the same order on every rank) holds this
+        rank's contribution, zeros if it does not contribute; replaces it with the average of
+        the contributors'."""
+        raise NotImplementedError
+
+    def final(self, slots: List[_Slot]) -> None:
+        """Every rank is idle in finish(): averages the weights themselves, in place."""
+        raise NotImplementedError
+
+
+class _AllMixer(_Mixer):
+    """"all": a census allreduce then one allreduce per flat buffer over every rank, on a
+    communicator that only the background thread uses."""
+
+    def setup(self, ddp) -> None:
+        # Every rank wrapping the model calls this at the same point, as rumor.new_group needs.
+        self.group = _runtime.new_group(ddp.group.ranks)
+        self.comm = self.group._comm
+        self._word = torch.zeros(4, dtype=torch.int64)
+        self._algo = 0  # auto
+
+    def _allreduce(self, t: torch.Tensor, code: int, op: ReduceOp) -> None:
+        # Blocking, GIL released by the binding (the training thread keeps computing).
+        self.comm.allreduce(address(t), t.numel(), code, int(op), self._algo, False)
+
+    def census(self, state: int) -> _Census:
+        w = self._word
+        w.zero_()
+        w[state] = 1
+        w[3] = 1
+        self._allreduce(w, 5, ReduceOp.SUM)  # int64
+        a, p, l, n = (int(v) for v in w.tolist())
+        return _Census(a, p, l, n)
+
+    def average(self, bufs: List[torch.Tensor], census: _Census) -> None:
+        everyone = census.contributors == census.ranks
+        for b in bufs:
+            # With everyone contributing, AVG divides once inside the reduction; otherwise the
+            # non-contributors' zeros are summed in and the sum is divided by the contributors.
+            self._allreduce(b, dtype_code(b.dtype, "AsyncModelAverage"), ReduceOp.AVG if everyone else ReduceOp.SUM)
+            if not everyone:
+                b.div_(census.contributors)
+
+    def final(self, slots: List[_Slot]) -> None:
+        for s in slots:
+            self._allreduce(s.x, dtype_code(s.x.dtype, "AsyncModelAverage"), ReduceOp.AVG)
+
+
+def _make_mixer(mode: str) -> _Mixer:
+    if mode == "all":
+        return _AllMixer()
+    raise NotImplementedError(
+        f"AsyncModelAverage: peer_selection_mode={mode!r} is not available yet: gossip over windows is "
+        "being added (rumor.win_put / win_update); use peer_selection_mode='all'")
+
+
+# ---- the algorithm ------------------------------------------------------------------------------
+
+def _check_mode(mode) -> str:
+    if not isinstance(mode, str):
+        raise TypeError(f"AsyncModelAverage: peer_selection_mode must be a string, one of "
+                        f"{', '.join(PEER_SELECTION_MODES)}; got {type(mode).__name__}")
+    if mode not in PEER_SELECTION_MODES:
+        raise ValueError(f"AsyncModelAverage: unknown peer_selection_mode {mode!r}; expected one of "
+                         f"{', '.join(PEER_SELECTION_MODES)}")
+    if mode in GOSSIP_MODES:
+        _make_mixer(mode)  # raises NotImplementedError with the explanation
+    return mode
+
+
+def _check_interval(ms) -> float:
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)):
+        raise TypeError(f"AsyncModelAverage: sync_interval_ms must be a number of milliseconds, got "
+                        f"{type(ms).__name__}")
+    if not math.isfinite(ms) or ms < 0:
+        raise ValueError(f"AsyncModelAverage: sync_interval_ms must be finite and >= 0, got {ms!r}")
+    return float(ms)
+
+
+def _check_warmup(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"AsyncModelAverage: warmup_steps must be an integer, got {type(k).__name__}")
+    if k < 0:
+        raise ValueError(f"AsyncModelAverage: warmup_steps must be >= 0, got {k}")
+    return k
+
+
+class AsyncModelAverage(Algorithm):
+    """Asynchronous model averaging (Bagua's AsyncModelAverageAlgorithm).
+
+    peer_selection_mode: "all" averages over every rank. "ring", "shift_one" and "exp2" (gossip
+      over one-sided windows) raise NotImplementedError for now.
+    sync_interval_ms: time from the start of one averaging round to the start of the next (a
+      round that takes longer is followed at once by the next); 0 runs rounds back to back.
+    warmup_steps: the first warmup_steps optimizer steps (synchronized backward passes) average
+      gradients exactly like GradientAllReduce; asynchronous averaging starts after them.
+
+    After warm-up, backward communicates nothing; a background thread averages the weights with
+    the other ranks every sync_interval_ms and the result is applied, as
+    ``x <- x + (average - snapshot)``, at the start of the next forward. Ranks do not wait for
+    each other: a slow rank is averaged with whatever it last contributed.
+
+    Every rank must call ``finish()`` at the end of training (also ranks whose data ran out
+    early: they wait there, still taking part in the averages, until every rank has called it);
+    it returns when all have, with every rank holding the same weights. ``abort()`` /
+    ``resume()`` stop and restart this rank's part in the averaging; any subset of ranks may
+    call them at any time. An error of the background thread (a dead or stalled peer) is raised
+    on the training thread at the next forward, or by finish().
+    """
+
+    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: float = 500, warmup_steps: int = 0):
+        self.peer_selection_mode = _check_mode(peer_selection_mode)
+        self.sync_interval_ms = _check_interval(sync_interval_ms)
+        self.warmup_steps = _check_warmup(warmup_steps)
+        self.steps = 0      # synchronized backward passes so far (warm-up included)
+        self.rounds = 0     # averaging rounds whose result this rank took (as a contributor)
+        self.applied = 0    # deltas applied to the weights by the training thread
+        self._ticks = 0     # censuses the background thread took part in (tests)
+        self._async = self.warmup_steps == 0   # bucket_op is asked before init()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._state = ACTIVE   # the state the next census reports (abort/resume/finish change it)
+        self._pending = False  # a delta is ready in the slots' delta buffers
+        self._finished = False
+        self._buffers_synced = False
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._ddp = None
+        self._slots: List[_Slot] = []
+        self._mixer: Optional[_Mixer] = None
+
+    # ---- Algorithm hooks ----------------------------------------------------------------------
+
+    def init(self, ddp) -> None:
+        if self._ddp is not None:
+            raise RuntimeError("AsyncModelAverage: this algorithm object already serves a DistributedDataParallel; "
+                               "create one per wrapper")
+        self._ddp = ddp
+        self._flat = FlatWeights(ddp._params, _ONE_FLAT, "AsyncModelAverage")
+        self._slots = [_Slot(f) for f in self._flat.flats]
+        self._mixer = _make_mixer(self.peer_selection_mode)
+        self._mixer.setup(ddp)
+        self._interval = self.sync_interval_ms / 1000.0
+        if self._async:
+            self._start_async(ddp)
+
+    def bucket_op(self, ddp, bucket):
+        if self._async:
+            return _C.local_op()
+        return GradientAllReduce().bucket_op(ddp, bucket)
+
+    def rebuild_buckets(self, ddp) -> bool:
+        # Asynchronous from the first step: no collective on the training thread, ever (the
+        # bucket order does not matter to the local op). During warm-up the ranks are in step.
+        return not self._async
+
+    def before_forward(self, ddp) -> None:
+        self._raise_if_failed()
+        if self._thread is None:
+            return
+        self._flat.ensure_views()
+        if self._pending:  # read without the lock: a hint, checked again under it
+            with self._lock:
+                self._apply_pending_locked()
+
+    def after_backward(self, ddp) -> None:
+        self.steps += 1
+        if not self._async and self.steps >= self.warmup_steps:
+            # The engine is idle here: the next backward runs the local op on every bucket.
+            self._async = True
+            ddp._refresh_bucket_ops()
+            self._start_async(ddp)
+
+    # ---- public control -----------------------------------------------------------------------
+
+    def abort(self, ddp=None) -> None:
+        """Stops this rank's part in the averaging after the current round: from the next round
+        on it contributes nothing and its weights change only by its own training (the result
+        of a round already in flight is still applied at the next forward). The background
+        thread keeps answering the other ranks' rounds, so any subset of ranks may call this, at
+        any time (before wrapping or during warm-up too: averaging then starts paused). Does not
+        block. ``ddp`` is accepted for Bagua compatibility (abort(model) there)."""
+        self._check_ddp(ddp)
+        with self._lock:
+            if self._finished:
+                raise RuntimeError("AsyncModelAverage.abort(): finish() was called already")
+            self._state = PAUSED
+
+    def resume(self, ddp=None) -> None:
+        """Undoes abort(): this rank contributes again from the next round on. Does not block."""
+        self._check_ddp(ddp)
+        with self._lock:
+            if self._finished:
+                raise RuntimeError("AsyncModelAverage.resume(): finish() was called already")
+            self._state = ACTIVE
+
+    def finish(self, timeout: Optional[float] = None) -> None:
+        """Ends asynchronous averaging; every rank must call it once training is over.
+
+        This rank stops training but keeps contributing its (now fixed) weights to the rounds of
+        the ranks still training, so that its progress is not lost and nobody waits for it. When
+        every rank has called finish(), a last round gives every rank the average of all ranks'
+        weights (the same bits everywhere) and finish() returns. A paused rank rejoins for that
+        last round. Raises the background thread's error if it failed (e.g. a dead peer), and
+        TimeoutError if ``timeout`` seconds pass first (None: wait while the peers are alive;
+        every round still has the job's deadline; call finish() again to keep waiting). Later
+        forwards leave the weights alone. Buffers (broadcast only during warm-up) are broadcast
+        from the first rank once more at the end. Returns at once if called during warm-up (the
+        ranks are in step then; every rank must get through the warm-up steps)."""
+        if self._ddp is None:
+            raise RuntimeError("AsyncModelAverage.finish(): the algorithm is not wrapped in a DistributedDataParallel")
+        thread = self._thread
+        with self._lock:
+            if not self._finished:
+                self._finished = True
+                if thread is not None:
+                    self._apply_pending_locked()
+                    self._state = LEAVING
+        if thread is not None:
+            self._wake.set()
+            end = None if timeout is None else time.monotonic() + timeout
+            while thread.is_alive():
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"AsyncModelAverage.finish(): the other ranks did not all call finish() "
+                                       f"within {timeout} s")
+                thread.join(0.5 if left is None else min(0.5, left))
+        self._raise_if_failed()
+        if thread is not None and not self._buffers_synced:
+            self._buffers_synced = True
+            if self._saved_broadcast_buffers and self._ddp._buffers_to_sync:
+                # The last round completed, so every rank is here: one collective on the
+                # wrapper's group makes the buffers (broadcast only during warm-up) equal too.
+                from ..parallel import _coalesced_broadcast
+
+                _coalesced_broadcast(self._ddp._buffers_to_sync, self._ddp.group)
+
+    @property
+    def running(self) -> bool:
+        """Whether the background averaging thread runs (after warm-up, until finish())."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _check_ddp(self, ddp) -> None:
+        if ddp is not None and self._ddp is not None and getattr(ddp, "algorithm", None) is not self:
+            raise ValueError("AsyncModelAverage: the DistributedDataParallel given does not use this algorithm")
+
+    def _raise_if_failed(self) -> None:
+        e = self._error
+        if e is None:
+            return
+        msg = f"AsyncModelAverage: background averaging failed: {e}"
+        if isinstance(e, RumorError):
+            raise type(e)(msg) from e
+        raise RuntimeError(msg) from e
+
+    def _apply_pending_locked(self) -> None:
+        if self._pending:
+            for s in self._slots:
+                apply_delta(s.x, s.delta)
+            self._pending = False
+            self.applied += 1
+
+    def _start_async(self, ddp) -> None:
+        # Buffers (e.g. BatchNorm statistics) are broadcast before every forward only while the
+        # ranks are in step: afterwards each rank keeps its own (a collective per forward would
+        # put the ranks back in lockstep).
+        self._saved_broadcast_buffers = ddp.broadcast_buffers
+        ddp.broadcast_buffers = False
+        if self._finished:
+            return
+        self._thread = threading.Thread(target=self._loop, name="rumor-async-model-average", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            next_round = time.monotonic() + self._interval
+            while True:
+                delay = next_round - time.monotonic()
+                if delay > 0:
+                    self._wake.wait(delay)
+                self._wake.clear()
+                with self._lock:
+                    state = self._state
+                started = time.monotonic()
+                census = self._mixer.census(state)
+                self._ticks += 1
+                next_round = started + self._interval
+                if census.all_leaving:
+                    self._mixer.final(self._slots)
+                    self.rounds += 1
+                    return
+                if census.active >= 1 and census.contributors >= 2:
+                    self._round(state, census)
+        except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
+            self._error = e
+
+    def _round(self, state: int, census: _Census) -> None:
+        """One weight round. ``state`` is what this rank reported in the census: it decides what
+        it sends, even if abort()/resume()/finish() changed it since (the others count on it)."""
+        slots = self._slots
+        if state == PAUSED:
+            # Zeros, sent from the snapshot buffer: it is free between rounds, whereas ``work``
+            # may hold (for full precision) a delta still waiting for the training thread.
+            for s in slots:
+                s.snap.zero_()
+            self._mixer.average([s.snap for s in slots], census)
+            return
+        with self._lock:
+            # A delta the training thread has not applied yet (no forward since the last round)
+            # is taken back: this round sends x + delta and its own delta replaces the old one,
+            # so x + delta (what the rank would hold) is the quantity being averaged.
+            retaken = self._pending
+            self._pending = False
+            for s in slots:
+                copy_into(s.snap, s.x)  # libc's streaming copy: the lock is held for this only
+        for s in slots:
+            if retaken:
+                s.delta.add_(s.snap)          # snapshot + old delta (in the delta's dtype)
+                if s.delta is not s.work:
+                    s.work.copy_(s.delta)
+            else:
+                copy_into(s.work, s.snap)
+        self._mixer.average([s.work for s in slots], census)
+        if state == LEAVING:
+            # Idle since finish() (which applied any pending delta first): x is the snapshot,
+            # so x + (average - snapshot) is the average; copy it exactly.
+            with self._lock:
+                for s in slots:
+                    s.x.copy_(s.work)
+                self.rounds += 1
+            return
+        for s in slots:
+            compute_delta(s.work, s.snap, s.delta)
+        with self._lock:
+            if self._state == LEAVING:
+                # finish() came during the round: the training thread waits there and has
+                # applied what was pending; apply this round's result now.
+                for s in slots:
+                    apply_delta(s.x, s.delta)
+            else:
+                # Also after an abort() during the round: the round in flight completes.
+                self._pending = True
+            self.rounds += 1

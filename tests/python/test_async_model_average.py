@@ -1,0 +1,632 @@
+"""Asynchronous model averaging: rumor.algorithms.AsyncModelAverage.
+
+Behaviour, never speed: ranks are spawned by harness.run and return what they observed; nothing
+asserts on how long something took, only on what happened (which values, how many steps, which
+error). Covered:
+
+* warm-up steps are GradientAllReduce's, bit for bit (same model, data and optimizer, both
+  algorithms in the same processes); after warm-up backward communicates nothing (each rank's
+  gradient is its own local gradient);
+* with lr=0 and different weights per rank, the background rounds give every rank the exact
+  mean (float32, bfloat16, float16): x + (average - snapshot) with no local progress is the
+  average;
+* the delta rule keeps local progress: unit tests of compute_delta/apply_delta per dtype, and
+  end to end: with a constant gradient per rank, different step counts and a slow rank, the
+  weights after finish() are w0 - lr/n * sum_r steps_r * g_r on every rank (averaging
+  preserves the sum of the replicas, so every local step counts exactly once), identical bits;
+  the weights never change between the start of forward and the end of backward;
+* a slowed rank (sleep per step) does not hold the others back: they complete their steps while
+  the slow one does far fewer; the replicas stay close and the loss decreases;
+* abort()/resume() on one rank only (it keeps its weights, the others average among
+  themselves; after resume all meet at the mean), on all ranks (nothing moves), before
+  wrapping; abort after finish is refused;
+* a rank killed during asynchronous training (os._exit, SIGKILL): the survivors raise a rumor
+  error on their training thread (at the next forward, and from finish()), never hang;
+* bad arguments raise ValueError / TypeError / NotImplementedError (gossip modes).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+
+import pytest
+
+import harness
+
+D_IN, HIDDEN, CLASSES, BATCH = 8, 12, 4, 6
+
+
+# ==== inside a rank ===============================================================================
+
+def _init():
+    import torch
+
+    import rumor
+
+    torch.set_num_threads(1)
+    rumor.init()
+
+
+def _net(seed, dtype=None):
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES)).to(dtype or torch.float32)
+
+
+def _xy(step, shard, dtype=None):
+    import torch
+
+    g = torch.Generator().manual_seed(7919 * step + shard)
+    x = torch.randn(BATCH, D_IN, generator=g, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (BATCH,), generator=g)
+    return x.to(dtype or torch.float32), y
+
+
+def _flat(model):
+    import torch
+
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def _step(ddp, opt, t, rank, dtype=None):
+    import torch.nn.functional as F
+
+    x, y = _xy(t, rank, dtype)
+    opt.zero_grad()
+    loss = F.cross_entropy(ddp(x).float(), y)
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
+def _until(cond, step, limit_s=20.0, what=""):
+    """Calls step() until cond() holds; fails after limit_s (a bound, not a measurement)."""
+    import time
+
+    end = time.monotonic() + limit_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not reached within {limit_s} s")
+        step()
+
+
+def rank_warmup(warm):
+    """GradientAllReduce and AsyncModelAverage(warmup_steps=warm) on the same data: the first
+    `warm` steps must give the same bits. Then one asynchronous step: each rank's gradient is
+    its own local one."""
+    import torch
+    import torch.nn.functional as F
+
+    import rumor
+
+    _init()
+    rank = rumor.rank()
+    out = {}
+    for kind in ("gar", "async"):
+        model = _net(100 + rank)  # rank-dependent: wrapping broadcasts rank 0's
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if kind == "gar":
+            alg = rumor.algorithms.GradientAllReduce()
+        else:  # a long interval: no round runs before finish()
+            alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=60_000, warmup_steps=warm)
+        ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg, bucket_cap_mb=0.0005,
+                                            first_bucket_mb=0.0002)
+        traj = []
+        for t in range(warm):
+            if kind == "async":
+                assert not alg.running, "the averaging thread runs during warm-up"
+            _step(ddp, opt, t, rank)
+            traj.append(_flat(model))
+        out[kind] = traj
+        if kind == "async":
+            assert alg.running, "no averaging thread after warm-up"
+            assert len(ddp.buckets) > 1
+            # One asynchronous step: the gradient must be this rank's own.
+            ref = _net(0)
+            with torch.no_grad():
+                for p, q in zip(ref.parameters(), model.parameters()):
+                    p.copy_(q)
+            x, y = _xy(warm, rank)
+            F.cross_entropy(ref(x), y).backward()
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            out["local_grad"] = [torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters())]
+            out["grad"] = torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()])
+            opt.step()
+            alg.finish()
+            out["final"] = _flat(model)
+            out["running_after_finish"] = alg.running
+    rumor.shutdown()
+    return out
+
+
+def rank_mean(dtypes):
+    """lr=0 and weights rank+1 on every rank: rounds must make every rank hold the exact mean."""
+    import time
+
+    import torch
+
+    import rumor
+
+    _init()
+    rank, n = rumor.rank(), rumor.size()
+    out = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        model = _net(1, dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=10)
+        ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(rank + 1)
+        mean = (n + 1) / 2
+        target = torch.full_like(_flat(model), mean)
+
+        def step():
+            _step(ddp, opt, 0, rank, dtype)
+            time.sleep(0.005)
+
+        _until(lambda: torch.equal(_flat(model), target), step, what=f"{name}: mean")
+        rounds = alg.rounds
+        alg.finish()
+        out[name] = dict(before=torch.equal(_flat(model), target), rounds=rounds, applied=alg.applied,
+                         after=_flat(model))
+    rumor.shutdown()
+    return out
+
+
+def _const_model(rank):
+    """A model whose loss gradient is a fixed tensor per rank: loss = sum_p <p, g_p>."""
+    import torch
+    import torch.nn as nn
+
+    class ConstGrad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(5)
+            self.w = nn.Parameter(torch.randn(16, 8, dtype=torch.float64))
+            self.b = nn.Parameter(torch.randn(8, dtype=torch.float64))
+            self.seen = None
+
+        def forward(self, gs):
+            # Weights as forward sees them (after the algorithm's before_forward).
+            self.seen = [self.w.detach().clone(), self.b.detach().clone()]
+            return (self.w * gs[0]).sum() + (self.b * gs[1]).sum()
+
+    return ConstGrad()
+
+
+def _const_grads(rank):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randn(16, 8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)]
+
+
+def rank_progress(steps, sleeps, warm, lr, interval_ms):
+    """Constant gradient g_r per rank, `steps[r]` steps each (sleeping sleeps[r] per step):
+    returns the weights after finish() and whether the weights ever changed between the start
+    of forward and the end of backward."""
+    import time
+
+    import torch
+
+    import rumor
+
+    _init()
+    rank = rumor.rank()
+    model = _const_model(rank)
+    w0 = [p.detach().clone() for p in model.parameters()]
+    gs = _const_grads(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=interval_ms, warmup_steps=warm)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    moved_inside = 0
+    for _ in range(steps[rank]):
+        opt.zero_grad()
+        loss = ddp(gs)
+        time.sleep(0.002)  # a wider window for a (wrong) write by the averaging thread
+        loss.backward()
+        now = [model.w.detach(), model.b.detach()]
+        moved_inside += int(not all(torch.equal(a, b) for a, b in zip(model.seen, now)))
+        opt.step()
+        if sleeps[rank]:
+            time.sleep(sleeps[rank])
+    rounds = alg.rounds
+    alg.finish()
+    out = dict(w0=w0, final=[p.detach().clone() for p in model.parameters()], moved_inside=moved_inside,
+               rounds=rounds, applied=alg.applied, steps=alg.steps)
+    rumor.shutdown()
+    return out
+
+
+def rank_slow(workdir, fast_steps, fast_sleep, slow_sleep):
+    """Rank n-1 sleeps slow_sleep per step, the others fast_sleep. The fast ranks run
+    fast_steps steps (and at least 3 averaging rounds), then mark themselves done; the slow rank
+    runs until all fast ranks are done. Learnable data: y = x @ w_true, the same w_true
+    everywhere; the loss on a fixed evaluation batch is taken before and after training."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import rumor
+
+    _init()
+    rank, n = rumor.rank(), rumor.size()
+    slow = rank == n - 1
+    torch.manual_seed(3)
+    w_true = torch.randn(D_IN, 1)
+    x_eval = torch.randn(64, D_IN)
+    model = torch.nn.Linear(D_IN, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=20, warmup_steps=2)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    g = torch.Generator().manual_seed(rank)
+
+    def eval_loss():
+        with torch.no_grad():
+            return float(F.mse_loss(model(x_eval), x_eval @ w_true))
+
+    def step():
+        x = torch.randn(16, D_IN, generator=g)
+        opt.zero_grad()
+        F.mse_loss(ddp(x), x @ w_true).backward()
+        opt.step()
+        time.sleep(slow_sleep if slow else fast_sleep)
+
+    loss0 = eval_loss()
+    fast = [os.path.join(workdir, f"fast_done.{r}") for r in range(n - 1)]
+    if slow:
+        _until(lambda: all(os.path.exists(f) for f in fast), step, limit_s=60, what="fast ranks done")
+    else:
+        for _ in range(fast_steps):
+            step()
+        _until(lambda: alg.rounds >= 3, step, what="3 rounds")
+        open(fast[rank], "w").close()
+    ddp(x_eval[:1])  # a forward applies what the last round left
+    loss1 = eval_loss()
+    before = _flat(model)
+    steps, rounds = alg.steps, alg.rounds
+    alg.finish()
+    out = dict(steps=steps, rounds=rounds, loss0=loss0, loss1=loss1, before=before, after=_flat(model))
+    rumor.shutdown()
+    return out
+
+
+def rank_abort_resume(workdir):
+    """3 ranks, lr=0, float32. Rank 0 aborts before wrapping: ranks 1 and 2 average among
+    themselves (2, 3 -> 2.5) while rank 0 keeps 1. Rank 0 resumes: all meet at 2. All abort:
+    new weights 10, 11, 12 stay put through several rounds. All resume: all meet at 11."""
+    import time
+
+    import torch
+
+    import rumor
+
+    _init()
+    rank = rumor.rank()
+    chk = harness.Checker()
+    model = _net(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=10)
+    if rank == 0:
+        alg.abort()
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+
+    def fill(v):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(v)
+
+    def all_equal(v):
+        return torch.equal(_flat(model), torch.full_like(_flat(model), v))
+
+    def step():
+        _step(ddp, opt, 0, rank)
+        time.sleep(0.005)
+
+    def barrier(name):
+        harness.file_barrier(workdir, name, timeout=30)
+
+    fill(rank + 1)
+    barrier("filled")
+    if rank == 0:
+        barrier("others_averaged")
+        step()  # nothing may be applied
+        chk.check(all_equal(1.0), f"paused rank 0 kept its weights: {_flat(model)[:3].tolist()}")
+        alg.resume()
+    else:
+        _until(lambda: all_equal(2.5), step, what="ranks 1, 2 average among themselves")
+        barrier("others_averaged")
+    _until(lambda: all_equal(2.0), step, what="all meet at the mean after resume")
+    barrier("met")
+    alg.abort()
+    barrier("aborted")
+    # Two censuses after every rank aborted: any round in flight has finished (its result, all
+    # at 2.0, changes nothing when applied) and no weight round starts any more.
+    ticks = alg._ticks
+    _until(lambda: alg._ticks >= ticks + 2, step, what="censuses after abort")
+    fill(rank + 10)
+    ticks = alg._ticks
+    _until(lambda: alg._ticks >= ticks + 4, step, what="census rounds while all are paused")
+    chk.check(all_equal(rank + 10.0), f"all paused: rank {rank} kept its weights")
+    barrier("checked")
+    alg.resume()
+    _until(lambda: all_equal(11.0), step, what="all meet at 11 after resume")
+    alg.finish()
+    chk.check(all_equal(11.0), "finish keeps the common mean")
+    chk.raises(RuntimeError, alg.abort, "abort after finish", match="finish")
+    chk.raises(RuntimeError, alg.resume, "resume after finish", match="finish")
+    chk.raises(RuntimeError, lambda: rumor.DistributedDataParallel(_net(1), algorithm=alg),
+               "one algorithm object for two wrappers", match="already")
+    rumor.shutdown()
+    return chk.failures, chk.count
+
+
+def rank_pending_then_abort(workdir):
+    """Rank 0 makes no forward while rounds run (its delta waits, and is retaken by the next
+    rounds), then aborts: the rounds it now sits out must not touch the delta that waits, and
+    its next forward applies it: the mean of the round, exactly."""
+    import time
+
+    import torch
+
+    import rumor
+
+    _init()
+    rank = rumor.rank()
+    model = _net(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=10)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(rank + 1)
+    target = torch.full_like(_flat(model), 2.0)
+    out = {}
+    if rank == 0:
+        _until(lambda: alg.rounds >= 2, lambda: time.sleep(0.005), what="rounds without a forward")
+        alg.abort()
+        ticks = alg._ticks
+        # ranks 1 and 2 keep training meanwhile: these are weight rounds rank 0 sits out
+        _until(lambda: alg._ticks >= ticks + 4, lambda: time.sleep(0.005), what="rounds sat out")
+        out["sat_out"] = alg._ticks - ticks
+        open(os.path.join(workdir, "done"), "w").close()
+        out["unchanged_before_forward"] = torch.equal(_flat(model), torch.full_like(target, 1.0))
+        _step(ddp, opt, 0, rank)
+        out["applied"] = alg.applied
+    else:
+        _until(lambda: os.path.exists(os.path.join(workdir, "done")),
+               lambda: (_step(ddp, opt, 0, rank), time.sleep(0.005)), what="rank 0 done")
+    out["mean"] = torch.equal(_flat(model), target)
+    alg.finish()
+    out["after"] = torch.equal(_flat(model), target)
+    rumor.shutdown()
+    return out
+
+
+def rank_killed(victim, how):
+    """The victim dies during asynchronous training; the others must raise a rumor error on
+    their training thread (within the deadline) and from finish()."""
+    import time
+
+    import torch
+
+    import rumor
+
+    _init()
+    rank = rumor.rank()
+    model = _net(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=20, warmup_steps=1)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    for t in range(5):
+        _step(ddp, opt, t, rank)
+    if rank == victim:
+        time.sleep(0.1)  # let a round or two run
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(17)
+    start = time.monotonic()
+    err = None
+    try:
+        for t in range(100_000):
+            _step(ddp, opt, t, rank)
+            time.sleep(0.01)
+            if time.monotonic() - start > 60:
+                break
+    except rumor.RumorError as e:
+        err = (type(e).__name__, str(e))
+    elapsed = time.monotonic() - start
+    try:
+        alg.finish(timeout=30)
+        fin = None
+    except rumor.RumorError as e:
+        fin = type(e).__name__
+    return dict(err=err, elapsed=elapsed, finish=fin)
+
+
+# ==== the tests ===================================================================================
+
+def test_bad_arguments():
+    import rumor
+
+    A = rumor.algorithms.AsyncModelAverage
+    for kwargs, exc, match in [
+        (dict(peer_selection_mode="everyone"), ValueError, "peer_selection_mode"),
+        (dict(peer_selection_mode=None), TypeError, "peer_selection_mode"),
+        (dict(sync_interval_ms=-1), ValueError, "sync_interval_ms"),
+        (dict(sync_interval_ms=float("nan")), ValueError, "sync_interval_ms"),
+        (dict(sync_interval_ms="500"), TypeError, "sync_interval_ms"),
+        (dict(sync_interval_ms=True), TypeError, "sync_interval_ms"),
+        (dict(warmup_steps=-1), ValueError, "warmup_steps"),
+        (dict(warmup_steps=1.5), TypeError, "warmup_steps"),
+        (dict(warmup_steps=False), TypeError, "warmup_steps"),
+    ]:
+        with pytest.raises(exc, match=match):
+            A(**kwargs)
+    for mode in ("ring", "shift_one", "exp2"):
+        with pytest.raises(NotImplementedError, match="gossip over windows is being added"):
+            A(peer_selection_mode=mode)
+    a = A(peer_selection_mode="all", sync_interval_ms=0, warmup_steps=3)
+    assert (a.peer_selection_mode, a.sync_interval_ms, a.warmup_steps) == ("all", 0.0, 3)
+    with pytest.raises(RuntimeError, match="not wrapped"):
+        a.finish()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_delta_rule_unit(dtype):
+    """x <- x + (average - snapshot), per dtype: keeps local progress, and with no progress gives
+    the average exactly (half types: the delta is float32, exact for any two halves)."""
+    import torch
+
+    from rumor.algorithms.async_model_average import apply_delta, compute_delta, delta_dtype
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    n = 10_000
+    snap = (torch.randn(n, generator=g, dtype=torch.float64) * 4).to(dt)
+    avg = (torch.randn(n, generator=g, dtype=torch.float64) * 4).to(dt)
+    progress = (torch.randn(n, generator=g, dtype=torch.float64) * 1e-2).to(dt)
+    dd = delta_dtype(dt)
+    assert dd == (torch.float32 if dt in (torch.float16, torch.bfloat16) else dt)
+
+    # No local progress: exactly the average (for full precision where the difference is exact:
+    # values within a factor of two of each other, same sign).
+    delta = torch.empty(n, dtype=dd)
+    compute_delta(avg, snap, delta)
+    x = snap.clone()
+    apply_delta(x, delta)
+    if dt in (torch.float16, torch.bfloat16):
+        assert torch.equal(x, avg)
+    else:
+        s2 = snap.abs() + 1
+        a2 = s2 * 1.5
+        d2 = torch.empty(n, dtype=dd)
+        compute_delta(a2, s2, d2)
+        x2 = s2.clone()
+        apply_delta(x2, d2)
+        assert torch.equal(x2, a2)
+        assert torch.allclose(x.double(), avg.double(), rtol=0, atol=4 * torch.finfo(dt).eps * 16)
+
+    # Local progress made since the snapshot is kept: x_new = average + progress, rounded once.
+    x = (snap.double() + progress.double()).to(dt)
+    compute_delta(avg, snap, delta)
+    apply_delta(x, delta)
+    expect = ((snap.double() + progress.double()).to(dt).double() + (avg.double() - snap.double()))
+    single = expect.to(dt)
+    if dt in (torch.float16, torch.bfloat16):
+        assert torch.equal(x, single)  # computed in float32, rounded once
+    else:
+        assert torch.allclose(x.double(), expect, rtol=0, atol=8 * torch.finfo(dt).eps * expect.abs().max())
+
+    # In place on the work buffer (full precision keeps the delta there).
+    if dd == dt:
+        w = avg.clone()
+        compute_delta(w, snap, w)
+        assert torch.equal(w, avg - snap)
+
+
+def test_warmup_is_gradient_allreduce():
+    warm = 3
+    res = harness.run(rank_warmup, 2, timeout=60, args=(warm,))
+    for r, out in enumerate(res):
+        assert len(out["async"]) == warm
+        for t in range(warm):
+            assert harness.compare(out["async"][t], out["gar"][t], exact=True) is None, (r, t)
+        assert all(out["local_grad"]), f"rank {r}: after warm-up the gradient is not the local one"
+        assert not out["running_after_finish"]
+    # The local gradients differ (different data), so nothing averaged them.
+    assert not res[0]["grad"].equal(res[1]["grad"])
+    # finish() leaves every rank with the same bits.
+    assert res[0]["final"].equal(res[1]["final"])
+
+
+def test_rounds_average_to_the_mean():
+    res = harness.run(rank_mean, 4, timeout=60, args=(["float32", "bfloat16", "float16"],))
+    for r, out in enumerate(res):
+        for name, d in out.items():
+            assert d["before"], (r, name)
+            assert d["rounds"] >= 1 and d["applied"] >= 1, (r, name, d)
+            assert bool((d["after"].double() == 2.5).all()), (r, name)
+
+
+def test_delta_rule_keeps_local_progress_end_to_end():
+    """Averaging keeps the sum of the replicas: after finish() every rank holds
+    w0 - lr/n * sum_r steps_r * g_r (warm-up steps included), whatever the timing."""
+    import torch
+
+    n, warm, lr = 3, 2, 0.01
+    steps = [40, 25, 12]
+    sleeps = [0.0, 0.0, 0.025]  # rank 2 is slower than the 10 ms interval: deltas get retaken
+    res = harness.run(rank_progress, n, timeout=75, args=(steps, sleeps, warm, lr, 10))
+    w0 = res[0]["w0"]
+    grads = [_const_grads(r) for r in range(n)]
+    expect = [w - lr / n * sum(steps[r] * grads[r][i] for r in range(n)) for i, w in enumerate(w0)]
+    for r, out in enumerate(res):
+        assert out["steps"] == steps[r]
+        assert out["moved_inside"] == 0, f"rank {r}: weights changed during forward/backward"
+        assert out["rounds"] >= 1, (r, out["rounds"])
+        for a, e in zip(out["final"], expect):
+            assert torch.allclose(a, e, rtol=1e-9, atol=1e-12), (r, (a - e).abs().max())
+        for a, b in zip(out["final"], res[0]["final"]):
+            assert torch.equal(a, b)
+
+
+def test_slow_rank_does_not_hold_back_the_others():
+    import torch
+
+    n, fast_steps = 3, 60
+    with tempfile.TemporaryDirectory() as d:
+        res = harness.run(rank_slow, n, timeout=75, args=(d, fast_steps, 0.01, 0.1))
+    fast, slow = res[:-1], res[-1]
+    for out in fast:
+        assert out["steps"] >= fast_steps
+        # The slow rank trained during the same window (until the fast ones were done), at a
+        # tenth of their pace: in lockstep it would have done as many steps as they did.
+        assert slow["steps"] < out["steps"] / 2, (slow["steps"], out["steps"])
+        assert out["rounds"] >= 3
+    for out in res:
+        # The slow rank learns too: it gets the fast ranks' progress through the averages.
+        assert out["loss1"] < 0.5 * out["loss0"], (out["loss0"], out["loss1"])
+    # Replicas stay close to each other (relative to the weights' own size) before finish(),
+    # and are identical after.
+    scale = max(float(out["before"].norm()) for out in res)
+    for out in res[1:]:
+        assert float((out["before"] - res[0]["before"]).norm()) < 0.5 * scale
+        assert torch.equal(out["after"], res[0]["after"])
+
+
+def test_abort_and_resume():
+    with tempfile.TemporaryDirectory() as d:
+        res = harness.run(rank_abort_resume, 3, timeout=75, args=(d,))
+    harness.assert_no_failures(res, "abort/resume")
+
+
+def test_abort_keeps_a_waiting_delta():
+    with tempfile.TemporaryDirectory() as d:
+        res = harness.run(rank_pending_then_abort, 3, timeout=60, args=(d,))
+    assert res[0]["unchanged_before_forward"] and res[0]["applied"] == 1, res[0]
+    for r, out in enumerate(res):
+        assert out["mean"] and out["after"], (r, out)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_killed_rank_raises_on_the_others(how):
+    n, victim, timeout = 3, 2, 10
+    res = harness.run(rank_killed, n, timeout=75, env={"RUMOR_TIMEOUT": str(timeout)}, args=(victim, how),
+                      may_die=[victim])
+    for r, out in enumerate(res):
+        if r == victim:
+            continue
+        assert out["err"] is not None, f"rank {r}: no error after {out['elapsed']:.0f} s"
+        assert out["err"][0] in ("PeerError", "CommTimeoutError", "AbortedError"), out["err"]
+        assert "AsyncModelAverage" in out["err"][1]
+        # Within the deadline (a bound on a hang, not a speed figure).
+        assert out["elapsed"] < timeout + 15, out["elapsed"]
+        assert out["finish"] in ("PeerError", "CommTimeoutError", "AbortedError"), out["finish"]
