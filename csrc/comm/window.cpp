@@ -261,8 +261,9 @@ void WindowHub::wake() {
 }
 
 void WindowHub::check_alive(const Window& w, uint32_t peer, const std::string& what) const {
-  int32_t pid = w.header(peer)->pid;
-  if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH)
+  // A write into a dead peer's segment would succeed and be lost: fail instead, as TCP does.
+  const int32_t pid = w.header(peer)->pid;
+  if (pid > 0 && net::process_gone(pid))
     throw Error(ErrorKind::kPeerGone,
                 what + ": rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + ") has exited");
 }

@@ -63,7 +63,7 @@ ShmSegment ShmSegment::open(const std::string& name, size_t bytes, const Deadlin
     int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
     if (fd >= 0) {
       Fd guard(fd);
-      struct stat st {};
+      struct stat st{};
       // The creator may not have sized it yet; mapping past EOF would SIGBUS.
       if (::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= bytes) {
         void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -283,7 +283,6 @@ bool ShmChannel::progress(Transfer& t, const OpInfo& op) {
   return t.send ? progress_send(p, t) : progress_recv(p, t, op);
 }
 
-namespace {
 // A process that exited but was not reaped yet still answers kill(pid, 0): read its state too.
 bool process_gone(pid_t pid) {
   if (::kill(pid, 0) != 0) return errno == ESRCH;
@@ -298,8 +297,6 @@ bool process_gone(pid_t pid) {
   const char* close = std::strrchr(buf, ')');  // the name may contain spaces or parentheses
   return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
 }
-}  // namespace
-
 void ShmChannel::check_alive(const OpInfo& op) {
   if (peer_->pid > 0 && process_gone(peer_->pid))
     throw Error(ErrorKind::kPeerGone,

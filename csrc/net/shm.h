@@ -51,6 +51,9 @@ constexpr uint32_t kDoorbellMagic = 0x44424c4c;
 
 void ring_doorbell(Doorbell* d);
 
+// Whether the process has exited (gone, or a zombie not reaped yet).
+bool process_gone(pid_t pid);
+
 // Sleeps until a doorbell ring newer than `seen`, or timeout_us. Caller read `seen` before its
 // last unsuccessful progress attempt, so a ring in between is never lost.
 void wait_doorbell(Doorbell* d, uint32_t seen, int timeout_us);

@@ -22,7 +22,11 @@ error). Covered:
   wrapping; abort after finish is refused;
 * a rank killed during asynchronous training (os._exit, SIGKILL): the survivors raise a rumor
   error on their training thread (at the next forward, and from finish()), never hang;
-* bad arguments raise ValueError / TypeError / NotImplementedError (gossip modes).
+* gossip modes ("ring", "shift_one", "exp2", over one-sided windows): every rank mixes with the
+  values its peers put into its window (each round an average of values, so the weights stay in
+  the hull of the initial ones) and finish() ends with the exact mean of the ranks' weights,
+  identical bits everywhere; a killed rank makes the survivors raise;
+* bad arguments raise ValueError / TypeError.
 """
 from __future__ import annotations
 
@@ -410,7 +414,43 @@ def rank_pending_then_abort(workdir):
     return out
 
 
-def rank_killed(victim, how):
+def rank_gossip(mode, mixes):
+    """lr=0, weights rank+1: gossip rounds mix the replicas (each round a convex combination, so
+    they stay within [1, n] and move off their start); finish() then gives everyone the exact
+    mean of the weights they held, the same bits everywhere."""
+    import time
+
+    import torch
+
+    import rumor
+
+    _init()
+    rank, n = rumor.rank(), rumor.size()
+    model = _net(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    alg = rumor.algorithms.AsyncModelAverage(peer_selection_mode=mode, sync_interval_ms=5)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(rank + 1)
+
+    def step():
+        _step(ddp, opt, 0, rank)
+        time.sleep(0.002)
+
+    _until(lambda: alg._mixer.mixed >= mixes, step, limit_s=40, what=f"{mode}: {mixes} rounds with fresh values")
+    ddp(_xy(0, rank)[0])  # a forward applies what the last round left
+    before = _flat(model)
+    alg.finish()
+    after = _flat(model)
+    mean = rumor.allreduce(before.double(), op=rumor.ReduceOp.AVG)
+    out = dict(before=before, after=after, mean=mean, mixed=alg._mixer.mixed,
+               windows=rumor.get_current_created_window_names())
+    rumor.shutdown()
+    return out
+
+
+def rank_killed(victim, how, mode="all"):
     """The victim dies during asynchronous training; the others must raise a rumor error on
     their training thread (within the deadline) and from finish()."""
     import time
@@ -423,7 +463,7 @@ def rank_killed(victim, how):
     rank = rumor.rank()
     model = _net(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=20, warmup_steps=1)
+    alg = rumor.algorithms.AsyncModelAverage(peer_selection_mode=mode, sync_interval_ms=20, warmup_steps=1)
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
     for t in range(5):
         _step(ddp, opt, t, rank)
@@ -471,8 +511,7 @@ def test_bad_arguments():
         with pytest.raises(exc, match=match):
             A(**kwargs)
     for mode in ("ring", "shift_one", "exp2"):
-        with pytest.raises(NotImplementedError, match="gossip over windows is being added"):
-            A(peer_selection_mode=mode)
+        assert A(peer_selection_mode=mode).peer_selection_mode == mode
     a = A(peer_selection_mode="all", sync_interval_ms=0, warmup_steps=3)
     assert (a.peer_selection_mode, a.sync_interval_ms, a.warmup_steps) == ("all", 0.0, 3)
     with pytest.raises(RuntimeError, match="not wrapped"):
@@ -616,10 +655,26 @@ def test_abort_keeps_a_waiting_delta():
         assert out["mean"] and out["after"], (r, out)
 
 
-@pytest.mark.parametrize("how", ["exit", "sigkill"])
-def test_killed_rank_raises_on_the_others(how):
+@pytest.mark.parametrize("mode", ["ring", "shift_one", "exp2"])
+def test_gossip_modes_mix_and_finish_at_the_mean(mode):
+    import torch
+
+    n = 4
+    res = harness.run(rank_gossip, n, timeout=90, args=(mode, 4))
+    for r, out in enumerate(res):
+        assert out["mixed"] >= 4, (r, out["mixed"])
+        b = out["before"]
+        assert bool((b >= 1).all() and (b <= n).all()), f"rank {r}: outside the hull: {b.min()}..{b.max()}"
+        assert not bool((b == r + 1).all()), f"rank {r}: never mixed"
+        assert torch.allclose(out["after"].double(), out["mean"], rtol=0, atol=1e-6), r
+        assert torch.equal(out["after"], res[0]["after"])
+        assert out["windows"] == [], out["windows"]
+
+
+@pytest.mark.parametrize("how,mode", [("exit", "all"), ("sigkill", "all"), ("exit", "exp2")])
+def test_killed_rank_raises_on_the_others(how, mode):
     n, victim, timeout = 3, 2, 10
-    res = harness.run(rank_killed, n, timeout=75, env={"RUMOR_TIMEOUT": str(timeout)}, args=(victim, how),
+    res = harness.run(rank_killed, n, timeout=75, env={"RUMOR_TIMEOUT": str(timeout)}, args=(victim, how, mode),
                       may_die=[victim])
     for r, out in enumerate(res):
         if r == victim:

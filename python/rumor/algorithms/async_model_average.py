@@ -112,9 +112,15 @@ class _Census:
 class _Mixer:
     """The communication of one averaging round for one peer selection mode. The algorithm owns
     the rest (when rounds run, snapshots, deltas, abort/resume/finish). Only the background
-    thread calls these, after ``setup`` (called collectively from the algorithm's init)."""
+    thread calls these, after ``setup`` (called collectively from the algorithm's init).
 
-    def setup(self, ddp) -> None:
+    A collective mixer ("all") runs a census every round and its rounds are agreed by all ranks;
+    a gossip mixer talks to one peer per round through one-sided windows and needs no agreement
+    (the algorithm then runs ``_gossip_loop``)."""
+
+    collective = True
+
+    def setup(self, ddp, slots: List["_Slot"]) -> None:
         raise NotImplementedError
 
     def census(self, state: int) -> _Census:
@@ -136,7 +142,7 @@ class _AllMixer(_Mixer):
     """"all": a census allreduce then one allreduce per flat buffer over every rank, on a
     communicator that only the background thread uses."""
 
-    def setup(self, ddp) -> None:
+    def setup(self, ddp, slots) -> None:
         # Every rank wrapping the model calls this at the same point, as rumor.new_group needs.
         self.group = _runtime.new_group(ddp.group.ranks)
         self.comm = self.group._comm
@@ -170,12 +176,101 @@ class _AllMixer(_Mixer):
             self._allreduce(s.x, dtype_code(s.x.dtype, "AsyncModelAverage"), ReduceOp.AVG)
 
 
+class _GossipMixer(_Mixer):
+    """"ring", "shift_one", "exp2": gossip over one-sided windows. Each round this rank puts its
+    weights into one peer's window (a passive write: the peer does nothing and waits for
+    nobody), then averages its weights with the values that arrived in its own window since its
+    last round (x <- (x + sum of fresh x_j) / (1 + number of fresh senders)). Who gets the put:
+
+      ring       rank + 1 every round;
+      shift_one  rank + 1 + (round mod (n - 1)): every other rank in turn;
+      exp2       rank + 2^(round mod ceil(log2 n)): the one-peer exponential graph.
+
+    A slow rank only means older values in its peers' windows; nobody ever waits for it. This
+    is gossip averaging: replicas converge towards each other, but unlike "all" a round is not
+    an exact average of everyone (finish() ends with one exact average)."""
+
+    collective = False
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.round = 0
+        self.mixed = 0  # rounds in which fresh values from some peer were averaged in
+
+    def setup(self, ddp, slots) -> None:
+        from .. import window
+
+        world = list(range(_runtime.size()))
+        if list(ddp.group.ranks) != world:
+            raise ValueError(f"AsyncModelAverage: peer_selection_mode={self.mode!r} gossips over the whole world; "
+                             f"the wrapper's group is {ddp.group.ranks}")
+        self.n, self.me = len(world), _runtime.rank()
+        self.group = _runtime.new_group(world)  # finish()'s exact average, off the training thread's comm
+        self.comm = self.group._comm
+        self._win = window
+        self.names = []
+        serial = _GossipMixer._serial = getattr(_GossipMixer, "_serial", 0) + 1
+        for k, s in enumerate(slots):
+            # The window's value is ``work``: what a round sends and where its average lands.
+            name = f"rumor.async_model_average.{serial}.{k}"
+            window.win_create(s.work, name, zero_init=True)
+            self.names.append(name)
+
+    def peer(self) -> int:
+        n, r, t = self.n, self.me, self.round
+        if self.mode == "ring":
+            off = 1
+        elif self.mode == "shift_one":
+            off = 1 + t % (n - 1)
+        else:
+            off = 2 ** (t % max(1, math.ceil(math.log2(n))))
+        return (r + off) % n
+
+    def _put(self, hub, w, b, dst: int, timeout: float) -> None:
+        assert b.data_ptr() == w.tensor.data_ptr()
+        hub.wait(hub.put(w.id, b.data_ptr(), [(dst, 1.0)], False, False, False, timeout), timeout)
+
+    def average(self, bufs: List[torch.Tensor], census=None) -> None:
+        """Puts each buffer to this round's peer, then averages it with the fresh slots."""
+        if self.n < 2:
+            return
+        dst = self.peer()
+        got_any = False
+        hub = self._win._windows().hub
+        timeout = self._win._timeout()
+        for name, b in zip(self.names, bufs):
+            w = self._win._find(name, "AsyncModelAverage")
+            self._put(hub, w, b, dst, timeout)
+            fresh = [j for j, v in enumerate(hub.versions(w.id)) if v > 0]
+            u = 1.0 / (1 + len(fresh))
+            # In place on b (the window's value); the versions of the slots read drop to 0.
+            hub.update(w.id, u, [(j, u) for j in fresh], False, False, b.data_ptr(), False, timeout)
+            got_any = got_any or bool(fresh)
+        self.round += 1
+        self.mixed += int(got_any)
+
+    def push(self, bufs: List[torch.Tensor]) -> None:
+        """A finished rank's round: its fixed weights go to this round's peer, nothing is mixed
+        in, so the ranks still training keep averaging with its final progress."""
+        if self.n < 2:
+            return
+        dst = self.peer()
+        hub = self._win._windows().hub
+        timeout = self._win._timeout()
+        for name, b in zip(self.names, bufs):
+            self._put(hub, self._win._find(name, "AsyncModelAverage"), b, dst, timeout)
+        self.round += 1
+
+    def free(self) -> None:
+        for name in self.names:
+            self._win.win_free(name)
+        self.names = []
+
+
 def _make_mixer(mode: str) -> _Mixer:
     if mode == "all":
         return _AllMixer()
-    raise NotImplementedError(
-        f"AsyncModelAverage: peer_selection_mode={mode!r} is not available yet: gossip over windows is "
-        "being added (rumor.win_put / win_update); use peer_selection_mode='all'")
+    return _GossipMixer(mode)
 
 
 # ---- the algorithm ------------------------------------------------------------------------------
@@ -187,8 +282,6 @@ def _check_mode(mode) -> str:
     if mode not in PEER_SELECTION_MODES:
         raise ValueError(f"AsyncModelAverage: unknown peer_selection_mode {mode!r}; expected one of "
                          f"{', '.join(PEER_SELECTION_MODES)}")
-    if mode in GOSSIP_MODES:
-        _make_mixer(mode)  # raises NotImplementedError with the explanation
     return mode
 
 
@@ -252,6 +345,9 @@ class AsyncModelAverage(Algorithm):
         self._ddp = None
         self._slots: List[_Slot] = []
         self._mixer: Optional[_Mixer] = None
+        self._final_works = None
+        self._leaving = threading.Event()  # gossip: the thread took the final weights
+        self._stop = threading.Event()     # gossip: the final average is done
 
     # ---- Algorithm hooks ----------------------------------------------------------------------
 
@@ -263,7 +359,7 @@ class AsyncModelAverage(Algorithm):
         self._flat = FlatWeights(ddp._params, _ONE_FLAT, "AsyncModelAverage")
         self._slots = [_Slot(f) for f in self._flat.flats]
         self._mixer = _make_mixer(self.peer_selection_mode)
-        self._mixer.setup(ddp)
+        self._mixer.setup(ddp, self._slots)
         self._interval = self.sync_interval_ms / 1000.0
         if self._async:
             self._start_async(ddp)
@@ -340,7 +436,7 @@ class AsyncModelAverage(Algorithm):
                 if thread is not None:
                     self._apply_pending_locked()
                     self._state = LEAVING
-        if thread is not None:
+        if thread is not None and self._mixer.collective:
             self._wake.set()
             end = None if timeout is None else time.monotonic() + timeout
             while thread.is_alive():
@@ -350,6 +446,9 @@ class AsyncModelAverage(Algorithm):
                                        f"within {timeout} s")
                 thread.join(0.5 if left is None else min(0.5, left))
         self._raise_if_failed()
+        if thread is not None and not self._mixer.collective:
+            self._wake.set()
+            self._final_gossip(timeout)
         if thread is not None and not self._buffers_synced:
             self._buffers_synced = True
             if self._saved_broadcast_buffers and self._ddp._buffers_to_sync:
@@ -358,6 +457,41 @@ class AsyncModelAverage(Algorithm):
                 from ..parallel import _coalesced_broadcast
 
                 _coalesced_broadcast(self._ddp._buffers_to_sync, self._ddp.group)
+
+    def _final_gossip(self, timeout: Optional[float]) -> None:
+        """Gossip modes: once every rank is in finish(), one exact average on the mixer's own
+        communicator gives every rank the same weights; meanwhile this rank's thread keeps
+        pushing its fixed weights to the ranks still training. Then the thread stops and the
+        windows are freed (a barrier: no rank leaves while a peer may still put to it). Started
+        once; a finish() called again after a TimeoutError keeps waiting for the same average."""
+        wait_s = _runtime._get().timeout * 2 if timeout is None else timeout
+        end = time.monotonic() + wait_s
+        # The thread's round in flight may still write x; the average starts after it took x.
+        while not self._leaving.wait(0.1):
+            self._raise_if_failed()
+            if time.monotonic() > end:
+                raise TimeoutError("AsyncModelAverage.finish(): the averaging thread did not stop its round")
+        self._raise_if_failed()
+        if self._final_works is None:
+            mixer = self._mixer
+            self._final_works = [
+                mixer.comm.allreduce(address(s.x), s.x.numel(), dtype_code(s.x.dtype, "AsyncModelAverage"),
+                                     int(ReduceOp.AVG), 0, True) for s in self._slots]
+        for w in self._final_works:
+            try:
+                w.wait(max(0.0, end - time.monotonic()))
+            except RumorError as e:
+                if w.done():
+                    raise
+                raise TimeoutError(f"AsyncModelAverage.finish(): the other ranks did not all call finish() "
+                                   f"within {wait_s} s") from e
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._raise_if_failed()
+        if self._mixer.names:
+            self._mixer.free()
 
     @property
     def running(self) -> bool:
@@ -394,8 +528,42 @@ class AsyncModelAverage(Algorithm):
         ddp.broadcast_buffers = False
         if self._finished:
             return
-        self._thread = threading.Thread(target=self._loop, name="rumor-async-model-average", daemon=True)
+        loop = self._loop if self._mixer.collective else self._gossip_loop
+        self._thread = threading.Thread(target=loop, name="rumor-async-model-average", daemon=True)
         self._thread.start()
+
+    def _gossip_loop(self) -> None:
+        """Rounds of a gossip mode: no census and no agreement; a paused rank skips its rounds.
+        After finish() the rank keeps pushing its fixed weights (taken once into the window
+        buffers, acknowledged through ``_leaving``) until finish() has done the exact final
+        average and sets ``_stop``."""
+        try:
+            next_round = time.monotonic() + self._interval
+            leaving = False
+            while not self._stop.is_set():
+                delay = next_round - time.monotonic()
+                if delay > 0:
+                    self._wake.wait(delay)
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
+                with self._lock:
+                    state = self._state
+                    if state == LEAVING and not leaving:
+                        # finish() applied what was pending and waits: x no longer moves.
+                        for s in self._slots:
+                            s.work.copy_(s.x)
+                        leaving = True
+                        self._leaving.set()
+                next_round = time.monotonic() + self._interval
+                self._ticks += 1
+                if state == LEAVING:
+                    self._mixer.push([s.work for s in self._slots])
+                elif state == ACTIVE:
+                    self._round(state, None)
+        except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
+            self._error = e
+            self._leaving.set()
 
     def _loop(self) -> None:
         try:
