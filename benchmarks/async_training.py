@@ -6,9 +6,9 @@ Variants (each its own fresh model, same seed, same data, same optimizer):
   gar      rumor GradientAllReduce()
   dec_exp2 rumor Decentralized(peer_selection="exp2", hierarchical=False)
   ama      rumor AsyncModelAverage("all", sync_interval_ms=--sync-interval-ms, warmup_steps=--warmup)
-  slots for variants not built yet (listed with --variants, refused until they exist):
-  ama_ring / ama_shift_one / ama_exp2 (AsyncModelAverage gossip modes over one-sided windows)
-  and push_sum (rumor.optim.DistributedPushSumOptimizer).
+  ama_exp2 rumor AsyncModelAverage("exp2"): gossip over one-sided windows (the same interval)
+  push_sum rumor.optim.DistributedPushSumOptimizer over the default ExponentialGraph
+  ama_ring, ama_shift_one: the other gossip modes, only with --variants.
 
 Cases (BENCHMARKS.md "straggler case"):
   none       every rank at full speed;
@@ -65,18 +65,19 @@ from _common import Progress, emit
 
 MODELS = ("mlp25m", "transformer")
 CASES = ("none", "straggler")
-# key: (label, description, available)
+# key: (label, description, in the default set)
 VARIANTS = {
     "torch": ("torch DDP", "torch.nn.parallel.DistributedDataParallel, gloo, defaults", True),
     "gar": ("GradAllReduce", "rumor GradientAllReduce()", True),
     "dec_exp2": ("Dec exp2", "rumor Decentralized(peer_selection='exp2', hierarchical=False)", True),
     "ama": ("AsyncAvg all", "rumor AsyncModelAverage('all')", True),
-    "ama_ring": ("AsyncAvg ring", "rumor AsyncModelAverage('ring'): gossip over windows (not built yet)", False),
-    "ama_shift_one": ("AsyncAvg shift1", "rumor AsyncModelAverage('shift_one') (not built yet)", False),
-    "ama_exp2": ("AsyncAvg exp2", "rumor AsyncModelAverage('exp2') (not built yet)", False),
-    "push_sum": ("push-sum", "rumor.optim.DistributedPushSumOptimizer (not built yet)", False),
+    "ama_exp2": ("AsyncAvg exp2", "rumor AsyncModelAverage('exp2'): gossip over one-sided windows", True),
+    "push_sum": ("push-sum", "rumor.optim.DistributedPushSumOptimizer (exponential graph, win_accumulate)", True),
+    "ama_ring": ("AsyncAvg ring", "rumor AsyncModelAverage('ring'): gossip over windows", False),
+    "ama_shift_one": ("AsyncAvg shift1", "rumor AsyncModelAverage('shift_one'): gossip over windows", False),
 }
 ASYNC = {"ama", "ama_ring", "ama_shift_one", "ama_exp2", "push_sum"}
+# The third field: in the default set (the list); the others run with --variants.
 DEFAULT_VARIANTS = [k for k, v in VARIANTS.items() if v[2]]
 # target_drop: the time-to-loss target is (1 - drop) x the initial loss; chosen so that torch DDP
 # with the straggler gets there within about the window (quick: measured on 2 cores; full: an
@@ -117,8 +118,11 @@ def _wrap(v: str, model, opt, cfg):
     elif v.startswith("ama"):
         mode = "all" if v == "ama" else v[len("ama_"):]
         alg = A.AsyncModelAverage(mode, sync_interval_ms=cfg["sync_interval_ms"], warmup_steps=cfg["warmup"])
+    elif v == "push_sum":
+        # The wrapper is the optimizer; the module itself is trained (same seed: same init).
+        return model, rumor.optim.DistributedPushSumOptimizer(opt, model)
     else:
-        raise NotImplementedError(f"variant {v} is not built yet")
+        raise ValueError(f"unknown variant {v}")
     return rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg), alg
 
 
@@ -210,6 +214,8 @@ def _window(cfg: Dict, v: str, fresh, step, sleep_s: float, rank: int, n: int) -
 
     model, opt = fresh()
     ddp, alg = _wrap(v, model, opt, cfg)
+    if v == "push_sum":
+        opt = alg
     i = 0
     for _ in range(cfg["warmup"]):
         step(ddp, opt, i)
@@ -240,6 +246,8 @@ def _window(cfg: Dict, v: str, fresh, step, sleep_s: float, rank: int, n: int) -
     if alg is not None and hasattr(alg, "finish"):
         out["rounds"] = alg.rounds
         alg.finish()  # waits for every rank; not part of the window
+    elif v == "push_sum":
+        alg.free_windows()  # waits for this rank's pushes, then a barrier; not part of the window
     del ddp, alg, model, opt
     return out
 
@@ -426,7 +434,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES}")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                    help=f"comma list of {list(VARIANTS)} (the ones not built yet are refused)")
+                    help=f"comma list of {list(VARIANTS)}")
     ap.add_argument("--scale", default="", help="model width scale overrides, e.g. mlp25m=0.5,transformer=1")
     ap.add_argument("--batch", default="", help="per-rank batch overrides, e.g. mlp25m=16")
     ap.add_argument("--window", type=float, default=None, help="seconds of training measured per run")
@@ -466,9 +474,6 @@ def main(argv=None) -> int:
         bad = [x for x in got if x not in allowed]
         if bad or not got:
             ap.error(f"unknown {what} {bad}; choose from {list(allowed)}")
-    missing = [v for v in args.variants if not VARIANTS[v][2]]
-    if missing:
-        ap.error(f"variants {missing} are not built yet (slots for the gossip modes and push-sum)")
     args.scale_map = dict(base["scale"], **kv(args.scale, float))
     args.batch_map = dict(base["batch"], **kv(args.batch, int))
     drops = dict(base["target_drop"], **kv(args.target_drop, float))
