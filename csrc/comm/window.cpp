@@ -669,22 +669,7 @@ void WindowHub::mutex_acquire_one(Window& w, uint32_t target, const Deadline& de
       futex_wait(&m, expected, 10000);
     }
   } else {
-    auto op = std::make_shared<WinOp>(what, w.id);
-    {
-      std::lock_guard lk(mu_);
-      OutMsg msg;
-      msg.hdr =
-          WinFrame{kFrameMagic, kMutexAcquire, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
-      uint64_t op_id = msg.hdr.op_id;
-      try {
-        enqueue(target, std::move(msg));
-      } catch (...) {
-        inflight_.erase(op_id);
-        throw;
-      }
-    }
-    wake();
-    wait(op, deadline);
+    remote_request(w, target, kMutexAcquire, what, deadline);
   }
   std::lock_guard lk(w.held_mu);
   w.held.insert(target);
@@ -700,24 +685,28 @@ void WindowHub::mutex_release_one(Window& w, uint32_t target, const Deadline& de
     m.store(0, std::memory_order_release);
     futex_wake_all(&m);
   } else {
-    auto op = std::make_shared<WinOp>("win_mutex('" + w.name + "') release at rank " + std::to_string(target),
-                                      w.id);
-    {
-      std::lock_guard lk(mu_);
-      OutMsg msg;
-      msg.hdr =
-          WinFrame{kFrameMagic, kMutexRelease, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
-      uint64_t op_id = msg.hdr.op_id;
-      try {
-        enqueue(target, std::move(msg));
-      } catch (...) {
-        inflight_.erase(op_id);
-        throw;
-      }
-    }
-    wake();
-    wait(op, deadline);
+    remote_request(w, target, kMutexRelease,
+                   "win_mutex('" + w.name + "') release at rank " + std::to_string(target), deadline);
   }
+}
+
+void WindowHub::remote_request(Window& w, uint32_t target, uint8_t kind, const std::string& what,
+                               const Deadline& deadline) {
+  auto op = std::make_shared<WinOp>(what, w.id);
+  {
+    std::lock_guard lk(mu_);
+    OutMsg msg;
+    msg.hdr = WinFrame{kFrameMagic, kind, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
+    const uint64_t op_id = msg.hdr.op_id;
+    try {
+      enqueue(target, std::move(msg));
+    } catch (...) {
+      inflight_.erase(op_id);
+      throw;
+    }
+  }
+  wake();
+  wait(op, deadline);
 }
 
 // ---- progress thread (TCP links) ----

@@ -146,6 +146,9 @@ class WindowHub {
                        double p, const Deadline& deadline);
   void mutex_acquire_one(Window& w, uint32_t target, const Deadline& deadline);
   void mutex_release_one(Window& w, uint32_t target, const Deadline& deadline);
+  // Sends a frame without payload (a mutex request) to a remote target and waits for its ack.
+  void remote_request(Window& w, uint32_t target, uint8_t kind, const std::string& what,
+                      const Deadline& deadline);
   void retry_remote_mutexes();
   void finish_inflight(uint64_t op_id, uint32_t peer, std::exception_ptr err);
   void check_alive(const Window& w, uint32_t peer, const std::string& what) const;

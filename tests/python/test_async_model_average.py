@@ -302,6 +302,57 @@ def rank_slow(workdir, fast_steps, fast_sleep, slow_sleep):
     return out
 
 
+def rank_same_wall_time(window_s, slow_sleep):
+    """GradientAllReduce and AsyncModelAverage (all, exp2), each for the same wall-clock window
+    on the same regression problem, the last rank slowed: returns each variant's loss on a fixed
+    evaluation batch after the window (after finish() for the asynchronous ones)."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import rumor
+
+    _init()
+    rank, n = rumor.rank(), rumor.size()
+    torch.manual_seed(11)
+    w_true = torch.randn(D_IN, 1)
+    x_eval = torch.randn(256, D_IN)
+    out = {}
+    for kind in ("gar", "all", "exp2"):
+        torch.manual_seed(12)
+        model = torch.nn.Linear(D_IN, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        alg = (rumor.algorithms.GradientAllReduce() if kind == "gar" else
+               rumor.algorithms.AsyncModelAverage(kind, sync_interval_ms=20, warmup_steps=1))
+        ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+        g = torch.Generator().manual_seed(100 + rank)
+        rumor.barrier()
+        end = time.monotonic() + window_s
+        steps = 0
+        while True:
+            x = torch.randn(16, D_IN, generator=g)
+            opt.zero_grad()
+            F.mse_loss(ddp(x), x @ w_true).backward()
+            opt.step()
+            steps += 1
+            if rank == n - 1:
+                time.sleep(slow_sleep)
+            if kind == "gar":
+                # lockstep: stop together, on rank 0's clock
+                flag = torch.tensor([1.0 if rank == 0 and time.monotonic() >= end else 0.0])
+                if float(rumor.allreduce(flag, op=rumor.ReduceOp.MAX)) > 0:
+                    break
+            elif time.monotonic() >= end:
+                break
+        if kind != "gar":
+            alg.finish()
+        with torch.no_grad():
+            out[kind] = dict(loss=float(F.mse_loss(model(x_eval), x_eval @ w_true)), steps=steps)
+    rumor.shutdown()
+    return out
+
+
 def rank_abort_resume(workdir):
     """3 ranks, lr=0, float32. Rank 0 aborts before wrapping: ranks 1 and 2 average among
     themselves (2, 3 -> 2.5) while rank 0 keeps 1. Rank 0 resumes: all meet at 2. All abort:
@@ -639,6 +690,18 @@ def test_slow_rank_does_not_hold_back_the_others():
     for out in res[1:]:
         assert float((out["before"] - res[0]["before"]).norm()) < 0.5 * scale
         assert torch.equal(out["after"], res[0]["after"])
+
+
+def test_loss_after_the_same_wall_time_within_10_percent_of_gradient_allreduce():
+    """With a straggler, asynchronous averaging reaches (at least) the synchronous loss in the
+    same wall time: the issue's bound is 'within 10%'. A loss comparison, not a speed figure."""
+    res = harness.run(rank_same_wall_time, 3, timeout=90, args=(2.0, 0.03))
+    for r, out in enumerate(res):
+        for kind in ("all", "exp2"):
+            assert out[kind]["loss"] <= 1.10 * out["gar"]["loss"], (r, kind, out)
+    # every rank ends with the same weights, so the same evaluation loss
+    for kind in ("gar", "all", "exp2"):
+        assert len({round(out[kind]["loss"], 9) for out in res}) == 1, kind
 
 
 def test_abort_and_resume():

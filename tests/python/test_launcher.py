@@ -46,16 +46,15 @@ WORKER = textwrap.dedent(
 )
 
 
-def _run(cmd, tmp_path, env_extra=None):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+def _launch(cmd, cwd, env_extra=None):
+    """Runs a launcher command with a deadline (the whole process group is killed when it
+    passes, and the test fails); returns the combined output after checking the exit code."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(harness._SCRUB_PREFIXES) and k not in harness._SCRUB_NAMES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_TIMEOUT="30")
     if env_extra:
         env.update(env_extra)
-    cmd = [str(c).replace("{script}", str(script)) for c in cmd]
-    p = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=DEADLINE_S)
@@ -65,6 +64,14 @@ def _run(cmd, tmp_path, env_extra=None):
         pytest.fail(f"{' '.join(cmd)} did not finish within {DEADLINE_S} s:\n{out.decode(errors='replace')[-6000:]}")
     text = out.decode(errors="replace")
     assert p.returncode == 0, f"{' '.join(cmd)} exited with {p.returncode}:\n{text[-6000:]}"
+    return text
+
+
+def _run(cmd, tmp_path, env_extra=None):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [str(c).replace("{script}", str(script)) for c in cmd]
+    text = _launch(cmd, tmp_path, env_extra)
     for r in range(2):
         assert f"WORKER-OK rank {r}" in text, f"rank {r} did not report success:\n{text[-6000:]}"
     return text
@@ -102,3 +109,18 @@ def test_plain_torchrun(tmp_path):
 def test_plain_torchrun_standalone_with_env_streams(tmp_path):
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "{script}", "4"],
          tmp_path, env_extra={"RUMOR_SOCKET_STREAMS": "4"})
+
+
+@pytest.mark.parametrize("mode", ["exp2", "pushsum"])
+def test_rumor_run_async_example(tmp_path, mode):
+    """examples/async_train.py under rumor.run: AsyncModelAverage gossip (and push-sum) with a
+    slow rank; every rank finishes with identical weights (spread 0 for AsyncModelAverage, whose
+    finish() ends with one exact average) and a finite loss."""
+    example = os.path.join(os.path.dirname(harness.HERE), os.pardir, "examples", "async_train.py")
+    cmd = [sys.executable, "-m", "rumor.run", "--nproc-per-node", "2", *_rdzv(), os.path.abspath(example),
+           "--mode", mode, "--seconds", "1.5"]
+    text = _launch(cmd, tmp_path)
+    lines = [ln for ln in text.splitlines() if "eval loss" in ln]
+    assert len(lines) == 2, text[-6000:]
+    if mode != "pushsum":
+        assert all("replica spread 0.00e+00" in ln for ln in lines), lines
