@@ -120,7 +120,7 @@ def test_rumor_run_async_example(tmp_path, mode):
     cmd = [sys.executable, "-m", "rumor.run", "--nproc-per-node", "2", *_rdzv(), os.path.abspath(example),
            "--mode", mode, "--seconds", "1.5"]
     text = _launch(cmd, tmp_path)
-    lines = [ln for ln in text.splitlines() if "eval loss" in ln]
-    assert len(lines) == 2, text[-6000:]
+    # The launcher merges the ranks' output streams, so two reports may share a line: count them.
+    assert text.count("eval loss") == 2, text[-6000:]
     if mode != "pushsum":
-        assert all("replica spread 0.00e+00" in ln for ln in lines), lines
+        assert text.count("replica spread 0.00e+00") == 2, text[-6000:]
