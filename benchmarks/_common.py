@@ -173,7 +173,10 @@ class Job:
 
     @property
     def label(self) -> str:
-        raise NotImplementedError
+        """'4 ranks, 1 host' or '4 emulated hosts x 1 rank(s), tbf 1gbit'."""
+        if self.cluster is not None:
+            return f"{self.hosts} emulated hosts x {self.rph} rank(s), tbf {self.args.rate}"
+        return f"{self.n} ranks, 1 host"
 
     def config(self) -> Dict:
         raise NotImplementedError

@@ -260,12 +260,6 @@ class Job(_common.Job):
         self.per_model = per_model
         self.model_index = 0
 
-    @property
-    def label(self) -> str:
-        if self.cluster is not None:
-            return f"{self.hosts} emulated hosts x {self.rph} rank(s), tbf {self.args.rate}"
-        return f"{self.n} ranks, 1 host"
-
     def config(self) -> Dict:
         a = self.args
         return dict(models=a.models, cases=a.cases, variants=a.variants, scale=a.scale_map, batch=a.batch_map,

@@ -178,11 +178,11 @@ struct WindowHub::Link {
   size_t out_off = 0;
 };
 
+// A remote part of an operation, waiting for the target's reply (the reply echoes the request's
+// weight and p flag, so nothing else needs keeping here).
 struct WindowHub::Inflight {
   std::shared_ptr<WinOp> op;
   uint32_t peer = 0;
-  double weight = 1.0;  // get: the weight applied to the reply
-  bool with_p = false;
 };
 
 // ---- WinOp ----
@@ -469,20 +469,9 @@ std::shared_ptr<WinOp> WindowHub::put(uint64_t id, const void* x, const Weights&
                        my_p,
                        0};
       m.data = static_cast<const std::byte*>(x);
-      std::shared_ptr<WinOp> part = op;
-      if (require_mutex) part = std::make_shared<WinOp>(what, id);  // waited here, before the release
-      {
-        std::lock_guard lk(mu_);
-        m.hdr.op_id = register_op(part, dst);
-        try {
-          enqueue(dst, std::move(m));
-        } catch (...) {
-          inflight_.erase(m.hdr.op_id);
-          part->complete(dst, std::current_exception());
-          if (part == op) throw;
-        }
-      }
-      wake();
+      // With the mutex the part is waited for here, before the release.
+      auto part = require_mutex ? std::make_shared<WinOp>(what, id) : op;
+      submit(part, dst, std::move(m));
       if (require_mutex) wait(part, deadline);
     }
     if (require_mutex) mutex_release_one(*w, dst, deadline);
@@ -516,22 +505,8 @@ std::shared_ptr<WinOp> WindowHub::get(uint64_t id, const Weights& srcs, bool wit
       OutMsg m;
       m.hdr = WinFrame{
           kFrameMagic, kGetRequest, static_cast<uint8_t>(with_p), 0, rank_, 0, id, 0, 0, weight, 0, 0};
-      std::shared_ptr<WinOp> part = require_mutex ? std::make_shared<WinOp>(what, id) : op;
-      {
-        std::lock_guard lk(mu_);
-        uint64_t op_id = register_op(part, src);
-        inflight_[op_id].weight = weight;
-        inflight_[op_id].with_p = with_p;
-        m.hdr.op_id = op_id;
-        try {
-          enqueue(src, std::move(m));
-        } catch (...) {
-          inflight_.erase(op_id);
-          part->complete(src, std::current_exception());
-          if (part == op) throw;
-        }
-      }
-      wake();
+      auto part = require_mutex ? std::make_shared<WinOp>(what, id) : op;
+      submit(part, src, std::move(m));
       if (require_mutex) wait(part, deadline);
     }
     if (require_mutex) mutex_release_one(*w, src, deadline);
@@ -693,20 +668,26 @@ void WindowHub::mutex_release_one(Window& w, uint32_t target, const Deadline& de
 void WindowHub::remote_request(Window& w, uint32_t target, uint8_t kind, const std::string& what,
                                const Deadline& deadline) {
   auto op = std::make_shared<WinOp>(what, w.id);
+  OutMsg msg;
+  msg.hdr = WinFrame{kFrameMagic, kind, 0, 0, rank_, 0, w.id, 0, 0, 0, 0, 0};
+  submit(op, target, std::move(msg));
+  wait(op, deadline);
+}
+
+void WindowHub::submit(const std::shared_ptr<WinOp>& part, uint32_t peer, OutMsg msg) {
   {
     std::lock_guard lk(mu_);
-    OutMsg msg;
-    msg.hdr = WinFrame{kFrameMagic, kind, 0, 0, rank_, 0, w.id, register_op(op, target), 0, 0, 0, 0};
-    const uint64_t op_id = msg.hdr.op_id;
+    const uint64_t op_id = register_op(part, peer);
+    msg.hdr.op_id = op_id;
     try {
-      enqueue(target, std::move(msg));
+      enqueue(peer, std::move(msg));
     } catch (...) {
       inflight_.erase(op_id);
+      part->complete(peer, std::current_exception());
       throw;
     }
   }
   wake();
-  wait(op, deadline);
 }
 
 // ---- progress thread (TCP links) ----

@@ -136,6 +136,9 @@ class WindowHub {
   void ensure_links(const Deadline& deadline);
   uint64_t register_op(const std::shared_ptr<WinOp>& op, uint32_t peer);
   void enqueue(uint32_t peer, OutMsg msg);
+  // Registers `part` as waiting for `peer`, queues the frame and wakes the progress thread; a
+  // dead link completes the part with its error and rethrows it.
+  void submit(const std::shared_ptr<WinOp>& part, uint32_t peer, OutMsg msg);
   void wake();
   void fail_link(Link& l, const std::string& why);  // progress thread only
   void progress_loop();

@@ -213,7 +213,7 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
                 versions = hub.versions(w.id)
                 srcs = {r: 1.0 for r, v in enumerate(versions) if v > 0}
                 hub.update(w.id, 1.0, sorted(srcs.items()), True, True, z.data_ptr(), False, _win._timeout())
-                flat.copy_(z / hub.p(w.id))
+                torch.div(z, hub.p(w.id), out=flat)
 
     def step(self, closure=None):
         self._wait()
@@ -227,7 +227,7 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
             with torch.no_grad():
                 for name, z, flat in zip(self._names, self._z, self._flat.flats):
                     w = _win._find(name, "DistributedPushSumOptimizer")
-                    z.copy_(flat * hub.p(w.id))
+                    torch.mul(flat, hub.p(w.id), out=z)
                     op = hub.put(w.id, z.data_ptr(), sorted(dst.items()), True, True, False, _win._timeout())
                     h = _win.WinHandle(w, op, z, sw, True, False)
                     w.handles.append(h)
