@@ -197,7 +197,16 @@ PYBIND11_MODULE(_C, m) {
           [](std::shared_ptr<SharedArena> a, int op) -> std::shared_ptr<BucketOp> {
             return std::make_shared<ArenaAllreduceBucketOp>(std::move(a), to_op(op));
           },
-          "Bucket op: allreduce of a bucket inside this arena, reading peers in place.");
+          "Bucket op: allreduce of a bucket inside this arena, reading peers in place.")
+      .def(
+          "allreduce",
+          [](const std::shared_ptr<SharedArena>& a, uintptr_t buf, size_t count, int dtype, int op) {
+            DType dt = to_dtype(dtype);
+            ReduceOp o = to_op(op);
+            dispatch(a->comm(), false, [a, buf, count, dt, o] { a->allreduce(ptr(buf), count, dt, o); });
+          },
+          py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+          "Blocking in-place allreduce of a buffer inside this arena, on the arena's communicator.");
 
   py::class_<BucketEngine, std::shared_ptr<BucketEngine>>(m, "BucketEngine")
       .def(py::init<std::shared_ptr<Communicator>>())

@@ -243,7 +243,7 @@ def rank_progress(steps, sleeps, warm, lr, interval_ms):
     rounds = alg.rounds
     alg.finish()
     out = dict(w0=w0, final=[p.detach().clone() for p in model.parameters()], moved_inside=moved_inside,
-               rounds=rounds, applied=alg.applied, steps=alg.steps)
+               rounds=rounds, applied=alg.applied, steps=alg.steps, fused=alg._slots[0].fused)
     rumor.shutdown()
     return out
 
@@ -461,6 +461,7 @@ def rank_pending_then_abort(workdir):
     out["mean"] = torch.equal(_flat(model), target)
     alg.finish()
     out["after"] = torch.equal(_flat(model), target)
+    out["fused"] = alg._slots[0].fused
     rumor.shutdown()
     return out
 
@@ -646,19 +647,25 @@ def test_rounds_average_to_the_mean():
             assert bool((d["after"].double() == 2.5).all()), (r, name)
 
 
-def test_delta_rule_keeps_local_progress_end_to_end():
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-arena", "private-buffers"])
+def test_delta_rule_keeps_local_progress_end_to_end(shared):
     """Averaging keeps the sum of the replicas: after finish() every rank holds
-    w0 - lr/n * sum_r steps_r * g_r (warm-up steps included), whatever the timing."""
+    w0 - lr/n * sum_r steps_r * g_r (warm-up steps included), whatever the timing. Both round
+    implementations: the shared arena with fused passes (ranks on one host, the default) and
+    private buffers with a ring allreduce (what other hosts get; forced here by
+    RUMOR_SHARED_BUCKETS=0)."""
     import torch
 
     n, warm, lr = 3, 2, 0.01
     steps = [40, 25, 12]
     sleeps = [0.0, 0.0, 0.025]  # rank 2 is slower than the 10 ms interval: deltas get retaken
-    res = harness.run(rank_progress, n, timeout=75, args=(steps, sleeps, warm, lr, 10))
+    env = None if shared else {"RUMOR_SHARED_BUCKETS": "0"}
+    res = harness.run(rank_progress, n, timeout=75, args=(steps, sleeps, warm, lr, 10), env=env)
     w0 = res[0]["w0"]
     grads = [_const_grads(r) for r in range(n)]
     expect = [w - lr / n * sum(steps[r] * grads[r][i] for r in range(n)) for i, w in enumerate(w0)]
     for r, out in enumerate(res):
+        assert out["fused"] == shared, (r, out["fused"])
         assert out["steps"] == steps[r]
         assert out["moved_inside"] == 0, f"rank {r}: weights changed during forward/backward"
         assert out["rounds"] >= 1, (r, out["rounds"])
@@ -710,12 +717,45 @@ def test_abort_and_resume():
     harness.assert_no_failures(res, "abort/resume")
 
 
-def test_abort_keeps_a_waiting_delta():
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-arena", "private-buffers"])
+def test_abort_keeps_a_waiting_delta(shared):
+    env = None if shared else {"RUMOR_SHARED_BUCKETS": "0"}
     with tempfile.TemporaryDirectory() as d:
-        res = harness.run(rank_pending_then_abort, 3, timeout=60, args=(d,))
+        res = harness.run(rank_pending_then_abort, 3, timeout=60, args=(d,), env=env)
     assert res[0]["unchanged_before_forward"] and res[0]["applied"] == 1, res[0]
     for r, out in enumerate(res):
+        assert out["fused"] == shared, (r, out["fused"])
         assert out["mean"] and out["after"], (r, out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("retake", [False, True])
+def test_fused_take_and_apply_unit(dtype, retake):
+    """The fused passes of the shared-arena rounds compute exactly what the unfused path's
+    torch ops compute: take sends x (or x + (avg - old snap) when retaking a waiting result)
+    and snapshots x; apply gives x + (avg - snap). Odd length: the vectorized loops' tails."""
+    import torch
+
+    from rumor import _C
+    from rumor._tensor import address, dtype_code
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(5)
+    n = 100_003
+    x, snap, work = (torch.randn(n, generator=g, dtype=torch.float64).to(dt) * s for s in (1.0, 0.9, 1.1))
+    code = dtype_code(dt, "test")
+    sent = x + (work - snap) if retake else x.clone()
+    x0 = x.clone()
+    _C.average_take(address(x), address(snap), address(work), n, code, retake)
+    assert torch.equal(work, sent) and torch.equal(snap, x0) and torch.equal(x, x0)
+    avg = torch.randn(n, generator=g, dtype=torch.float64).to(dt)
+    x.add_(torch.randn(n, generator=g, dtype=torch.float64).to(dt) * 1e-3)  # local progress
+    expect = x + (avg - snap)
+    _C.average_apply(address(x), address(avg), address(snap), n, code)
+    assert torch.equal(x, expect)
+    half = torch.zeros(8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        _C.average_apply(address(half), address(half), address(half), 8, dtype_code(torch.float16, "test"))
 
 
 @pytest.mark.parametrize("mode", ["ring", "shift_one", "exp2"])
