@@ -63,7 +63,8 @@ def torch_padded_tokens(cfg, n: int) -> float:
     b = cfg["batch"]
     tot, cnt = 0.0, 0
     for r in range(n):
-        idx = np.fromiter(DistributedSampler(range(len(lens)), num_replicas=n, rank=r, seed=cfg["seed"]), dtype=np.int64)
+        s = DistributedSampler(range(len(lens)), num_replicas=n, rank=r, seed=cfg["seed"])
+        idx = np.fromiter(s, dtype=np.int64)
         for k in range(0, len(idx) - b + 1, b):
             tot += b * lens[idx[k:k + b]].max()
             cnt += 1
@@ -190,8 +191,8 @@ def _bench(cfg: Dict, rank: int, n: int) -> None:
     per_rank_n = _common.gather_samples({v: [float(nsamp[v][i]) for i in used[v]] for v in VARIANTS})
     if rank == 0:
         cell = dict(n=n, batch=b, max_tokens=cfg["max_tokens"], dataset=len(lens),
-                    lengths=dict(median=float(np.median(lens)), mean=float(lens.mean()), p99=float(np.percentile(lens, 99)),
-                                 max=int(lens.max())),
+                    lengths=dict(median=float(np.median(lens)), mean=float(lens.mean()),
+                                 p99=float(np.percentile(lens, 99)), max=int(lens.max())),
                     params=sum(p.numel() for p in variants["torch"][0].parameters()), variants={})
         for v in VARIANTS:
             m = len(times[v])
@@ -353,9 +354,10 @@ def main(argv=None) -> int:
                                 ("LB token batches samples/s vs DistributedSampler", tok["samples_per_s_over_torch"])):
                 result["targets"].append(dict(name=f"{name} >= {TARGET}", value=value, met=value >= TARGET))
                 print(f"target: {name}: {value:.2f}x (>= {TARGET}) -> {'MET' if value >= TARGET else 'NOT MET'}")
-            headline = (f"headline: transformer {c['n']} ranks, lognormal lengths: DistributedSampler step / LB sampler "
-                        f"step = {lb['step_over_torch']:.2f}x (token batches: {tok['samples_per_s_over_torch']:.2f}x "
-                        f"samples/s); per-step token imbalance {100 * c['variants']['torch']['imbalance_padded_tokens']:.0f}% "
+            imb = 100 * c["variants"]["torch"]["imbalance_padded_tokens"]
+            headline = (f"headline: transformer {c['n']} ranks, lognormal lengths: DistributedSampler step / LB "
+                        f"sampler step = {lb['step_over_torch']:.2f}x (token batches: "
+                        f"{tok['samples_per_s_over_torch']:.2f}x samples/s); per-step token imbalance {imb:.0f}% "
                         f"-> {100 * lb['imbalance_padded_tokens']:.0f}%")
         draw = None if args.no_plot or not result["cells"] else (lambda: plot(png_path, result["cells"][0]))
         _common.write_results(result, headline, "headline: n/a (no results)", json_path, png_path, draw)
