@@ -396,6 +396,10 @@ def test_lengths_attribute_and_local_complexity_fn():
     lengths = [5, 1, 9, 3, 7, 2]
     s = Sampler(Lengths(lengths), num_replicas=2, rank=0)
     assert s.costs.tolist() == lengths
+    mine = np.array(lengths, dtype=np.float64)
+    s = Sampler(range(6), costs=mine, num_replicas=2, rank=0)
+    mine[0] = 99.0  # the caller's array stays writable and the sampler keeps its own copy
+    assert s.costs.tolist() == lengths
     calls = []
     s = Sampler([[0] * k for k in lengths], complexity_fn=lambda x: calls.append(1) or len(x) ** 2,
                 num_replicas=2, rank=1)  # no process group: computed here, once

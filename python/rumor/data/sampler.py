@@ -66,7 +66,7 @@ def _bool(value, name: str, what: str) -> bool:
 
 def _as_costs(values, n: int, source: str, what: str) -> np.ndarray:
     try:
-        a = np.asarray(values, dtype=np.float64)
+        a = np.array(values, dtype=np.float64)  # a copy: the sampler's costs are made read-only
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what}: {source} must be a sequence of numbers ({e})") from None
     if a.ndim != 1:
