@@ -1,0 +1,3 @@
+"""rumor.data: data loading for data-parallel training (load-balanced sampling)."""
+from .sampler import LoadBalancingDistributedBatchSampler  # noqa: F401
+from .sampler import LoadBalancingDistributedSampler  # noqa: F401
