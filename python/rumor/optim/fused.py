@@ -15,6 +15,7 @@ load_state_dict() accepts a plain optimizer's state dict (and a plain optimizer 
 from __future__ import annotations
 
 import collections
+import types
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -74,8 +75,10 @@ class _Segment:
     """Parameters of one param group laid out back to back in a flat parameter buffer, with a
     flat gradient buffer of the same layout."""
 
-    def __init__(self, group: int, params: List[torch.Tensor], grad: Optional[torch.Tensor]):
+    def __init__(self, group: int, params: List[torch.Tensor], grad: Optional[torch.Tensor],
+                 bucket: Optional[int] = None):
         self.group = group
+        self.bucket = bucket  # the DistributedDataParallel bucket whose slice `grad` is
         self.params = params
         first = params[0]
         self.numel = sum(p.numel() for p in params)
@@ -134,8 +137,8 @@ class _Fusion:
         opt = self.opt
         fused_ids = set()
         segments = []
-        for gi, params, grad in plan:
-            seg = _Segment(gi, list(params), grad)
+        for gi, params, grad, *bucket in plan:
+            seg = _Segment(gi, list(params), grad, bucket[0] if bucket else None)
             with torch.no_grad():
                 for p, view in seg.views(seg.flat.data):
                     view.copy_(p.data)
@@ -244,19 +247,67 @@ class _Fusion:
                                        "load_state_dict(assign=True) or p.data = ...) after fuse_optimizer; "
                                        "the optimizer would no longer update it")
 
+    def active_segments(self) -> List[_Segment]:
+        """The segments optimizer.step() updates: all of them, or with overlap_optimizer those
+        that no bucket updates during backward."""
+        if self.overlap is None:
+            return self.segments
+        return [s for s in self.segments if s.bucket is None]
+
     def step(self, closure=None):
+        opt = self.opt
         if self.overlap is not None:
-            return self.overlap.step(closure)
+            if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+                raise RuntimeError("rumor.optim: GradScaler cannot drive an optimizer overlapped with "
+                                   "communication (DistributedDataParallel(overlap_optimizer=True)): the update "
+                                   "already ran during backward, before any inf/nan check")
+            if closure is not None:
+                raise ValueError("rumor.optim: step(closure) is not supported with overlap_optimizer=True "
+                                 "(the update runs inside backward)")
         self.check_params()
         self.sync_grads()
-        if self._kernel is not None and all(self._kernel_ok(seg) for seg in self.segments):
-            return _hooked_call(self.opt, self._kernel_step, closure)
-        return self._swapped(lambda: self._user_step(closure))
+        segs = self.active_segments()
+        if self._kernel is not None and all(self._kernel_ok(seg) for seg in segs):
+            return _hooked_call(opt, lambda c: self._kernel_step(c, segs), closure)
+        if self.overlap is not None:
+            return _hooked_call(opt, lambda c: self._swapped(lambda: _unhooked(type(opt).step)(opt), segs), closure)
+        return self._swapped(lambda: self._user_step(closure), segs)
 
-    def _swapped(self, fn):
+    def step_segments(self, segs: List[_Segment]) -> None:
+        """torch's update over some segments only (overlap_optimizer's fallback, per bucket)."""
+        opt = self.opt
+        with torch.no_grad():
+            self._swapped(lambda: _unhooked(type(opt).step)(opt), segs, loose=False)
+
+    def kernel_segment(self, seg: _Segment) -> tuple:
+        """The C++ step of one segment (see rumor._C.OptimizerStepOp.set_segments), creating its
+        state as torch would on the first step."""
+        g = self.opt.param_groups[seg.group]
+        st = self.flat_state.setdefault(seg.flat, {})
+        p, grad = seg.flat.data, seg.grad
+        lr, wd, maximize = float(g["lr"]), float(g["weight_decay"]), bool(g.get("maximize", False))
+        if self._kernel == "sgd":
+            first = "momentum_buffer" not in st
+            buf = None
+            if g["momentum"] != 0:
+                if first:
+                    st["momentum_buffer"] = torch.empty_like(p)
+                buf = st["momentum_buffer"]
+            return (0, p.data_ptr(), grad.data_ptr(), seg.numel, 0 if buf is None else buf.data_ptr(), 0, 0, 0,
+                    first, lr, float(g["momentum"]), float(g["dampening"]), 0.0, wd, bool(g["nesterov"]), False,
+                    maximize)
+        _init_adam_state(st, p, g)
+        vmax = st.get("max_exp_avg_sq") if g["amsgrad"] else None
+        b1, b2 = (float(b) for b in g["betas"])
+        return (1, p.data_ptr(), grad.data_ptr(), seg.numel, st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
+                0 if vmax is None else vmax.data_ptr(), st["step"].data_ptr(), False, lr, b1, b2, float(g["eps"]), wd,
+                bool(g.get("decoupled_weight_decay", False)), bool(g["amsgrad"]), maximize)
+
+    def _swapped(self, fn, segs: Optional[List[_Segment]] = None, loose: bool = True):
         """Runs fn with param_groups and state swapped to the flat segments (and the loose
         parameters), so that the optimizer's own step runs over a few big tensors."""
         opt = self.opt
+        segs = self.segments if segs is None else segs
         saved_params = [g["params"] for g in opt.param_groups]
         saved_state = opt.state
         swapped = collections.defaultdict(dict)
@@ -267,14 +318,15 @@ class _Fusion:
                     swapped[p] = saved_state[p]
         try:
             for gi, g in enumerate(opt.param_groups):
-                g["params"] = [s.flat for s in self.segments if s.group == gi] + self.loose.get(gi, [])
+                g["params"] = ([s.flat for s in segs if s.group == gi]
+                               + (self.loose.get(gi, []) if loose else []))
             opt.state = swapped
             return fn()
         finally:
             for g, params in zip(opt.param_groups, saved_params):
                 g["params"] = params
             opt.state = saved_state
-            for seg in self.segments:
+            for seg in segs:
                 self.flat_state[seg.flat] = swapped.get(seg.flat, {})
             for loose in self.loose.values():
                 for p in loose:
@@ -288,14 +340,14 @@ class _Fusion:
                 and not isinstance(g["lr"], torch.Tensor) and not g.get("capturable", False)
                 and not any(isinstance(b, torch.Tensor) for b in g.get("betas", ())))
 
-    def _kernel_step(self, closure=None):
+    def _kernel_step(self, closure, segs):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
             self.sync_grads()
         opt = self.opt
-        for seg in self.segments:
+        for seg in segs:
             _kernel_update(self._kernel, opt.param_groups[seg.group], self.flat_state.setdefault(seg.flat, {}), seg)
         if any(self.loose.values()):
             # Parameters left unfused (no gradient expected) keep torch's own step.
@@ -373,12 +425,7 @@ def _kernel_update(kind: str, g: dict, st: dict, seg: _Segment) -> None:
         if g["momentum"] != 0:
             st["momentum_buffer"] = buf
         return
-    if not st:
-        st["step"] = torch.tensor(0.0, dtype=torch.float32)
-        st["exp_avg"] = torch.zeros_like(p)
-        st["exp_avg_sq"] = torch.zeros_like(p)
-        if g["amsgrad"]:
-            st["max_exp_avg_sq"] = torch.zeros_like(p)
+    _init_adam_state(st, p, g)
     step = st["step"]
     step += 1
     beta1, beta2 = (float(b) for b in g["betas"])
@@ -388,6 +435,15 @@ def _kernel_update(kind: str, g: dict, st: dict, seg: _Segment) -> None:
                  0 if vmax is None else vmax.data_ptr(), n, float(g["lr"]), beta1, beta2, float(g["eps"]),
                  float(g["weight_decay"]), decoupled, bool(g["amsgrad"]), bool(g.get("maximize", False)),
                  float(step.item()))
+
+
+def _init_adam_state(st: dict, p: torch.Tensor, g: dict) -> None:
+    if not st:
+        st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if g["amsgrad"]:
+            st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def fuse_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -402,15 +458,19 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     fusion.layout(fusion.default_plan())
     optimizer._rumor_fusion = fusion
 
-    def step(closure=None):
-        return fusion.step(closure)
+    def step(self, closure=None):
+        return self._rumor_fusion.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        return self._rumor_fusion.zero_grad(set_to_none)
 
     # An lr scheduler created before fusing marked the step it wrapped; keep the mark so that it
     # does not warn that step was replaced (its call counting goes on through _user_step).
     if hasattr(fusion._user_step, "_wrapped_by_lr_sched"):
         step._wrapped_by_lr_sched = True
-    optimizer.step = step
-    optimizer.zero_grad = fusion.zero_grad
+    # Bound methods, as schedulers created later expect (they wrap step.__func__).
+    optimizer.step = types.MethodType(step, optimizer)
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
     optimizer.register_state_dict_post_hook(_state_dict_post_hook)
     optimizer.register_load_state_dict_post_hook(_load_state_dict_post_hook)
     return optimizer
@@ -433,5 +493,5 @@ def _state_dict_post_hook(opt, state_dict):
 def _load_state_dict_post_hook(opt):
     fusion = opt._rumor_fusion
     # torch.optim wrote plain per-parameter tensors into opt.state: gather them into flat state.
-    plan = [(s.group, s.params, s.grad) for s in fusion.segments]
+    plan = [(s.group, s.params, s.grad, s.bucket) for s in fusion.segments]
     fusion.layout(plan)
