@@ -70,6 +70,8 @@ ALGORITHMS = {
     "dec_shift_one": ("Dec shift_one", "Decentralized(peer_selection='shift_one')"),
     "dec_exp2": ("Dec exp2", "Decentralized(peer_selection='exp2')"),
     "lp_dec": ("LowPrecDec", "LowPrecisionDecentralized()"),
+    "rumor_fused": ("rumor fused", "GradientAllReduce(), optimizer fused (rumor.optim.fuse_optimizer)"),
+    "rumor_overlap": ("rumor overlap", "GradientAllReduce(), overlap_optimizer=True (update per bucket in backward)"),
 }
 VARIANT_LABEL = {"compute": "compute-only", "torch": "torch DDP", **{k: v[0] for k, v in ALGORITHMS.items()}}
 
@@ -102,6 +104,8 @@ def _algorithm(key: str, opt):
         "dec_shift_one": lambda: A.Decentralized(peer_selection="shift_one"),
         "dec_exp2": lambda: A.Decentralized(peer_selection="exp2"),
         "lp_dec": lambda: A.LowPrecisionDecentralized(),
+        "rumor_fused": lambda: A.GradientAllReduce(),
+        "rumor_overlap": lambda: A.GradientAllReduce(),
     }[key]()
 
 
@@ -118,7 +122,12 @@ def _optimizer(key: str, model, cfg):
         # frozen variance (the compressed phase) from the first measured step on; the warm-up
         # steps of this variant are its full-precision Adam steps
         return rumor.optim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=_warmup_steps(key, cfg))
-    return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    if key == "rumor_fused":
+        import rumor.optim
+
+        rumor.optim.fuse_optimizer(opt)
+    return opt
 
 
 # ==== helpers ========================================================================================
@@ -163,7 +172,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
 
     add("compute", lambda m, o: m)
     for key in cfg["algorithms"]:
-        add(key, lambda m, o, key=key: rumor.DistributedDataParallel(m, optimizer=o, algorithm=_algorithm(key, o)))
+        add(key, lambda m, o, key=key: rumor.DistributedDataParallel(m, optimizer=o, algorithm=_algorithm(key, o),
+                                                                    overlap_optimizer=key == "rumor_overlap"))
     add("torch", lambda m, o: TorchDDP(m))
     nparams = sum(p.numel() for p in variants["compute"][0].parameters())
     # A few distinct batches, made before timing; every variant sees the same sequence.

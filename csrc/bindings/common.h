@@ -56,5 +56,6 @@ void bind_compressed_ops(py::module_& m);
 void bind_decentralized(py::module_& m);
 void bind_decentralized_ops(py::module_& m);
 void bind_window(py::module_& m);
+void bind_optim(py::module_& m);
 
 }  // namespace rumor::bindings

@@ -217,7 +217,7 @@ PYBIND11_MODULE(_C, m) {
                  specs) {
             std::vector<BucketSpec> v;
             for (const auto& [data, count, dtype, slots, op] : specs)
-              v.push_back(BucketSpec{data, count, to_dtype(dtype), slots, op});
+              v.push_back(BucketSpec{data, count, to_dtype(dtype), slots, op, nullptr});
             e.set_buckets(std::move(v));
           },
           "[(address, count, dtype code, parameters, op)]")
@@ -250,4 +250,5 @@ PYBIND11_MODULE(_C, m) {
   bind_decentralized(m);
   bind_decentralized_ops(m);
   bind_window(m);
+  bind_optim(m);
 }

@@ -15,11 +15,13 @@ BucketEngine::BucketEngine(std::shared_ptr<Communicator> comm) : comm_(std::move
 BucketEngine::~BucketEngine() {
   // Buckets point into buffers Python owns; never leave an op running past our lifetime.
   for (auto& b : buckets_) {
-    if (!b.work) continue;
-    try {
-      b.work->wait(Deadline::after(comm_->timeout_s() * 2));
-    } catch (...) {
-      // Destructors do not throw; the error was (or will be) reported by finish().
+    for (const auto& w : {b.work, b.after_work}) {
+      if (!w) continue;
+      try {
+        w->wait(Deadline::after(comm_->timeout_s() * 2));
+      } catch (...) {
+        // Destructors do not throw; the error was (or will be) reported by finish().
+      }
     }
   }
 }
@@ -35,7 +37,17 @@ void BucketEngine::set_buckets(std::vector<BucketSpec> buckets) {
       throw Error(ErrorKind::kInvalidArgument, "set_buckets: bucket " + std::to_string(i) + " is empty");
   }
   buckets_.clear();
-  for (auto& s : buckets) buckets_.push_back(Bucket{std::move(s), 0, nullptr, nullptr});
+  for (auto& s : buckets) buckets_.push_back(Bucket{std::move(s), 0, nullptr, nullptr, nullptr});
+}
+
+void BucketEngine::set_after(std::vector<std::shared_ptr<BucketOp>> after) {
+  std::lock_guard lk(mu_);
+  if (next_launch_ != 0)
+    throw Error(ErrorKind::kInvalidArgument, "set_after: buckets of the current iteration are in flight");
+  if (after.size() != buckets_.size())
+    throw Error(ErrorKind::kInvalidArgument, "set_after: got " + std::to_string(after.size()) + " ops for " +
+                                                 std::to_string(buckets_.size()) + " buckets");
+  for (size_t i = 0; i < after.size(); ++i) buckets_[i].spec.after = std::move(after[i]);
 }
 
 void BucketEngine::launch_locked(Bucket& b) {
@@ -48,6 +60,14 @@ void BucketEngine::launch_locked(Bucket& b) {
     spec.op->run(*comm, reinterpret_cast<void*>(spec.data), spec.count, spec.dtype);
     timing->ended = steady_seconds();
   });
+  if (spec.after) {
+    // A failed op fails its `after` too (the update never sees an unreduced gradient); finish()
+    // reports the first error.
+    b.after_work = steps_.submit([comm, spec, done = b.work] {
+      done->wait(Deadline::after(comm->timeout_s() * 2));
+      spec.after->run(*comm, reinterpret_cast<void*>(spec.data), spec.count, spec.dtype);
+    });
+  }
 }
 
 void BucketEngine::launch_ready_locked() {
@@ -103,6 +123,8 @@ void BucketEngine::finish(const Deadline& deadline) {
     std::lock_guard lk(mu_);
     launched = next_launch_;
     for (size_t i = 0; i < next_launch_; ++i) works.push_back(buckets_[i].work);
+    for (size_t i = 0; i < next_launch_; ++i)
+      if (buckets_[i].after_work) works.push_back(buckets_[i].after_work);
   }
   std::exception_ptr first;
   for (auto& w : works) {
@@ -127,6 +149,7 @@ void BucketEngine::finish(const Deadline& deadline) {
   for (auto& b : buckets_) {
     b.ready = 0;
     b.work.reset();
+    b.after_work.reset();
     b.timing.reset();
   }
   next_launch_ = 0;

@@ -59,6 +59,9 @@ struct BucketSpec {
   DType dtype = DType::F32;
   uint32_t slots = 0;  // parameters in the bucket
   std::shared_ptr<BucketOp> op;
+  // Optional: runs once `op` has finished, on the engine's own step thread, so that this bucket's
+  // optimizer update overlaps the next buckets' communication and the rest of backward.
+  std::shared_ptr<BucketOp> after;
 };
 
 // When one bucket of an iteration became complete (and was handed to the worker), and when its
@@ -80,6 +83,8 @@ class BucketEngine {
   // Replaces all buckets. No bucket may be in flight.
   void set_buckets(std::vector<BucketSpec> buckets);
   size_t num_buckets() const { return buckets_.size(); }
+  // Sets every bucket's `after` op (null for none); one per bucket. No bucket may be in flight.
+  void set_after(std::vector<std::shared_ptr<BucketOp>> after);
 
   // One parameter of `bucket` has its gradient. Launches every bucket that is now complete and
   // has all lower-index buckets launched. A slot marked twice in one iteration is an error.
@@ -101,6 +106,7 @@ class BucketEngine {
     BucketSpec spec;
     uint32_t ready = 0;
     std::shared_ptr<Work> work;
+    std::shared_ptr<Work> after_work;
     // Written by the worker while the op runs; read only after finish() has waited for it.
     std::shared_ptr<BucketTiming> timing;
   };
@@ -112,6 +118,9 @@ class BucketEngine {
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
   std::vector<BucketTiming> last_timings_;
+  // Runs the buckets' `after` ops in launch order (its thread starts on first use). Declared last:
+  // destroyed (joined) first, before the buckets it reads.
+  Worker steps_;
 };
 
 }  // namespace rumor

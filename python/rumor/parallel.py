@@ -68,12 +68,19 @@ class DistributedDataParallel(torch.nn.Module):
 
     Parameters listed in ``module._ddp_params_and_buffers_to_ignore`` (names, as for torch DDP)
     and parameters with requires_grad=False are neither broadcast nor averaged.
+
+    With an optimizer fused by rumor.optim.fuse_optimizer, its flat gradient buffers are the
+    buckets (each bucket holds one run of parameters per param group). overlap_optimizer=True
+    (needs ``optimizer``, fused here if it is not) runs each bucket's optimizer update as soon as
+    its communication finished, while backward goes on; optimizer.step() then only runs its hooks
+    (and updates parameters outside the buckets). See docs/optimizer.md for what changes.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  algorithm: Optional[Algorithm] = None, bucket_cap_mb: float = 25,
                  first_bucket_mb: float = 1, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, group: Optional[Group] = None):
+                 broadcast_buffers: bool = True, group: Optional[Group] = None,
+                 overlap_optimizer: bool = False):
         super().__init__()
         if not _runtime.is_initialized():
             raise RuntimeError("rumor.DistributedDataParallel: call rumor.init() before wrapping a model")
@@ -83,8 +90,23 @@ class DistributedDataParallel(torch.nn.Module):
             raise ValueError("rumor.DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be positive")
         if algorithm is not None and not isinstance(algorithm, Algorithm):
             raise TypeError("rumor.DistributedDataParallel: algorithm must be a rumor.algorithms.Algorithm")
+        if overlap_optimizer and optimizer is None:
+            raise ValueError("rumor.DistributedDataParallel: overlap_optimizer=True needs the optimizer "
+                             "(optimizer=...)")
         self.module = module
         self.optimizer = optimizer
+        self.overlap_optimizer = bool(overlap_optimizer)
+        self._fusion = None
+        if optimizer is not None:
+            from .optim.fused import fuse_optimizer, fusion_of
+            if self.overlap_optimizer and fusion_of(optimizer) is None:
+                fuse_optimizer(optimizer)
+            self._fusion = fusion_of(optimizer)
+        self._group_of = {}
+        if self._fusion is not None:
+            self._group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._step_ops: List[Optional[object]] = []
+        self._step_segs: List[list] = []
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -171,6 +193,11 @@ class DistributedDataParallel(torch.nn.Module):
         arena_bytes = 0
         for bi, members in enumerate(plan):
             idx = [order[j] for j in members]
+            if self._fusion is not None:
+                # One run per optimizer param group inside a bucket: a fused segment each. Order
+                # inside a bucket does not matter to when it launches.
+                n_groups = len(self.optimizer.param_groups)
+                idx.sort(key=lambda i: self._group_of.get(id(self._params[i]), n_groups))
             dtypes = {self._params[i].dtype for i in idx}
             if len(dtypes) != 1:
                 raise ValueError(f"Algorithm.plan_buckets: bucket {bi} mixes dtypes {dtypes}")
@@ -204,6 +231,55 @@ class DistributedDataParallel(torch.nn.Module):
                           self.algorithm.bucket_op(self, bucket)))
         self._engine.set_buckets(specs)
         self.buckets = buckets
+        if self._fusion is not None:
+            self._relayout_fusion()
+
+    def _relayout_fusion(self) -> None:
+        """The fused optimizer's segments become runs of the buckets (their gradient slices), and
+        with overlap_optimizer each bucket gets its update op."""
+        import itertools
+
+        fusion = self._fusion
+        plan, covered = [], set()
+        for bi, b in enumerate(self.buckets):
+            runs = itertools.groupby(zip(b.params, b.offsets), key=lambda t: self._group_of.get(id(t[0])))
+            for gi, run in runs:
+                run = list(run)
+                if gi is None:
+                    continue
+                params = [p for p, _ in run]
+                off, n = run[0][1], sum(p.numel() for p in params)
+                plan.append((gi, params, b.flat[off:off + n], bi))
+                covered.update(id(p) for p in params)
+        for gi, params, _ in fusion.default_plan():
+            rest = [p for p in params if id(p) not in covered]
+            if rest:
+                plan.append((gi, rest, None, None))
+        fusion.layout(plan)
+        if self.overlap_optimizer:
+            fusion.overlap = self
+            self.optimizer._step_supports_amp_scaling = True  # so that GradScaler is refused, not ignored
+            self._step_segs = [[s for s in fusion.segments if s.bucket == bi] for bi in range(len(self.buckets))]
+            self._step_ops = [self._make_step_op(segs) for segs in self._step_segs]
+            self._engine.set_after(self._step_ops)
+
+    def _make_step_op(self, segs):
+        if not segs:
+            return None
+        fusion = self._fusion
+        if fusion._kernel is not None and all(fusion._kernel_ok(s) for s in segs):
+            return _C.OptimizerStepOp()
+        # Any other optimizer: its own update over this bucket's segments, on the step thread.
+        return _C.python_bucket_op(lambda: fusion.step_segments(segs))
+
+    def _prepare_step_ops(self) -> None:
+        """Before a backward's first bucket launches: hand the C++ updates this step's
+        hyper-parameters (lr schedulers may have changed them) and state buffers."""
+        fusion = self._fusion
+        for op, segs in zip(self._step_ops, self._step_segs):
+            if isinstance(op, _C.OptimizerStepOp):
+                op.set_segments([fusion.kernel_segment(s) for s in segs])
+        fusion.expose_state()
 
     def _refresh_bucket_ops(self) -> None:
         """Asks the algorithm again for each bucket's op, keeping the buckets (for algorithms
@@ -212,6 +288,8 @@ class DistributedDataParallel(torch.nn.Module):
         specs = [(address(b.flat), b.flat.numel(), dtype_code(b.flat.dtype, "bucket"), len(b.params),
                   self.algorithm.bucket_op(self, b)) for b in self.buckets]
         self._engine.set_buckets(specs)
+        if self._step_ops:
+            self._engine.set_after(self._step_ops)
 
     def _shared_buckets(self) -> bool:
         """Buckets go to shared memory when every rank of the group is on this host."""
@@ -268,6 +346,8 @@ class DistributedDataParallel(torch.nn.Module):
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+                if self._step_ops:
+                    self._prepare_step_ops()
             self._engine.mark_ready(self._bucket_of[i])
 
         return hook

@@ -6,3 +6,4 @@ from .window import (  # noqa: F401
     DistributedPushSumOptimizer,
     DistributedWinPutOptimizer,
 )
+from .fused import FusionError, fuse_optimizer  # noqa: F401
