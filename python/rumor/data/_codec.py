@@ -174,11 +174,13 @@ def decode(data, allow_pickle: bool = False) -> Any:
     mv = memoryview(data)
     if len(mv) < HEADER_SIZE:
         raise CorruptValue(f"value of {len(mv)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    magic, version, flags, _, length, crc = _HEADER.unpack_from(mv, 0)
+    magic, version, flags, reserved, length, crc = _HEADER.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CorruptValue(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise CorruptValue(f"unknown format version {version} (this rumor writes {VERSION})")
+    if flags & ~_FLAG_PICKLE or reserved:
+        raise CorruptValue(f"unknown header flags {flags:#x} / reserved field {reserved:#x}")
     if length != len(mv) - HEADER_SIZE:
         raise CorruptValue(f"payload is {len(mv) - HEADER_SIZE} bytes, header says {length} (truncated?)")
     if (flags & _FLAG_PICKLE) and not allow_pickle:
