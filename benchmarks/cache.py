@@ -178,6 +178,10 @@ def main() -> int:
     if "redis" in variants and shutil.which("redis-server") is None:
         print("redis-server is not installed (scripts/setup.sh installs it): skipping the redis variant")
         variants.remove("redis")
+    if args.workers and "bound" in variants:
+        print("--workers: no bound variant (an in-process dict does not survive the epoch's worker processes); "
+              "cache stats are counted in the workers")
+        variants.remove("bound")
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
 
@@ -218,7 +222,7 @@ def main() -> int:
         print(f"{c['variant']:10s} {c['epoch1_s']:10.3f} {c['epoch2_s']:10.3f} {sp:>16s} {ov:>13s} "
               f"{c['epoch2_s'] / args.samples * 1e3:14.3f}")
     for c in cells:
-        if c.get("stats"):
+        if c.get("stats") and not args.workers:
             s = c["stats"]
             print(f"{c['variant']}: hits {s['hits']} misses {s['misses']} errors {s['errors']} "
                   f"dropped {s['dropped_writes']} corrupt {s['corrupt']}")
