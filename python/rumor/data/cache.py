@@ -502,7 +502,9 @@ class CacheLoader:
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(full + " (reported once; see stats())", CacheWarning, stacklevel=4)
-        log.warning(full)
+            log.warning(full)
+        else:
+            log.debug(full)
 
     def _on_down(self, host: str, op: str, e: Exception) -> None:
         self._report("down", f"{op} on {host} failed ({type(e).__name__}: {e}); computing samples instead and "
