@@ -515,3 +515,17 @@ def test_ranks_of_one_host_share_one_cache(backend):
     else:
         assert out[0][1] == out[1][1]
     assert my_shm_dirs() == before
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("redis", marks=needs_redis)])
+def test_a_copy_uses_the_cache_but_does_not_own_it(backend):
+    """What a spawned DataLoader worker gets: the same cache, without the server or directory."""
+    ref = [torch.full((3,), float(i)) for i in range(5)]
+    with CachedDataset(list(ref), backend=backend, dataset_name="copy") as ds:
+        epoch(ds, ref)
+        copy = pickle.loads(pickle.dumps(ds))
+        epoch(copy, ref)
+        assert copy.stats()["hits"] == 5 and copy.cache_loader.server_pid is None
+        copy.close()
+        epoch(ds, ref)  # the owner's cache outlives the copy
+        assert ds.stats()["hits"] == 5
