@@ -529,3 +529,64 @@ def test_a_copy_uses_the_cache_but_does_not_own_it(backend):
         copy.close()
         epoch(ds, ref)  # the owner's cache outlives the copy
         assert ds.stats()["hits"] == 5
+
+
+def _hosts_share():
+    """Two emulated hosts (RUMOR_HOST_ID), one rank each: each starts its host's server on its
+    own loopback address and every key lives on its owner only."""
+    import redis as redis_py
+
+    import rumor
+    import rumor.data
+
+    rumor.init()
+    r = rumor.rank()
+    assert rumor.machine_size() == 2 and rumor.local_rank() == 0
+    ref, base = Samples(), Samples()
+    ds = rumor.data.CachedDataset(base, backend="redis", dataset_name="hosts", writer_buffer_size=4)
+    for i in range(r, 40, 2):
+        assert same(ds[i], ref[i])
+    ds.flush()
+    rumor.barrier()
+    for i in range(40):
+        assert same(ds[i], ref[i])
+    eps = ds.cache_loader._backend.endpoints
+    ids = [f"{e['host']}:{e['port']}".encode() for e in eps]
+    placement = []
+    for i in range(40):
+        k = f"rumor:hosts:i{i}".encode()
+        on = [redis_py.Redis(e["host"], e["port"], password=e["password"]).exists(k) for e in eps]
+        placement.append((owner_of(k, ids), on))
+    out = (ds.cache_loader.server_pid, [e["host"] for e in eps], base.calls, ds.stats(), placement)
+    rumor.barrier()
+    ds.close()
+    return out
+
+
+@needs_redis
+def test_two_emulated_hosts_through_rumor_rendezvous():
+    out = harness.run(_hosts_share, 2, timeout=60,
+                      rank_env=[{"RUMOR_HOST_ID": "hA", "RUMOR_ADVERTISE_ADDR": "127.0.0.1"},
+                                {"RUMOR_HOST_ID": "hB", "RUMOR_ADVERTISE_ADDR": "127.0.0.2"}])
+    assert out[0][1] == out[1][1] == ["127.0.0.1", "127.0.0.2"]  # host m's server on host m's address
+    for r, (pid, _, calls, s, placement) in enumerate(out):
+        assert calls == [1 if i % 2 == r else 0 for i in range(40)]
+        assert s["hits"] == 40 and s["errors"] == 0
+        assert all(on == [int(o == 0), int(o == 1)] for o, on in placement)
+        assert 0 < sum(o for o, _ in placement) < 40
+        assert gone(pid)
+
+
+@needs_redis
+def test_loopback_address_for_several_hosts_is_refused(monkeypatch):
+    """127.0.1.1 (Debian's /etc/hosts entry for the hostname) must never be handed to other hosts."""
+    from rumor.data import cache as C
+
+    class Store:
+        def set(self, *a):
+            raise AssertionError("nothing may be published")
+
+    monkeypatch.delenv("RUMOR_ADVERTISE_ADDR", raising=False)
+    monkeypatch.setattr(C, "_rumor_context", lambda: (Store(), 0, 2, 0, "127.0.1.1", 5.0))
+    with pytest.raises(RuntimeError, match="RUMOR_ADVERTISE_ADDR"):
+        CacheLoader(backend="redis", dataset_name="loopback-refused")

@@ -310,7 +310,7 @@ def _open_redis(name: str, capacity: int, hosts, op_timeout: float, connect_time
             if local == 0:
                 if machines == 1:
                     bind = "127.0.0.1"
-                elif addr.startswith("127."):
+                elif addr.startswith("127.") and not os.environ.get("RUMOR_ADVERTISE_ADDR"):
                     raise RuntimeError(
                         f"rumor.data: this host's address resolves to {addr}, a loopback address the other "
                         f"{machines - 1} host(s) cannot reach (often /etc/hosts maps the hostname to 127.0.1.1); "
