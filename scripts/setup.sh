@@ -9,16 +9,24 @@ command -v ip >/dev/null 2>&1 || apt_pkgs+=(iproute2)
 command -v tc >/dev/null 2>&1 || apt_pkgs+=(iproute2)
 [ -f /usr/include/gtest/gtest.h ] || apt_pkgs+=(libgtest-dev)
 command -v g++ >/dev/null 2>&1 || apt_pkgs+=(g++)
+command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)  # rumor.data cache; rumor starts its own
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   echo "setup: apt-get install ${apt_pkgs[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
+  # No system redis service: a policy-rc.d (unless one exists) stops the package from starting it.
+  rc_policy=""; [ -e /usr/sbin/policy-rc.d ] || { rc_policy=/usr/sbin/policy-rc.d; printf '#!/bin/sh\nexit 101\n' >"$rc_policy"; chmod +x "$rc_policy"; }
   apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
+  [ -z "$rc_policy" ] || rm -f "$rc_policy"
+  if [ -d /run/systemd/system ] && systemctl list-unit-files redis-server.service >/dev/null 2>&1; then
+    systemctl disable --now redis-server >/dev/null 2>&1 || true
+  fi
 fi
 
 PY=${PYTHON:-python3}
 # torch is not pinned by the package (any 2.x works); this machine's CPU build is 2.13.0.
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
 $PY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib networkx
+$PY -m pip install -q redis  # rumor.data cache client (redis-py)
 $PY -m pip install -q --no-build-isolation .
 $PY -c "import rumor, rumor._C as c; print('setup: rumor', rumor.__version__, 'installed; reduction kernels:', c.reduce_isa())"
