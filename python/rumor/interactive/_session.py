@@ -306,6 +306,10 @@ class Session:
                         pass
                 raise
         flush(True)
+        # The hub may have answered for a dead engine (EngineError) before we saw it die.
+        for r in ranks:
+            if r not in died and not pid_alive(self.pids[r]):
+                died[r] = f"rank {r} (engine pid {self.pids[r]}) died during this cell{self._exit_note(self.pids[r])}"
         still = [ranks[i] for i, _ in enumerate(ranks) if not _msg_done(ar, i) and ranks[i] not in died]
         if not still:
             self.running = None
@@ -323,7 +327,11 @@ class Session:
                 results.append(None)
                 continue
             md = ar.metadata[i]
-            exc = md.get("error") if md.get("status") == "error" else None
+            exc = None
+            if md.get("status") == "error":
+                exc = md.get("error") or self.client.results.get(ar.msg_ids[i])
+                if not isinstance(exc, BaseException):
+                    exc = RuntimeError("the engine reported an error without details")
             if exc is not None:
                 name, msg, tb = _remote_parts(exc)
                 if r in timed_out and name == "KeyboardInterrupt":
