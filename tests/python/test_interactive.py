@@ -48,15 +48,18 @@ def _alive(pid):
         return False
 
 
-def _wait_gone(pids, timeout):
-    """Waits until none of pids runs (bounded); returns the ones still running."""
+def _left(pids, timeout):
+    """Waits (bounded) until neither the pids nor anything in their process groups runs (each
+    was started in a session of its own, so its group holds what it forked, e.g. the
+    controller's schedulers); returns what still runs."""
+    from rumor.interactive._session import group_members
+
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = [p for p in pids if _alive(p)]
-        if not left:
-            return []
+    while True:
+        left = sorted(set(p for p in pids if _alive(p)) | set(group_members(pids)))
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
 
 
 def _shm(prefixes):
@@ -159,7 +162,7 @@ def test_session_lifecycle(kernelspec):
             out = k.ok("%%rumor\nt = torch.full((2,), float(rumor.rank()))\nrumor.allreduce_(t, op=rumor.ReduceOp.SUM)\nprint(t.tolist())")
             assert sorted(re.findall(r"^\[rank (\d)\] \[3.0, 3.0\]$", out, re.M)) == ["0", "1", "2"], out
             k.ok("ri.stop()")
-            assert _wait_gone(info["pids"], 10) == []
+            assert _left(info["pids"], 10) == []
             assert _shm(info["shm"]) == []
             assert not os.path.exists(info["profile"])
 
@@ -198,7 +201,7 @@ def test_session_lifecycle(kernelspec):
         seen_pids += info["pids"]
         seen_shm += info["shm"]
         k.km.shutdown_kernel(now=True)
-        assert _wait_gone(info["pids"], 15) == []
+        assert _left(info["pids"], 15) == []
         assert not os.path.exists(info["profile"])
     finally:
         try:
@@ -206,7 +209,9 @@ def test_session_lifecycle(kernelspec):
         except Exception:
             pass
         for p in seen_pids:  # never leave a process behind, even when an assertion failed
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-    assert [p for p in seen_pids if _alive(p)] == []
+            try:
+                os.killpg(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    assert _left(seen_pids, 5) == []
     assert _shm(seen_shm) == []

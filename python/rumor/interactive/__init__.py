@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from . import _session
 from ._session import RankError, Session  # noqa: F401
 
-__all__ = ["start", "stop", "restart", "status", "run", "pull", "push", "client", "session",
+__all__ = ["start", "connect", "stop", "restart", "status", "run", "pull", "push", "client", "session",
            "RankError", "load_ipython_extension"]
 
 DEFAULT_TIMEOUT = 30.0
@@ -75,6 +75,21 @@ def start(n: int = 4, hosts: Optional[Sequence[str]] = None, timeout: float = DE
     return s.client
 
 
+def connect(path: str, quiet: bool = False) -> "Any":
+    """Attaches this kernel to ranks started from a shell with `rumor-run --interactive -n N`
+    (or `python -m rumor.interactive -n N`); path is the connection file it printed. stop()
+    then only detaches: the ranks run until Ctrl-C in that shell. Returns the Client."""
+    if not isinstance(path, str):
+        raise TypeError(f"rumor.interactive.connect(): path must be a str, got {type(path).__name__}")
+    if _session._session is not None:
+        raise RuntimeError("rumor.interactive.connect(): a session is running; call stop() first")
+    _session._session = s = Session.attach(path)
+    _register_magics()
+    if not quiet:
+        print(f"rumor.interactive: attached to {s.n} rank(s); use %%rumor, %%rank0, %rumor_status")
+    return s.client
+
+
 def stop() -> None:
     """Stops the engines and the controller and removes what they left (sockets, /dev/shm
     names, the private profile directory). Does nothing when no session runs."""
@@ -96,7 +111,10 @@ def restart(hard: bool = False) -> "Any":
         if not _session._last_args:
             raise RuntimeError("rumor.interactive.restart(): start() was never called")
         return start(**_session._last_args)
-    if not hard and s.owned and not s.dead and s.running is None:
+    if not s.owned:
+        raise RuntimeError("rumor.interactive.restart(): this kernel is attached with connect(); "
+                           "restart the ranks from the shell that started them")
+    if not hard and not s.dead and s.running is None:
         try:
             s.init_rumor(_session._last_args.get("start_timeout", 60.0))
             print(f"rumor.interactive: rumor re-initialised on {s.n} rank(s)")

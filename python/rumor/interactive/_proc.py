@@ -50,7 +50,11 @@ def _watch(specs, cleanup_dir):
                 if cleanup_dir:
                     shutil.rmtree(cleanup_dir, ignore_errors=True)
                 # No clean-up of rumor itself is needed: its shared-memory names are unlinked
-                # once every peer has mapped them, and the kernel closes the sockets.
+                # once every peer has mapped them, and the kernel closes the sockets. The
+                # controller forks its schedulers (they have no watchdog thread): this process
+                # leads their process group, so the group goes with it.
+                if os.getpgrp() == os.getpid():
+                    os.killpg(os.getpid(), 9)
                 os._exit(3)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import glob
+import json
 import os
 import shutil
 import signal
@@ -51,6 +52,22 @@ def _start_time(pid: int) -> Optional[str]:
 def pid_alive(pid: int) -> bool:
     """True while the process runs (a zombie counts as gone)."""
     return _start_time(pid) is not None
+
+
+def group_members(pgids) -> List[int]:
+    """Live processes whose process group is one of pgids."""
+    want, found = {int(p) for p in pgids}, []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) in want:
+            found.append(int(d))
+    return found
 
 
 def _owner_spec() -> str:
@@ -209,15 +226,16 @@ class Session:
             except Exception:  # noqa: BLE001
                 pass
             self.client = None
-        # Whatever survived SIGTERM and the launcher's SIGKILL (it should be nothing).
+        # Whatever survived SIGTERM and the launcher's SIGKILL: every process was started in a
+        # session of its own, so its process group also holds what it forked (the controller's
+        # schedulers, subprocesses of user code on the engines).
         for pid in pids:
-            if pid_alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         deadline = time.monotonic() + 5
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        while (any(pid_alive(p) for p in pids) or group_members(pids)) and time.monotonic() < deadline:
             time.sleep(0.05)
         for prefix in self.shm_prefixes:
             for path in glob.glob(f"/dev/shm/{prefix}*"):
@@ -228,6 +246,31 @@ class Session:
         if self.profile_dir:
             shutil.rmtree(self.profile_dir, ignore_errors=True)
         self.cluster = None
+
+    def write_connection_file(self, path: str) -> None:
+        """What rumor.interactive.connect() needs to attach to these ranks from another process."""
+        client_file = self.cluster.controller.connection_files["client"]
+        if not os.path.exists(client_file):
+            raise RuntimeError(f"rumor.interactive: the controller wrote no client file ({client_file})")
+        info = {"client_file": client_file, "engine_ids": self.engine_ids, "pids": self.pids,
+                "hosts": self.hosts, "timeout": self.timeout, "n": self.n}
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, path)
+
+    @classmethod
+    def attach(cls, path: str) -> "Session":
+        import ipyparallel as ipp
+
+        with open(path) as f:
+            info = json.load(f)
+        s = cls(n=int(info["n"]), timeout=float(info["timeout"]), owned=False)
+        s.engine_ids = list(info["engine_ids"])
+        s.pids = list(info["pids"])
+        s.hosts = list(info["hosts"])
+        s.client = ipp.Client(info["client_file"])
+        return s
 
     # ---- running cells ----------------------------------------------------------------
     def check_usable(self) -> None:
