@@ -5,7 +5,6 @@ Starts the controller and the ranks in the foreground, prints how a notebook att
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
