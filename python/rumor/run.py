@@ -2,6 +2,7 @@
 
     python -m rumor.run --nproc-per-node 4 [torchrun flags] [rumor flags] train.py [script args]
     rumor-run ...            (the same, as a console script)
+    rumor-run --interactive -n 4   (ranks for a notebook: rumor.interactive, docs/interactive.md)
 
 Everything torchrun offers (elastic restarts, multi-node rendezvous, --max-restarts, ...) comes
 from torch.distributed.run, which this module delegates to. rumor's flags become environment
@@ -53,6 +54,11 @@ def _validate(args) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     from torch.distributed.run import run
 
+    argv = sys.argv[1:] if argv is None else argv
+    if "--interactive" in argv:  # ranks as notebook engines (docs/interactive.md)
+        from .interactive.__main__ import main as interactive_main
+
+        return interactive_main([a for a in argv if a != "--interactive"])
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     _validate(args)
     for flag, (var, _) in _RUMOR_FLAGS.items():

@@ -1,0 +1,187 @@
+"""rumor in a notebook: one engine per rank, cells that run on every rank.
+
+    import rumor.interactive as ri
+    ri.start(4)            # controller + 4 engines on this host, rumor.init() on each
+    %%rumor                # the cell runs on every rank ("[rank r]" before each output line)
+    %%rank0                # the cell runs on rank 0 only
+    %rumor_status          # ranks, hosts, pids, idle/busy
+    ri.pull("x")           # [x on rank 0, x on rank 1, ...]
+    ri.stop()              # nothing is left running (also at interpreter exit)
+
+See docs/interactive.md. Built on ipyparallel (>= 8), imported only when start() runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from . import _session
+from ._session import RankError, Session  # noqa: F401
+
+__all__ = ["start", "connect", "stop", "restart", "status", "run", "pull", "push", "client", "session",
+           "RankError", "load_ipython_extension"]
+
+DEFAULT_TIMEOUT = 30.0
+
+
+def _check_args(n, hosts, timeout, start_timeout):
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"rumor.interactive.start(): n must be an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"rumor.interactive.start(): n must be at least 1, got {n}")
+    if hosts is not None:
+        raise NotImplementedError(
+            "rumor.interactive.start(): hosts= is not supported yet; engines run on this host only "
+            "(for several hosts, start ipyparallel engines yourself and use rumor-run's environment)")
+    for name, v in (("timeout", timeout), ("start_timeout", start_timeout)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"rumor.interactive.start(): {name} must be a number of seconds, got {type(v).__name__}")
+        if not v > 0:
+            raise ValueError(f"rumor.interactive.start(): {name} must be positive, got {v}")
+
+
+def start(n: int = 4, hosts: Optional[Sequence[str]] = None, timeout: float = DEFAULT_TIMEOUT,
+          start_timeout: float = 60.0, quiet: bool = False) -> "Any":
+    """Starts an ipyparallel controller and n engines on this host, makes engine i rank i of a
+    rumor job (rumor.init() on each) and returns the ipyparallel Client.
+
+    timeout: rumor's deadline for every blocking wait on the engines (rumor.init(timeout=)):
+        a collective that some rank skipped raises rumor.CommTimeoutError this many seconds
+        after the others entered it. Interactive work wants it short; the default is 30 s.
+    start_timeout: how long starting the engines and rumor.init() may take.
+    hosts: not supported yet (NotImplementedError); engines run on this host.
+
+    In IPython the %%rumor, %%rank0 and %rumor_status magics are registered.
+    """
+    _check_args(n, hosts, timeout, start_timeout)
+    try:
+        import ipyparallel  # noqa: F401
+    except ImportError as e:
+        raise ImportError("rumor.interactive needs ipyparallel >= 8: pip install 'ipyparallel>=8'") from e
+    if _session._session is not None:
+        raise RuntimeError("rumor.interactive.start(): a session is running; call stop() or restart() first")
+    s = Session(n=n, timeout=float(timeout))
+    _session._session = s
+    _session._last_args = dict(n=n, timeout=float(timeout), start_timeout=float(start_timeout), quiet=quiet)
+    try:
+        s.launch(float(start_timeout))
+    except BaseException:
+        _session._session = None
+        s.shutdown()
+        raise
+    _register_magics()
+    if not quiet:
+        print(f"rumor.interactive: {n} rank(s) ready (rumor timeout {timeout:g} s); "
+              "use %%rumor, %%rank0, %rumor_status; stop() when done")
+    return s.client
+
+
+def connect(path: str, quiet: bool = False) -> "Any":
+    """Attaches this kernel to ranks started from a shell with `rumor-run --interactive -n N`
+    (or `python -m rumor.interactive -n N`); path is the connection file it printed. stop()
+    then only detaches: the ranks run until Ctrl-C in that shell. Returns the Client."""
+    if not isinstance(path, str):
+        raise TypeError(f"rumor.interactive.connect(): path must be a str, got {type(path).__name__}")
+    if _session._session is not None:
+        raise RuntimeError("rumor.interactive.connect(): a session is running; call stop() first")
+    _session._session = s = Session.attach(path)
+    _register_magics()
+    if not quiet:
+        print(f"rumor.interactive: attached to {s.n} rank(s); use %%rumor, %%rank0, %rumor_status")
+    return s.client
+
+
+def stop() -> None:
+    """Stops the engines and the controller and removes what they left (sockets, /dev/shm
+    names, the private profile directory). Does nothing when no session runs."""
+    s = _session._session
+    _session._session = None
+    if s is not None:
+        s.shutdown()
+
+
+def restart(hard: bool = False) -> "Any":
+    """Makes the session usable again after a failure, with one call.
+
+    By default, when every engine is alive and idle, rumor is shut down and initialised again
+    on every rank (Python variables stay; topologies, groups and windows must be set again).
+    With hard=True, or when an engine died or is stuck, the engines are stopped and new ones
+    started with the arguments of the last start()."""
+    s = _session._session
+    if s is None:
+        if not _session._last_args:
+            raise RuntimeError("rumor.interactive.restart(): start() was never called")
+        return start(**_session._last_args)
+    if not s.owned:
+        raise RuntimeError("rumor.interactive.restart(): this kernel is attached with connect(); "
+                           "restart the ranks from the shell that started them")
+    if not hard and not s.dead and s.running is None:
+        try:
+            s.init_rumor(_session._last_args.get("start_timeout", 60.0))
+            print(f"rumor.interactive: rumor re-initialised on {s.n} rank(s)")
+            return s.client
+        except Exception as e:  # noqa: BLE001 - fall back to new engines
+            print(f"rumor.interactive: re-initialising rumor failed ({e}); starting new engines")
+    args = dict(_session._last_args) or dict(n=s.n, timeout=s.timeout)
+    stop()
+    return start(**args)
+
+
+def session() -> Session:
+    """The running Session (ranks -> engine ids, pids, hosts)."""
+    return _session.current()
+
+
+def client():
+    """The ipyparallel Client of the running session."""
+    return _session.current().client
+
+
+def status() -> List[Dict[str, Any]]:
+    """One row per rank: rank, host, pid, engine id, state (idle, busy ..., dead)."""
+    return _session.current().status()
+
+
+def run(code: str, ranks: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> list:
+    """What %%rumor does, as a function: runs code on the ranks (default all) and returns each
+    rank's last expression value as text (None where there is none)."""
+    if not isinstance(code, str):
+        raise TypeError(f"rumor.interactive.run(): code must be a str, got {type(code).__name__}")
+    s = _session.current()
+    if ranks is not None:
+        ranks = [int(r) for r in ranks]
+        bad = [r for r in ranks if not 0 <= r < s.n]
+        if bad:
+            raise ValueError(f"rumor.interactive.run(): ranks {bad} are outside 0..{s.n - 1}")
+    return s.execute(code, ranks=ranks, timeout=timeout)
+
+
+def pull(name: str) -> list:
+    """The value of a variable on every rank, in rank order."""
+    s = _session.current()
+    s.check_usable()
+    return [s.client[eid].pull(name, block=True) for eid in s.engine_ids]
+
+
+def push(values: Dict[str, Any], ranks: Optional[Sequence[int]] = None) -> None:
+    """Sets variables on the ranks (default all)."""
+    s = _session.current()
+    s.check_usable()
+    ids = s.engine_ids if ranks is None else [s.engine_ids[int(r)] for r in ranks]
+    s.client[ids].push(dict(values), block=True)
+
+
+def _register_magics() -> None:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is not None:
+        load_ipython_extension(ip)
+
+
+def load_ipython_extension(ipython) -> None:
+    """%load_ext rumor.interactive"""
+    from ._magics import RumorMagics
+
+    ipython.register_magics(RumorMagics)

@@ -1,0 +1,513 @@
+"""One interactive rumor job: an ipyparallel controller, n engines (one per rank) and a client.
+
+The engines get their rank from the session, not from the order in which they registered:
+engine ids are sorted and rank i is told to the i-th engine before rumor.init() runs there.
+"""
+from __future__ import annotations
+
+import atexit
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from . import _engine_side
+
+_PROC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_proc.py")
+# rumor errors that leave the communicators unusable: after them the ranks have to re-init.
+_COMM_ERRORS = ("CommTimeoutError", "PeerError", "AbortedError", "ProtocolError")
+
+
+class RankError(RuntimeError):
+    """A cell failed on one or more ranks. `failures` maps rank -> (error name, message,
+    traceback text); `first` is the rank whose error is shown first (the likely cause)."""
+
+    def __init__(self, message: str, failures: Dict[int, tuple], first: Optional[int], lines: List[str]):
+        super().__init__(message)
+        self.failures = failures
+        self.first = first
+        self._lines = lines
+
+    def _render_traceback_(self):
+        # IPython shows these lines instead of the traceback of the magic that raised.
+        return self._lines
+
+
+def _start_time(pid: int) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process runs (a zombie counts as gone)."""
+    return _start_time(pid) is not None
+
+
+def group_members(pgids) -> List[int]:
+    """Live processes whose process group is one of pgids."""
+    want, found = {int(p) for p in pgids}, []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) in want:
+            found.append(int(d))
+    return found
+
+
+def _owner_spec() -> str:
+    return f"{os.getpid()}:{_start_time(os.getpid()) or ''}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _Running:
+    """The cell the session last sent to the engines (for %rumor_status)."""
+    ranks: List[int]
+    summary: str
+    started: float
+    ar: object = None
+
+
+@dataclass
+class Session:
+    n: int
+    timeout: float
+    cluster: object = None
+    client: object = None
+    profile_dir: str = ""
+    engine_ids: List[int] = field(default_factory=list)   # index = rank
+    pids: List[int] = field(default_factory=list)         # index = rank
+    hosts: List[str] = field(default_factory=list)
+    controller_pid: int = 0
+    shm_prefixes: List[str] = field(default_factory=list)  # every rumor job this session ran
+    generation: int = 0
+    broken: str = ""          # why rumor must be re-initialised, or ""
+    dead: str = ""            # why the engines must be restarted, or ""
+    running: Optional[_Running] = None
+    owned: bool = True        # False: attached with connect(); stop() only detaches
+    cells: int = 0
+
+    # ---- start / stop -------------------------------------------------------------------
+    def launch(self, start_timeout: float) -> None:
+        import ipyparallel as ipp
+        from traitlets.config import Config
+
+        self.profile_dir = tempfile.mkdtemp(prefix="rumor-ipp-")
+        cfg = Config()
+        cfg.LocalControllerLauncher.controller_cmd = [sys.executable, _PROC, "controller"]
+        cfg.LocalEngineSetLauncher.engine_cmd = [sys.executable, _PROC, "engine"]
+        cfg.LocalEngineSetLauncher.delay = 0.0
+        # Engines are stopped by SIGTERM, then SIGKILL this much later.
+        cfg.LocalProcessLauncher.stop_seconds_until_kill = 3
+        self.cluster = ipp.Cluster(
+            n=self.n,
+            profile_dir=self.profile_dir,
+            controller_ip="127.0.0.1",
+            shutdown_atexit=False,  # the session's own atexit hook stops it
+            delay=0,
+            engine_timeout=int(start_timeout),
+            log_level=40,
+            config=cfg,
+        )
+        owner = _owner_spec()
+        self.cluster.start_controller_sync(
+            environment={"RUMOR_INTERACTIVE_OWNER": owner, "RUMOR_INTERACTIVE_PROFILE": self.profile_dir})
+        self.controller_pid = int(self.cluster.controller.pid)
+        env = {
+            "RUMOR_INTERACTIVE_OWNER": owner,
+            "RUMOR_INTERACTIVE_CONTROLLER": f"{self.controller_pid}:{_start_time(self.controller_pid) or ''}",
+        }
+        # n engines each running torch's default thread pool on a small machine would fight
+        # for the cores; the user's own setting wins.
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.n))
+        self.cluster.start_engines_sync(self.n, environment=env)
+        self.client = self.cluster.connect_client_sync()
+        self.client.wait_for_engines(self.n, timeout=start_timeout)
+        ids = sorted(self.client.ids)[: self.n]
+        self.engine_ids = ids
+        self.init_rumor(start_timeout)
+
+    def init_rumor(self, wait_timeout: float) -> None:
+        """rumor.init() on every engine, engine_ids[r] becoming rank r."""
+        port = _free_port()
+        self.generation += 1
+        ars = [self.client[eid].apply_async(_engine_side.setup, r, self.n, port, self.timeout, self.generation)
+               for r, eid in enumerate(self.engine_ids)]
+        infos = self._gather(ars, wait_timeout, "rumor.init()")
+        self.pids = [i["pid"] for i in infos]
+        self.hosts = [i["host"] for i in infos]
+        for i in infos:
+            if i["shm_prefix"] and i["shm_prefix"] not in self.shm_prefixes:
+                self.shm_prefixes.append(i["shm_prefix"])
+        bad = [(r, i["rank"]) for r, i in enumerate(infos) if i["rank"] != r]
+        if bad:
+            raise RuntimeError(f"rumor.interactive: engines came up with the wrong ranks (wanted, got): {bad}")
+        self.broken = ""
+
+    def _gather(self, ars, wait_timeout: float, what: str) -> list:
+        deadline = time.monotonic() + wait_timeout
+        while not all(a.ready() for a in ars):
+            dead = [r for r, pid in enumerate(self.pids) if not pid_alive(pid)]
+            if dead:
+                raise RuntimeError(f"rumor.interactive: rank(s) {dead} died during {what}")
+            if time.monotonic() > deadline:
+                late = [r for r, a in enumerate(ars) if not a.ready()]
+                raise TimeoutError(f"rumor.interactive: {what} did not finish within {wait_timeout:.0f} s on rank(s) {late}")
+            time.sleep(0.05)
+        out = []
+        for r, a in enumerate(ars):
+            try:
+                out.append(a.get())
+            except Exception as e:  # noqa: BLE001 - re-raised with the rank
+                raise RuntimeError(f"rumor.interactive: {what} failed on rank {r}: {_remote_summary(e)}") from None
+        return out
+
+    def all_pids(self) -> List[int]:
+        pids = list(self.pids)
+        if self.controller_pid:
+            pids.append(self.controller_pid)
+        # Engines that never reported (start failed half-way) are known to their launchers.
+        if self.cluster is not None:
+            for es in self.cluster.engines.values():
+                for el in getattr(es, "launchers", {}).values():
+                    if el.pid and el.pid not in pids:
+                        pids.append(el.pid)
+        return pids
+
+    def shutdown(self) -> None:
+        """Stops everything this session started; safe to call more than once."""
+        if not self.owned:
+            if self.client is not None:
+                self.client.close()
+                self.client = None
+            return
+        pids = self.all_pids()
+        if self.client is not None and not self.dead:
+            # Let rumor release its sockets and shared memory in an orderly way first.
+            live = [eid for r, eid in enumerate(self.engine_ids) if r < len(self.pids) and pid_alive(self.pids[r])]
+            if live and self.running is None:
+                try:
+                    ar = self.client[live].apply_async(_engine_side.teardown)
+                    ar.wait(5)
+                except Exception:  # noqa: BLE001 - the processes are stopped below anyway
+                    pass
+        if self.cluster is not None:
+            try:
+                self.cluster.stop_cluster_sync()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.client is not None:
+            try:
+                self.client.close(linger=0)
+            except TypeError:
+                self.client.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self.client = None
+        # Whatever survived SIGTERM and the launcher's SIGKILL: every process was started in a
+        # session of its own, so its process group also holds what it forked (the controller's
+        # schedulers, subprocesses of user code on the engines).
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + 5
+        while (any(pid_alive(p) for p in pids) or group_members(pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for prefix in self.shm_prefixes:
+            for path in glob.glob(f"/dev/shm/{prefix}*"):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        if self.profile_dir:
+            shutil.rmtree(self.profile_dir, ignore_errors=True)
+        self.cluster = None
+
+    def write_connection_file(self, path: str) -> None:
+        """What rumor.interactive.connect() needs to attach to these ranks from another process."""
+        client_file = self.cluster.controller.connection_files["client"]
+        if not os.path.exists(client_file):
+            raise RuntimeError(f"rumor.interactive: the controller wrote no client file ({client_file})")
+        info = {"client_file": client_file, "engine_ids": self.engine_ids, "pids": self.pids,
+                "hosts": self.hosts, "timeout": self.timeout, "n": self.n}
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, path)
+
+    @classmethod
+    def attach(cls, path: str) -> "Session":
+        import ipyparallel as ipp
+
+        with open(path) as f:
+            info = json.load(f)
+        s = cls(n=int(info["n"]), timeout=float(info["timeout"]), owned=False)
+        s.engine_ids = list(info["engine_ids"])
+        s.pids = list(info["pids"])
+        s.hosts = list(info["hosts"])
+        s.client = ipp.Client(info["client_file"])
+        return s
+
+    # ---- running cells ----------------------------------------------------------------
+    def check_usable(self) -> None:
+        if self.dead:
+            raise RuntimeError(f"rumor.interactive: {self.dead}; run rumor.interactive.restart()")
+
+    def execute(self, code: str, ranks: Optional[List[int]] = None, timeout: Optional[float] = None,
+                prefix: bool = True, out=None, err=None) -> list:
+        """Runs code on the given ranks (default all), streaming each rank's output with a
+        "[rank r]" prefix. Returns each rank's execute_result text (or None). Raises RankError
+        with the first failing rank's traceback first."""
+        self.check_usable()
+        out = out or sys.stdout
+        err = err or sys.stderr
+        ranks = list(range(self.n)) if ranks is None else list(ranks)
+        limit = self.timeout + 10.0 if timeout is None else float(timeout)
+        view = self.client[[self.engine_ids[r] for r in ranks]]
+        view.block = False
+        self.cells += 1
+        first_line = next((ln.strip() for ln in code.splitlines() if ln.strip()), "")
+        ar = view.execute(code, silent=False, block=False)
+        self.running = _Running(ranks, first_line[:60], time.monotonic(), ar)
+        shown = {r: [0, 0] for r in ranks}
+        died: Dict[int, str] = {}
+        timed_out: List[int] = []
+
+        def flush(final: bool) -> None:
+            for i, r in enumerate(ranks):
+                md = ar.metadata[i]
+                for k, (key, stream) in enumerate((("stdout", out), ("stderr", err))):
+                    text = md.get(key) or ""
+                    new = text[shown[r][k]:]
+                    if not final:
+                        cut = new.rfind("\n")
+                        new = new[: cut + 1] if cut >= 0 else ""
+                    if new:
+                        shown[r][k] += len(new)
+                        lines = new.splitlines()
+                        tag = f"[rank {r}] " if prefix else ""
+                        stream.write("".join(f"{tag}{ln}\n" for ln in lines))
+                        stream.flush()
+
+        start = time.monotonic()
+        interrupted_at = None
+        while True:
+            pending = [i for i, _ in enumerate(ranks) if not _msg_done(ar, i)]
+            flush(False)
+            for i in pending:
+                r = ranks[i]
+                if r not in died and not pid_alive(self.pids[r]):
+                    died[r] = f"rank {r} (engine pid {self.pids[r]}) died during this cell{self._exit_note(self.pids[r])}"
+            pending = [i for i in pending if ranks[i] not in died]
+            if not pending:
+                break
+            now = time.monotonic()
+            if interrupted_at is None and now - start > limit:
+                # Python code stops at the KeyboardInterrupt; a rank inside a rumor wait
+                # returns at rumor's own deadline (start(timeout=...)).
+                timed_out = [ranks[i] for i in pending]
+                for r in timed_out:
+                    try:
+                        os.kill(self.pids[r], signal.SIGINT)
+                    except ProcessLookupError:
+                        pass
+                interrupted_at = now
+            if interrupted_at is not None and now - interrupted_at > 5.0:
+                break
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                # The notebook's interrupt button: pass it on to the ranks still running.
+                for i in pending:
+                    try:
+                        os.kill(self.pids[ranks[i]], signal.SIGINT)
+                    except ProcessLookupError:
+                        pass
+                raise
+        flush(True)
+        # The hub may have answered for a dead engine (EngineError) before we saw it die.
+        for r in ranks:
+            if r not in died and not pid_alive(self.pids[r]):
+                died[r] = f"rank {r} (engine pid {self.pids[r]}) died during this cell{self._exit_note(self.pids[r])}"
+        still = [ranks[i] for i, _ in enumerate(ranks) if not _msg_done(ar, i) and ranks[i] not in died]
+        if not still:
+            self.running = None
+        results, failures, order = [], {}, []
+        for i, r in enumerate(ranks):
+            if r in died:
+                failures[r] = ("EngineDied", died[r], "")
+                order.append((0, 0.0, r))
+                results.append(None)
+                continue
+            if r in still:
+                failures[r] = ("CellTimeout", f"rank {r} is still busy {limit:.0f} s after the cell started "
+                                              "and did not stop on SIGINT", "")
+                order.append((3, 0.0, r))
+                results.append(None)
+                continue
+            md = ar.metadata[i]
+            exc = None
+            if md.get("status") == "error":
+                exc = md.get("error") or self.client.results.get(ar.msg_ids[i])
+                if not isinstance(exc, BaseException):
+                    exc = RuntimeError("the engine reported an error without details")
+            if exc is not None:
+                name, msg, tb = _remote_parts(exc)
+                if r in timed_out and name == "KeyboardInterrupt":
+                    name, msg = "CellTimeout", f"interrupted after the cell's {limit:.0f} s limit"
+                failures[r] = (name, msg, tb)
+                # Errors that are consequences of another rank's failure go last.
+                rank_of = 2 if name in _COMM_ERRORS else (1 if name != "CellTimeout" else 3)
+                t = md.get("completed")
+                order.append((rank_of, t.timestamp() if t else 0.0, r))
+                results.append(None)
+            else:
+                er = md.get("execute_result") or {}
+                results.append((er.get("data") or {}).get("text/plain"))
+                if results[-1] is not None:
+                    tag = f"[rank {r}] " if prefix else ""
+                    out.write(f"{tag}Out: {results[-1]}\n")
+        if died:
+            self.dead = "rank(s) " + ", ".join(str(r) for r in sorted(died)) + " died"
+        elif still:
+            self.dead = "rank(s) " + ", ".join(str(r) for r in still) + " did not stop after the cell timeout"
+        elif any(f[0] in _COMM_ERRORS for f in failures.values()):
+            self.broken = "a rumor operation failed in cell " + str(self.cells)
+        if failures:
+            order.sort()
+            first = order[0][2]
+            raise _rank_error(failures, first, [o[2] for o in order], self.n, self.dead, self.broken)
+        return results
+
+    @staticmethod
+    def _exit_note(pid: int) -> str:
+        # The launcher that started the engine reaps it; it knows the exit status.
+        try:
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return ""
+        if reaped != pid:
+            return ""
+        if os.WIFSIGNALED(status):
+            return f" (killed by {signal.Signals(os.WTERMSIG(status)).name})"
+        if os.WIFEXITED(status):
+            return f" (exit code {os.WEXITSTATUS(status)})"
+        return ""
+
+    # ---- status -------------------------------------------------------------------------
+    def status(self) -> List[dict]:
+        rows = []
+        busy_ids = set()
+        try:
+            qs = self.client.queue_status()
+            busy_ids = {eid for eid, q in qs.items() if isinstance(q, dict) and (q.get("queue", 0) or q.get("tasks", 0))}
+        except Exception:  # noqa: BLE001
+            pass
+        run = self.running
+        if run is not None and all(_msg_done(run.ar, i) for i in range(len(run.ranks))):
+            self.running = run = None
+        for r in range(self.n):
+            pid = self.pids[r] if r < len(self.pids) else 0
+            if not pid or not pid_alive(pid):
+                state = "dead"
+            elif run is not None and r in run.ranks and not _msg_done(run.ar, run.ranks.index(r)):
+                state = f"busy {time.monotonic() - run.started:.0f} s: {run.summary}"
+            elif self.engine_ids[r] in busy_ids:
+                state = "busy"
+            else:
+                state = "idle"
+            rows.append({"rank": r, "host": self.hosts[r] if r < len(self.hosts) else "?", "pid": pid,
+                         "engine": self.engine_ids[r], "state": state})
+        return rows
+
+
+def _msg_done(ar, i: int) -> bool:
+    return ar.msg_ids[i] not in ar._client.outstanding
+
+
+def _remote_parts(exc: BaseException):
+    """(error name, message, traceback text) of an error that came back from an engine."""
+    name = getattr(exc, "ename", None) or type(exc).__name__
+    msg = getattr(exc, "evalue", None)
+    if msg is None:
+        msg = str(exc)
+    tb = getattr(exc, "traceback", None) or ""
+    if isinstance(tb, list):
+        tb = "\n".join(tb)
+    return name, str(msg), tb
+
+
+def _remote_summary(exc: BaseException) -> str:
+    name, msg, _ = _remote_parts(exc)
+    return f"{name}: {msg}"
+
+
+def _rank_error(failures, first, order, n, dead, broken) -> RankError:
+    name, msg, tb = failures[first]
+    others = [r for r in order if r != first]
+    head = f"rank {first}: {name}: {msg}"
+    if others:
+        head += f" (and {len(others)} more rank(s) failed)"
+    lines = [f"--- rank {first} of {n}: {name} ---"]
+    if tb:
+        lines.extend(tb.rstrip("\n").splitlines())
+    else:
+        lines.append(f"{name}: {msg}")
+    for r in others:
+        oname, omsg, _ = failures[r]
+        lines.append(f"--- rank {r}: {oname}: {omsg}")
+    if dead:
+        lines.append(f"rumor.interactive: {dead}; the session must be restarted: rumor.interactive.restart()")
+    elif broken:
+        lines.append("rumor.interactive: rumor's communicators are unusable after this error; "
+                     "rumor.interactive.restart() re-initialises rumor on every rank (Python variables are kept)")
+    message = head
+    if dead or broken:
+        message += "; run rumor.interactive.restart()"
+    return RankError(message, failures, first, lines)
+
+
+_session: Optional[Session] = None
+_last_args: dict = {}
+
+
+def current() -> Session:
+    if _session is None:
+        raise RuntimeError("rumor.interactive: no session; call rumor.interactive.start(n) first")
+    return _session
+
+
+def _atexit_stop() -> None:
+    global _session
+    if _session is not None:
+        try:
+            _session.shutdown()
+        finally:
+            _session = None
+
+
+atexit.register(_atexit_stop)

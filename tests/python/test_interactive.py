@@ -1,0 +1,217 @@
+"""rumor.interactive against a real Jupyter kernel (no browser): the example notebook executed by
+nbclient, and one kernel driven cell by cell through start/stop, a skipped collective, an
+engine killed mid-cell, and finally the kernel itself killed.
+
+Each kernel runs the interpreter running pytest, through a kernelspec written to a temporary
+JUPYTER_PATH, so the engines import this checkout's rumor. Every cell has a deadline."""
+import glob
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ipyparallel", reason="rumor.interactive needs ipyparallel >= 8 (scripts/setup.sh installs it)")
+nbclient = pytest.importorskip("nbclient", reason="the notebook tests need nbclient (scripts/setup.sh installs it)")
+nbformat = pytest.importorskip("nbformat", reason="the notebook tests need nbformat (scripts/setup.sh installs it)")
+pytest.importorskip("ipykernel", reason="the notebook tests need ipykernel (scripts/setup.sh installs it)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NOTEBOOK = os.path.join(ROOT, "examples", "interactive.ipynb")
+KERNEL = "rumor-test-python"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture
+def kernelspec(tmp_path, monkeypatch):
+    spec_dir = tmp_path / "jupyter" / "kernels" / KERNEL
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "rumor test python", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    # The kernel and its engines must not take the test's own launcher variables.
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RUMOR_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    return KERNEL
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _left(pids, timeout):
+    """Waits (bounded) until neither the pids nor anything in their process groups runs (each
+    was started in a session of its own, so its group holds what it forked, e.g. the
+    controller's schedulers); returns what still runs."""
+    from rumor.interactive._session import group_members
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = sorted(set(p for p in pids if _alive(p)) | set(group_members(pids)))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _shm(prefixes):
+    return [p for pre in prefixes for p in glob.glob(f"/dev/shm/{pre}*")]
+
+
+def _text(outputs, name="stdout"):
+    return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream" and o.get("name") == name)
+
+
+def _consensus_reference(n, steps):
+    """float64 reference of `steps` neighbor averages over ExponentialGraph(n): rank i receives
+    from i - 2^k (mod n) with uniform weights 1 / (in_degree + 1)."""
+    W = np.zeros((n, n))
+    for i in range(n):
+        srcs = {(i - 2 ** k) % n for k in range(n.bit_length()) if 2 ** k < n}
+        for j in srcs | {i}:
+            W[i, j] = 1.0 / (len(srcs) + 1)
+    x = np.arange(n, dtype=np.float64)
+    for _ in range(steps):
+        x = W @ x
+    return x
+
+
+def test_example_notebook(kernelspec, tmp_path, monkeypatch):
+    plot = tmp_path / "distance.png"
+    monkeypatch.setenv("RUMOR_EXAMPLE_PLOT", str(plot))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(nb, kernel_name=kernelspec, timeout=120, startup_timeout=60,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    status = _text(code[1].outputs)
+    assert re.findall(r"^\s*(\d) ", status, re.M) == ["0", "1", "2", "3"], status
+    consensus = _text(code[2].outputs)
+    lines = sorted(re.findall(r"^\[rank (\d)\] consensus value ([0-9.]+), in-neighbors \[(.*)\]$", consensus, re.M))
+    assert [int(r) for r, _, _ in lines] == [0, 1, 2, 3], consensus
+    ref = _consensus_reference(4, 30)
+    for r, v, nbrs in lines:
+        assert float(v) == pytest.approx(ref[int(r)], abs=1e-6)
+        assert sorted(int(x) for x in nbrs.split(",")) == sorted({(int(r) - 1) % 4, (int(r) - 2) % 4})
+    pulled = re.search(r"per rank: \[(.*)\]", _text(code[3].outputs)).group(1)
+    np.testing.assert_allclose([float(v) for v in pulled.split(",")], ref, rtol=0, atol=1e-12)
+    training = _text(code[4].outputs)
+    dists = re.findall(r"^\[rank (\d)\] loss ([0-9.]+) -> ([0-9.]+), distance to mean ([0-9.e+-]+) -> ([0-9.e+-]+)$",
+                       training, re.M)
+    assert sorted(int(d[0]) for d in dists) == [0, 1, 2, 3], training
+    for _, _, _, d0, d1 in dists:
+        assert float(d1) < float(d0)  # mixing pulls the replicas together
+    assert "rank 0 weight norm" in _text(code[5].outputs)
+    assert not re.search(r"^\[rank", _text(code[5].outputs), re.M)  # %%rank0 runs on rank 0 only, unprefixed
+    with open(plot, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+class _Kernel:
+    def __init__(self, kernel_name):
+        from jupyter_client.manager import start_new_kernel
+
+        self.km, self.kc = start_new_kernel(kernel_name=kernel_name, startup_timeout=60)
+
+    def run(self, code, timeout=90):
+        outputs = []
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=lambda m: outputs.append(m))
+        stdout = "".join(m["content"]["text"] for m in outputs
+                         if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+        err = reply["content"] if reply["content"]["status"] == "error" else None
+        if err is not None:
+            err = dict(err, traceback=ANSI.sub("", "\n".join(err["traceback"])))
+        return stdout, err
+
+    def ok(self, code, timeout=90):
+        out, err = self.run(code, timeout)
+        assert err is None, f"{err['ename']}: {err['evalue']}\n{err['traceback']}"
+        return out
+
+    def info(self):
+        out = self.ok("import json; _s = ri.session(); "
+                      "print('INFO' + json.dumps({'pids': _s.all_pids(), 'shm': _s.shm_prefixes, 'profile': _s.profile_dir}))")
+        return json.loads(out.split("INFO", 1)[1])
+
+
+def _failures(traceback):
+    """rank -> error name from a RankError's rendering, first rank first."""
+    return [(int(r), name) for r, name in re.findall(r"^--- rank (\d+)(?: of \d+)?: (\w+)", traceback, re.M)]
+
+
+def test_session_lifecycle(kernelspec):
+    k = _Kernel(kernelspec)
+    seen_pids, seen_shm, profiles = [], [], []
+    try:
+        # start / stop twice in a row in one kernel; nothing outlives stop()
+        for _ in range(2):
+            k.ok("import rumor.interactive as ri\nri.start(3, timeout=4, quiet=True)")
+            info = k.info()
+            seen_pids += info["pids"]
+            seen_shm += info["shm"]
+            profiles.append(info["profile"])
+            assert len(info["pids"]) == 4 and all(_alive(p) for p in info["pids"])  # 3 engines + controller
+            out = k.ok("%%rumor\nt = torch.full((2,), float(rumor.rank()))\nrumor.allreduce_(t, op=rumor.ReduceOp.SUM)\nprint(t.tolist())")
+            assert sorted(re.findall(r"^\[rank (\d)\] \[3.0, 3.0\]$", out, re.M)) == ["0", "1", "2"], out
+            k.ok("ri.stop()")
+            assert _left(info["pids"], 10) == []
+            assert _shm(info["shm"]) == []
+            assert not os.path.exists(info["profile"])
+
+        k.ok("ri.start(3, timeout=4, quiet=True)")
+        # a collective that rank 1 skips: rumor's deadline error on every rank that entered it
+        out, err = k.run("%%rumor --timeout 20\nif rumor.rank() != 1:\n    rumor.allreduce_(torch.ones(4))")
+        assert err is not None and err["ename"] == "RankError", (out, err)
+        assert sorted(_failures(err["traceback"])) == [(0, "CommTimeoutError"), (2, "CommTimeoutError")], err["traceback"]
+        assert "restart()" in err["traceback"]
+        # restart() with one call, and the session works again
+        k.ok("ri.restart()")
+        out = k.ok("%%rumor\nt = torch.ones(2) * (rumor.rank() + 1)\nrumor.allreduce_(t, op=rumor.ReduceOp.SUM)\nprint(t.tolist())")
+        assert sorted(re.findall(r"^\[rank (\d)\] \[6.0, 6.0\]$", out, re.M)) == ["0", "1", "2"], out
+
+        # an engine killed mid-cell: the error names the rank, first
+        info = k.info()
+        seen_pids += info["pids"]
+        seen_shm += info["shm"]
+        victim = info["pids"][2]
+        out, err = k.run("%%rumor\nimport os, signal\nrumor.allreduce_(torch.ones(2))\n"
+                         "if rumor.rank() == 2:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                         "rumor.allreduce_(torch.ones(2))")
+        assert err is not None and err["ename"] == "RankError", (out, err)
+        assert err["evalue"].startswith(f"rank 2: EngineDied: rank 2 (engine pid {victim}) died"), err["evalue"]
+        fails = _failures(err["traceback"])
+        assert fails[0] == (2, "EngineDied") and {r for r, _ in fails} == {0, 1, 2}, err["traceback"]
+        assert "must be restarted" in err["traceback"]
+        k.ok("ri.restart()")  # new engines
+        out = k.ok("%%rumor\nprint(rumor.rank(), rumor.size())")
+        assert sorted(re.findall(r"^\[rank (\d)\] \1 3$", out, re.M)) == ["0", "1", "2"], out
+        status = k.ok("%rumor_status")
+        assert len(re.findall(r"^\s+\d\s.*idle$", status, re.M)) == 3, status
+
+        # the kernel killed with the session running: engines and controller notice and exit
+        info = k.info()
+        seen_pids += info["pids"]
+        seen_shm += info["shm"]
+        k.km.shutdown_kernel(now=True)
+        assert _left(info["pids"], 15) == []
+        assert not os.path.exists(info["profile"])
+    finally:
+        try:
+            k.km.shutdown_kernel(now=True)
+        except Exception:
+            pass
+        for p in seen_pids:  # never leave a process behind, even when an assertion failed
+            try:
+                os.killpg(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    assert _left(seen_pids, 5) == []
+    assert _shm(seen_shm) == []
