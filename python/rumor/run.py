@@ -55,11 +55,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     from torch.distributed.run import run
 
     argv = sys.argv[1:] if argv is None else argv
-    if "--interactive" in argv:  # ranks as notebook engines (docs/interactive.md)
+    # Ranks as notebook engines (docs/interactive.md). Only as the first flag: anywhere else it
+    # could be the training script's own argument.
+    if argv[:1] == ["--interactive"]:
         from .interactive.__main__ import main as interactive_main
 
-        return interactive_main([a for a in argv if a != "--interactive"])
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+        return interactive_main(argv[1:])
+    args = _parser().parse_args(argv)
     _validate(args)
     for flag, (var, _) in _RUMOR_FLAGS.items():
         value = getattr(args, "rumor_" + flag.lstrip("-").replace("-", "_"))
