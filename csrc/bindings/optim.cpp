@@ -131,7 +131,9 @@ void bind_optim(py::module_& m) {
             op.set_segments(std::move(v));
           },
           "[(kind, param, grad, count, state0, state1, state2, step, first, lr, momentum|beta1, "
-          "dampening|beta2, eps, weight_decay, nesterov|decoupled, amsgrad, maximize)]");
+          "dampening|beta2, eps, weight_decay, nesterov|decoupled, amsgrad, maximize)]")
+      .def("set_clip_norm", &optim::OptimizerStepOp::set_clip_norm, py::arg("max_norm"),
+           "Per-bucket gradient clipping before the update (0 = off).");
   m.def(
       "python_bucket_op",
       [](py::function fn) -> std::shared_ptr<BucketOp> {

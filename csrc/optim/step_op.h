@@ -20,7 +20,7 @@ struct StepSegment {
   enum class Kind { kSgd, kAdam };
   Kind kind = Kind::kSgd;
   float* param = nullptr;
-  const float* grad = nullptr;
+  float* grad = nullptr;  // a slice of the bucket: per-bucket clipping scales it in place
   size_t count = 0;
   // SGD: state0 = momentum buffer (null without momentum). Adam: exp_avg, exp_avg_sq and, with
   // amsgrad, max_exp_avg_sq.
@@ -39,12 +39,18 @@ class OptimizerStepOp final : public BucketOp {
  public:
   OptimizerStepOp() = default;
   void set_segments(std::vector<StepSegment> segments);
+  // Per-bucket clipping (0 = off): before the update, the bucket's gradients are scaled by
+  // min(1, max_norm / (norm + 1e-6)), norm being the L2 norm over all its segments, as
+  // torch.nn.utils.clip_grad_norm_ would over the bucket's parameters. The gradients are the
+  // averaged ones, equal on every rank, so every rank clips alike without communicating.
+  void set_clip_norm(double max_norm);
   void run(Communicator& comm, void* data, size_t count, DType dtype) override;
   std::string name() const override { return "optimizer step"; }
 
  private:
   std::mutex mu_;
   std::vector<StepSegment> segments_;
+  double clip_norm_ = 0;
 };
 
 }  // namespace rumor::optim

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -58,6 +59,17 @@ def _coalesced_broadcast(tensors: List[torch.Tensor], group: Group) -> None:
                 off += n
 
 
+def _clip_bucket(grads: List[torch.Tensor], max_norm: float) -> None:
+    """overlap_optimizer's per-bucket clipping for the Python fallback: what the C++ step op
+    does (csrc/optim/step_op.cpp), the norm summed in float64 over the bucket's segments."""
+    with torch.no_grad():
+        norm = math.sqrt(sum(float(torch.dot(g.double(), g.double())) for g in grads))
+        coef = torch.tensor(max_norm / (norm + 1e-6), dtype=torch.float32)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wraps a module for data-parallel training with rumor.
 
@@ -73,14 +85,16 @@ class DistributedDataParallel(torch.nn.Module):
     buckets (each bucket holds one run of parameters per param group). overlap_optimizer=True
     (needs ``optimizer``, fused here if it is not) runs each bucket's optimizer update as soon as
     its communication finished, while backward goes on; optimizer.step() then only runs its hooks
-    (and updates parameters outside the buckets). See docs/optimizer.md for what changes.
+    (and updates parameters outside the buckets). With it, bucket_clip_norm=c clips each bucket's
+    averaged gradients to L2 norm c before its update (global clipping is impossible there: the
+    other buckets' gradients do not exist yet). See docs/optimizer.md for what changes.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  algorithm: Optional[Algorithm] = None, bucket_cap_mb: float = 25,
                  first_bucket_mb: float = 1, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, group: Optional[Group] = None,
-                 overlap_optimizer: bool = False):
+                 overlap_optimizer: bool = False, bucket_clip_norm: Optional[float] = None):
         super().__init__()
         if not _runtime.is_initialized():
             raise RuntimeError("rumor.DistributedDataParallel: call rumor.init() before wrapping a model")
@@ -93,6 +107,18 @@ class DistributedDataParallel(torch.nn.Module):
         if overlap_optimizer and optimizer is None:
             raise ValueError("rumor.DistributedDataParallel: overlap_optimizer=True needs the optimizer "
                              "(optimizer=...)")
+        if bucket_clip_norm is not None:
+            if isinstance(bucket_clip_norm, bool) or not isinstance(bucket_clip_norm, (int, float)):
+                raise TypeError("rumor.DistributedDataParallel: bucket_clip_norm must be a number, got "
+                                f"{type(bucket_clip_norm).__name__}")
+            if not math.isfinite(bucket_clip_norm) or bucket_clip_norm <= 0:
+                raise ValueError(f"rumor.DistributedDataParallel: bucket_clip_norm must be finite and > 0, got "
+                                 f"{bucket_clip_norm!r}")
+            if not overlap_optimizer:
+                raise ValueError("rumor.DistributedDataParallel: bucket_clip_norm is for overlap_optimizer=True; "
+                                 "without it, clip all gradients between backward and step "
+                                 "(torch.nn.utils.clip_grad_norm_)")
+        self.bucket_clip_norm = None if bucket_clip_norm is None else float(bucket_clip_norm)
         self.module = module
         self.optimizer = optimizer
         self.overlap_optimizer = bool(overlap_optimizer)
@@ -267,10 +293,20 @@ class DistributedDataParallel(torch.nn.Module):
         if not segs:
             return None
         fusion = self._fusion
+        clip = self.bucket_clip_norm
         if fusion._kernel is not None and all(fusion._kernel_ok(s) for s in segs):
-            return _C.OptimizerStepOp()
+            op = _C.OptimizerStepOp()
+            if clip is not None:
+                op.set_clip_norm(clip)
+            return op
+
         # Any other optimizer: its own update over this bucket's segments, on the step thread.
-        return _C.python_bucket_op(lambda: fusion.step_segments(segs))
+        def step():
+            if clip is not None:
+                _clip_bucket([s.grad for s in segs], clip)
+            fusion.step_segments(segs)
+
+        return _C.python_bucket_op(step)
 
     def _prepare_step_ops(self) -> None:
         """Before a backward's first bucket launches: hand the C++ updates this step's

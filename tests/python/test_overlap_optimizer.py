@@ -101,6 +101,49 @@ def scenarios_rank(names):
     return chk.failures, chk.count
 
 
+def clip_rank(names, max_norm):
+    """overlap_optimizer with bucket_clip_norm against the plain wrapper whose gradients are
+    clipped bucket by bucket with torch.nn.utils.clip_grad_norm_, using the buckets the
+    overlapped run had at each step (they are rebuilt after the first iteration)."""
+    import torch
+
+    import rumor
+
+    rumor.init()
+    torch.set_num_threads(1)
+    chk = harness.Checker()
+    for opt_name in names:
+        runs = {}
+        layouts = []
+        for mode in ("overlap", "plain"):
+            model = _model()
+            opt = _make(opt_name, _groups(model))
+            kw = dict(overlap_optimizer=True, bucket_clip_norm=max_norm) if mode == "overlap" else {}
+            ddp = rumor.DistributedDataParallel(model, optimizer=opt, **kw, **SMALL_BUCKETS)
+            params = list(model.parameters())
+            index = {id(p): i for i, p in enumerate(params)}
+            g = torch.Generator().manual_seed(100 + rumor.rank())
+            clipped = 0
+            for t in range(STEPS):
+                if mode == "overlap":
+                    layouts.append([[index[id(p)] for p in b.params] for b in ddp.buckets])
+                x, y = torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                if mode == "plain":
+                    for idx in layouts[t]:
+                        norm = torch.nn.utils.clip_grad_norm_([params[i] for i in idx], max_norm)
+                        clipped += int(norm > max_norm)
+                opt.step()
+            runs[mode] = [p.detach().clone() for p in params]
+            if mode == "plain":
+                chk.check(clipped > 0, f"{opt_name}: no bucket was ever clipped: the comparison would not see it")
+        for i, (a, b) in enumerate(zip(runs["overlap"], runs["plain"])):
+            err = ((a - b).abs() / b.abs().clamp(min=1.0)).max().item()
+            chk.check(err <= 1e-5, f"{opt_name}: parameter {i} differs from per-bucket clip_grad_norm_ by {err:.3g}")
+    return chk.failures, chk.count
+
+
 def errors_rank():
     import torch
 
@@ -115,6 +158,15 @@ def errors_rank():
     except ValueError as e:
         chk.check("needs the optimizer" in str(e), f"unexpected message: {e}")
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for kw, exc, words in ((dict(bucket_clip_norm=1.0), ValueError, "overlap_optimizer=True"),
+                           (dict(overlap_optimizer=True, bucket_clip_norm=-1.0), ValueError, "> 0"),
+                           (dict(overlap_optimizer=True, bucket_clip_norm=float("nan")), ValueError, "> 0"),
+                           (dict(overlap_optimizer=True, bucket_clip_norm=True), TypeError, "number")):
+        try:
+            rumor.DistributedDataParallel(model, optimizer=opt, **kw)
+            chk.check(False, f"{kw} was accepted")
+        except exc as e:
+            chk.check(words in str(e), f"{kw}: unexpected message: {e}")
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, overlap_optimizer=True)
     scaler = torch.amp.GradScaler("cpu")
     opt.zero_grad()
@@ -143,3 +195,9 @@ def test_fused_and_overlapped_equal_plain(names):
 def test_overlap_errors():
     res = harness.run(errors_rank, 2, timeout=60)
     harness.assert_no_failures(res, "overlap_optimizer errors")
+
+
+@pytest.mark.parametrize("names", [["sgd", "adam"], ["rmsprop"]], ids=["kernels", "fallback"])
+def test_bucket_clip_norm_equals_per_bucket_clipping(names):
+    res = harness.run(clip_rank, 2, timeout=120, args=(names, 0.05))
+    harness.assert_no_failures(res, "bucket_clip_norm")
