@@ -1,0 +1,100 @@
+"""Restarts under the launcher and elastic training.
+
+* rumor.run restarts the workers after one is SIGKILLed (once, and twice in a row): the new
+  workers rendezvous again (the agent's store still holds the keys of the killed attempt), train
+  to the end, and the launcher exits by itself with status 0.
+Every launcher run has a deadline: on timeout its whole process group is killed and the test
+fails with the output so far.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import harness
+
+DEADLINE_S = 150
+
+# Trains a small model with DistributedDataParallel; while TORCHELASTIC_RESTART_COUNT < KILLS,
+# rank VICTIM SIGKILLs itself at step 5. Reports the attempt and a checksum of the weights.
+DDP_WORKER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    kills, victim = int(sys.argv[1]), int(sys.argv[2])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rumor.init()
+    r, n = rumor.rank(), rumor.size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + r)
+    for step in range(10):
+        if attempt < kills and r == victim and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    s = sum(float(p.double().sum()) for p in model.parameters())
+    print(f"DONE rank={r} attempt={attempt} sum={s!r}", flush=True)
+    """
+)
+
+
+def _env(extra=None):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(harness._SCRUB_PREFIXES) and k not in harness._SCRUB_NAMES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_TIMEOUT="30")
+    env.update(extra or {})
+    return env
+
+
+def launch(cmd, cwd, env_extra=None, deadline=DEADLINE_S):
+    """Runs a launcher command under a deadline; returns (returncode, output)."""
+    p = subprocess.Popen(cmd, env=_env(env_extra), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {deadline} s:\n"
+                    f"{out.decode(errors='replace')[-6000:]}")
+    return p.returncode, out.decode(errors="replace")
+
+
+def rumor_run(nproc, max_restarts, script, *args):
+    return [sys.executable, "-m", "rumor.run", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.2", "--nnodes", "1", "--master-addr", "127.0.0.1",
+            "--master-port", str(harness.free_port()), str(script), *map(str, args)]
+
+
+def done_reports(text):
+    # The launcher merges the workers' streams: several reports may share a line.
+    return [(int(r), int(a), float(s)) for r, a, s in re.findall(r"DONE rank=(\d+) attempt=(\d+) sum=(\S+?)(?=DONE|\s|$)", text)]
+
+
+@pytest.mark.parametrize("kills", [1, 2], ids=["one-restart", "two-restarts-in-a-row"])
+def test_rumor_run_restarts_ddp_workers(tmp_path, kills):
+    script = tmp_path / "ddp_worker.py"
+    script.write_text(DDP_WORKER)
+    rc, text = launch(rumor_run(4, kills, script, kills, 1), tmp_path)
+    assert rc == 0, f"launcher exited with {rc}:\n{text[-6000:]}"
+    reports = done_reports(text)
+    # Every rank of the last attempt finished (and none of an earlier attempt did).
+    assert sorted((r, a) for r, a, _ in reports) == [(r, kills) for r in range(4)], text[-6000:]
+    # The restarted job trained as one: identical weights everywhere.
+    assert len({s for _, _, s in reports}) == 1, reports
+    assert f"attempt={kills}" in text
