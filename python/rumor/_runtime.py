@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from . import _C
+from . import _C, _shm
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_PORT = 29500
@@ -82,6 +82,19 @@ def _host_id() -> str:
     except OSError:
         netns = ""
     return f"{socket.gethostname()}|{netns}"
+
+
+def _test_fault(point: str) -> None:
+    # Fault injection for tests of what a crash leaves behind: RUMOR_TEST_DIE_AT=<point>[:<rank>]
+    # SIGKILLs the process (of that rank, or every rank) when init reaches the point.
+    spec = os.environ.get("RUMOR_TEST_DIE_AT")
+    if not spec:
+        return
+    where, _, who = spec.rpartition(":") if spec.count(":") > 1 else (spec, "", "")
+    if where == point and (not who or int(who) == int(os.environ.get("RANK", "-1"))):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -190,7 +203,7 @@ class _Stale(Exception):
 
 
 def _exchange(store, env: _Env, timeout: float, make_ctx, host: str):
-    """Rendezvous of one init(): returns (ctx, token, addresses, hosts).
+    """Rendezvous of one init(): returns (ctx, token, entries [nonce, address, host, shm tag]).
 
     Rank 0 draws a fresh token and publishes it; every rank advertises itself under that token
     with a nonce, and rank 0 answers with the table of everyone's entries. Keys of an earlier
@@ -207,20 +220,22 @@ def _exchange(store, env: _Env, timeout: float, make_ctx, host: str):
         token = os.urandom(16)
         t = token.hex()
         ctx = make_ctx(token)
+        _test_fault("init:context")
         store.set("token", t)
         keys = [f"{t}/peer/{r}" for r in range(env.size)]
-        store.set(keys[0], json.dumps(["", f"{advertise}:{ctx.port}", host]))
+        store.set(keys[0], json.dumps(["", f"{advertise}:{ctx.port}", host, ctx.shm_tag]))
         for r in range(1, env.size):
             _wait_key(store, keys[r], deadline, f"waiting for rank {r} of {env.size} to join")
         entries = [json.loads(v) for v in store.multi_get(keys)]
         store.set(f"{t}/table", json.dumps(entries))
-        return ctx, token, [e[1] for e in entries], [e[2] for e in entries]
+        return ctx, token, entries
     while True:
         _wait_key(store, "token", deadline, "waiting for rank 0 to publish the job token")
         t = store.get("token").decode()
         ctx = make_ctx(bytes.fromhex(t))
         nonce = os.urandom(8).hex()
-        store.set(f"{t}/peer/{env.rank}", json.dumps([nonce, f"{advertise}:{ctx.port}", host]))
+        _test_fault("init:context")
+        store.set(f"{t}/peer/{env.rank}", json.dumps([nonce, f"{advertise}:{ctx.port}", host, ctx.shm_tag]))
 
         def token_changed(t=t):
             if store.get("token").decode() != t:
@@ -237,7 +252,7 @@ def _exchange(store, env: _Env, timeout: float, make_ctx, host: str):
             if time.monotonic() > deadline:
                 raise TimeoutError("rumor.init(): the store held only tokens of earlier attempts until the deadline")
             continue
-        return ctx, bytes.fromhex(t), [e[1] for e in entries], [e[2] for e in entries]
+        return ctx, bytes.fromhex(t), entries
 
 
 def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = None,
@@ -277,9 +292,16 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         store = _store_for(env, timeout)
         _store_keepalive = store
         port = int(os.environ.get("RUMOR_PORT", 0))
-        ctx, token, addresses, hosts = _exchange(
+        if opts.shm:
+            _shm.sweep()
+        ctx, token, entries = _exchange(
             store, env, timeout, lambda tok: _C.Context(env.rank, env.size, tok, opts, port), host)
-    ctx.set_peers(addresses, hosts)
+        addresses, hosts = [e[1] for e in entries], [e[2] for e in entries]
+    if env.size == 1:
+        ctx.set_peers(addresses, hosts)
+    else:
+        ctx.set_peers(addresses, hosts, [e[3] for e in entries])
+    _test_fault("init:peers")
 
     order: List[str] = []
     for h in hosts:

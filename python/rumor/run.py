@@ -60,7 +60,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         if value is not None:
             # Workers inherit the launcher's environment.
             os.environ[var] = str(value)
-    run(args)
+    try:
+        run(args)
+    finally:
+        # Workers killed before they could unlink their shared memory (SIGKILL in init, the
+        # agent's SIGTERM to the survivors of a failure) leave names only a sweep removes.
+        from . import _shm
+
+        _shm.sweep()
 
 
 if __name__ == "__main__":

@@ -98,3 +98,83 @@ def test_rumor_run_restarts_ddp_workers(tmp_path, kills):
     # The restarted job trained as one: identical weights everywhere.
     assert len({s for _, _, s in reports}) == 1, reports
     assert f"attempt={kills}" in text
+
+
+# ---- /dev/shm after a rank is SIGKILLed --------------------------------------------------------
+
+def test_sweep_removes_only_names_of_dead_owners(tmp_path):
+    from rumor import _shm
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ns = _shm._pid_namespace()
+    me, gone = f"{ns}.{os.getpid()}", f"{ns}.{dead.pid}"
+    names = {
+        f"rumor-00aa-db-1@{gone}": True,                  # dead owner
+        f"rumor-00aa-db-0@{me}": False,                   # live owner
+        f"rumor-00aa-c0-0-1@{me}+{gone}": False,          # channel: one owner still alive
+        f"rumor-00aa-c0-1-2@{gone}+{gone}": True,
+        f"rumor-00aa-db-2@{ns + 1}.{dead.pid}": False,    # another pid namespace: not ours to judge
+        "rumor-00aa-db-3": False,                         # not a tagged rumor name
+        "other-file": False,
+    }
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    removed = _shm.sweep(str(tmp_path))
+    assert sorted(removed) == sorted(n for n, gone_ in names.items() if gone_)
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, gone_ in names.items() if not gone_)
+
+
+SHM_WORKER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    kill_step, victim = int(sys.argv[1]), int(sys.argv[2])
+    print(f"PID rank={os.environ['RANK']} pid={os.getpid()}", flush=True)
+    rumor.init()
+    r = rumor.rank()
+    model = torch.nn.Linear(64, 64)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(8):
+        if r == victim and step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ddp(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        rumor.allreduce(torch.ones(300_000))  # a second communicator use: large ring over shm
+    print(f"DONE rank={r}", flush=True)
+    """
+)
+
+
+def _job_names(pids):
+    from rumor import _shm
+
+    left = []
+    for name in os.listdir(_shm.SHM_DIR):
+        tags = _shm.owners(name)
+        if tags and any(pid in pids for _, pid in tags):
+            left.append(name)
+    return left
+
+
+@pytest.mark.parametrize("where,victim", [("init:context", 2), ("init:peers", 1), ("init:peers", 0),
+                                          ("step:0", 3), ("step:4", 1)])
+def test_sigkilled_rank_leaves_nothing_in_dev_shm(tmp_path, where, victim):
+    script = tmp_path / "shm_worker.py"
+    script.write_text(SHM_WORKER)
+    env = {}
+    kill_step = -1
+    if where.startswith("init"):
+        env["RUMOR_TEST_DIE_AT"] = f"{where}:{victim}"
+    else:
+        kill_step = int(where.split(":")[1])
+    rc, text = launch(rumor_run(4, 0, script, kill_step, victim), tmp_path, env)
+    assert rc != 0, f"the job survived a SIGKILLed rank:\n{text[-4000:]}"
+    assert "exitcode: -9" in text, f"rank {victim} was not SIGKILLed:\n{text[-4000:]}"
+    pids = {int(p) for p in re.findall(r"PID rank=\d+ pid=(\d+)", text)}
+    assert len(pids) == 4, text[-4000:]
+    assert _job_names(pids) == [], f"left in /dev/shm: {_job_names(pids)}"
