@@ -65,9 +65,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     finally:
         # Workers killed before they could unlink their shared memory (SIGKILL in init, the
         # agent's SIGTERM to the survivors of a failure) leave names only a sweep removes.
-        from . import _shm
+        from . import _shm, elastic
 
         _shm.sweep()
+        # The in-memory commits of rumor.elastic outlive the workers on purpose; not the job.
+        elastic.remove_snapshots(str(getattr(args, "rdzv_id", None) or "none"))
 
 
 if __name__ == "__main__":
