@@ -13,7 +13,9 @@ import re
 from typing import List
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^rumor-[0-9a-f]+-.+@(\d+\.\d+(?:\+\d+\.\d+)*)$")
+# rumor-<token>-...: the core's segments; rumor_elastic-...: rumor.elastic's commits, owned by
+# the launcher's agent (they outlive the workers on purpose, not the job).
+_NAME = re.compile(r"^rumor(?:-[0-9a-f]+|_elastic)-.+@(\d+\.\d+(?:\+\d+\.\d+)*)$")
 
 
 def _pid_namespace() -> int:

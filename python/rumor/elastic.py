@@ -20,10 +20,11 @@ world and continues from the committed step.
 
 Where the commits live. torchrun kills all workers of a node when one fails, so "the memory of
 the surviving ranks" must outlive the worker processes. A commit is a file in /dev/shm (tmpfs:
-memory, not disk), one per job and host, written by the host's first rank with an atomic
-rename, so a worker killed mid-write leaves the previous commit intact. This needs no keeper
-process that could itself die or leak, costs one copy of the state per host, and the launcher
-(rumor.run) removes the files of its run when the job ends; a finished run() removes them too.
+memory, not disk), one per job, host and launcher agent, written by the host's first rank with
+an atomic rename, so a worker killed mid-write leaves the previous commit intact. This needs no
+keeper process that could itself die or leak and costs one copy of the state per host; a
+finished run() removes the files, the launcher (rumor.run) removes its own when the job ends,
+and any later rumor.init() or launcher on the host sweeps those whose agent has exited.
 ``path=`` additionally writes each commit to disk (rank 0), used only when no host has one in
 memory (a job restarted from scratch).
 """
@@ -51,22 +52,28 @@ def _job() -> str:
     return hashlib.sha1(run_id.encode()).hexdigest()[:12]
 
 
-def _snapshot_file(job: Optional[str] = None) -> str:
-    from . import _runtime
+def _snapshot_file() -> str:
+    """This host's commit file. Besides the run id (torchrun's default, "none", is shared by
+    every job that does not set --rdzv-id) it names the launcher's agent, the workers' parent,
+    which outlives its workers' restarts but not the job: a later job never continues from an
+    earlier one's commit, and a sweep (rumor._shm) removes the file once the agent is gone."""
+    from . import _runtime, _shm
 
     host = hashlib.sha1(_runtime._host_id().encode()).hexdigest()[:12]
-    return os.path.join(SNAPSHOT_DIR, f"{_PREFIX}{job or _job()}-{host}")
+    return os.path.join(SNAPSHOT_DIR, f"{_PREFIX}{_job()}-{host}@{_shm._pid_namespace()}.{os.getppid()}")
 
 
-def remove_snapshots(run_id: str) -> None:
-    """Removes the in-memory commits of a run (every host's file visible here)."""
+def remove_snapshots(run_id: str, agent_pid: int) -> None:
+    """Removes the in-memory commits of a run's agent on this host (the launcher, at its end)."""
+    from . import _shm
+
     job = hashlib.sha1(run_id.encode()).hexdigest()[:12]
     try:
         names = os.listdir(SNAPSHOT_DIR)
     except OSError:
         return
     for n in names:
-        if n.startswith(f"{_PREFIX}{job}-"):
+        if n.startswith(f"{_PREFIX}{job}-") and n.endswith(f"@{_shm._pid_namespace()}.{agent_pid}"):
             try:
                 os.unlink(os.path.join(SNAPSHOT_DIR, n))
             except OSError:
@@ -74,7 +81,10 @@ def remove_snapshots(run_id: str) -> None:
 
 
 def _write_atomic(path: str, step: int, payload: bytes) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
+    base, at, owner = path.rpartition("@") if os.path.dirname(path) == SNAPSHOT_DIR else (path, "", "")
+    # A writer killed mid-write leaves its temporary file: in /dev/shm it keeps the owner tag,
+    # so the sweep that removes the commit removes it too.
+    tmp = f"{base}.tmp{os.getpid()}{at}{owner}" if at else f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(_HEADER.pack(_MAGIC, step))
         f.write(payload)

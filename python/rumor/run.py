@@ -69,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         _shm.sweep()
         # The in-memory commits of rumor.elastic outlive the workers on purpose; not the job.
-        elastic.remove_snapshots(str(getattr(args, "rdzv_id", None) or "none"))
+        elastic.remove_snapshots(str(getattr(args, "rdzv_id", None) or "none"), os.getpid())
 
 
 if __name__ == "__main__":

@@ -116,6 +116,9 @@ def test_sweep_removes_only_names_of_dead_owners(tmp_path):
         f"rumor-00aa-c0-1-2@{gone}+{gone}": True,
         f"rumor-00aa-db-2@{ns + 1}.{dead.pid}": False,    # another pid namespace: not ours to judge
         "rumor-00aa-db-3": False,                         # not a tagged rumor name
+        f"rumor_elastic-1f2e-77aa@{gone}": True,          # a commit whose launcher agent exited
+        f"rumor_elastic-1f2e-77aa.tmp99@{gone}": True,
+        f"rumor_elastic-1f2e-77bb@{me}": False,
         "other-file": False,
     }
     for n in names:
