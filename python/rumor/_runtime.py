@@ -193,7 +193,9 @@ def _wait_key(store, key: str, deadline: float, what: str, on_idle=None) -> None
         if on_idle is not None:
             on_idle()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rumor.init(): {what}: store key {key!r} did not appear before the deadline")
+            from .errors import CommTimeoutError
+
+            raise CommTimeoutError(f"rumor.init(): {what}: store key {key!r} did not appear before the deadline")
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
 
@@ -250,7 +252,10 @@ def _exchange(store, env: _Env, timeout: float, make_ctx, host: str):
         except _Stale:
             del ctx
             if time.monotonic() > deadline:
-                raise TimeoutError("rumor.init(): the store held only tokens of earlier attempts until the deadline")
+                from .errors import CommTimeoutError
+
+                raise CommTimeoutError(f"rumor.init(): rank {env.rank}: the store held only tokens of earlier "
+                                       "attempts until the deadline (is rank 0 running?)")
             continue
         return ctx, bytes.fromhex(t), entries
 

@@ -60,6 +60,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         if value is not None:
             # Workers inherit the launcher's environment.
             os.environ[var] = str(value)
+    min_nodes, _, max_nodes = str(args.nnodes).partition(":")
+    if max_nodes and max_nodes != min_nodes:
+        # An elastic node count: with the agent's shared TCP store, torch 2.x gives a node that
+        # joins in a later round no MASTER_ADDR (only a node without one publishes it) and its
+        # workers wait forever; a store per round, hosted by the rank 0 worker, has no such gap.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(args)
     finally:

@@ -181,8 +181,10 @@ def test_sigkilled_rank_leaves_nothing_in_dev_shm(tmp_path, where, victim):
     rc, text = launch(rumor_run(4, 0, script, kill_step, victim), tmp_path, env)
     assert rc != 0, f"the job survived a SIGKILLed rank:\n{text[-4000:]}"
     assert "exitcode: -9" in text, f"rank {victim} was not SIGKILLed:\n{text[-4000:]}"
-    pids = {int(p) for p in re.findall(r"PID rank=\d+ pid=(\d+)", text)}
-    assert len(pids) == 4, text[-4000:]
+    # A worker the agent stopped before it printed had not reached init: it made no names.
+    by_rank = {int(r): int(p) for r, p in re.findall(r"PID rank=(\d+) pid=(\d+)", text)}
+    assert victim in by_rank, text[-4000:]
+    pids = set(by_rank.values())
     assert _job_names(pids) == [], f"left in /dev/shm: {_job_names(pids)}"
 
 
@@ -429,12 +431,9 @@ def test_elastic_scale_down_4_to_3_then_up_3_to_4(tmp_path):
         log = open(tmp_path / f"agent{node}.log", "wb")
         procs.append((subprocess.Popen(_agent(script, port, "scale", [out, total, kill_step, wait_step, "-"], nnodes,
                                               is_host=node == 0),
-                                       # identical nodes: ranks computed, no role exchange in the store.
-                                       # Workers get a store per round (rank 0 hosts it): with the
-                                       # agent's shared store, torch 2.x gives a node that joins in a
-                                       # later round no MASTER_ADDR and it waits forever.
-                                       env=_env({"NODE_ID": str(node), "TORCH_ELASTIC_WORKER_IDENTICAL": "1",
-                                                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                       # (rumor.run turns the agent's shared store off for an elastic
+                                       # node count, or the node joining later would hang: see run.py)
+                                       env=_env({"NODE_ID": str(node)}), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True), log))
 
     def logs():
