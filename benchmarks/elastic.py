@@ -135,7 +135,7 @@ def plot(path, runs):
     plt = _common.pyplot()
     if plt is None:
         return _common.NO_MATPLOTLIB
-    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * len(runs)))
+    fig, ax = plt.subplots(figsize=(7, 2.0 + 0.45 * len(runs)))
     phases = [("detect_restart", "torchrun detect+restart (bound)"), ("imports", "import torch, rumor"),
               ("init", "rumor.init"), ("build", "model + DDP"),
               ("restore", "restore commit"), ("first_step", "first step")]
@@ -147,7 +147,7 @@ def plot(path, runs):
     ax.set_yticks(range(len(runs)), [f"run {i}" for i in range(len(runs))])
     ax.set_xlabel("seconds from the SIGKILL")
     ax.set_title("elastic recovery: killed worker -> training again")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
     _common.save_figure(plt, fig, path)
     return None
 
