@@ -111,7 +111,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("size", &Context::size)
       .def_property_readonly("port", &Context::port)
       .def_property_readonly("rejected_connections", &Context::rejected_connections)
-      .def("set_peers", &Context::set_peers, py::call_guard<py::gil_scoped_release>())
+      .def("set_peers", &Context::set_peers, py::arg("addresses"), py::arg("host_ids"),
+           py::arg("owner_tags") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("shm_tag", &Context::shm_tag)
       .def("seal", &Context::seal);
 
   using C = Communicator;

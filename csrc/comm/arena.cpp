@@ -12,7 +12,9 @@ namespace {
 constexpr size_t kChunkBytes = 64 * 1024;
 
 std::string arena_name(const Communicator& c, uint64_t id, uint32_t rank) {
-  return c.shm_prefix() + "-a" + std::to_string(id) + "-" + std::to_string(c.world_ranks().at(rank));
+  const uint32_t world = c.world_ranks().at(rank);
+  return c.context().owned_name(c.shm_prefix() + "-a" + std::to_string(id) + "-" + std::to_string(world),
+                                {world});
 }
 }  // namespace
 

@@ -71,6 +71,7 @@ class Communicator {
 
   bool all_local() const { return all_local_; }
   bool uses_shm() const { return ctx_->options().shm; }
+  const Context& context() const { return *ctx_; }
   const std::string& shm_prefix() const { return shm_prefix_; }
   uint64_t id() const { return id_; }
   uint64_t next_arena_id() { return next_arena_id_++; }

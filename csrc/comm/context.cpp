@@ -1,6 +1,7 @@
 #include "comm/context.h"
 
 #include <sched.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -20,6 +21,13 @@ std::string hex(const net::Token& t, size_t n) {
   }
   return s;
 }
+
+std::string process_tag() {
+  struct stat st{};
+  unsigned long long ns =
+      ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0;
+  return std::to_string(ns) + "." + std::to_string(::getpid());
+}
 }  // namespace
 
 Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options options, int port)
@@ -33,9 +41,11 @@ Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options 
                                                  std::to_string(options_.streams));
   if (options_.timeout_s <= 0) throw Error(ErrorKind::kInvalidArgument, "timeout must be positive");
   listener_ = std::make_unique<net::Listener>(token_, size_, port);
+  own_tag_ = process_tag();
+  owner_tags_.assign(size_, own_tag_);
   if (options_.shm) {
-    own_bell_seg_ =
-        net::ShmSegment::create(shm_prefix() + "-db-" + std::to_string(rank_), sizeof(net::Doorbell));
+    own_bell_seg_ = net::ShmSegment::create(
+        owned_name(shm_prefix() + "-db-" + std::to_string(rank_), {rank_}), sizeof(net::Doorbell));
     own_bell_ = new (own_bell_seg_.data()) net::Doorbell{};  // lives in the segment
     own_bell_->pid = static_cast<int32_t>(::getpid());
     own_bell_->magic = net::kDoorbellMagic;
@@ -46,11 +56,31 @@ Context::~Context() = default;
 
 std::string Context::shm_prefix() const { return "/rumor-" + hex(token_, 8); }
 
-void Context::set_peers(std::vector<std::string> addresses, std::vector<std::string> host_ids) {
-  if (addresses.size() != size_ || host_ids.size() != size_)
+std::string Context::owned_name(const std::string& base, std::initializer_list<uint32_t> owners) const {
+  std::string name = base + "@";
+  bool first = true;
+  for (uint32_t r : owners) {
+    if (!first) name += "+";
+    name += owner_tags_.at(r);
+    first = false;
+  }
+  return name;
+}
+
+void Context::set_peers(std::vector<std::string> addresses, std::vector<std::string> host_ids,
+                        std::vector<std::string> owner_tags) {
+  if (addresses.size() != size_ || host_ids.size() != size_ ||
+      (!owner_tags.empty() && owner_tags.size() != size_))
     throw Error(ErrorKind::kInvalidArgument,
-                "set_peers: expected " + std::to_string(size_) + " addresses and host ids, got " +
-                    std::to_string(addresses.size()) + " and " + std::to_string(host_ids.size()));
+                "set_peers: expected " + std::to_string(size_) + " addresses, host ids and owner tags, got " +
+                    std::to_string(addresses.size()) + ", " + std::to_string(host_ids.size()) + " and " +
+                    std::to_string(owner_tags.size()));
+  if (!owner_tags.empty()) {
+    if (owner_tags[rank_] != own_tag_)
+      throw Error(ErrorKind::kInvalidArgument,
+                  "set_peers: owner tag of this rank is " + owner_tags[rank_] + ", expected " + own_tag_);
+    owner_tags_ = std::move(owner_tags);
+  }
   addresses_ = std::move(addresses);
   host_ids_ = std::move(host_ids);
   if (options_.spin_us < 0) {
@@ -74,8 +104,9 @@ net::Doorbell* Context::peer_doorbell(uint32_t peer, const Deadline& deadline) {
   std::lock_guard lk(bells_mu_);
   auto it = peer_bells_.find(peer);
   if (it == peer_bells_.end()) {
-    auto seg = net::ShmSegment::open(shm_prefix() + "-db-" + std::to_string(peer), sizeof(net::Doorbell),
-                                     deadline, "doorbell of rank " + std::to_string(peer));
+    auto seg =
+        net::ShmSegment::open(owned_name(shm_prefix() + "-db-" + std::to_string(peer), {peer}),
+                              sizeof(net::Doorbell), deadline, "doorbell of rank " + std::to_string(peer));
     it = peer_bells_.emplace(peer, std::move(seg)).first;
   }
   return static_cast<net::Doorbell*>(it->second.data());
@@ -87,8 +118,11 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
   std::string desc = "rank " + std::to_string(peer);
   if (options_.shm && same_host(rank_, peer)) {
     uint32_t lo = std::min(rank_, peer), hi = std::max(rank_, peer);
-    std::string name =
-        shm_prefix() + "-c" + std::to_string(comm_id) + "-" + std::to_string(lo) + "-" + std::to_string(hi);
+    // Both owners in the name: a creator that exits first leaves it for its peer (see
+    // ShmChannel), so a sweep must wait until both are gone.
+    std::string name = owned_name(
+        shm_prefix() + "-c" + std::to_string(comm_id) + "-" + std::to_string(lo) + "-" + std::to_string(hi),
+        {lo, hi});
     RUMOR_LOG(kDebug, "comm " << comm_id << ": shared memory to " << desc);
     // The higher rank creates and the lower one waits, as for TCP (the higher rank dials): all
     // setup waits point from lower to higher ranks, so mixed TCP/shm rings cannot wait in a cycle.

@@ -44,7 +44,9 @@ class Context {
 
   // Called once after rendezvous: every rank's "host:port" and host identity. Maps the
   // doorbells of the ranks on this host, which must all have their Context by now.
-  void set_peers(std::vector<std::string> addresses, std::vector<std::string> host_ids);
+  // owner_tags[r] is rank r's shm_tag() (empty: every rank is this process, as in tests).
+  void set_peers(std::vector<std::string> addresses, std::vector<std::string> host_ids,
+                 std::vector<std::string> owner_tags = {});
   // Removes this rank's doorbell name once every local peer has mapped it (the caller runs a
   // barrier after set_peers first), so that a crash later cannot leak it in /dev/shm.
   void seal();
@@ -61,6 +63,12 @@ class Context {
   net::Doorbell* doorbell() const { return own_bell_; }
   // Prefix of every shared-memory name of this job ("/rumor-<token bits>").
   std::string shm_prefix() const;
+  // "<pid namespace inode>.<pid>" of this process: shared-memory names end with their owners'
+  // tags, so a sweep (python/rumor/_shm.py) can remove the names of processes that died
+  // before they could unlink them (a SIGKILL in init, say) and never those of a live one.
+  const std::string& shm_tag() const { return own_tag_; }
+  // `base` + "@" + the tags of `owners` (world ranks) joined by "+".
+  std::string owned_name(const std::string& base, std::initializer_list<uint32_t> owners) const;
 
  private:
   net::Doorbell* peer_doorbell(uint32_t peer, const Deadline& deadline);
@@ -72,6 +80,8 @@ class Context {
   std::unique_ptr<net::Listener> listener_;
   std::vector<std::string> addresses_;
   std::vector<std::string> host_ids_;
+  std::string own_tag_;
+  std::vector<std::string> owner_tags_;
   net::ShmSegment own_bell_seg_;
   net::Doorbell* own_bell_ = nullptr;
   std::mutex bells_mu_;

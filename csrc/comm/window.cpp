@@ -311,7 +311,8 @@ void WindowHub::create(uint64_t id, const std::string& name, void* data, size_t 
   w->peers.resize(size_);
   const size_t seg_bytes = sizeof(SegHeader) + size_ * w->stride;
   w->own = net::ShmSegment::create(
-      ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(rank_), seg_bytes);
+      ctx_->owned_name(ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(rank_), {rank_}),
+      seg_bytes);
   w->base[rank_] = static_cast<std::byte*>(w->own.data());
   auto* h = new (w->base[rank_]) SegHeader{};  // lives in the segment
   h->magic = kSegMagic;
@@ -340,9 +341,9 @@ void WindowHub::attach(uint64_t id, const Deadline& deadline) {
   const size_t seg_bytes = sizeof(SegHeader) + size_ * w->stride;
   for (uint32_t r = 0; r < size_; ++r) {
     if (r == rank_ || !local(r)) continue;
-    w->peers[r] =
-        net::ShmSegment::open(ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(r),
-                              seg_bytes, deadline, "window '" + w->name + "' of rank " + std::to_string(r));
+    w->peers[r] = net::ShmSegment::open(
+        ctx_->owned_name(ctx_->shm_prefix() + "-w" + std::to_string(id) + "-" + std::to_string(r), {r}),
+        seg_bytes, deadline, "window '" + w->name + "' of rank " + std::to_string(r));
     w->base[r] = static_cast<std::byte*>(w->peers[r].data());
     const SegHeader* h = w->header(r);
     if (h->magic != kSegMagic || h->count != w->count || h->dtype != static_cast<uint32_t>(w->dtype) ||

@@ -40,6 +40,7 @@ from .collectives import (  # noqa: F401
 from . import algorithms  # noqa: F401
 from . import compression  # noqa: F401
 from . import data  # noqa: F401
+from . import elastic  # noqa: F401
 from . import optim  # noqa: F401
 from . import topology  # noqa: F401
 from .decentralized import (  # noqa: F401

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from . import _C
+from . import _C, _shm
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_PORT = 29500
@@ -82,6 +82,19 @@ def _host_id() -> str:
     except OSError:
         netns = ""
     return f"{socket.gethostname()}|{netns}"
+
+
+def _test_fault(point: str) -> None:
+    # Fault injection for tests of what a crash leaves behind: RUMOR_TEST_DIE_AT=<point>[:<rank>]
+    # SIGKILLs the process (of that rank, or every rank) when init reaches the point.
+    spec = os.environ.get("RUMOR_TEST_DIE_AT")
+    if not spec:
+        return
+    where, _, who = spec.rpartition(":") if spec.count(":") > 1 else (spec, "", "")
+    if where == point and (not who or int(who) == int(os.environ.get("RANK", "-1"))):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -156,7 +169,95 @@ def _store_for(env: _Env, timeout: float):
             wait_for_workers=False,
             multi_tenant=True,
         )
-    return dist.PrefixStore(f"rumor/{_generation}/", base)
+    return dist.PrefixStore(_rendezvous_prefix(), base)
+
+
+def _rendezvous_prefix() -> str:
+    # Under torchrun the agent's store outlives the workers: a restarted worker must not find
+    # its predecessors' keys. The run id separates jobs sharing one store; the in-process
+    # generation separates init() calls of one process. Restarts of the same run are kept apart
+    # by the fresh token rank 0 draws each time (see _exchange), not by
+    # TORCHELASTIC_RESTART_COUNT: the agents of a multi-node job count restarts differently
+    # (an agent restarts its workers without counting when another node joins or fails), so
+    # ranks of one round would disagree on the key and never meet.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"rumor/{run_id}/{_generation}/" if run_id else f"rumor/{_generation}/"
+
+
+def _wait_key(store, key: str, deadline: float, what: str, on_idle=None) -> None:
+    """Polls for key until the deadline; on_idle() runs between polls and may raise to retry."""
+    import time
+
+    pause = 0.002
+    while not store.check([key]):
+        if on_idle is not None:
+            on_idle()
+        if time.monotonic() > deadline:
+            from .errors import CommTimeoutError
+
+            raise CommTimeoutError(f"rumor.init(): {what}: store key {key!r} did not appear before the deadline")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+class _Stale(Exception):
+    """The token this rank read belongs to an earlier attempt; read it again."""
+
+
+def _exchange(store, env: _Env, timeout: float, make_ctx, host: str):
+    """Rendezvous of one init(): returns (ctx, token, entries [nonce, address, host, shm tag]).
+
+    Rank 0 draws a fresh token and publishes it; every rank advertises itself under that token
+    with a nonce, and rank 0 answers with the table of everyone's entries. Keys of an earlier
+    attempt that died in the same store (torchrun restarts the workers, the agent's store stays)
+    can be read before rank 0 overwrites the token: such a token leads to a table without this
+    rank's nonce (or to no table while the token changes), and the rank starts over with the
+    token it then finds, so a stale entry is never used."""
+    import json
+    import time
+
+    deadline = time.monotonic() + timeout
+    advertise = _advertise_address(env.master_addr, env.master_port)
+    if env.rank == 0:
+        token = os.urandom(16)
+        t = token.hex()
+        ctx = make_ctx(token)
+        _test_fault("init:context")
+        store.set("token", t)
+        keys = [f"{t}/peer/{r}" for r in range(env.size)]
+        store.set(keys[0], json.dumps(["", f"{advertise}:{ctx.port}", host, ctx.shm_tag]))
+        for r in range(1, env.size):
+            _wait_key(store, keys[r], deadline, f"waiting for rank {r} of {env.size} to join")
+        entries = [json.loads(v) for v in store.multi_get(keys)]
+        store.set(f"{t}/table", json.dumps(entries))
+        return ctx, token, entries
+    while True:
+        _wait_key(store, "token", deadline, "waiting for rank 0 to publish the job token")
+        t = store.get("token").decode()
+        ctx = make_ctx(bytes.fromhex(t))
+        nonce = os.urandom(8).hex()
+        _test_fault("init:context")
+        store.set(f"{t}/peer/{env.rank}", json.dumps([nonce, f"{advertise}:{ctx.port}", host, ctx.shm_tag]))
+
+        def token_changed(t=t):
+            if store.get("token").decode() != t:
+                raise _Stale()
+
+        try:
+            _wait_key(store, f"{t}/table", deadline, "waiting for rank 0's table of peers", token_changed)
+            entries = json.loads(store.get(f"{t}/table"))
+            if len(entries) != env.size or entries[env.rank][0] != nonce:
+                time.sleep(0.01)
+                raise _Stale()
+        except _Stale:
+            del ctx
+            if time.monotonic() > deadline:
+                from .errors import CommTimeoutError
+
+                raise CommTimeoutError(f"rumor.init(): rank {env.rank}: the store held only tokens of earlier "
+                                       "attempts until the deadline (is rank 0 running?)")
+            continue
+        return ctx, bytes.fromhex(t), entries
 
 
 def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = None,
@@ -195,19 +296,17 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     else:
         store = _store_for(env, timeout)
         _store_keepalive = store
-        if env.rank == 0:
-            store.set("token", os.urandom(16))
-        token = bytes(store.get("token"))
         port = int(os.environ.get("RUMOR_PORT", 0))
-        ctx = _C.Context(env.rank, env.size, token, opts, port)
-        me = f"{_advertise_address(env.master_addr, env.master_port)}:{ctx.port}"
-        store.set(f"peer/{env.rank}", f"{me}|{host}")
-        addresses, hosts = [], []
-        for r in range(env.size):
-            a, h = store.get(f"peer/{r}").decode().split("|", 1)
-            addresses.append(a)
-            hosts.append(h)
-    ctx.set_peers(addresses, hosts)
+        if opts.shm:
+            _shm.sweep()
+        ctx, token, entries = _exchange(
+            store, env, timeout, lambda tok: _C.Context(env.rank, env.size, tok, opts, port), host)
+        addresses, hosts = [e[1] for e in entries], [e[2] for e in entries]
+    if env.size == 1:
+        ctx.set_peers(addresses, hosts)
+    else:
+        ctx.set_peers(addresses, hosts, [e[3] for e in entries])
+    _test_fault("init:peers")
 
     order: List[str] = []
     for h in hosts:

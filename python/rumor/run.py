@@ -68,7 +68,22 @@ def main(argv: Optional[List[str]] = None) -> None:
         if value is not None:
             # Workers inherit the launcher's environment.
             os.environ[var] = str(value)
-    run(args)
+    min_nodes, _, max_nodes = str(args.nnodes).partition(":")
+    if max_nodes and max_nodes != min_nodes:
+        # An elastic node count: with the agent's shared TCP store, torch 2.x gives a node that
+        # joins in a later round no MASTER_ADDR (only a node without one publishes it) and its
+        # workers wait forever; a store per round, hosted by the rank 0 worker, has no such gap.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    try:
+        run(args)
+    finally:
+        # Workers killed before they could unlink their shared memory (SIGKILL in init, the
+        # agent's SIGTERM to the survivors of a failure) leave names only a sweep removes.
+        from . import _shm, elastic
+
+        _shm.sweep()
+        # The in-memory commits of rumor.elastic outlive the workers on purpose; not the job.
+        elastic.remove_snapshots(str(getattr(args, "rdzv_id", None) or "none"), os.getpid())
 
 
 if __name__ == "__main__":

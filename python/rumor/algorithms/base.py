@@ -24,6 +24,12 @@ class Algorithm:
       when an optimizer was given to the wrapper).
     """
 
+    # rumor.elastic restores a job from one rank's commit. An algorithm whose ranks end a step
+    # with identical weights and no state of its own sets this True; one with state implements
+    # elastic_state_dict() -> picklable and load_elastic_state_dict(sd) instead. Others are
+    # refused by rumor.elastic.State.
+    elastic_replicated = False
+
     def init(self, ddp: "DistributedDataParallel") -> None:
         """Called once, after parameters were broadcast and buckets built."""
 

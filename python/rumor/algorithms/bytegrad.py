@@ -35,6 +35,10 @@ class CompressedAllReduce(Algorithm):
     only between one leader per host (on a single host nothing is compressed then).
     """
 
+    # Every rank ends a step with the same weights and the algorithm keeps nothing across steps:
+    # a commit of any rank restores the whole job (rumor.elastic).
+    elastic_replicated = True
+
     _kind = KIND_MINMAX_U8
 
     def __init__(self, hierarchical: bool = True, average: bool = True, chunk: int = 0, levels: int = 16):

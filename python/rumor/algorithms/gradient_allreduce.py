@@ -14,6 +14,10 @@ class GradientAllReduce(Algorithm):
     buckets when the job spans several hosts with several ranks each.
     """
 
+    # Every rank ends a step with the same weights and the algorithm keeps nothing across steps:
+    # a commit of any rank restores the whole job (rumor.elastic).
+    elastic_replicated = True
+
     def __init__(self, hierarchical: bool = False, average: bool = True):
         self.hierarchical = bool(hierarchical)
         self.average = bool(average)

@@ -1,0 +1,205 @@
+"""Elastic training: time from a killed worker to training again.
+
+    python benchmarks/elastic.py                       # 4 ranks, 25 MB MLP, 3 repeats
+    python benchmarks/elastic.py --ranks 4 --model-mb 100 --repeats 5
+
+Each repeat launches `python -m rumor.run --nproc-per-node N --max-restarts 1` on a worker that
+trains an MLP with DistributedDataParallel under rumor.elastic (commit every --commit-every
+steps). Rank N-1 SIGKILLs itself at step --kill-step of the first attempt. The workers log wall
+clock events to a file; the driver splits the recovery into
+  detect+restart: the kill -> the restarted workers' scripts start (torchrun's agent: it notices
+                  the dead worker, stops the others, rendezvous, spawns; the floor rumor cannot
+                  go below, "bound" in the output)
+  imports:        script start -> torch and rumor imported
+  init:           -> rumor.init() returned (rendezvous, connections)
+  model/DDP:      -> the model built and wrapped (the user's code, parameter broadcast)
+  restore:        -> the last commit restored on every rank (broadcast from a survivor)
+  first step:     -> the first training step after the restore finished
+and prints the total as a ratio to the floor. JSON and PNG go to benchmarks/results/elastic.*.
+The steady step time and the cost of one commit are reported beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common  # noqa: E402
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    T_START = time.time()
+    import torch
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    log, model_mb, steps, commit_every, kill_step = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+    def event(name, **kw):
+        with open(log, "a") as f:
+            f.write(json.dumps(dict(ev=name, t=time.time(), rank=int(os.environ["RANK"]), attempt=attempt, **kw)) + "\\n")
+
+    event("start", t_start=T_START)
+    event("imported")
+    rumor.init()
+    event("init")
+    width = 1024
+    layers = max(1, int(model_mb * 2**20 / 4 / (width * width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    state = rumor.elastic.State(ddp, opt)
+    x = torch.randn(32, width)
+    event("built")
+
+    @rumor.elastic.run
+    def train(state):
+        event("restored", step=state.restored_step)
+        first = True
+        while state.step < steps:
+            if attempt == 0 and state.step == kill_step and rumor.rank() == rumor.size() - 1:
+                event("kill")
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.time()
+            ddp(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state.step += 1
+            t1 = time.time()
+            if state.step % commit_every == 0:
+                state.commit()
+                event("commit", dt=time.time() - t1)
+            event("step", step=state.step, dt=t1 - t0, first=first)
+            first = False
+
+    train(state)
+    event("done")
+    """
+)
+
+
+def one_run(args, tmp: str, i: int):
+    script = os.path.join(tmp, "worker.py")
+    with open(script, "w") as f:
+        f.write(WORKER)
+    log = os.path.join(tmp, f"events-{i}.jsonl")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "rumor.run", "--nproc-per-node", str(args.ranks), "--max-restarts", "1",
+           "--monitor-interval", str(args.monitor_interval), "--nnodes", "1", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "--rdzv-id", f"elastic-bench-{os.getpid()}-{i}",
+           script, log, str(args.model_mb), str(args.steps), str(args.commit_every), str(args.kill_step)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        raise RuntimeError(f"run {i} did not finish within {args.timeout} s:\n{out.decode(errors='replace')[-3000:]}")
+    if p.returncode != 0:
+        raise RuntimeError(f"run {i} exited with {p.returncode}:\n{out.decode(errors='replace')[-3000:]}")
+    ev = [json.loads(line) for line in open(log)]
+    kill = min(e["t"] for e in ev if e["ev"] == "kill")
+    a1 = [e for e in ev if e["attempt"] == 1]
+    start = min(e["t_start"] for e in a1 if e["ev"] == "start")
+    imported = max(e["t"] for e in a1 if e["ev"] == "imported")
+    init = max(e["t"] for e in a1 if e["ev"] == "init")
+    built = max(e["t"] for e in a1 if e["ev"] == "built")
+    restored = max(e["t"] for e in a1 if e["ev"] == "restored")
+    first = max(e["t"] for e in a1 if e["ev"] == "step" and e["first"])
+    steady = [e["dt"] for e in ev if e["ev"] == "step" and not e["first"]]
+    commits = [e["dt"] for e in ev if e["ev"] == "commit" and e["rank"] == 0]
+    restored_step = {e["step"] for e in a1 if e["ev"] == "restored"}
+    return dict(detect_restart=start - kill, imports=imported - start, init=init - imported, build=built - init,
+                restore=restored - built, first_step=first - restored,
+                total=first - kill, steady_step=statistics.median(steady),
+                commit=statistics.median(commits) if commits else None, restored_step=sorted(restored_step))
+
+
+def plot(path, runs):
+    plt = _common.pyplot()
+    if plt is None:
+        return _common.NO_MATPLOTLIB
+    fig, ax = plt.subplots(figsize=(7, 2.0 + 0.45 * len(runs)))
+    phases = [("detect_restart", "torchrun detect+restart (bound)"), ("imports", "import torch, rumor"),
+              ("init", "rumor.init"), ("build", "model + DDP"),
+              ("restore", "restore commit"), ("first_step", "first step")]
+    for i, r in enumerate(runs):
+        left = 0.0
+        for k, label in phases:
+            ax.barh(i, r[k], left=left, label=label if i == 0 else None, color=f"C{phases.index((k, label))}")
+            left += r[k]
+    ax.set_yticks(range(len(runs)), [f"run {i}" for i in range(len(runs))])
+    ax.set_xlabel("seconds from the SIGKILL")
+    ax.set_title("elastic recovery: killed worker -> training again")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
+    _common.save_figure(plt, fig, path)
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--model-mb", type=float, default=25.0)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--commit-every", type=int, default=3)
+    ap.add_argument("--kill-step", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun's --monitor-interval (s)")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if not 0 < args.kill_step < args.steps:
+        ap.error("--kill-step must be inside (0, --steps)")
+    meta = _common.run_meta(args)
+    result = dict(meta=meta, cells=[], errors=[], targets=[])
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            try:
+                r = one_run(args, tmp, i)
+            except RuntimeError as e:
+                print(f"run {i}: {e}")
+                result["errors"].append(str(e))
+                continue
+            result["cells"].append(r)
+            print(f"run {i}: killed -> training again {r['total']:.2f} s = detect+restart {r['detect_restart']:.2f} "
+                  f"+ imports {r['imports']:.2f} + init {r['init']:.2f} + model/DDP {r['build']:.2f} + restore {r['restore']:.3f} + first step {r['first_step']:.3f} "
+                  f"(steady step {r['steady_step'] * 1e3:.0f} ms, commit {r['commit'] * 1e3:.0f} ms, "
+                  f"restored step {r['restored_step']})")
+    _common.finish_meta(meta)
+    os.makedirs(args.out, exist_ok=True)
+    json_path, png_path = os.path.join(args.out, "elastic.json"), os.path.join(args.out, "elastic.png")
+    headline = None
+    if result["cells"]:
+        med = {k: statistics.median(c[k] for c in result["cells"])
+               for k in ("total", "detect_restart", "imports", "init", "build", "restore", "first_step", "steady_step", "commit")}
+        result["median"] = med
+        rumor_part = med["init"] + med["restore"] + med["first_step"]
+        headline = (f"killed worker -> training again: {med['total']:.2f} s median over {len(result['cells'])} runs "
+                    f"({args.ranks} ranks, {args.model_mb:g} MB model) = {med['total'] / med['detect_restart']:.2f}x "
+                    f"the torchrun restart floor ({med['detect_restart']:.2f} s); rumor's part (init + restore + "
+                    f"first step) {rumor_part:.2f} s = {rumor_part / med['steady_step']:.1f} steady steps; "
+                    f"imports {med['imports']:.2f} s, model/DDP {med['build']:.2f} s")
+    draw = None if args.no_plot else (lambda: plot(png_path, result["cells"]))
+    _common.write_results(result, headline, "headline: n/a (no run finished)", json_path, png_path, draw)
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Sweeping /dev/shm of names that dead rumor processes left behind.
+
+rumor unlinks every shared-memory name as soon as all its users have mapped it, but a process
+killed in between (SIGKILL during init, say) cannot. Every name ends with "@" and the tags
+("<pid namespace inode>.<pid>") of the processes that own it; a name whose owners are all gone
+is garbage. The launcher (rumor.run) sweeps when its workers have exited, and rumor.init()
+sweeps before it creates its own names, so a restarted job starts on a clean /dev/shm.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import List
+
+SHM_DIR = "/dev/shm"
+# rumor-<token>-...: the core's segments; rumor_elastic-...: rumor.elastic's commits, owned by
+# the launcher's agent (they outlive the workers on purpose, not the job).
+_NAME = re.compile(r"^rumor(?:-[0-9a-f]+|_elastic)-.+@(\d+\.\d+(?:\+\d+\.\d+)*)$")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # someone else's live process
+    try:  # exited but not reaped yet
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X")
+    except (OSError, ValueError):
+        return False
+
+
+def owners(name: str):
+    """[(pid namespace, pid)] of a rumor shared-memory name, or None for other names."""
+    m = _NAME.match(name)
+    if m is None:
+        return None
+    return [tuple(int(x) for x in tag.split(".")) for tag in m.group(1).split("+")]
+
+
+def sweep(directory: str = SHM_DIR) -> List[str]:
+    """Unlinks rumor names whose owners have all exited; returns the names removed. Names owned
+    by a process of another pid namespace are left alone: their pids mean nothing here."""
+    ns = _pid_namespace()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        tags = owners(name)
+        if not tags or any(t_ns != ns or not _gone(pid) for t_ns, pid in tags):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass  # another sweeper was first
+        except OSError:
+            pass
+    return removed
