@@ -249,9 +249,6 @@ def test_resume_state_from_rank0_on_other_ranks_and_checks():
     s3.load_state_dict(state)
     assert list(s3) == plans(costs, 4, seed=1, epoch=2)[3][5:]
     assert s0.state_dict(consumed=3)["consumed"] == 3
-    other = Sampler(range(64), costs=costs, num_replicas=2, rank=0, seed=1)
-    with pytest.raises(ValueError, match="num_replicas"):
-        other.load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         Sampler(range(64), costs=costs, num_replicas=4, rank=0, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="consumed"):
@@ -519,3 +516,83 @@ def test_complexity_fn_on_rank0_only_and_broadcast():
     for backend in ("rumor", "torch"):
         assert res[0][backend]["error"] == "KeyError: 'bad sample'"
         assert "complexity_fn failed on rank 0" in res[1][backend]["error"]
+
+
+def _draw_in_phases(make, worlds, takes, epoch, via_reshard):
+    """Every rank of worlds[0] draws takes[0] items of the epoch, then the job continues on
+    worlds[1] from rank 0's state (loaded into samplers built for the new world, or built for
+    the old one and then reshard()ed, as rumor.elastic does), and so on; the last world draws
+    the rest. Returns every item drawn and each phase's per-rank lengths of the rest."""
+    drawn, state, rest_lengths = [], None, []
+    for phase, w in enumerate(worlds):
+        ranks = []
+        for r in range(w):
+            if state is not None and via_reshard:
+                smp = make(state["num_replicas"], 0)
+                smp.load_state_dict(state)
+                smp.reshard(w, r)
+            else:
+                smp = make(w, r)
+                if state is not None:
+                    smp.load_state_dict(state)
+            smp.set_epoch(epoch)
+            ranks.append(smp)
+        its = [iter(smp) for smp in ranks]
+        if phase < len(worlds) - 1:
+            for it in its:
+                drawn.extend(next(it) for _ in range(takes[phase]))
+            state = ranks[0].state_dict()
+        else:
+            rests = [list(it) for it in its]
+            rest_lengths = [len(x) for x in rests]
+            drawn.extend(x for rest in rests for x in rest)
+    return drawn, rest_lengths
+
+
+@pytest.mark.parametrize("via_reshard", [False, True], ids=["load", "reshard"])
+@pytest.mark.parametrize("worlds,takes", [((4, 3), (5,)), ((3, 4), (7,)), ((4, 3, 4), (4, 6)), ((2, 5, 1), (9, 3))])
+def test_reshard_mid_epoch_draws_every_sample_once(worlds, takes, via_reshard):
+    """A world change mid-epoch (rumor.elastic's 4 -> 3, 3 -> 4): the samples the old world had
+    not drawn are re-partitioned over the new world, so over the whole epoch every sample is
+    drawn exactly once; only padding repeats (at most world - 1 samples per part of the epoch),
+    and the ranks of each world get equally many."""
+    n, b = 101, 2
+    costs = lognormal(n, 7)
+    make = lambda w, r: Sampler(range(n), costs=costs, num_replicas=w, rank=r, batch_size=b, seed=3)
+    drawn, rest = _draw_in_phases(make, worlds, takes, epoch=2, via_reshard=via_reshard)
+    count = Counter(drawn)
+    assert set(count) == set(range(n))
+    assert len(drawn) - n <= sum(w - 1 for w in worlds)
+    assert len(set(rest)) == 1
+    # Deterministic: the same phases give the same draws.
+    assert _draw_in_phases(make, worlds, takes, epoch=2, via_reshard=via_reshard)[0] == drawn
+    # Without drop_last nothing is lost, with it nothing is repeated.
+    make_drop = lambda w, r: Sampler(range(n), costs=costs, num_replicas=w, rank=r, batch_size=b, seed=3,
+                                     drop_last=True)
+    drawn, _ = _draw_in_phases(make_drop, worlds, takes, epoch=2, via_reshard=via_reshard)
+    assert len(drawn) == len(set(drawn)) and len(drawn) >= n - sum(w - 1 for w in worlds)
+
+
+@pytest.mark.parametrize("via_reshard", [False, True], ids=["load", "reshard"])
+def test_batch_sampler_reshard_mid_epoch_draws_every_sample_once(via_reshard):
+    n = 300
+    costs = lognormal(n, 4)
+    make = lambda w, r: BatchSampler(Sampler(range(n), costs=costs, num_replicas=w, rank=r, seed=5), max_tokens=1500)
+    drawn, rest = _draw_in_phases(make, (4, 3, 4), (3, 2), epoch=1, via_reshard=via_reshard)
+    items = [i for batch in drawn for i in batch]
+    assert set(items) == set(range(n))
+    assert len(items) - n <= 3  # the first world's padding only: batches are split, never repeated
+    assert len(set(rest)) == 1
+    assert all(sum(costs[i] for i in batch) > 0 for batch in drawn)
+
+
+def test_reshard_validates_and_between_epochs_only_changes_the_world():
+    costs = lognormal(40)
+    s = Sampler(range(40), costs=costs, num_replicas=4, rank=1, seed=2)
+    with pytest.raises(ValueError, match="rank 3 is not below"):
+        s.reshard(3, 3)
+    with pytest.raises(TypeError, match="num_replicas"):
+        s.reshard("3", 0)
+    s.reshard(3, 2)
+    s.set_epoch(1)
+    assert list(s) == plans(costs, 3, seed=2, epoch=1)[2]

@@ -45,6 +45,9 @@ _STATE_VERSION = 1
 # Independent random streams of one (seed, epoch): which samples and in what order, the order of
 # work within steps, and the batch sampler's own choices.
 _ORDER, _PARTITION, _BATCHES = 0, 1, 2
+# Re-planning the rest of an epoch after the world size changed (reshard): stream _RESHARD + k
+# for the k-th change within the epoch.
+_RESHARD = 16
 
 
 # ---- validation helpers ---------------------------------------------------------------------------
@@ -300,7 +303,9 @@ class LoadBalancingDistributedSampler(Sampler):
         self._resume_epoch: Optional[int] = None  # the epoch a loaded state resumes
         self._start = 0                            # ... and where in it
         self._consumed = 0
-        self._cache: Optional[Tuple[int, np.ndarray]] = None
+        # [(world, consumed), ...]: earlier parts of the current epoch at other world sizes.
+        self._history: List[Tuple[int, int]] = []
+        self._cache: Optional[Tuple[tuple, np.ndarray]] = None
 
     # ---- sizes
     @property
@@ -324,16 +329,22 @@ class LoadBalancingDistributedSampler(Sampler):
         epoch = _int(epoch, "epoch", f"{self._what}.set_epoch", minimum=0)
         self.epoch = epoch
         if self._resume_epoch is not None and epoch != self._resume_epoch:
-            self._resume_epoch, self._start = None, 0
+            self._resume_epoch, self._start, self._history = None, 0, []
 
     def _rng(self, epoch: int, stream: int) -> np.random.Generator:
         return np.random.default_rng(np.random.SeedSequence([self.seed % (1 << 64), epoch, stream]))
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
+    def _epoch_order(self, epoch: int, world: Optional[int] = None) -> np.ndarray:
         """The epoch's samples in order, total_size of them: steps 1 and 2 of the module's plan."""
-        n, w = self.dataset_size, self.num_replicas
+        n = self.dataset_size
         rng = self._rng(epoch, _ORDER)
         order = rng.permutation(n) if self.shuffle else np.arange(n)
+        return self._fit(order, world or self.num_replicas, rng)
+
+    def _fit(self, order: np.ndarray, w: int, rng: np.random.Generator) -> np.ndarray:
+        """order made a multiple of w: drop_last drops random samples, otherwise the cheapest
+        samples of the tail are repeated."""
+        n = len(order)
         extra = n % w
         if extra and self.drop_last:
             keep = np.ones(n, dtype=bool)
@@ -347,11 +358,20 @@ class LoadBalancingDistributedSampler(Sampler):
             order = np.concatenate([order, np.resize(cheapest, w - extra)])
         return order.astype(np.int64, copy=False)
 
-    def _plan_all(self, epoch: int) -> np.ndarray:
-        """(num_replicas, num_samples): every rank's order of the epoch."""
-        w = self.num_replicas
-        order = self._epoch_order(epoch)
-        rng = self._rng(epoch, _PARTITION)
+    def _plan_all(self, epoch: int, world: Optional[int] = None, history=()) -> np.ndarray:
+        """(world, samples per rank): every rank's order of the epoch (world: num_replicas by
+        default). history: [(world, consumed), ...] of earlier parts of this epoch run at other
+        world sizes (see reshard); the plan is then that of the samples those parts left."""
+        w = world or self.num_replicas
+        if history:
+            prev = self._plan_all(epoch, history[-1][0], history[:-1])
+            # What the earlier world had not consumed, in its step order (ranks in step).
+            rest = prev[:, history[-1][1]:].T.reshape(-1)
+            rng = self._rng(epoch, _RESHARD + len(history))
+            return self._partition(self._fit(rest, w, rng), w, rng)
+        return self._partition(self._epoch_order(epoch, w), w, self._rng(epoch, _PARTITION))
+
+    def _partition(self, order: np.ndarray, w: int, rng: np.random.Generator) -> np.ndarray:
         c = self.costs[order]
         keys = _noisy_keys(c, self.random_level, rng)
         g = w * self.batch_size
@@ -394,18 +414,38 @@ class LoadBalancingDistributedSampler(Sampler):
         return order[perm], c[perm], keys[perm]
 
     def _rank_plan(self, epoch: int) -> np.ndarray:
-        if self._cache is None or self._cache[0] != epoch:
-            self._cache = (epoch, self._plan_all(epoch)[self.rank].copy())
+        key = (epoch, self.num_replicas, self.rank, tuple(self._history))
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self._plan_all(epoch, None, tuple(self._history))[self.rank].copy())
         return self._cache[1]
 
     def __iter__(self) -> Iterator[int]:
+        resuming = self._resume_epoch == self.epoch
+        if not resuming:
+            self._history = []
         plan = self._rank_plan(self.epoch)
-        start = self._start if self._resume_epoch == self.epoch else 0
+        start = self._start if resuming else 0
         self._resume_epoch, self._start = None, 0
         self._consumed = start
         for k in range(start, len(plan)):
             self._consumed = k + 1
             yield int(plan[k])
+
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """Points the sampler at a new world (rumor.elastic calls this after a restart). Between
+        epochs this only changes whom the next epochs are planned for. With a mid-epoch resume
+        pending (load_state_dict) and a new world size, the rest of that epoch, the samples the
+        old world had not consumed, is partitioned anew over the new world, balanced the same
+        way: every sample of the epoch is still drawn exactly once (padding apart)."""
+        what = f"{self._what}.reshard"
+        num_replicas = _int(num_replicas, "num_replicas", what, minimum=1)
+        rank = _int(rank, "rank", what, minimum=0)
+        if rank >= num_replicas:
+            raise ValueError(f"{what}: rank {rank} is not below num_replicas={num_replicas}")
+        if num_replicas != self.num_replicas and self._resume_epoch is not None:
+            self._history = [*self._history, (self.num_replicas, self._start)]
+            self._start = 0
+        self.num_replicas, self.rank = num_replicas, rank
 
     # ---- checkpoints
     def _identity(self) -> Dict[str, Any]:
@@ -423,18 +463,27 @@ class LoadBalancingDistributedSampler(Sampler):
         if consumed > self.num_samples:
             raise ValueError(f"{self._what}.state_dict: consumed={consumed} exceeds the {self.num_samples} "
                              "samples of an epoch on this rank")
-        return dict(version=_STATE_VERSION, epoch=self.epoch, consumed=consumed, **self._identity())
+        return dict(version=_STATE_VERSION, epoch=self.epoch, consumed=consumed,
+                    history=[list(h) for h in self._history], **self._identity())
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Resumes from state_dict(): the next iteration yields the rest of state['epoch']."""
+        """Resumes from state_dict(): the next iteration yields the rest of state['epoch']. A
+        state saved by a world of another size resumes too (as after reshard())."""
         what = f"{self._what}.load_state_dict"
-        epoch, consumed = _check_state(state, self._identity(), what)
-        if consumed > self.num_samples:
-            raise ValueError(f"{what}: consumed={consumed} exceeds the {self.num_samples} samples of an epoch")
+        epoch, consumed, history = _check_state(state, self._identity(), what)
+        world = state["num_replicas"]
+        if world != self.num_replicas:
+            history, consumed = [*history, (world, consumed)], 0
+        self._history = history
+        n = len(self._rank_plan(epoch))
+        if consumed > n:
+            raise ValueError(f"{what}: consumed={consumed} exceeds the {n} samples of epoch {epoch} on this rank")
         self.epoch, self._resume_epoch, self._start, self._consumed = epoch, epoch, consumed, consumed
 
 
-def _check_state(state, identity: Dict[str, Any], what: str) -> Tuple[int, int]:
+def _check_state(state, identity: Dict[str, Any], what: str) -> Tuple[int, int, List[Tuple[int, int]]]:
+    """(epoch, consumed, history) of a state; every argument but num_replicas must match (a
+    different world size resumes through re-planning, see reshard)."""
     if not isinstance(state, dict):
         raise TypeError(f"{what}: expected a dict from state_dict(), got {type(state).__name__}")
     missing = [k for k in ("version", "epoch", "consumed", *identity) if k not in state]
@@ -442,13 +491,21 @@ def _check_state(state, identity: Dict[str, Any], what: str) -> Tuple[int, int]:
         raise ValueError(f"{what}: the state lacks {missing}")
     if state["version"] != _STATE_VERSION:
         raise ValueError(f"{what}: state version {state['version']!r} is not {_STATE_VERSION}")
+    _int(state["num_replicas"], "state['num_replicas']", what, minimum=1)
+    history = []
+    for h in state.get("history", []):
+        if not (isinstance(h, (list, tuple)) and len(h) == 2):
+            raise ValueError(f"{what}: state['history'] must hold [num_replicas, consumed] pairs, got {h!r}")
+        history.append((_int(h[0], "history world", what, minimum=1), _int(h[1], "history consumed", what, minimum=0)))
     for k, v in identity.items():
+        if k == "num_replicas":
+            continue
         if state[k] != v:
             raise ValueError(f"{what}: the state was saved with {k}={state[k]!r} but this sampler has {k}={v!r}; "
                              "the rest of that epoch cannot be reproduced")
     epoch = _int(state["epoch"], "state['epoch']", what, minimum=0)
     consumed = _int(state["consumed"], "state['consumed']", what, minimum=0)
-    return epoch, consumed
+    return epoch, consumed, history
 
 
 # ---- the batch sampler -----------------------------------------------------------------------------
@@ -526,7 +583,8 @@ class LoadBalancingDistributedBatchSampler(Sampler):
         self._resume_epoch: Optional[int] = None
         self._start = 0
         self._consumed = 0
-        self._cache: Optional[Tuple[int, List[List[int]]]] = None
+        self._history: List[Tuple[int, int]] = []  # as the sampler's
+        self._cache: Optional[Tuple[tuple, List[List[int]]]] = None
 
     @property
     def epoch(self) -> int:
@@ -535,7 +593,7 @@ class LoadBalancingDistributedBatchSampler(Sampler):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
         if self._resume_epoch is not None and self.sampler.epoch != self._resume_epoch:
-            self._resume_epoch, self._start = None, 0
+            self._resume_epoch, self._start, self._history = None, 0, []
 
     def _batch_cost(self, batch: List[int]) -> float:
         c = self.sampler.costs[batch]
@@ -564,15 +622,26 @@ class LoadBalancingDistributedBatchSampler(Sampler):
                              f"(given {len(items)}, returned {len(got)})")
         return batches
 
-    def _plan_all(self, epoch: int) -> List[List[List[int]]]:
-        """Every rank's batches of the epoch: [rank][step] -> batch."""
+    def _plan_all(self, epoch: int, world: Optional[int] = None, history=()) -> List[List[List[int]]]:
+        """Every rank's batches of the epoch: [rank][step] -> batch. world and history as for
+        the sampler's _plan_all: after a world change, the batches the earlier world had not
+        consumed are grouped into steps of the new world."""
         s = self.sampler
-        w = s.num_replicas
-        order = s._epoch_order(epoch)
+        w = world or s.num_replicas
+        if history:
+            prev = self._plan_all(epoch, history[-1][0], history[:-1])
+            done = history[-1][1]
+            rest = [prev[r][k] for k in range(done, len(prev[0])) for r in range(len(prev))]
+            return self._into_steps(rest, w, s._rng(epoch, _RESHARD + 8 + len(history)), shuffle=False)
+        order = s._epoch_order(epoch, w)
         rng = s._rng(epoch, _BATCHES)
         keys = _noisy_keys(s.costs[order], s.random_level, rng)
         items = order[np.argsort(-keys, kind="stable")]
-        batches = self._make_batches(items)
+        return self._into_steps(self._make_batches(items), w, rng, shuffle=s.shuffle)
+
+    def _into_steps(self, batches: List[List[int]], w: int, rng: np.random.Generator,
+                    shuffle: bool) -> List[List[List[int]]]:
+        """Batches made a multiple of w (dropped or split), grouped by cost into steps of w."""
         extra = len(batches) % w
         if extra and self.drop_last:
             drop = set(rng.choice(len(batches), size=extra, replace=False).tolist())
@@ -600,22 +669,38 @@ class LoadBalancingDistributedBatchSampler(Sampler):
             group = by_cost[k0:k0 + w]
             share_of = assigner.assign([cost[k] for k in group])
             steps.append([batches[group[share_of[r]]] for r in range(w)])
-        if s.shuffle:
+        if shuffle:
             steps = [steps[k] for k in rng.permutation(len(steps)).tolist()]
         return [[step[r] for step in steps] for r in range(w)]
 
     def _rank_plan(self, epoch: int) -> List[List[int]]:
-        if self._cache is None or self._cache[0] != epoch:
-            self._cache = (epoch, self._plan_all(epoch)[self.sampler.rank])
+        s = self.sampler
+        key = (epoch, s.num_replicas, s.rank, tuple(self._history))
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self._plan_all(epoch, None, tuple(self._history))[s.rank])
         return self._cache[1]
+
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """As LoadBalancingDistributedSampler.reshard: with a mid-epoch resume pending and a new
+        world size, the batches the old world had not drawn are grouped into steps of the new
+        world (split or dropped as drop_last says, to make a multiple of it)."""
+        s = self.sampler
+        old = s.num_replicas
+        s.reshard(num_replicas, rank)
+        if num_replicas != old and self._resume_epoch is not None:
+            self._history = [*self._history, (old, self._start)]
+            self._start = 0
 
     def __len__(self) -> int:
         """Batches per rank in the current epoch (the same on every rank)."""
         return len(self._rank_plan(self.epoch))
 
     def __iter__(self) -> Iterator[List[int]]:
+        resuming = self._resume_epoch == self.epoch
+        if not resuming:
+            self._history = []
         plan = self._rank_plan(self.epoch)
-        start = self._start if self._resume_epoch == self.epoch else 0
+        start = self._start if resuming else 0
         self._resume_epoch, self._start = None, 0
         self._consumed = start
         for k in range(start, len(plan)):
@@ -632,11 +717,15 @@ class LoadBalancingDistributedBatchSampler(Sampler):
         if consumed is None:
             consumed = self._start if self._resume_epoch == self.epoch else self._consumed
         consumed = _int(consumed, "consumed", f"{self._what}.state_dict", minimum=0)
-        return dict(version=_STATE_VERSION, epoch=self.epoch, consumed=consumed, **self._identity())
+        return dict(version=_STATE_VERSION, epoch=self.epoch, consumed=consumed,
+                    history=[list(h) for h in self._history], **self._identity())
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         what = f"{self._what}.load_state_dict"
-        epoch, consumed = _check_state(state, self._identity(), what)
+        epoch, consumed, history = _check_state(state, self._identity(), what)
+        if state["num_replicas"] != self.sampler.num_replicas:
+            history, consumed = [*history, (state["num_replicas"], consumed)], 0
+        self._history = history
         self.sampler.set_epoch(epoch)
         n = len(self._rank_plan(epoch))
         if consumed > n:
