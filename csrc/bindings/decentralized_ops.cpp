@@ -7,7 +7,6 @@
 
 #include "bindings/common.h"
 #include "ops/decentralized_op.h"
-#include "ops/model_average.h"
 
 namespace rumor::bindings {
 
@@ -98,22 +97,6 @@ void bind_decentralized_ops(py::module_& m) {
       },
       py::arg("comm"), py::arg("ops"), py::arg("nonblocking"),
       "Sends the compressed differences to both ring neighbours and updates their replicas.");
-  m.def(
-      "average_take",
-      [](uintptr_t x, uintptr_t snap, uintptr_t work, size_t n, int dtype, bool retake) {
-        py::gil_scoped_release nogil;
-        ops::average_take(ptr(x), ptr(snap), ptr(work), n, to_dtype(dtype), retake);
-      },
-      py::arg("x"), py::arg("snap"), py::arg("work"), py::arg("count"), py::arg("dtype"), py::arg("retake"),
-      "Asynchronous model average: snap <- x and work <- x (+ work - old snap when retaking), one pass.");
-  m.def(
-      "average_apply",
-      [](uintptr_t x, uintptr_t avg, uintptr_t snap, size_t n, int dtype) {
-        py::gil_scoped_release nogil;
-        ops::average_apply(ptr(x), ptr(avg), ptr(snap), n, to_dtype(dtype));
-      },
-      py::arg("x"), py::arg("avg"), py::arg("snap"), py::arg("count"), py::arg("dtype"),
-      "Asynchronous model average: x <- x + (avg - snap), one pass.");
 }
 
 }  // namespace rumor::bindings

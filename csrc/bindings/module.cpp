@@ -208,7 +208,19 @@ PYBIND11_MODULE(_C, m) {
             dispatch(a->comm(), false, [a, buf, count, dt, o] { a->allreduce(ptr(buf), count, dt, o); });
           },
           py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-          "Blocking in-place allreduce of a buffer inside this arena, on the arena's communicator.");
+          "Blocking in-place allreduce of a buffer inside this arena, on the arena's communicator.")
+      .def(
+          "average_minus_own",
+          [](const std::shared_ptr<SharedArena>& a, uintptr_t src, uintptr_t dst, size_t count, int dtype,
+             double divisor) {
+            DType dt = to_dtype(dtype);
+            dispatch(a->comm(), false, [a, src, dst, count, dt, divisor] {
+              a->average_minus_own(ptr(src), ptr(dst), count, dt, divisor);
+            });
+          },
+          py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
+          "Blocking: every rank's dst <- sum over ranks of src / divisor - its own src (both inside the "
+          "arena).");
 
   py::class_<BucketEngine, std::shared_ptr<BucketEngine>>(m, "BucketEngine")
       .def(py::init<std::shared_ptr<Communicator>>())

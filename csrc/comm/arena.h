@@ -30,6 +30,14 @@ class SharedArena {
   // In-place allreduce of `count` elements at `data` (inside this arena) on every rank.
   void allreduce(void* data, size_t count, DType dtype, ReduceOp op);
 
+  // Every rank q gets, at `dst` in its arena, avg - (q's `src`), where avg is the sum of all
+  // ranks' `src` divided by `divisor`: the correction that moves q's contribution to the
+  // average. src and dst are buffers of `count` elements inside the arena (the same offsets on
+  // every rank); float32 or float64. For asynchronous model averaging: the block owner reads
+  // each peer's contribution once for the sum and again, still in cache, for that peer's
+  // difference, so a rank's snapshot needs no private copy and its result no second pass.
+  void average_minus_own(const void* src, void* dst, size_t count, DType dtype, double divisor);
+
  private:
   void map_peers(const net::OpInfo& op);
 

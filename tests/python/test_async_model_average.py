@@ -243,7 +243,7 @@ def rank_progress(steps, sleeps, warm, lr, interval_ms):
     rounds = alg.rounds
     alg.finish()
     out = dict(w0=w0, final=[p.detach().clone() for p in model.parameters()], moved_inside=moved_inside,
-               rounds=rounds, applied=alg.applied, steps=alg.steps, fused=alg._slots[0].fused)
+               rounds=rounds, applied=alg.applied, steps=alg.steps, fused=alg._slots[0].shared)
     rumor.shutdown()
     return out
 
@@ -461,9 +461,43 @@ def rank_pending_then_abort(workdir):
     out["mean"] = torch.equal(_flat(model), target)
     alg.finish()
     out["after"] = torch.equal(_flat(model), target)
-    out["fused"] = alg._slots[0].fused
+    out["fused"] = alg._slots[0].shared
     rumor.shutdown()
     return out
+
+
+def rank_arena_average(dtype):
+    import torch
+
+    import rumor
+    from rumor import _C, _runtime
+    from rumor._tensor import address, dtype_code
+
+    _init()
+    chk = harness.Checker()
+    rank, n = rumor.rank(), rumor.size()
+    dt = getattr(torch, dtype)
+    count = 100_003
+    es = torch.empty((), dtype=dt).element_size()
+    comm = _runtime.new_group(list(range(n)))._comm
+    arena = _C.SharedArena(comm, 2 * count * es + 64)
+    src = torch.frombuffer(arena, dtype=dt, count=count, offset=0)
+    dst = torch.frombuffer(arena, dtype=dt, count=count, offset=(count * es + 63) // 64 * 64)
+    every = [torch.arange(count, dtype=torch.float64) % 97 + 10 * q for q in range(n)]
+    for divisor, contrib in ((n, list(range(n))), (2, [0, 2])):
+        src.copy_(every[rank] if rank in contrib else torch.zeros(count, dtype=torch.float64))
+        _C.SharedArena.average_minus_own(arena, address(src), address(dst), count, dtype_code(dt, "test"),
+                                         float(divisor))
+        avg = sum(every[q] for q in contrib) / divisor
+        want = avg - (every[rank] if rank in contrib else 0)
+        chk.check(torch.equal(dst.double(), want), f"{dtype}, divisor {divisor}: rank {rank}'s difference is wrong")
+    try:
+        _C.SharedArena.average_minus_own(arena, address(src), address(dst), 8, dtype_code(torch.float16, "test"), 1.0)
+        chk.check(False, "float16 was accepted")
+    except ValueError as e:
+        chk.check("float32 or float64" in str(e), f"unexpected message: {e}")
+    rumor.shutdown()
+    return chk.failures, chk.count
 
 
 def rank_gossip(mode, mixes):
@@ -729,33 +763,13 @@ def test_abort_keeps_a_waiting_delta(shared):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("retake", [False, True])
-def test_fused_take_and_apply_unit(dtype, retake):
-    """The fused passes of the shared-arena rounds compute exactly what the unfused path's
-    torch ops compute: take sends x (or x + (avg - old snap) when retaking a waiting result)
-    and snapshots x; apply gives x + (avg - snap). Odd length: the vectorized loops' tails."""
-    import torch
-
-    from rumor import _C
-    from rumor._tensor import address, dtype_code
-
-    dt = getattr(torch, dtype)
-    g = torch.Generator().manual_seed(5)
-    n = 100_003
-    x, snap, work = (torch.randn(n, generator=g, dtype=torch.float64).to(dt) * s for s in (1.0, 0.9, 1.1))
-    code = dtype_code(dt, "test")
-    sent = x + (work - snap) if retake else x.clone()
-    x0 = x.clone()
-    _C.average_take(address(x), address(snap), address(work), n, code, retake)
-    assert torch.equal(work, sent) and torch.equal(snap, x0) and torch.equal(x, x0)
-    avg = torch.randn(n, generator=g, dtype=torch.float64).to(dt)
-    x.add_(torch.randn(n, generator=g, dtype=torch.float64).to(dt) * 1e-3)  # local progress
-    expect = x + (avg - snap)
-    _C.average_apply(address(x), address(avg), address(snap), n, code)
-    assert torch.equal(x, expect)
-    half = torch.zeros(8, dtype=torch.float16)
-    with pytest.raises(ValueError, match="float32 or float64"):
-        _C.average_apply(address(half), address(half), address(half), 8, dtype_code(torch.float16, "test"))
+def test_shared_arena_average_minus_own(dtype):
+    """The exchange of the shared-arena rounds: every rank's dst becomes sum(src) / divisor - its
+    own src, against a float64 reference (exact here: small integers, divisors 4 (everyone) and
+    2 (two contributors, the others sending zeros)), for a length that does not split evenly
+    into the ranks' blocks."""
+    res = harness.run(rank_arena_average, 4, timeout=60, args=(dtype,))
+    harness.assert_no_failures(res, "average_minus_own")
 
 
 @pytest.mark.parametrize("mode", ["ring", "shift_one", "exp2"])
