@@ -243,5 +243,34 @@ TEST(SharedArena, AllreduceReadsPeersInPlace) {
   }
 }
 
+TEST(SharedArena, AverageMinusOwnGivesEveryRankItsDifference) {
+  for (uint32_t n : {2u, 3u, 4u}) {
+    auto w = testing::make_world(testing::one_host(n), testing::quick_options(true));
+    auto errs = testing::run_ranks_shared(w, [n](std::shared_ptr<Communicator> comm, uint32_t r) {
+      SharedArena arena(comm, 4 << 20);
+      const size_t count = 100003;  // not a multiple of the ranks: uneven blocks
+      auto* src = reinterpret_cast<double*>(arena.data());
+      auto* dst = reinterpret_cast<double*>(arena.data() + (1 << 20));
+      auto value = [](uint32_t q, size_t i) { return static_cast<double>((i * 7 + q * 13) % 101); };
+      for (size_t i = 0; i < count; ++i) src[i] = value(r, i);
+      arena.average_minus_own(src, dst, count, DType::F64, 2.0);
+      for (size_t i = 0; i < count; ++i) {
+        double sum = 0;
+        for (uint32_t q = 0; q < n; ++q) sum += value(q, i);
+        ASSERT_EQ(dst[i], sum / 2.0 - value(r, i)) << "n " << n << " i " << i;
+        ASSERT_EQ(src[i], value(r, i)) << "the contribution must stay";
+      }
+      auto* f = reinterpret_cast<float*>(arena.data() + (3 << 20));
+      for (size_t i = 0; i < 1000; ++i) f[i] = static_cast<float>(r + 1);
+      arena.average_minus_own(f, f + 1000, 1000, DType::F32, static_cast<double>(n));
+      for (size_t i = 0; i < 1000; ++i) ASSERT_EQ(f[1000 + i], static_cast<float>(n + 1) / 2.0f - (r + 1.0f));
+      std::vector<double> outside(4);
+      EXPECT_THROW(arena.average_minus_own(outside.data(), dst, 4, DType::F64, 1.0), Error);
+      EXPECT_THROW(arena.average_minus_own(src, dst, 4, DType::I64, 1.0), Error);
+    });
+    testing::expect_all_ok(errs);
+  }
+}
+
 }  // namespace
 }  // namespace rumor
