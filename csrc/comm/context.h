@@ -15,6 +15,7 @@
 #include "net/handshake.h"
 #include "net/listener.h"
 #include "net/shm.h"
+#include "trace/recorder.h"
 
 namespace rumor {
 
@@ -27,6 +28,7 @@ struct Options {
   size_t small_allreduce_bytes = 64 * 1024;   // below: recursive doubling, above: ring
   size_t large_broadcast_bytes = 512 * 1024;  // at or above: scatter + ring allgather
   int spin_us = 20;                           // busy-poll this long before sleeping (latency vs. CPU)
+  size_t flight_records = 64;                 // operations the flight recorder keeps (RUMOR_FLIGHT_RECORDER)
 };
 
 class Context {
@@ -61,6 +63,8 @@ class Context {
   net::Doorbell* doorbell() const { return own_bell_; }
   // Prefix of every shared-memory name of this job ("/rumor-<token bits>").
   std::string shm_prefix() const;
+  // Timeline and flight recorder of this process (trace/recorder.h).
+  trace::Recorder& recorder() { return recorder_; }
 
  private:
   net::Doorbell* peer_doorbell(uint32_t peer, const Deadline& deadline);
@@ -76,6 +80,7 @@ class Context {
   net::Doorbell* own_bell_ = nullptr;
   std::mutex bells_mu_;
   std::map<uint32_t, net::ShmSegment> peer_bells_;
+  trace::Recorder recorder_;
 };
 
 }  // namespace rumor
