@@ -133,6 +133,11 @@ Recorder::Ring* Recorder::ring_for_this_thread() {
       r = rings_.back().get();
     }
     r->tid = static_cast<int>(::syscall(SYS_gettid));
+    char os_name[16] = {};
+    if (::pthread_getname_np(::pthread_self(), os_name, sizeof(os_name)) == 0 && os_name[0] != '\0') {
+      std::lock_guard lk(names_mu_);
+      r->thread_name = std::string(os_name) + " " + std::to_string(r->tid);
+    }
     s.ring.store(r, std::memory_order_release);
     return r;
   }
