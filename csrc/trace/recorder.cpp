@@ -508,4 +508,23 @@ void Recorder::op_end(const OpToken& tok, const OpDesc& op, bool ok, std::string
   emit(e);
 }
 
+Span::~Span() {
+  if (t0_ <= 0 || !rec_.active()) return;
+  Event e;
+  e.cat = cat_;
+  e.ts = t0_;
+  e.dur = now_us() - t0_;
+  e.bytes = bytes_;
+  e.ranks = ranks_;
+  copy_str(e.name, name_);
+  // "comm" would also print a tag; a window's name goes into the args instead.
+  if (!comm_.empty()) {
+    std::string a = "\"window\":\"";
+    json_escape(a, comm_.substr(0, 40));
+    a += "\"";
+    copy_args(e.args, a);
+  }
+  rec_.emit(e);
+}
+
 }  // namespace rumor::trace

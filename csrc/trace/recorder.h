@@ -186,4 +186,26 @@ class Recorder {
   uint64_t flight_dumped_upto_ = 0;
 };
 
+// A complete event around a scope on the calling thread (operations that do not go through a
+// communicator, e.g. one-sided windows). Costs one relaxed atomic load when no timeline is on.
+class Span {
+ public:
+  Span(Recorder& rec, const char* name, Category cat, int64_t bytes = -1, uint32_t ranks = 0,
+       std::string_view comm = {})
+      : rec_(rec), t0_(rec.active() ? now_us() : 0), name_(name), cat_(cat), bytes_(bytes), ranks_(ranks),
+        comm_(comm) {}
+  ~Span();
+  Span(const Span&) = delete;
+  Span& operator=(const Span&) = delete;
+
+ private:
+  Recorder& rec_;
+  double t0_;
+  const char* name_;
+  Category cat_;
+  int64_t bytes_;
+  uint32_t ranks_;
+  std::string_view comm_;
+};
+
 }  // namespace rumor::trace

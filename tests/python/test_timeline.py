@@ -45,6 +45,12 @@ def _ddp_rank(base):
         models.loss(out, y).backward()
         opt.step()
         opt.zero_grad()
+    w = torch.full((10,), float(rumor.rank()))
+    rumor.win_create(w, "tl-win")
+    rumor.win_put(w, "tl-win")
+    rumor.barrier()
+    rumor.win_update("tl-win")
+    rumor.win_free("tl-win")
     t = torch.ones(30000)  # 120 kB: above the small-message threshold, so a ring
     rumor.allreduce_(t)
     rumor.timeline.instant("marker", rank=rumor.rank())
@@ -185,6 +191,9 @@ def test_ddp_timeline_four_ranks_and_merge(tmp_path):
         assert len(plain) == 1
         assert plain[0]["args"]["ranks"] == 4 and plain[0]["args"]["algorithm"] == "ring"
         assert plain[0]["args"]["transport"] in ("shm", "tcp")
+        for op in ("win_put", "win_update"):
+            wins = [e for e in events if e["name"] == op]
+            assert len(wins) == 1 and wins[0]["args"]["window"] == "tl-win" and wins[0]["args"]["bytes"] == 40
         marker = [e for e in events if e["name"] == "marker"]
         assert marker and marker[0]["args"]["rank"] == rank
         # The flight recorder saw the same operations, oldest first.
