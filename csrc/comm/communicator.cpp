@@ -76,10 +76,10 @@ Communicator::Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::strin
   }
   p2p_sent_.assign(world_ranks_.size(), 0);
   p2p_recv_.assign(world_ranks_.size(), 0);
-  transport_ = size() == 1                    ? "self"
-               : all_local_ && uses_shm()     ? "shm"
+  transport_ = size() == 1                   ? "self"
+               : all_local_ && uses_shm()    ? "shm"
                : hierarchical_ && uses_shm() ? "shm+tcp"
-                                              : "tcp";
+                                             : "tcp";
 }
 
 trace::OpDesc Communicator::trace_desc(const net::OpInfo& op) const {
@@ -236,8 +236,8 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
   AllreduceAlgo chosen = AllreduceAlgo::kRing;
   if (algo == AllreduceAlgo::kHierarchical)
     chosen = AllreduceAlgo::kHierarchical;
-  else if (algo == AllreduceAlgo::kRecursiveDoubling || (algo == AllreduceAlgo::kAuto && bytes <= small_bytes()) ||
-           count < size())
+  else if (algo == AllreduceAlgo::kRecursiveDoubling ||
+           (algo == AllreduceAlgo::kAuto && bytes <= small_bytes()) || count < size())
     chosen = AllreduceAlgo::kRecursiveDoubling;
   else if (algo == AllreduceAlgo::kAuto && hierarchical_)
     chosen = AllreduceAlgo::kHierarchical;
@@ -460,8 +460,9 @@ void Communicator::broadcast(void* buf, size_t count, DType dtype, uint32_t root
   auto* b = static_cast<std::byte*>(buf);
   const size_t es = dtype_size(dtype);
   info.bytes = static_cast<int64_t>(count * es);
-  info.algo = count * es < ctx_->options().large_broadcast_bytes || count < size() ? "binomial tree"
-                                                                                   : "scatter + ring allgather";
+  info.algo = count * es < ctx_->options().large_broadcast_bytes || count < size()
+                  ? "binomial tree"
+                  : "scatter + ring allgather";
   guarded(info, [&] {
     if (count * es < ctx_->options().large_broadcast_bytes || count < size()) {
       binomial_broadcast(b, count * es, root, info);

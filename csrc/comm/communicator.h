@@ -159,7 +159,7 @@ class Communicator {
   bool hierarchical_ = false;  // several hosts, and at least one with several members
   bool is_leader_ = false;
   const char* transport_ = "tcp";  // for the timeline: how this communicator's peers are reached
-  Worker worker_;  // last: its thread stops before the members it uses go away
+  Worker worker_;                  // last: its thread stops before the members it uses go away
 };
 
 }  // namespace rumor
