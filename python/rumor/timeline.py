@@ -134,6 +134,11 @@ def is_recording() -> bool:
     return _on
 
 
+def path() -> Optional[str]:
+    """This rank's trace file while recording, else None."""
+    return _paths["rank"] if _on else None
+
+
 @contextlib.contextmanager
 def record(path: Union[str, os.PathLike], merge: bool = False):
     """``with rumor.timeline.record(path):`` start on entry, stop (and optionally merge) on exit."""

@@ -59,13 +59,13 @@ def _ddp_rank(base):
                 flight=rumor.timeline.flight_records())
 
 
-def _killed_rank(base):
+def _killed_rank():
     import time
 
     import rumor
 
-    rumor.init()
-    mine = rumor.timeline.start(base)
+    rumor.init()  # RUMOR_TIMELINE starts the recording
+    mine = rumor.timeline.path()
     if rumor.rank() == 0:
         rumor.timeline.stop()
         return mine
@@ -91,26 +91,26 @@ def _flight_rank(base):
     from rumor import _runtime
 
     rumor.init()
-    rumor.timeline.start(base)
-    sizes = [100 + 10 * i for i in range(10)]
-    for n in sizes:
-        rumor.allreduce_(torch.ones(n))
-    before = rumor.timeline.flight_records()
-    store = _runtime._store_keepalive
-    err = None
-    if rumor.rank() == 0:
-        # Rank 1 skips this barrier: rank 0 times out (RUMOR_TIMEOUT) in it.
-        try:
-            rumor.barrier()
-        except rumor.errors.CommTimeoutError as e:
-            err = str(e)
-        store.set("flight-test-done", b"1")
-    else:
-        import datetime
+    with rumor.timeline.record(base):
+        sizes = [100 + 10 * i for i in range(10)]
+        for n in sizes:
+            rumor.allreduce_(torch.ones(n))
+        before = rumor.timeline.flight_records()
+        store = _runtime._store_keepalive
+        err = None
+        if rumor.rank() == 0:
+            # Rank 1 skips this barrier: rank 0 times out (RUMOR_TIMEOUT) in it.
+            try:
+                rumor.barrier()
+            except rumor.errors.CommTimeoutError as e:
+                err = str(e)
+            store.set("flight-test-done", b"1")
+        else:
+            import datetime
 
-        store.wait(["flight-test-done"], datetime.timedelta(seconds=60))  # the store's own timeout is RUMOR_TIMEOUT
-    after = rumor.timeline.flight_records()
-    rumor.timeline.stop()
+            store.wait(["flight-test-done"], datetime.timedelta(seconds=60))  # its default: RUMOR_TIMEOUT
+        after = rumor.timeline.flight_records()
+    assert not rumor.timeline.is_recording()
     return dict(before=before, after=after, err=err, sizes=sizes)
 
 
@@ -217,7 +217,7 @@ def test_killed_rank_leaves_a_readable_file(tmp_path):
     import rumor.timeline as tl
 
     base = str(tmp_path / "killed.json")
-    res = harness.run(_killed_rank, 2, timeout=90, args=(base,), may_die=[1])
+    res = harness.run(_killed_rank, 2, timeout=90, env={"RUMOR_TIMELINE": base}, may_die=[1])
     assert res[0] == str(tmp_path / "killed.rank0.json")
     _events(res[0])  # rank 0 stopped normally: complete JSON
     path = str(tmp_path / "killed.rank1.json")
