@@ -83,7 +83,7 @@ Communicator::Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::strin
 }
 
 trace::OpDesc Communicator::trace_desc(const net::OpInfo& op) const {
-  return trace::OpDesc{op.name, op.comm, op.tag, op.bytes, op.peer, size(), op.algo, transport_};
+  return trace::OpDesc{op.name, op.comm, op.tag, op.bytes, op.peer, size(), op.algo, transport_, blocked_us_};
 }
 
 Communicator::~Communicator() = default;
@@ -144,6 +144,8 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op,
   std::vector<pollfd> fds;
   std::vector<std::pair<uint32_t, bool>> busy;  // (peer, send) pairs with an earlier transfer pending
   std::vector<net::Channel*> shm_waiting;
+  // The timeline reports how long an operation slept waiting for its peers.
+  const bool timed = ctx_->recorder().active();
   while (true) {
     const uint32_t seen = bell != nullptr ? bell->seq.load(std::memory_order_seq_cst) : 0;
     bool moved = false, pending = false, any_tcp = false, held = false;
@@ -214,9 +216,13 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op,
         int ms = op.deadline.ms_left(100);
         ts_wait = {ms / 1000, static_cast<long>(ms % 1000) * 1000000};
       }
+      const double t0 = timed ? trace::now_us() : 0;
       ::ppoll(fds.data(), fds.size(), &ts_wait, nullptr);
+      if (timed) blocked_us_ += trace::now_us() - t0;
     } else if (!shm_waiting.empty() && bell != nullptr) {
+      const double t0 = timed ? trace::now_us() : 0;
       net::wait_doorbell(bell, seen, 50 * 1000);
+      if (timed) blocked_us_ += trace::now_us() - t0;
     }
     if (!shm_waiting.empty() && Clock::now() >= next_alive_check) {
       for (net::Channel* ch : shm_waiting) ch->check_alive(op);

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/context.h"
@@ -108,6 +109,12 @@ class Communicator {
   template <typename Fn>
   void guarded(const net::OpInfo& op, Fn&& fn) {
     trace::Recorder& rec = ctx_->recorder();
+    const double outer_blocked = std::exchange(blocked_us_, 0.0);
+    struct Restore {  // an operation run inside another of this communicator adds to its figure
+      double& v;
+      double outer;
+      ~Restore() { v += outer; }
+    } restore{blocked_us_, outer_blocked};
     const trace::Recorder::OpToken tok = rec.op_begin(trace_desc(op));
     try {
       fn();
@@ -158,6 +165,7 @@ class Communicator {
   bool all_local_ = true;      // every member on this rank's host
   bool hierarchical_ = false;  // several hosts, and at least one with several members
   bool is_leader_ = false;
+  double blocked_us_ = 0;          // slept in exchange() during the current operation (timeline only)
   const char* transport_ = "tcp";  // for the timeline: how this communicator's peers are reached
   Worker worker_;                  // last: its thread stops before the members it uses go away
 };

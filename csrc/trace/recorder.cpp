@@ -499,12 +499,17 @@ void Recorder::op_end(const OpToken& tok, const OpDesc& op, bool ok, std::string
   e.transport = op.transport;
   copy_str(e.name, op.name);
   copy_str(e.comm, op.comm);
+  std::string a;
+  if (op.blocked_us >= 0) {
+    a = "\"blocked_us\":";
+    append_num(a, op.blocked_us);
+  }
   if (!ok) {
-    std::string a = "\"error\":\"";
+    a += a.empty() ? "\"error\":\"" : ",\"error\":\"";
     json_escape(a, error.substr(0, 48));
     a += "\"";
-    copy_args(e.args, a);
   }
+  copy_args(e.args, a);
   emit(e);
 }
 

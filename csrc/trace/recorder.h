@@ -64,6 +64,7 @@ struct OpDesc {
   uint32_t ranks = 0;
   const char* algo = nullptr;
   const char* transport = nullptr;
+  double blocked_us = -1;  // time spent asleep waiting for peers, when measured
 };
 
 enum class FlightState : uint8_t { kQueued = 0, kRunning, kDone, kFailed };
@@ -192,7 +193,12 @@ class Span {
  public:
   Span(Recorder& rec, const char* name, Category cat, int64_t bytes = -1, uint32_t ranks = 0,
        std::string_view comm = {})
-      : rec_(rec), t0_(rec.active() ? now_us() : 0), name_(name), cat_(cat), bytes_(bytes), ranks_(ranks),
+      : rec_(rec),
+        t0_(rec.active() ? now_us() : 0),
+        name_(name),
+        cat_(cat),
+        bytes_(bytes),
+        ranks_(ranks),
         comm_(comm) {}
   ~Span();
   Span(const Span&) = delete;
