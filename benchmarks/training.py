@@ -41,11 +41,18 @@ ratio.
   python benchmarks/training.py --ranks 4 --models mlp25m --iters 10
   sudo python benchmarks/training.py --hosts 4                # 4 emulated hosts x 1 rank, 1 Gbit
   sudo python benchmarks/training.py --hosts 2 --ranks-per-host 2 --hierarchical
+  python benchmarks/training.py --ranks 4 --timeline          # timeline overhead: rumor with it on vs off
+
+--timeline adds the variant rumor_timeline: rumor's default DDP with rumor.timeline recording
+(started before each block of its steps, outside the timed region; rank 0 merges the last
+block's files); "timeline overhead" prints its median step over rumor's (target < 1.02).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import statistics
 import sys
 import time
@@ -72,6 +79,7 @@ ALGORITHMS = {
     "lp_dec": ("LowPrecDec", "LowPrecisionDecentralized()"),
     "rumor_fused": ("rumor fused", "GradientAllReduce(), optimizer fused (rumor.optim.fuse_optimizer)"),
     "rumor_overlap": ("rumor overlap", "GradientAllReduce(), overlap_optimizer=True (update per bucket in backward)"),
+    "rumor_timeline": ("rumor+timeline", "GradientAllReduce(), rumor.timeline recording during its steps"),
 }
 VARIANT_LABEL = {"compute": "compute-only", "torch": "torch DDP", **{k: v[0] for k, v in ALGORITHMS.items()}}
 
@@ -106,6 +114,7 @@ def _algorithm(key: str, opt):
         "lp_dec": lambda: A.LowPrecisionDecentralized(),
         "rumor_fused": lambda: A.GradientAllReduce(),
         "rumor_overlap": lambda: A.GradientAllReduce(),
+        "rumor_timeline": lambda: A.GradientAllReduce(),
     }[key]()
 
 
@@ -202,6 +211,22 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         return float(loss.detach())
 
     names = list(variants)
+
+    @contextlib.contextmanager
+    def recording(v, merge=False):
+        # The timeline variant records during its own steps only; start/stop are collective
+        # (every rank runs the same sequence of variants) and stay outside the timed steps.
+        if v != "rumor_timeline":
+            yield
+            return
+        rumor.timeline.start(cfg["timeline_path"])
+        try:
+            yield
+        finally:
+            merged = rumor.timeline.stop(merge=merge, out=cfg["timeline_merged"] if merge else None)
+            if merged:
+                emit("progress", {"model": name, "done": done, "total": total, "what": f"timeline {merged}"})
+
     counts = {v: 0 for v in names}
     times = {v: [] for v in names}
     losses = {v: [] for v in names}
@@ -209,27 +234,29 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     total = sum(_warmup_steps(v, cfg) + cfg["iters"] for v in names)
     done = 0
     for v in names:
-        for _ in range(_warmup_steps(v, cfg)):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(v, counts[v])
-            warm[v].append(time.perf_counter() - t0)
-            counts[v] += 1
-            done += 1
+        with recording(v):
+            for _ in range(_warmup_steps(v, cfg)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(v, counts[v])
+                warm[v].append(time.perf_counter() - t0)
+                counts[v] += 1
+                done += 1
         if rank == 0:
             emit("progress", {"model": name, "done": done, "total": total, "what": f"warm-up {v}"})
     blocks = -(-cfg["iters"] // cfg["block"])
     for b in range(blocks):
         k = b % len(names)
         for v in names[k:] + names[:k]:  # rotate who goes first
-            for _ in range(min(cfg["block"], cfg["iters"] - b * cfg["block"])):
-                dist.barrier()
-                t0 = time.perf_counter()
-                loss = step(v, counts[v], record=rank == 0)
-                times[v].append(time.perf_counter() - t0)
-                losses[v].append(loss)
-                counts[v] += 1
-                done += 1
+            with recording(v, merge=b == blocks - 1):
+                for _ in range(min(cfg["block"], cfg["iters"] - b * cfg["block"])):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    loss = step(v, counts[v], record=rank == 0)
+                    times[v].append(time.perf_counter() - t0)
+                    losses[v].append(loss)
+                    counts[v] += 1
+                    done += 1
             if rank == 0:
                 emit("progress", {"model": name, "done": done, "total": total,
                                    "what": f"{v} {times[v][-1] * 1e3:.0f} ms/step"})
@@ -266,7 +293,9 @@ class Job(_common.Job):
     def config(self) -> Dict:
         a = self.args
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, block=a.block, lr=a.lr,
-                    seed=a.seed, algorithms=algorithm_list(a, self), onebit_freeze=a.onebit_freeze)
+                    seed=a.seed, algorithms=algorithm_list(a, self), onebit_freeze=a.onebit_freeze,
+                    timeline_path=os.path.join(self.workdir, f"timeline-{self.n}ranks.json"),
+                    timeline_merged=os.path.join(os.path.abspath(a.out), f"timeline-{re.sub('[^A-Za-z0-9]+', '_', self.label)}.json"))
 
     def on_message(self, kind: str, data) -> None:
         if kind == "progress":
@@ -471,6 +500,8 @@ def main(argv=None) -> int:
                     help=f"comma list of rumor variants to run beside compute-only and torch DDP: {list(ALGORITHMS)}")
     ap.add_argument("--onebit-freeze", type=int, default=10,
                     help="onebit_adam: full-precision Adam steps (its warm-up) before the variance is frozen")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also rumor with rumor.timeline recording (variant rumor_timeline): its overhead")
     ap.add_argument("--tag", default="", help="suffix for the JSON/PNG file names")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
     ap.add_argument("--batch", default="", help="per-rank batch overrides, e.g. mlp25m=16,cnn=8")
@@ -486,6 +517,8 @@ def main(argv=None) -> int:
         return _common.worker_main(args.worker, _describe, _train)
 
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    if args.timeline:
+        args.algorithms += [a for a in ("rumor", "rumor_timeline") if a not in args.algorithms]
     bad = [a for a in args.algorithms if a not in ALGORITHMS]
     if bad or not args.algorithms:
         ap.error(f"unknown algorithms {bad}; choose from {list(ALGORITHMS)}")
@@ -599,6 +632,13 @@ def main(argv=None) -> int:
                 headline = (f"headline: {c['model']} {c['n']} ranks one host: rumor/torch DDP = "
                             f"{c['rumor_over_torch']:.2f}x samples/s (rumor at {100 * c['rumor_over_compute']:.0f}% "
                             f"of compute-only)")
+        for c in result["cells"]:
+            v = c["variants"]
+            if "rumor_timeline" in v and "rumor" in v:
+                c["timeline_over_rumor_step"] = v["rumor_timeline"]["median_s"] / v["rumor"]["median_s"]
+                print(f"timeline overhead: {c['job']}: {c['model']}: rumor+timeline / rumor median step = "
+                      f"{c['timeline_over_rumor_step']:.3f} (target < 1.02; "
+                      f"{fmt_ms(v['rumor_timeline']['median_s'])} vs {fmt_ms(v['rumor']['median_s'])} ms)")
         for c in result["cells"]:
             if "rumor_hier_over_torch" in c:
                 print(f"{c['job']}: {c['model']} rumor hierarchical/torch = {c['rumor_hier_over_torch']:.2f}x")

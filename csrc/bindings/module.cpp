@@ -90,7 +90,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("shm_ring_bytes", &Options::shm_ring_bytes)
       .def_readwrite("small_allreduce_bytes", &Options::small_allreduce_bytes)
       .def_readwrite("large_broadcast_bytes", &Options::large_broadcast_bytes)
-      .def_readwrite("spin_us", &Options::spin_us);
+      .def_readwrite("spin_us", &Options::spin_us)
+      .def_readwrite("flight_records", &Options::flight_records);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("done", &Work::done)
@@ -265,4 +266,5 @@ PYBIND11_MODULE(_C, m) {
   bind_decentralized_ops(m);
   bind_window(m);
   bind_optim(m);
+  bind_trace(m);
 }

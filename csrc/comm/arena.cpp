@@ -80,6 +80,8 @@ void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
   if (!contains(buf, count * es))
     throw Error(ErrorKind::kInvalidArgument, "shared-bucket allreduce: buffer is not inside the arena");
   net::OpInfo info = comm_->begin_op("allreduce (shared buckets)", Opcode::kArenaAllreduce);
+  info.bytes = static_cast<int64_t>(count * es);
+  info.algo = "shared buckets";
   const uint32_t n = comm_->size(), r = comm_->rank();
   if (n == 1 || count == 0) return;
   const size_t offset = static_cast<size_t>(static_cast<std::byte*>(buf) - data());

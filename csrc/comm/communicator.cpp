@@ -76,6 +76,14 @@ Communicator::Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::strin
   }
   p2p_sent_.assign(world_ranks_.size(), 0);
   p2p_recv_.assign(world_ranks_.size(), 0);
+  transport_ = size() == 1                   ? "self"
+               : all_local_ && uses_shm()    ? "shm"
+               : hierarchical_ && uses_shm() ? "shm+tcp"
+                                             : "tcp";
+}
+
+trace::OpDesc Communicator::trace_desc(const net::OpInfo& op) const {
+  return trace::OpDesc{op.name, op.comm, op.tag, op.bytes, op.peer, size(), op.algo, transport_, blocked_us_};
 }
 
 Communicator::~Communicator() = default;
@@ -107,6 +115,7 @@ void Communicator::abort(const std::string& why) {
     broken_why_ = why;
   }
   RUMOR_LOG(kWarn, name_ << ": aborting after error: " << why);
+  ctx_->recorder().dump_flight(name_ + ": " + why);
   for (auto& c : channels_)
     if (c) c->abort();
   if (local_) local_->abort(why);
@@ -135,6 +144,8 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op,
   std::vector<pollfd> fds;
   std::vector<std::pair<uint32_t, bool>> busy;  // (peer, send) pairs with an earlier transfer pending
   std::vector<net::Channel*> shm_waiting;
+  // The timeline reports how long an operation slept waiting for its peers.
+  const bool timed = ctx_->recorder().active();
   while (true) {
     const uint32_t seen = bell != nullptr ? bell->seq.load(std::memory_order_seq_cst) : 0;
     bool moved = false, pending = false, any_tcp = false, held = false;
@@ -205,9 +216,13 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op,
         int ms = op.deadline.ms_left(100);
         ts_wait = {ms / 1000, static_cast<long>(ms % 1000) * 1000000};
       }
+      const double t0 = timed ? trace::now_us() : 0;
       ::ppoll(fds.data(), fds.size(), &ts_wait, nullptr);
+      if (timed) blocked_us_ += trace::now_us() - t0;
     } else if (!shm_waiting.empty() && bell != nullptr) {
+      const double t0 = timed ? trace::now_us() : 0;
       net::wait_doorbell(bell, seen, 50 * 1000);
+      if (timed) blocked_us_ += trace::now_us() - t0;
     }
     if (!shm_waiting.empty() && Clock::now() >= next_alive_check) {
       for (net::Channel* ch : shm_waiting) ch->check_alive(op);
@@ -223,18 +238,26 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
   // An empty buffer still exchanges (empty) frames, so a rank whose size differs is caught.
   if (size() == 1) return;
   auto* b = static_cast<std::byte*>(buf);
+  const size_t bytes = count * dtype_size(dtype);
+  AllreduceAlgo chosen = AllreduceAlgo::kRing;
+  if (algo == AllreduceAlgo::kHierarchical)
+    chosen = AllreduceAlgo::kHierarchical;
+  else if (algo == AllreduceAlgo::kRecursiveDoubling ||
+           (algo == AllreduceAlgo::kAuto && bytes <= small_bytes()) || count < size())
+    chosen = AllreduceAlgo::kRecursiveDoubling;
+  else if (algo == AllreduceAlgo::kAuto && hierarchical_)
+    chosen = AllreduceAlgo::kHierarchical;
+  info.bytes = static_cast<int64_t>(bytes);
+  info.algo = chosen == AllreduceAlgo::kHierarchical        ? "hierarchical"
+              : chosen == AllreduceAlgo::kRecursiveDoubling ? "recursive doubling"
+                                                            : "ring";
   guarded(info, [&] {
-    const size_t bytes = count * dtype_size(dtype);
-    if (algo == AllreduceAlgo::kHierarchical) {
+    if (chosen == AllreduceAlgo::kHierarchical)
       allreduce_hier(b, count, dtype, op);
-    } else if (algo == AllreduceAlgo::kRecursiveDoubling ||
-               (algo == AllreduceAlgo::kAuto && bytes <= small_bytes()) || count < size()) {
+    else if (chosen == AllreduceAlgo::kRecursiveDoubling)
       allreduce_rd(b, count, dtype, op, info);
-    } else if (algo == AllreduceAlgo::kAuto && hierarchical_) {
-      allreduce_hier(b, count, dtype, op);
-    } else {
+    else
       allreduce_ring(b, count, dtype, op, info);
-    }
   });
 }
 
@@ -375,6 +398,8 @@ void Communicator::reduce_scatter(const void* in, void* out, std::span<const siz
   net::OpInfo info = begin("reduce_scatter", Opcode::kReduceScatter);
   const size_t es = dtype_size(dtype);
   auto off = byte_offsets(counts, es);
+  info.bytes = static_cast<int64_t>(off.back());
+  info.algo = "ring";
   const auto* src = static_cast<const std::byte*>(in);
   auto* dst = static_cast<std::byte*>(out);
   if (size() == 1) {
@@ -409,6 +434,8 @@ void Communicator::allgather(void* buf, std::span<const size_t> counts, DType dt
                                                  " block counts for a group of " + std::to_string(size()));
   net::OpInfo info = begin("allgather", Opcode::kAllgather);
   if (size() == 1) return;
+  info.bytes = static_cast<int64_t>(byte_offsets(counts, dtype_size(dtype)).back());
+  info.algo = "ring";
   guarded(info, [&] { ring_allgather(static_cast<std::byte*>(buf), counts, dtype, info); });
 }
 
@@ -438,6 +465,10 @@ void Communicator::broadcast(void* buf, size_t count, DType dtype, uint32_t root
   if (size() == 1) return;
   auto* b = static_cast<std::byte*>(buf);
   const size_t es = dtype_size(dtype);
+  info.bytes = static_cast<int64_t>(count * es);
+  info.algo = count * es < ctx_->options().large_broadcast_bytes || count < size()
+                  ? "binomial tree"
+                  : "scatter + ring allgather";
   guarded(info, [&] {
     if (count * es < ctx_->options().large_broadcast_bytes || count < size()) {
       binomial_broadcast(b, count * es, root, info);
@@ -467,6 +498,7 @@ void Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, uin
   if (size() == 1) return;
   auto* b = static_cast<std::byte*>(buf);
   const size_t es = dtype_size(dtype);
+  info.bytes = static_cast<int64_t>(count * es);
   guarded(info, [&] {
     if (count * es <= small_bytes() || count < size()) {
       allreduce_rd(b, count, dtype, op, info);
@@ -497,6 +529,7 @@ void Communicator::alltoall(const void* in, std::span<const size_t> send_counts,
   net::OpInfo info = begin("alltoall", Opcode::kAlltoall);
   const size_t es = dtype_size(dtype);
   auto soff = byte_offsets(send_counts, es);
+  info.bytes = static_cast<int64_t>(soff.back());
   auto roff = byte_offsets(recv_counts, es);
   const auto* src = static_cast<const std::byte*>(in);
   auto* dst = static_cast<std::byte*>(out);
@@ -541,6 +574,8 @@ void Communicator::send(const void* buf, size_t bytes, uint32_t dst) {
   --next_tag_;  // point-to-point messages are numbered per peer, not per collective
   info.tag = p2p_sent_[dst]++;
   info.name = "send to " + peer_desc(dst);
+  info.bytes = static_cast<int64_t>(bytes);
+  info.peer = static_cast<int32_t>(world_ranks_[dst]);
   guarded(info, [&] {
     Transfer t[1] = {make_send(dst, buf, bytes)};
     exchange(t, info);
@@ -556,6 +591,8 @@ void Communicator::recv(void* buf, size_t bytes, uint32_t src) {
   --next_tag_;
   info.tag = p2p_recv_[src]++;
   info.name = "recv from " + peer_desc(src);
+  info.bytes = static_cast<int64_t>(bytes);
+  info.peer = static_cast<int32_t>(world_ranks_[src]);
   guarded(info, [&] {
     Transfer t[1] = {make_recv(src, buf, bytes)};
     exchange(t, info);

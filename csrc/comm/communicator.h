@@ -10,6 +10,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/context.h"
@@ -75,6 +76,7 @@ class Communicator {
   const std::string& shm_prefix() const { return shm_prefix_; }
   uint64_t id() const { return id_; }
   uint64_t next_arena_id() { return next_arena_id_++; }
+  trace::Recorder& recorder() { return ctx_->recorder(); }
   net::OpInfo begin_op(const char* name, Opcode code) { return begin(name, code); }
   template <typename Fn>
   void run_guarded(const net::OpInfo& op, Fn&& fn) {
@@ -104,18 +106,31 @@ class Communicator {
   struct Op;
   net::OpInfo begin(const char* name, Opcode code);
   // Runs an operation body; any error aborts the communicator (peers then fail promptly).
+  // Every operation is also recorded here (flight recorder, and the timeline when one is on).
   template <typename Fn>
   void guarded(const net::OpInfo& op, Fn&& fn) {
+    trace::Recorder& rec = ctx_->recorder();
+    const double outer_blocked = std::exchange(blocked_us_, 0.0);
+    struct Restore {  // an operation run inside another of this communicator adds to its figure
+      double& v;
+      double outer;
+      ~Restore() { v += outer; }
+    } restore{blocked_us_, outer_blocked};
+    const trace::Recorder::OpToken tok = rec.op_begin(trace_desc(op));
     try {
       fn();
     } catch (const Error& e) {
+      rec.op_end(tok, trace_desc(op), false, e.what());
       abort(e.what());
       throw;
     } catch (const std::exception& e) {
+      rec.op_end(tok, trace_desc(op), false, e.what());
       abort(e.what());
       throw Error(ErrorKind::kSystem, op.where() + ": " + e.what());
     }
+    rec.op_end(tok, trace_desc(op), true);
   }
+  trace::OpDesc trace_desc(const net::OpInfo& op) const;
 
   void allreduce_ring(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
   void allreduce_rd(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
@@ -151,7 +166,9 @@ class Communicator {
   bool all_local_ = true;      // every member on this rank's host
   bool hierarchical_ = false;  // several hosts, and at least one with several members
   bool is_leader_ = false;
-  Worker worker_;  // last: its thread stops before the members it uses go away
+  double blocked_us_ = 0;          // slept in exchange() during the current operation (timeline only)
+  const char* transport_ = "tcp";  // for the timeline: how this communicator's peers are reached
+  Worker worker_;                  // last: its thread stops before the members it uses go away
 };
 
 }  // namespace rumor

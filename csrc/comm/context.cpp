@@ -31,7 +31,7 @@ std::string process_tag() {
 }  // namespace
 
 Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options options, int port)
-    : rank_(rank), size_(size), token_(token), options_(options) {
+    : rank_(rank), size_(size), token_(token), options_(options), recorder_(rank, options.flight_records) {
   if (size == 0 || rank >= size)
     throw Error(ErrorKind::kInvalidArgument,
                 "rank " + std::to_string(rank) + " is not in a world of size " + std::to_string(size));

@@ -15,6 +15,7 @@
 #include "net/handshake.h"
 #include "net/listener.h"
 #include "net/shm.h"
+#include "trace/recorder.h"
 
 namespace rumor {
 
@@ -27,6 +28,7 @@ struct Options {
   size_t small_allreduce_bytes = 64 * 1024;   // below: recursive doubling, above: ring
   size_t large_broadcast_bytes = 512 * 1024;  // at or above: scatter + ring allgather
   int spin_us = 20;                           // busy-poll this long before sleeping (latency vs. CPU)
+  size_t flight_records = 64;                 // operations the flight recorder keeps (RUMOR_FLIGHT_RECORDER)
 };
 
 class Context {
@@ -69,6 +71,8 @@ class Context {
   const std::string& shm_tag() const { return own_tag_; }
   // `base` + "@" + the tags of `owners` (world ranks) joined by "+".
   std::string owned_name(const std::string& base, std::initializer_list<uint32_t> owners) const;
+  // Timeline and flight recorder of this process (trace/recorder.h).
+  trace::Recorder& recorder() { return recorder_; }
 
  private:
   net::Doorbell* peer_doorbell(uint32_t peer, const Deadline& deadline);
@@ -86,6 +90,7 @@ class Context {
   net::Doorbell* own_bell_ = nullptr;
   std::mutex bells_mu_;
   std::map<uint32_t, net::ShmSegment> peer_bells_;
+  trace::Recorder recorder_;
 };
 
 }  // namespace rumor

@@ -216,6 +216,7 @@ void neighbor_allreduce(Communicator& comm, const void* in, void* out, size_t co
   validate_allreduce(comm, dtype, self_weight, srcs, dsts, what);
   if (topo_check) check_topology(comm, ranks_of(srcs), ranks_of(dsts), what);
   net::OpInfo op = comm.begin_op(what, Opcode::kNeighbor);
+  op.bytes = static_cast<int64_t>(count * dtype_size(dtype));
   comm.run_guarded(op, [&] {
     neighbor_allreduce_body(comm, op, in, out, count, dtype, self_weight, srcs, dsts, scratch);
   });
@@ -235,6 +236,7 @@ void neighbor_allgather(Communicator& comm, const void* in, size_t bytes, std::s
   validate_ranks(comm, dsts, what, "destination");
   if (topo_check) check_topology(comm, srcs, dsts, what);
   net::OpInfo op = comm.begin_op(what, Opcode::kNeighbor);
+  op.bytes = static_cast<int64_t>(bytes);
   comm.run_guarded(op, [&] {
     std::vector<Transfer> ts;
     ts.reserve(srcs.size() + dsts.size());
@@ -283,6 +285,8 @@ void hierarchical_neighbor_allreduce(Communicator& comm, const void* in, void* o
   validate_allreduce(local, dtype, self_weight, {}, {}, what);
   if (leaders != nullptr) validate_allreduce(*leaders, dtype, self_weight, machine_srcs, machine_dsts, what);
   net::OpInfo op = comm.begin_op(what, Opcode::kNeighbor);
+  op.bytes = static_cast<int64_t>(count * dtype_size(dtype));
+  op.algo = "hierarchical";
   // A machine-level mismatch is found by the leaders only; they pass the message to their
   // host so that every rank raises the same error (and none waits for a broadcast).
   constexpr size_t kMsg = 256;

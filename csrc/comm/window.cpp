@@ -435,6 +435,8 @@ std::vector<uint64_t> WindowHub::versions(uint64_t id) {
 std::shared_ptr<WinOp> WindowHub::put(uint64_t id, const void* x, const Weights& dsts, bool accumulate,
                                       bool with_p, bool require_mutex, const Deadline& deadline) {
   auto w = find(id, accumulate ? "win_accumulate" : "win_put");
+  trace::Span span(ctx_->recorder(), accumulate ? "win_accumulate" : "win_put", trace::Category::kComm,
+                   static_cast<int64_t>(w->bytes), static_cast<uint32_t>(dsts.size()), w->name);
   const std::string what = std::string(accumulate ? "win_accumulate" : "win_put") + "('" + w->name + "')";
   auto op = std::make_shared<WinOp>(what, id);
   double my_p = with_p ? p(id) : 0.0;
@@ -483,6 +485,8 @@ std::shared_ptr<WinOp> WindowHub::put(uint64_t id, const void* x, const Weights&
 std::shared_ptr<WinOp> WindowHub::get(uint64_t id, const Weights& srcs, bool with_p, bool require_mutex,
                                       const Deadline& deadline) {
   auto w = find(id, "win_get");
+  trace::Span span(ctx_->recorder(), "win_get", trace::Category::kComm, static_cast<int64_t>(w->bytes),
+                   static_cast<uint32_t>(srcs.size()), w->name);
   const std::string what = "win_get('" + w->name + "')";
   auto op = std::make_shared<WinOp>(what, id);
   for (const auto& [src, weight] : srcs) {
@@ -518,6 +522,8 @@ std::shared_ptr<WinOp> WindowHub::get(uint64_t id, const Weights& srcs, bool wit
 void WindowHub::update(uint64_t id, double self_weight, const Weights& nbrs_in, bool reset, bool with_p,
                        void* out, bool require_mutex, const Deadline& deadline) {
   auto w = find(id, "win_update");
+  trace::Span span(ctx_->recorder(), "win_update", trace::Category::kComm, static_cast<int64_t>(w->bytes),
+                   static_cast<uint32_t>(nbrs_in.size()), w->name);
   const std::string what = "win_update('" + w->name + "')";
   Weights nbrs = nbrs_in;
   std::sort(nbrs.begin(), nbrs.end());
@@ -578,6 +584,7 @@ void WindowHub::publish(uint64_t id, const Deadline& deadline) {
 }
 
 void WindowHub::wait(const std::shared_ptr<WinOp>& op, const Deadline& deadline) {
+  trace::Span span(ctx_->recorder(), "win_wait", trace::Category::kWait);
   try {
     op->wait(deadline);
   } catch (const Error& e) {
@@ -600,6 +607,8 @@ void WindowHub::wait(const std::shared_ptr<WinOp>& op, const Deadline& deadline)
 
 void WindowHub::mutex_acquire(uint64_t id, std::vector<uint32_t> ranks, const Deadline& deadline) {
   auto w = find(id, "win_mutex");
+  trace::Span span(ctx_->recorder(), "win_mutex_acquire", trace::Category::kWait, -1,
+                   static_cast<uint32_t>(ranks.size()), w->name);
   std::sort(ranks.begin(), ranks.end());
   ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
   std::vector<uint32_t> got;
@@ -622,6 +631,8 @@ void WindowHub::mutex_acquire(uint64_t id, std::vector<uint32_t> ranks, const De
 
 void WindowHub::mutex_release(uint64_t id, std::vector<uint32_t> ranks, const Deadline& deadline) {
   auto w = find(id, "win_mutex");
+  trace::Span span(ctx_->recorder(), "win_mutex_release", trace::Category::kComm, -1,
+                   static_cast<uint32_t>(ranks.size()), w->name);
   std::sort(ranks.begin(), ranks.end());
   ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
   for (auto it = ranks.rbegin(); it != ranks.rend(); ++it) mutex_release_one(*w, *it, deadline);

@@ -1,5 +1,7 @@
 #include "comm/work.h"
 
+#include <pthread.h>
+
 namespace rumor {
 
 bool Work::done() const {
@@ -62,6 +64,8 @@ void Worker::run(std::function<void()> fn, const Deadline& deadline) {
 }
 
 void Worker::loop() {
+  // Named so that timelines and debuggers can tell the communication threads apart.
+  ::pthread_setname_np(::pthread_self(), "rumor worker");
   std::unique_lock lk(mu_);
   while (true) {
     cv_.wait(lk, [&] { return stop_ || (!busy_ && !queue_.empty()); });

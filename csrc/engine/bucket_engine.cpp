@@ -1,12 +1,51 @@
 #include "engine/bucket_engine.h"
 
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 
 namespace rumor {
 
 namespace {
 double steady_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void set_name(char* dst, size_t n, const std::string& s) { std::snprintf(dst, n, "%s", s.c_str()); }
+
+// A bucket's life on the timeline: an async span from ready to finished with its queue wait in
+// the args, and the op itself as a span on the thread that ran it (its collective nests inside).
+void trace_bucket(trace::Recorder& rec, const BucketTiming& t, double ready_at, uint64_t id, size_t bytes,
+                  const std::string& op, const char* comm) {
+  const std::string name = "bucket " + std::to_string(t.bucket);
+  trace::Event run;
+  run.cat = trace::Category::kBucket;
+  run.ts = t.started * 1e6;
+  run.dur = (t.ended - t.started) * 1e6;
+  run.bytes = static_cast<int64_t>(bytes);
+  set_name(run.name, sizeof(run.name), name);
+  set_name(run.comm, sizeof(run.comm), comm);
+  run.tag = t.bucket;
+  char args[sizeof(run.args)];
+  std::snprintf(args, sizeof(args), "\"op\":\"%.40s\",\"queued_us\":%.3f,\"ready_to_start_us\":%.3f",
+                op.c_str(), (t.started - t.launched) * 1e6, (t.started - ready_at) * 1e6);
+  std::memcpy(run.args, args, sizeof(args));
+  rec.emit(run);
+  trace::Event b = run;
+  b.ph = 'b';
+  b.id = id;
+  b.ts = ready_at * 1e6;
+  b.dur = 0;
+  std::snprintf(args, sizeof(args),
+                "\"ready_us\":%.3f,\"queued_us\":%.3f,\"started_us\":%.3f,\"finished_us\":%.3f",
+                ready_at * 1e6, t.launched * 1e6, t.started * 1e6, t.ended * 1e6);
+  std::memcpy(b.args, args, sizeof(args));
+  rec.emit(b);
+  trace::Event e = b;
+  e.ph = 'e';
+  e.ts = t.ended * 1e6;
+  e.args[0] = '\0';
+  rec.emit(e);
 }
 }  // namespace
 
@@ -53,19 +92,48 @@ void BucketEngine::set_after(std::vector<std::shared_ptr<BucketOp>> after) {
 void BucketEngine::launch_locked(Bucket& b) {
   Communicator* comm = comm_.get();
   BucketSpec spec = b.spec;
-  b.timing = std::make_shared<BucketTiming>(
-      BucketTiming{static_cast<uint32_t>(&b - buckets_.data()), spec.count, steady_seconds(), 0, 0});
-  b.work = comm->worker().submit([comm, spec, timing = b.timing] {
+  const uint32_t index = static_cast<uint32_t>(&b - buckets_.data());
+  const double now = steady_seconds();
+  b.timing = std::make_shared<BucketTiming>(BucketTiming{index, spec.count, now, 0, 0});
+  trace::Recorder& rec = comm->recorder();
+  const size_t bytes = spec.count * dtype_size(spec.dtype);
+  const std::string what = "bucket " + std::to_string(index) + ": " + spec.op->name();
+  // The flight recorder sees the bucket from the moment it is queued.
+  const uint64_t seq = rec.flight_begin(trace::OpDesc{what, comm->name(), index, static_cast<int64_t>(bytes),
+                                                      -1, comm->size(), nullptr, nullptr},
+                                        trace::FlightState::kQueued, now * 1e6);
+  const double ready_at = b.ready_at > 0 ? b.ready_at : now;
+  b.work = comm->worker().submit([comm, spec, timing = b.timing, seq, ready_at, id = launches_++, bytes] {
+    trace::Recorder& r = comm->recorder();
     timing->started = steady_seconds();
-    spec.op->run(*comm, reinterpret_cast<void*>(spec.data), spec.count, spec.dtype);
+    r.flight_update(seq, trace::FlightState::kRunning, timing->started * 1e6);
+    try {
+      spec.op->run(*comm, reinterpret_cast<void*>(spec.data), spec.count, spec.dtype);
+    } catch (const std::exception& e) {
+      r.flight_update(seq, trace::FlightState::kFailed, steady_seconds() * 1e6, e.what());
+      throw;
+    }
     timing->ended = steady_seconds();
+    r.flight_update(seq, trace::FlightState::kDone, timing->ended * 1e6);
+    if (r.active()) trace_bucket(r, *timing, ready_at, id, bytes, spec.op->name(), comm->name().c_str());
   });
   if (spec.after) {
     // A failed op fails its `after` too (the update never sees an unreduced gradient); finish()
     // reports the first error.
     b.after_work = steps_.submit([comm, spec, done = b.work] {
       done->wait(Deadline::after(comm->timeout_s() * 2));
+      trace::Recorder& r = comm->recorder();
+      const double t0 = r.active() ? trace::now_us() : 0;
       spec.after->run(*comm, reinterpret_cast<void*>(spec.data), spec.count, spec.dtype);
+      if (t0 > 0 && r.active()) {
+        trace::Event e;
+        e.cat = trace::Category::kPhase;
+        e.ts = t0;
+        e.dur = trace::now_us() - t0;
+        e.bytes = static_cast<int64_t>(spec.count * dtype_size(spec.dtype));
+        set_name(e.name, sizeof(e.name), "optimizer step: " + spec.after->name());
+        r.emit(e);
+      }
     });
   }
 }
@@ -89,6 +157,19 @@ void BucketEngine::mark_ready(uint32_t bucket) {
                     " got more gradients than it has parameters in one iteration (a parameter used "
                     "twice with retain_graph, or backward called twice without optimizer step?)");
   ++b.ready;
+  if (b.ready == b.spec.slots) {
+    b.ready_at = steady_seconds();
+    trace::Recorder& rec = comm_->recorder();
+    if (rec.active()) {
+      trace::Event e;
+      e.ph = 'i';
+      e.cat = trace::Category::kBucket;
+      e.ts = b.ready_at * 1e6;
+      e.tag = bucket;
+      set_name(e.name, sizeof(e.name), "bucket " + std::to_string(bucket) + " ready");
+      rec.emit(e);
+    }
+  }
   launch_ready_locked();
 }
 
@@ -151,6 +232,7 @@ void BucketEngine::finish(const Deadline& deadline) {
     b.work.reset();
     b.after_work.reset();
     b.timing.reset();
+    b.ready_at = 0;
   }
   next_launch_ = 0;
   if (first) std::rethrow_exception(first);

@@ -109,6 +109,7 @@ class BucketEngine {
     std::shared_ptr<Work> after_work;
     // Written by the worker while the op runs; read only after finish() has waited for it.
     std::shared_ptr<BucketTiming> timing;
+    double ready_at = 0;  // seconds, when its last slot was marked (timeline only)
   };
   void launch_ready_locked();
   void launch_locked(Bucket& b);
@@ -117,6 +118,7 @@ class BucketEngine {
   mutable std::mutex mu_;
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
+  uint64_t launches_ = 0;  // ids of the buckets' async spans in the timeline
   std::vector<BucketTiming> last_timings_;
   // Runs the buckets' `after` ops in launch order (its thread starts on first use). Declared last:
   // destroyed (joined) first, before the buckets it reads.

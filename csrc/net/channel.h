@@ -39,6 +39,11 @@ struct OpInfo {
   uint64_t tag = 0;  // op sequence number within the communicator
   Deadline deadline{Clock::now()};
   double timeout_s = 0;
+  // For the timeline and flight recorder only: payload bytes, the one peer of a point-to-point
+  // operation (world rank), the algorithm (a static string).
+  int64_t bytes = -1;
+  int32_t peer = -1;
+  const char* algo = nullptr;
   std::string where() const;  // "allreduce (op #12, world)"
 };
 

@@ -186,6 +186,8 @@ CompressedAllreduce::CompressedAllreduce(const compress::CodecParams& params, bo
 
 void CompressedAllreduce::run(Communicator& comm, void* buf, size_t count, DType dtype) {
   net::OpInfo op = comm.begin_op("compressed allreduce", kCompressedAllreduceOpcode);
+  op.bytes = static_cast<int64_t>(count * dtype_size(dtype));
+  op.algo = hierarchical_ ? "hierarchical" : "reduce-scatter + allgather";
   if (!codec_dtype(dtype))
     throw Error(ErrorKind::kInvalidArgument, op.where() + ": " + codec_->name() + " cannot encode " +
                                                  std::string(dtype_name(dtype)) +
@@ -404,6 +406,7 @@ void OneBitAllreduce::run(Communicator& comm, float* buf, size_t count, std::spa
 void OneBitAllreduce::run_filled(Communicator& comm, float* buf, size_t count, std::span<float> worker_error,
                                  std::span<float> server_error, const Fill& fill) {
   net::OpInfo op = comm.begin_op("1-bit allreduce", kOneBitAllreduceOpcode);
+  op.bytes = static_cast<int64_t>(count * sizeof(float));
   if ((!worker_error.empty() && worker_error.size() != count) ||
       (!server_error.empty() && server_error.size() != count))
     throw Error(ErrorKind::kInvalidArgument, op.where() + ": error buffers of " +

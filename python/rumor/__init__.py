@@ -42,6 +42,7 @@ from . import compression  # noqa: F401
 from . import data  # noqa: F401
 from . import elastic  # noqa: F401
 from . import optim  # noqa: F401
+from . import timeline  # noqa: F401
 from . import topology  # noqa: F401
 from .decentralized import (  # noqa: F401
     hierarchical_neighbor_allreduce,

@@ -287,6 +287,8 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         opts.shm_ring_bytes = int(os.environ["RUMOR_SHM_RING_BYTES"])
     if "RUMOR_SPIN_US" in os.environ:
         opts.spin_us = int(os.environ["RUMOR_SPIN_US"])
+    from . import timeline as _timeline
+    opts.flight_records = _timeline._flight_records_from_env()
 
     host = _host_id()
     if env.size == 1:
@@ -329,11 +331,15 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         timeout=float(timeout),
     )
     _generation += 1
+    _timeline._start_from_env()
 
 
 def shutdown() -> None:
     """Releases sockets, shared memory and threads. Outstanding handles must be waited on first."""
     global _state
+    if _state is not None:
+        from . import timeline as _timeline
+        _timeline.stop()
     _state = None
 
 

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import _C, _runtime
+from . import _C, _runtime, timeline
 from ._runtime import Group, _comm
 from ._tensor import SUPPORTED_DTYPES, address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
@@ -182,6 +182,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._hook_handles += [p.register_hook(self._make_sparse_check(i)) for i, p in enumerate(self._params)]
         if optimizer is not None:
             self._step_hook = optimizer.register_step_post_hook(lambda *_: self.algorithm.after_step(self))
+            self._step_trace_hooks = (optimizer.register_step_pre_hook(self._trace_step_begin),
+                                      optimizer.register_step_post_hook(self._trace_step_end))
+        self._step_t0 = None
+        self._backward_t0 = None
         self.algorithm.init(self)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -381,6 +385,8 @@ class DistributedDataParallel(torch.nn.Module):
                 self._ready_times[i] = time.perf_counter()
             if not self._callback_queued:
                 self._callback_queued = True
+                if timeline._on:
+                    self._backward_t0 = time.monotonic()
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
                 if self._step_ops:
                     self._prepare_step_ops()
@@ -412,7 +418,15 @@ class DistributedDataParallel(torch.nn.Module):
                         p.grad = self._views[i]
             self._engine.launch_all()
         self._engine.finish(self._timeout)
-        self._timeline = (self._forward_times, compute_end, time.monotonic(), self._engine.last_timings())
+        end = time.monotonic()
+        self._timeline = (self._forward_times, compute_end, end, self._engine.last_timings())
+        if timeline._on and self._backward_t0 is not None:
+            # Autograd runs the first gradient hook once the first parameter's gradient exists;
+            # the span starts there (the loss and the last layers' backward come just before).
+            timeline._span_s("wait for buckets", "wait", compute_end, end)
+            timeline._span_s("backward", "phase", self._backward_t0, end,
+                             f'"buckets":{len(self.buckets)}')
+            self._backward_t0 = None
         if not self._rebuilt:
             if self.algorithm.rebuild_buckets(self):
                 self._rebuild_in_ready_order()
@@ -451,7 +465,17 @@ class DistributedDataParallel(torch.nn.Module):
         module_start = time.monotonic()
         out = self.module(*args, **kwargs)
         self._forward_times = (start, module_start, time.monotonic())
+        if timeline._on:
+            timeline._span_s("forward", "phase", start, self._forward_times[2])
         return out
+
+    def _trace_step_begin(self, *_):
+        self._step_t0 = time.monotonic() if timeline._on else None
+
+    def _trace_step_end(self, *_):
+        if self._step_t0 is not None and timeline._on:
+            timeline._span_s("optimizer step", "phase", self._step_t0, time.monotonic())
+        self._step_t0 = None
 
     def last_iteration_timeline(self) -> Optional[Dict]:
         """Where this rank's last synchronized iteration spent its time, for profiling; None
