@@ -420,16 +420,7 @@ class LoadBalancingDistributedSampler(Sampler):
         return self._cache[1]
 
     def __iter__(self) -> Iterator[int]:
-        resuming = self._resume_epoch == self.epoch
-        if not resuming:
-            self._history = []
-        plan = self._rank_plan(self.epoch)
-        start = self._start if resuming else 0
-        self._resume_epoch, self._start = None, 0
-        self._consumed = start
-        for k in range(start, len(plan)):
-            self._consumed = k + 1
-            yield int(plan[k])
+        return (int(i) for i in _iterate(self))
 
     def reshard(self, num_replicas: int, rank: int) -> None:
         """Points the sampler at a new world (rumor.elastic calls this after a restart). Between
@@ -479,6 +470,21 @@ class LoadBalancingDistributedSampler(Sampler):
         if consumed > n:
             raise ValueError(f"{what}: consumed={consumed} exceeds the {n} samples of epoch {epoch} on this rank")
         self.epoch, self._resume_epoch, self._start, self._consumed = epoch, epoch, consumed, consumed
+
+
+def _iterate(smp) -> Iterator[Any]:
+    """The current epoch's plan of a sampler (either class), from the resume point if a loaded
+    state resumes this epoch; counts what was drawn for state_dict()."""
+    resuming = smp._resume_epoch == smp.epoch
+    if not resuming:
+        smp._history = []
+    plan = smp._rank_plan(smp.epoch)
+    start = smp._start if resuming else 0
+    smp._resume_epoch, smp._start = None, 0
+    smp._consumed = start
+    for k in range(start, len(plan)):
+        smp._consumed = k + 1
+        yield plan[k]
 
 
 def _check_state(state, identity: Dict[str, Any], what: str) -> Tuple[int, int, List[Tuple[int, int]]]:
@@ -696,16 +702,7 @@ class LoadBalancingDistributedBatchSampler(Sampler):
         return len(self._rank_plan(self.epoch))
 
     def __iter__(self) -> Iterator[List[int]]:
-        resuming = self._resume_epoch == self.epoch
-        if not resuming:
-            self._history = []
-        plan = self._rank_plan(self.epoch)
-        start = self._start if resuming else 0
-        self._resume_epoch, self._start = None, 0
-        self._consumed = start
-        for k in range(start, len(plan)):
-            self._consumed = k + 1
-            yield list(plan[k])
+        return (list(b) for b in _iterate(self))
 
     def _identity(self) -> Dict[str, Any]:
         return dict(self.sampler._identity(), max_tokens=self.max_tokens, padded=self.padded,
