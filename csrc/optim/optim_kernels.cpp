@@ -33,13 +33,8 @@ const KernelSet* kernel_set(Isa isa) {
 }
 
 const KernelSet& active_kernels() {
-  // Chosen once: the environment is read at first use and the CPU cannot change.
-  static const KernelSet* const set = [] {
-    const char* env = std::getenv("RUMOR_OPTIM_ISA");
-    if (env != nullptr && std::string_view(env) == "generic") return &generic::kKernels;
-    const KernelSet* best = kernel_set(Isa::kAvx2);
-    return best != nullptr ? best : &generic::kKernels;
-  }();
+  static const KernelSet* const set =
+      choose_kernels(&generic::kKernels, kernel_set(Isa::kAvx2), "RUMOR_OPTIM_ISA");
   return *set;
 }
 
