@@ -92,32 +92,33 @@ void bind_optim(py::module_& m) {
       "sgd_step",
       [](uintptr_t param, uintptr_t grad, uintptr_t buf, size_t count, double lr, double momentum,
          double dampening, double weight_decay, bool nesterov, bool maximize, bool first,
-         const std::string& isa) {
+         const std::string& isa, unsigned threads) {
         const optim::KernelSet* set = pick(isa);
         py::gil_scoped_release nogil;
         optim::sgd_step(fptr(param), fptr(grad), fptr(buf), count,
                         optim::SgdHyper{lr, momentum, dampening, weight_decay, nesterov, maximize}, first,
-                        set);
+                        set, threads);
       },
       py::arg("param"), py::arg("grad"), py::arg("momentum_buffer"), py::arg("count"), py::arg("lr"),
       py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
-      py::arg("maximize"), py::arg("first"), py::arg("isa") = "",
+      py::arg("maximize"), py::arg("first"), py::arg("isa") = "", py::arg("threads") = 1,
       "One SGD step over flat float32 buffers, as torch.optim.SGD.");
   m.def(
       "adam_step",
       [](uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t max_exp_avg_sq,
          size_t count, double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
-         bool amsgrad, bool maximize, double step, const std::string& isa) {
+         bool amsgrad, bool maximize, double step, const std::string& isa, unsigned threads) {
         const optim::KernelSet* set = pick(isa);
         py::gil_scoped_release nogil;
-        optim::adam_step(
-            fptr(param), fptr(grad), fptr(exp_avg), fptr(exp_avg_sq), fptr(max_exp_avg_sq), count,
-            optim::AdamHyper{lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize}, step, set);
+        optim::adam_step(fptr(param), fptr(grad), fptr(exp_avg), fptr(exp_avg_sq), fptr(max_exp_avg_sq),
+                         count,
+                         optim::AdamHyper{lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize},
+                         step, set, threads);
       },
       py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"),
       py::arg("count"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
       py::arg("weight_decay"), py::arg("decoupled_weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
-      py::arg("step"), py::arg("isa") = "",
+      py::arg("step"), py::arg("isa") = "", py::arg("threads") = 1,
       "One Adam (AdamW with decoupled_weight_decay) step over flat float32 buffers.");
 
   py::class_<optim::OptimizerStepOp, BucketOp, std::shared_ptr<optim::OptimizerStepOp>>(m, "OptimizerStepOp")

@@ -1,9 +1,12 @@
 #include "optim/optim_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <vector>
 
 #include "core/cpu.h"
 #include "core/types.h"
@@ -54,10 +57,29 @@ void check_ptr(const char* op, const char* name, const void* p, size_t n) {
   if (n > 0 && p == nullptr) bad(op, std::string(name) + " is null");
 }
 
+// Runs fn(begin, count) over [0, n) in up to `threads` slices, the last on the calling thread.
+// Slices start on 64-byte boundaries and below kMinSlice elements are not worth a thread.
+template <typename Fn>
+void in_slices(size_t n, unsigned threads, Fn fn) {
+  constexpr size_t kMinSlice = size_t{1} << 18, kAlign = 16;
+  const size_t parts = std::max<size_t>(1, std::min<size_t>(threads, n / kMinSlice));
+  if (parts <= 1) {
+    fn(size_t{0}, n);
+    return;
+  }
+  const size_t per = (n / parts + kAlign - 1) / kAlign * kAlign;
+  std::vector<std::jthread> helpers;
+  helpers.reserve(parts - 1);
+  size_t begin = 0;
+  for (size_t k = 0; k + 1 < parts && begin + per < n; ++k, begin += per)
+    helpers.emplace_back([&fn, begin, per] { fn(begin, per); });
+  fn(begin, n - begin);
+}  // the helpers join as they go out of scope
+
 }  // namespace
 
 void sgd_step(float* param, const float* grad, float* momentum_buf, size_t n, const SgdHyper& h, bool first,
-              const KernelSet* set) {
+              const KernelSet* set, unsigned threads) {
   constexpr const char* op = "optim sgd_step";
   check_finite(op, "lr", h.lr, true);
   check_finite(op, "momentum", h.momentum, true);
@@ -69,11 +91,14 @@ void sgd_step(float* param, const float* grad, float* momentum_buf, size_t n, co
   check_ptr(op, "grad", grad, n);
   if (h.momentum != 0) check_ptr(op, "momentum_buffer", momentum_buf, n);
   if (n == 0) return;
-  (set != nullptr ? *set : active_kernels()).sgd(param, grad, momentum_buf, n, h, first);
+  const KernelSet& k = set != nullptr ? *set : active_kernels();
+  in_slices(n, threads, [&](size_t b, size_t c) {
+    k.sgd(param + b, grad + b, momentum_buf != nullptr ? momentum_buf + b : nullptr, c, h, first);
+  });
 }
 
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
-               size_t n, const AdamHyper& h, double step, const KernelSet* set) {
+               size_t n, const AdamHyper& h, double step, const KernelSet* set, unsigned threads) {
   constexpr const char* op = "optim adam_step";
   check_finite(op, "lr", h.lr, true);
   check_finite(op, "eps", h.eps, true);
@@ -89,8 +114,12 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
   check_ptr(op, "exp_avg_sq", exp_avg_sq, n);
   if (h.amsgrad) check_ptr(op, "max_exp_avg_sq", max_exp_avg_sq, n);
   if (n == 0) return;
-  (set != nullptr ? *set : active_kernels())
-      .adam(param, grad, exp_avg, exp_avg_sq, h.amsgrad ? max_exp_avg_sq : nullptr, n, h, step);
+  const KernelSet& k = set != nullptr ? *set : active_kernels();
+  float* vmax = h.amsgrad ? max_exp_avg_sq : nullptr;
+  in_slices(n, threads, [&](size_t b, size_t c) {
+    k.adam(param + b, grad + b, exp_avg + b, exp_avg_sq + b, vmax != nullptr ? vmax + b : nullptr, c, h,
+           step);
+  });
 }
 
 }  // namespace rumor::optim

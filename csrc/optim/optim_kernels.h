@@ -45,9 +45,13 @@ const KernelSet* kernel_set(Isa isa);
 const KernelSet& active_kernels();
 
 // Checked entry points on the active set: throw rumor::Error (kInvalidArgument) on bad arguments.
+// threads > 1 splits large buffers into that many slices run at once (the update is elementwise,
+// so the result does not depend on the split): the fused step called from Python uses torch's
+// thread count; the per-bucket step of overlap_optimizer runs on one thread beside backward.
 void sgd_step(float* param, const float* grad, float* momentum_buf, size_t n, const SgdHyper& h, bool first,
-              const KernelSet* set = nullptr);
+              const KernelSet* set = nullptr, unsigned threads = 1);
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
-               size_t n, const AdamHyper& h, double step, const KernelSet* set = nullptr);
+               size_t n, const AdamHyper& h, double step, const KernelSet* set = nullptr,
+               unsigned threads = 1);
 
 }  // namespace rumor::optim

@@ -132,6 +132,30 @@ TEST(Optim, InstructionSetsAgree) {
   for (size_t i = 0; i < n; ++i) ASSERT_NEAR(p1[i], p2[i], 1e-6 * std::max(1.0f, std::fabs(p1[i]))) << i;
 }
 
+TEST(Optim, SlicesOnThreadsGiveTheSameBits) {
+  // Elementwise updates: splitting the buffer over threads must not change a single bit.
+  const size_t n = (size_t{1} << 20) + 37;  // several slices, and a tail
+  const std::vector<float> g = randn(n, 11, 0.1f), p0 = randn(n, 12);
+  for (unsigned threads : {2u, 3u, 8u}) {
+    std::vector<float> p1 = p0, p2 = p0, m1(n), m2(n), v1(n), v2(n), b1(n), b2(n);
+    AdamHyper h{1e-3, 0.9, 0.999, 1e-8, 1e-2, true, true, false};
+    std::vector<float> x1(n), x2(n);
+    for (int s = 1; s <= 3; ++s) {
+      adam_step(p1.data(), g.data(), m1.data(), v1.data(), x1.data(), n, h, s, nullptr, 1);
+      adam_step(p2.data(), g.data(), m2.data(), v2.data(), x2.data(), n, h, s, nullptr, threads);
+      sgd_step(p1.data(), g.data(), b1.data(), n, SgdHyper{0.1, 0.9, 0, 1e-4, true, false}, s == 1, nullptr,
+               1);
+      sgd_step(p2.data(), g.data(), b2.data(), n, SgdHyper{0.1, 0.9, 0, 1e-4, true, false}, s == 1, nullptr,
+               threads);
+    }
+    ASSERT_EQ(p1, p2) << threads << " threads";
+    ASSERT_EQ(m1, m2);
+    ASSERT_EQ(v1, v2);
+    ASSERT_EQ(x1, x2);
+    ASSERT_EQ(b1, b2);
+  }
+}
+
 TEST(Optim, RejectsBadArguments) {
   std::vector<float> p(4), g(4), m(4), v(4);
   SgdHyper nest{0.1, 0, 0, 0, true, false};

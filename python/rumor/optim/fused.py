@@ -421,7 +421,7 @@ def _kernel_update(kind: str, g: dict, st: dict, seg: _Segment) -> None:
             buf = torch.empty_like(p)
         _C.sgd_step(p.data_ptr(), grad.data_ptr(), 0 if buf is None else buf.data_ptr(), n, float(g["lr"]),
                     float(g["momentum"]), float(g["dampening"]), float(g["weight_decay"]), bool(g["nesterov"]),
-                    bool(g.get("maximize", False)), first)
+                    bool(g.get("maximize", False)), first, threads=torch.get_num_threads())
         if g["momentum"] != 0:
             st["momentum_buffer"] = buf
         return
@@ -434,7 +434,7 @@ def _kernel_update(kind: str, g: dict, st: dict, seg: _Segment) -> None:
     _C.adam_step(p.data_ptr(), grad.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
                  0 if vmax is None else vmax.data_ptr(), n, float(g["lr"]), beta1, beta2, float(g["eps"]),
                  float(g["weight_decay"]), decoupled, bool(g["amsgrad"]), bool(g.get("maximize", False)),
-                 float(step.item()))
+                 float(step.item()), threads=torch.get_num_threads())
 
 
 def _init_adam_state(st: dict, p: torch.Tensor, g: dict) -> None:
