@@ -199,7 +199,9 @@ void WinOp::add_pending(uint32_t peer) {
 
 void WinOp::complete(uint32_t peer, std::exception_ptr err) {
   std::lock_guard lk(mu_);
-  if (err && !error_) error_ = err;
+  // Moved in, never copied: the waiter rethrows this very object, so no other thread may keep a
+  // reference whose release could come last (the refcount lives in uninstrumented libstdc++).
+  if (err && !error_) error_ = std::move(err);
   auto it = pending_.find(peer);
   if (it != pending_.end() && --it->second == 0) pending_.erase(it);
   if (pending_.empty()) cv_.notify_all();
@@ -220,7 +222,16 @@ void WinOp::wait(const Deadline& deadline) const {
     throw Error(ErrorKind::kTimeout, what_ + ": deadline passed waiting for rank(s) " + ranks +
                                          " to acknowledge (is the peer alive and progressing?)");
   }
-  if (error_) std::rethrow_exception(error_);
+  if (error_) {
+    // A copy, not the stored object: the progress thread may drop the last reference to this
+    // operation (and its error) while the caller still reads what(), and that hand-over would go
+    // through libstdc++'s exception refcount, which no sanitizer can see.
+    try {
+      std::rethrow_exception(error_);
+    } catch (const Error& e) {
+      throw Error(e.kind(), e.what());
+    }
+  }
 }
 
 // ---- WindowHub ----
@@ -714,7 +725,7 @@ void WindowHub::finish_inflight(uint64_t op_id, uint32_t peer, std::exception_pt
     inflight_.erase(it);
     idle_cv_.notify_all();
   }
-  op->complete(peer, err);
+  op->complete(peer, std::move(err));
 }
 
 void WindowHub::fail_link(Link& l, const std::string& why) {
@@ -740,9 +751,11 @@ void WindowHub::fail_link(Link& l, const std::string& why) {
   }
   // A peer that shut down cleanly closes its link too; only a link that still had work is news.
   if (!failed.empty()) RUMOR_LOG(kWarn, "window link to rank " << l.peer << " failed: " << why);
-  auto err = std::make_exception_ptr(
-      Error(ErrorKind::kPeerGone, "window link to rank " + std::to_string(l.peer) + " failed: " + why));
-  for (auto& [op, peer] : failed) op->complete(peer, err);
+  // One exception per operation: see WinOp::complete.
+  for (auto& [op, peer] : failed)
+    op->complete(peer, std::make_exception_ptr(
+                           Error(ErrorKind::kPeerGone,
+                                 "window link to rank " + std::to_string(l.peer) + " failed: " + why)));
 }
 
 void WindowHub::reply(Link& l, const WinFrame& req, uint8_t kind, uint32_t status, double p,
@@ -842,7 +855,7 @@ void WindowHub::handle_frame(Link& l) {
         err = std::make_exception_ptr(
             Error(ErrorKind::kInvalidArgument,
                   "win_get: rank " + std::to_string(l.peer) + " refused: " + status_text(st)));
-      finish_inflight(f.op_id, l.peer, err);
+      finish_inflight(f.op_id, l.peer, std::move(err));
       break;
     }
     case kAck: {
@@ -851,7 +864,7 @@ void WindowHub::handle_frame(Link& l) {
         err = std::make_exception_ptr(Error(
             f.status == kFailed ? ErrorKind::kTimeout : ErrorKind::kInvalidArgument,
             "window operation refused by rank " + std::to_string(l.peer) + ": " + status_text(f.status)));
-      finish_inflight(f.op_id, l.peer, err);
+      finish_inflight(f.op_id, l.peer, std::move(err));
       break;
     }
     case kMutexAcquire: {
