@@ -23,15 +23,10 @@ extern const KernelSet kKernels;
 #endif
 
 const KernelSet* kernel_set(Isa isa) {
-  switch (isa) {
-    case Isa::kGeneric:
-      return &generic::kKernels;
-    case Isa::kAvx2:
+  if (isa == Isa::kGeneric) return &generic::kKernels;
 #ifdef RUMOR_AVX2_KERNELS
-      if (cpu_has_avx2()) return &avx2::kKernels;
+  if (cpu_has_avx2()) return &avx2::kKernels;
 #endif
-      return nullptr;
-  }
   return nullptr;
 }
 

@@ -63,7 +63,8 @@ def _clip_bucket(grads: List[torch.Tensor], max_norm: float) -> None:
     """overlap_optimizer's per-bucket clipping for the Python fallback: what the C++ step op
     does (csrc/optim/step_op.cpp), the norm summed in float64 over the bucket's segments."""
     with torch.no_grad():
-        norm = math.sqrt(sum(float(torch.dot(g.double(), g.double())) for g in grads))
+        # Accumulated in float64 without a float64 copy of the gradients.
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads))
         coef = torch.tensor(max_norm / (norm + 1e-6), dtype=torch.float32)
         if coef < 1:
             for g in grads:

@@ -41,6 +41,18 @@ class PickleRefused(CorruptValue):
     """A stored value holds a pickled item but the reader did not allow pickle."""
 
 
+
+def _read_shape(buf, pos: int, ndim: int):
+    """(shape tuple, element count, payload byte count, position after them) of an encoded
+    tensor or array: ndim u64 extents, then the u64 byte count."""
+    shape = tuple(_U64.unpack_from(buf, pos + 8 * i)[0] for i in range(ndim))
+    pos += 8 * ndim
+    nbytes = _U64.unpack_from(buf, pos)[0]
+    numel = 1
+    for s in shape:
+        numel *= s
+    return shape, numel, nbytes, pos + 8
+
 def _torch_dtypes():
     import torch
 
@@ -271,13 +283,8 @@ def _dec(buf: bytearray, pos: int, allow_pickle: bool, depth: int):
         if code not in from_code or ndim > _MAX_NDIM:
             raise CorruptValue(f"bad tensor dtype code {code} or ndim {ndim}")
         dtype = from_code[code]
-        shape = [_U64.unpack_from(buf, pos + 8 * i)[0] for i in range(ndim)]
-        pos += 8 * ndim
-        nbytes = _U64.unpack_from(buf, pos)[0]
-        pos += 8
-        numel = 1
-        for s in shape:
-            numel *= s
+        shape, numel, nbytes, pos = _read_shape(buf, pos, ndim)
+        shape = list(shape)
         itemsize = torch.empty((), dtype=dtype).element_size()
         if numel * itemsize != nbytes:
             raise CorruptValue(f"tensor of shape {shape} and {dtype} cannot hold {nbytes} bytes")
@@ -299,13 +306,7 @@ def _dec(buf: bytearray, pos: int, allow_pickle: bool, depth: int):
         pos += 1
         if ndim > _MAX_NDIM:
             raise CorruptValue(f"bad array ndim {ndim}")
-        shape = tuple(_U64.unpack_from(buf, pos + 8 * i)[0] for i in range(ndim))
-        pos += 8 * ndim
-        nbytes = _U64.unpack_from(buf, pos)[0]
-        pos += 8
-        numel = 1
-        for s in shape:
-            numel *= s
+        shape, numel, nbytes, pos = _read_shape(buf, pos, ndim)
         if numel * dt.itemsize != nbytes:
             raise CorruptValue(f"array of shape {shape} and {dt} cannot hold {nbytes} bytes")
         a, b = _take(buf, pos, nbytes)
