@@ -144,9 +144,12 @@ class State:
     epoch=0, best=inf)`` gives ``state.epoch``, ``state.best``; picklable values).
 
     The state must be the same on every rank at a commit (data parallel training with
-    GradientAllReduce and the compressed allreduces: ByteGrad, QSGD, LowPrecision). Algorithms
-    whose ranks hold different replicas or keep state of their own must implement
-    ``elastic_state_dict()`` / ``load_elastic_state_dict()``; those that do not are refused.
+    GradientAllReduce and the compressed allreduces: ByteGrad, QSGD, LowPrecision), or the
+    algorithm says how to make it so: those whose ranks hold different replicas (Decentralized,
+    LowPrecisionDecentralized, AsyncModelAverage) set ``elastic_consensus``, and a commit then
+    saves the average of every rank's weights and optimizer state (a collective; the restarted
+    job, whatever its size, starts from that consensus point). Algorithms with state of their
+    own implement ``elastic_state_dict()`` / ``load_elastic_state_dict()``; others are refused.
     """
 
     def __init__(self, model, optimizer, sampler=None, *, path: Optional[str] = None, **fields: Any):
@@ -163,12 +166,13 @@ class State:
             raise ValueError(f"rumor.elastic.State: field names {bad} are reserved")
         module, algorithm = _unwrap(model)
         if algorithm is not None and not getattr(algorithm, "elastic_replicated", False) \
+                and not getattr(algorithm, "elastic_consensus", False) \
                 and not hasattr(algorithm, "load_elastic_state_dict"):
             raise NotImplementedError(
                 f"rumor.elastic.State: {type(algorithm).__name__} keeps state that a restart would lose "
                 "(per-rank replicas, error feedback or momenta of its own) and does not implement "
                 "elastic_state_dict()/load_elastic_state_dict(); elastic training supports "
-                "GradientAllReduce, ByteGrad, QSGD and LowPrecision")
+                "the algorithms of rumor.algorithms")
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self._module, self._algorithm = module, algorithm
         self.path = path
@@ -181,11 +185,41 @@ class State:
 
     # ---- saving -----------------------------------------------------------------------------------
 
-    def _payload(self) -> bytes:
+    def _consensus(self):
+        """Collective over the wrapper's group: this rank's model and optimizer state dicts with
+        every floating-point tensor replaced by its average over the ranks (one allreduce per
+        dtype). Integer tensors and the optimizers' step counts stay this rank's."""
+        from . import collectives
+
+        if hasattr(self._algorithm, "synchronize"):
+            self._algorithm.synchronize(self.model)  # no exchange may still write the replicas
+        model_sd = self._module.state_dict()
+        opt_sd = self.optimizer.state_dict()
+        slots = [(model_sd, k) for k in model_sd]
+        slots += [(st, k) for st in opt_sd["state"].values() for k in st if k != "step"]
+        by_dtype = {}
+        for d, k in slots:
+            v = d[k]
+            if torch.is_tensor(v) and v.is_floating_point() and v.numel() > 0:
+                by_dtype.setdefault(v.dtype, []).append((d, k))
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            entries = by_dtype[dtype]
+            flat = torch.cat([d[k].detach().reshape(-1) for d, k in entries])
+            avg = collectives.allreduce(flat, collectives.ReduceOp.AVG, self.model.group)
+            off = 0
+            for d, k in entries:
+                n = d[k].numel()
+                d[k] = avg[off:off + n].view_as(d[k]).clone()
+                off += n
+        return model_sd, opt_sd
+
+    def _payload(self, consensus=None) -> bytes:
+        model_sd, opt_sd = consensus if consensus is not None else \
+            (self._module.state_dict(), self.optimizer.state_dict())
         snap = {
             "step": int(self.step),
-            "model": self._module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_sd,
+            "optimizer": opt_sd,
             "fields": {k: getattr(self, k) for k in self._fields},
         }
         if self.sampler is not None:
@@ -205,9 +239,12 @@ class State:
 
         writer = not _runtime.is_initialized() or _runtime.local_rank() == 0
         to_disk = self.path is not None and (not _runtime.is_initialized() or _runtime.rank() == 0)
+        consensus = None
+        if getattr(self._algorithm, "elastic_consensus", False):
+            consensus = self._consensus()  # every rank takes part, writer or not
         if not (writer or to_disk):
             return
-        payload = self._payload()
+        payload = self._payload(consensus)
         if writer:
             _write_atomic(_snapshot_file(), int(self.step), payload)
         if to_disk:
@@ -256,6 +293,8 @@ class State:
         return self.restored_step
 
     def _apply(self, snap) -> None:
+        if hasattr(self._algorithm, "elastic_before_load"):
+            self._algorithm.elastic_before_load()  # e.g. a background thread reading the weights
         self._module.load_state_dict(snap["model"])
         _load_optimizer(self.optimizer, snap["optimizer"])
         for k, v in snap["fields"].items():

@@ -317,15 +317,127 @@ def test_state_rejects_bad_arguments():
         rumor.elastic.run(None)
 
 
+def _make_consensus_job(name, seed):
+    import torch
+
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if name == "OneBitAdam":
+        opt = rumor.optim.OneBitAdam(model.parameters(), lr=0.01, freeze_step=2)
+        algo = rumor.algorithms.OneBitAdam(opt)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        algo = {"Decentralized": lambda: rumor.algorithms.Decentralized("shift_one", hierarchical=False),
+                "LowPrecisionDecentralized": lambda: rumor.algorithms.LowPrecisionDecentralized(hierarchical=False),
+                "AsyncModelAverage": lambda: rumor.algorithms.AsyncModelAverage(sync_interval_ms=0,
+                                                                               warmup_steps=2),
+                # no warm-up: the restore must stop the running thread's rounds around the load
+                "AsyncModelAverage-running": lambda: rumor.algorithms.AsyncModelAverage(sync_interval_ms=1)}[name]()
+    ddp = DistributedDataParallel(model, optimizer=opt, algorithm=algo)
+    return model, opt, algo, ddp
+
+
+def _train_steps(ddp, opt, g, steps):
+    import torch
+
+    for _ in range(steps):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def consensus_commit_restores_the_average(name, path):
+    """Trains with rank-different data, commits, then builds a fresh job in the same processes
+    (other initial weights) and restores: every rank must hold the float64 average of the
+    ranks' committed weights and optimizer state, the algorithm's counters, and train on."""
+    import torch
+
+    import rumor
+    from rumor import collectives
+
+    rumor.init()
+    r, n = rumor.rank(), rumor.size()
+    model, opt, algo, ddp = _make_consensus_job(name, 0)
+    state = rumor.elastic.State(ddp, opt, path=path)
+    g = torch.Generator().manual_seed(100 + r)
+    _train_steps(ddp, opt, g, 5)
+    state.step = 5
+    # (AsyncModelAverage: only this thread writes the weights, so they are the ones committed.)
+    mine = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+    key = "momentum_buffer" if name != "OneBitAdam" else "exp_avg"
+    mom = torch.cat([opt.state[p][key].double().reshape(-1) for p in model.parameters()])
+    before = {"worker_error": None}
+    if name == "OneBitAdam":
+        before["worker_error"] = float(sum(opt.state[p]["worker_error"].abs().sum() for p in model.parameters()))
+    counters = algo.elastic_state_dict()
+    state.commit()
+    # float32 weights and momenta: the gathered copies are exact; their mean is taken in float64.
+    every = collectives.allgather(torch.stack([mine, mom]).float().unsqueeze(0)).double()
+    want_w, want_m = every[:, 0].mean(0), every[:, 1].mean(0)
+    if name.startswith("AsyncModelAverage"):
+        algo.finish(timeout=60)
+
+    model2, opt2, algo2, ddp2 = _make_consensus_job(name, 1)
+    state2 = rumor.elastic.State(ddp2, opt2, path=path)
+    got_step = state2.restore()
+    got_w = torch.cat([p.detach().double().reshape(-1) for p in model2.parameters()])
+    got_m = torch.cat([opt2.state[p][key].double().reshape(-1) for p in model2.parameters()])
+    out = {
+        "step": got_step,
+        "w_err": float((got_w - want_w).abs().max()),
+        "m_err": float((got_m - want_m).abs().max()),
+        "w_spread": float((every[:, 0] - want_w).abs().max()),
+        "counters": (counters, algo2.elastic_state_dict()),
+        "worker_error_before": before["worker_error"],
+    }
+    if name == "OneBitAdam":
+        out["errors_after"] = float(sum(opt2.state[p][k].abs().sum() for p in model2.parameters()
+                                        for k in ("worker_error", "server_error")))
+    g2 = torch.Generator().manual_seed(200 + r)
+    _train_steps(ddp2, opt2, g2, 3)
+    if name.startswith("AsyncModelAverage"):
+        algo2.finish(timeout=60)
+    out["finite"] = all(bool(torch.isfinite(p).all()) for p in model2.parameters())
+    state2._finish()
+    return out
+
+
+@pytest.mark.parametrize("name", ["Decentralized", "LowPrecisionDecentralized", "AsyncModelAverage",
+                                  "AsyncModelAverage-running", "OneBitAdam"])
+def test_commit_of_rank_replicas_restores_their_average(tmp_path, name):
+    res = harness.run(consensus_commit_restores_the_average, 3, timeout=90, args=(name, str(tmp_path / "c.pt")),
+                      env={"RUMOR_ELASTIC_JOB": f"consensus-{name}-{os.getpid()}"})
+    for out in res:
+        assert out["step"] == 5, out
+        assert out["w_err"] <= 1e-6 and out["m_err"] <= 1e-6, out
+        assert out["counters"][0] == out["counters"][1], out
+        assert out["finite"], out
+    if name == "OneBitAdam":
+        # 1-bit Adam keeps every rank's weights equal; its error feedback starts over.
+        assert all(o["w_spread"] == 0 for o in res), res
+        assert res[0]["worker_error_before"] > 0 and all(o["errors_after"] == 0 for o in res), res
+    else:
+        assert max(o["w_spread"] for o in res) > 1e-4, "the ranks' replicas never differed: nothing was averaged"
+
+
+
 def rank_stateful_algorithm_refused():
     import torch
 
     import rumor
     from rumor.parallel import DistributedDataParallel
 
+    class Custom(rumor.algorithms.GradientAllReduce):  # a user's algorithm that says nothing
+        elastic_replicated = False
+
     rumor.init()
     out = []
-    for algo in [rumor.algorithms.Decentralized(), rumor.algorithms.GradientAllReduce(), rumor.algorithms.ByteGrad()]:
+    for algo in [Custom(), rumor.algorithms.GradientAllReduce(), rumor.algorithms.ByteGrad()]:
         model = torch.nn.Linear(4, 4)
         ddp = DistributedDataParallel(model, algorithm=algo)
         try:
@@ -339,7 +451,7 @@ def rank_stateful_algorithm_refused():
 def test_state_refuses_algorithms_that_would_lose_state():
     res = harness.run(rank_stateful_algorithm_refused, 2, timeout=60)
     for r in res:
-        assert "Decentralized keeps state" in r[0] and r[1:] == ["ok", "ok"], r
+        assert "Custom keeps state" in r[0] and r[1:] == ["ok", "ok"], r
 
 
 # ---- scale down 4 -> 3 and up 3 -> 4 (one agent per emulated node, c10d rendezvous) -------------

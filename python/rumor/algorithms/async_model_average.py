@@ -417,6 +417,48 @@ class AsyncModelAverage(Algorithm):
         if self._async:
             self._start_async(ddp)
 
+    # The ranks' replicas differ: a commit (rumor.elastic) keeps their average.
+    elastic_consensus = True
+
+    def elastic_state_dict(self):
+        return {"steps": self.steps}
+
+    def elastic_before_load(self) -> None:
+        """rumor.elastic is about to overwrite the weights on every rank (a collective restore).
+        No round may mix old and new weights, nor a result computed from old ones be applied to
+        new ones: every rank pauses, and after a barrier (all paused) two censuses of this
+        rank's thread pass, so the round in flight has ended and no weight round starts until a
+        rank has loaded and resumed (load_elastic_state_dict)."""
+        self._resume_to = None
+        if self._thread is None:
+            return
+        from .. import collectives
+
+        with self._lock:
+            self._resume_to, self._state = self._state, PAUSED
+        collectives.barrier(self._ddp.group)
+        ticks, end = self._ticks, time.monotonic() + _runtime._get().timeout
+        self._wake.set()
+        while self._ticks < ticks + 2:
+            self._raise_if_failed()
+            if time.monotonic() > end:
+                raise TimeoutError("AsyncModelAverage: the averaging thread did not pause for the restore")
+            self._wake.set()
+            time.sleep(0.002)
+
+    def load_elastic_state_dict(self, sd) -> None:
+        self.steps = int(sd["steps"])
+        with self._lock:
+            self._pending = False  # computed from the weights just replaced
+            self._parked = False
+            if getattr(self, "_resume_to", None) is not None:
+                self._state, self._resume_to = self._resume_to, None
+        if not self._async and self.steps >= self.warmup_steps:
+            # A commit taken after warm-up is not warmed up again; every rank restores together.
+            self._async = True
+            self._ddp._refresh_bucket_ops()
+            self._start_async(self._ddp)
+
     def bucket_op(self, ddp, bucket):
         if self._async:
             return _C.local_op()
@@ -578,13 +620,13 @@ class AsyncModelAverage(Algorithm):
         """x <- x + (average - snapshot) for a slot's pending result (caller holds the lock)."""
         apply_delta(s.x, s.held if s.shared and self._parked else s.delta)
 
-    def _start_async(self, ddp) -> None:
+    def _start_async(self, ddp, thread: bool = True) -> None:
         # Buffers (e.g. BatchNorm statistics) are broadcast before every forward only while the
         # ranks are in step: afterwards each rank keeps its own (a collective per forward would
         # put the ranks back in lockstep).
         self._saved_broadcast_buffers = ddp.broadcast_buffers
         ddp.broadcast_buffers = False
-        if self._finished:
+        if self._finished or not thread:
             return
         loop = self._loop if self._mixer.collective else self._gossip_loop
         self._thread = threading.Thread(target=loop, name="rumor-async-model-average", daemon=True)

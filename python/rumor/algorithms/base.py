@@ -25,10 +25,13 @@ class Algorithm:
     """
 
     # rumor.elastic restores a job from one rank's commit. An algorithm whose ranks end a step
-    # with identical weights and no state of its own sets this True; one with state implements
-    # elastic_state_dict() -> picklable and load_elastic_state_dict(sd) instead. Others are
-    # refused by rumor.elastic.State.
+    # with identical weights and no state of its own sets elastic_replicated; one whose ranks
+    # hold different replicas sets elastic_consensus (a commit then saves the ranks' average of
+    # weights and optimizer state). State of the algorithm's own goes through
+    # elastic_state_dict() -> picklable and load_elastic_state_dict(sd), called after the model
+    # and optimizer were loaded. Algorithms with none of these are refused by rumor.elastic.State.
     elastic_replicated = False
+    elastic_consensus = False
 
     def init(self, ddp: "DistributedDataParallel") -> None:
         """Called once, after parameters were broadcast and buckets built."""

@@ -194,6 +194,7 @@ class Decentralized(Algorithm):
     """
 
     _SWAP_MIN_MEAN = 16384  # elements per parameter from which the buffers swap roles
+    elastic_consensus = True  # the ranks' replicas differ: a commit keeps their average
 
     def __init__(self, peer_selection="all", communication_interval: int = 1, hierarchical: bool = True):
         if isinstance(peer_selection, str):
@@ -241,6 +242,13 @@ class Decentralized(Algorithm):
 
     def bucket_op(self, ddp, bucket):
         return _C.local_op()
+
+    def elastic_state_dict(self):
+        # The schedule's position: the restarted job mixes with the peers it would have next.
+        return {"step": self.step, "rounds": self.rounds}
+
+    def load_elastic_state_dict(self, sd) -> None:
+        self.step, self.rounds = int(sd["step"]), int(sd["rounds"])
 
     def plan(self, ddp, round_: int) -> Plan:
         sel = self._matrix if self._matrix is not None else self.peer_selection

@@ -36,6 +36,8 @@ class LowPrecisionDecentralized(Algorithm):
     Parameters must be float32 or float64.
     """
 
+    elastic_consensus = True  # the ranks' replicas differ: a commit keeps their average
+
     def __init__(self, hierarchical: bool = True, communication_interval: int = 1, chunk: int = 0):
         self.hierarchical = bool(hierarchical)
         self.communication_interval = _check_interval(communication_interval)
@@ -51,9 +53,25 @@ class LowPrecisionDecentralized(Algorithm):
                              "to rumor.DistributedDataParallel(..., optimizer=opt)")
         self._flat = FlatWeights(ddp._params, ddp._cap_bytes, "LowPrecisionDecentralized",
                                  dtypes=(torch.float32, torch.float64))
+        self._make_ops()
+
+    def _make_ops(self) -> None:
+        # Each op starts its tracked copy and its neighbours' replicas at the current weights.
         self.ops = [_C.LowPrecisionMixOp(address(f), f.numel(), dtype_code(f.dtype, "LowPrecisionDecentralized"),
                                          self.hierarchical, self.chunk)
                     for f in self._flat.flats]
+
+    def elastic_state_dict(self):
+        return {"step": self.step}
+
+    def load_elastic_state_dict(self, sd) -> None:
+        # Every rank now holds the committed average: the tracked copies (what the neighbours
+        # believe of each other) start over from it, as at the start of training.
+        if self._pending is not None:
+            raise RuntimeError("LowPrecisionDecentralized: cannot restore a commit while an exchange is in flight")
+        self.step = int(sd["step"])
+        self._flat.ensure_views()
+        self._make_ops()
 
     def bucket_op(self, ddp, bucket):
         return _C.local_op()

@@ -72,6 +72,20 @@ class OneBitAdam(Algorithm):
         self._states: Dict[int, _BucketState] = {}
         self._compressed_last = False
 
+    # ---- elastic (rumor.elastic) ---------------------------------------------------------------
+
+    # Weights, momentum and variance are the same on every rank (the momentum is averaged); the
+    # error feedback is each rank's own and, on the server side, belongs to chunks whose owners
+    # change with the world size. A restored job keeps the commit's optimizer state and starts
+    # its error feedback from zero, as compression does when it begins.
+    def elastic_state_dict(self):
+        return {}
+
+    def load_elastic_state_dict(self, sd) -> None:
+        for s in self._states.values():
+            s.flats["worker_error"].zero_()
+            s.flats["server_error"].zero_()
+
     # ---- Algorithm hooks ------------------------------------------------------------------------
 
     def init(self, ddp) -> None:
