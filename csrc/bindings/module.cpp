@@ -115,7 +115,9 @@ PYBIND11_MODULE(_C, m) {
       .def("set_peers", &Context::set_peers, py::arg("addresses"), py::arg("host_ids"),
            py::arg("owner_tags") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shm_tag", &Context::shm_tag)
-      .def("seal", &Context::seal);
+      .def("seal", &Context::seal)
+      .def("set_timeout", &Context::set_timeout, py::arg("seconds"))
+      .def_property_readonly("timeout", &Context::timeout_s);
 
   using C = Communicator;
   py::class_<C, std::shared_ptr<C>>(m, "Communicator")

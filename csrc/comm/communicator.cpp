@@ -98,7 +98,7 @@ net::OpInfo Communicator::begin(const char* name, Opcode code) {
   op.comm = name_;
   op.opcode = static_cast<uint8_t>(code);
   op.tag = next_tag_++;
-  op.timeout_s = ctx_->options().timeout_s;
+  op.timeout_s = ctx_->timeout_s();
   op.deadline = Deadline::after(op.timeout_s);
   if (broken_.load()) {
     std::lock_guard lk(broken_mu_);

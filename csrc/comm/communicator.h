@@ -48,7 +48,7 @@ class Communicator {
   const std::vector<uint32_t>& world_ranks() const { return world_ranks_; }
   const std::string& name() const { return name_; }
   Worker& worker() { return worker_; }
-  double timeout_s() const { return ctx_->options().timeout_s; }
+  double timeout_s() const { return ctx_->timeout_s(); }
 
   // In place on buf (count elements).
   void allreduce(void* buf, size_t count, DType dtype, ReduceOp op,

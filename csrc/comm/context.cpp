@@ -31,7 +31,12 @@ std::string process_tag() {
 }  // namespace
 
 Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options options, int port)
-    : rank_(rank), size_(size), token_(token), options_(options), recorder_(rank, options.flight_records) {
+    : rank_(rank),
+      size_(size),
+      token_(token),
+      options_(options),
+      timeout_s_(options.timeout_s),
+      recorder_(rank, options.flight_records) {
   if (size == 0 || rank >= size)
     throw Error(ErrorKind::kInvalidArgument,
                 "rank " + std::to_string(rank) + " is not in a world of size " + std::to_string(size));
@@ -50,6 +55,12 @@ Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options 
     own_bell_->pid = static_cast<int32_t>(::getpid());
     own_bell_->magic = net::kDoorbellMagic;
   }
+}
+
+void Context::set_timeout(double seconds) {
+  if (!(seconds > 0))
+    throw Error(ErrorKind::kInvalidArgument, "timeout must be positive, got " + std::to_string(seconds));
+  timeout_s_.store(seconds, std::memory_order_relaxed);
 }
 
 Context::~Context() = default;

@@ -3,6 +3,7 @@
 // process-wide state; the Python module owns exactly one Context between init() and shutdown().
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -41,6 +42,11 @@ class Context {
   uint32_t rank() const { return rank_; }
   uint32_t size() const { return size_; }
   const Options& options() const { return options_; }
+  // Every blocking wait's limit, read when the wait starts. It may change while the job runs
+  // (rumor.set_timeout, a notebook cell's own deadline): options().timeout_s is only the
+  // starting value.
+  double timeout_s() const { return timeout_s_.load(std::memory_order_relaxed); }
+  void set_timeout(double seconds);
   int port() const { return listener_->port(); }
   uint64_t rejected_connections() const { return listener_->rejected(); }
 
@@ -81,6 +87,7 @@ class Context {
   uint32_t size_;
   net::Token token_;
   Options options_;
+  std::atomic<double> timeout_s_;
   std::unique_ptr<net::Listener> listener_;
   std::vector<std::string> addresses_;
   std::vector<std::string> host_ids_;

@@ -237,7 +237,7 @@ void WinOp::wait(const Deadline& deadline) const {
 // ---- WindowHub ----
 
 WindowHub::WindowHub(std::shared_ptr<Context> ctx)
-    : ctx_(std::move(ctx)), rank_(ctx_->rank()), size_(ctx_->size()), timeout_s_(ctx_->options().timeout_s) {
+    : ctx_(std::move(ctx)), rank_(ctx_->rank()), size_(ctx_->size()) {
   links_.resize(size_);
   int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (fd < 0) throw Error(ErrorKind::kSystem, "window hub: eventfd: " + net::errno_string(errno));
@@ -424,14 +424,14 @@ uint32_t WindowHub::apply_write(Window& w, uint32_t sender, const void* x, bool 
 double WindowHub::p(uint64_t id) {
   auto w = find(id, "win_associated_p");
   WinSlotHeader* s = w->slot(rank_, rank_);
-  SlotGuard g(s, Deadline::after(timeout_s_), [&] { return w->desc() + ": own slot stayed locked"; });
+  SlotGuard g(s, Deadline::after(ctx_->timeout_s()), [&] { return w->desc() + ": own slot stayed locked"; });
   return s->p;
 }
 
 void WindowHub::set_p(uint64_t id, double p) {
   auto w = find(id, "win_set_associated_p");
   WinSlotHeader* s = w->slot(rank_, rank_);
-  SlotGuard g(s, Deadline::after(timeout_s_), [&] { return w->desc() + ": own slot stayed locked"; });
+  SlotGuard g(s, Deadline::after(ctx_->timeout_s()), [&] { return w->desc() + ": own slot stayed locked"; });
   s->p = p;
 }
 
@@ -801,7 +801,7 @@ void WindowHub::handle_frame(Link& l) {
     auto it = windows_.find(f.window);
     if (it != windows_.end()) w = it->second;
   }
-  const Deadline dl = Deadline::after(timeout_s_);
+  const Deadline dl = Deadline::after(ctx_->timeout_s());
   switch (f.kind) {
     case kPut:
     case kAccumulate: {

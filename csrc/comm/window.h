@@ -158,7 +158,6 @@ class WindowHub {
 
   std::shared_ptr<Context> ctx_;
   uint32_t rank_, size_;
-  double timeout_s_;
 
   mutable std::mutex mu_;  // windows_, inflight_, link queues
   std::condition_variable idle_cv_;

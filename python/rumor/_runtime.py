@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -349,6 +350,24 @@ atexit.register(shutdown)
 
 def is_initialized() -> bool:
     return _state is not None
+
+
+def set_timeout(seconds: float) -> None:
+    """Sets the limit of every blocking wait that starts from now on (collectives, neighbor and
+    window operations, DistributedDataParallel's end of backward), in seconds; waits already
+    running keep theirs. rumor.init(timeout=...) set the first value."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"rumor.set_timeout(): seconds must be a number, got {type(seconds).__name__}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"rumor.set_timeout(): seconds must be positive and finite, got {seconds!r}")
+    st = _get()
+    st.ctx.set_timeout(float(seconds))
+    st.timeout = float(seconds)
+
+
+def get_timeout() -> float:
+    """The limit, in seconds, of the blocking waits that start now."""
+    return _get().timeout
 
 
 def _get() -> _State:

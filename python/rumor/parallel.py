@@ -138,7 +138,6 @@ class DistributedDataParallel(torch.nn.Module):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.group = _comm(group, "rumor.DistributedDataParallel")
-        self._timeout = _runtime._get().timeout
         self._cap_bytes = int(bucket_cap_mb * _MB)
         # Ready-time gap (first iteration, first rank) at which a bucket is closed early.
         self._split_gap_s = 0.005
@@ -457,6 +456,12 @@ class DistributedDataParallel(torch.nn.Module):
             self._build_buckets(order, breaks)
 
     # ---- user-facing ------------------------------------------------------------------------
+
+    @property
+    def _timeout(self) -> float:
+        # Read at each wait: rumor.set_timeout (a notebook cell's deadline) applies to wrappers
+        # built before it.
+        return _runtime._get().timeout
 
     def forward(self, *args, **kwargs):
         start = time.monotonic()

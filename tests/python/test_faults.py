@@ -150,7 +150,7 @@ def hier_killed_rank(victim: int):
 
 # ---- a rank never joins: the others time out -------------------------------------------------------
 
-def absent_rank(absent: int, marker_dir: str, nonblocking: bool):
+def absent_rank(absent: int, marker_dir: str, nonblocking: bool, set_to=None):
     import torch
 
     import rumor
@@ -159,6 +159,14 @@ def absent_rank(absent: int, marker_dir: str, nonblocking: bool):
     n, r = rumor.size(), rumor.rank()
     chk = Checker()
     rumor.allreduce(torch.ones(10))  # everyone is connected
+    if set_to is not None:
+        # The job started with a 60 s deadline; from here on waits give up after set_to.
+        chk.raises(ValueError, lambda: rumor.set_timeout(0), "a zero timeout")
+        chk.raises(ValueError, lambda: rumor.set_timeout(float("inf")), "an infinite timeout")
+        chk.raises(TypeError, lambda: rumor.set_timeout("3"), "a string timeout")
+        chk.check(rumor.get_timeout() == 60.0, f"bad values changed the timeout: {rumor.get_timeout()}")
+        rumor.set_timeout(set_to)
+        chk.check(rumor.get_timeout() == set_to, f"get_timeout() {rumor.get_timeout()} after set_timeout({set_to})")
     if r == absent:
         # Busy in Python and never reaching the allreduce until the others gave up on it.
         end = time.monotonic() + 55
@@ -185,6 +193,8 @@ def absent_rank(absent: int, marker_dir: str, nonblocking: bool):
                        "an allreduce a rank never joined")
     if isinstance(e, rumor.RumorError):
         chk.check("allreduce" in str(e), f"the error does not name the op: {e}")
+        if set_to is not None and isinstance(e, rumor.CommTimeoutError):
+            chk.check(f"timed out after {set_to:.6f}" in str(e), f"not the deadline set: {e}")
         if isinstance(e, rumor.CommTimeoutError):
             chk.check(isinstance(e, TimeoutError), f"CommTimeoutError is not a TimeoutError: {type(e).__mro__}")
     open(os.path.join(marker_dir, f"timed-out-{r}"), "w").close()
@@ -199,6 +209,15 @@ def test_rank_that_never_joins_times_out(env, nonblocking):
     harness.assert_no_failures([x[1:] for x in res])
     kinds = [x[0] for r, x in enumerate(res) if r != 1]
     assert "CommTimeoutError" in kinds, kinds
+
+
+def test_set_timeout_applies_to_the_next_waits():
+    """rumor.init's deadline is 60 s; after rumor.set_timeout(2.5) an allreduce a rank never joins
+    fails at 2.5 s (at 60 s the absent rank's own 55 s wait for the others' reports fails)."""
+    with tempfile.TemporaryDirectory() as d:
+        res = harness.run(absent_rank, 3, timeout=75, env={"RUMOR_TIMEOUT": "60"}, args=(1, d, False, 2.5))
+    harness.assert_no_failures([x[1:] for x in res])
+    assert "CommTimeoutError" in [x[0] for r, x in enumerate(res) if r != 1]
 
 
 # ---- strangers knocking: wrong token, garbage, bad magic --------------------------------------------

@@ -166,9 +166,10 @@ def test_session_lifecycle(kernelspec):
             assert _shm(info["shm"]) == []
             assert not os.path.exists(info["profile"])
 
-        k.ok("ri.start(3, timeout=4, quiet=True)")
-        # a collective that rank 1 skips: rumor's deadline error on every rank that entered it
-        out, err = k.run("%%rumor --timeout 20\nif rumor.rank() != 1:\n    rumor.allreduce_(torch.ones(4))")
+        k.ok("ri.start(3, timeout=30, quiet=True)")
+        # a collective that rank 1 skips: rumor's deadline error on every rank that entered it,
+        # at the cell's deadline (not the session's 30 s)
+        out, err = k.run("%%rumor --timeout 4\nif rumor.rank() != 1:\n    rumor.allreduce_(torch.ones(4))")
         assert err is not None and err["ename"] == "RankError", (out, err)
         # Ranks 0 and 2 fail, with the deadline error; a rank whose peer timed out first may
         # instead get the PeerError that the peer's abort sends (it quotes the timeout).
@@ -182,6 +183,11 @@ def test_session_lifecycle(kernelspec):
         k.ok("ri.restart()")
         out = k.ok("%%rumor\nt = torch.ones(2) * (rumor.rank() + 1)\nrumor.allreduce_(t, op=rumor.ReduceOp.SUM)\nprint(t.tolist())")
         assert sorted(re.findall(r"^\[rank (\d)\] \[6.0, 6.0\]$", out, re.M)) == ["0", "1", "2"], out
+        # a cell's deadline holds for that cell only, on every rank
+        out = k.ok("%%rumor --timeout 7\nprint('DL', rumor.get_timeout())")
+        assert sorted(re.findall(r"^\[rank (\d)\] DL 7.0$", out, re.M)) == ["0", "1", "2"], out
+        out = k.ok("%%rumor\nprint('DL', rumor.get_timeout())")
+        assert sorted(re.findall(r"^\[rank (\d)\] DL 30.0$", out, re.M)) == ["0", "1", "2"], out
 
         # an engine killed mid-cell: the error names the rank, first
         info = k.info()

@@ -42,6 +42,14 @@ def setup(rank: int, size: int, master_port: int, timeout: float, generation: in
     return {"rank": rumor.rank(), "pid": os.getpid(), "host": socket.gethostname(), "shm_prefix": shm_prefix}
 
 
+def set_timeout(seconds: float) -> float:
+    """rumor's deadline for the waits of the cells that follow (a cell's --timeout)."""
+    import rumor
+
+    rumor.set_timeout(seconds)
+    return rumor.get_timeout()
+
+
 def teardown() -> int:
     import rumor
 

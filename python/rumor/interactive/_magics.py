@@ -11,8 +11,8 @@ from . import _session
 class RumorMagics(Magics):
     @magic_arguments()
     @argument("--timeout", type=float, default=None,
-              help="seconds the cell may run before the busy ranks are interrupted "
-                   "(default: rumor's timeout from start() plus 10 s)")
+              help="rumor's deadline for every wait in this cell, and the cell's own limit "
+                   "(S + 10 s, then busy ranks are interrupted); default: start()'s timeout")
     @argument("--ranks", type=str, default=None, help="comma-separated ranks (default: all)")
     @cell_magic
     def rumor(self, line, cell):
@@ -32,7 +32,8 @@ class RumorMagics(Magics):
         s.execute(cell, ranks=ranks, timeout=args.timeout)
 
     @magic_arguments()
-    @argument("--timeout", type=float, default=None, help="seconds the cell may run")
+    @argument("--timeout", type=float, default=None,
+              help="rumor's deadline in this cell; the cell may run S + 10 s")
     @cell_magic
     def rank0(self, line, cell):
         """Runs the cell on rank 0 only (its output is shown without a prefix)."""

@@ -107,6 +107,7 @@ class Session:
     running: Optional[_Running] = None
     owned: bool = True        # False: attached with connect(); stop() only detaches
     cells: int = 0
+    rank_deadline: float = 0.0  # rumor's deadline on the engines now (0: unknown, set at the next cell)
 
     # ---- start / stop -------------------------------------------------------------------
     def launch(self, start_timeout: float) -> None:
@@ -165,6 +166,7 @@ class Session:
         if bad:
             raise RuntimeError(f"rumor.interactive: engines came up with the wrong ranks (wanted, got): {bad}")
         self.broken = ""
+        self.rank_deadline = self.timeout
 
     def _gather(self, ars, wait_timeout: float, what: str) -> list:
         deadline = time.monotonic() + wait_timeout
@@ -286,7 +288,15 @@ class Session:
         out = out or sys.stdout
         err = err or sys.stderr
         ranks = list(range(self.n)) if ranks is None else list(ranks)
-        limit = self.timeout + 10.0 if timeout is None else float(timeout)
+        # rumor's own deadline follows the cell's limit, so that a collective some rank skipped
+        # fails on every rank inside the cell (set on every rank: a cell on some ranks may still
+        # talk to the others, whose deadline must match).
+        deadline = self.timeout if timeout is None else float(timeout)
+        limit = deadline + 10.0  # rumor's own error first; then ranks still busy are interrupted
+        if deadline != self.rank_deadline:
+            ars = [self.client[eid].apply_async(_engine_side.set_timeout, deadline) for eid in self.engine_ids]
+            self._gather(ars, 30.0, "setting the cell's deadline")
+            self.rank_deadline = deadline
         view = self.client[[self.engine_ids[r] for r in ranks]]
         view.block = False
         self.cells += 1
