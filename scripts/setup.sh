@@ -28,6 +28,6 @@ PY=${PYTHON:-python3}
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
 # redis: rumor.data's cache client (redis-py); ipyparallel, nbclient, nbformat, ipykernel: rumor.interactive
 $PY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib networkx \
-  redis "ipyparallel>=8" nbclient nbformat ipykernel
+  redis "ipyparallel>=8" nbclient nbformat ipykernel optuna
 $PY -m pip install -q --no-build-isolation .
 $PY -c "import rumor, rumor._C as c; print('setup: rumor', rumor.__version__, 'installed; reduction kernels:', c.reduce_isa())"
