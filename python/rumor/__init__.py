@@ -86,4 +86,4 @@ from .window import (  # noqa: F401
     win_update_then_collect,
     win_wait,
 )
-from .advise import advise  # noqa: F401
+from .advisor import advise  # noqa: F401
