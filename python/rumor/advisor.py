@@ -435,11 +435,30 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
     tref = predict_torch(m, intra, inter)
     for r in rows:
         r["speedup_over_torch"] = tref["predicted_step_s"] / r["predicted_step_s"]
-    rows.sort(key=lambda r: (r["predicted_step_s"], r["algorithm"]))
+    rows = rank_rows(rows)
     table = format_table(m, rows, tref)
     if print_table and st.env.rank == 0:
         print(table, file=file or sys.stdout, flush=True)
     return Advice(rows=rows, torch=tref, measured=m, table=table)
+
+
+TIE = 0.01  # predictions this close (relative) are a tie: the algorithm that changes less wins
+_KIND_ORDER = {"exact": 0, "compressed": 1, "decentralized": 2}
+
+
+def rank_rows(rows: List[Dict]) -> List[Dict]:
+    """Fastest first. Predictions within TIE of the first of their tier are a tie: inside a tier
+    exact beats compressed beats decentralized (a compute-bound job gains nothing from giving up
+    exactness), then the step."""
+    rows = sorted(rows, key=lambda r: (r["predicted_step_s"], r["algorithm"]))
+    out, i = [], 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j]["predicted_step_s"] <= rows[i]["predicted_step_s"] * (1 + TIE):
+            j += 1
+        out += sorted(rows[i:j], key=lambda r: (_KIND_ORDER[r["kind"]], r["predicted_step_s"], r["algorithm"]))
+        i = j
+    return out
 
 
 def _rate(bps: float) -> str:
