@@ -38,7 +38,6 @@ modelled, so the predicted speed-ups over it are, if anything, low).
 from __future__ import annotations
 
 import copy
-import math
 import os
 import statistics
 import sys

@@ -205,7 +205,9 @@ def ddp_kwargs(setting: Dict, algorithm_name: str = "GradientAllReduce") -> str:
     """The setting as the arguments to pass by hand."""
     parts = [f"{k}={_fmt(setting[k])}" for k in ("bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms",
                                                   "shared_buckets") if k in setting]
-    alg = [f"{k}={_fmt(setting[k])}" for k in ("hierarchical", "small_allreduce_kb") if k in setting]
+    # small_allreduce_kb=None is GradientAllReduce's default: nothing to pass
+    alg = [f"{k}={_fmt(setting[k])}" for k in ("hierarchical", "small_allreduce_kb")
+           if k in setting and setting[k] is not None]
     if alg:
         parts.append(f"algorithm={algorithm_name}({', '.join(alg)})")
     return ", ".join(parts)
