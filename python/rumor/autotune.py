@@ -198,6 +198,8 @@ def _fmt(v) -> str:
         return "math.inf"
     if isinstance(v, float) and v == int(v):
         return str(int(v))
+    if isinstance(v, float):
+        return f"{v:.6g}"
     return repr(v)
 
 
@@ -268,8 +270,8 @@ class Autotuner:
 
     def _current(self) -> Dict:
         d = self.ddp
-        # The wrapper keeps whole bytes; 4 significant digits give back the megabytes it was given.
-        s = dict(bucket_cap_mb=float(f"{d._cap_bytes / _MB:.4g}"), first_bucket_mb=float(f"{d._first_cap_bytes / _MB:.4g}"),
+        # Exact (a power of two divides), so that applying the defaults gives the same bytes back.
+        s = dict(bucket_cap_mb=d._cap_bytes / _MB, first_bucket_mb=d._first_cap_bytes / _MB,
                  bucket_split_gap_ms=d._split_gap_s * 1e3)
         if "hierarchical" in self.knobs:
             s["hierarchical"] = bool(d.algorithm.hierarchical)
@@ -448,19 +450,30 @@ class Autotuner:
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             trials = self.cfg.trials
-            sampler = optuna.samplers.TPESampler(seed=self.cfg.seed, n_startup_trials=max(1, min(10, trials // 3)))
+            sampler = optuna.samplers.TPESampler(seed=self.cfg.seed, n_startup_trials=max(2, min(10, trials // 3)))
             self._study = optuna.create_study(direction="minimize", sampler=sampler)
             self._study.enqueue_trial({k: self.choices[k].index(self.default[k]) for k in self.knobs})
             self._ask()  # trial 0: the enqueued defaults, already in place
-        self._next_trial(self.default, kind="trial")
+        self._next_trial(self._canonical(self.default), kind="trial")
         self.last = time.perf_counter()
         self.tuning_s += self.last - now
 
     def _ask(self) -> Dict:
-        trial = self._study.ask()
+        for _ in range(32):
+            trial = self._study.ask()
+            # Ordered knobs as an index, so that TPE sees neighbouring values as neighbours.
+            setting = {k: self.choices[k][trial.suggest_int(k, 0, len(self.choices[k]) - 1)] for k in self.knobs}
+            done = [i for i, s in enumerate(self._settings) if s == self._canonical(setting)]
+            if not done:
+                break
+            # Already measured: tell the sampler its score instead of spending steps on it again.
+            self._study.tell(trial, self._scores[done[0]])
         self._trials.append(trial)
-        # Ordered knobs as an index, so that TPE sees neighbouring values as neighbours.
-        return {k: self.choices[k][trial.suggest_int(k, 0, len(self.choices[k]) - 1)] for k in self.knobs}
+        return setting
+
+    def _canonical(self, setting: Dict) -> Dict:
+        # What every rank holds after the broadcast (floats, None, bools), for comparisons.
+        return self._decode(self._encode(0, setting))
 
     def _next_trial(self, setting: Dict, kind: str) -> None:
         self.trial += 1

@@ -40,21 +40,28 @@ def _train_pair(cache_path, steps):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         ddp = rumor.DistributedDataParallel(model, optimizer=opt, bucket_cap_mb=0.05, first_bucket_mb=0.01,
                                             autotune=tune)
-        buckets = []
+        buckets, applied = [], []
         for step in range(steps):
             x, y = models.batch(model, 4, step=step, shard=rank)
             opt.zero_grad()
             models.loss(ddp(x), y).backward()
             opt.step()
             buckets.append(len(ddp.buckets))
+            # what the wrapper really ran this step with
+            applied.append(dict(bucket_cap_mb=ddp._cap_bytes, first_bucket_mb=ddp._first_cap_bytes,
+                                bucket_split_gap_ms=ddp._split_gap_s, hierarchical=ddp.algorithm.hierarchical,
+                                shared_buckets=ddp._shared_setting is not False and ddp._shared_buckets(),
+                                small_allreduce_kb=ddp.algorithm.small_allreduce_kb,
+                                arena=ddp.buckets[0].arena is not None))
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        return params, buckets, autotune.status(ddp), (ddp._cap_bytes, ddp._first_cap_bytes, ddp._split_gap_s)
+        return (params, buckets, autotune.status(ddp), (ddp._cap_bytes, ddp._first_cap_bytes, ddp._split_gap_s),
+                applied)
 
-    ref, ref_buckets, none_status, _ = run(False)
-    tuned, buckets, st, attrs = run(dict(TUNE, cache=cache_path))
-    again, _, st2, attrs2 = run(dict(TUNE, cache=cache_path))
+    ref, ref_buckets, none_status, _, _ = run(False)
+    tuned, buckets, st, attrs, applied = run(dict(TUNE, cache=cache_path))
+    again, _, st2, attrs2, _ = run(dict(TUNE, cache=cache_path))
     return dict(rank=rank, ref=ref, tuned=tuned, again=again, buckets=buckets, ref_buckets=ref_buckets,
-                none_status=none_status, status=st, status2=st2, attrs=attrs, attrs2=attrs2)
+                none_status=none_status, status=st, status2=st2, attrs=attrs, attrs2=attrs2, applied=applied)
 
 
 def _check(results, knobs):
@@ -91,9 +98,23 @@ def _check(results, knobs):
     s = st["best"]["setting"]
     assert (cap, first_cap) == (int(s["bucket_cap_mb"] * 1024 * 1024), int(s["first_bucket_mb"] * 1024 * 1024))
     assert gap == s["bucket_split_gap_ms"] / 1e3
-    # trials really differed and really rebuilt the buckets
-    assert len({json.dumps(h["setting"], sort_keys=True) for h in hist[:-1]}) >= 2
-    assert len(set(r0["buckets"])) >= 2, r0["buckets"]
+    # trials differed (a setting already measured is never measured again) ...
+    keys = [json.dumps(h["setting"], sort_keys=True) for h in hist[:-1]]
+    assert len(set(keys)) == len(keys)
+    # ... and each one really ran: the step that began at forward f (1-based) ran the setting of
+    # the last history entry applied at or before f
+    mb = 1024 * 1024
+    for r in results:
+        for f, a in enumerate(r["applied"], start=1):
+            s = [h for h in hist if h["step"] <= f][-1]["setting"] if f >= first else st["default"]
+            assert a["bucket_cap_mb"] == int(s["bucket_cap_mb"] * mb), (f, a, s)
+            assert a["first_bucket_mb"] == int(s["first_bucket_mb"] * mb), (f, a, s)
+            assert a["bucket_split_gap_ms"] == s["bucket_split_gap_ms"] / 1e3, (f, a, s)
+            for k in ("hierarchical", "small_allreduce_kb"):
+                if k in s:
+                    assert a[k] == s[k], (f, k, a, s)
+            if "shared_buckets" in s:
+                assert a["arena"] == a["shared_buckets"] == s["shared_buckets"], (f, a, s)
     # the second wrapper found the result in the cache: no trials, the same setting at once
     st2 = r0["status2"]
     assert [h["kind"] for h in st2["history"]] == ["cached"]
