@@ -26,8 +26,8 @@ fi
 PY=${PYTHON:-python3}
 # torch is not pinned by the package (any 2.x works); this machine's CPU build is 2.13.0.
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
-# redis: rumor.data's cache client (redis-py); ipyparallel, nbclient, nbformat, ipykernel: rumor.interactive
+# redis: rumor.data's cache client (redis-py); ipyparallel, nbclient, nbformat, ipykernel: rumor.interactive; optuna: the autotuner
 $PY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib networkx \
-  redis "ipyparallel>=8" nbclient nbformat ipykernel
+  redis "ipyparallel>=8" nbclient nbformat ipykernel optuna
 $PY -m pip install -q --no-build-isolation .
 $PY -c "import rumor, rumor._C as c; print('setup: rumor', rumor.__version__, 'installed; reduction kernels:', c.reduce_isa())"

@@ -88,3 +88,4 @@ from .window import (  # noqa: F401
     win_update_then_collect,
     win_wait,
 )
+from .advisor import advise  # noqa: F401

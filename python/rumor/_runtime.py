@@ -139,6 +139,7 @@ class _State:
     machine_size: int
     timeout: float
     next_group_id: int = 1
+    streams: int = 2  # TCP streams per peer pair, fixed for the life of the Context
     groups: list = field(default_factory=list)
 
 
@@ -330,6 +331,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         machine_rank=order.index(hosts[env.rank]),
         machine_size=len(order),
         timeout=float(timeout),
+        streams=int(opts.streams),
     )
     _generation += 1
     _timeline._start_from_env()

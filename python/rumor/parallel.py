@@ -89,13 +89,21 @@ class DistributedDataParallel(torch.nn.Module):
     (and updates parameters outside the buckets). With it, bucket_clip_norm=c clips each bucket's
     averaged gradients to L2 norm c before its update (global clipping is impossible there: the
     other buckets' gradients do not exist yet). See docs/optimizer.md for what changes.
+
+    After the first iteration buckets follow the observed ready order and a bucket is closed where
+    the next gradient came more than ``bucket_split_gap_ms`` later. ``shared_buckets=False`` keeps
+    buckets out of shared memory when every rank is on this host. ``autotune=True`` (or a dict of
+    rumor.autotune.AutotuneConfig fields, or env RUMOR_AUTOTUNE=1 when left None) searches these
+    settings during the first steps and keeps the fastest (docs/autotune.md).
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  algorithm: Optional[Algorithm] = None, bucket_cap_mb: float = 25,
                  first_bucket_mb: float = 1, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, group: Optional[Group] = None,
-                 overlap_optimizer: bool = False, bucket_clip_norm: Optional[float] = None):
+                 overlap_optimizer: bool = False, bucket_clip_norm: Optional[float] = None,
+                 bucket_split_gap_ms: float = 5.0, shared_buckets: Optional[bool] = None,
+                 autotune=None):
         super().__init__()
         if not _runtime.is_initialized():
             raise RuntimeError("rumor.DistributedDataParallel: call rumor.init() before wrapping a model")
@@ -103,6 +111,13 @@ class DistributedDataParallel(torch.nn.Module):
             raise TypeError(f"rumor.DistributedDataParallel: expected a torch.nn.Module, got {type(module).__name__}")
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError("rumor.DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be positive")
+        if (isinstance(bucket_split_gap_ms, bool) or not isinstance(bucket_split_gap_ms, (int, float))
+                or not bucket_split_gap_ms > 0):
+            raise ValueError("rumor.DistributedDataParallel: bucket_split_gap_ms must be a positive number "
+                             f"(math.inf: never split), got {bucket_split_gap_ms!r}")
+        if shared_buckets is not None and not isinstance(shared_buckets, bool):
+            raise TypeError("rumor.DistributedDataParallel: shared_buckets must be None, True or False, got "
+                            f"{type(shared_buckets).__name__}")
         if algorithm is not None and not isinstance(algorithm, Algorithm):
             raise TypeError("rumor.DistributedDataParallel: algorithm must be a rumor.algorithms.Algorithm")
         if overlap_optimizer and optimizer is None:
@@ -140,7 +155,11 @@ class DistributedDataParallel(torch.nn.Module):
         self.group = _comm(group, "rumor.DistributedDataParallel")
         self._cap_bytes = int(bucket_cap_mb * _MB)
         # Ready-time gap (first iteration, first rank) at which a bucket is closed early.
-        self._split_gap_s = 0.005
+        self._split_gap_s = bucket_split_gap_ms / 1e3
+        # False keeps buckets out of shared memory even when every rank is local (the autotuner
+        # tries both); None/True: shared whenever possible.
+        self._shared_setting = shared_buckets
+        self._autotuner = None
         self._first_cap_bytes = int(first_bucket_mb * _MB)
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -187,6 +206,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._step_t0 = None
         self._backward_t0 = None
         self.algorithm.init(self)
+        from .autotune import _make_autotuner
+        self._autotuner = _make_autotuner(self, autotune)
 
     # ---- setup ------------------------------------------------------------------------------
 
@@ -334,7 +355,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _shared_buckets(self) -> bool:
         """Buckets go to shared memory when every rank of the group is on this host."""
         comm = self.group._comm
-        return (comm.size > 1 and comm.all_local and comm.uses_shm
+        return (comm.size > 1 and comm.all_local and comm.uses_shm and self._shared_setting is not False
                 and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True))
 
     # ---- hooks ------------------------------------------------------------------------------
@@ -449,6 +470,8 @@ class DistributedDataParallel(torch.nn.Module):
                       for a, b in zip(times, times[1:])]
         t = torch.tensor([order, gaps], dtype=torch.int64)
         broadcast_(t, self.group.ranks[0], self.group)
+        if self._autotuner is not None:
+            self._autotuner.observe_ready_times(order, times, t[0].tolist())
         order, gaps = t.tolist()
         self._ready_order, self._ready_times = [], {}
         breaks = {j for j, g in enumerate(gaps) if g}
@@ -464,6 +487,8 @@ class DistributedDataParallel(torch.nn.Module):
         return _runtime._get().timeout
 
     def forward(self, *args, **kwargs):
+        if self._autotuner is not None and self.training and torch.is_grad_enabled():
+            self._autotuner.before_forward()
         start = time.monotonic()
         if self.broadcast_buffers and self.training and self._buffers_to_sync and torch.is_grad_enabled():
             _coalesced_broadcast(self._buffers_to_sync, self.group)

@@ -22,6 +22,8 @@ _RUMOR_FLAGS = {
     "--rumor-shm": ("RUMOR_SHM", "1/0: shared memory between ranks of one host (default 1)"),
     "--rumor-log": ("RUMOR_LOG", "log level of the C++ core: error, warn, info, debug"),
     "--rumor-port": ("RUMOR_PORT", "fixed port for each worker's listener (default: any free port)"),
+    "--autotune-budget": ("RUMOR_AUTOTUNE_BUDGET", "steps the autotuner may take (default 50; with --autotune)"),
+    "--autotune-cache": ("RUMOR_AUTOTUNE_CACHE", "the autotuner's JSON cache (default ~/.cache/rumor/autotune.json)"),
 }
 
 
@@ -34,6 +36,9 @@ def _parser():
     group = parser.add_argument_group("rumor")
     for flag, (_, help_) in _RUMOR_FLAGS.items():
         group.add_argument(flag, dest="rumor_" + flag.lstrip("-").replace("-", "_"), default=None, help=help_)
+    group.add_argument("--autotune", dest="rumor_autotune", action="store_true",
+                       help="DistributedDataParallel tunes its settings during the first steps (RUMOR_AUTOTUNE=1, "
+                            "docs/autotune.md)")
     return parser
 
 
@@ -49,6 +54,9 @@ def _validate(args) -> None:
             ok = False
         if not ok:
             raise SystemExit(f"rumor-run: --rumor-timeout must be a positive number of seconds, got {timeout!r}")
+    budget = args.rumor_autotune_budget
+    if budget is not None and (not budget.isdigit() or int(budget) < 2):
+        raise SystemExit(f"rumor-run: --autotune-budget must be a whole number of steps >= 2, got {budget!r}")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -68,6 +76,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         if value is not None:
             # Workers inherit the launcher's environment.
             os.environ[var] = str(value)
+    if args.rumor_autotune:
+        os.environ["RUMOR_AUTOTUNE"] = "1"
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
     if max_nodes and max_nodes != min_nodes:
         # An elastic node count: with the agent's shared TCP store, torch 2.x gives a node that

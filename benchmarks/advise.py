@@ -1,0 +1,283 @@
+#!/usr/bin/env python
+"""Advisor benchmark: rumor.advise's predicted step per algorithm vs the measured one, on emulated
+hosts at several link rates (docs/advisor.md), per BENCHMARKS.md. Needs root (namespaces).
+
+For each --rates entry (default 1gbit and 100mbit) it builds --hosts emulated hosts (network
+namespaces on one bridge, tbf on each host's link, rumor.testing.netns; removed afterwards, also
+on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models):
+
+  1. every rank calls rumor.advise(model, SGD(momentum 0.9), its batch): the table of predicted
+     steps (the link-bound model of benchmarks/training.py, fed by what the advisor measured);
+  2. every algorithm of that table (built as benchmarks/training.py builds it) and torch DDP
+     (gloo) are trained for --warmup + --iters steps: zero_grad, forward, cross-entropy,
+     backward, step, after a gloo barrier; the slowest rank's median is the measured step.
+
+Checks printed per (rate, model), from one run: the advisor's top-ranked algorithm measures
+within 10% of the fastest measured one (target), and every algorithm's predicted step is within
+15% of its measured one (target). 1-bit Adam is left out (it needs its own optimizer, whose
+compute the SGD measurement does not cover).
+
+  sudo python benchmarks/advise.py                                   # 4 hosts, 1gbit and 100mbit, all models
+  sudo python benchmarks/advise.py --models transformer --iters 3 --warmup 1 --batch transformer=4   # smoke
+Output: tables, JSON and PNG in --out (benchmarks/results/advise-<hosts>hosts.json/png), headline last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import _common
+from _common import Progress, emit, parse_rate
+
+MODELS = ("mlp25m", "cnn", "transformer")
+# advisor row -> benchmarks/training.py variant
+VARIANTS = {"GradientAllReduce": "rumor", "GradientAllReduce hierarchical": "rumor_hier", "ByteGrad": "bytegrad",
+            "QSGD": "qsgd", "fp16": "fp16", "bf16": "bf16", "Decentralized all": "dec_all",
+            "Decentralized shift_one": "dec_shift_one", "LowPrecisionDecentralized": "lp_dec"}
+TOP_WITHIN = 1.10
+PRED_WITHIN = 0.15
+
+
+def _describe(rank: int, n: int) -> Dict:
+    import rumor
+
+    return dict(rank=rank, size=n, local_size=rumor.local_size(), machine_size=rumor.machine_size(),
+                netns=os.readlink("/proc/self/ns/net"))
+
+
+def _train(cfg: Dict, rank: int, n: int) -> None:
+    for name in cfg["models"]:
+        _run_model(cfg, name, rank, n)
+
+
+def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import rumor
+    import training
+    from rumor.testing import models
+
+    batch = cfg["batch"].get(name) or models.BATCH[name]
+    data = [models.batch(name, batch, step=i, shard=rank, seed=cfg["seed"]) for i in range(4)]
+    model = models.build(name, seed=cfg["seed"])
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    t0 = time.perf_counter()
+    advice = rumor.advise(model, opt, data[0], steps=cfg["advise_steps"], print_table=False)
+    advise_s = time.perf_counter() - t0
+    if rank == 0:
+        emit("progress", {"model": name, "what": f"advised in {advise_s:.1f} s: {advice.best['algorithm']} first"})
+    del model, opt
+    times: Dict[str, List[float]] = {}
+    wanted = [r["algorithm"] for r in advice.rows if r["algorithm"] in VARIANTS] + ["torch DDP"]
+    tcfg = dict(lr=cfg["lr"], warmup=cfg["warmup"], onebit_freeze=cfg["warmup"])
+    for alg in wanted:
+        model = models.build(name, seed=cfg["seed"])
+        if alg == "torch DDP":
+            opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+            wrapped = TorchDDP(model)
+        else:
+            key = VARIANTS[alg]
+            opt = training._optimizer(key, model, tcfg)
+            wrapped = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=training._algorithm(key, opt))
+        times[alg] = []
+        for i in range(cfg["warmup"] + cfg["iters"]):
+            x, y = data[i % len(data)]
+            dist.barrier()
+            t = time.perf_counter()
+            opt.zero_grad()
+            models.loss(wrapped(x), y).backward()
+            opt.step()
+            if i >= cfg["warmup"]:
+                times[alg].append(time.perf_counter() - t)
+        if rank == 0:
+            emit("progress", {"model": name, "what": f"{alg}: {statistics.median(times[alg]) * 1e3:.0f} ms/step"})
+        del wrapped, opt, model
+        gc.collect()
+    per_rank = _common.gather_samples(times)
+    if rank == 0:
+        cell = dict(model=name, n=n, batch=batch, advise_s=advise_s, measured_inputs=advice.measured,
+                    predicted={r["algorithm"]: r["predicted_step_s"] for r in advice.rows},
+                    predicted_torch=advice.torch["predicted_step_s"], ranking=[r["algorithm"] for r in advice.rows],
+                    measured={})
+        for alg in times:
+            steps = [max(per_rank[alg][r][i] for r in range(n)) for i in range(len(times[alg]))]
+            cell["measured"][alg] = dict(step_s=steps, median_s=statistics.median(steps))
+        emit("cell", cell)
+    gc.collect()
+
+
+class Job(_common.Job):
+    def __init__(self, *a, rate: str, **kw):
+        super().__init__(*a, **kw)
+        self.rate = rate
+
+    @property
+    def label(self) -> str:
+        return f"{self.hosts} emulated hosts x {self.rph} rank(s), tbf {self.rate}"
+
+    def config(self) -> Dict:
+        a = self.args
+        return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, lr=a.lr, seed=a.seed,
+                    advise_steps=a.advise_steps)
+
+    def on_message(self, kind: str, data) -> None:
+        if kind == "progress":
+            self.progress.update(None, f"{self.label}: {data['model']} {data['what']}", force=True)
+        elif kind == "cell":
+            data["rate"] = self.rate
+            self.progress.update(self.progress.done + 1, f"{self.label}: {data['model']} done", force=True)
+
+
+def summarize(cell: Dict) -> None:
+    meas = {k: v["median_s"] for k, v in cell["measured"].items() if k != "torch DDP"}
+    fastest = min(meas, key=meas.get)
+    top = next(a for a in cell["ranking"] if a in meas)
+    cell["fastest_measured"] = fastest
+    cell["top_predicted"] = top
+    cell["top_over_fastest"] = meas[top] / meas[fastest]
+    cell["pred_error"] = {a: cell["predicted"][a] / meas[a] - 1 for a in meas}
+    cell["pred_error"]["torch DDP"] = cell["predicted_torch"] / cell["measured"]["torch DDP"]["median_s"] - 1
+
+
+def print_table(cells: List[Dict], title: str) -> None:
+    for c in cells:
+        print(f"\n{title}: {c['model']} (batch {c['batch']} x {c['n']}; advisor took {c['advise_s']:.1f} s; "
+              f"link between hosts measured {c['measured_inputs']['inter']['bandwidth_Bps'] / 1e6:.1f} MB/s, "
+              f"{c['measured_inputs']['inter']['latency_s'] * 1e6:.0f} us)")
+        head = f"{'rank':>4} {'algorithm':<28} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9}"
+        print(head)
+        print("-" * len(head))
+        for i, a in enumerate([a for a in c["ranking"] if a in c["measured"]] + ["torch DDP"]):
+            pred = c["predicted"].get(a, c["predicted_torch"] if a == "torch DDP" else None)
+            m = c["measured"][a]["median_s"]
+            print(f"{(i + 1) if a != 'torch DDP' else '-':>4} {a:<28} {pred * 1e3:>12.1f} {m * 1e3:>11.1f} "
+                  f"{pred / m:>8.2f}x")
+        print(f"top-ranked {c['top_predicted']} measures {c['top_over_fastest']:.2f}x the fastest measured "
+              f"({c['fastest_measured']})")
+
+
+def plot(path: str, cells: List[Dict]) -> Optional[str]:
+    plt = _common.pyplot()
+    if plt is None:
+        return _common.NO_MATPLOTLIB
+    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4.2), squeeze=False)
+    for ax, c in zip(axes[0], cells):
+        algs = [a for a in c["ranking"] if a in c["measured"]] + ["torch DDP"]
+        pred = [c["predicted"].get(a, c["predicted_torch"]) * 1e3 for a in algs]
+        meas = [c["measured"][a]["median_s"] * 1e3 for a in algs]
+        xs = range(len(algs))
+        ax.bar([x - 0.2 for x in xs], pred, 0.4, label="predicted", color="#9ecae1")
+        ax.bar([x + 0.2 for x in xs], meas, 0.4, label="measured", color="#3182bd")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(algs, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("step (ms, slowest rank)")
+        ax.set_title(f"{c['model']} @ {c['rate']}: top {c['top_over_fastest']:.2f}x of fastest", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("rumor.advise: predicted vs measured step per algorithm (ranked by the advisor)", fontsize=9)
+    _common.save_figure(plt, fig, path)
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="rumor.advise predictions vs measurements on emulated hosts",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _common.add_world_args(ap)
+    ap.set_defaults(hosts=4)
+    ap.add_argument("--rates", default="1gbit,100mbit", help="comma list of tbf rates, one cluster each")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--batch", default="", help="per-rank batch overrides, e.g. mlp25m=16,cnn=8")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--advise-steps", type=int, default=5, help="rumor.advise(steps=...)")
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default="")
+    _common.add_run_args(ap)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _common.worker_main(args.worker, _describe, _train)
+    if args.hosts < 2:
+        ap.error("--hosts must be at least 2 (the advisor's accuracy is checked on emulated hosts)")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in args.models if m not in MODELS]
+    if bad:
+        ap.error(f"unknown models {bad}; choose from {MODELS}")
+    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    for r in rates:
+        parse_rate(r)
+    args.batch_map = {}
+    for kv in filter(None, args.batch.split(",")):
+        k, _, v = kv.partition("=")
+        args.batch_map[k.strip()] = int(v)
+    if args.iters < 10:
+        print(f"WARNING: --iters {args.iters} is below the protocol's minimum of 10; smoke test only", file=sys.stderr)
+    n = args.hosts * args.ranks_per_host
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"{args.hosts}hosts" + (f"x{args.ranks_per_host}" if args.ranks_per_host > 1 else "")
+    if args.tag:
+        tag += "-" + args.tag
+    json_path = os.path.join(args.out, f"advise-{tag}.json")
+    png_path = os.path.join(args.out, f"advise-{tag}.png")
+    meta = _common.run_meta(args)
+    meta.update(rates=rates, step="zero_grad + forward + cross-entropy + backward + step; after a gloo barrier; "
+                                  "the slowest rank's time")
+    result = dict(meta=meta, jobs=[], cells=[], targets=[], errors=[])
+    print(f"rumor {meta['rumor']} advisor benchmark | {meta['hostname']}, {meta['cpus']} cpus, load "
+          f"{meta['loadavg_start'][0]:.2f} | {args.hosts} hosts x {args.ranks_per_host} | rates {','.join(rates)} | "
+          f"models {','.join(args.models)} | iters {args.iters}, warmup {args.warmup}")
+    progress = Progress(len(rates) * len(args.models), unit="models", quiet_s=10)
+    drv = _common.Driver("rumor-advise-bench-", progress, True)
+
+    def body() -> int:
+        rc = 0
+        jobs = []
+        for rate in rates:
+            tcp = drv.start_cluster(args.hosts, rate)
+            if tcp is None:
+                return 2
+            print(f"tbf {rate}: one TCP stream through a shaped link {tcp / 1e6:.1f} MB/s", file=sys.stderr)
+            job = Job(os.path.abspath(__file__), args, n, drv.workdir, progress, 0, cluster=drv.cluster, rate=rate)
+            jobs.append(job)
+            rc |= _common.run_jobs([job], result, progress)
+            drv.close_cluster()
+        progress.clear()
+        for c in result["cells"]:
+            summarize(c)
+        _common.finish_meta(meta)
+        for job in jobs:
+            print_table(job.cells, job.label)
+        print()
+        for c in result["cells"]:
+            name = f"{c['job']}: {c['model']} top-ranked ({c['top_predicted']}) within {TOP_WITHIN:.2f}x of fastest"
+            result["targets"].append(dict(name=name, value=c["top_over_fastest"], met=c["top_over_fastest"] <= TOP_WITHIN))
+            print(f"target: {name}: {c['top_over_fastest']:.2f}x -> "
+                  f"{'MET' if c['top_over_fastest'] <= TOP_WITHIN else 'NOT MET'}")
+            worst = max(c["pred_error"], key=lambda a: abs(c["pred_error"][a]))
+            ok = all(abs(e) <= PRED_WITHIN for a, e in c["pred_error"].items() if a != "torch DDP")
+            name = f"{c['job']}: {c['model']} every prediction within {100 * PRED_WITHIN:.0f}%"
+            result["targets"].append(dict(name=name, value=c["pred_error"][worst], met=ok))
+            print(f"target: {name}: worst {worst} {100 * c['pred_error'][worst]:+.0f}% -> {'MET' if ok else 'NOT MET'}")
+        headline = None
+        if result["cells"]:
+            met = sum(t["met"] for t in result["targets"][::2])
+            headline = (f"headline: advisor's top pick within {TOP_WITHIN:.2f}x of the fastest measured in {met} of "
+                        f"{len(result['cells'])} (rate, model) cells; median |prediction error| "
+                        f"{100 * statistics.median(abs(e) for c in result['cells'] for e in c['pred_error'].values()):.0f}%")
+        draw = None if args.no_plot else (lambda: plot(png_path, result["cells"]))
+        _common.write_results(result, headline, "headline: n/a (no results)", json_path, png_path, draw)
+        return rc
+
+    return drv.run(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,552 @@
+"""Autotuning of rumor.DistributedDataParallel's system settings (docs/autotune.md).
+
+``DistributedDataParallel(model, autotune=True)`` (or ``rumor-run --autotune``, which sets
+RUMOR_AUTOTUNE=1) spends the first training steps trying settings that change only how the
+gradients travel, never what they sum to: bucket_cap_mb, first_bucket_mb, bucket_split_gap_ms,
+hierarchical (jobs spanning hosts with several ranks on some host), shared_buckets (all ranks on
+one host) and GradientAllReduce's small_allreduce_kb.
+
+How a search runs, all of it between iterations (at the start of a training forward, when no
+bucket is in flight):
+
+* the first iteration is left alone (it observes the ready order, as without tuning); from the
+  second on, steps are counted in trials of ``warm_steps + measure_steps`` steps, the first trial
+  being the settings the wrapper was given;
+* a step's time is the time from one training forward to the next on each rank; at the end of a
+  trial one allreduce (MAX) gives the slowest rank's time of each measured step, and the trial's
+  score is their median;
+* rank 0 alone runs the optimizer (optuna's TPE sampler, seeded: the proposals depend only on the
+  seed and the scores) and broadcasts the next setting (or, once the budget is spent, the best
+  one) with rumor's own broadcast; every rank applies it at that same step, so the buckets are
+  rebuilt in step everywhere (the gradients they hold are kept);
+* the best setting is saved in a JSON cache (RUMOR_AUTOTUNE_CACHE, default
+  ~/.cache/rumor/autotune.json) under the model's signature (parameter names, shapes, dtypes),
+  the group's layout (ranks, hosts, largest local size) and the algorithm, per socket-stream
+  count; a later run with the same key applies it at once and tunes nothing. Rank 0 prints the
+  result as the keyword arguments to pass by hand.
+
+The number of TCP streams per peer pair is fixed when rumor.init() builds the Context (its
+channels are made with it), so it cannot be tried within a run: the cache keeps one result per
+stream count, and the printout names the stream count that was fastest among the runs so far
+(``rumor-run --socket-streams N --autotune`` for each N to compare).
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+
+import torch
+
+from . import _runtime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .parallel import DistributedDataParallel
+
+_MB = 1024 * 1024
+CACHE_ENV = "RUMOR_AUTOTUNE_CACHE"
+CACHE_VERSION = 1
+
+# Candidate values per knob; the wrapper's own value is always added (it is the first trial).
+DEFAULT_SPACE: Dict[str, tuple] = {
+    "bucket_cap_mb": (1, 2, 5, 10, 25, 50, 100),
+    "first_bucket_mb": (0.25, 0.5, 1, 2, 4),
+    "bucket_split_gap_ms": (1, 2, 5, 10, 20, math.inf),
+    "hierarchical": (False, True),
+    "shared_buckets": (False, True),
+    "small_allreduce_kb": (4, 16, 64, 256, 1024),
+}
+KNOBS = tuple(DEFAULT_SPACE)
+
+
+def default_cache_path() -> str:
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "rumor", "autotune.json")
+
+
+@dataclass
+class AutotuneConfig:
+    """budget_steps: steps (after the first iteration) the search may take; it fits as many
+    trials of warm_steps + measure_steps steps as the budget holds (at least two), then fixes the
+    best. cache: path of the JSON cache (None: RUMOR_AUTOTUNE_CACHE or
+    ~/.cache/rumor/autotune.json); use_cache=False neither reads nor writes it. seed: the TPE
+    sampler's seed. space: {knob: candidate values} replacing DEFAULT_SPACE's entries (knobs
+    that do not apply to the job are left out anyway). verbose: rank 0 prints the result."""
+
+    budget_steps: int = 50
+    warm_steps: int = 2
+    measure_steps: int = 3
+    cache: Optional[str] = None
+    use_cache: bool = True
+    seed: int = 0
+    space: Optional[Dict[str, Sequence]] = None
+    verbose: bool = True
+
+    def validate(self) -> "AutotuneConfig":
+        what = "rumor autotune"
+        for name in ("budget_steps", "warm_steps", "measure_steps", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{what}: {name} must be an int, got {type(v).__name__}")
+        if self.warm_steps < 0:
+            raise ValueError(f"{what}: warm_steps must be >= 0, got {self.warm_steps}")
+        if self.measure_steps < 1:
+            raise ValueError(f"{what}: measure_steps must be >= 1, got {self.measure_steps}")
+        trial = self.warm_steps + self.measure_steps
+        if self.budget_steps < 2 * trial:
+            raise ValueError(f"{what}: budget_steps={self.budget_steps} holds fewer than two trials of "
+                             f"warm_steps + measure_steps = {trial} steps (the defaults and one other setting)")
+        if self.cache is not None and not isinstance(self.cache, (str, os.PathLike)):
+            raise TypeError(f"{what}: cache must be a path or None, got {type(self.cache).__name__}")
+        if self.space is not None:
+            if not isinstance(self.space, dict):
+                raise TypeError(f"{what}: space must be a dict of knob -> candidate values")
+            for k, vals in self.space.items():
+                if k not in DEFAULT_SPACE:
+                    raise ValueError(f"{what}: unknown knob {k!r} in space; knobs: {list(KNOBS)}")
+                vals = list(vals)
+                if not vals:
+                    raise ValueError(f"{what}: space[{k!r}] is empty")
+                for v in vals:
+                    _check_value(k, v)
+        return self
+
+    @property
+    def trials(self) -> int:
+        return self.budget_steps // (self.warm_steps + self.measure_steps)
+
+
+def _check_value(knob: str, v) -> None:
+    if knob in ("hierarchical", "shared_buckets"):
+        if not isinstance(v, bool):
+            raise TypeError(f"rumor autotune: space[{knob!r}] values must be bools, got {v!r}")
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 and not (
+            knob == "small_allreduce_kb" and v == 0):
+        raise ValueError(f"rumor autotune: space[{knob!r}] values must be positive numbers, got {v!r}")
+
+
+def _config_from(autotune) -> Optional[AutotuneConfig]:
+    if autotune is None or autotune is False:
+        return None
+    if autotune is True:
+        return AutotuneConfig().validate()
+    if isinstance(autotune, AutotuneConfig):
+        return autotune.validate()
+    if isinstance(autotune, dict):
+        names = {f.name for f in fields(AutotuneConfig)}
+        bad = sorted(set(autotune) - names)
+        if bad:
+            raise TypeError(f"rumor.DistributedDataParallel: unknown autotune options {bad}; valid: {sorted(names)}")
+        return AutotuneConfig(**autotune).validate()
+    raise TypeError("rumor.DistributedDataParallel: autotune must be a bool, a dict of AutotuneConfig fields or "
+                    f"an AutotuneConfig, got {type(autotune).__name__}")
+
+
+def _config_from_env() -> Optional[AutotuneConfig]:
+    if not _runtime._env_bool("RUMOR_AUTOTUNE", False):
+        return None
+    cfg = AutotuneConfig()
+    budget = os.environ.get("RUMOR_AUTOTUNE_BUDGET")
+    if budget:
+        try:
+            cfg.budget_steps = int(budget)
+        except ValueError:
+            raise ValueError(f"RUMOR_AUTOTUNE_BUDGET must be an integer number of steps, got {budget!r}") from None
+    return cfg.validate()
+
+
+def _supported(algorithm) -> bool:
+    # Algorithms whose every step is one synchronous bucket exchange: their step time is what the
+    # knobs change, and rebuilding their buckets between steps is all a new setting needs.
+    from .algorithms import GradientAllReduce
+    from .algorithms.bytegrad import CompressedAllReduce
+
+    return isinstance(algorithm, (GradientAllReduce, CompressedAllReduce)) and type(algorithm).__name__ != "OneBitAdam"
+
+
+def _make_autotuner(ddp: "DistributedDataParallel", autotune) -> Optional["Autotuner"]:
+    """Called by the wrapper at the end of its __init__ (collective when tuning is on)."""
+    explicit = autotune is not None
+    cfg = _config_from(autotune) if explicit else _config_from_env()
+    if cfg is None:
+        return None
+    if not _supported(ddp.algorithm):
+        msg = (f"autotune supports GradientAllReduce, ByteGrad, QSGD and LowPrecision, not "
+               f"{type(ddp.algorithm).__name__} (its step is not one bucket exchange per step)")
+        if explicit:
+            raise ValueError(f"rumor.DistributedDataParallel: {msg}")
+        warnings.warn(f"RUMOR_AUTOTUNE ignored: {msg}", stacklevel=3)
+        return None
+    return Autotuner(ddp, cfg)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float) and math.isinf(v):
+        return "math.inf"
+    if isinstance(v, float) and v == int(v):
+        return str(int(v))
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return repr(v)
+
+
+def ddp_kwargs(setting: Dict, algorithm_name: str = "GradientAllReduce") -> str:
+    """The setting as the arguments to pass by hand."""
+    parts = [f"{k}={_fmt(setting[k])}" for k in ("bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms",
+                                                  "shared_buckets") if k in setting]
+    # small_allreduce_kb=None is GradientAllReduce's default: nothing to pass
+    alg = [f"{k}={_fmt(setting[k])}" for k in ("hierarchical", "small_allreduce_kb")
+           if k in setting and setting[k] is not None]
+    if alg:
+        parts.append(f"algorithm={algorithm_name}({', '.join(alg)})")
+    return ", ".join(parts)
+
+
+class Autotuner:
+    """One per wrapper; created by DistributedDataParallel when autotune is on. Everything here
+    runs on every rank in the same order; only rank 0 holds the optuna study."""
+
+    def __init__(self, ddp: "DistributedDataParallel", cfg: AutotuneConfig):
+        self.ddp = ddp
+        self.cfg = cfg
+        st = _runtime._get()
+        self.group = ddp.group
+        self.root = ddp.group.ranks[0]
+        self.is_root = st.env.rank == self.root
+        self.streams = st.streams
+        comm = ddp.group._comm
+        hosts = [st.hosts[r] for r in ddp.group.ranks]
+        per_host = {h: hosts.count(h) for h in hosts}
+        self.layout = dict(world_size=len(hosts), hosts=len(per_host), local_size=max(per_host.values()))
+        alg = ddp.algorithm
+        self.knobs: List[str] = ["bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms"]
+        if hasattr(alg, "hierarchical") and self.layout["hosts"] > 1 and self.layout["local_size"] > 1:
+            self.knobs.append("hierarchical")
+        if comm.size > 1 and comm.all_local and comm.uses_shm and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True):
+            self.knobs.append("shared_buckets")
+        from .algorithms import GradientAllReduce
+
+        if isinstance(alg, GradientAllReduce) and comm.size > 1:
+            self.knobs.append("small_allreduce_kb")
+        self.default = self._current()
+        space = dict(DEFAULT_SPACE, **(cfg.space or {}))
+        # None sorts first (the communicator's own threshold); inf last (never split).
+        self.choices = {k: sorted(set(space[k]) | {self.default[k]}, key=lambda v: (v is not None, v or 0))
+                        for k in self.knobs}
+        self.key = self._cache_key()
+        self.cache_path = os.fspath(cfg.cache) if cfg.cache is not None else default_cache_path()
+        self.history: List[Dict] = []  # what every rank applied, and when (identical on every rank)
+        self.done = False
+        self.best: Optional[Dict] = None
+        self.forwards = 0
+        self.trial = -1
+        self.step_in_trial = 0
+        self.samples: List[float] = []
+        self.last: Optional[float] = None
+        self.started_at: Optional[int] = None
+        self.tuning_s = 0.0  # wall time of the tuning steps (the cost of the search, all trials)
+        self._order: Optional[List[int]] = None
+        self._gaps: Optional[List[float]] = None
+        self._study = None
+        self._trials = []
+        self._scores: List[float] = []
+        self._settings: List[Dict] = []
+        self._open_cached()
+
+    # ---- settings ---------------------------------------------------------------------------
+
+    def _current(self) -> Dict:
+        d = self.ddp
+        # Exact (a power of two divides), so that applying the defaults gives the same bytes back.
+        s = dict(bucket_cap_mb=d._cap_bytes / _MB, first_bucket_mb=d._first_cap_bytes / _MB,
+                 bucket_split_gap_ms=d._split_gap_s * 1e3)
+        if "hierarchical" in self.knobs:
+            s["hierarchical"] = bool(d.algorithm.hierarchical)
+        if "shared_buckets" in self.knobs:
+            s["shared_buckets"] = d._shared_setting is not False
+        if "small_allreduce_kb" in self.knobs:
+            s["small_allreduce_kb"] = d.algorithm.small_allreduce_kb
+        return {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in s.items()}
+
+    def _encode(self, status: int, setting: Optional[Dict]) -> torch.Tensor:
+        # float64: NaN carries None (the communicator's own threshold), inf "never split"
+        t = torch.full((1 + len(self.knobs),), math.nan, dtype=torch.float64)
+        t[0] = status
+        if setting is not None:
+            for i, k in enumerate(self.knobs):
+                v = setting[k]
+                t[1 + i] = math.nan if v is None else float(v)
+        return t
+
+    def _decode(self, t: torch.Tensor) -> Dict:
+        s = {}
+        for i, k in enumerate(self.knobs):
+            v = float(t[1 + i])
+            s[k] = bool(v) if k in ("hierarchical", "shared_buckets") else (None if math.isnan(v) else v)
+        return s
+
+    def _apply(self, setting: Dict, order: Optional[List[int]] = None, gaps: Optional[List[float]] = None) -> None:
+        d = self.ddp
+        d._cap_bytes = int(setting["bucket_cap_mb"] * _MB)
+        d._first_cap_bytes = int(setting["first_bucket_mb"] * _MB)
+        d._split_gap_s = setting["bucket_split_gap_ms"] / 1e3
+        if "hierarchical" in setting:
+            d.algorithm.hierarchical = setting["hierarchical"]
+        if "shared_buckets" in setting:
+            d._shared_setting = setting["shared_buckets"]
+        if "small_allreduce_kb" in setting:
+            d.algorithm.small_allreduce_kb = setting["small_allreduce_kb"]
+        if order is None:  # before the first iteration: its rebuild splits with the new gap
+            d._build_buckets(list(reversed(range(len(d._params)))))
+        else:
+            breaks = {j for j, g in enumerate(gaps) if g > d._split_gap_s}
+            d._build_buckets(order, breaks)
+
+    # ---- cache ------------------------------------------------------------------------------
+
+    def _cache_key(self) -> str:
+        d = self.ddp
+        sig = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(d._names, d._params))
+        digest = hashlib.sha256(sig.encode()).hexdigest()[:16]
+        lay = self.layout
+        return (f"model={digest}|world={lay['world_size']},hosts={lay['hosts']},local={lay['local_size']}"
+                f"|algorithm={type(d.algorithm).__name__}|knobs={','.join(self.knobs)}")
+
+    def _read_cache(self) -> Dict:
+        try:
+            with open(self.cache_path) as f:
+                data = json.load(f)
+            if isinstance(data, dict) and data.get("version") == CACHE_VERSION and isinstance(data.get("entries"), dict):
+                return data
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            warnings.warn(f"rumor autotune: ignoring unreadable cache {self.cache_path}: {e}", stacklevel=2)
+        return {"version": CACHE_VERSION, "entries": {}}
+
+    def _write_cache(self, record: Dict) -> None:
+        data = self._read_cache()
+        entry = data["entries"].setdefault(self.key, {"layout": self.layout,
+                                                      "algorithm": type(self.ddp.algorithm).__name__,
+                                                      "by_streams": {}})
+        entry["by_streams"][str(self.streams)] = record
+        directory = os.path.dirname(os.path.abspath(self.cache_path))
+        os.makedirs(directory, exist_ok=True)
+        # Write-then-rename: a reader (another job) never sees half a file.
+        fd, tmp = tempfile.mkstemp(prefix=".autotune-", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.cache_path)
+        except BaseException:
+            with _suppress():
+                os.unlink(tmp)
+            raise
+
+    def _streams_note(self) -> str:
+        entry = self._read_cache()["entries"].get(self.key, {}).get("by_streams", {})
+        if len(entry) < 2:
+            return (f"socket streams: {self.streams} (fixed per run; compare with rumor-run --socket-streams N "
+                    "--autotune)")
+        best = min(entry, key=lambda s: entry[s]["step_s"])
+        runs = ", ".join(f"{s}: {entry[s]['step_s'] * 1e3:.1f} ms" for s in sorted(entry, key=int))
+        return f"socket streams: fastest so far RUMOR_SOCKET_STREAMS={best} ({runs})"
+
+    def _open_cached(self) -> None:
+        """Rank 0 looks the key up (and checks optuna is there if it must tune); all ranks learn
+        the outcome from one broadcast, so they agree even where their caches differ."""
+        from .collectives import broadcast_
+
+        status = 0  # 0: tune, 1: cached setting follows, 2: optuna missing
+        setting = None
+        if self.is_root:
+            if self.cfg.use_cache:
+                rec = self._read_cache()["entries"].get(self.key, {}).get("by_streams", {}).get(str(self.streams))
+                if rec is not None and set(rec.get("setting", {})) == set(self.knobs):
+                    setting, status = rec["setting"], 1
+                    self.best = dict(rec, source="cache")
+            if status == 0:
+                try:
+                    import optuna  # noqa: F401
+                except ImportError:
+                    status = 2
+        t = self._encode(status, setting)
+        broadcast_(t, self.root, self.group)
+        status = int(t[0])
+        if status == 2:
+            raise ImportError("rumor.DistributedDataParallel(autotune=True) needs optuna on the group's first rank "
+                              "(pip install optuna, or pip install rumor[autotune])")
+        if status == 1:
+            setting = self._decode(t)
+            self._apply(setting)
+            self.history.append(dict(step=0, kind="cached", setting=setting))
+            self.done = True
+            if self.best is None:
+                self.best = dict(setting=setting, source="cache")
+            if self.is_root and self.cfg.verbose:
+                print(f"rumor autotune: using the cached setting for this model and layout ({self.cache_path}): "
+                      f"{ddp_kwargs(setting, type(self.ddp.algorithm).__name__)}", file=sys.stderr, flush=True)
+
+    # ---- the search -------------------------------------------------------------------------
+
+    def observe_ready_times(self, local_order: List[int], local_times: List[Optional[float]],
+                            order: List[int]) -> None:
+        """From the wrapper's first-iteration rebuild: the agreed order, and (meaningful on the
+        group's first rank, whose order it is) how far apart the gradients arrived."""
+        self._order = list(order)
+        gaps = [0.0] * len(order)
+        if self.is_root:
+            for j in range(1, len(local_times)):
+                a, b = local_times[j - 1], local_times[j]
+                gaps[j] = (b - a) if a is not None and b is not None else 0.0
+        self._gaps = gaps
+
+    def before_forward(self) -> None:
+        if self.done:
+            return
+        now = time.perf_counter()
+        self.forwards += 1
+        if not self.ddp._rebuilt:
+            return  # the first iteration's rebuild is still to come
+        if self.started_at is None:
+            self._begin(now)
+            return
+        interval = now - self.last
+        self.tuning_s += interval
+        self.last = now
+        if self.step_in_trial >= self.cfg.warm_steps:
+            self.samples.append(interval)
+        self.step_in_trial += 1
+        if self.step_in_trial == self.cfg.warm_steps + self.cfg.measure_steps:
+            self._end_trial()
+        self.last = time.perf_counter()  # the decision and the rebuild count as tuning, not as the next step
+        self.tuning_s += self.last - now
+
+    def _begin(self, now: float) -> None:
+        from .collectives import broadcast_
+
+        n = len(self.ddp._params)
+        if self._order is None:  # the algorithm kept its first buckets: no ready order observed
+            self._order, self._gaps = list(reversed(range(n))), [0.0] * n
+        g = torch.tensor(self._gaps, dtype=torch.float64)
+        broadcast_(g, self.root, self.group)
+        self._gaps = g.tolist()
+        self.started_at = self.forwards
+        if self.is_root:
+            import optuna
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            trials = self.cfg.trials
+            sampler = optuna.samplers.TPESampler(seed=self.cfg.seed, n_startup_trials=max(2, min(10, trials // 3)))
+            self._study = optuna.create_study(direction="minimize", sampler=sampler)
+            self._study.enqueue_trial({k: self.choices[k].index(self.default[k]) for k in self.knobs})
+            self._ask()  # trial 0: the enqueued defaults, already in place
+        self._next_trial(self._canonical(self.default), kind="trial")
+        self.last = time.perf_counter()
+        self.tuning_s += self.last - now
+
+    def _ask(self) -> Dict:
+        for _ in range(32):
+            trial = self._study.ask()
+            # Ordered knobs as an index, so that TPE sees neighbouring values as neighbours.
+            setting = {k: self.choices[k][trial.suggest_int(k, 0, len(self.choices[k]) - 1)] for k in self.knobs}
+            done = [i for i, s in enumerate(self._settings) if s == self._canonical(setting)]
+            if not done:
+                break
+            # Already measured: tell the sampler its score instead of spending steps on it again.
+            self._study.tell(trial, self._scores[done[0]])
+        self._trials.append(trial)
+        return setting
+
+    def _canonical(self, setting: Dict) -> Dict:
+        # What every rank holds after the broadcast (floats, None, bools), for comparisons.
+        return self._decode(self._encode(0, setting))
+
+    def _next_trial(self, setting: Dict, kind: str) -> None:
+        self.trial += 1
+        self.step_in_trial = 0
+        self.samples = []
+        self._settings.append(setting)
+        self.history.append(dict(step=self.forwards, kind=kind, trial=self.trial, setting=setting))
+
+    def _end_trial(self) -> None:
+        from .collectives import ReduceOp, allreduce, broadcast_
+
+        worst = allreduce(torch.tensor(self.samples, dtype=torch.float64), op=ReduceOp.MAX, group=self.group)
+        score = statistics.median(worst.tolist())
+        self._scores.append(score)
+        self.history[-1]["score_s"] = score
+        status, setting = 0, None
+        if self.is_root:
+            self._study.tell(self._trials[-1], score)
+            if self.trial + 1 < self.cfg.trials:
+                setting = self._ask()
+            else:
+                status = 1
+                best = min(range(len(self._scores)), key=lambda i: self._scores[i])
+                setting = self._settings[best]
+        t = self._encode(status, setting)
+        broadcast_(t, self.root, self.group)
+        setting = self._decode(t)
+        self._apply(setting, self._order, self._gaps)
+        if int(t[0]) == 0:
+            self._next_trial(setting, kind="trial")
+            return
+        self.done = True
+        self.history.append(dict(step=self.forwards, kind="final", setting=setting))
+        best = min(range(len(self._scores)), key=lambda i: self._scores[i])
+        self.best = dict(setting=setting, step_s=self._scores[best], default_step_s=self._scores[0],
+                         trials=len(self._scores), tuning_steps=self.forwards - self.started_at,
+                         tuning_s=self.tuning_s, source="search")
+        if self.is_root:
+            record = dict(setting=setting, step_s=self._scores[best], default_step_s=self._scores[0],
+                          trials=len(self._scores), budget_steps=self.cfg.budget_steps,
+                          torch=torch.__version__, saved=datetime.datetime.now(datetime.timezone.utc).isoformat())
+            saved = ""
+            if self.cfg.use_cache:
+                try:
+                    self._write_cache(record)
+                    saved = f"; saved to {self.cache_path}"
+                except OSError as e:  # tuning worked; only the reuse is lost
+                    saved = f"; could not save to {self.cache_path}: {e}"
+            if self.cfg.verbose:
+                print(f"rumor autotune: {len(self._scores)} trials in {self.forwards - self.started_at} steps "
+                      f"({self.tuning_s:.1f} s); step {self._scores[best] * 1e3:.1f} ms vs "
+                      f"{self._scores[0] * 1e3:.1f} ms with the defaults{saved}\n"
+                      f"rumor autotune: pass by hand: rumor.DistributedDataParallel(model, "
+                      f"{ddp_kwargs(setting, type(self.ddp.algorithm).__name__)})\n"
+                      f"rumor autotune: {self._streams_note()}", file=sys.stderr, flush=True)
+        self._study = None
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return True
+
+
+def status(ddp: "DistributedDataParallel") -> Optional[Dict]:
+    """The autotuner's state for a wrapper (None when autotune is off): done, the settings every
+    rank applied and at which training forward (history; identical on every rank), the knobs
+    searched, and once done the best setting with its score and the defaults' (best)."""
+    tuner = getattr(ddp, "_autotuner", None)
+    if tuner is None:
+        return None
+    return dict(done=tuner.done, knobs=list(tuner.knobs), key=tuner.key, cache=tuner.cache_path,
+                history=[dict(h) for h in tuner.history], best=None if tuner.best is None else dict(tuner.best),
+                default=dict(tuner.default), config=asdict(tuner.cfg))

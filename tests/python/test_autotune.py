@@ -1,0 +1,246 @@
+"""DistributedDataParallel(autotune=...): agreement, correctness, cache, budget, bad arguments.
+
+Each scenario trains the same float64 model twice in the same processes, without and with
+autotuning, and compares: the tuned run must end with the untuned run's weights (allclose at
+float64 tolerance: rebuilt buckets change only the summation order), every rank must report the
+same settings applied at the same training forward, the search must stay inside its budget and
+must really rebuild the buckets. A third wrapper then finds the result in the cache and tunes
+nothing. No timings are asserted (scores are whatever the machine measured).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+
+import harness
+
+TOL64 = dict(rtol=1e-9, atol=1e-12)
+# Small candidates, so that even the test model spans a different number of buckets per trial.
+SPACE = {"bucket_cap_mb": [0.01, 0.05, 0.2, 1.0], "first_bucket_mb": [0.002, 0.01, 0.05],
+         "bucket_split_gap_ms": [0.01, 1.0, float("inf")]}
+TUNE = dict(budget_steps=10, warm_steps=1, measure_steps=1, seed=3, space=SPACE, verbose=False)
+
+
+def _train_pair(cache_path, steps):
+    import torch
+
+    import rumor
+    from rumor import autotune
+    from rumor.testing import models
+
+    torch.set_num_threads(1)
+    rumor.init()
+    rank = rumor.rank()
+
+    def run(tune):
+        model = models.build("mlp25m", seed=1, scale=1 / 64, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ddp = rumor.DistributedDataParallel(model, optimizer=opt, bucket_cap_mb=0.05, first_bucket_mb=0.01,
+                                            autotune=tune)
+        buckets, applied = [], []
+        for step in range(steps):
+            x, y = models.batch(model, 4, step=step, shard=rank)
+            opt.zero_grad()
+            models.loss(ddp(x), y).backward()
+            opt.step()
+            buckets.append(len(ddp.buckets))
+            # what the wrapper really ran this step with
+            applied.append(dict(bucket_cap_mb=ddp._cap_bytes, first_bucket_mb=ddp._first_cap_bytes,
+                                bucket_split_gap_ms=ddp._split_gap_s, hierarchical=ddp.algorithm.hierarchical,
+                                shared_buckets=ddp._shared_setting is not False and ddp._shared_buckets(),
+                                small_allreduce_kb=ddp.algorithm.small_allreduce_kb,
+                                arena=ddp.buckets[0].arena is not None))
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return (params, buckets, autotune.status(ddp), (ddp._cap_bytes, ddp._first_cap_bytes, ddp._split_gap_s),
+                applied)
+
+    ref, ref_buckets, none_status, _, _ = run(False)
+    tuned, buckets, st, attrs, applied = run(dict(TUNE, cache=cache_path))
+    again, _, st2, attrs2, _ = run(dict(TUNE, cache=cache_path))
+    return dict(rank=rank, ref=ref, tuned=tuned, again=again, buckets=buckets, ref_buckets=ref_buckets,
+                none_status=none_status, status=st, status2=st2, attrs=attrs, attrs2=attrs2, applied=applied)
+
+
+def _check(results, knobs):
+    import torch
+
+    n_trials = TUNE["budget_steps"] // (TUNE["warm_steps"] + TUNE["measure_steps"])
+    r0 = results[0]
+    assert r0["none_status"] is None
+    for r in results:
+        # same results as the untuned run (float64, only the summation order differs)
+        torch.testing.assert_close(r["tuned"], r["ref"], **TOL64)
+        torch.testing.assert_close(r["again"], r["ref"], **TOL64)
+        # every rank applied the same settings at the same forward, and decided the same
+        assert r["status"]["history"] == r0["status"]["history"], f"rank {r['rank']} disagrees"
+        assert r["status"]["best"]["setting"] == r0["status"]["best"]["setting"]
+        assert r["buckets"] == r0["buckets"]
+        torch.testing.assert_close(r["tuned"], r0["tuned"], rtol=0, atol=0)
+    st = r0["status"]
+    assert st["done"] and sorted(st["knobs"]) == sorted(knobs)
+    hist = st["history"]
+    kinds = [h["kind"] for h in hist]
+    assert kinds == ["trial"] * n_trials + ["final"]
+    assert hist[0]["setting"] == st["default"]  # the first trial is the wrapper's own setting
+    # budget: the search starts at the second training forward and is over within budget_steps
+    first, final = hist[0]["step"], hist[-1]["step"]
+    assert first == 2 and final - first <= TUNE["budget_steps"]
+    assert [h["step"] for h in hist[:-1]] == [first + i * 2 for i in range(n_trials)]
+    # the best is the trial with the lowest score, and it is what stays in place
+    scores = [h["score_s"] for h in hist[:-1]]
+    assert all(s > 0 for s in scores)
+    best = min(range(n_trials), key=lambda i: scores[i])
+    assert hist[-1]["setting"] == hist[best]["setting"] == st["best"]["setting"]
+    cap, first_cap, gap = r0["attrs"]
+    s = st["best"]["setting"]
+    assert (cap, first_cap) == (int(s["bucket_cap_mb"] * 1024 * 1024), int(s["first_bucket_mb"] * 1024 * 1024))
+    assert gap == s["bucket_split_gap_ms"] / 1e3
+    # trials differed (a setting already measured is never measured again) ...
+    keys = [json.dumps(h["setting"], sort_keys=True) for h in hist[:-1]]
+    assert len(set(keys)) == len(keys)
+    # ... and each one really ran: the step that began at forward f (1-based) ran the setting of
+    # the last history entry applied at or before f
+    mb = 1024 * 1024
+    for r in results:
+        for f, a in enumerate(r["applied"], start=1):
+            s = [h for h in hist if h["step"] <= f][-1]["setting"] if f >= first else st["default"]
+            assert a["bucket_cap_mb"] == int(s["bucket_cap_mb"] * mb), (f, a, s)
+            assert a["first_bucket_mb"] == int(s["first_bucket_mb"] * mb), (f, a, s)
+            assert a["bucket_split_gap_ms"] == s["bucket_split_gap_ms"] / 1e3, (f, a, s)
+            for k in ("hierarchical", "small_allreduce_kb"):
+                if k in s:
+                    assert a[k] == s[k], (f, k, a, s)
+            if "shared_buckets" in s:
+                assert a["arena"] == a["shared_buckets"] == s["shared_buckets"], (f, a, s)
+    # the second wrapper found the result in the cache: no trials, the same setting at once
+    st2 = r0["status2"]
+    assert [h["kind"] for h in st2["history"]] == ["cached"]
+    assert st2["history"][0]["setting"] == s and st2["done"]
+    assert r0["attrs2"] == r0["attrs"]
+    for r in results:
+        assert r["status2"]["history"] == st2["history"]
+
+
+def _check_cache(path, knobs, world_size, hosts):
+    with open(path) as f:
+        data = json.load(f)
+    assert data["version"] == 1 and len(data["entries"]) == 1
+    (key, entry), = data["entries"].items()
+    assert f"world={world_size},hosts={hosts}" in key and "algorithm=GradientAllReduce" in key
+    (streams, rec), = entry["by_streams"].items()
+    assert streams == "2" and sorted(rec["setting"]) == sorted(knobs) and rec["trials"] == 5
+
+
+def test_autotune_one_host_two_ranks():
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "sub", "autotune.json")
+        res = harness.run(_train_pair, 2, timeout=120, args=(path, 14))
+        knobs = ["bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms", "shared_buckets", "small_allreduce_kb"]
+        _check(res, knobs)
+        _check_cache(path, knobs, 2, 1)
+
+
+def test_autotune_two_hosts_hierarchical_knob():
+    """2 hosts x 2 ranks (RUMOR_HOST_ID): hierarchical on/off is searched too."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "autotune.json")
+        rank_env = [{"RUMOR_HOST_ID": h} for h in ("hA", "hA", "hB", "hB")]
+        res = harness.run(_train_pair, 4, timeout=150, args=(path, 14), rank_env=rank_env)
+        knobs = ["bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms", "hierarchical", "small_allreduce_kb"]
+        _check(res, knobs)
+        _check_cache(path, knobs, 4, 2)
+
+
+def _bad_args():
+    import warnings
+
+    import torch
+
+    import rumor
+    from rumor import autotune
+    from rumor.algorithms import Decentralized, GradientAllReduce
+
+    rumor.init()
+    model = torch.nn.Linear(4, 4)
+    errors = {}
+    cases = {
+        "str": dict(autotune="yes"),
+        "unknown option": dict(autotune={"budget": 10}),
+        "small budget": dict(autotune={"budget_steps": 5}),
+        "zero measure": dict(autotune={"measure_steps": 0}),
+        "negative warm": dict(autotune={"warm_steps": -1}),
+        "float budget": dict(autotune={"budget_steps": 50.0}),
+        "bad knob": dict(autotune={"space": {"streams": [1, 2]}}),
+        "bad value": dict(autotune={"space": {"bucket_cap_mb": [0]}}),
+        "bad bool": dict(autotune={"space": {"hierarchical": [1]}}),
+        "algorithm": dict(autotune=True, algorithm=Decentralized()),
+        "gap": dict(bucket_split_gap_ms=0),
+        "shared": dict(shared_buckets=1),
+    }
+    for name, kw in cases.items():
+        try:
+            rumor.DistributedDataParallel(model, **kw)
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001
+            errors[name] = (type(e).__name__, str(e))
+    try:
+        GradientAllReduce(small_allreduce_kb=-1)
+        errors["threshold"] = None
+    except ValueError as e:
+        errors["threshold"] = ("ValueError", str(e))
+    # From the environment (rumor-run --autotune) an algorithm it cannot tune is a warning, not an error.
+    os.environ["RUMOR_AUTOTUNE"] = "1"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ddp = rumor.DistributedDataParallel(torch.nn.Linear(4, 4), algorithm=Decentralized())
+    env_warned = [str(x.message) for x in w]
+    env_status = autotune.status(ddp)
+    os.environ["RUMOR_AUTOTUNE_BUDGET"] = "3"
+    try:
+        rumor.DistributedDataParallel(torch.nn.Linear(4, 4))
+        errors["env budget"] = None
+    except ValueError as e:
+        errors["env budget"] = ("ValueError", str(e))
+    return errors, env_warned, env_status
+
+
+def test_autotune_bad_arguments():
+    (errors, warned, env_status), = harness.run(_bad_args, 1, timeout=60)
+    expect = {"str": "TypeError", "unknown option": "TypeError", "small budget": "ValueError",
+              "zero measure": "ValueError", "negative warm": "ValueError", "float budget": "TypeError",
+              "bad knob": "ValueError", "bad value": "ValueError", "bad bool": "TypeError",
+              "algorithm": "ValueError", "gap": "ValueError", "shared": "TypeError", "threshold": "ValueError",
+              "env budget": "ValueError"}
+    for name, kind in expect.items():
+        assert errors[name] is not None, f"{name}: no exception"
+        assert errors[name][0] == kind, (name, errors[name])
+    assert "budget_steps" in errors["small budget"][1] and "Decentralized" in errors["algorithm"][1]
+    assert "bucket_split_gap_ms" in errors["gap"][1] and "small_allreduce_kb" in errors["threshold"][1]
+    assert env_status is None and any("RUMOR_AUTOTUNE ignored" in m for m in warned)
+
+
+def test_rumor_run_autotune_flag(monkeypatch):
+    from rumor import run
+
+    args = run._parser().parse_args(["--nproc-per-node", "2", "--autotune", "--autotune-budget", "20", "train.py"])
+    run._validate(args)
+    assert args.rumor_autotune and args.rumor_autotune_budget == "20"
+    bad = run._parser().parse_args(["--autotune-budget", "x", "train.py"])
+    with pytest.raises(SystemExit, match="--autotune-budget"):
+        run._validate(bad)
+    # main() turns the flags into the variables DistributedDataParallel reads in every worker.
+    seen = {}
+    monkeypatch.setattr("torch.distributed.run.run", lambda a: seen.update(
+        auto=os.environ.get("RUMOR_AUTOTUNE"), budget=os.environ.get("RUMOR_AUTOTUNE_BUDGET")))
+    monkeypatch.setattr("rumor._shm.sweep", lambda: None)
+    monkeypatch.delenv("RUMOR_AUTOTUNE", raising=False)
+    monkeypatch.delenv("RUMOR_AUTOTUNE_BUDGET", raising=False)
+    try:
+        run.main(["--nproc-per-node", "1", "--autotune", "--autotune-budget", "20", "train.py"])
+    finally:
+        os.environ.pop("RUMOR_AUTOTUNE", None)
+        os.environ.pop("RUMOR_AUTOTUNE_BUDGET", None)
+    assert seen == {"auto": "1", "budget": "20"}
