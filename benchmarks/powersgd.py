@@ -12,7 +12,14 @@ What runs
     rumor rK    rumor.DistributedDataParallel(model, algorithm=PowerSGD(matrix_approximation_rank=K,
                 start_powerSGD_iter=--start)), for every K of --psgd-ranks (default 1,4);
     torch rK    torch.nn.parallel.DistributedDataParallel(model) + register_comm_hook(
-                PowerSGDState(matrix_approximation_rank=K, start_powerSGD_iter=--start), powerSGD_hook);
+                PowerSGDState(matrix_approximation_rank=K, start_powerSGD_iter=--start), powerSGD_hook),
+                with one bucket (bucket_cap_mb=4096). torch's hook cannot run several buckets on
+                gloo: its callbacks issue the P and Q allreduces and wait for them on gloo's worker
+                threads, so with gloo's default 2 threads two buckets in that phase deadlock, and
+                with more threads the ranks issue the buckets' collectives in different orders and
+                gloo pairs mismatched messages ("Received data size doesn't match expected size");
+                both seen with 4 ranks on mlp25m (5 buckets). One bucket is the configuration in
+                which torch's hook works here; it cannot overlap communication with backward;
     torch DDP   (with --torch-ddp) plain torch DDP: uncompressed.
   Both PowerSGD implementations use the same defaults (error feedback, warm start, min
   compression rate 2, seed 0). --warmup unmeasured steps (default --start + 2: both compress from
@@ -49,6 +56,7 @@ from _common import Progress, emit, parse_rate
 
 MODELS = ("mlp25m", "transformer")
 TARGET = 1.5
+TORCH_ONE_BUCKET_MB = 4096
 
 
 def fmt_ms(s: float) -> str:
@@ -100,7 +108,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             return ddp
 
         def torch_wrap(m, k=k):
-            ddp = TorchDDP(m)
+            # One bucket: see the module docstring (torch's hook cannot run several on gloo).
+            ddp = TorchDDP(m, bucket_cap_mb=TORCH_ONE_BUCKET_MB)
             state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=k,
                                        start_powerSGD_iter=cfg["start"])
             ddp.register_comm_hook(state, psgd.powerSGD_hook)
@@ -183,7 +192,8 @@ class Job(_common.Job):
     def config(self) -> Dict:
         a = self.args
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, block=a.block, lr=a.lr,
-                    seed=a.seed, scale=a.scale, start=a.start, psgd_ranks=a.psgd_ranks, torch_ddp=a.torch_ddp)
+                    seed=a.seed, scale=a.scale, start=a.start, psgd_ranks=a.psgd_ranks, torch_ddp=a.torch_ddp,
+)
 
     def on_message(self, kind: str, data) -> None:
         if kind == "progress":
@@ -263,7 +273,7 @@ def plot(path: str, cells: List[Dict], psgd_ranks: List[int]) -> Optional[str]:
         return _common.NO_MATPLOTLIB
     if not cells:
         return "no plot (no results)"
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 4.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(cells), figsize=(max(6.0, 4.6 * len(cells)), 4.4), squeeze=False)
     for ax, c in zip(axes[0], cells):
         v = c["variants"]
         names = list(v)
@@ -283,7 +293,7 @@ def plot(path: str, cells: List[Dict], psgd_ranks: List[int]) -> Optional[str]:
         ax.set_ylabel("samples/s")
         ax.set_title(f"{c['model']}, {c['hosts']} hosts @ {c['rate']}", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("rumor PowerSGD vs torch DDP + powerSGD_hook (labels: rumor/torch; dashed: link bound)",
+    fig.suptitle("rumor PowerSGD vs torch DDP + powerSGD_hook\n(labels: rumor/torch samples/s; dashed: link bound)",
                  fontsize=9)
     _common.save_figure(plt, fig, path)
     return None
@@ -314,6 +324,7 @@ def main(argv=None) -> int:
         ap.error("--hosts needs at least 2 hosts")
     if args.start < 2:
         ap.error("--start must be >= 2 (torch's PowerSGDState refuses less with error feedback)")
+    args.ranks_per_host = 1  # read by _common.Job
     args.warmup = args.start + 2 if args.warmup is None else args.warmup
     if args.warmup <= args.start:
         ap.error("--warmup must exceed --start so that every measured step compresses")
