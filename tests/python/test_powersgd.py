@@ -430,9 +430,20 @@ def powersgd_rank_3():
     return chk.failures, chk.count
 
 
+def sc_float64_refused(chk):
+    import torch
+
+    import rumor
+
+    model = _mlp(6).to(torch.float64)
+    chk.raises(TypeError, lambda: rumor.DistributedDataParallel(model, algorithm=rumor.algorithms.PowerSGD()),
+               "PowerSGD on float64 parameters", match="float32")
+
+
 def powersgd_rank_2():
     _init()
     chk = harness.Checker()
+    sc_float64_refused(chk)
     sc_state_dict_round_trip(chk)
     sc_torch_hook(chk, rank=2)
     sc_torch_hook(chk, rank=1)

@@ -122,6 +122,7 @@ class PowerSGD(Algorithm):
         self.rng = np.random.RandomState(self.random_seed)
         self._states: Dict[int, _BucketState] = {}
         self._carry: Dict[str, dict] = {}  # per-parameter state waiting for its bucket
+        self._retired: List[_BucketState] = []
         self._prepared_iter: Optional[int] = None
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -172,6 +173,9 @@ class PowerSGD(Algorithm):
                             "them as float16 or bfloat16)")
         if bucket.index == 0 and self._states:  # buckets are being rebuilt: keep each parameter's state
             self._carry.update(self._snapshot(clone=True))
+            # The engine holds the old ops, which point into these buffers, until every new op
+            # exists: they stay alive until the next forward.
+            self._retired = list(self._states.values())
             self._states = {}
         matrices, units, uncompressed, p_count, q_count = self._layout(bucket)
         count = bucket.flat.numel()
@@ -200,6 +204,7 @@ class PowerSGD(Algorithm):
     def _prepare(self) -> None:
         """Sets the ops for the next backward (between iterations: no bucket is in flight) and
         draws the random initial Q where torch's hook would, in bucket order."""
+        self._retired = []
         if self._prepared_iter == self.iter:
             return
         self._prepared_iter = self.iter
