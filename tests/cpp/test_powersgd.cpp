@@ -242,6 +242,41 @@ TEST(PowerSgdOp, ThreeRanksMatchDoubleReferenceAndAgree) {
       for (size_t i = 0; i < u.count; ++i) EXPECT_EQ(errs_out[r][u.offset + i], 0.f);
 }
 
+// Half-precision wire: P, Q and the uncompressed values are rounded before the sums; every rank
+// still ends with the same bits, within half precision of the float32 wire's result.
+TEST(PowerSgdOp, HalfWireAgreesAcrossRanks) {
+  for (DType wire : {DType::F16, DType::BF16}) {
+    ops::PowerSgdConfig cfg;
+    cfg.matrices = {{0, 12, 20, 2, 0, 0}};
+    cfg.uncompressed = {{240, 7}};
+    const size_t count = 247, p_count = 24, q_count = 40;
+    const uint32_t world = 3;
+    auto w = make_world(testing::one_host(world), quick_options(false));
+    const auto q0 = randn(q_count, 5);
+    std::vector<std::vector<float>> half(world), full(world);
+    auto errs = run_ranks(w, [&](Communicator& c, uint32_t r) {
+      for (DType d : {wire, DType::F32}) {
+        auto cfg_d = cfg;
+        cfg_d.wire = d;
+        std::vector<float> p(p_count), q = q0, e(count, 0.f), g = randn(count, 300 + r);
+        ops::PowerSgdBucketOp op(cfg_d, count, p.data(), p_count, q.data(), q_count, e.data());
+        op.set_compressing(true);
+        op.run(c, g.data(), count, DType::F32);
+        (d == wire ? half : full)[r] = g;
+      }
+    });
+    testing::expect_all_ok(errs);
+    if (HasFailure()) return;
+    const double tol = wire == DType::F16 ? 1e-2 : 5e-2;
+    for (uint32_t r = 0; r < world; ++r) {
+      EXPECT_EQ(half[r], half[0]) << "rank " << r;
+      for (size_t t = 0; t < count; ++t)
+        EXPECT_NEAR(half[r][t], full[r][t], tol * (1 + std::abs(full[r][t]))) << dtype_name(wire) << " " << t;
+    }
+    EXPECT_NE(half[0], full[0]) << "the wire dtype changed nothing";
+  }
+}
+
 TEST(PowerSgdOp, RejectsLayoutsThatDoNotTileTheBucket) {
   std::vector<float> p(64), q(64), e(100);
   auto make = [&](ops::PowerSgdConfig cfg, size_t count) {
