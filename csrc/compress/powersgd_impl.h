@@ -103,7 +103,42 @@ void back_project(const float* a, size_t n, size_t m, const float* p, uint32_t k
   }
 }
 
+// One row for a rank known at compile time: one pass, the same sums in the same order as the
+// general loop below (c = 0 first, then each further product added), so the same bits.
+template <uint32_t K>
+void reconstruct_fixed(const float* p, size_t n, const float* qt, size_t m, float* out, float* err) {
+  for (size_t i = 0; i < n; ++i) {
+    float s[K];
+    for (uint32_t c = 0; c < K; ++c) s[c] = p[i * K + c];
+    float* __restrict o = out + i * m;
+    float* __restrict e = err != nullptr ? err + i * m : nullptr;
+    const float* __restrict q = qt;
+    for (size_t j = 0; j < m; ++j) {
+      float v = s[0] * q[j];
+      for (uint32_t c = 1; c < K; ++c) {
+        const float prod = s[c] * q[c * m + j];
+        v = v + prod;
+      }
+      o[j] = v;
+    }
+    if (e != nullptr)
+      for (size_t j = 0; j < m; ++j) e[j] -= o[j];
+  }
+}
+
 void reconstruct(const float* p, size_t n, uint32_t k, const float* qt, size_t m, float* out, float* err) {
+  switch (k) {
+    case 1:
+      return reconstruct_fixed<1>(p, n, qt, m, out, err);
+    case 2:
+      return reconstruct_fixed<2>(p, n, qt, m, out, err);
+    case 3:
+      return reconstruct_fixed<3>(p, n, qt, m, out, err);
+    case 4:
+      return reconstruct_fixed<4>(p, n, qt, m, out, err);
+    default:
+      break;
+  }
   for (size_t i = 0; i < n; ++i) {
     float* __restrict o = out + i * m;
     const float* pi = p + i * k;
