@@ -342,7 +342,7 @@ def sc_state_dict_round_trip(chk):
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "algo": algo.state_dict()}, buf)
     buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = torch.load(buf, weights_only=True)  # tensors and plain values only
 
     model, opt, algo = make()
     model.load_state_dict(saved["model"])
@@ -438,6 +438,11 @@ def sc_float64_refused(chk):
     model = _mlp(6).to(torch.float64)
     chk.raises(TypeError, lambda: rumor.DistributedDataParallel(model, algorithm=rumor.algorithms.PowerSGD()),
                "PowerSGD on float64 parameters", match="float32")
+    algo = rumor.algorithms.PowerSGD()
+    keep = rumor.DistributedDataParallel(_mlp(6), algorithm=algo)
+    chk.raises(ValueError, lambda: rumor.DistributedDataParallel(_mlp(6), algorithm=algo),
+               "one PowerSGD for two wrappers", match="another")
+    del keep
 
 
 def powersgd_rank_2():

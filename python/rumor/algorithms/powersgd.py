@@ -3,6 +3,7 @@ semantics), computed in C++ on the communication thread while backward goes on."
 from __future__ import annotations
 
 import numbers
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -123,6 +124,7 @@ class PowerSGD(Algorithm):
         self._states: Dict[int, _BucketState] = {}
         self._carry: Dict[str, dict] = {}  # per-parameter state waiting for its bucket
         self._retired: List[_BucketState] = []
+        self._owner = None  # weak reference to the wrapper whose buckets these are
         self._prepared_iter: Optional[int] = None
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -167,6 +169,11 @@ class PowerSGD(Algorithm):
     # ---- Algorithm hooks ------------------------------------------------------------------------
 
     def bucket_op(self, ddp, bucket):
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and owner is not ddp:
+            raise ValueError("rumor.algorithms.PowerSGD: this algorithm already serves another "
+                             "DistributedDataParallel; give each wrapper its own PowerSGD")
+        self._owner = weakref.ref(ddp)
         if bucket.flat.dtype != torch.float32:
             raise TypeError(f"rumor.algorithms.PowerSGD: parameters {bucket.names[:3]} are {bucket.flat.dtype}; "
                             "PowerSGD compresses float32 gradients (use float32 parameters; wire_dtype sends "
@@ -261,7 +268,11 @@ class PowerSGD(Algorithm):
         its error feedback, P and Q (copies)."""
         params = self._snapshot(clone=True)
         params.update({k: dict(v) for k, v in self._carry.items()})
-        return {"iter": self.iter, "rng": self.rng.get_state(), "params": params,
+        name, keys, pos, has_gauss, gauss = self.rng.get_state()
+        # Tensors and plain numbers only: the checkpoint loads with torch.load(weights_only=True).
+        rng = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+               "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+        return {"iter": self.iter, "rng": rng, "params": params,
                 "matrix_approximation_rank": self.matrix_approximation_rank,
                 "use_error_feedback": self.use_error_feedback, "warm_start": self.warm_start}
 
@@ -276,7 +287,12 @@ class PowerSGD(Algorithm):
                              f"matrix_approximation_rank={rank}, this PowerSGD has "
                              f"{self.matrix_approximation_rank}")
         self.iter = _check_int(state["iter"], "iter", 0)
-        self.rng.set_state(state["rng"])
+        rng = state["rng"]
+        try:
+            self.rng.set_state((rng["name"], rng["keys"].numpy().astype(np.uint32), rng["pos"], rng["has_gauss"],
+                                rng["cached_gaussian"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"rumor.algorithms.PowerSGD.load_state_dict: bad random generator state ({e})") from None
         self._carry = {k: dict(v) for k, v in state["params"].items()}
         states, self._states = self._states, {}
         for idx in sorted(states):
