@@ -58,5 +58,6 @@ void bind_decentralized_ops(py::module_& m);
 void bind_window(py::module_& m);
 void bind_optim(py::module_& m);
 void bind_trace(py::module_& m);
+void bind_powersgd(py::module_& m);
 
 }  // namespace rumor::bindings

@@ -269,4 +269,5 @@ PYBIND11_MODULE(_C, m) {
   bind_window(m);
   bind_optim(m);
   bind_trace(m);
+  bind_powersgd(m);
 }
