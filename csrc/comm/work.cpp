@@ -71,17 +71,21 @@ void Worker::loop() {
     cv_.wait(lk, [&] { return stop_ || (!busy_ && !queue_.empty()); });
     if (queue_.empty() && stop_) return;
     if (queue_.empty()) continue;
-    auto [fn, work] = std::move(queue_.front());
+    auto task = std::move(queue_.front());
     queue_.pop_front();
     busy_ = true;
     lk.unlock();
     std::exception_ptr err;
     try {
-      fn();
+      task.first();
     } catch (...) {
       err = std::current_exception();
     }
-    work->finish(err);
+    task.second->finish(err);
+    // The task's captures may hold the last reference to an op whose destructor takes another
+    // lock (a Python-backed op takes the GIL): release them before mu_, or a thread holding
+    // that lock and submitting here would wait for mu_ while this one waits for its lock.
+    task = {};
     lk.lock();
     busy_ = false;
     cv_.notify_all();

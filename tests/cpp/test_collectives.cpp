@@ -2,6 +2,9 @@
 // locally. Inputs are small integers stored as floats, so every result is exact.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <future>
+#include <mutex>
 #include <numeric>
 #include <tuple>
 
@@ -205,6 +208,42 @@ TEST(Worker, ManyNonblockingOpsInFlight) {
     }
   });
   expect_all_ok(errs);
+}
+
+// A task's captures may be the last owner of something whose destructor takes a lock that a
+// submitting thread holds (the GIL, for a Python-backed optimizer step): the worker must drop
+// them without its own mutex held, or submit() and the destructor wait for each other.
+TEST(Worker, CapturesAreReleasedWithoutTheWorkerLock) {
+  Worker worker;
+  std::mutex outer;  // plays the GIL
+  std::atomic<bool> in_destructor{false};
+  struct Holder {
+    std::mutex* outer;
+    std::atomic<bool>* entered;
+    ~Holder() {
+      entered->store(true);
+      std::lock_guard lk(*outer);
+    }
+  };
+  std::unique_lock held(outer);
+  auto holder = std::make_shared<Holder>(&outer, &in_destructor);  // no temporary Holder
+  auto first = worker.submit([h = holder] {});
+  holder.reset();  // the task's capture is the last owner
+  first->wait(Deadline::after(30));
+  const Deadline dl = Deadline::after(30);
+  while (!in_destructor.load()) {
+    if (dl.expired()) FAIL() << "the task's captures were never released";
+    std::this_thread::yield();
+  }
+  // The worker now waits for `outer` in the destructor; this thread holds it and submits.
+  auto second = std::async(std::launch::async, [&] { return worker.submit([] {}); });
+  if (second.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+    ADD_FAILURE() << "submit() blocked while the worker released a task's captures: lock inversion";
+    std::fflush(nullptr);
+    std::_Exit(1);  // both threads are deadlocked: nothing can be joined
+  }
+  held.unlock();
+  second.get()->wait(Deadline::after(30));
 }
 
 }  // namespace
