@@ -8,3 +8,4 @@ from .onebit_adam import OneBitAdam  # noqa: F401
 from .decentralized import Decentralized  # noqa: F401
 from .low_precision_decentralized import LowPrecisionDecentralized  # noqa: F401
 from .async_model_average import AsyncModelAverage  # noqa: F401
+from .local_sgd import DiLoCo, LocalSGD, StreamingDiLoCo  # noqa: F401
