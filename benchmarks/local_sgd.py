@@ -17,7 +17,9 @@ How it measures
   multiple of every H, so that each block holds whole rounds, its synchronizations included),
   rotating which variant goes first; each variant runs one unmeasured block first. A block
   starts after a gloo barrier and ends when this rank's averages in flight are done (DiLoCo's
-  wait()); its time is the slowest rank's. No barrier inside a block: the ranks of a local
+  wait()); its time is the slowest rank's. The warm-up block is one step short, so measured
+  blocks end on step -1 mod H: each holds exactly one round of every fragment's sends and
+  applications, and (with fragment_sync_delay <= H/F - 1) nothing is in flight at its end. No barrier inside a block: the ranks of a local
   method run free between synchronizations, as they would in training.
   samples/s = global batch x steps / summed block time. Losses after equal samples (every
   variant sees the same samples): the training loss (mean over ranks) of the last
@@ -153,12 +155,18 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     losses = {v: [] for v in names}
     total = len(names) * cfg["block"] * (cfg["blocks"] + 1)
     done = 0
-    for v in names:  # one unmeasured block each (its first rounds, buckets, caches)
-        block(v, counts[v], cfg["block"])
-        counts[v] += cfg["block"]
+    # One unmeasured block each (first rounds, buckets, caches), one step short: measured blocks
+    # then end on step t = -1 (mod H), after the last fragment's delayed average was applied and
+    # before the next round's first send, so no average is in flight at a block's end (waiting
+    # for one there would expose a transfer that training overlaps with the next steps).
+    warm = cfg["block"] - 1
+    for v in names:
+        block(v, counts[v], warm)
+        counts[v] += warm
         done += cfg["block"]
         if rank == 0:
             emit("progress", {"model": name, "done": done, "total": total, "what": f"warm-up {v}"})
+    sent0 = {v: variants[v][2].wire_bytes for v in names if hasattr(variants[v][2], "wire_bytes")}
     for b in range(cfg["blocks"]):
         k = b % len(names)
         for v in names[k:] + names[:k]:
@@ -203,8 +211,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             wire[v] = ring_bytes(nparams, 4, n)
         elif v == "localsgd":
             wire[v] = ring_bytes(nparams, 4, n) / cfg["local_h"]
-        else:
-            wire[v] = algo.bytes_per_step()
+        else:  # what the measured blocks (whole rounds) sent
+            wire[v] = (algo.wire_bytes - sent0[v]) / max(1, cfg["block"] * cfg["blocks"])
     if rank == 0:
         cell = dict(model=name, n=n, batch=batch, global_batch=batch * n, params=nparams, block=cfg["block"],
                     variants={})
@@ -212,7 +220,9 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             blocks = [max(per_rank[v][r][i] for r in range(n)) for i in range(len(times[v]))]
             cell["variants"][v] = dict(block_s=blocks, per_rank_block_s=per_rank[v],
                                        loss=(loss_t[v] / n).tolist(), eval_loss=eval_loss[v],
-                                       wire_bytes_per_step=wire[v])
+                                       wire_bytes_per_step=wire[v],
+                                       blocking=v == "localsgd" or (v == "diloco") or (
+                                           v == "streaming" and cfg["delay"] == 0))
         emit("cell", cell)
     del variants, data
     gc.collect()
@@ -264,7 +274,11 @@ def summarize(cell: Dict, link_Bps: Optional[float], loss_window: int) -> None:
         if "compute" in v:
             d["over_compute"] = d["samples_per_s"] / v["compute"]["samples_per_s"]
             if link_Bps:
-                d["link_bound_step_s"] = max(v["compute"]["step_s"], d["wire_bytes_per_step"] / link_Bps)
+                comm = d["wire_bytes_per_step"] / link_Bps
+                c = v["compute"]["step_s"]
+                # LocalSGD and DiLoCo wait for their averages (nothing to overlap them with);
+                # the others can hide communication behind computation
+                d["link_bound_step_s"] = c + comm if d.get("blocking") else max(c, comm)
                 d["link_bound_over_compute"] = v["compute"]["step_s"] / d["link_bound_step_s"]
         if "torch" in v:
             d["over_torch"] = d["samples_per_s"] / v["torch"]["samples_per_s"]
@@ -286,8 +300,9 @@ def print_table(cells: List[Dict], title: str, labels: Dict[str, str]) -> None:
             print(f"{c['model']:<12} {labels[k]:<22} {d['step_s'] * 1e3:>8.1f} {d['samples_per_s']:>8.1f} "
                   f"{100 * d.get('over_compute', float('nan')):>9.0f}% {d.get('over_torch', float('nan')):>7.2f}x "
                   f"{d['wire_bytes_per_step'] / 1e6:>8.2f} {lb:>10} {d['final_loss']:>10.4f} {d['eval_loss']:>14.4f}")
-    print("of compute: samples/s relative to compute-only; link bound: compute-only step / max(compute-only step, "
-          "bytes per step / link rate), the most that variant's traffic allows")
+    print("of compute: samples/s relative to compute-only; link bound: compute-only step / the step that "
+          "variant's traffic allows at link rate: compute + bytes/rate for the methods that wait for their "
+          "averages (LocalSGD, DiLoCo), max(compute, bytes/rate) for those that overlap them")
 
 
 def plot(path: str, jobs: List[Dict], labels: Dict[str, str]) -> Optional[str]:
@@ -349,6 +364,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fragments", type=int, default=4)
     ap.add_argument("--delay", type=int, default=None, help="streaming fragment_sync_delay (default H // (2F))")
     ap.add_argument("--quant", default="int8", help="streaming quantization: fp16, bf16, int8, 4bit or none")
+    ap.add_argument("--no-slow-start-after-idle", action="store_true",
+                    help="set net.ipv4.tcp_slow_start_after_idle=0 in every emulated host (all variants): a "
+                         "connection idle between two rare synchronizations keeps its congestion window")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="suffix for the JSON/PNG file names")
     _common.add_run_args(ap)
@@ -408,6 +426,10 @@ def main(argv=None) -> int:
                 if tcp is None:
                     return 2
                 link_Bps = parse_rate(rate)
+                if args.no_slow_start_after_idle:
+                    for i in range(args.hosts):
+                        drv.cluster.run(i, ["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
+                    meta["tcp_slow_start_after_idle"] = 0
                 print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), tbf {rate} = "
                       f"{link_Bps / 1e6:.1f} MB/s per link; one TCP stream through it: {tcp / 1e6:.1f} MB/s")
             jobs = []

@@ -377,7 +377,7 @@ def sc_diloco_state(chk, quantization=None):
     chk.check(a_b.steps == 11, f"{what}: steps {a_b.steps}")
 
 
-def sc_quantized(chk, quantization, rel):
+def sc_quantized(chk, quantization, rel, hierarchical=False):
     """Quantized pseudo-gradients: all ranks hold the same bits after each application; the
     outer parameters stay within the codec's error of the full-precision rule; bytes counted."""
     import torch
@@ -390,7 +390,8 @@ def sc_quantized(chk, quantization, rel):
     for q in (None, quantization):
         m = _net()
         o = _inner(m.parameters())
-        a = DiLoCo(inner_steps=2, num_fragments=2, fragment_sync_delay=0, quantization=q)
+        a = DiLoCo(inner_steps=2, num_fragments=2, fragment_sync_delay=0, quantization=q,
+                   hierarchical=hierarchical and q is not None)
         d = rumor.DistributedDataParallel(m, optimizer=o, algorithm=a)
         models.append((d, m))
         opts.append(o)
@@ -539,6 +540,8 @@ def hier_rank(H, warmup, cross, hosts):
     algo = ddp.algorithm
     chk.check(algo.global_averages == 2 and algo.averages == 6,
               f"hierarchical: {algo.averages} averages, {algo.global_averages} global")
+    # quantized DiLoCo, full precision inside each host, int8 between the two
+    sc_quantized(chk, "int8", 2e-2, hierarchical=True)
     import rumor
 
     rumor.barrier()
@@ -546,7 +549,8 @@ def hier_rank(H, warmup, cross, hosts):
 
 
 def test_local_sgd_hierarchical_two_hosts():
-    """2 hosts x 2 ranks (RUMOR_HOST_ID): within-host averages every H steps, global every 3rd."""
+    """2 hosts x 2 ranks (RUMOR_HOST_ID): within-host averages every H steps, global every 3rd;
+    and DiLoCo with int8 pseudo-gradients between the hosts only (hierarchical=True)."""
     hosts = [[0, 1], [2, 3]]
     rank_env = [{"RUMOR_HOST_ID": h} for h in ("hA", "hA", "hB", "hB")]
     res = harness.run(hier_rank, 4, timeout=120, rank_env=rank_env, args=(2, 1, 3, hosts))

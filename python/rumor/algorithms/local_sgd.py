@@ -426,6 +426,17 @@ class DiLoCo(Algorithm):
                     s.x.copy_(torch.lerp(s.outer.data, s.x.to(s.outer.dtype), alpha))
         self.log.append(("apply", self.steps, f.index))
 
+    def __del__(self):
+        # The comm thread may still read or write the send buffers, which this object owns: let
+        # the averages in flight finish before they are freed.
+        for f in getattr(self, "fragments", ()):
+            for w in f.works or ():
+                if w is not None:
+                    try:
+                        w.wait(60.0)
+                    except Exception:  # noqa: BLE001 - the error belongs to a step nobody waits for
+                        pass
+
     def bytes_per_step(self) -> float:
         """Bytes this rank sent per inner step so far (averages only)."""
         return self.wire_bytes / max(1, self.steps)
