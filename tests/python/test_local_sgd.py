@@ -240,7 +240,7 @@ def _outer_sgd(params):
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
-def sc_diloco_sim(chk, H=3, F=1, delay=0, alpha=0.0, steps=13, outer=None, lr_outer=None):
+def sc_diloco_sim(chk, H=3, F=1, delay=0, alpha=0.0, steps=13, outer=None, hierarchical=False):
     import torch
 
     import rumor
@@ -250,7 +250,8 @@ def sc_diloco_sim(chk, H=3, F=1, delay=0, alpha=0.0, steps=13, outer=None, lr_ou
     model = _net()
     opt = _inner(model.parameters())
     kw = {} if outer is None else dict(outer_optimizer=outer)
-    algo = DiLoCo(inner_steps=H, num_fragments=F, fragment_sync_delay=delay, fragment_update_alpha=alpha, **kw)
+    algo = DiLoCo(inner_steps=H, num_fragments=F, fragment_sync_delay=delay, fragment_update_alpha=alpha,
+                  hierarchical=hierarchical, **kw)
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=algo)
     tag = f"DiLoCo(H={H}, F={F}, delay={delay}, alpha={alpha}) n={n}"
 
@@ -306,7 +307,7 @@ def sc_diloco_sim(chk, H=3, F=1, delay=0, alpha=0.0, steps=13, outer=None, lr_ou
                     apply(p)
                     expected_log.append(("apply", t, p))
         chk.close(_flat(model), _flat(sim.models[me]), f"{tag} step {s}", **TOL)
-    chk.check(algo.log == expected_log, f"{tag}: schedule {algo.log} != expected {expected_log}")
+    chk.check(list(algo.log) == expected_log, f"{tag}: schedule {algo.log} != expected {expected_log}")
     outer_now = torch.cat([s_.outer.detach().reshape(-1) for f in algo.fragments for s_ in f.slots])
     want = torch.cat([o.detach().reshape(-1) for fr in outer_params for o in fr])
     chk.close(outer_now, want, f"{tag}: outer parameters", **TOL)
@@ -540,7 +541,8 @@ def hier_rank(H, warmup, cross, hosts):
     algo = ddp.algorithm
     chk.check(algo.global_averages == 2 and algo.averages == 6,
               f"hierarchical: {algo.averages} averages, {algo.global_averages} global")
-    # quantized DiLoCo, full precision inside each host, int8 between the two
+    # DiLoCo averaging inside each host, then between the hosts (full precision, then int8)
+    sc_diloco_sim(chk, H=4, F=2, delay=1, alpha=0.5, steps=9, hierarchical=True)
     sc_quantized(chk, "int8", 2e-2, hierarchical=True)
     import rumor
 

@@ -19,8 +19,9 @@ backward communicates nothing: the buckets run the local op.
 """
 from __future__ import annotations
 
+import collections
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
 
@@ -276,7 +277,8 @@ class DiLoCo(Algorithm):
     quantization: the pseudo-gradients on the wire: None (full precision), "fp16", "bf16",
       "int8" (ByteGrad's min/max uint8 codec) or "4bit" (QSGD, 7 levels: 4 bits of information,
       stored one per byte by rumor's codec). Compressed averages give every rank the same bits.
-    hierarchical: (quantized averages) full precision inside each host, compressed between hosts.
+    hierarchical: average inside each host first (shared memory, full precision), then between
+      one rank per host (compressed, when quantized), then broadcast inside each host.
 
     Needs the optimizer given to the wrapper. ``state_dict()`` holds the round state (step
     counter, outer parameters, outer optimizer, results not yet applied): checkpoint it with the
@@ -315,7 +317,8 @@ class DiLoCo(Algorithm):
         self.hierarchical = hierarchical
         self.steps = 0        # inner steps so far
         self.wire_bytes = 0.0  # bytes this rank sent for the averages
-        self.log: List[tuple] = []  # ("send" | "apply", inner step, fragment), in order (tests, diagnostics)
+        # ("send" | "apply", inner step, fragment), in order, the latest ones (tests, diagnostics)
+        self.log: Deque[tuple] = collections.deque(maxlen=4096)
         self._ddp = None
         self.fragments: List[_Fragment] = []
         self.outer_optimizer: Optional[torch.optim.Optimizer] = None
@@ -349,12 +352,12 @@ class DiLoCo(Algorithm):
         # Averages run on a communicator of their own, so that one in flight (fragment_sync_delay
         # > 0) never queues ahead of the training thread's collectives.
         self._group = _runtime.new_group(ddp.group.ranks)
+        # the ranks that exchange over the network: one per host when hierarchical
+        self._hosts = len(_host_names(ddp)) if self.hierarchical else self._n
         self._codec = None
         if self.quantization is not None:
-            kind, levels, chunk = QUANTIZATIONS[self.quantization]
-            self._codec = (kind, levels, chunk)
+            self._codec = QUANTIZATIONS[self.quantization]
             self._codec_obj = _codec(self.quantization)
-            self._hosts = len(_host_names(ddp)) if self.hierarchical else self._n
 
     def bucket_op(self, ddp, bucket):
         return _C.local_op()
@@ -393,8 +396,9 @@ class DiLoCo(Algorithm):
         comm = self._group._comm
         code = dtype_code(buf.dtype, type(self).__name__)
         if self._codec is None:
-            self.wire_bytes += ring_bytes(buf.numel(), buf.element_size(), self._n)
-            return comm.allreduce(address(buf), buf.numel(), code, int(ReduceOp.AVG), 0, nonblocking)
+            self.wire_bytes += ring_bytes(buf.numel(), buf.element_size(), self._hosts)
+            algo = _ALGO["hierarchical" if self.hierarchical else "auto"]
+            return comm.allreduce(address(buf), buf.numel(), code, int(ReduceOp.AVG), algo, nonblocking)
         kind, levels, chunk = self._codec
         n = self._hosts
         if n > 1:
