@@ -312,7 +312,7 @@ def plot(path: str, jobs: List[Dict], labels: Dict[str, str]) -> Optional[str]:
     jobs = [j for j in jobs if j["cells"]]
     if not jobs:
         return "no plot (no results)"
-    fig, axes = plt.subplots(1, len(jobs), figsize=(6 * len(jobs), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(jobs), figsize=(max(7.5, 6 * len(jobs)), 4.8), squeeze=False)
     colors = {"compute": "#bbbbbb", "torch": "#ff7f0e", "rumor": "#1f77b4", "localsgd": "#2ca02c",
               "diloco": "#9467bd", "streaming": "#d62728"}
     for ax, job in zip(axes[0], jobs):
@@ -335,8 +335,8 @@ def plot(path: str, jobs: List[Dict], labels: Dict[str, str]) -> Optional[str]:
         ax.set_title(job["label"], fontsize=9)
         ax.legend(fontsize=7, loc="upper right")
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("local SGD / DiLoCo vs GradientAllReduce and torch DDP\n(bar labels: loss of the ranks' averaged "
-                 "model after equal samples; dashed: targets 0.8 DiLoCo, 0.9 Streaming at 100 Mbit)", fontsize=9)
+    fig.suptitle("local SGD / DiLoCo vs GradientAllReduce and torch DDP\nbar labels: loss of the ranks' averaged "
+                 "model after equal samples\ndashed: targets at 100 Mbit (0.8 DiLoCo, 0.9 Streaming)", fontsize=9)
     _common.save_figure(plt, fig, path)
     return None
 

@@ -418,6 +418,7 @@ class DiLoCo(Algorithm):
                 w.wait(timeout)
         opt = self.outer_optimizer
         alpha = self.fragment_update_alpha
+        f.flat.ensure_views()  # a parameter replaced since the send gets the result too
         with torch.no_grad():
             for s in f.slots:
                 s.outer.grad = s.buf
