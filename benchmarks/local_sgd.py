@@ -19,18 +19,25 @@ How it measures
   starts after a gloo barrier and ends when this rank's averages in flight are done (DiLoCo's
   wait()); its time is the slowest rank's. The warm-up block is one step short, so measured
   blocks end on step -1 mod H: each holds exactly one round of every fragment's sends and
-  applications, and (with fragment_sync_delay <= H/F - 1) nothing is in flight at its end. No barrier inside a block: the ranks of a local
-  method run free between synchronizations, as they would in training.
-  samples/s = global batch x steps / summed block time. Losses after equal samples (every
-  variant sees the same samples): the training loss (mean over ranks) of the last
-  --loss-window steps, and the loss of the ranks' averaged model (what a user keeps; the local
-  methods' ranks differ between synchronizations) on every rank's training batches. The data
-  are rumor.testing.models' synthetic batches (random labels, --distinct-batches per rank,
-  cycled): training memorizes them, which favours the methods that train on one rank's
-  batches alone in the training loss and penalizes them in the averaged model's. Bytes per step: what one rank sends per step for its
-  synchronizations (bandwidth-optimal allreduce, 2(n-1)/n of the buffer; codec headers included
-  for the quantized ones; torch and rumor: the fp32 gradients every step), and the link bound of
-  each variant: max(compute-only step, bytes per step / link rate).
+  applications, and (with fragment_sync_delay <= H/F - 1) nothing is in flight at its end.
+  No barrier inside a block: the ranks of a local method run free between synchronizations,
+  as they would in training. samples/s = global batch x steps / summed block time.
+
+  Losses after equal samples (every variant sees the same samples): the training loss (mean
+  over ranks) of the last --loss-window steps, and the loss of the ranks' averaged model (what
+  a user keeps; the local methods' ranks differ between synchronizations) on every rank's
+  training batches. The data are rumor.testing.models' synthetic batches (random labels,
+  --distinct-batches per rank, cycled): training memorizes them, which favours the methods
+  that train on one rank's batches alone in the training loss and penalizes them in the
+  averaged model's. DiLoCo takes one outer step per H steps: over a short run it has taken few.
+
+  Bytes per step: what one rank sends per measured step for its synchronizations
+  (bandwidth-optimal allreduce, 2(n-1)/n of the buffer; codec headers included for the
+  quantized ones; torch and rumor: the fp32 gradients every step). Link bound of a variant:
+  the compute-only step over the step its traffic allows at link rate, compute + bytes/rate
+  for the methods that wait for their averages (LocalSGD, DiLoCo), max(compute, bytes/rate)
+  for those that overlap them. --no-slow-start-after-idle sets tcp_slow_start_after_idle=0 in
+  the emulated hosts (all variants).
 
 Output: a table per job, ratios to compute-only and to torch DDP, the issue's targets (at 100
 Mbit: DiLoCo >= 0.8 of compute-only samples/s, Streaming DiLoCo >= 0.9), JSON and a PNG in --out.
@@ -44,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from typing import Dict, List, Optional
@@ -464,7 +470,8 @@ def main(argv=None) -> int:
                     print(f"{c['job']}: {c['model']}: {labels[key]}: {v[key]['over_compute']:.2f} of compute-only, "
                           f"{v[key].get('over_torch', float('nan')):.2f}x torch DDP, "
                           f"{v[key]['samples_per_s'] / v['rumor']['samples_per_s']:.2f}x GradientAllReduce; "
-                          f"avg-model loss {v[key]['eval_loss']:.4f} vs GradientAllReduce {v['rumor']['eval_loss']:.4f}; "
+                          f"avg-model loss {v[key]['eval_loss']:.4f} vs GradientAllReduce "
+                          f"{v['rumor']['eval_loss']:.4f}; "
                           f"{v[key]['wire_bytes_per_step'] / 1e6:.2f} MB/step on the wire "
                           f"(GradientAllReduce {v['rumor']['wire_bytes_per_step'] / 1e6:.2f})")
         for t in targets:

@@ -305,7 +305,8 @@ class DiLoCo(Algorithm):
             raise ValueError(f"DiLoCo: fragment_sync_delay ({fragment_sync_delay}) must be < inner_steps "
                              f"({inner_steps}): a fragment's average must be applied before its next one starts")
         if isinstance(fragment_update_alpha, bool) or not isinstance(fragment_update_alpha, (int, float)):
-            raise TypeError(f"DiLoCo: fragment_update_alpha must be a number, got {type(fragment_update_alpha).__name__}")
+            raise TypeError("DiLoCo: fragment_update_alpha must be a number, got "
+                            f"{type(fragment_update_alpha).__name__}")
         if not (math.isfinite(fragment_update_alpha) and 0.0 <= fragment_update_alpha <= 1.0):
             raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
         self.fragment_update_alpha = float(fragment_update_alpha)
