@@ -9,3 +9,4 @@ from .decentralized import Decentralized  # noqa: F401
 from .low_precision_decentralized import LowPrecisionDecentralized  # noqa: F401
 from .async_model_average import AsyncModelAverage  # noqa: F401
 from .powersgd import PowerSGD  # noqa: F401
+from .local_sgd import DiLoCo, LocalSGD, StreamingDiLoCo  # noqa: F401
