@@ -3,6 +3,7 @@ from ._runtime import (  # noqa: F401
     Group,
     init,
     is_initialized,
+    local_group,
     local_rank,
     local_size,
     machine_rank,
