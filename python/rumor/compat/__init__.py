@@ -21,6 +21,7 @@ _ALIASES = {
         "bluefog.torch": "rumor.compat.bluefog",
         "bluefog.common": None,
         "bluefog.common.topology_util": "rumor.compat.bluefog.topology_util",
+        "bluefog.common.util": "rumor.compat.bluefog.util",
         "bluefog.torch.topology_util": "rumor.compat.bluefog",
     },
     "bagua": {

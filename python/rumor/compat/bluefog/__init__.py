@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Union
 
@@ -91,15 +92,27 @@ def init(topology_fn: Optional[Callable[[int], nx.DiGraph]] = None, is_weighted:
     ExponentialGraph(size)). May be called again: the job stays, the topology is reset."""
     if not _r.is_initialized():
         _machine_env_host_id()
-        if os.environ.get("BLUEFOG_TIMELINE") and not os.environ.get("RUMOR_TIMELINE"):
-            os.environ["RUMOR_TIMELINE"] = os.environ["BLUEFOG_TIMELINE"]
         _r.init()
+    _bluefog_timeline()
     _st.generation = _runtime._generation
     topo = topology_fn(size()) if topology_fn is not None else ExponentialGraph(size())
     set_topology(topo, is_weighted)
     _st.machine_topology = None
     _st.machine_weighted = False
     set_machine_topology(ExponentialGraph(machine_size()))
+
+
+def _bluefog_timeline() -> None:
+    """BLUEFOG_TIMELINE=prefix records rumor's timeline; BlueFog's file name for it,
+    <prefix><rank>.json, is a link to rumor's per-rank file."""
+    prefix = os.environ.get("BLUEFOG_TIMELINE")
+    if not prefix:
+        return
+    if not _tl.is_recording():
+        _tl.start(prefix + ".json")
+    link = f"{prefix}{rank()}.json"
+    if not os.path.lexists(link):
+        os.symlink(os.path.abspath(_tl.path()), link)
 
 
 def shutdown() -> None:
@@ -379,16 +392,17 @@ def timeline_start_activity(tensor_name: str, activity_name: str) -> bool:
     """Opens an activity span for tensor_name on rumor's timeline (written when it ends)."""
     if not _tl.is_recording():
         return False
-    _st.activities[tensor_name] = (activity_name, time.monotonic())
+    _st.activities[(threading.get_ident(), tensor_name)] = (activity_name, time.monotonic())
     return True
 
 
 def timeline_end_activity(tensor_name: str) -> bool:
-    started = _st.activities.pop(tensor_name, None)
+    started = _st.activities.pop((threading.get_ident(), tensor_name), None)
     if started is None or not _tl.is_recording():
         return False
     activity, t0 = started
-    _tl._span_s(activity, tensor_name, t0, time.monotonic())
+    args = _tl._encode_args("timeline_end_activity", {"tensor": tensor_name})
+    _tl._span_s(activity, "user", t0, time.monotonic(), args)
     return True
 
 
