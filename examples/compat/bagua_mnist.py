@@ -61,7 +61,7 @@ def main(algorithm="gradient_allreduce", steps=20, lr=0.05):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 

@@ -57,7 +57,7 @@ def main(optimizer="awc", steps=20, lr=0.05, passes_per_step=1):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 

@@ -492,7 +492,7 @@ def _native_mnist(mod, optimizer, steps, lr=0.05):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
@@ -516,8 +516,78 @@ def _native_bagua(mod, algorithm, steps, lr=0.05):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _bagua_primitives(chk):
+    """Bagua's functional primitives (send/recv tensors, comm=) against exact expectations."""
+    import torch
+
+    import rumor.compat.bagua as bagua
+
+    bagua.init_process_group()
+    n, r = bagua.get_world_size(), bagua.get_rank()
+
+    def val(q, k=6):
+        return torch.arange(k, dtype=torch.float64) + 10 * q
+
+    recv = torch.empty(6, dtype=torch.float64)
+    bagua.allreduce(val(r), recv, op=bagua.ReduceOp.SUM)
+    chk.equal(recv, sum(val(q) for q in range(n)), "bagua allreduce SUM")
+    t = val(r)
+    bagua.allreduce_inplace(t, op=bagua.ReduceOp.MAX)
+    chk.equal(t, val(n - 1), "bagua allreduce_inplace MAX")
+    t = val(r)
+    bagua.broadcast(t, src=n - 1)
+    chk.equal(t, val(n - 1), "bagua broadcast")
+    out = torch.empty(6 * n, dtype=torch.float64)
+    bagua.allgather(val(r), out)
+    chk.equal(out, torch.cat([val(q) for q in range(n)]), "bagua allgather")
+    t = torch.zeros(6 * n, dtype=torch.float64)
+    t[6 * r:6 * r + 6] = val(r)
+    bagua.allgather_inplace(t)
+    chk.equal(t, torch.cat([val(q) for q in range(n)]), "bagua allgather_inplace")
+    recv = torch.full((6,), -1.0, dtype=torch.float64)
+    bagua.reduce(val(r), recv, dst=0, op=bagua.ReduceOp.SUM)
+    chk.equal(recv, sum(val(q) for q in range(n)) if r == 0 else torch.full((6,), -1.0, dtype=torch.float64),
+              "bagua reduce")
+    send = torch.cat([val(r, 3) + 100 * k for k in range(n)])
+    recv = torch.empty(3, dtype=torch.float64)
+    bagua.reduce_scatter(send, recv, op=bagua.ReduceOp.SUM)
+    chk.equal(recv, sum(val(q, 3) + 100 * r for q in range(n)), "bagua reduce_scatter")
+    recv = torch.empty(3 * n, dtype=torch.float64)
+    bagua.alltoall(send, recv)
+    chk.equal(recv, torch.cat([val(q, 3) + 100 * r for q in range(n)]), "bagua alltoall")
+    counts = [1 + q for q in range(n)]
+    displs = [sum(counts[:q]) for q in range(n)]
+    s = torch.arange(sum(counts), dtype=torch.float64) + 1000 * r
+    rc = [1 + r] * n
+    rd = [q * (1 + r) for q in range(n)]
+    recv = torch.empty(n * (1 + r), dtype=torch.float64)
+    bagua.alltoall_v(s, counts, displs, recv, rc, rd)
+    want = torch.cat([torch.arange(displs[r], displs[r] + counts[r], dtype=torch.float64) + 1000 * q for q in range(n)])
+    chk.equal(recv, want, "bagua alltoall_v")
+    recv = torch.empty(6 * n, dtype=torch.float64)
+    bagua.gather(val(r), recv, dst=0)
+    if r == 0:
+        chk.equal(recv, torch.cat([val(q) for q in range(n)]), "bagua gather")
+    full = torch.cat([val(q) for q in range(n)]) if r == 0 else torch.empty(0, dtype=torch.float64)
+    recv = torch.empty(6, dtype=torch.float64)
+    bagua.scatter(full, recv, src=0)
+    chk.equal(recv, val(r), "bagua scatter")
+    if n >= 2:
+        if r == 0:
+            bagua.send(val(7), 1)
+        elif r == 1:
+            got = torch.empty(6, dtype=torch.float64)
+            bagua.recv(got, 0)
+            chk.equal(got, val(7), "bagua send/recv")
+    g = bagua.new_group([0])
+    t = val(r)
+    bagua.allreduce_inplace(t, op=bagua.ReduceOp.SUM, comm=g)
+    chk.equal(t, val(r), "bagua comm= (a group of one; others are not members)")
+    bagua.barrier()
 
 
 def rank_examples():
@@ -527,6 +597,7 @@ def rank_examples():
     import rumor.compat.bluefog as bf
 
     chk = harness.Checker()
+    _bagua_primitives(chk)
     consensus = _load("bluefog_consensus")
     for topo in ("star", "mesh", "expo2"):
         x, errors = consensus.main(topo, weighted=True, iterations=60)
