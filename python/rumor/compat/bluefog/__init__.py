@@ -181,8 +181,11 @@ def set_topology(topology: Optional[nx.DiGraph] = None, is_weighted: bool = Fals
 
 
 def load_topology() -> nx.DiGraph:
-    if _st.topology is None:
-        _st.topology = _dec.load_topology().graph
+    """The graph given to set_topology (or rumor's current topology, if it was set natively
+    since)."""
+    current = _dec.load_topology()
+    if _st.topology is None or _tu.to_topology(_st.topology) != current:
+        _st.topology = current.graph
     return _st.topology
 
 
@@ -202,8 +205,9 @@ def set_machine_topology(topology: Optional[nx.DiGraph], is_weighted: bool = Fal
 
 
 def load_machine_topology() -> nx.DiGraph:
-    if _st.machine_topology is None:
-        _st.machine_topology = _dec.load_machine_topology().graph
+    current = _dec.load_machine_topology()
+    if _st.machine_topology is None or _tu.to_topology(_st.machine_topology) != current:
+        _st.machine_topology = current.graph
     return _st.machine_topology
 
 
