@@ -570,14 +570,27 @@ def DistributedGradientAllreduceOptimizer(optimizer, model, num_steps_per_commun
     return _GradientAllreduce(optimizer, model, num_steps_per_communication)
 
 
+class _WindowNames:
+    """BlueFog's method name for freeing a window optimizer's windows."""
+
+    def unregister_window(self) -> None:
+        self.free_windows()
+
+
+def _window_flavour(opt):
+    cls = type(opt)
+    opt.__class__ = type(cls.__name__, (_WindowNames, cls), {})
+    return opt
+
+
 def DistributedWinPutOptimizer(optimizer, model, num_steps_per_communication: int = 1,  # noqa: N802
                                window_prefix: Optional[str] = None):
-    return _optwin.DistributedWinPutOptimizer(optimizer, model, num_steps_per_communication)
+    return _window_flavour(_optwin.DistributedWinPutOptimizer(optimizer, model, num_steps_per_communication))
 
 
 def DistributedPullGetOptimizer(optimizer, model, num_steps_per_communication: int = 1):  # noqa: N802
-    return _optwin.DistributedPullGetOptimizer(optimizer, model, num_steps_per_communication)
+    return _window_flavour(_optwin.DistributedPullGetOptimizer(optimizer, model, num_steps_per_communication))
 
 
 def DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication: int = 1):  # noqa: N802
-    return _optwin.DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication)
+    return _window_flavour(_optwin.DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication))
