@@ -504,10 +504,14 @@ def _native_bagua(mod, algorithm, steps, lr=0.05):
 
     torch.manual_seed(0)
     model = mod.Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    if algorithm == "qadam":
+        optimizer = rumor.optim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=5)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     alg = {"gradient_allreduce": lambda: rumor.algorithms.GradientAllReduce(),
            "decentralized": lambda: rumor.algorithms.Decentralized(peer_selection="all", hierarchical=True),
-           "bytegrad": lambda: rumor.algorithms.ByteGrad()}[algorithm]()
+           "bytegrad": lambda: rumor.algorithms.ByteGrad(),
+           "qadam": lambda: rumor.algorithms.OneBitAdam(optimizer, hierarchical=True)}[algorithm]()
     model = rumor.DistributedDataParallel(model, optimizer=optimizer, algorithm=alg)
     losses = []
     for step in range(steps):
@@ -611,9 +615,9 @@ def rank_examples():
         chk.equal(params, want_params, f"bluefog_mnist {opt}: parameters")
         chk.check(losses == want_losses, f"bluefog_mnist {opt}: losses {losses} vs {want_losses}")
     bagua_mnist = _load("bagua_mnist")
-    for alg in ("gradient_allreduce", "decentralized", "bytegrad"):
-        losses, params = bagua_mnist.main(alg, steps=6)
-        want_losses, want_params = _native_bagua(bagua_mnist, alg, 6)
+    for alg in ("gradient_allreduce", "decentralized", "bytegrad", "qadam"):
+        losses, params = bagua_mnist.main(alg, steps=8)
+        want_losses, want_params = _native_bagua(bagua_mnist, alg, 8)
         chk.equal(params, want_params, f"bagua_mnist {alg}: parameters")
         chk.check(losses == want_losses, f"bagua_mnist {alg}: losses")
     bench = _load("bagua_synthetic_benchmark")

@@ -16,8 +16,6 @@ from typing import List, Optional
 import torch
 
 import rumor as _r
-from rumor import _runtime
-from rumor import collectives as _coll
 
 from . import algorithms  # noqa: F401
 from . import contrib  # noqa: F401

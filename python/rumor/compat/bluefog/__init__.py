@@ -29,7 +29,7 @@ from rumor.optim import decentralized as _optdec
 from rumor.optim import window as _optwin
 from rumor.optim.gradient_allreduce import GradientAllreduce as _GradientAllreduce
 
-from . import topology_util
+from . import topology_util  # noqa: F401 (bf.topology_util, as in BlueFog)
 from . import topology_util as _tu
 from .topology_util import (  # noqa: F401
     ExponentialGraph,
