@@ -12,12 +12,16 @@ namespace rumor {
 namespace neighbor_generic {
 bool weighted_sum(void* out, const void* in, double self_weight, const void* const* srcs,
                   const double* weights, size_t nsrc, size_t n, DType dtype);
-}
+bool uniform_sum(void* out, const void* in, const void* const* srcs, size_t nsrc, size_t n, double factor,
+                 bool divide, DType dtype);
+}  // namespace neighbor_generic
 #ifdef RUMOR_AVX2_KERNELS
 namespace neighbor_avx2 {
 bool weighted_sum(void* out, const void* in, double self_weight, const void* const* srcs,
                   const double* weights, size_t nsrc, size_t n, DType dtype);
-}
+bool uniform_sum(void* out, const void* in, const void* const* srcs, size_t nsrc, size_t n, double factor,
+                 bool divide, DType dtype);
+}  // namespace neighbor_avx2
 #endif
 
 using net::make_recv;
@@ -104,6 +108,26 @@ void weighted_sum(void* out, const void* in, double self_weight, std::span<const
   if (!ok)
     throw Error(ErrorKind::kInvalidArgument,
                 "weighted_sum: dtype " + std::string(dtype_name(dtype)) + " has no weighted sum");
+}
+
+void uniform_weighted_sum(void* out, const void* in, double weight, std::span<const void* const> srcs,
+                          size_t count, DType dtype) {
+  if (count == 0) return;
+  // A weight 1/k with k an integer (BlueFog's 1/(d+1)) divides the sum by k: the rounding of
+  // a division, not of a product with a rounded reciprocal.
+  const double k = std::round(1.0 / weight);
+  const bool divide = std::isfinite(k) && k >= 1 && k < 1e15 && 1.0 / k == weight;
+  const double factor = divide ? k : weight;
+  bool ok = false;
+#ifdef RUMOR_AVX2_KERNELS
+  if (std::strcmp(reduce_isa(), "avx2") == 0)
+    ok = neighbor_avx2::uniform_sum(out, in, srcs.data(), srcs.size(), count, factor, divide, dtype);
+  else
+#endif
+    ok = neighbor_generic::uniform_sum(out, in, srcs.data(), srcs.size(), count, factor, divide, dtype);
+  if (!ok)
+    throw Error(ErrorKind::kInvalidArgument,
+                "uniform_weighted_sum: dtype " + std::string(dtype_name(dtype)) + " has no weighted sum");
 }
 
 // ---- topology check ---------------------------------------------------------------------------
@@ -200,11 +224,16 @@ void neighbor_allreduce_body(Communicator& comm, const net::OpInfo& op, const vo
   comm.exchange(ts, op);
   std::vector<const void*> parts(srcs.size());
   std::vector<double> weights(srcs.size());
+  bool uniform = !srcs.empty();
   for (size_t k = 0; k < srcs.size(); ++k) {
     parts[k] = recv + k * bytes;
     weights[k] = srcs[k].weight;
+    uniform = uniform && srcs[k].weight == self_weight;
   }
-  weighted_sum(out, in, self_weight, parts, weights, count, dtype);
+  if (uniform)
+    uniform_weighted_sum(out, in, self_weight, parts, count, dtype);
+  else
+    weighted_sum(out, in, self_weight, parts, weights, count, dtype);
 }
 
 }  // namespace

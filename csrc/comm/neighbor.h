@@ -96,4 +96,9 @@ void hierarchical_neighbor_allreduce(Communicator& comm, const void* in, void* o
 void weighted_sum(void* out, const void* in, double self_weight, std::span<const void* const> srcs,
                   std::span<const double> weights, size_t count, DType dtype);
 
+// out = weight * (in + sum srcs): summed first and scaled once (divided by k when weight is
+// exactly 1/k), which neighbor_allreduce uses when self and every source share one weight.
+void uniform_weighted_sum(void* out, const void* in, double weight, std::span<const void* const> srcs,
+                          size_t count, DType dtype);
+
 }  // namespace rumor

@@ -69,7 +69,53 @@ void weighted(void* out, const void* in, double self_weight, const void* const* 
   }
 }
 
+// The uniform case (self and every source weighted alike): sum first, then one division or
+// scale, so integer-valued inputs come out exact where per-term scaling rounds every term.
+template <typename K>
+void uniform(void* out, const void* in, const void* const* srcs, size_t nsrc, size_t n, double factor,
+             bool divide) {
+  using T = typename K::T;
+  using Acc = typename K::Acc;
+  Acc acc[kBlock];
+  const Acc f = static_cast<Acc>(factor);
+  for (size_t base = 0; base < n; base += kBlock) {
+    const size_t m = std::min(kBlock, n - base);
+    const T* x = static_cast<const T*>(in) + base;
+    for (size_t i = 0; i < m; ++i) acc[i] = K::load(x[i]);
+    for (size_t k = 0; k < nsrc; ++k) {
+      const T* __restrict s = static_cast<const T*>(srcs[k]) + base;
+      for (size_t i = 0; i < m; ++i) acc[i] += K::load(s[i]);
+    }
+    T* o = static_cast<T*>(out) + base;
+    if (divide)
+      for (size_t i = 0; i < m; ++i) o[i] = K::store(acc[i] / f);
+    else
+      for (size_t i = 0; i < m; ++i) o[i] = K::store(acc[i] * f);
+  }
+}
+
 }  // namespace
+
+// out = (in + sum srcs) / factor (divide) or * factor; false for dtypes without it (integers).
+bool uniform_sum(void* out, const void* in, const void* const* srcs, size_t nsrc, size_t n, double factor,
+                 bool divide, DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      uniform<F32>(out, in, srcs, nsrc, n, factor, divide);
+      return true;
+    case DType::F64:
+      uniform<F64>(out, in, srcs, nsrc, n, factor, divide);
+      return true;
+    case DType::F16:
+      uniform<F16>(out, in, srcs, nsrc, n, factor, divide);
+      return true;
+    case DType::BF16:
+      uniform<BF16>(out, in, srcs, nsrc, n, factor, divide);
+      return true;
+    default:
+      return false;
+  }
+}
 
 // Returns false for dtypes without a weighted sum (integers).
 bool weighted_sum(void* out, const void* in, double self_weight, const void* const* srcs,

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "core/half.h"
 #include "core/types.h"
@@ -73,6 +74,10 @@ void by_dtype(void* dst, const void* src, size_t n, DType t) {
       return native<int64_t, Op>(dst, src, n);
     case DType::U8:
       return native<uint8_t, Op>(dst, src, n);
+    case DType::I8:
+      return native<int8_t, Op>(dst, src, n);
+    case DType::I16:
+      return native<int16_t, Op>(dst, src, n);
     case DType::F16:
       return half<Op>(dst, src, n);
     case DType::BF16:
@@ -83,8 +88,14 @@ void by_dtype(void* dst, const void* src, size_t n, DType t) {
 template <typename T>
 void divide(void* buf, size_t n, size_t divisor) {
   T* d = static_cast<T*>(buf);
-  const T div = static_cast<T>(divisor);
-  for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(d[i] / div);
+  if constexpr (std::is_integral_v<T> && sizeof(T) < sizeof(int64_t)) {
+    // A group larger than the type's range (int8 past 127 ranks) must not wrap the divisor.
+    const int64_t div = static_cast<int64_t>(divisor);
+    for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(static_cast<int64_t>(d[i]) / div);
+  } else {
+    const T div = static_cast<T>(divisor);
+    for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(d[i] / div);
+  }
 }
 
 }  // namespace
@@ -115,6 +126,10 @@ void finish_average(void* buf, size_t n, DType t, size_t divisor) {
       return divide<int64_t>(buf, n, divisor);
     case DType::U8:
       return divide<uint8_t>(buf, n, divisor);
+    case DType::I8:
+      return divide<int8_t>(buf, n, divisor);
+    case DType::I16:
+      return divide<int16_t>(buf, n, divisor);
     case DType::F16: {
       _Float16* d = static_cast<_Float16*>(buf);
       const float div = static_cast<float>(divisor);

@@ -20,6 +20,10 @@ std::string_view dtype_name(DType t) {
       return "int64";
     case DType::U8:
       return "uint8";
+    case DType::I8:
+      return "int8";
+    case DType::I16:
+      return "int16";
   }
   return "unknown";
 }

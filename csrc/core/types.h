@@ -10,10 +10,10 @@
 
 namespace rumor {
 
-enum class DType : uint8_t { F32 = 0, F16 = 1, BF16 = 2, F64 = 3, I32 = 4, I64 = 5, U8 = 6 };
+enum class DType : uint8_t { F32 = 0, F16 = 1, BF16 = 2, F64 = 3, I32 = 4, I64 = 5, U8 = 6, I8 = 7, I16 = 8 };
 enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MIN = 2, MAX = 3, PROD = 4 };
 
-constexpr int kNumDTypes = 7;
+constexpr int kNumDTypes = 9;
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {
@@ -22,11 +22,13 @@ constexpr size_t dtype_size(DType t) {
       return 4;
     case DType::F16:
     case DType::BF16:
+    case DType::I16:
       return 2;
     case DType::F64:
     case DType::I64:
       return 8;
     case DType::U8:
+    case DType::I8:
       return 1;
   }
   return 0;

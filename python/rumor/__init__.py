@@ -4,6 +4,7 @@ from ._runtime import (  # noqa: F401
     get_timeout,
     init,
     is_initialized,
+    local_group,
     local_rank,
     local_size,
     machine_rank,

@@ -424,6 +424,23 @@ def new_group(ranks: Sequence[int]) -> Group:
     return g
 
 
+def local_group() -> Group:
+    """The group of this machine's ranks (those sharing its host), e.g. for an allreduce inside
+    each machine only: rumor.allreduce(t, group=rumor.local_group()). The first call creates one
+    group per machine, in machine order, through new_group(): like new_group, every rank must
+    make its first call at the same point of its sequence of group creations."""
+    st = _get()
+    g = getattr(st, "_local_group", None)
+    if g is None:
+        order = list(dict.fromkeys(st.hosts))
+        for h in order:
+            made = new_group([r for r in range(st.env.size) if st.hosts[r] == h])
+            if h == st.hosts[st.env.rank]:
+                g = made
+        st._local_group = g
+    return g
+
+
 def _comm(group: Optional[Group], what: str):
     st = _get()
     g = st.world if group is None else group

@@ -14,9 +14,16 @@ _DTYPE_CODES = {
     torch.int32: 4,
     torch.int64: 5,
     torch.uint8: 6,
+    torch.int8: 7,
+    torch.int16: 8,
 }
 
 SUPPORTED_DTYPES = tuple(_DTYPE_CODES)
+_U8 = 6
+# Every dtype torch has, numbered for checks that ranks passed the same one (codes above the
+# reducible ones, so the two never collide).
+_TAGS = {d: 64 + i for i, d in enumerate(sorted({getattr(torch, n) for n in dir(torch)
+                                                  if isinstance(getattr(torch, n, None), torch.dtype)}, key=str))}
 
 
 def dtype_code(dtype: torch.dtype, what: str) -> int:
@@ -27,8 +34,29 @@ def dtype_code(dtype: torch.dtype, what: str) -> int:
         raise TypeError(f"{what}: unsupported dtype {dtype}; expected one of {names}") from None
 
 
+def dtype_tag(dtype: torch.dtype) -> int:
+    """A number naming any torch dtype (its reduce code where it has one)."""
+    code = _DTYPE_CODES.get(dtype)
+    return code if code is not None else _TAGS.get(dtype, 63)
+
+
+def check_movable(t, what: str):
+    """For operations that only move data (broadcast, allgather, neighbor_allgather, send):
+    any dtype travels as bytes. Returns (dtype code, elements per tensor element)."""
+    _check_layout(t, what)
+    code = _DTYPE_CODES.get(t.dtype)
+    if code is not None:
+        return code, 1
+    return _U8, t.element_size()
+
+
 def check_tensor(t, what: str) -> int:
     """Validates a tensor argument and returns its dtype code."""
+    _check_layout(t, what)
+    return dtype_code(t.dtype, what)
+
+
+def _check_layout(t, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -38,7 +66,6 @@ def check_tensor(t, what: str) -> int:
             f"{what}: expected a CPU tensor, got one on {t.device} "
             "(rumor's CUDA path is not part of this build)"
         )
-    return dtype_code(t.dtype, what)
 
 
 def address(t: torch.Tensor) -> int:

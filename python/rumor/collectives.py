@@ -14,7 +14,7 @@ import torch
 
 from . import _runtime
 from ._runtime import Group, _comm
-from ._tensor import address, check_tensor
+from ._tensor import address, check_movable, check_tensor, dtype_tag
 
 
 class ReduceOp(enum.IntEnum):
@@ -132,11 +132,11 @@ def allreduce_nonblocking_(t, op=ReduceOp.AVG, group=None, *, hierarchical=False
 # ---- broadcast / reduce ------------------------------------------------------------------------
 
 def _broadcast(t, root, group, inplace, nonblocking, what):
-    code = check_tensor(t, what)
+    code, per = check_movable(t, what)
     g = _comm(group, what)
     r = _group_rank(g, root, what, "root")
     buf = _contig(t) if inplace else t.contiguous().clone()
-    issue = lambda nb: g._comm.broadcast(address(buf), buf.numel(), code, r, nb)
+    issue = lambda nb: g._comm.broadcast(address(buf), buf.numel() * per, code, r, nb)
     finish = _writeback(t, buf) if inplace else (lambda: buf)
     return _run(nonblocking, issue, (buf, t), finish)
 
@@ -185,7 +185,7 @@ def reduce_nonblocking(t, root, op=ReduceOp.AVG, group=None) -> Handle:
 _MAX_DIMS = 8
 
 
-def _shapes(t: torch.Tensor, code: int, g: Group, what: str) -> List[tuple]:
+def _shapes(t: torch.Tensor, tag: int, g: Group, what: str) -> List[tuple]:
     """Every rank's shape, gathered so all ranks can check them and raise the same error."""
     if t.dim() > _MAX_DIMS:
         raise ValueError(f"{what}: tensors of more than {_MAX_DIMS} dims are not supported")
@@ -193,25 +193,26 @@ def _shapes(t: torch.Tensor, code: int, g: Group, what: str) -> List[tuple]:
     meta = torch.zeros(n, _MAX_DIMS + 2, dtype=torch.int64)
     mine = meta[g._comm.rank]
     mine[0] = t.dim()
-    mine[1] = code
+    mine[1] = tag
     mine[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     g._comm.allgather(address(meta), [_MAX_DIMS + 2] * n, 5, False)
     shapes = []
     for r in range(n):
         d, c = int(meta[r, 0]), int(meta[r, 1])
-        if c != code:
-            raise TypeError(f"{what}: rank {g.ranks[r]} passed a tensor of another dtype (code {c} vs {code})")
+        if c != tag:
+            raise TypeError(f"{what}: rank {g.ranks[r]} passed a tensor of another dtype than {t.dtype} "
+                            f"(dtype tag {c} vs {tag})")
         shapes.append(tuple(int(x) for x in meta[r, 2 : 2 + d]))
     return shapes
 
 
 def _allgather(t, group, out, nonblocking, what):
-    code = check_tensor(t, what)
+    code, per = check_movable(t, what)
     g = _comm(group, what)
     n = g.size()
     if t.dim() == 0:
         t = t.reshape(1)
-    shapes = _shapes(t, code, g, what)
+    shapes = _shapes(t, dtype_tag(t.dtype), g, what)
     tail = shapes[g._comm.rank][1:]
     for r, s in enumerate(shapes):
         if len(s) != len(tail) + 1 or s[1:] != tail:
@@ -223,7 +224,7 @@ def _allgather(t, group, out, nonblocking, what):
     out = _check_out(out, t.dtype, (sum(rows),) + tuple(tail), what)
     start = sum(rows[: g._comm.rank])
     out[start : start + rows[g._comm.rank]].copy_(t)
-    counts = [r_ * per_row for r_ in rows]
+    counts = [r_ * per_row * per for r_ in rows]
     issue = lambda nb: g._comm.allgather(address(out), counts, code, nb)
     return _run(nonblocking, issue, (out,), lambda: out)
 
@@ -248,7 +249,7 @@ def _split_rows(rows: int, n: int) -> List[int]:
 def _check_out(out, dtype, shape, what):
     if out is None:
         return torch.empty(shape, dtype=dtype)
-    check_tensor(out, what)
+    check_movable(out, what)
     if out.dtype != dtype or tuple(out.shape) != tuple(shape) or not out.is_contiguous():
         raise ValueError(f"{what}: out must be a contiguous {dtype} tensor of shape {list(shape)}, "
                          f"got {out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ' (non-contiguous)'}")
@@ -285,7 +286,7 @@ def reduce_scatter_nonblocking(t, op=ReduceOp.AVG, group=None, *, out=None) -> H
 # ---- alltoall ----------------------------------------------------------------------------------
 
 def _alltoall(t, splits, group, nonblocking, what):
-    code = check_tensor(t, what)
+    code, per = check_movable(t, what)
     g = _comm(group, what)
     n = g.size()
     if t.dim() == 0:
@@ -303,8 +304,8 @@ def _alltoall(t, splits, group, nonblocking, what):
     per_row = math.prod(t.shape[1:])
     src = _contig(t)
     out = torch.empty((int(recv_rows.sum()),) + tuple(t.shape[1:]), dtype=t.dtype)
-    issue = lambda nb: g._comm.alltoall(address(src), [s * per_row for s in splits], address(out),
-                                        [int(r) * per_row for r in recv_rows], code, nb)
+    issue = lambda nb: g._comm.alltoall(address(src), [s * per_row * per for s in splits], address(out),
+                                        [int(r) * per_row * per for r in recv_rows], code, nb)
     return _run(nonblocking, issue, (src, out), lambda: out)
 
 
@@ -328,7 +329,7 @@ def barrier(group=None) -> None:
 def send(t, dst, group=None) -> None:
     """Sends t to global rank dst, which must post a matching rumor.recv."""
     what = "rumor.send"
-    check_tensor(t, what)
+    check_movable(t, what)
     g = _comm(group, what)
     d = _group_rank(g, dst, what, "dst")
     buf = _contig(t)
@@ -338,7 +339,7 @@ def send(t, dst, group=None) -> None:
 def recv(t, src, group=None):
     """Receives into t (in place) from global rank src; the sizes must match. Returns t."""
     what = "rumor.recv"
-    check_tensor(t, what)
+    check_movable(t, what)
     g = _comm(group, what)
     s = _group_rank(g, src, what, "src")
     buf = _contig(t)

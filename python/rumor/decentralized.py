@@ -24,7 +24,7 @@ import torch
 
 from . import _C, _runtime
 from ._runtime import Group, _comm
-from ._tensor import address, check_tensor
+from ._tensor import address, check_movable, check_tensor, dtype_tag
 from .collectives import Handle, _run
 from .topology import ExponentialGraph, Topology
 
@@ -290,7 +290,8 @@ def neighbor_allreduce_nonblocking(t, self_weight=None, src_weights=None, dst_we
 # ---- neighbor_allgather --------------------------------------------------------------------------
 
 def _neighbor_allgather(t, src_ranks, dst_ranks, enable_topo_check, group, nonblocking, what):
-    code = check_tensor(t, what)
+    check_movable(t, what)
+    code = dtype_tag(t.dtype)
     g = _comm(group, what)
     me = g._comm.rank
     check = bool(enable_topo_check)
@@ -363,6 +364,39 @@ def neighbor_allgather_nonblocking(t, src_ranks=None, dst_ranks=None, enable_top
 
 # ---- hierarchical ----------------------------------------------------------------------------------
 
+def _fold_self_loop(src_spec, dst_spec, me: int, sw: float, what: str, unit: str):
+    """A machine that names itself as source and destination (a schedule's "next machine" on a
+    one-machine job) keeps its own value: the edge becomes self weight src_w * dst_w, with no
+    message. Naming itself on one side only is an error (it would wait for itself)."""
+    src_has = isinstance(src_spec, dict) and any(_is(r, me) for r in src_spec)
+    if isinstance(dst_spec, dict):
+        dst_has = any(_is(r, me) for r in dst_spec)
+    else:
+        dst_has = isinstance(dst_spec, (list, tuple)) and any(_is(r, me) for r in dst_spec)
+    if not (src_has or dst_has):
+        return src_spec, dst_spec, sw
+    if src_has != dst_has:
+        side = "src" if src_has else "dst"
+        raise ValueError(f"{what}: {unit} {me} names itself among its {side} {unit}s only; a self loop "
+                         "needs it on both sides (or use self_weight)")
+    w_src = next(float(w) for r, w in src_spec.items() if _is(r, me))
+    if isinstance(dst_spec, dict):
+        w_dst = next(float(w) for r, w in dst_spec.items() if _is(r, me))
+        dst_spec = {r: w for r, w in dst_spec.items() if not _is(r, me)}
+    else:
+        w_dst = 1.0
+        dst_spec = [r for r in dst_spec if not _is(r, me)]
+    src_spec = {r: w for r, w in src_spec.items() if not _is(r, me)}
+    return src_spec, dst_spec, sw + _weight(w_src, what, f"the weight of src {unit} {me}") * w_dst
+
+
+def _is(r, me: int) -> bool:
+    try:
+        return not isinstance(r, bool) and int(r) == me
+    except (TypeError, ValueError):
+        return False
+
+
 def _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, nonblocking, what):
     code = _float_tensor(t, what)
     st = _runtime._get()
@@ -380,6 +414,8 @@ def _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enab
         if self_weight is None or src_machine_weights is None:
             raise ValueError(f"{what}: with dst_machine_weights, self_weight and src_machine_weights are required")
         sw = _weight(self_weight, what, "self_weight")
+        src_machine_weights, dst_machine_weights, sw = _fold_self_loop(
+            src_machine_weights, dst_machine_weights, m, sw, what, "machine")
         srcs = _edges(src_machine_weights, machines, m, what, "src", "machine", allow_list=False)
         dsts = _edges(dst_machine_weights, machines, m, what, "dst", "machine")
     buf = t if t.is_contiguous() else t.contiguous()

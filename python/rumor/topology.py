@@ -30,6 +30,7 @@ import numpy as np
 __all__ = [
     "Topology",
     "ExponentialGraph",
+    "ExponentialTwoGraph",
     "SymmetricExponentialGraph",
     "RingGraph",
     "StarGraph",
@@ -280,6 +281,12 @@ def ExponentialGraph(n: int, base: int = 2) -> Topology:  # noqa: N802 (BlueFog'
     n = _check_size(n, what)
     base = _check_base(base, what)
     return _from_offsets(n, _powers(base, n), "ExponentialGraph")
+
+
+def ExponentialTwoGraph(n: int) -> Topology:  # noqa: N802 (BlueFog's name)
+    """ExponentialGraph(n, base=2) under BlueFog's other name."""
+    t = ExponentialGraph(n, 2)
+    return Topology(t.weights, name="ExponentialTwoGraph")
 
 
 def SymmetricExponentialGraph(n: int, base: int = 4) -> Topology:  # noqa: N802

@@ -361,5 +361,32 @@ TEST(NeighborKernel, WeightedSumMatchesDouble) {
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(a[i], 2.0f * (static_cast<float>(i % 17) - 8));
 }
 
+TEST(NeighborKernel, UniformSumDividesOnce) {
+  // Integer-valued inputs: (a + b + c) / 3 is one correctly rounded division, where scaling
+  // each term by fl(1/3) rounds several times and misses it for some values.
+  const size_t n = 1500;
+  std::vector<float> a(n), b(n), c(n), out(n);
+  std::vector<double> d(n), e(n), out64(n);
+  for (size_t i = 0; i < n; ++i) {
+    a[i] = static_cast<float>(i % 50);
+    b[i] = static_cast<float>((i / 50) % 50);
+    c[i] = static_cast<float>(i % 7) * 3;
+    d[i] = static_cast<double>(i);
+    e[i] = static_cast<double>(i % 13);
+  }
+  const void* srcs[2] = {b.data(), c.data()};
+  uniform_weighted_sum(out.data(), a.data(), 1.0 / 3.0, srcs, n, DType::F32);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], (a[i] + b[i] + c[i]) / 3.0f) << i;
+  const void* srcs64[1] = {e.data()};
+  uniform_weighted_sum(out64.data(), d.data(), 0.5, srcs64, n, DType::F64);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(out64[i], (d[i] + e[i]) / 2.0) << i;
+  // A weight that is not 1/k scales the sum once; in place works.
+  uniform_weighted_sum(a.data(), a.data(), 0.3, srcs, n, DType::F32);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(a[i], static_cast<float>(i % 50 + b[i] + c[i]) * 0.3f) << i;
+  std::vector<int32_t> ints(4);
+  const void* isrc[1] = {ints.data()};
+  EXPECT_THROW(uniform_weighted_sum(ints.data(), ints.data(), 0.5, isrc, 4, DType::I32), Error);
+}
+
 }  // namespace
 }  // namespace rumor

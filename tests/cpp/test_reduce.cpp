@@ -56,6 +56,24 @@ TEST(Reduce, NativeTypesExact) {
   check_native<int32_t>(DType::I32);
   check_native<int64_t>(DType::I64);
   check_native<uint8_t>(DType::U8);
+  check_native<int8_t>(DType::I8);
+  check_native<int16_t>(DType::I16);
+}
+
+TEST(Reduce, SmallIntegerAverageTakesLargeDivisors) {
+  // 200 ranks do not fit in int8: the divisor must not wrap.
+  std::vector<int8_t> a = {100, -100, 7};
+  finish_average(a.data(), a.size(), DType::I8, 200);
+  EXPECT_EQ(a, (std::vector<int8_t>{0, 0, 0}));
+  std::vector<int8_t> b = {-128, 127, -7};
+  finish_average(b.data(), b.size(), DType::I8, 2);
+  EXPECT_EQ(b, (std::vector<int8_t>{-64, 63, -3}));
+  std::vector<int16_t> c = {-30000, 30001};
+  finish_average(c.data(), c.size(), DType::I16, 70000);
+  EXPECT_EQ(c, (std::vector<int16_t>{0, 0}));
+  EXPECT_EQ(dtype_size(DType::I8), 1u);
+  EXPECT_EQ(dtype_size(DType::I16), 2u);
+  EXPECT_EQ(dtype_name(DType::I16), "int16");
 }
 
 TEST(Reduce, Float16RoundsOncePerHop) {

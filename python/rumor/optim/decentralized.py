@@ -19,12 +19,24 @@ The weights used by the next communication are the attributes ``self_weight``,
 ``src_weights`` ({rank: weight}) and ``dst_weights`` ([rank] or {rank: weight}); all None means
 the static topology. They may be changed before every step.
 
+num_steps_per_communication = J counts training passes (forward passes through ``model`` with
+autograd on, as BlueFog does), not step() calls: in the pattern "J forward/backward passes, then
+one step()" every step() combines; with a step() after every pass, every J-th step combines and
+the others are local updates. A step() with no forward through the model since the previous
+one counts as one pass. The first pass of each group of J communicates (BlueFog's compat layer
+shifts this to the last one, as BlueFog does).
+
 Overlap: AdaptWithCombine starts the exchange of x_k in a forward pre-hook of ``model`` (the
 parameters are read-only until step()), so it runs while forward and backward compute; step()
 waits for it, writes the combined values into the parameters and applies the optimizer.
-AdaptThenCombine starts the exchange of the updated parameters at the end of step(); the result
-is written into the parameters by the model's next forward pre-hook (or by ``synchronize()``,
-or the next step()), so it overlaps whatever the training loop does in between.
+AdaptThenCombine starts the exchange of the updated parameters at the end of step() and, by
+default, waits for it there, so the parameters hold combined values whenever step() has
+returned (as in BlueFog). With ``overlap=True`` the result is instead written into the
+parameters by the model's next forward pre-hook (or by ``synchronize()``, or the next step()),
+so it overlaps whatever the training loop does in between.
+
+``enable_topo_check`` (dynamic weights) is off by default, as in BlueFog: it only adds an
+exchange per step; set the attribute to True while debugging a schedule.
 """
 from __future__ import annotations
 
@@ -52,15 +64,24 @@ class _Combine:
         # Python calls __init__ on what AdaptWithCombine(...) returned: it was built already.
         pass
 
-    def _setup(self, model: torch.nn.Module, communication: str, num_steps_per_communication: int) -> None:
+    def _setup(self, model: torch.nn.Module, communication: str, num_steps_per_communication: int,
+               overlap: bool = False) -> None:
         self._model = model
         self.communication = communication
         self.num_steps_per_communication = num_steps_per_communication
         self.self_weight: Optional[float] = None
         self.src_weights: Optional[Dict[int, float]] = None
         self.dst_weights = None
-        self.enable_topo_check = True
-        self._comm_steps = 0  # step() calls so far
+        # BlueFog's names for the machine weights of "hierarchical_neighbor_allreduce" (when
+        # left None, src_weights / dst_weights serve for machines too).
+        self.src_machine_weights: Optional[Dict[int, float]] = None
+        self.dst_machine_weights = None
+        self.enable_topo_check = False
+        self._overlap = bool(overlap)
+        self._passes = 0  # training passes (forwards through the model, or bare step() calls) so far
+        self._passes_at_step = 0  # self._passes when the previous step() ran
+        self._pass_offset = 0  # 0: the first pass of each group of J communicates; 1: the last
+        self._atc_due = False  # ATC: a pass since the last step() asked for a combine
         self._pending = None  # [(handle, flat buffer)] of the exchange in flight
         self._in_step = False  # a closure's forward inside step() must not start an exchange
         # Parameters in model order, as views into one flat buffer per dtype: one message per
@@ -75,8 +96,15 @@ class _Combine:
 
     # ---- communication ------------------------------------------------------------------------
 
-    def _communicates_now(self) -> bool:
-        return self.communication != "empty" and self._comm_steps % self.num_steps_per_communication == 0
+    def _due(self, pass_index: int) -> bool:
+        return (self.communication != "empty"
+                and (pass_index + self._pass_offset) % self.num_steps_per_communication == 0)
+
+    def _count_pass(self) -> bool:
+        """Counts one training pass; True when it is the one that communicates."""
+        p = self._passes
+        self._passes += 1
+        return self._due(p)
 
     def _launch(self):
         """Starts combining the current parameter values; returns what _finish needs."""
@@ -87,16 +115,18 @@ class _Combine:
         c = self.communication
         if c == "allreduce":
             return collectives.allreduce_nonblocking(flat)
-        dynamic = self.dst_weights is not None
+        src, dst = self.src_weights, self.dst_weights
+        if c != "neighbor_allreduce" and (self.src_machine_weights is not None or self.dst_machine_weights is not None):
+            src, dst = self.src_machine_weights, self.dst_machine_weights
         kw = {}
-        if self.self_weight is not None or self.src_weights is not None or dynamic:
+        if self.self_weight is not None or src is not None or dst is not None:
             kw = dict(self_weight=self.self_weight)
         if c == "neighbor_allreduce":
             if kw:
-                kw.update(src_weights=self.src_weights, dst_weights=self.dst_weights)
+                kw.update(src_weights=src, dst_weights=dst)
             return _dec.neighbor_allreduce_nonblocking(flat, enable_topo_check=self.enable_topo_check, **kw)
         if kw:
-            kw.update(src_machine_weights=self.src_weights, dst_machine_weights=self.dst_weights)
+            kw.update(src_machine_weights=src, dst_machine_weights=dst)
         return _dec.hierarchical_neighbor_allreduce_nonblocking(flat, enable_topo_check=self.enable_topo_check, **kw)
 
     @staticmethod
@@ -118,7 +148,12 @@ class _Combine:
             return
         if self._atc:
             self.synchronize()  # this forward must see the combined parameters
-        elif self._pending is None and torch.is_grad_enabled() and self._communicates_now():
+        if not (torch.is_grad_enabled() and module.training):
+            return  # evaluation passes are not training passes
+        due = self._count_pass()
+        if self._atc:
+            self._atc_due = self._atc_due or due
+        elif due and self._pending is None:
             self._pending = self._launch()
 
     def step(self, closure=None):
@@ -126,18 +161,25 @@ class _Combine:
         # the optimizer's step hooks once.
         base_step = self._base.step
         base_step = base_step.__wrapped__ if getattr(base_step, "hooked", False) else base_step
-        if self._atc or self._communicates_now():
-            if not self._atc and self._pending is None:  # no forward through the model since the last step
+        if self._passes == self._passes_at_step:
+            # No forward through the model since the last step: the step is the pass.
+            due = self._count_pass()
+            if self._atc:
+                self._atc_due = self._atc_due or due
+            elif due and self._pending is None:
                 self._pending = self._launch()
-            self.synchronize()
+        self.synchronize()
         self._in_step = True
         try:
             loss = base_step(self, closure)
         finally:
             self._in_step = False
-        if self._atc and self._communicates_now():
+        if self._atc and self._atc_due:
+            self._atc_due = False
             self._pending = self._launch()
-        self._comm_steps += 1
+            if not self._overlap:
+                self.synchronize()
+        self._passes_at_step = self._passes
         return loss
 
     def remove_hooks(self) -> None:
@@ -167,7 +209,7 @@ def build_subclass(kind: type, optimizer):
     return opt
 
 
-def _wrap(kind: type, optimizer, model, communication, num_steps_per_communication):
+def _wrap(kind: type, optimizer, model, communication, num_steps_per_communication, overlap=False):
     name = kind.__name__
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"rumor.optim.{name}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -180,7 +222,7 @@ def _wrap(kind: type, optimizer, model, communication, num_steps_per_communicati
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"rumor.optim.{name}: num_steps_per_communication must be an integer >= 1, got {k!r}")
     opt = build_subclass(kind, optimizer)
-    opt._setup(model, communication, k)
+    opt._setup(model, communication, k, overlap)
     return opt
 
 
@@ -199,15 +241,17 @@ class AdaptWithCombine(_Combine):
 
 
 class AdaptThenCombine(_Combine):
-    """x_{k+1} = combine(x_k - update from g(x_k)); the exchange runs after step() until the
-    model's next forward (or synchronize()).
+    """x_{k+1} = combine(x_k - update from g(x_k)); the exchange runs at the end of step()
+    (with overlap=True: until the model's next forward, or synchronize()).
 
     ``rumor.optim.AdaptThenCombine(optimizer, model, communication="neighbor_allreduce",
-    num_steps_per_communication=1)`` returns the wrapped optimizer (see the module doc)."""
+    num_steps_per_communication=1, overlap=False)`` returns the wrapped optimizer (see the
+    module doc)."""
 
     _atc = True
 
-    def __new__(cls, optimizer=None, model=None, communication="neighbor_allreduce", num_steps_per_communication=1):
+    def __new__(cls, optimizer=None, model=None, communication="neighbor_allreduce", num_steps_per_communication=1,
+                overlap=False):
         if cls is not AdaptThenCombine:
             return super().__new__(cls)
-        return _wrap(AdaptThenCombine, optimizer, model, communication, num_steps_per_communication)
+        return _wrap(AdaptThenCombine, optimizer, model, communication, num_steps_per_communication, overlap)

@@ -1,0 +1,22 @@
+"""QAdam under Bagua's names, mapped onto rumor's two-stage compressed Adam.
+
+Same structure as Bagua's QAdam: plain Adam with full-precision gradient averaging for
+``warmup_steps`` steps, then Adam with the second moment frozen and the momentum averaged in
+compressed form. rumor compresses the momentum to 1 bit per element with error feedback
+(rumor.algorithms.OneBitAdam) where Bagua quantized it to 8 bits, so the trajectories are close
+but not bit-equal to Bagua's.
+"""
+from rumor.algorithms import OneBitAdam as _OneBitAdamAlgorithm
+from rumor.optim import OneBitAdam as _OneBitAdam
+
+
+def QAdamOptimizer(params, lr: float = 1e-3, warmup_steps: int = 100, betas=(0.9, 0.999),  # noqa: N802
+                   eps: float = 1e-8, weight_decay: float = 0.0):
+    return _OneBitAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=warmup_steps)
+
+
+class QAdamAlgorithm(_OneBitAdamAlgorithm):
+    """Bagua's QAdamAlgorithm(q_adam_optimizer, hierarchical=True)."""
+
+    def __init__(self, q_adam_optimizer, hierarchical: bool = True):
+        super().__init__(q_adam_optimizer, hierarchical=hierarchical)
