@@ -335,7 +335,10 @@ def _make_consensus_job(name, seed):
                 "AsyncModelAverage": lambda: rumor.algorithms.AsyncModelAverage(sync_interval_ms=0,
                                                                                warmup_steps=2),
                 # no warm-up: the restore must stop the running thread's rounds around the load
-                "AsyncModelAverage-running": lambda: rumor.algorithms.AsyncModelAverage(sync_interval_ms=1)}[name]()
+                "AsyncModelAverage-running": lambda: rumor.algorithms.AsyncModelAverage(sync_interval_ms=1),
+                "LocalSGD": lambda: rumor.algorithms.LocalSGD(sync_every=3),
+                "DiLoCo": lambda: rumor.algorithms.DiLoCo(inner_steps=3),
+                "PowerSGD": lambda: rumor.algorithms.PowerSGD(start_powerSGD_iter=2)}[name]()
     ddp = DistributedDataParallel(model, optimizer=opt, algorithm=algo)
     return model, opt, algo, ddp
 
@@ -371,10 +374,17 @@ def consensus_commit_restores_the_average(name, path):
     mine = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
     key = "momentum_buffer" if name != "OneBitAdam" else "exp_avg"
     mom = torch.cat([opt.state[p][key].double().reshape(-1) for p in model.parameters()])
-    before = {"worker_error": None}
-    if name == "OneBitAdam":
-        before["worker_error"] = float(sum(opt.state[p]["worker_error"].abs().sum() for p in model.parameters()))
-    counters = algo.elastic_state_dict()
+    def own_error(m, o, a):
+        if name == "OneBitAdam":
+            return float(sum(o.state[p][k].abs().sum() for p in m.parameters() for k in ("worker_error", "server_error")))
+        return float(sum(s.error.abs().sum() for s in a._states.values() if s.error is not None))
+
+    before = {"worker_error": own_error(model, opt, algo) if name in ("OneBitAdam", "PowerSGD") else None}
+
+    def scalars(sd):
+        return {k: v for k, v in sd.items() if isinstance(v, (int, float))}
+
+    counters = scalars(algo.elastic_state_dict())
     state.commit()
     # float32 weights and momenta: the gathered copies are exact; their mean is taken in float64.
     every = collectives.allgather(torch.stack([mine, mom]).float().unsqueeze(0)).double()
@@ -392,12 +402,11 @@ def consensus_commit_restores_the_average(name, path):
         "w_err": float((got_w - want_w).abs().max()),
         "m_err": float((got_m - want_m).abs().max()),
         "w_spread": float((every[:, 0] - want_w).abs().max()),
-        "counters": (counters, algo2.elastic_state_dict()),
+        "counters": (counters, scalars(algo2.elastic_state_dict())),
         "worker_error_before": before["worker_error"],
     }
-    if name == "OneBitAdam":
-        out["errors_after"] = float(sum(opt2.state[p][k].abs().sum() for p in model2.parameters()
-                                        for k in ("worker_error", "server_error")))
+    if name in ("OneBitAdam", "PowerSGD"):
+        out["errors_after"] = own_error(model2, opt2, algo2)
     g2 = torch.Generator().manual_seed(200 + r)
     _train_steps(ddp2, opt2, g2, 3)
     if name.startswith("AsyncModelAverage"):
@@ -408,7 +417,7 @@ def consensus_commit_restores_the_average(name, path):
 
 
 @pytest.mark.parametrize("name", ["Decentralized", "LowPrecisionDecentralized", "AsyncModelAverage",
-                                  "AsyncModelAverage-running", "OneBitAdam"])
+                                  "AsyncModelAverage-running", "LocalSGD", "DiLoCo", "OneBitAdam", "PowerSGD"])
 def test_commit_of_rank_replicas_restores_their_average(tmp_path, name):
     res = harness.run(consensus_commit_restores_the_average, 3, timeout=90, args=(name, str(tmp_path / "c.pt")),
                       env={"RUMOR_ELASTIC_JOB": f"consensus-{name}-{os.getpid()}"})
@@ -417,8 +426,8 @@ def test_commit_of_rank_replicas_restores_their_average(tmp_path, name):
         assert out["w_err"] <= 1e-6 and out["m_err"] <= 1e-6, out
         assert out["counters"][0] == out["counters"][1], out
         assert out["finite"], out
-    if name == "OneBitAdam":
-        # 1-bit Adam keeps every rank's weights equal; its error feedback starts over.
+    if name in ("OneBitAdam", "PowerSGD"):
+        # These keep every rank's weights equal; their error feedback starts over.
         assert all(o["w_spread"] == 0 for o in res), res
         assert res[0]["worker_error_before"] > 0 and all(o["errors_after"] == 0 for o in res), res
     else:

@@ -189,6 +189,15 @@ class LocalSGD(Algorithm):
         return dict(steps=self.steps, backward_passes=self.backward_passes, averages=self.averages,
                     global_averages=self.global_averages)
 
+    # rumor.elastic: between averages the replicas differ; a commit keeps their average.
+    elastic_consensus = True
+
+    def elastic_state_dict(self) -> dict:
+        return self.state_dict()
+
+    def load_elastic_state_dict(self, sd) -> None:
+        self.load_state_dict(sd)
+
     def load_state_dict(self, sd: dict) -> None:
         was_local = self._local
         for k in ("steps", "backward_passes", "averages", "global_averages"):
@@ -457,6 +466,18 @@ class DiLoCo(Algorithm):
                 f.works = [None] * len(f.works)
 
     # ---- checkpointing --------------------------------------------------------------------------
+
+    # rumor.elastic: the inner replicas differ inside a round; a commit keeps their average x̄.
+    # Restored, the round goes on from x̄ with the outer parameters and optimizer (the same on
+    # every rank): the next average sees outer - x̄, the mean of the ranks' pseudo-gradients at
+    # the commit, whatever the new world size.
+    elastic_consensus = True
+
+    def elastic_state_dict(self) -> dict:
+        return self.state_dict()
+
+    def load_elastic_state_dict(self, sd) -> None:
+        self.load_state_dict(sd)
 
     def state_dict(self) -> dict:
         """The round state: inner step counter, outer parameters (the global model at the start of

@@ -263,6 +263,18 @@ class PowerSGD(Algorithm):
                         p.copy_(st["p"])
         s.initialized = initialized
 
+    # rumor.elastic: weights, P and Q (averaged) are the same on every rank; the error feedback
+    # is each rank's own, so a restored job keeps the commit's P/Q and iteration and starts its
+    # error feedback from zero.
+    def elastic_state_dict(self) -> dict:
+        sd = self.state_dict()
+        for st in sd["params"].values():
+            st["error"] = None
+        return sd
+
+    def load_elastic_state_dict(self, sd) -> None:
+        self.load_state_dict(sd)
+
     def state_dict(self) -> dict:
         """The algorithm's state: iteration count, random generator, and per parameter (by name)
         its error feedback, P and Q (copies)."""
