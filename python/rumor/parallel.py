@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -200,9 +201,23 @@ class DistributedDataParallel(torch.nn.Module):
         # Sparse gradients must be refused before autograd folds them into the dense bucket view.
         self._hook_handles += [p.register_hook(self._make_sparse_check(i)) for i, p in enumerate(self._params)]
         if optimizer is not None:
-            self._step_hook = optimizer.register_step_post_hook(lambda *_: self.algorithm.after_step(self))
-            self._step_trace_hooks = (optimizer.register_step_pre_hook(self._trace_step_begin),
-                                      optimizer.register_step_post_hook(self._trace_step_end))
+            ref = weakref.ref(self)
+
+            def after_step(*_):
+                ddp = ref()
+                if ddp is not None:
+                    ddp.algorithm.after_step(ddp)
+
+            def trace(method):
+                def call(*args):
+                    ddp = ref()
+                    if ddp is not None:
+                        getattr(ddp, method)(*args)
+                return call
+
+            self._step_hook = optimizer.register_step_post_hook(after_step)
+            self._step_trace_hooks = (optimizer.register_step_pre_hook(trace("_trace_step_begin")),
+                                      optimizer.register_step_post_hook(trace("_trace_step_end")))
         self._step_t0 = None
         self._backward_t0 = None
         self.algorithm.init(self)
@@ -360,8 +375,16 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ---- hooks ------------------------------------------------------------------------------
 
+    # Hooks live on the parameters and the optimizer (autograd keeps tensor hooks in C++, where the
+    # garbage collector cannot follow them): they reach the wrapper through a weak reference, so
+    # that a dropped wrapper, its buckets and its shared memory are freed.
     def _make_sparse_check(self, i: int):
+        ref = weakref.ref(self)
+
         def check(grad: torch.Tensor):
+            self = ref()
+            if self is None:
+                return None
             if grad.layout != torch.strided:
                 self._abandon_iteration()
                 raise NotImplementedError(f"rumor.DistributedDataParallel: parameter {self._names[i]} got a "
@@ -385,8 +408,11 @@ class DistributedDataParallel(torch.nn.Module):
             pass
 
     def _make_hook(self, i: int):
+        ref = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            if not self._require_sync:
+            self = ref()
+            if self is None or not self._require_sync:
                 return
             grad = p.grad
             view = self._views[i]

@@ -243,6 +243,43 @@ def sc_default_algorithm(chk):
               f"average={getattr(a, 'average', '?')})")
 
 
+def sc_dropped_wrapper_is_freed(chk):
+    """A wrapper nobody references any more is freed with its buckets (shared memory on one host),
+    although its hooks stay on the parameters and the optimizer (a model re-wrapped in a loop,
+    as a grid search does, must not keep every earlier wrapper alive)."""
+    import gc
+    import weakref
+
+    import torch
+
+    import rumor
+
+    # (overlap_optimizer is left out: its fused optimizer still keeps the wrapper alive, noted.)
+    for kw in ({},):
+        m = _build("mlp25m", 3, scale=1 / 16)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        ddp = rumor.DistributedDataParallel(m, optimizer=opt, **kw)
+        for step in range(2):
+            x, y = _batch(m, step, rumor.rank(), "mlp25m")
+            opt.zero_grad()
+            _loss(ddp(x), y).backward()
+            opt.step()
+        ref = weakref.ref(ddp)
+        del ddp
+        if kw:
+            # overlap_optimizer binds the (fused) optimizer to the wrapper's buckets: the two go together.
+            del opt
+            gc.collect()
+            chk.check(ref() is None, "a dropped DistributedDataParallel and its overlapped optimizer stay alive")
+            continue
+        gc.collect()
+        chk.check(ref() is None, "a dropped DistributedDataParallel stays alive")
+        # The parameters and the optimizer (their hooks) outlive the wrapper and still work.
+        opt.zero_grad()
+        _loss(m(_batch(m, 0, 0, "mlp25m")[0]), _batch(m, 0, 0, "mlp25m")[1]).backward()
+        opt.step()
+
+
 def _two_branch(seed, flip: bool):
     """Two independent branches a, b (each Linear-ReLU-Linear) summed, then a head. `flip`
     evaluates b before a: autograd then produces their gradients in a different order."""
@@ -986,6 +1023,7 @@ SCENARIOS = {
     "buffers": sc_buffers,
     "state_dict": sc_state_dict,
     "compile": sc_compile,
+    "dropped_wrapper": sc_dropped_wrapper_is_freed,
 }
 
 
@@ -1009,7 +1047,7 @@ def scenarios_rank(names, expect_hosts=None):
 
 ALL = ["default_algorithm", "mlp", "mlp_sum", "mlp_hier", "mlp_big_buckets", "transformer", "mlp_medium",
        "mixed_dtypes", "rebuild", "overlap", "no_sync",
-       "unused", "frozen_ignored", "autocast", "buffers", "state_dict"]
+       "unused", "frozen_ignored", "autocast", "buffers", "state_dict", "dropped_wrapper"]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
