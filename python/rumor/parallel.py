@@ -341,7 +341,14 @@ class DistributedDataParallel(torch.nn.Module):
             return op
 
         # Any other optimizer: its own update over this bucket's segments, on the step thread.
+        # The op lives in the C++ engine, out of the garbage collector's sight, and the fusion
+        # holds this wrapper: a strong reference here would keep a dropped wrapper alive.
+        fusion_ref = weakref.ref(fusion)
+
         def step():
+            fusion = fusion_ref()
+            if fusion is None:
+                return
             if clip is not None:
                 _clip_bucket([s.grad for s in segs], clip)
             fusion.step_segments(segs)

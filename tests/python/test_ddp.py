@@ -254,8 +254,8 @@ def sc_dropped_wrapper_is_freed(chk):
 
     import rumor
 
-    # (overlap_optimizer is left out: its fused optimizer still keeps the wrapper alive, noted.)
-    for kw in ({},):
+    # float64 makes overlap_optimizer take the Python per-bucket step (held by the C++ engine).
+    for kw in ({}, {"overlap_optimizer": True}):
         m = _build("mlp25m", 3, scale=1 / 16)
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         ddp = rumor.DistributedDataParallel(m, optimizer=opt, **kw)
