@@ -121,21 +121,17 @@ def launcher(host, argv):
     return ["ip", "netns", "exec", ns_of.get(host, "rmr-no-such-host"), *argv]
 
 hosts = [f"{ip}:2" for ip in spec["ips"]]
-if spec["mode"] == "full":
-    try:
-        ri.start(n=4, hosts=[hosts[0], "unreachable-host:2"], launcher=launcher, timeout=20,
-                 start_timeout=60, quiet=True)
-        emit("bad_host", "started")
-    except Exception as e:
-        emit("bad_host", f"{type(e).__name__}: {e}")
-    emit("after_bad", ri._session._session is None)
+try:
+    ri.start(n=4, hosts=[hosts[0], "unreachable-host:2"], launcher=launcher, timeout=20, start_timeout=60, quiet=True)
+    emit("bad_host", "started")
+except Exception as e:
+    emit("bad_host", f"{type(e).__name__}: {e}")
+emit("after_bad", ri._session._session is None)
 
 ri.start(n=4, hosts=hosts, launcher=launcher, timeout=20, start_timeout=150, quiet=True)
 s = _session.current()
 emit("session", {"pids": s.all_pids(), "engine_pids": s.pids, "pid_local": s.pid_local,
                  "controller_ip": s.controller_ip, "shm_prefixes": s.shm_prefixes})
-if spec["mode"] == "kill":
-    time.sleep(600)  # the test kills this process, as a notebook kernel is killed
 ri.run("""
 import os, socket
 t = torch.tensor([float(rumor.rank() + 1)], dtype=torch.float64)
@@ -152,6 +148,21 @@ info = dict(rank=rumor.rank(), size=rumor.size(), local_rank=rumor.local_rank(),
 emit("ranks", ri.pull("info"))
 emit("status", ri.status())
 emit("shm_prefixes", s.shm_prefixes)
+
+# As on real remote hosts, where the engines' pids mean nothing here: interrupts go through
+# ipyparallel's nanny, a death is seen when the launcher process ends.
+s.pid_local = [False] * s.n
+try:
+    ri.run("import time\nfor _ in range(2000): time.sleep(0.05)", timeout=1)
+    emit("interrupted", "no error")
+except ri.RankError as e:
+    emit("interrupted", {str(r): f[0] for r, f in e.failures.items()})
+emit("after_interrupt", ri.run("rumor.rank() * 10"))
+try:
+    ri.run("import os, signal\nif rumor.rank() == 3: os.kill(os.getpid(), signal.SIGKILL)")
+    emit("died", "no error")
+except ri.RankError as e:
+    emit("died", {"first": e.first, "message": str(e)})
 ri.stop()
 emit("stopped", True)
 '''
@@ -226,10 +237,10 @@ def cluster():
         yield c
 
 
-def _start_driver(cluster, tmp_path, mode):
+def _start_driver(cluster, tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(DRIVER))
-    spec = {"mode": mode, "ips": [h.ip for h in cluster.hosts], "ns_of": {h.ip: h.netns for h in cluster.hosts}}
+    spec = {"ips": [h.ip for h in cluster.hosts], "ns_of": {h.ip: h.netns for h in cluster.hosts}}
     env = dict(os.environ)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RUMOR_TIMEOUT"):
         env.pop(var, None)
@@ -246,7 +257,7 @@ def _stderr(proc):
 
 
 def test_two_hosts_allreduce_neighbors_status_and_clean_stop(cluster, tmp_path):
-    driver = _start_driver(cluster, tmp_path, "full")
+    driver = _start_driver(cluster, tmp_path)
     try:
         ev = _read_events(driver, "stopped", time.monotonic() + 240)
         assert "stopped" in ev, f"driver did not finish: events {ev}, stderr: {_stderr(driver)}"
@@ -283,6 +294,13 @@ def test_two_hosts_allreduce_neighbors_status_and_clean_stop(cluster, tmp_path):
     assert ev["session"]["controller_ip"] == ips[0]
     assert all(ev["session"]["pid_local"])  # namespaces share this machine's pids
 
+    # Remote-style control: the cell limit interrupts every rank through the nanny, the
+    # session stays usable; a killed rank is named with its host.
+    assert ev["interrupted"] == {str(r): "CellTimeout" for r in range(4)}, ev["interrupted"]
+    assert ev["after_interrupt"] == ["0", "10", "20", "30"]
+    assert ev["died"]["first"] == 3, ev["died"]
+    assert f"rank 3 (engine pid {ev['session']['engine_pids'][3]} on host '{ips[1]}') died" in ev["died"]["message"]
+
     # Nothing is left: no process of the session, none in either host, no /dev/shm name.
     pids = ev["session"]["pids"]
     assert set(ev["session"]["engine_pids"]) <= set(pids)
@@ -293,20 +311,38 @@ def test_two_hosts_allreduce_neighbors_status_and_clean_stop(cluster, tmp_path):
     assert [p for pre in ev["shm_prefixes"] for p in glob.glob(f"/dev/shm/{pre}*")] == []
 
 
-def test_killed_notebook_leaves_nothing_on_any_host(cluster, tmp_path):
-    driver = _start_driver(cluster, tmp_path, "kill")
+def test_rumor_run_interactive_hosts_killed_leaves_nothing(cluster, tmp_path):
+    """`rumor-run --interactive --hosts` with a launcher template and --controller-ip, then
+    SIGKILLed as a notebook kernel can be: nothing may stay on either host."""
+    env = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RUMOR_TIMEOUT"):
+        env.pop(var, None)
+    env["OMP_NUM_THREADS"] = "1"
+    hosts = ",".join(f"{h.netns}:2" for h in cluster.hosts)  # the template puts the namespace in {host}
+    conn = tmp_path / "conn.json"
+    cli = cluster.popen(0, [sys.executable, "-m", "rumor.run", "--interactive", "-n", "4", "--hosts", hosts,
+                            "--launcher", "ip netns exec {host}", "--controller-ip", cluster.ip(0),
+                            "--start-timeout", "150", "--connection-file", str(conn)],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    out = b""
     try:
-        ev = _read_events(driver, "session", time.monotonic() + 200)
-        assert "session" in ev, f"driver did not start the ranks: events {ev}, stderr: {_stderr(driver)}"
-        pids = ev["session"]["pids"]
-        assert len(pids) >= 5 and all(_alive(p) for p in pids)
+        deadline = time.monotonic() + 200
+        while b"Ctrl-C here stops the ranks" not in out and time.monotonic() < deadline and cli.poll() is None:
+            if select.select([cli.stdout], [], [], 1.0)[0]:
+                out += os.read(cli.stdout.fileno(), 65536)
+        text = out.decode(errors="replace")
+        assert "4 rank(s) running on " + ", ".join(sorted(h.netns for h in cluster.hosts)) in text, text
+        info = json.loads(conn.read_text())
+        assert info["hosts"] == [cluster.hosts[0].netns] * 2 + [cluster.hosts[1].netns] * 2
+        pids = info["pids"]
+        assert all(_alive(p) for p in pids)
+        assert set(pids[2:]) <= _namespace_pids(cluster.hosts[1].netns)  # ranks 2, 3 run on host 1
     finally:
-        # As a notebook kernel is killed: no stop(), no atexit.
-        os.kill(driver.pid, signal.SIGKILL)
-        driver.wait(10)
-    # The engines read EOF on the stdin the driver held, the controller's watchdog sees its
-    # owner gone; each kills its own process group.
+        # As a notebook kernel (or the shell running rumor-run) is killed: no stop(), no atexit.
+        os.kill(cli.pid, signal.SIGKILL)
+        cli.wait(10)
+    # The engines read EOF on the stdin the killed process held, the controller's watchdog sees
+    # its owner gone; each kills its own process group.
     left = _left(cluster, allowed=(), timeout=20)
-    assert left == {}, f"still running after the driver was killed: {left}"
+    assert left == {}, f"still running after rumor-run was killed: {left}"
     assert [p for p in pids if _alive(p)] == []
-    assert [p for pre in ev["session"]["shm_prefixes"] for p in glob.glob(f"/dev/shm/{pre}*")] == []
