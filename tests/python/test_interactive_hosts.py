@@ -87,9 +87,23 @@ def test_launcher_commands():
     assert _hosts.command(None, "localhost", argv, local=True) == argv
     assert _hosts.command("ip netns exec {host}", "ns1", argv, local=False) == ["ip", "netns", "exec", "ns1", *argv]
     assert _hosts.command(["ssh", "-p", "2222", "{host}"], "n2", argv, local=True) == ["ssh", "-p", "2222", "n2", *argv]
-    assert _hosts.command(lambda h, a: ["run-on", h, "--", *a], "n3", argv, local=False) == ["run-on", "n3", "--", *argv]
+    wrap = _hosts.command(lambda h, a: ["run-on", h, "--", *a], "n3", argv, local=False)
+    assert wrap == ["run-on", "n3", "--", *argv]
     with pytest.raises(TypeError, match="must return a list of str"):
         _hosts.command(lambda h, a: "run-on " + h, "n3", argv, local=False)
+
+
+def test_engines_get_the_notebooks_rumor_settings_but_not_its_host_identity(monkeypatch):
+    from rumor.interactive._session import _forwarded_env
+
+    for k in [k for k in os.environ if k.startswith("RUMOR_") or k == "OMP_NUM_THREADS"]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("RUMOR_SOCKET_STREAMS", "3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("RUMOR_HOST_ID", "notebook-box")
+    monkeypatch.setenv("RUMOR_ADVERTISE_ADDR", "10.0.0.1")
+    monkeypatch.setenv("RUMOR_INTERACTIVE_SLOT", "0")
+    assert _forwarded_env() == {"RUMOR_SOCKET_STREAMS": "3", "OMP_NUM_THREADS": "2"}
 
 
 def test_rumor_run_interactive_rejects_bad_hosts(capsys):
@@ -99,6 +113,38 @@ def test_rumor_run_interactive_rejects_bad_hosts(capsys):
         main(["-n", "4", "--hosts", "a:2,b:1"])
     assert e.value.code == 2
     assert "hosts offer 3 slot(s)" in capsys.readouterr().err
+
+
+def test_launcher_that_hangs_fails_within_start_timeout_and_leaves_nothing():
+    """A host whose launcher never starts the engine (a hung ssh, say): start() gives up at
+    start_timeout naming the hosts, and the launcher processes are gone afterwards."""
+    pytest.importorskip("ipyparallel", reason="rumor.interactive needs ipyparallel >= 8 (scripts/setup.sh installs it)")
+    import rumor.interactive as ri
+    from rumor.interactive import _session
+
+    made = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        p = real_popen(*args, **kwargs)
+        made.append(p.pid)
+        return p
+
+    t0 = time.monotonic()
+    try:
+        subprocess.Popen = recording_popen
+        with pytest.raises(TimeoutError) as e:
+            ri.start(n=2, hosts=["hung-a", "hung-b"], launcher=["sh", "-c", "exec sleep 300", "{host}"],
+                     controller_ip="127.0.0.1", start_timeout=4, quiet=True)
+    finally:
+        subprocess.Popen = real_popen
+    took = time.monotonic() - t0
+    msg = str(e.value)
+    assert "0 of 2 engines registered within 4 s" in msg, msg
+    assert "rank 0 on host 'hung-a' has not registered" in msg and "rank 1 on host 'hung-b'" in msg, msg
+    assert _session._session is None
+    assert len(made) >= 2
+    assert [p for p in made if _alive(p)] == [], (made, took)
 
 
 # ---- end to end on two emulated hosts ----------------------------------------------------------

@@ -38,7 +38,8 @@ def _split_entry(entry: object, what: str):
     if e.startswith("["):
         host, sep, rest = e[1:].partition("]")
         if not sep or (rest and not rest.startswith(":")):
-            raise ValueError(f"{what}: hosts entry {entry!r}: an address in brackets is written '[addr]' or '[addr]:slots'")
+            raise ValueError(f"{what}: hosts entry {entry!r}: an address in brackets is written "
+                             "'[addr]' or '[addr]:slots'")
         slots = rest[1:] if rest else None
     elif e.count(":") == 1:
         host, _, slots = e.partition(":")

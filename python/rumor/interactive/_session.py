@@ -215,9 +215,10 @@ class Session:
                         raise RuntimeError(f"rumor.interactive: could not start the engine of rank {r} on host "
                                            f"{h.name!r}: `{shlex_join(cmd)}`: {e}") from None
                 self.procs[r] = p
-                payload = {"connection": conn, "controller": list(self.controller_addr),
-                           "env": {"RUMOR_INTERACTIVE_HOST": h.name, "RUMOR_INTERACTIVE_SLOT": str(r),
-                                   "RUMOR_INTERACTIVE_LOCAL_SIZE": str(h.size)}}
+                env = dict(_forwarded_env())
+                env.update(RUMOR_INTERACTIVE_HOST=h.name, RUMOR_INTERACTIVE_SLOT=str(r),
+                           RUMOR_INTERACTIVE_LOCAL_SIZE=str(h.size))
+                payload = {"connection": conn, "controller": list(self.controller_addr), "env": env}
                 try:
                     p.stdin.write(json.dumps(payload).encode() + b"\n")
                     p.stdin.flush()
@@ -652,6 +653,19 @@ class Session:
             rows.append({"rank": r, "host": self.hosts[r] if r < len(self.hosts) else "?", "pid": pid,
                          "engine": self.engine_ids[r], "state": state})
         return rows
+
+
+# Describe one machine, not the job: a copy on another host would be wrong there.
+_HOST_SPECIFIC = ("RUMOR_HOST_ID", "RUMOR_ADVERTISE_ADDR", "RUMOR_PORT")
+
+
+def _forwarded_env() -> Dict[str, str]:
+    """The notebook's rumor settings (RUMOR_SOCKET_STREAMS, RUMOR_SHM, RUMOR_LOG, ...) and
+    OMP_NUM_THREADS, for engines on hosts where ssh gives a fresh environment; as rumor-run's
+    workers inherit its environment."""
+    return {k: v for k, v in os.environ.items()
+            if (k.startswith("RUMOR_") and not k.startswith("RUMOR_INTERACTIVE_") and k not in _HOST_SPECIFIC)
+            or k == "OMP_NUM_THREADS"}
 
 
 def shlex_join(argv) -> str:
