@@ -177,7 +177,8 @@ emit("after_bad", ri._session._session is None)
 ri.start(n=4, hosts=hosts, launcher=launcher, timeout=20, start_timeout=150, quiet=True)
 s = _session.current()
 emit("session", {"pids": s.all_pids(), "engine_pids": s.pids, "pid_local": s.pid_local,
-                 "controller_ip": s.controller_ip, "shm_prefixes": s.shm_prefixes})
+                 "controller_ip": s.controller_ip, "shm_prefixes": s.shm_prefixes,
+                 "profile_dir": s.profile_dir})
 ri.run("""
 import os, socket
 t = torch.tensor([float(rumor.rank() + 1)], dtype=torch.float64)
@@ -355,6 +356,7 @@ def test_two_hosts_allreduce_neighbors_status_and_clean_stop(cluster, tmp_path):
     assert _left(cluster, allowed=(), timeout=10) == {}
     assert ev["shm_prefixes"], "the 4-rank job used no shared memory between the ranks of a host"
     assert [p for pre in ev["shm_prefixes"] for p in glob.glob(f"/dev/shm/{pre}*")] == []
+    assert not os.path.exists(ev["session"]["profile_dir"])
 
 
 def test_rumor_run_interactive_hosts_killed_leaves_nothing(cluster, tmp_path):

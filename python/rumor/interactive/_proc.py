@@ -150,14 +150,21 @@ def _engine_stdin():
         os.setsid()  # lead a process group, so that one kill takes the nanny and user subprocesses
     except OSError:
         pass  # already a group leader
-    profile = tempfile.mkdtemp(prefix="rumor-ipe-")
+    # One IPython profile directory per user, shared by every engine like ipcluster's engines
+    # share theirs: an engine killed by SIGKILL leaves nothing of its own there. (Not the
+    # user's profile_default, whose startup files and config would run on the ranks.)
+    profile, temporary = os.path.join(os.path.expanduser("~"), ".cache", "rumor", "ipengine-profile"), None
+    try:
+        os.makedirs(profile, mode=0o700, exist_ok=True)
+    except OSError:
+        profile = temporary = tempfile.mkdtemp(prefix="rumor-ipe-")
     env = {str(k): str(v) for k, v in info.get("env", {}).items()}
     os.environ.update(env)
     if "OMP_NUM_THREADS" not in os.environ:
         local = max(1, int(env.get("RUMOR_INTERACTIVE_LOCAL_SIZE", "1")))
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
     os.environ["IPP_CONNECTION_INFO"] = json.dumps(info["connection"])
-    threading.Thread(target=_watch_lifeline, args=(lifeline, info.get("controller"), profile),
+    threading.Thread(target=_watch_lifeline, args=(lifeline, info.get("controller"), temporary),
                      daemon=True, name="rumor-watchdog").start()
     sys.argv[1:] = [f"--profile-dir={profile}", "--log-level=40"]
     from ipyparallel.engine.app import main as ipp_main
@@ -165,7 +172,8 @@ def _engine_stdin():
     try:
         ipp_main()
     finally:
-        shutil.rmtree(profile, ignore_errors=True)
+        if temporary:
+            shutil.rmtree(temporary, ignore_errors=True)
 
 
 def main():
