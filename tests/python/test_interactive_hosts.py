@@ -394,3 +394,5 @@ def test_rumor_run_interactive_hosts_killed_leaves_nothing(cluster, tmp_path):
     left = _left(cluster, allowed=(), timeout=20)
     assert left == {}, f"still running after rumor-run was killed: {left}"
     assert [p for p in pids if _alive(p)] == []
+    # The controller's watchdog removed the session's private profile directory.
+    assert not os.path.exists(os.path.dirname(os.path.dirname(info["client_file"])))
