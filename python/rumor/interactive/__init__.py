@@ -2,6 +2,7 @@
 
     import rumor.interactive as ri
     ri.start(4)            # controller + 4 engines on this host, rumor.init() on each
+    ri.start(4, hosts=["node1:2", "node2:2"])   # ranks 0-1 on node1, 2-3 on node2 (over ssh)
     %%rumor                # the cell runs on every rank ("[rank r]" before each output line)
     %%rank0                # the cell runs on rank 0 only
     %rumor_status          # ranks, hosts, pids, idle/busy
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import _session
+from . import _hosts, _session
 from ._session import RankError, Session  # noqa: F401
 
 __all__ = ["start", "connect", "stop", "restart", "status", "run", "pull", "push", "client", "session",
@@ -23,36 +24,68 @@ __all__ = ["start", "connect", "stop", "restart", "status", "run", "pull", "push
 DEFAULT_TIMEOUT = 30.0
 
 
-def _check_args(n, hosts, timeout, start_timeout):
+def _check_args(n, hosts, timeout, start_timeout, launcher=None, controller_ip=None):
+    """Validates start()'s arguments; returns the layout of the ranks over hosts (None: all on
+    this host, the classic one-host session)."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"rumor.interactive.start(): n must be an int, got {type(n).__name__}")
     if n < 1:
         raise ValueError(f"rumor.interactive.start(): n must be at least 1, got {n}")
+    _hosts.check_launcher(launcher)
+    if controller_ip is not None and (not isinstance(controller_ip, str) or not controller_ip.strip()):
+        raise TypeError(f"rumor.interactive.start(): controller_ip must be an address (str), got {controller_ip!r}")
+    layout = None
     if hosts is not None:
-        raise NotImplementedError(
-            "rumor.interactive.start(): hosts= is not supported yet; engines run on this host only "
-            "(for several hosts, start ipyparallel engines yourself and use rumor-run's environment)")
+        layout = _hosts.layout(hosts, n)
+        if launcher is None and all(_hosts.is_local(h.name) for h in layout):
+            layout = None  # only this machine: the one-host session, on loopback
+    elif launcher is not None:
+        raise ValueError("rumor.interactive.start(): launcher= needs hosts= (the hosts it starts engines on)")
     for name, v in (("timeout", timeout), ("start_timeout", start_timeout)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"rumor.interactive.start(): {name} must be a number of seconds, got {type(v).__name__}")
         if not v > 0:
             raise ValueError(f"rumor.interactive.start(): {name} must be positive, got {v}")
+    return layout
+
+
+def _controller_ip(layout, given):
+    """Where the controller listens when engines run elsewhere: the address of this machine
+    on the route to the first other host (so no more than that interface is exposed); '*'
+    (all interfaces) when the name does not resolve here, e.g. an ssh config alias."""
+    if given:
+        return given
+    for h in layout:
+        if not _hosts.is_local(h.name):
+            return _hosts.route_address(h.name) or "*"
+    return "127.0.0.1"
 
 
 def start(n: int = 4, hosts: Optional[Sequence[str]] = None, timeout: float = DEFAULT_TIMEOUT,
-          start_timeout: float = 60.0, quiet: bool = False) -> "Any":
-    """Starts an ipyparallel controller and n engines on this host, makes engine i rank i of a
-    rumor job (rumor.init() on each) and returns the ipyparallel Client.
+          start_timeout: float = 60.0, quiet: bool = False, *, launcher: "_hosts.Launcher" = None,
+          controller_ip: Optional[str] = None) -> "Any":
+    """Starts an ipyparallel controller and n engines (on this host, or over hosts), makes
+    engine i rank i of a rumor job (rumor.init() on each) and returns the ipyparallel Client.
 
     timeout: rumor's deadline for every blocking wait on the engines (rumor.init(timeout=)):
         a collective that some rank skipped raises rumor.CommTimeoutError this many seconds
         after the others entered it. Interactive work wants it short; the default is 30 s.
     start_timeout: how long starting the engines and rumor.init() may take.
-    hosts: not supported yet (NotImplementedError); engines run on this host.
+    hosts: where the engines run, e.g. ["node1:2", "node2:2"] (ranks 0-1 on node1, 2-3 on
+        node2) or ["node1", "node2"] (n split evenly). Ranks are contiguous per host; LOCAL_RANK
+        and LOCAL_WORLD_SIZE count the ranks of a host. Every host needs this Python and rumor
+        at the same path (a shared or identical environment), like mpirun or horovodrun.
+        Default: all n on this host.
+    launcher: how an engine is started on a host: None = `ssh -o BatchMode=yes host`
+        (localhost and this machine's own names run directly); a template with '{host}'
+        ("ip netns exec {host}", ["ssh", "-p", "2222", "{host}"]) to which the engine's
+        command is appended; or a callable (host, argv) -> argv.
+    controller_ip: the address the controller listens on when engines run on other hosts
+        (default: this machine's address on the route to the first other host).
 
     In IPython the %%rumor, %%rank0 and %rumor_status magics are registered.
     """
-    _check_args(n, hosts, timeout, start_timeout)
+    layout = _check_args(n, hosts, timeout, start_timeout, launcher, controller_ip)
     try:
         import ipyparallel  # noqa: F401
     except ImportError as e:
@@ -60,8 +93,11 @@ def start(n: int = 4, hosts: Optional[Sequence[str]] = None, timeout: float = DE
     if _session._session is not None:
         raise RuntimeError("rumor.interactive.start(): a session is running; call stop() or restart() first")
     s = Session(n=n, timeout=float(timeout))
+    if layout is not None:
+        s.layout, s.launcher, s.controller_ip = layout, launcher, _controller_ip(layout, controller_ip)
     _session._session = s
-    _session._last_args = dict(n=n, timeout=float(timeout), start_timeout=float(start_timeout), quiet=quiet)
+    _session._last_args = dict(n=n, timeout=float(timeout), start_timeout=float(start_timeout), quiet=quiet,
+                               hosts=hosts, launcher=launcher, controller_ip=controller_ip)
     try:
         s.launch(float(start_timeout))
     except BaseException:
@@ -70,7 +106,8 @@ def start(n: int = 4, hosts: Optional[Sequence[str]] = None, timeout: float = DE
         raise
     _register_magics()
     if not quiet:
-        print(f"rumor.interactive: {n} rank(s) ready (rumor timeout {timeout:g} s); "
+        where = f" on {_hosts.engine_count_label(layout)}" if layout is not None else ""
+        print(f"rumor.interactive: {n} rank(s) ready{where} (rumor timeout {timeout:g} s); "
               "use %%rumor, %%rank0, %rumor_status; stop() when done")
     return s.client
 

@@ -4,15 +4,53 @@ from __future__ import annotations
 import os
 import socket
 
+# rumor's /dev/shm name prefixes of the jobs this engine joined: the watchdog of an engine
+# started with hosts= removes them when the session is gone (_proc.py).
+shm_prefixes = []
 
-def setup(rank: int, size: int, master_port: int, timeout: float, generation: int) -> dict:
+
+def host_label() -> str:
+    """The host as the session's hosts= list names it, else this machine's name."""
+    return os.environ.get("RUMOR_INTERACTIVE_HOST") or socket.gethostname()
+
+
+def machine_id() -> str:
+    """Boot id and pid namespace: equal to the notebook's exactly when this engine's pid means
+    the same process there (then the notebook may watch and signal it by pid)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}|{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def placement() -> dict:
+    """Which rank this engine was started for (engines started with hosts=)."""
+    return {"slot": int(os.environ.get("RUMOR_INTERACTIVE_SLOT", "-1")), "host": host_label(), "pid": os.getpid(),
+            "machine": machine_id()}
+
+
+def master_address(toward: str) -> list:
+    """[address, port] for rank 0's rendezvous: this host's address on the route to `toward`
+    (the controller's, which every host reaches) and a port that is free here now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((toward, 9))  # a UDP connect sends nothing
+        addr = s.getsockname()[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return [addr, s.getsockname()[1]]
+
+
+def setup(rank: int, size: int, master_port: int, timeout: float, generation: int,
+          master_addr: str = "127.0.0.1", local_rank: int = -1, local_size: int = -1) -> dict:
     """Gives this engine its rank and joins the rumor job. Returns what the session tracks."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(size),
-        MASTER_ADDR="127.0.0.1",
+        LOCAL_RANK=str(rank if local_rank < 0 else local_rank),
+        LOCAL_WORLD_SIZE=str(size if local_size < 0 else local_size),
+        MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
         RUMOR_TIMEOUT=repr(float(timeout)),
     )
@@ -27,8 +65,11 @@ def setup(rank: int, size: int, master_port: int, timeout: float, generation: in
     rumor.init(timeout=timeout)
     shm_prefix = ""
     if size > 1:
-        token = bytes(_runtime._store_keepalive.get("token"))
-        shm_prefix = "rumor-" + token[:8].hex()
+        # The store holds the job token as hex; the core names segments "rumor-" + the hex of
+        # the token's first 8 bytes (Context::shm_prefix).
+        token = bytes(_runtime._store_keepalive.get("token")).decode()
+        shm_prefix = "rumor-" + token[:16]
+        shm_prefixes.append(shm_prefix)
     try:
         from IPython import get_ipython
 
@@ -39,7 +80,7 @@ def setup(rank: int, size: int, master_port: int, timeout: float, generation: in
             ip.user_ns.update(rumor=rumor, torch=torch)
     except ImportError:
         pass
-    return {"rank": rumor.rank(), "pid": os.getpid(), "host": socket.gethostname(), "shm_prefix": shm_prefix}
+    return {"rank": rumor.rank(), "pid": os.getpid(), "host": host_label(), "shm_prefix": shm_prefix}
 
 
 def set_timeout(seconds: float) -> float:
@@ -62,4 +103,5 @@ def identify() -> dict:
     """What a session attaching to running engines needs (rumor.interactive.connect)."""
     import rumor
 
-    return {"rank": rumor.rank() if rumor.is_initialized() else -1, "pid": os.getpid(), "host": socket.gethostname()}
+    return {"rank": rumor.rank() if rumor.is_initialized() else -1, "pid": os.getpid(), "host": host_label(),
+            "machine": machine_id()}

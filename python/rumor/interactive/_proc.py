@@ -11,6 +11,16 @@ client was, and an engine busy in a collective does not check the controller's h
 watchdog polls the owner (the process that called start(), env RUMOR_INTERACTIVE_OWNER as
 "pid:start-time" so a recycled pid does not count) and, for engines, the controller (env
 RUMOR_INTERACTIVE_CONTROLLER), and ends this process when either is gone.
+
+    python /path/to/_proc.py engine-stdin      (engines of start(hosts=...), on any host)
+
+reads one JSON line from stdin, {"connection": <ipcontroller-engine.json>, "env": {...},
+"controller": [ip, port]}, so neither the controller's key nor the environment travels on a
+command line (visible in ps) or needs quoting through ssh. stdin then stays open as the
+owner's lifeline: the process that called start() holds its other end (through ssh for a
+remote host), and when that process ends, however it ends, this engine reads EOF. Pids of
+another host mean nothing here, so the controller is watched by connecting to its
+registration port: refused twice in a row means it is gone.
 """
 import os
 import shutil
@@ -58,8 +68,119 @@ def _watch(specs, cleanup_dir):
                 os._exit(3)
 
 
+def _read_line(fd):
+    # Byte by byte: nothing after the newline may be consumed (the rest of stdin is the lifeline).
+    buf = bytearray()
+    while True:
+        b = os.read(fd, 1)
+        if not b:
+            raise SystemExit("_proc.py engine-stdin: stdin closed before the connection info arrived")
+        if b == b"\n":
+            return bytes(buf)
+        buf += b
+
+
+def _remove_own_shm():
+    # This job's names, recorded by _engine_side.setup(); the peers on this host go down with
+    # the session too, so no one still needs them.
+    side = sys.modules.get("rumor.interactive._engine_side")
+    for prefix in getattr(side, "shm_prefixes", ()):
+        try:
+            names = os.listdir("/dev/shm")
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(prefix):
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
+
+
+def _exit_now(why, cleanup_dir):
+    sys.stderr.write(f"rumor.interactive: {why}; exiting\n")
+    sys.stderr.flush()
+    _remove_own_shm()
+    if cleanup_dir:
+        shutil.rmtree(cleanup_dir, ignore_errors=True)
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), 9)
+    os._exit(3)
+
+
+def _watch_lifeline(fd, controller, cleanup_dir):
+    import select
+    import socket
+
+    refused = 0
+    last_probe = 0.0
+    while True:
+        ready, _, _ = select.select([fd], [], [], POLL_S)
+        if ready:
+            try:
+                data = os.read(fd, 4096)
+            except OSError:
+                data = b""
+            if not data:
+                _exit_now("the process that started the session is gone (its end of stdin closed)", cleanup_dir)
+        now = time.monotonic()
+        if controller and now - last_probe >= 1.0:
+            last_probe = now
+            try:
+                socket.create_connection(tuple(controller), timeout=2.0).close()
+                refused = 0
+            except ConnectionRefusedError:
+                refused += 1
+                if refused >= 2:
+                    _exit_now(f"the controller at {controller[0]}:{controller[1]} is gone", cleanup_dir)
+            except OSError:
+                refused = 0  # unreachable for a moment is not gone; stdin EOF still ends us
+
+
+def _engine_stdin():
+    import json
+    import tempfile
+
+    info = json.loads(_read_line(0))
+    lifeline = os.dup(0)  # not inheritable: the engine's nanny and user subprocesses do not get it
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    try:
+        os.setsid()  # lead a process group, so that one kill takes the nanny and user subprocesses
+    except OSError:
+        pass  # already a group leader
+    # One IPython profile directory per user, shared by every engine like ipcluster's engines
+    # share theirs: an engine killed by SIGKILL leaves nothing of its own there. (Not the
+    # user's profile_default, whose startup files and config would run on the ranks.)
+    profile, temporary = os.path.join(os.path.expanduser("~"), ".cache", "rumor", "ipengine-profile"), None
+    try:
+        os.makedirs(profile, mode=0o700, exist_ok=True)
+    except OSError:
+        profile = temporary = tempfile.mkdtemp(prefix="rumor-ipe-")
+    env = {str(k): str(v) for k, v in info.get("env", {}).items()}
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" not in os.environ:
+        local = max(1, int(env.get("RUMOR_INTERACTIVE_LOCAL_SIZE", "1")))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
+    os.environ["IPP_CONNECTION_INFO"] = json.dumps(info["connection"])
+    threading.Thread(target=_watch_lifeline, args=(lifeline, info.get("controller"), temporary),
+                     daemon=True, name="rumor-watchdog").start()
+    sys.argv[1:] = [f"--profile-dir={profile}", "--log-level=40"]
+    from ipyparallel.engine.app import main as ipp_main
+
+    try:
+        ipp_main()
+    finally:
+        if temporary:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
 def main():
     role = sys.argv[1]
+    if role == "engine-stdin":
+        del sys.argv[1]
+        return _engine_stdin()
     del sys.argv[1]
     specs = []
     if os.environ.get("RUMOR_INTERACTIVE_OWNER"):
