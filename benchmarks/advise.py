@@ -179,16 +179,18 @@ def summarize(cell: Dict) -> None:
     cell["top_over_fastest"] = meas[top] / meas[fastest]
     cell["pred_error"] = {a: cell["predicted"][a] / meas[a] - 1 for a in meas}
     cell["pred_error"]["torch DDP"] = cell["predicted_torch"] / cell["measured"]["torch DDP"]["step_measure_s"] - 1
-    # The same comparison with each block's measured step scaled by the advisor's compute over
-    # the compute-only step measured right before the block: on a shared machine whose load
-    # changes between blocks this isolates the model's error from the load's.
+    # The same comparison with each block's compute swapped for the advisor's: the measured step
+    # minus the compute-only step measured right before the block plus the advisor's compute.
+    # On a shared machine whose load changes between blocks, that compares what the model
+    # adds to compute with what the block really added, apart from the load of the moment.
     mi = cell["measured_inputs"]
     pred_compute = mi["forward_s"] + mi["backward_s"] + mi["optimizer_s"]
     cell["pred_error_load_adjusted"] = {}
     for a, v in cell["measured"].items():
         if v.get("compute_only_s"):
             pred = cell["predicted_torch"] if a == "torch DDP" else cell["predicted"][a]
-            cell["pred_error_load_adjusted"][a] = pred / (v["step_measure_s"] * pred_compute / v["compute_only_s"]) - 1
+            adjusted = max(v["step_measure_s"] - v["compute_only_s"], 0.0) + pred_compute
+            cell["pred_error_load_adjusted"][a] = pred / adjusted - 1
 
 
 def print_table(cells: List[Dict], title: str) -> None:
@@ -322,7 +324,7 @@ def main(argv=None) -> int:
             adj = c.get("pred_error_load_adjusted") or {}
             if adj:
                 worst = max(adj, key=lambda a: abs(adj[a]))
-                print(f"  (load-adjusted, each block scaled by its compute-only step: worst {worst} "
+                print(f"  (load-adjusted, each block's compute-only step swapped for the advisor's compute: worst {worst} "
                       f"{100 * adj[worst]:+.0f}%, median |error| {100 * statistics.median(abs(e) for e in adj.values()):.0f}%)")
         headline = None
         if result["cells"]:

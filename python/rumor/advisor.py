@@ -476,11 +476,10 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         def powersgd(nbytes, b):
             first, second, mat = _powersgd_bucket(shapes, plan[b], r)
             t = allreduce_fp(first * 4) + (allreduce_fp(second * 4) if second else 0.0)
-            return t + mat * (m["powersgd_s_per_element"] + 2 * ew) + (first - 0) * ew
-        totals = [_powersgd_bucket(shapes, b, r) for b in plan]
-        sent = sum(f + s for f, s, _ in totals)
+            return t + mat * (m["powersgd_s_per_element"] + 2 * ew) + first * ew
+        sent = sum(f + q for f, q, _ in (_powersgd_bucket(shapes, b, r) for b in plan))
         add(f"PowerSGD rank {r}", "PowerSGD", {"matrix_approximation_rank": r}, POWERSGD, "compressed",
-            _overlapped(m, powersgd), 4 * sent / elements if H > 1 or L > 1 else elem)
+            _overlapped(m, powersgd), 4 * sent / elements)
 
     def decentralized(mix_s):
         step = bc + max(compute, mix_s) + m["optimizer_s"]
@@ -522,8 +521,8 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
 
     add(f"LocalSGD every {LOCAL_SGD_EVERY}", "LocalSGD", {"sync_every": LOCAL_SGD_EVERY}, LOCAL_SGD, "periodic",
         periodic(LOCAL_SGD_EVERY, allreduce_fp(param_bytes)), elem / LOCAL_SGD_EVERY, period=LOCAL_SGD_EVERY)
-    # DiLoCo: the pseudo-gradient (one pass), its average, the outer Nesterov step and the copy
-    # back (about five passes) once a round.
+    # DiLoCo: once a round, the pseudo-gradient, its average, the outer Nesterov step and the
+    # copy back (about six weight passes besides the average).
     add(f"DiLoCo H={DILOCO_H}", "DiLoCo", {"inner_steps": DILOCO_H}, DILOCO, "periodic",
         periodic(DILOCO_H, allreduce_fp(param_bytes) + 6 * elements * ew), elem / DILOCO_H, period=DILOCO_H)
     # Streaming DiLoCo (its defaults: int8 fragments, each averaged in the background over tau
@@ -542,7 +541,8 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     # to back when a round takes longer); the step never waits for it. What it costs the step
     # is the CPU of its rounds (snapshot, copies, reduction, delta, apply: about five passes
     # over the weights) on cores that compute is using.
-    round_s = max(AMA_INTERVAL_MS / 1e3, allreduce_fp(param_bytes) + (inter or intra).ring(32) if (inter or intra) else 0.0)
+    census = link.ring(32) if link is not None else 0.0  # the round's agreement: one tiny allreduce
+    round_s = max(AMA_INTERVAL_MS / 1e3, allreduce_fp(param_bytes) + census)
     round_cpu = 5 * elements * ew
     per_step = local_step / round_s if round_s > 0 else 0.0
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
