@@ -8,9 +8,12 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
 
   1. every rank calls rumor.advise(model, SGD(momentum 0.9), its batch): the table of predicted
      steps (the link-bound model of benchmarks/training.py, fed by what the advisor measured);
-  2. every algorithm of that table (built as benchmarks/training.py builds it) and torch DDP
-     (gloo) are trained for --warmup + --iters steps: zero_grad, forward, cross-entropy,
-     backward, step, after a gloo barrier; the slowest rank's median is the measured step.
+  2. every algorithm of that table (built from its row by rumor.advisor.build_algorithm, with
+     PowerSGD compressing from the first measured step) and torch DDP (gloo) are trained for
+     --warmup + --iters steps: zero_grad, forward, cross-entropy, backward, step, after a gloo
+     barrier; the measured step is the slowest rank's median, or for the periodic algorithms
+     (LocalSGD, DiLoCo, Streaming DiLoCo) its mean over whole rounds (--iters rounded up to a
+     multiple of the round: 8 or 32 steps), so that every round's averaging is counted.
 
 Checks printed per (rate, model), from one run: the advisor's top-ranked algorithm measures
 within 10% of the fastest measured one (target), and every algorithm's predicted step is within
@@ -34,10 +37,8 @@ import _common
 from _common import Progress, emit, parse_rate
 
 MODELS = ("mlp25m", "cnn", "transformer")
-# advisor row -> benchmarks/training.py variant
-VARIANTS = {"GradientAllReduce": "rumor", "GradientAllReduce hierarchical": "rumor_hier", "ByteGrad": "bytegrad",
-            "QSGD": "qsgd", "fp16": "fp16", "bf16": "bf16", "Decentralized all": "dec_all",
-            "Decentralized shift_one": "dec_shift_one", "LowPrecisionDecentralized": "lp_dec"}
+# 1-bit Adam needs its own optimizer, whose compute the SGD measurement does not cover.
+SKIP = ("1-bit Adam",)
 TOP_WITHIN = 1.10
 PRED_WITHIN = 0.15
 
@@ -47,6 +48,16 @@ def _describe(rank: int, n: int) -> Dict:
 
     return dict(rank=rank, size=n, local_size=rumor.local_size(), machine_size=rumor.machine_size(),
                 netns=os.readlink("/proc/self/ns/net"))
+
+
+def _build(row: Dict, cfg: Dict):
+    """The row's algorithm, with its warm-up shortened to the benchmark's: PowerSGD compresses
+    from the first measured step on."""
+    from rumor.advisor import build_algorithm
+
+    if row["ctor"]["cls"] == "PowerSGD":
+        row = dict(row, ctor=dict(cls="PowerSGD", kwargs=dict(row["ctor"]["kwargs"], start_powerSGD_iter=cfg["warmup"])))
+    return build_algorithm(row)
 
 
 def _train(cfg: Dict, rank: int, n: int) -> None:
@@ -62,7 +73,6 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import rumor
-    import training
     from rumor.testing import models
 
     batch = cfg["batch"].get(name) or models.BATCH[name]
@@ -76,19 +86,34 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         emit("progress", {"model": name, "what": f"advised in {advise_s:.1f} s: {advice.best['algorithm']} first"})
     del model, opt
     times: Dict[str, List[float]] = {}
-    wanted = [r["algorithm"] for r in advice.rows if r["algorithm"] in VARIANTS] + ["torch DDP"]
-    tcfg = dict(lr=cfg["lr"], warmup=cfg["warmup"], onebit_freeze=cfg["warmup"])
-    for alg in wanted:
+    ref: Dict[str, List[float]] = {}
+    rows = [r for r in advice.rows if r["algorithm"] not in SKIP]
+    for row in rows + [None]:
+        alg = "torch DDP" if row is None else row["algorithm"]
         model = models.build(name, seed=cfg["seed"])
-        if alg == "torch DDP":
-            opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        # The compute-only step (the plain model, no communication) right before this block:
+        # the bound, and the yardstick for the load of a shared machine at this moment.
+        ref[alg] = []
+        for i in range(cfg["ref_iters"]):
+            x, y = data[i % len(data)]
+            dist.barrier()
+            t = time.perf_counter()
+            opt.zero_grad()
+            models.loss(model(x), y).backward()
+            opt.step()
+            ref[alg].append(time.perf_counter() - t)
+        algo = None
+        if row is None:
             wrapped = TorchDDP(model)
         else:
-            key = VARIANTS[alg]
-            opt = training._optimizer(key, model, tcfg)
-            wrapped = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=training._algorithm(key, opt))
+            algo = _build(row, cfg)
+            wrapped = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=algo)
+        # Periodic algorithms are measured over whole rounds (every round's averaging counted).
+        period = row["period"] if row is not None else 1
+        measured = cfg["iters"] if period == 1 else period * -(-cfg["iters"] // period)
         times[alg] = []
-        for i in range(cfg["warmup"] + cfg["iters"]):
+        for i in range(cfg["warmup"] + measured):
             x, y = data[i % len(data)]
             dist.barrier()
             t = time.perf_counter()
@@ -97,19 +122,28 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             opt.step()
             if i >= cfg["warmup"]:
                 times[alg].append(time.perf_counter() - t)
+        if hasattr(algo, "finish"):  # AsyncModelAverage: every rank ends its averaging
+            algo.finish()
         if rank == 0:
             emit("progress", {"model": name, "what": f"{alg}: {statistics.median(times[alg]) * 1e3:.0f} ms/step"})
-        del wrapped, opt, model
+        del wrapped, opt, model, algo
         gc.collect()
     per_rank = _common.gather_samples(times)
+    per_rank_ref = _common.gather_samples(ref)
     if rank == 0:
         cell = dict(model=name, n=n, batch=batch, advise_s=advise_s, measured_inputs=advice.measured,
                     predicted={r["algorithm"]: r["predicted_step_s"] for r in advice.rows},
                     predicted_torch=advice.torch["predicted_step_s"], ranking=[r["algorithm"] for r in advice.rows],
                     measured={})
+        periods = {r["algorithm"]: r["period"] for r in advice.rows}
         for alg in times:
             steps = [max(per_rank[alg][r][i] for r in range(n)) for i in range(len(times[alg]))]
-            cell["measured"][alg] = dict(step_s=steps, median_s=statistics.median(steps))
+            # per-step algorithms: the median step; periodic ones: the mean over whole rounds
+            per = periods.get(alg, 1)
+            comp = [max(per_rank_ref[alg][r][i] for r in range(n)) for i in range(len(ref[alg]))]
+            cell["measured"][alg] = dict(step_s=steps, period=per, median_s=statistics.median(steps),
+                                         step_measure_s=statistics.median(steps) if per == 1 else statistics.fmean(steps),
+                                         compute_only_s=statistics.median(comp) if comp else None)
         emit("cell", cell)
     gc.collect()
 
@@ -126,7 +160,7 @@ class Job(_common.Job):
     def config(self) -> Dict:
         a = self.args
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, lr=a.lr, seed=a.seed,
-                    advise_steps=a.advise_steps)
+                    advise_steps=a.advise_steps, ref_iters=a.ref_iters)
 
     def on_message(self, kind: str, data) -> None:
         if kind == "progress":
@@ -137,14 +171,26 @@ class Job(_common.Job):
 
 
 def summarize(cell: Dict) -> None:
-    meas = {k: v["median_s"] for k, v in cell["measured"].items() if k != "torch DDP"}
+    meas = {k: v["step_measure_s"] for k, v in cell["measured"].items() if k != "torch DDP"}
     fastest = min(meas, key=meas.get)
     top = next(a for a in cell["ranking"] if a in meas)
     cell["fastest_measured"] = fastest
     cell["top_predicted"] = top
     cell["top_over_fastest"] = meas[top] / meas[fastest]
     cell["pred_error"] = {a: cell["predicted"][a] / meas[a] - 1 for a in meas}
-    cell["pred_error"]["torch DDP"] = cell["predicted_torch"] / cell["measured"]["torch DDP"]["median_s"] - 1
+    cell["pred_error"]["torch DDP"] = cell["predicted_torch"] / cell["measured"]["torch DDP"]["step_measure_s"] - 1
+    # The same comparison with each block's compute swapped for the advisor's: the measured step
+    # minus the compute-only step measured right before the block plus the advisor's compute.
+    # On a shared machine whose load changes between blocks, that compares what the model
+    # adds to compute with what the block really added, apart from the load of the moment.
+    mi = cell["measured_inputs"]
+    pred_compute = mi["forward_s"] + mi["backward_s"] + mi["optimizer_s"]
+    cell["pred_error_load_adjusted"] = {}
+    for a, v in cell["measured"].items():
+        if v.get("compute_only_s"):
+            pred = cell["predicted_torch"] if a == "torch DDP" else cell["predicted"][a]
+            adjusted = max(v["step_measure_s"] - v["compute_only_s"], 0.0) + pred_compute
+            cell["pred_error_load_adjusted"][a] = pred / adjusted - 1
 
 
 def print_table(cells: List[Dict], title: str) -> None:
@@ -152,14 +198,21 @@ def print_table(cells: List[Dict], title: str) -> None:
         print(f"\n{title}: {c['model']} (batch {c['batch']} x {c['n']}; advisor took {c['advise_s']:.1f} s; "
               f"link between hosts measured {c['measured_inputs']['inter']['bandwidth_Bps'] / 1e6:.1f} MB/s, "
               f"{c['measured_inputs']['inter']['latency_s'] * 1e6:.0f} us)")
-        head = f"{'rank':>4} {'algorithm':<28} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9}"
+        mi = c["measured_inputs"]
+        print(f"compute (forward + backward + optimizer) as the advisor measured it: "
+              f"{(mi['forward_s'] + mi['backward_s'] + mi['optimizer_s']) * 1e3:.1f} ms")
+        head = (f"{'rank':>4} {'algorithm':<28} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9} "
+                f"{'compute-only ms':>15} {'load-adj.':>9}")
         print(head)
         print("-" * len(head))
         for i, a in enumerate([a for a in c["ranking"] if a in c["measured"]] + ["torch DDP"]):
             pred = c["predicted"].get(a, c["predicted_torch"] if a == "torch DDP" else None)
-            m = c["measured"][a]["median_s"]
+            m = c["measured"][a]["step_measure_s"]
+            co = c["measured"][a].get("compute_only_s")
+            adj = c.get("pred_error_load_adjusted", {}).get(a)
             print(f"{(i + 1) if a != 'torch DDP' else '-':>4} {a:<28} {pred * 1e3:>12.1f} {m * 1e3:>11.1f} "
-                  f"{pred / m:>8.2f}x")
+                  f"{pred / m:>8.2f}x {co * 1e3 if co else float('nan'):>15.1f} "
+                  f"{(1 + adj) if adj is not None else float('nan'):>8.2f}x")
         print(f"top-ranked {c['top_predicted']} measures {c['top_over_fastest']:.2f}x the fastest measured "
               f"({c['fastest_measured']})")
 
@@ -172,7 +225,7 @@ def plot(path: str, cells: List[Dict]) -> Optional[str]:
     for ax, c in zip(axes[0], cells):
         algs = [a for a in c["ranking"] if a in c["measured"]] + ["torch DDP"]
         pred = [c["predicted"].get(a, c["predicted_torch"]) * 1e3 for a in algs]
-        meas = [c["measured"][a]["median_s"] * 1e3 for a in algs]
+        meas = [c["measured"][a]["step_measure_s"] * 1e3 for a in algs]
         xs = range(len(algs))
         ax.bar([x - 0.2 for x in xs], pred, 0.4, label="predicted", color="#9ecae1")
         ax.bar([x + 0.2 for x in xs], meas, 0.4, label="measured", color="#3182bd")
@@ -198,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--advise-steps", type=int, default=5, help="rumor.advise(steps=...)")
+    ap.add_argument("--ref-iters", type=int, default=3,
+                    help="compute-only steps (no communication) measured before each algorithm's block")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
@@ -266,6 +321,11 @@ def main(argv=None) -> int:
             name = f"{c['job']}: {c['model']} every prediction within {100 * PRED_WITHIN:.0f}%"
             result["targets"].append(dict(name=name, value=c["pred_error"][worst], met=ok))
             print(f"target: {name}: worst {worst} {100 * c['pred_error'][worst]:+.0f}% -> {'MET' if ok else 'NOT MET'}")
+            adj = c.get("pred_error_load_adjusted") or {}
+            if adj:
+                worst = max(adj, key=lambda a: abs(adj[a]))
+                print(f"  (load-adjusted, each block's compute-only step swapped for the advisor's compute: worst {worst} "
+                      f"{100 * adj[worst]:+.0f}%, median |error| {100 * statistics.median(abs(e) for e in adj.values()):.0f}%)")
         headline = None
         if result["cells"]:
             met = sum(t["met"] for t in result["targets"][::2])

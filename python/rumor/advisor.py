@@ -22,22 +22,30 @@ What it measures (every figure is the slowest rank's, so all ranks agree on the 
 * the links: a ring allreduce at two sizes inside each host (shared memory) and among one rank
   per host (the network), fitted as ``t = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency``;
 * the codecs: encode and decode time per element of each compressed algorithm's codec, and
-  their exact encoded sizes.
+  their exact encoded sizes; one pass of weight arithmetic per element; PowerSGD's kernels per
+  matrix element;
+* the module's buffers (the wrapper broadcasts them before every forward).
 
 The model and the optimizer are put back as they were (state dicts restored, gradients cleared).
 
 How it predicts: the link-bound model of benchmarks/training.py. Gradients are bucketed as the
-wrapper does (25 MB, first 1 MB, in measured ready order); each bucket's communication starts
-when it is ready and the previous one is done; its time is the ring time of the bytes it puts on
-the wire (each algorithm's codec ratio, hierarchical where the algorithm is) plus its codec work.
-A step is forward + max(backward, last bucket done) + optimizer. Decentralized algorithms mix
-weights on the comm thread from the start of forward: forward + max(backward, mixing) + optimizer.
-Torch DDP is the same model with a flat fp32 ring over all ranks (gloo's own overheads are not
-modelled, so the predicted speed-ups over it are, if anything, low).
+wrapper does after its first iteration (25 MB, first 1 MB, in ready order, a new bucket where a
+gradient came more than 5 ms after the one before; torch DDP: its own plan, 1 MiB then 25 MB, no
+splits); each bucket's communication starts when it is ready and the previous one is done; its
+time is the ring time of the bytes it puts on the wire (each algorithm's codec ratio,
+hierarchical where the algorithm is) plus its codec work. A step is buffer broadcast + forward +
+max(backward, last bucket done) + optimizer. Decentralized algorithms mix weights on the comm
+thread from the start of forward: forward + max(backward, mixing) + optimizer;
+LowPrecisionDecentralized's exchange runs after the step and, when the model has buffers to
+broadcast, delays the next forward. Periodic algorithms (LocalSGD, DiLoCo, Streaming DiLoCo)
+are a local step plus their round's cost divided by its steps; AsyncModelAverage is a local step
+plus the CPU time of its background rounds. Torch DDP is the same model with a flat fp32 ring
+over all ranks (gloo's own overheads are not modelled). docs/advisor.md has the details.
 """
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import sys
@@ -56,6 +64,18 @@ COMPRESSED_EF = "compressed (1-bit) momentum with error feedback; full-precision
 HALF = "gradients rounded to 16 bits on the wire (small, unbiased-ish rounding error)"
 DECENTRALIZED = "decentralized: ranks hold different weights that mix with peers (not exact SGD)"
 DECENTRALIZED_LP = "decentralized with compressed weight differences and error compensation"
+POWERSGD = ("low-rank gradients with error feedback after start_powerSGD_iter exact steps (default 1000; "
+            "check the loss curve)")
+LOCAL_SGD = "local SGD: ranks train alone and average their weights every few steps (not exact SGD)"
+DILOCO = "DiLoCo: ranks train alone, an outer Nesterov step on the averaged change per round (tune the outer lr)"
+STREAMING = "Streaming DiLoCo: as DiLoCo, fragments averaged in int8 in the background (stale by a few steps)"
+ASYNC = "asynchronous: weights averaged in the background, ranks never wait (stale averages; call finish() at the end)"
+
+# Settings of the candidates the advisor lists (shown in their constructor arguments).
+LOCAL_SGD_EVERY = 8
+DILOCO_H = 32
+STREAMING_FRAGMENTS = 4
+AMA_INTERVAL_MS = 500
 
 
 @dataclass
@@ -80,9 +100,9 @@ class Link:
 
 @dataclass
 class Advice:
-    """rows: one dict per algorithm, fastest first (algorithm, kwargs, predicted_step_s,
-    speedup_over_torch, exposed_comm_s, wire_bytes_per_element, caveat); torch: the torch DDP
-    row; measured: what the prediction rests on; table: the printed text."""
+    """rows: one dict per algorithm, fastest first (algorithm, kwargs, ctor, kind, period,
+    predicted_step_s, speedup_over_torch, exposed_comm_s, wire_bytes_per_element, caveat);
+    torch: the torch DDP row; measured: what the prediction rests on; table: the printed text."""
 
     rows: List[Dict]
     torch: Dict
@@ -92,6 +112,11 @@ class Advice:
     @property
     def best(self) -> Dict:
         return self.rows[0]
+
+    def algorithm(self, row: Optional[Dict] = None, optimizer=None):
+        """A new instance of the best row's algorithm (or of ``row``'s), for the wrapper's
+        ``algorithm=``; 1-bit Adam needs its optimizer."""
+        return build_algorithm(self.best if row is None else row, optimizer)
 
 
 # ==== measuring ========================================================================================
@@ -117,6 +142,7 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
 
     handles = [p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(params)]
     fwd, bwd, opt, readies = [], [], [], []
+    first = None
     try:
         for s in range(warmup + steps):
             optimizer.zero_grad(set_to_none=False)
@@ -129,6 +155,8 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
             t2 = time.perf_counter()
             optimizer.step()
             t3 = time.perf_counter()
+            if s == 0:
+                first = [ready.get(i, t2 - t1) for i in range(len(params))]
             if s >= warmup:
                 fwd.append(t1 - t0)
                 bwd.append(t2 - t1)
@@ -138,7 +166,7 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
         for h in handles:
             h.remove()
     med = [statistics.median(r[i] for r in readies) for i in range(len(params))]
-    return params, statistics.median(fwd), statistics.median(bwd), statistics.median(opt), med
+    return params, statistics.median(fwd), statistics.median(bwd), statistics.median(opt), med, first
 
 
 def _time_allreduce(group, nbytes: int, reps: int) -> float:
@@ -230,29 +258,146 @@ def _measure_codecs(elements: int, reps: int) -> Dict[str, Dict[str, float]]:
     return res
 
 
+def _measure_elementwise(elements: int, reps: int) -> float:
+    """Seconds per element of one pass over float32 weights (c = a + b): the unit of the weight
+    arithmetic of the averaging algorithms (mixing, snapshots, deltas, outer steps)."""
+    a, b = torch.randn(elements), torch.randn(elements)
+    c = torch.empty_like(a)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        torch.add(a, b, out=c)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / elements
+
+
+POWERSGD_RANK = 4
+
+
+def _measure_powersgd(rank: int, reps: int) -> float:
+    """Seconds per matrix element of PowerSGD's three kernels (project with error feedback,
+    back-project, reconstruct) at this rank: the C++ kernels the bucket op runs."""
+    from . import _C
+
+    n, m = 512, 2048
+    g, err = torch.randn(n, m), torch.zeros(n, m)
+    qt, p, out = torch.randn(rank, m), torch.empty(n, rank), torch.empty(rank, m)
+    ptr = lambda t: t.data_ptr()  # noqa: E731
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        _C.powersgd_kernel("project", "", ptr(err), ptr(g), n, m, ptr(qt), rank, ptr(p))
+        _C.powersgd_kernel("back_project", "", ptr(err), 0, n, m, ptr(p), rank, ptr(out))
+        _C.powersgd_kernel("reconstruct", "", ptr(p), ptr(err), n, m, ptr(qt), rank, ptr(g))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / (n * m)
+
+
 # ==== predicting =======================================================================================
 
-def _buckets(ready: List[float], nbytes: List[int], cap_mb: float = 25, first_mb: float = 1):
-    """(ready time, bytes) per bucket: the wrapper's default plan over the measured ready order."""
-    order = sorted(range(len(ready)), key=lambda i: ready[i])
-    out, cur, used, cap = [], [], 0, first_mb * _MB
-    for i in order:
-        if cur and used + nbytes[i] > cap:
-            out.append((max(ready[j] for j in cur), used))
-            cur, used, cap = [], 0, cap_mb * _MB
+SPLIT_GAP_S = 0.005  # DistributedDataParallel(bucket_split_gap_ms=5.0)
+TORCH_FIRST_BUCKET = _MB  # torch DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def bucket_plan(ready: List[float], nbytes: List[int], cap_mb: float = 25, first_mb: float = 1,
+                first: Optional[List[float]] = None, gap_s: Optional[float] = SPLIT_GAP_S) -> List[List[int]]:
+    """Parameter indices per bucket, as rumor's wrapper lays them out after its first iteration
+    (Algorithm.plan_buckets): in the order of ``first`` (that iteration's ready times; default
+    ``ready``), a bucket closed before it would exceed its cap (``first_mb`` for the first) and
+    where the next gradient came more than ``gap_s`` after the one before it."""
+    first = ready if first is None else first
+    order = sorted(range(len(ready)), key=lambda i: (first[i], i))
+    out: List[List[int]] = []
+    cur: List[int] = []
+    used = 0
+    for j, i in enumerate(order):
+        if cur:
+            cap = (first_mb if not out else cap_mb) * _MB
+            gap = gap_s is not None and first[i] - first[order[j - 1]] > gap_s
+            if gap or used + nbytes[i] > cap:
+                out.append(cur)
+                cur, used = [], 0
         cur.append(i)
         used += nbytes[i]
     if cur:
-        out.append((max(ready[j] for j in cur), used))
+        out.append(cur)
     return out
 
 
-def _overlapped(m: Dict, comm_of: Callable[[float], float]) -> Dict:
+def torch_bucket_plan(ready: List[float], nbytes: List[int], cap_mb: float = 25,
+                      first: Optional[List[float]] = None) -> List[List[int]]:
+    """torch DDP's buckets after its rebuild: first-iteration ready order, a bucket closed once
+    it reaches its cap (1 MiB for the first, cap_mb after), never split at gaps."""
+    first = ready if first is None else first
+    order = sorted(range(len(ready)), key=lambda i: (first[i], i))
+    out: List[List[int]] = []
+    cur: List[int] = []
+    used = 0
+    for i in order:
+        cur.append(i)
+        used += nbytes[i]
+        if used >= (TORCH_FIRST_BUCKET if not out else cap_mb * _MB):
+            out.append(cur)
+            cur, used = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _bucket_times(plan: List[List[int]], ready: List[float], nbytes: List[int]):
+    """(ready time, bytes) per bucket: ready when its last gradient is."""
+    return [(max(ready[i] for i in b), sum(nbytes[i] for i in b)) for b in plan]
+
+
+def _buckets(ready: List[float], nbytes: List[int], cap_mb: float = 25, first_mb: float = 1,
+             first: Optional[List[float]] = None, gap_s: Optional[float] = SPLIT_GAP_S):
+    """(ready time, bytes) per bucket of rumor's wrapper (bucket_plan)."""
+    return _bucket_times(bucket_plan(ready, nbytes, cap_mb, first_mb, first, gap_s), ready, nbytes)
+
+
+def _overlapped(m: Dict, comm_of: Callable[..., float], key: str = "buckets") -> Dict:
+    """Buckets communicate in order, each from when it is ready and the one before is done;
+    comm_of(bytes, bucket index). Before forward the wrapper broadcasts the module's buffers."""
     t = 0.0
-    for ready, nbytes in m["buckets"]:
-        t = max(t, ready) + comm_of(nbytes)
-    step = m["forward_s"] + max(m["backward_s"], t) + m["optimizer_s"]
+    for b, (ready, nbytes) in enumerate(m[key]):
+        t = max(t, ready) + comm_of(nbytes, b)
+    step = m.get("buffer_broadcast_s", 0.0) + m["forward_s"] + max(m["backward_s"], t) + m["optimizer_s"]
     return dict(predicted_step_s=step, exposed_comm_s=max(0.0, t - m["backward_s"]))
+
+
+def _broadcast_s(nbytes: float, n: int, intra: Optional[Link], inter: Optional[Link], H: int, L: int) -> float:
+    """A broadcast of nbytes from rank 0: a tree of hops, over the network between hosts."""
+    if nbytes <= 0 or n <= 1:
+        return 0.0
+    t = 0.0
+    if H > 1 and inter is not None:
+        t += math.ceil(math.log2(H)) * inter.hop(nbytes)
+    if L > 1 and intra is not None:
+        t += math.ceil(math.log2(L)) * intra.hop(nbytes)
+    return t
+
+
+def _powersgd_bucket(shapes: List[List[int]], members: List[int], rank: int, min_rate: float = 2.0):
+    """(P + uncompressed elements, Q elements, matrix elements compressed) of one bucket, by
+    PowerSGD's rule: a tensor viewed as (shape[0], rest) is compressed where
+    (n + m) k min_rate < n m, k = min(n, m, rank)."""
+    first = second = mat = 0
+    for i in members:
+        shape = shapes[i]
+        numel = math.prod(shape) if shape else 1
+        if numel == 0:
+            continue
+        if len(shape) >= 1:
+            n = shape[0]
+            mm = numel // n
+            k = min(n, mm, rank)
+            if (n + mm) * k * min_rate < n * mm:
+                first += n * k
+                second += mm * k
+                mat += numel
+                continue
+        first += numel
+    return first, second, mat
 
 
 def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -> List[Dict]:
@@ -261,6 +406,11 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     codecs = m["codecs"]
     param_bytes = m["grad_bytes"]
     elem = m["grad_bytes_per_element"]
+    elements = param_bytes / elem
+    ew = m.get("elementwise_s_per_element", 0.0)
+    bc = m.get("buffer_broadcast_s", 0.0)
+    compute = m["forward_s"] + m["backward_s"]
+    local_step = bc + compute + m["optimizer_s"]  # a step whose backward communicates nothing
 
     def local(nbytes):  # full-precision reduce + broadcast inside a host (hierarchical's ends)
         return intra.ring(nbytes) if intra is not None and L > 1 else 0.0
@@ -268,7 +418,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     def across(nbytes):
         return inter.ring(nbytes) if inter is not None and H > 1 else 0.0
 
-    def allreduce_fp(nbytes):
+    def allreduce_fp(nbytes, *_):
         if H > 1:
             return local(nbytes) + across(nbytes)  # hierarchical (the communicator's own pick)
         return local(nbytes)
@@ -282,69 +432,163 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     def compressed(name):
         w = codecs[name]["wire_bytes_per_element"]
 
-        def comm(nbytes):
+        def comm(nbytes, *_):
             if H == 1:  # one host: hierarchical compressed algorithms use the shared-memory allreduce
                 return local(nbytes)
-            elements = nbytes / elem
-            return local(nbytes) + across(elements * w) + codec_time(name, elements)
+            el = nbytes / elem
+            return local(nbytes) + across(el * w) + codec_time(name, el)
         return comm
 
     rows = []
 
-    def add(name, kwargs, caveat, kind, res, wire):
-        rows.append(dict(algorithm=name, kwargs=kwargs, caveat=caveat, kind=kind,
-                         wire_bytes_per_element=wire, **res))
+    def add(name, cls, kwargs, caveat, kind, res, wire, period=1, shown=None):
+        args = ", ".join(f"{k}={_py(v)}" for k, v in kwargs.items())
+        rows.append(dict(algorithm=name, kwargs=shown or f"algorithm={cls}({args})", ctor=dict(cls=cls, kwargs=kwargs),
+                         caveat=caveat, kind=kind, period=period, wire_bytes_per_element=wire, **res))
 
-    add("GradientAllReduce", "algorithm=GradientAllReduce()", EXACT, "exact", _overlapped(m, allreduce_fp), elem)
+    add("GradientAllReduce", "GradientAllReduce", {}, EXACT, "exact", _overlapped(m, allreduce_fp), elem)
     if H > 1 and L > 1:
-        add("GradientAllReduce hierarchical", "algorithm=GradientAllReduce(hierarchical=True)", EXACT, "exact",
+        add("GradientAllReduce hierarchical", "GradientAllReduce", {"hierarchical": True}, EXACT, "exact",
             _overlapped(m, allreduce_fp), elem)
-    for name, ctor, cav in (("ByteGrad", "ByteGrad()", COMPRESSED), ("QSGD", "QSGD(levels=16)", COMPRESSED),
-                            ("fp16", "LowPrecision(dtype=torch.float16)", HALF),
-                            ("bf16", "LowPrecision(dtype=torch.bfloat16)", HALF)):
-        add(name, f"algorithm={ctor}", cav, "compressed", _overlapped(m, compressed(name)),
+    for name, cls, kw, cav in (("ByteGrad", "ByteGrad", {}, COMPRESSED), ("QSGD", "QSGD", {"levels": 16}, COMPRESSED),
+                               ("fp16", "LowPrecision", {"dtype": "float16"}, HALF),
+                               ("bf16", "LowPrecision", {"dtype": "bfloat16"}, HALF)):
+        add(name, cls, kw, cav, "compressed", _overlapped(m, compressed(name)),
             codecs[name]["wire_bytes_per_element"] if H > 1 else elem)
     if adam:
         w = codecs["1-bit"]["wire_bytes_per_element"]
 
-        def onebit(nbytes):
-            elements = nbytes / elem
+        def onebit(nbytes, *_):
+            el = nbytes / elem
             link = inter if H > 1 else intra
-            t = link.ring(elements * w, n) if link is not None else 0.0
-            return t + codec_time("1-bit", elements)
-        add("1-bit Adam", "optimizer=rumor.optim.OneBitAdam(...), algorithm=OneBitAdam(optimizer)", COMPRESSED_EF,
-            "compressed", _overlapped(m, onebit), w)
+            t = link.ring(el * w, n) if link is not None else 0.0
+            return t + codec_time("1-bit", el)
+        add("1-bit Adam", "OneBitAdam", {}, COMPRESSED_EF, "compressed", _overlapped(m, onebit), w,
+            shown="optimizer=rumor.optim.OneBitAdam(...), algorithm=OneBitAdam(optimizer)")
 
-    compute = m["forward_s"] + m["backward_s"]
+    # PowerSGD: per bucket, P (with the tensors it leaves uncompressed) and Q are two allreduces,
+    # with the three kernels over every compressed matrix; error feedback adds two passes.
+    shapes = m.get("shapes")
+    if shapes is not None and "powersgd_s_per_element" in m:
+        r = m.get("powersgd_rank", POWERSGD_RANK)
+        plan = m["bucket_params"]
+
+        def powersgd(nbytes, b):
+            first, second, mat = _powersgd_bucket(shapes, plan[b], r)
+            t = allreduce_fp(first * 4) + (allreduce_fp(second * 4) if second else 0.0)
+            return t + mat * (m["powersgd_s_per_element"] + 2 * ew) + first * ew
+        sent = sum(f + q for f, q, _ in (_powersgd_bucket(shapes, b, r) for b in plan))
+        add(f"PowerSGD rank {r}", "PowerSGD", {"matrix_approximation_rank": r}, POWERSGD, "compressed",
+            _overlapped(m, powersgd), 4 * sent / elements)
 
     def decentralized(mix_s):
-        step = max(compute, mix_s) + m["optimizer_s"]
+        step = bc + max(compute, mix_s) + m["optimizer_s"]
         return dict(predicted_step_s=step, exposed_comm_s=max(0.0, mix_s - compute))
 
     # Weight mixing over hosts (hierarchical=True, the default): average inside each host, one
     # exchange among the host leaders, broadcast inside the host.
-    add("Decentralized all", "algorithm=Decentralized(peer_selection='all')", DECENTRALIZED, "decentralized",
+    add("Decentralized all", "Decentralized", {"peer_selection": "all"}, DECENTRALIZED, "decentralized",
         decentralized(allreduce_fp(param_bytes)), elem)
     peer = (inter.hop(param_bytes) if H > 1 and inter is not None else 0.0)
-    add("Decentralized shift_one", "algorithm=Decentralized(peer_selection='shift_one')", DECENTRALIZED,
+    add("Decentralized shift_one", "Decentralized", {"peer_selection": "shift_one"}, DECENTRALIZED,
         "decentralized", decentralized(local(param_bytes) + peer), elem)
-    w8 = codecs["ByteGrad"]["wire_bytes_per_element"]
-    elements = param_bytes / elem
-    ring2 = (2 * elements * w8 / inter.bandwidth_Bps + inter.latency_s) if H > 1 and inter is not None else 0.0
-    lp = local(param_bytes) + (ring2 + codec_time("ByteGrad", elements) * 1.5 if H > 1 else 0.0)
-    add("LowPrecisionDecentralized", "algorithm=LowPrecisionDecentralized()", DECENTRALIZED_LP, "decentralized",
-        decentralized(lp), w8 if H > 1 else elem)
+
+    # LowPrecisionDecentralized: after optimizer.step() (blocking) the weights mix toward the
+    # neighbours' replicas and the difference is encoded and decoded once; the encoded
+    # difference then goes to both ring neighbours (two messages through this host's link) on
+    # the comm thread, and both are decoded. The exchange is waited for after the next
+    # backward, but the wrapper's buffer broadcast before the next forward queues behind it on
+    # the same communicator: with buffers to broadcast it does not overlap compute at all.
+    c8 = codecs["ByteGrad"]
+    w8 = c8["wire_bytes_per_element"]
+    peers = 2 if H > 2 else 1
+    prep = local(param_bytes)
+    xchg = 0.0
+    if H > 1 and inter is not None:
+        prep += elements * (3 * ew + c8["encode_s_per_element"] + c8["decode_s_per_element"])
+        xchg = peers * elements * w8 / inter.bandwidth_Bps + inter.latency_s + peers * elements * c8["decode_s_per_element"]
+    if m.get("buffer_bytes", 0) > 0:
+        lp = dict(predicted_step_s=xchg + local_step + prep, exposed_comm_s=xchg + prep)
+    else:
+        lp = dict(predicted_step_s=bc + max(compute, xchg) + m["optimizer_s"] + prep,
+                  exposed_comm_s=max(0.0, xchg - compute) + prep)
+    add("LowPrecisionDecentralized", "LowPrecisionDecentralized", {}, DECENTRALIZED_LP, "decentralized", lp,
+        w8 if H > 1 else elem)
+
+    # Periodic averaging: backward communicates nothing; every H-th step pays the average.
+    def periodic(every, sync_s):
+        return dict(predicted_step_s=local_step + sync_s / every, exposed_comm_s=sync_s / every)
+
+    add(f"LocalSGD every {LOCAL_SGD_EVERY}", "LocalSGD", {"sync_every": LOCAL_SGD_EVERY}, LOCAL_SGD, "periodic",
+        periodic(LOCAL_SGD_EVERY, allreduce_fp(param_bytes)), elem / LOCAL_SGD_EVERY, period=LOCAL_SGD_EVERY)
+    # DiLoCo: once a round, the pseudo-gradient, its average, the outer Nesterov step and the
+    # copy back (about six weight passes besides the average).
+    add(f"DiLoCo H={DILOCO_H}", "DiLoCo", {"inner_steps": DILOCO_H}, DILOCO, "periodic",
+        periodic(DILOCO_H, allreduce_fp(param_bytes) + 6 * elements * ew), elem / DILOCO_H, period=DILOCO_H)
+    # Streaming DiLoCo (its defaults: int8 fragments, each averaged in the background over tau
+    # inner steps on a communicator of its own): a fragment's average is exposed only where it
+    # outlasts tau steps; its codec work and weight passes run on this rank's cores.
+    F = STREAMING_FRAGMENTS
+    tau = min(DILOCO_H - 1, max(1, DILOCO_H // (2 * F)))
+    frag = elements / F
+    link = inter if H > 1 else intra
+    frag_comm = link.ring(frag * w8, n) if link is not None else 0.0
+    frag_cpu = codec_time("ByteGrad", frag) + 8 * frag * ew
+    frag_exposed = max(0.0, frag_comm - tau * local_step)
+    add(f"StreamingDiLoCo H={DILOCO_H}", "StreamingDiLoCo", {"inner_steps": DILOCO_H, "num_fragments": F},
+        STREAMING, "periodic", periodic(DILOCO_H, F * (frag_exposed + frag_cpu)), w8 / DILOCO_H, period=DILOCO_H)
+    # AsyncModelAverage: a background thread averages all weights every sync_interval (or back
+    # to back when a round takes longer); the step never waits for it. What it costs the step
+    # is the CPU of its rounds (snapshot, copies, reduction, delta, apply: about five passes
+    # over the weights) on cores that compute is using.
+    census = link.ring(32) if link is not None else 0.0  # the round's agreement: one tiny allreduce
+    round_s = max(AMA_INTERVAL_MS / 1e3, allreduce_fp(param_bytes) + census)
+    round_cpu = 5 * elements * ew
+    per_step = local_step / round_s if round_s > 0 else 0.0
+    add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
+        dict(predicted_step_s=local_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu),
+        elem * per_step)
     return rows
 
 
 def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict:
-    """torch DDP: a flat fp32 ring over all ranks (gloo), buckets of 25 MB, overlapped the same way."""
+    """torch DDP: a flat fp32 ring over all ranks (gloo) over torch's own buckets, overlapped the
+    same way."""
     n, H = m["ranks"], m["hosts"]
     link = inter if H > 1 else intra
 
-    def comm(nbytes):
+    def comm(nbytes, *_):
         return link.ring(nbytes, n) if link is not None else 0.0
-    return dict(algorithm="torch DDP", **_overlapped(m, comm))
+    return dict(algorithm="torch DDP", **_overlapped(m, comm, "torch_buckets" if "torch_buckets" in m else "buckets"))
+
+
+def _py(v) -> str:
+    """A constructor argument as Python source (dtypes are stored by name)."""
+    if isinstance(v, str) and v in _DTYPES:
+        return f"torch.{v}"
+    return repr(v)
+
+
+_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def build_algorithm(row: Dict, optimizer: Optional[torch.optim.Optimizer] = None):
+    """The rumor algorithm of an advice row (``row["ctor"]``), constructed: what the row's
+    ``kwargs`` text says. 1-bit Adam needs its optimizer (a rumor.optim.OneBitAdam)."""
+    from . import algorithms as A
+
+    ctor = row.get("ctor") if isinstance(row, dict) else None
+    if not ctor or not hasattr(A, ctor.get("cls", "")):
+        raise ValueError(f"rumor.advisor.build_algorithm: not an advice row with a constructor: {row!r}")
+    kwargs = {k: getattr(torch, v) if k in ("dtype", "wire_dtype") and isinstance(v, str) else v
+              for k, v in ctor["kwargs"].items()}
+    cls = getattr(A, ctor["cls"])
+    if ctor["cls"] == "OneBitAdam":
+        if optimizer is None:
+            raise ValueError("rumor.advisor.build_algorithm: 1-bit Adam needs its optimizer "
+                             "(rumor.optim.OneBitAdam)")
+        return cls(optimizer, **kwargs)
+    return cls(**kwargs)
 
 
 # ==== the API ==========================================================================================
@@ -396,7 +640,8 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
     was_training = model.training
     model.train()
     try:
-        params, fwd, bwd, opt_s, ready = _measure_compute(model, optimizer, sample_batch, loss_fn, steps, warmup)
+        params, fwd, bwd, opt_s, ready, first = _measure_compute(model, optimizer, sample_batch, loss_fn, steps,
+                                                                 warmup)
     finally:
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(opt_sd)
@@ -408,27 +653,37 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
     # The slowest rank's compute; rank 0's ready times (the wrapper's buckets follow its order).
     comp = allreduce(torch.tensor([fwd, bwd, opt_s], dtype=torch.float64), op=ReduceOp.MAX)
     fwd, bwd, opt_s = comp.tolist()
-    rt = torch.tensor(ready, dtype=torch.float64)
+    rt = torch.tensor([ready, first], dtype=torch.float64)
     broadcast_(rt, 0)
-    ready = rt.tolist()
+    ready, first = rt.tolist()
     hosts, local_n, intra, inter = _measure_links(int(link_mb * _MB), link_reps)
-    codecs = _measure_codecs(min(elements, 1 << 20) or 1, 3)
-    cflat = torch.tensor([[c["encode_s_per_element"], c["decode_s_per_element"]] for c in codecs.values()],
-                         dtype=torch.float64)
-    cflat = allreduce(cflat, op=ReduceOp.MAX)
-    for (name, c), row in zip(codecs.items(), cflat.tolist()):
+    probe = min(elements, 1 << 20) or 1
+    codecs = _measure_codecs(probe, 3)
+    per_element = [[c["encode_s_per_element"], c["decode_s_per_element"]] for c in codecs.values()]
+    per_element.append([_measure_elementwise(probe, 3), _measure_powersgd(POWERSGD_RANK, 2)])
+    cflat = allreduce(torch.tensor(per_element, dtype=torch.float64), op=ReduceOp.MAX).tolist()
+    for (name, c), row in zip(codecs.items(), cflat):
         c["encode_s_per_element"], c["decode_s_per_element"] = row
+    ew, psgd = cflat[-1]
+    buffers = [b for b in model.buffers()]
+    buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
 
     m = dict(ranks=st.env.size, hosts=hosts, local_size=local_n, forward_s=fwd, backward_s=bwd,
              optimizer_s=opt_s, grad_elements=elements, grad_bytes=sum(nbytes),
              grad_bytes_per_element=sum(nbytes) / elements, params=len(params),
              dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
-             last_ready_s=max(ready), codecs=codecs,
+             last_ready_s=max(ready), codecs=codecs, elementwise_s_per_element=ew,
+             powersgd_rank=POWERSGD_RANK, powersgd_s_per_element=psgd,
+             shapes=[list(p.shape) for p in params], buffer_bytes=buffer_bytes,
+             buffer_broadcast_s=_broadcast_s(buffer_bytes, st.env.size, intra, inter, hosts, local_n),
              intra=None if intra is None else dict(ranks=intra.n, bandwidth_Bps=intra.bandwidth_Bps,
                                                    latency_s=intra.latency_s, samples=intra.samples),
              inter=None if inter is None else dict(ranks=inter.n, bandwidth_Bps=inter.bandwidth_Bps,
                                                    latency_s=inter.latency_s, samples=inter.samples))
-    m["buckets"] = _buckets(ready, nbytes)
+    plan = bucket_plan(ready, nbytes, first=first)
+    m["bucket_params"] = plan
+    m["buckets"] = _bucket_times(plan, ready, nbytes)
+    m["torch_buckets"] = _bucket_times(torch_bucket_plan(ready, nbytes, first=first), ready, nbytes)
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or "adam" in type(optimizer).__name__.lower()
     rows = predict(m, intra, inter, adam)
     tref = predict_torch(m, intra, inter)
@@ -441,23 +696,16 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
     return Advice(rows=rows, torch=tref, measured=m, table=table)
 
 
-TIE = 0.01  # predictions this close (relative) are a tie: the algorithm that changes less wins
-_KIND_ORDER = {"exact": 0, "compressed": 1, "decentralized": 2}
+# How much faster (relative) a less exact algorithm must be predicted to rank above an exact
+# one: a compute-bound job gains nothing from giving up exactness, and the step times of the
+# periodic and asynchronous algorithms are averages over rounds.
+MARGIN = {"exact": 0.0, "compressed": 0.01, "decentralized": 0.02, "periodic": 0.05, "async": 0.05}
 
 
 def rank_rows(rows: List[Dict]) -> List[Dict]:
-    """Fastest first. Predictions within TIE of the first of their tier are a tie: inside a tier
-    exact beats compressed beats decentralized (a compute-bound job gains nothing from giving up
-    exactness), then the step."""
-    rows = sorted(rows, key=lambda r: (r["predicted_step_s"], r["algorithm"]))
-    out, i = [], 0
-    while i < len(rows):
-        j = i
-        while j < len(rows) and rows[j]["predicted_step_s"] <= rows[i]["predicted_step_s"] * (1 + TIE):
-            j += 1
-        out += sorted(rows[i:j], key=lambda r: (_KIND_ORDER[r["kind"]], r["predicted_step_s"], r["algorithm"]))
-        i = j
-    return out
+    """Fastest first, by predicted step plus the kind's MARGIN; then more exact first."""
+    return sorted(rows, key=lambda r: (r["predicted_step_s"] * (1 + MARGIN[r["kind"]]), list(MARGIN).index(r["kind"]),
+                                       r["algorithm"]))
 
 
 def _rate(bps: float) -> str:
@@ -471,7 +719,9 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
              f"optimizer {m['optimizer_s'] * 1e3:.1f} ms; last gradient ready {m['last_ready_s'] * 1e3:.1f} ms "
              f"into backward",
              f"  gradients: {m['grad_elements'] / 1e6:.2f} M elements, {m['grad_bytes'] / 1e6:.1f} MB "
-             f"({', '.join(m['dtypes'])}) in {m['params']} tensors, {len(m['buckets'])} buckets of <= 25 MB"]
+             f"({', '.join(m['dtypes'])}) in {m['params']} tensors; {len(m['buckets'])} buckets (25 MB, split where "
+             f"gradients come > {SPLIT_GAP_S * 1e3:.0f} ms apart), torch DDP {len(m.get('torch_buckets', ()))}",
+             f"  buffers broadcast before each forward: {m.get('buffer_bytes', 0) / 1e3:.1f} kB"]
     for key, what in (("intra", "inside a host (ring allreduce over shared memory)"),
                       ("inter", "between hosts (ring allreduce among one rank per host)")):
         link = m[key]
@@ -483,6 +733,10 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
     lines.append("  codecs (ns per element, encode/decode; wire bytes per element): " + ", ".join(
         f"{k} {c['encode_s_per_element'] * 1e9:.2f}/{c['decode_s_per_element'] * 1e9:.2f}; "
         f"{c['wire_bytes_per_element']:.3f}" for k, c in m["codecs"].items()))
+    if "elementwise_s_per_element" in m:
+        lines.append(f"  weight arithmetic {m['elementwise_s_per_element'] * 1e9:.2f} ns per element and pass; "
+                     f"PowerSGD kernels (rank {m['powersgd_rank']}) {m['powersgd_s_per_element'] * 1e9:.2f} ns "
+                     "per matrix element")
     lines.append(f"predicted step of torch DDP (flat fp32 ring): {tref['predicted_step_s'] * 1e3:.1f} ms")
     head = f"{'#':>2} {'algorithm':<30} {'step ms':>9} {'x torch':>8} {'exposed ms':>10}  convergence"
     lines += [head, "-" * (len(head) + 40)]
