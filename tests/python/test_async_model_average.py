@@ -97,6 +97,27 @@ def _until(cond, step, limit_s=20.0, what=""):
         step()
 
 
+# The averaging thread starts with the wrapper, before a test gives each rank its own weights:
+# a round taking a snapshot before (or during) that fill would mix the wrapper's initial weights
+# into the exact means the tests expect. These tests build the algorithm with a first round an
+# hour away, fill, then bring the interval down and wake the thread (its first round is a
+# collective census, so it cannot start before every rank has filled).
+_FIRST_ROUND_LATER_MS = 3_600_000
+
+
+def _start_rounds(alg, interval_ms):
+    alg._interval = interval_ms / 1000.0
+    alg._wake.set()
+
+
+def _fill(model, value):
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
 def rank_warmup(warm):
     """GradientAllReduce and AsyncModelAverage(warmup_steps=warm) on the same data: the first
     `warm` steps must give the same bits. Then one asynchronous step: each rank's gradient is
@@ -162,11 +183,10 @@ def rank_mean(dtypes):
         dtype = getattr(torch, name)
         model = _net(1, dtype)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=10)
+        alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=_FIRST_ROUND_LATER_MS)
         ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(rank + 1)
+        _fill(model, rank + 1)
+        _start_rounds(alg, 10)
         mean = (n + 1) / 2
         target = torch.full_like(_flat(model), mean)
 
@@ -368,7 +388,7 @@ def rank_abort_resume(workdir):
     chk = harness.Checker()
     model = _net(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=10)
+    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=_FIRST_ROUND_LATER_MS)
     if rank == 0:
         alg.abort()
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
@@ -389,6 +409,7 @@ def rank_abort_resume(workdir):
         harness.file_barrier(workdir, name, timeout=30)
 
     fill(rank + 1)
+    _start_rounds(alg, 10)
     barrier("filled")
     if rank == 0:
         barrier("others_averaged")
@@ -437,11 +458,10 @@ def rank_pending_then_abort(workdir):
     rank = rumor.rank()
     model = _net(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=10)
+    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=_FIRST_ROUND_LATER_MS)
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(rank + 1)
+    _fill(model, rank + 1)
+    _start_rounds(alg, 10)
     target = torch.full_like(_flat(model), 2.0)
     out = {}
     if rank == 0:
@@ -514,11 +534,10 @@ def rank_gossip(mode, mixes):
     rank, n = rumor.rank(), rumor.size()
     model = _net(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    alg = rumor.algorithms.AsyncModelAverage(peer_selection_mode=mode, sync_interval_ms=5)
+    alg = rumor.algorithms.AsyncModelAverage(peer_selection_mode=mode, sync_interval_ms=_FIRST_ROUND_LATER_MS)
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(rank + 1)
+    _fill(model, rank + 1)
+    _start_rounds(alg, 5)
 
     def step():
         _step(ddp, opt, 0, rank)
