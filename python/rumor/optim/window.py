@@ -261,6 +261,7 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
                 srcs = {r: 1.0 for r, v in enumerate(versions) if v > 0}
                 hub.update(w.id, 1.0, sorted(srcs.items()), True, True, z.data_ptr(), False, _win._timeout())
                 torch.div(z, hub.p(w.id), out=flat)
+        self._local_steps = False
 
     def step(self, closure=None):
         self._wait()
@@ -269,8 +270,9 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
         if due:
             self._collect()
         loss = self._base_step(closure)
-        self._local_steps = not due
-        if due:
+        if not due:
+            self._local_steps = True
+        else:
             self._flat.ensure_views()
             sw, dst = self._push_weights()
             hub = _win._windows().hub
