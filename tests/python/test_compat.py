@@ -8,7 +8,8 @@
   50 nonblocking operations in flight;
 * BlueFog's semantics: weighted star consensus to 1e-12, init() twice, pass counting of the
   optimizer wrappers, ATC combined when step() returns, the gradient-allreduce optimizer,
-  hierarchical self loops, allreduce inside a machine;
+  hierarchical self loops, allreduce inside a machine; pass counting and force_barrier of the
+  window optimizers against a float64 simulation of every rank;
 * example scripts written against BlueFog's and Bagua's APIs (examples/compat/), run with only
   the import changed, give the same bits as rumor's native API.
 """
@@ -443,6 +444,111 @@ def rank_bluefog_machines():
 def test_bluefog_emulated_machines():
     res = harness.run(rank_bluefog_machines, 4, timeout=90, env={"BLUEFOG_NODES_PER_MACHINE": "2"})
     harness.assert_no_failures([res[r] for r in range(4)], "emulated machines")
+
+
+def _window_reference_step(kind, X, Z, P, S, SP, local, src, grads, lr, due):
+    """One step of every rank of a window optimizer in a float64 simulation, in lockstep (all
+    exchanges of the previous step have landed). X: parameters per rank; for push-sum Z / P its z
+    and p, S / SP the slots, local whether x moved since the last push. Every rank has one
+    in-neighbour src[r] and the uniform weights 1/2. Returns the new state."""
+    n = len(X)
+    if kind != "pushsum":
+        if due:  # win_update of what was put / published at the step's start
+            X = [0.5 * X[r] + 0.5 * X[src[r]] for r in range(n)]
+        return [X[r] - lr * grads[r] for r in range(n)], Z, P, S, SP, local
+    if not due:
+        return [X[r] - lr * grads[r] for r in range(n)], Z, P, S, SP, True
+    if local:  # local steps since the last push: z = x * p before collecting
+        Z = [X[r] * P[r] for r in range(n)]
+    Z = [Z[r] + S[r] for r in range(n)]
+    P = [P[r] + SP[r] for r in range(n)]
+    X = [Z[r] / P[r] - lr * grads[r] for r in range(n)]
+    Z = [X[r] * P[r] for r in range(n)]
+    S = [0.5 * Z[src[r]] for r in range(n)]  # what the in-neighbour pushed
+    SP = [0.5 * P[src[r]] for r in range(n)]
+    return X, [0.5 * z for z in Z], [0.5 * p for p in P], S, SP, False
+
+
+def rank_window_pass_counting():
+    """BlueFog's window optimizers count passes: with num_steps_per_communication=3, "3 passes
+    then one step()" communicates at every step, a step after every pass at every third (the
+    third pass of each group for BlueFog's names, the first for rumor's own, which is what
+    counting steps gave), and a bare step() counts as a pass. Checked bit for bit against a
+    float64 simulation of all ranks (one in-neighbour, weights 1/2, lr 1/8: every operation
+    rounds once, in the same order); push-sum also keeps the local steps between its pushes.
+    BlueFog's names run with force_barrier, rumor's with explicit waits and barriers."""
+    import torch
+
+    import rumor
+    import rumor.compat.bluefog as bf
+
+    bf.init()
+    n, r = bf.size(), bf.rank()
+    bf.set_topology(bf.RingGraph(n, connect_style=1))
+    (mine,) = bf.in_neighbor_ranks()
+    src = [int(v) for v in rumor.allgather(torch.tensor([mine]))]
+    chk = harness.Checker()
+    lr, J = 0.125, 3
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+    kinds = {"winput": "DistributedWinPutOptimizer", "pullget": "DistributedPullGetOptimizer",
+             "pushsum": "DistributedPushSumOptimizer"}
+    for kind, cls in kinds.items():
+        for api in ("bluefog", "native"):
+            m = _model(40 + r)
+            make = getattr(bf if api == "bluefog" else rumor.optim, cls)
+            opt = make(torch.optim.SGD(m.parameters(), lr=lr), m, num_steps_per_communication=J)
+            if api == "bluefog":
+                chk.check(opt.force_barrier is (kind == "pushsum"), f"{kind}: BlueFog's force_barrier default")
+                opt.force_barrier = True
+            X = list(rumor.allgather(flat(m).unsqueeze(0)))
+            Z, P = list(X), [torch.ones((), dtype=torch.float64)] * n
+            S, SP, local = [torch.zeros_like(X[0])] * n, [torch.zeros((), dtype=torch.float64)] * n, False
+            gen = torch.Generator().manual_seed(70 + r)
+            offset = 1 if api == "bluefog" else 0
+            passes = 0
+            # (passes before the step, with a forward each; 0 is a bare step(): a pass itself)
+            schedule = [3, 3] + [1] * 6 + [0] * 3
+            for step, k in enumerate(schedule):
+                opt.zero_grad()
+                due = any((passes + i + offset) % J == 0 for i in range(max(k, 1)))
+                passes += max(k, 1)
+                for _ in range(k):
+                    m(torch.randn(4, 5, dtype=torch.float64, generator=gen)).pow(2).sum().backward()
+                g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                               for p in m.parameters()])
+                # One-sided exchanges land on their own time: the barriers make this run lockstep
+                # (puts and gets of this step before any combine, pushes after every collect);
+                # BlueFog's force_barrier does the first inside step().
+                if api == "native":
+                    for h in list(opt._handles):
+                        h.wait()
+                    rumor.barrier()
+                if k == 0:
+                    g = torch.zeros_like(g)
+                opt.step(closure=rumor.barrier)
+                opt._wait()
+                rumor.barrier()
+                grads = list(rumor.allgather(g.unsqueeze(0)))
+                what = f"{api} {kind}: step {step} ({k} passes, communicates: {due})"
+                if k == 0 and kind != "pushsum":
+                    # A bare step() exchanges and combines inside step(): what a neighbour's slot
+                    # or published copy holds then depends on timing (one-sided), so only
+                    # whether it communicated is checked (no gradient: a local step is a no-op).
+                    before, X = X[r], list(rumor.allgather(flat(m).unsqueeze(0)))
+                    chk.check(bool((X[r] != before).any()) == due, what)
+                    continue
+                X, Z, P, S, SP, local = _window_reference_step(kind, X, Z, P, S, SP, local, src, grads, lr, due)
+                chk.equal(flat(m), X[r], what)
+            opt.remove_hooks()
+            rumor.barrier()
+            opt.free_windows()
+    return chk.failures, chk.count
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_window_optimizers_count_passes(n):
+    res = harness.run(rank_window_pass_counting, n, timeout=120)
+    harness.assert_no_failures([res[r] for r in range(n)], f"window optimizers' pass counting, {n} ranks")
 
 
 # ==== ranks: example scripts, import changed only, vs rumor's native API ==========================

@@ -24,9 +24,21 @@ DistributedPushSumOptimizer  push-sum (gradient push): each rank holds z and a w
                              BlueFog's version scaled a stale tensor and never moved p.
                              ``synchronize()`` collects what is still in the slots.
 
-``num_steps_per_communication=k`` communicates every k-th step. Windows are created collectively
-when the optimizer is built (every rank must build it, in the same order); ``free_windows()``
-releases them (collective).
+``num_steps_per_communication = J`` counts training passes (forward passes through ``model`` in
+training mode with autograd on), not step() calls, as the combine wrappers in
+rumor.optim.decentralized do: in the pattern "J forward/backward passes, then one step()" every
+step() communicates; with a step() after every pass, every J-th step communicates and the others
+are local updates. A step() with no forward through the model since the previous one counts as
+one pass. The first pass of each group of J communicates (BlueFog's compat layer shifts this to
+the last one, as BlueFog does). Push-sum carries the local updates of the steps in between into
+its next push (z = x * p before collecting).
+
+``force_barrier = True`` (attribute, BlueFog's name) makes step() wait for this rank's exchange in
+flight and then for every rank (a barrier) before it combines: every put, get or push of the
+round has landed, so the ranks advance in lockstep (slower, and reproducible). Off by default.
+
+Windows are created collectively when the optimizer is built (every rank must build it, in the
+same order); ``free_windows()`` releases them (collective).
 """
 from __future__ import annotations
 
@@ -36,6 +48,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _runtime
+from .. import collectives
 from .. import window as _win
 from ..algorithms.decentralized import FlatWeights
 from .decentralized import _ONE_BUFFER_PER_DTYPE, build_subclass
@@ -58,9 +71,13 @@ class _WindowOptimizer:
         self.neighbor_weights: Optional[Dict[int, float]] = None
         self.dst_weights: Optional[Dict[int, float]] = None
         self.src_weights: Optional[Dict[int, float]] = None
-        self._steps = 0
+        self._passes = 0  # training passes (forwards through the model, or bare step() calls) so far
+        self._passes_at_step = 0  # self._passes when the previous step() ran
+        self._pass_offset = 0  # 0: the first pass of each group of J communicates; 1: the last
+        self._due = False  # a pass since the last step() was one that communicates
         self._handles: List = []
         self._in_step = False
+        self.force_barrier = False
         in_opt = {id(p) for g in self.param_groups for p in g["params"]}
         params = [p for p in model.parameters() if p.requires_grad and id(p) in in_opt]
         if not params:
@@ -75,13 +92,32 @@ class _WindowOptimizer:
         for name, flat in zip(self._names, self._flat.flats):
             _win.win_create(flat, name)
 
-    def _communicates_now(self) -> bool:
-        return _runtime.size() > 1 and self._steps % self.num_steps_per_communication == 0
+    def _count_pass(self) -> bool:
+        """Counts one training pass; True when it is the one that communicates."""
+        p = self._passes
+        self._passes += 1
+        due = _runtime.size() > 1 and (p + self._pass_offset) % self.num_steps_per_communication == 0
+        self._due = self._due or due
+        return due
+
+    def _take_due(self) -> bool:
+        """Whether this step() communicates (a due pass since the last step, the step itself
+        counting as the pass when no forward ran); clears the flag."""
+        if self._passes == self._passes_at_step:
+            self._count_pass()
+        due, self._due = self._due, False
+        self._passes_at_step = self._passes
+        return due
 
     def _forward_pre_hook(self, module, args):
-        if not self._in_step and not self._handles and torch.is_grad_enabled() and self._communicates_now():
-            self._flat.ensure_views()
-            self._handles = self._start()
+        if self._in_step or not (torch.is_grad_enabled() and module.training):
+            return  # a closure's forward inside step(), or an evaluation pass
+        if self._count_pass() and not self._handles:
+            self._on_due_pass()
+
+    def _on_due_pass(self) -> None:
+        self._flat.ensure_views()
+        self._handles = self._start()
 
     def _start(self) -> List:
         return []
@@ -90,6 +126,13 @@ class _WindowOptimizer:
         handles, self._handles = self._handles, []
         for h in handles:
             h.wait()
+
+    def _lockstep(self) -> None:
+        """force_barrier: this rank's exchange has landed, then every rank's has."""
+        if self.force_barrier and _runtime.size() > 1:
+            for h in self._handles:
+                h.wait()  # handles stay: step() still owns them (a second wait is a no-op)
+            collectives.barrier()
 
     def _combine(self) -> None:
         kw = {}
@@ -109,7 +152,8 @@ class _WindowOptimizer:
             self._in_step = False
 
     def step(self, closure=None):
-        if self._communicates_now():
+        self._lockstep()
+        if self._take_due():
             if not self._handles:  # no forward through the model since the last step
                 self._flat.ensure_views()
                 self._handles = self._start()
@@ -117,7 +161,6 @@ class _WindowOptimizer:
             self._combine()
         loss = self._base_step(closure)
         self._after_step()
-        self._steps += 1
         return loss
 
     def _after_step(self) -> None:
@@ -189,6 +232,7 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
         # The window holds z (zero-initialised slots: nothing has been pushed yet); the
         # parameters hold x = z / p.
         self._z = [flat.detach().clone() for flat in self._flat.flats]
+        self._local_steps = False  # x moved by steps that did not push since z was last set
         for name, z in zip(self._names, self._z):
             _win.win_create(z, name, zero_init=True)
 
@@ -205,22 +249,30 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
         return float(sw), dst
 
     def _collect(self) -> None:
-        """z += what neighbours pushed (slots reset), p likewise; then x = z / p."""
+        """z += what neighbours pushed (slots reset), p likewise; then x = z / p. Local steps
+        since the last push moved x and not z: z = x * p first, so they are kept."""
         hub = _win._windows().hub
         with torch.no_grad():
             for name, z, flat in zip(self._names, self._z, self._flat.flats):
                 w = _win._find(name, "DistributedPushSumOptimizer")
+                if self._local_steps:
+                    torch.mul(flat, hub.p(w.id), out=z)
                 versions = hub.versions(w.id)
                 srcs = {r: 1.0 for r, v in enumerate(versions) if v > 0}
                 hub.update(w.id, 1.0, sorted(srcs.items()), True, True, z.data_ptr(), False, _win._timeout())
                 torch.div(z, hub.p(w.id), out=flat)
+        self._local_steps = False
 
     def step(self, closure=None):
         self._wait()
-        if self._communicates_now():
+        self._lockstep()
+        due = self._take_due()
+        if due:
             self._collect()
         loss = self._base_step(closure)
-        if self._communicates_now():
+        if not due:
+            self._local_steps = True
+        else:
             self._flat.ensure_views()
             sw, dst = self._push_weights()
             hub = _win._windows().hub
@@ -232,10 +284,9 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
                     h = _win.WinHandle(w, op, z, sw, True, False)
                     w.handles.append(h)
                     self._handles.append(h)
-        self._steps += 1
         return loss
 
-    def _forward_pre_hook(self, module, args):
+    def _on_due_pass(self) -> None:
         pass  # pushes start at the end of step() and overlap the next forward and backward
 
     def synchronize(self) -> None:

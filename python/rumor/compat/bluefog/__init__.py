@@ -580,6 +580,7 @@ class _WindowNames:
 def _window_flavour(opt):
     cls = type(opt)
     opt.__class__ = type(cls.__name__, (_WindowNames, cls), {})
+    opt._pass_offset = 1  # the J-th pass communicates, as in BlueFog
     return opt
 
 
@@ -593,4 +594,6 @@ def DistributedPullGetOptimizer(optimizer, model, num_steps_per_communication: i
 
 
 def DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication: int = 1):  # noqa: N802
-    return _window_flavour(_optwin.DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication))
+    opt = _window_flavour(_optwin.DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication))
+    opt.force_barrier = True  # BlueFog's default for push-sum (False for put and get)
+    return opt
