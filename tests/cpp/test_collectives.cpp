@@ -282,6 +282,100 @@ TEST(SharedArena, AllreduceReadsPeersInPlace) {
   }
 }
 
+TEST(SharedArena, AverageIntoDeltasGivesEveryContributorItsDifference) {
+  // Small integers: every sum and mean below is exact in float32 and float64, so the float64
+  // reference must match bit for bit.
+  for (uint32_t n : {1u, 2u, 3u, 4u}) {
+    auto w = testing::make_world(testing::one_host(n), testing::quick_options(true));
+    auto errs = testing::run_ranks_shared(w, [n](std::shared_ptr<Communicator> comm, uint32_t r) {
+      SharedArena arena(comm, 8 << 20);
+      const size_t count = 100003;  // not a multiple of the ranks: uneven blocks, several chunks
+      auto* x = reinterpret_cast<double*>(arena.data());
+      auto* d = reinterpret_cast<double*>(arena.data() + (1 << 20));
+      auto value = [](uint32_t q, size_t i) { return static_cast<double>((i * 7 + q * 13) % 101); };
+      auto old_delta = [](uint32_t q, size_t i) { return static_cast<double>((i * 3 + q) % 5) - 2.0; };
+      const double untouched = -1234.0;
+      // Everyone with its weights; then rank 0 skipped and the last rank bringing a pending delta.
+      std::vector<std::vector<uint8_t>> roles = {std::vector<uint8_t>(n, SharedArena::kWeights)};
+      if (n > 1) {
+        std::vector<uint8_t> mixed(n, SharedArena::kWeights);
+        mixed[0] = SharedArena::kSkip;
+        mixed[n - 1] = SharedArena::kWeightsPlusDelta;
+        roles.push_back(mixed);
+      }
+      for (const auto& role : roles) {
+        for (size_t i = 0; i < count; ++i) {
+          x[i] = value(r, i);
+          d[i] = role[r] == SharedArena::kWeightsPlusDelta ? old_delta(r, i) : untouched;
+        }
+        arena.average_into_deltas(x, d, count, DType::F64, role);
+        double contributors = 0;
+        for (uint8_t v : role) contributors += v != SharedArena::kSkip;
+        for (size_t i = 0; i < count; ++i) {
+          double sum = 0;
+          for (uint32_t q = 0; q < n; ++q)
+            if (role[q] != SharedArena::kSkip)
+              sum += value(q, i) + (role[q] == SharedArena::kWeightsPlusDelta ? old_delta(q, i) : 0.0);
+          const double want = role[r] == SharedArena::kSkip ? untouched : sum / contributors - value(r, i);
+          ASSERT_EQ(d[i], want) << "n " << n << " rank " << r << " i " << i;
+          ASSERT_EQ(x[i], value(r, i)) << "the weights must stay";
+        }
+      }
+      auto* f = reinterpret_cast<float*>(arena.data() + (3 << 20));
+      for (size_t i = 0; i < 1001; ++i) f[i] = static_cast<float>(r + 1);
+      arena.average_into_deltas(f, f + 1001, 1001, DType::F32,
+                                std::vector<uint8_t>(n, SharedArena::kWeights));
+      for (size_t i = 0; i < 1001; ++i)
+        ASSERT_EQ(f[1001 + i], static_cast<float>(n + 1) / 2.0f - (static_cast<float>(r) + 1.0f)) << i;
+      std::vector<double> outside(4);
+      const std::vector<uint8_t> all(n, SharedArena::kWeights);
+      EXPECT_THROW(arena.average_into_deltas(outside.data(), d, 4, DType::F64, all), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, d, 4, DType::I64, all), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, x + 2, 4, DType::F64, all), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, d, 4, DType::F64, std::vector<uint8_t>(n + 1, 1)), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, d, 4, DType::F64, std::vector<uint8_t>(n, 0)), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, d, 4, DType::F64, std::vector<uint8_t>(n, 3)), Error);
+    });
+    testing::expect_all_ok(errs);
+  }
+}
+
+}  // namespace
+}  // namespace rumor
+
+namespace rumor {
+namespace {
+
+TEST(SharedArena, AllreduceReadsPeersInPlace) {
+  for (uint32_t n : {2u, 3u, 4u}) {
+    auto w = testing::make_world(testing::one_host(n), testing::quick_options(true));
+    auto errs = testing::run_ranks_shared(w, [n](std::shared_ptr<Communicator> comm, uint32_t r) {
+      SharedArena arena(comm, 1 << 20);
+      // Two buckets at different offsets; the second of odd length.
+      auto* a = reinterpret_cast<float*>(arena.data());
+      auto* b = reinterpret_cast<int64_t*>(arena.data() + 512 * 1024);
+      const size_t na = 100003, nb = 7;
+      for (size_t i = 0; i < na; ++i) a[i] = input(r, i) * static_cast<float>(n);
+      for (size_t i = 0; i < nb; ++i) b[i] = static_cast<int64_t>(r * 10 + i);
+      for (int rep = 0; rep < 2; ++rep) {
+        if (rep == 1)
+          for (size_t i = 0; i < na; ++i) a[i] = input(r, i) * static_cast<float>(n);
+        arena.allreduce(a, na, DType::F32, ReduceOp::AVG);
+        for (size_t i = 0; i < na; ++i) {
+          float want = 0;
+          for (uint32_t q = 0; q < n; ++q) want += input(q, i);
+          ASSERT_EQ(a[i], want) << "n " << n << " i " << i;
+        }
+      }
+      arena.allreduce(b, nb, DType::I64, ReduceOp::MAX);
+      for (size_t i = 0; i < nb; ++i) ASSERT_EQ(b[i], static_cast<int64_t>((n - 1) * 10 + i));
+      std::vector<float> outside(4);
+      EXPECT_THROW(arena.allreduce(outside.data(), outside.size(), DType::F32, ReduceOp::SUM), Error);
+    });
+    testing::expect_all_ok(errs);
+  }
+}
+
 TEST(SharedArena, AverageMinusOwnGivesEveryRankItsDifference) {
   for (uint32_t n : {2u, 3u, 4u}) {
     auto w = testing::make_world(testing::one_host(n), testing::quick_options(true));
