@@ -245,6 +245,7 @@ def _window(cfg: Dict, v: str, fresh, step, sleep_s: float, rank: int, n: int) -
     out = dict(t=[round(x, 5) for x in ends], loss=[round(x, 5) for x in losses], step_s=[round(x, 5) for x in durs])
     if alg is not None and hasattr(alg, "finish"):
         out["rounds"] = alg.rounds
+        out["busy_s"] = getattr(alg, "busy_s", None)
         alg.finish()  # waits for every rank; not part of the window
     elif v == "push_sum":
         alg.free_windows()  # waits for this rank's pushes, then a barrier; not part of the window
@@ -312,7 +313,8 @@ def summarize(cell: Dict) -> None:
                  time_to_loss_s=(statistics.median(ttl) if all(x is not None for x in ttl) else None),
                  final_loss=statistics.median(x for x in final if x is not None) if any(final) else None,
                  steps_per_rank=[len(x["t"]) for x in ranks0], fastest_step_s=min(med_steps),
-                 slowest_step_s=max(med_steps), rounds=[x.get("rounds") for x in ranks0])
+                 slowest_step_s=max(med_steps), rounds=[x.get("rounds") for x in ranks0],
+                 busy_s=[x.get("busy_s") for x in ranks0])
         cell["variants"][v] = d
     t = cell["variants"].get("torch")
     for v, d in cell["variants"].items():
@@ -358,6 +360,12 @@ def print_table(cells: List[Dict], title: str, oversubscribed: bool) -> None:
             loss = f"{d['final_loss']:.3f}" if d["final_loss"] is not None else "-"
             print(f"{c['model']:<12} {c['case']:<10} {label(v):<14} {sps:>20} {xt:>8} {100 * d['of_bound']:>7.0f}% "
                   f"{fmt_t(d['time_to_loss_s'], c['window_s']):>9} {tt:>8} {steps:>16} {ms:>17} {loss:>7}")
+        window = c["window_s"]
+        for v, d in c["variants"].items():
+            if d.get("rounds") and all(r is not None for r in d["rounds"]) and all(b is not None for b in d["busy_s"]):
+                print(f"{'':<12} {c['case']:<10} {label(v):<14} averaging rounds per rank "
+                      f"{','.join(str(r) for r in d['rounds'])}; thread busy in rounds "
+                      f"{','.join(f'{100 * b / window:.0f}%' for b in d['busy_s'])} of the window")
         print(f"{'':<12} {c['case']:<10} {'(bounds)':<14} sync {c['bound_sync_sps']:.1f}, async "
               f"{c['bound_async_sps']:.1f} samples/s; compute step {statistics.median(c['compute_s']) * 1e3:.0f} ms, "
               f"straggler sleep {max(c['sleep_s']) * 1e3:.0f} ms; target loss {c['target_loss']:.3f} "

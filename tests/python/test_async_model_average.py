@@ -617,6 +617,11 @@ def test_bad_arguments():
         (dict(warmup_steps=-1), ValueError, "warmup_steps"),
         (dict(warmup_steps=1.5), TypeError, "warmup_steps"),
         (dict(warmup_steps=False), TypeError, "warmup_steps"),
+        (dict(max_busy_fraction=0), ValueError, "max_busy_fraction"),
+        (dict(max_busy_fraction=1.5), ValueError, "max_busy_fraction"),
+        (dict(max_busy_fraction=float("nan")), ValueError, "max_busy_fraction"),
+        (dict(max_busy_fraction="0.1"), TypeError, "max_busy_fraction"),
+        (dict(max_busy_fraction=True), TypeError, "max_busy_fraction"),
     ]:
         with pytest.raises(exc, match=match):
             A(**kwargs)
@@ -626,6 +631,22 @@ def test_bad_arguments():
     assert (a.peer_selection_mode, a.sync_interval_ms, a.warmup_steps) == ("all", 0.0, 3)
     with pytest.raises(RuntimeError, match="not wrapped"):
         a.finish()
+
+
+def test_round_spacing_bounds_the_busy_fraction():
+    """When the next round may start (the arithmetic only; values exact in binary): no sooner
+    than sync_interval_ms after this one started, nor than busy / max_busy_fraction; with the
+    bound off (1.0) and interval 0, back to back."""
+    import rumor
+
+    A = rumor.algorithms.AsyncModelAverage
+    assert A().max_busy_fraction == 0.1
+    a = A(sync_interval_ms=500, max_busy_fraction=0.25)
+    assert a._next_round(8.0, 0.0625) == 8.5      # the interval dominates
+    assert a._next_round(8.0, 0.25) == 9.0        # busy 0.25 s at most a quarter of the time
+    assert a.busy_s == 0.3125
+    b = A(sync_interval_ms=0, max_busy_fraction=1)
+    assert b._next_round(8.0, 0.125) == 8.125
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])

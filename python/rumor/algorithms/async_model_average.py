@@ -356,6 +356,14 @@ def _check_interval(ms) -> float:
     return float(ms)
 
 
+def _check_busy(f) -> float:
+    if isinstance(f, bool) or not isinstance(f, (int, float)):
+        raise TypeError(f"AsyncModelAverage: max_busy_fraction must be a number in (0, 1], got {type(f).__name__}")
+    if not (0 < f <= 1):
+        raise ValueError(f"AsyncModelAverage: max_busy_fraction must be in (0, 1], got {f!r}")
+    return float(f)
+
+
 def _check_warmup(k) -> int:
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"AsyncModelAverage: warmup_steps must be an integer, got {type(k).__name__}")
@@ -370,9 +378,16 @@ class AsyncModelAverage(Algorithm):
     peer_selection_mode: "all" averages over every rank. "ring", "shift_one" and "exp2" (gossip
       over one-sided windows) raise NotImplementedError for now.
     sync_interval_ms: time from the start of one averaging round to the start of the next (a
-      round that takes longer is followed at once by the next); 0 runs rounds back to back.
+      round that takes longer is followed at once by the next); 0 runs rounds back to back
+      (within max_busy_fraction).
     warmup_steps: the first warmup_steps optimizer steps (synchronized backward passes) average
       gradients exactly like GradientAllReduce; asynchronous averaging starts after them.
+    max_busy_fraction: the largest share of wall time the averaging thread spends in weight
+      rounds: after a round that took d seconds, the next starts no sooner than d /
+      max_busy_fraction after its start, whatever sync_interval_ms says. The thread's memory
+      passes (and, with more ranks than cores, its CPU time) come out of training, so a busy
+      machine, where rounds take longer, averages less often instead of training slower.
+      Default 0.1; 1 turns the bound off (Bagua's behaviour).
 
     After warm-up, backward communicates nothing; a background thread averages the weights with
     the other ranks every sync_interval_ms and the result is applied, as
@@ -387,10 +402,13 @@ class AsyncModelAverage(Algorithm):
     on the training thread at the next forward, or by finish().
     """
 
-    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: float = 500, warmup_steps: int = 0):
+    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: float = 500, warmup_steps: int = 0,
+                 max_busy_fraction: float = 0.1):
         self.peer_selection_mode = _check_mode(peer_selection_mode)
         self.sync_interval_ms = _check_interval(sync_interval_ms)
         self.warmup_steps = _check_warmup(warmup_steps)
+        self.max_busy_fraction = _check_busy(max_busy_fraction)
+        self.busy_s = 0.0   # wall time the background thread spent in weight rounds
         self.steps = 0      # synchronized backward passes so far (warm-up included)
         self.rounds = 0     # averaging rounds whose result this rank took (as a contributor)
         self.applied = 0    # deltas applied to the weights by the training thread
@@ -666,12 +684,13 @@ class AsyncModelAverage(Algorithm):
                             s.work.copy_(s.x)
                         leaving = True
                         self._leaving.set()
-                next_round = time.monotonic() + self._interval
+                started = time.monotonic()
                 self._ticks += 1
                 if state == LEAVING:
                     self._mixer.push([s.work for s in self._slots])
                 elif state == ACTIVE:
                     self._round(state, None)
+                next_round = self._next_round(started, time.monotonic() - started)
         except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
             self._error = e
             self._leaving.set()
@@ -702,11 +721,22 @@ class AsyncModelAverage(Algorithm):
                     self.rounds += 1
                     return
                 if census.active >= 1 and census.contributors >= 2:
+                    # Busy time: the round itself, not the census (which mostly waits for
+                    # the peers' threads to wake).
+                    t = time.monotonic()
                     self._round(state, census)
+                    next_round = self._next_round(started, time.monotonic() - t)
                 elif role == 2:
                     self._give_back()
         except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
             self._error = e
+
+    def _next_round(self, started: float, busy: float) -> float:
+        """When the next round may start: sync_interval_ms after this one started, and late
+        enough that the thread is busy at most max_busy_fraction of the time. All ranks' rounds
+        start together at the census, so the rank whose rounds are the slowest sets the pace."""
+        self.busy_s += busy
+        return started + max(self.sync_interval_ms / 1000.0, busy / self.max_busy_fraction)
 
     def _round(self, state: int, census: _Census) -> None:
         """One weight round. ``state`` is what this rank reported in the census: it decides what
