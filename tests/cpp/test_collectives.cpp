@@ -283,8 +283,8 @@ TEST(SharedArena, AllreduceReadsPeersInPlace) {
 }
 
 TEST(SharedArena, AverageIntoDeltasGivesEveryContributorItsDifference) {
-  // Small integers: every sum and mean below is exact in float32 and float64, so the float64
-  // reference must match bit for bit.
+  // Small integers: every sum is exact, and the reference divides once in float64 as the kernel
+  // does, so it must match bit for bit.
   for (uint32_t n : {1u, 2u, 3u, 4u}) {
     auto w = testing::make_world(testing::one_host(n), testing::quick_options(true));
     auto errs = testing::run_ranks_shared(w, [n](std::shared_ptr<Communicator> comm, uint32_t r) {
