@@ -36,8 +36,7 @@ How it measures
   Reported per variant: samples/s (median over --repeats, and min-max), over torch DDP, time to
   loss and torch's over it, steps per rank, the median step time of the fastest and slowest
   rank, ama's averaging rounds and the share of the window its thread spent in them. Bounds
-  from the compute-only steps c (per rank) and the
-  straggler's sleep s: no straggler sum_r B/c_r; straggler, synchronous: n B / max_r(c_r + s_r);
+  from the compute-only steps c (per rank) and the straggler's sleep s: no straggler sum_r B/c_r; straggler, synchronous: n B / max_r(c_r + s_r);
   straggler, asynchronous: sum_r B/(c_r + s_r). With more ranks than cores the ranks share the
   CPUs, so a sleeping straggler leaves its CPU to the others (said in the output).
 
