@@ -5,7 +5,8 @@ Variants (each its own fresh model, same seed, same data, same optimizer):
   torch    torch.nn.parallel.DistributedDataParallel over gloo (its defaults)
   gar      rumor GradientAllReduce()
   dec_exp2 rumor Decentralized(peer_selection="exp2", hierarchical=False)
-  ama      rumor AsyncModelAverage("all", sync_interval_ms=--sync-interval-ms, warmup_steps=--warmup)
+  ama      rumor AsyncModelAverage("all", sync_interval_ms=--sync-interval-ms, warmup_steps=--warmup,
+           max_busy_fraction=--max-busy-fraction when given)
   ama_exp2 rumor AsyncModelAverage("exp2"): gossip over one-sided windows (the same interval)
   push_sum rumor.optim.DistributedPushSumOptimizer over the default ExponentialGraph
   ama_ring, ama_shift_one: the other gossip modes, only with --variants.
@@ -117,7 +118,8 @@ def _wrap(v: str, model, opt, cfg):
         alg = A.Decentralized(peer_selection="exp2", hierarchical=False)
     elif v.startswith("ama"):
         mode = "all" if v == "ama" else v[len("ama_"):]
-        alg = A.AsyncModelAverage(mode, sync_interval_ms=cfg["sync_interval_ms"], warmup_steps=cfg["warmup"])
+        extra = {} if cfg.get("max_busy_fraction") is None else dict(max_busy_fraction=cfg["max_busy_fraction"])
+        alg = A.AsyncModelAverage(mode, sync_interval_ms=cfg["sync_interval_ms"], warmup_steps=cfg["warmup"], **extra)
     elif v == "push_sum":
         # The wrapper is the optimizer; the module itself is trained (same seed: same init).
         return model, rumor.optim.DistributedPushSumOptimizer(opt, model)
@@ -265,7 +267,7 @@ class Job(_common.Job):
         a = self.args
         return dict(models=a.models, cases=a.cases, variants=a.variants, scale=a.scale_map, batch=a.batch_map,
                     window=a.window, repeats=a.repeats, warmup=a.warmup, compute_steps=a.compute_steps, lr=a.lr,
-                    seed=a.seed, sync_interval_ms=a.sync_interval_ms)
+                    seed=a.seed, sync_interval_ms=a.sync_interval_ms, max_busy_fraction=a.max_busy_fraction)
 
     def on_message(self, kind: str, data) -> None:
         if kind == "progress":
@@ -445,6 +447,8 @@ def main(argv=None) -> int:
                                                               "(ama: its synchronous warm-up steps)")
     ap.add_argument("--compute-steps", type=int, default=None, help="compute-only steps measured per model")
     ap.add_argument("--sync-interval-ms", type=float, default=500.0, help="AsyncModelAverage's sync_interval_ms")
+    ap.add_argument("--max-busy-fraction", type=float, default=None,
+                    help="AsyncModelAverage's max_busy_fraction (default: the algorithm's; 1 = no bound)")
     ap.add_argument("--target-drop", default="",
                     help="time-to-loss target as a fraction below the initial loss, per model, e.g. mlp25m=0.1 "
                          f"(defaults: quick {QUICK['target_drop']}, full {FULL['target_drop']})")
@@ -504,6 +508,7 @@ def main(argv=None) -> int:
           f"{meta['loadavg_start'][0]:.2f} | models {','.join(args.models)} (scale "
           f"{','.join(f'{m}={args.scale_map[m]:g}' for m in args.models)}) | cases {','.join(args.cases)} | window "
           f"{args.window:.0f} s x {args.repeats} | sync_interval_ms {args.sync_interval_ms:g}"
+          + ("" if args.max_busy_fraction is None else f" | max_busy_fraction {args.max_busy_fraction:g}")
           + (" | QUICK" if args.quick else ""))
 
     per_model = len(args.cases) * args.repeats * len(args.variants)
