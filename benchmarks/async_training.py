@@ -5,7 +5,8 @@ Variants (each its own fresh model, same seed, same data, same optimizer):
   torch    torch.nn.parallel.DistributedDataParallel over gloo (its defaults)
   gar      rumor GradientAllReduce()
   dec_exp2 rumor Decentralized(peer_selection="exp2", hierarchical=False)
-  ama      rumor AsyncModelAverage("all", sync_interval_ms=--sync-interval-ms, warmup_steps=--warmup)
+  ama      rumor AsyncModelAverage("all", sync_interval_ms=--sync-interval-ms, warmup_steps=--warmup,
+           max_busy_fraction=--max-busy-fraction when given)
   ama_exp2 rumor AsyncModelAverage("exp2"): gossip over one-sided windows (the same interval)
   push_sum rumor.optim.DistributedPushSumOptimizer over the default ExponentialGraph
   ama_ring, ama_shift_one: the other gossip modes, only with --variants.
@@ -35,8 +36,8 @@ How it measures
                     loss of the first step over ranks, the same for every variant).
   Reported per variant: samples/s (median over --repeats, and min-max), over torch DDP, time to
   loss and torch's over it, steps per rank, the median step time of the fastest and slowest
-  rank, ama's averaging rounds. Bounds from the compute-only steps c (per rank) and the
-  straggler's sleep s: no straggler sum_r B/c_r; straggler, synchronous: n B / max_r(c_r + s_r);
+  rank, ama's averaging rounds and the share of the window its thread spent in them. Bounds
+  from the compute-only steps c (per rank) and the straggler's sleep s: no straggler sum_r B/c_r; straggler, synchronous: n B / max_r(c_r + s_r);
   straggler, asynchronous: sum_r B/(c_r + s_r). With more ranks than cores the ranks share the
   CPUs, so a sleeping straggler leaves its CPU to the others (said in the output).
 
@@ -117,7 +118,8 @@ def _wrap(v: str, model, opt, cfg):
         alg = A.Decentralized(peer_selection="exp2", hierarchical=False)
     elif v.startswith("ama"):
         mode = "all" if v == "ama" else v[len("ama_"):]
-        alg = A.AsyncModelAverage(mode, sync_interval_ms=cfg["sync_interval_ms"], warmup_steps=cfg["warmup"])
+        extra = {} if cfg.get("max_busy_fraction") is None else dict(max_busy_fraction=cfg["max_busy_fraction"])
+        alg = A.AsyncModelAverage(mode, sync_interval_ms=cfg["sync_interval_ms"], warmup_steps=cfg["warmup"], **extra)
     elif v == "push_sum":
         # The wrapper is the optimizer; the module itself is trained (same seed: same init).
         return model, rumor.optim.DistributedPushSumOptimizer(opt, model)
@@ -245,6 +247,7 @@ def _window(cfg: Dict, v: str, fresh, step, sleep_s: float, rank: int, n: int) -
     out = dict(t=[round(x, 5) for x in ends], loss=[round(x, 5) for x in losses], step_s=[round(x, 5) for x in durs])
     if alg is not None and hasattr(alg, "finish"):
         out["rounds"] = alg.rounds
+        out["busy_s"] = getattr(alg, "busy_s", None)
         alg.finish()  # waits for every rank; not part of the window
     elif v == "push_sum":
         alg.free_windows()  # waits for this rank's pushes, then a barrier; not part of the window
@@ -264,7 +267,7 @@ class Job(_common.Job):
         a = self.args
         return dict(models=a.models, cases=a.cases, variants=a.variants, scale=a.scale_map, batch=a.batch_map,
                     window=a.window, repeats=a.repeats, warmup=a.warmup, compute_steps=a.compute_steps, lr=a.lr,
-                    seed=a.seed, sync_interval_ms=a.sync_interval_ms)
+                    seed=a.seed, sync_interval_ms=a.sync_interval_ms, max_busy_fraction=a.max_busy_fraction)
 
     def on_message(self, kind: str, data) -> None:
         if kind == "progress":
@@ -312,7 +315,8 @@ def summarize(cell: Dict) -> None:
                  time_to_loss_s=(statistics.median(ttl) if all(x is not None for x in ttl) else None),
                  final_loss=statistics.median(x for x in final if x is not None) if any(final) else None,
                  steps_per_rank=[len(x["t"]) for x in ranks0], fastest_step_s=min(med_steps),
-                 slowest_step_s=max(med_steps), rounds=[x.get("rounds") for x in ranks0])
+                 slowest_step_s=max(med_steps), rounds=[x.get("rounds") for x in ranks0],
+                 busy_s=[x.get("busy_s") for x in ranks0])
         cell["variants"][v] = d
     t = cell["variants"].get("torch")
     for v, d in cell["variants"].items():
@@ -358,6 +362,12 @@ def print_table(cells: List[Dict], title: str, oversubscribed: bool) -> None:
             loss = f"{d['final_loss']:.3f}" if d["final_loss"] is not None else "-"
             print(f"{c['model']:<12} {c['case']:<10} {label(v):<14} {sps:>20} {xt:>8} {100 * d['of_bound']:>7.0f}% "
                   f"{fmt_t(d['time_to_loss_s'], c['window_s']):>9} {tt:>8} {steps:>16} {ms:>17} {loss:>7}")
+        window = c["window_s"]
+        for v, d in c["variants"].items():
+            if d.get("rounds") and all(r is not None for r in d["rounds"]) and all(b is not None for b in d["busy_s"]):
+                print(f"{'':<12} {c['case']:<10} {label(v):<14} averaging rounds per rank "
+                      f"{','.join(str(r) for r in d['rounds'])}; thread busy in rounds "
+                      f"{','.join(f'{100 * b / window:.0f}%' for b in d['busy_s'])} of the window")
         print(f"{'':<12} {c['case']:<10} {'(bounds)':<14} sync {c['bound_sync_sps']:.1f}, async "
               f"{c['bound_async_sps']:.1f} samples/s; compute step {statistics.median(c['compute_s']) * 1e3:.0f} ms, "
               f"straggler sleep {max(c['sleep_s']) * 1e3:.0f} ms; target loss {c['target_loss']:.3f} "
@@ -437,6 +447,8 @@ def main(argv=None) -> int:
                                                               "(ama: its synchronous warm-up steps)")
     ap.add_argument("--compute-steps", type=int, default=None, help="compute-only steps measured per model")
     ap.add_argument("--sync-interval-ms", type=float, default=500.0, help="AsyncModelAverage's sync_interval_ms")
+    ap.add_argument("--max-busy-fraction", type=float, default=None,
+                    help="AsyncModelAverage's max_busy_fraction (default: the algorithm's; 1 = no bound)")
     ap.add_argument("--target-drop", default="",
                     help="time-to-loss target as a fraction below the initial loss, per model, e.g. mlp25m=0.1 "
                          f"(defaults: quick {QUICK['target_drop']}, full {FULL['target_drop']})")
@@ -496,6 +508,7 @@ def main(argv=None) -> int:
           f"{meta['loadavg_start'][0]:.2f} | models {','.join(args.models)} (scale "
           f"{','.join(f'{m}={args.scale_map[m]:g}' for m in args.models)}) | cases {','.join(args.cases)} | window "
           f"{args.window:.0f} s x {args.repeats} | sync_interval_ms {args.sync_interval_ms:g}"
+          + ("" if args.max_busy_fraction is None else f" | max_busy_fraction {args.max_busy_fraction:g}")
           + (" | QUICK" if args.quick else ""))
 
     per_model = len(args.cases) * args.repeats * len(args.variants)

@@ -213,17 +213,17 @@ PYBIND11_MODULE(_C, m) {
           py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"),
           "Blocking in-place allreduce of a buffer inside this arena, on the arena's communicator.")
       .def(
-          "average_minus_own",
-          [](const std::shared_ptr<SharedArena>& a, uintptr_t src, uintptr_t dst, size_t count, int dtype,
-             double divisor) {
+          "average_into_deltas",
+          [](const std::shared_ptr<SharedArena>& a, uintptr_t x, uintptr_t delta, size_t count, int dtype,
+             std::vector<uint8_t> role) {
             DType dt = to_dtype(dtype);
-            dispatch(a->comm(), false, [a, src, dst, count, dt, divisor] {
-              a->average_minus_own(ptr(src), ptr(dst), count, dt, divisor);
+            dispatch(a->comm(), false, [a, x, delta, count, dt, role = std::move(role)] {
+              a->average_into_deltas(ptr(x), ptr(delta), count, dt, role);
             });
           },
-          py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
-          "Blocking: every rank's dst <- sum over ranks of src / divisor - its own src (both inside the "
-          "arena).");
+          py::arg("x"), py::arg("delta"), py::arg("count"), py::arg("dtype"), py::arg("role"),
+          "Blocking: every contributing rank's delta <- mean of the contributions - its weights x "
+          "(role per rank: 0 none, 1 x, 2 x + delta; both buffers inside the arena).");
 
   py::class_<BucketEngine, std::shared_ptr<BucketEngine>>(m, "BucketEngine")
       .def(py::init<std::shared_ptr<Communicator>>())

@@ -5,6 +5,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "core/reduce.h"
 
 namespace rumor {
@@ -12,31 +16,79 @@ namespace rumor {
 namespace {
 // Partial sums of this size stay in L2 while each peer's slice streams past them.
 constexpr size_t kChunkBytes = 64 * 1024;
+// What average_into_deltas keeps in cache per chunk: one chunk of every rank's weights and the sum.
+constexpr size_t kScratchBytes = 192 * 1024;
 
 std::string arena_name(const Communicator& c, uint64_t id, uint32_t rank) {
   const uint32_t world = c.world_ranks().at(rank);
   return c.context().owned_name(c.shm_prefix() + "-a" + std::to_string(id) + "-" + std::to_string(world),
                                 {world});
 }
+// Element stores that bypass the cache where the target supports it: a delta is read back only
+// at its rank's next forward, long after it has left the cache, so a normal store would first
+// read the line in (for nothing) and then evict something useful.
 template <typename T>
-void average_minus_own_block(const std::vector<const void*>& src, const std::vector<void*>& dst, uint32_t own,
-                             size_t n, double divisor, void* scratch) {
-  T* __restrict acc = static_cast<T*>(scratch);
-  // Own contribution first, then the peers in rank order: the same summation order on every
-  // run, as in allreduce.
-  std::memcpy(acc, src[own], n * sizeof(T));
-  for (size_t q = 0; q < src.size(); ++q) {
-    if (q == own) continue;
-    const T* __restrict s = static_cast<const T*>(src[q]);
-    for (size_t i = 0; i < n; ++i) acc[i] += s[i];
+void difference_streaming(T* __restrict d, const T* __restrict a, const T* __restrict s, size_t n) {
+  size_t i = 0;
+#if defined(__SSE2__)
+  constexpr size_t kLanes = 16 / sizeof(T);
+  while (i < n && reinterpret_cast<uintptr_t>(d + i) % 16 != 0) {
+    d[i] = a[i] - s[i];
+    ++i;
+  }
+  for (; i + kLanes <= n; i += kLanes) {
+    if constexpr (sizeof(T) == 4)
+      _mm_stream_ps(reinterpret_cast<float*>(d + i),
+                    _mm_sub_ps(_mm_loadu_ps(reinterpret_cast<const float*>(a + i)),
+                               _mm_loadu_ps(reinterpret_cast<const float*>(s + i))));
+    else
+      _mm_stream_pd(reinterpret_cast<double*>(d + i),
+                    _mm_sub_pd(_mm_loadu_pd(reinterpret_cast<const double*>(a + i)),
+                               _mm_loadu_pd(reinterpret_cast<const double*>(s + i))));
+  }
+#endif
+  for (; i < n; ++i) d[i] = a[i] - s[i];
+}
+
+void streaming_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();  // streaming stores are weakly ordered: visible before the barrier that publishes them
+#endif
+}
+
+// One chunk of the owner's block: x[q] and d[q] point at the chunk in rank q's arena, `seen`
+// has room for one chunk per rank and `acc` for one.
+template <typename T>
+void average_into_deltas_chunk(const std::vector<const std::byte*>& x, const std::vector<std::byte*>& d,
+                               const std::vector<uint8_t>& role, uint32_t own, size_t n, double divisor,
+                               std::byte* seen, T* __restrict acc) {
+  const size_t ranks = x.size();
+  auto copy_of = [&](size_t q) { return reinterpret_cast<T*>(seen + q * n * sizeof(T)); };
+  // The owner's contribution first, then the others in rank order: a fixed summation order.
+  bool first = true;
+  for (size_t k = 0; k < ranks; ++k) {
+    const size_t q = (own + k) % ranks;
+    if (role[q] == SharedArena::kSkip) continue;
+    T* __restrict s = copy_of(q);
+    // The single read of q's weights for this round (q's optimizer may be writing them).
+    std::memcpy(s, x[q], n * sizeof(T));
+    if (role[q] == SharedArena::kWeightsPlusDelta) {
+      const T* __restrict old = reinterpret_cast<const T*>(d[q]);
+      if (first)
+        for (size_t i = 0; i < n; ++i) acc[i] = s[i] + old[i];
+      else
+        for (size_t i = 0; i < n; ++i) acc[i] += s[i] + old[i];
+    } else if (first) {
+      std::memcpy(acc, s, n * sizeof(T));
+    } else {
+      for (size_t i = 0; i < n; ++i) acc[i] += s[i];
+    }
+    first = false;
   }
   const T div = static_cast<T>(divisor);
   for (size_t i = 0; i < n; ++i) acc[i] /= div;
-  for (size_t q = 0; q < src.size(); ++q) {
-    const T* __restrict s = static_cast<const T*>(src[q]);
-    T* __restrict d = static_cast<T*>(dst[q]);
-    for (size_t i = 0; i < n; ++i) d[i] = acc[i] - s[i];
-  }
+  for (size_t q = 0; q < ranks; ++q)
+    if (role[q] != SharedArena::kSkip) difference_streaming(reinterpret_cast<T*>(d[q]), acc, copy_of(q), n);
 }
 }  // namespace
 
@@ -112,41 +164,64 @@ void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
   });
 }
 
-void SharedArena::average_minus_own(const void* src, void* dst, size_t count, DType dtype, double divisor) {
+void SharedArena::average_into_deltas(const void* x, void* delta, size_t count, DType dtype,
+                                      const std::vector<uint8_t>& role) {
+  const char* what = "shared-arena average";
   if (dtype != DType::F32 && dtype != DType::F64)
     throw Error(
         ErrorKind::kInvalidArgument,
-        "shared-arena average: float32 or float64 buffers expected, got " + std::string(dtype_name(dtype)));
+        std::string(what) + ": float32 or float64 buffers expected, got " + std::string(dtype_name(dtype)));
   const size_t es = dtype_size(dtype);
-  if (!contains(src, count * es) || !contains(dst, count * es))
-    throw Error(ErrorKind::kInvalidArgument, "shared-arena average: a buffer is not inside the arena");
-  if (!(divisor > 0))
-    throw Error(ErrorKind::kInvalidArgument, "shared-arena average: the divisor must be positive");
-  net::OpInfo info = comm_->begin_op("average (shared arena)", Opcode::kArenaAllreduce);
+  if (!contains(x, count * es) || !contains(delta, count * es))
+    throw Error(ErrorKind::kInvalidArgument, std::string(what) + ": a buffer is not inside the arena");
   const uint32_t n = comm_->size(), r = comm_->rank();
+  if (role.size() != n)
+    throw Error(ErrorKind::kInvalidArgument, std::string(what) + ": one role per rank expected (" +
+                                                 std::to_string(n) + "), got " + std::to_string(role.size()));
+  size_t contributors = 0;
+  for (uint8_t v : role) {
+    if (v > kWeightsPlusDelta)
+      throw Error(ErrorKind::kInvalidArgument, std::string(what) + ": unknown role " + std::to_string(v));
+    contributors += v != kSkip;
+  }
+  if (contributors == 0)
+    throw Error(ErrorKind::kInvalidArgument, std::string(what) + ": no rank contributes");
+  const auto* xb = static_cast<const std::byte*>(x);
+  auto* db = static_cast<std::byte*>(delta);
+  if (xb < db + count * es && db < xb + count * es)
+    throw Error(ErrorKind::kInvalidArgument, std::string(what) + ": the weights and the deltas overlap");
+  net::OpInfo info = comm_->begin_op("average into deltas (shared arena)", Opcode::kArenaAllreduce);
+  info.bytes = static_cast<int64_t>(count * es);
   if (count == 0) return;
-  const size_t src_off = static_cast<size_t>(static_cast<const std::byte*>(src) - data());
-  const size_t dst_off = static_cast<size_t>(static_cast<std::byte*>(dst) - data());
+  const size_t x_off = static_cast<size_t>(xb - data());
+  const size_t d_off = static_cast<size_t>(db - data());
   auto base = [&](uint32_t q) { return q == r ? data() : static_cast<std::byte*>(peers_[q].data()); };
+  // A chunk of every rank's weights plus the sum stay in L2 while the chunk is worked on.
+  const size_t chunk = std::clamp<size_t>(kScratchBytes / (n + 1) / 64 * 64, 4096, kChunkBytes);
   comm_->run_guarded(info, [&] {
-    if (n > 1) comm_->barrier_within(info);  // every contribution is in place
+    if (n > 1) comm_->barrier_within(info);  // every rank has taken its role (no apply in flight)
     std::vector<size_t> begin(n + 1, 0);
     for (uint32_t q = 0; q < n; ++q) begin[q + 1] = begin[q] + (count / n + (q < count % n ? 1 : 0));
     const size_t block = begin[r] * es, my_bytes = (begin[r + 1] - begin[r]) * es;
-    std::vector<std::byte> acc(kChunkBytes);
-    std::vector<const void*> s(n);
-    std::vector<void*> d(n);
-    for (size_t c = 0; c < my_bytes; c += kChunkBytes) {
-      const size_t len = std::min(kChunkBytes, my_bytes - c);
+    std::vector<std::byte> scratch((n + 1) * chunk + 64);
+    std::byte* seen = scratch.data();
+    std::byte* acc = scratch.data() + n * chunk;
+    std::vector<const std::byte*> xs(n);
+    std::vector<std::byte*> ds(n);
+    for (size_t c = 0; c < my_bytes; c += chunk) {
+      const size_t len = std::min(chunk, my_bytes - c);
       for (uint32_t q = 0; q < n; ++q) {
-        s[q] = base(q) + src_off + block + c;
-        d[q] = base(q) + dst_off + block + c;
+        xs[q] = base(q) + x_off + block + c;
+        ds[q] = base(q) + d_off + block + c;
       }
       if (dtype == DType::F32)
-        average_minus_own_block<float>(s, d, r, len / es, divisor, acc.data());
+        average_into_deltas_chunk<float>(xs, ds, role, r, len / es, static_cast<double>(contributors), seen,
+                                         reinterpret_cast<float*>(acc));
       else
-        average_minus_own_block<double>(s, d, r, len / es, divisor, acc.data());
+        average_into_deltas_chunk<double>(xs, ds, role, r, len / es, static_cast<double>(contributors), seen,
+                                          reinterpret_cast<double*>(acc));
     }
+    streaming_fence();
     if (n > 1) comm_->barrier_within(info);  // every block delivered everywhere
   });
 }

@@ -30,13 +30,24 @@ class SharedArena {
   // In-place allreduce of `count` elements at `data` (inside this arena) on every rank.
   void allreduce(void* data, size_t count, DType dtype, ReduceOp op);
 
-  // Every rank q gets, at `dst` in its arena, avg - (q's `src`), where avg is the sum of all
-  // ranks' `src` divided by `divisor`: the correction that moves q's contribution to the
-  // average. src and dst are buffers of `count` elements inside the arena (the same offsets on
-  // every rank); float32 or float64. For asynchronous model averaging: the block owner reads
-  // each peer's contribution once for the sum and again, still in cache, for that peer's
-  // difference, so a rank's snapshot needs no private copy and its result no second pass.
-  void average_minus_own(const void* src, void* dst, size_t count, DType dtype, double divisor);
+  // What a rank brings to average_into_deltas (the same vector, one entry per rank, on every rank).
+  enum Role : uint8_t {
+    kSkip = 0,              // contributes nothing; its weights are not read, its delta not written
+    kWeights = 1,           // contributes its weights x
+    kWeightsPlusDelta = 2,  // contributes x + delta: a result it has not applied yet
+  };
+
+  // Asynchronous model averaging with the weights themselves in the arena. x and delta are
+  // buffers of `count` float32/float64 elements inside the arena, at the same offsets on every
+  // rank. Every contributor q (role[q] != kSkip) gets delta_q <- avg - x_q, where avg is the
+  // mean of the contributions and x_q the value of q's weights that went into it: so
+  // x_q + delta_q is the average however far x_q has moved since, and for kWeightsPlusDelta the
+  // new delta already includes the old one. Peers may write their weights meanwhile (their
+  // optimizer steps): the block owner copies each chunk of a peer's weights once into scratch
+  // and computes from that copy, so a delta is always consistent with the value summed (per
+  // element; the average may mix elements from before and after a peer's step).
+  void average_into_deltas(const void* x, void* delta, size_t count, DType dtype,
+                           const std::vector<uint8_t>& role);
 
  private:
   void map_peers(const net::OpInfo& op);

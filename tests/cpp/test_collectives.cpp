@@ -282,30 +282,59 @@ TEST(SharedArena, AllreduceReadsPeersInPlace) {
   }
 }
 
-TEST(SharedArena, AverageMinusOwnGivesEveryRankItsDifference) {
-  for (uint32_t n : {2u, 3u, 4u}) {
+TEST(SharedArena, AverageIntoDeltasGivesEveryContributorItsDifference) {
+  // Small integers: every sum is exact, and the reference divides once in float64 as the kernel
+  // does, so it must match bit for bit.
+  for (uint32_t n : {1u, 2u, 3u, 4u}) {
     auto w = testing::make_world(testing::one_host(n), testing::quick_options(true));
     auto errs = testing::run_ranks_shared(w, [n](std::shared_ptr<Communicator> comm, uint32_t r) {
-      SharedArena arena(comm, 4 << 20);
-      const size_t count = 100003;  // not a multiple of the ranks: uneven blocks
-      auto* src = reinterpret_cast<double*>(arena.data());
-      auto* dst = reinterpret_cast<double*>(arena.data() + (1 << 20));
+      SharedArena arena(comm, 8 << 20);
+      const size_t count = 100003;  // not a multiple of the ranks: uneven blocks, several chunks
+      auto* x = reinterpret_cast<double*>(arena.data());
+      auto* d = reinterpret_cast<double*>(arena.data() + (1 << 20));
       auto value = [](uint32_t q, size_t i) { return static_cast<double>((i * 7 + q * 13) % 101); };
-      for (size_t i = 0; i < count; ++i) src[i] = value(r, i);
-      arena.average_minus_own(src, dst, count, DType::F64, 2.0);
-      for (size_t i = 0; i < count; ++i) {
-        double sum = 0;
-        for (uint32_t q = 0; q < n; ++q) sum += value(q, i);
-        ASSERT_EQ(dst[i], sum / 2.0 - value(r, i)) << "n " << n << " i " << i;
-        ASSERT_EQ(src[i], value(r, i)) << "the contribution must stay";
+      auto old_delta = [](uint32_t q, size_t i) { return static_cast<double>((i * 3 + q) % 5) - 2.0; };
+      const double untouched = -1234.0;
+      // Everyone with its weights; then rank 0 skipped and the last rank bringing a pending delta.
+      std::vector<std::vector<uint8_t>> roles = {std::vector<uint8_t>(n, SharedArena::kWeights)};
+      if (n > 1) {
+        std::vector<uint8_t> mixed(n, SharedArena::kWeights);
+        mixed[0] = SharedArena::kSkip;
+        mixed[n - 1] = SharedArena::kWeightsPlusDelta;
+        roles.push_back(mixed);
+      }
+      for (const auto& role : roles) {
+        for (size_t i = 0; i < count; ++i) {
+          x[i] = value(r, i);
+          d[i] = role[r] == SharedArena::kWeightsPlusDelta ? old_delta(r, i) : untouched;
+        }
+        arena.average_into_deltas(x, d, count, DType::F64, role);
+        double contributors = 0;
+        for (uint8_t v : role) contributors += v != SharedArena::kSkip;
+        for (size_t i = 0; i < count; ++i) {
+          double sum = 0;
+          for (uint32_t q = 0; q < n; ++q)
+            if (role[q] != SharedArena::kSkip)
+              sum += value(q, i) + (role[q] == SharedArena::kWeightsPlusDelta ? old_delta(q, i) : 0.0);
+          const double want = role[r] == SharedArena::kSkip ? untouched : sum / contributors - value(r, i);
+          ASSERT_EQ(d[i], want) << "n " << n << " rank " << r << " i " << i;
+          ASSERT_EQ(x[i], value(r, i)) << "the weights must stay";
+        }
       }
       auto* f = reinterpret_cast<float*>(arena.data() + (3 << 20));
-      for (size_t i = 0; i < 1000; ++i) f[i] = static_cast<float>(r + 1);
-      arena.average_minus_own(f, f + 1000, 1000, DType::F32, static_cast<double>(n));
-      for (size_t i = 0; i < 1000; ++i) ASSERT_EQ(f[1000 + i], static_cast<float>(n + 1) / 2.0f - (r + 1.0f));
+      for (size_t i = 0; i < 1001; ++i) f[i] = static_cast<float>(r + 1);
+      arena.average_into_deltas(f, f + 1001, 1001, DType::F32,
+                                std::vector<uint8_t>(n, SharedArena::kWeights));
+      for (size_t i = 0; i < 1001; ++i)
+        ASSERT_EQ(f[1001 + i], static_cast<float>(n + 1) / 2.0f - (static_cast<float>(r) + 1.0f)) << i;
       std::vector<double> outside(4);
-      EXPECT_THROW(arena.average_minus_own(outside.data(), dst, 4, DType::F64, 1.0), Error);
-      EXPECT_THROW(arena.average_minus_own(src, dst, 4, DType::I64, 1.0), Error);
+      const std::vector<uint8_t> all(n, SharedArena::kWeights);
+      EXPECT_THROW(arena.average_into_deltas(outside.data(), d, 4, DType::F64, all), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, d, 4, DType::I64, all), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, x + 2, 4, DType::F64, all), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, d, 4, DType::F64, std::vector<uint8_t>(n + 1, 1)), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, d, 4, DType::F64, std::vector<uint8_t>(n, 0)), Error);
+      EXPECT_THROW(arena.average_into_deltas(x, d, 4, DType::F64, std::vector<uint8_t>(n, 3)), Error);
     });
     testing::expect_all_ok(errs);
   }

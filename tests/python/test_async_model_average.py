@@ -231,6 +231,14 @@ def _const_grads(rank):
     return [torch.randn(16, 8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)]
 
 
+def _params_in(model, flat):
+    """Whether every parameter is a view into ``flat`` (with the shared arena, the weights the
+    peers read are the parameters themselves)."""
+    lo = flat.data_ptr()
+    hi = lo + flat.numel() * flat.element_size()
+    return all(lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= hi for p in model.parameters())
+
+
 def rank_progress(steps, sleeps, warm, lr, interval_ms):
     """Constant gradient g_r per rank, `steps[r]` steps each (sleeping sleeps[r] per step):
     returns the weights after finish() and whether the weights ever changed between the start
@@ -263,7 +271,8 @@ def rank_progress(steps, sleeps, warm, lr, interval_ms):
     rounds = alg.rounds
     alg.finish()
     out = dict(w0=w0, final=[p.detach().clone() for p in model.parameters()], moved_inside=moved_inside,
-               rounds=rounds, applied=alg.applied, steps=alg.steps, fused=alg._slots[0].shared)
+               rounds=rounds, applied=alg.applied, steps=alg.steps, fused=alg._slots[0].shared,
+               in_slot=_params_in(model, alg._slots[0].x))
     rumor.shutdown()
     return out
 
@@ -487,6 +496,9 @@ def rank_pending_then_abort(workdir):
 
 
 def rank_arena_average(dtype):
+    """average_into_deltas against a float64 reference: everyone contributing; then rank 1
+    sitting out (its delta must stay as it was) and rank 0 bringing a result it has not applied
+    (x + delta)."""
     import torch
 
     import rumor
@@ -501,21 +513,33 @@ def rank_arena_average(dtype):
     es = torch.empty((), dtype=dt).element_size()
     comm = _runtime.new_group(list(range(n)))._comm
     arena = _C.SharedArena(comm, 2 * count * es + 64)
-    src = torch.frombuffer(arena, dtype=dt, count=count, offset=0)
-    dst = torch.frombuffer(arena, dtype=dt, count=count, offset=(count * es + 63) // 64 * 64)
+    x = torch.frombuffer(arena, dtype=dt, count=count, offset=0)
+    delta = torch.frombuffer(arena, dtype=dt, count=count, offset=(count * es + 63) // 64 * 64)
     every = [torch.arange(count, dtype=torch.float64) % 97 + 10 * q for q in range(n)]
-    for divisor, contrib in ((n, list(range(n))), (2, [0, 2])):
-        src.copy_(every[rank] if rank in contrib else torch.zeros(count, dtype=torch.float64))
-        _C.SharedArena.average_minus_own(arena, address(src), address(dst), count, dtype_code(dt, "test"),
-                                         float(divisor))
-        avg = sum(every[q] for q in contrib) / divisor
-        want = avg - (every[rank] if rank in contrib else 0)
-        chk.check(torch.equal(dst.double(), want), f"{dtype}, divisor {divisor}: rank {rank}'s difference is wrong")
-    try:
-        _C.SharedArena.average_minus_own(arena, address(src), address(dst), 8, dtype_code(torch.float16, "test"), 1.0)
-        chk.check(False, "float16 was accepted")
-    except ValueError as e:
-        chk.check("float32 or float64" in str(e), f"unexpected message: {e}")
+    old = [(torch.arange(count, dtype=torch.float64) * 3 + q) % 5 - 2 for q in range(n)]
+    keep = torch.full((count,), -7.0, dtype=torch.float64)
+    for roles in ([1] * n, [2, 0] + [1] * (n - 2)):
+        x.copy_(every[rank])
+        delta.copy_(old[rank] if roles[rank] == 2 else keep)
+        _C.SharedArena.average_into_deltas(arena, address(x), address(delta), count, dtype_code(dt, "test"), roles)
+        contrib = [q for q in range(n) if roles[q]]
+        # The sum is exact in float64 (small integers); the division by 3 rounds, in the
+        # buffer's dtype, as the kernel's does, and so does the difference.
+        total = sum(every[q] + (old[q] if roles[q] == 2 else 0) for q in contrib)
+        avg = total.to(dt) / len(contrib)
+        want = (avg - every[rank].to(dt)).double() if roles[rank] else keep
+        chk.check(torch.equal(delta.double(), want), f"{dtype}, roles {roles}: rank {rank}'s delta is wrong")
+        chk.check(torch.equal(x.double(), every[rank]), f"{dtype}, roles {roles}: rank {rank}'s weights changed")
+    for bad, what in (((x, delta, torch.float16, [1] * n), "float32 or float64"),
+                      ((x, delta, dt, [1] * (n + 1)), "one role per rank"),
+                      ((x, delta, dt, [0] * n), "no rank contributes"),
+                      ((x, x[2:], dt, [1] * n), "overlap")):
+        try:
+            _C.SharedArena.average_into_deltas(arena, address(bad[0]), address(bad[1]), 8,
+                                               dtype_code(bad[2], "test"), bad[3])
+            chk.check(False, f"accepted: {what}")
+        except ValueError as e:
+            chk.check(what in str(e), f"unexpected message: {e}")
     rumor.shutdown()
     return chk.failures, chk.count
 
@@ -612,6 +636,11 @@ def test_bad_arguments():
         (dict(warmup_steps=-1), ValueError, "warmup_steps"),
         (dict(warmup_steps=1.5), TypeError, "warmup_steps"),
         (dict(warmup_steps=False), TypeError, "warmup_steps"),
+        (dict(max_busy_fraction=0), ValueError, "max_busy_fraction"),
+        (dict(max_busy_fraction=1.5), ValueError, "max_busy_fraction"),
+        (dict(max_busy_fraction=float("nan")), ValueError, "max_busy_fraction"),
+        (dict(max_busy_fraction="0.1"), TypeError, "max_busy_fraction"),
+        (dict(max_busy_fraction=True), TypeError, "max_busy_fraction"),
     ]:
         with pytest.raises(exc, match=match):
             A(**kwargs)
@@ -621,6 +650,22 @@ def test_bad_arguments():
     assert (a.peer_selection_mode, a.sync_interval_ms, a.warmup_steps) == ("all", 0.0, 3)
     with pytest.raises(RuntimeError, match="not wrapped"):
         a.finish()
+
+
+def test_round_spacing_bounds_the_busy_fraction():
+    """When the next round may start (the arithmetic only; values exact in binary): no sooner
+    than sync_interval_ms after this one started, nor than busy / max_busy_fraction; with the
+    bound off (1.0) and interval 0, back to back."""
+    import rumor
+
+    A = rumor.algorithms.AsyncModelAverage
+    assert A().max_busy_fraction == 0.1
+    a = A(sync_interval_ms=500, max_busy_fraction=0.25)
+    assert a._next_round(8.0, 0.0625) == 8.5      # the interval dominates
+    assert a._next_round(8.0, 0.25) == 9.0        # busy 0.25 s at most a quarter of the time
+    assert a.busy_s == 0.3125
+    b = A(sync_interval_ms=0, max_busy_fraction=1)
+    assert b._next_round(8.0, 0.125) == 8.125
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
@@ -719,6 +764,7 @@ def test_delta_rule_keeps_local_progress_end_to_end(shared):
     expect = [w - lr / n * sum(steps[r] * grads[r][i] for r in range(n)) for i, w in enumerate(w0)]
     for r, out in enumerate(res):
         assert out["fused"] == shared, (r, out["fused"])
+        assert out["in_slot"], f"rank {r}: the parameters are not views into the averaged buffer"
         assert out["steps"] == steps[r]
         assert out["moved_inside"] == 0, f"rank {r}: weights changed during forward/backward"
         assert out["rounds"] >= 1, (r, out["rounds"])
@@ -782,13 +828,14 @@ def test_abort_keeps_a_waiting_delta(shared):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_shared_arena_average_minus_own(dtype):
-    """The exchange of the shared-arena rounds: every rank's dst becomes sum(src) / divisor - its
-    own src, against a float64 reference (exact here: small integers, divisors 4 (everyone) and
-    2 (two contributors, the others sending zeros)), for a length that does not split evenly
-    into the ranks' blocks."""
+def test_shared_arena_average_into_deltas(dtype):
+    """The exchange of the shared-arena rounds: every contributor's delta becomes the mean of the
+    contributions minus its weights, a rank sitting out keeps its delta, and a rank bringing an
+    unapplied delta contributes x + delta; against a float64 reference (exact here: small
+    integers: exact sums, then one rounding for the mean and one for the difference, in the
+    buffer's dtype, as in the reference), for a length that does not split evenly into the ranks' blocks."""
     res = harness.run(rank_arena_average, 4, timeout=60, args=(dtype,))
-    harness.assert_no_failures(res, "average_minus_own")
+    harness.assert_no_failures(res, "average_into_deltas")
 
 
 @pytest.mark.parametrize("mode", ["ring", "shift_one", "exp2"])

@@ -18,9 +18,10 @@ How it fits together
   ``average - snapshot`` in a private buffer. The training thread adds it to the weights at
   the next fixed point (``before_forward``), so local progress made while the round ran is
   kept: ``x <- x + (average - snapshot)``. With every rank on one host (float32/float64
-  weights), snapshots and deltas live in a shared arena: the owner of each block sums the
-  snapshots in place and writes every rank's ``average - snapshot`` into its delta, so a round
-  needs no send buffer and no pass of its own for the delta: see ``_AllMixer``. Weights therefore never change inside a forward or
+  weights), the weights themselves and the deltas live in a shared arena (the parameters are
+  views into it): the owner of each block reads every rank's weights in place, once, and
+  writes each rank's ``average - weights`` into its delta, so a round takes no snapshot copy
+  and needs no send buffer: see ``_AllMixer``. Weights therefore never change inside a forward or
   backward, and no lock is held across them (the lock covers one memory copy or one add).
 * When every rank has called ``finish()`` the threads run a last round that sets every rank's
   weights to the average of all ranks (identical bits everywhere) and exit.
@@ -92,22 +93,16 @@ class _Slot:
         # average - snapshot; for full-precision types it lives in ``work`` (no extra copy)
         self.delta = self.work if dd == x.dtype else torch.empty(x.numel(), dtype=dd)
         self.shared = False
-        self.held: Optional[torch.Tensor] = None
 
-    def use_shared(self, snap: torch.Tensor, delta: torch.Tensor) -> None:
-        """Moves the snapshot (what this rank contributes) and the delta into the shared arena
-        of ``_AllMixer``: each block's owner sums every rank's snapshot and writes each rank's
-        average - snapshot straight into its delta. No ``work`` buffer, no separate pass for
-        the delta. ``held`` (private, made on first use) keeps a result not applied yet while a
-        round overwrites ``delta``."""
-        self.snap, self.delta, self.work = snap, delta, None
+    def use_shared(self, x: torch.Tensor, delta: torch.Tensor) -> None:
+        """Moves the weights and the delta into the shared arena of ``_AllMixer`` (the caller
+        repoints the parameters at ``x``): each block's owner reads every rank's weights there
+        and writes each rank's average - weights straight into its delta. No snapshot, no
+        ``work`` buffer; a delta not applied yet stays in the arena until it is (a round that
+        takes it back, or one this rank sits out, leaves it where it is)."""
+        x.copy_(self.x)
+        self.x, self.delta, self.snap, self.work = x, delta, None, None
         self.shared = True
-
-    def hold(self) -> None:
-        """Shared slot: copies the delta waiting to be applied out of the arena into ``held``."""
-        if self.held is None:
-            self.held = torch.empty_like(self.x)
-        copy_into(self.held, self.delta)
 
 
 # ---- peer selection strategies ------------------------------------------------------------------
@@ -115,10 +110,11 @@ class _Slot:
 class _Census:
     """What every rank's thread learnt from a round's census (the same on every rank)."""
 
-    __slots__ = ("active", "paused", "leaving", "ranks")
+    __slots__ = ("active", "paused", "leaving", "ranks", "roles")
 
-    def __init__(self, active: int, paused: int, leaving: int, ranks: int):
+    def __init__(self, active: int, paused: int, leaving: int, ranks: int, roles: Optional[List[int]] = None):
         self.active, self.paused, self.leaving, self.ranks = active, paused, leaving, ranks
+        self.roles = roles  # shared arena: what each rank brings to the round (SharedArena roles)
 
     @property
     def contributors(self) -> int:
@@ -143,8 +139,9 @@ class _Mixer:
     def setup(self, ddp, slots: List["_Slot"]) -> None:
         raise NotImplementedError
 
-    def census(self, state: int) -> _Census:
-        """Tells the others what this rank does in this round and learns what they do."""
+    def census(self, state: int, role: int = 0) -> _Census:
+        """Tells the others what this rank does in this round and learns what they do (and,
+        with a shared arena, what each one brings: ``role``)."""
         raise NotImplementedError
 
     def average(self, bufs: List[torch.Tensor], census: _Census) -> None:
@@ -162,19 +159,29 @@ class _AllMixer(_Mixer):
     """"all": a census allreduce then one allreduce per flat buffer over every rank, on a
     communicator that only the background thread uses.
 
-    When every rank is on this host (and shared memory is on), float32/float64 snapshots and
-    deltas live in a shared arena, like DDP's shared buckets, and a round is one
-    ``SharedArena.average_minus_own`` per buffer: the owner of each block sums every rank's
-    snapshot in place and writes each rank's ``average - snapshot`` into that rank's delta. Per
-    rank and round that is: the snapshot copy, reading and writing the model once in the
-    exchange, and the add of the delta (about 7x the model through memory instead of 10x with
-    private buffers and an allreduce)."""
+    When every rank is on this host (and shared memory is on), float32/float64 weights and
+    deltas live in a shared arena, like DDP's shared buckets (the parameters become views into
+    it), and a round is one ``SharedArena.average_into_deltas`` per buffer: the owner of each
+    block reads every contributor's weights in place, once per element, and writes each
+    contributor's ``average - weights`` into that rank's delta. Per rank and round that is one
+    read of the model and one (cache-bypassing) write in the exchange, and the add of the delta
+    at the next forward: about 5x the model through memory, against 7x with snapshots in the
+    arena and 10x with private buffers and an allreduce.
+
+    Reading a peer's weights while it trains: the owner may read them in the middle of the
+    peer's optimizer step (as the snapshot copy of the other paths may), so the average can mix
+    elements from just before and just after a step. That is harmless for asynchronous
+    averaging (each element is a value its rank held, at most one step old), and the delta rule
+    still keeps every bit of local progress: each element's delta is computed from the very
+    value that went into the sum, so ``x + delta`` is the average plus whatever the rank's
+    optimizer did since the read. A rank's result that is not applied yet is contributed as
+    ``x + delta`` (role 2) and its new delta replaces it in place."""
 
     def setup(self, ddp, slots) -> None:
         # Every rank wrapping the model calls this at the same point, as rumor.new_group needs.
         self.group = _runtime.new_group(ddp.group.ranks)
         self.comm = self.group._comm
-        self._word = torch.zeros(4, dtype=torch.int64)
+        self._word = torch.zeros(4 + self.comm.size, dtype=torch.int64)
         self._algo = 0  # auto
         self.arena = None
         fits = all(s.x.dtype in (torch.float32, torch.float64) for s in slots)
@@ -188,22 +195,23 @@ class _AllMixer(_Mixer):
             # Collective: every rank has the same slots (same model) in the same order.
             self.arena = _C.SharedArena(self.comm, total)
             for s, (a, b) in zip(slots, offsets):
-                snap, delta = (torch.frombuffer(self.arena, dtype=s.x.dtype, count=s.x.numel(), offset=at)
-                               for at in (a, b))
-                s.use_shared(snap, delta)
+                x, delta = (torch.frombuffer(self.arena, dtype=s.x.dtype, count=s.x.numel(), offset=at)
+                            for at in (a, b))
+                s.use_shared(x, delta)
 
     def _allreduce(self, t: torch.Tensor, code: int, op: ReduceOp) -> None:
         # Blocking, GIL released by the binding (the training thread keeps computing).
         self.comm.allreduce(address(t), t.numel(), code, int(op), self._algo, False)
 
-    def census(self, state: int) -> _Census:
+    def census(self, state: int, role: int = 0) -> _Census:
         w = self._word
         w.zero_()
         w[state] = 1
         w[3] = 1
+        w[4 + self.comm.rank] = role
         self._allreduce(w, 5, ReduceOp.SUM)  # int64
-        a, p, l, n = (int(v) for v in w.tolist())
-        return _Census(a, p, l, n)
+        a, p, l, n, *roles = (int(v) for v in w.tolist())
+        return _Census(a, p, l, n, roles)
 
     def average(self, bufs: List[torch.Tensor], census: _Census) -> None:
         everyone = census.contributors == census.ranks
@@ -215,15 +223,19 @@ class _AllMixer(_Mixer):
                 b.div_(census.contributors)
 
     def average_shared(self, slots: List["_Slot"], census: _Census) -> None:
-        """Shared slots: every rank's delta <- (sum of the snapshots) / contributors - its own
-        snapshot (non-contributors' snapshots are zeros)."""
+        """Shared slots: every contributor's delta <- the mean of the contributions - its
+        weights (see the class docstring)."""
         for s in slots:
-            self.arena.average_minus_own(address(s.snap), address(s.delta), s.x.numel(),
-                                         dtype_code(s.x.dtype, "AsyncModelAverage"), float(census.contributors))
+            self.arena.average_into_deltas(address(s.x), address(s.delta), s.x.numel(),
+                                           dtype_code(s.x.dtype, "AsyncModelAverage"), census.roles)
 
     def final(self, slots: List[_Slot]) -> None:
         for s in slots:
-            self._allreduce(s.x, dtype_code(s.x.dtype, "AsyncModelAverage"), ReduceOp.AVG)
+            code = dtype_code(s.x.dtype, "AsyncModelAverage")
+            if s.shared:  # the weights are in the arena: read in place, the same bits everywhere
+                self.arena.allreduce(address(s.x), s.x.numel(), code, int(ReduceOp.AVG))
+            else:
+                self._allreduce(s.x, code, ReduceOp.AVG)
 
 
 class _GossipMixer(_Mixer):
@@ -344,6 +356,14 @@ def _check_interval(ms) -> float:
     return float(ms)
 
 
+def _check_busy(f) -> float:
+    if isinstance(f, bool) or not isinstance(f, (int, float)):
+        raise TypeError(f"AsyncModelAverage: max_busy_fraction must be a number in (0, 1], got {type(f).__name__}")
+    if not (0 < f <= 1):
+        raise ValueError(f"AsyncModelAverage: max_busy_fraction must be in (0, 1], got {f!r}")
+    return float(f)
+
+
 def _check_warmup(k) -> int:
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"AsyncModelAverage: warmup_steps must be an integer, got {type(k).__name__}")
@@ -358,9 +378,16 @@ class AsyncModelAverage(Algorithm):
     peer_selection_mode: "all" averages over every rank. "ring", "shift_one" and "exp2" (gossip
       over one-sided windows) raise NotImplementedError for now.
     sync_interval_ms: time from the start of one averaging round to the start of the next (a
-      round that takes longer is followed at once by the next); 0 runs rounds back to back.
+      round that takes longer is followed at once by the next); 0 runs rounds back to back
+      (within max_busy_fraction).
     warmup_steps: the first warmup_steps optimizer steps (synchronized backward passes) average
       gradients exactly like GradientAllReduce; asynchronous averaging starts after them.
+    max_busy_fraction: the largest share of wall time the averaging thread spends in weight
+      rounds: after a round that took d seconds, the next starts no sooner than d /
+      max_busy_fraction after its start, whatever sync_interval_ms says. The thread's memory
+      passes (and, with more ranks than cores, its CPU time) come out of training, so a busy
+      machine, where rounds take longer, averages less often instead of training slower.
+      Default 0.1; 1 turns the bound off (Bagua's behaviour).
 
     After warm-up, backward communicates nothing; a background thread averages the weights with
     the other ranks every sync_interval_ms and the result is applied, as
@@ -375,10 +402,13 @@ class AsyncModelAverage(Algorithm):
     on the training thread at the next forward, or by finish().
     """
 
-    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: float = 500, warmup_steps: int = 0):
+    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: float = 500, warmup_steps: int = 0,
+                 max_busy_fraction: float = 0.1):
         self.peer_selection_mode = _check_mode(peer_selection_mode)
         self.sync_interval_ms = _check_interval(sync_interval_ms)
         self.warmup_steps = _check_warmup(warmup_steps)
+        self.max_busy_fraction = _check_busy(max_busy_fraction)
+        self.busy_s = 0.0   # wall time the background thread spent in weight rounds
         self.steps = 0      # synchronized backward passes so far (warm-up included)
         self.rounds = 0     # averaging rounds whose result this rank took (as a contributor)
         self.applied = 0    # deltas applied to the weights by the training thread
@@ -388,9 +418,6 @@ class AsyncModelAverage(Algorithm):
         self._wake = threading.Event()
         self._state = ACTIVE   # the state the next census reports (abort/resume/finish change it)
         self._pending = False  # a round's result waits for the training thread to apply it
-        # Shared slots: the result waits in ``held`` instead of ``delta`` (a paused round, which
-        # overwrites the shared delta, came before it was applied).
-        self._parked = False
         self._finished = False
         self._buffers_synced = False
         self._error: Optional[BaseException] = None
@@ -413,6 +440,10 @@ class AsyncModelAverage(Algorithm):
         self._slots = [_Slot(f) for f in self._flat.flats]
         self._mixer = _make_mixer(self.peer_selection_mode)
         self._mixer.setup(ddp, self._slots)
+        if any(s.shared for s in self._slots):
+            # The weights moved into the shared arena: the parameters become views into it.
+            self._flat.flats = [s.x for s in self._slots]
+            self._flat.repoint(copy=True)
         self._interval = self.sync_interval_ms / 1000.0
         if self._async:
             self._start_async(ddp)
@@ -450,7 +481,6 @@ class AsyncModelAverage(Algorithm):
         self.steps = int(sd["steps"])
         with self._lock:
             self._pending = False  # computed from the weights just replaced
-            self._parked = False
             if getattr(self, "_resume_to", None) is not None:
                 self._state, self._resume_to = self._resume_to, None
         if not self._async and self.steps >= self.warmup_steps:
@@ -613,12 +643,11 @@ class AsyncModelAverage(Algorithm):
             for s in self._slots:
                 self._apply(s)
             self._pending = False
-            self._parked = False
             self.applied += 1
 
     def _apply(self, s: _Slot) -> None:
         """x <- x + (average - snapshot) for a slot's pending result (caller holds the lock)."""
-        apply_delta(s.x, s.held if s.shared and self._parked else s.delta)
+        apply_delta(s.x, s.delta)
 
     def _start_async(self, ddp, thread: bool = True) -> None:
         # Buffers (e.g. BatchNorm statistics) are broadcast before every forward only while the
@@ -655,12 +684,13 @@ class AsyncModelAverage(Algorithm):
                             s.work.copy_(s.x)
                         leaving = True
                         self._leaving.set()
-                next_round = time.monotonic() + self._interval
+                started = time.monotonic()
                 self._ticks += 1
                 if state == LEAVING:
                     self._mixer.push([s.work for s in self._slots])
                 elif state == ACTIVE:
                     self._round(state, None)
+                next_round = self._next_round(started, time.monotonic() - started)
         except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
             self._error = e
             self._leaving.set()
@@ -675,8 +705,15 @@ class AsyncModelAverage(Algorithm):
                 self._wake.clear()
                 with self._lock:
                     state = self._state
+                    role = 0
+                    if self._shared and state != PAUSED:
+                        # Shared arena: the peers read this rank's weights (and a result not
+                        # applied yet: role 2, taken back from the training thread now, so
+                        # that nothing changes x or the delta until the exchange is over).
+                        role = 2 if self._pending else 1
+                        self._pending = False
                 started = time.monotonic()
-                census = self._mixer.census(state)
+                census = self._mixer.census(state, role)
                 self._ticks += 1
                 next_round = started + self._interval
                 if census.all_leaving:
@@ -684,9 +721,22 @@ class AsyncModelAverage(Algorithm):
                     self.rounds += 1
                     return
                 if census.active >= 1 and census.contributors >= 2:
+                    # Busy time: the round itself, not the census (which mostly waits for
+                    # the peers' threads to wake).
+                    t = time.monotonic()
                     self._round(state, census)
+                    next_round = self._next_round(started, time.monotonic() - t)
+                elif role == 2:
+                    self._give_back()
         except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
             self._error = e
+
+    def _next_round(self, started: float, busy: float) -> float:
+        """When the next round may start: sync_interval_ms after this one started, and late
+        enough that the thread is busy at most max_busy_fraction of the time. All ranks' rounds
+        start together at the census, so the rank whose rounds are the slowest sets the pace."""
+        self.busy_s += busy
+        return started + max(self.sync_interval_ms / 1000.0, busy / self.max_busy_fraction)
 
     def _round(self, state: int, census: _Census) -> None:
         """One weight round. ``state`` is what this rank reported in the census: it decides what
@@ -742,42 +792,34 @@ class AsyncModelAverage(Algorithm):
                 self._pending = True
             self.rounds += 1
 
-    def _round_shared(self, state: int, census: _Census) -> None:
-        """A round of shared slots (see ``_AllMixer``): the snapshot is what is sent, and the
-        exchange writes this rank's ``average - snapshot`` into its delta directly."""
-        slots = self._slots
-        mixer = self._mixer
-        if state == PAUSED:
-            with self._lock:
-                if self._pending and not self._parked:
-                    for s in slots:  # the exchange overwrites delta: keep the waiting result
-                        s.hold()
-                    self._parked = True
-            for s in slots:
-                s.snap.zero_()
-            mixer.average_shared(slots, census)
-            return
+    @property
+    def _shared(self) -> bool:
+        return bool(self._slots) and self._slots[0].shared
+
+    def _give_back(self) -> None:
+        """Shared slots: no weight round ran after the census took this rank's waiting result
+        back; it waits again (or, if finish() came meanwhile, is applied now: the training
+        thread waits in finish())."""
         with self._lock:
-            # A result not applied yet is taken back as in _round: x + delta is sent, and its
-            # delta is added back afterwards so that the new delta is relative to x itself.
-            retaken, parked = self._pending, self._parked
-            self._pending = self._parked = False
-            for s in slots:
-                if retaken:
-                    if not parked:
-                        s.hold()
-                    torch.add(s.x, s.held, out=s.snap)
-                else:
-                    copy_into(s.snap, s.x)  # libc's streaming copy: the lock is held for this only
-        mixer.average_shared(slots, census)
-        if retaken:
-            for s in slots:
-                s.delta.add_(s.held)  # (average - (x + old)) + old
+            if self._state == LEAVING:
+                for s in self._slots:
+                    self._apply(s)
+                self.applied += 1
+            else:
+                self._pending = True
+
+    def _round_shared(self, state: int, census: _Census) -> None:
+        """A round of shared slots (see ``_AllMixer``). The census already took back any result
+        this rank had not applied (its role says so); the exchange reads the weights in place
+        and writes every contributor's new delta, which includes the old one."""
+        self._mixer.average_shared(self._slots, census)
+        if state == PAUSED:
+            return  # sat out: its weights and its waiting delta were left alone
         if state == LEAVING:
-            # Idle since finish() (which applied what was pending): x is the snapshot.
+            # Idle since finish() (which applied what was pending): x is what was read.
             with self._lock:
-                for s in slots:
+                for s in self._slots:
                     apply_delta(s.x, s.delta)
                 self.rounds += 1
             return
-        self._finish_round(slots)
+        self._finish_round(self._slots)
