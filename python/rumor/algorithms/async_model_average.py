@@ -408,6 +408,7 @@ class AsyncModelAverage(Algorithm):
         self.sync_interval_ms = _check_interval(sync_interval_ms)
         self.warmup_steps = _check_warmup(warmup_steps)
         self.max_busy_fraction = _check_busy(max_busy_fraction)
+        self._interval = self.sync_interval_ms / 1000.0  # seconds; what the thread's loops read
         self.busy_s = 0.0   # wall time the background thread spent in weight rounds
         self.steps = 0      # synchronized backward passes so far (warm-up included)
         self.rounds = 0     # averaging rounds whose result this rank took (as a contributor)
@@ -736,7 +737,7 @@ class AsyncModelAverage(Algorithm):
         enough that the thread is busy at most max_busy_fraction of the time. All ranks' rounds
         start together at the census, so the rank whose rounds are the slowest sets the pace."""
         self.busy_s += busy
-        return started + max(self.sync_interval_ms / 1000.0, busy / self.max_busy_fraction)
+        return started + max(self._interval, busy / self.max_busy_fraction)
 
     def _round(self, state: int, census: _Census) -> None:
         """One weight round. ``state`` is what this rank reported in the census: it decides what
