@@ -654,18 +654,27 @@ def test_bad_arguments():
 
 def test_round_spacing_bounds_the_busy_fraction():
     """When the next round may start (the arithmetic only; values exact in binary): no sooner
-    than sync_interval_ms after this one started, nor than busy / max_busy_fraction; with the
-    bound off (1.0) and interval 0, back to back."""
+    than sync_interval_ms after this one started, nor (shared-memory rounds) than busy /
+    max_busy_fraction; with the bound off (1.0) and interval 0, back to back."""
     import rumor
 
+    import types
+
     A = rumor.algorithms.AsyncModelAverage
+    shared = [types.SimpleNamespace(shared=True)]  # weights in one host's shared memory
     assert A().max_busy_fraction == 0.1
     a = A(sync_interval_ms=500, max_busy_fraction=0.25)
+    a._slots = shared
     assert a._next_round(8.0, 0.0625) == 8.5      # the interval dominates
     assert a._next_round(8.0, 0.25) == 9.0        # busy 0.25 s at most a quarter of the time
     assert a.busy_s == 0.3125
     b = A(sync_interval_ms=0, max_busy_fraction=1)
+    b._slots = shared
     assert b._next_round(8.0, 0.125) == 8.125
+    # Across hosts a round mostly waits for the network: the interval alone spaces them.
+    c = A(sync_interval_ms=500, max_busy_fraction=0.25)
+    c._slots = [types.SimpleNamespace(shared=False)]
+    assert c._next_round(8.0, 0.25) == 8.5
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])

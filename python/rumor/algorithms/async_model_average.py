@@ -375,18 +375,20 @@ def _check_warmup(k) -> int:
 class AsyncModelAverage(Algorithm):
     """Asynchronous model averaging (Bagua's AsyncModelAverageAlgorithm).
 
-    peer_selection_mode: "all" averages over every rank. "ring", "shift_one" and "exp2" (gossip
-      over one-sided windows) raise NotImplementedError for now.
+    peer_selection_mode: "all" averages over every rank; "ring", "shift_one" and "exp2" gossip
+      over one-sided windows (each round mixes with one peer's latest weights).
     sync_interval_ms: time from the start of one averaging round to the start of the next (a
       round that takes longer is followed at once by the next); 0 runs rounds back to back
       (within max_busy_fraction).
     warmup_steps: the first warmup_steps optimizer steps (synchronized backward passes) average
       gradients exactly like GradientAllReduce; asynchronous averaging starts after them.
-    max_busy_fraction: the largest share of wall time the averaging thread spends in weight
-      rounds: after a round that took d seconds, the next starts no sooner than d /
-      max_busy_fraction after its start, whatever sync_interval_ms says. The thread's memory
-      passes (and, with more ranks than cores, its CPU time) come out of training, so a busy
-      machine, where rounds take longer, averages less often instead of training slower.
+    max_busy_fraction: with every rank on one host (weights in shared memory), the largest
+      share of wall time the averaging thread spends in weight rounds: after a round that took d
+      seconds, the next starts no sooner than d / max_busy_fraction after its start, whatever
+      sync_interval_ms says. There a round is memory passes on the cores that train (and, with
+      more ranks than cores, their CPU time), so a busy machine, where rounds take longer,
+      averages less often instead of training slower. Across hosts a round's time is mostly
+      waiting for the network, which costs training nothing: rounds follow sync_interval_ms.
       Default 0.1; 1 turns the bound off (Bagua's behaviour).
 
     After warm-up, backward communicates nothing; a background thread averages the weights with
@@ -733,10 +735,13 @@ class AsyncModelAverage(Algorithm):
             self._error = e
 
     def _next_round(self, started: float, busy: float) -> float:
-        """When the next round may start: sync_interval_ms after this one started, and late
-        enough that the thread is busy at most max_busy_fraction of the time. All ranks' rounds
+        """When the next round may start: sync_interval_ms after this one started, and for
+        shared-memory rounds late enough that the thread is busy at most max_busy_fraction of
+        the time. All ranks' rounds
         start together at the census, so the rank whose rounds are the slowest sets the pace."""
         self.busy_s += busy
+        if not self._shared:
+            return started + self._interval
         return started + max(self._interval, busy / self.max_busy_fraction)
 
     def _round(self, state: int, census: _Census) -> None:
