@@ -317,7 +317,8 @@ def main(argv=None) -> int:
             print(f"target: {name}: {c['top_over_fastest']:.2f}x -> "
                   f"{'MET' if c['top_over_fastest'] <= TOP_WITHIN else 'NOT MET'}")
             worst = max(c["pred_error"], key=lambda a: abs(c["pred_error"][a]))
-            ok = all(abs(e) <= PRED_WITHIN for a, e in c["pred_error"].items() if a != "torch DDP")
+            # torch DDP's prediction counts too: every speed-up the advisor prints is over it.
+            ok = all(abs(e) <= PRED_WITHIN for e in c["pred_error"].values())
             name = f"{c['job']}: {c['model']} every prediction within {100 * PRED_WITHIN:.0f}%"
             result["targets"].append(dict(name=name, value=c["pred_error"][worst], met=ok))
             print(f"target: {name}: worst {worst} {100 * c['pred_error'][worst]:+.0f}% -> {'MET' if ok else 'NOT MET'}")
