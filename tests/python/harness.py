@@ -336,6 +336,16 @@ def _child_main(spec_path: str) -> None:
 
 # ---- helpers for rank functions ----------------------------------------------------------------
 
+def pid_alive(pid: int) -> bool:
+    """True while the process runs (a zombie counts as gone), read from /proc by the tests
+    themselves rather than through the code under test."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def env_rank() -> int:
     return int(os.environ["RANK"])
 

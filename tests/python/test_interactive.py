@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 
+import harness
 import numpy as np
 import pytest
 
@@ -40,14 +41,6 @@ def kernelspec(tmp_path, monkeypatch):
     return KERNEL
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def _left(pids, timeout):
     """Waits (bounded) until neither the pids nor anything in their process groups runs (each
     was started in a session of its own, so its group holds what it forked, e.g. the
@@ -56,7 +49,7 @@ def _left(pids, timeout):
 
     deadline = time.monotonic() + timeout
     while True:
-        left = sorted(set(p for p in pids if _alive(p)) | set(group_members(pids)))
+        left = sorted(set(p for p in pids if harness.pid_alive(p)) | set(group_members(pids)))
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
@@ -158,7 +151,7 @@ def test_session_lifecycle(kernelspec):
             seen_pids += info["pids"]
             seen_shm += info["shm"]
             profiles.append(info["profile"])
-            assert len(info["pids"]) == 4 and all(_alive(p) for p in info["pids"])  # 3 engines + controller
+            assert len(info["pids"]) == 4 and all(harness.pid_alive(p) for p in info["pids"])  # 3 engines + controller
             out = k.ok("%%rumor\nt = torch.full((2,), float(rumor.rank()))\nrumor.allreduce_(t, op=rumor.ReduceOp.SUM)\nprint(t.tolist())")
             assert sorted(re.findall(r"^\[rank (\d)\] \[3.0, 3.0\]$", out, re.M)) == ["0", "1", "2"], out
             k.ok("ri.stop()")

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 
+import harness
 import numpy as np
 import pytest
 
@@ -144,7 +145,7 @@ def test_launcher_that_hangs_fails_within_start_timeout_and_leaves_nothing():
     assert "rank 0 on host 'hung-a' has not registered" in msg and "rank 1 on host 'hung-b'" in msg, msg
     assert _session._session is None
     assert len(made) >= 2
-    assert [p for p in made if _alive(p)] == [], (made, took)
+    assert [p for p in made if harness.pid_alive(p)] == [], (made, took)
 
 
 # ---- end to end on two emulated hosts ----------------------------------------------------------
@@ -231,14 +232,6 @@ def _left(cluster, allowed, timeout):
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def _read_events(proc, until, deadline):
@@ -351,7 +344,7 @@ def test_two_hosts_allreduce_neighbors_status_and_clean_stop(cluster, tmp_path):
     # Nothing is left: no process of the session, none in either host, no /dev/shm name.
     pids = ev["session"]["pids"]
     assert set(ev["session"]["engine_pids"]) <= set(pids)
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids if harness.pid_alive(p)] == []
     assert [p for pre in ev["session"]["shm_prefixes"] for p in glob.glob(f"/dev/shm/{pre}*")] == []
     assert _left(cluster, allowed=(), timeout=10) == {}
     assert ev["shm_prefixes"], "the 4-rank job used no shared memory between the ranks of a host"
@@ -383,7 +376,7 @@ def test_rumor_run_interactive_hosts_killed_leaves_nothing(cluster, tmp_path):
         info = json.loads(conn.read_text())
         assert info["hosts"] == [cluster.hosts[0].netns] * 2 + [cluster.hosts[1].netns] * 2
         pids = info["pids"]
-        assert all(_alive(p) for p in pids)
+        assert all(harness.pid_alive(p) for p in pids)
         assert set(pids[2:]) <= _namespace_pids(cluster.hosts[1].netns)  # ranks 2, 3 run on host 1
     finally:
         # As a notebook kernel (or the shell running rumor-run) is killed: no stop(), no atexit.
@@ -393,6 +386,6 @@ def test_rumor_run_interactive_hosts_killed_leaves_nothing(cluster, tmp_path):
     # its owner gone; each kills its own process group.
     left = _left(cluster, allowed=(), timeout=20)
     assert left == {}, f"still running after rumor-run was killed: {left}"
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids if harness.pid_alive(p)] == []
     # The controller's watchdog removed the session's private profile directory.
     assert not os.path.exists(os.path.dirname(os.path.dirname(info["client_file"])))
