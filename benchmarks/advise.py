@@ -10,8 +10,11 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
      steps (the link-bound model of benchmarks/training.py, fed by what the advisor measured);
   2. every algorithm of that table (built from its row by rumor.advisor.build_algorithm, with
      PowerSGD compressing from the first measured step) and torch DDP (gloo) are trained for
-     --warmup + --iters steps: zero_grad, forward, cross-entropy, backward, step, after a gloo
-     barrier; the measured step is the slowest rank's median, or for the periodic algorithms
+     --warmup + --iters steps: zero_grad, forward, cross-entropy, backward, step, each timed
+     from the start of a gloo barrier before it (so a step's communication still running after
+     step(), as LowPrecisionDecentralized's exchange, counts where it delays the next step, the
+     barrier included: its messages queue behind that traffic on a shaped link); the measured
+     step is the slowest rank's median, or for the periodic algorithms
      (LocalSGD, DiLoCo, Streaming DiLoCo) its mean over whole rounds (--iters rounded up to a
      multiple of the round: 8 or 32 steps), so that every round's averaging is counted.
 
@@ -60,6 +63,26 @@ def _build(row: Dict, cfg: Dict):
     return build_algorithm(row)
 
 
+def _timed_steps(model, opt, data, warmup: int, steps: int) -> List[float]:
+    """Seconds of each step after the first `warmup`, from the start of the gloo barrier before
+    it to the end of optimizer.step()."""
+    import torch.distributed as dist
+
+    from rumor.testing import models
+
+    out = []
+    for i in range(warmup + steps):
+        x, y = data[i % len(data)]
+        t = time.perf_counter()
+        dist.barrier()
+        opt.zero_grad()
+        models.loss(model(x), y).backward()
+        opt.step()
+        if i >= warmup:
+            out.append(time.perf_counter() - t)
+    return out
+
+
 def _train(cfg: Dict, rank: int, n: int) -> None:
     for name in cfg["models"]:
         _run_model(cfg, name, rank, n)
@@ -69,7 +92,6 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     import gc
 
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import rumor
@@ -94,15 +116,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
         # The compute-only step (the plain model, no communication) right before this block:
         # the bound, and the yardstick for the load of a shared machine at this moment.
-        ref[alg] = []
-        for i in range(cfg["ref_iters"]):
-            x, y = data[i % len(data)]
-            dist.barrier()
-            t = time.perf_counter()
-            opt.zero_grad()
-            models.loss(model(x), y).backward()
-            opt.step()
-            ref[alg].append(time.perf_counter() - t)
+        ref[alg] = _timed_steps(model, opt, data, 0, cfg["ref_iters"])
         algo = None
         if row is None:
             wrapped = TorchDDP(model)
@@ -112,16 +126,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         # Periodic algorithms are measured over whole rounds (every round's averaging counted).
         period = row["period"] if row is not None else 1
         measured = cfg["iters"] if period == 1 else period * -(-cfg["iters"] // period)
-        times[alg] = []
-        for i in range(cfg["warmup"] + measured):
-            x, y = data[i % len(data)]
-            dist.barrier()
-            t = time.perf_counter()
-            opt.zero_grad()
-            models.loss(wrapped(x), y).backward()
-            opt.step()
-            if i >= cfg["warmup"]:
-                times[alg].append(time.perf_counter() - t)
+        times[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured)
         if hasattr(algo, "finish"):  # AsyncModelAverage: every rank ends its averaging
             algo.finish()
         if rank == 0:
@@ -283,7 +288,7 @@ def main(argv=None) -> int:
     json_path = os.path.join(args.out, f"advise-{tag}.json")
     png_path = os.path.join(args.out, f"advise-{tag}.png")
     meta = _common.run_meta(args)
-    meta.update(rates=rates, step="zero_grad + forward + cross-entropy + backward + step; after a gloo barrier; "
+    meta.update(rates=rates, step="gloo barrier + zero_grad + forward + cross-entropy + backward + step; "
                                   "the slowest rank's time")
     result = dict(meta=meta, jobs=[], cells=[], targets=[], errors=[])
     print(f"rumor {meta['rumor']} advisor benchmark | {meta['hostname']}, {meta['cpus']} cpus, load "

@@ -26,7 +26,6 @@ TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t st
 
 void TcpChannel::begin(Transfer& t, const OpInfo& op) {
   const size_t k = streams_.size();
-  uint64_t& counter = t.send ? sent_msgs_ : recv_msgs_;
   if (t.len >= stripe_min_ && k > 1) {
     size_t per = (t.len / k) / kStripeAlign * kStripeAlign;
     size_t off = 0;
@@ -40,12 +39,15 @@ void TcpChannel::begin(Transfer& t, const OpInfo& op) {
       off += p.len;
     }
   } else {
+    // Whole messages all take stream 0: messages to one peer in one direction go one at a time
+    // anyway, and a stream left idle between messages restarts TCP slow start (a measured 4 MiB
+    // ring allreduce through a 100 Mbit link took 0.62-0.72 s instead of 0.53 s when whole
+    // messages alternated between two streams).
     t.nparts = 1;
     t.parts[0] = Part{};
-    t.parts[0].stream = static_cast<uint32_t>(counter % k);
+    t.parts[0].stream = 0;
     t.parts[0].len = t.len;
   }
-  ++counter;
   if (t.send)
     for (size_t i = 0; i < t.nparts; ++i) t.parts[i].hdr = make_header(t.parts[i], t, op);
   t.begun = true;

@@ -9,8 +9,8 @@
 namespace rumor::net {
 
 // Messages of at least stripe_min bytes are split into one part per stream; smaller ones go
-// whole on streams in turn. Both ends derive the split from the length and a per-direction
-// message counter, so no extra negotiation travels.
+// whole on stream 0. Both ends derive the split from the length alone, so no extra negotiation
+// travels.
 class TcpChannel final : public Channel {
  public:
   TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min);
@@ -29,8 +29,6 @@ class TcpChannel final : public Channel {
   std::vector<Fd> streams_;
   std::string peer_desc_;
   size_t stripe_min_;
-  uint64_t sent_msgs_ = 0;
-  uint64_t recv_msgs_ = 0;
   // Per stream: where reduce-receives land before being folded into the destination.
   std::vector<std::vector<std::byte>> stage_;
   std::vector<size_t> staged_;

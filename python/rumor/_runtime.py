@@ -287,6 +287,11 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     opts.shm = _env_bool("RUMOR_SHM", True) if shm is None else bool(shm)
     if "RUMOR_SHM_RING_BYTES" in os.environ:
         opts.shm_ring_bytes = int(os.environ["RUMOR_SHM_RING_BYTES"])
+    if "RUMOR_STRIPE_MIN_BYTES" in os.environ:
+        v = os.environ["RUMOR_STRIPE_MIN_BYTES"]
+        if not v.strip().isdigit():
+            raise ValueError(f"rumor.init(): RUMOR_STRIPE_MIN_BYTES must be a byte count >= 0, got {v!r}")
+        opts.stripe_min = int(v)
     if "RUMOR_SPIN_US" in os.environ:
         opts.spin_us = int(os.environ["RUMOR_SPIN_US"])
     from . import timeline as _timeline

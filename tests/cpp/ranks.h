@@ -27,6 +27,7 @@ inline Options quick_options(bool shm) {
   o.timeout_s = 20;
   o.shm = shm;
   o.shm_ring_bytes = 64 * 1024;  // small ring: messages wrap many times
+  o.stripe_min = 256 * 1024;     // test-sized messages still exercise TCP striping
   return o;
 }
 

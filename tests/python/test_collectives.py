@@ -21,7 +21,8 @@ from harness import Checker, check_reduced, dname, gen, reference
 OPS = harness.OP_NAMES
 SMALL_ALLREDUCE_BYTES = 64 * 1024      # at or below: recursive doubling (Options::small_allreduce_bytes)
 LARGE_BROADCAST_BYTES = 512 * 1024     # at or above: scatter + ring allgather
-STRIPE_BYTES = 256 * 1024              # TCP messages at least this big are striped over all streams
+STRIPE_BYTES = 256 * 1024              # the TCP tests stripe messages at least this big over all streams
+TCP = {"RUMOR_SHM": "0", "RUMOR_STRIPE_MIN_BYTES": str(STRIPE_BYTES)}  # (the default stripes from 4 MiB)
 LARGE = 3 * 1024 * 1024 + 5            # elements: ring path, striping, shm ring wrap-around
 
 
@@ -293,7 +294,7 @@ def test_matrix_shared_memory(world_size):
 def test_matrix_tcp(world_size):
     """The same over TCP on one host (RUMOR_SHM=0), default two streams per peer (three ranks
     over TCP: see the socket-streams tests)."""
-    res = harness.run(matrix_rank, world_size, timeout=240, env={"RUMOR_SHM": "0"},
+    res = harness.run(matrix_rank, world_size, timeout=240, env=TCP,
                       args=("reduced", f"tcp{world_size}", True, False))
     harness.assert_no_failures(res)
 
@@ -302,7 +303,7 @@ def test_matrix_tcp(world_size):
 def test_matrix_tcp_socket_streams(streams):
     """One and four TCP streams per peer pair; the large cases stripe messages >= 256 KiB."""
     res = harness.run(matrix_rank, 3, timeout=240,
-                      env={"RUMOR_SHM": "0", "RUMOR_SOCKET_STREAMS": str(streams)},
+                      env={**TCP, "RUMOR_SOCKET_STREAMS": str(streams)},
                       args=("minimal", f"streams{streams}", True, False))
     harness.assert_no_failures(res)
 
@@ -524,7 +525,7 @@ def p2p_rank(key: str, marker_dir: str):
     return _finish(chk)
 
 
-@pytest.mark.parametrize("world_size,env", [(2, {}), (3, {}), (4, {}), (3, {"RUMOR_SHM": "0", "RUMOR_SOCKET_STREAMS": "4"})],
+@pytest.mark.parametrize("world_size,env", [(2, {}), (3, {}), (4, {}), (3, {**TCP, "RUMOR_SOCKET_STREAMS": "4"})],
                          ids=["2", "3", "4", "3-tcp-4streams"])
 def test_send_recv_barrier(world_size, env):
     with tempfile.TemporaryDirectory() as d:

@@ -296,3 +296,17 @@ def test_empty_tensor_on_one_rank_raises_everywhere(op):
     so every rank, the one with the empty tensor included, must raise a RumorError."""
     res = harness.run(empty_on_one_rank_rank, 2, timeout=60, env={"RUMOR_TIMEOUT": "10"}, args=(op,))
     harness.assert_no_failures(res, op)
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1.5", ""])
+def test_bad_stripe_threshold_is_refused_by_init(value):
+    """RUMOR_STRIPE_MIN_BYTES that is not a byte count fails rumor.init() naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RUMOR_STRIPE_MIN_BYTES=value, WORLD_SIZE="1", RANK="0")
+    p = subprocess.run([sys.executable, "-c", "import rumor; rumor.init()"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0
+    assert "ValueError" in p.stderr and "RUMOR_STRIPE_MIN_BYTES" in p.stderr and repr(value) in p.stderr
