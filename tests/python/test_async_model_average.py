@@ -568,6 +568,11 @@ def rank_gossip(mode, mixes):
         time.sleep(0.002)
 
     _until(lambda: alg._mixer.mixed >= mixes, step, limit_s=40, what=f"{mode}: {mixes} rounds with fresh values")
+    # The weights must hold still from the capture below to finish(): this rank takes no more
+    # rounds, and two more ticks of its thread mean the round in flight (if any) has ended.
+    alg.abort()
+    ticks = alg._ticks
+    _until(lambda: alg._ticks >= ticks + 2, lambda: time.sleep(0.002), what=f"{mode}: the round in flight ends")
     ddp(_xy(0, rank)[0])  # a forward applies what the last round left
     before = _flat(model)
     alg.finish()
