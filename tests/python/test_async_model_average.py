@@ -661,9 +661,9 @@ def test_round_spacing_bounds_the_busy_fraction():
     """When the next round may start (the arithmetic only; values exact in binary): no sooner
     than sync_interval_ms after this one started, nor (shared-memory rounds) than busy /
     max_busy_fraction; with the bound off (1.0) and interval 0, back to back."""
-    import rumor
-
     import types
+
+    import rumor
 
     A = rumor.algorithms.AsyncModelAverage
     shared = [types.SimpleNamespace(shared=True)]  # weights in one host's shared memory

@@ -737,8 +737,8 @@ class AsyncModelAverage(Algorithm):
     def _next_round(self, started: float, busy: float) -> float:
         """When the next round may start: sync_interval_ms after this one started, and for
         shared-memory rounds late enough that the thread is busy at most max_busy_fraction of
-        the time. All ranks' rounds
-        start together at the census, so the rank whose rounds are the slowest sets the pace."""
+        the time. All ranks' rounds start together at the census, so the rank whose rounds are
+        the slowest sets the pace."""
         self.busy_s += busy
         if not self._shared:
             return started + self._interval
