@@ -20,7 +20,10 @@ What it measures (every figure is the slowest rank's, so all ranks agree on the 
   communication can hide behind backward;
 * the gradients: elements, bytes, dtypes;
 * the links: a ring allreduce at two sizes inside each host (shared memory) and among one rank
-  per host (the network), fitted as ``t = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency``;
+  per host (the network), fitted as ``t = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency``,
+  and the CPU (user + system) a byte sent over the network costs this process; with the CPU
+  share of compute (CPU seconds per second: below 1 where ranks share cores) that gives what
+  network traffic beside compute costs it;
 * the codecs: encode and decode time per element of each compressed algorithm's codec, and
   their exact encoded sizes; one pass of weight arithmetic per element; PowerSGD's kernels per
   matrix element;
@@ -34,13 +37,15 @@ gradient came more than 5 ms after the one before; torch DDP: its own plan, 1 Mi
 splits); each bucket's communication starts when it is ready and the previous one is done; its
 time is the ring time of the bytes it puts on the wire (each algorithm's codec ratio,
 hierarchical where the algorithm is) plus its codec work. A step is buffer broadcast + forward +
-max(backward, last bucket done) + optimizer. Decentralized algorithms mix weights on the comm
-thread from the start of forward: forward + max(backward, mixing) + optimizer;
+max(backward + network CPU, last bucket done) + optimizer, where network CPU is the cost of the
+step's bytes sent between hosts. Decentralized algorithms mix weights on the comm thread from
+the start of forward: forward + max(backward + network CPU, mixing) + optimizer;
 LowPrecisionDecentralized's exchange runs after the step and, when the model has buffers to
 broadcast, delays the next forward. Periodic algorithms (LocalSGD, DiLoCo, Streaming DiLoCo)
 are a local step plus their round's cost divided by its steps; AsyncModelAverage is a local step
-plus the CPU time of its background rounds. Torch DDP is the same model with a flat fp32 ring
-over all ranks (gloo's own overheads are not modelled). docs/advisor.md has the details.
+plus the CPU time of its background rounds (weight passes and network). Torch DDP is the same
+model with a flat fp32 ring over all ranks (gloo's own overheads are not modelled).
+docs/advisor.md has the details.
 """
 from __future__ import annotations
 
@@ -143,10 +148,12 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
     handles = [p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(params)]
     fwd, bwd, opt, readies = [], [], [], []
     first = None
+    wall = cpu = 0.0
     try:
         for s in range(warmup + steps):
             optimizer.zero_grad(set_to_none=False)
             ready.clear()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             loss = loss_fn(model, batch)
             t1 = time.perf_counter()
@@ -158,6 +165,8 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
             if s == 0:
                 first = [ready.get(i, t2 - t1) for i in range(len(params))]
             if s >= warmup:
+                wall += t3 - t0
+                cpu += time.process_time() - c0
                 fwd.append(t1 - t0)
                 bwd.append(t2 - t1)
                 opt.append(t3 - t2)
@@ -166,21 +175,34 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
         for h in handles:
             h.remove()
     med = [statistics.median(r[i] for r in readies) for i in range(len(params))]
-    return params, statistics.median(fwd), statistics.median(bwd), statistics.median(opt), med, first
+    share = cpu / wall if wall > 0 else 1.0  # CPU seconds per second of compute (threads, sharing)
+    return params, statistics.median(fwd), statistics.median(bwd), statistics.median(opt), med, first, share
 
 
-def _time_allreduce(group, nbytes: int, reps: int) -> float:
+def _process_cpu_s() -> float:
+    """User + system CPU of this process, all threads (the kernel's socket work included)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _time_allreduce(group, nbytes: int, reps: int):
+    """(seconds of the least disturbed repetition, CPU seconds per byte this rank sent)."""
     from .collectives import allreduce_
 
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     allreduce_(buf, group=group, algorithm="ring")
     times = []
+    c0 = _process_cpu_s()
     for _ in range(reps):
         t0 = time.perf_counter()
         allreduce_(buf, group=group, algorithm="ring")
         times.append(time.perf_counter() - t0)
+    n = group.size()
+    sent = reps * 2 * (n - 1) / n * buf.numel() * 4
     # The least disturbed repetition: other processes only ever add time.
-    return min(times)
+    return min(times), (_process_cpu_s() - c0) / sent if sent > 0 else 0.0
 
 
 def _fit(n: int, small: float, big: float, s_small: int, s_big: int) -> Link:
@@ -210,25 +232,25 @@ def _measure_links(link_bytes: int, reps: int):
     me = st.env.rank
     small = 4 * 1024
     big = max(link_bytes, 4 * small)
-    out = torch.zeros(4, dtype=torch.float64)
+    out = torch.zeros(5, dtype=torch.float64)
     local_n = max(len(m) for m in members.values())
     if local_n > 1:
         groups = {h: new_group(members[h]) if len(members[h]) > 1 else None for h in hosts}
         g = groups[st.hosts[me]]
         if g is not None:
-            out[0] = _time_allreduce(g, small, reps)
-            out[1] = _time_allreduce(g, big, reps)
+            out[0] = _time_allreduce(g, small, reps)[0]
+            out[1] = _time_allreduce(g, big, reps)[0]
     if len(hosts) > 1:
         leaders = [members[h][0] for h in hosts]
         lg = new_group(leaders)
         if me in leaders:
-            out[2] = _time_allreduce(lg, small, reps)
-            out[3] = _time_allreduce(lg, big, reps)
+            out[2] = _time_allreduce(lg, small, reps)[0]
+            out[3], out[4] = _time_allreduce(lg, big, reps)
     out = allreduce(out, op=ReduceOp.MAX)
     t = out.tolist()
     intra = _fit(local_n, t[0], t[1], small, big) if local_n > 1 else None
     inter = _fit(len(hosts), t[2], t[3], small, big) if len(hosts) > 1 else None
-    return len(hosts), local_n, intra, inter
+    return len(hosts), local_n, intra, inter, t[4]
 
 
 def _codecs():
@@ -355,14 +377,16 @@ def _buckets(ready: List[float], nbytes: List[int], cap_mb: float = 25, first_mb
     return _bucket_times(bucket_plan(ready, nbytes, cap_mb, first_mb, first, gap_s), ready, nbytes)
 
 
-def _overlapped(m: Dict, comm_of: Callable[..., float], key: str = "buckets") -> Dict:
+def _overlapped(m: Dict, comm_of: Callable[..., float], key: str = "buckets", cpu_s: float = 0.0) -> Dict:
     """Buckets communicate in order, each from when it is ready and the one before is done;
-    comm_of(bytes, bucket index). Before forward the wrapper broadcasts the module's buffers."""
+    comm_of(bytes, bucket index). Before forward the wrapper broadcasts the module's buffers.
+    cpu_s: what the step's network traffic costs the compute it runs beside (backward
+    stretched by the CPU it loses)."""
     t = 0.0
     for b, (ready, nbytes) in enumerate(m[key]):
         t = max(t, ready) + comm_of(nbytes, b)
-    step = m.get("buffer_broadcast_s", 0.0) + m["forward_s"] + max(m["backward_s"], t) + m["optimizer_s"]
-    return dict(predicted_step_s=step, exposed_comm_s=max(0.0, t - m["backward_s"]))
+    step = m.get("buffer_broadcast_s", 0.0) + m["forward_s"] + max(m["backward_s"] + cpu_s, t) + m["optimizer_s"]
+    return dict(predicted_step_s=step, exposed_comm_s=max(cpu_s, t - m["backward_s"]))
 
 
 def _broadcast_s(nbytes: float, n: int, intra: Optional[Link], inter: Optional[Link], H: int, L: int) -> float:
@@ -411,6 +435,13 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     bc = m.get("buffer_broadcast_s", 0.0)
     compute = m["forward_s"] + m["backward_s"]
     local_step = bc + compute + m["optimizer_s"]  # a step whose backward communicates nothing
+    # What sending a byte over the network (and receiving one: the ring does both) costs the
+    # compute beside it: the sockets' CPU, measured during the link probe, scaled up where the
+    # rank gets less than a core (ranks sharing cores). Traffic inside a host is comm time.
+    net = m.get("net_cost_s_per_byte", 0.0) if H > 1 else 0.0
+
+    def ring_sent(nbytes, k=H):  # bytes each rank sends in a ring (or all-to-all) allreduce
+        return 2 * (k - 1) / k * nbytes if k > 1 else 0.0
 
     def local(nbytes):  # full-precision reduce + broadcast inside a host (hierarchical's ends)
         return intra.ring(nbytes) if intra is not None and L > 1 else 0.0
@@ -446,15 +477,17 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         rows.append(dict(algorithm=name, kwargs=shown or f"algorithm={cls}({args})", ctor=dict(cls=cls, kwargs=kwargs),
                          caveat=caveat, kind=kind, period=period, wire_bytes_per_element=wire, **res))
 
-    add("GradientAllReduce", "GradientAllReduce", {}, EXACT, "exact", _overlapped(m, allreduce_fp), elem)
+    fp_cpu = net * ring_sent(param_bytes)
+    add("GradientAllReduce", "GradientAllReduce", {}, EXACT, "exact", _overlapped(m, allreduce_fp, cpu_s=fp_cpu), elem)
     if H > 1 and L > 1:
         add("GradientAllReduce hierarchical", "GradientAllReduce", {"hierarchical": True}, EXACT, "exact",
-            _overlapped(m, allreduce_fp), elem)
+            _overlapped(m, allreduce_fp, cpu_s=fp_cpu), elem)
     for name, cls, kw, cav in (("ByteGrad", "ByteGrad", {}, COMPRESSED), ("QSGD", "QSGD", {"levels": 16}, COMPRESSED),
                                ("fp16", "LowPrecision", {"dtype": "float16"}, HALF),
                                ("bf16", "LowPrecision", {"dtype": "bfloat16"}, HALF)):
-        add(name, cls, kw, cav, "compressed", _overlapped(m, compressed(name)),
-            codecs[name]["wire_bytes_per_element"] if H > 1 else elem)
+        w = codecs[name]["wire_bytes_per_element"]
+        add(name, cls, kw, cav, "compressed", _overlapped(m, compressed(name), cpu_s=net * ring_sent(elements * w)),
+            w if H > 1 else elem)
     if adam:
         w = codecs["1-bit"]["wire_bytes_per_element"]
 
@@ -463,7 +496,8 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
             link = inter if H > 1 else intra
             t = link.ring(el * w, n) if link is not None else 0.0
             return t + codec_time("1-bit", el)
-        add("1-bit Adam", "OneBitAdam", {}, COMPRESSED_EF, "compressed", _overlapped(m, onebit), w,
+        add("1-bit Adam", "OneBitAdam", {}, COMPRESSED_EF, "compressed",
+            _overlapped(m, onebit, cpu_s=net * ring_sent(elements * w, n)), w,
             shown="optimizer=rumor.optim.OneBitAdam(...), algorithm=OneBitAdam(optimizer)")
 
     # PowerSGD: per bucket, P (with the tensors it leaves uncompressed) and Q are two allreduces,
@@ -479,19 +513,19 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
             return t + mat * (m["powersgd_s_per_element"] + 2 * ew) + first * ew
         sent = sum(f + q for f, q, _ in (_powersgd_bucket(shapes, b, r) for b in plan))
         add(f"PowerSGD rank {r}", "PowerSGD", {"matrix_approximation_rank": r}, POWERSGD, "compressed",
-            _overlapped(m, powersgd), 4 * sent / elements)
+            _overlapped(m, powersgd, cpu_s=net * ring_sent(4 * sent)), 4 * sent / elements)
 
-    def decentralized(mix_s):
-        step = bc + max(compute, mix_s) + m["optimizer_s"]
-        return dict(predicted_step_s=step, exposed_comm_s=max(0.0, mix_s - compute))
+    def decentralized(mix_s, cpu_s):
+        step = bc + max(compute + cpu_s, mix_s) + m["optimizer_s"]
+        return dict(predicted_step_s=step, exposed_comm_s=max(cpu_s, mix_s - compute))
 
     # Weight mixing over hosts (hierarchical=True, the default): average inside each host, one
     # exchange among the host leaders, broadcast inside the host.
     add("Decentralized all", "Decentralized", {"peer_selection": "all"}, DECENTRALIZED, "decentralized",
-        decentralized(allreduce_fp(param_bytes)), elem)
+        decentralized(allreduce_fp(param_bytes), fp_cpu), elem)
     peer = (inter.hop(param_bytes) if H > 1 and inter is not None else 0.0)
     add("Decentralized shift_one", "Decentralized", {"peer_selection": "shift_one"}, DECENTRALIZED,
-        "decentralized", decentralized(local(param_bytes) + peer), elem)
+        "decentralized", decentralized(local(param_bytes) + peer, net * param_bytes), elem)
 
     # LowPrecisionDecentralized: after optimizer.step() (blocking) the weights mix toward the
     # neighbours' replicas and the difference is encoded and decoded once; the encoded
@@ -510,8 +544,9 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     if m.get("buffer_bytes", 0) > 0:
         lp = dict(predicted_step_s=xchg + local_step + prep, exposed_comm_s=xchg + prep)
     else:
-        lp = dict(predicted_step_s=bc + max(compute, xchg) + m["optimizer_s"] + prep,
-                  exposed_comm_s=max(0.0, xchg - compute) + prep)
+        xcpu = net * peers * elements * w8
+        lp = dict(predicted_step_s=bc + max(compute + xcpu, xchg) + m["optimizer_s"] + prep,
+                  exposed_comm_s=max(xcpu, xchg - compute) + prep)
     add("LowPrecisionDecentralized", "LowPrecisionDecentralized", {}, DECENTRALIZED_LP, "decentralized", lp,
         w8 if H > 1 else elem)
 
@@ -533,7 +568,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     frag = elements / F
     link = inter if H > 1 else intra
     frag_comm = link.ring(frag * w8, n) if link is not None else 0.0
-    frag_cpu = codec_time("ByteGrad", frag) + 8 * frag * ew
+    frag_cpu = codec_time("ByteGrad", frag) + 8 * frag * ew + net * ring_sent(frag * w8, n)
     frag_exposed = max(0.0, frag_comm - tau * local_step)
     add(f"StreamingDiLoCo H={DILOCO_H}", "StreamingDiLoCo", {"inner_steps": DILOCO_H, "num_fragments": F},
         STREAMING, "periodic", periodic(DILOCO_H, F * (frag_exposed + frag_cpu)), w8 / DILOCO_H, period=DILOCO_H)
@@ -543,7 +578,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     # over the weights) on cores that compute is using.
     census = link.ring(32) if link is not None else 0.0  # the round's agreement: one tiny allreduce
     round_s = max(AMA_INTERVAL_MS / 1e3, allreduce_fp(param_bytes) + census)
-    round_cpu = 5 * elements * ew
+    round_cpu = 5 * elements * ew + net * ring_sent(param_bytes)
     per_step = local_step / round_s if round_s > 0 else 0.0
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
         dict(predicted_step_s=local_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu),
@@ -559,7 +594,9 @@ def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict
 
     def comm(nbytes, *_):
         return link.ring(nbytes, n) if link is not None else 0.0
-    return dict(algorithm="torch DDP", **_overlapped(m, comm, "torch_buckets" if "torch_buckets" in m else "buckets"))
+    cpu = m.get("net_cost_s_per_byte", 0.0) * 2 * (n - 1) / n * m["grad_bytes"] if H > 1 else 0.0
+    return dict(algorithm="torch DDP", **_overlapped(m, comm, "torch_buckets" if "torch_buckets" in m else "buckets",
+                                                     cpu_s=cpu))
 
 
 def _py(v) -> str:
@@ -640,8 +677,8 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
     was_training = model.training
     model.train()
     try:
-        params, fwd, bwd, opt_s, ready, first = _measure_compute(model, optimizer, sample_batch, loss_fn, steps,
-                                                                 warmup)
+        params, fwd, bwd, opt_s, ready, first, share = _measure_compute(model, optimizer, sample_batch, loss_fn,
+                                                                        steps, warmup)
     finally:
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(opt_sd)
@@ -651,12 +688,13 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
     nbytes = [p.numel() * p.element_size() for p in params]
     elements = sum(p.numel() for p in params)
     # The slowest rank's compute; rank 0's ready times (the wrapper's buckets follow its order).
-    comp = allreduce(torch.tensor([fwd, bwd, opt_s], dtype=torch.float64), op=ReduceOp.MAX)
-    fwd, bwd, opt_s = comp.tolist()
+    comp = allreduce(torch.tensor([fwd, bwd, opt_s, -share], dtype=torch.float64), op=ReduceOp.MAX)
+    fwd, bwd, opt_s, share = comp.tolist()
+    share = -share  # the smallest: the rank whose compute is slowed most by stolen CPU
     rt = torch.tensor([ready, first], dtype=torch.float64)
     broadcast_(rt, 0)
     ready, first = rt.tolist()
-    hosts, local_n, intra, inter = _measure_links(int(link_mb * _MB), link_reps)
+    hosts, local_n, intra, inter, net_cpu = _measure_links(int(link_mb * _MB), link_reps)
     probe = min(elements, 1 << 20) or 1
     codecs = _measure_codecs(probe, 3)
     per_element = [[c["encode_s_per_element"], c["decode_s_per_element"]] for c in codecs.values()]
@@ -673,6 +711,8 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
              grad_bytes_per_element=sum(nbytes) / elements, params=len(params),
              dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
              last_ready_s=max(ready), codecs=codecs, elementwise_s_per_element=ew,
+             compute_cpu_share=share, net_cpu_s_per_byte=net_cpu,
+             net_cost_s_per_byte=net_cpu / min(1.0, max(share, 0.05)),
              powersgd_rank=POWERSGD_RANK, powersgd_s_per_element=psgd,
              shapes=[list(p.shape) for p in params], buffer_bytes=buffer_bytes,
              buffer_broadcast_s=_broadcast_s(buffer_bytes, st.env.size, intra, inter, hosts, local_n),
@@ -730,6 +770,10 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
         else:
             lines.append(f"  {what}: {_rate(link['bandwidth_Bps'])}, {link['latency_s'] * 1e6:.0f} us per hop "
                          f"({link['ranks']} ranks)")
+            if key == "inter" and "net_cpu_s_per_byte" in m:
+                lines.append(f"  network CPU: {m['net_cpu_s_per_byte'] * 1e9:.2f} ms per MB sent; compute uses "
+                             f"{m['compute_cpu_share']:.2f} CPU per second, so each MB sent beside it costs "
+                             f"{m['net_cost_s_per_byte'] * 1e9:.2f} ms of compute")
     lines.append("  codecs (ns per element, encode/decode; wire bytes per element): " + ", ".join(
         f"{k} {c['encode_s_per_element'] * 1e9:.2f}/{c['decode_s_per_element'] * 1e9:.2f}; "
         f"{c['wire_bytes_per_element']:.3f}" for k, c in m["codecs"].items()))

@@ -83,7 +83,10 @@ class AutotuneConfig:
     best. cache: path of the JSON cache (None: RUMOR_AUTOTUNE_CACHE or
     ~/.cache/rumor/autotune.json); use_cache=False neither reads nor writes it. seed: the TPE
     sampler's seed. space: {knob: candidate values} replacing DEFAULT_SPACE's entries (knobs
-    that do not apply to the job are left out anyway). verbose: rank 0 prints the result."""
+    that do not apply to the job are left out anyway). verbose: rank 0 prints the result.
+    min_gain: the best setting replaces the defaults only if it scored at least this fraction
+    below them (a trial's score is the median of a few steps: a smaller lead is noise, and a
+    compute-bound job should not end on a setting that only looked faster)."""
 
     budget_steps: int = 50
     warm_steps: int = 2
@@ -93,6 +96,7 @@ class AutotuneConfig:
     seed: int = 0
     space: Optional[Dict[str, Sequence]] = None
     verbose: bool = True
+    min_gain: float = 0.02
 
     def validate(self) -> "AutotuneConfig":
         what = "rumor autotune"
@@ -108,6 +112,10 @@ class AutotuneConfig:
         if self.budget_steps < 2 * trial:
             raise ValueError(f"{what}: budget_steps={self.budget_steps} holds fewer than two trials of "
                              f"warm_steps + measure_steps = {trial} steps (the defaults and one other setting)")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)):
+            raise TypeError(f"{what}: min_gain must be a number, got {type(self.min_gain).__name__}")
+        if not 0 <= self.min_gain < 1:
+            raise ValueError(f"{what}: min_gain must be in [0, 1), got {self.min_gain}")
         if self.cache is not None and not isinstance(self.cache, (str, os.PathLike)):
             raise TypeError(f"{what}: cache must be a path or None, got {type(self.cache).__name__}")
         if self.space is not None:
@@ -458,6 +466,11 @@ class Autotuner:
         self.last = time.perf_counter()
         self.tuning_s += self.last - now
 
+    def _best_trial(self) -> int:
+        """The lowest-scoring trial, or trial 0 (the defaults) unless it leads them by min_gain."""
+        best = min(range(len(self._scores)), key=lambda i: self._scores[i])
+        return best if self._scores[best] <= self._scores[0] * (1 - self.cfg.min_gain) else 0
+
     def _ask(self) -> Dict:
         for _ in range(32):
             trial = self._study.ask()
@@ -496,8 +509,7 @@ class Autotuner:
                 setting = self._ask()
             else:
                 status = 1
-                best = min(range(len(self._scores)), key=lambda i: self._scores[i])
-                setting = self._settings[best]
+                setting = self._settings[self._best_trial()]
         t = self._encode(status, setting)
         broadcast_(t, self.root, self.group)
         setting = self._decode(t)
@@ -507,7 +519,7 @@ class Autotuner:
             return
         self.done = True
         self.history.append(dict(step=self.forwards, kind="final", setting=setting))
-        best = min(range(len(self._scores)), key=lambda i: self._scores[i])
+        best = self._best_trial()
         self.best = dict(setting=setting, step_s=self._scores[best], default_step_s=self._scores[0],
                          trials=len(self._scores), tuning_steps=self.forwards - self.started_at,
                          tuning_s=self.tuning_s, source="search")

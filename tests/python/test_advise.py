@@ -100,6 +100,36 @@ def test_prediction_model_by_hand():
     assert "1-bit Adam" not in rows2 and "GradientAllReduce hierarchical" in rows2
 
 
+def test_network_cpu_stretches_the_compute_it_overlaps():
+    """The measured CPU cost of a byte sent between hosts is added to the compute that traffic
+    runs beside; a link fast enough to hide the communication leaves that cost alone."""
+    from rumor.advisor import AMA_INTERVAL_MS, Link, predict_torch
+
+    B, a, c = 125e9, 1e-6, 1e-9  # a link that hides everything; 1 ms of compute per MB sent
+    inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
+    m = _measured(net_cost_s_per_byte=c)
+    rows = _rows(m, inter)
+    sent = 1.5 * 8e6  # each rank's share of a 4-host ring over all gradients
+    assert rows["GradientAllReduce"]["predicted_step_s"] == pytest.approx(0.01 + 0.02 + c * sent + 0.005, rel=REL)
+    assert rows["GradientAllReduce"]["exposed_comm_s"] == pytest.approx(c * sent, rel=REL)
+    assert rows["ByteGrad"]["predicted_step_s"] == pytest.approx(0.035 + c * sent / 4, rel=REL)
+    assert rows["Decentralized shift_one"]["predicted_step_s"] == pytest.approx(0.035 + c * 8e6, rel=REL)
+    assert rows["Decentralized all"]["predicted_step_s"] == pytest.approx(0.035 + c * sent, rel=REL)
+    # a blocking average is wall time already: LocalSGD's round is not charged twice
+    ring = 1.5 * 8e6 / B + 6 * a
+    assert rows["LocalSGD every 8"]["predicted_step_s"] == pytest.approx(0.035 + ring / 8, rel=REL)
+    # AsyncModelAverage: a round every 500 ms, each sending `sent` bytes beside compute
+    assert rows["AsyncModelAverage"]["predicted_step_s"] == pytest.approx(
+        0.035 * (1 + c * sent / (AMA_INTERVAL_MS / 1e3)), rel=REL)
+    assert predict_torch(m, None, inter)["predicted_step_s"] == pytest.approx(0.035 + c * sent, rel=REL)
+    # inside one host nothing goes over the network
+    one = _rows(_measured(hosts=1, local_size=4, net_cost_s_per_byte=c), None, intra=Link(4, B, a))
+    free = _rows(_measured(hosts=1, local_size=4), None, intra=Link(4, B, a))
+    assert one["GradientAllReduce"]["predicted_step_s"] > 0.035
+    for name in free:
+        assert one[name]["predicted_step_s"] == free[name]["predicted_step_s"], name
+
+
 def test_powersgd_model_by_hand():
     from rumor.advisor import Link, _powersgd_bucket
 

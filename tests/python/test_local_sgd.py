@@ -255,36 +255,41 @@ def sc_diloco_sim(chk, H=3, F=1, delay=0, alpha=0.0, steps=13, outer=None, hiera
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=algo)
     tag = f"DiLoCo(H={H}, F={F}, delay={delay}, alpha={alpha}) n={n}"
 
-    # The fragments the algorithm chose (which parameters, by position); the rule is the test's.
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    frag_of = [[index[id(p)] for p in f.params] for f in algo.fragments]
-    chk.check(sorted(i for fr in frag_of for i in fr) == list(range(len(index))), f"{tag}: fragments cover the model")
+    # The fragments: the test's rule is F equal element ranges of the flattened model (one
+    # dtype here, so one buffer), in definition order.
+    total = sum(p.numel() for p in model.parameters())
+    ranges = [(total * p // F, total * (p + 1) // F) for p in range(F)]
+    chk.check([f.ranges for f in algo.fragments] == [[(0, a, e)] for a, e in ranges],
+              f"{tag}: fragments {[f.ranges for f in algo.fragments]} != {ranges}")
     offsets = [p * H // F for p in range(F)]
     chk.check([f.offset for f in algo.fragments] == offsets, f"{tag}: offsets {[f.offset for f in algo.fragments]}")
 
     sim = _Sim(n)
-    outer_params = [[p.detach().clone() for j, p in enumerate(sim.models[0].parameters()) if j in fr]
-                    for fr in frag_of]
-    flat_outer = [t for fr in outer_params for t in fr]
-    outer_opt = (outer or _outer_sgd)(flat_outer)
-    pending = {}  # fragment -> (apply at, averaged pseudo-gradients)
+    pending = {}  # fragment -> (apply at, averaged pseudo-gradient)
     expected_log = []
 
-    def frag_params(r, p):
-        ps = list(sim.models[r].parameters())
-        return [ps[j] for j in frag_of[p]]
+    def frag(r, p):  # rank r's elements of fragment p (a copy)
+        a, e = ranges[p]
+        return _flat(sim.models[r])[a:e].clone()
+
+    def set_frag(r, p, v):
+        a, e = ranges[p]
+        flat = _flat(sim.models[r])
+        flat[a:e] = v
+        torch.nn.utils.vector_to_parameters(flat, sim.models[r].parameters())
+
+    outer_params = [frag(0, p) for p in range(F)]  # one tensor per fragment, as the algorithm's
+    outer_opt = (outer or _outer_sgd)(outer_params)
 
     def apply(p):
-        _, grads = pending.pop(p)
-        for o, g in zip(outer_params[p], grads):
-            o.grad = g
+        _, grad = pending.pop(p)
+        o = outer_params[p]
+        o.grad = grad
         outer_opt.step()
-        for o in outer_params[p]:
-            o.grad = None
+        o.grad = None
         with torch.no_grad():
             for r in range(n):
-                for x, o in zip(frag_params(r, p), outer_params[p]):
-                    x.copy_(alpha * x + (1 - alpha) * o if alpha else o)
+                set_frag(r, p, alpha * frag(r, p) + (1 - alpha) * o if alpha else o)
 
     for s in range(steps):
         opt.zero_grad()
@@ -299,9 +304,8 @@ def sc_diloco_sim(chk, H=3, F=1, delay=0, alpha=0.0, steps=13, outer=None, hiera
                 expected_log.append(("apply", t, p))
         for p in range(F):
             if t % H == offsets[p]:
-                grads = [sum(o - frag_params(r, p)[i] for r in range(n)) / n
-                         for i, o in enumerate(outer_params[p])]
-                pending[p] = (t + delay, [g.detach() for g in grads])
+                grad = sum(outer_params[p] - frag(r, p) for r in range(n)) / n
+                pending[p] = (t + delay, grad.detach())
                 expected_log.append(("send", t, p))
                 if delay == 0:
                     apply(p)
@@ -309,7 +313,7 @@ def sc_diloco_sim(chk, H=3, F=1, delay=0, alpha=0.0, steps=13, outer=None, hiera
         chk.close(_flat(model), _flat(sim.models[me]), f"{tag} step {s}", **TOL)
     chk.check(list(algo.log) == expected_log, f"{tag}: schedule {algo.log} != expected {expected_log}")
     outer_now = torch.cat([s_.outer.detach().reshape(-1) for f in algo.fragments for s_ in f.slots])
-    want = torch.cat([o.detach().reshape(-1) for fr in outer_params for o in fr])
+    want = torch.cat([o.detach().reshape(-1) for o in outer_params])
     chk.close(outer_now, want, f"{tag}: outer parameters", **TOL)
     _same_on_all_ranks(chk, outer_now, f"{tag}: outer parameters")
     return ddp, algo
@@ -591,9 +595,10 @@ def errors_rank():
                "LocalSGD without the optimizer", match="optimizer")
     chk.raises(ValueError, lambda: rumor.DistributedDataParallel(_net(), algorithm=DiLoCo()),
                "DiLoCo without the optimizer", match="optimizer")
+    tiny = torch.nn.Linear(2, 1)  # 3 elements
     chk.raises(ValueError, lambda: rumor.DistributedDataParallel(
-        _net(), optimizer=_inner(m.parameters()), algorithm=DiLoCo(inner_steps=8, num_fragments=7)),
-        "more fragments than parameters", match="num_fragments")
+        tiny, optimizer=_inner(tiny.parameters()), algorithm=DiLoCo(inner_steps=8, num_fragments=4)),
+        "more fragments than elements", match="num_fragments")
     bad_outer = DiLoCo(outer_optimizer=lambda ps: "not an optimizer")
     m2 = _net()
     chk.raises(TypeError, lambda: rumor.DistributedDataParallel(m2, optimizer=_inner(m2.parameters()),
@@ -643,18 +648,26 @@ def test_bad_arguments():
 
 
 def test_split_fragments():
-    import torch
-
     from rumor.algorithms.local_sgd import split_fragments
 
-    ps = [torch.zeros(n) for n in (10, 10, 10, 10)]
-    assert split_fragments(ps, 2) == [[0, 1], [2, 3]]
-    assert split_fragments(ps, 4) == [[0], [1], [2], [3]]
-    ps = [torch.zeros(n) for n in (100, 1, 1, 1, 97)]
-    assert split_fragments(ps, 2) == [[0], [1, 2, 3, 4]]
-    assert split_fragments(ps, 3) == [[0], [1, 2, 3], [4]]
-    # every fragment gets a parameter even when one parameter holds almost everything
-    ps = [torch.zeros(n) for n in (1000, 1, 1)]
-    assert split_fragments(ps, 3) == [[0], [1], [2]]
-    with pytest.raises(ValueError):
-        split_fragments(ps, 4)
+    # one buffer: equal element ranges, the remainder spread one element at a time
+    assert split_fragments([40], 4) == [[(0, 0, 10)], [(0, 10, 20)], [(0, 20, 30)], [(0, 30, 40)]]
+    assert split_fragments([10], 3) == [[(0, 0, 3)], [(0, 3, 6)], [(0, 6, 10)]]
+    # the mlp25m case that whole parameters could not split evenly (4.2M, 16.8M, 4k, 4.2M
+    # elements): each fragment now holds a quarter of the elements
+    sizes = sum([4096 * 1024, 4096 * 4096, 4096, 1024 * 4096])
+    fr = split_fragments([sizes], 4)
+    assert [e - a for (_, a, e), in fr] == [sizes // 4] * 4
+    # several dtype buffers: each is cut the same way; a buffer shorter than n leaves some
+    # fragments without a range of it
+    assert split_fragments([6, 2], 3) == [[(0, 0, 2)], [(0, 2, 4), (1, 0, 1)], [(0, 4, 6), (1, 1, 2)]]
+    # ranges cover every element once
+    for lengths, n in (([7, 3, 11], 3), ([1000003], 7), ([5, 5], 5)):
+        got = split_fragments(lengths, n)
+        for b, L in enumerate(lengths):
+            cover = sorted((a, e) for f in got for bb, a, e in f if bb == b)
+            assert cover[0][0] == 0 and cover[-1][1] == L and all(x[1] == y[0] for x, y in zip(cover, cover[1:]))
+    with pytest.raises(ValueError, match="num_fragments"):
+        split_fragments([3, 1], 4)
+    with pytest.raises(ValueError, match="num_fragments"):
+        split_fragments([], 1)

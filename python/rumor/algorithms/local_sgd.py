@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Callable, Deque, Dict, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -221,38 +221,28 @@ class _Slot:
 
 
 class _Fragment:
-    def __init__(self, index: int, params: List[torch.nn.Parameter], offset: int):
+    def __init__(self, index: int, flat: FlatWeights, ranges: List[Tuple[int, int, int]], offset: int):
         self.index = index
-        self.params = params
         self.offset = offset  # sends after inner steps t with t % H == offset
-        self.flat = FlatWeights(params, _ONE_FLAT, "DiLoCo")
-        self.slots = [_Slot(f) for f in self.flat.flats]
-        self.numel = sum(p.numel() for p in params)
+        self.flat = flat  # the whole model's flat buffers (one per dtype), shared by the fragments
+        self.ranges = ranges  # (flat buffer, start, end): this fragment's elements of each buffer
+        self.slots = [_Slot(flat.flats[b][a:e]) for b, a, e in ranges]
+        self.numel = sum(e - a for _, a, e in ranges)
         self.works: Optional[list] = None  # the averages in flight
         self.apply_at: Optional[int] = None  # inner step after which their result is applied
         self.sent = 0
 
 
-def split_fragments(params: Sequence[torch.nn.Parameter], n: int) -> List[List[int]]:
-    """Cuts parameters (in the given order) into n consecutive runs of about equal element
-    counts; each run gets at least one parameter."""
-    sizes = [p.numel() for p in params]
-    if n > len(sizes):
-        raise ValueError(f"DiLoCo: num_fragments={n} exceeds the number of trainable parameters ({len(sizes)})")
-    total = sum(sizes)
-    runs, start, acc = [], 0, 0
-    for k in range(1, n):
-        target = total * k / n
-        end = start + 1  # at least one parameter in this run
-        acc += sizes[start]
-        # take more while the cut gets closer to the target and the remaining runs keep one each
-        while end < len(sizes) - (n - k) and abs(acc + sizes[end] - target) <= abs(acc - target):
-            acc += sizes[end]
-            end += 1
-        runs.append(list(range(start, end)))
-        start = end
-    runs.append(list(range(start, len(sizes))))
-    return runs
+def split_fragments(lengths: Sequence[int], n: int) -> List[List[Tuple[int, int, int]]]:
+    """Cuts flat buffers of the given lengths into n fragments: fragment p holds elements
+    [L p // n, L (p + 1) // n) of each buffer of length L, as (buffer, start, end) triples
+    (empty ranges left out). Element ranges, not whole parameters: a model whose size is
+    mostly one or two large matrices still gets equal fragments, and so equal averages."""
+    if not lengths or n > max(lengths):
+        raise ValueError(f"DiLoCo: num_fragments={n} exceeds the trainable elements of the largest dtype group "
+                         f"({max(lengths, default=0)})")
+    return [[(b, L * p // n, L * (p + 1) // n) for b, L in enumerate(lengths) if L * (p + 1) // n > L * p // n]
+            for p in range(n)]
 
 
 def _default_outer(params):
@@ -272,8 +262,9 @@ class DiLoCo(Algorithm):
     outer_optimizer: a callable that takes the list of outer parameters (one flat tensor per
       fragment and dtype) and returns a torch.optim.Optimizer over them, e.g.
       ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` (the default).
-    num_fragments: F. 1 is DiLoCo. F > 1 is Streaming DiLoCo: the parameters (in definition
-      order) are cut into F consecutive fragments of about equal size, and fragment p is
+    num_fragments: F. 1 is DiLoCo. F > 1 is Streaming DiLoCo: the parameters, flattened in
+      definition order (one buffer per dtype), are cut into F consecutive element ranges of
+      equal size (a large matrix may span two fragments), and fragment p is
       synchronized after the inner steps t with t % H == p * H // F, so the ranks send 1/F of the
       model F times per round instead of all of it at once.
     fragment_sync_delay: tau. 0: a fragment's average is waited for right where it was started.
@@ -350,8 +341,9 @@ class DiLoCo(Algorithm):
         if not params:
             raise ValueError(f"{type(self).__name__}: the model has no trainable parameters")
         H, F = self.inner_steps, self.num_fragments
-        runs = split_fragments(params, F)
-        self.fragments = [_Fragment(i, [params[j] for j in run], (i * H // F) % H) for i, run in enumerate(runs)]
+        flat = FlatWeights(params, _ONE_FLAT, type(self).__name__)
+        runs = split_fragments([f.numel() for f in flat.flats], F)
+        self.fragments = [_Fragment(i, flat, run, (i * H // F) % H) for i, run in enumerate(runs)]
         outer = [s.outer for f in self.fragments for s in f.slots]
         opt = self._make_outer(outer)
         if not isinstance(opt, torch.optim.Optimizer):
