@@ -213,6 +213,23 @@ def _bad_args():
     return errors, env_warned, env_status
 
 
+def test_best_setting_must_lead_the_defaults_by_min_gain():
+    """Trial 0 is the defaults: another trial replaces them only if it scored min_gain lower."""
+    from types import SimpleNamespace
+
+    from rumor.autotune import AutotuneConfig, Autotuner
+
+    def pick(scores, **kw):
+        return Autotuner._best_trial(SimpleNamespace(_scores=scores, cfg=AutotuneConfig(**kw)))
+
+    assert pick([1.00, 0.99, 1.20]) == 0      # 1% faster: noise, the defaults stay
+    assert pick([1.00, 0.99, 0.97]) == 2      # 3% faster: taken
+    assert pick([1.00, 0.98]) == 1            # exactly min_gain
+    assert pick([1.00, 0.99], min_gain=0.0) == 1
+    assert pick([0.90, 0.95, 1.00]) == 0      # the defaults were best anyway
+    assert pick([1.00, 0.97], min_gain=0.05) == 0
+
+
 def test_autotune_bad_arguments():
     (errors, warned, env_status), = harness.run(_bad_args, 1, timeout=60)
     expect = {"str": "TypeError", "unknown option": "TypeError", "small budget": "ValueError",

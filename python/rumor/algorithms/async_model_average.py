@@ -447,7 +447,6 @@ class AsyncModelAverage(Algorithm):
             # The weights moved into the shared arena: the parameters become views into it.
             self._flat.flats = [s.x for s in self._slots]
             self._flat.repoint(copy=True)
-        self._interval = self.sync_interval_ms / 1000.0
         if self._async:
             self._start_async(ddp)
 
