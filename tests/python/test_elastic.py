@@ -87,7 +87,10 @@ def rumor_run(nproc, max_restarts, script, *args):
 
 def done_reports(text):
     # The launcher merges the workers' streams: several reports may share a line.
-    return [(int(r), int(a), float(s)) for r, a, s in re.findall(r"DONE rank=(\d+) attempt=(\d+) sum=(\S+?)(?=DONE|\s|$)", text)]
+    # The sum as a number only: other ranks' output (a warning, say) can land right after it on
+    # the shared pipe, with no separator in between.
+    num = r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+    return [(int(r), int(a), float(s)) for r, a, s in re.findall(rf"DONE rank=(\d+) attempt=(\d+) sum=({num})", text)]
 
 
 @pytest.mark.parametrize("kills", [1, 2], ids=["one-restart", "two-restarts-in-a-row"])
