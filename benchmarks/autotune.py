@@ -159,6 +159,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                                             score_s=h.get("score_s")) for h in st["history"]])
     if rank == 0:
         emit("progress", {"model": name, "what": f"autotuned: {statistics.median(times['autotuned']) * 1e3:.0f} ms/step"})
+    nparams = sum(p.numel() for p in ddp.module.parameters())
     del ddp, opt
     gc.collect()
     measure([("default again", {})] + ([("grid best again", grid_kw[best_point])] if best_point else []))
@@ -169,8 +170,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     per_rank_tuning = _common.gather_samples({"tuning": tuning})["tuning"]
     if rank == 0:
         cell = dict(model=name, n=n, batch=batch, global_batch=batch * n,
-                    params=sum(p.numel() for p in models.build(name, seed=cfg["seed"]).parameters()), variants={},
-                    autotune=extra["autotuned"])
+                    params=nparams, variants={}, autotune=extra["autotuned"])
         for v in times:
             steps = [max(per_rank[v][r][i] for r in range(n)) for i in range(len(times[v]))]
             cell["variants"][v] = dict(step_s=steps, median_s=statistics.median(steps))
@@ -245,16 +245,18 @@ def plot(path: str, jobs: List[Dict]) -> Optional[str]:
     for ax, job in zip(axes[0], jobs):
         cells = job["cells"]
         bars = [("default", "#ff7f0e"), ("grid best", "#2ca02c"), ("autotuned", "#1f77b4")]
+        def shown_ms(c, label):  # what the table compares: see summarize()
+            t = {"default": c["default_s"], "grid best": c["grid_best_s"],
+                 "autotuned": c["variants"]["autotuned"]["median_s"]}[label]
+            return 0.0 if t is None else t * 1e3
+
         for k, (label, color) in enumerate(bars):
-            shown_s = {"default": "default_s", "grid best": "grid_best_s"}
-            ys = [(c[shown_s[label]] if label in shown_s else c["variants"][label]["median_s"]) * 1e3
-                  if c.get(shown_s.get(label, "model")) is not None else 0 for c in cells]
+            ys = [shown_ms(c, label) for c in cells]
             xs = [i + (k - 1) * 0.27 for i in range(len(cells))]
             ax.bar(xs, ys, 0.27, label=label, color=color)
         tops = []
         for i, c in enumerate(cells):
-            top = max(t for t in (c["default_s"], c["variants"]["autotuned"]["median_s"], c["grid_best_s"])
-                      if t is not None) * 1e3
+            top = max(shown_ms(c, label) for label, _ in bars)
             tops.append(top)
             ax.text(i, top * 1.02, f"auto/grid {c['auto_over_grid_best'] or 0:.2f}x\nauto/def {c['auto_over_default']:.2f}x",
                     ha="center", fontsize=7)

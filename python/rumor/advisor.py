@@ -179,6 +179,16 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
     return params, statistics.median(fwd), statistics.median(bwd), statistics.median(opt), med, first, share
 
 
+def _ring_sent(nbytes: float, n: int) -> float:
+    """Bytes each of n ranks sends in a ring (or all-to-all) allreduce of nbytes."""
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def _net_cost(m: Dict) -> float:
+    """Compute time lost per byte sent between hosts (0 on one host: no network)."""
+    return m.get("net_cost_s_per_byte", 0.0) if m["hosts"] > 1 else 0.0
+
+
 def _process_cpu_s() -> float:
     """User + system CPU of this process, all threads (the kernel's socket work included)."""
     import resource
@@ -199,8 +209,7 @@ def _time_allreduce(group, nbytes: int, reps: int):
         t0 = time.perf_counter()
         allreduce_(buf, group=group, algorithm="ring")
         times.append(time.perf_counter() - t0)
-    n = group.size()
-    sent = reps * 2 * (n - 1) / n * buf.numel() * 4
+    sent = reps * _ring_sent(buf.numel() * 4, group.size())
     # The least disturbed repetition: other processes only ever add time.
     return min(times), (_process_cpu_s() - c0) / sent if sent > 0 else 0.0
 
@@ -438,10 +447,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     # What sending a byte over the network (and receiving one: the ring does both) costs the
     # compute beside it: the sockets' CPU, measured during the link probe, scaled up where the
     # rank gets less than a core (ranks sharing cores). Traffic inside a host is comm time.
-    net = m.get("net_cost_s_per_byte", 0.0) if H > 1 else 0.0
-
-    def ring_sent(nbytes, k=H):  # bytes each rank sends in a ring (or all-to-all) allreduce
-        return 2 * (k - 1) / k * nbytes if k > 1 else 0.0
+    net = _net_cost(m)
 
     def local(nbytes):  # full-precision reduce + broadcast inside a host (hierarchical's ends)
         return intra.ring(nbytes) if intra is not None and L > 1 else 0.0
@@ -477,7 +483,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         rows.append(dict(algorithm=name, kwargs=shown or f"algorithm={cls}({args})", ctor=dict(cls=cls, kwargs=kwargs),
                          caveat=caveat, kind=kind, period=period, wire_bytes_per_element=wire, **res))
 
-    fp_cpu = net * ring_sent(param_bytes)
+    fp_cpu = net * _ring_sent(param_bytes, H)
     add("GradientAllReduce", "GradientAllReduce", {}, EXACT, "exact", _overlapped(m, allreduce_fp, cpu_s=fp_cpu), elem)
     if H > 1 and L > 1:
         add("GradientAllReduce hierarchical", "GradientAllReduce", {"hierarchical": True}, EXACT, "exact",
@@ -486,8 +492,8 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
                                ("fp16", "LowPrecision", {"dtype": "float16"}, HALF),
                                ("bf16", "LowPrecision", {"dtype": "bfloat16"}, HALF)):
         w = codecs[name]["wire_bytes_per_element"]
-        add(name, cls, kw, cav, "compressed", _overlapped(m, compressed(name), cpu_s=net * ring_sent(elements * w)),
-            w if H > 1 else elem)
+        add(name, cls, kw, cav, "compressed",
+            _overlapped(m, compressed(name), cpu_s=net * _ring_sent(elements * w, H)), w if H > 1 else elem)
     if adam:
         w = codecs["1-bit"]["wire_bytes_per_element"]
 
@@ -497,7 +503,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
             t = link.ring(el * w, n) if link is not None else 0.0
             return t + codec_time("1-bit", el)
         add("1-bit Adam", "OneBitAdam", {}, COMPRESSED_EF, "compressed",
-            _overlapped(m, onebit, cpu_s=net * ring_sent(elements * w, n)), w,
+            _overlapped(m, onebit, cpu_s=net * _ring_sent(elements * w, n)), w,
             shown="optimizer=rumor.optim.OneBitAdam(...), algorithm=OneBitAdam(optimizer)")
 
     # PowerSGD: per bucket, P (with the tensors it leaves uncompressed) and Q are two allreduces,
@@ -513,7 +519,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
             return t + mat * (m["powersgd_s_per_element"] + 2 * ew) + first * ew
         sent = sum(f + q for f, q, _ in (_powersgd_bucket(shapes, b, r) for b in plan))
         add(f"PowerSGD rank {r}", "PowerSGD", {"matrix_approximation_rank": r}, POWERSGD, "compressed",
-            _overlapped(m, powersgd, cpu_s=net * ring_sent(4 * sent)), 4 * sent / elements)
+            _overlapped(m, powersgd, cpu_s=net * _ring_sent(4 * sent, H)), 4 * sent / elements)
 
     def decentralized(mix_s, cpu_s):
         step = bc + max(compute + cpu_s, mix_s) + m["optimizer_s"]
@@ -568,7 +574,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     frag = elements / F
     link = inter if H > 1 else intra
     frag_comm = link.ring(frag * w8, n) if link is not None else 0.0
-    frag_cpu = codec_time("ByteGrad", frag) + 8 * frag * ew + net * ring_sent(frag * w8, n)
+    frag_cpu = codec_time("ByteGrad", frag) + 8 * frag * ew + net * _ring_sent(frag * w8, n)
     frag_exposed = max(0.0, frag_comm - tau * local_step)
     add(f"StreamingDiLoCo H={DILOCO_H}", "StreamingDiLoCo", {"inner_steps": DILOCO_H, "num_fragments": F},
         STREAMING, "periodic", periodic(DILOCO_H, F * (frag_exposed + frag_cpu)), w8 / DILOCO_H, period=DILOCO_H)
@@ -578,7 +584,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     # over the weights) on cores that compute is using.
     census = link.ring(32) if link is not None else 0.0  # the round's agreement: one tiny allreduce
     round_s = max(AMA_INTERVAL_MS / 1e3, allreduce_fp(param_bytes) + census)
-    round_cpu = 5 * elements * ew + net * ring_sent(param_bytes)
+    round_cpu = 5 * elements * ew + net * _ring_sent(param_bytes, H)
     per_step = local_step / round_s if round_s > 0 else 0.0
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
         dict(predicted_step_s=local_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu),
@@ -594,7 +600,7 @@ def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict
 
     def comm(nbytes, *_):
         return link.ring(nbytes, n) if link is not None else 0.0
-    cpu = m.get("net_cost_s_per_byte", 0.0) * 2 * (n - 1) / n * m["grad_bytes"] if H > 1 else 0.0
+    cpu = _net_cost(m) * _ring_sent(m["grad_bytes"], n)
     return dict(algorithm="torch DDP", **_overlapped(m, comm, "torch_buckets" if "torch_buckets" in m else "buckets",
                                                      cpu_s=cpu))
 

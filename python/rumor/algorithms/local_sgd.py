@@ -227,7 +227,6 @@ class _Fragment:
         self.flat = flat  # the whole model's flat buffers (one per dtype), shared by the fragments
         self.ranges = ranges  # (flat buffer, start, end): this fragment's elements of each buffer
         self.slots = [_Slot(flat.flats[b][a:e]) for b, a, e in ranges]
-        self.numel = sum(e - a for _, a, e in ranges)
         self.works: Optional[list] = None  # the averages in flight
         self.apply_at: Optional[int] = None  # inner step after which their result is applied
         self.sent = 0
