@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="", help="per-rank batch overrides, e.g. mlp25m=16,cnn=8")
     ap.add_argument("--iters", type=int, default=10, help="measured steps per variant (protocol: >= 10)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--budget", type=int, default=50, help="the autotuner's budget_steps")
+    ap.add_argument("--budget", type=int, default=80, help="the autotuner's budget_steps")
     ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)

@@ -25,6 +25,12 @@ using namespace rumor::bindings;
 
 namespace {
 
+// A rank's arena as a Python buffer: torch.frombuffer over it keeps the arena mapped.
+struct ArenaRankView {
+  std::shared_ptr<SharedArena> arena;
+  std::byte* data;
+};
+
 bool probe_connect(const std::string& address, const py::bytes& token, uint32_t rank, uint64_t comm_id,
                    uint32_t stream, double timeout_s) {
   net::Token t = to_token(token);
@@ -190,6 +196,10 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("op"), py::arg("algo"), "Bucket op: in-place allreduce of the flat bucket.");
 
+  py::class_<ArenaRankView>(m, "ArenaRankView", py::buffer_protocol()).def_buffer([](ArenaRankView& v) {
+    return py::buffer_info(v.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                           {static_cast<py::ssize_t>(v.arena->size())}, {1});
+  });
   py::class_<SharedArena, std::shared_ptr<SharedArena>>(m, "SharedArena", py::buffer_protocol())
       .def(py::init<std::shared_ptr<Communicator>, size_t>(), py::arg("comm"), py::arg("bytes"))
       .def_property_readonly("size", &SharedArena::size)
@@ -197,6 +207,12 @@ PYBIND11_MODULE(_C, m) {
         return py::buffer_info(a.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(a.size())}, {1});
       })
+      .def(
+          "rank_view",
+          [](std::shared_ptr<SharedArena> a, uint32_t rank) { return ArenaRankView{a, a->data_of(rank)}; },
+          py::arg("rank"),
+          "A writable buffer over the arena of communicator rank `rank`, as mapped here (keeps the arena "
+          "alive).")
       .def(
           "allreduce_op",
           [](std::shared_ptr<SharedArena> a, int op) -> std::shared_ptr<BucketOp> {

@@ -9,8 +9,10 @@
 #include <vector>
 
 #include "bindings/common.h"
+#include "comm/arena.h"
 #include "engine/bucket_engine.h"
 #include "optim/optim_kernels.h"
+#include "optim/shared_step_op.h"
 #include "optim/step_op.h"
 
 namespace rumor::bindings {
@@ -82,6 +84,13 @@ optim::StepSegment to_segment(const SegmentTuple& t) {
   return s;
 }
 
+std::vector<optim::StepSegment> to_segments(const std::vector<SegmentTuple>& segs) {
+  std::vector<optim::StepSegment> v;
+  v.reserve(segs.size());
+  for (const auto& t : segs) v.push_back(to_segment(t));
+  return v;
+}
+
 }  // namespace
 
 void bind_optim(py::module_& m) {
@@ -126,15 +135,24 @@ void bind_optim(py::module_& m) {
       .def(
           "set_segments",
           [](optim::OptimizerStepOp& op, const std::vector<SegmentTuple>& segs) {
-            std::vector<optim::StepSegment> v;
-            v.reserve(segs.size());
-            for (const auto& t : segs) v.push_back(to_segment(t));
-            op.set_segments(std::move(v));
+            op.set_segments(to_segments(segs));
           },
           "[(kind, param, grad, count, state0, state1, state2, step, first, lr, momentum|beta1, "
           "dampening|beta2, eps, weight_decay, nesterov|decoupled, amsgrad, maximize)]")
       .def("set_clip_norm", &optim::OptimizerStepOp::set_clip_norm, py::arg("max_norm"),
            "Per-bucket gradient clipping before the update (0 = off).");
+  py::class_<optim::SharedStepAllreduceOp, BucketOp, std::shared_ptr<optim::SharedStepAllreduceOp>>(
+      m, "SharedStepAllreduceOp")
+      .def(py::init([](std::shared_ptr<SharedArena> arena, int op) {
+             return std::make_shared<optim::SharedStepAllreduceOp>(std::move(arena), to_op(op));
+           }),
+           py::arg("arena"), py::arg("op"))
+      .def(
+          "set_segments",
+          [](optim::SharedStepAllreduceOp& op, const std::vector<SegmentTuple>& segs) {
+            op.set_segments(to_segments(segs));
+          },
+          "As OptimizerStepOp.set_segments; parameters inside this rank's arena, state shared.");
   m.def(
       "python_bucket_op",
       [](py::function fn) -> std::shared_ptr<BucketOp> {

@@ -10,6 +10,7 @@
 #endif
 
 #include "core/reduce.h"
+#include "core/stream_copy.h"
 
 namespace rumor {
 
@@ -48,12 +49,6 @@ void difference_streaming(T* __restrict d, const T* __restrict a, const T* __res
   }
 #endif
   for (; i < n; ++i) d[i] = a[i] - s[i];
-}
-
-void streaming_fence() {
-#if defined(__SSE2__)
-  _mm_sfence();  // streaming stores are weakly ordered: visible before the barrier that publishes them
-#endif
 }
 
 // One chunk of the owner's block: x[q] and d[q] point at the chunk in rank q's arena, `seen`
@@ -127,7 +122,14 @@ void SharedArena::map_peers(const net::OpInfo& op) {
           op.where() + ": shared buckets of rank " + std::to_string(comm_->world_ranks()[q]));
 }
 
-void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
+std::byte* SharedArena::data_of(uint32_t q) const {
+  if (q >= peers_.size())
+    throw Error(ErrorKind::kInvalidArgument, "shared arena: no rank " + std::to_string(q) +
+                                                 " in a group of " + std::to_string(peers_.size()));
+  return q == comm_->rank() ? data() : static_cast<std::byte*>(peers_[q].data());
+}
+
+void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, const ChunkFn& on_reduced) {
   const size_t es = dtype_size(dtype);
   if (!contains(buf, count * es))
     throw Error(ErrorKind::kInvalidArgument, "shared-bucket allreduce: buffer is not inside the arena");
@@ -135,7 +137,11 @@ void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
   info.bytes = static_cast<int64_t>(count * es);
   info.algo = "shared buckets";
   const uint32_t n = comm_->size(), r = comm_->rank();
-  if (n == 1 || count == 0) return;
+  if (count == 0) return;
+  if (n == 1) {
+    if (on_reduced) on_reduced(0, count);
+    return;
+  }
   const size_t offset = static_cast<size_t>(static_cast<std::byte*>(buf) - data());
   comm_->run_guarded(info, [&] {
     comm_->barrier_within(info);  // everyone's gradients are in place
@@ -156,10 +162,20 @@ void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op) {
         reduce_into(mine + c, theirs, len / es, dtype, op);
       }
       if (op == ReduceOp::AVG) finish_average(mine + c, len / es, dtype, n);
-      for (uint32_t q = 0; q < n; ++q)
-        if (q != r)
-          std::memcpy(static_cast<std::byte*>(peers_[q].data()) + offset + begin[r] * es + c, mine + c, len);
+      for (uint32_t q = 0; q < n; ++q) {
+        if (q == r) continue;
+        std::byte* theirs = static_cast<std::byte*>(peers_[q].data()) + offset + begin[r] * es + c;
+        // With an update after the average (overlap_optimizer), peers read their gradients
+        // only at the next zero_grad: bypass the cache. Otherwise their own update reads them
+        // right away, from the cache where a normal store leaves them.
+        if (on_reduced)
+          copy_streaming(theirs, mine + c, len);
+        else
+          std::memcpy(theirs, mine + c, len);
+      }
+      if (on_reduced) on_reduced(begin[r] + c / es, len / es);
     }
+    streaming_fence();
     comm_->barrier_within(info);  // every block reduced and delivered everywhere
   });
 }

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -27,8 +28,17 @@ class SharedArena {
   Communicator& comm() const { return *comm_; }
   bool contains(const void* p, size_t len) const;
 
+  // The arena of communicator rank q, mapped here (this rank's own for q == rank()).
+  std::byte* data_of(uint32_t q) const;
+
+  // Runs on the owner of each chunk of an allreduce once the chunk holds the result on every
+  // rank: `first` counts elements from the start of the buffer. Each element is in exactly one
+  // chunk, and only its owner touches it until the allreduce returns, so work done here on it
+  // (overlap_optimizer's update) races with nothing and is visible to every rank afterwards.
+  using ChunkFn = std::function<void(size_t first, size_t count)>;
+
   // In-place allreduce of `count` elements at `data` (inside this arena) on every rank.
-  void allreduce(void* data, size_t count, DType dtype, ReduceOp op);
+  void allreduce(void* data, size_t count, DType dtype, ReduceOp op, const ChunkFn& on_reduced = {});
 
   // What a rank brings to average_into_deltas (the same vector, one entry per rank, on every rank).
   enum Role : uint8_t {

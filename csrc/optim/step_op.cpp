@@ -4,14 +4,33 @@
 
 namespace rumor::optim {
 
-void OptimizerStepOp::set_segments(std::vector<StepSegment> segments) {
+void check_segments(const std::vector<StepSegment>& segments) {
   for (const auto& s : segments) {
     if (s.count > 0 && (s.param == nullptr || s.grad == nullptr))
       throw Error(ErrorKind::kInvalidArgument,
                   "optimizer step: a segment has no parameter or gradient buffer");
-    if (s.kind == StepSegment::Kind::kAdam && s.step == nullptr)
-      throw Error(ErrorKind::kInvalidArgument, "optimizer step: an Adam segment has no step counter");
+    if (s.kind == StepSegment::Kind::kAdam && s.count > 0 &&
+        (s.step == nullptr || s.state0 == nullptr || s.state1 == nullptr ||
+         (s.adam.amsgrad && s.state2 == nullptr)))
+      throw Error(ErrorKind::kInvalidArgument,
+                  "optimizer step: an Adam segment lacks its step counter or state");
+    if (s.kind == StepSegment::Kind::kSgd && s.count > 0 && s.sgd.momentum != 0 && s.state0 == nullptr)
+      throw Error(ErrorKind::kInvalidArgument, "optimizer step: an SGD segment with momentum has no buffer");
   }
+}
+
+void step_range(StepSegment& s, size_t first, size_t count) {
+  auto at = [first](float* p) { return p == nullptr ? nullptr : p + first; };
+  if (s.kind == StepSegment::Kind::kSgd) {
+    sgd_step(s.param + first, s.grad + first, at(s.state0), count, s.sgd, s.first);
+    return;
+  }
+  adam_step(s.param + first, s.grad + first, at(s.state0), at(s.state1),
+            s.adam.amsgrad ? at(s.state2) : nullptr, count, s.adam, static_cast<double>(*s.step));
+}
+
+void OptimizerStepOp::set_segments(std::vector<StepSegment> segments) {
+  check_segments(segments);
   std::lock_guard lk(mu_);
   segments_ = std::move(segments);
 }
@@ -36,13 +55,9 @@ void OptimizerStepOp::run(Communicator&, void*, size_t, DType) {
         for (size_t i = 0; i < s.count; ++i) s.grad[i] *= coef;
   }
   for (auto& s : segments_) {
-    if (s.kind == StepSegment::Kind::kSgd) {
-      sgd_step(s.param, s.grad, s.state0, s.count, s.sgd, s.first);
-      s.first = false;
-    } else {
-      *s.step += 1.0f;
-      adam_step(s.param, s.grad, s.state0, s.state1, s.state2, s.count, s.adam, static_cast<double>(*s.step));
-    }
+    if (s.kind == StepSegment::Kind::kAdam) *s.step += 1.0f;
+    step_range(s, 0, s.count);
+    s.first = false;
   }
 }
 

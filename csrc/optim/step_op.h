@@ -35,6 +35,11 @@ struct StepSegment {
   AdamHyper adam;
 };
 
+// Throws kInvalidArgument for a segment without its buffers (what every step op refuses).
+void check_segments(const std::vector<StepSegment>& segments);
+// The update of elements [first, first + count) of one segment, in place.
+void step_range(StepSegment& s, size_t first, size_t count);
+
 class OptimizerStepOp final : public BucketOp {
  public:
   OptimizerStepOp() = default;

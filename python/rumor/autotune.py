@@ -43,7 +43,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -86,9 +86,12 @@ class AutotuneConfig:
     that do not apply to the job are left out anyway). verbose: rank 0 prints the result.
     min_gain: the best setting replaces the defaults only if it scored at least this fraction
     below them (a trial's score is the median of a few steps: a smaller lead is noise, and a
-    compute-bound job should not end on a setting that only looked faster)."""
+    compute-bound job should not end on a setting that only looked faster). confirm: when the
+    budget holds at least 4 trials, the last two re-measure the best setting and the defaults,
+    and the best is kept only if the mean of its two scores leads the mean of the defaults' two
+    by min_gain (the lowest of many noisy scores is biased low: one lucky trial must not win)."""
 
-    budget_steps: int = 50
+    budget_steps: int = 80
     warm_steps: int = 2
     measure_steps: int = 3
     cache: Optional[str] = None
@@ -97,6 +100,7 @@ class AutotuneConfig:
     space: Optional[Dict[str, Sequence]] = None
     verbose: bool = True
     min_gain: float = 0.02
+    confirm: bool = True
 
     def validate(self) -> "AutotuneConfig":
         what = "rumor autotune"
@@ -116,6 +120,8 @@ class AutotuneConfig:
             raise TypeError(f"{what}: min_gain must be a number, got {type(self.min_gain).__name__}")
         if not 0 <= self.min_gain < 1:
             raise ValueError(f"{what}: min_gain must be in [0, 1), got {self.min_gain}")
+        if not isinstance(self.confirm, bool):
+            raise TypeError(f"{what}: confirm must be a bool, got {type(self.confirm).__name__}")
         if self.cache is not None and not isinstance(self.cache, (str, os.PathLike)):
             raise TypeError(f"{what}: cache must be a path or None, got {type(self.cache).__name__}")
         if self.space is not None:
@@ -134,6 +140,11 @@ class AutotuneConfig:
     @property
     def trials(self) -> int:
         return self.budget_steps // (self.warm_steps + self.measure_steps)
+
+    @property
+    def search_trials(self) -> int:
+        """The trials that search; the rest (two, with confirm) re-measure the best and the defaults."""
+        return self.trials - 2 if self.confirm and self.trials >= 4 else self.trials
 
 
 def _check_value(knob: str, v) -> None:
@@ -466,10 +477,25 @@ class Autotuner:
         self.last = time.perf_counter()
         self.tuning_s += self.last - now
 
-    def _best_trial(self) -> int:
-        """The lowest-scoring trial, or trial 0 (the defaults) unless it leads them by min_gain."""
-        best = min(range(len(self._scores)), key=lambda i: self._scores[i])
-        return best if self._scores[best] <= self._scores[0] * (1 - self.cfg.min_gain) else 0
+    def _best_trial(self, upto: Optional[int] = None) -> int:
+        """The lowest-scoring of the first `upto` trials (all by default), or trial 0 (the
+        defaults) unless it leads them by min_gain."""
+        scores = self._scores[:upto]
+        best = min(range(len(scores)), key=lambda i: scores[i])
+        return best if scores[best] <= scores[0] * (1 - self.cfg.min_gain) else 0
+
+    def _verdict(self) -> Tuple[int, float, float]:
+        """(trial whose setting stays, its step, the defaults' step) once the trials are over:
+        the search's best, and with confirmation trials the means of each one's two scores."""
+        s = self.cfg.search_trials
+        best = Autotuner._best_trial(self, s)  # (also callable on a stand-in with _scores and cfg)
+        if best == 0 or len(self._scores) < s + 2:
+            return best, self._scores[best], self._scores[0]
+        cand = (self._scores[best] + self._scores[s]) / 2
+        default = (self._scores[0] + self._scores[s + 1]) / 2
+        if cand <= default * (1 - self.cfg.min_gain):
+            return best, cand, default
+        return 0, default, default
 
     def _ask(self) -> Dict:
         for _ in range(32):
@@ -502,29 +528,35 @@ class Autotuner:
         score = statistics.median(worst.tolist())
         self._scores.append(score)
         self.history[-1]["score_s"] = score
+        # status: 0 a search trial next, 2 a confirmation trial next, 1 done
         status, setting = 0, None
         if self.is_root:
-            self._study.tell(self._trials[-1], score)
-            if self.trial + 1 < self.cfg.trials:
+            n, search = len(self._scores), self.cfg.search_trials
+            if n <= search:
+                self._study.tell(self._trials[-1], score)
+            if n < search:
                 setting = self._ask()
+            elif n == search and search < self.cfg.trials and self._best_trial(search) != 0:
+                status, setting = 2, self._settings[self._best_trial(search)]
+            elif n == search + 1:
+                status, setting = 2, self._settings[0]
             else:
-                status = 1
-                setting = self._settings[self._best_trial()]
+                status, setting = 1, self._settings[self._verdict()[0]]
         t = self._encode(status, setting)
         broadcast_(t, self.root, self.group)
         setting = self._decode(t)
         self._apply(setting, self._order, self._gaps)
-        if int(t[0]) == 0:
-            self._next_trial(setting, kind="trial")
+        if int(t[0]) != 1:
+            self._next_trial(setting, kind="trial" if int(t[0]) == 0 else "confirm")
             return
         self.done = True
         self.history.append(dict(step=self.forwards, kind="final", setting=setting))
-        best = self._best_trial()
-        self.best = dict(setting=setting, step_s=self._scores[best], default_step_s=self._scores[0],
+        _, step_s, default_s = self._verdict()
+        self.best = dict(setting=setting, step_s=step_s, default_step_s=default_s,
                          trials=len(self._scores), tuning_steps=self.forwards - self.started_at,
                          tuning_s=self.tuning_s, source="search")
         if self.is_root:
-            record = dict(setting=setting, step_s=self._scores[best], default_step_s=self._scores[0],
+            record = dict(setting=setting, step_s=step_s, default_step_s=default_s,
                           trials=len(self._scores), budget_steps=self.cfg.budget_steps,
                           torch=torch.__version__, saved=datetime.datetime.now(datetime.timezone.utc).isoformat())
             saved = ""
@@ -536,8 +568,8 @@ class Autotuner:
                     saved = f"; could not save to {self.cache_path}: {e}"
             if self.cfg.verbose:
                 print(f"rumor autotune: {len(self._scores)} trials in {self.forwards - self.started_at} steps "
-                      f"({self.tuning_s:.1f} s); step {self._scores[best] * 1e3:.1f} ms vs "
-                      f"{self._scores[0] * 1e3:.1f} ms with the defaults{saved}\n"
+                      f"({self.tuning_s:.1f} s); step {step_s * 1e3:.1f} ms vs "
+                      f"{default_s * 1e3:.1f} ms with the defaults{saved}\n"
                       f"rumor autotune: pass by hand: rumor.DistributedDataParallel(model, "
                       f"{ddp_kwargs(setting, type(self.ddp.algorithm).__name__)})\n"
                       f"rumor autotune: {self._streams_note()}", file=sys.stderr, flush=True)

@@ -15,9 +15,11 @@ from . import _C, _runtime, timeline
 from ._runtime import Group, _comm
 from ._tensor import SUPPORTED_DTYPES, address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
-from .collectives import allgather, broadcast_
+from .collectives import ReduceOp, allgather, broadcast_
 
 _MB = 1024 * 1024
+# Optimizer state buffers per element that a host-shared update may need (Adam with amsgrad).
+_STATE_SLOTS = 3
 
 
 @dataclass
@@ -160,6 +162,9 @@ class DistributedDataParallel(torch.nn.Module):
         # False keeps buckets out of shared memory even when every rank is local (the autotuner
         # tries both); None/True: shared whenever possible.
         self._shared_setting = shared_buckets
+        # overlap_optimizer's update once per host (see _shared_step_possible); read once, so that
+        # rebuilt buckets keep the choice.
+        self._host_step_setting = _runtime._env_bool("RUMOR_SHARED_OPTIMIZER", True)
         self._autotuner = None
         self._first_cap_bytes = int(first_bucket_mb * _MB)
 
@@ -271,7 +276,16 @@ class DistributedDataParallel(torch.nn.Module):
             total = sum(self._params[i].numel() for i in idx)
             layout.append((idx, dtype, total, arena_bytes))
             arena_bytes += (total * torch.empty((), dtype=dtype).element_size() + 63) // 64 * 64
-        arena = _C.SharedArena(self.group._comm, arena_bytes) if self._shared_buckets() else None
+        arena = _C.SharedArena(self.group._comm, arena_bytes + self._step_region_bytes(layout)) \
+            if self._shared_buckets() else None
+        self._step_regions = {}
+        if arena is not None and self._shared_step_possible():
+            at = arena_bytes
+            for bi, (idx, dtype, total, _) in enumerate(layout):
+                if dtype == torch.float32:
+                    # This rank's parameters, then the host's optimizer state (in rank 0's arena).
+                    self._step_regions[bi] = [at + k * ((total * 4 + 63) // 64 * 64) for k in range(1 + _STATE_SLOTS)]
+                    at += (1 + _STATE_SLOTS) * ((total * 4 + 63) // 64 * 64)
         buckets, specs = [], []
         for bi, (idx, dtype, total, at) in enumerate(layout):
             if arena is not None:
@@ -297,8 +311,37 @@ class DistributedDataParallel(torch.nn.Module):
                           self.algorithm.bucket_op(self, bucket)))
         self._engine.set_buckets(specs)
         self.buckets = buckets
+        self._shared_step_ops = {}
         if self._fusion is not None:
             self._relayout_fusion()
+
+    def _shared_step_possible(self) -> bool:
+        """overlap_optimizer's update runs once per host, inside the shared-bucket allreduce
+        (csrc/optim/shared_step_op.h), when the C++ kernels run the optimizer, no per-bucket
+        clipping needs the whole bucket first, and the buckets are plain GradientAllReduce ones."""
+        return (self.overlap_optimizer and self._fusion is not None and self._fusion._kernel is not None
+                and self.bucket_clip_norm is None and type(self.algorithm).bucket_op is GradientAllReduce.bucket_op
+                and self._host_step_setting)
+
+    def _step_region_bytes(self, layout) -> int:
+        if not self._shared_step_possible():
+            return 0
+        return sum((1 + _STATE_SLOTS) * ((total * 4 + 63) // 64 * 64)
+                   for _, dtype, total, _ in layout if dtype == torch.float32)
+
+    def _shared_storage(self, bi: int, off: int, n: int):
+        """A run of bucket bi's parameters in the arena: this rank's parameters, and the state
+        views into rank 0's arena (untouched pages of the other ranks' state regions cost
+        nothing: shared memory is allocated when first written)."""
+        from .optim.fused import SharedStorage
+
+        arena, regions = self.buckets[bi].arena, self._step_regions[bi]
+        flat = torch.frombuffer(arena, dtype=torch.float32, count=n, offset=regions[0] + off * 4)
+        host = arena.rank_view(0)
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if self._fusion._kernel == "adam" else ("momentum_buffer",)
+        state = {key: torch.frombuffer(host, dtype=torch.float32, count=n, offset=regions[1 + k] + off * 4)
+                 for k, key in enumerate(keys)}
+        return SharedStorage(flat, state, writer=self.group._comm.rank == 0)
 
     def _relayout_fusion(self) -> None:
         """The fused optimizer's segments become runs of the buckets (their gradient slices), and
@@ -308,14 +351,14 @@ class DistributedDataParallel(torch.nn.Module):
         fusion = self._fusion
         plan, covered = [], set()
         for bi, b in enumerate(self.buckets):
-            runs = itertools.groupby(zip(b.params, b.offsets), key=lambda t: self._group_of.get(id(t[0])))
+            runs = [(gi, list(run)) for gi, run in
+                    itertools.groupby(zip(b.params, b.offsets), key=lambda t: self._group_of.get(id(t[0])))
+                    if gi is not None]
+            shared = bi in self._step_regions and runs and all(fusion.group_kernel_ok(gi) for gi, _ in runs)
             for gi, run in runs:
-                run = list(run)
-                if gi is None:
-                    continue
                 params = [p for p, _ in run]
                 off, n = run[0][1], sum(p.numel() for p in params)
-                plan.append((gi, params, b.flat[off:off + n], bi))
+                plan.append((gi, params, b.flat[off:off + n], bi, self._shared_storage(bi, off, n) if shared else None))
                 covered.update(id(p) for p in params)
         for gi, params, _ in fusion.default_plan():
             rest = [p for p in params if id(p) not in covered]
@@ -326,13 +369,26 @@ class DistributedDataParallel(torch.nn.Module):
             fusion.overlap = self
             self.optimizer._step_supports_amp_scaling = True  # so that GradScaler is refused, not ignored
             self._step_segs = [[s for s in fusion.segments if s.bucket == bi] for bi in range(len(self.buckets))]
-            self._step_ops = [self._make_step_op(segs) for segs in self._step_segs]
-            self._engine.set_after(self._step_ops)
+            self._step_ops = [self._make_step_op(bi, segs) for bi, segs in enumerate(self._step_segs)]
+            self._shared_step_ops = {bi: op for bi, op in enumerate(self._step_ops)
+                                     if isinstance(op, _C.SharedStepAllreduceOp)}
+            if self._shared_step_ops:
+                self._refresh_bucket_ops()
+            else:
+                self._engine.set_after(self._step_ops)
 
-    def _make_step_op(self, segs):
+    def _after_ops(self):
+        """The engine's per-bucket `after` ops: the updates not already inside the bucket's op."""
+        return [None if bi in self._shared_step_ops else op for bi, op in enumerate(self._step_ops)]
+
+    def _make_step_op(self, bi: int, segs):
         if not segs:
             return None
         fusion = self._fusion
+        if segs[0].shared is not None:
+            # Storage is shared only where the kernels run every segment of the bucket.
+            op = ReduceOp.AVG if self.algorithm.average else ReduceOp.SUM
+            return _C.SharedStepAllreduceOp(self.buckets[bi].arena, int(op))
         clip = self.bucket_clip_norm
         if fusion._kernel is not None and all(fusion._kernel_ok(s) for s in segs):
             op = _C.OptimizerStepOp()
@@ -360,7 +416,12 @@ class DistributedDataParallel(torch.nn.Module):
         hyper-parameters (lr schedulers may have changed them) and state buffers."""
         fusion = self._fusion
         for op, segs in zip(self._step_ops, self._step_segs):
-            if isinstance(op, _C.OptimizerStepOp):
+            if isinstance(op, (_C.OptimizerStepOp, _C.SharedStepAllreduceOp)):
+                if isinstance(op, _C.SharedStepAllreduceOp) and not all(fusion._kernel_ok(s) for s in segs):
+                    raise RuntimeError("rumor.DistributedDataParallel: overlap_optimizer's host-shared update "
+                                       "runs rumor's C++ kernels, which a param group no longer allows (a tensor "
+                                       "lr or betas, or capturable=True, set after wrapping); set them before "
+                                       "wrapping the model")
                 op.set_segments([fusion.kernel_segment(s) for s in segs])
         fusion.expose_state()
 
@@ -369,10 +430,10 @@ class DistributedDataParallel(torch.nn.Module):
         whose op changes during training, e.g. AsyncModelAverage after its warm-up). Only
         between iterations (no bucket in flight), e.g. from after_backward."""
         specs = [(address(b.flat), b.flat.numel(), dtype_code(b.flat.dtype, "bucket"), len(b.params),
-                  self.algorithm.bucket_op(self, b)) for b in self.buckets]
+                  self._shared_step_ops.get(b.index) or self.algorithm.bucket_op(self, b)) for b in self.buckets]
         self._engine.set_buckets(specs)
         if self._step_ops:
-            self._engine.set_after(self._step_ops)
+            self._engine.set_after(self._after_ops())
 
     def _shared_buckets(self) -> bool:
         """Buckets go to shared memory when every rank of the group is on this host."""

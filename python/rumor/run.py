@@ -22,7 +22,7 @@ _RUMOR_FLAGS = {
     "--rumor-shm": ("RUMOR_SHM", "1/0: shared memory between ranks of one host (default 1)"),
     "--rumor-log": ("RUMOR_LOG", "log level of the C++ core: error, warn, info, debug"),
     "--rumor-port": ("RUMOR_PORT", "fixed port for each worker's listener (default: any free port)"),
-    "--autotune-budget": ("RUMOR_AUTOTUNE_BUDGET", "steps the autotuner may take (default 50; with --autotune)"),
+    "--autotune-budget": ("RUMOR_AUTOTUNE_BUDGET", "steps the autotuner may take (default 80; with --autotune)"),
     "--autotune-cache": ("RUMOR_AUTOTUNE_CACHE", "the autotuner's JSON cache (default ~/.cache/rumor/autotune.json)"),
 }
 

@@ -83,26 +83,35 @@ def _check(results, knobs):
     assert st["done"] and sorted(st["knobs"]) == sorted(knobs)
     hist = st["history"]
     kinds = [h["kind"] for h in hist]
-    assert kinds == ["trial"] * n_trials + ["final"]
+    search = n_trials - 2  # the budget holds 5 trials: 3 search, then 2 confirm if one led
+    gain = st["config"]["min_gain"]
+    scores = [h["score_s"] for h in hist[:-1]]
+    assert all(s > 0 for s in scores)
+    best = min(range(search), key=lambda i: scores[i])
+    if scores[best] > scores[0] * (1 - gain):
+        best = 0
+    if best == 0:
+        assert kinds == ["trial"] * search + ["final"]
+    else:
+        # the leader and the defaults measured again; the leader stays only if its mean still
+        # leads the defaults' mean by min_gain
+        assert kinds == ["trial"] * search + ["confirm"] * 2 + ["final"]
+        assert hist[search]["setting"] == hist[best]["setting"] and hist[search + 1]["setting"] == st["default"]
+        if (scores[best] + scores[search]) / 2 > (scores[0] + scores[search + 1]) / 2 * (1 - gain):
+            best = 0
     assert hist[0]["setting"] == st["default"]  # the first trial is the wrapper's own setting
     # budget: the search starts at the second training forward and is over within budget_steps
     first, final = hist[0]["step"], hist[-1]["step"]
     assert first == 2 and final - first <= TUNE["budget_steps"]
-    assert [h["step"] for h in hist[:-1]] == [first + i * 2 for i in range(n_trials)]
-    # the best is the trial with the lowest score if it leads the defaults (trial 0) by
-    # min_gain, else the defaults; it is what stays in place
-    scores = [h["score_s"] for h in hist[:-1]]
-    assert all(s > 0 for s in scores)
-    best = min(range(n_trials), key=lambda i: scores[i])
-    if scores[best] > scores[0] * (1 - st["config"]["min_gain"]):
-        best = 0
+    assert [h["step"] for h in hist[:-1]] == [first + i * 2 for i in range(len(hist) - 1)]
+    # what stays in place is the verdict
     assert hist[-1]["setting"] == hist[best]["setting"] == st["best"]["setting"]
     cap, first_cap, gap = r0["attrs"]
     s = st["best"]["setting"]
     assert (cap, first_cap) == (int(s["bucket_cap_mb"] * 1024 * 1024), int(s["first_bucket_mb"] * 1024 * 1024))
     assert gap == s["bucket_split_gap_ms"] / 1e3
-    # trials differed (a setting already measured is never measured again) ...
-    keys = [json.dumps(h["setting"], sort_keys=True) for h in hist[:-1]]
+    # search trials differed (a setting already measured is never searched again) ...
+    keys = [json.dumps(h["setting"], sort_keys=True) for h in hist[:search]]
     assert len(set(keys)) == len(keys)
     # ... and each one really ran: the step that began at forward f (1-based) ran the setting of
     # the last history entry applied at or before f
@@ -134,7 +143,7 @@ def _check_cache(path, knobs, world_size, hosts):
     (key, entry), = data["entries"].items()
     assert f"world={world_size},hosts={hosts}" in key and "algorithm=GradientAllReduce" in key
     (streams, rec), = entry["by_streams"].items()
-    assert streams == "2" and sorted(rec["setting"]) == sorted(knobs) and rec["trials"] == 5
+    assert streams == "2" and sorted(rec["setting"]) == sorted(knobs) and rec["trials"] in (3, 5)
 
 
 def test_autotune_one_host_two_ranks():
@@ -183,6 +192,7 @@ def _bad_args():
         "gap": dict(bucket_split_gap_ms=0),
         "shared": dict(shared_buckets=1),
         "gain too big": dict(autotune={"min_gain": 1.0}),
+        "confirm str": dict(autotune={"confirm": "yes"}),
         "gain negative": dict(autotune={"min_gain": -0.01}),
         "gain str": dict(autotune={"min_gain": "2%"}),
     }
@@ -230,6 +240,28 @@ def test_best_setting_must_lead_the_defaults_by_min_gain():
     assert pick([1.00, 0.97], min_gain=0.05) == 0
 
 
+def test_confirmation_keeps_a_setting_only_if_it_still_leads():
+    """With confirm, trials 0..s-1 search and s, s+1 re-measure the leader and the defaults."""
+    from types import SimpleNamespace
+
+    from rumor.autotune import AutotuneConfig, Autotuner
+
+    cfg = AutotuneConfig(budget_steps=30, warm_steps=1, measure_steps=2)  # 10 trials: 8 search
+    assert cfg.search_trials == 8
+    assert AutotuneConfig(budget_steps=30, warm_steps=1, measure_steps=2, confirm=False).search_trials == 10
+    assert AutotuneConfig(budget_steps=9, warm_steps=1, measure_steps=2).search_trials == 3  # < 4 trials
+
+    def verdict(scores, **kw):
+        return Autotuner._verdict(SimpleNamespace(_scores=scores, cfg=AutotuneConfig(
+            budget_steps=30, warm_steps=1, measure_steps=2, **kw)))
+
+    search = [1.00, 1.01, 0.90, 1.02, 0.99, 1.00, 0.98, 1.00]
+    best, step, default = verdict(search + [0.91, 1.00])        # confirmed: kept, means reported
+    assert best == 2 and (step, default) == pytest.approx((0.905, 1.00))
+    assert verdict(search + [1.05, 0.97])[0] == 0               # lucky once: means 0.975 vs 0.985
+    assert verdict([1.00] * 8) == (0, 1.00, 1.00)               # nobody led: no confirmation ran
+
+
 def test_autotune_bad_arguments():
     (errors, warned, env_status), = harness.run(_bad_args, 1, timeout=60)
     expect = {"str": "TypeError", "unknown option": "TypeError", "small budget": "ValueError",
@@ -237,13 +269,14 @@ def test_autotune_bad_arguments():
               "bad knob": "ValueError", "bad value": "ValueError", "bad bool": "TypeError",
               "algorithm": "ValueError", "gap": "ValueError", "shared": "TypeError", "threshold": "ValueError",
               "env budget": "ValueError", "gain too big": "ValueError", "gain negative": "ValueError",
-              "gain str": "TypeError"}
+              "gain str": "TypeError", "confirm str": "TypeError"}
     for name, kind in expect.items():
         assert errors[name] is not None, f"{name}: no exception"
         assert errors[name][0] == kind, (name, errors[name])
     assert "budget_steps" in errors["small budget"][1] and "Decentralized" in errors["algorithm"][1]
     assert "bucket_split_gap_ms" in errors["gap"][1] and "small_allreduce_kb" in errors["threshold"][1]
     assert all("min_gain" in errors[k][1] for k in ("gain too big", "gain negative", "gain str"))
+    assert "confirm" in errors["confirm str"][1]
     assert env_status is None and any("RUMOR_AUTOTUNE ignored" in m for m in warned)
 
 

@@ -7,6 +7,11 @@ iteration): parameters equal the plain run's bit for bit where torch's own updat
 (RMSprop, Adagrad: the per-bucket Python fallback) and within 1e-6 relative where rumor's C++
 kernels run (SGD, Adam, AdamW; see test_fused_optimizer.py for that bound). Parameters are also
 checked identical across ranks.
+
+With the kernels and every rank on one host, overlap_optimizer runs each element's update once
+per host, inside the shared-bucket allreduce (csrc/optim/shared_step_op.h), with the optimizer
+state shared by the host's ranks; "overlap-private" turns that off (RUMOR_SHARED_OPTIMIZER=0) so
+that each rank's own update after its bucket (the path of multi-host jobs) is tested too.
 """
 from __future__ import annotations
 
@@ -46,7 +51,20 @@ def _make(name, params):
     raise ValueError(name)
 
 
-def _train(opt_name, mode):
+def _wrap(model, opt, mode):
+    import os
+
+    import rumor
+
+    os.environ["RUMOR_SHARED_OPTIMIZER"] = "0" if mode == "overlap-private" else "1"
+    try:
+        return rumor.DistributedDataParallel(model, optimizer=opt, overlap_optimizer=mode.startswith("overlap"),
+                                             **SMALL_BUCKETS)
+    finally:
+        del os.environ["RUMOR_SHARED_OPTIMIZER"]
+
+
+def _train(opt_name, mode, chk=None):
     import torch
 
     import rumor
@@ -56,8 +74,7 @@ def _train(opt_name, mode):
     opt = _make(opt_name, _groups(model))
     if mode == "fused":
         fuse_optimizer(opt)
-    ddp = rumor.DistributedDataParallel(model, optimizer=opt, overlap_optimizer=mode == "overlap",
-                                        **SMALL_BUCKETS)
+    ddp = _wrap(model, opt, mode)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 0.8 ** s, lambda s: 0.5 * 0.9 ** s])
     g = torch.Generator().manual_seed(100 + rumor.rank())
     for _ in range(STEPS):
@@ -66,6 +83,10 @@ def _train(opt_name, mode):
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         sched.step()
+    if chk is not None:  # after the buckets were rebuilt
+        want = mode == "overlap" and opt_name in ("sgd", "adam", "adamw")
+        chk.check(bool(ddp._shared_step_ops) == want,
+                  f"{opt_name}/{mode}: host-shared update {'not ' if want else ''}used")
     return [p.detach().clone() for p in model.parameters()], opt.state_dict()
 
 
@@ -81,8 +102,8 @@ def scenarios_rank(names):
     for opt_name in names:
         plain, plain_sd = _train(opt_name, "plain")
         kernel = opt_name in ("sgd", "adam", "adamw")
-        for mode in ("fused", "overlap"):
-            got, sd = _train(opt_name, mode)
+        for mode in ("fused", "overlap", "overlap-private"):
+            got, sd = _train(opt_name, mode, chk)
             for i, (a, b) in enumerate(zip(got, plain)):
                 if kernel:
                     err = ((a - b).abs() / b.abs().clamp(min=1.0)).max().item()
@@ -98,6 +119,63 @@ def scenarios_rank(names):
                     ok = key in sd["state"][k] and (not isinstance(v, torch.Tensor)
                                                     or sd["state"][k][key].shape == v.shape)
                     chk.check(ok, f"{opt_name}/{mode}: state {k}/{key} missing or of another shape")
+                    if ok and kernel and isinstance(v, torch.Tensor):
+                        # The state as every rank reads it (shared on one host) is the plain run's.
+                        err = ((sd["state"][k][key] - v).abs() / v.abs().clamp(min=1e-3)).max().item()
+                        chk.check(err <= 1e-5, f"{opt_name}/{mode}: state {k}/{key} differs by {err:.3g}")
+    return chk.failures, chk.count
+
+
+def resume_rank(opt_name, mode):
+    """overlap_optimizer: a run stopped after 3 steps and resumed from model and optimizer
+    state dicts into a new wrapper ends where 6 uninterrupted steps end, bit for bit (the
+    host-shared state is written back by one rank and read by all). Loading used to leave the
+    per-bucket update ops stepping the old flat buffers, no longer the parameters."""
+    import copy
+
+    import torch
+
+    import rumor
+    from rumor.collectives import allgather
+
+    rumor.init()
+    torch.set_num_threads(1)
+    chk = harness.Checker()
+    g = torch.Generator().manual_seed(100 + rumor.rank())
+    batches = [(torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)) for _ in range(STEPS)]
+
+    def run(model, opt, ddp, steps):
+        for x, y in steps:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+
+    model = _model()
+    opt = _make(opt_name, _groups(model))
+    ddp = _wrap(model, opt, mode)
+    chk.check(bool(ddp._shared_step_ops) == (mode == "overlap"), f"{opt_name}/{mode}: host-shared update used or not")
+    run(model, opt, ddp, batches)
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model = _model()
+    opt = _make(opt_name, _groups(model))
+    ddp = _wrap(model, opt, mode)
+    run(model, opt, ddp, batches[:3])
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    # The shared state as rank 1 reads it equals rank 0's.
+    flat = torch.cat([v.reshape(-1) for st in saved[1]["state"].values() for v in st.values()
+                      if isinstance(v, torch.Tensor)]).unsqueeze(0)
+    every = allgather(flat)
+    chk.check(bool((every == every[0]).all()), f"{opt_name}: optimizer state differs across ranks")
+    del ddp, opt, model
+    model = _model(seed=1)  # other initial values: the state dicts must bring everything back
+    opt = _make(opt_name, _groups(model))
+    ddp = _wrap(model, opt, mode)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    run(model, opt, ddp, batches[3:])
+    for i, (a, b) in enumerate(zip(model.parameters(), straight)):
+        chk.check(torch.equal(a.detach(), b), f"{opt_name}: resumed parameter {i} differs from the straight run")
     return chk.failures, chk.count
 
 
@@ -190,6 +268,13 @@ def errors_rank():
 def test_fused_and_overlapped_equal_plain(names):
     res = harness.run(scenarios_rank, 2, timeout=120, args=(names,))
     harness.assert_no_failures(res, "overlap_optimizer")
+
+
+@pytest.mark.parametrize("mode", ["overlap", "overlap-private"])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_overlap_resumes_from_state_dicts(opt_name, mode):
+    res = harness.run(resume_rank, 2, timeout=120, args=(opt_name, mode))
+    harness.assert_no_failures(res, "overlap_optimizer resume")
 
 
 def test_overlap_errors():

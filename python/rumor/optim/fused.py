@@ -71,14 +71,25 @@ def _check_fusible(optimizer) -> None:
         raise ValueError("rumor.optim.fuse_optimizer: this optimizer is already fused")
 
 
+class SharedStorage:
+    """Where a segment's buffers live when DistributedDataParallel(overlap_optimizer=True) updates
+    it once per host (csrc/optim/shared_step_op.h): its parameters in this rank's shared arena,
+    its optimizer state in memory that every rank of the host views (state key -> flat view).
+    `writer`: this rank copies existing state into the shared views (one rank does)."""
+
+    def __init__(self, flat: torch.Tensor, state: Dict[str, torch.Tensor], writer: bool):
+        self.flat, self.state, self.writer = flat, state, writer
+
+
 class _Segment:
     """Parameters of one param group laid out back to back in a flat parameter buffer, with a
     flat gradient buffer of the same layout."""
 
     def __init__(self, group: int, params: List[torch.Tensor], grad: Optional[torch.Tensor],
-                 bucket: Optional[int] = None):
+                 bucket: Optional[int] = None, shared: Optional[SharedStorage] = None):
         self.group = group
         self.bucket = bucket  # the DistributedDataParallel bucket whose slice `grad` is
+        self.shared = shared
         self.params = params
         first = params[0]
         self.numel = sum(p.numel() for p in params)
@@ -86,8 +97,11 @@ class _Segment:
         for p in params:
             self.offsets.append(off)
             off += p.numel()
+        if shared is not None and (shared.flat.numel() != self.numel or shared.flat.dtype != first.dtype):
+            raise ValueError("rumor.optim: a segment's shared storage does not match its parameters")
         # A Parameter so that optimizers treat it as they treat the user's (it never enters autograd).
-        self.flat = torch.nn.Parameter(torch.empty(self.numel, dtype=first.dtype, device=first.device))
+        self.flat = torch.nn.Parameter(shared.flat if shared is not None
+                                       else torch.empty(self.numel, dtype=first.dtype, device=first.device))
         if grad is None:
             grad = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
         elif grad.numel() != self.numel or grad.dtype != first.dtype or not grad.is_contiguous():
@@ -132,13 +146,14 @@ class _Fusion:
         return p.requires_grad and p.layout == torch.strided
 
     def layout(self, plan) -> None:
-        """(Re)builds the flat buffers from plan = [(group index, params, gradient buffer or None)],
-        keeping parameter values, gradients and optimizer state."""
+        """(Re)builds the flat buffers from plan = [(group index, params, gradient buffer or None
+        [, bucket index [, SharedStorage]])], keeping parameter values, gradients and optimizer
+        state."""
         opt = self.opt
         fused_ids = set()
         segments = []
-        for gi, params, grad, *bucket in plan:
-            seg = _Segment(gi, list(params), grad, bucket[0] if bucket else None)
+        for gi, params, grad, *where in plan:
+            seg = _Segment(gi, list(params), grad, *where)
             with torch.no_grad():
                 for p, view in seg.views(seg.flat.data):
                     view.copy_(p.data)
@@ -156,6 +171,8 @@ class _Fusion:
         flat_state: Dict[torch.Tensor, dict] = {}
         for seg in segments:
             flat_state[seg.flat] = self._concat_state(seg, per_param)
+            if seg.shared is not None:
+                _into_shared(flat_state[seg.flat], seg)
         with torch.no_grad():
             for seg in segments:
                 for (p, view), (_, gview) in zip(seg.views(seg.flat.data), seg.views(seg.grad)):
@@ -286,21 +303,23 @@ class _Fusion:
         st = self.flat_state.setdefault(seg.flat, {})
         p, grad = seg.flat.data, seg.grad
         lr, wd, maximize = float(g["lr"]), float(g["weight_decay"]), bool(g.get("maximize", False))
+        shared = seg.shared.state if seg.shared is not None else None
         if self._kernel == "sgd":
             first = "momentum_buffer" not in st
             buf = None
             if g["momentum"] != 0:
                 if first:
-                    st["momentum_buffer"] = torch.empty_like(p)
+                    st["momentum_buffer"] = shared["momentum_buffer"] if shared else torch.empty_like(p)
                 buf = st["momentum_buffer"]
             return (0, p.data_ptr(), grad.data_ptr(), seg.numel, 0 if buf is None else buf.data_ptr(), 0, 0, 0,
                     first, lr, float(g["momentum"]), float(g["dampening"]), 0.0, wd, bool(g["nesterov"]), False,
                     maximize)
-        _init_adam_state(st, p, g)
+        # Shared state is zeroed by the ranks that update it, inside the update (first = True).
+        fresh = _init_adam_state(st, p, g, shared)
         vmax = st.get("max_exp_avg_sq") if g["amsgrad"] else None
         b1, b2 = (float(b) for b in g["betas"])
         return (1, p.data_ptr(), grad.data_ptr(), seg.numel, st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
-                0 if vmax is None else vmax.data_ptr(), st["step"].data_ptr(), False, lr, b1, b2, float(g["eps"]), wd,
+                0 if vmax is None else vmax.data_ptr(), st["step"].data_ptr(), fresh, lr, b1, b2, float(g["eps"]), wd,
                 bool(g.get("decoupled_weight_decay", False)), bool(g["amsgrad"]), maximize)
 
     def _swapped(self, fn, segs: Optional[List[_Segment]] = None, loose: bool = True):
@@ -335,9 +354,13 @@ class _Fusion:
             self.expose_state()
 
     def _kernel_ok(self, seg: _Segment) -> bool:
-        g = self.opt.param_groups[seg.group]
         return (seg.flat.dtype == torch.float32 and seg.flat.device.type == "cpu"
-                and not isinstance(g["lr"], torch.Tensor) and not g.get("capturable", False)
+                and self.group_kernel_ok(seg.group))
+
+    def group_kernel_ok(self, gi: int) -> bool:
+        """Whether the C++ kernels can run param group gi's update (on float32 CPU buffers)."""
+        g = self.opt.param_groups[gi]
+        return (self._kernel is not None and not isinstance(g["lr"], torch.Tensor) and not g.get("capturable", False)
                 and not any(isinstance(b, torch.Tensor) for b in g.get("betas", ())))
 
     def _kernel_step(self, closure, segs):
@@ -437,13 +460,27 @@ def _kernel_update(kind: str, g: dict, st: dict, seg: _Segment) -> None:
                  float(step.item()), threads=torch.get_num_threads())
 
 
-def _init_adam_state(st: dict, p: torch.Tensor, g: dict) -> None:
-    if not st:
-        st["step"] = torch.tensor(0.0, dtype=torch.float32)
-        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if g["amsgrad"]:
-            st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def _init_adam_state(st: dict, p: torch.Tensor, g: dict, shared: Optional[Dict[str, torch.Tensor]] = None) -> bool:
+    """Creates Adam's state as torch does on its first step (shared: in the given views, left for
+    the update to zero). Returns whether it did."""
+    if st:
+        return False
+    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+    keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ())
+    for key in keys:
+        st[key] = shared[key] if shared else torch.zeros_like(p, memory_format=torch.preserve_format)
+    return True
+
+
+def _into_shared(fs: dict, seg: _Segment) -> None:
+    """Moves a segment's elementwise state into its shared views (written by one rank of the
+    host; the others' copies are equal and dropped)."""
+    for key, v in list(fs.items()):
+        view = seg.shared.state.get(key)
+        if view is not None and isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == seg.numel:
+            if seg.shared.writer and v.data_ptr() != view.data_ptr():
+                view.copy_(v)
+            fs[key] = view
 
 
 def fuse_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -493,5 +530,10 @@ def _state_dict_post_hook(opt, state_dict):
 def _load_state_dict_post_hook(opt):
     fusion = opt._rumor_fusion
     # torch.optim wrote plain per-parameter tensors into opt.state: gather them into flat state.
-    plan = [(s.group, s.params, s.grad, s.bucket) for s in fusion.segments]
+    if fusion.overlap is not None:
+        # The wrapper's per-bucket update ops hold the segments: it must rebuild them with the
+        # new ones (they used to go on updating the old flat buffers, no longer the parameters).
+        fusion.overlap._relayout_fusion()
+        return
+    plan = [(s.group, s.params, s.grad, s.bucket, s.shared) for s in fusion.segments]
     fusion.layout(plan)
