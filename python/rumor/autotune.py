@@ -87,9 +87,10 @@ class AutotuneConfig:
     min_gain: the best setting replaces the defaults only if it scored at least this fraction
     below them (a trial's score is the median of a few steps: a smaller lead is noise, and a
     compute-bound job should not end on a setting that only looked faster). confirm: when the
-    budget holds at least 4 trials, the last two re-measure the best setting and the defaults,
-    and the best is kept only if the mean of its two scores leads the mean of the defaults' two
-    by min_gain (the lowest of many noisy scores is biased low: one lucky trial must not win)."""
+    budget holds at least 4 trials, the last two re-measure the best setting and the defaults back
+    to back, and the best is kept only if it leads by min_gain there too (the lowest of many noisy
+    scores is biased low, and the defaults' first trial runs first: one lucky or unlucky trial
+    must not decide)."""
 
     budget_steps: int = 80
     warm_steps: int = 2
@@ -486,13 +487,13 @@ class Autotuner:
 
     def _verdict(self) -> Tuple[int, float, float]:
         """(trial whose setting stays, its step, the defaults' step) once the trials are over:
-        the search's best, and with confirmation trials the means of each one's two scores."""
+        the search's best if it led the defaults by min_gain, and, with confirmation trials, led
+        them again when both were measured back to back (whose scores are then reported)."""
         s = self.cfg.search_trials
         best = Autotuner._best_trial(self, s)  # (also callable on a stand-in with _scores and cfg)
         if best == 0 or len(self._scores) < s + 2:
             return best, self._scores[best], self._scores[0]
-        cand = (self._scores[best] + self._scores[s]) / 2
-        default = (self._scores[0] + self._scores[s + 1]) / 2
+        cand, default = self._scores[s], self._scores[s + 1]
         if cand <= default * (1 - self.cfg.min_gain):
             return best, cand, default
         return 0, default, default
