@@ -18,8 +18,8 @@ from .algorithms import Algorithm, GradientAllReduce
 from .collectives import ReduceOp, allgather, broadcast_
 
 _MB = 1024 * 1024
-# Optimizer state buffers per element that a host-shared update may need (Adam with amsgrad).
-_STATE_SLOTS = 3
+# The optimizer state a host-shared update keeps per element, by kernel (Adam: with amsgrad).
+_SHARED_STATE = {"adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
 @dataclass
@@ -34,6 +34,11 @@ class Bucket:
     # Set when the bucket lives in shared memory that the group's (all-local) peers read in
     # place; algorithms may then use arena.allreduce_op().
     arena: Optional[object] = None
+
+
+def _aligned(nbytes: int) -> int:
+    """Arena regions start on cache lines."""
+    return (nbytes + 63) // 64 * 64
 
 
 def _coalesced_broadcast(tensors: List[torch.Tensor], group: Group) -> None:
@@ -275,17 +280,18 @@ class DistributedDataParallel(torch.nn.Module):
             dtype = dtypes.pop()
             total = sum(self._params[i].numel() for i in idx)
             layout.append((idx, dtype, total, arena_bytes))
-            arena_bytes += (total * torch.empty((), dtype=dtype).element_size() + 63) // 64 * 64
-        arena = _C.SharedArena(self.group._comm, arena_bytes + self._step_region_bytes(layout)) \
-            if self._shared_buckets() else None
+            arena_bytes += _aligned(total * torch.empty((), dtype=dtype).element_size())
+        # With the host-shared update, each float32 bucket's arena also holds this rank's
+        # parameters, then the host's optimizer state (used in rank 0's arena only).
         self._step_regions = {}
-        if arena is not None and self._shared_step_possible():
-            at = arena_bytes
-            for bi, (idx, dtype, total, _) in enumerate(layout):
+        shared = self._shared_buckets()
+        if shared and self._shared_step_possible():
+            for bi, (_, dtype, total, _) in enumerate(layout):
                 if dtype == torch.float32:
-                    # This rank's parameters, then the host's optimizer state (in rank 0's arena).
-                    self._step_regions[bi] = [at + k * ((total * 4 + 63) // 64 * 64) for k in range(1 + _STATE_SLOTS)]
-                    at += (1 + _STATE_SLOTS) * ((total * 4 + 63) // 64 * 64)
+                    n_regions = 1 + len(_SHARED_STATE[self._fusion._kernel])
+                    self._step_regions[bi] = [arena_bytes + k * _aligned(total * 4) for k in range(n_regions)]
+                    arena_bytes += n_regions * _aligned(total * 4)
+        arena = _C.SharedArena(self.group._comm, arena_bytes) if shared else None
         buckets, specs = [], []
         for bi, (idx, dtype, total, at) in enumerate(layout):
             if arena is not None:
@@ -323,12 +329,6 @@ class DistributedDataParallel(torch.nn.Module):
                 and self.bucket_clip_norm is None and type(self.algorithm).bucket_op is GradientAllReduce.bucket_op
                 and self._host_step_setting)
 
-    def _step_region_bytes(self, layout) -> int:
-        if not self._shared_step_possible():
-            return 0
-        return sum((1 + _STATE_SLOTS) * ((total * 4 + 63) // 64 * 64)
-                   for _, dtype, total, _ in layout if dtype == torch.float32)
-
     def _shared_storage(self, bi: int, off: int, n: int):
         """A run of bucket bi's parameters in the arena: this rank's parameters, and the state
         views into rank 0's arena (untouched pages of the other ranks' state regions cost
@@ -338,9 +338,8 @@ class DistributedDataParallel(torch.nn.Module):
         arena, regions = self.buckets[bi].arena, self._step_regions[bi]
         flat = torch.frombuffer(arena, dtype=torch.float32, count=n, offset=regions[0] + off * 4)
         host = arena.rank_view(0)
-        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if self._fusion._kernel == "adam" else ("momentum_buffer",)
         state = {key: torch.frombuffer(host, dtype=torch.float32, count=n, offset=regions[1 + k] + off * 4)
-                 for k, key in enumerate(keys)}
+                 for k, key in enumerate(_SHARED_STATE[self._fusion._kernel])}
         return SharedStorage(flat, state, writer=self.group._comm.rank == 0)
 
     def _relayout_fusion(self) -> None:
@@ -416,12 +415,12 @@ class DistributedDataParallel(torch.nn.Module):
         hyper-parameters (lr schedulers may have changed them) and state buffers."""
         fusion = self._fusion
         for op, segs in zip(self._step_ops, self._step_segs):
+            if isinstance(op, _C.SharedStepAllreduceOp) and not all(fusion._kernel_ok(s) for s in segs):
+                raise RuntimeError("rumor.DistributedDataParallel: overlap_optimizer's host-shared update "
+                                   "runs rumor's C++ kernels, which a param group no longer allows (a tensor "
+                                   "lr or betas, or capturable=True, set after wrapping); set them before "
+                                   "wrapping the model")
             if isinstance(op, (_C.OptimizerStepOp, _C.SharedStepAllreduceOp)):
-                if isinstance(op, _C.SharedStepAllreduceOp) and not all(fusion._kernel_ok(s) for s in segs):
-                    raise RuntimeError("rumor.DistributedDataParallel: overlap_optimizer's host-shared update "
-                                       "runs rumor's C++ kernels, which a param group no longer allows (a tensor "
-                                       "lr or betas, or capturable=True, set after wrapping); set them before "
-                                       "wrapping the model")
                 op.set_segments([fusion.kernel_segment(s) for s in segs])
         fusion.expose_state()
 
