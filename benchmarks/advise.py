@@ -17,9 +17,9 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
      step is the slowest rank's median, or for the periodic algorithms
      (LocalSGD, DiLoCo, Streaming DiLoCo) its mean over whole rounds (--iters rounded up to a
      multiple of the round: 8 or 32 steps), so that every round's averaging is counted.
-     AsyncModelAverage runs without the barrier (nothing holds its ranks in step, and the
-     barrier's messages would wait behind its background traffic): its step is the slowest
-     rank's mean.
+     AsyncModelAverage and StreamingDiLoCo run without the barrier: their averaging runs in
+     the background across steps, and the barrier's messages would wait behind its traffic on
+     the shaped link (training itself has no barrier); their step is the slowest rank's mean.
 
 Checks printed per (rate, model), from one run: the advisor's top-ranked algorithm measures
 within 10% of the fastest measured one (target), and every algorithm's predicted step is within
@@ -64,6 +64,11 @@ def _build(row: Dict, cfg: Dict):
     if row["ctor"]["cls"] == "PowerSGD":
         row = dict(row, ctor=dict(cls="PowerSGD", kwargs=dict(row["ctor"]["kwargs"], start_powerSGD_iter=cfg["warmup"])))
     return build_algorithm(row)
+
+
+def _background(row: Dict) -> bool:
+    """Whether the row's algorithm averages in the background across steps."""
+    return row["kind"] == "async" or row["ctor"]["cls"] == "StreamingDiLoCo"
 
 
 def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True) -> List[float]:
@@ -134,11 +139,12 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         # Periodic algorithms are measured over whole rounds (every round's averaging counted).
         period = row["period"] if row is not None else 1
         measured = cfg["iters"] if period == 1 else period * -(-cfg["iters"] // period)
-        # Asynchronous algorithms run without the per-step barrier: nothing holds their ranks
-        # in step, and on a shaped link the barrier's messages would queue behind the
-        # background averaging's traffic (measured at 100 Mbit, cnn: +55 ms a step for
-        # AsyncModelAverage with the barrier, +15 ms without; a plain step: +10 ms).
-        asynchronous = row is not None and row["kind"] == "async"
+        # Algorithms that average in the background across steps run without the per-step
+        # barrier: on a shaped link the barrier's messages queue behind that traffic (measured
+        # at 100 Mbit, cnn: +55 ms a step for AsyncModelAverage with the barrier, +15 ms
+        # without; a plain step: +10 ms; 1 Gbit, mlp25m: StreamingDiLoCo 50-75 ms a step over
+        # its compute-only step with the barrier, 15-45 ms in a loop without one).
+        asynchronous = row is not None and _background(row)
         if asynchronous:
             dist.barrier()
         times[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous)
@@ -156,13 +162,13 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                     predicted_torch=advice.torch["predicted_step_s"], ranking=[r["algorithm"] for r in advice.rows],
                     measured={})
         periods = {r["algorithm"]: r["period"] for r in advice.rows}
-        kinds = {r["algorithm"]: r["kind"] for r in advice.rows}
+        unsync = {r["algorithm"] for r in advice.rows if _background(r)}
         for alg in times:
             steps = [max(per_rank[alg][r][i] for r in range(n)) for i in range(len(times[alg]))]
             # per-step algorithms: the median step; periodic ones: the mean over whole rounds
             per = periods.get(alg, 1)
             comp = [max(per_rank_ref[alg][r][i] for r in range(n)) for i in range(len(ref[alg]))]
-            if kinds.get(alg) == "async":  # unsynchronized ranks: the slowest rank's mean step
+            if alg in unsync:  # unsynchronized ranks: the slowest rank's mean step
                 measure = max(statistics.fmean(per_rank[alg][r]) for r in range(n))
             else:
                 measure = statistics.median(steps) if per == 1 else statistics.fmean(steps)

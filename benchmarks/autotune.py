@@ -19,10 +19,12 @@ How it measures
     autotuned DistributedDataParallel(..., autotune=dict(budget_steps=--budget, use_cache=False)):
               the first iteration plus the budget are its tuning steps (timed, the tuning cost), then
               --warmup + --iters steps at the setting it fixed.
-    then, right after the autotuned block, the grid's best point and the defaults once more
-    (fresh wrappers): the lowest of many noisy medians is biased low (the point chosen is in part
-    the one that happened to be measured at a quiet moment), so the comparison uses the re-run
-    of the chosen point, and the defaults' two blocks averaged.
+    then the comparison: the tuned wrapper, fresh defaults, a second fresh wrapper with the
+    defaults (its ratio to the first is the run's noise floor) and the grid's best point (the lowest
+    of many noisy medians is biased low: the point chosen is in part the one that happened to be
+    measured at a quiet moment) step in turn, one step each, the order rotating, for 2 x --iters
+    rounds: a change in the machine's load (this VM's speed drifts by 10-20% within minutes)
+    hits all four alike. autotuned / default and autotuned / grid best are their medians there.
   Each variant is measured for --iters steps after --warmup steps. Reported: median step per
   variant, autotuned / grid best and autotuned / default (targets: <= 1.05 and <= 1.00), the
   tuning cost = sum over the tuning steps of (step - autotuned median), also as a share of a
@@ -148,8 +150,21 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     # the forward that applied the final setting was a tuning step too (its step runs the new setting)
     tuning_wall = time.perf_counter() - t0
     run(ddp, opt, cfg["warmup"])
-    times["autotuned"] = []
-    run(ddp, opt, cfg["iters"], times["autotuned"])
+    # The comparison: the tuned wrapper, fresh defaults and the grid's best point, one step each
+    # in turn (the order rotating), so that a change in the machine's load hits all three alike.
+    # A second fresh wrapper with the defaults measures the run's noise floor: two wrappers of one
+    # setting, measured side by side.
+    final = [("autotuned", ddp, opt), ("default again", *make({})), ("default twin", *make({}))]
+    if best_point:
+        final.append(("grid best again", *make(grid_kw[best_point])))
+    for v, d, o in final[1:]:
+        run(d, o, cfg["warmup"])
+    for v, _, _ in final:
+        times[v] = []
+    for i in range(2 * cfg["iters"]):
+        k = i % len(final)
+        for v, d, o in final[k:] + final[:k]:
+            run(d, o, 1, times[v])
     st = autotune.status(ddp)
     extra["autotuned"] = dict(setting=st["best"]["setting"], trials=st["best"]["trials"],
                               tuner_step_s=st["best"]["step_s"], tuner_default_step_s=st["best"]["default_step_s"],
@@ -160,10 +175,10 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     if rank == 0:
         emit("progress", {"model": name, "what": f"autotuned: {statistics.median(times['autotuned']) * 1e3:.0f} ms/step"})
     nparams = sum(p.numel() for p in ddp.module.parameters())
-    del ddp, opt
+    del ddp, opt, final
     gc.collect()
-    measure([("default again", {})] + ([("grid best again", grid_kw[best_point])] if best_point else []))
     extra["autotuned"]["grid_best_point"] = best_point
+    extra["autotuned"]["interleaved"] = True
     # tuning has a different number of steps than the measured variants: gather it separately
     tuning = times.pop("tuning")
     per_rank = _common.gather_samples(times)
@@ -206,7 +221,15 @@ def summarize(cell: Dict) -> None:
     # results saved before the re-runs existed fall back to the first pass.
     cell["grid_best_s"] = v["grid best again"]["median_s"] if "grid best again" in v else (
         grid[best]["median_s"] if best else None)
-    cell["default_s"] = statistics.fmean([v[k]["median_s"] for k in ("default", "default again") if k in v])
+    # Interleaved runs (the tuned wrapper, the defaults and the grid's best point a step each in
+    # turn) compare with the defaults measured beside it; older results with the mean of the
+    # defaults' two blocks.
+    if cell["autotune"].get("interleaved"):
+        cell["default_s"] = v["default again"]["median_s"]
+        if "default twin" in v:
+            cell["twin_over_default"] = v["default twin"]["median_s"] / cell["default_s"]
+    else:
+        cell["default_s"] = statistics.fmean([v[k]["median_s"] for k in ("default", "default again") if k in v])
     cell["auto_over_default"] = auto / cell["default_s"]
     cell["auto_over_grid_best"] = auto / cell["grid_best_s"] if best else None
     tuning = cell["autotune"]["tuning_step_s"]
@@ -215,12 +238,19 @@ def summarize(cell: Dict) -> None:
     cell["tuning_cost_share_of_long_run"] = cost / (cost + LONG_RUN * auto)
 
 
+def _kept_defaults(cell: Dict) -> bool:
+    """Whether the tuner ended on the setting of its first trial (the defaults)."""
+    hist = cell["autotune"].get("history") or []
+    return bool(hist) and hist[0]["setting"] == cell["autotune"]["setting"]
+
+
 def print_table(cells: List[Dict], title: str) -> None:
     if not cells:
         return
-    print(f"\n{title}   (median step of the slowest rank, ms; default: mean of its two blocks; grid best: the "
-          f"point with the lowest median, re-run after the autotuned block (first pass in brackets); tuning cost = "
-          f"extra seconds the tuning steps took over the autotuned step, and its share of a {LONG_RUN}-step run)")
+    print(f"\n{title}   (median step of the slowest rank, ms; default, autotuned and grid best measured a step "
+          f"each in turn after tuning; grid best: the point with the lowest median in the grid's pass (that median in "
+          f"brackets); tuning cost = extra seconds the tuning steps took over the autotuned step, and its share of a "
+          f"{LONG_RUN}-step run)")
     head = (f"{'model':<12} {'default':>8} {'autotuned':>9} {'grid best':>17} {'auto/grid':>9} {'auto/def':>8} "
             f"{'tune steps':>10} {'cost s':>7} {'cost %':>7}  grid best point | autotuned setting")
     print(head)
@@ -346,6 +376,16 @@ def main(argv=None) -> int:
                     continue
                 result["targets"].append(dict(name=name, value=value, met=value <= goal))
                 print(f"target: {name}: {value:.3f} -> {'MET' if value <= goal else 'NOT MET'}")
+            twin = c.get("twin_over_default")
+            if twin is not None:
+                # Two wrappers of the default setting differ by this much in the same rotation: a
+                # lead or lag of the autotuned run within it is noise, not the tuner.
+                noise = abs(twin - 1.0)
+                within = c["auto_over_default"] <= TARGET_VS_DEFAULT + noise
+                print(f"  noise floor: the defaults' twin wrapper measured {twin:.3f}x the defaults in the same rotation;"
+                      f" autotuned/default {c['auto_over_default']:.3f} is "
+                      f"{'within' if within else 'beyond'} 1 + that noise ({TARGET_VS_DEFAULT + noise:.3f})"
+                      + ("; the tuner kept the defaults' setting" if _kept_defaults(c) else ""))
         headline = None
         if result["cells"]:
             c = next((c for c in result["cells"] if c["model"] == "mlp25m"), result["cells"][0])

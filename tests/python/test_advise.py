@@ -100,6 +100,53 @@ def test_prediction_model_by_hand():
     assert "1-bit Adam" not in rows2 and "GradientAllReduce hierarchical" in rows2
 
 
+def test_network_slowed_beside_compute_and_the_pairwise_link():
+    """Communication that runs while compute does progresses at the measured rate beside
+    compute until compute ends, then at full speed; shift_one's and LowPrecisionDecentralized's
+    exchanges with peers use the pairwise link (both directions at once), not the ring's."""
+    from rumor.advisor import Link
+
+    B, a = 125e6, 1e-4
+    P, pa = 100e6, 2e-5  # the pairwise swap: slower than the ring's rate
+    inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
+    ring = lambda nbytes, n=4: 2 * (n - 1) / n * nbytes / B + 2 * (n - 1) * a  # noqa: E731
+    pair = dict(ranks=2, bandwidth_Bps=P, latency_s=pa)
+    rows = _rows(_measured(comm_rate_beside_compute=0.5, pair=pair), inter)
+    # bucket 1 from 5 ms: at half speed until backward ends at 20 ms, the rest at full speed
+    t1 = 0.02 + ring(1e6) - 0.5 * 0.015
+    t2 = t1 + ring(7e6)
+    assert rows["GradientAllReduce"]["predicted_step_s"] == pytest.approx(0.01 + t2 + 0.005, rel=REL)
+    # the mix starts with forward: 30 ms at half speed, then the rest
+    mix = 8e6 / P + pa
+    assert rows["Decentralized shift_one"]["predicted_step_s"] == pytest.approx(0.03 + mix - 0.015 + 0.005, rel=REL)
+    xchg = 2 * 2e6 / P + pa
+    assert rows["LowPrecisionDecentralized"]["predicted_step_s"] == pytest.approx(
+        0.03 + xchg - 0.015 + 0.005, rel=REL)
+    # a compressed bucket: its codec work first (not slowed: measured with every rank busy),
+    # then its bytes on the link, at half speed while backward runs
+    codecs = _codecs()
+    codecs["ByteGrad"].update(encode_s_per_element=1e-9, decode_s_per_element=2e-9)
+    bg = _rows(_measured(comm_rate_beside_compute=0.5, codecs=codecs), inter)["ByteGrad"]
+    work = lambda el: el * (1e-9 * 1.25 + 2e-9 * 1.75)  # noqa: E731  (4 hosts: encode 1 + 1/4, decode 2 - 1/4)
+    s1 = 0.005 + work(0.25e6)
+    t1 = s1 + ring(0.25e6) / 0.5 if s1 + ring(0.25e6) / 0.5 <= 0.02 else 0.02 + ring(0.25e6) - 0.5 * (0.02 - s1)
+    s2 = max(t1, 0.02) + work(1.75e6)
+    t2 = s2 + ring(1.75e6)
+    assert bg["predicted_step_s"] == pytest.approx(0.01 + t2 + 0.005, rel=REL)
+    # a short exchange ends beside compute, at half speed
+    short = _rows(_measured(comm_rate_beside_compute=0.5, pair=dict(ranks=2, bandwidth_Bps=1e12, latency_s=1e-3),
+                            net_cost_s_per_byte=0.0), inter)
+    assert short["Decentralized shift_one"]["predicted_step_s"] == pytest.approx(0.035, rel=REL)
+    # AsyncModelAverage: a round is the weights' allreduce beside compute (here longer than
+    # the interval), and costs the step nothing with free weight arithmetic
+    assert rows["AsyncModelAverage"]["predicted_step_s"] == pytest.approx(0.035, rel=REL)
+    # one host: no network, the rate is not applied
+    one = _rows(_measured(ranks=2, hosts=1, local_size=2, comm_rate_beside_compute=0.5),
+                None, intra=Link(n=2, bandwidth_Bps=B, latency_s=a))
+    ref = _rows(_measured(ranks=2, hosts=1, local_size=2), None, intra=Link(n=2, bandwidth_Bps=B, latency_s=a))
+    assert one["GradientAllReduce"]["predicted_step_s"] == ref["GradientAllReduce"]["predicted_step_s"]
+
+
 def test_network_cpu_stretches_the_compute_it_overlaps():
     """The measured CPU cost of a byte sent between hosts is added to the compute that traffic
     runs beside; a link fast enough to hide the communication leaves that cost alone."""
@@ -374,6 +421,11 @@ def _check(res, hosts, local, adam):
             assert m[key]["bandwidth_Bps"] > 0 and m[key]["latency_s"] >= 0 and m[key]["ranks"] > 1
         else:
             assert m[key] is None
+    if hosts > 1:  # the swap with one peer and the ring beside compute are probed between hosts only
+        assert m["pair"]["ranks"] == 2 and m["pair"]["bandwidth_Bps"] > 0 and m["pair"]["latency_s"] >= 0
+        assert 0.1 <= m["comm_rate_beside_compute"] <= 1.0
+    else:
+        assert m["pair"] is None and m["comm_rate_beside_compute"] == 1.0
     for c in m["codecs"].values():
         assert c["encode_s_per_element"] > 0 and c["decode_s_per_element"] > 0
     assert m["codecs"]["ByteGrad"]["wire_bytes_per_element"] == pytest.approx(1.0, abs=0.01)
