@@ -204,36 +204,43 @@ def _time_allreduce(group, nbytes: int, reps: int):
     from .collectives import allreduce_
 
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-    allreduce_(buf, group=group, algorithm="ring")
+    best, cpu = _least_disturbed(lambda: allreduce_(buf, group=group, algorithm="ring"), reps)
+    sent = reps * _ring_sent(buf.numel() * 4, group.size())
+    return best, cpu / sent if sent > 0 else 0.0
+
+
+def _least_disturbed(fn: Callable[[], object], reps: int):
+    """(seconds of the fastest of reps calls after one warm-up, CPU seconds of all reps): other
+    processes only ever add time."""
+    fn()
     times = []
     c0 = _process_cpu_s()
     for _ in range(reps):
         t0 = time.perf_counter()
-        allreduce_(buf, group=group, algorithm="ring")
+        fn()
         times.append(time.perf_counter() - t0)
-    sent = reps * _ring_sent(buf.numel() * 4, group.size())
-    # The least disturbed repetition: other processes only ever add time.
-    return min(times), (_process_cpu_s() - c0) / sent if sent > 0 else 0.0
+    return min(times), _process_cpu_s() - c0
+
+
+def _line(small: float, big: float, s_small: int, s_big: int):
+    """(seconds per byte, fixed seconds) of the line through two timed sizes."""
+    if big > small:
+        a = (big - small) / (s_big - s_small)
+        return a, max(small - a * s_small, 0.0)
+    # noise hid the size dependence: all of the large message's time counts as bandwidth
+    return max(big, 1e-9) / s_big, max(small, 0.0)
 
 
 def _fit(n: int, small: float, big: float, s_small: int, s_big: int) -> Link:
     # t = a * bytes + b, a = 2(n-1)/n / bandwidth, b = 2(n-1) * latency
-    if big > small:
-        a = (big - small) / (s_big - s_small)
-        b = max(small - a * s_small, 0.0)
-    else:  # noise hid the size dependence: all of the large message's time counts as bandwidth
-        a, b = max(big, 1e-9) / s_big, max(small, 0.0)
+    a, b = _line(small, big, s_small, s_big)
     return Link(n=n, bandwidth_Bps=2 * (n - 1) / n / a, latency_s=b / (2 * (n - 1)),
                 samples=[(s_small, small), (s_big, big)])
 
 
 def _fit_hop(small: float, big: float, s_small: int, s_big: int) -> Link:
     # t = bytes / bandwidth + latency (one message each way between two ranks at once)
-    if big > small:
-        a = (big - small) / (s_big - s_small)
-        b = max(small - a * s_small, 0.0)
-    else:
-        a, b = max(big, 1e-9) / s_big, max(small, 0.0)
+    a, b = _line(small, big, s_small, s_big)
     return Link(n=2, bandwidth_Bps=1 / a, latency_s=b, samples=[(s_small, small), (s_big, big)])
 
 
@@ -254,13 +261,7 @@ def _time_exchange(group, nbytes: int, reps: int) -> float:
     def swap():
         neighbor_allreduce(buf, self_weight=0.5, src_weights={other: 0.5}, dst_weights=[other],
                            enable_topo_check=False, group=group)
-    swap()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        swap()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return _least_disturbed(swap, reps)[0]
 
 
 def _link_of(d: Optional[Dict]) -> Optional[Link]:
@@ -300,7 +301,7 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
     me = st.env.rank
     small = 4 * 1024
     big = max(link_bytes, 4 * small)
-    out = torch.zeros(7, dtype=torch.float64)
+    out = torch.zeros(8, dtype=torch.float64)
     local_n = max(len(m) for m in members.values())
     if local_n > 1:
         groups = {h: new_group(members[h]) if len(members[h]) > 1 else None for h in hosts}
@@ -323,11 +324,10 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
         out[3], out[4] = _time_allreduce(lg, wide, few)
         out[5] = _time_exchange(lg, small, reps)
         out[6] = _time_exchange(lg, wide, few)
+        out[7] = wide  # every rank needs the size the leaders chose
     out = allreduce(out, op=ReduceOp.MAX)
     t = out.tolist()
-    if lg is not None:  # every rank needs the size the leaders chose
-        wide = int(allreduce(torch.tensor([float(wide if me in leaders else 0)], dtype=torch.float64),
-                             op=ReduceOp.MAX).item())
+    wide = int(t[7]) if lg is not None else big
     intra = _fit(local_n, t[0], t[1], small, big) if local_n > 1 else None
     inter = _fit(len(hosts), t[2], t[3], small, wide) if len(hosts) > 1 else None
     pair = _fit_hop(t[5], t[6], small, wide) if len(hosts) > 1 and t[6] > 0 else None
@@ -842,15 +842,15 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         rt = torch.tensor([ready, first], dtype=torch.float64)
         broadcast_(rt, 0)
         ready, first = rt.tolist()
+        nbytes = [p.numel() * p.element_size() for p in params]
         hosts, local_n, intra, inter, pair, net_cpu, beside = _measure_links(int(link_mb * _MB), link_reps, busy,
-                                                                             sum(p.numel() * p.element_size() for p in params))
+                                                                             sum(nbytes))
     finally:
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(opt_sd)
         for p, g in zip(params, grads):
             p.grad = g
         model.train(was_training)
-    nbytes = [p.numel() * p.element_size() for p in params]
     elements = sum(p.numel() for p in params)
     # Weight passes and codecs stream the job's tensors from memory: probe them at its size (up
     # to 8 M elements); a cache-resident probe ran 2.7x faster per element than 32 MB did.
