@@ -498,12 +498,18 @@ class DistributedDataParallel(torch.nn.Module):
                 self._ready_order.append(i)
                 self._ready_times[i] = time.perf_counter()
             if not self._callback_queued:
+                if self._step_ops:
+                    try:
+                        self._prepare_step_ops()
+                    except Exception:
+                        # Autograd drops the backward: leave no gradient marked and no callback
+                        # counted, so the next iteration (settings fixed) starts clean.
+                        self._abandon_iteration()
+                        raise
                 self._callback_queued = True
                 if timeline._on:
                     self._backward_t0 = time.monotonic()
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-                if self._step_ops:
-                    self._prepare_step_ops()
             self._engine.mark_ready(self._bucket_of[i])
 
         return hook

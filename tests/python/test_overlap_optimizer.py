@@ -222,6 +222,45 @@ def clip_rank(names, max_norm):
     return chk.failures, chk.count
 
 
+def sc_kernel_refused_mid_training(chk):
+    """A tensor lr set after wrapping stops the host-shared update at the next backward with a
+    clear error, on every rank; with the lr set back, training goes on as if the failed
+    iteration had never run (equal to a plain run of the same successful steps)."""
+    import torch
+
+    import rumor
+
+    def steps(ddp, opt, data):
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+
+    g = torch.Generator().manual_seed(7 + rumor.rank())
+    before = [(torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)) for _ in range(2)]
+    after = [(torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)) for _ in range(2)]
+    model = _model(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ddp = _wrap(model, opt, "overlap")
+    steps(ddp, opt, before)
+    chk.check(bool(ddp._shared_step_ops), "tensor lr: the host-shared update is not in use")
+    opt.param_groups[0]["lr"] = torch.tensor(0.05)
+    opt.zero_grad()
+    try:
+        torch.nn.functional.mse_loss(ddp(after[0][0]), after[0][1]).backward()
+        chk.check(False, "a tensor lr set after wrapping was accepted by the host-shared update")
+    except RuntimeError as e:
+        chk.check("set them before wrapping" in str(e), f"tensor lr: unexpected message: {e}")
+    opt.param_groups[0]["lr"] = 0.05
+    steps(ddp, opt, after)
+    ref = _model(3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    steps(rumor.DistributedDataParallel(ref, optimizer=ref_opt, **SMALL_BUCKETS), ref_opt, before + after)
+    for i, (a, b) in enumerate(zip(model.parameters(), ref.parameters())):
+        err = ((a - b).abs() / b.abs().clamp(min=1.0)).max().item()
+        chk.check(err <= 1e-6, f"tensor lr, recovered: parameter {i} differs from the plain run by {err:.3g}")
+
+
 def errors_rank():
     import torch
 
@@ -254,6 +293,7 @@ def errors_rank():
         chk.check(False, "GradScaler with overlap_optimizer was accepted")
     except RuntimeError as e:
         chk.check("GradScaler" in str(e), f"unexpected message: {e}")
+    sc_kernel_refused_mid_training(chk)
     try:
         torch.optim.Adafactor  # noqa: B018
         m2 = _model()

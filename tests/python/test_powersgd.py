@@ -32,6 +32,15 @@ ONE_BUCKET = dict(bucket_cap_mb=25, first_bucket_mb=25)
 TOL = dict(rtol=2e-4, atol=2e-6)
 
 
+def _state_tol(ref):
+    """Tolerance for P, Q and the error against the float64 reference: absolute on the tensor's
+    own scale. Warm-started P and Q carry float32 Gram-Schmidt rounding from step to step, and a
+    later column orthogonalized against nearly parallel ones keeps only eps * condition of its
+    digits: a small element of P (unit columns) was seen 6e-6 off (95 float32 eps of the column's
+    norm) with every gradient still within TOL. 1e-4 of the scale still catches any wrong term."""
+    return dict(rtol=TOL["rtol"], atol=max(TOL["atol"], 1e-4 * float(ref.abs().max())))
+
+
 # ==== inside a rank ===============================================================================
 
 def _init():
@@ -233,10 +242,11 @@ def sc_reference_sequence(chk, what, buckets_kw, steps=6, **cfg):
         for n, st in sd["params"].items():
             if n in ref.q:
                 compressed_seen = True
-                chk.close(st["p"].double(), ref.p[n], f"{what} step {step}: P of {n}", **TOL)
-                chk.close(st["q"].double(), ref.q[n], f"{what} step {step}: Q of {n}", **TOL)
+                chk.close(st["p"].double(), ref.p[n], f"{what} step {step}: P of {n}", **_state_tol(ref.p[n]))
+                chk.close(st["q"].double(), ref.q[n], f"{what} step {step}: Q of {n}", **_state_tol(ref.q[n]))
                 if ref.ef:
-                    chk.close(st["error"].double(), ref.err[me][n], f"{what} step {step}: error of {n}", **TOL)
+                    chk.close(st["error"].double(), ref.err[me][n], f"{what} step {step}: error of {n}",
+                              **_state_tol(ref.err[me][n]))
                 else:
                     chk.check(st["error"] is None, f"{what}: error feedback state without error feedback")
             else:
