@@ -20,10 +20,14 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
      AsyncModelAverage and StreamingDiLoCo run without the barrier: their averaging runs in
      the background across steps, and the barrier's messages would wait behind its traffic on
      the shaped link (training itself has no barrier); their step is the slowest rank's mean.
+     After each measured step, every rank also takes one step of a plain copy of the model,
+     timed apart: the compute-only step under the load of that moment (for the algorithms
+     whose traffic runs into the next step, --ref-iters plain steps before the block instead).
 
 Checks printed per (rate, model), from one run: the advisor's top-ranked algorithm measures
 within 10% of the fastest measured one (target), and every algorithm's predicted step is within
-15% of its measured one (target). 1-bit Adam is left out (it needs its own optimizer, whose
+15% of its measured one (target); both also load-adjusted, with each block's compute-only step
+swapped for the advisor's compute (this VM's compute step varies by a third between blocks). 1-bit Adam is left out (it needs its own optimizer, whose
 compute the SGD measurement does not cover).
 
   sudo python benchmarks/advise.py                                   # 4 hosts, 1gbit and 100mbit, all models
@@ -71,15 +75,26 @@ def _background(row: Dict) -> bool:
     return row["kind"] == "async" or row["ctor"]["cls"] == "StreamingDiLoCo"
 
 
-def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True) -> List[float]:
+def _spans_steps(row: Optional[Dict]) -> bool:
+    """Whether the row's communication runs on past optimizer.step() into the next step: the
+    background averages, and LowPrecisionDecentralized's exchange (started after the step,
+    waited for after the next backward)."""
+    return row is not None and (_background(row) or row["ctor"]["cls"] == "LowPrecisionDecentralized")
+
+
+def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True, plain=None):
     """Seconds of each step after the first `warmup`, from the start of the gloo barrier before
     it to the end of optimizer.step(). ``barrier=False`` (asynchronous algorithms): no barrier,
-    the ranks run at their own pace and a step is timed from the end of the one before."""
+    the ranks run at their own pace and a step is timed from the end of the one before.
+
+    plain: (model, optimizer) of the unwrapped model; after each measured step it takes one step
+    of its own, timed apart: the compute-only step under the load of that moment (returned as a
+    second list). Only for algorithms whose communication has ended when step() returns."""
     import torch.distributed as dist
 
     from rumor.testing import models
 
-    out = []
+    out, ref = [], []
     t = time.perf_counter()
     for i in range(warmup + steps):
         x, y = data[i % len(data)]
@@ -91,8 +106,14 @@ def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True
         opt.step()
         if i >= warmup:
             out.append(time.perf_counter() - t)
+            if plain is not None:
+                t = time.perf_counter()
+                plain[1].zero_grad()
+                models.loss(plain[0](x), y).backward()
+                plain[1].step()
+                ref.append(time.perf_counter() - t)
         t = time.perf_counter()
-    return out
+    return (out, ref) if plain is not None else out
 
 
 def _train(cfg: Dict, rank: int, n: int) -> None:
@@ -127,9 +148,19 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         alg = "torch DDP" if row is None else row["algorithm"]
         model = models.build(name, seed=cfg["seed"])
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-        # The compute-only step (the plain model, no communication) right before this block:
-        # the bound, and the yardstick for the load of a shared machine at this moment.
-        ref[alg] = _timed_steps(model, opt, data, 0, cfg["ref_iters"])
+        # The compute-only step (the plain model, no communication): the bound, and the
+        # yardstick for the load of a shared machine. Taken after each measured step, so that
+        # it sees the load of that moment, where the algorithm's traffic has ended when step()
+        # returns; else (traffic running into the next step would slow the yardstick and hide
+        # under it) --ref-iters steps right before the block.
+        interleave = not _spans_steps(row)
+        plain = None
+        if interleave:
+            twin = models.build(name, seed=cfg["seed"])
+            plain = (twin, torch.optim.SGD(twin.parameters(), lr=cfg["lr"], momentum=0.9))
+            del twin
+        else:
+            ref[alg] = _timed_steps(model, opt, data, 0, cfg["ref_iters"])
         algo = None
         if row is None:
             wrapped = TorchDDP(model)
@@ -147,12 +178,15 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         asynchronous = row is not None and _background(row)
         if asynchronous:
             dist.barrier()
-        times[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous)
+        if interleave:
+            times[alg], ref[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, plain=plain)
+        else:
+            times[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous)
         if hasattr(algo, "finish"):  # AsyncModelAverage: every rank ends its averaging
             algo.finish()
         if rank == 0:
             emit("progress", {"model": name, "what": f"{alg}: {statistics.median(times[alg]) * 1e3:.0f} ms/step"})
-        del wrapped, opt, model, algo
+        del wrapped, opt, model, algo, plain
         gc.collect()
     per_rank = _common.gather_samples(times)
     per_rank_ref = _common.gather_samples(ref)
@@ -163,6 +197,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                     measured={})
         periods = {r["algorithm"]: r["period"] for r in advice.rows}
         unsync = {r["algorithm"] for r in advice.rows if _background(r)}
+        spanning = {r["algorithm"] for r in advice.rows if _spans_steps(r)}
         for alg in times:
             steps = [max(per_rank[alg][r][i] for r in range(n)) for i in range(len(times[alg]))]
             # per-step algorithms: the median step; periodic ones: the mean over whole rounds
@@ -174,7 +209,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                 measure = statistics.median(steps) if per == 1 else statistics.fmean(steps)
             cell["measured"][alg] = dict(step_s=steps, period=per, median_s=statistics.median(steps),
                                          step_measure_s=measure,
-                                         compute_only_s=statistics.median(comp) if comp else None)
+                                         compute_only_s=statistics.median(comp) if comp else None,
+                                         compute_only_interleaved=alg not in spanning)
         emit("cell", cell)
     gc.collect()
 
@@ -211,9 +247,10 @@ def summarize(cell: Dict) -> None:
     cell["pred_error"] = {a: cell["predicted"][a] / meas[a] - 1 for a in meas}
     cell["pred_error"]["torch DDP"] = cell["predicted_torch"] / cell["measured"]["torch DDP"]["step_measure_s"] - 1
     # The same comparison with each block's compute swapped for the advisor's: the measured step
-    # minus the compute-only step measured right before the block plus the advisor's compute.
-    # On a shared machine whose load changes between blocks, that compares what the model
-    # adds to compute with what the block really added, apart from the load of the moment.
+    # minus the block's compute-only step (taken between its steps, or right before the block
+    # where the algorithm's traffic runs into the next step) plus the advisor's compute. On a
+    # shared machine whose load changes, that compares what the model adds to compute with
+    # what the block really added, apart from the load of the moment.
     mi = cell["measured_inputs"]
     pred_compute = mi["forward_s"] + mi["backward_s"] + mi["optimizer_s"]
     cell["pred_error_load_adjusted"] = {}
@@ -248,9 +285,14 @@ def print_table(cells: List[Dict], title: str) -> None:
             m = c["measured"][a]["step_measure_s"]
             co = c["measured"][a].get("compute_only_s")
             adj = c.get("pred_error_load_adjusted", {}).get(a)
+            # * : the compute-only step was taken before the block, not between its steps
+            before = "*" if co and not c["measured"][a].get("compute_only_interleaved", False) else " "
             print(f"{(i + 1) if a != 'torch DDP' else '-':>4} {a:<28} {pred * 1e3:>12.1f} {m * 1e3:>11.1f} "
-                  f"{pred / m:>8.2f}x {co * 1e3 if co else float('nan'):>15.1f} "
+                  f"{pred / m:>8.2f}x {co * 1e3 if co else float('nan'):>14.1f}{before} "
                   f"{(1 + adj) if adj is not None else float('nan'):>8.2f}x")
+        print("compute-only ms: the plain model's step taken after each measured step (* before the block: "
+              "the algorithm's traffic runs into the next step); load-adj.: predicted over "
+              "(measured - compute-only + the advisor's compute)")
         print(f"top-ranked {c['top_predicted']} measures {c['top_over_fastest']:.2f}x the fastest measured "
               f"({c['fastest_measured']})")
 
