@@ -181,7 +181,8 @@ int main(int argc, char** argv) {
           check(recvd_done, size);
           ++recvd_done;
           idle = false;
-          if (progress && recvd_done * 10 / iters > reported) {
+          // The first message, then every tenth of the run.
+          if (progress && (recvd_done == 1 || recvd_done * 10 / iters > reported)) {
             reported = recvd_done * 10 / iters;
             std::printf("PROGRESS %ld\n", recvd_done);
             std::fflush(stdout);
