@@ -89,8 +89,10 @@ uint64_t random_id() {
 }
 
 // Blocking full transfers on a stream socket; false on EOF or error (errno kept, 0 for EOF).
-bool recv_full(int fd, void* data, size_t len) {
+// `got` (optional) tells how many bytes arrived before a failure.
+bool recv_full(int fd, void* data, size_t len, size_t* got = nullptr) {
   char* p = static_cast<char*>(data);
+  if (got != nullptr) *got = 0;
   while (len > 0) {
     ssize_t n = ::recv(fd, p, len, MSG_WAITALL);
     if (n == 0) {
@@ -103,6 +105,7 @@ bool recv_full(int fd, void* data, size_t len) {
     }
     p += n;
     len -= static_cast<size_t>(n);
+    if (got != nullptr) *got += static_cast<size_t>(n);
   }
   return true;
 }
@@ -356,8 +359,10 @@ class SendComm : public CommBase {
              "send on stream " + std::to_string(s) + ": " + describe_errno(err));
         break;
       }
-      if (stop_ || failed_) break;
+      // The chunk is with the kernel: it counts even if the peer closed meanwhile (it may have
+      // read everything and exited; a later chunk, if any, fails the request).
       if (--req->chunks_left == 0) req->done = true;
+      if (stop_ || failed_) break;
     }
     thread_exit();
   }
@@ -457,7 +462,16 @@ class RecvComm : public CommBase {
     };
     while (true) {
       ChunkHeader h{};
-      if (!recv_full(fd, &h, sizeof(h))) {
+      size_t got = 0;
+      if (!recv_full(fd, &h, sizeof(h), &got)) {
+        if (errno == 0 && got == 0) {
+          // A clean end between chunks: the sender closed after its last send. The other streams
+          // may still carry data, so only the last stream to end fails what is left.
+          std::lock_guard<std::mutex> lk(mu_);
+          if (++ended_ == fds_.size())
+            fail(abi::kRemoteError, "the peer closed the connection (process exited?)");
+          break;
+        }
         io_error("receive", errno);
         break;
       }
@@ -510,6 +524,7 @@ class RecvComm : public CommBase {
     thread_exit();
   }
 
+  size_t ended_ = 0;              // streams closed cleanly by the peer
   std::deque<Request*> posted_;  // receives with unmatched buffers, in post order
   std::map<uint64_t, InFlight> inflight_;
   uint64_t next_match_ = 0;
