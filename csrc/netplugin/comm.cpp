@@ -138,7 +138,9 @@ bool send_chunk(int fd, const ChunkHeader& h, const char* payload) {
   return true;
 }
 
-std::string describe_errno(int err) { return err == 0 ? "connection closed by peer" : net::errno_string(err); }
+std::string describe_errno(int err) {
+  return err == 0 ? "connection closed by peer" : net::errno_string(err);
+}
 
 std::string peer_name(int fd) {
   sockaddr_storage ss{};
@@ -251,7 +253,8 @@ class CommBase {
     bool pending = false;
     for (auto& [p, r] : requests_) pending |= !r->done;
     // A peer closing an idle connection is how NCCL tears down; only lost work is a warning.
-    log(pending ? abi::kLogWarn : abi::kLogInfo, "NET/rumor: " + what_ + " with " + peer_ + " failed: " + why);
+    log(pending ? abi::kLogWarn : abi::kLogInfo,
+        "NET/rumor: " + what_ + " with " + peer_ + " failed: " + why);
   }
   virtual void on_fail() {}
 
@@ -294,7 +297,8 @@ class CommBase {
 
 class SendComm : public CommBase {
  public:
-  explicit SendComm(std::vector<Fd> fds) : CommBase(std::move(fds), "send connection"), chunk_(config().chunk) {
+  explicit SendComm(std::vector<Fd> fds)
+      : CommBase(std::move(fds), "send connection"), chunk_(config().chunk) {
     wake_ = Fd(::eventfd(0, EFD_CLOEXEC));
     start_threads([this](size_t s) { stream_loop(s); });
     watcher_ = std::thread(&SendComm::watch_loop, this);
@@ -489,8 +493,8 @@ class RecvComm : public CommBase {
         if (stop_ || failed_) break;
         auto it = inflight_.find(h.seq);
         if (it == inflight_.end() || it->second.total != h.total) {
-          fail(abi::kSystemError, "chunk of unknown message " + std::to_string(h.seq) + " on stream " +
-                                      std::to_string(s));
+          fail(abi::kSystemError,
+               "chunk of unknown message " + std::to_string(h.seq) + " on stream " + std::to_string(s));
           break;
         }
         if (!it->second.discard) dest = it->second.req->bufs[it->second.slot] + h.offset;
@@ -524,7 +528,7 @@ class RecvComm : public CommBase {
     thread_exit();
   }
 
-  size_t ended_ = 0;              // streams closed cleanly by the peer
+  size_t ended_ = 0;             // streams closed cleanly by the peer
   std::deque<Request*> posted_;  // receives with unmatched buffers, in post order
   std::map<uint64_t, InFlight> inflight_;
   uint64_t next_match_ = 0;
@@ -576,7 +580,8 @@ class ConnectState {
         if (!st.fd.valid()) return error("socket(): " + net::errno_string(errno));
         int rc = ::connect(st.fd.get(), reinterpret_cast<sockaddr*>(&to_), to_len_);
         st.connected = rc == 0;
-        if (rc != 0 && errno != EINPROGRESS && !retry_later(st, errno)) return error(net::errno_string(errno));
+        if (rc != 0 && errno != EINPROGRESS && !retry_later(st, errno))
+          return error(net::errno_string(errno));
         continue;
       }
       if (!st.connected) {
@@ -593,8 +598,10 @@ class ConnectState {
       }
       const char* p = reinterpret_cast<const char*>(&st.hello) + st.sent;
       ssize_t n = ::send(st.fd.get(), p, sizeof(Hello) - st.sent, MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (n > 0) st.sent += static_cast<size_t>(n);
-      else if (n < 0 && errno != EAGAIN && errno != EINTR) return error("sending hello: " + net::errno_string(errno));
+      if (n > 0)
+        st.sent += static_cast<size_t>(n);
+      else if (n < 0 && errno != EAGAIN && errno != EINTR)
+        return error("sending hello: " + net::errno_string(errno));
     }
     if (!*ready && deadline_.expired())
       return error("not connected before the deadline (RUMOR_NET_PLUGIN_TIMEOUT=" +
@@ -729,7 +736,8 @@ abi::Result ctx_destroy(void* ctx) {
 }
 
 abi::Result listen(int dev, void* handle, void** listen_comm) {
-  if (dev < 0 || dev >= device_count() || handle == nullptr || listen_comm == nullptr) return abi::kInvalidArgument;
+  if (dev < 0 || dev >= device_count() || handle == nullptr || listen_comm == nullptr)
+    return abi::kInvalidArgument;
   const DeviceInfo& d = device(dev);
   Handle h{};
   h.magic = kHandleMagic;
@@ -784,7 +792,8 @@ abi::Result reg_mr(void* comm, void* data, size_t size, int type, void** mhandle
   (void)data;
   (void)size;
   if (type != abi::kPtrHost) {
-    log(abi::kLogWarn, "NET/rumor: regMr: only host memory is supported (pointer type " + std::to_string(type) + ")");
+    log(abi::kLogWarn,
+        "NET/rumor: regMr: only host memory is supported (pointer type " + std::to_string(type) + ")");
     return abi::kInternalError;
   }
   // Plain sockets need no registration; a non-null handle keeps callers that check it happy.
@@ -795,13 +804,16 @@ abi::Result reg_mr(void* comm, void* data, size_t size, int type, void** mhandle
 abi::Result dereg_mr(void*, void*) { return abi::kSuccess; }
 
 abi::Result isend(void* send_comm, const void* data, size_t size, int tag, void** request) {
-  if (send_comm == nullptr || request == nullptr || (data == nullptr && size > 0)) return abi::kInvalidArgument;
+  if (send_comm == nullptr || request == nullptr || (data == nullptr && size > 0))
+    return abi::kInvalidArgument;
   *request = static_cast<SendComm*>(send_comm)->isend(static_cast<const char*>(data), size, tag);
   return abi::kSuccess;
 }
 
-abi::Result irecv(void* recv_comm, int n, void* const* data, const size_t* sizes, const int* tags, void** request) {
-  if (recv_comm == nullptr || request == nullptr || n < 1 || n > kMaxRecvs || data == nullptr || sizes == nullptr)
+abi::Result irecv(void* recv_comm, int n, void* const* data, const size_t* sizes, const int* tags,
+                  void** request) {
+  if (recv_comm == nullptr || request == nullptr || n < 1 || n > kMaxRecvs || data == nullptr ||
+      sizes == nullptr)
     return abi::kInvalidArgument;
   *request = static_cast<RecvComm*>(recv_comm)->irecv(n, data, sizes, tags);
   return abi::kSuccess;

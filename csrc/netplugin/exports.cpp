@@ -52,7 +52,8 @@ Result get_properties(int dev, Props* p) {
 
 Result init_v8(abi::Logger logger) { return init(logger); }
 Result init_v10(abi::Logger logger, abi::ProfilerCallback) { return init(logger); }
-Result init_ctx(void** ctx, uint64_t comm_id, abi::CommConfig* cfg, abi::Logger logger, abi::ProfilerCallback) {
+Result init_ctx(void** ctx, uint64_t comm_id, abi::CommConfig* cfg, abi::Logger logger,
+                abi::ProfilerCallback) {
   if (ctx == nullptr) return abi::kInvalidArgument;
   Result rc = init(logger);
   return rc != abi::kSuccess ? rc : ctx_create(ctx, comm_id, cfg);
@@ -67,7 +68,9 @@ Result devices(int* ndev) {
 
 Result listen_dev(int dev, void* handle, void** comm) { return listen(dev, handle, comm); }
 Result listen_ctx(void*, int dev, void* handle, void** comm) { return listen(dev, handle, comm); }
-Result connect_v8(int dev, void* handle, void** comm, abi::DeviceHandle**) { return connect(dev, handle, comm); }
+Result connect_v8(int dev, void* handle, void** comm, abi::DeviceHandle**) {
+  return connect(dev, handle, comm);
+}
 Result connect_v10(int dev, abi::CommConfig*, void* handle, void** comm, abi::DeviceHandle**) {
   return connect(dev, handle, comm);
 }
@@ -116,6 +119,19 @@ Result irecv_v10(void* comm, int n, void** data, size_t* sizes, int* tags, void*
 
 Result iflush_any(void* comm, int, void**, int*, void**, void** request) { return iflush(comm, request); }
 
+// v11 and v12 differ only in their property and vNIC structs. makeVDevice stays null from v9 on:
+// NCCL then uses the physical devices as they are, while a makeVDevice that fails would abort its
+// topology setup whenever it tries to fuse two NICs.
+template <typename Props, typename VProps>
+constexpr abi::NetCtx<Props, VProps> ctx_table() {
+  return {"rumor",       init_ctx,      devices,        get_properties<Props>,
+          listen_ctx,    connect_ctx,   accept_any,     reg_mr,
+          reg_mr_dmabuf, dereg_mr,      isend_v10,      irecv_v10,
+          iflush_any,    test,          close_send,     close_recv,
+          close_listen,  get_device_mr, irecv_consumed, nullptr,
+          finalize_ctx,  set_net_attr};
+}
+
 }  // namespace
 }  // namespace rumor::netplugin
 
@@ -125,47 +141,33 @@ namespace np = rumor::netplugin;
 extern "C" {
 
 RUMOR_NETPLUGIN_EXPORT np::abi::NetV8 ncclNetPlugin_v8 = {
-    "rumor",         np::init_v8,        np::devices,        np::get_properties<np::abi::PropertiesV8>,
-    np::listen_dev,  np::connect_v8,     np::accept_any,     np::reg_mr,
-    np::reg_mr_dmabuf, np::dereg_mr,     np::isend_v8,       np::irecv_v8,
-    np::iflush_any,  np::test,           np::close_send,     np::close_recv,
-    np::close_listen, np::get_device_mr, np::irecv_consumed,
+    "rumor",           np::init_v8,       np::devices,        np::get_properties<np::abi::PropertiesV8>,
+    np::listen_dev,    np::connect_v8,    np::accept_any,     np::reg_mr,
+    np::reg_mr_dmabuf, np::dereg_mr,      np::isend_v8,       np::irecv_v8,
+    np::iflush_any,    np::test,          np::close_send,     np::close_recv,
+    np::close_listen,  np::get_device_mr, np::irecv_consumed,
 };
 
-// makeVDevice stays null from v9 on: NCCL then uses the physical devices as they are, while a
-// makeVDevice that fails would abort its topology setup whenever it tries to fuse two NICs.
+// makeVDevice: null from v9 on (see ctx_table).
 RUMOR_NETPLUGIN_EXPORT np::abi::NetV9 ncclNetPlugin_v9 = {
-    "rumor",         np::init_v8,        np::devices,        np::get_properties<np::abi::PropertiesV9>,
-    np::listen_dev,  np::connect_v8,     np::accept_any,     np::reg_mr,
-    np::reg_mr_dmabuf, np::dereg_mr,     np::isend_v9,       np::irecv_v9,
-    np::iflush_any,  np::test,           np::close_send,     np::close_recv,
-    np::close_listen, np::get_device_mr, np::irecv_consumed, nullptr,
+    "rumor",           np::init_v8,       np::devices,        np::get_properties<np::abi::PropertiesV9>,
+    np::listen_dev,    np::connect_v8,    np::accept_any,     np::reg_mr,
+    np::reg_mr_dmabuf, np::dereg_mr,      np::isend_v9,       np::irecv_v9,
+    np::iflush_any,    np::test,          np::close_send,     np::close_recv,
+    np::close_listen,  np::get_device_mr, np::irecv_consumed, nullptr,
 };
 
 RUMOR_NETPLUGIN_EXPORT np::abi::NetV10 ncclNetPlugin_v10 = {
-    "rumor",         np::init_v10,       np::devices,        np::get_properties<np::abi::PropertiesV9>,
-    np::listen_dev,  np::connect_v10,    np::accept_any,     np::reg_mr,
-    np::reg_mr_dmabuf, np::dereg_mr,     np::isend_v10,      np::irecv_v10,
-    np::iflush_any,  np::test,           np::close_send,     np::close_recv,
-    np::close_listen, np::get_device_mr, np::irecv_consumed, nullptr,
+    "rumor",           np::init_v10,      np::devices,        np::get_properties<np::abi::PropertiesV9>,
+    np::listen_dev,    np::connect_v10,   np::accept_any,     np::reg_mr,
+    np::reg_mr_dmabuf, np::dereg_mr,      np::isend_v10,      np::irecv_v10,
+    np::iflush_any,    np::test,          np::close_send,     np::close_recv,
+    np::close_listen,  np::get_device_mr, np::irecv_consumed, nullptr,
 };
 
-RUMOR_NETPLUGIN_EXPORT np::abi::NetV11 ncclNetPlugin_v11 = {
-    "rumor",         np::init_ctx,       np::devices,        np::get_properties<np::abi::PropertiesV11>,
-    np::listen_ctx,  np::connect_ctx,    np::accept_any,     np::reg_mr,
-    np::reg_mr_dmabuf, np::dereg_mr,     np::isend_v10,      np::irecv_v10,
-    np::iflush_any,  np::test,           np::close_send,     np::close_recv,
-    np::close_listen, np::get_device_mr, np::irecv_consumed, nullptr,
-    np::finalize_ctx, np::set_net_attr,
-};
-
-RUMOR_NETPLUGIN_EXPORT np::abi::NetV12 ncclNetPlugin_v12 = {
-    "rumor",         np::init_ctx,       np::devices,        np::get_properties<np::abi::PropertiesV12>,
-    np::listen_ctx,  np::connect_ctx,    np::accept_any,     np::reg_mr,
-    np::reg_mr_dmabuf, np::dereg_mr,     np::isend_v10,      np::irecv_v10,
-    np::iflush_any,  np::test,           np::close_send,     np::close_recv,
-    np::close_listen, np::get_device_mr, np::irecv_consumed, nullptr,
-    np::finalize_ctx, np::set_net_attr,
-};
+RUMOR_NETPLUGIN_EXPORT np::abi::NetV11 ncclNetPlugin_v11 =
+    np::ctx_table<np::abi::PropertiesV11, np::abi::VDeviceProps4>();
+RUMOR_NETPLUGIN_EXPORT np::abi::NetV12 ncclNetPlugin_v12 =
+    np::ctx_table<np::abi::PropertiesV12, np::abi::VDeviceProps8>();
 
 }  // extern "C"

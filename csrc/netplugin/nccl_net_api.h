@@ -23,11 +23,19 @@ enum Result : int {
 };
 
 // Log levels and subsystem flags of the logger NCCL passes to init().
-enum LogLevel : int { kLogNone = 0, kLogVersion = 1, kLogWarn = 2, kLogInfo = 3, kLogAbort = 4, kLogTrace = 5 };
+enum LogLevel : int {
+  kLogNone = 0,
+  kLogVersion = 1,
+  kLogWarn = 2,
+  kLogInfo = 3,
+  kLogAbort = 4,
+  kLogTrace = 5
+};
 constexpr unsigned long kLogSubsysInit = 0x1;
 constexpr unsigned long kLogSubsysNet = 0x10;
 
-using Logger = void (*)(LogLevel level, unsigned long flags, const char* file, int line, const char* fmt, ...);
+using Logger = void (*)(LogLevel level, unsigned long flags, const char* file, int line, const char* fmt,
+                        ...);
 // v10+: NCCL's profiler hook for network events; we never call it.
 using ProfilerCallback = Result (*)(void** event, int type, void* parent, int64_t plugin_id, void* ext_data);
 
@@ -175,10 +183,12 @@ struct NetV8 {
   Result (*connect)(int dev, void* handle, void** send_comm, DeviceHandle** send_dev_comm);
   Result (*accept)(void* listen_comm, void** recv_comm, DeviceHandle** recv_dev_comm);
   Result (*reg_mr)(void* comm, void* data, size_t size, int type, void** mhandle);
-  Result (*reg_mr_dmabuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd, void** mhandle);
+  Result (*reg_mr_dmabuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd,
+                          void** mhandle);
   Result (*dereg_mr)(void* comm, void* mhandle);
   Result (*isend)(void* send_comm, void* data, int size, int tag, void* mhandle, void** request);
-  Result (*irecv)(void* recv_comm, int n, void** data, int* sizes, int* tags, void** mhandles, void** request);
+  Result (*irecv)(void* recv_comm, int n, void** data, int* sizes, int* tags, void** mhandles,
+                  void** request);
   Result (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles, void** request);
   Result (*test)(void* request, int* done, int* sizes);
   Result (*close_send)(void* send_comm);
@@ -197,10 +207,12 @@ struct NetV9 {
   Result (*connect)(int dev, void* handle, void** send_comm, DeviceHandle** send_dev_comm);
   Result (*accept)(void* listen_comm, void** recv_comm, DeviceHandle** recv_dev_comm);
   Result (*reg_mr)(void* comm, void* data, size_t size, int type, void** mhandle);
-  Result (*reg_mr_dmabuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd, void** mhandle);
+  Result (*reg_mr_dmabuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd,
+                          void** mhandle);
   Result (*dereg_mr)(void* comm, void* mhandle);
   Result (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle, void** request);
-  Result (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles, void** request);
+  Result (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles,
+                  void** request);
   Result (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles, void** request);
   Result (*test)(void* request, int* done, int* sizes);
   Result (*close_send)(void* send_comm);
@@ -217,14 +229,17 @@ struct NetV10 {
   Result (*devices)(int* ndev);
   Result (*get_properties)(int dev, PropertiesV9* props);
   Result (*listen)(int dev, void* handle, void** listen_comm);
-  Result (*connect)(int dev, CommConfig* config, void* handle, void** send_comm, DeviceHandle** send_dev_comm);
+  Result (*connect)(int dev, CommConfig* config, void* handle, void** send_comm,
+                    DeviceHandle** send_dev_comm);
   Result (*accept)(void* listen_comm, void** recv_comm, DeviceHandle** recv_dev_comm);
   Result (*reg_mr)(void* comm, void* data, size_t size, int type, void** mhandle);
-  Result (*reg_mr_dmabuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd, void** mhandle);
+  Result (*reg_mr_dmabuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd,
+                          void** mhandle);
   Result (*dereg_mr)(void* comm, void* mhandle);
-  Result (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle, void* phandle, void** request);
-  Result (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles, void** phandles,
+  Result (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle, void* phandle,
                   void** request);
+  Result (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles,
+                  void** phandles, void** request);
   Result (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles, void** request);
   Result (*test)(void* request, int* done, int* sizes);
   Result (*close_send)(void* send_comm);
@@ -246,11 +261,13 @@ struct NetCtx {
   Result (*connect)(void* ctx, int dev, void* handle, void** send_comm, DeviceHandle** send_dev_comm);
   Result (*accept)(void* listen_comm, void** recv_comm, DeviceHandle** recv_dev_comm);
   Result (*reg_mr)(void* comm, void* data, size_t size, int type, void** mhandle);
-  Result (*reg_mr_dmabuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd, void** mhandle);
+  Result (*reg_mr_dmabuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd,
+                          void** mhandle);
   Result (*dereg_mr)(void* comm, void* mhandle);
-  Result (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle, void* phandle, void** request);
-  Result (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles, void** phandles,
+  Result (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle, void* phandle,
                   void** request);
+  Result (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles,
+                  void** phandles, void** request);
   Result (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles, void** request);
   Result (*test)(void* request, int* done, int* sizes);
   Result (*close_send)(void* send_comm);

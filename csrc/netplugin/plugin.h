@@ -21,9 +21,9 @@ constexpr int kMaxRecvs = 8;
 
 // Settings read once from the environment at the first init().
 struct Config {
-  int streams = 4;             // RUMOR_NET_PLUGIN_STREAMS (1..16)
-  size_t chunk = 64 << 10;     // RUMOR_NET_PLUGIN_CHUNK_KB (4..16384 KiB)
-  double timeout_s = 300;      // RUMOR_NET_PLUGIN_TIMEOUT: deadline of every setup step
+  int streams = 4;          // RUMOR_NET_PLUGIN_STREAMS (1..16)
+  size_t chunk = 64 << 10;  // RUMOR_NET_PLUGIN_CHUNK_KB (4..16384 KiB)
+  double timeout_s = 300;   // RUMOR_NET_PLUGIN_TIMEOUT: deadline of every setup step
 };
 
 // One network interface offered to NCCL as a device.
@@ -58,7 +58,8 @@ abi::Result accept(void* listen_comm, void** recv_comm);
 abi::Result reg_mr(void* comm, void* data, size_t size, int type, void** mhandle);
 abi::Result dereg_mr(void* comm, void* mhandle);
 abi::Result isend(void* send_comm, const void* data, size_t size, int tag, void** request);
-abi::Result irecv(void* recv_comm, int n, void* const* data, const size_t* sizes, const int* tags, void** request);
+abi::Result irecv(void* recv_comm, int n, void* const* data, const size_t* sizes, const int* tags,
+                  void** request);
 abi::Result iflush(void* recv_comm, void** request);
 // sizes: one int per buffer of the request (n for a grouped receive), may be null.
 abi::Result test(void* request, int* done, int* sizes);

@@ -114,12 +114,12 @@ void setup_once() {
   st->cfg.timeout_s = static_cast<double>(env_long("RUMOR_NET_PLUGIN_TIMEOUT", 300, 1, 86400));
   const char* spec = std::getenv("RUMOR_NET_PLUGIN_IFNAME");
   const char* spec_from = "RUMOR_NET_PLUGIN_IFNAME";
-  if (spec == nullptr || *spec == '\0') spec = std::getenv("NCCL_SOCKET_IFNAME"), spec_from = "NCCL_SOCKET_IFNAME";
+  if (spec == nullptr || *spec == '\0')
+    spec = std::getenv("NCCL_SOCKET_IFNAME"), spec_from = "NCCL_SOCKET_IFNAME";
   if (spec != nullptr && *spec == '\0') spec = nullptr;
   if (spec != nullptr) {
     st->devices = discover(spec, false);
-    if (st->devices.empty())
-      st->error = std::string("no up interface matches ") + spec_from + "=" + spec;
+    if (st->devices.empty()) st->error = std::string("no up interface matches ") + spec_from + "=" + spec;
   } else {
     // Default: the first non-loopback interface that is up, else loopback (one-host jobs).
     st->devices = discover(nullptr, false);

@@ -69,7 +69,8 @@ inline void capture_log(abi::LogLevel level, unsigned long, const char*, int, co
   LogSink& s = log_sink();
   std::lock_guard<std::mutex> lk(s.mu);
   s.lines.emplace_back(buf);
-  if (s.echo || level == abi::kLogWarn) std::fprintf(stderr, "[plugin %s] %s\n", level == abi::kLogWarn ? "WARN" : "INFO", buf);
+  if (s.echo || level == abi::kLogWarn)
+    std::fprintf(stderr, "[plugin %s] %s\n", level == abi::kLogWarn ? "WARN" : "INFO", buf);
 }
 
 // One exported table seen through uniform calls; each call uses that version's own signature
@@ -102,8 +103,10 @@ class Driver {
   Net* net() { return net_; }
 
   abi::Result listen(int dev, void* handle, void** comm) {
-    if constexpr (kHasCtx) return net_->listen(ctx_, dev, handle, comm);
-    else return net_->listen(dev, handle, comm);
+    if constexpr (kHasCtx)
+      return net_->listen(ctx_, dev, handle, comm);
+    else
+      return net_->listen(dev, handle, comm);
   }
   abi::Result connect(int dev, void* handle, void** comm) {
     abi::DeviceHandle* dh = nullptr;
@@ -121,9 +124,12 @@ class Driver {
     return net_->accept(listen_comm, comm, &dh);
   }
   abi::Result isend(void* comm, void* data, size_t size, int tag, void** req) {
-    if constexpr (kIntSizes) return net_->isend(comm, data, static_cast<int>(size), tag, nullptr, req);
-    else if constexpr (kProfiler) return net_->isend(comm, data, size, tag, nullptr, nullptr, req);
-    else return net_->isend(comm, data, size, tag, nullptr, req);
+    if constexpr (kIntSizes)
+      return net_->isend(comm, data, static_cast<int>(size), tag, nullptr, req);
+    else if constexpr (kProfiler)
+      return net_->isend(comm, data, size, tag, nullptr, nullptr, req);
+    else
+      return net_->isend(comm, data, size, tag, nullptr, req);
   }
   abi::Result irecv(void* comm, int n, void** data, const size_t* sizes, int* tags, void** req) {
     void* mh[8] = {};

@@ -31,13 +31,20 @@ using Clock = std::chrono::steady_clock;
 
 const char* result_name(abi::Result r) {
   switch (r) {
-    case abi::kSuccess: return "success";
-    case abi::kSystemError: return "system error";
-    case abi::kInternalError: return "internal error";
-    case abi::kInvalidArgument: return "invalid argument";
-    case abi::kInvalidUsage: return "invalid usage";
-    case abi::kRemoteError: return "remote error";
-    default: return "unknown";
+    case abi::kSuccess:
+      return "success";
+    case abi::kSystemError:
+      return "system error";
+    case abi::kInternalError:
+      return "internal error";
+    case abi::kInvalidArgument:
+      return "invalid argument";
+    case abi::kInvalidUsage:
+      return "invalid usage";
+    case abi::kRemoteError:
+      return "remote error";
+    default:
+      return "unknown";
   }
 }
 
@@ -78,16 +85,26 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) die("missing value after " + a, abi::kInvalidArgument);
       return argv[++i];
     };
-    if (a == "--plugin") plugin = next();
-    else if (a == "--send") do_send = true;
-    else if (a == "--recv") do_recv = true;
-    else if (a == "--bytes") bytes = std::stoull(next());
-    else if (a == "--iters") iters = std::stol(next());
-    else if (a == "--window") window = std::stol(next());
-    else if (a == "--verify") verify = true;
-    else if (a == "--progress") progress = true;
-    else if (a == "--deadline") deadline_s = std::stod(next());
-    else die("unknown argument " + a, abi::kInvalidArgument);
+    if (a == "--plugin")
+      plugin = next();
+    else if (a == "--send")
+      do_send = true;
+    else if (a == "--recv")
+      do_recv = true;
+    else if (a == "--bytes")
+      bytes = std::stoull(next());
+    else if (a == "--iters")
+      iters = std::stol(next());
+    else if (a == "--window")
+      window = std::stol(next());
+    else if (a == "--verify")
+      verify = true;
+    else if (a == "--progress")
+      progress = true;
+    else if (a == "--deadline")
+      deadline_s = std::stod(next());
+    else
+      die("unknown argument " + a, abi::kInvalidArgument);
   }
   if (!do_send && !do_recv) die("give --send, --recv or both", abi::kInvalidArgument);
   window = std::max(1L, std::min(window, 8L));
@@ -132,10 +149,12 @@ int main(int argc, char** argv) {
   long sent = 0, sent_done = 0, recvd = 0, recvd_done = 0, reported = 0;
   auto fill = [&](long m) {
     if (verify)
-      for (size_t i = 0; i < bytes; ++i) sbuf[static_cast<size_t>(m % window)][i] = pattern(static_cast<uint64_t>(m), i);
+      for (size_t i = 0; i < bytes; ++i)
+        sbuf[static_cast<size_t>(m % window)][i] = pattern(static_cast<uint64_t>(m), i);
   };
   auto check = [&](long m, int size) {
-    if (size != static_cast<int>(bytes)) die("message " + std::to_string(m) + " has the wrong size", abi::kInternalError);
+    if (size != static_cast<int>(bytes))
+      die("message " + std::to_string(m) + " has the wrong size", abi::kInternalError);
     if (!verify) return;
     const auto& b = rbuf[static_cast<size_t>(m % window)];
     for (size_t i = 0; i < bytes; ++i)
@@ -150,14 +169,16 @@ int main(int argc, char** argv) {
       if (sent < iters && sent - sent_done < window) {
         fill(sent);
         auto slot = static_cast<size_t>(sent % window);
-        if (abi::Result rc = d.isend(send_comm, sbuf[slot].data(), bytes, 0, &sreq[slot]); rc != abi::kSuccess)
+        if (abi::Result rc = d.isend(send_comm, sbuf[slot].data(), bytes, 0, &sreq[slot]);
+            rc != abi::kSuccess)
           die("isend", rc);
         ++sent;
         idle = false;
       }
       if (sent_done < sent) {
         int done = 0;
-        if (abi::Result rc = d.test(sreq[static_cast<size_t>(sent_done % window)], &done, nullptr); rc != abi::kSuccess)
+        if (abi::Result rc = d.test(sreq[static_cast<size_t>(sent_done % window)], &done, nullptr);
+            rc != abi::kSuccess)
           die("send " + std::to_string(sent_done), rc);
         if (done) ++sent_done, idle = false;
       }
@@ -175,7 +196,8 @@ int main(int argc, char** argv) {
       }
       if (recvd_done < recvd) {
         int done = 0, size = -1;
-        if (abi::Result rc = d.test(rreq[static_cast<size_t>(recvd_done % window)], &done, &size); rc != abi::kSuccess)
+        if (abi::Result rc = d.test(rreq[static_cast<size_t>(recvd_done % window)], &done, &size);
+            rc != abi::kSuccess)
           die("receive " + std::to_string(recvd_done), rc);
         if (done) {
           check(recvd_done, size);
@@ -195,8 +217,8 @@ int main(int argc, char** argv) {
   }
   double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   double total = static_cast<double>(bytes) * static_cast<double>(iters);
-  std::printf("RESULT {\"bytes\": %zu, \"iters\": %ld, \"seconds\": %.6f, \"MBps\": %.3f}\n", bytes, iters, seconds,
-              total / seconds / 1e6);
+  std::printf("RESULT {\"bytes\": %zu, \"iters\": %ld, \"seconds\": %.6f, \"MBps\": %.3f}\n", bytes, iters,
+              seconds, total / seconds / 1e6);
   std::fflush(stdout);
   if (send_comm != nullptr) d.net()->close_send(send_comm);
   if (recv_comm != nullptr) d.net()->close_recv(recv_comm);

@@ -54,7 +54,8 @@ struct Pair {
   Pair() {
     // Thrown errors fail the test (GoogleTest catches them) instead of running on null comms.
     if (d.init() != abi::kSuccess) throw std::runtime_error("init failed");
-    if (!d.connect_pair(0, &send, &recv, &listen)) throw std::runtime_error("connect/accept did not complete");
+    if (!d.connect_pair(0, &send, &recv, &listen))
+      throw std::runtime_error("connect/accept did not complete");
   }
   ~Pair() {
     if (send != nullptr) d.net()->close_send(send);
@@ -101,11 +102,11 @@ TEST(NetPlugin, ExportsEveryVersionAndNothingElse) {
   auto common = [](auto* t) {
     ASSERT_NE(t, nullptr);
     EXPECT_STREQ(t->name, "rumor");
-    for (void* fn : {(void*)t->init, (void*)t->devices, (void*)t->get_properties, (void*)t->listen,
-                     (void*)t->connect, (void*)t->accept, (void*)t->reg_mr, (void*)t->reg_mr_dmabuf,
-                     (void*)t->dereg_mr, (void*)t->isend, (void*)t->irecv, (void*)t->iflush, (void*)t->test,
-                     (void*)t->close_send, (void*)t->close_recv, (void*)t->close_listen,
-                     (void*)t->get_device_mr, (void*)t->irecv_consumed})
+    for (void* fn :
+         {(void*)t->init, (void*)t->devices, (void*)t->get_properties, (void*)t->listen, (void*)t->connect,
+          (void*)t->accept, (void*)t->reg_mr, (void*)t->reg_mr_dmabuf, (void*)t->dereg_mr, (void*)t->isend,
+          (void*)t->irecv, (void*)t->iflush, (void*)t->test, (void*)t->close_send, (void*)t->close_recv,
+          (void*)t->close_listen, (void*)t->get_device_mr, (void*)t->irecv_consumed})
       EXPECT_NE(fn, nullptr);
   };
   common(find_table<abi::NetV8>(lib));
@@ -284,7 +285,8 @@ TEST(NetPlugin, GroupedReceiveMatchesBuffersByTag) {
   void *req1 = nullptr, *req2 = nullptr;
   ASSERT_EQ(p.d.irecv(p.recv, 2, g1, c2, t2, &req1), abi::kSuccess);
   ASSERT_EQ(p.d.irecv(p.recv, 1, g2, c2, t2, &req2), abi::kSuccess);
-  std::vector<std::vector<unsigned char>> msgs = {make_message(10, 100), make_message(11, 200), make_message(12, 300)};
+  std::vector<std::vector<unsigned char>> msgs = {make_message(10, 100), make_message(11, 200),
+                                                  make_message(12, 300)};
   for (auto& msg : msgs) {
     void* r = nullptr;
     ASSERT_EQ(p.d.isend(p.send, msg.data(), msg.size(), 5, &r), abi::kSuccess);

@@ -20,8 +20,6 @@ import pytest
 import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEADLINE_S = 120
-
 
 def _installed_path():
     from rumor import netplugin
@@ -60,15 +58,16 @@ def test_environment_serves_full_path_and_short_name():
     assert got["LD_LIBRARY_PATH"] == os.pathsep.join([netplugin.lib_dir(), "/opt/x"])
 
 
-def test_module_command_line():
+def test_module_command_line(capsys):
     r = subprocess.run([sys.executable, "-m", "rumor.netplugin", "--path"], stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True, timeout=60)
+                       stderr=subprocess.PIPE, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == _installed_path()
-    r = subprocess.run([sys.executable, "-m", "rumor.netplugin", "--env"], stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert f"export NCCL_NET_PLUGIN={_installed_path()}" in r.stdout
+    # --env in-process (one interpreter start above is enough: `import rumor` is not cheap).
+    from rumor import netplugin
+
+    assert netplugin._main(["--env"]) == 0
+    assert f"export NCCL_NET_PLUGIN={_installed_path()}" in capsys.readouterr().out
 
 
 WORKER = textwrap.dedent(
@@ -82,23 +81,13 @@ WORKER = textwrap.dedent(
 
 def _launch_env(tmp_path, extra_args, env_extra):
     """rumor-run with one worker that prints its environment; returns {name: value}."""
+    from test_launcher import _launch  # the launcher tests' runner: scrubbed env, deadline, exit code
+
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(harness._SCRUB_PREFIXES) and k not in harness._SCRUB_NAMES}
-    env.pop("NCCL_NET_PLUGIN", None)
-    env.update(env_extra)
     cmd = [sys.executable, "-m", "rumor.run", "--nproc-per-node", "1", "--nnodes", "1", "--master-addr",
            "127.0.0.1", "--master-port", str(harness.free_port()), *extra_args, str(script)]
-    p = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True, text=True)
-    try:
-        out, _ = p.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"rumor-run did not finish within {DEADLINE_S} s:\n{out[-4000:]}")
-    assert p.returncode == 0, out[-4000:]
+    out = _launch(cmd, tmp_path, env_extra)
     return dict(line[4:].split("=", 1) for line in out.splitlines() if line.startswith("ENV "))
 
 
