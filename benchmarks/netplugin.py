@@ -140,13 +140,15 @@ def main(argv=None) -> int:
             for mode in modes:
                 hosts = list(range(args.hosts)) if mode == "ring" else [0, 1]
                 samples: Dict[str, List[float]] = {"plugin": [], "one_stream": []}
+                per_host: Dict[str, List[List[float]]] = {"plugin": [], "one_stream": []}  # raw, per sample
                 try:
                     for it in range(args.iters + 1):  # the first round is warm-up
                         order = [("plugin", args.streams), ("one_stream", 1)]
                         for name, streams in (order if it % 2 == 0 else order[::-1]):
-                            r = min(run_sample(cluster, exe, hosts, mode == "ring", streams, args))
+                            r = run_sample(cluster, exe, hosts, mode == "ring", streams, args)
                             if it > 0:
-                                samples[name].append(r)
+                                samples[name].append(min(r))
+                                per_host[name].append(r)
                             done += 1
                             progress.update(done, f"{rate or 'unshaped'} {mode} {name}")
                 except Exception as e:  # noqa: BLE001 - recorded, the other cases still run
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
                     continue
                 bound = parse_rate(rate) / MB if rate else None
                 cell = dict(rate=rate or "unshaped", mode=mode, hosts=len(hosts), bound_MBps=bound,
-                            plugin=summary(samples["plugin"]), one_stream=summary(samples["one_stream"]))
+                            plugin=summary(samples["plugin"]), one_stream=summary(samples["one_stream"]),
+                            per_host_MBps=per_host)
                 cell["plugin_over_bound"] = cell["plugin"]["median"] / bound if bound else None
                 cell["plugin_over_one_stream"] = cell["plugin"]["median"] / cell["one_stream"]["median"]
                 result["cells"].append(cell)
