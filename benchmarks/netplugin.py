@@ -14,6 +14,10 @@ What it measures
     pair  host 0 -> host 1; figure: the receiver's throughput.
     ring  every host sends to the next and receives from the previous at once; figure: the
           slowest host's receive throughput (a ring runs at its slowest link).
+  Throughput is steady-state: the first message of a sample is 1 byte (a start marker) and the
+  figure is (messages - 1) x bytes over the time from its receive completion to the last
+  message's, so neither the hosts' start skew nor data a sender buffered before the receiver's
+  clock started counts.
   Peer: the same harness with RUMOR_NET_PLUGIN_STREAMS=1, i.e. one plain TCP stream per
   connection. Bound: the link rate (125 MB/s at 1 Gbit); unshaped links have none.
   Each sample is a fresh harness run (connection set-up is not timed); plugin and peer alternate
@@ -64,7 +68,7 @@ def run_sample(cluster, exe: str, hosts: List[int], ring: bool, streams: int, ar
     if args.chunk_kb:
         env["RUMOR_NET_PLUGIN_CHUNK_KB"] = str(args.chunk_kb)
     common = ["--bytes", str(args.bytes), "--iters", str(args.messages), "--window", str(args.window),
-              "--deadline", str(args.sample_timeout)]
+              "--deadline", str(args.sample_timeout), "--start-marker"]
     kw = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     n = len(hosts)
     if ring:
@@ -95,7 +99,7 @@ def run_sample(cluster, exe: str, hosts: List[int], ring: bool, streams: int, ar
             raise RuntimeError(f"harness exited {p.returncode}: {err.strip()[-2000:]}")
         if p in receivers:
             line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
-            rates.append(json.loads(line[len("RESULT "):])["MBps"])
+            rates.append(json.loads(line[len("RESULT "):])["steady_MBps"])
     return rates
 
 
@@ -204,7 +208,7 @@ def main(argv=None) -> int:
         ax.set_xticks(list(xs), [f"{c['rate']}\n{c['mode']}" for c in cells])
         ax.set_ylabel("MB/s per receiving host")
         ax.set_title(f"NCCL net plugin, {args.hosts} emulated hosts (dashed: link bound)")
-        ax.legend()
+        ax.legend(loc="lower right")
         _common.save_figure(plt, fig, png_path)
         return None
 

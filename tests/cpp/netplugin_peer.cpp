@@ -2,7 +2,7 @@
 // hosts (network namespaces): loads libnccl-net-rumor.so as NCCL does and drives ncclNetPlugin_v12.
 //
 //   netplugin_peer [--plugin PATH] [--recv] [--send] [--bytes N] [--iters K] [--window W]
-//                  [--verify] [--progress] [--deadline S]
+//                  [--verify] [--progress] [--start-marker] [--deadline S]
 //
 // --recv listens and prints "HANDLE <hex>"; --send reads the peer's handle (hex, one line) from
 // stdin; both at once make a ring member (receive from the previous host, send to the next).
@@ -75,7 +75,7 @@ bool from_hex(const std::string& s, char* out, size_t n) {
 
 int main(int argc, char** argv) {
   std::string plugin = RUMOR_NETPLUGIN_PATH;
-  bool do_send = false, do_recv = false, verify = false, progress = false;
+  bool do_send = false, do_recv = false, verify = false, progress = false, marker = false;
   size_t bytes = 1 << 20;
   long iters = 100, window = 4;
   double deadline_s = 60;
@@ -99,6 +99,8 @@ int main(int argc, char** argv) {
       window = std::stol(next());
     else if (a == "--verify")
       verify = true;
+    else if (a == "--start-marker")
+      marker = true;
     else if (a == "--progress")
       progress = true;
     else if (a == "--deadline")
@@ -147,29 +149,33 @@ int main(int argc, char** argv) {
   std::vector<std::vector<unsigned char>> rbuf(do_recv ? w : 0, std::vector<unsigned char>(bytes + 1));
   std::vector<void*> sreq(w, nullptr), rreq(w, nullptr);
   long sent = 0, sent_done = 0, recvd = 0, recvd_done = 0, reported = 0;
+  // --start-marker: message 0 is 1 byte, so the receiver's steady-state clock starts when the
+  // sender starts, not after a first full message whose successors are already on their way.
+  auto size_of = [&](long m) { return marker && m == 0 ? size_t{1} : bytes; };
   auto fill = [&](long m) {
     if (verify)
       for (size_t i = 0; i < bytes; ++i)
         sbuf[static_cast<size_t>(m % window)][i] = pattern(static_cast<uint64_t>(m), i);
   };
   auto check = [&](long m, int size) {
-    if (size != static_cast<int>(bytes))
+    if (size != static_cast<int>(size_of(m)))
       die("message " + std::to_string(m) + " has the wrong size", abi::kInternalError);
     if (!verify) return;
     const auto& b = rbuf[static_cast<size_t>(m % window)];
-    for (size_t i = 0; i < bytes; ++i)
+    for (size_t i = 0; i < size_of(m); ++i)
       if (b[i] != pattern(static_cast<uint64_t>(m), i))
         die("message " + std::to_string(m) + " differs at byte " + std::to_string(i), abi::kInternalError);
   };
 
   auto t0 = Clock::now();
+  Clock::time_point first_recv{}, last_recv{};  // completions of the first and last receive
   while ((do_send && sent_done < iters) || (do_recv && recvd_done < iters)) {
     bool idle = true;
     if (do_send) {
       if (sent < iters && sent - sent_done < window) {
         fill(sent);
         auto slot = static_cast<size_t>(sent % window);
-        if (abi::Result rc = d.isend(send_comm, sbuf[slot].data(), bytes, 0, &sreq[slot]);
+        if (abi::Result rc = d.isend(send_comm, sbuf[slot].data(), size_of(sent), 0, &sreq[slot]);
             rc != abi::kSuccess)
           die("isend", rc);
         ++sent;
@@ -201,6 +207,8 @@ int main(int argc, char** argv) {
           die("receive " + std::to_string(recvd_done), rc);
         if (done) {
           check(recvd_done, size);
+          last_recv = Clock::now();
+          if (recvd_done == 0) first_recv = last_recv;
           ++recvd_done;
           idle = false;
           // The first message, then every tenth of the run.
@@ -218,8 +226,15 @@ int main(int argc, char** argv) {
   }
   double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   double total = static_cast<double>(bytes) * static_cast<double>(iters);
-  std::printf("RESULT {\"bytes\": %zu, \"iters\": %ld, \"seconds\": %.6f, \"MBps\": %.3f}\n", bytes, iters,
-              seconds, total / seconds / 1e6);
+  // Steady state: from the first receive's completion to the last one's, which leaves out the
+  // connection skew between hosts and the bytes a sender buffered before this clock started
+  // (unbiased with --start-marker).
+  double steady_s = std::chrono::duration<double>(last_recv - first_recv).count();
+  double steady =
+      do_recv && iters > 1 && steady_s > 0 ? static_cast<double>(bytes) * (iters - 1) / steady_s / 1e6 : 0;
+  std::printf(
+      "RESULT {\"bytes\": %zu, \"iters\": %ld, \"seconds\": %.6f, \"MBps\": %.3f, \"steady_MBps\": %.3f}\n",
+      bytes, iters, seconds, total / seconds / 1e6, steady);
   std::fflush(stdout);
   if (send_comm != nullptr) d.net()->close_send(send_comm);
   if (recv_comm != nullptr) d.net()->close_recv(recv_comm);
