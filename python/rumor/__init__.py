@@ -90,3 +90,7 @@ from .window import (  # noqa: F401
     win_wait,
 )
 from .advisor import advise  # noqa: F401
+from . import netplugin as _netplugin
+
+# RUMOR_NCCL_NET_PLUGIN=1 points NCCL at rumor's net plugin also without rumor-run (docs/netplugin.md).
+_netplugin.enable_from_env()

@@ -39,6 +39,10 @@ def _parser():
     group.add_argument("--autotune", dest="rumor_autotune", action="store_true",
                        help="DistributedDataParallel tunes its settings during the first steps (RUMOR_AUTOTUNE=1, "
                             "docs/autotune.md)")
+    group.add_argument("--nccl-net-plugin", dest="rumor_nccl_net_plugin", action="store_true",
+                       help="NCCL sends through rumor's multi-stream TCP net plugin: sets NCCL_NET_PLUGIN to "
+                            "libnccl-net-rumor.so and puts its folder on LD_LIBRARY_PATH "
+                            "(RUMOR_NCCL_NET_PLUGIN=1 does the same; docs/netplugin.md)")
     return parser
 
 
@@ -78,6 +82,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             os.environ[var] = str(value)
     if args.rumor_autotune:
         os.environ["RUMOR_AUTOTUNE"] = "1"
+    from . import netplugin
+
+    if args.rumor_nccl_net_plugin or netplugin.enabled_by_env():
+        try:
+            netplugin.enable()
+        except FileNotFoundError as e:
+            raise SystemExit(f"rumor-run: --nccl-net-plugin: {e}")
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
     if max_nodes and max_nodes != min_nodes:
         # An elastic node count: with the agent's shared TCP store, torch 2.x gives a node that
