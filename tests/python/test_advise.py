@@ -195,6 +195,19 @@ def test_powersgd_model_by_hand():
                                                                                    rel=REL)
 
 
+def test_powersgd_probe_shape_follows_the_largest_matrix():
+    """The kernel probe runs on the job's largest matrix (first dimension by the rest, as PowerSGD
+    views it), rows cut to the element cap; without a compressible matrix, the fixed probe."""
+    from rumor.advisor import _powersgd_probe_shape
+
+    mlp = [[4096, 1024], [4096], [4096, 4096], [4096], [1024, 4096], [1024]]
+    assert _powersgd_probe_shape(mlp) == (2048, 4096)
+    assert _powersgd_probe_shape(mlp, cap=1 << 30) == (4096, 4096)
+    assert _powersgd_probe_shape([[64, 3, 3, 3], [64], [10, 64]]) == (64, 27)
+    assert _powersgd_probe_shape([[1, 300], [300]]) == (512, 2048)
+    assert _powersgd_probe_shape([[8, 1 << 24]]) == (1, 1 << 24)
+
+
 def _link(B):
     """The same job on a link of bandwidth B (latency 50 us), 4 hosts."""
     from rumor.advisor import Link
