@@ -21,9 +21,12 @@ constexpr int kMaxRecvs = 8;
 
 // Settings read once from the environment at the first init().
 struct Config {
-  int streams = 4;          // RUMOR_NET_PLUGIN_STREAMS (1..16)
-  size_t chunk = 64 << 10;  // RUMOR_NET_PLUGIN_CHUNK_KB (4..16384 KiB)
-  double timeout_s = 300;   // RUMOR_NET_PLUGIN_TIMEOUT: deadline of every setup step
+  int streams = 4;  // RUMOR_NET_PLUGIN_STREAMS (1..16)
+  // RUMOR_NET_PLUGIN_CHUNK_KB (4..16384 KiB). 256 KiB: on 4 emulated hosts (2 cores) a ring at
+  // 1 Gbit ran at 0.94 of the link with it against 0.92 with 64 KiB, unshaped 1.45x faster: each
+  // chunk costs a header and a wake-up of a stream thread, and four hosts' threads share the CPU.
+  size_t chunk = 256 << 10;
+  double timeout_s = 300;  // RUMOR_NET_PLUGIN_TIMEOUT: deadline of every setup step
 };
 
 // One network interface offered to NCCL as a device.

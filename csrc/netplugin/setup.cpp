@@ -109,9 +109,13 @@ std::vector<DeviceInfo> discover(const char* spec, bool want_loopback) {
 
 void setup_once() {
   auto st = std::make_unique<State>();
-  st->cfg.streams = static_cast<int>(env_long("RUMOR_NET_PLUGIN_STREAMS", 4, 1, 16));
-  st->cfg.chunk = static_cast<size_t>(env_long("RUMOR_NET_PLUGIN_CHUNK_KB", 64, 4, 16384)) << 10;
-  st->cfg.timeout_s = static_cast<double>(env_long("RUMOR_NET_PLUGIN_TIMEOUT", 300, 1, 86400));
+  const Config defaults;
+  st->cfg.streams = static_cast<int>(env_long("RUMOR_NET_PLUGIN_STREAMS", defaults.streams, 1, 16));
+  st->cfg.chunk = static_cast<size_t>(env_long("RUMOR_NET_PLUGIN_CHUNK_KB",
+                                               static_cast<long>(defaults.chunk >> 10), 4, 16384))
+                  << 10;
+  st->cfg.timeout_s = static_cast<double>(
+      env_long("RUMOR_NET_PLUGIN_TIMEOUT", static_cast<long>(defaults.timeout_s), 1, 86400));
   const char* spec = std::getenv("RUMOR_NET_PLUGIN_IFNAME");
   const char* spec_from = "RUMOR_NET_PLUGIN_IFNAME";
   if (spec == nullptr || *spec == '\0')
