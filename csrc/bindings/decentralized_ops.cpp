@@ -29,6 +29,9 @@ using LowOps = std::vector<std::shared_ptr<ops::LowPrecisionMixOp>>;
 }  // namespace
 
 void bind_decentralized_ops(py::module_& m) {
+  // A class of its own: the wrapper leaves .grad where autograd put it for these buckets
+  // (python/rumor/parallel.py), saving a copy of every gradient per step.
+  py::class_<ops::LocalBucketOp, BucketOp, std::shared_ptr<ops::LocalBucketOp>>(m, "LocalBucketOp");
   m.def(
       "local_op", []() -> std::shared_ptr<BucketOp> { return std::make_shared<ops::LocalBucketOp>(); },
       "Bucket op that leaves gradients local (for algorithms that communicate weights).");
@@ -40,6 +43,8 @@ void bind_decentralized_ops(py::module_& m) {
            py::arg("weights"), py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("hierarchical"),
            "Mixes a flat weight buffer with peers' copies into `out` (same size, not overlapping).")
       .def_property_readonly("count", &ops::WeightMixOp::count)
+      .def("share_scratch", &ops::WeightMixOp::share_scratch, py::arg("other"),
+           "Receive into other's buffer (for ops that never run at the same time).")
       .def(
           "set_plan",
           [](ops::WeightMixOp& op, bool average_all, double self_weight,

@@ -148,6 +148,12 @@ def sc_local_sgd_sim(chk, H=3, warmup=2, steps=12, hierarchical=False, cross=2, 
         opt.zero_grad()
         x, y = _data(s, me)
         _loss(ddp, x, y).backward()
+        # The warm-up's gradients travel in the buckets; local steps leave them where autograd
+        # put them (no copy into a bucket nobody sends).
+        in_bucket = [any(b.flat.data_ptr() <= p.grad.data_ptr() < b.flat.data_ptr() + b.flat.nbytes
+                         for b in ddp.buckets) for p in model.parameters()]
+        chk.check(all(in_bucket) if s < warmup else not any(in_bucket),
+                  f"{tag} step {s}: gradients in the buckets {in_bucket}")
         opt.step()
         sim.local_step(s, average_grads=s < warmup)
         if s >= warmup and (s - warmup) % H == 0:
