@@ -80,10 +80,11 @@ void WeightMixOp::mix(Communicator& comm, const MixPlan& plan) {
   const auto srcs = edges(plan);
   const auto dsts = unit_edges(plan.dsts);
   if (hierarchical_)
-    hierarchical_neighbor_allreduce(comm, weights_, out_, count_, dtype_, plan.self_weight, srcs, dsts,
-                                    false);
+    hierarchical_neighbor_allreduce(comm, weights_, out_, count_, dtype_, plan.self_weight, srcs, dsts, false,
+                                    scratch_.get());
   else
-    neighbor_allreduce(comm, weights_, out_, count_, dtype_, plan.self_weight, srcs, dsts, false);
+    neighbor_allreduce(comm, weights_, out_, count_, dtype_, plan.self_weight, srcs, dsts, false,
+                       scratch_.get());
 }
 
 // ---- LowPrecisionMixOp ----------------------------------------------------------------------

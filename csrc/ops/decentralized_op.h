@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/neighbor.h"
 #include "compress/codec.h"
 #include "engine/bucket_engine.h"
 
@@ -52,6 +53,9 @@ class WeightMixOp final : public BucketOp {
   void set_plan(MixPlan plan) { plan_ = std::move(plan); }
   std::string name() const override { return hierarchical_ ? "weight mix (hierarchical)" : "weight mix"; }
   size_t count() const { return count_; }
+  // Ops that never run at once (Decentralized's two buffer sets, used in turn) share one
+  // receive buffer: one model's worth of memory instead of two.
+  void share_scratch(const WeightMixOp& other) { scratch_ = other.scratch_; }
 
  private:
   std::byte* weights_;
@@ -60,6 +64,9 @@ class WeightMixOp final : public BucketOp {
   DType dtype_;
   bool hierarchical_;
   MixPlan plan_;
+  // The peers' weights land here. Kept between steps: a fresh buffer per step cost a zero fill
+  // and the page faults of a whole model every step, on the cores that compute uses.
+  std::shared_ptr<NeighborScratch> scratch_ = std::make_shared<NeighborScratch>();
 };
 
 // Low-precision decentralized SGD (difference compression with error compensation) on one

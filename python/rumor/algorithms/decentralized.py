@@ -234,6 +234,8 @@ class Decentralized(Algorithm):
         self._ops = [[_C.WeightMixOp(address(a), address(b), a.numel(), dtype_code(a.dtype, "Decentralized"),
                                      self.hierarchical) for a, b in zip(self._bufs[c], self._bufs[1 - c])]
                      for c in (0, 1)]
+        for a, b in zip(*self._ops):  # one mix in flight at a time: one receive buffer
+            b.share_scratch(a)
         self._cur = 0  # which buffer set holds the parameters
         # Re-pointing costs ~10 us per parameter, copying ~1 ms per 4 MB: re-point when the
         # parameters are large on average, copy the output back when they are many and small.
