@@ -17,9 +17,12 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
      step is the slowest rank's median, or for the periodic algorithms
      (LocalSGD, DiLoCo, Streaming DiLoCo) its mean over whole rounds (--iters rounded up to a
      multiple of the round: 8 or 32 steps), so that every round's averaging is counted.
-     AsyncModelAverage and StreamingDiLoCo run without the barrier: their averaging runs in
-     the background across steps, and the barrier's messages would wait behind its traffic on
-     the shaped link (training itself has no barrier); their step is the slowest rank's mean.
+     AsyncModelAverage and the periodic algorithms run without the barrier (training itself
+     has none): AsyncModelAverage's and StreamingDiLoCo's averaging runs in the background
+     across steps, where the barrier's messages would wait behind its traffic on the shaped
+     link, and the local steps of LocalSGD and DiLoCo synchronize nothing, where a barrier
+     would add each step's spread between the ranks; their step is the slowest rank's mean
+     (over whole rounds).
      After each measured step, every rank also takes one step of a plain copy of the model,
      timed apart: the compute-only step under the load of that moment (for the algorithms
      whose traffic runs into the next step, --ref-iters plain steps before the block instead).
@@ -73,6 +76,15 @@ def _build(row: Dict, cfg: Dict):
 def _background(row: Dict) -> bool:
     """Whether the row's algorithm averages in the background across steps."""
     return row["kind"] == "async" or row["ctor"]["cls"] == "StreamingDiLoCo"
+
+
+def _unbarriered(row: Optional[Dict]) -> bool:
+    """Whether the row's algorithm is timed without the per-step barrier, the slowest rank's
+    mean step: the background averages, and the periodic algorithms, whose local steps
+    synchronize nothing (a barrier there adds every step's spread between ranks, which the
+    round's average absorbs once in training: measured on mlp25m at 1 Gbit, LocalSGD's local
+    steps 460 ms against a 316 ms compute-only step with the barrier)."""
+    return row is not None and (_background(row) or row["period"] > 1)
 
 
 def _spans_steps(row: Optional[Dict]) -> bool:
@@ -143,7 +155,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     del model, opt
     times: Dict[str, List[float]] = {}
     ref: Dict[str, List[float]] = {}
-    rows = [r for r in advice.rows if r["algorithm"] not in SKIP]
+    rows = [r for r in advice.rows if r["algorithm"] not in SKIP and (not cfg.get("only") or r["algorithm"] in cfg["only"])]
     for row in rows + [None]:
         alg = "torch DDP" if row is None else row["algorithm"]
         model = models.build(name, seed=cfg["seed"])
@@ -175,11 +187,12 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         # at 100 Mbit, cnn: +55 ms a step for AsyncModelAverage with the barrier, +15 ms
         # without; a plain step: +10 ms; 1 Gbit, mlp25m: StreamingDiLoCo 50-75 ms a step over
         # its compute-only step with the barrier, 15-45 ms in a loop without one).
-        asynchronous = row is not None and _background(row)
+        asynchronous = _unbarriered(row)
         if asynchronous:
             dist.barrier()
         if interleave:
-            times[alg], ref[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, plain=plain)
+            times[alg], ref[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous,
+                                                plain=plain)
         else:
             times[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous)
         if hasattr(algo, "finish"):  # AsyncModelAverage: every rank ends its averaging
@@ -196,7 +209,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                     predicted_torch=advice.torch["predicted_step_s"], ranking=[r["algorithm"] for r in advice.rows],
                     measured={})
         periods = {r["algorithm"]: r["period"] for r in advice.rows}
-        unsync = {r["algorithm"] for r in advice.rows if _background(r)}
+        unsync = {r["algorithm"] for r in advice.rows if _unbarriered(r)}
         spanning = {r["algorithm"] for r in advice.rows if _spans_steps(r)}
         for alg in times:
             steps = [max(per_rank[alg][r][i] for r in range(n)) for i in range(len(times[alg]))]
@@ -227,6 +240,7 @@ class Job(_common.Job):
     def config(self) -> Dict:
         a = self.args
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, lr=a.lr, seed=a.seed,
+                    only=[x.strip() for x in a.only.split(",") if x.strip()],
                     advise_steps=a.advise_steps, ref_iters=a.ref_iters)
 
     def on_message(self, kind: str, data) -> None:
@@ -333,6 +347,9 @@ def main(argv=None) -> int:
     ap.add_argument("--advise-steps", type=int, default=5, help="rumor.advise(steps=...)")
     ap.add_argument("--ref-iters", type=int, default=3,
                     help="compute-only steps (no communication) measured before each algorithm's block")
+    ap.add_argument("--only", default="",
+                    help="comma list of the table's algorithms to measure (e.g. 'Decentralized shift_one'); "
+                         "default all (torch DDP always)")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")

@@ -26,8 +26,9 @@ What it measures (every figure is the slowest rank's, so all ranks agree on the 
   network traffic beside compute costs it; between hosts also a swap with one peer (both ways
   at once) and the ring's rate while every rank computes beside it, at a size near the job's;
 * the codecs: encode and decode time per element of each compressed algorithm's codec, and
-  their exact encoded sizes; one pass of weight arithmetic per element; PowerSGD's kernels per
-  matrix element;
+  their exact encoded sizes; one pass of weight arithmetic and one gradient copy per element;
+  PowerSGD's kernels per matrix element; how much of a comm thread's CPU work compute loses
+  (a codec looping beside forward and backward);
 * the module's buffers (the wrapper broadcasts them before every forward).
 
 The model and the optimizer are put back as they were (state dicts restored, gradients cleared).
@@ -40,7 +41,8 @@ time is the ring time of the bytes it puts on the wire (each algorithm's codec r
 hierarchical where the algorithm is) plus its codec work. A step is buffer broadcast + forward +
 max(backward + network CPU, last bucket done) + optimizer, where network CPU is the cost of the
 step's bytes sent between hosts, and traffic between hosts runs at the measured rate beside
-compute until backward ends. Decentralized algorithms mix weights on the comm thread from
+compute until backward ends; backward also pays the gradients' copy into the buckets and the
+measured share of the comm thread's codec and kernel work. Decentralized algorithms mix weights on the comm thread from
 the start of forward: forward + max(backward + network CPU, mixing) + optimizer;
 LowPrecisionDecentralized's exchange runs after the step and, when the model has buffers to
 broadcast, delays the next forward. Periodic algorithms (LocalSGD, DiLoCo, Streaming DiLoCo)
@@ -410,6 +412,68 @@ def _measure_codecs(elements: int, reps: int) -> Dict[str, Dict[str, float]]:
     return res
 
 
+def _measure_copy(elements: int, reps: int) -> float:
+    """Seconds per element of copying a float32 gradient: what the wrapper pays once a step to
+    move each gradient autograd made (zero_grad(set_to_none=True), torch's default) into its
+    bucket, and torch DDP twice (into its bucket and back)."""
+    a, b = torch.randn(elements), torch.empty(elements)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / elements
+
+
+def _measure_steal(busy: Callable[[], None], elements: int, reps: int = 3) -> float:
+    """How much of the comm thread's CPU work (codecs, PowerSGD's kernels, weight mixing) comes
+    out of compute: a C++ codec loops on a thread while ``busy`` (forward and backward) runs
+    ``reps`` times, on every rank at once. Returns compute's stretch over the thread's work
+    (both in wall seconds as measured with every rank busy): about 0 where each rank has a
+    core to spare, about 1 where the ranks already fill the cores (4 ranks on 2 cores)."""
+    import threading
+
+    from . import compression as C
+
+    codec = C.MinMaxUInt8()
+    x = torch.randn(max(1, min(elements, 1 << 22)))
+    buf = codec.encode(x)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        busy()
+    alone = time.perf_counter() - t0
+    passes = []
+    for _ in range(3):
+        t = time.perf_counter()
+        codec.encode(x, out=buf)
+        passes.append(time.perf_counter() - t)
+    per_pass = statistics.median(passes)
+    stop = threading.Event()
+    done = [0]
+
+    def work():
+        while not stop.is_set():
+            codec.encode(x, out=buf)
+            done[0] += 1
+
+    th = threading.Thread(target=work, name="rumor-advise-steal", daemon=True)
+    th.start()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            busy()
+        beside = time.perf_counter() - t0
+        n = done[0]
+    finally:
+        stop.set()
+        th.join()
+    if n == 0:  # the thread never finished a pass beside compute: it got no CPU to speak of
+        return 1.0
+    # At most all of it: the excess measured beside a busy memory bus (up to 1.5 on 4 ranks on
+    # 2 cores) did not show in training, where the kernels run between compute's bursts.
+    return min(1.0, max(0.0, (beside - alone) / (n * per_pass)))
+
+
 def _measure_elementwise(elements: int, reps: int) -> float:
     """Seconds per element of one pass over float32 weights (c = a + b): the unit of the weight
     arithmetic of the averaging algorithms (mixing, snapshots, deltas, outer steps)."""
@@ -534,21 +598,43 @@ def _finish(start: float, work: float, busy_until: float, rate: float) -> float:
     return start + work / rate if work <= beside else busy_until + work - beside
 
 
-def _overlapped(m: Dict, comm_of: Callable[..., float], key: str = "buckets", cpu_s: float = 0.0) -> Dict:
+def _steal(m: Dict) -> float:
+    """The part of the comm thread's CPU work that compute loses (_measure_steal; none where
+    the figure is missing, as in tables measured before it was)."""
+    return m.get("comm_work_steal", 0.0)
+
+
+def _grad_copy_s(m: Dict) -> float:
+    """One copy of every gradient (the wrapper moves autograd's fresh gradients into the
+    buckets once a step)."""
+    return m["grad_bytes"] / m["grad_bytes_per_element"] * m.get("copy_s_per_element", 0.0)
+
+
+def _overlapped(m: Dict, comm_of: Callable[..., float], key: str = "buckets", cpu_s: float = 0.0,
+                copies: int = 1) -> Dict:
     """Buckets communicate in order, each from when it is ready and the one before is done;
     comm_of(bytes, bucket index) -> seconds on the links, or (seconds on the links, seconds of
     codec or kernel work on the comm thread). Until backward ends, the links' part runs at the
     measured rate beside compute (the work's part is measured with every rank busy already).
     Before forward the wrapper broadcasts the module's buffers. cpu_s: what the step's network
-    traffic costs the compute it runs beside (backward stretched by the CPU it loses)."""
-    t = 0.0
-    rate = _beside(m)
+    traffic costs the compute it runs beside (backward stretched by the CPU it loses).
+    Backward also pays the first of ``copies`` gradient copies (the wrapper's move into the
+    buckets) and the measured share of the comm thread's work (_steal); a second copy (torch
+    DDP's copy back out of its buckets) comes after the last bucket."""
+    rows = []
     for b, (ready, nbytes) in enumerate(m[key]):
         c = comm_of(nbytes, b)
-        link_s, work_s = c if isinstance(c, tuple) else (c, 0.0)
-        t = _finish(max(t, ready) + work_s, link_s, m["backward_s"] + cpu_s, rate)
-    step = m.get("buffer_broadcast_s", 0.0) + m["forward_s"] + max(m["backward_s"] + cpu_s, t) + m["optimizer_s"]
-    return dict(predicted_step_s=step, exposed_comm_s=max(cpu_s, t - m["backward_s"]))
+        rows.append((ready, c if isinstance(c, tuple) else (c, 0.0)))
+    copy_s = _grad_copy_s(m)
+    cpu_s += copy_s + _steal(m) * sum(w for _, (_, w) in rows)
+    busy = m["backward_s"] + cpu_s
+    t = 0.0
+    rate = _beside(m)
+    for ready, (link_s, work_s) in rows:
+        t = _finish(max(t, ready) + work_s, link_s, busy, rate)
+    after = (copies - 1) * copy_s
+    step = m.get("buffer_broadcast_s", 0.0) + m["forward_s"] + max(busy, t) + after + m["optimizer_s"]
+    return dict(predicted_step_s=step, exposed_comm_s=max(cpu_s, t - m["backward_s"]) + after)
 
 
 def _broadcast_s(nbytes: float, n: int, intra: Optional[Link], inter: Optional[Link], H: int, L: int) -> float:
@@ -704,7 +790,9 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     prep = local(param_bytes)
     xchg = 0.0
     if H > 1 and inter is not None:
-        prep += elements * (3 * ew + c8["encode_s_per_element"] + c8["decode_s_per_element"])
+        # the mix toward the replicas is one fused pass over six arrays (twice c = a + b's
+        # traffic), then the encode and the decode into the tracked copy
+        prep += elements * (2 * ew + c8["encode_s_per_element"] + c8["decode_s_per_element"])
         xchg = peers * elements * w8 / pair.bandwidth_Bps + pair.latency_s + peers * elements * c8["decode_s_per_element"]
     if m.get("buffer_bytes", 0) > 0:
         lp = dict(predicted_step_s=xchg + local_step + prep, exposed_comm_s=xchg + prep)
@@ -761,8 +849,10 @@ def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict
     def comm(nbytes, *_):
         return link.ring(nbytes, n) if link is not None else 0.0
     cpu = _net_cost(m) * _ring_sent(m["grad_bytes"], n)
+    # gradient_as_bucket_view=False, its default: each gradient is copied into its bucket
+    # during backward and back out after the allreduce.
     return dict(algorithm="torch DDP", **_overlapped(m, comm, "torch_buckets" if "torch_buckets" in m else "buckets",
-                                                     cpu_s=cpu))
+                                                     cpu_s=cpu, copies=2))
 
 
 def _py(v) -> str:
@@ -858,6 +948,7 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         nbytes = [p.numel() * p.element_size() for p in params]
         hosts, local_n, intra, inter, pair, net_cpu, beside = _measure_links(int(link_mb * _MB), link_reps, busy,
                                                                              sum(nbytes))
+        steal = _measure_steal(busy, sum(p.numel() for p in params))
     finally:
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(opt_sd)
@@ -872,10 +963,12 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
     per_element = [[c["encode_s_per_element"], c["decode_s_per_element"]] for c in codecs.values()]
     psgd_shape = _powersgd_probe_shape([list(p.shape) for p in params])
     per_element.append([_measure_elementwise(probe, 3), _measure_powersgd(POWERSGD_RANK, 2, psgd_shape)])
+    per_element.append([_measure_copy(probe, 3), steal])
     cflat = allreduce(torch.tensor(per_element, dtype=torch.float64), op=ReduceOp.MAX).tolist()
     for (name, c), row in zip(codecs.items(), cflat):
         c["encode_s_per_element"], c["decode_s_per_element"] = row
-    ew, psgd = cflat[-1]
+    ew, psgd = cflat[-2]
+    copy_s, steal = cflat[-1]
     buffers = [b for b in model.buffers()]
     buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
 
@@ -883,7 +976,8 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
              optimizer_s=opt_s, grad_elements=elements, grad_bytes=sum(nbytes),
              grad_bytes_per_element=sum(nbytes) / elements, params=len(params),
              dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
-             last_ready_s=max(ready), codecs=codecs, elementwise_s_per_element=ew,
+             last_ready_s=max(ready), codecs=codecs, elementwise_s_per_element=ew, copy_s_per_element=copy_s,
+             comm_work_steal=steal,
              compute_cpu_share=share, net_cpu_s_per_byte=net_cpu,
              net_cost_s_per_byte=net_cpu / min(1.0, max(share, 0.05)),
              powersgd_rank=POWERSGD_RANK, powersgd_s_per_element=psgd,

@@ -544,3 +544,34 @@ def test_ties_prefer_exact():
     rows = rank_rows(rows)
     assert [r["algorithm"] for r in rows] == ["QSGD", "LocalSGD every 8", "GradientAllReduce", "ByteGrad",
                                               "AsyncModelAverage", "Decentralized all"]
+
+
+def test_gradient_copies_and_the_comm_threads_work_taken_from_compute():
+    """The wrapper copies each gradient into its bucket during backward (torch DDP also copies
+    it back out after the last bucket); the measured share of the comm thread's codec work is
+    taken from compute; the periodic algorithms' local steps copy nothing."""
+    from rumor.advisor import Link, predict_torch
+
+    B, a = 125e6, 1e-4
+    inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
+    ring = lambda nbytes, n=4: 2 * (n - 1) / n * nbytes / B + 2 * (n - 1) * a  # noqa: E731
+    copy = 2e6 * 1e-9  # 2 M elements at 1 ns
+    m = _measured(copy_s_per_element=1e-9)
+    rows = _rows(m, inter)
+    busy = 0.02 + copy
+    t1 = 0.005 + ring(1e6)
+    t2 = max(t1, 0.02) + ring(7e6)  # ready times as measured; backward ends later
+    assert rows["GradientAllReduce"]["predicted_step_s"] == pytest.approx(0.01 + max(busy, t2) + 0.005, rel=REL)
+    assert predict_torch(m, None, inter)["predicted_step_s"] == pytest.approx(
+        0.01 + max(busy, t2) + copy + 0.005, rel=REL)
+    assert rows["LocalSGD every 8"]["predicted_step_s"] == pytest.approx(0.035 + ring(8e6) / 8, rel=REL)
+    # half of the codec work comes out of backward
+    codecs = _codecs()
+    codecs["ByteGrad"].update(encode_s_per_element=1e-9, decode_s_per_element=2e-9)
+    bg = _rows(_measured(codecs=codecs, comm_work_steal=0.5), inter)["ByteGrad"]
+    work = lambda el: el * (1e-9 * 1.25 + 2e-9 * 1.75)  # noqa: E731
+    busy = 0.02 + 0.5 * (work(0.25e6) + work(1.75e6))
+    s1 = 0.005 + work(0.25e6)
+    t1 = s1 + ring(0.25e6)
+    t2 = max(t1, 0.02) + work(1.75e6) + ring(1.75e6)
+    assert bg["predicted_step_s"] == pytest.approx(0.01 + max(busy, t2) + 0.005, rel=REL)
