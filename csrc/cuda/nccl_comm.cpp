@@ -1,5 +1,6 @@
 #include "cuda/nccl_comm.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
