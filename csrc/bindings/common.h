@@ -59,5 +59,6 @@ void bind_window(py::module_& m);
 void bind_optim(py::module_& m);
 void bind_trace(py::module_& m);
 void bind_powersgd(py::module_& m);
+void bind_nccl(py::module_& m);
 
 }  // namespace rumor::bindings

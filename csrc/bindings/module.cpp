@@ -286,4 +286,5 @@ PYBIND11_MODULE(_C, m) {
   bind_optim(m);
   bind_trace(m);
   bind_powersgd(m);
+  bind_nccl(m);
 }

@@ -141,6 +141,7 @@ class _State:
     next_group_id: int = 1
     streams: int = 2  # TCP streams per peer pair, fixed for the life of the Context
     groups: list = field(default_factory=list)
+    nccl: object = None  # rumor._C.NcclLibrary, loaded on first use by rumor._nccl.load()
 
 
 _state: Optional[_State] = None
