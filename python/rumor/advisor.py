@@ -150,7 +150,7 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
         return hook
 
     handles = [p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(params)]
-    fwd, bwd, opt, readies = [], [], [], []
+    fwd, bwd, opt, readies, totals = [], [], [], [], []
     first = None
     wall = cpu = 0.0
     try:
@@ -174,13 +174,15 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
                 fwd.append(t1 - t0)
                 bwd.append(t2 - t1)
                 opt.append(t3 - t2)
+                totals.append(t3 - t0)
                 readies.append([ready.get(i, t2 - t1) for i in range(len(params))])
     finally:
         for h in handles:
             h.remove()
     med = [statistics.median(r[i] for r in readies) for i in range(len(params))]
     share = cpu / wall if wall > 0 else 1.0  # CPU seconds per second of compute (threads, sharing)
-    return params, statistics.median(fwd), statistics.median(bwd), statistics.median(opt), med, first, share
+    return (params, statistics.median(fwd), statistics.median(bwd), statistics.median(opt), med, first, share,
+            totals)
 
 
 def _ring_sent(nbytes: float, n: int) -> float:
@@ -837,7 +839,17 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
         dict(predicted_step_s=local_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu),
         elem * per_step)
+    # Algorithms that synchronize the ranks every step wait for each step's slowest rank; the
+    # periodic ones once a round (the drift of a round is left out), the asynchronous never.
+    wait = m.get("straggler_s", 0.0)
+    for r in rows:
+        if r["kind"] in _PER_STEP_SYNC:
+            r["predicted_step_s"] += wait
+            r["exposed_comm_s"] += wait
     return rows
+
+
+_PER_STEP_SYNC = ("exact", "compressed", "decentralized")
 
 
 def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict:
@@ -851,8 +863,10 @@ def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict
     cpu = _net_cost(m) * _ring_sent(m["grad_bytes"], n)
     # gradient_as_bucket_view=False, its default: each gradient is copied into its bucket
     # during backward and back out after the allreduce.
-    return dict(algorithm="torch DDP", **_overlapped(m, comm, "torch_buckets" if "torch_buckets" in m else "buckets",
-                                                     cpu_s=cpu, copies=2))
+    res = _overlapped(m, comm, "torch_buckets" if "torch_buckets" in m else "buckets", cpu_s=cpu, copies=2)
+    wait = m.get("straggler_s", 0.0)
+    return dict(algorithm="torch DDP", predicted_step_s=res["predicted_step_s"] + wait,
+                exposed_comm_s=res["exposed_comm_s"] + wait)
 
 
 def _py(v) -> str:
@@ -936,12 +950,16 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         loss_fn(model, sample_batch).backward()
 
     try:
-        params, fwd, bwd, opt_s, ready, first, share = _measure_compute(model, optimizer, sample_batch, loss_fn,
-                                                                        steps, warmup)
+        params, fwd, bwd, opt_s, ready, first, share, totals = _measure_compute(model, optimizer, sample_batch,
+                                                                                loss_fn, steps, warmup)
         # The slowest rank's compute; rank 0's ready times (the wrapper's buckets follow its order).
-        comp = allreduce(torch.tensor([fwd, bwd, opt_s, -share], dtype=torch.float64), op=ReduceOp.MAX)
-        fwd, bwd, opt_s, share = comp.tolist()
+        comp = allreduce(torch.tensor([fwd, bwd, opt_s, -share] + totals, dtype=torch.float64), op=ReduceOp.MAX)
+        fwd, bwd, opt_s, share = comp[:4].tolist()
         share = -share  # the smallest: the rank whose compute is slowed most by stolen CPU
+        # A step that synchronizes the ranks waits for the slowest one of that step: the mean of
+        # each step's slowest rank over the slowest rank's median step (4 ranks on 2 cores:
+        # cnn's steps 50-100 ms apart between ranks).
+        straggler = max(0.0, statistics.fmean(comp[4:].tolist()) - (fwd + bwd + opt_s))
         rt = torch.tensor([ready, first], dtype=torch.float64)
         broadcast_(rt, 0)
         ready, first = rt.tolist()
@@ -977,7 +995,7 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
              grad_bytes_per_element=sum(nbytes) / elements, params=len(params),
              dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
              last_ready_s=max(ready), codecs=codecs, elementwise_s_per_element=ew, copy_s_per_element=copy_s,
-             comm_work_steal=steal,
+             comm_work_steal=steal, straggler_s=straggler,
              compute_cpu_share=share, net_cpu_s_per_byte=net_cpu,
              net_cost_s_per_byte=net_cpu / min(1.0, max(share, 0.05)),
              powersgd_rank=POWERSGD_RANK, powersgd_s_per_element=psgd,
@@ -1022,7 +1040,8 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
              "measured (slowest rank):",
              f"  compute: forward {m['forward_s'] * 1e3:.1f} ms, backward {m['backward_s'] * 1e3:.1f} ms, "
              f"optimizer {m['optimizer_s'] * 1e3:.1f} ms; last gradient ready {m['last_ready_s'] * 1e3:.1f} ms "
-             f"into backward",
+             f"into backward; each step's slowest rank {m.get('straggler_s', 0.0) * 1e3:.1f} ms over that, "
+             f"{m.get('comm_work_steal', 0.0):.2f} of a comm thread's CPU work taken from compute",
              f"  gradients: {m['grad_elements'] / 1e6:.2f} M elements, {m['grad_bytes'] / 1e6:.1f} MB "
              f"({', '.join(m['dtypes'])}) in {m['params']} tensors; {len(m['buckets'])} buckets (25 MB, split where "
              f"gradients come > {SPLIT_GAP_S * 1e3:.0f} ms apart), torch DDP {len(m.get('torch_buckets', ()))}",

@@ -575,3 +575,19 @@ def test_gradient_copies_and_the_comm_threads_work_taken_from_compute():
     t1 = s1 + ring(0.25e6)
     t2 = max(t1, 0.02) + work(1.75e6) + ring(1.75e6)
     assert bg["predicted_step_s"] == pytest.approx(0.01 + max(busy, t2) + 0.005, rel=REL)
+
+
+def test_per_step_synchronization_waits_for_the_slowest_rank():
+    """Algorithms that synchronize every step (and torch DDP) pay each step's slowest rank over
+    the median compute; periodic and asynchronous ones do not."""
+    from rumor.advisor import Link, predict_torch
+
+    inter = Link(n=4, bandwidth_Bps=125e6, latency_s=1e-4)
+    base, slow = _measured(), _measured(straggler_s=0.05)
+    r0, r1 = _rows(base, inter), _rows(slow, inter)
+    for name, row in r0.items():
+        extra = 0.05 if row["kind"] in ("exact", "compressed", "decentralized") else 0.0
+        assert r1[name]["predicted_step_s"] == pytest.approx(row["predicted_step_s"] + extra, rel=REL), name
+    assert {r["kind"] for r in r0.values()} >= {"exact", "compressed", "decentralized", "periodic", "async"}
+    assert predict_torch(slow, None, inter)["predicted_step_s"] == pytest.approx(
+        predict_torch(base, None, inter)["predicted_step_s"] + 0.05, rel=REL)
