@@ -953,13 +953,14 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         params, fwd, bwd, opt_s, ready, first, share, totals = _measure_compute(model, optimizer, sample_batch,
                                                                                 loss_fn, steps, warmup)
         # The slowest rank's compute; rank 0's ready times (the wrapper's buckets follow its order).
-        comp = allreduce(torch.tensor([fwd, bwd, opt_s, -share] + totals, dtype=torch.float64), op=ReduceOp.MAX)
-        fwd, bwd, opt_s, share = comp[:4].tolist()
+        comp = allreduce(torch.tensor([fwd, bwd, opt_s, -share, statistics.median(totals)] + totals,
+                                      dtype=torch.float64), op=ReduceOp.MAX)
+        fwd, bwd, opt_s, share, slowest = comp[:5].tolist()
         share = -share  # the smallest: the rank whose compute is slowed most by stolen CPU
         # A step that synchronizes the ranks waits for the slowest one of that step: the mean of
         # each step's slowest rank over the slowest rank's median step (4 ranks on 2 cores:
         # cnn's steps 50-100 ms apart between ranks).
-        straggler = max(0.0, statistics.fmean(comp[4:].tolist()) - (fwd + bwd + opt_s))
+        straggler = max(0.0, statistics.fmean(comp[5:].tolist()) - slowest)
         rt = torch.tensor([ready, first], dtype=torch.float64)
         broadcast_(rt, 0)
         ready, first = rt.tolist()
