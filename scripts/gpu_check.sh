@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh
 #
 # builds and installs rumor with its CUDA kernels (pip, --no-build-isolation --no-deps: no
-# network needed), builds and runs the C++ CUDA tests, runs the Python CUDA tests, and measures
+# network needed), builds and runs the C++ CUDA tests, runs the Python CUDA tests (codecs, and
+# CUDA tensors in the collectives over host staging and NCCL), and measures
 # the CUDA codecs (benchmarks/codecs.py --device cuda). With RUMOR_EXPECT_GPU=1 the tests fail
 # rather than skip when the GPU or the CUDA build is missing. Logs and the benchmark JSON go to
 # $OUT when set (the device machine's output folder), else to build/gpu-check. Every step runs
@@ -115,7 +116,9 @@ cpp_tests() {
 }
 
 python_tests() {
-  local files=(tests/python/test_cuda_codecs.py)
+  # test_cuda_collectives.py: CUDA tensors in the collectives, host staging (2 ranks on one GPU)
+  # and NCCL (a 1-rank group); it loads the real libnccl (RUMOR_NCCL_LIBRARY or torch's wheel).
+  local files=(tests/python/test_cuda_codecs.py tests/python/test_cuda_collectives.py)
   # test_compression.py also checks how CPU codecs treat CUDA tensors; it needs hypothesis.
   "$PY" -c "import hypothesis" 2>/dev/null && files+=(tests/python/test_compression.py)
   show "$PY" -m pytest "${files[@]}" -q -p no:cacheprovider -rs --tb=short

@@ -112,6 +112,7 @@ class Group:
         self.ranks = list(ranks)
         self._comm = comm
         self.id = gid
+        self._gpu = None  # rumor._device.GpuGroup: device, transport, NCCL communicator (GPU path)
 
     def rank(self) -> int:
         """This process's rank within the group, or -1 if it is not a member."""
@@ -347,8 +348,15 @@ def shutdown() -> None:
     """Releases sockets, shared memory and threads. Outstanding handles must be waited on first."""
     global _state
     if _state is not None:
+        from . import _device
         from . import timeline as _timeline
         _timeline.stop()
+        errors = _device.close_all(_state)
+        if errors:
+            import warnings
+
+            warnings.warn("rumor.shutdown(): closing NCCL communicators failed: " + "; ".join(errors),
+                          RuntimeWarning, stacklevel=2)
     _state = None
 
 

@@ -44,6 +44,12 @@ def check_movable(t, what: str):
     """For operations that only move data (broadcast, allgather, neighbor_allgather, send):
     any dtype travels as bytes. Returns (dtype code, elements per tensor element)."""
     _check_layout(t, what)
+    return movable_code(t)
+
+
+def movable_code(t: torch.Tensor):
+    """(dtype code, elements per tensor element) of a tensor moved as data: its own code where
+    rumor has one, else bytes."""
     code = _DTYPE_CODES.get(t.dtype)
     if code is not None:
         return code, 1
@@ -56,15 +62,22 @@ def check_tensor(t, what: str) -> int:
     return dtype_code(t.dtype, what)
 
 
-def _check_layout(t, what: str) -> None:
+def check_dense(t, what: str) -> None:
+    """A dense torch.Tensor on any device (the GPU path's check; _check_layout adds "on the CPU")."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{what}: expected a dense (strided) tensor, got layout {t.layout}")
+
+
+def _check_layout(t, what: str) -> None:
+    check_dense(t, what)
     if t.device.type != "cpu":
+        # The collectives route CUDA tensors before they get here (rumor._device); what reaches
+        # this check is an operation without a GPU path.
         raise ValueError(
             f"{what}: expected a CPU tensor, got one on {t.device} "
-            "(rumor's CUDA path is not part of this build)"
+            "(this operation has no GPU path yet; docs/gpu.md lists the ones that do)"
         )
 
 

@@ -1,6 +1,8 @@
-"""Collective and point-to-point operations on CPU torch tensors.
+"""Collective and point-to-point operations on torch tensors.
 
-Ranks (root, src, dst) are global ranks, as in torch.distributed. Reducing operations default
+CPU tensors take rumor's own transports; CUDA tensors (all of one call's tensors on the group's
+device) go to rumor._gpu_collectives through rumor._device, which picks NCCL or host staging
+(docs/gpu.md). Ranks (root, src, dst) are global ranks, as in torch.distributed. Reducing operations default
 to ReduceOp.AVG, as in Horovod. Non-contiguous tensors are handled (through a contiguous
 copy). Every call releases the GIL while the C++ core works.
 """
@@ -12,9 +14,9 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from . import _runtime
+from . import _device, _runtime
 from ._runtime import Group, _comm
-from ._tensor import address, check_movable, check_tensor, dtype_tag
+from ._tensor import address, check_dense, check_movable, check_tensor, dtype_tag
 
 
 class ReduceOp(enum.IntEnum):
@@ -95,7 +97,16 @@ def _writeback(target: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Te
 
 # ---- allreduce ---------------------------------------------------------------------------------
 
+def _gpu():
+    from . import _gpu_collectives
+
+    return _gpu_collectives
+
+
 def _allreduce(t, op, group, inplace, nonblocking, algorithm, what):
+    gpu = _device.route(what, group, ("t", t))
+    if gpu is not None:
+        return _gpu().allreduce(gpu, _comm(group, what), t, op, group, inplace, nonblocking, algorithm, what)
     code = check_tensor(t, what)
     g = _comm(group, what)
     if algorithm not in _ALGO:
@@ -132,6 +143,9 @@ def allreduce_nonblocking_(t, op=ReduceOp.AVG, group=None, *, hierarchical=False
 # ---- broadcast / reduce ------------------------------------------------------------------------
 
 def _broadcast(t, root, group, inplace, nonblocking, what):
+    gpu = _device.route(what, group, ("t", t))
+    if gpu is not None:
+        return _gpu().broadcast(gpu, _comm(group, what), t, root, group, inplace, nonblocking, what)
     code, per = check_movable(t, what)
     g = _comm(group, what)
     r = _group_rank(g, root, what, "root")
@@ -159,6 +173,9 @@ def broadcast_nonblocking_(t, root, group=None) -> Handle:
 
 
 def _reduce(t, root, op, group, nonblocking, what):
+    gpu = _device.route(what, group, ("t", t))
+    if gpu is not None:
+        return _gpu().reduce(gpu, _comm(group, what), t, root, op, group, nonblocking, what)
     code = check_tensor(t, what)
     g = _comm(group, what)
     r = _group_rank(g, root, what, "root")
@@ -206,12 +223,8 @@ def _shapes(t: torch.Tensor, tag: int, g: Group, what: str) -> List[tuple]:
     return shapes
 
 
-def _allgather(t, group, out, nonblocking, what):
-    code, per = check_movable(t, what)
-    g = _comm(group, what)
-    n = g.size()
-    if t.dim() == 0:
-        t = t.reshape(1)
+def _gather_rows(t: torch.Tensor, g: Group, what: str):
+    """(every rank's row count, the shared trailing shape) of an allgather of t (at least 1-D)."""
     shapes = _shapes(t, dtype_tag(t.dtype), g, what)
     tail = shapes[g._comm.rank][1:]
     for r, s in enumerate(shapes):
@@ -219,7 +232,18 @@ def _allgather(t, group, out, nonblocking, what):
             raise ValueError(
                 f"{what}: all dims but the first must match across ranks; rank {g.ranks[r]} has "
                 f"shape {list(s)}, rank {g.ranks[g._comm.rank]} has {list(t.shape)}")
-    rows = [s[0] for s in shapes]
+    return [s[0] for s in shapes], tail
+
+
+def _allgather(t, group, out, nonblocking, what):
+    gpu = _device.route(what, group, ("t", t), ("out", out))
+    if gpu is not None:
+        return _gpu().allgather(gpu, _comm(group, what), t, group, out, nonblocking, what)
+    code, per = check_movable(t, what)
+    g = _comm(group, what)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    rows, tail = _gather_rows(t, g, what)
     per_row = math.prod(tail)
     out = _check_out(out, t.dtype, (sum(rows),) + tuple(tail), what)
     start = sum(rows[: g._comm.rank])
@@ -246,10 +270,11 @@ def _split_rows(rows: int, n: int) -> List[int]:
     return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
 
 
-def _check_out(out, dtype, shape, what):
+def _check_out(out, dtype, shape, what, device=None):
     if out is None:
-        return torch.empty(shape, dtype=dtype)
-    check_movable(out, what)
+        return torch.empty(shape, dtype=dtype, device=device)
+    # The caller routed out together with the input (rumor._device): it is on their device.
+    check_dense(out, what)
     if out.dtype != dtype or tuple(out.shape) != tuple(shape) or not out.is_contiguous():
         raise ValueError(f"{what}: out must be a contiguous {dtype} tensor of shape {list(shape)}, "
                          f"got {out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ' (non-contiguous)'}")
@@ -257,6 +282,9 @@ def _check_out(out, dtype, shape, what):
 
 
 def _reduce_scatter(t, op, group, out, nonblocking, what):
+    gpu = _device.route(what, group, ("t", t), ("out", out))
+    if gpu is not None:
+        return _gpu().reduce_scatter(gpu, _comm(group, what), t, op, group, out, nonblocking, what)
     code = check_tensor(t, what)
     g = _comm(group, what)
     o = _op(op, what)
@@ -286,6 +314,10 @@ def reduce_scatter_nonblocking(t, op=ReduceOp.AVG, group=None, *, out=None) -> H
 # ---- alltoall ----------------------------------------------------------------------------------
 
 def _alltoall(t, splits, group, nonblocking, what):
+    # Staged on either GPU transport, so the group need not agree on one first.
+    gpu = _device.route(what, group, ("t", t), collective=False)
+    if gpu is not None:
+        return _gpu().alltoall(gpu, _comm(group, what), t, splits, group, nonblocking, what)
     code, per = check_movable(t, what)
     g = _comm(group, what)
     n = g.size()
@@ -329,6 +361,10 @@ def barrier(group=None) -> None:
 def send(t, dst, group=None) -> None:
     """Sends t to global rank dst, which must post a matching rumor.recv."""
     what = "rumor.send"
+    # Only two ranks call it: it never starts the group's transport agreement (docs/gpu.md).
+    gpu = _device.route(what, group, ("t", t), collective=False)
+    if gpu is not None:
+        return _gpu().send(gpu, _comm(group, what), t, dst, group, what)
     check_movable(t, what)
     g = _comm(group, what)
     d = _group_rank(g, dst, what, "dst")
@@ -339,6 +375,9 @@ def send(t, dst, group=None) -> None:
 def recv(t, src, group=None):
     """Receives into t (in place) from global rank src; the sizes must match. Returns t."""
     what = "rumor.recv"
+    gpu = _device.route(what, group, ("t", t), collective=False)
+    if gpu is not None:
+        return _gpu().recv(gpu, _comm(group, what), t, src, group, what)
     check_movable(t, what)
     g = _comm(group, what)
     s = _group_rank(g, src, what, "src")

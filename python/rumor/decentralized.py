@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _C, _runtime
+from . import _C, _device, _runtime
 from ._runtime import Group, _comm
 from ._tensor import address, check_movable, check_tensor, dtype_tag
 from .collectives import Handle, _run
@@ -236,7 +236,22 @@ def _static_receive(topo: Topology, weighted: bool, me: int, self_weight, src_we
 
 # ---- neighbor_allreduce --------------------------------------------------------------------------
 
+def _staged(t, group, nonblocking, what, cpu_call):
+    """CUDA tensors: the neighbor ops stage through host memory on either GPU transport
+    (docs/gpu.md), which needs no agreement of the group; None for CPU tensors."""
+    gpu = _device.route(what, group, ("t", t), collective=False)
+    if gpu is None:
+        return None
+    from . import _gpu_collectives
+
+    return _gpu_collectives.staged(gpu, t, nonblocking, what, cpu_call)
+
+
 def _neighbor_allreduce(t, self_weight, src_weights, dst_weights, enable_topo_check, group, nonblocking, what):
+    res = _staged(t, group, nonblocking, what, lambda buf, nb: _neighbor_allreduce(
+        buf, self_weight, src_weights, dst_weights, enable_topo_check, group, nb, what))
+    if res is not None:
+        return res
     code = _float_tensor(t, what)
     g = _comm(group, what)
     me = g._comm.rank
@@ -290,6 +305,10 @@ def neighbor_allreduce_nonblocking(t, self_weight=None, src_weights=None, dst_we
 # ---- neighbor_allgather --------------------------------------------------------------------------
 
 def _neighbor_allgather(t, src_ranks, dst_ranks, enable_topo_check, group, nonblocking, what):
+    res = _staged(t, group, nonblocking, what, lambda buf, nb: _neighbor_allgather(
+        buf, src_ranks, dst_ranks, enable_topo_check, group, nb, what))
+    if res is not None:
+        return res
     check_movable(t, what)
     code = dtype_tag(t.dtype)
     g = _comm(group, what)
@@ -398,6 +417,10 @@ def _is(r, me: int) -> bool:
 
 
 def _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, nonblocking, what):
+    res = _staged(t, None, nonblocking, what, lambda buf, nb: _hierarchical(
+        buf, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, nb, what))
+    if res is not None:
+        return res
     code = _float_tensor(t, what)
     st = _runtime._get()
     g = st.world

@@ -178,8 +178,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._check_no_sparse(module)
         for n, p in named:
             if p.device.type != "cpu":
-                raise ValueError(f"rumor.DistributedDataParallel: parameter {n} is on {p.device}; "
-                                 "this build supports CPU tensors only")
+                raise ValueError(f"rumor.DistributedDataParallel: parameter {n} is on {p.device}; CUDA parameters "
+                                 "are not yet supported by DistributedDataParallel (its bucket engine is CPU-only; "
+                                 "rumor's collectives take CUDA tensors, docs/gpu.md)")
         self._verify_same_model(named)
         self._synced_params = [p for _, p in named]
         self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in ignore]
