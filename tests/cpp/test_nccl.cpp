@@ -485,8 +485,12 @@ TEST(NcclCommunicatorTest, AbortFromAnotherThreadEndsAWait) {
 }
 
 TEST(NcclCommunicatorTest, PeersOfAnAbortedRankSeeAnError) {
-  expect_ok(run_ranks(2, [](NcclCommunicator& c, int r, Stream& s) {
+  std::atomic<int> created{0};
+  expect_ok(run_ranks(2, [&](NcclCommunicator& c, int r, Stream& s) {
     float v = 1;
+    // Both inits must be over first: rank 1 still polling its init would meet the abort there
+    // (a failed init, not the broken group this test is about).
+    arrive_and_wait(created, 2);
     if (r == 0) {
       c.abort();
       return;
