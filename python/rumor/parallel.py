@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import time
@@ -11,7 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import _C, _runtime, timeline
+from . import _C, _gpu_engine, _runtime, timeline
 from ._runtime import Group, _comm
 from ._tensor import SUPPORTED_DTYPES, address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
@@ -176,12 +177,10 @@ class DistributedDataParallel(torch.nn.Module):
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
         self._check_no_sparse(module)
-        for n, p in named:
-            if p.device.type != "cpu":
-                raise ValueError(f"rumor.DistributedDataParallel: parameter {n} is on {p.device}; CUDA parameters "
-                                 "are not yet supported by DistributedDataParallel (its bucket engine is CPU-only; "
-                                 "rumor's collectives take CUDA tensors, docs/gpu.md)")
         self._verify_same_model(named)
+        # Parameters on a CUDA device (or, in the tests, the emulation of that path on CPU) run
+        # on rumor._gpu_engine.DeviceEngine instead of the C++ engine.
+        self._device_mode = self._choose_device_mode(named, autotune)
         self._synced_params = [p for _, p in named]
         self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in ignore]
         _coalesced_broadcast([p.data for p in self._synced_params] + self._buffers_to_sync, self.group)
@@ -191,7 +190,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._params = [p for _, p in trainable]
         for n, p in trainable:
             dtype_code(p.dtype, f"rumor.DistributedDataParallel (parameter {n})")
-        self._engine = _C.BucketEngine(self.group._comm)
+        if self._device_mode is None:
+            self._engine = _C.BucketEngine(self.group._comm)
+        else:
+            self._engine = self._make_device_engine()
         self._require_sync = True
         # time.monotonic() when the last forward began, when the module began (after the buffer
         # broadcast and the algorithm's before_forward, e.g. decentralized weight mixing), and its end
@@ -258,6 +260,64 @@ class DistributedDataParallel(torch.nn.Module):
             raise ValueError("rumor.DistributedDataParallel: the wrapped models differ across ranks "
                              f"(parameter names, shapes, dtypes or requires_grad): {rows}")
 
+    def _choose_device_mode(self, named, autotune) -> Optional[str]:
+        """None for the C++ engine (CPU parameters), else the DeviceEngine's mode: "direct"
+        (the algorithm's device ops over NCCL) or "staged" (its CPU ops on page-locked copies)."""
+        what = "rumor.DistributedDataParallel"
+        emulate = _gpu_engine.emulated()
+        if all(p.device.type == "cpu" for _, p in named) and emulate is None:
+            return None
+        if emulate is None:
+            from . import _device
+
+            # Every parameter on this rank's CUDA device, or a ValueError naming the ones that
+            # are not; at the group's first CUDA call, the ranks agree on the GPU transport.
+            gpu = _device.route(what, self.group, *[(f"parameter {n}", p) for n, p in named])
+            nccl = gpu.transport == "nccl"
+        else:
+            nccl = emulate == "direct"
+        self._device_nccl = nccl  # algorithms' device tasks choose NCCL or staging by it
+        name = type(self.algorithm).__name__
+        for refused, why in ((self.overlap_optimizer, "overlap_optimizer=True"),
+                             (self._fusion is not None, "an optimizer fused by rumor.optim.fuse_optimizer"),
+                             (autotune or (autotune is None and _runtime._env_bool("RUMOR_AUTOTUNE", False)),
+                              "autotune")):
+            if refused:
+                raise ValueError(f"{what}: {why} is not supported for CUDA parameters yet (CPU only); "
+                                 "leave it out for a model on the GPU")
+        if self.algorithm.has_device_ops(self, nccl):
+            return "direct"
+        if self.algorithm.stages_through_host:
+            return "staged"
+        raise ValueError(f"{what}: {name} does not run on CUDA parameters yet; on the GPU use GradientAllReduce, "
+                         "ByteGrad, QSGD or LowPrecision (or keep this model on the CPU)")
+
+    def _make_device_engine(self):
+        from ._gpu_ops import HostTransport, NcclTransport
+
+        if _gpu_engine.emulated() is not None:
+            layer, transport = _gpu_engine.EmulatedLayer(), HostTransport(self.group._comm)
+        else:
+            gpu = self.group._gpu
+            layer = _gpu_engine.CudaLayer(gpu.torch_device)
+            transport = NcclTransport(gpu) if gpu.transport == "nccl" else None
+        return _gpu_engine.DeviceEngine(layer, self._device_mode, transport, self.group._comm,
+                                        lambda: _runtime._get().timeout)
+
+    def _bucket_spec(self, bucket: Bucket):
+        """What the engine takes for one bucket: (address or, on a device, the flat tensor,
+        elements, dtype code, parameters, op)."""
+        flat = bucket.flat
+        head = (flat.numel(), dtype_code(flat.dtype, "bucket"), len(bucket.params))
+        if self._device_mode is None:
+            op = self._shared_step_ops.get(bucket.index) or self.algorithm.bucket_op(self, bucket)
+            return (address(flat),) + head + (op,)
+        if self._device_mode == "direct":
+            return (flat,) + head + (self.algorithm.device_bucket_op(self, bucket),)
+        op = self._engine.staged_op(flat, lambda pinned: self.algorithm.bucket_op(
+            self, dataclasses.replace(bucket, flat=pinned, arena=None)))
+        return (flat,) + head + (op,)
+
     def _build_buckets(self, order: List[int], breaks=frozenset()) -> None:
         """(Re)creates the flat buffers in the given ready order and points every .grad at its
         slice, keeping whatever gradient values the parameters hold now."""
@@ -300,7 +360,7 @@ class DistributedDataParallel(torch.nn.Module):
                 flat = torch.frombuffer(arena, dtype=dtype, count=total, offset=at)
                 flat.zero_()
             else:
-                flat = torch.zeros(total, dtype=dtype)
+                flat = torch.zeros(total, dtype=dtype, device=self._params[idx[0]].device)
             offsets, off = [], 0
             for i in idx:
                 p = self._params[i]
@@ -315,11 +375,9 @@ class DistributedDataParallel(torch.nn.Module):
             bucket = Bucket(bi, flat, [self._params[i] for i in idx], [self._names[i] for i in idx], offsets,
                             arena)
             buckets.append(bucket)
-            specs.append((address(flat), total, dtype_code(dtype, "bucket"), len(idx),
-                          self.algorithm.bucket_op(self, bucket)))
-        self._set_buckets(specs)
-        self.buckets = buckets
         self._shared_step_ops = {}
+        self._set_buckets([self._bucket_spec(b) for b in buckets])
+        self.buckets = buckets
         if self._fusion is not None:
             self._relayout_fusion()
 
@@ -430,9 +488,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Asks the algorithm again for each bucket's op, keeping the buckets (for algorithms
         whose op changes during training, e.g. AsyncModelAverage after its warm-up). Only
         between iterations (no bucket in flight), e.g. from after_backward."""
-        specs = [(address(b.flat), b.flat.numel(), dtype_code(b.flat.dtype, "bucket"), len(b.params),
-                  self._shared_step_ops.get(b.index) or self.algorithm.bucket_op(self, b)) for b in self.buckets]
-        self._set_buckets(specs)
+        self._set_buckets([self._bucket_spec(b) for b in self.buckets])
         if self._step_ops:
             self._engine.set_after(self._after_ops())
 
@@ -443,13 +499,16 @@ class DistributedDataParallel(torch.nn.Module):
         would copy every gradient once a step for nobody (mlp25m, 4 ranks on 2 cores: 60 ms of
         a 330 ms step). The fused optimizer reads its gradients from the buckets, so with one
         they are carried all the same."""
+        from ._gpu_ops import LocalOp
+
         self._engine.set_buckets(specs)
-        self._carries = [not (isinstance(s[4], _C.LocalBucketOp) and self._fusion is None) for s in specs]
+        ops = [getattr(s[4], "host_op", s[4]) for s in specs]  # a staged CUDA bucket: its CPU op
+        self._carries = [not (isinstance(op, (_C.LocalBucketOp, LocalOp)) and self._fusion is None) for op in ops]
 
     def _shared_buckets(self) -> bool:
         """Buckets go to shared memory when every rank of the group is on this host."""
         comm = self.group._comm
-        return (comm.size > 1 and comm.all_local and comm.uses_shm and self._shared_setting is not False
+        return (self._device_mode is None and comm.size > 1 and comm.all_local and comm.uses_shm and self._shared_setting is not False
                 and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True))
 
     # ---- hooks ------------------------------------------------------------------------------

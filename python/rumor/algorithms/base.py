@@ -47,6 +47,19 @@ class Algorithm:
     def bucket_op(self, ddp: "DistributedDataParallel", bucket: "Bucket"):
         raise NotImplementedError
 
+    # Parameters on a CUDA device (docs/gpu.md). Where has_device_ops(ddp, nccl) says so (nccl:
+    # whether the group's GPU transport is NCCL), every bucket runs device_bucket_op()'s op
+    # (rumor._gpu_ops) on the device. Otherwise, an algorithm whose bucket_op touches nothing but
+    # the bucket sets stages_through_host: its CPU op then runs on a page-locked host copy of
+    # each bucket. An algorithm with neither is refused for CUDA parameters.
+    stages_through_host = False
+
+    def has_device_ops(self, ddp: "DistributedDataParallel", nccl: bool) -> bool:
+        return False
+
+    def device_bucket_op(self, ddp: "DistributedDataParallel", bucket: "Bucket"):
+        raise NotImplementedError
+
     def rebuild_buckets(self, ddp: "DistributedDataParallel") -> bool:
         """Whether to rebuild the buckets in the observed ready order after the first iteration.
         The rebuild is a collective on the wrapper's group (the first rank's order is broadcast)

@@ -47,10 +47,28 @@ class CompressedAllReduce(Algorithm):
         self.chunk = _check_chunk(chunk, type(self).__name__)
         self.levels = int(levels)
 
-    def bucket_op(self, ddp, bucket):
+    stages_through_host = True
+
+    def has_device_ops(self, ddp, nccl: bool) -> bool:
+        # The hierarchical form across hosts reduces inside each host first: on CUDA that runs
+        # staged through host memory (the C++ op), not on the device.
+        return nccl and not (self.hierarchical and not ddp.group._comm.all_local)
+
+    def device_bucket_op(self, ddp, bucket):
+        from .._gpu_ops import AllreduceOp, CompressedOp
+
+        self._check_dtype(bucket)
+        if self.hierarchical:  # one host (has_device_ops): nothing is compressed, as in the C++ op
+            return AllreduceOp(ReduceOp.AVG if self.average else ReduceOp.SUM)
+        return CompressedOp(self._kind, self.chunk, self.levels, self.average, seed=bucket.index + 1)
+
+    def _check_dtype(self, bucket):
         if bucket.flat.dtype not in _FLOAT_BUCKETS:
             raise TypeError(f"{type(self).__name__}: cannot compress a bucket of {bucket.flat.dtype} gradients "
                             "(expected float32, float16, bfloat16 or float64)")
+
+    def bucket_op(self, ddp, bucket):
+        self._check_dtype(bucket)
         if self.hierarchical and bucket.arena is not None:
             # All ranks on one host: nothing crosses a network, so nothing is compressed; peers
             # read the shared bucket in place (the fastest full-precision average).

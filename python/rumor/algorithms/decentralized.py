@@ -138,7 +138,8 @@ class FlatWeights:
         self.flats: List[torch.Tensor] = []
         for idx in self.groups:
             total = sum(self.params[i].numel() for i in idx)
-            flat = torch.empty(total, dtype=self.params[idx[0]].dtype)
+            first = self.params[idx[0]]
+            flat = torch.empty(total, dtype=first.dtype, device=first.device)
             self.flats.append(flat)
         self._views: List[Optional[torch.Tensor]] = [None] * len(self.params)
         self.repoint(copy=True)
@@ -231,19 +232,35 @@ class Decentralized(Algorithm):
         # Two buffer sets: the parameters live in one while the mix writes into the other;
         # after the mix the parameters are re-pointed at the output (no copy of the model).
         self._bufs = [list(self._flat.flats), [torch.empty_like(f) for f in self._flat.flats]]
+        total = sum(p.numel() for p in ddp._params)
+        self._swap = total >= self._SWAP_MIN_MEAN * max(1, len(ddp._params))
+        self._cur = 0  # which buffer set holds the parameters
+        self._device_mix = None
+        if ddp._device_mode is not None:
+            # On a CUDA device the mix is a task of the wrapper's DeviceEngine, on its
+            # communication stream: on the device over NCCL, else through host memory.
+            from .._gpu_ops import WeightMix
+
+            comm = ddp.group._comm
+            staged = not ddp._device_nccl or (self.hierarchical and not comm.all_local)
+            self._device_mix = WeightMix(comm, self.hierarchical, staged, ddp._engine.layer)
+            return
         self._ops = [[_C.WeightMixOp(address(a), address(b), a.numel(), dtype_code(a.dtype, "Decentralized"),
                                      self.hierarchical) for a, b in zip(self._bufs[c], self._bufs[1 - c])]
                      for c in (0, 1)]
         for a, b in zip(*self._ops):  # one mix in flight at a time: one receive buffer
             b.share_scratch(a)
-        self._cur = 0  # which buffer set holds the parameters
-        # Re-pointing costs ~10 us per parameter, copying ~1 ms per 4 MB: re-point when the
-        # parameters are large on average, copy the output back when they are many and small.
-        total = sum(p.numel() for p in ddp._params)
-        self._swap = total >= self._SWAP_MIN_MEAN * max(1, len(ddp._params))
 
     def bucket_op(self, ddp, bucket):
         return _C.local_op()
+
+    def has_device_ops(self, ddp, nccl: bool) -> bool:
+        return True  # backward communicates nothing; the weight mix picks its own path (init)
+
+    def device_bucket_op(self, ddp, bucket):
+        from .._gpu_ops import LocalOp
+
+        return LocalOp()
 
     def elastic_state_dict(self):
         # The schedule's position: the restarted job mixes with the peers it would have next.
@@ -262,7 +279,14 @@ class Decentralized(Algorithm):
         if self.step % self.communication_interval != 0:
             return
         self._flat.ensure_views()
-        average_all, self_w, srcs, dsts = self.plan(ddp, self.rounds)
+        plan = self.plan(ddp, self.rounds)
+        if self._device_mix is not None:
+            mix, ins, outs = self._device_mix, self._bufs[self._cur], self._bufs[1 - self._cur]
+            timeout = ddp._timeout
+            self._pending = ddp._engine.submit(lambda tp, stream: mix.run(tp, ins, outs, plan, stream, timeout),
+                                               "rumor Decentralized: weight mix", inline=not mix.staged)
+            return
+        average_all, self_w, srcs, dsts = plan
         self._pending = _C.weight_mix(ddp.group._comm, self._ops[self._cur], average_all, self_w, srcs, dsts, True)
 
     def __del__(self):

@@ -35,6 +35,18 @@ class GradientAllReduce(Algorithm):
         self.average = bool(average)
         self.small_allreduce_kb = small_allreduce_kb
 
+    stages_through_host = True
+
+    def has_device_ops(self, ddp, nccl: bool) -> bool:
+        return nccl
+
+    def device_bucket_op(self, ddp, bucket):
+        # NCCL picks its own ring or tree per size and topology: hierarchical and
+        # small_allreduce_kb choose among rumor's CPU algorithms only.
+        from .._gpu_ops import AllreduceOp
+
+        return AllreduceOp(ReduceOp.AVG if self.average else ReduceOp.SUM)
+
     def bucket_op(self, ddp, bucket):
         op = ReduceOp.AVG if self.average else ReduceOp.SUM
         if bucket.arena is not None:  # all ranks on one host: peers read the bucket in place

@@ -78,8 +78,14 @@ def _host_groups(ddp) -> tuple:
 
 
 def _allreduce_avg(group, t: torch.Tensor, algorithm: str = "auto", nonblocking: bool = False):
-    """In-place average of a contiguous CPU tensor over ``group`` (the C++ op directly: no
-    Python copy, GIL released)."""
+    """In-place average of a contiguous tensor over ``group``: for a CPU tensor the C++ op
+    directly (no Python copy, GIL released); a CUDA one goes through the collectives' GPU path
+    (NCCL on the current stream, or staged), where a nonblocking call returns a Handle."""
+    if t.device.type != "cpu":
+        from .. import collectives
+
+        call = collectives.allreduce_nonblocking_ if nonblocking else collectives.allreduce_
+        return call(t, ReduceOp.AVG, group, hierarchical=algorithm == "hierarchical")
     return group._comm.allreduce(address(t), t.numel(), dtype_code(t.dtype, "rumor.algorithms"),
                                  int(ReduceOp.AVG), _ALGO[algorithm], nonblocking)
 
@@ -155,6 +161,20 @@ class LocalSGD(Algorithm):
         if self._local:
             return _C.local_op()
         return GradientAllReduce().bucket_op(ddp, bucket)
+
+    # CUDA parameters: the warm-up's gradient average on the device over NCCL, or staged; the
+    # parameter averages go through the collectives' GPU path (_allreduce_avg).
+    stages_through_host = True
+
+    def has_device_ops(self, ddp, nccl: bool) -> bool:
+        return nccl
+
+    def device_bucket_op(self, ddp, bucket):
+        from .._gpu_ops import LocalOp
+
+        if self._local:
+            return LocalOp()
+        return GradientAllReduce().device_bucket_op(ddp, bucket)
 
     def rebuild_buckets(self, ddp) -> bool:
         # Nothing to order when backward never communicates.

@@ -92,6 +92,17 @@ class OneBitAdam(Algorithm):
         self.optimizer._algorithm = self
 
     def bucket_op(self, ddp, bucket):
+        return self._make_op(ddp, bucket, device=False)
+
+    # CUDA parameters: the momentum, its errors and the optimizer state stay on the device, so
+    # there is no staged form; the device op runs over NCCL (hierarchical across hosts: none yet).
+    def has_device_ops(self, ddp, nccl: bool) -> bool:
+        return nccl and not (self.hierarchical and not ddp.group._comm.all_local)
+
+    def device_bucket_op(self, ddp, bucket):
+        return self._make_op(ddp, bucket, device=True)
+
+    def _make_op(self, ddp, bucket, device: bool):
         if bucket.flat.dtype != torch.float32:
             raise TypeError(f"rumor.algorithms.OneBitAdam: parameters {bucket.names[:3]} are "
                             f"{bucket.flat.dtype}; 1-bit Adam keeps float32 momenta (use float32 parameters)")
@@ -109,14 +120,20 @@ class OneBitAdam(Algorithm):
             raise ValueError(f"rumor.algorithms.OneBitAdam: a bucket mixes parameter groups with different "
                              f"beta1 {sorted(betas)}; use one beta1 for all groups")
         count = bucket.flat.numel()
-        flats = {k: torch.zeros(count, dtype=torch.float32) for k in _STATE_KEYS}
-        if bucket.arena is not None:  # peers read shared buckets in place: the fast warm-up average
-            warmup = bucket.arena.allreduce_op(int(ReduceOp.AVG))
+        flats = {k: torch.zeros(count, dtype=torch.float32, device=bucket.flat.device) for k in _STATE_KEYS}
+        if device:
+            from .._gpu_ops import OneBitMomentumOp
+
+            op = OneBitMomentumOp(flats["exp_avg"], flats["worker_error"], flats["server_error"], float(betas.pop()),
+                                  self.chunk, self.hierarchical)
         else:
-            warmup = _C.allreduce_op(int(ReduceOp.AVG), _ALGO["hierarchical" if self.hierarchical else "auto"])
-        op = _C.onebit_momentum_op(address(flats["exp_avg"]), address(flats["worker_error"]),
-                                   address(flats["server_error"]), count, float(betas.pop()), self.chunk,
-                                   warmup, self.hierarchical)
+            if bucket.arena is not None:  # peers read shared buckets in place: the fast warm-up average
+                warmup = bucket.arena.allreduce_op(int(ReduceOp.AVG))
+            else:
+                warmup = _C.allreduce_op(int(ReduceOp.AVG), _ALGO["hierarchical" if self.hierarchical else "auto"])
+            op = _C.onebit_momentum_op(address(flats["exp_avg"]), address(flats["worker_error"]),
+                                       address(flats["server_error"]), count, float(betas.pop()), self.chunk,
+                                       warmup, self.hierarchical)
         state = _BucketState(bucket, op, flats)
         self._bind(state)
         self._set_stage(state, self.optimizer.compressing())
@@ -162,7 +179,8 @@ class OneBitAdam(Algorithm):
         if compressing and not s.preconditioned:
             for p, view in s.views_of(s.inv_denom):
                 view.copy_(self.optimizer.inverse_denominator(p))
-            s.op.set_preconditioner(address(s.inv_denom))
+            # The C++ op takes the buffer's address, the device op the tensor.
+            s.op.set_preconditioner(address(s.inv_denom) if isinstance(s.op, _C.OneBitMomentumOp) else s.inv_denom)
             s.preconditioned = True
         s.op.compressing = compressing
 

@@ -1,0 +1,381 @@
+"""What one bucket's communication does when DistributedDataParallel keeps the gradients on the
+GPU and NCCL moves them (docs/gpu.md, "DistributedDataParallel on CUDA").
+
+A bucket op is written once against a Transport of the bucket's group, whose calls queue work
+on the current stream:
+
+- NcclTransport: the group's NCCL communicator (rumor._C.NcclCommunicator), on the engine's
+  communication stream;
+- HostTransport: rumor's CPU collectives on CPU tensors, blocking. The engine's emulation
+  (rumor._gpu_engine.EMULATE) runs the very same op code through it, so the tests check the
+  ops' arithmetic and message pattern bit for bit against the C++ ops on any machine.
+
+The ops:
+
+- AllreduceOp: one allreduce (NCCL chooses its own ring/tree, so GradientAllReduce's
+  hierarchical and small_allreduce_kb settings do not apply).
+- CompressedOp: the compressed reduce-scatter + allgather of ops::CompressedAllreduce::flat
+  (csrc/ops/compressed_allreduce.cpp) with the CUDA codecs: the same blocks, seeds, float32
+  accumulation in rank order and re-encoding by the block's owner, so the result is the one the
+  CPU op computes (QSGD's draws differ only where the CPU op pipelines a block of more than
+  256 Ki elements: it then seeds per piece).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from . import _C, _runtime
+from ._tensor import address, dtype_code
+
+def _one_dtype(sends, recvs) -> int:
+    """The dtype code of an exchange's tensors, which must share one (counts are elements)."""
+    dtypes = {t.dtype for _, t in sends} | {t.dtype for _, t in recvs}
+    if len(dtypes) > 1:
+        raise TypeError(f"exchange: tensors of one dtype expected, got {sorted(map(str, dtypes))}")
+    return dtype_code(dtypes.pop() if dtypes else torch.uint8, "exchange")
+
+
+def _prefix(xs: Sequence[int]) -> List[int]:
+    out, s = [], 0
+    for x in xs:
+        out.append(s)
+        s += x
+    return out
+
+
+class NcclTransport:
+    """The bucket ops' calls on a group's NCCL communicator, queued on the current stream of the
+    group's device. settle() is the only host wait: an event polled with rumor's deadline, which
+    aborts the communicator (and so ends its kernels) instead of hanging."""
+
+    def __init__(self, gpu):
+        self.gpu = gpu
+        self.comm = gpu.comm
+        self.rank, self.size = self.comm.rank, self.comm.size
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.gpu.torch_device).cuda_stream
+
+    def allreduce(self, t: torch.Tensor, op: int) -> None:
+        self.comm.allreduce(address(t), address(t), t.numel(), dtype_code(t.dtype, "allreduce"), int(op),
+                            self._stream())
+
+    def exchange(self, sends: List[Tuple[int, torch.Tensor]], recvs: List[Tuple[int, torch.Tensor]]) -> None:
+        code = _one_dtype(sends, recvs)
+        self.comm.exchange([(address(t), t.numel(), peer) for peer, t in sends],
+                           [(address(t), t.numel(), peer) for peer, t in recvs], code, self._stream())
+
+    def allgather(self, mine: torch.Tensor, out: torch.Tensor) -> None:
+        self.comm.allgather(address(mine), address(out), mine.numel(), dtype_code(mine.dtype, "allgather"),
+                            self._stream())
+
+    def settle(self, what: str) -> None:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.gpu.torch_device))
+        self.comm.wait(ev.query, _runtime._get().timeout, what)
+
+
+class HostTransport:
+    """The same calls through rumor's C++ communicator on CPU tensors; each returns when done."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+
+    def allreduce(self, t: torch.Tensor, op: int) -> None:
+        self.comm.allreduce(address(t), t.numel(), dtype_code(t.dtype, "allreduce"), int(op), 0, False)
+
+    def exchange(self, sends: List[Tuple[int, torch.Tensor]], recvs: List[Tuple[int, torch.Tensor]]) -> None:
+        # One alltoall: its buffers are contiguous in rank order, so the parts are gathered and
+        # scattered around it (a copy NCCL's grouped send/recv does not need).
+        n = self.size
+        send_counts, recv_counts = [0] * n, [0] * n
+        for peer, t in sends:
+            send_counts[peer] += t.numel()
+        for peer, t in recvs:
+            recv_counts[peer] += t.numel()
+        code = _one_dtype(sends, recvs)
+        dtype = (sends or recvs)[0][1].dtype if sends or recvs else torch.uint8
+        ordered = [t for _, t in sorted(sends, key=lambda pt: pt[0])]
+        src = torch.cat(ordered) if ordered else torch.empty(0, dtype=dtype)
+        dst = torch.empty(sum(recv_counts), dtype=dtype)
+        self.comm.alltoall(address(src), send_counts, address(dst), recv_counts, code, False)
+        at = _prefix(recv_counts)
+        for peer, t in sorted(recvs, key=lambda pt: pt[0]):
+            t.copy_(dst[at[peer]:at[peer] + t.numel()])
+            at[peer] += t.numel()
+
+    def allgather(self, mine: torch.Tensor, out: torch.Tensor) -> None:
+        n = self.size
+        out[self.rank * mine.numel():(self.rank + 1) * mine.numel()].copy_(mine)
+        self.comm.allgather(address(out), [mine.numel()] * n, dtype_code(mine.dtype, "allgather"), False)
+
+    def settle(self, what: str) -> None:
+        pass
+
+
+class AllreduceOp:
+    """GradientAllReduce's bucket: one allreduce, AVG or SUM."""
+
+    def __init__(self, op: int):
+        self.op = int(op)
+
+    def run(self, flat: torch.Tensor, tp) -> None:
+        if tp.size > 1 and flat.numel():
+            tp.allreduce(flat, self.op)
+
+    def __repr__(self) -> str:
+        return f"AllreduceOp({self.op})"
+
+
+class CompressedOp:
+    """ByteGrad / QSGD / LowPrecision's bucket without hierarchy (see the module docstring).
+
+    Rank r encodes its contribution to every other rank's block (seeded by bucket, call, rank
+    and block), sends it to the block's owner, adds the peers' decoded contributions in rank
+    order to its own block in float32, divides for the average, encodes the result once and
+    sends that to everyone; every rank decodes every block from those same bytes."""
+
+    def __init__(self, kind: int, chunk: int, levels: int, average: bool, seed: int):
+        from .compression import Codec
+
+        self.kind, self.chunk, self.levels = int(kind), int(chunk), int(levels)
+        self.average = bool(average)
+        self.seed = int(seed)
+        self.codec = Codec(_C.CodecKind(self.kind), self.chunk or None, self.levels)
+        self.calls = 0
+
+    def run(self, flat: torch.Tensor, tp) -> None:
+        step = self.calls
+        self.calls += 1
+        n, r = tp.size, tp.rank
+        if n == 1 or flat.numel() == 0:
+            return
+        codec, dev = self.codec, flat.device
+        counts = list(_C.compressed_blocks(flat.numel(), n, self.kind, self.chunk))
+        off = _prefix(counts)
+        enc = [codec.encoded_bytes(c) for c in counts]
+        eoff = _prefix(enc)
+        # Slot j: our contribution to block j; after the reduce-scatter, slot r: our reduced block.
+        wire = torch.empty(sum(enc), dtype=torch.uint8, device=dev)
+        for j in range(n):
+            if j != r and counts[j]:
+                codec.encode(flat[off[j]:off[j] + counts[j]], seed=_C.compressed_seed(self.seed, step, r, j, 0),
+                             out=wire[eoff[j]:eoff[j] + enc[j]])
+        recv = torch.empty((n - 1) * enc[r], dtype=torch.uint8, device=dev)
+        peers = [q for q in range(n) if q != r]
+        slot = {q: recv[i * enc[r]:(i + 1) * enc[r]] for i, q in enumerate(peers)}
+        tp.exchange([(j, wire[eoff[j]:eoff[j] + enc[j]]) for j in peers if counts[j]],
+                    [(q, slot[q]) for q in peers] if counts[r] else [])
+        # Decoding reads each header on the host: the exchange must be over, checked with a deadline.
+        tp.settle("rumor.DistributedDataParallel: compressed allreduce (reduce-scatter)")
+        if counts[r]:
+            own = flat[off[r]:off[r] + counts[r]]
+            acc = own.to(torch.float32, copy=True)
+            for q in peers:
+                codec.decode(slot[q], counts[r], out=acc, accumulate=True)
+            if self.average:
+                # A tensor divisor, not a Python number: torch turns division by a scalar into
+                # multiplication by its reciprocal on the GPU, which would round differently
+                # from the C++ op's division for world sizes that are not powers of two.
+                acc.div_(torch.full((1,), float(n), dtype=torch.float32, device=dev))
+            codec.encode(acc, seed=_C.compressed_seed(self.seed, step, r, r, 1), out=wire[eoff[r]:eoff[r] + enc[r]])
+        # NCCL's allgather moves equal sizes: every encoding in a slot of the largest one's size.
+        width = max(enc)
+        gathered = torch.empty(n * width, dtype=torch.uint8, device=dev)
+        mine = gathered[r * width:(r + 1) * width]
+        mine[:enc[r]].copy_(wire[eoff[r]:eoff[r] + enc[r]])
+        tp.allgather(mine, gathered)
+        tp.settle("rumor.DistributedDataParallel: compressed allreduce (allgather)")
+        for j in range(n):
+            if counts[j]:
+                codec.decode(gathered[j * width:j * width + enc[j]], counts[j], out=flat[off[j]:off[j] + counts[j]])
+
+    def __repr__(self) -> str:
+        return f"CompressedOp({self.codec.name}, average={self.average})"
+
+
+
+class LocalOp:
+    """The bucket op of algorithms whose backward communicates nothing (they move weights
+    instead): the wrapper then leaves each .grad where autograd put it."""
+
+    def run(self, flat: torch.Tensor, tp) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "LocalOp()"
+
+
+class WeightMix:
+    """Decentralized's weight mix of flat device buffers, ins -> outs, with one plan
+    (average_all, self weight, [(src, weight)], [dst]) in the ranks of the group. Runs as a
+    DeviceEngine task on its communication stream.
+
+    Direct (NCCL): the plain form on the device: an AVG allreduce when the plan averages over
+    everyone (and for hierarchical=True on one host, which is an exact average whatever the
+    plan), else one group of sends of x to the destinations and receives from the sources,
+    then out = self_weight * x + sum_j w_j * x_j (x + sum x_j, divided once, when all weights are
+    equal, as the C++ op does). Staged: each buffer goes to a page-locked twin, the C++
+    WeightMixOp mixes those (the only form for hierarchical=True across hosts), and the result
+    comes back on the stream."""
+
+    def __init__(self, comm, hierarchical: bool, staged: bool, layer):
+        self.comm, self.hierarchical, self.staged, self.layer = comm, bool(hierarchical), bool(staged), layer
+        self._twins = {}  # id(device buffer) -> its page-locked twin
+        self._host_ops = {}  # (id(in), id(out)) -> C++ WeightMixOp over the twins
+        self._recv = {}  # (buffer numel, dtype, k) -> k-th receive buffer
+
+    def _twin(self, t: torch.Tensor) -> torch.Tensor:
+        tw = self._twins.get(id(t))
+        if tw is None or tw.numel() != t.numel() or tw.dtype != t.dtype:
+            tw = self._twins[id(t)] = self.layer.pinned_like(t)
+        return tw
+
+    def run(self, tp, ins: List[torch.Tensor], outs: List[torch.Tensor], plan, stream, timeout: float) -> None:
+        average_all, self_w, srcs, dsts = plan
+        if self.staged:
+            self._staged(ins, outs, plan, stream, timeout)
+            return
+        for x, out in zip(ins, outs):
+            if average_all or (self.hierarchical and self.comm.all_local):
+                out.copy_(x)
+                tp.allreduce(out, 1)  # ReduceOp.AVG
+                continue
+            bufs = []
+            for k in range(len(srcs)):
+                key = (x.numel(), x.dtype, k)
+                b = self._recv.get(key)
+                if b is None:
+                    b = self._recv[key] = torch.empty_like(x)
+                bufs.append(b)
+            tp.exchange([(d, x) for d in dsts], [(s, b) for (s, _), b in zip(srcs, bufs)])
+            if srcs and self_w > 0 and all(w == self_w for _, w in srcs):
+                out.copy_(x)
+                for b in bufs:
+                    out.add_(b)
+                k = round(1.0 / self_w)
+                if 1.0 / k == self_w:  # BlueFog's 1/(d+1): one division rounds once
+                    out.div_(torch.full((1,), float(k), dtype=out.dtype, device=out.device))
+                else:
+                    out.mul_(self_w)
+            else:
+                torch.mul(x, self_w, out=out)
+                for (_, w), b in zip(srcs, bufs):
+                    out.add_(b, alpha=w)
+
+    def _staged(self, ins, outs, plan, stream, timeout: float) -> None:
+        from ._tensor import address, dtype_code
+
+        layer = self.layer
+        tin = [self._twin(x) for x in ins]
+        tout = [self._twin(o) for o in outs]
+        with layer.on(stream):
+            for x, t in zip(ins, tin):
+                t.copy_(x, non_blocking=True)
+            copied = layer.record(stream)
+        layer.host_wait(copied, timeout, "rumor Decentralized: copying the weights to host memory")
+        ops = []
+        for t, o in zip(tin, tout):
+            op = self._host_ops.get((id(t), id(o)))
+            if op is None:
+                op = self._host_ops[(id(t), id(o))] = _C.WeightMixOp(address(t), address(o), t.numel(),
+                                                                   dtype_code(t.dtype, "Decentralized"),
+                                                                   self.hierarchical)
+            ops.append(op)
+        average_all, self_w, srcs, dsts = plan
+        _C.weight_mix(self.comm, ops, average_all, self_w, srcs, dsts, False)
+        with layer.on(stream):
+            for o, t in zip(outs, tout):
+                o.copy_(t, non_blocking=True)
+
+
+class OneBitMomentumOp:
+    """1-bit Adam's bucket (ops::OneBitMomentumBucketOp) on the device. While not compressing:
+    the warm-up's average of the gradients (an AllreduceOp). While compressing, from the
+    bucket's gradients g: x = beta1 * m + (1 - beta1) * g * inv_denom + worker_error, each
+    block compressed to signs and a per-chunk scale (SignScale) and sent to its owner, which
+    averages the decoded contributions in rank order, adds its server error, compresses again
+    and sends the result to everyone; both sides keep what their compression lost, and the
+    averaged momentum lands in m. The same float32 operations in the same order as the C++ op,
+    so the results are its bits. hierarchical=True on one host (the only hierarchical form with
+    device ops) averages the locally updated momentum at full precision."""
+
+    def __init__(self, momentum: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                 beta1: float, chunk: int, hierarchical: bool):
+        from .compression import Codec
+
+        self.m, self.we, self.se = momentum, worker_error, server_error
+        self.beta1 = torch.tensor(beta1, dtype=torch.float32).item()  # as the C++ op's float
+        self.a = (torch.tensor(1.0, dtype=torch.float32) - torch.tensor(beta1, dtype=torch.float32)).item()
+        self.chunk, self.hierarchical = int(chunk), bool(hierarchical)
+        self.codec = Codec(_C.CodecKind.Sign, self.chunk or None)
+        self.warmup = AllreduceOp(1)  # ReduceOp.AVG
+        self.compressing = False
+        self.inv_denom = None
+
+    def set_preconditioner(self, inv_denom) -> None:
+        self.inv_denom = inv_denom
+
+    def _update(self, g: torch.Tensor) -> torch.Tensor:
+        """b * m + (a * g) * inv, rounded op by op as the C++ loop does."""
+        x = self.m * self.beta1
+        ag = g * self.a
+        if self.inv_denom is not None:
+            ag.mul_(self.inv_denom)
+        return x.add_(ag)
+
+    def _lossy(self, x: torch.Tensor, err: torch.Tensor, out: torch.Tensor) -> None:
+        """out <- encode(x); err <- x - decode(out)."""
+        self.codec.encode(x, out=out)
+        self.codec.decode(out, x.numel(), out=err)
+        torch.sub(x, err, out=err)
+
+    def run(self, flat: torch.Tensor, tp) -> None:
+        if not self.compressing:
+            self.warmup.run(flat, tp)
+            return
+        n, r = tp.size, tp.rank
+        if n == 1 or self.hierarchical:
+            self.m.copy_(self._update(flat))
+            if n > 1:
+                tp.allreduce(self.m, 1)
+            return
+        codec, dev, count = self.codec, flat.device, flat.numel()
+        x = self._update(flat).add_(self.we)
+        counts = list(_C.compressed_blocks(count, n, int(_C.CodecKind.Sign), self.chunk))
+        off = _prefix(counts)
+        enc = [codec.encoded_bytes(c) for c in counts]
+        eoff = _prefix(enc)
+        wire = torch.empty(sum(enc), dtype=torch.uint8, device=dev)
+        for j in range(n):
+            if counts[j]:
+                s = slice(off[j], off[j] + counts[j])
+                self._lossy(x[s], self.we[s], wire[eoff[j]:eoff[j] + enc[j]])
+        recv = torch.empty((n - 1) * enc[r], dtype=torch.uint8, device=dev)
+        peers = [q for q in range(n) if q != r]
+        slot = {q: recv[i * enc[r]:(i + 1) * enc[r]] for i, q in enumerate(peers)}
+        slot[r] = wire[eoff[r]:eoff[r] + enc[r]]
+        tp.exchange([(j, wire[eoff[j]:eoff[j] + enc[j]]) for j in peers if counts[j]],
+                    [(q, slot[q]) for q in peers] if counts[r] else [])
+        tp.settle("rumor.DistributedDataParallel: 1-bit allreduce (to the owners)")
+        if counts[r]:
+            own = slice(off[r], off[r] + counts[r])
+            acc = torch.empty(counts[r], dtype=torch.float32, device=dev)
+            for q in range(n):
+                codec.decode(slot[q], counts[r], out=acc, accumulate=q != 0)
+            acc.div_(torch.full((1,), float(n), dtype=torch.float32, device=dev)).add_(self.se[own])
+            self._lossy(acc, self.se[own], wire[eoff[r]:eoff[r] + enc[r]])
+        width = max(enc)
+        gathered = torch.empty(n * width, dtype=torch.uint8, device=dev)
+        gathered[r * width:r * width + enc[r]].copy_(wire[eoff[r]:eoff[r] + enc[r]])
+        tp.allgather(gathered[r * width:(r + 1) * width], gathered)
+        tp.settle("rumor.DistributedDataParallel: 1-bit allreduce (from the owners)")
+        for j in range(n):
+            if counts[j]:
+                codec.decode(gathered[j * width:j * width + enc[j]], counts[j], out=self.m[off[j]:off[j] + counts[j]])
+
+    def __repr__(self) -> str:
+        return f"OneBitMomentumOp(compressing={self.compressing})"

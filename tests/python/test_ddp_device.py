@@ -1,0 +1,373 @@
+"""DistributedDataParallel's engine for CUDA parameters (rumor._gpu_engine, docs/gpu.md).
+
+On any machine: the engine runs for CPU parameters under its emulation (rumor._gpu_engine.EMULATE:
+streams and events are no-ops, the direct mode's ops use rumor's CPU collectives), so everything
+but the CUDA calls is checked here:
+
+* staged mode: the algorithms' C++ ops on the host copy of each bucket; parameters and
+  gradients must equal, bit for bit, those of the C++ engine running the same ops;
+* direct mode: the Python bucket ops of rumor._gpu_ops (one allreduce; ByteGrad / QSGD /
+  LowPrecision as a compressed reduce-scatter + allgather). They must also equal the C++ engine
+  bit for bit (same blocks, seeds, accumulation order and division), on 3 ranks so that the
+  average divides by a number that is not a power of two;
+* bucket rebuilds, unused parameters and no_sync through the engine; the refusals (algorithms
+  without a GPU path, overlap_optimizer, autotune); a peer that dies mid-backward makes the
+  survivor's backward raise instead of hang.
+
+On a GPU (skipped elsewhere; RUMOR_EXPECT_GPU=1 makes them fail instead): the same comparisons
+with the model on cuda:0 over NCCL (one rank: NCCL refuses two ranks on one GPU) and staged
+through host memory (two ranks sharing the GPU).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import harness
+
+STEPS = 4
+SMALL_BUCKETS = dict(bucket_cap_mb=0.004, first_bucket_mb=0.001)
+
+
+# ==== inside a rank ===============================================================================
+
+def _model(seed: int, device="cpu"):
+    import torch
+
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 33),
+                            torch.nn.ReLU(), torch.nn.Linear(33, 7))
+    return m.to(device)
+
+
+def _batch(step: int, rank: int, device="cpu"):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(5, 24, generator=g).to(device), torch.randint(0, 7, (5,), generator=g).to(device)
+
+
+def _algorithm(name: str):
+    import torch
+
+    import rumor.algorithms as A
+
+    return {"allreduce": lambda: A.GradientAllReduce(),
+            "allreduce_sum": lambda: A.GradientAllReduce(average=False),
+            "bytegrad": lambda: A.ByteGrad(hierarchical=False),
+            "bytegrad_hier": lambda: A.ByteGrad(),
+            "qsgd": lambda: A.QSGD(levels=8, hierarchical=False),
+            "fp16": lambda: A.LowPrecision(torch.float16, hierarchical=False),
+            "bf16": lambda: A.LowPrecision(torch.bfloat16, hierarchical=False),
+            "dec_all": lambda: A.Decentralized("all", hierarchical=False),
+            "dec_shift_one": lambda: A.Decentralized("shift_one", hierarchical=False),
+            "dec_exp2": lambda: A.Decentralized("exp2", hierarchical=False, communication_interval=2),
+            "dec_hier": lambda: A.Decentralized("shift_one"),
+            "localsgd": lambda: A.LocalSGD(sync_every=2, warmup_steps=1)}[name]()
+
+
+def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = False):
+    """Trains a fresh wrapper (engine chosen by `mode`: None is the C++ engine) and returns the
+    gradients and parameters after every step, on the CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    import rumor
+    from rumor import _gpu_engine
+
+    rank = rumor.rank()
+    _gpu_engine.EMULATE = mode if device == "cpu" else None
+    try:
+        m = _model(10 + rank, device)
+        if algo.startswith("onebit"):
+            opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-2, freeze_step=2)
+            alg = rumor.algorithms.OneBitAdam(opt, hierarchical=algo == "onebit_hier")
+        else:
+            opt, alg = torch.optim.SGD(m.parameters(), lr=0.1), _algorithm(algo)
+        ddp = rumor.DistributedDataParallel(m, algorithm=alg, shared_buckets=False,
+                                            find_unused_parameters=unused, optimizer=opt, **SMALL_BUCKETS)
+    finally:
+        _gpu_engine.EMULATE = None
+    if mode is not None:
+        assert isinstance(ddp._engine, _gpu_engine.DeviceEngine), ddp._engine
+        if algo.startswith("dec"):  # local buckets; the weight mix is staged or not
+            assert ddp.algorithm._device_mix.staged == (mode == "staged"), (mode, algo)
+        else:
+            assert ddp._engine.mode == mode, (mode, ddp._engine.mode)
+    assert len(ddp.buckets) >= 3, len(ddp.buckets)
+    out = []
+    for step in range(steps):
+        x, y = _batch(step, rank, device)
+        opt.zero_grad(set_to_none=(step % 2 == 0))
+        h = ddp.module[1](ddp.module[0](x))
+        if unused and step == 1:
+            # The middle layer gets no gradient this step: its buckets carry zeros.
+            loss = F.cross_entropy(h[:, :7], y)
+        else:
+            loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        grads = [p.grad.detach().cpu().clone() if p.grad is not None else None for p in m.parameters()]
+        for b in ddp.buckets:  # .grad stays a view of its bucket (where the bucket carries it)
+            if not ddp._carries[b.index]:
+                continue
+            for p, off in zip(b.params, b.offsets):
+                assert p.grad is None or p.grad.data_ptr() == b.flat[off:].data_ptr()
+        opt.step()
+        out.append((grads, [p.detach().cpu().clone() for p in m.parameters()]))
+    timings = ddp.last_iteration_timeline()
+    assert timings is not None and len(timings["buckets"]) == len(ddp.buckets), timings
+    return out
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b))
+
+
+def equivalence_rank(cases):
+    """[(mode, algorithm, unused)]: each against the C++ engine, bit for bit."""
+    import rumor
+
+    rumor.init()
+    bad = []
+    for mode, algo, unused in cases:
+        ref = _train(None, algo, unused=unused)
+        got = _train(mode, algo, unused=unused)
+        for step, ((rg, rp), (gg, gp)) in enumerate(zip(ref, got)):
+            if not _same(rg, gg):
+                bad.append(f"{mode} {algo} unused={unused} step {step}: gradients differ from the C++ engine's")
+            if not _same(rp, gp):
+                bad.append(f"{mode} {algo} unused={unused} step {step}: parameters differ from the C++ engine's")
+    # Nothing to compare to if the averaging did nothing: the ranks' gradients started different.
+    rumor.shutdown()
+    return bad
+
+
+def decentralized_rank(cases):
+    """[(mode, algorithm)]: the weight mix through the engine's task (on the device's path, or
+    staged through the C++ WeightMixOp) against the C++ engine: the same weights to float32
+    rounding (the device form sums in another order)."""
+    import torch
+
+    import rumor
+
+    rumor.init()
+    bad = []
+    for mode, algo in cases:
+        ref = _train(None, algo, steps=4)
+        got = _train(mode, algo, steps=4)
+        for step, ((_, rp), (_, gp)) in enumerate(zip(ref, got)):
+            for a, b in zip(rp, gp):
+                if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+                    bad.append(f"{mode} {algo} step {step}: parameters differ from the C++ engine's by "
+                               f"{float((a - b).abs().max()):.3g}")
+                    break
+    rumor.shutdown()
+    return bad
+
+
+def no_sync_rank():
+    """Gradients accumulated under no_sync, then communicated by the next backward outside it,
+    through the emulated direct engine, against the C++ engine."""
+    import torch
+    import torch.nn.functional as F
+
+    import rumor
+    from rumor import _gpu_engine
+
+    rumor.init()
+    res = []
+    for mode in (None, "direct", "staged"):
+        _gpu_engine.EMULATE = mode
+        try:
+            m = _model(3 + rumor.rank())
+            ddp = rumor.DistributedDataParallel(m, shared_buckets=False, **SMALL_BUCKETS)
+        finally:
+            _gpu_engine.EMULATE = None
+        with ddp.no_sync():
+            x, y = _batch(0, rumor.rank())
+            F.cross_entropy(ddp(x), y).backward()
+        local = [p.grad.clone() for p in m.parameters()]
+        x, y = _batch(1, rumor.rank())
+        F.cross_entropy(ddp(x), y).backward()
+        res.append(([g.clone() for g in local], [p.grad.clone() for p in m.parameters()]))
+    rumor.shutdown()
+    (l0, g0), (l1, g1), (l2, g2) = res
+    return _same(l0, l1) and _same(l0, l2), _same(g0, g1) and _same(g0, g2), _same(l0, g0)
+
+
+def refusals_rank():
+    """Algorithms and options without a GPU path are refused with a message saying so."""
+    import torch
+
+    import rumor
+    import rumor.algorithms as A
+    from rumor import _gpu_engine
+
+    rumor.init()
+    msgs = {}
+    cases = {
+        "lowprec_decentralized": dict(algorithm=A.LowPrecisionDecentralized()),
+        "overlap_optimizer": dict(optimizer=None, overlap_optimizer=True),
+        "onebit_staged": dict(onebit=True),
+        "autotune": dict(autotune=True),
+    }
+    for name, kw in cases.items():
+        m = _model(1)
+        mode = "direct"
+        if "optimizer" in kw:
+            kw = dict(kw, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+        if kw.pop("onebit", False):  # 1-bit Adam's state lives on the device: no staged form
+            opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-3, freeze_step=2)
+            kw = dict(kw, optimizer=opt, algorithm=A.OneBitAdam(opt))
+            mode = "staged"
+        _gpu_engine.EMULATE = mode
+        try:
+            rumor.DistributedDataParallel(m, **kw)
+            msgs[name] = None
+        except ValueError as e:
+            msgs[name] = str(e)
+        finally:
+            _gpu_engine.EMULATE = None
+    rumor.shutdown()
+    return msgs
+
+
+def dead_peer_rank(mode):
+    """Rank 1 leaves during its second backward; rank 0's backward must raise a rumor error."""
+    import os as _os
+
+    import torch
+    import torch.nn.functional as F
+
+    import rumor
+    from rumor import _gpu_engine
+
+    rumor.init()
+    rumor.set_timeout(20)
+    _gpu_engine.EMULATE = mode
+    try:
+        m = _model(5)
+        ddp = rumor.DistributedDataParallel(m, shared_buckets=False, **SMALL_BUCKETS)
+    finally:
+        _gpu_engine.EMULATE = None
+    x, y = _batch(0, rumor.rank())
+    F.cross_entropy(ddp(x), y).backward()
+    if rumor.rank() == 1:
+        _os._exit(0)
+    try:
+        for step in range(1, 4):
+            x, y = _batch(step, 0)
+            F.cross_entropy(ddp(x), y).backward()
+    except rumor.errors.RumorError as e:
+        return type(e).__name__, str(e)
+    except RuntimeError as e:  # autograd re-raises a hook's error as it is
+        return type(e).__name__, str(e)
+    return None
+
+
+# ==== the tests ===================================================================================
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_emulated_engine_matches_the_cpp_engine(world):
+    cases = [("staged", "allreduce", False), ("direct", "allreduce", False), ("direct", "allreduce_sum", False),
+             ("direct", "bytegrad", False), ("direct", "qsgd", False), ("staged", "qsgd", False),
+             ("direct", "fp16", False), ("direct", "bytegrad_hier", False), ("direct", "allreduce", True),
+             ("staged", "bytegrad", True), ("direct", "localsgd", False), ("staged", "localsgd", False),
+             ("direct", "onebit", False), ("direct", "onebit_hier", False)]
+    if world == 2:
+        cases = [c for c in cases if c[1] in ("allreduce", "bytegrad", "localsgd", "onebit")] + [
+            ("direct", "bf16", False)]
+    res = harness.run(equivalence_rank, world, timeout=150, args=(cases,))
+    problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_emulated_decentralized_matches_the_cpp_engine(world):
+    cases = [(mode, algo) for mode in ("direct", "staged")
+             for algo in ("dec_all", "dec_shift_one", "dec_exp2", "dec_hier")]
+    res = harness.run(decentralized_rank, world, timeout=150, args=(cases,))
+    problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
+    assert not problems, "\n".join(problems)
+
+
+def test_emulated_engine_no_sync():
+    res = harness.run(no_sync_rank, 2, timeout=60)
+    for r, (local_same, synced_same, local_is_synced) in enumerate(res):
+        assert local_same, f"rank {r}: no_sync gradients differ between engines"
+        assert synced_same, f"rank {r}: gradients after the synchronized backward differ between engines"
+        assert not local_is_synced, f"rank {r}: the synchronized backward changed nothing"
+
+
+def test_refusals_name_what_has_no_gpu_path():
+    (msgs,) = harness.run(refusals_rank, 1, timeout=60)
+    assert "LowPrecisionDecentralized does not run on CUDA parameters yet" in msgs["lowprec_decentralized"], msgs
+    assert "overlap_optimizer=True is not supported for CUDA parameters" in msgs["overlap_optimizer"], msgs
+    assert "autotune is not supported for CUDA parameters" in msgs["autotune"], msgs
+    assert "OneBitAdam does not run on CUDA parameters yet" in msgs["onebit_staged"], msgs
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_dead_peer_makes_backward_raise(mode):
+    res = harness.run(dead_peer_rank, 2, timeout=90, args=(mode,), may_die=(1,))
+    assert res[0] is not None, "rank 0 trained on after its peer left"
+    kind, msg = res[0]
+    assert kind in ("PeerError", "CommTimeoutError", "RumorError"), (kind, msg)
+
+
+# ==== on a GPU =====================================================================================
+
+def _gpu_ready():
+    try:
+        import torch
+
+        import rumor._C as C
+
+        return torch.cuda.is_available() and C.cuda_built() and C.cuda_device_count() > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _need_gpu():
+    if not _gpu_ready():
+        if os.environ.get("RUMOR_EXPECT_GPU") == "1":
+            pytest.fail("RUMOR_EXPECT_GPU=1 but no CUDA device or no CUDA build of rumor")
+        pytest.skip("needs a CUDA device and rumor built with its CUDA kernels")
+
+
+def gpu_rank(algos):
+    """The model on cuda:0 against the same model on the CPU with the C++ engine; the results
+    must agree to float32 rounding (the device's matmuls round differently from the CPU's)."""
+    import torch
+
+    import rumor
+
+    torch.cuda.set_device(0)
+    rumor.init()
+    bad = []
+    for algo in algos:
+        ref = _train(None, algo)
+        got = _train(None, algo, device="cuda")
+        for step, ((rg, rp), (gg, gp)) in enumerate(zip(ref, got)):
+            # A compressed gradient may land one quantization level away where the device's
+            # rounding moved a value across a level boundary.
+            tol = dict(rtol=1e-4, atol=1e-5) if algo.startswith("allreduce") else dict(rtol=2e-2, atol=2e-3)
+            for a, b in zip(rg + rp, gg + gp):
+                if not torch.allclose(a, b, **tol):
+                    bad.append(f"{algo} step {step}: max |diff| {float((a - b).abs().max()):.3g}")
+                    break
+    rumor.shutdown()
+    return bad
+
+
+@pytest.mark.parametrize("transport,world", [("nccl", 1), ("host", 2), ("auto", 2)])
+def test_cuda_model_matches_cpu(transport, world):
+    _need_gpu()
+    algos = ["allreduce", "bytegrad", "fp16"] if world > 1 else ["allreduce", "bytegrad"]
+    res = harness.run(gpu_rank, world, timeout=240, args=(algos,), env={"RUMOR_GPU_TRANSPORT": transport})
+    problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
+    assert not problems, "\n".join(problems)
