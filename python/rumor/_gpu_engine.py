@@ -238,7 +238,8 @@ def _poll_watch(state: _State) -> None:
 def _run_task(state: _State, ticket: Ticket, fn, ready_event) -> None:
     layer = state.layer
     with layer.on(state.stream):
-        layer.wait(state.stream, ready_event)
+        if ready_event is not None:
+            layer.wait(state.stream, ready_event)
         fn(state.transport, state.stream)
         done = layer.record(state.stream)
     ticket.done_event = done
@@ -321,13 +322,14 @@ class DeviceEngine:
         pinned = self._state.layer.pinned_like(flat)
         return _Staged(pinned, host_bucket_op(pinned))
 
-    def submit(self, fn, what: str, inline: bool) -> Ticket:
+    def submit(self, fn, what: str, inline: bool, then=None) -> Ticket:
         """Runs fn(transport, stream) on the communication stream after the work queued so far
         on the caller's current stream (e.g. a weight exchange started before forward).
         inline: fn only queues work (NCCL calls, kernels) and runs right here, so its
         collectives take their place in this thread's order of calls on the group, the same
         on every rank; else (fn waits on the host, e.g. staging) the worker runs it, in order
-        with the buckets."""
+        with the buckets. then: a second part for the worker after an inline fn (work that must
+        wait on the host for fn's, e.g. decoding what fn received)."""
         self._raise_error()
         st = self._state
         ticket = Ticket(self, what)
@@ -338,8 +340,12 @@ class DeviceEngine:
             except BaseException as e:
                 _fail(st, e)
                 raise
-            ticket.launched = True
-            return ticket
+            if then is None:
+                ticket.launched = True
+                return ticket
+            fn, ev = then, None  # the worker's part: after fn on the same stream
+        elif then is not None:
+            raise ValueError("DeviceEngine.submit: then= goes with inline=True")
         with st.cv:
             st.queue.append((ticket, fn, ev))
             st.cv.notify_all()

@@ -379,3 +379,71 @@ class OneBitMomentumOp:
 
     def __repr__(self) -> str:
         return f"OneBitMomentumOp(compressing={self.compressing})"
+
+
+class LowPrecisionRing:
+    """LowPrecisionDecentralized's state and steps for one flat weight buffer x on the device
+    (ops::LowPrecisionMixOp): the tracked copy xh and the replicas of the ring neighbours'.
+
+    prepare() runs on the caller's stream right after optimizer.step(): x moves toward the
+    replicas, the difference x - xh is compressed (MinMaxUInt8) into q and xh += decode(q); with
+    hierarchical=True on one host it is an average of x instead (no ring). send() queues the
+    exchange of q with both neighbours; receive() adds the neighbours' decoded q to their
+    replicas. The same float operations in the same order as the C++ op."""
+
+    def __init__(self, x: torch.Tensor, n: int, rank: int, hierarchical: bool, all_local: bool, chunk: int):
+        from .compression import Codec
+
+        self.x = x
+        self.average_only = hierarchical and all_local
+        self.n, self.rank = n, rank
+        self.ring = not self.average_only and n > 1
+        self.codec = Codec(_C.CodecKind.MinMaxU8, int(chunk) or None)
+        k = 1 if n == 2 else 2
+        self.k = k
+        one = torch.ones((), dtype=x.dtype)
+        self.w = (one / (k + 1)).item()  # T(1) / T(k + 1) of the C++ op
+        if self.ring:
+            self.self_ = x.detach().clone()
+            self.left = self.self_.clone()
+            self.right = self.self_.clone() if k == 2 else None
+            nbytes = self.codec.encoded_bytes(x.numel())
+            self.q = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+            self.recv = torch.empty(nbytes * (2 if k == 2 else 1), dtype=torch.uint8, device=x.device)
+
+    def prepare(self, tp) -> None:
+        if self.average_only:
+            if tp.size > 1 and self.x.numel():
+                tp.allreduce(self.x, 1)  # ReduceOp.AVG
+            return
+        if not self.ring or self.x.numel() == 0:
+            return
+        x, s = self.x, self.self_
+        if self.k == 1:
+            t = self.left - s
+        else:
+            t = (self.left + self.right).sub_(s * 2)
+        x.add_(t.mul_(self.w))
+        diff = x - s
+        self.codec.encode(diff, out=self.q)
+        self.codec.decode(self.q, s.numel(), out=s, accumulate=True)
+
+    def peers(self):
+        left, right = (self.rank - 1) % self.n, (self.rank + 1) % self.n
+        return [left] if self.k == 1 else [left, right]
+
+    def send(self, tp) -> None:
+        if not self.ring or self.x.numel() == 0:
+            return
+        peers = self.peers()
+        nbytes = self.q.numel()
+        tp.exchange([(p, self.q) for p in peers], [(p, self.recv[i * nbytes:(i + 1) * nbytes])
+                                                    for i, p in enumerate(peers)])
+
+    def receive(self) -> None:
+        if not self.ring or self.x.numel() == 0:
+            return
+        nbytes, count = self.q.numel(), self.x.numel()
+        self.codec.decode(self.recv[:nbytes], count, out=self.left, accumulate=True)
+        if self.k == 2:
+            self.codec.decode(self.recv[nbytes:], count, out=self.right, accumulate=True)

@@ -64,7 +64,9 @@ def _algorithm(name: str):
             "dec_shift_one": lambda: A.Decentralized("shift_one", hierarchical=False),
             "dec_exp2": lambda: A.Decentralized("exp2", hierarchical=False, communication_interval=2),
             "dec_hier": lambda: A.Decentralized("shift_one"),
-            "localsgd": lambda: A.LocalSGD(sync_every=2, warmup_steps=1)}[name]()
+            "localsgd": lambda: A.LocalSGD(sync_every=2, warmup_steps=1),
+            "lpdec": lambda: A.LowPrecisionDecentralized(hierarchical=False),
+            "lpdec_hier": lambda: A.LowPrecisionDecentralized()}[name]()
 
 
 def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = False):
@@ -91,7 +93,9 @@ def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = Fal
         _gpu_engine.EMULATE = None
     if mode is not None:
         assert isinstance(ddp._engine, _gpu_engine.DeviceEngine), ddp._engine
-        if algo.startswith("dec"):  # local buckets; the weight mix is staged or not
+        if algo.startswith("lpdec"):
+            assert ddp._engine.mode == "direct"
+        elif algo.startswith("dec"):  # local buckets; the weight mix is staged or not
             assert ddp.algorithm._device_mix.staged == (mode == "staged"), (mode, algo)
         else:
             assert ddp._engine.mode == mode, (mode, ddp._engine.mode)
@@ -210,7 +214,7 @@ def refusals_rank():
     rumor.init()
     msgs = {}
     cases = {
-        "lowprec_decentralized": dict(algorithm=A.LowPrecisionDecentralized()),
+        "powersgd": dict(algorithm=A.PowerSGD()),
         "overlap_optimizer": dict(optimizer=None, overlap_optimizer=True),
         "onebit_staged": dict(onebit=True),
         "autotune": dict(autotune=True),
@@ -277,9 +281,10 @@ def test_emulated_engine_matches_the_cpp_engine(world):
              ("direct", "bytegrad", False), ("direct", "qsgd", False), ("staged", "qsgd", False),
              ("direct", "fp16", False), ("direct", "bytegrad_hier", False), ("direct", "allreduce", True),
              ("staged", "bytegrad", True), ("direct", "localsgd", False), ("staged", "localsgd", False),
-             ("direct", "onebit", False), ("direct", "onebit_hier", False)]
+             ("direct", "onebit", False), ("direct", "onebit_hier", False), ("direct", "lpdec", False),
+             ("direct", "lpdec_hier", False)]
     if world == 2:
-        cases = [c for c in cases if c[1] in ("allreduce", "bytegrad", "localsgd", "onebit")] + [
+        cases = [c for c in cases if c[1] in ("allreduce", "bytegrad", "localsgd", "onebit", "lpdec")] + [
             ("direct", "bf16", False)]
     res = harness.run(equivalence_rank, world, timeout=150, args=(cases,))
     problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
@@ -305,7 +310,7 @@ def test_emulated_engine_no_sync():
 
 def test_refusals_name_what_has_no_gpu_path():
     (msgs,) = harness.run(refusals_rank, 1, timeout=60)
-    assert "LowPrecisionDecentralized does not run on CUDA parameters yet" in msgs["lowprec_decentralized"], msgs
+    assert "PowerSGD does not run on CUDA parameters yet" in msgs["powersgd"], msgs
     assert "overlap_optimizer=True is not supported for CUDA parameters" in msgs["overlap_optimizer"], msgs
     assert "autotune is not supported for CUDA parameters" in msgs["autotune"], msgs
     assert "OneBitAdam does not run on CUDA parameters yet" in msgs["onebit_staged"], msgs

@@ -53,10 +53,19 @@ class LowPrecisionDecentralized(Algorithm):
                              "to rumor.DistributedDataParallel(..., optimizer=opt)")
         self._flat = FlatWeights(ddp._params, ddp._cap_bytes, "LowPrecisionDecentralized",
                                  dtypes=(torch.float32, torch.float64))
+        self._ddp_device = ddp._device_mode is not None
+        self._comm = ddp.group._comm
         self._make_ops()
 
     def _make_ops(self) -> None:
         # Each op starts its tracked copy and its neighbours' replicas at the current weights.
+        if self._ddp_device:
+            from .._gpu_ops import LowPrecisionRing
+
+            comm = self._comm
+            self.ops = [LowPrecisionRing(f, comm.size, comm.rank, self.hierarchical, comm.all_local, self.chunk)
+                        for f in self._flat.flats]
+            return
         self.ops = [_C.LowPrecisionMixOp(address(f), f.numel(), dtype_code(f.dtype, "LowPrecisionDecentralized"),
                                          self.hierarchical, self.chunk)
                     for f in self._flat.flats]
@@ -76,6 +85,16 @@ class LowPrecisionDecentralized(Algorithm):
     def bucket_op(self, ddp, bucket):
         return _C.local_op()
 
+    # CUDA parameters: the replicas live on the device and the exchange goes over NCCL; the
+    # hierarchical form across hosts (a host average around a ring of leaders) has no device form.
+    def has_device_ops(self, ddp, nccl: bool) -> bool:
+        return nccl and not (self.hierarchical and not ddp.group._comm.all_local)
+
+    def device_bucket_op(self, ddp, bucket):
+        from .._gpu_ops import LocalOp
+
+        return LocalOp()
+
     def _wait(self, ddp) -> None:
         work, self._pending = self._pending, None
         if work is not None:
@@ -91,6 +110,26 @@ class LowPrecisionDecentralized(Algorithm):
             return
         self._wait(ddp)
         self._flat.ensure_views()
+        if self._ddp_device:
+            # The mix and the compression on the current stream; the exchange queued from here
+            # (its place among this thread's calls on the group); the decoding of what came,
+            # which reads headers on the host, on the engine's worker.
+            engine, ops = ddp._engine, self.ops
+            for op in ops:
+                op.prepare(engine.transport)
+
+            def send(tp, stream):
+                for op in ops:
+                    op.send(tp)
+
+            def receive(tp, stream):
+                tp.settle("rumor LowPrecisionDecentralized: exchange with the ring neighbours")
+                for op in ops:
+                    op.receive()
+
+            self._pending = engine.submit(send, "rumor LowPrecisionDecentralized: exchange", inline=True,
+                                          then=receive)
+            return
         comm = ddp.group._comm
         _C.low_precision_prepare(comm, self.ops)
         self._pending = _C.low_precision_exchange(comm, self.ops, True)
