@@ -66,7 +66,10 @@ def _algorithm(name: str):
             "dec_hier": lambda: A.Decentralized("shift_one"),
             "localsgd": lambda: A.LocalSGD(sync_every=2, warmup_steps=1),
             "lpdec": lambda: A.LowPrecisionDecentralized(hierarchical=False),
-            "lpdec_hier": lambda: A.LowPrecisionDecentralized()}[name]()
+            "lpdec_hier": lambda: A.LowPrecisionDecentralized(),
+            "diloco": lambda: A.DiLoCo(inner_steps=2),
+            "diloco_4bit": lambda: A.DiLoCo(inner_steps=2, quantization="4bit"),
+            "streaming": lambda: A.StreamingDiLoCo(inner_steps=4, num_fragments=2, fragment_sync_delay=1)}[name]()
 
 
 def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = False):
@@ -93,8 +96,10 @@ def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = Fal
         _gpu_engine.EMULATE = None
     if mode is not None:
         assert isinstance(ddp._engine, _gpu_engine.DeviceEngine), ddp._engine
-        if algo.startswith("lpdec"):
+        if algo.startswith(("lpdec", "diloco", "streaming")):
             assert ddp._engine.mode == "direct"
+            avg = getattr(ddp.algorithm, "_device_avg", None)
+            assert avg is None or avg.staged == (mode == "staged"), (mode, algo)
         elif algo.startswith("dec"):  # local buckets; the weight mix is staged or not
             assert ddp.algorithm._device_mix.staged == (mode == "staged"), (mode, algo)
         else:
@@ -138,8 +143,9 @@ def equivalence_rank(cases):
     rumor.init()
     bad = []
     for mode, algo, unused in cases:
-        ref = _train(None, algo, unused=unused)
-        got = _train(mode, algo, unused=unused)
+        steps = 7 if "diloco" in algo or "streaming" in algo else STEPS
+        ref = _train(None, algo, unused=unused, steps=steps)
+        got = _train(mode, algo, unused=unused, steps=steps)
         for step, ((rg, rp), (gg, gp)) in enumerate(zip(ref, got)):
             if not _same(rg, gg):
                 bad.append(f"{mode} {algo} unused={unused} step {step}: gradients differ from the C++ engine's")
@@ -282,11 +288,13 @@ def test_emulated_engine_matches_the_cpp_engine(world):
              ("direct", "fp16", False), ("direct", "bytegrad_hier", False), ("direct", "allreduce", True),
              ("staged", "bytegrad", True), ("direct", "localsgd", False), ("staged", "localsgd", False),
              ("direct", "onebit", False), ("direct", "onebit_hier", False), ("direct", "lpdec", False),
-             ("direct", "lpdec_hier", False)]
+             ("direct", "lpdec_hier", False), ("direct", "diloco", False), ("staged", "diloco", False),
+             ("direct", "diloco_4bit", False), ("staged", "diloco_4bit", False), ("direct", "streaming", False),
+             ("staged", "streaming", False)]
     if world == 2:
-        cases = [c for c in cases if c[1] in ("allreduce", "bytegrad", "localsgd", "onebit", "lpdec")] + [
+        cases = [c for c in cases if c[1] in ("allreduce", "bytegrad", "localsgd", "onebit", "lpdec", "streaming")] + [
             ("direct", "bf16", False)]
-    res = harness.run(equivalence_rank, world, timeout=150, args=(cases,))
+    res = harness.run(equivalence_rank, world, timeout=240, args=(cases,))
     problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
     assert not problems, "\n".join(problems)
 

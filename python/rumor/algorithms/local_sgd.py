@@ -379,9 +379,26 @@ class DiLoCo(Algorithm):
         if self.quantization is not None:
             self._codec = QUANTIZATIONS[self.quantization]
             self._codec_obj = _codec(self.quantization)
+        self._device_avg = None
+        if ddp._device_mode is not None:
+            # CUDA parameters: the outer state and the pseudo-gradients live on the device; the
+            # averages run on their own stream (rumor._gpu_engine.GroupAverager).
+            from .._gpu_engine import GroupAverager, emulated
+
+            device = None if emulated() is not None else params[0].device
+            self._device_avg = GroupAverager(self._group, device, self._codec, self.hierarchical,
+                                             lambda: ddp._timeout)
 
     def bucket_op(self, ddp, bucket):
         return _C.local_op()
+
+    def has_device_ops(self, ddp, nccl: bool) -> bool:
+        return True  # backward communicates nothing; the averages pick their own path (init)
+
+    def device_bucket_op(self, ddp, bucket):
+        from .._gpu_ops import LocalOp
+
+        return LocalOp()
 
     def rebuild_buckets(self, ddp) -> bool:
         return False
@@ -414,12 +431,27 @@ class DiLoCo(Algorithm):
         self.log.append(("send", self.steps, f.index))
 
     def _average(self, buf: torch.Tensor, nonblocking: bool, step: int):
+        self._count_wire(buf)
+        if self._device_avg is not None:
+            # Both ways a Ticket: blocking averages (fragment_sync_delay == 0) are waited for by
+            # _apply right away, which makes the stream, not the host, wait.
+            return self._device_avg.average(buf, step)
         comm = self._group._comm
         code = dtype_code(buf.dtype, type(self).__name__)
         if self._codec is None:
-            self.wire_bytes += ring_bytes(buf.numel(), buf.element_size(), self._hosts)
             algo = _ALGO["hierarchical" if self.hierarchical else "auto"]
             return comm.allreduce(address(buf), buf.numel(), code, int(ReduceOp.AVG), algo, nonblocking)
+        kind, levels, chunk = self._codec
+        return _C.compressed_allreduce(comm, address(buf), buf.numel(), code, kind=kind, chunk=chunk,
+                                       levels=levels, average=True, hierarchical=self.hierarchical,
+                                       seed=1, step=step, nonblocking=nonblocking)
+
+    def _count_wire(self, buf: torch.Tensor) -> None:
+        """Adds the bytes this rank sends for one average of buf (bandwidth-optimal allreduce,
+        or the compressed reduce-scatter + allgather with codec headers)."""
+        if self._codec is None:
+            self.wire_bytes += ring_bytes(buf.numel(), buf.element_size(), self._hosts)
+            return
         kind, levels, chunk = self._codec
         n = self._hosts
         if n > 1:
@@ -427,9 +459,6 @@ class DiLoCo(Algorithm):
             blocks = _C.compressed_blocks(buf.numel(), n, kind, chunk)
             mine = max(blocks)
             self.wire_bytes += 2 * (n - 1) * self._codec_obj.encoded_bytes(mine)
-        return _C.compressed_allreduce(comm, address(buf), buf.numel(), code, kind=kind, chunk=chunk,
-                                       levels=levels, average=True, hierarchical=self.hierarchical,
-                                       seed=1, step=step, nonblocking=nonblocking)
 
     def _apply(self, f: _Fragment) -> None:
         works, f.works, f.apply_at = f.works, None, None
