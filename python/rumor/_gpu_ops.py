@@ -22,7 +22,7 @@ The ops:
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -447,3 +447,92 @@ class LowPrecisionRing:
         self.codec.decode(self.recv[:nbytes], count, out=self.left, accumulate=True)
         if self.k == 2:
             self.codec.decode(self.recv[nbytes:], count, out=self.right, accumulate=True)
+
+
+def _orthogonalize(mat: torch.Tensor, eps: float) -> None:
+    """Gram-Schmidt on the columns of mat (rows x k), in place, as torch's PowerSGD hook does."""
+    k = mat.shape[1]
+    for i in range(k):
+        col = mat[:, i:i + 1]
+        norm = torch.linalg.vector_norm(col)
+        col.div_(norm + eps if eps else norm)
+        if i + 1 < k:
+            rest = mat[:, i + 1:]
+            rest.sub_(torch.sum(col * rest, dim=0) * col)
+
+
+class PowerSgdOp:
+    """PowerSGD's bucket (ops::PowerSgdBucketOp, torch's powerSGD_hook) on the device: with error
+    feedback M = g + e; the uncompressed runs and every matrix's P = M Q (Q orthogonalized) summed
+    in one allreduce, P orthogonalized, Q = M^T P summed and divided by the ranks, then
+    g = P Q^T and e = M - P Q^T. P, Q and the uncompressed values cross the wire in wire_dtype
+    (rounded to it even on one rank, as the C++ op does). The matrix products are torch's, so the
+    results agree with the C++ op to float32 rounding, not bit for bit."""
+
+    def __init__(self, matrices, uncompressed, count: int, p: torch.Tensor, q: torch.Tensor,
+                 error: Optional[torch.Tensor], eps: float, wire_dtype: torch.dtype):
+        self.matrices = list(matrices)  # (offset, n, m, k, p_off, q_off)
+        self.uncompressed = list(uncompressed)  # (offset, count)
+        self.count, self.p, self.q, self.error = count, p, q, error
+        self.eps, self.wire = float(eps), wire_dtype
+        self.p_count = sum(n * k for _, n, _, k, _, _ in self.matrices)
+        self.q_count = sum(m * k for _, _, m, k, _, _ in self.matrices)
+        self.compressing = False
+        self.warmup = AllreduceOp(1)  # ReduceOp.AVG
+
+    def _sum(self, buf: torch.Tensor, tp) -> None:
+        if buf.numel() == 0:
+            return
+        if self.wire == torch.float32:
+            if tp.size > 1:
+                tp.allreduce(buf, 0)  # ReduceOp.SUM
+            return
+        w = buf.to(self.wire)
+        if tp.size > 1:
+            tp.allreduce(w, 0)
+        buf.copy_(w)
+
+    def run(self, g: torch.Tensor, tp) -> None:
+        if not self.compressing:
+            self.warmup.run(g, tp)
+            return
+        ranks = torch.full((1,), float(tp.size), dtype=torch.float32, device=g.device)
+        unc = sum(c for _, c in self.uncompressed)
+        send = torch.empty(unc + self.p_count, dtype=torch.float32, device=g.device)
+        u = 0
+        for off, c in self.uncompressed:
+            send[u:u + c].copy_(g[off:off + c])
+            u += c
+        mats = []
+        for off, n, m, k, p_off, q_off in self.matrices:
+            q = self.q[q_off:q_off + m * k].view(m, k)
+            _orthogonalize(q, self.eps)
+            if self.error is not None:
+                a = self.error[off:off + n * m].view(n, m)
+                a.add_(g[off:off + n * m].view(n, m))
+            else:
+                a = g[off:off + n * m].view(n, m)
+            torch.matmul(a, q, out=send[unc + p_off:unc + p_off + n * k].view(n, k))
+            mats.append((off, n, m, k, p_off, q_off, a))
+        self._sum(send, tp)
+        u = 0
+        for off, c in self.uncompressed:
+            torch.div(send[u:u + c], ranks, out=g[off:off + c])
+            u += c
+        if not mats:
+            return
+        self.p[:self.p_count].copy_(send[unc:])
+        for off, n, m, k, p_off, q_off, a in mats:
+            p = self.p[p_off:p_off + n * k].view(n, k)
+            _orthogonalize(p, self.eps)
+            torch.matmul(a.t(), p, out=self.q[q_off:q_off + m * k].view(m, k))
+        self._sum(self.q[:self.q_count], tp)
+        self.q[:self.q_count].div_(ranks)
+        for off, n, m, k, p_off, q_off, a in mats:
+            approx = self.p[p_off:p_off + n * k].view(n, k) @ self.q[q_off:q_off + m * k].view(m, k).t()
+            if self.error is not None:
+                a.sub_(approx)  # error <- (M + error) - P Q^T
+            g[off:off + n * m].view(n, m).copy_(approx)
+
+    def __repr__(self) -> str:
+        return f"PowerSgdOp(compressing={self.compressing}, matrices={len(self.matrices)})"

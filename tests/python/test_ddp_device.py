@@ -69,7 +69,10 @@ def _algorithm(name: str):
             "lpdec_hier": lambda: A.LowPrecisionDecentralized(),
             "diloco": lambda: A.DiLoCo(inner_steps=2),
             "diloco_4bit": lambda: A.DiLoCo(inner_steps=2, quantization="4bit"),
-            "streaming": lambda: A.StreamingDiLoCo(inner_steps=4, num_fragments=2, fragment_sync_delay=1)}[name]()
+            "streaming": lambda: A.StreamingDiLoCo(inner_steps=4, num_fragments=2, fragment_sync_delay=1),
+            "powersgd": lambda: A.PowerSGD(matrix_approximation_rank=2, start_powerSGD_iter=1),
+            "powersgd_bf16": lambda: A.PowerSGD(matrix_approximation_rank=1, start_powerSGD_iter=1,
+                                                use_error_feedback=False, wire_dtype=torch.bfloat16)}[name]()
 
 
 def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = False):
@@ -100,6 +103,8 @@ def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = Fal
             assert ddp._engine.mode == "direct"
             avg = getattr(ddp.algorithm, "_device_avg", None)
             assert avg is None or avg.staged == (mode == "staged"), (mode, algo)
+        elif algo.startswith("powersgd"):
+            assert ddp._engine.mode == mode
         elif algo.startswith("dec"):  # local buckets; the weight mix is staged or not
             assert ddp.algorithm._device_mix.staged == (mode == "staged"), (mode, algo)
         else:
@@ -156,10 +161,10 @@ def equivalence_rank(cases):
     return bad
 
 
-def decentralized_rank(cases):
-    """[(mode, algorithm)]: the weight mix through the engine's task (on the device's path, or
-    staged through the C++ WeightMixOp) against the C++ engine: the same weights to float32
-    rounding (the device form sums in another order)."""
+def close_rank(cases):
+    """[(mode, algorithm)] against the C++ engine to float32 rounding: Decentralized's weight
+    mix (the device form sums in another order; staged: the C++ WeightMixOp) and PowerSGD (the
+    device op's matrix products are torch's)."""
     import torch
 
     import rumor
@@ -220,7 +225,7 @@ def refusals_rank():
     rumor.init()
     msgs = {}
     cases = {
-        "powersgd": dict(algorithm=A.PowerSGD()),
+        "async_model_average": dict(algorithm=A.AsyncModelAverage()),
         "overlap_optimizer": dict(optimizer=None, overlap_optimizer=True),
         "onebit_staged": dict(onebit=True),
         "autotune": dict(autotune=True),
@@ -300,10 +305,11 @@ def test_emulated_engine_matches_the_cpp_engine(world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_emulated_decentralized_matches_the_cpp_engine(world):
+def test_emulated_engine_close_to_the_cpp_engine(world):
     cases = [(mode, algo) for mode in ("direct", "staged")
              for algo in ("dec_all", "dec_shift_one", "dec_exp2", "dec_hier")]
-    res = harness.run(decentralized_rank, world, timeout=150, args=(cases,))
+    cases += [("direct", "powersgd"), ("direct", "powersgd_bf16"), ("staged", "powersgd")]
+    res = harness.run(close_rank, world, timeout=150, args=(cases,))
     problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
     assert not problems, "\n".join(problems)
 
@@ -318,7 +324,7 @@ def test_emulated_engine_no_sync():
 
 def test_refusals_name_what_has_no_gpu_path():
     (msgs,) = harness.run(refusals_rank, 1, timeout=60)
-    assert "PowerSGD does not run on CUDA parameters yet" in msgs["powersgd"], msgs
+    assert "AsyncModelAverage does not run on CUDA parameters yet" in msgs["async_model_average"], msgs
     assert "overlap_optimizer=True is not supported for CUDA parameters" in msgs["overlap_optimizer"], msgs
     assert "autotune is not supported for CUDA parameters" in msgs["autotune"], msgs
     assert "OneBitAdam does not run on CUDA parameters yet" in msgs["onebit_staged"], msgs

@@ -169,6 +169,19 @@ class PowerSGD(Algorithm):
     # ---- Algorithm hooks ------------------------------------------------------------------------
 
     def bucket_op(self, ddp, bucket):
+        return self._make_op(ddp, bucket, device=False)
+
+    # CUDA parameters: over NCCL the op runs on the device (rumor._gpu_ops.PowerSgdOp); without
+    # NCCL the C++ op runs on a page-locked copy of each bucket (its state stays on the host).
+    stages_through_host = True
+
+    def has_device_ops(self, ddp, nccl: bool) -> bool:
+        return nccl
+
+    def device_bucket_op(self, ddp, bucket):
+        return self._make_op(ddp, bucket, device=True)
+
+    def _make_op(self, ddp, bucket, device: bool):
         owner = self._owner() if self._owner is not None else None
         if owner is not None and owner is not ddp:
             raise ValueError("rumor.algorithms.PowerSGD: this algorithm already serves another "
@@ -186,10 +199,19 @@ class PowerSGD(Algorithm):
             self._states = {}
         matrices, units, uncompressed, p_count, q_count = self._layout(bucket)
         count = bucket.flat.numel()
-        error = torch.zeros(count, dtype=torch.float32) if self.use_error_feedback else None
-        s = _BucketState(bucket, matrices, units, uncompressed, error, torch.zeros(max(p_count, 1)),
-                         torch.zeros(max(q_count, 1)))
+        dev = bucket.flat.device if device else torch.device("cpu")
+        error = torch.zeros(count, dtype=torch.float32, device=dev) if self.use_error_feedback else None
+        s = _BucketState(bucket, matrices, units, uncompressed, error, torch.zeros(max(p_count, 1), device=dev),
+                         torch.zeros(max(q_count, 1), device=dev))
         self._restore(s)
+        if device:
+            from .._gpu_ops import PowerSgdOp
+
+            s.op = PowerSgdOp([(mx.offset, mx.n, mx.m, mx.k, mx.p_off, mx.q_off) for mx in matrices], uncompressed,
+                              count, s.p, s.q, error, self.orthogonalization_epsilon, self.wire_dtype)
+            self._states[bucket.index] = s
+            self._prepared_iter = None
+            return s.op
         if bucket.arena is not None:  # peers read shared buckets in place: the fast full average
             warmup = bucket.arena.allreduce_op(int(ReduceOp.AVG))
         else:
