@@ -70,9 +70,9 @@ RUMOR_HD float bits_f32(uint32_t u) {
 }
 
 // --- Conversions, as the CPU does them (core/half.h, compress/elem.h). Written on the bits
-// rather than with cuda_fp16's intrinsics so that NaN payloads come out as on x86 (F16C and
-// libgcc keep the top payload bits and set the quiet bit; the GPU would return one canonical
-// NaN), and so that the host test can check them against the CPU exhaustively.
+// rather than with cuda_fp16's intrinsics so that NaNs follow core/half.h's rule (quiet bit set,
+// sign and top payload bits kept, as F16C does; the GPU would return one canonical NaN), and so
+// that the host test can check them against the CPU exhaustively.
 
 // double -> float, overflowing to infinity past FLT_MAX + half an ulp (compress::detail::narrow).
 RUMOR_HD float narrow(double v) {
@@ -411,27 +411,19 @@ struct SignDecode {
   }
 };
 
-// --- The casts: element by element, no chunks. Half to float to half is the identity except
-// that it would quiet a signaling NaN; the scalar CPU kernels compile it to a plain copy, which
-// keeps it, so float16 into the Float16 codec (and back out, without accumulating) is a copy.
+// --- The casts: element by element, no chunks. float16 into the Float16 codec (and back out) is
+// not a copy: half -> float -> half is the identity except that it quiets a signalling NaN, which
+// core/half.h's rule (and F16C, on the AVX2 path) requires of every path.
 template <DType D, bool Bf>
 RUMOR_HD void cast_encode_one(const void* in, std::byte* codes, size_t i) {
-  if constexpr (D == DType::F16 && !Bf) {
-    put_u16(codes + 2 * i, static_cast<const uint16_t*>(in)[i]);
-  } else {
-    const float x = Elem<D>::load(in, i);
-    put_u16(codes + 2 * i, Bf ? f32_to_bf16(x) : f32_to_f16(x));
-  }
+  const float x = Elem<D>::load(in, i);
+  put_u16(codes + 2 * i, Bf ? f32_to_bf16(x) : f32_to_f16(x));
 }
 
 template <DType D, bool Acc, bool Bf>
 RUMOR_HD void cast_decode_one(const std::byte* codes, void* out, size_t i) {
-  const uint32_t h = get_u16(codes + 2 * i);
-  if constexpr (D == DType::F16 && !Acc && !Bf) {
-    static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(h);
-  } else {
-    store<D, Acc>(out, i, Bf ? bf16_to_f32(static_cast<uint16_t>(h)) : f16_to_f32(static_cast<uint16_t>(h)));
-  }
+  const auto h = static_cast<uint16_t>(get_u16(codes + 2 * i));
+  store<D, Acc>(out, i, Bf ? bf16_to_f32(h) : f16_to_f32(h));
 }
 
 }  // namespace rumor::cuda::detail

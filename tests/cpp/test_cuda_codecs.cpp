@@ -323,6 +323,85 @@ std::vector<std::byte> nan_blind(const CodecParams& p, std::vector<std::byte> bo
   return body;
 }
 
+// --- core/half.h's NaN rule, written out here independently of the conversions it pins: a NaN
+// converted to half or bfloat16 (or from half to a wider type) comes out quiet, with its sign and
+// the top bits of its payload (the quiet bit set), as F16C does. bfloat16 -> float is a shift and
+// keeps the bits as they are.
+
+// Mantissa bits and the in-place exponent mask of each float dtype.
+int man_bits(DType t) { return t == DType::F16 ? 10 : t == DType::BF16 ? 7 : t == DType::F32 ? 23 : 52; }
+uint64_t exp_mask(DType t) {
+  return t == DType::F16    ? 0x7c00u
+         : t == DType::BF16 ? 0x7f80u
+         : t == DType::F32  ? 0x7f800000u
+                            : 0x7ff0000000000000ull;
+}
+
+// The NaN `bits` of dtype `from` becomes in dtype `to` by the rule.
+uint64_t quiet_as(DType from, uint64_t bits, DType to) {
+  const size_t wf = 8 * dtype_size(from), wt = 8 * dtype_size(to);
+  const uint64_t sign = (bits >> (wf - 1)) & 1u;
+  const int mf = man_bits(from), mt = man_bits(to);
+  const uint64_t frac = (bits & ((uint64_t{1} << mf) - 1)) << (64 - mf);  // payload, left-aligned
+  return sign << (wt - 1) | exp_mask(to) | frac >> (64 - mt) | uint64_t{1} << (mt - 1);
+}
+
+// NaNs of each dtype: signalling ones (quiet bit clear) with payloads in the top, middle and
+// bottom bits, and one quiet NaN, repeated to 21 elements so that the AVX2 kernels run both
+// their 8-wide loop and their tail.
+std::vector<uint64_t> nans_of(DType t) {
+  std::vector<uint64_t> v;
+  switch (t) {
+    case DType::F16:
+      v = {0x7c01, 0xfd65, 0x7d00, 0x7dff, 0xfc20, 0xfe01};
+      break;
+    case DType::BF16:
+      v = {0x7f81, 0xff95, 0x7fbf, 0xffa0, 0xffc1};
+      break;
+    case DType::F32:
+      v = {0x7f800001, 0xff8abcde, 0x7fa00000, 0x7fbfffff, 0xffc12345};
+      break;
+    default:
+      v = {0x7ff0000000000001, 0xfff4abcdef012345, 0x7ff7ffffffffffff, 0xfff0000020000000,
+           0x7ff8000000000abc};
+  }
+  std::vector<uint64_t> r(21);
+  for (size_t i = 0; i < r.size(); ++i) r[i] = v[i % v.size()];
+  return r;
+}
+
+// Elements of dtype t from their bits, and back (little-endian).
+std::vector<std::byte> pack_bits(DType t, const std::vector<uint64_t>& bits) {
+  const size_t w = dtype_size(t);
+  std::vector<std::byte> b(w * bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) {
+    for (size_t k = 0; k < w; ++k) b[w * i + k] = static_cast<std::byte>(bits[i] >> (8 * k));
+  }
+  return b;
+}
+std::vector<uint64_t> unpack_bits(DType t, const std::byte* b, size_t n) {
+  const size_t w = dtype_size(t);
+  std::vector<uint64_t> bits(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t k = 0; k < w; ++k) bits[i] |= static_cast<uint64_t>(b[w * i + k]) << (8 * k);
+  }
+  return bits;
+}
+
+// The codes (of dtype c: F16 or BF16) that the rule makes of the NaNs `in` of dtype t.
+std::vector<uint64_t> rule_encode(DType t, const std::vector<uint64_t>& in, DType c) {
+  std::vector<uint64_t> r;
+  for (uint64_t x : in) r.push_back(quiet_as(t, x, c));
+  return r;
+}
+
+// What the rule makes of NaN codes (of dtype c) decoded, without accumulating, into dtype t.
+std::vector<uint64_t> rule_decode(DType c, const std::vector<uint64_t>& codes, DType t) {
+  std::vector<uint64_t> r;
+  for (uint64_t h : codes) r.push_back(c == DType::BF16 && t == DType::F32 ? h << 16 : quiet_as(c, h, t));
+  return r;
+}
+
 TEST(CudaCodecOps, HalfToFloatMatchesCpuForEveryHalf) {
   for (uint32_t h = 0; h < 65536; ++h) {
     const auto u = static_cast<uint16_t>(h);
@@ -387,6 +466,74 @@ TEST(CudaCodecOps, EmulatedKernelsMatchScalarCpuOnAnyBits) {
                   nan_blind(p, cpu_encode_scalar(p, *codec, raw, n, t, 9), n))
             << codec->name() << " " << dtype_name(t) << " round " << round;
       }
+    }
+  }
+}
+
+// A signalling NaN through every path that converts to or from half or bfloat16 (the scalar and
+// AVX2 CPU kernels and the emulated CUDA kernels, encoding from every dtype and decoding into
+// every dtype) comes out as core/half.h's rule says, the same bits on every path whatever the
+// compiler made of it. Before the rule was pinned, float16 into the Float16 codec kept a
+// signalling NaN in the CUDA kernels and in optimised scalar builds (GCC folds half -> float ->
+// half to a copy) and quieted it in unoptimised ones (libgcc) and with F16C. (Decoding with
+// accumulation adds, and which NaN an add returns is the hardware's choice: see nan_blind.)
+TEST(CudaCodecOps, SignallingNanComesOutQuietOnEveryPath) {
+  // The case that showed it: float16 0xfd65 (sign set, payload 0x165, quiet bit clear).
+  EXPECT_EQ(quiet_as(DType::F16, 0xfd65, DType::F16), 0xff65u);
+  EXPECT_EQ(half::f32_to_f16(half::f16_to_f32(0xfd65)), 0xff65u);
+  EXPECT_EQ(ops::f32_to_f16(ops::f16_to_f32(0xfd65)), 0xff65u);
+
+  std::vector<const KernelSet*> sets = {kernel_set(Isa::kGeneric)};
+  if (kernel_set(Isa::kAvx2) != nullptr) sets.push_back(kernel_set(Isa::kAvx2));
+  for (DType c : {DType::F16, DType::BF16}) {
+    const bool bf = c == DType::BF16;
+    for (DType t : kFloatTypes) {
+      // Encoding NaNs of dtype t into codes of dtype c.
+      const auto in_bits = nans_of(t);
+      const size_t n = in_bits.size();
+      const auto in = pack_bits(t, in_bits);
+      const auto want = rule_encode(t, in_bits, c);
+      for (const KernelSet* k : sets) {
+        std::vector<std::byte> codes(2 * n);
+        (bf ? k->bf16_encode : k->f16_encode)(in.data(), t, n, codes.data());
+        EXPECT_EQ(unpack_bits(c, codes.data(), n), want)
+            << k->isa << " encode " << dtype_name(t) << " into " << dtype_name(c);
+      }
+      std::vector<std::byte> codes(2 * n);
+      compress::detail::by_float_dtype(t, [&]<DType D>() {
+        for (size_t i = 0; i < n; ++i) {
+          if (bf) {
+            ops::cast_encode_one<D, true>(in.data(), codes.data(), i);
+          } else {
+            ops::cast_encode_one<D, false>(in.data(), codes.data(), i);
+          }
+        }
+      });
+      EXPECT_EQ(unpack_bits(c, codes.data(), n), want)
+          << "emulated CUDA encode " << dtype_name(t) << " into " << dtype_name(c);
+
+      // Decoding NaN codes of dtype c (a peer's bytes: any bits) into dtype t.
+      const auto code_bits = nans_of(c);
+      const auto code_bytes = pack_bits(c, code_bits);
+      const auto want_out = rule_decode(c, code_bits, t);
+      for (const KernelSet* k : sets) {
+        std::vector<std::byte> out(dtype_size(t) * n);
+        (bf ? k->bf16_decode : k->f16_decode)(code_bytes.data(), n, out.data(), t, false);
+        EXPECT_EQ(unpack_bits(t, out.data(), n), want_out)
+            << k->isa << " decode " << dtype_name(c) << " into " << dtype_name(t);
+      }
+      std::vector<std::byte> out(dtype_size(t) * n);
+      compress::detail::by_float_dtype(t, [&]<DType D>() {
+        for (size_t i = 0; i < n; ++i) {
+          if (bf) {
+            ops::cast_decode_one<D, false, true>(code_bytes.data(), out.data(), i);
+          } else {
+            ops::cast_decode_one<D, false, false>(code_bytes.data(), out.data(), i);
+          }
+        }
+      });
+      EXPECT_EQ(unpack_bits(t, out.data(), n), want_out)
+          << "emulated CUDA decode " << dtype_name(c) << " into " << dtype_name(t);
     }
   }
 }
@@ -500,6 +647,31 @@ TEST_F(CudaCodecs, EncodeAnyBitsAsScalarCpu) {
         ASSERT_EQ(nan_blind(p, got, n), nan_blind(p, cpu_encode_scalar(p, *codec, raw, n, t, 3), n))
             << codec->name() << " " << dtype_name(t) << " round " << round;
       }
+    }
+  }
+}
+
+// core/half.h's NaN rule on the GPU (CudaCodecOps.SignallingNanComesOutQuietOnEveryPath runs the
+// same functions on the host). Not float64 in or out: the GPU's conversions between float and
+// double may return its canonical NaN (see EncodeAnyBitsAsScalarCpu).
+TEST_F(CudaCodecs, SignallingNanComesOutQuiet) {
+  for (const CodecParams& p : {CodecParams{Kind::kF16, 0, 16}, CodecParams{Kind::kBF16, 0, 16}}) {
+    auto codec = make_codec(p);
+    const DType c = p.kind == Kind::kBF16 ? DType::BF16 : DType::F16;
+    for (DType t : {DType::F16, DType::BF16, DType::F32}) {
+      const auto in_bits = nans_of(t);
+      const size_t n = in_bits.size();
+      const auto got = gpu_encode(*codec, pack_bits(t, in_bits), n, t, 0, 1);
+      EXPECT_EQ(unpack_bits(c, got.data() + 32, n), rule_encode(t, in_bits, c))
+          << codec->name() << " encode " << dtype_name(t);
+      // NaN codes as a peer could send them: a valid header, any body.
+      const auto code_bits = nans_of(c);
+      auto buf = cpu_encode(*codec, std::vector<std::byte>(4 * n), n, DType::F32, 0);
+      const auto body = pack_bits(c, code_bits);
+      std::copy(body.begin(), body.end(), buf.begin() + 32);
+      const auto out = gpu_decode(*codec, buf, n, t, false, std::vector<std::byte>(dtype_size(t) * n), 1);
+      EXPECT_EQ(unpack_bits(t, out.data(), n), rule_decode(c, code_bits, t))
+          << codec->name() << " decode into " << dtype_name(t);
     }
   }
 }
