@@ -20,6 +20,12 @@ Differences from BlueFog, on purpose:
 * the push-sum weight p of ``turn_on_win_ops_with_associated_p()`` travels with every put and
   accumulate (w * p), is scaled by ``self_weight`` with the tensor, and is combined by
   ``win_update``, so the sums of x and of p over all ranks and slots are preserved.
+
+CUDA tensors are staged (docs/gpu.md): the window's memory is a page-locked host twin of the
+registered tensor, which every operation that reads the tensor (a put of it, win_update,
+win_publish) first refreshes from the device (a copy waited for with rumor's deadline), and
+win_update's result is copied back on the current stream; a put of another CUDA tensor goes
+through a page-locked copy of it. Slots, locks and the wire are those of CPU windows.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from . import _C, _runtime
-from ._tensor import address, check_tensor
+from ._tensor import address, check_dense, check_tensor, dtype_code
 from .decentralized import _topologies, in_neighbor_ranks, out_neighbor_ranks
 
 __all__ = [
@@ -58,6 +64,8 @@ __all__ = [
 ]
 
 _FLOAT_CODES = {0, 1, 2, 3}
+# Tests only: stage CPU tensors through a twin as CUDA ones are (the staging logic on any machine).
+_STAGE_CPU = False
 
 
 @dataclass
@@ -67,6 +75,45 @@ class _Win:
     tensor: torch.Tensor
     code: int
     handles: List["WinHandle"] = field(default_factory=list)
+    twin: Optional[torch.Tensor] = None  # the window's host memory when the tensor is staged
+
+
+def _stages(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" or _STAGE_CPU
+
+
+def _check(t, what: str) -> int:
+    """check_tensor for the window ops: CPU tensors, and CUDA ones on this rank's device."""
+    if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: the tensor is on {t.device}; windows take CPU or CUDA tensors")
+    if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+        from . import _device
+
+        check_dense(t, what)
+        _device.route(what, None, ("tensor", t), collective=False)  # the rank's device, or a clear error
+        return dtype_code(t.dtype, what)
+    return check_tensor(t, what)
+
+
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cuda":
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return torch.empty_like(t)
+
+
+def _to_host(src: torch.Tensor, dst: torch.Tensor, what: str) -> torch.Tensor:
+    """dst <- src, complete when this returns (the C++ side reads dst from the host)."""
+    if src.device.type != "cuda":
+        dst.copy_(src)
+        return dst
+    from ._device import wait_event
+
+    stream = torch.cuda.current_stream(src.device)
+    dst.copy_(src, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    wait_event(ev, _timeout(), what + ": copying the tensor to host memory")
+    return dst
 
 
 class _Windows:
@@ -104,7 +151,10 @@ def _find(name: str, what: str) -> _Win:
 
 
 def _check_like(t: torch.Tensor, w: _Win, what: str) -> None:
-    code = check_tensor(t, what)
+    code = _check(t, what)
+    if t.device != w.tensor.device:
+        raise ValueError(f"{what}: window {w.name!r} was created from a tensor on {w.tensor.device}, got one on "
+                         f"{t.device}")
     if code != w.code or t.numel() != w.tensor.numel():
         raise ValueError(f"{what}: window {w.name!r} holds {w.tensor.numel()} elements of {w.tensor.dtype}, "
                          f"got {t.numel()} of {t.dtype}")
@@ -139,6 +189,7 @@ class WinHandle:
         self._win = win
         self._op = op
         self._tensor = tensor  # kept alive: the C++ side reads it until the op completes
+        self._keep = None  # a staged tensor's host copy, which the C++ side reads instead
         self._self_weight = self_weight
         self._with_p = with_p
         self._publish = publish
@@ -163,8 +214,10 @@ class WinHandle:
             if self._with_p:
                 ws.hub.set_p(self._win.id, ws.hub.p(self._win.id) * self._self_weight)
         if self._publish:
+            if self._win.twin is not None:  # publish the scaled value, not the one sent
+                _to_host(self._win.tensor, self._win.twin, "rumor.win_put")
             ws.hub.publish(self._win.id, _timeout())
-        self._tensor = None
+        self._tensor = self._keep = None
         return True
 
 
@@ -187,7 +240,7 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
     The slots start as copies of this rank's tensor, or zeros with zero_init. The tensor itself
     is the window's value: win_update writes into it. Returns True."""
     what = "rumor.win_create"
-    code = check_tensor(tensor, what)
+    code = _check(tensor, what)
     if code not in _FLOAT_CODES:
         raise TypeError(f"{what}: windows hold float32, float64, float16 or bfloat16, got {tensor.dtype}")
     if not tensor.is_contiguous():
@@ -209,12 +262,13 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
     wid = ws.next_id
     ws.next_id += 1
     t = _timeout()
-    ws.hub.create(wid, name, address(tensor), tensor.numel(), code, bool(zero_init), t)
+    twin = _to_host(tensor, _host_like(tensor), what) if _stages(tensor) else None
+    ws.hub.create(wid, name, address(tensor if twin is None else twin), tensor.numel(), code, bool(zero_init), t)
     world._comm.barrier(False)
     ws.hub.attach(wid, t)
     world._comm.barrier(False)
     ws.hub.seal(wid)
-    ws.by_name[name] = _Win(wid, name, tensor, code)
+    ws.by_name[name] = _Win(wid, name, tensor, code, twin=twin)
     return True
 
 
@@ -243,12 +297,34 @@ def _put(tensor, name, self_weight, dst_weights, require_mutex, accumulate: bool
     dsts = _weights(dst_weights, out_neighbor_ranks(), what, "dst_weights")
     sw = 1.0 if self_weight is None else float(self_weight)
     ws = _windows()
-    op = ws.hub.put(w.id, address(tensor), sorted(dsts.items()), accumulate, ws.with_p, bool(require_mutex),
-                    _timeout())
     publish = tensor.data_ptr() == w.tensor.data_ptr()
+    src = tensor
+    if w.twin is not None:  # the registered tensor's twin, refreshed, or a host copy of another one
+        src = _to_host(tensor, w.twin if publish else _host_like(tensor), what)
+    op = ws.hub.put(w.id, address(src), sorted(dsts.items()), accumulate, ws.with_p, bool(require_mutex),
+                    _timeout())
     h = WinHandle(w, op, tensor, sw, ws.with_p, publish)
+    h._keep = src
     w.handles.append(h)
     return h
+
+
+def _put_registered(w: _Win, dsts, accumulate: bool, with_p: bool, what: str):
+    """hub.put of the window's own tensor (push-sum's z), through its twin when staged;
+    returns (op, what the C++ side reads until the op completes)."""
+    src = w.tensor if w.twin is None else _to_host(w.tensor, w.twin, what)
+    return _windows().hub.put(w.id, address(src), sorted(dsts.items()), accumulate, with_p, False, _timeout()), src
+
+
+def _update_registered(w: _Win, self_weight: float, srcs, reset: bool, with_p: bool, what: str) -> None:
+    """In-place hub.update of the window's own tensor, through its twin when staged."""
+    hub = _windows().hub
+    if w.twin is None:
+        hub.update(w.id, self_weight, sorted(srcs.items()), reset, with_p, address(w.tensor), False, _timeout())
+        return
+    _to_host(w.tensor, w.twin, what)
+    hub.update(w.id, self_weight, sorted(srcs.items()), reset, with_p, address(w.twin), False, _timeout())
+    w.tensor.copy_(w.twin, non_blocking=w.tensor.device.type == "cuda")
 
 
 def win_put_nonblocking(tensor: torch.Tensor, name: str, self_weight: Optional[float] = None,
@@ -322,8 +398,18 @@ def win_update(name: str, self_weight: Optional[float] = None,
     else:
         sw = float(self_weight)
         nbrs = _weights(neighbor_weights, [], what, "neighbor_weights")
-    out = w.tensor.clone() if clone else w.tensor
     ws = _windows()
+    if w.twin is not None:
+        # x is read from the twin: bring it up to date, combine there, copy the result back.
+        _to_host(w.tensor, w.twin, what)
+        host = w.twin.clone() if clone else w.twin
+        ws.hub.update(w.id, sw, sorted(nbrs.items()), bool(reset), ws.with_p, address(host), bool(require_mutex),
+                      _timeout())
+        if clone:
+            return host.to(w.tensor.device) if w.tensor.device.type == "cuda" else host
+        w.tensor.copy_(host, non_blocking=w.tensor.device.type == "cuda")
+        return w.tensor
+    out = w.tensor.clone() if clone else w.tensor
     ws.hub.update(w.id, sw, sorted(nbrs.items()), bool(reset), ws.with_p, address(out), bool(require_mutex),
                   _timeout())
     return out
@@ -339,6 +425,8 @@ def win_publish(name: str) -> None:
     """Makes the registered tensor's current value the one win_get returns to peers (rumor's
     addition: see the module docstring)."""
     w = _find(name, "rumor.win_publish")
+    if w.twin is not None:
+        _to_host(w.tensor, w.twin, "rumor.win_publish")
     _windows().hub.publish(w.id, _timeout())
 
 

@@ -27,11 +27,13 @@ def _finish(chk):
     return chk.failures, chk.count
 
 
-def ops_rank():
+def ops_rank(stage=False):
     import rumor
     import torch
     from rumor import topology as T
+    from rumor import window
 
+    window._STAGE_CPU = stage  # the CUDA tensors' staging through host twins, on CPU tensors
     rumor.init()
     n, r = rumor.size(), rumor.rank()
     chk = Checker()
@@ -54,6 +56,11 @@ def ops_rank():
     chk.check(out.data_ptr() == x.data_ptr(), "win_update is in place")
     chk.close(x, full((r + sum(ins)) / (len(ins) + 1), x), "uniform update on ExponentialGraph")
     chk.check(all(v == 0 for v in rumor.get_win_version("x").values()), "versions drop to 0 after update")
+    # The tensor changed since: an update combines its current value (a staged window's host
+    # copy must be refreshed first).
+    x.add_(1.0)
+    got = rumor.win_update("x", self_weight=1.0, neighbor_weights={}, clone=True)
+    chk.equal(got, x, "update reads the tensor's current value")
     rumor.barrier()
     rumor.win_free("x")
     chk.check(rumor.get_current_created_window_names() == [], "freed")
@@ -198,6 +205,15 @@ def ops_rank():
 @pytest.mark.parametrize("world,shm", LAYOUTS, ids=[f"{n}ranks-{'shm' if s else 'tcp'}" for n, s in LAYOUTS])
 def test_window_ops(world, shm):
     res = harness.run(ops_rank, world, timeout=90, env={"RUMOR_SHM": "1" if shm else "0"})
+    failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(res) for f in fs]
+    assert not failures, "\n".join(failures)
+    assert all(count > 5 for _, count in res)
+
+
+@pytest.mark.parametrize("world,shm", [(2, False), (3, True)], ids=["2ranks-tcp", "3ranks-shm"])
+def test_window_ops_staged(world, shm):
+    """The same checks with every tensor staged through a host twin, as CUDA tensors are."""
+    res = harness.run(ops_rank, world, timeout=90, args=(True,), env={"RUMOR_SHM": "1" if shm else "0"})
     failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(res) for f in fs]
     assert not failures, "\n".join(failures)
     assert all(count > 5 for _, count in res)
@@ -361,13 +377,15 @@ def test_pushsum_preserves_sums_and_converges():
         assert dist < 1e-4, f"rank {r}: x is {dist} from the average"
 
 
-def train_rank(kind):
+def train_rank(kind, stage=False):
     """A few steps of training on a shared regression problem: the loss drops and the replicas
     stay close (consensus + gradient). A barrier per step keeps the ranks in lockstep, so the
     bound on the spread is the algorithm's and not the scheduler's (2 cores, 3 ranks)."""
     import rumor
     import torch
+    from rumor import window
 
+    window._STAGE_CPU = stage
     rumor.init()
     r = rumor.rank()
     model = _model(300 + r)
@@ -395,10 +413,10 @@ def train_rank(kind):
     return sum(losses[:5]) / 5, sum(losses[-5:]) / 5, float(spread.max())
 
 
-@pytest.mark.parametrize("kind", ["DistributedWinPutOptimizer", "DistributedPullGetOptimizer",
-                                  "DistributedPushSumOptimizer"])
-def test_window_optimizers_train(kind):
-    res = harness.run(train_rank, 3, timeout=120, args=(kind,))
+@pytest.mark.parametrize("kind,stage", [("DistributedWinPutOptimizer", False), ("DistributedPullGetOptimizer", False),
+                                        ("DistributedPushSumOptimizer", False), ("DistributedPushSumOptimizer", True)])
+def test_window_optimizers_train(kind, stage):
+    res = harness.run(train_rank, 3, timeout=120, args=(kind, stage))
     for r, (first, last, spread) in enumerate(res):
         assert last < 0.7 * first, f"rank {r}: loss {first:.4f} -> {last:.4f}"
         assert spread < 0.5, f"replicas spread {spread}"

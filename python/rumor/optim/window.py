@@ -259,7 +259,7 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
                     torch.mul(flat, hub.p(w.id), out=z)
                 versions = hub.versions(w.id)
                 srcs = {r: 1.0 for r, v in enumerate(versions) if v > 0}
-                hub.update(w.id, 1.0, sorted(srcs.items()), True, True, z.data_ptr(), False, _win._timeout())
+                _win._update_registered(w, 1.0, srcs, True, True, "DistributedPushSumOptimizer")
                 torch.div(z, hub.p(w.id), out=flat)
         self._local_steps = False
 
@@ -280,8 +280,9 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
                 for name, z, flat in zip(self._names, self._z, self._flat.flats):
                     w = _win._find(name, "DistributedPushSumOptimizer")
                     torch.mul(flat, hub.p(w.id), out=z)
-                    op = hub.put(w.id, z.data_ptr(), sorted(dst.items()), True, True, False, _win._timeout())
+                    op, src = _win._put_registered(w, dst, True, True, "DistributedPushSumOptimizer")
                     h = _win.WinHandle(w, op, z, sw, True, False)
+                    h._keep = src
                     w.handles.append(h)
                     self._handles.append(h)
         return loss
