@@ -118,7 +118,10 @@ cpp_tests() {
 python_tests() {
   # test_cuda_collectives.py: CUDA tensors in the collectives, host staging (2 ranks on one GPU)
   # and NCCL (a 1-rank group); it loads the real libnccl (RUMOR_NCCL_LIBRARY or torch's wheel).
-  local files=(tests/python/test_cuda_codecs.py tests/python/test_cuda_collectives.py)
+  # test_ddp_device.py: DistributedDataParallel on a CUDA model against the CPU (its emulated
+  # cases run too); test_window.py::test_windows_of_cuda_tensors: staged windows.
+  local files=(tests/python/test_cuda_codecs.py tests/python/test_cuda_collectives.py
+    tests/python/test_ddp_device.py tests/python/test_window.py::test_windows_of_cuda_tensors)
   # test_compression.py also checks how CPU codecs treat CUDA tensors; it needs hypothesis.
   "$PY" -c "import hypothesis" 2>/dev/null && files+=(tests/python/test_compression.py)
   show "$PY" -m pytest "${files[@]}" -q -p no:cacheprovider -rs --tb=short

@@ -45,6 +45,57 @@ def _prefix(xs: Sequence[int]) -> List[int]:
     return out
 
 
+class _Blocks:
+    """The split of a bucket into one block per rank for a compressed reduce-scatter +
+    allgather (ops::Blocks of csrc/ops/compressed_allreduce.cpp): block j belongs to rank j, and
+    ``wire`` holds one encoding per block, back to back."""
+
+    def __init__(self, count: int, n: int, r: int, kind: int, chunk: int, codec, device):
+        self.n, self.r = n, r
+        self.counts = list(_C.compressed_blocks(count, n, kind, chunk))
+        self.off = _prefix(self.counts)
+        self.enc = [codec.encoded_bytes(c) for c in self.counts]
+        self.eoff = _prefix(self.enc)
+        self.wire = torch.empty(sum(self.enc), dtype=torch.uint8, device=device)
+        self.peers = [q for q in range(n) if q != r]
+
+    def block(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        return t[self.off[j]:self.off[j] + self.counts[j]]
+
+    def encoding(self, j: int) -> torch.Tensor:
+        return self.wire[self.eoff[j]:self.eoff[j] + self.enc[j]]
+
+    def to_owners(self, tp, what: str) -> dict:
+        """Sends encoding j to rank j; returns {q: rank q's encoding of our block} (ours too,
+        from the wire), once they are here (settled: decoding reads headers on the host)."""
+        r, e = self.r, self.enc[self.r]
+        recv = torch.empty(len(self.peers) * e, dtype=torch.uint8, device=self.wire.device)
+        got = {q: recv[i * e:(i + 1) * e] for i, q in enumerate(self.peers)}
+        tp.exchange([(j, self.encoding(j)) for j in self.peers if self.counts[j]],
+                    [(q, got[q]) for q in self.peers] if self.counts[r] else [])
+        tp.settle(what)
+        got[r] = self.encoding(r)
+        return got
+
+    def from_owners(self, tp, what: str) -> List[torch.Tensor]:
+        """Every rank's encoding of its own block (wire slot r here), to everyone: NCCL's
+        allgather moves equal sizes, so each travels in a slot of the largest one's size."""
+        n, r, width = self.n, self.r, max(self.enc)
+        gathered = torch.empty(n * width, dtype=torch.uint8, device=self.wire.device)
+        mine = gathered[r * width:(r + 1) * width]
+        mine[:self.enc[r]].copy_(self.encoding(r))
+        tp.allgather(mine, gathered)
+        tp.settle(what)
+        return [gathered[j * width:j * width + self.enc[j]] for j in range(n)]
+
+
+def _divisor(n: int, device) -> torch.Tensor:
+    # A tensor divisor, not a Python number: torch turns division by a scalar into
+    # multiplication by its reciprocal on the GPU, which would round differently from the C++
+    # ops' division for world sizes that are not powers of two.
+    return torch.full((1,), float(n), dtype=torch.float32, device=device)
+
+
 class NcclTransport:
     """The bucket ops' calls on a group's NCCL communicator, queued on the current stream of the
     group's device. settle() is the only host wait: an event polled with rumor's deadline, which
@@ -153,49 +204,27 @@ class CompressedOp:
         n, r = tp.size, tp.rank
         if n == 1 or flat.numel() == 0:
             return
-        codec, dev = self.codec, flat.device
-        counts = list(_C.compressed_blocks(flat.numel(), n, self.kind, self.chunk))
-        off = _prefix(counts)
-        enc = [codec.encoded_bytes(c) for c in counts]
-        eoff = _prefix(enc)
-        # Slot j: our contribution to block j; after the reduce-scatter, slot r: our reduced block.
-        wire = torch.empty(sum(enc), dtype=torch.uint8, device=dev)
-        for j in range(n):
-            if j != r and counts[j]:
-                codec.encode(flat[off[j]:off[j] + counts[j]], seed=_C.compressed_seed(self.seed, step, r, j, 0),
-                             out=wire[eoff[j]:eoff[j] + enc[j]])
-        recv = torch.empty((n - 1) * enc[r], dtype=torch.uint8, device=dev)
-        peers = [q for q in range(n) if q != r]
-        slot = {q: recv[i * enc[r]:(i + 1) * enc[r]] for i, q in enumerate(peers)}
-        tp.exchange([(j, wire[eoff[j]:eoff[j] + enc[j]]) for j in peers if counts[j]],
-                    [(q, slot[q]) for q in peers] if counts[r] else [])
-        # Decoding reads each header on the host: the exchange must be over, checked with a deadline.
-        tp.settle("rumor.DistributedDataParallel: compressed allreduce (reduce-scatter)")
-        if counts[r]:
-            own = flat[off[r]:off[r] + counts[r]]
-            acc = own.to(torch.float32, copy=True)
-            for q in peers:
-                codec.decode(slot[q], counts[r], out=acc, accumulate=True)
+        codec = self.codec
+        bl = _Blocks(flat.numel(), n, r, self.kind, self.chunk, codec, flat.device)
+        for j in bl.peers:
+            if bl.counts[j]:
+                codec.encode(bl.block(flat, j), seed=_C.compressed_seed(self.seed, step, r, j, 0), out=bl.encoding(j))
+        got = bl.to_owners(tp, "rumor.DistributedDataParallel: compressed allreduce (reduce-scatter)")
+        if bl.counts[r]:
+            # Our own contribution at full precision, the peers' decoded, in rank order.
+            acc = bl.block(flat, r).to(torch.float32, copy=True)
+            for q in bl.peers:
+                codec.decode(got[q], bl.counts[r], out=acc, accumulate=True)
             if self.average:
-                # A tensor divisor, not a Python number: torch turns division by a scalar into
-                # multiplication by its reciprocal on the GPU, which would round differently
-                # from the C++ op's division for world sizes that are not powers of two.
-                acc.div_(torch.full((1,), float(n), dtype=torch.float32, device=dev))
-            codec.encode(acc, seed=_C.compressed_seed(self.seed, step, r, r, 1), out=wire[eoff[r]:eoff[r] + enc[r]])
-        # NCCL's allgather moves equal sizes: every encoding in a slot of the largest one's size.
-        width = max(enc)
-        gathered = torch.empty(n * width, dtype=torch.uint8, device=dev)
-        mine = gathered[r * width:(r + 1) * width]
-        mine[:enc[r]].copy_(wire[eoff[r]:eoff[r] + enc[r]])
-        tp.allgather(mine, gathered)
-        tp.settle("rumor.DistributedDataParallel: compressed allreduce (allgather)")
+                acc.div_(_divisor(n, flat.device))
+            codec.encode(acc, seed=_C.compressed_seed(self.seed, step, r, r, 1), out=bl.encoding(r))
+        encs = bl.from_owners(tp, "rumor.DistributedDataParallel: compressed allreduce (allgather)")
         for j in range(n):
-            if counts[j]:
-                codec.decode(gathered[j * width:j * width + enc[j]], counts[j], out=flat[off[j]:off[j] + counts[j]])
+            if bl.counts[j]:
+                codec.decode(encs[j], bl.counts[j], out=bl.block(flat, j))
 
     def __repr__(self) -> str:
         return f"CompressedOp({self.codec.name}, average={self.average})"
-
 
 
 class LocalOp:
@@ -343,39 +372,27 @@ class OneBitMomentumOp:
             if n > 1:
                 tp.allreduce(self.m, 1)
             return
-        codec, dev, count = self.codec, flat.device, flat.numel()
+        codec = self.codec
         x = self._update(flat).add_(self.we)
-        counts = list(_C.compressed_blocks(count, n, int(_C.CodecKind.Sign), self.chunk))
-        off = _prefix(counts)
-        enc = [codec.encoded_bytes(c) for c in counts]
-        eoff = _prefix(enc)
-        wire = torch.empty(sum(enc), dtype=torch.uint8, device=dev)
+        bl = _Blocks(flat.numel(), n, r, int(_C.CodecKind.Sign), self.chunk, codec, flat.device)
+        # Worker: every block of x (ours included) compressed; the worker error keeps the loss.
         for j in range(n):
-            if counts[j]:
-                s = slice(off[j], off[j] + counts[j])
-                self._lossy(x[s], self.we[s], wire[eoff[j]:eoff[j] + enc[j]])
-        recv = torch.empty((n - 1) * enc[r], dtype=torch.uint8, device=dev)
-        peers = [q for q in range(n) if q != r]
-        slot = {q: recv[i * enc[r]:(i + 1) * enc[r]] for i, q in enumerate(peers)}
-        slot[r] = wire[eoff[r]:eoff[r] + enc[r]]
-        tp.exchange([(j, wire[eoff[j]:eoff[j] + enc[j]]) for j in peers if counts[j]],
-                    [(q, slot[q]) for q in peers] if counts[r] else [])
-        tp.settle("rumor.DistributedDataParallel: 1-bit allreduce (to the owners)")
-        if counts[r]:
-            own = slice(off[r], off[r] + counts[r])
-            acc = torch.empty(counts[r], dtype=torch.float32, device=dev)
+            if bl.counts[j]:
+                self._lossy(bl.block(x, j), bl.block(self.we, j), bl.encoding(j))
+        got = bl.to_owners(tp, "rumor.DistributedDataParallel: 1-bit allreduce (to the owners)")
+        if bl.counts[r]:
+            # Server: the contributions decoded in rank order, averaged, plus the server error;
+            # compressed once more, the server error keeping that loss.
+            acc = torch.empty(bl.counts[r], dtype=torch.float32, device=flat.device)
             for q in range(n):
-                codec.decode(slot[q], counts[r], out=acc, accumulate=q != 0)
-            acc.div_(torch.full((1,), float(n), dtype=torch.float32, device=dev)).add_(self.se[own])
-            self._lossy(acc, self.se[own], wire[eoff[r]:eoff[r] + enc[r]])
-        width = max(enc)
-        gathered = torch.empty(n * width, dtype=torch.uint8, device=dev)
-        gathered[r * width:r * width + enc[r]].copy_(wire[eoff[r]:eoff[r] + enc[r]])
-        tp.allgather(gathered[r * width:(r + 1) * width], gathered)
-        tp.settle("rumor.DistributedDataParallel: 1-bit allreduce (from the owners)")
+                codec.decode(got[q], bl.counts[r], out=acc, accumulate=q != 0)
+            se = bl.block(self.se, r)
+            acc.div_(_divisor(n, flat.device)).add_(se)
+            self._lossy(acc, se, bl.encoding(r))
+        encs = bl.from_owners(tp, "rumor.DistributedDataParallel: 1-bit allreduce (from the owners)")
         for j in range(n):
-            if counts[j]:
-                codec.decode(gathered[j * width:j * width + enc[j]], counts[j], out=self.m[off[j]:off[j] + counts[j]])
+            if bl.counts[j]:
+                codec.decode(encs[j], bl.counts[j], out=bl.block(self.m, j))
 
     def __repr__(self) -> str:
         return f"OneBitMomentumOp(compressing={self.compressing})"

@@ -485,3 +485,55 @@ def stress_rank(rounds):
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
 def test_concurrent_puts_no_torn_reads_nothing_lost(shm):
     assert harness.run(stress_rank, 4, timeout=120, args=(150,), env={"RUMOR_SHM": "1" if shm else "0"}) == [True] * 4
+
+
+# ---- on a GPU: windows of CUDA tensors, staged through host twins (docs/gpu.md) -----------------
+
+def gpu_window_rank():
+    import rumor
+    import torch
+
+    torch.cuda.set_device(0)
+    rumor.init()
+    n, r = rumor.size(), rumor.rank()
+    dev = torch.device("cuda", 0)
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    x = torch.full((1000,), float(r), device=dev)
+    rumor.win_create(x, "g", zero_init=True)
+    rumor.win_put(x, "g", self_weight=0.5, dst_weights={nxt: 1.0})
+    rumor.barrier()
+    out = rumor.win_update("g", self_weight=1.0, neighbor_weights={prv: 1.0})
+    checks = {"update in place on the device": out.data_ptr() == x.data_ptr() and out.device == dev,
+              "put, scale, update": torch.equal(x.cpu(), torch.full((1000,), 0.5 * r + prv))}
+    rumor.barrier()
+    # The put published 0.5 * r (after its self_weight scaling); the update then published x.
+    rumor.win_get("g", src_weights={prv: 1.0})
+    got = rumor.win_update("g", self_weight=0.0, neighbor_weights={prv: 1.0}, clone=True)
+    checks["get reads the published value"] = got.device == dev and torch.equal(
+        got.cpu(), torch.full((1000,), 0.5 * prv + (prv - 1) % n))
+    rumor.barrier()
+    try:
+        rumor.win_put(torch.zeros(1000), "g")
+        checks["a CPU tensor into a CUDA window is refused"] = False
+    except ValueError:
+        checks["a CPU tensor into a CUDA window is refused"] = True
+    rumor.barrier()
+    rumor.win_free()
+    rumor.shutdown()
+    return checks
+
+
+def test_windows_of_cuda_tensors():
+    try:
+        import torch
+
+        ready = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        ready = False
+    if not ready:
+        if os.environ.get("RUMOR_EXPECT_GPU") == "1":
+            pytest.fail("RUMOR_EXPECT_GPU=1 but no CUDA device")
+        pytest.skip("needs a CUDA device")
+    res = harness.run(gpu_window_rank, 2, timeout=120)
+    bad = [f"rank {r}: {k}" for r, checks in enumerate(res) for k, ok in checks.items() if not ok]
+    assert not bad, "\n".join(bad)
