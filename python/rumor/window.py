@@ -96,24 +96,16 @@ def _check(t, what: str) -> int:
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cuda":
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return torch.empty_like(t)
+    from ._gpu_engine import host_like
+
+    return host_like(t)
 
 
 def _to_host(src: torch.Tensor, dst: torch.Tensor, what: str) -> torch.Tensor:
     """dst <- src, complete when this returns (the C++ side reads dst from the host)."""
-    if src.device.type != "cuda":
-        dst.copy_(src)
-        return dst
-    from ._device import wait_event
+    from ._gpu_engine import to_host
 
-    stream = torch.cuda.current_stream(src.device)
-    dst.copy_(src, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record(stream)
-    wait_event(ev, _timeout(), what + ": copying the tensor to host memory")
-    return dst
+    return to_host(src, dst, what, _timeout())
 
 
 class _Windows:

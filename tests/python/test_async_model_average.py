@@ -239,7 +239,7 @@ def _params_in(model, flat):
     return all(lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= hi for p in model.parameters())
 
 
-def rank_progress(steps, sleeps, warm, lr, interval_ms):
+def rank_progress(steps, sleeps, warm, lr, interval_ms, mode=None):
     """Constant gradient g_r per rank, `steps[r]` steps each (sleeping sleeps[r] per step):
     returns the weights after finish() and whether the weights ever changed between the start
     of forward and the end of backward."""
@@ -256,7 +256,13 @@ def rank_progress(steps, sleeps, warm, lr, interval_ms):
     gs = _const_grads(rank)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=interval_ms, warmup_steps=warm)
-    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    from rumor import _gpu_engine
+
+    _gpu_engine.EMULATE = mode  # the engine and host mirror of CUDA parameters, on CPU ones
+    try:
+        ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    finally:
+        _gpu_engine.EMULATE = None
     moved_inside = 0
     for _ in range(steps[rank]):
         opt.zero_grad()
@@ -272,7 +278,7 @@ def rank_progress(steps, sleeps, warm, lr, interval_ms):
     alg.finish()
     out = dict(w0=w0, final=[p.detach().clone() for p in model.parameters()], moved_inside=moved_inside,
                rounds=rounds, applied=alg.applied, steps=alg.steps, fused=alg._slots[0].shared,
-               in_slot=_params_in(model, alg._slots[0].x))
+               in_slot=_params_in(model, alg._slots[0].x), mirror=alg._device)
     rumor.shutdown()
     return out
 
@@ -782,6 +788,32 @@ def test_delta_rule_keeps_local_progress_end_to_end(shared):
         assert out["steps"] == steps[r]
         assert out["moved_inside"] == 0, f"rank {r}: weights changed during forward/backward"
         assert out["rounds"] >= 1, (r, out["rounds"])
+        for a, e in zip(out["final"], expect):
+            assert torch.allclose(a, e, rtol=1e-9, atol=1e-12), (r, (a - e).abs().max())
+        for a, b in zip(out["final"], res[0]["final"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_delta_rule_keeps_local_progress_with_a_host_mirror(mode):
+    """CUDA parameters' form (the averaging thread on a host mirror of the device weights,
+    refreshed after each snapshot; results applied to the device weights; the final average
+    copied back), emulated on CPU: the same closed form after finish() as above, although
+    rounds now average snapshots up to a step old."""
+    import torch
+
+    n, warm, lr = 3, 2, 0.01
+    steps = [40, 25, 12]
+    sleeps = [0.0, 0.0, 0.025]
+    res = harness.run(rank_progress, n, timeout=75, args=(steps, sleeps, warm, lr, 10, mode))
+    w0 = res[0]["w0"]
+    grads = [_const_grads(r) for r in range(n)]
+    expect = [w - lr / n * sum(steps[r] * grads[r][i] for r in range(n)) for i, w in enumerate(w0)]
+    for r, out in enumerate(res):
+        assert out["mirror"] and not out["fused"] and not out["in_slot"], (r, out["mirror"], out["fused"])
+        assert out["steps"] == steps[r]
+        assert out["moved_inside"] == 0, f"rank {r}: weights changed during forward/backward"
+        assert out["rounds"] >= 1 and out["applied"] >= 1, (r, out["rounds"], out["applied"])
         for a, e in zip(out["final"], expect):
             assert torch.allclose(a, e, rtol=1e-9, atol=1e-12), (r, (a - e).abs().max())
         for a, b in zip(out["final"], res[0]["final"]):

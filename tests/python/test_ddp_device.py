@@ -225,7 +225,7 @@ def refusals_rank():
     rumor.init()
     msgs = {}
     cases = {
-        "async_model_average": dict(algorithm=A.AsyncModelAverage()),
+        "fused_optimizer": dict(fused=True),
         "overlap_optimizer": dict(optimizer=None, overlap_optimizer=True),
         "onebit_staged": dict(onebit=True),
         "autotune": dict(autotune=True),
@@ -235,6 +235,12 @@ def refusals_rank():
         mode = "direct"
         if "optimizer" in kw:
             kw = dict(kw, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+        if kw.pop("fused", False):
+            from rumor.optim import fuse_optimizer
+
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            fuse_optimizer(opt)
+            kw = dict(kw, optimizer=opt)
         if kw.pop("onebit", False):  # 1-bit Adam's state lives on the device: no staged form
             opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-3, freeze_step=2)
             kw = dict(kw, optimizer=opt, algorithm=A.OneBitAdam(opt))
@@ -324,7 +330,7 @@ def test_emulated_engine_no_sync():
 
 def test_refusals_name_what_has_no_gpu_path():
     (msgs,) = harness.run(refusals_rank, 1, timeout=60)
-    assert "AsyncModelAverage does not run on CUDA parameters yet" in msgs["async_model_average"], msgs
+    assert "fuse_optimizer is not supported for CUDA parameters" in msgs["fused_optimizer"], msgs
     assert "overlap_optimizer=True is not supported for CUDA parameters" in msgs["overlap_optimizer"], msgs
     assert "autotune is not supported for CUDA parameters" in msgs["autotune"], msgs
     assert "OneBitAdam does not run on CUDA parameters yet" in msgs["onebit_staged"], msgs

@@ -185,7 +185,9 @@ class _AllMixer(_Mixer):
         self._algo = 0  # auto
         self.arena = None
         fits = all(s.x.dtype in (torch.float32, torch.float64) for s in slots)
-        if (fits and self.comm.size > 1 and self.comm.all_local and self.comm.uses_shm
+        # CUDA parameters: the slots hold a host mirror of the weights, not the parameters
+        # themselves, so the shared arena (peers reading the parameters in place) does not apply.
+        if (fits and ddp._device_mode is None and self.comm.size > 1 and self.comm.all_local and self.comm.uses_shm
                 and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True)):
             offsets, total = [], 0
             for s in slots:
@@ -417,6 +419,7 @@ class AsyncModelAverage(Algorithm):
         self.applied = 0    # deltas applied to the weights by the training thread
         self._ticks = 0     # censuses the background thread took part in (tests)
         self._async = self.warmup_steps == 0   # bucket_op is asked before init()
+        self._device = False  # CUDA parameters (set by init): the thread works on a host mirror
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._state = ACTIVE   # the state the next census reports (abort/resume/finish change it)
@@ -440,7 +443,20 @@ class AsyncModelAverage(Algorithm):
                                "create one per wrapper")
         self._ddp = ddp
         self._flat = FlatWeights(ddp._params, _ONE_FLAT, "AsyncModelAverage")
-        self._slots = [_Slot(f) for f in self._flat.flats]
+        self._device = ddp._device_mode is not None
+        if self._device:
+            # CUDA parameters: the averaging thread works on a page-locked host mirror of the
+            # weights. The training thread refreshes the mirror before a forward once the thread
+            # took a snapshot of it (so a round's snapshot is at most one step old, and the rule
+            # x <- x + (average - snapshot) still keeps every rank's progress since), applies
+            # results to the device weights, and finish() copies the final average back.
+            from .._gpu_engine import host_like, to_host
+
+            self._slots = [_Slot(to_host(f, host_like(f), "AsyncModelAverage", ddp._timeout))
+                           for f in self._flat.flats]
+            self._mirror_stale = False
+        else:
+            self._slots = [_Slot(f) for f in self._flat.flats]
         self._mixer = _make_mixer(self.peer_selection_mode)
         self._mixer.setup(ddp, self._slots)
         if any(s.shared for s in self._slots):
@@ -483,6 +499,9 @@ class AsyncModelAverage(Algorithm):
         self.steps = int(sd["steps"])
         with self._lock:
             self._pending = False  # computed from the weights just replaced
+            if self._device:
+                self._mirror_stale = True
+                self._sync_mirror_locked()  # no round may take the replaced weights
             if getattr(self, "_resume_to", None) is not None:
                 self._state, self._resume_to = self._resume_to, None
         if not self._async and self.steps >= self.warmup_steps:
@@ -496,6 +515,20 @@ class AsyncModelAverage(Algorithm):
             return _C.local_op()
         return GradientAllReduce().bucket_op(ddp, bucket)
 
+    # CUDA parameters: the warm-up's gradient average on the device over NCCL (staged without);
+    # afterwards backward communicates nothing.
+    stages_through_host = True
+
+    def has_device_ops(self, ddp, nccl: bool) -> bool:
+        return nccl
+
+    def device_bucket_op(self, ddp, bucket):
+        from .._gpu_ops import LocalOp
+
+        if self._async:
+            return LocalOp()
+        return GradientAllReduce().device_bucket_op(ddp, bucket)
+
     def rebuild_buckets(self, ddp) -> bool:
         # Asynchronous from the first step: no collective on the training thread, ever (the
         # bucket order does not matter to the local op). During warm-up the ranks are in step.
@@ -506,9 +539,11 @@ class AsyncModelAverage(Algorithm):
         if self._thread is None:
             return
         self._flat.ensure_views()
-        if self._pending:  # read without the lock: a hint, checked again under it
+        if self._pending or (self._device and self._mirror_stale):  # hints, checked again under the lock
             with self._lock:
                 self._apply_pending_locked()
+                if self._device:
+                    self._sync_mirror_locked()
 
     def after_backward(self, ddp) -> None:
         self.steps += 1
@@ -562,6 +597,9 @@ class AsyncModelAverage(Algorithm):
                 self._finished = True
                 if thread is not None:
                     self._apply_pending_locked()
+                    if self._device:  # from now on the mirror is what the last rounds average
+                        self._mirror_stale = True
+                        self._sync_mirror_locked()
                     self._state = LEAVING
         if thread is not None and self._mixer.collective:
             self._wake.set()
@@ -576,6 +614,11 @@ class AsyncModelAverage(Algorithm):
         if thread is not None and not self._mixer.collective:
             self._wake.set()
             self._final_gossip(timeout)
+        if thread is not None and self._device:
+            with self._lock:  # the final average, from the mirror to the device weights
+                for s, x in zip(self._slots, self._flat.flats):
+                    x.copy_(s.x)
+                self._mirror_stale = False
         if thread is not None and not self._buffers_synced:
             self._buffers_synced = True
             if self._saved_broadcast_buffers and self._ddp._buffers_to_sync:
@@ -642,10 +685,26 @@ class AsyncModelAverage(Algorithm):
 
     def _apply_pending_locked(self) -> None:
         if self._pending:
-            for s in self._slots:
-                self._apply(s)
+            if self._device:
+                # The training thread's weights are on the device: the result goes there, and
+                # the mirror follows at the next refresh.
+                for s, x in zip(self._slots, self._flat.flats):
+                    apply_delta(x, s.delta.to(x.device))
+                self._mirror_stale = True
+            else:
+                for s in self._slots:
+                    self._apply(s)
             self._pending = False
             self.applied += 1
+
+    def _sync_mirror_locked(self) -> None:
+        """Device weights -> the host mirror the averaging thread reads (caller holds the lock)."""
+        if self._mirror_stale:
+            from .._gpu_engine import to_host
+
+            for s, x in zip(self._slots, self._flat.flats):
+                to_host(x, s.x, "AsyncModelAverage", self._ddp._timeout)
+            self._mirror_stale = False
 
     def _apply(self, s: _Slot) -> None:
         """x <- x + (average - snapshot) for a slot's pending result (caller holds the lock)."""
@@ -765,6 +824,8 @@ class AsyncModelAverage(Algorithm):
             self._pending = False
             for s in slots:
                 copy_into(s.snap, s.x)  # libc's streaming copy: the lock is held for this only
+            if self._device:
+                self._mirror_stale = True  # the next forward brings the mirror up to date
         for s in slots:
             if retaken:
                 s.delta.add_(s.snap)          # snapshot + old delta (in the delta's dtype)
