@@ -195,6 +195,7 @@ class _State:
         self.h2d_event = None  # staged: the copies back of the last iteration (pinned reuse)
         self.timings = []
         self.stream = layer.new_stream()
+        self.after: List = []  # per bucket: a callable run right after its op (overlap_optimizer)
 
 
 def _worker(state: _State) -> None:
@@ -290,9 +291,12 @@ def _launch(state: _State, bi: int, ready_event, ready: float) -> None:
         state.host_engine.mark_ready(bi)
         return
     t0 = time.monotonic()
+    after = state.after[bi] if bi < len(state.after) else None
     with layer.on(state.stream):
         layer.wait(state.stream, ready_event)
         op.run(flat, state.transport)
+        if after is not None:  # the bucket's optimizer update, ordered after its communication
+            after()
         done = layer.record(state.stream)
     t1 = time.monotonic()
     with state.cv:
@@ -404,6 +408,15 @@ class DeviceEngine:
         if st.mode == "staged":
             st.host_engine.set_buckets([(address(s[4].pinned), s[1], s[2], 1, s[4].host_op) for s in specs])
 
+    def set_after(self, ops) -> None:
+        """Per bucket, None or a callable (overlap_optimizer's update of the bucket's
+        parameters) run right after the bucket's op: on the communication stream in direct
+        mode, after the copy back at the end of backward when staged."""
+        if not self.idle():
+            raise RuntimeError("DeviceEngine.set_after: buckets are in flight")
+        with self._state.cv:
+            self._state.after = list(ops)
+
     @property
     def num_buckets(self) -> int:
         return len(self._slots)
@@ -462,6 +475,9 @@ class DeviceEngine:
                     for flat, op in st.buckets:
                         if not isinstance(op.host_op, _C.LocalBucketOp):
                             flat.copy_(op.pinned, non_blocking=True)
+                    for after in st.after:
+                        if after is not None:
+                            after()
                 st.h2d_event = st.layer.record(cur)
                 timings = st.host_engine.last_timings()
             elif last is not None:

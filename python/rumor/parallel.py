@@ -278,10 +278,8 @@ class DistributedDataParallel(torch.nn.Module):
             nccl = emulate == "direct"
         self._device_nccl = nccl  # algorithms' device tasks choose NCCL or staging by it
         name = type(self.algorithm).__name__
-        for refused, why in ((self.overlap_optimizer, "overlap_optimizer=True"),
-                             (self._fusion is not None, "an optimizer fused by rumor.optim.fuse_optimizer"),
-                             (autotune or (autotune is None and _runtime._env_bool("RUMOR_AUTOTUNE", False)),
-                              "autotune")):
+        for refused, why in (((autotune or (autotune is None and _runtime._env_bool("RUMOR_AUTOTUNE", False))),
+                              "autotune"),):
             if refused:
                 raise ValueError(f"{what}: {why} is not supported for CUDA parameters yet (CPU only); "
                                  "leave it out for a model on the GPU")
@@ -449,7 +447,9 @@ class DistributedDataParallel(torch.nn.Module):
             op = ReduceOp.AVG if self.algorithm.average else ReduceOp.SUM
             return _C.SharedStepAllreduceOp(self.buckets[bi].arena, int(op))
         clip = self.bucket_clip_norm
-        if fusion._kernel is not None and all(fusion._kernel_ok(s) for s in segs):
+        # On a device (or its emulation) the update is torch's, queued on the communication
+        # stream right after the bucket's op; the C++ kernels update host memory only.
+        if self._device_mode is None and fusion._kernel is not None and all(fusion._kernel_ok(s) for s in segs):
             op = _C.OptimizerStepOp()
             if clip is not None:
                 op.set_clip_norm(clip)
@@ -468,7 +468,7 @@ class DistributedDataParallel(torch.nn.Module):
                 _clip_bucket([s.grad for s in segs], clip)
             fusion.step_segments(segs)
 
-        return _C.python_bucket_op(step)
+        return step if self._device_mode is not None else _C.python_bucket_op(step)
 
     def _prepare_step_ops(self) -> None:
         """Before a backward's first bucket launches: hand the C++ updates this step's

@@ -11,7 +11,8 @@ but the CUDA calls is checked here:
   bit for bit (same blocks, seeds, accumulation order and division), on 3 ranks so that the
   average divides by a number that is not a power of two;
 * bucket rebuilds, unused parameters and no_sync through the engine; the refusals (algorithms
-  without a GPU path, overlap_optimizer, autotune); a peer that dies mid-backward makes the
+  without a GPU path, autotune); overlap_optimizer and a fused optimizer (the update queued after
+  each bucket's op); a peer that dies mid-backward makes the
   survivor's backward raise instead of hang.
 
 On a GPU (skipped elsewhere; RUMOR_EXPECT_GPU=1 makes them fail instead): the same comparisons
@@ -54,6 +55,9 @@ def _algorithm(name: str):
     import rumor.algorithms as A
 
     return {"allreduce": lambda: A.GradientAllReduce(),
+            "allreduce_overlap": lambda: A.GradientAllReduce(),
+            "allreduce_fused": lambda: A.GradientAllReduce(),
+            "bytegrad_overlap_clip": lambda: A.ByteGrad(hierarchical=False),
             "allreduce_sum": lambda: A.GradientAllReduce(average=False),
             "bytegrad": lambda: A.ByteGrad(hierarchical=False),
             "bytegrad_hier": lambda: A.ByteGrad(),
@@ -92,9 +96,16 @@ def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = Fal
             opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-2, freeze_step=2)
             alg = rumor.algorithms.OneBitAdam(opt, hierarchical=algo == "onebit_hier")
         else:
-            opt, alg = torch.optim.SGD(m.parameters(), lr=0.1), _algorithm(algo)
+            opt, alg = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), _algorithm(algo)
+        extra = {}
+        if "fused" in algo:
+            rumor.optim.fuse_optimizer(opt)
+        if "overlap" in algo:
+            extra["overlap_optimizer"] = True
+        if "clip" in algo:
+            extra["bucket_clip_norm"] = 0.05
         ddp = rumor.DistributedDataParallel(m, algorithm=alg, shared_buckets=False,
-                                            find_unused_parameters=unused, optimizer=opt, **SMALL_BUCKETS)
+                                            find_unused_parameters=unused, optimizer=opt, **extra, **SMALL_BUCKETS)
     finally:
         _gpu_engine.EMULATE = None
     if mode is not None:
@@ -103,7 +114,7 @@ def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = Fal
             assert ddp._engine.mode == "direct"
             avg = getattr(ddp.algorithm, "_device_avg", None)
             assert avg is None or avg.staged == (mode == "staged"), (mode, algo)
-        elif algo.startswith("powersgd"):
+        elif algo.startswith("powersgd") or "overlap" in algo or "fused" in algo:
             assert ddp._engine.mode == mode
         elif algo.startswith("dec"):  # local buckets; the weight mix is staged or not
             assert ddp.algorithm._device_mix.staged == (mode == "staged"), (mode, algo)
@@ -225,8 +236,6 @@ def refusals_rank():
     rumor.init()
     msgs = {}
     cases = {
-        "fused_optimizer": dict(fused=True),
-        "overlap_optimizer": dict(optimizer=None, overlap_optimizer=True),
         "onebit_staged": dict(onebit=True),
         "autotune": dict(autotune=True),
     }
@@ -235,12 +244,6 @@ def refusals_rank():
         mode = "direct"
         if "optimizer" in kw:
             kw = dict(kw, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
-        if kw.pop("fused", False):
-            from rumor.optim import fuse_optimizer
-
-            opt = torch.optim.SGD(m.parameters(), lr=0.1)
-            fuse_optimizer(opt)
-            kw = dict(kw, optimizer=opt)
         if kw.pop("onebit", False):  # 1-bit Adam's state lives on the device: no staged form
             opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-3, freeze_step=2)
             kw = dict(kw, optimizer=opt, algorithm=A.OneBitAdam(opt))
@@ -314,7 +317,9 @@ def test_emulated_engine_matches_the_cpp_engine(world):
 def test_emulated_engine_close_to_the_cpp_engine(world):
     cases = [(mode, algo) for mode in ("direct", "staged")
              for algo in ("dec_all", "dec_shift_one", "dec_exp2", "dec_hier")]
-    cases += [("direct", "powersgd"), ("direct", "powersgd_bf16"), ("staged", "powersgd")]
+    cases += [("direct", "powersgd"), ("direct", "powersgd_bf16"), ("staged", "powersgd"),
+              ("direct", "allreduce_overlap"), ("staged", "allreduce_overlap"), ("direct", "allreduce_fused"),
+              ("direct", "bytegrad_overlap_clip")]
     res = harness.run(close_rank, world, timeout=150, args=(cases,))
     problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
     assert not problems, "\n".join(problems)
@@ -330,8 +335,6 @@ def test_emulated_engine_no_sync():
 
 def test_refusals_name_what_has_no_gpu_path():
     (msgs,) = harness.run(refusals_rank, 1, timeout=60)
-    assert "fuse_optimizer is not supported for CUDA parameters" in msgs["fused_optimizer"], msgs
-    assert "overlap_optimizer=True is not supported for CUDA parameters" in msgs["overlap_optimizer"], msgs
     assert "autotune is not supported for CUDA parameters" in msgs["autotune"], msgs
     assert "OneBitAdam does not run on CUDA parameters yet" in msgs["onebit_staged"], msgs
 
