@@ -253,13 +253,21 @@ class Autotuner:
         self.layout = dict(world_size=len(hosts), hosts=len(per_host), local_size=max(per_host.values()))
         alg = ddp.algorithm
         self.knobs: List[str] = ["bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms"]
-        if hasattr(alg, "hierarchical") and self.layout["hosts"] > 1 and self.layout["local_size"] > 1:
+        # CUDA parameters (rumor._gpu_engine): only the buckets' layout is ours to tune there
+        # (NCCL picks its own algorithms, and device buckets live in no shared memory); each
+        # step's time is measured with the device synchronized (an event waited for with the
+        # deadline), since the host may run ahead of the GPU.
+        self.device = ddp._device_mode is not None
+        if self.device:
+            pass
+        elif hasattr(alg, "hierarchical") and self.layout["hosts"] > 1 and self.layout["local_size"] > 1:
             self.knobs.append("hierarchical")
-        if comm.size > 1 and comm.all_local and comm.uses_shm and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True):
+        if (not self.device and comm.size > 1 and comm.all_local and comm.uses_shm
+                and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True)):
             self.knobs.append("shared_buckets")
         from .algorithms import GradientAllReduce
 
-        if isinstance(alg, GradientAllReduce) and comm.size > 1:
+        if not self.device and isinstance(alg, GradientAllReduce) and comm.size > 1:
             self.knobs.append("small_allreduce_kb")
         self.default = self._current()
         space = dict(DEFAULT_SPACE, **(cfg.space or {}))
@@ -342,8 +350,10 @@ class Autotuner:
         sig = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(d._names, d._params))
         digest = hashlib.sha256(sig.encode()).hexdigest()[:16]
         lay = self.layout
+        # CUDA parameters run another engine: their best setting is theirs (CPU keys unchanged).
+        engine = f"|engine=device-{d._device_mode}" if self.device else ""
         return (f"model={digest}|world={lay['world_size']},hosts={lay['hosts']},local={lay['local_size']}"
-                f"|algorithm={type(d.algorithm).__name__}|knobs={','.join(self.knobs)}")
+                f"|algorithm={type(d.algorithm).__name__}|knobs={','.join(self.knobs)}{engine}")
 
     def _read_cache(self) -> Dict:
         try:
@@ -434,9 +444,22 @@ class Autotuner:
                 gaps[j] = (b - a) if a is not None and b is not None else 0.0
         self._gaps = gaps
 
+    def _settle_device(self) -> None:
+        """Waits until the GPU finished the work queued so far, so that host time is step time."""
+        params = self.ddp._params
+        if not params or params[0].device.type != "cuda":
+            return  # the emulation on CPU tensors: nothing runs ahead
+        from ._device import wait_event
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(params[0].device))
+        wait_event(ev, _runtime._get().timeout, "rumor autotune: the previous step on the GPU")
+
     def before_forward(self) -> None:
         if self.done:
             return
+        if self.device:
+            self._settle_device()
         now = time.perf_counter()
         self.forwards += 1
         if not self.ddp._rebuilt:

@@ -278,11 +278,6 @@ class DistributedDataParallel(torch.nn.Module):
             nccl = emulate == "direct"
         self._device_nccl = nccl  # algorithms' device tasks choose NCCL or staging by it
         name = type(self.algorithm).__name__
-        for refused, why in (((autotune or (autotune is None and _runtime._env_bool("RUMOR_AUTOTUNE", False))),
-                              "autotune"),):
-            if refused:
-                raise ValueError(f"{what}: {why} is not supported for CUDA parameters yet (CPU only); "
-                                 "leave it out for a model on the GPU")
         if self.algorithm.has_device_ops(self, nccl):
             return "direct"
         if self.algorithm.stages_through_host:

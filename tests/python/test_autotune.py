@@ -24,16 +24,18 @@ SPACE = {"bucket_cap_mb": [0.01, 0.05, 0.2, 1.0], "first_bucket_mb": [0.002, 0.0
 TUNE = dict(budget_steps=10, warm_steps=1, measure_steps=1, seed=3, space=SPACE, verbose=False)
 
 
-def _train_pair(cache_path, steps):
+def _train_pair(cache_path, steps, mode=None):
     import torch
 
     import rumor
-    from rumor import autotune
+    from rumor import _gpu_engine, autotune
     from rumor.testing import models
 
     torch.set_num_threads(1)
     rumor.init()
     rank = rumor.rank()
+    # mode: the engine of CUDA parameters, emulated on CPU ones (rumor._gpu_engine.EMULATE)
+    _gpu_engine.EMULATE = mode
 
     def run(tune):
         model = models.build("mlp25m", seed=1, scale=1 / 64, dtype=torch.float64)
@@ -153,6 +155,20 @@ def test_autotune_one_host_two_ranks():
         knobs = ["bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms", "shared_buckets", "small_allreduce_kb"]
         _check(res, knobs)
         _check_cache(path, knobs, 2, 1)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_autotune_on_the_device_engine(mode):
+    """CUDA parameters' engine (emulated on CPU): only the bucket layout is searched, with the
+    same agreement, correctness, budget and cache as above."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "autotune.json")
+        res = harness.run(_train_pair, 2, timeout=120, args=(path, 14, mode))
+        knobs = ["bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms"]
+        _check(res, knobs)
+        _check_cache(path, knobs, 2, 1)
+        with open(path) as f:
+            assert all(k.endswith(f"|engine=device-{mode}") for k in json.load(f)["entries"])
 
 
 def test_autotune_two_hosts_hierarchical_knob():

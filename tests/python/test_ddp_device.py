@@ -11,7 +11,7 @@ but the CUDA calls is checked here:
   bit for bit (same blocks, seeds, accumulation order and division), on 3 ranks so that the
   average divides by a number that is not a power of two;
 * bucket rebuilds, unused parameters and no_sync through the engine; the refusals (algorithms
-  without a GPU path, autotune); overlap_optimizer and a fused optimizer (the update queued after
+  without a GPU path); overlap_optimizer and a fused optimizer (the update queued after
   each bucket's op); a peer that dies mid-backward makes the
   survivor's backward raise instead of hang.
 
@@ -237,7 +237,6 @@ def refusals_rank():
     msgs = {}
     cases = {
         "onebit_staged": dict(onebit=True),
-        "autotune": dict(autotune=True),
     }
     for name, kw in cases.items():
         m = _model(1)
@@ -335,7 +334,6 @@ def test_emulated_engine_no_sync():
 
 def test_refusals_name_what_has_no_gpu_path():
     (msgs,) = harness.run(refusals_rank, 1, timeout=60)
-    assert "autotune is not supported for CUDA parameters" in msgs["autotune"], msgs
     assert "OneBitAdam does not run on CUDA parameters yet" in msgs["onebit_staged"], msgs
 
 
