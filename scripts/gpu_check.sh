@@ -5,11 +5,12 @@
 #
 # builds and installs rumor with its CUDA kernels (pip, --no-build-isolation --no-deps: no
 # network needed), builds and runs the C++ CUDA tests, runs the Python CUDA tests (codecs, and
-# CUDA tensors in the collectives over host staging and NCCL), and measures
-# the CUDA codecs (benchmarks/codecs.py --device cuda). With RUMOR_EXPECT_GPU=1 the tests fail
-# rather than skip when the GPU or the CUDA build is missing. Logs and the benchmark JSON go to
-# $OUT when set (the device machine's output folder), else to build/gpu-check. Every step runs
-# even if an earlier one failed; the summary at the end lists each, and the exit status is 1 if
+# CUDA tensors in the collectives over host staging and NCCL, DDP and windows on CUDA), and
+# measures the CUDA codecs (benchmarks/codecs.py --device cuda) and benchmarks/gpu.py (allreduce
+# vs torch.distributed NCCL, DDP samples/s vs torch DDP; GPU_BENCH_ARGS=--quick for a short
+# run). With RUMOR_EXPECT_GPU=1 the tests fail rather than skip when the GPU or the CUDA
+# build is missing. Logs and the benchmark JSON go to $OUT when set (the device machine's output
+# folder), else to build/gpu-check. Every step runs even if an earlier one failed; the summary at the end lists each, and the exit status is 1 if
 # any failed.
 #
 # Where the GPU machine lacks pytest or GoogleTest, prepare them here first (needs pip's index):
@@ -131,11 +132,17 @@ benchmark() {
   show "$PY" benchmarks/codecs.py --device cuda --out "$OUT_DIR/codecs_cuda.json"
 }
 
+gpu_benchmark() {
+  # allreduce vs torch.distributed NCCL and DDP samples/s vs torch DDP, one GPU (benchmarks/gpu.py)
+  show "$PY" benchmarks/gpu.py --require-gpu ${GPU_BENCH_ARGS:-} --out "$OUT_DIR/gpu.json"
+}
+
 step "environment" environment
 step "pip install (CUDA kernels required)" install
 step "C++ CUDA tests" cpp_tests
 step "Python CUDA tests" python_tests
 step "CUDA codec benchmark" benchmark
+step "GPU benchmark (allreduce, DDP)" gpu_benchmark
 
 echo
 echo "=== summary (logs in $OUT_DIR)"
