@@ -4,14 +4,15 @@
 #   bash scripts/gpu_check.sh
 #
 # builds and installs rumor with its CUDA kernels (pip, --no-build-isolation --no-deps: no
-# network needed), builds and runs the C++ CUDA tests, runs the Python CUDA tests (codecs, and
-# CUDA tensors in the collectives over host staging and NCCL, DDP and windows on CUDA), and
-# measures the CUDA codecs (benchmarks/codecs.py --device cuda) and benchmarks/gpu.py (allreduce
-# vs torch.distributed NCCL, DDP samples/s vs torch DDP; GPU_BENCH_ARGS=--quick for a short
-# run). With RUMOR_EXPECT_GPU=1 the tests fail rather than skip when the GPU or the CUDA
-# build is missing. Logs and the benchmark JSON go to $OUT when set (the device machine's output
-# folder), else to build/gpu-check. Every step runs even if an earlier one failed; the summary at the end lists each, and the exit status is 1 if
-# any failed.
+# network needed), builds and runs the C++ CUDA tests, runs the Python CUDA tests (codecs, CUDA
+# tensors in the collectives over host staging and NCCL, DDP and windows on CUDA), measures the
+# CUDA codecs (benchmarks/codecs.py --device cuda) and runs benchmarks/gpu.py (allreduce and DDP
+# training, rumor vs torch.distributed on the one GPU, --time-limit 420 s by default;
+# GPU_BENCH_ARGS=--quick for a short run). With RUMOR_EXPECT_GPU=1 (set here) the tests and the
+# GPU benchmark fail rather than skip when the GPU or the CUDA build is missing. Logs and the
+# benchmarks' JSON and PNG go to $OUT when set (the device machine's output folder), else to
+# build/gpu-check. Every step runs even if an earlier one failed; the summary at the end lists
+# each, and the exit status is 1 if any failed.
 #
 # Where the GPU machine lacks pytest or GoogleTest, prepare them here first (needs pip's index):
 #   bash scripts/gpu_check.sh --prepare
@@ -78,7 +79,7 @@ environment() {
   show "${CUDACXX:-nvcc}" --version
   show "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
     'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
-  for m in pytest numpy hypothesis matplotlib; do
+  for m in pytest numpy hypothesis matplotlib tqdm; do
     "$PY" -c "import $m" 2>/dev/null && echo "python module $m: yes" || echo "python module $m: MISSING"
   done
 }
@@ -133,8 +134,10 @@ benchmark() {
 }
 
 gpu_benchmark() {
-  # allreduce vs torch.distributed NCCL and DDP samples/s vs torch DDP, one GPU (benchmarks/gpu.py)
-  show "$PY" benchmarks/gpu.py --require-gpu ${GPU_BENCH_ARGS:-} --out "$OUT_DIR/gpu.json"
+  # allreduce: 1 rank over NCCL (rumor vs torch nccl), 2 ranks sharing the GPU over host staging
+  # (rumor vs torch gloo); DDP training of the standard models vs torch DDP; it bounds itself
+  # with --time-limit (420 s by default); GPU_BENCH_ARGS=--quick for a short run.
+  show "$PY" benchmarks/gpu.py ${GPU_BENCH_ARGS:-} --out "$OUT_DIR/gpu.json"
 }
 
 step "environment" environment
