@@ -196,6 +196,10 @@ class _State:
         self.timings = []
         self.stream = layer.new_stream()
         self.after: List = []  # per bucket: a callable run right after its op (overlap_optimizer)
+        self.pause = 0.002  # the worker's next pause between looks at launched buckets
+
+
+_MIN_PAUSE, _MAX_PAUSE = 0.002, 0.02  # the worker's pauses between looks at launched buckets
 
 
 def _worker(state: _State) -> None:
@@ -204,10 +208,13 @@ def _worker(state: _State) -> None:
         with state.cv:
             while not state.queue and not state.stop:
                 if state.watch and state.error is None:
-                    # Launched buckets to watch: look again soon (each look takes the GIL, so
-                    # not in a tight loop), or at once when a bucket comes.
-                    state.cv.wait(0.002)
+                    # Launched buckets to watch: look again soon, or at once when a bucket
+                    # comes. Each look takes the GIL from the training thread, so the pause
+                    # grows while nothing finishes (2 ms up to 20 ms: deadlines are seconds).
+                    state.cv.wait(state.pause)
+                    state.pause = min(state.pause * 2, _MAX_PAUSE)
                     break
+                state.pause = _MIN_PAUSE
                 state.cv.wait()
             if state.stop and not state.queue:
                 return
@@ -252,6 +259,7 @@ def _poll_watch(state: _State) -> None:
             check(what)
         if event.query():
             state.watch.popleft()
+            state.pause = _MIN_PAUSE
             continue
         if time.monotonic() > deadline:
             raise CommTimeoutError(f"{what}: not finished on the GPU within {state.timeout_fn():.1f} s (a peer "
