@@ -282,8 +282,9 @@ class DistributedDataParallel(torch.nn.Module):
             return "direct"
         if self.algorithm.stages_through_host:
             return "staged"
-        raise ValueError(f"{what}: {name} does not run on CUDA parameters yet; on the GPU use GradientAllReduce, "
-                         "ByteGrad, QSGD or LowPrecision (or keep this model on the CPU)")
+        raise ValueError(f"{what}: {name} does not run on CUDA parameters yet with this setup: its GPU form needs "
+                         "NCCL between the ranks (RUMOR_GPU_TRANSPORT=auto or nccl) and, across hosts, "
+                         "hierarchical=False; otherwise keep this model on the CPU")
 
     def _make_device_engine(self):
         from ._gpu_ops import HostTransport, NcclTransport
