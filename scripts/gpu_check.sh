@@ -11,8 +11,15 @@
 # GPU_BENCH_ARGS=--quick for a short run). With RUMOR_EXPECT_GPU=1 (set here) the tests and the
 # GPU benchmark fail rather than skip when the GPU or the CUDA build is missing. Logs and the
 # benchmarks' JSON and PNG go to $OUT when set (the device machine's output folder), else to
-# build/gpu-check. Every step runs even if an earlier one failed; the summary at the end lists
+# build/gpu-check. GPU_PYTEST_TIMEOUT, GPU_PLUGIN_TIMEOUT and GPU_CODECS_TIMEOUT bound those steps
+# (seconds) where the machine is lent for a short time. Every step runs even if an earlier one failed; the summary at the end lists
 # each, and the exit status is 1 if any failed.
+#
+# To spend less time on the GPU machine, build what does not need it elsewhere and point at it:
+#   RUMOR_GPU_TESTS_BIN=path/to/rumor_tests   a CUDA build of the C++ tests (-DRUMOR_CUDA=ON), run as is
+#   RUMOR_GPU_WHEEL=path/to/rumor-*.whl        a CUDA wheel for this Python, installed instead of building
+# A wheel built here is copied to $OUT (GPU_CHECK_KEEP_WHEEL=1) for the next run to reuse. CUDA code is
+# compiled for the GPU present (CUDAARCHS=native) unless CUDAARCHS says otherwise.
 #
 # Where the GPU machine lacks pytest or GoogleTest, prepare them here first (needs pip's index):
 #   bash scripts/gpu_check.sh --prepare
@@ -73,6 +80,7 @@ fi
 [ -d "$DEPS/py" ] && export PYTHONPATH="$PWD/$DEPS/py${PYTHONPATH:+:$PYTHONPATH}"
 export RUMOR_EXPECT_GPU=1
 export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
+command -v nvidia-smi >/dev/null 2>&1 && export CUDAARCHS=${CUDAARCHS:-native}
 
 environment() {
   command -v nvidia-smi >/dev/null 2>&1 && show nvidia-smi -L
@@ -85,11 +93,19 @@ environment() {
 }
 
 install() {
-  local args=(-m pip install --no-build-isolation --no-deps -C cmake.define.RUMOR_CUDA=ON
-    -C build-dir=build/gpu-wheel .)
-  if ! show "$PY" "${args[@]}" 2>&1 | tee "$OUT_DIR/pip.log"; then
+  local wheel=${RUMOR_GPU_WHEEL:-}
+  if [ -z "$wheel" ]; then
+    rm -rf build/gpu-wheel-out
+    show "$PY" -m pip wheel --no-build-isolation --no-deps -C cmake.define.RUMOR_CUDA=ON \
+      -C build-dir=build/gpu-wheel -w build/gpu-wheel-out . >build/gpu-pip-wheel.log 2>&1 ||
+      { tail -40 build/gpu-pip-wheel.log; return 1; }
+    wheel=$(ls build/gpu-wheel-out/rumor-*.whl)
+    [ "${GPU_CHECK_KEEP_WHEEL:-0}" = 1 ] && cp "$wheel" "$OUT_DIR/"
+  fi
+  local args=(-m pip install --no-deps --force-reinstall "$wheel")
+  if ! show "$PY" "${args[@]}" >build/gpu-pip.log 2>&1; then
     # A distribution's Python may refuse to install into itself (PEP 668).
-    grep -q externally-managed "$OUT_DIR/pip.log" || return 1
+    grep -q externally-managed build/gpu-pip.log || { cat build/gpu-pip.log; return 1; }
     show "$PY" "${args[@]}" --break-system-packages
   fi
   show "$PY" -c "import rumor._C as c, rumor.compression as C
@@ -98,6 +114,10 @@ assert C.cuda_available(), 'rumor cannot use the GPU'"
 }
 
 cpp_tests() {
+  if [ -n "${RUMOR_GPU_TESTS_BIN:-}" ]; then
+    show "$RUMOR_GPU_TESTS_BIN" --gtest_filter='Cuda*'
+    return
+  fi
   local dir=build/gpu-tests
   # RelWithDebInfo as scripts/test.sh: GCC 12 at -O3 raises a false -Wrestrict in tests/cpp/ranks.h.
   local cfg=(-S . -B "$dir" -G Ninja -DRUMOR_BUILD_PYTHON=OFF -DRUMOR_BUILD_TESTS=ON -DRUMOR_CUDA=ON
@@ -118,19 +138,28 @@ cpp_tests() {
 }
 
 python_tests() {
+  # Only what needs the GPU: the CPU-only cases of these files run in CI.
   # test_cuda_collectives.py: CUDA tensors in the collectives, host staging (2 ranks on one GPU)
   # and NCCL (a 1-rank group); it loads the real libnccl (RUMOR_NCCL_LIBRARY or torch's wheel).
-  # test_ddp_device.py: DistributedDataParallel on a CUDA model against the CPU (its emulated
-  # cases run too); test_window.py::test_windows_of_cuda_tensors: staged windows.
-  local files=(tests/python/test_cuda_codecs.py tests/python/test_cuda_collectives.py
-    tests/python/test_ddp_device.py tests/python/test_window.py::test_windows_of_cuda_tensors)
+  # test_ddp_device.py: DistributedDataParallel on a CUDA model, every algorithm, against the
+  # CPU; test_window.py: staged windows of CUDA tensors; test_nccl.py: the real libnccl.
+  local files=(tests/python/test_cuda_codecs.py tests/python/test_cuda_collectives.py tests/python/test_nccl.py
+    tests/python/test_ddp_device.py::test_cuda_model_matches_cpu
+    tests/python/test_window.py::test_windows_of_cuda_tensors)
+  local par=()
+  "$PY" -c "import xdist" 2>/dev/null && par=(-n "${GPU_TEST_WORKERS:-4}")
+  local rc=0
+  show timeout "${GPU_PYTEST_TIMEOUT:-1200}" "$PY" -m pytest "${files[@]}" "${par[@]}" -q -p no:cacheprovider -rs --tb=short || rc=1
   # test_compression.py also checks how CPU codecs treat CUDA tensors; it needs hypothesis.
-  "$PY" -c "import hypothesis" 2>/dev/null && files+=(tests/python/test_compression.py)
-  show "$PY" -m pytest "${files[@]}" -q -p no:cacheprovider -rs --tb=short
+  if "$PY" -c "import hypothesis" 2>/dev/null; then
+    show "$PY" -m pytest tests/python/test_compression.py -k "cuda or device" -q -p no:cacheprovider -rs \
+      --tb=short || rc=1
+  fi
+  return $rc
 }
 
 benchmark() {
-  show "$PY" benchmarks/codecs.py --device cuda --out "$OUT_DIR/codecs_cuda.json"
+  show timeout "${GPU_CODECS_TIMEOUT:-600}" "$PY" benchmarks/codecs.py --device cuda --out "$OUT_DIR/codecs_cuda.json"
 }
 
 gpu_benchmark() {
@@ -140,10 +169,16 @@ gpu_benchmark() {
   show "$PY" benchmarks/gpu.py ${GPU_BENCH_ARGS:-} --out "$OUT_DIR/gpu.json"
 }
 
+nccl_plugin() {
+  # Real NCCL through libnccl-net-rumor.so: two ranks as two NCCL hosts on the one GPU.
+  show timeout "${GPU_PLUGIN_TIMEOUT:-900}" "$PY" benchmarks/nccl_netplugin.py ${GPU_PLUGIN_ARGS:-} --out "$OUT_DIR/nccl_netplugin.json"
+}
+
 step "environment" environment
 step "pip install (CUDA kernels required)" install
 step "C++ CUDA tests" cpp_tests
 step "Python CUDA tests" python_tests
+step "NCCL through the net plugin" nccl_plugin
 step "CUDA codec benchmark" benchmark
 step "GPU benchmark (allreduce, DDP)" gpu_benchmark
 

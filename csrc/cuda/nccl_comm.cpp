@@ -115,6 +115,13 @@ abi::RedOp to_nccl(ReduceOp op) {
               "nccl: reduce op code " + std::to_string(static_cast<int>(op)) + " has no NCCL equivalent");
 }
 
+// The average of one rank is its input. NCCL 2.28.9's one-rank ncclAvg leaves the last element
+// of an odd-length out-of-place float64 call unwritten (seen on an H200, through rumor and through
+// cupy's own ncclAllReduce of 4099 doubles; even lengths, float32 and ncclSum were right).
+abi::RedOp to_nccl(ReduceOp op, int nranks) {
+  return op == ReduceOp::AVG && nranks == 1 ? abi::kSum : to_nccl(op);
+}
+
 NcclCommunicator::NcclCommunicator(std::shared_ptr<const NcclLibrary> lib, const UniqueIdBytes& id,
                                    int nranks, int rank, const std::function<void()>& bind_device,
                                    Deadline deadline, double timeout_s)
@@ -246,7 +253,7 @@ void NcclCommunicator::allreduce(uintptr_t send, uintptr_t recv, size_t count, D
   check_buffer(send, count, "send buffer", name);
   check_buffer(recv, count, "receive buffer", name);
   const abi::DataType t = to_nccl(dtype);
-  const abi::RedOp o = to_nccl(op);
+  const abi::RedOp o = to_nccl(op, nranks_);
   enqueue(name, [&](abi::Comm c) {
     return api_.all_reduce(reinterpret_cast<const void*>(send), reinterpret_cast<void*>(recv), count, t, o, c,
                            reinterpret_cast<abi::Stream>(stream));
@@ -278,7 +285,7 @@ void NcclCommunicator::reduce(uintptr_t send, uintptr_t recv, size_t count, DTyp
   check_buffer(send, count, "send buffer", name);
   if (rank_ == root) check_buffer(recv, count, "receive buffer", name);
   const abi::DataType t = to_nccl(dtype);
-  const abi::RedOp o = to_nccl(op);
+  const abi::RedOp o = to_nccl(op, nranks_);
   enqueue(name, [&](abi::Comm c) {
     return api_.reduce(reinterpret_cast<const void*>(send), reinterpret_cast<void*>(recv), count, t, o, root,
                        c, reinterpret_cast<abi::Stream>(stream));
@@ -307,7 +314,7 @@ void NcclCommunicator::reduce_scatter(uintptr_t send, uintptr_t recv, size_t rec
   if (recv_count > std::numeric_limits<size_t>::max() / static_cast<size_t>(nranks_))
     throw Error(ErrorKind::kInvalidArgument, who(name) + ": the scattered element count overflows");
   const abi::DataType t = to_nccl(dtype);
-  const abi::RedOp o = to_nccl(op);
+  const abi::RedOp o = to_nccl(op, nranks_);
   enqueue(name, [&](abi::Comm c) {
     return api_.reduce_scatter(reinterpret_cast<const void*>(send), reinterpret_cast<void*>(recv), recv_count,
                                t, o, c, reinterpret_cast<abi::Stream>(stream));

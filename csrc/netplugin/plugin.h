@@ -27,6 +27,9 @@ struct Config {
   // chunk costs a header and a wake-up of a stream thread, and four hosts' threads share the CPU.
   size_t chunk = 256 << 10;
   double timeout_s = 300;  // RUMOR_NET_PLUGIN_TIMEOUT: deadline of every setup step
+  // RUMOR_NET_PLUGIN_TRACE: log this many data-path events (connect, accept, isend, irecv,
+  // matches, completions) at NCCL's INFO level, for finding where a job stalls; 0 = none.
+  long trace_lines = 0;
 };
 
 // One network interface offered to NCCL as a device.
@@ -43,6 +46,8 @@ abi::Result init(abi::Logger logger);
 const Config& config();
 // Through NCCL's logger (stderr for warnings when init() got none).
 void log(abi::LogLevel level, const std::string& msg);
+// True while RUMOR_NET_PLUGIN_TRACE's budget of lines lasts (each true answer spends one).
+bool tracing();
 int device_count();
 const DeviceInfo& device(int dev);  // dev in [0, device_count())
 // NCCL keeps the name / PCI path pointers of getProperties(): these stay valid for the process.

@@ -27,7 +27,8 @@ constexpr int kMaxDevices = 16;
 struct State {
   Config cfg;
   std::vector<DeviceInfo> devices;
-  std::string error;  // why no device could be offered
+  std::string error;                 // why no device could be offered
+  std::atomic<long> trace_spent{0};  // lines of RUMOR_NET_PLUGIN_TRACE's budget used
 };
 
 std::atomic<abi::Logger> g_logger{nullptr};
@@ -116,6 +117,7 @@ void setup_once() {
                   << 10;
   st->cfg.timeout_s = static_cast<double>(
       env_long("RUMOR_NET_PLUGIN_TIMEOUT", static_cast<long>(defaults.timeout_s), 1, 86400));
+  st->cfg.trace_lines = env_long("RUMOR_NET_PLUGIN_TRACE", 0, 0, 1000000);
   const char* spec = std::getenv("RUMOR_NET_PLUGIN_IFNAME");
   const char* spec_from = "RUMOR_NET_PLUGIN_IFNAME";
   if (spec == nullptr || *spec == '\0')
@@ -163,6 +165,11 @@ abi::Result init(abi::Logger logger) {
 }
 
 const Config& config() { return g_state->cfg; }
+
+bool tracing() {
+  if (!g_state || g_state->cfg.trace_lines <= 0) return false;
+  return g_state->trace_spent.fetch_add(1, std::memory_order_relaxed) < g_state->cfg.trace_lines;
+}
 int device_count() { return g_state ? static_cast<int>(g_state->devices.size()) : 0; }
 const DeviceInfo& device(int dev) { return g_state->devices.at(static_cast<size_t>(dev)); }
 char* device_name_cstr(int dev) { return g_state->devices.at(static_cast<size_t>(dev)).name.data(); }

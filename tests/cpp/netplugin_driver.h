@@ -149,6 +149,14 @@ class Driver {
   }
   abi::Result test(void* req, int* done, int* sizes) { return net_->test(req, done, sizes); }
 
+  // What NCCL does once the GPU has consumed a completed receive (versions that have the call).
+  abi::Result consumed(void* recv_comm, int n, void* req) {
+    if constexpr (requires { net_->irecv_consumed; }) {
+      if (net_->irecv_consumed != nullptr) return net_->irecv_consumed(recv_comm, n, req);
+    }
+    return abi::kSuccess;
+  }
+
   // Loops connect() and accept() (neither blocks) until both ends exist or `seconds` pass.
   bool connect_pair(int dev, void** send_comm, void** recv_comm, void** listen_comm, double seconds = 20) {
     char handle[abi::kHandleMaxSize] = {};

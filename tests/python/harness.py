@@ -305,6 +305,9 @@ def _child_main(spec_path: str) -> None:
 
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
+    # A crash (SIGSEGV, SIGABRT, ...) prints every thread's Python stack into the rank's output,
+    # which a failed test shows.
+    faulthandler.enable(all_threads=True)
     if spec["dump_after"]:
         # Just before the parent's deadline, print every thread's stack and exit: a hung rank
         # then shows where it hung.

@@ -365,9 +365,39 @@ def _need_gpu():
         pytest.skip("needs a CUDA device and rumor built with its CUDA kernels")
 
 
+# Algorithms whose result moves by a whole quantization step (a sign, a level, a half-precision
+# ulp) where the device's float32 rounding moved a value across a boundary: compared by the
+# relative size of the difference, not element by element.
+_QUANTIZED = ("bytegrad", "qsgd", "fp16", "bf16", "lpdec", "onebit", "diloco_4bit", "streaming", "powersgd_bf16")
+
+# On one rank over NCCL every algorithm takes its device form; two ranks sharing the GPU stage
+# through host memory, where 1-bit Adam and LowPrecisionDecentralized are refused (NCCL only).
+GPU_ALGOS_NCCL = ["allreduce", "allreduce_sum", "bytegrad", "qsgd", "fp16", "bf16", "dec_all", "dec_shift_one",
+                  "dec_exp2", "localsgd", "lpdec", "diloco", "diloco_4bit", "streaming", "powersgd",
+                  "powersgd_bf16", "allreduce_overlap", "allreduce_fused", "onebit"]
+GPU_ALGOS_HOST = ["allreduce", "allreduce_sum", "bytegrad", "bytegrad_hier", "qsgd", "fp16", "bf16", "dec_all",
+                  "dec_shift_one", "dec_hier", "localsgd", "diloco", "diloco_4bit", "streaming", "powersgd",
+                  "allreduce_overlap", "allreduce_fused"]
+
+
+def _gpu_close(algo: str, a, b) -> str:
+    """'' when the CPU result a and the device result b agree, else how far apart they are."""
+    import torch
+
+    if a is None or b is None:
+        return "" if a is None and b is None else "one side has no gradient"
+    diff = float((a - b).abs().max())
+    if algo.startswith(_QUANTIZED):
+        rel = float((a - b).norm() / b.norm().clamp_min(1e-12))
+        return "" if rel <= 2e-2 or torch.allclose(a, b, rtol=1e-4, atol=1e-5) else f"relative |diff| {rel:.3g}"
+    # PowerSGD orthogonalizes on the device with torch's kernels: a few more rounding steps.
+    tol = dict(rtol=1e-3, atol=1e-4) if algo.startswith("powersgd") else dict(rtol=1e-4, atol=1e-5)
+    return "" if torch.allclose(a, b, **tol) else f"max |diff| {diff:.3g}"
+
+
 def gpu_rank(algos):
-    """The model on cuda:0 against the same model on the CPU with the C++ engine; the results
-    must agree to float32 rounding (the device's matmuls round differently from the CPU's)."""
+    """The model on cuda:0 against the same model on the CPU with the C++ engine: gradients and
+    parameters after every step, to float32 rounding (the device's matmuls round differently)."""
     import torch
 
     import rumor
@@ -376,24 +406,25 @@ def gpu_rank(algos):
     rumor.init()
     bad = []
     for algo in algos:
-        ref = _train(None, algo)
-        got = _train(None, algo, device="cuda")
+        try:
+            ref = _train(None, algo)
+            got = _train(None, algo, device="cuda")
+        except Exception as e:  # noqa: BLE001 - one algorithm's failure must not hide the others'
+            bad.append(f"{algo}: {type(e).__name__}: {e}")
+            continue
         for step, ((rg, rp), (gg, gp)) in enumerate(zip(ref, got)):
-            # A compressed gradient may land one quantization level away where the device's
-            # rounding moved a value across a level boundary.
-            tol = dict(rtol=1e-4, atol=1e-5) if algo.startswith("allreduce") else dict(rtol=2e-2, atol=2e-3)
-            for a, b in zip(rg + rp, gg + gp):
-                if not torch.allclose(a, b, **tol):
-                    bad.append(f"{algo} step {step}: max |diff| {float((a - b).abs().max()):.3g}")
-                    break
+            why = next((w for w in (_gpu_close(algo, a, b) for a, b in zip(rg + rp, gg + gp)) if w), "")
+            if why:
+                bad.append(f"{algo} step {step}: {why}")
+                break
     rumor.shutdown()
     return bad
 
 
-@pytest.mark.parametrize("transport,world", [("nccl", 1), ("host", 2), ("auto", 2)])
-def test_cuda_model_matches_cpu(transport, world):
+@pytest.mark.parametrize("transport,world,algos", [("nccl", 1, GPU_ALGOS_NCCL), ("host", 2, GPU_ALGOS_HOST),
+                                                    ("auto", 2, ["allreduce", "bytegrad", "dec_shift_one"])])
+def test_cuda_model_matches_cpu(transport, world, algos):
     _need_gpu()
-    algos = ["allreduce", "bytegrad", "fp16"] if world > 1 else ["allreduce", "bytegrad"]
-    res = harness.run(gpu_rank, world, timeout=240, args=(algos,), env={"RUMOR_GPU_TRANSPORT": transport})
+    res = harness.run(gpu_rank, world, timeout=300, args=(algos,), env={"RUMOR_GPU_TRANSPORT": transport})
     problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
     assert not problems, "\n".join(problems)
