@@ -5,7 +5,9 @@
 #
 # builds and installs rumor with its CUDA kernels (pip, --no-build-isolation --no-deps: no
 # network needed), builds and runs the C++ CUDA tests, runs the Python CUDA tests (codecs, CUDA
-# tensors in the collectives over host staging and NCCL, DDP and windows on CUDA), measures the
+# tensors in the collectives over host staging and NCCL, DDP and windows on CUDA), reruns the
+# killed-peer test with native backtraces (scripts/debug/), runs real NCCL through the net plugin
+# (benchmarks/nccl_netplugin.py), measures the
 # CUDA codecs (benchmarks/codecs.py --device cuda) and runs benchmarks/gpu.py (allreduce and DDP
 # training, rumor vs torch.distributed on the one GPU, --time-limit 420 s by default;
 # GPU_BENCH_ARGS=--quick for a short run). With RUMOR_EXPECT_GPU=1 (set here) the tests and the
@@ -169,6 +171,18 @@ gpu_benchmark() {
   show "$PY" benchmarks/gpu.py ${GPU_BENCH_ARGS:-} --out "$OUT_DIR/gpu.json"
 }
 
+crash_probe() {
+  # A rank whose peer exited segfaulted in its next allreduce on the first GPU machine (docs/gpu.md):
+  # the same test with native backtraces (scripts/debug/), printed whole.
+  rm -f /tmp/segv-*.txt
+  cc -shared -fPIC -O1 -o /tmp/rumor-segv.so scripts/debug/segv_backtrace.c || return 1
+  local rc=0
+  show env LD_PRELOAD=/tmp/rumor-segv.so timeout 120 "$PY" -m pytest -q -p no:cacheprovider --tb=line \
+    tests/python/test_cuda_collectives.py -k killed_peer || rc=1
+  "$PY" scripts/debug/segv_report.py
+  return $rc
+}
+
 nccl_plugin() {
   # Real NCCL through libnccl-net-rumor.so: two ranks as two NCCL hosts on the one GPU.
   show timeout "${GPU_PLUGIN_TIMEOUT:-900}" "$PY" benchmarks/nccl_netplugin.py ${GPU_PLUGIN_ARGS:-} --out "$OUT_DIR/nccl_netplugin.json"
@@ -178,6 +192,7 @@ step "environment" environment
 step "pip install (CUDA kernels required)" install
 step "C++ CUDA tests" cpp_tests
 step "Python CUDA tests" python_tests
+step "a peer that exits (native backtraces on a crash)" crash_probe
 step "NCCL through the net plugin" nccl_plugin
 step "CUDA codec benchmark" benchmark
 step "GPU benchmark (allreduce, DDP)" gpu_benchmark
