@@ -89,6 +89,9 @@ environment() {
   show "${CUDACXX:-nvcc}" --version
   show "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
     'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+  # The build uses this machine's own pybind11 and scikit-build-core (--no-build-isolation).
+  "$PY" -m pip list 2>/dev/null | grep -iE "^(pybind11|scikit.build.core|cmake|ninja|numpy) " || true
+  show cc --version
   for m in pytest numpy hypothesis matplotlib tqdm; do
     "$PY" -c "import $m" 2>/dev/null && echo "python module $m: yes" || echo "python module $m: MISSING"
   done

@@ -486,13 +486,23 @@ def rank_pending_then_abort(workdir):
         # ranks 1 and 2 keep training meanwhile: these are weight rounds rank 0 sits out
         _until(lambda: alg._ticks >= ticks + 4, lambda: time.sleep(0.005), what="rounds sat out")
         out["sat_out"] = alg._ticks - ticks
+        # Rank 0's ticks are its own clock: on a loaded machine the others may not have applied
+        # the last round it took part in yet. They say when they hold the mean.
+        others = [os.path.join(workdir, f"mean{r}") for r in range(1, rumor.size())]
+        _until(lambda: all(os.path.exists(f) for f in others), lambda: time.sleep(0.005),
+               what="the other ranks at the mean")
         open(os.path.join(workdir, "done"), "w").close()
         out["unchanged_before_forward"] = torch.equal(_flat(model), torch.full_like(target, 1.0))
         _step(ddp, opt, 0, rank)
         out["applied"] = alg.applied
     else:
-        _until(lambda: os.path.exists(os.path.join(workdir, "done")),
-               lambda: (_step(ddp, opt, 0, rank), time.sleep(0.005)), what="rank 0 done")
+        def step():
+            _step(ddp, opt, 0, rank)
+            if torch.equal(_flat(model), target):  # later rounds, without rank 0, keep it there
+                open(os.path.join(workdir, f"mean{rank}"), "a").close()
+            time.sleep(0.005)
+
+        _until(lambda: os.path.exists(os.path.join(workdir, "done")), step, what="rank 0 done")
     out["mean"] = torch.equal(_flat(model), target)
     alg.finish()
     out["after"] = torch.equal(_flat(model), target)
