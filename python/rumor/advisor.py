@@ -139,7 +139,10 @@ def _default_loss(model, batch):
     return torch.nn.functional.cross_entropy(out, y.reshape(-1))
 
 
-def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
+def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int,
+                     sync: Optional[Callable[[], None]] = None):
+    """sync (untimed) before every step starts the ranks' steps together, as a wrapper that
+    synchronizes every step does: their spread then is the wait such a step pays."""
     params = [p for p in model.parameters() if p.requires_grad]
     ready = {}
     t_bwd = [0.0]
@@ -157,6 +160,8 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int):
         for s in range(warmup + steps):
             optimizer.zero_grad(set_to_none=False)
             ready.clear()
+            if sync is not None:
+                sync()
             c0 = time.process_time()
             t0 = time.perf_counter()
             loss = loss_fn(model, batch)
@@ -916,7 +921,7 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
     Advice back.
     """
     from . import _runtime
-    from .collectives import ReduceOp, allreduce, broadcast_
+    from .collectives import ReduceOp, allreduce, barrier, broadcast_
 
     what = "rumor.advise"
     if not _runtime.is_initialized():
@@ -950,8 +955,8 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         loss_fn(model, sample_batch).backward()
 
     try:
-        params, fwd, bwd, opt_s, ready, first, share, totals = _measure_compute(model, optimizer, sample_batch,
-                                                                                loss_fn, steps, warmup)
+        params, fwd, bwd, opt_s, ready, first, share, totals = _measure_compute(
+            model, optimizer, sample_batch, loss_fn, steps, warmup, sync=barrier if st.env.size > 1 else None)
         # The slowest rank's compute; rank 0's ready times (the wrapper's buckets follow its order).
         comp = allreduce(torch.tensor([fwd, bwd, opt_s, -share, statistics.median(totals)] + totals,
                                       dtype=torch.float64), op=ReduceOp.MAX)

@@ -591,3 +591,29 @@ def test_per_step_synchronization_waits_for_the_slowest_rank():
     assert {r["kind"] for r in r0.values()} >= {"exact", "compressed", "decentralized", "periodic", "async"}
     assert predict_torch(slow, None, inter)["predicted_step_s"] == pytest.approx(
         predict_torch(base, None, inter)["predicted_step_s"] + 0.05, rel=REL)
+
+
+def test_compute_steps_start_after_the_sync():
+    """Each measured or warm-up compute step starts after sync() (advise passes a barrier, so
+    the ranks' steps start together as a wrapper that synchronizes every step makes them), and
+    sync's own time is not counted in the step."""
+    import time
+
+    import torch
+
+    from rumor.advisor import _default_loss, _measure_compute
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(3, 4), torch.tensor([0, 1, 0]))
+    calls = []
+
+    def sync():
+        calls.append(1)
+        time.sleep(0.25)
+
+    res = _measure_compute(model, opt, batch, _default_loss, steps=3, warmup=2, sync=sync)
+    totals = res[-1]
+    assert len(calls) == 5 and len(totals) == 3
+    assert max(totals) < 0.25, totals  # the 250 ms in sync() are outside every step's time
