@@ -84,8 +84,10 @@ struct ChunkHeader {
 static_assert(sizeof(ChunkHeader) == 40);
 
 // RUMOR_NET_PLUGIN_TRACE: one INFO line per data-path event while its budget lasts.
-void trace(const std::string& msg) {
-  if (tracing()) log(abi::kLogInfo, "NET/rumor trace: " + msg);
+// The message is built only when it will be logged: the calls sit on the data path (every chunk).
+template <typename Msg>
+void trace(Msg&& msg) {
+  if (tracing()) log(abi::kLogInfo, "NET/rumor trace: " + msg());
 }
 
 std::string ptr_str(const void* p) {
@@ -228,7 +230,7 @@ class CommBase {
       return abi::kInvalidUsage;
     }
     *done = 1;
-    trace("test done req " + ptr_str(r));
+    trace([&] { return "test done req " + ptr_str(r); });
     if (sizes != nullptr)
       for (int i = 0; i < r->n; ++i) sizes[i] = static_cast<int>(r->sizes[static_cast<size_t>(i)]);
     requests_.erase(it);
@@ -326,9 +328,11 @@ class SendComm : public CommBase {
     Request* r = new_request(Request::Kind::kSend);
     r->sizes[0] = size;
     r->chunks_left = size == 0 ? 1 : (size + chunk_ - 1) / chunk_;
-    trace("isend comm " + ptr_str(this) + " seq " + std::to_string(next_seq_) + " size " +
-          std::to_string(size) + " tag " + std::to_string(tag) + " req " + ptr_str(r) +
-          (failed_ ? " (comm failed)" : ""));
+    trace([&] {
+      return "isend comm " + ptr_str(this) + " seq " + std::to_string(next_seq_) + " size " +
+             std::to_string(size) + " tag " + std::to_string(tag) + " req " + ptr_str(r) +
+             (failed_ ? " (comm failed)" : "");
+    });
     if (!failed_) {
       queue_.push_back({r, next_seq_++, data, size, 0, tag});
       cv_.notify_all();
@@ -383,7 +387,9 @@ class SendComm : public CommBase {
       // read everything and exited; a later chunk, if any, fails the request).
       if (--req->chunks_left == 0) {
         req->done = true;
-        trace("sent comm " + ptr_str(this) + " seq " + std::to_string(h.seq) + " req " + ptr_str(req));
+        trace([&] {
+          return "sent comm " + ptr_str(this) + " seq " + std::to_string(h.seq) + " req " + ptr_str(req);
+        });
       }
       if (stop_ || failed_) break;
     }
@@ -474,9 +480,11 @@ class RecvComm : public CommBase {
           r->truncation = "message truncated: " + std::to_string(h.total) + " bytes sent with tag " +
                           std::to_string(h.tag) + " into a " + std::to_string(r->caps[i]) + "-byte buffer";
         inflight_.emplace(h.seq, InFlight{r, i, h.total, 0, discard});
-        trace("matched comm " + ptr_str(this) + " seq " + std::to_string(h.seq) + " (" +
-              std::to_string(h.total) + " B tag " + std::to_string(h.tag) + ") to req " + ptr_str(r) +
-              " slot " + std::to_string(i));
+        trace([&] {
+          return "matched comm " + ptr_str(this) + " seq " + std::to_string(h.seq) + " (" +
+                 std::to_string(h.total) + " B tag " + std::to_string(h.tag) + ") to req " + ptr_str(r) +
+                 " slot " + std::to_string(i);
+        });
         if (++r->matched_count == r->n) posted_.erase(it);
         ++next_match_;
         cv_.notify_all();
@@ -515,9 +523,11 @@ class RecvComm : public CommBase {
         break;
       }
       char* dest = nullptr;
-      trace("chunk header comm " + ptr_str(this) + " stream " + std::to_string(s) + " seq " +
-            std::to_string(h.seq) + " offset " + std::to_string(h.offset) + " len " + std::to_string(h.len) +
-            " of " + std::to_string(h.total));
+      trace([&] {
+        return "chunk header comm " + ptr_str(this) + " stream " + std::to_string(s) + " seq " +
+               std::to_string(h.seq) + " offset " + std::to_string(h.offset) + " len " +
+               std::to_string(h.len) + " of " + std::to_string(h.total);
+      });
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] {
@@ -554,7 +564,9 @@ class RecvComm : public CommBase {
       m.received += h.len;
       if (m.received == m.total) {
         Request* r = m.req;
-        trace("received comm " + ptr_str(this) + " seq " + std::to_string(h.seq) + " req " + ptr_str(r));
+        trace([&] {
+          return "received comm " + ptr_str(this) + " seq " + std::to_string(h.seq) + " req " + ptr_str(r);
+        });
         inflight_.erase(it);
         if (++r->done_count == r->n) r->done = true;
       }
@@ -715,7 +727,9 @@ class ListenComm {
           g.fds[h.stream] = std::move(it->fd);
           if (++g.have == static_cast<int>(g.fds.size())) {
             auto comm = std::make_unique<RecvComm>(std::move(g.fds));
-            trace("accepted recv comm " + ptr_str(comm.get()) + " on listener " + ptr_str(this));
+            trace([&] {
+              return "accepted recv comm " + ptr_str(comm.get()) + " on listener " + ptr_str(this);
+            });
             groups_.erase(h.conn_id);
             incoming_.erase(it);
             deadline_.reset();
@@ -783,7 +797,7 @@ abi::Result listen(int dev, void* handle, void** listen_comm) {
     h.port = static_cast<uint16_t>(port);
     h.listen_id = random_id();
     auto comm = std::make_unique<ListenComm>(std::move(fd), h.listen_id);
-    trace("listener " + ptr_str(comm.get()) + " on " + d.ip + ":" + std::to_string(h.port));
+    trace([&] { return "listener " + ptr_str(comm.get()) + " on " + d.ip + ":" + std::to_string(h.port); });
     std::memset(handle, 0, abi::kHandleMaxSize);
     std::memcpy(handle, &h, sizeof(h));
     *listen_comm = comm.release();  // owned by NCCL until closeListen
@@ -815,7 +829,7 @@ abi::Result connect(int dev, void* handle, void** send_comm) {
     return abi::kSuccess;
   }
   auto comm = std::make_unique<SendComm>(st->take_fds());
-  trace("connected send comm " + ptr_str(comm.get()));
+  trace([&] { return "connected send comm " + ptr_str(comm.get()); });
   *send_comm = comm.release();  // owned by NCCL until closeSend
   return abi::kSuccess;
 }
