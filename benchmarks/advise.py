@@ -10,11 +10,14 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
      steps (the link-bound model of benchmarks/training.py, fed by what the advisor measured);
   2. every algorithm of that table (built from its row by rumor.advisor.build_algorithm, with
      PowerSGD compressing from the first measured step) and torch DDP (gloo) are trained for
-     --warmup + --iters steps: zero_grad, forward, cross-entropy, backward, step, each timed
-     from the start of a gloo barrier before it (so a step's communication still running after
-     step(), as LowPrecisionDecentralized's exchange, counts where it delays the next step, the
-     barrier included: its messages queue behind that traffic on a shaped link); the measured
-     step is the slowest rank's median, or for the periodic algorithms
+     --warmup + --iters steps: zero_grad, forward, cross-entropy, backward, step, after a gloo
+     barrier. A step's time is its slowest rank's, from the barrier's return to the end of
+     step(), as in benchmarks/training.py, plus that barrier's own time on the last rank to
+     reach it (so a step's communication still running after step(), as
+     LowPrecisionDecentralized's exchange, counts where it delays the barrier: its messages
+     queue behind that traffic on a shaped link). Timing from the barrier's start instead would
+     count the spread of the step before twice, once in its slowest rank and again in the
+     others' wait. The measured step is the median of those, or for the periodic algorithms
      (LocalSGD, DiLoCo, Streaming DiLoCo) its mean over whole rounds (--iters rounded up to a
      multiple of the round: 8 or 32 steps), so that every round's averaging is counted.
      AsyncModelAverage and the periodic algorithms run without the barrier (training itself
@@ -95,24 +98,31 @@ def _spans_steps(row: Optional[Dict]) -> bool:
 
 
 def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True, plain=None):
-    """Seconds of each step after the first `warmup`, from the start of the gloo barrier before
-    it to the end of optimizer.step(). ``barrier=False`` (asynchronous algorithms): no barrier,
-    the ranks run at their own pace and a step is timed from the end of the one before.
+    """Seconds of each step after the first `warmup`. With the barrier: from the barrier's return
+    to the end of optimizer.step(), and the barrier's own time as a second list (the caller
+    takes each step's slowest rank plus the shortest barrier, the one the last rank to arrive
+    waited: the barrier's latency and any traffic it queued behind, without the spread of the
+    step before, which that step's slowest rank already counted). ``barrier=False``
+    (asynchronous algorithms): no barrier, the ranks run at their own pace and a step is timed
+    from the end of the one before. Returns dict(step=..., barrier=..., plain=...).
 
     plain: (model, optimizer) of the unwrapped model; after each measured step it takes one step
-    of its own, timed apart: the compute-only step under the load of that moment (returned as a
-    second list). Only for algorithms whose communication has ended when step() returns."""
+    of its own, timed apart: the compute-only step under the load of that moment ("plain"). Only for algorithms whose communication has ended when step() returns."""
     import torch.distributed as dist
 
     from rumor.testing import models
 
-    out, ref = [], []
+    out, bar, ref = [], [], []
     t = time.perf_counter()
     for i in range(warmup + steps):
         x, y = data[i % len(data)]
         if barrier:
             t = time.perf_counter()
             dist.barrier()
+            b = time.perf_counter()
+            if i >= warmup:
+                bar.append(b - t)
+            t = b
         opt.zero_grad()
         models.loss(model(x), y).backward()
         opt.step()
@@ -125,7 +135,7 @@ def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True
                 plain[1].step()
                 ref.append(time.perf_counter() - t)
         t = time.perf_counter()
-    return (out, ref) if plain is not None else out
+    return dict(step=out, barrier=bar, plain=ref)
 
 
 def _train(cfg: Dict, rank: int, n: int) -> None:
@@ -155,6 +165,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     del model, opt
     times: Dict[str, List[float]] = {}
     ref: Dict[str, List[float]] = {}
+    bars: Dict[str, List[float]] = {}  # each step's barrier, per barriered algorithm
     rows = [r for r in advice.rows if r["algorithm"] not in SKIP and (not cfg.get("only") or r["algorithm"] in cfg["only"])]
     for row in rows + [None]:
         alg = "torch DDP" if row is None else row["algorithm"]
@@ -172,7 +183,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             plain = (twin, torch.optim.SGD(twin.parameters(), lr=cfg["lr"], momentum=0.9))
             del twin
         else:
-            ref[alg] = _timed_steps(model, opt, data, 0, cfg["ref_iters"])
+            before = _timed_steps(model, opt, data, 0, cfg["ref_iters"])
+            ref[alg] = before["step"]
         algo = None
         if row is None:
             wrapped = TorchDDP(model)
@@ -190,11 +202,12 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         asynchronous = _unbarriered(row)
         if asynchronous:
             dist.barrier()
+        got = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous, plain=plain)
+        times[alg] = got["step"]
+        if not asynchronous:
+            bars[alg] = got["barrier"]
         if interleave:
-            times[alg], ref[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous,
-                                                plain=plain)
-        else:
-            times[alg] = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous)
+            ref[alg] = got["plain"]
         if hasattr(algo, "finish"):  # AsyncModelAverage: every rank ends its averaging
             algo.finish()
         if rank == 0:
@@ -203,6 +216,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         gc.collect()
     per_rank = _common.gather_samples(times)
     per_rank_ref = _common.gather_samples(ref)
+    per_rank_bar = _common.gather_samples(bars)
     if rank == 0:
         cell = dict(model=name, n=n, batch=batch, advise_s=advise_s, measured_inputs=advice.measured,
                     predicted={r["algorithm"]: r["predicted_step_s"] for r in advice.rows},
@@ -212,7 +226,11 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         unsync = {r["algorithm"] for r in advice.rows if _unbarriered(r)}
         spanning = {r["algorithm"] for r in advice.rows if _spans_steps(r)}
         for alg in times:
-            steps = [max(per_rank[alg][r][i] for r in range(n)) for i in range(len(times[alg]))]
+            # A step starts together on every rank (the barrier's return) and ends with its
+            # slowest rank; the barrier itself costs what the last rank to reach it waited.
+            steps = [max(per_rank[alg][r][i] for r in range(n))
+                     + (min(per_rank_bar[alg][r][i] for r in range(n)) if alg in bars else 0.0)
+                     for i in range(len(times[alg]))]
             # per-step algorithms: the median step; periodic ones: the mean over whole rounds
             per = periods.get(alg, 1)
             comp = [max(per_rank_ref[alg][r][i] for r in range(n)) for i in range(len(ref[alg]))]

@@ -6,7 +6,7 @@
 // then quantize), the second time mostly from L2. The reductions cannot be split further without
 // changing the CPU's summation order, so a chunk is never spread over more than a warp: with the
 // default 1024-element chunks any large tensor still fills the GPU. The casts are one element per
-// thread.
+// thread and grid stride; decodes read several codes before they write (codec_ops.cuh).
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -116,9 +116,8 @@ __global__ void __launch_bounds__(kThreads) chunk_decode_kernel(Op op, size_t co
 template <DType D, bool Acc, bool Bf>
 __global__ void __launch_bounds__(kThreads)
     cast_decode_kernel(const std::byte* codes, void* out, size_t count) {
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride)
-    cast_decode_one<D, Acc, Bf>(codes, out, i);
+  cast_decode_strided<D, Acc, Bf>(codes, out, static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                                  count, static_cast<size_t>(gridDim.x) * blockDim.x);
 }
 
 // ---------------------------------------------------------------------------------------------

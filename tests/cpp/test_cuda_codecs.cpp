@@ -274,11 +274,14 @@ void emulate_decode(const CodecParams& p, const std::vector<std::byte>& buf, siz
   compress::detail::by_float_dtype(t, [&]<DType D>() {
     auto run = [&]<bool Acc>() {
       if (p.kind == Kind::kF16 || p.kind == Kind::kBF16) {
-        for (size_t i = 0; i < n; ++i) {
+        // A grid of kGridThreads threads striding over the elements, as the cast kernel's loop
+        // (several strides per thread, so that its batches and their ragged end are covered).
+        constexpr size_t kGridThreads = 5;
+        for (size_t first = 0; first < kGridThreads; ++first) {
           if (p.kind == Kind::kF16) {
-            ops::cast_decode_one<D, Acc, false>(body, out, i);
+            ops::cast_decode_strided<D, Acc, false>(body, out, first, n, kGridThreads);
           } else {
-            ops::cast_decode_one<D, Acc, true>(body, out, i);
+            ops::cast_decode_strided<D, Acc, true>(body, out, first, n, kGridThreads);
           }
         }
         return;
@@ -541,12 +544,10 @@ TEST(CudaCodecOps, SignallingNanComesOutQuietOnEveryPath) {
       }
       std::vector<std::byte> out(dtype_size(t) * n);
       compress::detail::by_float_dtype(t, [&]<DType D>() {
-        for (size_t i = 0; i < n; ++i) {
-          if (bf) {
-            ops::cast_decode_one<D, false, true>(code_bytes.data(), out.data(), i);
-          } else {
-            ops::cast_decode_one<D, false, false>(code_bytes.data(), out.data(), i);
-          }
+        if (bf) {
+          ops::cast_decode_strided<D, false, true>(code_bytes.data(), out.data(), 0, n, 1);
+        } else {
+          ops::cast_decode_strided<D, false, false>(code_bytes.data(), out.data(), 0, n, 1);
         }
       });
       EXPECT_EQ(unpack_bits(t, out.data(), n), want_out)
