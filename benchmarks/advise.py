@@ -9,17 +9,20 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
   1. every rank calls rumor.advise(model, SGD(momentum 0.9), its batch): the table of predicted
      steps (the link-bound model of benchmarks/training.py, fed by what the advisor measured);
   2. every algorithm of that table (built from its row by rumor.advisor.build_algorithm, with
-     PowerSGD compressing from the first measured step) and torch DDP (gloo) are trained for
-     --warmup + --iters steps: zero_grad, forward, cross-entropy, backward, step, after a gloo
-     barrier. A step's time is its slowest rank's, from the barrier's return to the end of
+     PowerSGD compressing from the first measured step) and torch DDP (gloo) are trained in
+     --rounds visits each, the order rotated every round so that the machine's slow and fast
+     minutes fall on all of them (this VM's compute step moved by a third between the blocks
+     of one run when each algorithm ran once, in one block). A visit builds its wrapper afresh
+     and trains --warmup steps, then ceil(--iters / --rounds) measured ones: zero_grad,
+     forward, cross-entropy, backward, step, after a gloo barrier. A step's time is its slowest rank's, from the barrier's return to the end of
      step(), as in benchmarks/training.py, plus that barrier's own time on the last rank to
      reach it (so a step's communication still running after step(), as
      LowPrecisionDecentralized's exchange, counts where it delays the barrier: its messages
      queue behind that traffic on a shaped link). Timing from the barrier's start instead would
      count the spread of the step before twice, once in its slowest rank and again in the
      others' wait. The measured step is the median of those, or for the periodic algorithms
-     (LocalSGD, DiLoCo, Streaming DiLoCo) its mean over whole rounds (--iters rounded up to a
-     multiple of the round: 8 or 32 steps), so that every round's averaging is counted.
+     (LocalSGD, DiLoCo, Streaming DiLoCo) its mean over whole rounds (each visit's steps rounded
+     up to a multiple of the round: 8 or 32 steps), so that every round's averaging is counted.
      AsyncModelAverage and the periodic algorithms run without the barrier (training itself
      has none): AsyncModelAverage's and StreamingDiLoCo's averaging runs in the background
      across steps, where the barrier's messages would wait behind its traffic on the shaped
@@ -28,7 +31,7 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
      (over whole rounds).
      After each measured step, every rank also takes one step of a plain copy of the model,
      timed apart: the compute-only step under the load of that moment (for the algorithms
-     whose traffic runs into the next step, --ref-iters plain steps before the block instead).
+     whose traffic runs into the next step, --ref-iters plain steps before each visit instead).
 
 Checks printed per (rate, model), from one run: the advisor's top-ranked algorithm measures
 within 10% of the fastest measured one (target), and every algorithm's predicted step is within
@@ -143,12 +146,72 @@ def _train(cfg: Dict, rank: int, n: int) -> None:
         _run_model(cfg, name, rank, n)
 
 
-def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
+def _visit(cfg: Dict, name: str, row: Optional[Dict], data, times: Dict, ref: Dict, bars: Dict, iters: int) -> None:
+    """One visit of an algorithm (row None: torch DDP): a fresh model, optimizer and wrapper,
+    --warmup steps, then `iters` measured steps (whole rounds for the periodic algorithms),
+    appended to times / ref / bars under its name."""
     import gc
 
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import rumor
+    from rumor.testing import models
+
+    alg = "torch DDP" if row is None else row["algorithm"]
+    model = models.build(name, seed=cfg["seed"])
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    # The compute-only step (the plain model, no communication): the bound, and the
+    # yardstick for the load of a shared machine. Taken after each measured step, so that
+    # it sees the load of that moment, where the algorithm's traffic has ended when step()
+    # returns; else (traffic running into the next step would slow the yardstick and hide
+    # under it) --ref-iters steps right before the visit.
+    interleave = not _spans_steps(row)
+    plain = None
+    if interleave:
+        twin = models.build(name, seed=cfg["seed"])
+        plain = (twin, torch.optim.SGD(twin.parameters(), lr=cfg["lr"], momentum=0.9))
+        del twin
+    else:
+        ref.setdefault(alg, []).extend(_timed_steps(model, opt, data, 0, cfg["ref_iters"])["step"])
+    algo = None
+    if row is None:
+        wrapped = TorchDDP(model)
+    else:
+        algo = _build(row, cfg)
+        wrapped = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=algo)
+    # Periodic algorithms are measured over whole rounds (every round's averaging counted).
+    period = row["period"] if row is not None else 1
+    measured = iters if period == 1 else period * -(-iters // period)
+    # Algorithms that average in the background across steps run without the per-step
+    # barrier: on a shaped link the barrier's messages queue behind that traffic (measured
+    # at 100 Mbit, cnn: +55 ms a step for AsyncModelAverage with the barrier, +15 ms
+    # without; a plain step: +10 ms; 1 Gbit, mlp25m: StreamingDiLoCo 50-75 ms a step over
+    # its compute-only step with the barrier, 15-45 ms in a loop without one).
+    asynchronous = _unbarriered(row)
+    if asynchronous:
+        dist.barrier()
+    got = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous, plain=plain)
+    times.setdefault(alg, []).extend(got["step"])
+    if not asynchronous:
+        bars.setdefault(alg, []).extend(got["barrier"])
+    if interleave:
+        ref.setdefault(alg, []).extend(got["plain"])
+    if hasattr(algo, "finish"):  # AsyncModelAverage: every rank ends its averaging
+        algo.finish()
+    if asynchronous:
+        dist.barrier()  # the next visit starts together
+    if dist.get_rank() == 0:
+        emit("progress", {"model": name, "what": f"{alg}: {statistics.median(got['step']) * 1e3:.0f} ms/step"})
+    del wrapped, opt, model, algo, plain
+    gc.collect()
+
+
+def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
+    import gc
+
+    import torch
 
     import rumor
     from rumor.testing import models
@@ -167,53 +230,17 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     ref: Dict[str, List[float]] = {}
     bars: Dict[str, List[float]] = {}  # each step's barrier, per barriered algorithm
     rows = [r for r in advice.rows if r["algorithm"] not in SKIP and (not cfg.get("only") or r["algorithm"] in cfg["only"])]
-    for row in rows + [None]:
-        alg = "torch DDP" if row is None else row["algorithm"]
-        model = models.build(name, seed=cfg["seed"])
-        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-        # The compute-only step (the plain model, no communication): the bound, and the
-        # yardstick for the load of a shared machine. Taken after each measured step, so that
-        # it sees the load of that moment, where the algorithm's traffic has ended when step()
-        # returns; else (traffic running into the next step would slow the yardstick and hide
-        # under it) --ref-iters steps right before the block.
-        interleave = not _spans_steps(row)
-        plain = None
-        if interleave:
-            twin = models.build(name, seed=cfg["seed"])
-            plain = (twin, torch.optim.SGD(twin.parameters(), lr=cfg["lr"], momentum=0.9))
-            del twin
-        else:
-            before = _timed_steps(model, opt, data, 0, cfg["ref_iters"])
-            ref[alg] = before["step"]
-        algo = None
-        if row is None:
-            wrapped = TorchDDP(model)
-        else:
-            algo = _build(row, cfg)
-            wrapped = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=algo)
-        # Periodic algorithms are measured over whole rounds (every round's averaging counted).
-        period = row["period"] if row is not None else 1
-        measured = cfg["iters"] if period == 1 else period * -(-cfg["iters"] // period)
-        # Algorithms that average in the background across steps run without the per-step
-        # barrier: on a shaped link the barrier's messages queue behind that traffic (measured
-        # at 100 Mbit, cnn: +55 ms a step for AsyncModelAverage with the barrier, +15 ms
-        # without; a plain step: +10 ms; 1 Gbit, mlp25m: StreamingDiLoCo 50-75 ms a step over
-        # its compute-only step with the barrier, 15-45 ms in a loop without one).
-        asynchronous = _unbarriered(row)
-        if asynchronous:
-            dist.barrier()
-        got = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous, plain=plain)
-        times[alg] = got["step"]
-        if not asynchronous:
-            bars[alg] = got["barrier"]
-        if interleave:
-            ref[alg] = got["plain"]
-        if hasattr(algo, "finish"):  # AsyncModelAverage: every rank ends its averaging
-            algo.finish()
+    rows.append(None)  # torch DDP
+    # Every algorithm is visited --rounds times, the order rotated each round, so that the
+    # machine's slow and fast minutes fall on all of them alike (BENCHMARKS.md: alternating);
+    # a visit builds its wrapper afresh, warms up and measures its share of the steps.
+    rounds = cfg["rounds"]
+    for r in range(rounds):
+        k = r % len(rows)
+        for row in rows[k:] + rows[:k]:
+            _visit(cfg, name, row, data, times, ref, bars, -(-cfg["iters"] // rounds))
         if rank == 0:
-            emit("progress", {"model": name, "what": f"{alg}: {statistics.median(times[alg]) * 1e3:.0f} ms/step"})
-        del wrapped, opt, model, algo, plain
-        gc.collect()
+            emit("progress", {"model": name, "what": f"round {r + 1} of {rounds} done"})
     per_rank = _common.gather_samples(times)
     per_rank_ref = _common.gather_samples(ref)
     per_rank_bar = _common.gather_samples(bars)
@@ -259,7 +286,7 @@ class Job(_common.Job):
         a = self.args
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, lr=a.lr, seed=a.seed,
                     only=[x.strip() for x in a.only.split(",") if x.strip()],
-                    advise_steps=a.advise_steps, ref_iters=a.ref_iters)
+                    advise_steps=a.advise_steps, ref_iters=a.ref_iters, rounds=a.rounds)
 
     def on_message(self, kind: str, data) -> None:
         if kind == "progress":
@@ -279,7 +306,7 @@ def summarize(cell: Dict) -> None:
     cell["pred_error"] = {a: cell["predicted"][a] / meas[a] - 1 for a in meas}
     cell["pred_error"]["torch DDP"] = cell["predicted_torch"] / cell["measured"]["torch DDP"]["step_measure_s"] - 1
     # The same comparison with each block's compute swapped for the advisor's: the measured step
-    # minus the block's compute-only step (taken between its steps, or right before the block
+    # minus the block's compute-only step (taken between its steps, or right before each visit
     # where the algorithm's traffic runs into the next step) plus the advisor's compute. On a
     # shared machine whose load changes, that compares what the model adds to compute with
     # what the block really added, apart from the load of the moment.
@@ -317,12 +344,12 @@ def print_table(cells: List[Dict], title: str) -> None:
             m = c["measured"][a]["step_measure_s"]
             co = c["measured"][a].get("compute_only_s")
             adj = c.get("pred_error_load_adjusted", {}).get(a)
-            # * : the compute-only step was taken before the block, not between its steps
+            # * : the compute-only step was taken before each visit, not between its steps
             before = "*" if co and not c["measured"][a].get("compute_only_interleaved", False) else " "
             print(f"{(i + 1) if a != 'torch DDP' else '-':>4} {a:<28} {pred * 1e3:>12.1f} {m * 1e3:>11.1f} "
                   f"{pred / m:>8.2f}x {co * 1e3 if co else float('nan'):>14.1f}{before} "
                   f"{(1 + adj) if adj is not None else float('nan'):>8.2f}x")
-        print("compute-only ms: the plain model's step taken after each measured step (* before the block: "
+        print("compute-only ms: the plain model's step taken after each measured step (* before each visit: "
               "the algorithm's traffic runs into the next step); load-adj.: predicted over "
               "(measured - compute-only + the advisor's compute)")
         print(f"top-ranked {c['top_predicted']} measures {c['top_over_fastest']:.2f}x the fastest measured "
@@ -361,7 +388,10 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--batch", default="", help="per-rank batch overrides, e.g. mlp25m=16,cnn=8")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps at the start of every visit")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="visits of every algorithm, in an order rotated each round; each measures "
+                         "ceil(iters / rounds) steps (whole rounds for the periodic algorithms)")
     ap.add_argument("--advise-steps", type=int, default=5, help="rumor.advise(steps=...)")
     ap.add_argument("--ref-iters", type=int, default=3,
                     help="compute-only steps (no communication) measured before each algorithm's block")
@@ -388,6 +418,8 @@ def main(argv=None) -> int:
     for kv in filter(None, args.batch.split(",")):
         k, _, v = kv.partition("=")
         args.batch_map[k.strip()] = int(v)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.iters < 10:
         print(f"WARNING: --iters {args.iters} is below the protocol's minimum of 10; smoke test only", file=sys.stderr)
     n = args.hosts * args.ranks_per_host
@@ -398,12 +430,13 @@ def main(argv=None) -> int:
     json_path = os.path.join(args.out, f"advise-{tag}.json")
     png_path = os.path.join(args.out, f"advise-{tag}.png")
     meta = _common.run_meta(args)
-    meta.update(rates=rates, step="gloo barrier + zero_grad + forward + cross-entropy + backward + step; "
-                                  "the slowest rank's time")
+    meta.update(rates=rates, rounds=args.rounds,
+                step="gloo barrier, then zero_grad + forward + cross-entropy + backward + step: the slowest rank's "
+                     "time from the barrier's return, plus the last arrival's barrier; visits rotated over rounds")
     result = dict(meta=meta, jobs=[], cells=[], targets=[], errors=[])
     print(f"rumor {meta['rumor']} advisor benchmark | {meta['hostname']}, {meta['cpus']} cpus, load "
           f"{meta['loadavg_start'][0]:.2f} | {args.hosts} hosts x {args.ranks_per_host} | rates {','.join(rates)} | "
-          f"models {','.join(args.models)} | iters {args.iters}, warmup {args.warmup}")
+          f"models {','.join(args.models)} | iters {args.iters} in {args.rounds} rounds, warmup {args.warmup} a visit")
     progress = Progress(len(rates) * len(args.models), unit="models", quiet_s=10)
     drv = _common.Driver("rumor-advise-bench-", progress, True)
 
