@@ -14,10 +14,11 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
      minutes fall on all of them (this VM's compute step moved by a third between the blocks
      of one run when each algorithm ran once, in one block). A visit builds its wrapper afresh
      and trains --warmup steps, then ceil(--iters / --rounds) measured ones: zero_grad,
-     forward, cross-entropy, backward, step, after a gloo barrier. A step's time is its slowest rank's, from the barrier's return to the end of
-     step(), as in benchmarks/training.py, plus that barrier's own time on the last rank to
-     reach it (so a step's communication still running after step(), as
-     LowPrecisionDecentralized's exchange, counts where it delays the barrier: its messages
+     forward, cross-entropy, backward, step, after a gloo barrier. A step's time is its
+     slowest rank's, from the barrier's return to the end of step(), as in
+     benchmarks/training.py, plus that barrier's own time on the last rank to reach it (so a
+     step's communication still running after step(), as LowPrecisionDecentralized's
+     exchange, counts where it delays the barrier: its messages
      queue behind that traffic on a shaped link). Timing from the barrier's start instead would
      count the spread of the step before twice, once in its slowest rank and again in the
      others' wait. The measured step is the median of those, or for the periodic algorithms
@@ -110,7 +111,8 @@ def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True
     from the end of the one before. Returns dict(step=..., barrier=..., plain=...).
 
     plain: (model, optimizer) of the unwrapped model; after each measured step it takes one step
-    of its own, timed apart: the compute-only step under the load of that moment ("plain"). Only for algorithms whose communication has ended when step() returns."""
+    of its own, timed apart: the compute-only step under the load of that moment ("plain").
+    Only for algorithms whose communication has ended when step() returns."""
     import torch.distributed as dist
 
     from rumor.testing import models
@@ -394,7 +396,8 @@ def main(argv=None) -> int:
                          "ceil(iters / rounds) steps (whole rounds for the periodic algorithms)")
     ap.add_argument("--advise-steps", type=int, default=5, help="rumor.advise(steps=...)")
     ap.add_argument("--ref-iters", type=int, default=3,
-                    help="compute-only steps (no communication) measured before each algorithm's block")
+                    help="compute-only steps (no communication) measured before each visit of an algorithm "
+                         "whose traffic runs into the next step")
     ap.add_argument("--only", default="",
                     help="comma list of the table's algorithms to measure (e.g. 'Decentralized shift_one'); "
                          "default all (torch DDP always)")

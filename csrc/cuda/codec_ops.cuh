@@ -153,17 +153,32 @@ struct Elem<DType::BF16> {
 };
 
 // out[i] = v, or out[i] += v: in double for float64 output, in float (rounded once for the half
-// types) otherwise, as compress::detail::store.
+// types) otherwise, as compress::detail::store. Split in two so that a loop can read the values
+// it adds to ahead of its writes: Old<D> is what an accumulating store adds to, old_value reads
+// it, store_onto writes v (onto old when accumulating).
+template <DType D>
+using Old = std::conditional_t<D == DType::F64, double, float>;
+template <DType D>
+RUMOR_HD Old<D> old_value(const void* out, size_t i) {
+  if constexpr (D == DType::F64) {
+    return static_cast<const double*>(out)[i];
+  } else {
+    return Elem<D>::load(out, i);
+  }
+}
 template <DType D, bool Acc>
-RUMOR_HD void store(void* out, size_t i, float v) {
+RUMOR_HD void store_onto(void* out, size_t i, Old<D> old, float v) {
   if constexpr (!Acc) {
     Elem<D>::put(out, i, v);
   } else if constexpr (D == DType::F64) {
-    double* p = static_cast<double*>(out) + i;
-    *p = dadd(*p, static_cast<double>(v));
+    static_cast<double*>(out)[i] = dadd(old, static_cast<double>(v));
   } else {
-    Elem<D>::put(out, i, fadd(Elem<D>::load(out, i), v));
+    Elem<D>::put(out, i, fadd(old, v));
   }
+}
+template <DType D, bool Acc>
+RUMOR_HD void store(void* out, size_t i, float v) {
+  store_onto<D, Acc>(out, i, Acc ? old_value<D>(out, i) : Old<D>{0}, v);
 }
 
 // --- The encoded buffer. Encodings are byte strings that callers pack back to back at any
@@ -201,7 +216,7 @@ struct Chunk {
 // loop issues one read, waits for it, writes, and only then reads again. One read in flight per
 // lane left the decodes bound by memory latency (0.70 of a device copy on an H200 while they
 // move fewer bytes). code(i) reads element i's code, value(code) is its float value; the
-// output gets it as store<D, Acc> would.
+// output gets it as store<D, Acc> gives it.
 constexpr unsigned kDecodeBatch = 8;
 #ifdef __CUDA_ARCH__
 #define RUMOR_UNROLL _Pragma("unroll")
@@ -210,39 +225,19 @@ constexpr unsigned kDecodeBatch = 8;
 #endif
 template <DType D, bool Acc, class Code, class Value>
 RUMOR_HD void decode_batched(void* out, size_t first, size_t end, size_t stride, Code&& code, Value&& value) {
-  // What an accumulating store adds to: double for float64 output, float otherwise (store<>).
-  using Old = std::conditional_t<D == DType::F64, double, float>;
   for (size_t i0 = first; i0 < end; i0 += stride * kDecodeBatch) {
     uint32_t q[kDecodeBatch];
-    Old old[kDecodeBatch];
+    Old<D> old[kDecodeBatch];
     RUMOR_UNROLL
     for (unsigned k = 0; k < kDecodeBatch; ++k) {
       const size_t i = i0 + k * stride;
-      q[k] = 0u;
-      old[k] = Old{0};
-      if (i < end) {
-        q[k] = code(i);
-        if constexpr (Acc) {
-          if constexpr (D == DType::F64) {
-            old[k] = static_cast<const double*>(out)[i];
-          } else {
-            old[k] = Elem<D>::load(out, i);
-          }
-        }
-      }
+      q[k] = i < end ? code(i) : 0u;
+      old[k] = Acc && i < end ? old_value<D>(out, i) : Old<D>{0};
     }
     RUMOR_UNROLL
     for (unsigned k = 0; k < kDecodeBatch; ++k) {
       const size_t i = i0 + k * stride;
-      if (i >= end) continue;
-      const float v = value(q[k]);
-      if constexpr (!Acc) {
-        Elem<D>::put(out, i, v);
-      } else if constexpr (D == DType::F64) {
-        static_cast<double*>(out)[i] = dadd(old[k], static_cast<double>(v));
-      } else {
-        Elem<D>::put(out, i, fadd(old[k], v));
-      }
+      if (i < end) store_onto<D, Acc>(out, i, old[k], value(q[k]));
     }
   }
 }
