@@ -116,8 +116,9 @@ __global__ void __launch_bounds__(kThreads) chunk_decode_kernel(Op op, size_t co
 template <DType D, bool Acc, bool Bf>
 __global__ void __launch_bounds__(kThreads)
     cast_decode_kernel(const std::byte* codes, void* out, size_t count) {
-  cast_decode_strided<D, Acc, Bf>(codes, out, static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x,
-                                  count, static_cast<size_t>(gridDim.x) * blockDim.x);
+  cast_decode_thread<D, Acc, Bf>(codes, out, count,
+                                 static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                                 static_cast<size_t>(gridDim.x) * blockDim.x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -131,6 +132,14 @@ unsigned chunk_grid(size_t chunks) {
 unsigned element_grid(size_t count) {
   const size_t b = (count + kThreads - 1) / kThreads;
   return static_cast<unsigned>(b == 0 ? 1 : b < kMaxBlocks ? b : kMaxBlocks);
+}
+
+// A thread per group of eight where cast_decode_thread takes them so, else per element.
+template <DType D>
+unsigned cast_decode_grid(const std::byte* codes, const void* out, size_t count) {
+  const bool by8 = D == DType::F32 && reinterpret_cast<uintptr_t>(codes) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  return element_grid(by8 ? (count + 7) / 8 : count);
 }
 
 [[noreturn]] void fail(const std::string& who, const std::string& what) {
@@ -270,10 +279,12 @@ void launch_decode(Kind kind, const Header& h, const std::byte* in, void* out, s
             SignDecode<D, Acc>{body, body + 4 * chunks, out}, count, f.chunk);
         break;
       case Kind::kF16:
-        cast_decode_kernel<D, Acc, false><<<element_grid(count), kThreads, 0, s>>>(body, out, count);
+        cast_decode_kernel<D, Acc, false>
+            <<<cast_decode_grid<D>(body, out, count), kThreads, 0, s>>>(body, out, count);
         break;
       case Kind::kBF16:
-        cast_decode_kernel<D, Acc, true><<<element_grid(count), kThreads, 0, s>>>(body, out, count);
+        cast_decode_kernel<D, Acc, true>
+            <<<cast_decode_grid<D>(body, out, count), kThreads, 0, s>>>(body, out, count);
         break;
     }
   });

@@ -486,4 +486,55 @@ RUMOR_HD void cast_decode_strided(const std::byte* codes, void* out, size_t firs
       [](uint32_t code) { return cast_value<Bf>(code); });
 }
 
+// Eight float32 outputs from one 16-byte read of codes (and, accumulating, two of the outputs),
+// written with two 16-byte stores: the group g of elements 8g .. 8g + 7. A 2-byte read per lane
+// issues eight times the memory instructions of a device copy for the same bytes, which held
+// the float16 decode under 0.8 of one on an H200. Each element as cast_decode_strided gives it.
+template <bool Acc, bool Bf>
+RUMOR_HD void cast_decode_group8(const std::byte* codes, float* out, size_t g) {
+  uint32_t w[4];
+  float o[8];
+#ifdef __CUDA_ARCH__
+  const uint4 c = reinterpret_cast<const uint4*>(codes)[g];
+  w[0] = c.x, w[1] = c.y, w[2] = c.z, w[3] = c.w;
+  if constexpr (Acc) {
+    const float4 a = reinterpret_cast<const float4*>(out)[2 * g],
+                 b = reinterpret_cast<const float4*>(out)[2 * g + 1];
+    o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+  }
+#else
+  std::memcpy(w, codes + 16 * g, sizeof(w));
+  if constexpr (Acc) std::memcpy(o, out + 8 * g, sizeof(o));
+#endif
+  for (unsigned k = 0; k < 8; ++k) {
+    // Little-endian, as get_u16 reads them: the low half of each word is the earlier element.
+    const float v = cast_value<Bf>(k % 2 == 0 ? w[k / 2] & 0xffffu : w[k / 2] >> 16);
+    o[k] = Acc ? fadd(o[k], v) : v;
+  }
+#ifdef __CUDA_ARCH__
+  reinterpret_cast<float4*>(out)[2 * g] = make_float4(o[0], o[1], o[2], o[3]);
+  reinterpret_cast<float4*>(out)[2 * g + 1] = make_float4(o[4], o[5], o[6], o[7]);
+#else
+  std::memcpy(out + 8 * g, o, sizeof(o));
+#endif
+}
+
+// Thread `thread` of `threads` decoding count casts: by groups of eight where the codes and a
+// float32 output are 16-byte aligned (an encoding at the start of its buffer; packed encodings
+// may sit at any offset), then the tail, or everything otherwise, element by element.
+template <DType D, bool Acc, bool Bf>
+RUMOR_HD void cast_decode_thread(const std::byte* codes, void* out, size_t count, size_t thread,
+                                 size_t threads) {
+  if constexpr (D == DType::F32) {
+    if (reinterpret_cast<uintptr_t>(codes) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+      const size_t groups = count / 8;
+      for (size_t g = thread; g < groups; g += threads)
+        cast_decode_group8<Acc, Bf>(codes, static_cast<float*>(out), g);
+      cast_decode_strided<D, Acc, Bf>(codes, out, 8 * groups + thread, count, threads);
+      return;
+    }
+  }
+  cast_decode_strided<D, Acc, Bf>(codes, out, thread, count, threads);
+}
+
 }  // namespace rumor::cuda::detail

@@ -2,7 +2,9 @@
 // SIGSEGV, writes the native backtrace and /proc/self/maps to /tmp/segv-<pid>.txt, for
 // scripts/debug/segv_report.py to turn into function names. Python's faulthandler (which the
 // test harness enables) dumps the Python stack first and then re-raises the signal, which lands
-// here; si_addr is then the sender's pid, not the faulting address.
+// here; si_addr is then the sender's pid, not the faulting address, and the registers are those
+// of the re-raise: scripts/debug/peer_exit.py runs the case without faulthandler, so the first
+// line's rip is the faulting instruction.
 //   cc -shared -fPIC -O1 -o /tmp/segv.so scripts/debug/segv_backtrace.c
 //   LD_PRELOAD=/tmp/segv.so python -m pytest ...; python scripts/debug/segv_report.py
 #define _GNU_SOURCE
@@ -11,16 +13,23 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 static void on_segv(int sig, siginfo_t* si, void* ctx) {
-  (void)ctx;
+  const ucontext_t* uc = (const ucontext_t*)ctx;
   char path[64];
   snprintf(path, sizeof(path), "/tmp/segv-%d.txt", (int)getpid());
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd >= 0) {
-    char line[128];
-    int n = snprintf(line, sizeof(line), "signal %d at address %p\n", sig, si ? si->si_addr : 0);
+    char line[256];
+    int n = snprintf(line, sizeof(line),
+                     "signal %d at address %p\nrip [%#llx] rsp %#llx rdi %#llx rsi %#llx rax %#llx\n", sig,
+                     si ? si->si_addr : 0, uc ? (unsigned long long)uc->uc_mcontext.gregs[REG_RIP] : 0ULL,
+                     uc ? (unsigned long long)uc->uc_mcontext.gregs[REG_RSP] : 0ULL,
+                     uc ? (unsigned long long)uc->uc_mcontext.gregs[REG_RDI] : 0ULL,
+                     uc ? (unsigned long long)uc->uc_mcontext.gregs[REG_RSI] : 0ULL,
+                     uc ? (unsigned long long)uc->uc_mcontext.gregs[REG_RAX] : 0ULL);
     if (write(fd, line, n) < 0) _exit(139);
     void* frames[64];
     int k = backtrace(frames, 64);

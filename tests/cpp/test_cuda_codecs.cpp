@@ -274,14 +274,15 @@ void emulate_decode(const CodecParams& p, const std::vector<std::byte>& buf, siz
   compress::detail::by_float_dtype(t, [&]<DType D>() {
     auto run = [&]<bool Acc>() {
       if (p.kind == Kind::kF16 || p.kind == Kind::kBF16) {
-        // A grid of kGridThreads threads striding over the elements, as the cast kernel's loop
-        // (several strides per thread, so that its batches and their ragged end are covered).
+        // A grid of kGridThreads threads striding over the elements (or groups of eight), as the
+        // cast kernel's loop (several strides per thread, so that its batches and their ragged
+        // end are covered).
         constexpr size_t kGridThreads = 5;
-        for (size_t first = 0; first < kGridThreads; ++first) {
+        for (size_t thread = 0; thread < kGridThreads; ++thread) {
           if (p.kind == Kind::kF16) {
-            ops::cast_decode_strided<D, Acc, false>(body, out, first, n, kGridThreads);
+            ops::cast_decode_thread<D, Acc, false>(body, out, n, thread, kGridThreads);
           } else {
-            ops::cast_decode_strided<D, Acc, true>(body, out, first, n, kGridThreads);
+            ops::cast_decode_thread<D, Acc, true>(body, out, n, thread, kGridThreads);
           }
         }
         return;
@@ -569,6 +570,14 @@ TEST(CudaCodecOps, EmulatedKernelsDecodeAsScalarCpu) {
         cpu_decode_scalar(p, buf, n, a.data(), t, acc);
         emulate_decode(p, buf, n, b.data(), t, acc);
         ASSERT_EQ(a, b) << codec->name() << " into " << dtype_name(t) << " acc=" << acc;
+        // The output 4 bytes past a 16-byte boundary: the casts' element-by-element path (the
+        // aligned one, by groups of eight, is the case above).
+        std::vector<std::byte> shifted(init.size() + 16);
+        std::byte* at = shifted.data() + (16 - reinterpret_cast<uintptr_t>(shifted.data()) % 16) % 16 + 4;
+        std::memcpy(at, init.data(), init.size());
+        emulate_decode(p, buf, n, at, t, acc);
+        ASSERT_EQ(0, std::memcmp(at, a.data(), a.size()))
+            << codec->name() << " into " << dtype_name(t) << " acc=" << acc << ", output not 16-byte aligned";
       }
     }
   }

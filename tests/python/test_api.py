@@ -24,6 +24,24 @@ def test_exception_hierarchy():
     assert issubclass(errors._InvalidArgument, ValueError) and issubclass(errors._InvalidArgument, rumor.RumorError)
 
 
+def test_extension_exports_its_init_alone():
+    """A compiler that links libstdc++ statically (the GPU machine's) put a second copy of it in
+    the extension; exported, its symbols mixed with torch's libstdc++ and the first number
+    formatted into a stream crashed (docs/gpu.md). csrc/bindings/exports.map keeps it private."""
+    import shutil
+    import subprocess
+
+    import rumor._C
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils) on this machine")
+    out = subprocess.run([nm, "-D", "--defined-only", rumor._C.__file__], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    assert names == ["PyInit__C"], f"{len(names)} exported: {names[:10]}"
+
+
 def test_reduce_op_and_version():
     import rumor
 

@@ -428,3 +428,88 @@ def test_cuda_model_matches_cpu(transport, world, algos):
     res = harness.run(gpu_rank, world, timeout=300, args=(algos,), env={"RUMOR_GPU_TRANSPORT": transport})
     problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
     assert not problems, "\n".join(problems)
+
+
+def overlap_rank(algo: str):
+    """Trains a wide MLP on cuda:0 and returns the GPU activity of two profiled steps (torch's
+    profiler, CUPTI): [(stream, kind, name, start_us, end_us)] for kernels and copies."""
+    import json
+    import tempfile
+
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    import rumor
+
+    torch.cuda.set_device(0)
+    rumor.init()
+    torch.manual_seed(0)
+    width = 2048
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    m = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10)).cuda()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    # A bucket per layer or so (a 2048 x 2048 float32 weight is 16 MiB): the first buckets are
+    # ready while the earlier layers' backward still runs.
+    if algo == "onebit":  # after freeze_step its op updates the momentum on the device, even on one rank
+        opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-4, freeze_step=2)
+        alg = rumor.algorithms.OneBitAdam(opt)
+    else:
+        alg = _algorithm(algo)
+    ddp = rumor.DistributedDataParallel(m, algorithm=alg, bucket_cap_mb=17, first_bucket_mb=17, optimizer=opt)
+    x = torch.randn(2048, width, device="cuda")
+    y = torch.randint(0, 10, (2048,), device="cuda")
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        torch.cuda.synchronize()
+
+    for _ in range(3):
+        step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    events = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            stream = e.get("args", {}).get("stream")
+            events.append((stream, e["cat"], e["name"][:80], float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    n_buckets = len(ddp.buckets)
+    rumor.shutdown()
+    return n_buckets, events
+
+
+# One GPU allows one NCCL rank, where the compressed ops and the allreduce have nothing to do:
+# over NCCL, the ops that still compute on one rank (1-bit Adam's momentum, PowerSGD's factors).
+@pytest.mark.parametrize("transport,algo", [("host", "allreduce"), ("nccl", "onebit"), ("nccl", "powersgd")])
+def test_cuda_buckets_overlap_backward(transport, algo):
+    """The engine's communication-stream work (host staging's copies out; the device ops'
+    kernels over NCCL) runs on the GPU while the compute stream still runs backward: without
+    overlap it would only start after backward's last kernel (the optimizer step waits for it)."""
+    _need_gpu()
+    [(n_buckets, events)] = harness.run(overlap_rank, 1, timeout=240, args=(algo,),
+                                        env={"RUMOR_GPU_TRANSPORT": transport})
+    assert n_buckets >= 3, n_buckets
+    busy = {}
+    for s, kind, _, t0, t1 in events:
+        if kind == "kernel":
+            busy[s] = busy.get(s, 0.0) + (t1 - t0)
+    assert busy, f"no kernels in the trace: {events[:5]}"
+    compute = max(busy, key=busy.get)  # the stream of the matmuls
+    mine = [e for e in events if e[0] != compute]
+    theirs = [(t0, t1) for s, kind, _, t0, t1 in events if s == compute and kind == "kernel"]
+    assert mine, f"nothing ran outside the compute stream {compute}: {sorted(busy.items())}"
+    overlap = sum(max(0.0, min(a1, b1) - max(a0, b0)) for _, _, _, a0, a1 in mine for b0, b1 in theirs)
+    total = sum(t1 - t0 for _, _, _, t0, t1 in mine)
+    print(f"{transport} {algo}: {len(mine)} events off the compute stream, {total:.0f} us, "
+          f"{overlap:.0f} us of it beside compute kernels; kinds {sorted({e[1] for e in mine})}")
+    assert overlap > 0, f"communication never ran beside the compute stream's kernels: {mine[:8]}"
