@@ -570,10 +570,12 @@ TEST(CudaCodecOps, EmulatedKernelsDecodeAsScalarCpu) {
         cpu_decode_scalar(p, buf, n, a.data(), t, acc);
         emulate_decode(p, buf, n, b.data(), t, acc);
         ASSERT_EQ(a, b) << codec->name() << " into " << dtype_name(t) << " acc=" << acc;
-        // The output 4 bytes past a 16-byte boundary: the casts' element-by-element path (the
-        // aligned one, by groups of eight, is the case above).
-        std::vector<std::byte> shifted(init.size() + 16);
-        std::byte* at = shifted.data() + (16 - reinterpret_cast<uintptr_t>(shifted.data()) % 16) % 16 + 4;
+        // The output one element past a 16-byte boundary (aligned for its dtype, not for a
+        // 16-byte store): the casts' element-by-element path (the aligned one, by groups of
+        // eight, is the case above).
+        std::vector<std::byte> shifted(init.size() + 32);
+        std::byte* at =
+            shifted.data() + (16 - reinterpret_cast<uintptr_t>(shifted.data()) % 16) % 16 + dtype_size(t);
         std::memcpy(at, init.data(), init.size());
         emulate_decode(p, buf, n, at, t, acc);
         ASSERT_EQ(0, std::memcmp(at, a.data(), a.size()))
