@@ -148,10 +148,12 @@ def _train(cfg: Dict, rank: int, n: int) -> None:
         _run_model(cfg, name, rank, n)
 
 
-def _visit(cfg: Dict, name: str, row: Optional[Dict], data, times: Dict, ref: Dict, bars: Dict, iters: int) -> None:
+def _visit(cfg: Dict, name: str, row: Optional[Dict], data, times: Dict, ref: Dict, bars: Dict, iters: int,
+           extras: Dict) -> None:
     """One visit of an algorithm (row None: torch DDP): a fresh model, optimizer and wrapper,
     --warmup steps, then `iters` measured steps (whole rounds for the periodic algorithms),
-    appended to times / ref / bars under its name."""
+    appended to times / ref / bars under its name; AsyncModelAverage's own counts (rounds,
+    busy seconds, steps, measured seconds) to extras."""
     import gc
 
     import torch
@@ -201,6 +203,10 @@ def _visit(cfg: Dict, name: str, row: Optional[Dict], data, times: Dict, ref: Di
     if interleave:
         ref.setdefault(alg, []).extend(got["plain"])
     if hasattr(algo, "finish"):  # AsyncModelAverage: every rank ends its averaging
+        # what the model's round_cpu and rounds per step stand for, before finish() adds its own
+        extras.setdefault(alg, []).append(dict(rounds=algo.rounds, busy_s=algo.busy_s, steps=algo.steps,
+                                               applied=algo.applied, measured_s=sum(got["step"]),
+                                               measured_steps=len(got["step"])))
         algo.finish()
     if asynchronous:
         dist.barrier()  # the next visit starts together
@@ -208,6 +214,11 @@ def _visit(cfg: Dict, name: str, row: Optional[Dict], data, times: Dict, ref: Di
         emit("progress", {"model": name, "what": f"{alg}: {statistics.median(got['step']) * 1e3:.0f} ms/step"})
     del wrapped, opt, model, algo, plain
     gc.collect()
+
+
+def _compute_of(mi: Dict) -> float:
+    """The advisor's compute step: forward + backward + optimizer."""
+    return mi["forward_s"] + mi["backward_s"] + mi["optimizer_s"]
 
 
 def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
@@ -220,14 +231,25 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
 
     batch = cfg["batch"].get(name) or models.BATCH[name]
     data = [models.batch(name, batch, step=i, shard=rank, seed=cfg["seed"]) for i in range(4)]
-    model = models.build(name, seed=cfg["seed"])
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-    t0 = time.perf_counter()
-    advice = rumor.advise(model, opt, data[0], steps=cfg["advise_steps"], print_table=False)
-    advise_s = time.perf_counter() - t0
-    if rank == 0:
-        emit("progress", {"model": name, "what": f"advised in {advise_s:.1f} s: {advice.best['algorithm']} first"})
-    del model, opt
+
+    def advise():
+        model = models.build(name, seed=cfg["seed"])
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        t0 = time.perf_counter()
+        got = rumor.advise(model, opt, data[0], steps=cfg["advise_steps"], print_table=False)
+        took = time.perf_counter() - t0
+        if rank == 0:
+            emit("progress", {"model": name, "what": f"advised in {took:.1f} s: {got.best['algorithm']} first"})
+        del model, opt
+        gc.collect()
+        return got, took
+
+    # The advisor measures the compute of its own few seconds; the visits sample the machine
+    # over every round. With --advise-each-round it is asked again at the start of every round
+    # (its measurements then fall on the same minutes as the visits'), and the cell compares
+    # the mean of its predictions; the first advice's are kept beside them.
+    advice, advise_s = advise()
+    advices = [advice]
     times: Dict[str, List[float]] = {}
     ref: Dict[str, List[float]] = {}
     bars: Dict[str, List[float]] = {}  # each step's barrier, per barriered algorithm
@@ -237,20 +259,31 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     # machine's slow and fast minutes fall on all of them alike (BENCHMARKS.md: alternating);
     # a visit builds its wrapper afresh, warms up and measures its share of the steps.
     rounds = cfg["rounds"]
+    extras: Dict[str, List[Dict]] = {}
     for r in range(rounds):
+        if r > 0 and cfg["advise_each_round"]:
+            advices.append(advise()[0])
         k = r % len(rows)
         for row in rows[k:] + rows[:k]:
-            _visit(cfg, name, row, data, times, ref, bars, -(-cfg["iters"] // rounds))
+            _visit(cfg, name, row, data, times, ref, bars, -(-cfg["iters"] // rounds), extras)
         if rank == 0:
             emit("progress", {"model": name, "what": f"round {r + 1} of {rounds} done"})
     per_rank = _common.gather_samples(times)
     per_rank_ref = _common.gather_samples(ref)
     per_rank_bar = _common.gather_samples(bars)
     if rank == 0:
+        from rumor.advisor import rank_rows
+
+        each = [{r["algorithm"]: r["predicted_step_s"] for r in a.rows} for a in advices]
+        mean_rows = rank_rows([dict(r, predicted_step_s=statistics.fmean(e[r["algorithm"]] for e in each))
+                               for r in advice.rows])
         cell = dict(model=name, n=n, batch=batch, advise_s=advise_s, measured_inputs=advice.measured,
-                    predicted={r["algorithm"]: r["predicted_step_s"] for r in advice.rows},
-                    predicted_torch=advice.torch["predicted_step_s"], ranking=[r["algorithm"] for r in advice.rows],
-                    measured={})
+                    predicted={r["algorithm"]: r["predicted_step_s"] for r in mean_rows},
+                    predicted_torch=statistics.fmean(a.torch["predicted_step_s"] for a in advices),
+                    ranking=[r["algorithm"] for r in mean_rows], advices=len(advices),
+                    predicted_first=each[0], ranking_first=[r["algorithm"] for r in advice.rows],
+                    predicted_each=each, advised_compute_s=[_compute_of(a.measured) for a in advices],
+                    background=extras, measured={})
         periods = {r["algorithm"]: r["period"] for r in advice.rows}
         unsync = {r["algorithm"] for r in advice.rows if _unbarriered(r)}
         spanning = {r["algorithm"] for r in advice.rows if _spans_steps(r)}
@@ -288,7 +321,8 @@ class Job(_common.Job):
         a = self.args
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, lr=a.lr, seed=a.seed,
                     only=[x.strip() for x in a.only.split(",") if x.strip()],
-                    advise_steps=a.advise_steps, ref_iters=a.ref_iters, rounds=a.rounds)
+                    advise_steps=a.advise_steps, ref_iters=a.ref_iters, rounds=a.rounds,
+                    advise_each_round=not a.advise_once)
 
     def on_message(self, kind: str, data) -> None:
         if kind == "progress":
@@ -312,8 +346,7 @@ def summarize(cell: Dict) -> None:
     # where the algorithm's traffic runs into the next step) plus the advisor's compute. On a
     # shared machine whose load changes, that compares what the model adds to compute with
     # what the block really added, apart from the load of the moment.
-    mi = cell["measured_inputs"]
-    pred_compute = mi["forward_s"] + mi["backward_s"] + mi["optimizer_s"]
+    pred_compute = statistics.fmean(cell.get("advised_compute_s") or [_compute_of(cell["measured_inputs"])])
     cell["pred_error_load_adjusted"] = {}
     adjusted = {}
     for a, v in cell["measured"].items():
@@ -327,6 +360,13 @@ def summarize(cell: Dict) -> None:
         fastest_adj = min(adj, key=adj.get)
         cell["fastest_load_adjusted"] = fastest_adj
         cell["top_over_fastest_load_adjusted"] = adj[top] / adj[fastest_adj]
+    # The first advice alone (what one call of the advisor gives), where it was asked again.
+    if cell.get("advices", 1) > 1:
+        first = cell["predicted_first"]
+        top1 = next(a for a in cell["ranking_first"] if a in meas)
+        cell["top_first"] = top1
+        cell["top_over_fastest_first"] = meas[top1] / meas[fastest]
+        cell["pred_error_first"] = {a: first[a] / meas[a] - 1 for a in meas}
 
 
 def print_table(cells: List[Dict], title: str) -> None:
@@ -334,9 +374,10 @@ def print_table(cells: List[Dict], title: str) -> None:
         print(f"\n{title}: {c['model']} (batch {c['batch']} x {c['n']}; advisor took {c['advise_s']:.1f} s; "
               f"link between hosts measured {c['measured_inputs']['inter']['bandwidth_Bps'] / 1e6:.1f} MB/s, "
               f"{c['measured_inputs']['inter']['latency_s'] * 1e6:.0f} us)")
-        mi = c["measured_inputs"]
+        each = c.get("advised_compute_s") or [_compute_of(c["measured_inputs"])]
         print(f"compute (forward + backward + optimizer) as the advisor measured it: "
-              f"{(mi['forward_s'] + mi['backward_s'] + mi['optimizer_s']) * 1e3:.1f} ms")
+              + ", ".join(f"{t * 1e3:.1f}" for t in each) + " ms"
+              + (f" ({len(each)} advices, one per round: predictions are their mean)" if len(each) > 1 else ""))
         head = (f"{'rank':>4} {'algorithm':<28} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9} "
                 f"{'compute-only ms':>15} {'load-adj.':>9}")
         print(head)
@@ -356,6 +397,21 @@ def print_table(cells: List[Dict], title: str) -> None:
               "(measured - compute-only + the advisor's compute)")
         print(f"top-ranked {c['top_predicted']} measures {c['top_over_fastest']:.2f}x the fastest measured "
               f"({c['fastest_measured']})")
+        if "pred_error_first" in c:
+            e1 = c["pred_error_first"]
+            w1 = max(e1, key=lambda a: abs(e1[a]))
+            print(f"the first advice alone: top-ranked {c['top_first']} {c['top_over_fastest_first']:.2f}x the fastest; "
+                  f"worst prediction {w1} {100 * e1[w1]:+.0f}%, median |error| "
+                  f"{100 * statistics.median(abs(e) for e in e1.values()):.0f}%")
+        for alg, visits in (c.get("background") or {}).items():
+            # rank 0's own counts: rounds it took, its thread's busy seconds, over the measured steps
+            steps = sum(v["measured_steps"] for v in visits)
+            rounds = sum(v["rounds"] for v in visits)
+            busy = sum(v["busy_s"] for v in visits)
+            wall = sum(v["measured_s"] for v in visits)
+            print(f"{alg} (rank 0, whole visits incl. warm-up): {rounds} rounds in {steps} measured steps "
+                  f"({wall:.1f} s); background thread busy {busy:.1f} s"
+                  + (f", {busy / rounds * 1e3:.0f} ms a round" if rounds else ""))
 
 
 def plot(path: str, cells: List[Dict]) -> Optional[str]:
@@ -395,6 +451,8 @@ def main(argv=None) -> int:
                     help="visits of every algorithm, in an order rotated each round; each measures "
                          "ceil(iters / rounds) steps (whole rounds for the periodic algorithms)")
     ap.add_argument("--advise-steps", type=int, default=5, help="rumor.advise(steps=...)")
+    ap.add_argument("--advise-once", action="store_true",
+                    help="advise once per model (default: again at the start of every round, predictions averaged)")
     ap.add_argument("--ref-iters", type=int, default=3,
                     help="compute-only steps (no communication) measured before each visit of an algorithm "
                          "whose traffic runs into the next step")

@@ -288,6 +288,12 @@ def _link_dict(link: Optional[Link]) -> Optional[Dict]:
 # 123 MB/s, of 100 MB at 105 MB/s; a ring allreduce 123 vs 117 MB/s).
 _SUSTAINED_S = 0.5
 _SUSTAINED_MAX = 128 * _MB
+# The pairwise swap is timed at the job's own size, up to this much link time: a swap of a few
+# MB through a shaped link ran slower than the model's whole exchange does (100 Mbit emulated
+# hosts: 6 MB each way at 8.1 MB/s, the transformer's 21 MB in training at about 11.5 MB/s):
+# each host's queue carries its data out and the acknowledgements of what it receives, and a
+# short transfer ends before its window has grown past the queueing delay.
+_PAIR_S = 2.0
 
 
 def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]] = None, job_bytes: int = 0):
@@ -310,7 +316,7 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
     me = st.env.rank
     small = 4 * 1024
     big = max(link_bytes, 4 * small)
-    out = torch.zeros(8, dtype=torch.float64)
+    out = torch.zeros(9, dtype=torch.float64)
     local_n = max(len(m) for m in members.values())
     if local_n > 1:
         groups = {h: new_group(members[h]) if len(members[h]) > 1 else None for h in hosts}
@@ -331,15 +337,17 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
         wide = max(big, min(job_bytes, int(_SUSTAINED_S * bw), _SUSTAINED_MAX) // 4096 * 4096)
         few = reps if wide == big else 2
         out[3], out[4] = _time_allreduce(lg, wide, few)
+        swap = max(wide, min(job_bytes, int(_PAIR_S * bw), _SUSTAINED_MAX) // 4096 * 4096)
         out[5] = _time_exchange(lg, small, reps)
-        out[6] = _time_exchange(lg, wide, few)
-        out[7] = wide  # every rank needs the size the leaders chose
+        out[6] = _time_exchange(lg, swap, few if swap == wide else 2)
+        out[7] = wide  # every rank needs the sizes the leaders chose
+        out[8] = swap
     out = allreduce(out, op=ReduceOp.MAX)
     t = out.tolist()
     wide = int(t[7]) if lg is not None else big
     intra = _fit(local_n, t[0], t[1], small, big) if local_n > 1 else None
     inter = _fit(len(hosts), t[2], t[3], small, wide) if len(hosts) > 1 else None
-    pair = _fit_hop(t[5], t[6], small, wide) if len(hosts) > 1 and t[6] > 0 else None
+    pair = _fit_hop(t[5], t[6], small, int(t[8])) if len(hosts) > 1 and t[6] > 0 else None
     rate = 1.0
     if lg is not None and busy is not None:
         rate = _comm_rate_beside(lg, wide, t[3], busy)
