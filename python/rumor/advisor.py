@@ -850,8 +850,8 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     round_cpu = 5 * elements * ew + net * _ring_sent(param_bytes, H)
     per_step = local_step / round_s if round_s > 0 else 0.0
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
-        dict(predicted_step_s=local_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu),
-        elem * per_step)
+        dict(predicted_step_s=local_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu,
+             round_s=round_s), elem * per_step)
     # Algorithms that synchronize the ranks every step wait for each step's slowest rank; the
     # periodic ones once a round (the drift of a round is left out), the asynchronous never.
     wait = m.get("straggler_s", 0.0)
