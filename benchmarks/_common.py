@@ -119,17 +119,23 @@ def worker_main(cfg_path: str, describe: Callable[[int, int], Dict], body: Calla
 
 
 def gather_samples(samples: Dict[str, List[float]]) -> Dict[str, List[List[float]]]:
-    """Every rank's timings per variant (all ranks must call it, with as many samples each), so
-    that rank 0 can take a sample's time as the slowest rank's."""
+    """Every rank's timings per variant (all ranks must call it with the same variants, in the
+    same order), so that rank 0 can take a sample's time as the slowest rank's. Ranks may hold
+    different numbers of samples of a variant."""
     import torch
     import torch.distributed as dist
 
     per_rank = {}
     for v, mine in samples.items():
-        t = torch.tensor(mine, dtype=torch.float64)
+        count = torch.tensor([len(mine)], dtype=torch.int64)
+        counts = [torch.empty_like(count) for _ in range(dist.get_world_size())]
+        dist.all_gather(counts, count)
+        most = max(int(c) for c in counts)
+        t = torch.zeros(most, dtype=torch.float64)
+        t[:len(mine)] = torch.tensor(mine, dtype=torch.float64)
         allr = [torch.empty_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(allr, t)
-        per_rank[v] = [x.tolist() for x in allr]
+        per_rank[v] = [x[:int(c)].tolist() for x, c in zip(allr, counts)]
     return per_rank
 
 

@@ -47,12 +47,11 @@ Output: tables, JSON and PNG in --out (benchmarks/results/advise-<hosts>hosts.js
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import _common
 from _common import Progress, emit, parse_rate
@@ -61,7 +60,8 @@ MODELS = ("mlp25m", "cnn", "transformer")
 # 1-bit Adam needs its own optimizer, whose compute the SGD measurement does not cover.
 SKIP = ("1-bit Adam",)
 TOP_WITHIN = 1.10
-ASYNC_ROUNDS = 3  # averaging rounds a visit of AsyncModelAverage spans at least
+ASYNC_ROUNDS = 3  # whole averaging rounds a visit of AsyncModelAverage measures
+STEADY_CAP = 12  # a steady-state phase (waiting for the first round, measuring rounds) ends after this many times --iters
 PRED_WITHIN = 0.15
 
 
@@ -93,7 +93,7 @@ def _unbarriered(row: Optional[Dict]) -> bool:
     synchronize nothing (a barrier there adds every step's spread between ranks, which the
     round's average absorbs once in training: measured on mlp25m at 1 Gbit, LocalSGD's local
     steps 460 ms against a 316 ms compute-only step with the barrier)."""
-    return row is not None and (_background(row) or row["period"] > 1)
+    return row is not None and (_background(row) or row["period"] > 1 or row["kind"] == "decentralized")
 
 
 def _spans_steps(row: Optional[Dict]) -> bool:
@@ -103,38 +103,56 @@ def _spans_steps(row: Optional[Dict]) -> bool:
     return row is not None and (_background(row) or row["ctor"]["cls"] == "LowPrecisionDecentralized")
 
 
-def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True, plain=None):
+def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True, plain=None,
+                 begin: Optional[Callable[[], bool]] = None, end: Optional[Callable[[], bool]] = None):
     """Seconds of each step after the first `warmup`. With the barrier: from the barrier's return
     to the end of optimizer.step(), and the barrier's own time as a second list (the caller
     takes each step's slowest rank plus the shortest barrier, the one the last rank to arrive
     waited: the barrier's latency and any traffic it queued behind, without the spread of the
     step before, which that step's slowest rank already counted). ``barrier=False``
     (asynchronous algorithms): no barrier, the ranks run at their own pace and a step is timed
-    from the end of the one before. Returns dict(step=..., barrier=..., plain=...).
+    from the end of the one before. Returns dict(step=..., barrier=..., plain=..., cpu=...,
+    beside=...): cpu and beside, each measured step's CPU seconds on the training thread and on
+    the process's other threads.
 
     plain: (model, optimizer) of the unwrapped model; after each measured step it takes one step
     of its own, timed apart: the compute-only step under the load of that moment ("plain").
-    Only for algorithms whose communication has ended when step() returns."""
+    Only for algorithms whose communication has ended when step() returns.
+
+    begin / end (a background average, no barrier): after the warm-up, measuring starts with the
+    first step at whose start begin() holds, and goes on past `steps` until end() holds, each
+    phase at most STEADY_CAP times `steps` steps."""
     import torch.distributed as dist
 
     from rumor.testing import models
 
-    out, bar, ref = [], [], []
+    out, bar, ref, cpu, beside = [], [], [], [], []
+    cap = STEADY_CAP * max(1, steps)
     t = time.perf_counter()
-    for i in range(warmup + steps):
+    i = 0
+    measuring = False
+    while True:
+        if not measuring and i >= warmup and (begin is None or i >= warmup + cap or begin()):
+            measuring = True
+        if measuring and len(out) >= steps and (end is None or len(out) >= cap or end()):
+            break
         x, y = data[i % len(data)]
+        i += 1
         if barrier:
             t = time.perf_counter()
             dist.barrier()
             b = time.perf_counter()
-            if i >= warmup:
+            if measuring:
                 bar.append(b - t)
             t = b
+        c0, o0 = time.thread_time(), _cpu_beside_main()
         opt.zero_grad()
         models.loss(model(x), y).backward()
         opt.step()
-        if i >= warmup:
+        if measuring:
             out.append(time.perf_counter() - t)
+            cpu.append(time.thread_time() - c0)
+            beside.append(_cpu_beside_main() - o0)
             if plain is not None:
                 t = time.perf_counter()
                 plain[1].zero_grad()
@@ -142,7 +160,7 @@ def _timed_steps(model, opt, data, warmup: int, steps: int, barrier: bool = True
                 plain[1].step()
                 ref.append(time.perf_counter() - t)
         t = time.perf_counter()
-    return dict(step=out, barrier=bar, plain=ref)
+    return dict(step=out, barrier=bar, plain=ref, cpu=cpu, beside=beside)
 
 
 def _train(cfg: Dict, rank: int, n: int) -> None:
@@ -150,12 +168,20 @@ def _train(cfg: Dict, rank: int, n: int) -> None:
         _run_model(cfg, name, rank, n)
 
 
+def _cpu_beside_main() -> float:
+    """CPU seconds this process spent on threads other than the calling one (the background
+    averaging, the communicator's threads and the socket work charged to them)."""
+    t = os.times()
+    return t.user + t.system - time.thread_time()
+
+
 def _visit(cfg: Dict, name: str, row: Optional[Dict], data, times: Dict, ref: Dict, bars: Dict, iters: int,
-           extras: Dict) -> None:
+           extras: Dict, cpu: Dict) -> None:
     """One visit of an algorithm (row None: torch DDP): a fresh model, optimizer and wrapper,
     --warmup steps, then `iters` measured steps (whole rounds for the periodic algorithms),
-    appended to times / ref / bars under its name; AsyncModelAverage's own counts (rounds,
-    busy seconds, steps, measured seconds) to extras."""
+    appended to times / ref / bars under its name, each step's CPU on the training thread and
+    beside it to cpu[name + " main"] / cpu[name + " beside"]; AsyncModelAverage's own counts
+    (rounds, busy and CPU seconds, measured steps and seconds) to extras."""
     import gc
 
     import torch
@@ -187,13 +213,25 @@ def _visit(cfg: Dict, name: str, row: Optional[Dict], data, times: Dict, ref: Di
     else:
         algo = _build(row, cfg)
         wrapped = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=algo)
-    # Periodic algorithms are measured over whole rounds (every round's averaging counted);
-    # the background averaging over ASYNC_ROUNDS of its rounds at least (one visit of mlp25m at
-    # 1 Gbit, 4 steps, ended before its first 96 MB round did: it measured a local step).
+    # Periodic algorithms are measured over whole rounds (every round's averaging counted).
     period = row["period"] if row is not None else 1
     measured = iters if period == 1 else period * -(-iters // period)
-    if row is not None and row.get("round_s"):
-        measured = max(measured, math.ceil(ASYNC_ROUNDS * row["round_s"] / max(row["predicted_step_s"], 1e-3)))
+    # The background averaging in its steady state, as a long run sees it: from the end of the
+    # thread's first round (before it, the thread waits its interval and the first round's
+    # start-up) over ASYNC_ROUNDS whole rounds. A visit of a fixed step count does not: at
+    # 1 Gbit mlp25m's rounds took 2.4 s, an 8-step visit 2.8 s, and the thread was idle for
+    # 40% of it (2 rounds in 24 steps).
+    begin = end = None
+    window = {}
+    if row is not None and row["kind"] == "async":
+        def begin():
+            if algo.rounds < 1:
+                return False
+            window.update(rounds=algo.rounds, busy_s=algo.busy_s, cpu_s=_cpu_beside_main())
+            return True
+
+        def end():
+            return algo.rounds >= window["rounds"] + ASYNC_ROUNDS
     # Algorithms that average in the background across steps run without the per-step
     # barrier: on a shaped link the barrier's messages queue behind that traffic (measured
     # at 100 Mbit, cnn: +55 ms a step for AsyncModelAverage with the barrier, +15 ms
@@ -202,17 +240,21 @@ def _visit(cfg: Dict, name: str, row: Optional[Dict], data, times: Dict, ref: Di
     asynchronous = _unbarriered(row)
     if asynchronous:
         dist.barrier()
-    got = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous, plain=plain)
+    got = _timed_steps(wrapped, opt, data, cfg["warmup"], measured, barrier=not asynchronous, plain=plain,
+                       begin=begin, end=end)
     times.setdefault(alg, []).extend(got["step"])
+    cpu.setdefault(alg + " main", []).extend(got["cpu"])
+    cpu.setdefault(alg + " beside", []).extend(got["beside"])
     if not asynchronous:
         bars.setdefault(alg, []).extend(got["barrier"])
     if interleave:
         ref.setdefault(alg, []).extend(got["plain"])
     if hasattr(algo, "finish"):  # AsyncModelAverage: every rank ends its averaging
         # what the model's round_cpu and rounds per step stand for, before finish() adds its own
-        extras.setdefault(alg, []).append(dict(rounds=algo.rounds, busy_s=algo.busy_s, steps=algo.steps,
-                                               applied=algo.applied, measured_s=sum(got["step"]),
-                                               measured_steps=len(got["step"])))
+        extras.setdefault(alg, []).append(dict(rounds=algo.rounds - window.get("rounds", 0),
+                                               busy_s=algo.busy_s - window.get("busy_s", 0.0),
+                                               cpu_s=_cpu_beside_main() - window.get("cpu_s", 0.0),
+                                               measured_s=sum(got["step"]), measured_steps=len(got["step"])))
         algo.finish()
     if asynchronous:
         dist.barrier()  # the next visit starts together
@@ -266,17 +308,19 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     # a visit builds its wrapper afresh, warms up and measures its share of the steps.
     rounds = cfg["rounds"]
     extras: Dict[str, List[Dict]] = {}
+    cpu: Dict[str, List[float]] = {}
     for r in range(rounds):
         if r > 0 and cfg["advise_each_round"]:
             advices.append(advise()[0])
         k = r % len(rows)
         for row in rows[k:] + rows[:k]:
-            _visit(cfg, name, row, data, times, ref, bars, -(-cfg["iters"] // rounds), extras)
+            _visit(cfg, name, row, data, times, ref, bars, -(-cfg["iters"] // rounds), extras, cpu)
         if rank == 0:
             emit("progress", {"model": name, "what": f"round {r + 1} of {rounds} done"})
     per_rank = _common.gather_samples(times)
     per_rank_ref = _common.gather_samples(ref)
     per_rank_bar = _common.gather_samples(bars)
+    per_rank_cpu = _common.gather_samples(cpu)
     if rank == 0:
         from rumor.advisor import rank_rows
 
@@ -296,9 +340,11 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         for alg in times:
             # A step starts together on every rank (the barrier's return) and ends with its
             # slowest rank; the barrier itself costs what the last rank to reach it waited.
+            # (Unbarriered ranks may measure different numbers of steps: a background average's
+            # visit ends with its thread's rounds.)
             steps = [max(per_rank[alg][r][i] for r in range(n))
                      + (min(per_rank_bar[alg][r][i] for r in range(n)) if alg in bars else 0.0)
-                     for i in range(len(times[alg]))]
+                     for i in range(min(len(per_rank[alg][r]) for r in range(n)))]
             # per-step algorithms: the median step; periodic ones: the mean over whole rounds
             per = periods.get(alg, 1)
             comp = [max(per_rank_ref[alg][r][i] for r in range(n)) for i in range(len(ref[alg]))]
@@ -309,7 +355,10 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             cell["measured"][alg] = dict(step_s=steps, period=per, median_s=statistics.median(steps),
                                          step_measure_s=measure,
                                          compute_only_s=statistics.median(comp) if comp else None,
-                                         compute_only_interleaved=alg not in spanning)
+                                         compute_only_interleaved=alg not in spanning,
+                                         cpu_main_s=statistics.median(x for r in per_rank_cpu[alg + " main"] for x in r),
+                                         cpu_beside_s=statistics.median(
+                                             x for r in per_rank_cpu[alg + " beside"] for x in r))
         emit("cell", cell)
     gc.collect()
 
@@ -385,7 +434,7 @@ def print_table(cells: List[Dict], title: str) -> None:
               + ", ".join(f"{t * 1e3:.1f}" for t in each) + " ms"
               + (f" ({len(each)} advices, one per round: predictions are their mean)" if len(each) > 1 else ""))
         head = (f"{'rank':>4} {'algorithm':<28} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9} "
-                f"{'compute-only ms':>15} {'load-adj.':>9}")
+                f"{'compute-only ms':>15} {'load-adj.':>9} {'CPU ms main/beside':>18}")
         print(head)
         print("-" * len(head))
         for i, a in enumerate([a for a in c["ranking"] if a in c["measured"]] + ["torch DDP"]):
@@ -397,10 +446,13 @@ def print_table(cells: List[Dict], title: str) -> None:
             before = "*" if co and not c["measured"][a].get("compute_only_interleaved", False) else " "
             print(f"{(i + 1) if a != 'torch DDP' else '-':>4} {a:<28} {pred * 1e3:>12.1f} {m * 1e3:>11.1f} "
                   f"{pred / m:>8.2f}x {co * 1e3 if co else float('nan'):>14.1f}{before} "
-                  f"{(1 + adj) if adj is not None else float('nan'):>8.2f}x")
+                  f"{(1 + adj) if adj is not None else float('nan'):>8.2f}x "
+                  + (f"{c['measured'][a]['cpu_main_s'] * 1e3:>10.0f} / {c['measured'][a]['cpu_beside_s'] * 1e3:<5.0f}"
+                     if "cpu_main_s" in c["measured"][a] else ""))
         print("compute-only ms: the plain model's step taken after each measured step (* before each visit: "
               "the algorithm's traffic runs into the next step); load-adj.: predicted over "
-              "(measured - compute-only + the advisor's compute)")
+              "(measured - compute-only + the advisor's compute); CPU: a measured step's CPU time on the "
+              "training thread and on the process's other threads (median over ranks and steps)")
         print(f"top-ranked {c['top_predicted']} measures {c['top_over_fastest']:.2f}x the fastest measured "
               f"({c['fastest_measured']})")
         if "pred_error_first" in c:
@@ -415,9 +467,10 @@ def print_table(cells: List[Dict], title: str) -> None:
             rounds = sum(v["rounds"] for v in visits)
             busy = sum(v["busy_s"] for v in visits)
             wall = sum(v["measured_s"] for v in visits)
-            print(f"{alg} (rank 0, whole visits incl. warm-up): {rounds} rounds in {steps} measured steps "
-                  f"({wall:.1f} s); background thread busy {busy:.1f} s"
-                  + (f", {busy / rounds * 1e3:.0f} ms a round" if rounds else ""))
+            cpu = sum(v.get("cpu_s", 0.0) for v in visits)
+            print(f"{alg} (rank 0, measured steps): {rounds} rounds in {steps} steps "
+                  f"({wall:.1f} s); background thread busy {busy:.1f} s, CPU beside the training thread {cpu:.1f} s"
+                  + (f"; a round: {busy / rounds * 1e3:.0f} ms, {cpu / rounds * 1e3:.0f} ms CPU" if rounds else ""))
 
 
 def plot(path: str, cells: List[Dict]) -> Optional[str]:

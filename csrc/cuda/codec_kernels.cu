@@ -137,9 +137,7 @@ unsigned element_grid(size_t count) {
 // A thread per group of eight where cast_decode_thread takes them so, else per element.
 template <DType D>
 unsigned cast_decode_grid(const std::byte* codes, const void* out, size_t count) {
-  const bool by8 = D == DType::F32 && reinterpret_cast<uintptr_t>(codes) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  return element_grid(by8 ? (count + 7) / 8 : count);
+  return element_grid(detail::cast_decode_by8<D>(codes, out) ? (count + 7) / 8 : count);
 }
 
 [[noreturn]] void fail(const std::string& who, const std::string& what) {

@@ -519,14 +519,22 @@ RUMOR_HD void cast_decode_group8(const std::byte* codes, float* out, size_t g) {
 #endif
 }
 
-// Thread `thread` of `threads` decoding count casts: by groups of eight where the codes and a
-// float32 output are 16-byte aligned (an encoding at the start of its buffer; packed encodings
-// may sit at any offset), then the tail, or everything otherwise, element by element.
+// Whether a cast decode goes by groups of eight: a float32 output, and codes and output 16-byte
+// aligned (an encoding at the start of its buffer; packed encodings may sit at any offset). The
+// kernel's threads and the launch's grid must agree on it.
+template <DType D>
+RUMOR_HD bool cast_decode_by8(const void* codes, const void* out) {
+  return D == DType::F32 && reinterpret_cast<uintptr_t>(codes) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(out) % 16 == 0;
+}
+
+// Thread `thread` of `threads` decoding count casts: by groups of eight where cast_decode_by8
+// says so, then the tail, or everything otherwise, element by element.
 template <DType D, bool Acc, bool Bf>
 RUMOR_HD void cast_decode_thread(const std::byte* codes, void* out, size_t count, size_t thread,
                                  size_t threads) {
   if constexpr (D == DType::F32) {
-    if (reinterpret_cast<uintptr_t>(codes) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    if (cast_decode_by8<D>(codes, out)) {
       const size_t groups = count / 8;
       for (size_t g = thread; g < groups; g += threads)
         cast_decode_group8<Acc, Bf>(codes, static_cast<float*>(out), g);

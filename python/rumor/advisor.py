@@ -47,7 +47,8 @@ the start of forward: forward + max(backward + network CPU, mixing) + optimizer;
 LowPrecisionDecentralized's exchange runs after the step and, when the model has buffers to
 broadcast, delays the next forward. Periodic algorithms (LocalSGD, DiLoCo, Streaming DiLoCo)
 are a local step plus their round's cost divided by its steps; AsyncModelAverage is a local step
-plus the CPU time of its background rounds (weight passes and network). Torch DDP is the same
+plus what its background rounds take from compute (weight passes and network CPU), spread over
+the steps of a round. Torch DDP is the same
 model with a flat fp32 ring over all ranks (gloo's own overheads are not modelled).
 docs/advisor.md has the details.
 """
@@ -85,6 +86,7 @@ LOCAL_SGD_EVERY = 8
 DILOCO_H = 32
 STREAMING_FRAGMENTS = 4
 AMA_INTERVAL_MS = 500
+AMA_MAX_BUSY = 0.1  # AsyncModelAverage's max_busy_fraction default (one host)
 
 
 @dataclass
@@ -334,10 +336,15 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
         first = allreduce(torch.tensor([_time_allreduce(lg, big, 1)[0]], dtype=torch.float64), op=ReduceOp.MAX,
                           group=lg).item()
         bw = _ring_sent(big, len(hosts)) / max(first, 1e-9)
-        wide = max(big, min(job_bytes, int(_SUSTAINED_S * bw), _SUSTAINED_MAX) // 4096 * 4096)
+
+        def sized(seconds: float, floor: int) -> int:
+            """The job's bytes, up to what the link moves in ``seconds`` (and _SUSTAINED_MAX),
+            in whole pages, at least ``floor``."""
+            return max(floor, min(job_bytes, int(seconds * bw), _SUSTAINED_MAX) // 4096 * 4096)
+        wide = sized(_SUSTAINED_S, big)
         few = reps if wide == big else 2
         out[3], out[4] = _time_allreduce(lg, wide, few)
-        swap = max(wide, min(job_bytes, int(_PAIR_S * bw), _SUSTAINED_MAX) // 4096 * 4096)
+        swap = sized(_PAIR_S, wide)
         out[5] = _time_exchange(lg, small, reps)
         out[6] = _time_exchange(lg, swap, few if swap == wide else 2)
         out[7] = wide  # every rank needs the sizes the leaders chose
@@ -843,11 +850,25 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         STREAMING, "periodic", periodic(DILOCO_H, F * (frag_exposed + frag_cpu)), w8 / DILOCO_H, period=DILOCO_H)
     # AsyncModelAverage: a background thread averages all weights every sync_interval (or back
     # to back when a round takes longer); the step never waits for it. What it costs the step
-    # is the CPU of its rounds (snapshot, copies, reduction, delta, apply: about five passes
-    # over the weights) on cores that compute is using.
+    # is the compute its rounds take from the cores training uses: the thread's weight passes
+    # and the network's CPU, and the training thread's one pass adding the result. Across
+    # hosts the thread copies the weights twice (snapshot and send buffer; a copy moves two
+    # thirds of a pass's bytes), reduces (k-1)/k of them and forms the delta: its passes run
+    # in turn with the allreduce, so they lengthen the round. Measured on 4 emulated hosts at
+    # 1 Gbit, mlp25m, steady state: 182 ms of CPU off the training thread a round (the model:
+    # 3.1 passes of 61 ms at half a core plus 130 ms of socket CPU), rounds of 1.77 s (1.66 s).
+    # With every rank on one host the weights sit in a shared arena: the thread reads every
+    # rank's block it owns and writes their deltas (about two thirds of a pass), and rounds
+    # are spaced so that it is busy at most max_busy_fraction (0.1 by default) of the time.
     census = link.ring(32) if link is not None else 0.0  # the round's agreement: one tiny allreduce
-    round_s = max(AMA_INTERVAL_MS / 1e3, allreduce_fp(param_bytes) / rate + census)
-    round_cpu = 5 * elements * ew + net * _ring_sent(param_bytes, H)
+    if H > 1:
+        k = H
+        thread_s = (2 * 2 / 3 + (k - 1) / k + 1) * elements * ew
+        round_s = max(AMA_INTERVAL_MS / 1e3, allreduce_fp(param_bytes) / rate + census + thread_s)
+    else:
+        thread_s = 2 / 3 * elements * ew
+        round_s = max(AMA_INTERVAL_MS / 1e3, census + thread_s / AMA_MAX_BUSY)
+    round_cpu = thread_s + elements * ew + net * _ring_sent(param_bytes, H)
     per_step = local_step / round_s if round_s > 0 else 0.0
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
         dict(predicted_step_s=local_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu,

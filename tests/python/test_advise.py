@@ -239,6 +239,38 @@ def _realistic(**kw):
 RATES = [10e6 / 8, 100e6 / 8, 1e9 / 8, 10e9 / 8, 100e9 / 8]
 
 
+def test_async_model_average_round_by_hand():
+    """AsyncModelAverage's rounds: across hosts the thread's weight passes (two copies at two
+    thirds of a pass, the reduction's (k-1)/k, the delta) follow its allreduce, so they lengthen
+    the round; a round costs compute those passes, the training thread's one adding the result
+    and the network's CPU; the step pays its share of a round. On one host the rounds are
+    spaced so that the thread is busy a tenth of the time."""
+    from rumor.advisor import AMA_INTERVAL_MS, Link
+
+    B, a, ew, c = 12.5e6, 1e-4, 1e-9, 1e-10  # 100 Mbit: a round outlasts the interval
+    inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
+    m = _measured(elementwise_s_per_element=ew, net_cost_s_per_byte=c, comm_rate_beside_compute=0.5)
+    el = 2e6
+    local = 0.035
+    thread = (4 / 3 + 3 / 4 + 1) * el * ew
+    ring = lambda nbytes: 1.5 * nbytes / B + 6 * a  # noqa: E731
+    round_s = ring(8e6) / 0.5 + ring(32) + thread
+    assert round_s > AMA_INTERVAL_MS / 1e3
+    cost = thread + el * ew + c * 1.5 * 8e6
+    row = _rows(m, inter)["AsyncModelAverage"]
+    assert row["round_s"] == pytest.approx(round_s, rel=REL)
+    assert row["predicted_step_s"] == pytest.approx(local + local / round_s * cost, rel=REL)
+    # one host: the arena's exchange is two thirds of a pass, rounds at most 10% busy
+    intra = Link(n=4, bandwidth_Bps=5e9, latency_s=1e-6)
+    big = 2e9  # large enough that the busy bound, not the interval, spaces the rounds
+    one = _rows(_measured(hosts=1, local_size=4, grad_bytes=big, elementwise_s_per_element=ew), None, intra=intra)
+    thread = 2 / 3 * big / 4 * ew
+    round_s = intra.ring(32) + thread / 0.1
+    assert one["AsyncModelAverage"]["round_s"] == pytest.approx(round_s, rel=REL)
+    assert one["AsyncModelAverage"]["predicted_step_s"] == pytest.approx(
+        local + local / round_s * (thread + big / 4 * ew), rel=REL)
+
+
 def test_model_monotonic_in_bandwidth():
     """More bandwidth never predicts a slower step, and no step is below the local compute."""
     from rumor.advisor import predict, predict_torch
