@@ -333,6 +333,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                     ranking=[r["algorithm"] for r in mean_rows], advices=len(advices),
                     predicted_first=each[0], ranking_first=[r["algorithm"] for r in advice.rows],
                     predicted_each=each, advised_compute_s=[_compute_of(a.measured) for a in advices],
+                    advised_free_s=[a.measured.get("free_step_s", _compute_of(a.measured)) for a in advices],
+                    kinds={r["algorithm"]: r["kind"] for r in advice.rows},
                     background=extras, measured={})
         periods = {r["algorithm"]: r["period"] for r in advice.rows}
         unsync = {r["algorithm"] for r in advice.rows if _unbarriered(r)}
@@ -401,13 +403,16 @@ def summarize(cell: Dict) -> None:
     # where the algorithm's traffic runs into the next step) plus the advisor's compute. On a
     # shared machine whose load changes, that compares what the model adds to compute with
     # what the block really added, apart from the load of the moment.
+    # (The periodic and asynchronous rows' compute is the advisor's mean step of the ranks.)
     pred_compute = statistics.fmean(cell.get("advised_compute_s") or [_compute_of(cell["measured_inputs"])])
+    pred_free = statistics.fmean(cell.get("advised_free_s") or [pred_compute])
     cell["pred_error_load_adjusted"] = {}
     adjusted = {}
     for a, v in cell["measured"].items():
         if v.get("compute_only_s"):
             pred = cell["predicted_torch"] if a == "torch DDP" else cell["predicted"][a]
-            adjusted[a] = max(v["step_measure_s"] - v["compute_only_s"], 0.0) + pred_compute
+            own = pred_free if cell.get("kinds", {}).get(a) in ("periodic", "async") else pred_compute
+            adjusted[a] = max(v["step_measure_s"] - v["compute_only_s"], 0.0) + own
             cell["pred_error_load_adjusted"][a] = pred / adjusted[a] - 1
     # ... and the top pick against the fastest on those load-adjusted steps.
     adj = {a: t for a, t in adjusted.items() if a in meas}
@@ -433,6 +438,9 @@ def print_table(cells: List[Dict], title: str) -> None:
         print(f"compute (forward + backward + optimizer) as the advisor measured it: "
               + ", ".join(f"{t * 1e3:.1f}" for t in each) + " ms"
               + (f" ({len(each)} advices, one per round: predictions are their mean)" if len(each) > 1 else ""))
+        if c.get("advised_free_s"):
+            print("the ranks' mean compute step (the local step of the periodic and asynchronous rows): "
+                  + ", ".join(f"{t * 1e3:.1f}" for t in c["advised_free_s"]) + " ms")
         head = (f"{'rank':>4} {'algorithm':<28} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9} "
                 f"{'compute-only ms':>15} {'load-adj.':>9} {'CPU ms main/beside':>18}")
         print(head)

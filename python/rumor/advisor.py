@@ -46,7 +46,8 @@ measured share of the comm thread's codec and kernel work. Decentralized algorit
 the start of forward: forward + max(backward + network CPU, mixing) + optimizer;
 LowPrecisionDecentralized's exchange runs after the step and, when the model has buffers to
 broadcast, delays the next forward. Periodic algorithms (LocalSGD, DiLoCo, Streaming DiLoCo)
-are a local step plus their round's cost divided by its steps; AsyncModelAverage is a local step
+are a local step (the ranks' mean compute step: nothing makes them wait for each step's
+slowest) plus their round's cost divided by its steps; AsyncModelAverage is that local step
 plus what its background rounds take from compute (weight passes and network CPU), spread over
 the steps of a round. Torch DDP is the same
 model with a flat fp32 ring over all ranks (gloo's own overheads are not modelled).
@@ -705,6 +706,8 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     bc = m.get("buffer_broadcast_s", 0.0)
     compute = m["forward_s"] + m["backward_s"]
     local_step = bc + compute + m["optimizer_s"]  # a step whose backward communicates nothing
+    # ... and one that synchronizes nothing either: the ranks' mean step (periodic, asynchronous)
+    free_step = bc + m.get("free_step_s", compute + m["optimizer_s"])
     # What sending a byte over the network (and receiving one: the ring does both) costs the
     # compute beside it: the sockets' CPU, measured during the link probe, scaled up where the
     # rank gets less than a core (ranks sharing cores). Traffic inside a host is comm time.
@@ -828,7 +831,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
 
     # Periodic averaging: backward communicates nothing; every H-th step pays the average.
     def periodic(every, sync_s):
-        return dict(predicted_step_s=local_step + sync_s / every, exposed_comm_s=sync_s / every)
+        return dict(predicted_step_s=free_step + sync_s / every, exposed_comm_s=sync_s / every)
 
     add(f"LocalSGD every {LOCAL_SGD_EVERY}", "LocalSGD", {"sync_every": LOCAL_SGD_EVERY}, LOCAL_SGD, "periodic",
         periodic(LOCAL_SGD_EVERY, allreduce_fp(param_bytes)), elem / LOCAL_SGD_EVERY, period=LOCAL_SGD_EVERY)
@@ -845,7 +848,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     link = inter if H > 1 else intra
     frag_comm = link.ring(frag * w8, n) / rate if link is not None else 0.0  # beside the inner steps
     frag_cpu = codec_time("ByteGrad", frag) + 8 * frag * ew + net * _ring_sent(frag * w8, n)
-    frag_exposed = max(0.0, frag_comm - tau * local_step)
+    frag_exposed = max(0.0, frag_comm - tau * free_step)
     add(f"StreamingDiLoCo H={DILOCO_H}", "StreamingDiLoCo", {"inner_steps": DILOCO_H, "num_fragments": F},
         STREAMING, "periodic", periodic(DILOCO_H, F * (frag_exposed + frag_cpu)), w8 / DILOCO_H, period=DILOCO_H)
     # AsyncModelAverage: a background thread averages all weights every sync_interval (or back
@@ -869,9 +872,9 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         thread_s = 2 / 3 * elements * ew
         round_s = max(AMA_INTERVAL_MS / 1e3, census + thread_s / AMA_MAX_BUSY)
     round_cpu = thread_s + elements * ew + net * _ring_sent(param_bytes, H)
-    per_step = local_step / round_s if round_s > 0 else 0.0
+    per_step = free_step / round_s if round_s > 0 else 0.0
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
-        dict(predicted_step_s=local_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu,
+        dict(predicted_step_s=free_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu,
              round_s=round_s), elem * per_step)
     # Algorithms that synchronize the ranks every step wait for each step's slowest rank; the
     # periodic ones once a round (the drift of a round is left out), the asynchronous never.
@@ -995,6 +998,12 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         # each step's slowest rank over the slowest rank's median step (4 ranks on 2 cores:
         # cnn's steps 50-100 ms apart between ranks).
         straggler = max(0.0, statistics.fmean(comp[5:].tolist()) - slowest)
+        # Without a per-step synchronization (periodic and asynchronous algorithms) no rank
+        # waits for the slowest of each step: the ranks share the cores over many steps and each
+        # runs at about their mean step. (mlp25m, 4 ranks on 2 cores: local steps of 300-330
+        # ms measured against 380 ms for the slowest rank's phases taken in lockstep.)
+        free = allreduce(torch.tensor([statistics.fmean(totals)], dtype=torch.float64),
+                         op=ReduceOp.SUM).item() / st.env.size
         rt = torch.tensor([ready, first], dtype=torch.float64)
         broadcast_(rt, 0)
         ready, first = rt.tolist()
@@ -1030,7 +1039,7 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
              grad_bytes_per_element=sum(nbytes) / elements, params=len(params),
              dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
              last_ready_s=max(ready), codecs=codecs, elementwise_s_per_element=ew, copy_s_per_element=copy_s,
-             comm_work_steal=steal, straggler_s=straggler,
+             comm_work_steal=steal, straggler_s=straggler, free_step_s=free,
              compute_cpu_share=share, net_cpu_s_per_byte=net_cpu,
              net_cost_s_per_byte=net_cpu / min(1.0, max(share, 0.05)),
              powersgd_rank=POWERSGD_RANK, powersgd_s_per_element=psgd,
@@ -1076,7 +1085,9 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
              f"  compute: forward {m['forward_s'] * 1e3:.1f} ms, backward {m['backward_s'] * 1e3:.1f} ms, "
              f"optimizer {m['optimizer_s'] * 1e3:.1f} ms; last gradient ready {m['last_ready_s'] * 1e3:.1f} ms "
              f"into backward; each step's slowest rank {m.get('straggler_s', 0.0) * 1e3:.1f} ms over that, "
-             f"{m.get('comm_work_steal', 0.0):.2f} of a comm thread's CPU work taken from compute",
+             f"{m.get('comm_work_steal', 0.0):.2f} of a comm thread's CPU work taken from compute"
+             + (f"; the ranks' mean step {m['free_step_s'] * 1e3:.1f} ms (what steps that synchronize nothing take)"
+                if "free_step_s" in m else ""),
              f"  gradients: {m['grad_elements'] / 1e6:.2f} M elements, {m['grad_bytes'] / 1e6:.1f} MB "
              f"({', '.join(m['dtypes'])}) in {m['params']} tensors; {len(m['buckets'])} buckets (25 MB, split where "
              f"gradients come > {SPLIT_GAP_S * 1e3:.0f} ms apart), torch DDP {len(m.get('torch_buckets', ()))}",

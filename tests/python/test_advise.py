@@ -239,6 +239,24 @@ def _realistic(**kw):
 RATES = [10e6 / 8, 100e6 / 8, 1e9 / 8, 10e9 / 8, 100e9 / 8]
 
 
+def test_unsynchronized_steps_take_the_ranks_mean_compute():
+    """Periodic and asynchronous algorithms synchronize no step: their local step is the ranks'
+    mean compute step (free_step_s), not the slowest rank's phases; algorithms that synchronize
+    every step keep the latter."""
+    from rumor.advisor import Link
+
+    B, a = 125e6, 1e-4
+    inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
+    ring = lambda nbytes: 1.5 * nbytes / B + 6 * a  # noqa: E731
+    base = _rows(_measured(), inter)
+    rows = _rows(_measured(free_step_s=0.025), inter)
+    assert rows["LocalSGD every 8"]["predicted_step_s"] == pytest.approx(0.025 + ring(8e6) / 8, rel=REL)
+    assert rows["DiLoCo H=32"]["predicted_step_s"] == pytest.approx(0.025 + ring(8e6) / 32, rel=REL)
+    assert rows["AsyncModelAverage"]["predicted_step_s"] == pytest.approx(0.025, rel=REL)
+    for name in ("GradientAllReduce", "ByteGrad", "Decentralized all", "LowPrecisionDecentralized"):
+        assert rows[name]["predicted_step_s"] == base[name]["predicted_step_s"], name
+
+
 def test_async_model_average_round_by_hand():
     """AsyncModelAverage's rounds: across hosts the thread's weight passes (two copies at two
     thirds of a pass, the reduction's (k-1)/k, the delta) follow its allreduce, so they lengthen
