@@ -6,7 +6,8 @@
   is TCP over loopback): every rank gets the same table, the measured quantities are what the
   model really holds (gradient bytes exactly) and positive, rows are ordered by predicted step
   (ties within 1% go to the more exact algorithm),
-  no prediction is below the measured compute, 1-bit Adam appears only for Adam, and the model
+  no prediction is below the measured compute (the ranks' mean step for the periodic and
+  asynchronous rows), 1-bit Adam appears only for Adam, and the model
   and optimizer come back bit for bit.
 * ``python -m rumor.advise --nproc-per-node 2 script.py`` with a script defining rumor_advise().
 No timing is asserted: the figures are whatever this machine measured.
@@ -508,8 +509,12 @@ def _check(res, hosts, local, adam):
     assert {"GradientAllReduce", "ByteGrad", "QSGD", "fp16", "bf16", "Decentralized all",
             "LowPrecisionDecentralized", "PowerSGD rank 4", "LocalSGD every 8", "DiLoCo H=32",
             "StreamingDiLoCo H=32", "AsyncModelAverage"} <= set(names)
+    # the ranks' mean step (each rank's mean over its compute steps)
+    assert 0 < m["free_step_s"]
     for r in rows:
-        assert r["predicted_step_s"] >= compute * (1 - 1e-12)
+        # steps that synchronize nothing run at the ranks' mean step, the others at the slowest's
+        floor = m["free_step_s"] if r["kind"] in ("periodic", "async") else compute
+        assert r["predicted_step_s"] >= floor * (1 - 1e-12), r["algorithm"]
         assert r["speedup_over_torch"] == pytest.approx(r0["torch"]["predicted_step_s"] / r["predicted_step_s"])
         assert r["caveat"] and r["kind"] in ("exact", "compressed", "decentralized", "periodic", "async")
         assert r["period"] == {"LocalSGD every 8": 8, "DiLoCo H=32": 32, "StreamingDiLoCo H=32": 32}.get(
