@@ -390,6 +390,8 @@ class Job(_common.Job):
 
 
 def summarize(cell: Dict) -> None:
+    from rumor.advisor import UNSYNCHRONIZED_STEPS
+
     meas = {k: v["step_measure_s"] for k, v in cell["measured"].items() if k != "torch DDP"}
     fastest = min(meas, key=meas.get)
     top = next(a for a in cell["ranking"] if a in meas)
@@ -411,7 +413,7 @@ def summarize(cell: Dict) -> None:
     for a, v in cell["measured"].items():
         if v.get("compute_only_s"):
             pred = cell["predicted_torch"] if a == "torch DDP" else cell["predicted"][a]
-            own = pred_free if cell.get("kinds", {}).get(a) in ("periodic", "async") else pred_compute
+            own = pred_free if cell.get("kinds", {}).get(a) in UNSYNCHRONIZED_STEPS else pred_compute
             adjusted[a] = max(v["step_measure_s"] - v["compute_only_s"], 0.0) + own
             cell["pred_error_load_adjusted"][a] = pred / adjusted[a] - 1
     # ... and the top pick against the fastest on those load-adjusted steps.

@@ -161,7 +161,12 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int,
     wall = cpu = 0.0
     try:
         for s in range(warmup + steps):
-            optimizer.zero_grad(set_to_none=False)
+            # As torch's default zero_grad() leaves them: autograd makes fresh gradients. Kept
+            # gradients make backward add into them instead, a temporary and a pass over every
+            # gradient that training does not pay (mlp25m, 4 ranks on 2 cores: backward 186-238
+            # ms kept against 130-165 ms fresh); the wrapper's copy into its buckets is modelled
+            # apart (_grad_copy_s).
+            optimizer.zero_grad(set_to_none=True)
             ready.clear()
             if sync is not None:
                 sync()
@@ -770,8 +775,11 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
             _overlapped(m, onebit, cpu_s=net * _ring_sent(elements * w, n)), w,
             shown="optimizer=rumor.optim.OneBitAdam(...), algorithm=OneBitAdam(optimizer)")
 
-    # PowerSGD: per bucket, P (with the tensors it leaves uncompressed) and Q are two allreduces,
-    # with the three kernels over every compressed matrix; error feedback adds two passes.
+    # PowerSGD: per bucket, P (with the tensors it leaves uncompressed, copied into the send
+    # buffer: one pass) and Q are two allreduces, with the three kernels over every compressed
+    # matrix. The kernels fold error feedback in (project adds the gradient into the error
+    # buffer, reconstruct subtracts the approximation from it), and the probe runs them so: no
+    # passes of its own (counting two more predicted mlp25m's step 15-21% long at 1 Gbit).
     shapes = m.get("shapes")
     if shapes is not None and "powersgd_s_per_element" in m:
         r = m.get("powersgd_rank", POWERSGD_RANK)
@@ -780,7 +788,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         def powersgd(nbytes, b):
             first, second, mat = _powersgd_bucket(shapes, plan[b], r)
             t = allreduce_fp(first * 4) + (allreduce_fp(second * 4) if second else 0.0)
-            return t, mat * (m["powersgd_s_per_element"] + 2 * ew) + first * ew
+            return t, mat * m["powersgd_s_per_element"] + first * ew
         sent = sum(f + q for f, q, _ in (_powersgd_bucket(shapes, b, r) for b in plan))
         add(f"PowerSGD rank {r}", "PowerSGD", {"matrix_approximation_rank": r}, POWERSGD, "compressed",
             _overlapped(m, powersgd, cpu_s=net * _ring_sent(4 * sent, H)), 4 * sent / elements)
@@ -880,13 +888,16 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     # periodic ones once a round (the drift of a round is left out), the asynchronous never.
     wait = m.get("straggler_s", 0.0)
     for r in rows:
-        if r["kind"] in _PER_STEP_SYNC:
+        if r["kind"] in PER_STEP_SYNC:
             r["predicted_step_s"] += wait
             r["exposed_comm_s"] += wait
     return rows
 
 
-_PER_STEP_SYNC = ("exact", "compressed", "decentralized")
+# The kinds whose rows synchronize the ranks every step, and those that synchronize no step
+# (their local step is the ranks' mean compute step, free_step_s).
+PER_STEP_SYNC = ("exact", "compressed", "decentralized")
+UNSYNCHRONIZED_STEPS = ("periodic", "async")
 
 
 def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict:
