@@ -333,7 +333,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                     ranking=[r["algorithm"] for r in mean_rows], advices=len(advices),
                     predicted_first=each[0], ranking_first=[r["algorithm"] for r in advice.rows],
                     predicted_each=each, advised_compute_s=[_compute_of(a.measured) for a in advices],
-                    advised_free_s=[a.measured.get("free_step_s", _compute_of(a.measured)) for a in advices],
+                    advised_free_s=[a.measured["free_step_s"] for a in advices],
                     kinds={r["algorithm"]: r["kind"] for r in advice.rows},
                     background=extras, measured={})
         periods = {r["algorithm"]: r["period"] for r in advice.rows}

@@ -681,7 +681,7 @@ def test_compute_steps_start_after_the_sync():
 def test_compute_steps_start_without_gradients():
     """Each compute step starts as a training step after torch's default zero_grad() does: no
     gradients, so backward makes fresh ones (kept gradients would be added into, a pass that
-    training does not pay), and the model's gradients are restored afterwards."""
+    training does not pay)."""
     import torch
 
     from rumor.advisor import _default_loss, _measure_compute
