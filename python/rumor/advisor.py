@@ -145,7 +145,10 @@ def _default_loss(model, batch):
 def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int,
                      sync: Optional[Callable[[], None]] = None):
     """sync (untimed) before every step starts the ranks' steps together, as a wrapper that
-    synchronizes every step does: their spread then is the wait such a step pays."""
+    synchronizes every step does: their spread then is the wait such a step pays. Returns
+    (params, forward, backward, optimizer (medians), each gradient's median ready time into
+    backward, its ready time in the first step, CPU share, each measured step's ready times
+    from the step's start, each measured step's time)."""
     params = [p for p in model.parameters() if p.requires_grad]
     ready = {}
     t_bwd = [0.0]
@@ -156,7 +159,7 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int,
         return hook
 
     handles = [p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(params)]
-    fwd, bwd, opt, readies, totals = [], [], [], [], []
+    fwd, bwd, opt, readies, since_start, totals = [], [], [], [], [], []
     first = None
     wall = cpu = 0.0
     try:
@@ -189,13 +192,14 @@ def _measure_compute(model, optimizer, batch, loss_fn, steps: int, warmup: int,
                 opt.append(t3 - t2)
                 totals.append(t3 - t0)
                 readies.append([ready.get(i, t2 - t1) for i in range(len(params))])
+                since_start.append([t1 - t0 + r for r in readies[-1]])
     finally:
         for h in handles:
             h.remove()
     med = [statistics.median(r[i] for r in readies) for i in range(len(params))]
     share = cpu / wall if wall > 0 else 1.0  # CPU seconds per second of compute (threads, sharing)
     return (params, statistics.median(fwd), statistics.median(bwd), statistics.median(opt), med, first, share,
-            totals)
+            since_start, totals)
 
 
 def _ring_sent(nbytes: float, n: int) -> float:
@@ -281,6 +285,36 @@ def _time_exchange(group, nbytes: int, reps: int) -> float:
     return _least_disturbed(swap, reps)[0]
 
 
+def _local_ends_ops(group, nbytes: int) -> Tuple[Callable[[], None], Callable[[], None]]:
+    """(reduce to the group's first rank then broadcast from it, the broadcast alone) of nbytes:
+    the two legs a hierarchical allreduce runs inside a host around the leaders' exchange.
+    Called on the C++ communicator directly: the Python reduce copies its input, which at a
+    bucket's size would be timed with it."""
+    from . import _runtime
+    from ._tensor import address, dtype_code
+    from .collectives import ReduceOp
+
+    c = group._comm
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    code, n = dtype_code(buf.dtype, "rumor.advise"), buf.numel()
+    wait_s = float(_runtime._get().timeout) * 4  # the ops carry their own deadline
+
+    def bcast():
+        c.broadcast(address(buf), n, code, 0, True).wait(wait_s)
+
+    def ends():
+        # SUM as the op does; from ones the values stay small integers over any reps.
+        c.reduce(address(buf), n, code, int(ReduceOp.SUM), 0, True).wait(wait_s)
+        bcast()
+    return ends, bcast
+
+
+def _time_local_ends(group, nbytes: int, reps: int) -> Tuple[float, float]:
+    """Seconds of the least disturbed repetition of each of _local_ends_ops."""
+    ends, bcast = _local_ends_ops(group, nbytes)
+    return _least_disturbed(ends, reps)[0], _least_disturbed(bcast, reps)[0]
+
+
 def _link_of(d: Optional[Dict]) -> Optional[Link]:
     return None if d is None else Link(n=d["ranks"], bandwidth_Bps=d["bandwidth_Bps"], latency_s=d["latency_s"],
                                        samples=list(d.get("samples", [])))
@@ -304,13 +338,25 @@ _SUSTAINED_MAX = 128 * _MB
 _PAIR_S = 2.0
 
 
+# Inside a host, where hosts have several ranks, the probes run at the job's size up to this
+# much: the hierarchical allreduce moves whole buckets through shared memory, and a 4 MB probe
+# stays in the cache. 2 emulated hosts x 2 ranks, mlp25m: a 64 MB bucket's reduce + broadcast
+# took 90 ms (median) in training, where the ring at the 4 MB probe's rate priced 41 ms; the
+# model left 100-200 ms of the step out.
+_LOCAL_MAX = 64 * _MB
+
+
 def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]] = None, job_bytes: int = 0):
     """Ring allreduce inside each host (all hosts at once) and among one rank per host; every
     rank gets the slowest figures. Among the host leaders also a pairwise swap (one peer, both
     directions: what shift_one's mixing does) and, with ``busy`` (one step of compute), the
     ring allreduce again while every rank computes beside it. Between hosts the large size
-    grows toward ``job_bytes`` (see _SUSTAINED_S). Creates the groups it needs (collectively,
-    on every rank)."""
+    grows toward ``job_bytes`` (see _SUSTAINED_S). Where hosts have several ranks, also the
+    hierarchical allreduce's ends inside each host (reduce + broadcast, and broadcast alone),
+    all three local probes at the job's size (see _LOCAL_MAX). Creates the groups it needs
+    (collectively, on every rank). Returns (hosts, ranks per host, intra, inter, pair, the
+    network's CPU per byte sent, its rate beside compute, ends, broadcast, the ends' rate
+    beside compute)."""
     from . import _runtime
     from .collectives import ReduceOp, allreduce
     from ._runtime import new_group
@@ -324,14 +370,21 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
     me = st.env.rank
     small = 4 * 1024
     big = max(link_bytes, 4 * small)
-    out = torch.zeros(9, dtype=torch.float64)
+    out = torch.zeros(13, dtype=torch.float64)
     local_n = max(len(m) for m in members.values())
+    local_big = big
+    if local_n > 1 and len(hosts) > 1:
+        local_big = max(big, min(job_bytes, _LOCAL_MAX) // 4096 * 4096)
     if local_n > 1:
         groups = {h: new_group(members[h]) if len(members[h]) > 1 else None for h in hosts}
         g = groups[st.hosts[me]]
         if g is not None:
+            few = reps if local_big == big else min(reps, 3)
             out[0] = _time_allreduce(g, small, reps)[0]
-            out[1] = _time_allreduce(g, big, reps)[0]
+            out[1] = _time_allreduce(g, local_big, few)[0]
+            if len(hosts) > 1:
+                out[9], out[10] = _time_local_ends(g, small, reps)
+                out[11], out[12] = _time_local_ends(g, local_big, few)
     lg, leaders = None, []
     if len(hosts) > 1:
         leaders = [members[h][0] for h in hosts]
@@ -358,27 +411,47 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
     out = allreduce(out, op=ReduceOp.MAX)
     t = out.tolist()
     wide = int(t[7]) if lg is not None else big
-    intra = _fit(local_n, t[0], t[1], small, big) if local_n > 1 else None
+    intra = _fit(local_n, t[0], t[1], small, local_big) if local_n > 1 else None
     inter = _fit(len(hosts), t[2], t[3], small, wide) if len(hosts) > 1 else None
     pair = _fit_hop(t[5], t[6], small, int(t[8])) if len(hosts) > 1 and t[6] > 0 else None
-    rate = 1.0
+    ends = bcast = None
+    if local_n > 1 and len(hosts) > 1:
+        ends = _fit_hop(t[9], t[11], small, local_big)
+        bcast = _fit_hop(t[10], t[12], small, local_big)
+    rate = local_rate = 1.0
     if lg is not None and busy is not None:
         rate = _comm_rate_beside(lg, wide, t[3], busy)
-    return len(hosts), local_n, intra, inter, pair, t[4], rate
+    if ends is not None and busy is not None:
+        # The legs inside a host are memory copies on the comm thread: beside compute that
+        # shares the cores they slow far more than the sockets do (2 emulated hosts x 2 ranks,
+        # mlp25m: a 64 MB reduce took 173 ms beside backward, 50-70 alone).
+        g = groups[st.hosts[me]]
+        run = _local_ends_ops(g, local_big)[0] if g is not None else (lambda: None)
+        local_rate = _rate_beside(run, g is not None, t[11], busy)
+    return len(hosts), local_n, intra, inter, pair, t[4], rate, ends, bcast, local_rate
 
 
 def _comm_rate_beside(lg, nbytes: int, alone_s: float, busy: Callable[[], None], reps: int = 2) -> float:
     """How fast the network ring runs while every rank computes (1 = as fast as alone): the
     leaders time a ring allreduce of nbytes on a thread while every rank runs ``busy`` for
     about twice its time alone. The comm thread, the sockets and compute share the cores."""
+    from . import _runtime
+    from .collectives import allreduce_
+
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    lead = _runtime._get().env.rank in lg.ranks
+    return _rate_beside(lambda: allreduce_(buf, group=lg, algorithm="ring"), lead, alone_s, busy, reps)
+
+
+def _rate_beside(op: Callable[[], object], member: bool, alone_s: float, busy: Callable[[], None],
+                 reps: int = 2) -> float:
+    """How fast ``op`` (a collective of the ranks where ``member``, alone_s seconds alone) runs
+    while every rank computes: it runs on a thread while every rank runs ``busy`` for about
+    twice its time alone; the slowest member's figure, on every rank (collective)."""
     import threading
 
-    from . import _runtime
-    from .collectives import ReduceOp, allreduce, allreduce_, barrier
+    from .collectives import ReduceOp, allreduce, barrier
 
-    me = _runtime._get().env.rank
-    lead = me in lg.ranks
-    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     t0 = time.perf_counter()
     busy()
     one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
@@ -390,10 +463,10 @@ def _comm_rate_beside(lg, nbytes: int, alone_s: float, busy: Callable[[], None],
 
         def comm():
             c0 = time.perf_counter()
-            allreduce_(buf, group=lg, algorithm="ring")
+            op()
             took[0] = time.perf_counter() - c0
         barrier()
-        th = threading.Thread(target=comm) if lead else None
+        th = threading.Thread(target=comm) if member else None
         c0 = time.perf_counter()
         if th is not None:
             th.start()
@@ -402,7 +475,7 @@ def _comm_rate_beside(lg, nbytes: int, alone_s: float, busy: Callable[[], None],
         c = time.perf_counter() - c0
         if th is not None:
             th.join()
-        if lead and took[0] > 0:
+        if member and took[0] > 0:
             T = took[0]
             # Progress beside compute at rate r, alone after it: T = c + (alone - r c) when the
             # comm outlasts compute, else T = alone / r.
@@ -617,6 +690,22 @@ def _beside(m: Dict) -> float:
     return min(1.0, max(0.1, m.get("comm_rate_beside_compute", 1.0))) if m["hosts"] > 1 else 1.0
 
 
+def _local_beside(m: Dict) -> float:
+    """The hierarchical legs inside a host beside compute, as a fraction of their rate alone (1
+    where they were not measured: one host, one rank per host, older tables)."""
+    return min(1.0, max(0.1, m.get("local_rate_beside_compute", 1.0)))
+
+
+def _rate_of(m: Dict, link_s: float, local_s: float) -> float:
+    """The rate beside compute of link_s seconds of communication of which local_s run in the
+    legs inside a host and the rest on the network."""
+    r, rl = _beside(m), _local_beside(m)
+    if link_s <= 0 or local_s <= 0:
+        return r
+    local_s = min(local_s, link_s)
+    return link_s / ((link_s - local_s) / r + local_s / rl)
+
+
 def _finish(start: float, work: float, busy_until: float, rate: float) -> float:
     """When communication of ``work`` seconds (alone) started at ``start`` ends, where it runs
     at ``rate`` of its speed until compute ends at ``busy_until``, then at full speed."""
@@ -639,30 +728,49 @@ def _grad_copy_s(m: Dict) -> float:
 
 
 def _overlapped(m: Dict, comm_of: Callable[..., float], key: str = "buckets", cpu_s: float = 0.0,
-                copies: int = 1) -> Dict:
+                copies: int = 1, local_of: Optional[Callable[[float, int], float]] = None) -> Dict:
     """Buckets communicate in order, each from when it is ready and the one before is done;
     comm_of(bytes, bucket index) -> seconds on the links, or (seconds on the links, seconds of
     codec or kernel work on the comm thread). Until backward ends, the links' part runs at the
-    measured rate beside compute (the work's part is measured with every rank busy already).
+    measured rate beside compute (the work's part is measured with every rank busy already);
+    local_of(bytes, bucket index) -> the seconds of those links' spent in the legs inside a
+    host, which beside compute run at their own measured rate.
     Before forward the wrapper broadcasts the module's buffers. cpu_s: what the step's network
     traffic costs the compute it runs beside (backward stretched by the CPU it loses).
     Backward also pays the first of ``copies`` gradient copies (the wrapper's move into the
     buckets) and the measured share of the comm thread's work (_steal); a second copy (torch
-    DDP's copy back out of its buckets) comes after the last bucket."""
+    DDP's copy back out of its buckets) comes after the last bucket. Every rank waits for
+    each step's slowest (straggler_s): it lengthens compute, and the buckets' ready times are
+    already the last rank's, so a step bound by its communication pays no more.
+    What compute loses before a bucket is ready also makes that bucket late: the copies of the
+    gradients so far, and the CPU of the buckets that communicated beside backward (their
+    share of cpu_s by bytes, and the taken share of their work). (2 emulated hosts x 2 ranks,
+    mlp25m, a timeline: its 64 MB bucket was ready 150 ms later into backward in training than
+    in the advisor's compute steps, about 90 ms of it that minute's slower compute, with a 16
+    MB bucket's exchange running beside backward.)"""
     rows = []
     for b, (ready, nbytes) in enumerate(m[key]):
         c = comm_of(nbytes, b)
-        rows.append((ready, c if isinstance(c, tuple) else (c, 0.0)))
+        rows.append((ready, nbytes, c if isinstance(c, tuple) else (c, 0.0),
+                     local_of(nbytes, b) if local_of is not None else 0.0))
     copy_s = _grad_copy_s(m)
-    cpu_s += copy_s + _steal(m) * sum(w for _, (_, w) in rows)
+    steal = _steal(m)
+    total = sum(nbytes for _, nbytes, _, _ in rows) or 1
+    net_s = cpu_s
+    cpu_s += copy_s + steal * sum(w for _, _, (_, w), _ in rows)
+    wait = m.get("straggler_s", 0.0)
     busy = m["backward_s"] + cpu_s
-    t = 0.0
-    rate = _beside(m)
-    for ready, (link_s, work_s) in rows:
-        t = _finish(max(t, ready) + work_s, link_s, busy, rate)
+    t = lost = 0.0
+    for ready, nbytes, (link_s, work_s), local_s in rows:
+        lost += copy_s * nbytes / total
+        start = max(t, ready + lost)
+        t = _finish(start + work_s, link_s, busy, _rate_of(m, link_s, local_s))
+        computing = m["backward_s"] + lost  # until when backward still runs
+        if start < computing:
+            lost += (net_s * nbytes / total + steal * work_s) * min(1.0, (computing - start) / max(t - start, 1e-12))
     after = (copies - 1) * copy_s
-    step = m.get("buffer_broadcast_s", 0.0) + m["forward_s"] + max(busy, t) + after + m["optimizer_s"]
-    return dict(predicted_step_s=step, exposed_comm_s=max(cpu_s, t - m["backward_s"]) + after)
+    step = m.get("buffer_broadcast_s", 0.0) + m["forward_s"] + max(busy + wait, t) + after + m["optimizer_s"]
+    return dict(predicted_step_s=step, exposed_comm_s=max(cpu_s + wait, t - m["backward_s"]) + after)
 
 
 def _broadcast_s(nbytes: float, n: int, intra: Optional[Link], inter: Optional[Link], H: int, L: int) -> float:
@@ -718,15 +826,26 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     # rank gets less than a core (ranks sharing cores). Traffic inside a host is comm time.
     net = _net_cost(m)
 
-    def local(nbytes):  # full-precision reduce + broadcast inside a host (hierarchical's ends)
+    ends_link, bcast_link = _link_of(m.get("intra_ends")), _link_of(m.get("intra_broadcast"))
+
+    def local(nbytes):  # an allreduce inside a host: the shared-memory ring
         return intra.ring(nbytes) if intra is not None and L > 1 else 0.0
+
+    def ends(nbytes):  # the hierarchical allreduce's legs inside a host: reduce to the leader, broadcast back
+        if L <= 1:
+            return 0.0
+        # (tables measured before the ends were: the ring, as they were predicted then)
+        return ends_link.hop(nbytes) if ends_link is not None else local(nbytes)
+
+    def bcast(nbytes):  # the leader's broadcast to its host, hierarchical mixing's last leg
+        return bcast_link.hop(nbytes) if bcast_link is not None and L > 1 else 0.0
 
     def across(nbytes):
         return inter.ring(nbytes) if inter is not None and H > 1 else 0.0
 
     def allreduce_fp(nbytes, *_):
         if H > 1:
-            return local(nbytes) + across(nbytes)  # hierarchical (the communicator's own pick)
+            return ends(nbytes) + across(nbytes)  # hierarchical (the communicator's own pick)
         return local(nbytes)
 
     def codec_time(name, elements):
@@ -742,7 +861,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
             if H == 1:  # one host: hierarchical compressed algorithms use the shared-memory allreduce
                 return local(nbytes)
             el = nbytes / elem
-            return local(nbytes) + across(el * w), codec_time(name, el)
+            return ends(nbytes) + across(el * w), codec_time(name, el)
         return comm
 
     rows = []
@@ -752,17 +871,22 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         rows.append(dict(algorithm=name, kwargs=shown or f"algorithm={cls}({args})", ctor=dict(cls=cls, kwargs=kwargs),
                          caveat=caveat, kind=kind, period=period, wire_bytes_per_element=wire, **res))
 
+    def legs(nbytes, *_):  # the part of allreduce_fp spent inside the host (its own rate beside compute)
+        return ends(nbytes) if H > 1 else 0.0
+
     fp_cpu = net * _ring_sent(param_bytes, H)
-    add("GradientAllReduce", "GradientAllReduce", {}, EXACT, "exact", _overlapped(m, allreduce_fp, cpu_s=fp_cpu), elem)
+    add("GradientAllReduce", "GradientAllReduce", {}, EXACT, "exact",
+        _overlapped(m, allreduce_fp, cpu_s=fp_cpu, local_of=legs), elem)
     if H > 1 and L > 1:
         add("GradientAllReduce hierarchical", "GradientAllReduce", {"hierarchical": True}, EXACT, "exact",
-            _overlapped(m, allreduce_fp, cpu_s=fp_cpu), elem)
+            _overlapped(m, allreduce_fp, cpu_s=fp_cpu, local_of=legs), elem)
     for name, cls, kw, cav in (("ByteGrad", "ByteGrad", {}, COMPRESSED), ("QSGD", "QSGD", {"levels": 16}, COMPRESSED),
                                ("fp16", "LowPrecision", {"dtype": "float16"}, HALF),
                                ("bf16", "LowPrecision", {"dtype": "bfloat16"}, HALF)):
         w = codecs[name]["wire_bytes_per_element"]
         add(name, cls, kw, cav, "compressed",
-            _overlapped(m, compressed(name), cpu_s=net * _ring_sent(elements * w, H)), w if H > 1 else elem)
+            _overlapped(m, compressed(name), cpu_s=net * _ring_sent(elements * w, H), local_of=legs),
+            w if H > 1 else elem)
     if adam:
         w = codecs["1-bit"]["wire_bytes_per_element"]
 
@@ -789,27 +913,35 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
             first, second, mat = _powersgd_bucket(shapes, plan[b], r)
             t = allreduce_fp(first * 4) + (allreduce_fp(second * 4) if second else 0.0)
             return t, mat * m["powersgd_s_per_element"] + first * ew
+        def powersgd_legs(nbytes, b):
+            first, second, _ = _powersgd_bucket(shapes, plan[b], r)
+            return legs(first * 4) + (legs(second * 4) if second else 0.0)
         sent = sum(f + q for f, q, _ in (_powersgd_bucket(shapes, b, r) for b in plan))
         add(f"PowerSGD rank {r}", "PowerSGD", {"matrix_approximation_rank": r}, POWERSGD, "compressed",
-            _overlapped(m, powersgd, cpu_s=net * _ring_sent(4 * sent, H)), 4 * sent / elements)
+            _overlapped(m, powersgd, cpu_s=net * _ring_sent(4 * sent, H), local_of=powersgd_legs),
+            4 * sent / elements)
 
     rate = _beside(m)
 
-    def decentralized(mix_s, cpu_s):
-        mix_s = _finish(0.0, mix_s, compute + cpu_s, rate)
+    def decentralized(mix_s, cpu_s, local_s=0.0):
+        mix_s = _finish(0.0, mix_s, compute + cpu_s, _rate_of(m, mix_s, local_s))
         step = bc + max(compute + cpu_s, mix_s) + m["optimizer_s"]
         return dict(predicted_step_s=step, exposed_comm_s=max(cpu_s, mix_s - compute))
 
-    # Weight mixing over hosts (hierarchical=True, the default): average inside each host, one
-    # exchange among the host leaders, broadcast inside the host.
+    # Weight mixing (hierarchical=True, the default), bucket by bucket on the comm thread from
+    # the start of forward. "all" copies each weight bucket and averages it with the
+    # hierarchical allreduce (a timeline of mlp25m on 2 hosts x 2 ranks); the others average
+    # inside each host (its ring), exchange among the host leaders and broadcast inside the host.
+    wcopy = elements * m.get("copy_s_per_element", 0.0)
     add("Decentralized all", "Decentralized", {"peer_selection": "all"}, DECENTRALIZED, "decentralized",
-        decentralized(allreduce_fp(param_bytes), fp_cpu), elem)
+        decentralized(wcopy + allreduce_fp(param_bytes), fp_cpu, wcopy + legs(param_bytes)), elem)
     # The exchange with one peer, both ways at once (measured as such: each host's link then
     # carries its data out beside the acknowledgements of what it receives).
     pair = _link_of(m.get("pair")) or inter
     peer = (pair.hop(param_bytes) if H > 1 and pair is not None else 0.0)
     add("Decentralized shift_one", "Decentralized", {"peer_selection": "shift_one"}, DECENTRALIZED,
-        "decentralized", decentralized(local(param_bytes) + peer, net * param_bytes), elem)
+        "decentralized", decentralized(local(param_bytes) + peer + bcast(param_bytes), net * param_bytes,
+                                       (local(param_bytes) + bcast(param_bytes)) if H > 1 else 0.0), elem)
 
     # LowPrecisionDecentralized: after optimizer.step() (blocking) the weights mix toward the
     # neighbours' replicas and the difference is encoded and decoded once; the encoded
@@ -820,12 +952,15 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     c8 = codecs["ByteGrad"]
     w8 = c8["wire_bytes_per_element"]
     peers = 2 if H > 2 else 1
-    prep = local(param_bytes)
+    prep = local(param_bytes) + bcast(param_bytes)  # the host's allreduce before the mix, the broadcast after
     xchg = 0.0
     if H > 1 and inter is not None:
         # the mix toward the replicas is one fused pass over six arrays (twice c = a + b's
-        # traffic), then the encode and the decode into the tracked copy
-        prep += elements * (2 * ew + c8["encode_s_per_element"] + c8["decode_s_per_element"])
+        # traffic), then the encode and the decode into the tracked copy. Only the host leaders
+        # do it, the other ranks waiting for the broadcast: the leaders then get the cores the
+        # per-element figures (measured with every rank busy) shared with them.
+        lead_speed = min(float(L), 1.0 / max(m.get("compute_cpu_share", 1.0), 0.05)) if L > 1 else 1.0
+        prep += elements * (2 * ew + c8["encode_s_per_element"] + c8["decode_s_per_element"]) / max(lead_speed, 1.0)
         xchg = peers * elements * w8 / pair.bandwidth_Bps + pair.latency_s + peers * elements * c8["decode_s_per_element"]
     if m.get("buffer_bytes", 0) > 0:
         lp = dict(predicted_step_s=xchg + local_step + prep, exposed_comm_s=xchg + prep)
@@ -884,11 +1019,12 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
         dict(predicted_step_s=free_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu,
              round_s=round_s), elem * per_step)
-    # Algorithms that synchronize the ranks every step wait for each step's slowest rank; the
-    # periodic ones once a round (the drift of a round is left out), the asynchronous never.
+    # Algorithms that synchronize the ranks every step wait for each step's slowest rank (the
+    # bucketed ones in _overlapped); the periodic ones once a round (the drift of a round is
+    # left out), the asynchronous never.
     wait = m.get("straggler_s", 0.0)
     for r in rows:
-        if r["kind"] in PER_STEP_SYNC:
+        if r["kind"] == "decentralized":
             r["predicted_step_s"] += wait
             r["exposed_comm_s"] += wait
     return rows
@@ -912,9 +1048,7 @@ def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict
     # gradient_as_bucket_view=False, its default: each gradient is copied into its bucket
     # during backward and back out after the allreduce.
     res = _overlapped(m, comm, "torch_buckets" if "torch_buckets" in m else "buckets", cpu_s=cpu, copies=2)
-    wait = m.get("straggler_s", 0.0)
-    return dict(algorithm="torch DDP", predicted_step_s=res["predicted_step_s"] + wait,
-                exposed_comm_s=res["exposed_comm_s"] + wait)
+    return dict(algorithm="torch DDP", predicted_step_s=res["predicted_step_s"], exposed_comm_s=res["exposed_comm_s"])
 
 
 def _py(v) -> str:
@@ -998,9 +1132,9 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         loss_fn(model, sample_batch).backward()
 
     try:
-        params, fwd, bwd, opt_s, ready, first, share, totals = _measure_compute(
+        params, fwd, bwd, opt_s, ready, first, share, since_start, totals = _measure_compute(
             model, optimizer, sample_batch, loss_fn, steps, warmup, sync=barrier if st.env.size > 1 else None)
-        # The slowest rank's compute; rank 0's ready times (the wrapper's buckets follow its order).
+        # The slowest rank's compute; rank 0's ready order (the wrapper's buckets follow it).
         comp = allreduce(torch.tensor([fwd, bwd, opt_s, -share, statistics.median(totals)] + totals,
                                       dtype=torch.float64), op=ReduceOp.MAX)
         fwd, bwd, opt_s, share, slowest = comp[:5].tolist()
@@ -1018,9 +1152,17 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         rt = torch.tensor([ready, first], dtype=torch.float64)
         broadcast_(rt, 0)
         ready, first = rt.tolist()
+        # A bucket's allreduce ends only once its last rank has the bucket: in a step that starts
+        # the ranks together, a gradient is ready everywhere at the latest of its ranks' ready
+        # times (from the step's start), median over the steps, counted from the slowest rank's
+        # forward. (mlp25m, 4 ranks on 2 cores: its 64 MB bucket ready everywhere 435 ms into
+        # backward, on rank 0 at 339 ms; in training on 2 hosts x 2 ranks the bucket's exchange
+        # started about 100 ms after rank 0 had it ready.)
+        synced = allreduce(torch.tensor(since_start, dtype=torch.float64), op=ReduceOp.MAX).t().tolist()
+        ready_all = [max(0.0, statistics.median(col) - fwd) for col in synced]
         nbytes = [p.numel() * p.element_size() for p in params]
-        hosts, local_n, intra, inter, pair, net_cpu, beside = _measure_links(int(link_mb * _MB), link_reps, busy,
-                                                                             sum(nbytes))
+        hosts, local_n, intra, inter, pair, net_cpu, beside, ends, bcast, local_beside = _measure_links(
+            int(link_mb * _MB), link_reps, busy, sum(nbytes))
         steal = _measure_steal(busy, sum(p.numel() for p in params))
     finally:
         model.load_state_dict(model_sd)
@@ -1049,7 +1191,7 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
              optimizer_s=opt_s, grad_elements=elements, grad_bytes=sum(nbytes),
              grad_bytes_per_element=sum(nbytes) / elements, params=len(params),
              dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
-             last_ready_s=max(ready), codecs=codecs, elementwise_s_per_element=ew, copy_s_per_element=copy_s,
+             last_ready_s=max(ready_all), codecs=codecs, elementwise_s_per_element=ew, copy_s_per_element=copy_s,
              comm_work_steal=steal, straggler_s=straggler, free_step_s=free,
              compute_cpu_share=share, net_cpu_s_per_byte=net_cpu,
              net_cost_s_per_byte=net_cpu / min(1.0, max(share, 0.05)),
@@ -1057,11 +1199,12 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
              shapes=[list(p.shape) for p in params], buffer_bytes=buffer_bytes,
              buffer_broadcast_s=_broadcast_s(buffer_bytes, st.env.size, intra, inter, hosts, local_n),
              intra=_link_dict(intra), inter=_link_dict(inter), pair=_link_dict(pair),
-             comm_rate_beside_compute=beside)
+             intra_ends=_link_dict(ends), intra_broadcast=_link_dict(bcast),
+             comm_rate_beside_compute=beside, local_rate_beside_compute=local_beside)
     plan = bucket_plan(ready, nbytes, first=first)
     m["bucket_params"] = plan
-    m["buckets"] = _bucket_times(plan, ready, nbytes)
-    m["torch_buckets"] = _bucket_times(torch_bucket_plan(ready, nbytes, first=first), ready, nbytes)
+    m["buckets"] = _bucket_times(plan, ready_all, nbytes)
+    m["torch_buckets"] = _bucket_times(torch_bucket_plan(ready, nbytes, first=first), ready_all, nbytes)
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or "adam" in type(optimizer).__name__.lower()
     rows = predict(m, intra, inter, adam)
     tref = predict_torch(m, intra, inter)
@@ -1094,7 +1237,7 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
     lines = [f"rumor advisor: {m['ranks']} ranks on {m['hosts']} host(s), up to {m['local_size']} per host",
              "measured (slowest rank):",
              f"  compute: forward {m['forward_s'] * 1e3:.1f} ms, backward {m['backward_s'] * 1e3:.1f} ms, "
-             f"optimizer {m['optimizer_s'] * 1e3:.1f} ms; last gradient ready {m['last_ready_s'] * 1e3:.1f} ms "
+             f"optimizer {m['optimizer_s'] * 1e3:.1f} ms; last gradient ready on every rank {m['last_ready_s'] * 1e3:.1f} ms "
              f"into backward; each step's slowest rank {m.get('straggler_s', 0.0) * 1e3:.1f} ms over that, "
              f"{m.get('comm_work_steal', 0.0):.2f} of a comm thread's CPU work taken from compute"
              + (f"; the ranks' mean step {m['free_step_s'] * 1e3:.1f} ms (what steps that synchronize nothing take)"
@@ -1112,6 +1255,11 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
             size = f", fitted up to {link['samples'][-1][0] / 1e6:.1f} MB" if link.get("samples") else ""
             lines.append(f"  {what}: {_rate(link['bandwidth_Bps'])}, {link['latency_s'] * 1e6:.0f} us per hop "
                          f"({link['ranks']} ranks{size})")
+            if key == "intra" and m.get("intra_ends") is not None:
+                e, b = m["intra_ends"], m.get("intra_broadcast") or {}
+                lines.append(f"  the hierarchical allreduce's legs inside a host (reduce to the leader + its broadcast): "
+                             f"{_rate(e['bandwidth_Bps'])}, {e['latency_s'] * 1e6:.0f} us; the broadcast alone "
+                             f"{_rate(b.get('bandwidth_Bps', 0.0))}")
             if key == "inter" and m.get("pair") is not None:
                 p = m["pair"]
                 lines.append(f"  a swap with one peer between hosts (both ways at once): {_rate(p['bandwidth_Bps'])}, "

@@ -101,6 +101,67 @@ def test_prediction_model_by_hand():
     assert "1-bit Adam" not in rows2 and "GradientAllReduce hierarchical" in rows2
 
 
+def test_hierarchical_legs_inside_a_host_by_hand():
+    """With several ranks on each of several hosts, the hierarchical allreduce reduces to the
+    host's leader and broadcasts back (the measured ends, not the host's ring); hierarchical
+    mixing is the host's ring, the leaders' exchange and the leader's broadcast."""
+    from rumor.advisor import Link
+
+    B, a = 125e6, 1e-4
+    inter = Link(n=2, bandwidth_Bps=B, latency_s=a)
+    intra = Link(n=2, bandwidth_Bps=4e9, latency_s=1e-5)
+    ends, bcast = Link(2, 1e9, 2e-5), Link(2, 3e9, 1e-5)
+    m = _measured(ranks=4, hosts=2, local_size=2, intra_ends=dict(ranks=2, bandwidth_Bps=1e9, latency_s=2e-5),
+                  intra_broadcast=dict(ranks=2, bandwidth_Bps=3e9, latency_s=1e-5))
+    rows = _rows(m, inter, intra=intra)
+    ring = lambda nbytes: nbytes / B + 2 * a  # noqa: E731  (two hosts)
+    t1 = 0.005 + ends.hop(1e6) + ring(1e6)
+    t2 = max(t1, 0.02) + ends.hop(7e6) + ring(7e6)
+    for name in ("GradientAllReduce", "GradientAllReduce hierarchical"):
+        assert rows[name]["predicted_step_s"] == pytest.approx(0.01 + max(0.02, t2) + 0.005, rel=REL), name
+    # ByteGrad: full precision to the leader and back, a quarter of the bytes between hosts
+    t1 = 0.005 + ends.hop(1e6) + ring(0.25e6)
+    t2 = max(t1, 0.02) + ends.hop(7e6) + ring(1.75e6)
+    assert rows["ByteGrad"]["predicted_step_s"] == pytest.approx(0.01 + max(0.02, t2) + 0.005, rel=REL)
+    # "all" averages the weights with the hierarchical allreduce; the other selections run the
+    # host's ring, the leaders' exchange and the leader's broadcast
+    mix = ends.hop(8e6) + ring(8e6)
+    assert rows["Decentralized all"]["predicted_step_s"] == pytest.approx(max(0.03, mix) + 0.005, rel=REL)
+    mix = intra.ring(8e6) + (8e6 / B + a) + bcast.hop(8e6)
+    assert rows["Decentralized shift_one"]["predicted_step_s"] == pytest.approx(max(0.03, mix) + 0.005, rel=REL)
+    # Beside compute the legs inside a host run at their own measured rate: a mix of l seconds
+    # there and n on the network progresses at (l + n) / (l / r_local + n / r_network) until
+    # compute ends
+    slow = _rows(dict(m, local_rate_beside_compute=0.25, comm_rate_beside_compute=0.5, backward_s=0.5), inter,
+                 intra=intra)
+    legs, net = ends.hop(8e6), ring(8e6)
+    rate = (legs + net) / (legs / 0.25 + net / 0.5)
+    assert (legs + net) / rate < 0.51  # all of it beside compute
+    assert slow["Decentralized all"]["predicted_step_s"] == pytest.approx(0.51 + 0.005, rel=REL)
+    fast = _rows(dict(m, local_rate_beside_compute=0.25, comm_rate_beside_compute=0.5, backward_s=0.1), inter,
+                 intra=intra)
+    beside = 0.11 * rate  # of the mix's time alone, done by the end of compute
+    assert fast["Decentralized all"]["predicted_step_s"] == pytest.approx(0.11 + legs + net - beside + 0.005,
+                                                                            rel=REL)
+    sync = ends.hop(8e6) + ring(8e6)
+    assert rows["LocalSGD every 8"]["predicted_step_s"] == pytest.approx(0.035 + sync / 8, rel=REL)
+    # a table measured before the ends were: the host's ring stands in for them, no broadcast
+    old = _rows(_measured(ranks=4, hosts=2, local_size=2), inter, intra=intra)
+    t1 = 0.005 + intra.ring(1e6) + ring(1e6)
+    t2 = max(t1, 0.02) + intra.ring(7e6) + ring(7e6)
+    assert old["GradientAllReduce"]["predicted_step_s"] == pytest.approx(0.01 + max(0.02, t2) + 0.005, rel=REL)
+    mix = intra.ring(8e6) + ring(8e6)
+    assert old["Decentralized all"]["predicted_step_s"] == pytest.approx(max(0.03, mix) + 0.005, rel=REL)
+    # LowPrecisionDecentralized: the mix and the codec run on the host leaders only, the other
+    # ranks waiting for the broadcast; with a CPU share of 0.5 per rank (4 ranks on 2 cores) a
+    # leader gets a whole core: the per-element work takes half its measured time
+    codecs = _codecs()
+    codecs["ByteGrad"].update(encode_s_per_element=1e-9, decode_s_per_element=2e-9)
+    lp = [_rows(dict(m, codecs=codecs, elementwise_s_per_element=1e-9, compute_cpu_share=share), inter,
+                intra=intra)["LowPrecisionDecentralized"]["predicted_step_s"] for share in (1.0, 0.5)]
+    assert lp[0] - lp[1] == pytest.approx(2e6 * (2e-9 + 1e-9 + 2e-9) / 2, rel=1e-9)
+
+
 def test_network_slowed_beside_compute_and_the_pairwise_link():
     """Communication that runs while compute does progresses at the measured rate beside
     compute until compute ends, then at full speed; shift_one's and LowPrecisionDecentralized's
@@ -489,6 +550,14 @@ def _check(res, hosts, local, adam):
             assert m[key]["bandwidth_Bps"] > 0 and m[key]["latency_s"] >= 0 and m[key]["ranks"] > 1
         else:
             assert m[key] is None
+    several = hosts > 1 and local > 1
+    assert (0.1 <= m["local_rate_beside_compute"] <= 1.0) if several else m["local_rate_beside_compute"] == 1.0
+    for key in ("intra_ends", "intra_broadcast"):  # the hierarchical legs: several hosts of several ranks
+        if hosts > 1 and local > 1:
+            assert m[key]["bandwidth_Bps"] > 0 and m[key]["latency_s"] >= 0, key
+            assert m[key]["samples"][-1][0] >= m["intra"]["samples"][-1][0], key
+        else:
+            assert m[key] is None, key
     if hosts > 1:  # the swap with one peer and the ring beside compute are probed between hosts only
         assert m["pair"]["ranks"] == 2 and m["pair"]["bandwidth_Bps"] > 0 and m["pair"]["latency_s"] >= 0
         assert 0.1 <= m["comm_rate_beside_compute"] <= 1.0
@@ -608,7 +677,9 @@ def test_ties_prefer_exact():
 def test_gradient_copies_and_the_comm_threads_work_taken_from_compute():
     """The wrapper copies each gradient into its bucket during backward (torch DDP also copies
     it back out after the last bucket); the measured share of the comm thread's codec work is
-    taken from compute; the periodic algorithms' local steps copy nothing."""
+    taken from compute; the periodic algorithms' local steps copy nothing. What compute loses
+    before a bucket is ready (the copies so far, the CPU of buckets that communicated beside
+    backward) makes that bucket late by as much."""
     from rumor.advisor import Link, predict_torch
 
     B, a = 125e6, 1e-4
@@ -618,13 +689,14 @@ def test_gradient_copies_and_the_comm_threads_work_taken_from_compute():
     m = _measured(copy_s_per_element=1e-9)
     rows = _rows(m, inter)
     busy = 0.02 + copy
-    t1 = 0.005 + ring(1e6)
-    t2 = max(t1, 0.02) + ring(7e6)  # ready times as measured; backward ends later
+    t1 = 0.005 + copy / 8 + ring(1e6)  # after its own copy (1 of 8 MB)
+    t2 = max(t1, 0.02 + copy) + ring(7e6)  # the second bucket is ready after both copies
     assert rows["GradientAllReduce"]["predicted_step_s"] == pytest.approx(0.01 + max(busy, t2) + 0.005, rel=REL)
     assert predict_torch(m, None, inter)["predicted_step_s"] == pytest.approx(
         0.01 + max(busy, t2) + copy + 0.005, rel=REL)
     assert rows["LocalSGD every 8"]["predicted_step_s"] == pytest.approx(0.035 + ring(8e6) / 8, rel=REL)
-    # half of the codec work comes out of backward
+    # half of the codec work comes out of backward, the first bucket's (beside backward) before
+    # the second is ready
     codecs = _codecs()
     codecs["ByteGrad"].update(encode_s_per_element=1e-9, decode_s_per_element=2e-9)
     bg = _rows(_measured(codecs=codecs, comm_work_steal=0.5), inter)["ByteGrad"]
@@ -632,24 +704,44 @@ def test_gradient_copies_and_the_comm_threads_work_taken_from_compute():
     busy = 0.02 + 0.5 * (work(0.25e6) + work(1.75e6))
     s1 = 0.005 + work(0.25e6)
     t1 = s1 + ring(0.25e6)
-    t2 = max(t1, 0.02) + work(1.75e6) + ring(1.75e6)
+    assert t1 < 0.02  # all of it beside backward
+    t2 = max(t1, 0.02 + 0.5 * work(0.25e6)) + work(1.75e6) + ring(1.75e6)
     assert bg["predicted_step_s"] == pytest.approx(0.01 + max(busy, t2) + 0.005, rel=REL)
+    # the network's CPU: the first bucket's share (1 of 8 MB) delays the second; only the part of
+    # a bucket's exchange that runs beside backward counts
+    c = 1e-9  # per byte sent
+    g = _rows(_measured(net_cost_s_per_byte=c, backward_s=0.008), inter)["GradientAllReduce"]
+    net = c * 1.5 * 8e6  # a ring of 4 sends 1.5 x the bytes
+    s1 = 0.005
+    t1 = s1 + ring(1e6)
+    share = (0.008 - s1) / (t1 - s1)  # of the first bucket's exchange, beside backward
+    assert 0 < share < 1
+    t2 = max(t1, 0.02 + net / 8 * share) + ring(7e6)
+    assert g["predicted_step_s"] == pytest.approx(0.01 + max(0.008 + net, t2) + 0.005, rel=REL)
 
 
 def test_per_step_synchronization_waits_for_the_slowest_rank():
     """Algorithms that synchronize every step (and torch DDP) pay each step's slowest rank over
-    the median compute; periodic and asynchronous ones do not."""
+    the median compute; periodic and asynchronous ones do not. The bucketed ones pay it where
+    compute bounds the step: their buckets' ready times are already the last rank's, so a step
+    bound by its communication pays nothing more."""
     from rumor.advisor import Link, predict_torch
 
-    inter = Link(n=4, bandwidth_Bps=125e6, latency_s=1e-4)
-    base, slow = _measured(), _measured(straggler_s=0.05)
-    r0, r1 = _rows(base, inter), _rows(slow, inter)
-    for name, row in r0.items():
-        extra = 0.05 if row["kind"] in ("exact", "compressed", "decentralized") else 0.0
-        assert r1[name]["predicted_step_s"] == pytest.approx(row["predicted_step_s"] + extra, rel=REL), name
-    assert {r["kind"] for r in r0.values()} >= {"exact", "compressed", "decentralized", "periodic", "async"}
-    assert predict_torch(slow, None, inter)["predicted_step_s"] == pytest.approx(
-        predict_torch(base, None, inter)["predicted_step_s"] + 0.05, rel=REL)
+    for backward, bound, B in ((0.5, "compute", 125e6), (0.02, "communication", 12.5e6)):
+        inter = Link(n=4, bandwidth_Bps=B, latency_s=1e-4)
+        base, slow = _measured(backward_s=backward), _measured(backward_s=backward, straggler_s=0.05)
+        r0, r1 = _rows(base, inter), _rows(slow, inter)
+        for name, row in r0.items():
+            extra = 0.05 if row["kind"] == "decentralized" or (
+                row["kind"] in ("exact", "compressed") and bound == "compute") else 0.0
+            assert r1[name]["predicted_step_s"] == pytest.approx(row["predicted_step_s"] + extra, rel=REL), (name, bound)
+        assert {r["kind"] for r in r0.values()} >= {"exact", "compressed", "decentralized", "periodic", "async"}
+        torch_extra = 0.05 if bound == "compute" else 0.0
+        assert predict_torch(slow, None, inter)["predicted_step_s"] == pytest.approx(
+            predict_torch(base, None, inter)["predicted_step_s"] + torch_extra, rel=REL), bound
+    # bound by communication: every bucketed row's last bucket ends after backward + the wait
+    # (ByteGrad's, the shortest: 1.75 MB, 210 ms on the ring)
+    assert min(r0[k]["exposed_comm_s"] for k in ("GradientAllReduce", "ByteGrad", "fp16")) > 0.05
 
 
 def test_compute_steps_start_after_the_sync():
