@@ -939,9 +939,9 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     # carries its data out beside the acknowledgements of what it receives).
     pair = _link_of(m.get("pair")) or inter
     peer = (pair.hop(param_bytes) if H > 1 and pair is not None else 0.0)
+    host_legs = local(param_bytes) + bcast(param_bytes)  # the host's ring before the leaders' part, the broadcast after
     add("Decentralized shift_one", "Decentralized", {"peer_selection": "shift_one"}, DECENTRALIZED,
-        "decentralized", decentralized(local(param_bytes) + peer + bcast(param_bytes), net * param_bytes,
-                                       (local(param_bytes) + bcast(param_bytes)) if H > 1 else 0.0), elem)
+        "decentralized", decentralized(host_legs + peer, net * param_bytes, host_legs if H > 1 else 0.0), elem)
 
     # LowPrecisionDecentralized: after optimizer.step() (blocking) the weights mix toward the
     # neighbours' replicas and the difference is encoded and decoded once; the encoded
@@ -952,15 +952,15 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     c8 = codecs["ByteGrad"]
     w8 = c8["wire_bytes_per_element"]
     peers = 2 if H > 2 else 1
-    prep = local(param_bytes) + bcast(param_bytes)  # the host's allreduce before the mix, the broadcast after
+    prep = host_legs
     xchg = 0.0
     if H > 1 and inter is not None:
         # the mix toward the replicas is one fused pass over six arrays (twice c = a + b's
         # traffic), then the encode and the decode into the tracked copy. Only the host leaders
         # do it, the other ranks waiting for the broadcast: the leaders then get the cores the
         # per-element figures (measured with every rank busy) shared with them.
-        lead_speed = min(float(L), 1.0 / max(m.get("compute_cpu_share", 1.0), 0.05)) if L > 1 else 1.0
-        prep += elements * (2 * ew + c8["encode_s_per_element"] + c8["decode_s_per_element"]) / max(lead_speed, 1.0)
+        lead_speed = max(1.0, min(float(L), 1.0 / max(m.get("compute_cpu_share", 1.0), 0.05)))
+        prep += elements * (2 * ew + c8["encode_s_per_element"] + c8["decode_s_per_element"]) / lead_speed
         xchg = peers * elements * w8 / pair.bandwidth_Bps + pair.latency_s + peers * elements * c8["decode_s_per_element"]
     if m.get("buffer_bytes", 0) > 0:
         lp = dict(predicted_step_s=xchg + local_step + prep, exposed_comm_s=xchg + prep)
