@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Advisor benchmark: rumor.advise's predicted step per algorithm vs the measured one, on emulated
-hosts at several link rates (docs/advisor.md), per BENCHMARKS.md. Needs root (namespaces).
+hosts at several link rates, or on this host alone (docs/advisor.md), per BENCHMARKS.md. Emulated
+hosts need root (namespaces).
 
 For each --rates entry (default 1gbit and 100mbit) it builds --hosts emulated hosts (network
 namespaces on one bridge, tbf on each host's link, rumor.testing.netns; removed afterwards, also
@@ -34,6 +35,9 @@ on Ctrl-C) with --ranks-per-host ranks each, and per model (rumor.testing.models
      timed apart: the compute-only step under the load of that moment (for the algorithms
      whose traffic runs into the next step, --ref-iters plain steps before each visit instead).
 
+With --hosts 0 the ranks (one job per --ranks entry) run on this host alone, over shared memory
+and loopback, with no namespace and no shaping: one cell per (world size, model).
+
 Checks printed per (rate, model), from one run: the advisor's top-ranked algorithm measures
 within 10% of the fastest measured one (target), and every algorithm's predicted step is within
 15% of its measured one (target); both also load-adjusted, with each block's compute-only step
@@ -41,6 +45,7 @@ swapped for the advisor's compute (this VM's compute step varies by a third betw
 compute the SGD measurement does not cover).
 
   sudo python benchmarks/advise.py                                   # 4 hosts, 1gbit and 100mbit, all models
+  python benchmarks/advise.py --hosts 0 --ranks 4                    # one host, 4 ranks
   sudo python benchmarks/advise.py --models transformer --iters 3 --warmup 1 --batch transformer=4   # smoke
 Output: tables, JSON and PNG in --out (benchmarks/results/advise-<hosts>hosts.json/png), headline last.
 """
@@ -372,6 +377,8 @@ class Job(_common.Job):
 
     @property
     def label(self) -> str:
+        if self.cluster is None:
+            return f"{self.n} ranks, 1 host"
         return f"{self.hosts} emulated hosts x {self.rph} rank(s), tbf {self.rate}"
 
     def config(self) -> Dict:
@@ -433,9 +440,11 @@ def summarize(cell: Dict) -> None:
 
 def print_table(cells: List[Dict], title: str) -> None:
     for c in cells:
+        links = {k: c["measured_inputs"][k] for k in ("inter", "intra") if c["measured_inputs"].get(k)}
         print(f"\n{title}: {c['model']} (batch {c['batch']} x {c['n']}; advisor took {c['advise_s']:.1f} s; "
-              f"link between hosts measured {c['measured_inputs']['inter']['bandwidth_Bps'] / 1e6:.1f} MB/s, "
-              f"{c['measured_inputs']['inter']['latency_s'] * 1e6:.0f} us)")
+              + "; ".join(f"link {'between hosts' if k == 'inter' else 'inside a host'} measured "
+                          f"{v['bandwidth_Bps'] / 1e6:.1f} MB/s, {v['latency_s'] * 1e6:.0f} us" for k, v in links.items())
+              + ")")
         each = c.get("advised_compute_s") or [_compute_of(c["measured_inputs"])]
         print(f"compute (forward + backward + optimizer) as the advisor measured it: "
               + ", ".join(f"{t * 1e3:.1f}" for t in each) + " ms"
@@ -535,8 +544,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return _common.worker_main(args.worker, _describe, _train)
-    if args.hosts < 2:
-        ap.error("--hosts must be at least 2 (the advisor's accuracy is checked on emulated hosts)")
+    worlds = _common.world_sizes(ap, args)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODELS]
     if bad:
@@ -552,9 +560,12 @@ def main(argv=None) -> int:
         ap.error("--rounds must be at least 1")
     if args.iters < 10:
         print(f"WARNING: --iters {args.iters} is below the protocol's minimum of 10; smoke test only", file=sys.stderr)
-    n = args.hosts * args.ranks_per_host
+    hosts_mode = args.hosts > 0
+    if not hosts_mode:
+        rates = ["1 host"]  # one cell per world size, shared memory and loopback inside the host
     os.makedirs(args.out, exist_ok=True)
-    tag = f"{args.hosts}hosts" + (f"x{args.ranks_per_host}" if args.ranks_per_host > 1 else "")
+    tag = (f"{args.hosts}hosts" + (f"x{args.ranks_per_host}" if args.ranks_per_host > 1 else "")) if hosts_mode \
+        else "1host"
     if args.tag:
         tag += "-" + args.tag
     json_path = os.path.join(args.out, f"advise-{tag}.json")
@@ -564,23 +575,28 @@ def main(argv=None) -> int:
                 step="gloo barrier, then zero_grad + forward + cross-entropy + backward + step: the slowest rank's "
                      "time from the barrier's return, plus the last arrival's barrier; visits rotated over rounds")
     result = dict(meta=meta, jobs=[], cells=[], targets=[], errors=[])
+    layout = (f"{args.hosts} hosts x {args.ranks_per_host} | rates {','.join(rates)}" if hosts_mode
+              else f"1 host, {','.join(map(str, worlds))} ranks")
     print(f"rumor {meta['rumor']} advisor benchmark | {meta['hostname']}, {meta['cpus']} cpus, load "
-          f"{meta['loadavg_start'][0]:.2f} | {args.hosts} hosts x {args.ranks_per_host} | rates {','.join(rates)} | "
+          f"{meta['loadavg_start'][0]:.2f} | {layout} | "
           f"models {','.join(args.models)} | iters {args.iters} in {args.rounds} rounds, warmup {args.warmup} a visit")
-    progress = Progress(len(rates) * len(args.models), unit="models", quiet_s=10)
-    drv = _common.Driver("rumor-advise-bench-", progress, True)
+    progress = Progress(len(rates) * len(worlds) * len(args.models), unit="models", quiet_s=10)
+    drv = _common.Driver("rumor-advise-bench-", progress, hosts_mode)
 
     def body() -> int:
         rc = 0
         jobs = []
         for rate in rates:
-            tcp = drv.start_cluster(args.hosts, rate)
-            if tcp is None:
-                return 2
-            print(f"tbf {rate}: one TCP stream through a shaped link {tcp / 1e6:.1f} MB/s", file=sys.stderr)
-            job = Job(os.path.abspath(__file__), args, n, drv.workdir, progress, 0, cluster=drv.cluster, rate=rate)
-            jobs.append(job)
-            rc |= _common.run_jobs([job], result, progress)
+            if hosts_mode:
+                tcp = drv.start_cluster(args.hosts, rate)
+                if tcp is None:
+                    return 2
+                print(f"tbf {rate}: one TCP stream through a shaped link {tcp / 1e6:.1f} MB/s", file=sys.stderr)
+            for n in worlds:
+                job = Job(os.path.abspath(__file__), args, n, drv.workdir, progress, 0, cluster=drv.cluster,
+                          rate=rate)
+                jobs.append(job)
+                rc |= _common.run_jobs([job], result, progress)
             drv.close_cluster()
         progress.clear()
         for c in result["cells"]:

@@ -353,7 +353,7 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
     ring allreduce again while every rank computes beside it. Between hosts the large size
     grows toward ``job_bytes`` (see _SUSTAINED_S). Where hosts have several ranks, also the
     hierarchical allreduce's ends inside each host (reduce + broadcast, and broadcast alone),
-    all three local probes at the job's size (see _LOCAL_MAX). Creates the groups it needs
+    the local probes at the job's size where there are several hosts (see _LOCAL_MAX). Creates the groups it needs
     (collectively, on every rank). Returns (hosts, ranks per host, intra, inter, pair, the
     network's CPU per byte sent, its rate beside compute, ends, broadcast, the ends' rate
     beside compute)."""
@@ -382,9 +382,8 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
             few = reps if local_big == big else min(reps, 3)
             out[0] = _time_allreduce(g, small, reps)[0]
             out[1] = _time_allreduce(g, local_big, few)[0]
-            if len(hosts) > 1:
-                out[9], out[10] = _time_local_ends(g, small, reps)
-                out[11], out[12] = _time_local_ends(g, local_big, few)
+            out[9], out[10] = _time_local_ends(g, small, reps)
+            out[11], out[12] = _time_local_ends(g, local_big, few)
     lg, leaders = None, []
     if len(hosts) > 1:
         leaders = [members[h][0] for h in hosts]
@@ -415,13 +414,13 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
     inter = _fit(len(hosts), t[2], t[3], small, wide) if len(hosts) > 1 else None
     pair = _fit_hop(t[5], t[6], small, int(t[8])) if len(hosts) > 1 and t[6] > 0 else None
     ends = bcast = None
-    if local_n > 1 and len(hosts) > 1:
+    if local_n > 1:
         ends = _fit_hop(t[9], t[11], small, local_big)
         bcast = _fit_hop(t[10], t[12], small, local_big)
     rate = local_rate = 1.0
     if lg is not None and busy is not None:
         rate = _comm_rate_beside(lg, wide, t[3], busy)
-    if ends is not None and busy is not None:
+    if ends is not None and busy is not None and len(hosts) > 1:
         # The legs inside a host are memory copies on the comm thread: beside compute that
         # shares the cores they slow far more than the sockets do (2 emulated hosts x 2 ranks,
         # mlp25m: a 64 MB reduce took 173 ms beside backward, 50-70 alone).
@@ -448,6 +447,14 @@ def _rate_beside(op: Callable[[], object], member: bool, alone_s: float, busy: C
     """How fast ``op`` (a collective of the ranks where ``member``, alone_s seconds alone) runs
     while every rank computes: it runs on a thread while every rank runs ``busy`` for about
     twice its time alone; the slowest member's figure, on every rank (collective)."""
+    return _beside_compute(op, member, alone_s, busy, reps)[0]
+
+
+def _beside_compute(op: Callable[[], object], member: bool, alone_s: float, busy: Callable[[], None],
+                    reps: int = 2, stretch: bool = False) -> Tuple[float, float]:
+    """(_rate_beside's rate, and with ``stretch`` the seconds compute is lengthened per second of
+    op's work done beside it: busy() timed alone again in each repetition, the mean over the
+    repetitions, the largest of the members'; else 0). Collective."""
     import threading
 
     from .collectives import ReduceOp, allreduce, barrier
@@ -458,8 +465,15 @@ def _rate_beside(op: Callable[[], object], member: bool, alone_s: float, busy: C
     one = allreduce(one, op=ReduceOp.MAX).item()
     steps = max(1, math.ceil(2 * alone_s / max(one, 1e-6)))
     best = math.inf
+    stretches = []
     for _ in range(reps):
         took = [0.0]
+        if stretch:
+            barrier()
+            c0 = time.perf_counter()
+            for _ in range(steps):
+                busy()
+            c_alone = time.perf_counter() - c0
 
         def comm():
             c0 = time.perf_counter()
@@ -481,9 +495,14 @@ def _rate_beside(op: Callable[[], object], member: bool, alone_s: float, busy: C
             # comm outlasts compute, else T = alone / r.
             r = alone_s / T if T <= c else (alone_s - (T - c)) / c
             best = min(best, 1.0 / max(r, 1e-3))
-    slow = torch.tensor([best if best < math.inf else 0.0], dtype=torch.float64)
-    slow = allreduce(slow, op=ReduceOp.MAX).item()
-    return 1.0 if slow <= 0 else min(1.0, max(0.1, 1.0 / slow))
+            if stretch:
+                done = alone_s if T <= c else max(r, 1e-3) * c  # op's work while compute ran
+                stretches.append((c - c_alone) / max(done, 1e-9))
+    out = torch.tensor([best if best < math.inf else 0.0, statistics.fmean(stretches) if stretches else 0.0],
+                       dtype=torch.float64)
+    slow, grew = allreduce(out, op=ReduceOp.MAX).tolist()
+    rate = 1.0 if slow <= 0 else min(1.0, max(0.1, 1.0 / slow))
+    return rate, min(2.0, max(0.0, grew))
 
 
 def _codecs():
@@ -573,6 +592,86 @@ def _measure_steal(busy: Callable[[], None], elements: int, reps: int = 3) -> fl
     # At most all of it: the excess measured beside a busy memory bus (up to 1.5 on 4 ranks on
     # 2 cores) did not show in training, where the kernels run between compute's bursts.
     return min(1.0, max(0.0, (beside - alone) / (n * per_pass)))
+
+
+def _measure_mix(busy: Callable[[], None], nbytes: int, reps: int = 2) -> Tuple[float, float, float]:
+    """(seconds alone, rate beside compute, compute's stretch per second of it: _beside_compute)
+    of a weight mix on one host: a copy of nbytes of weights and the ring allreduce of the copy
+    over every rank (Decentralized's mix there). Collective."""
+    from .collectives import ReduceOp, allreduce, allreduce_
+
+    a = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    b = torch.empty_like(a)
+
+    def mix():
+        b.copy_(a)
+        allreduce_(b, algorithm="ring")
+    alone = _least_disturbed(mix, reps)[0]
+    alone = allreduce(torch.tensor([alone], dtype=torch.float64), op=ReduceOp.MAX).item()
+    return (alone,) + _beside_compute(mix, True, alone, busy, reps, stretch=True)
+
+
+def _loopback_ops(nbytes: int):
+    """(push, close): push() sends nbytes through a TCP connection over loopback to this same
+    process (a thread sends, the caller receives): the kernel's copies that a TCP collective
+    between ranks of one host pays (torch DDP's gloo there)."""
+    import socket
+    import threading
+
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    cli = socket.create_connection(srv.getsockname(), timeout=60)
+    conn, _ = srv.accept()
+    conn.settimeout(60)
+    srv.close()
+    for sk in (cli, conn):
+        sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    chunk = min(nbytes, 4 * _MB) or 1
+    out = memoryview(bytearray(chunk))
+    into = memoryview(bytearray(chunk))
+
+    def push():
+        def send():
+            left = nbytes
+            while left > 0:
+                n = min(left, chunk)
+                cli.sendall(out[:n])
+                left -= n
+        th = threading.Thread(target=send, name="rumor-advise-loopback", daemon=True)
+        th.start()
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(into, min(chunk, nbytes - got))
+            if n == 0:
+                raise RuntimeError("rumor.advise: the loopback probe's connection closed early")
+            got += n
+        th.join()
+
+    def close():
+        cli.close()
+        conn.close()
+    return push, close
+
+
+def _measure_loopback(busy: Callable[[], None], nbytes: int, reps: int = 2):
+    """TCP over loopback on one host, every rank at once: (a Link fitted through a small and an
+    nbytes push, its rate beside compute, compute's stretch per second of it:
+    _beside_compute). Collective."""
+    from .collectives import ReduceOp, allreduce
+
+    small = 4096
+    push_small, close_small = _loopback_ops(small)
+    push, close = _loopback_ops(nbytes)
+    try:
+        t = torch.tensor([_least_disturbed(push_small, reps + 1)[0], _least_disturbed(push, reps)[0]],
+                         dtype=torch.float64)
+        t_small, t_big = allreduce(t, op=ReduceOp.MAX).tolist()
+        rate, stretch = _beside_compute(push, True, t_big, busy, reps, stretch=True)
+    finally:
+        close_small()
+        close()
+    return _fit_hop(t_small, t_big, small, nbytes), rate, stretch
 
 
 def _measure_elementwise(elements: int, reps: int) -> float:
@@ -933,15 +1032,35 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     # hierarchical allreduce (a timeline of mlp25m on 2 hosts x 2 ranks); the others average
     # inside each host (its ring), exchange among the host leaders and broadcast inside the host.
     wcopy = elements * m.get("copy_s_per_element", 0.0)
-    add("Decentralized all", "Decentralized", {"peer_selection": "all"}, DECENTRALIZED, "decentralized",
-        decentralized(wcopy + allreduce_fp(param_bytes), fp_cpu, wcopy + legs(param_bytes)), elem)
-    # The exchange with one peer, both ways at once (measured as such: each host's link then
-    # carries its data out beside the acknowledgements of what it receives).
-    pair = _link_of(m.get("pair")) or inter
-    peer = (pair.hop(param_bytes) if H > 1 and pair is not None else 0.0)
     host_legs = local(param_bytes) + bcast(param_bytes)  # the host's ring before the leaders' part, the broadcast after
-    add("Decentralized shift_one", "Decentralized", {"peer_selection": "shift_one"}, DECENTRALIZED,
-        "decentralized", decentralized(host_legs + peer, net * param_bytes, host_legs if H > 1 else 0.0), elem)
+    pair = _link_of(m.get("pair")) or inter
+    if H == 1 and "mix_s_per_byte" in m:
+        # One host: every peer selection is the host's exact average (copy + allreduce; the
+        # one-peer schedules broadcast it after), all of it CPU work beside compute that
+        # lengthens compute by its measured stretch.
+        # Beside forward and backward it runs at its own measured rate (4 ranks on 2 cores: a
+        # fifth to a seventh of its speed alone) and compute loses its measured stretch per
+        # second of the mix's work done meanwhile.
+        mix_rate = min(1.0, max(0.1, m.get("mix_rate_beside_compute", 1.0)))
+
+        def one_host_mix(mix_s):
+            cpu = m.get("mix_stretch", 0.0) * min(mix_s, compute * mix_rate)
+            end = _finish(0.0, mix_s, compute + cpu, mix_rate)
+            return dict(predicted_step_s=bc + max(compute + cpu, end) + m["optimizer_s"],
+                        exposed_comm_s=max(cpu, end - compute))
+        mix = m["mix_s_per_byte"] * param_bytes
+        for name, ps, mix_s in (("Decentralized all", "all", mix),
+                                ("Decentralized shift_one", "shift_one", mix + bcast(param_bytes))):
+            add(name, "Decentralized", {"peer_selection": ps}, DECENTRALIZED, "decentralized", one_host_mix(mix_s),
+                elem)
+    else:
+        add("Decentralized all", "Decentralized", {"peer_selection": "all"}, DECENTRALIZED, "decentralized",
+            decentralized(wcopy + allreduce_fp(param_bytes), fp_cpu, wcopy + legs(param_bytes)), elem)
+        # The exchange with one peer, both ways at once (measured as such: each host's link then
+        # carries its data out beside the acknowledgements of what it receives).
+        peer = (pair.hop(param_bytes) if H > 1 and pair is not None else 0.0)
+        add("Decentralized shift_one", "Decentralized", {"peer_selection": "shift_one"}, DECENTRALIZED,
+            "decentralized", decentralized(host_legs + peer, net * param_bytes, host_legs if H > 1 else 0.0), elem)
 
     # LowPrecisionDecentralized: after optimizer.step() (blocking) the weights mix toward the
     # neighbours' replicas and the difference is encoded and decoded once; the encoded
@@ -1013,7 +1132,11 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         round_s = max(AMA_INTERVAL_MS / 1e3, allreduce_fp(param_bytes) / rate + census + thread_s)
     else:
         thread_s = 2 / 3 * elements * ew
-        round_s = max(AMA_INTERVAL_MS / 1e3, census + thread_s / AMA_MAX_BUSY)
+        # The bound is on the thread's wall time, and beside compute its passes run at the rate
+        # measured for a weight mix there (mlp25m, 4 ranks on 2 cores: rounds of 194 ms, 3.9 s
+        # apart, where passes at full speed priced 50 ms every 0.5 s).
+        wall = thread_s / min(1.0, max(0.1, m.get("mix_rate_beside_compute", 1.0)))
+        round_s = max(AMA_INTERVAL_MS / 1e3, census + wall / AMA_MAX_BUSY)
     round_cpu = thread_s + elements * ew + net * _ring_sent(param_bytes, H)
     per_step = free_step / round_s if round_s > 0 else 0.0
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
@@ -1041,6 +1164,27 @@ def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict
     same way."""
     n, H = m["ranks"], m["hosts"]
     link = inter if H > 1 else intra
+    lo = _link_of(m.get("loopback")) if H == 1 else None
+    if lo is not None:
+        # One host: gloo's ring runs over loopback TCP, whose kernel copies take the cores
+        # compute shares (measured beside it: loopback_stretch), and its threads sum what
+        # they receive ((n-1)/n of the bucket).
+        ew = m.get("elementwise_s_per_element", 0.0)
+
+        def comm(nbytes, *_):
+            return (_ring_sent(nbytes, n) / lo.bandwidth_Bps + 2 * (n - 1) * lo.latency_s,
+                    (n - 1) / n * nbytes / m["grad_bytes_per_element"] * ew)
+        # Beside compute the traffic runs at its own measured rate (the legs' rate in _overlapped:
+        # all of it stays inside the host), and compute loses the stretch per second of it
+        # done meanwhile (at most all of it).
+        r = min(1.0, max(0.1, m.get("loopback_rate_beside_compute", 1.0)))
+        total = _ring_sent(m["grad_bytes"], n) / lo.bandwidth_Bps
+        cpu = m.get("loopback_stretch", 0.0) * min(total, m["backward_s"] * r)
+        res = _overlapped(dict(m, local_rate_beside_compute=r), comm,
+                          "torch_buckets" if "torch_buckets" in m else "buckets", cpu_s=cpu, copies=2,
+                          local_of=lambda nbytes, b: comm(nbytes)[0])
+        return dict(algorithm="torch DDP", predicted_step_s=res["predicted_step_s"],
+                    exposed_comm_s=res["exposed_comm_s"])
 
     def comm(nbytes, *_):
         return link.ring(nbytes, n) if link is not None else 0.0
@@ -1164,6 +1308,18 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         hosts, local_n, intra, inter, pair, net_cpu, beside, ends, bcast, local_beside = _measure_links(
             int(link_mb * _MB), link_reps, busy, sum(nbytes))
         steal = _measure_steal(busy, sum(p.numel() for p in params))
+        one_host = {}
+        if hosts == 1 and local_n > 1:
+            # Every rank on one host, sharing its cores: the weight mix's copies and torch DDP's
+            # loopback TCP (gloo) are CPU work that compute loses (4 ranks on 2 cores, mlp25m:
+            # Decentralized's step 300 ms over compute where the mix was priced hidden, torch
+            # DDP's 400 ms over where rumor's shared-memory ring priced 200).
+            size = max(4096, min(sum(nbytes), _LOCAL_MAX) // 4096 * 4096)
+            mix_s, mix_rate, mix_stretch = _measure_mix(busy, size)
+            lo, lo_rate, lo_stretch = _measure_loopback(busy, size)
+            one_host = dict(mix_s_per_byte=mix_s / size, mix_rate_beside_compute=mix_rate, mix_stretch=mix_stretch,
+                            loopback=_link_dict(lo), loopback_rate_beside_compute=lo_rate,
+                            loopback_stretch=lo_stretch)
     finally:
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(opt_sd)
@@ -1201,6 +1357,7 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
              intra=_link_dict(intra), inter=_link_dict(inter), pair=_link_dict(pair),
              intra_ends=_link_dict(ends), intra_broadcast=_link_dict(bcast),
              comm_rate_beside_compute=beside, local_rate_beside_compute=local_beside)
+    m.update(one_host)
     plan = bucket_plan(ready, nbytes, first=first)
     m["bucket_params"] = plan
     m["buckets"] = _bucket_times(plan, ready_all, nbytes)
@@ -1269,6 +1426,14 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
                 lines.append(f"  network CPU: {m['net_cpu_s_per_byte'] * 1e9:.2f} ms per MB sent; compute uses "
                              f"{m['compute_cpu_share']:.2f} CPU per second, so each MB sent beside it costs "
                              f"{m['net_cost_s_per_byte'] * 1e9:.2f} ms of compute")
+    if m.get("loopback") is not None:
+        lo = m["loopback"]
+        lines.append(f"  one host, beside compute: a weight mix (copy + ring allreduce) "
+                     f"{m['mix_s_per_byte'] * 1e9:.2f} ms per MB alone, at {m['mix_rate_beside_compute']:.2f} of that "
+                     f"beside compute, lengthening compute {m['mix_stretch']:.2f} s per s of it; TCP over loopback "
+                     f"(torch DDP's gloo) {_rate(lo['bandwidth_Bps'])}, {lo['latency_s'] * 1e6:.0f} us, at "
+                     f"{m['loopback_rate_beside_compute']:.2f} beside compute, lengthening compute "
+                     f"{m['loopback_stretch']:.2f} s per s")
     lines.append("  codecs (ns per element, encode/decode; wire bytes per element): " + ", ".join(
         f"{k} {c['encode_s_per_element'] * 1e9:.2f}/{c['decode_s_per_element'] * 1e9:.2f}; "
         f"{c['wire_bytes_per_element']:.3f}" for k, c in m["codecs"].items()))
@@ -1276,7 +1441,7 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
         lines.append(f"  weight arithmetic {m['elementwise_s_per_element'] * 1e9:.2f} ns per element and pass; "
                      f"PowerSGD kernels (rank {m['powersgd_rank']}) {m['powersgd_s_per_element'] * 1e9:.2f} ns "
                      "per matrix element")
-    lines.append(f"predicted step of torch DDP (flat fp32 ring): {tref['predicted_step_s'] * 1e3:.1f} ms")
+    lines.append(f"predicted step of torch DDP (flat fp32 ring, gloo): {tref['predicted_step_s'] * 1e3:.1f} ms")
     head = f"{'#':>2} {'algorithm':<30} {'step ms':>9} {'x torch':>8} {'exposed ms':>10}  convergence"
     lines += [head, "-" * (len(head) + 40)]
     for i, r in enumerate(rows):

@@ -162,6 +162,58 @@ def test_hierarchical_legs_inside_a_host_by_hand():
     assert lp[0] - lp[1] == pytest.approx(2e6 * (2e-9 + 1e-9 + 2e-9) / 2, rel=1e-9)
 
 
+def test_one_host_weight_mix_and_loopback_by_hand():
+    """Every rank on one host: Decentralized mixes the host's exact average (copy + allreduce,
+    then a broadcast for the one-peer selections) at its measured rate beside compute, and
+    compute loses the mix's measured stretch per second of it done meanwhile; torch DDP's gloo
+    ring runs over loopback TCP at its own rate beside compute, its threads summing (n-1)/n of
+    each bucket, compute losing the loopback's stretch. A table without those figures keeps
+    the shared-memory ring."""
+    from rumor.advisor import Link, predict_torch
+
+    intra = Link(n=4, bandwidth_Bps=4e9, latency_s=1e-5)
+    bcast = Link(2, 2e9, 1e-5)
+    lo = Link(2, 1e9, 1e-4)
+    one = dict(ranks=4, hosts=1, local_size=4, intra_broadcast=dict(ranks=4, bandwidth_Bps=2e9, latency_s=1e-5),
+               mix_s_per_byte=2e-9, mix_rate_beside_compute=0.2, mix_stretch=1.0,
+               loopback=dict(ranks=2, bandwidth_Bps=1e9, latency_s=1e-4), loopback_rate_beside_compute=0.5,
+               loopback_stretch=1.5, elementwise_s_per_element=1e-9)
+    m = _measured(**one)
+    rows = _rows(m, None, intra=intra)
+    mix = 2e-9 * 8e6
+    for name, mix_s in (("Decentralized all", mix), ("Decentralized shift_one", mix + bcast.hop(8e6))):
+        cpu = min(mix_s, 0.03 * 0.2)  # stretch 1 x the mix's work done beside 30 ms of compute
+        beside = (0.03 + cpu) * 0.2
+        assert beside < mix_s
+        assert rows[name]["predicted_step_s"] == pytest.approx(0.03 + cpu + mix_s - beside + 0.005, rel=REL), name
+    # long compute: the mix hides at a fifth of its speed, compute still pays the whole mix once
+    long = _rows(dict(m, backward_s=0.5), None, intra=intra)
+    assert long["Decentralized all"]["predicted_step_s"] == pytest.approx(0.51 + mix + 0.005, rel=REL)
+    # torch DDP: buckets of 1 and 7 MB ready at 5 and 20 ms; the ring sends 1.5x the bucket
+    def comm(nbytes):
+        return 1.5 * nbytes / lo.bandwidth_Bps + 6 * lo.latency_s, 0.75 * nbytes / 4 * 1e-9
+    cpu = 1.5 * min(1.5 * 8e6 / 1e9, 0.02 * 0.5)
+    busy = 0.02 + cpu
+    link1, work1 = comm(1e6)
+    t1 = 0.005 + work1 + link1 / 0.5  # all of it beside compute, at half speed
+    assert t1 < busy
+    lost = cpu / 8  # the first bucket's share of the traffic's cost, taken before the second is ready
+    link2, work2 = comm(7e6)
+    start = max(t1, 0.02 + lost) + work2
+    assert start < busy and (busy - start) * 0.5 < link2  # it outlasts backward
+    t2 = busy + link2 - (busy - start) * 0.5
+    assert predict_torch(m, intra, None)["predicted_step_s"] == pytest.approx(0.01 + t2 + 0.005, rel=REL)
+    # tables measured before: the shared-memory ring for both
+    old = _measured(ranks=4, hosts=1, local_size=4)
+    rows = _rows(old, None, intra=intra)
+    assert rows["Decentralized all"]["predicted_step_s"] == pytest.approx(max(0.03, intra.ring(8e6)) + 0.005,
+                                                                          rel=REL)
+    t1 = 0.005 + intra.ring(1e6)
+    t2 = max(t1, 0.02) + intra.ring(7e6)
+    assert predict_torch(old, intra, None)["predicted_step_s"] == pytest.approx(0.01 + max(0.02, t2) + 0.005,
+                                                                                rel=REL)
+
+
 def test_network_slowed_beside_compute_and_the_pairwise_link():
     """Communication that runs while compute does progresses at the measured rate beside
     compute until compute ends, then at full speed; shift_one's and LowPrecisionDecentralized's
@@ -353,6 +405,13 @@ def test_async_model_average_round_by_hand():
     assert one["AsyncModelAverage"]["round_s"] == pytest.approx(round_s, rel=REL)
     assert one["AsyncModelAverage"]["predicted_step_s"] == pytest.approx(
         local + local / round_s * (thread + big / 4 * ew), rel=REL)
+    # ... whose passes run beside compute at the weight mix's measured rate: rounds spaced by
+    # their wall time, the CPU they take unchanged
+    slow = _rows(_measured(hosts=1, local_size=4, grad_bytes=big, elementwise_s_per_element=ew,
+                           mix_rate_beside_compute=0.25), None, intra=intra)["AsyncModelAverage"]
+    round_s = intra.ring(32) + thread / 0.25 / 0.1
+    assert slow["round_s"] == pytest.approx(round_s, rel=REL)
+    assert slow["predicted_step_s"] == pytest.approx(local + local / round_s * (thread + big / 4 * ew), rel=REL)
 
 
 def test_model_monotonic_in_bandwidth():
@@ -552,12 +611,20 @@ def _check(res, hosts, local, adam):
             assert m[key] is None
     several = hosts > 1 and local > 1
     assert (0.1 <= m["local_rate_beside_compute"] <= 1.0) if several else m["local_rate_beside_compute"] == 1.0
-    for key in ("intra_ends", "intra_broadcast"):  # the hierarchical legs: several hosts of several ranks
-        if hosts > 1 and local > 1:
+    for key in ("intra_ends", "intra_broadcast"):  # the legs around the leaders: hosts of several ranks
+        if local > 1:
             assert m[key]["bandwidth_Bps"] > 0 and m[key]["latency_s"] >= 0, key
             assert m[key]["samples"][-1][0] >= m["intra"]["samples"][-1][0], key
         else:
             assert m[key] is None, key
+    alone = hosts == 1 and local > 1  # every rank on one host: the weight mix and loopback TCP beside compute
+    for key in ("mix_s_per_byte", "mix_rate_beside_compute", "mix_stretch", "loopback", "loopback_rate_beside_compute",
+                "loopback_stretch"):
+        assert (key in m) == alone, key
+    if alone:
+        assert m["mix_s_per_byte"] > 0 and m["loopback"]["bandwidth_Bps"] > 0 and m["loopback"]["latency_s"] >= 0
+        assert 0.1 <= m["mix_rate_beside_compute"] <= 1.0 and 0.1 <= m["loopback_rate_beside_compute"] <= 1.0
+        assert 0.0 <= m["mix_stretch"] <= 2.0 and 0.0 <= m["loopback_stretch"] <= 2.0
     if hosts > 1:  # the swap with one peer and the ring beside compute are probed between hosts only
         assert m["pair"]["ranks"] == 2 and m["pair"]["bandwidth_Bps"] > 0 and m["pair"]["latency_s"] >= 0
         assert 0.1 <= m["comm_rate_beside_compute"] <= 1.0
