@@ -1039,7 +1039,7 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         # one-peer schedules broadcast it after), all of it CPU work beside compute that
         # lengthens compute by its measured stretch.
         # Beside forward and backward it runs at its own measured rate (4 ranks on 2 cores: a
-        # fifth to a seventh of its speed alone) and compute loses its measured stretch per
+        # seventh to a third of its speed alone) and compute loses its measured stretch per
         # second of the mix's work done meanwhile.
         mix_rate = min(1.0, max(0.1, m.get("mix_rate_beside_compute", 1.0)))
 
