@@ -353,10 +353,10 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
     ring allreduce again while every rank computes beside it. Between hosts the large size
     grows toward ``job_bytes`` (see _SUSTAINED_S). Where hosts have several ranks, also the
     hierarchical allreduce's ends inside each host (reduce + broadcast, and broadcast alone),
-    the local probes at the job's size where there are several hosts (see _LOCAL_MAX). Creates the groups it needs
-    (collectively, on every rank). Returns (hosts, ranks per host, intra, inter, pair, the
-    network's CPU per byte sent, its rate beside compute, ends, broadcast, the ends' rate
-    beside compute)."""
+    the local probes at the job's size where there are several hosts (see _LOCAL_MAX), and
+    there the ends' rate beside compute. Creates the groups it needs (collectively, on every
+    rank). Returns (hosts, ranks per host, intra, inter, pair, the network's CPU per byte sent,
+    its rate beside compute, ends, broadcast, the ends' rate beside compute)."""
     from . import _runtime
     from .collectives import ReduceOp, allreduce
     from ._runtime import new_group
@@ -1036,11 +1036,9 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
     pair = _link_of(m.get("pair")) or inter
     if H == 1 and "mix_s_per_byte" in m:
         # One host: every peer selection is the host's exact average (copy + allreduce; the
-        # one-peer schedules broadcast it after), all of it CPU work beside compute that
-        # lengthens compute by its measured stretch.
-        # Beside forward and backward it runs at its own measured rate (4 ranks on 2 cores: a
-        # seventh to a third of its speed alone) and compute loses its measured stretch per
-        # second of the mix's work done meanwhile.
+        # one-peer schedules broadcast it after). Beside forward and backward it runs at its
+        # own measured rate (4 ranks on 2 cores: a seventh to a third of its speed alone), and
+        # compute loses its measured stretch per second of the mix's work done meanwhile.
         mix_rate = min(1.0, max(0.1, m.get("mix_rate_beside_compute", 1.0)))
 
         def one_host_mix(mix_s):
