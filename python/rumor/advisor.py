@@ -1022,8 +1022,8 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
 
     rate = _beside(m)
 
-    def decentralized(mix_s, cpu_s, local_s=0.0):
-        mix_s = _finish(0.0, mix_s, compute + cpu_s, _rate_of(m, mix_s, local_s))
+    def decentralized(mix_s, cpu_s, local_s=0.0, rate=None):  # rate: the mix's own, where measured
+        mix_s = _finish(0.0, mix_s, compute + cpu_s, _rate_of(m, mix_s, local_s) if rate is None else rate)
         step = bc + max(compute + cpu_s, mix_s) + m["optimizer_s"]
         return dict(predicted_step_s=step, exposed_comm_s=max(cpu_s, mix_s - compute))
 
@@ -1040,17 +1040,12 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         # own measured rate (4 ranks on 2 cores: a seventh to a third of its speed alone), and
         # compute loses its measured stretch per second of the mix's work done meanwhile.
         mix_rate = min(1.0, max(0.1, m.get("mix_rate_beside_compute", 1.0)))
-
-        def one_host_mix(mix_s):
-            cpu = m.get("mix_stretch", 0.0) * min(mix_s, compute * mix_rate)
-            end = _finish(0.0, mix_s, compute + cpu, mix_rate)
-            return dict(predicted_step_s=bc + max(compute + cpu, end) + m["optimizer_s"],
-                        exposed_comm_s=max(cpu, end - compute))
         mix = m["mix_s_per_byte"] * param_bytes
         for name, ps, mix_s in (("Decentralized all", "all", mix),
                                 ("Decentralized shift_one", "shift_one", mix + bcast(param_bytes))):
-            add(name, "Decentralized", {"peer_selection": ps}, DECENTRALIZED, "decentralized", one_host_mix(mix_s),
-                elem)
+            cpu = m.get("mix_stretch", 0.0) * min(mix_s, compute * mix_rate)
+            add(name, "Decentralized", {"peer_selection": ps}, DECENTRALIZED, "decentralized",
+                decentralized(mix_s, cpu, rate=mix_rate), elem)
     else:
         add("Decentralized all", "Decentralized", {"peer_selection": "all"}, DECENTRALIZED, "decentralized",
             decentralized(wcopy + allreduce_fp(param_bytes), fp_cpu, wcopy + legs(param_bytes)), elem)
