@@ -55,6 +55,7 @@ docs/advisor.md has the details.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -611,6 +612,39 @@ def _measure_mix(busy: Callable[[], None], nbytes: int, reps: int = 2) -> Tuple[
     return (alone,) + _beside_compute(mix, True, alone, busy, reps, stretch=True)
 
 
+def _measure_arena_round(busy: Callable[[], None], elements: int,
+                         reps: int = 2) -> Optional[Tuple[float, float, float]]:
+    """AsyncModelAverage's round with every rank on one host: one SharedArena.average_into_deltas
+    over `elements` float32 weights, every rank at once: (seconds alone, and _beside_compute's
+    rate and stretch), or None where the world has no shared arena (the algorithm then
+    averages private buffers, priced as the weight mix). Collective.
+
+    Timed, not derived from the weight passes: on 4 ranks of 2 cores (mlp25m, 100 MB) a round
+    took 84 ms alone where two thirds of a pass priced 32, and 150-275 ms beside training."""
+    from . import _C, _runtime
+    from ._tensor import address, dtype_code
+    from .collectives import ReduceOp, allreduce
+
+    comm = _runtime._comm(None, "rumor.advise")._comm
+    if not (comm.all_local and comm.uses_shm and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True)):
+        return None
+    size = (elements * 4 + 63) // 64 * 64
+    arena = _C.SharedArena(comm, 2 * size)
+    x, delta = (torch.frombuffer(arena, dtype=torch.float32, count=elements, offset=at) for at in (0, size))
+    # First touch of the shared pages, untimed: a job's first round pays it once (1.6 s of
+    # mlp25m's first round against 84 ms for the next ones).
+    x.fill_(1.0)
+    delta.zero_()
+    roles = [1] * comm.size
+    code = dtype_code(torch.float32, "rumor.advise")
+
+    def one_round():
+        arena.average_into_deltas(address(x), address(delta), elements, code, roles)
+    alone = _least_disturbed(one_round, reps)[0]
+    alone = allreduce(torch.tensor([alone], dtype=torch.float64), op=ReduceOp.MAX).item()
+    return (alone,) + _beside_compute(one_round, True, alone, busy, reps, stretch=True)
+
+
 def _loopback_ops(nbytes: int):
     """(push, close): push() sends nbytes through a TCP connection over loopback to this same
     process (a thread sends, the caller receives): the kernel's copies that a TCP collective
@@ -618,13 +652,17 @@ def _loopback_ops(nbytes: int):
     import socket
     import threading
 
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    cli = socket.create_connection(srv.getsockname(), timeout=60)
-    conn, _ = srv.accept()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        srv.settimeout(60)
+        cli = socket.create_connection(srv.getsockname(), timeout=60)
+        try:
+            conn, _ = srv.accept()
+        except BaseException:
+            cli.close()
+            raise
     conn.settimeout(60)
-    srv.close()
     for sk in (cli, conn):
         sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     chunk = min(nbytes, 4 * _MB) or 1
@@ -661,16 +699,15 @@ def _measure_loopback(busy: Callable[[], None], nbytes: int, reps: int = 2):
     from .collectives import ReduceOp, allreduce
 
     small = 4096
-    push_small, close_small = _loopback_ops(small)
-    push, close = _loopback_ops(nbytes)
-    try:
+    with contextlib.ExitStack() as opened:
+        push_small, close_small = _loopback_ops(small)
+        opened.callback(close_small)
+        push, close = _loopback_ops(nbytes)
+        opened.callback(close)
         t = torch.tensor([_least_disturbed(push_small, reps + 1)[0], _least_disturbed(push, reps)[0]],
                          dtype=torch.float64)
         t_small, t_big = allreduce(t, op=ReduceOp.MAX).tolist()
         rate, stretch = _beside_compute(push, True, t_big, busy, reps, stretch=True)
-    finally:
-        close_small()
-        close()
     return _fit_hop(t_small, t_big, small, nbytes), rate, stretch
 
 
@@ -1123,14 +1160,23 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         k = H
         thread_s = (2 * 2 / 3 + (k - 1) / k + 1) * elements * ew
         round_s = max(AMA_INTERVAL_MS / 1e3, allreduce_fp(param_bytes) / rate + census + thread_s)
+        thread_cost = thread_s
     else:
-        thread_s = 2 / 3 * elements * ew
-        # The bound is on the thread's wall time, and beside compute its passes run at the rate
-        # measured for a weight mix there (mlp25m, 4 ranks on 2 cores: rounds of 194 ms, 3.9 s
-        # apart, where passes at full speed priced 50 ms every 0.5 s).
-        wall = thread_s / min(1.0, max(0.1, m.get("mix_rate_beside_compute", 1.0)))
+        # The bound is on the thread's wall time, and beside compute its rounds run slower than
+        # alone (mlp25m, 4 ranks on 2 cores: rounds of 194 ms, 3.9 s apart, where passes at full
+        # speed priced 50 ms every 0.5 s). Where the arena round was timed (alone and beside
+        # compute), its time and what it takes from compute; else two thirds of a pass at the
+        # weight mix's rate.
+        if "arena_round_s_per_element" in m:
+            thread_s = m["arena_round_s_per_element"] * elements
+            wall = thread_s / min(1.0, max(0.1, m.get("arena_rate_beside_compute", 1.0)))
+            thread_cost = m.get("arena_stretch", 0.0) * thread_s
+        else:
+            thread_s = 2 / 3 * elements * ew
+            wall = thread_s / min(1.0, max(0.1, m.get("mix_rate_beside_compute", 1.0)))
+            thread_cost = thread_s
         round_s = max(AMA_INTERVAL_MS / 1e3, census + wall / AMA_MAX_BUSY)
-    round_cpu = thread_s + elements * ew + net * _ring_sent(param_bytes, H)
+    round_cpu = thread_cost + elements * ew + net * _ring_sent(param_bytes, H)
     per_step = free_step / round_s if round_s > 0 else 0.0
     add("AsyncModelAverage", "AsyncModelAverage", {"sync_interval_ms": AMA_INTERVAL_MS}, ASYNC, "async",
         dict(predicted_step_s=free_step + per_step * round_cpu, exposed_comm_s=per_step * round_cpu,
@@ -1313,6 +1359,11 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
             one_host = dict(mix_s_per_byte=mix_s / size, mix_rate_beside_compute=mix_rate, mix_stretch=mix_stretch,
                             loopback=_link_dict(lo), loopback_rate_beside_compute=lo_rate,
                             loopback_stretch=lo_stretch)
+            arena_elements = max(1024, min(sum(p.numel() for p in params), _LOCAL_MAX // 4))
+            arena = _measure_arena_round(busy, arena_elements)
+            if arena is not None:
+                one_host.update(arena_round_s_per_element=arena[0] / arena_elements,
+                                arena_rate_beside_compute=arena[1], arena_stretch=arena[2])
     finally:
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(opt_sd)
@@ -1427,6 +1478,11 @@ def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
                      f"(torch DDP's gloo) {_rate(lo['bandwidth_Bps'])}, {lo['latency_s'] * 1e6:.0f} us, at "
                      f"{m['loopback_rate_beside_compute']:.2f} beside compute, lengthening compute "
                      f"{m['loopback_stretch']:.2f} s per s")
+    if "arena_round_s_per_element" in m:
+        lines.append(f"  one host: AsyncModelAverage's round in the shared arena "
+                     f"{m['arena_round_s_per_element'] / 4 * 1e9:.2f} ms per MB of weights alone, at "
+                     f"{m['arena_rate_beside_compute']:.2f} of that beside compute, lengthening compute "
+                     f"{m['arena_stretch']:.2f} s per s of it")
     lines.append("  codecs (ns per element, encode/decode; wire bytes per element): " + ", ".join(
         f"{k} {c['encode_s_per_element'] * 1e9:.2f}/{c['decode_s_per_element'] * 1e9:.2f}; "
         f"{c['wire_bytes_per_element']:.3f}" for k, c in m["codecs"].items()))

@@ -412,6 +412,19 @@ def test_async_model_average_round_by_hand():
     round_s = intra.ring(32) + thread / 0.25 / 0.1
     assert slow["round_s"] == pytest.approx(round_s, rel=REL)
     assert slow["predicted_step_s"] == pytest.approx(local + local / round_s * (thread + big / 4 * ew), rel=REL)
+    # ... and where the arena's round was timed, its own time alone, its rate beside compute
+    # and the compute it takes (stretch per second of it) replace the passes
+    per, rate, stretch = 3e-9, 0.4, 0.5
+    timed = _rows(_measured(hosts=1, local_size=4, grad_bytes=big, elementwise_s_per_element=ew,
+                            mix_rate_beside_compute=0.25, arena_round_s_per_element=per,
+                            arena_rate_beside_compute=rate, arena_stretch=stretch), None, intra=intra)
+    row = timed["AsyncModelAverage"]
+    round_s = intra.ring(32) + per * big / 4 / rate / 0.1
+    assert row["round_s"] == pytest.approx(round_s, rel=REL)
+    assert row["predicted_step_s"] == pytest.approx(
+        local + local / round_s * (stretch * per * big / 4 + big / 4 * ew), rel=REL)
+    # (the timed round changes what the step pays over its local compute)
+    assert row["predicted_step_s"] - local != pytest.approx(slow["predicted_step_s"] - local, rel=0.2)
 
 
 def test_model_monotonic_in_bandwidth():
@@ -618,13 +631,17 @@ def _check(res, hosts, local, adam):
         else:
             assert m[key] is None, key
     alone = hosts == 1 and local > 1  # every rank on one host: the weight mix and loopback TCP beside compute
+    # (and AsyncModelAverage's round in the shared arena, which these tests' jobs use)
     for key in ("mix_s_per_byte", "mix_rate_beside_compute", "mix_stretch", "loopback", "loopback_rate_beside_compute",
-                "loopback_stretch"):
+                "loopback_stretch", "arena_round_s_per_element", "arena_rate_beside_compute", "arena_stretch"):
         assert (key in m) == alone, key
     if alone:
         assert m["mix_s_per_byte"] > 0 and m["loopback"]["bandwidth_Bps"] > 0 and m["loopback"]["latency_s"] >= 0
-        assert 0.1 <= m["mix_rate_beside_compute"] <= 1.0 and 0.1 <= m["loopback_rate_beside_compute"] <= 1.0
-        assert 0.0 <= m["mix_stretch"] <= 2.0 and 0.0 <= m["loopback_stretch"] <= 2.0
+        assert m["arena_round_s_per_element"] > 0
+        for key in ("mix_rate_beside_compute", "loopback_rate_beside_compute", "arena_rate_beside_compute"):
+            assert 0.1 <= m[key] <= 1.0, key
+        for key in ("mix_stretch", "loopback_stretch", "arena_stretch"):
+            assert 0.0 <= m[key] <= 2.0, key
     if hosts > 1:  # the swap with one peer and the ring beside compute are probed between hosts only
         assert m["pair"]["ranks"] == 2 and m["pair"]["bandwidth_Bps"] > 0 and m["pair"]["latency_s"] >= 0
         assert 0.1 <= m["comm_rate_beside_compute"] <= 1.0
