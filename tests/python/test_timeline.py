@@ -85,6 +85,8 @@ def _killed_rank():
 
 
 def _flight_rank(base):
+    import datetime
+
     import torch
 
     import rumor
@@ -105,10 +107,12 @@ def _flight_rank(base):
             except rumor.errors.CommTimeoutError as e:
                 err = str(e)
             store.set("flight-test-done", b"1")
+            # Rank 0 hosts the store: leaving now could close it before rank 1 has seen the key
+            # (a CI run failed so: rank 1's wait read a closed connection).
+            store.wait(["flight-test-seen"], datetime.timedelta(seconds=60))
         else:
-            import datetime
-
             store.wait(["flight-test-done"], datetime.timedelta(seconds=60))  # its default: RUMOR_TIMEOUT
+            store.set("flight-test-seen", b"1")  # rank 0 waits for it before closing the store
         after = rumor.timeline.flight_records()
     assert not rumor.timeline.is_recording()
     return dict(before=before, after=after, err=err, sizes=sizes)
