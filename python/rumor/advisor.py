@@ -623,10 +623,11 @@ def _measure_arena_round(busy: Callable[[], None], elements: int,
     took 84 ms alone where two thirds of a pass priced 32, and 150-275 ms beside training."""
     from . import _C, _runtime
     from ._tensor import address, dtype_code
+    from .algorithms.async_model_average import shared_arena_possible
     from .collectives import ReduceOp, allreduce
 
     comm = _runtime._comm(None, "rumor.advise")._comm
-    if not (comm.all_local and comm.uses_shm and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True)):
+    if not shared_arena_possible(comm):
         return None
     size = (elements * 4 + 63) // 64 * 64
     arena = _C.SharedArena(comm, 2 * size)
@@ -1169,12 +1170,11 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
         # weight mix's rate.
         if "arena_round_s_per_element" in m:
             thread_s = m["arena_round_s_per_element"] * elements
-            wall = thread_s / min(1.0, max(0.1, m.get("arena_rate_beside_compute", 1.0)))
-            thread_cost = m.get("arena_stretch", 0.0) * thread_s
+            beside, thread_cost = m.get("arena_rate_beside_compute", 1.0), m.get("arena_stretch", 0.0) * thread_s
         else:
             thread_s = 2 / 3 * elements * ew
-            wall = thread_s / min(1.0, max(0.1, m.get("mix_rate_beside_compute", 1.0)))
-            thread_cost = thread_s
+            beside, thread_cost = m.get("mix_rate_beside_compute", 1.0), thread_s
+        wall = thread_s / min(1.0, max(0.1, beside))
         round_s = max(AMA_INTERVAL_MS / 1e3, census + wall / AMA_MAX_BUSY)
     round_cpu = thread_cost + elements * ew + net * _ring_sent(param_bytes, H)
     per_step = free_step / round_s if round_s > 0 else 0.0

@@ -155,6 +155,13 @@ class _Mixer:
         raise NotImplementedError
 
 
+def shared_arena_possible(comm) -> bool:
+    """Whether "all" rounds on this communicator can keep the weights in a shared arena: several
+    ranks, all on this host, shared memory on (float weights on the host are the caller's part)."""
+    return (comm.size > 1 and comm.all_local and comm.uses_shm
+            and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True))
+
+
 class _AllMixer(_Mixer):
     """"all": a census allreduce then one allreduce per flat buffer over every rank, on a
     communicator that only the background thread uses.
@@ -187,8 +194,7 @@ class _AllMixer(_Mixer):
         fits = all(s.x.dtype in (torch.float32, torch.float64) for s in slots)
         # CUDA parameters: the slots hold a host mirror of the weights, not the parameters
         # themselves, so the shared arena (peers reading the parameters in place) does not apply.
-        if (fits and ddp._device_mode is None and self.comm.size > 1 and self.comm.all_local and self.comm.uses_shm
-                and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True)):
+        if fits and ddp._device_mode is None and shared_arena_possible(self.comm):
             offsets, total = [], 0
             for s in slots:
                 size = (s.x.numel() * s.x.element_size() + 63) // 64 * 64
