@@ -5,10 +5,11 @@ hooks, bucket plans and error handling.
 
 Buckets are flat tensors on the device and each .grad is a view into one, as on CPU. When a
 bucket's last gradient arrives, the autograd thread records an event on its current stream and
-queues the bucket for the engine's worker thread, which launches the buckets in order on a
-communication stream that first waits for that event. finish() (at the end of backward) waits
-until the worker has launched every bucket, then makes the caller's current stream wait for the
-communication stream's last event: the host never waits for the GPU there. Two modes:
+the bucket is launched, in order, on a communication stream that first waits for that event: by
+the autograd thread itself when its op only queues GPU work and the worker has nothing queued or
+running, else by the engine's worker thread. finish() (at the end of backward) waits until every
+bucket is launched, then makes the caller's current stream wait for the communication stream's
+last event: the host never waits for the GPU there. Two modes:
 
 - direct (NCCL): each bucket's op (rumor._gpu_ops) is queued on the communication stream. The
   worker then watches each bucket's event with rumor's deadline and NCCL's error state; a dead
@@ -26,6 +27,7 @@ so everything here except the CUDA calls themselves runs, and is checked, on any
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import weakref
@@ -40,6 +42,9 @@ from ._tensor import address, dtype_code
 
 EMULATE: Optional[str] = None
 MODES = ("direct", "staged")
+# RUMOR_DEVICE_INLINE_LAUNCH=0 hands every direct bucket to the worker thread, as before inline
+# launches existed: a switch to compare the two (benchmarks/gpu.py), not a tuning knob.
+INLINE_LAUNCH = os.environ.get("RUMOR_DEVICE_INLINE_LAUNCH", "1") != "0"
 
 
 # ---- device layers -----------------------------------------------------------------------------
@@ -197,6 +202,7 @@ class _State:
         self.stream = layer.new_stream()
         self.after: List = []  # per bucket: a callable run right after its op (overlap_optimizer)
         self.pause = 0.002  # the worker's next pause between looks at launched buckets
+        self.busy = False  # the worker is running an item it took off the queue
 
 
 _MIN_PAUSE, _MAX_PAUSE = 0.002, 0.02  # the worker's pauses between looks at launched buckets
@@ -219,6 +225,7 @@ def _worker(state: _State) -> None:
             if state.stop and not state.queue:
                 return
             item = state.queue.popleft() if state.queue else None
+            state.busy = item is not None
         try:
             if state.error is None:
                 _poll_watch(state)
@@ -230,6 +237,7 @@ def _worker(state: _State) -> None:
             _fail(state, e)
         if item is not None:
             with state.cv:
+                state.busy = False
                 if isinstance(item[0], Ticket):
                     item[0].launched = True
                 else:
@@ -243,10 +251,10 @@ def _fail(state: _State, e: BaseException) -> None:
             state.error = e
         state.watch.clear()
         state.cv.notify_all()
-    comm = getattr(state.transport, "comm", None)
-    if comm is not None and hasattr(comm, "abort"):
+    abort = getattr(state.transport, "abort", None)
+    if abort is not None:
         # The other buckets' kernels may wait for a peer that is gone: aborting ends them.
-        comm.abort()
+        abort()
 
 
 def _poll_watch(state: _State) -> None:
@@ -312,6 +320,14 @@ def _launch(state: _State, bi: int, ready_event, ready: float) -> None:
         state.timings.append((bi, flat.numel(), ready, t0, t1))
         if not isinstance(done, _Done):
             state.watch.append((done, t1 + state.timeout_fn(), what))
+            if len(state.watch) == 1:
+                state.cv.notify_all()  # a worker asleep with nothing to watch starts watching
+
+
+def _launches_only(op, transport) -> bool:
+    """Whether a direct bucket's op only queues work on the stream (never waits on the host)."""
+    f = getattr(op, "launches_only", None)
+    return bool(f is not None and f(transport))
 
 
 class DeviceEngine:
@@ -445,11 +461,30 @@ class DeviceEngine:
     def _launch(self, bi: int) -> None:
         st = self._state
         ev = st.layer.record(st.layer.current())
-        with st.cv:
-            st.queue.append((bi, ev, time.monotonic()))
-            st.cv.notify_all()
+        now = time.monotonic()
         self._next = bi + 1
         self._launched += 1
+        with st.cv:
+            # A direct bucket whose op only queues GPU work (one NCCL call, or nothing) is
+            # launched right here on the autograd thread: handing it to the worker costs a
+            # thread switch and GIL hand-offs per bucket, more than the launch itself (one GPU's
+            # DDP step was 17% slower than torch's, mostly there). Only with nothing queued or
+            # running on the worker, so the order of NCCL calls stays the order of the calls.
+            inline = (INLINE_LAUNCH and st.mode == "direct" and st.error is None and not st.queue and not st.busy
+                      and _launches_only(st.buckets[bi][1], st.transport))
+            if not inline:
+                st.queue.append((bi, ev, now))
+                st.cv.notify_all()
+                return
+        try:
+            _launch(st, bi, ev, now)
+        except BaseException as e:
+            _fail(st, e)
+            raise
+        finally:
+            with st.cv:
+                st.processed += 1
+                st.cv.notify_all()
 
     def launch_all(self) -> None:
         """Launches every bucket not launched yet, complete or not (unused parameters, or an

@@ -122,6 +122,9 @@ class NcclTransport:
         self.comm.allgather(address(mine), address(out), mine.numel(), dtype_code(mine.dtype, "allgather"),
                             self._stream())
 
+    def abort(self) -> None:
+        self.comm.abort()
+
     def settle(self, what: str) -> None:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.gpu.torch_device))
@@ -166,6 +169,9 @@ class HostTransport:
     def settle(self, what: str) -> None:
         pass
 
+    def abort(self) -> None:
+        pass  # rumor's communicator aborted itself on the error that got here
+
 
 class AllreduceOp:
     """GradientAllReduce's bucket: one allreduce, AVG or SUM."""
@@ -176,6 +182,11 @@ class AllreduceOp:
     def run(self, flat: torch.Tensor, tp) -> None:
         if tp.size > 1 and flat.numel():
             tp.allreduce(flat, self.op)
+
+    def launches_only(self, tp) -> bool:
+        # Whether run() only queues work on the stream and never waits on the host; the engine
+        # then launches the bucket from the autograd thread instead of its worker.
+        return True
 
     def __repr__(self) -> str:
         return f"AllreduceOp({self.op})"
@@ -197,6 +208,9 @@ class CompressedOp:
         self.seed = int(seed)
         self.codec = Codec(_C.CodecKind(self.kind), self.chunk or None, self.levels)
         self.calls = 0
+
+    def launches_only(self, tp) -> bool:
+        return tp.size == 1  # else the decodes read the encodings' headers on the host
 
     def run(self, flat: torch.Tensor, tp) -> None:
         step = self.calls
@@ -233,6 +247,9 @@ class LocalOp:
 
     def run(self, flat: torch.Tensor, tp) -> None:
         pass
+
+    def launches_only(self, tp) -> bool:
+        return True
 
     def __repr__(self) -> str:
         return "LocalOp()"
@@ -361,6 +378,9 @@ class OneBitMomentumOp:
         self.codec.encode(x, out=out)
         self.codec.decode(out, x.numel(), out=err)
         torch.sub(x, err, out=err)
+
+    def launches_only(self, tp) -> bool:
+        return not self.compressing  # the 1-bit exchange decodes on the host
 
     def run(self, flat: torch.Tensor, tp) -> None:
         if not self.compressing:
@@ -508,6 +528,11 @@ class PowerSgdOp:
         if tp.size > 1:
             tp.allreduce(w, 0)
         buf.copy_(w)
+
+    def launches_only(self, tp) -> bool:
+        # Compressing, it launches dozens of small kernels: the worker's thread does that
+        # beside backward's launches rather than on the autograd thread between them.
+        return not self.compressing
 
     def run(self, g: torch.Tensor, tp) -> None:
         if not self.compressing:

@@ -337,6 +337,60 @@ def test_refusals_name_what_has_no_gpu_path():
     assert "OneBitAdam does not run on CUDA parameters yet" in msgs["onebit_staged"], msgs
 
 
+def test_direct_engine_launches_queue_only_buckets_from_the_calling_thread():
+    """A bucket whose op only queues work is launched on the thread that marked it ready (the
+    autograd thread); one that waits on the host goes to the worker, and while the worker has
+    anything queued or running the buckets after it follow it there, in order."""
+    import threading
+
+    import torch
+
+    from rumor import _gpu_engine
+
+    log = []
+
+    class Op:
+        def __init__(self, name, only, gate=None):
+            self.name, self.only, self.gate = name, only, gate
+
+        def launches_only(self, tp):
+            return self.only
+
+        def run(self, flat, tp):
+            log.append((self.name, threading.get_ident()))
+            if self.gate is not None:
+                assert self.gate.wait(30), "the test's gate was never opened"
+
+    class Transport:
+        size, rank = 2, 0
+
+    gate = threading.Event()
+    ops = [Op("a", True), Op("b", False, gate), Op("c", True), Op("d", True)]
+    eng = _gpu_engine.DeviceEngine(_gpu_engine.EmulatedLayer(), "direct", Transport(), None, lambda: 30.0)
+    try:
+        eng.set_buckets([(torch.zeros(4), 4, 0, 1, op) for op in ops])
+        me = threading.get_ident()
+        eng.mark_ready(0)
+        assert log == [("a", me)]
+        eng.mark_ready(1)  # to the worker, which holds it at the gate
+        eng.mark_ready(2)  # b is queued or running: c must follow it on the worker
+        gate.set()
+        eng.mark_ready(3)
+        eng.finish(30.0)
+        assert [n for n, _ in log] == ["a", "b", "c", "d"]
+        worker = log[1][1]
+        assert worker != me and log[2][1] == worker
+        # Next iteration: the worker is idle, so every queue-only bucket launches right here.
+        log.clear()
+        ops[1].only = True
+        for i in range(4):
+            eng.mark_ready(i)
+        eng.finish(30.0)
+        assert log == [(n, me) for n in "abcd"]
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_dead_peer_makes_backward_raise(mode):
     res = harness.run(dead_peer_rank, 2, timeout=90, args=(mode,), may_die=(1,))
@@ -426,6 +480,69 @@ def gpu_rank(algos):
 def test_cuda_model_matches_cpu(transport, world, algos):
     _need_gpu()
     res = harness.run(gpu_rank, world, timeout=300, args=(algos,), env={"RUMOR_GPU_TRANSPORT": transport})
+    problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
+    assert not problems, "\n".join(problems)
+
+
+def _train_torch_ddp(device: str, steps: int = STEPS):
+    """_train's model, data and steps under torch's own DistributedDataParallel."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank = dist.get_rank()
+    m = _model(10 + rank, device)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[0] if device == "cuda" else None)
+    out = []
+    for step in range(steps):
+        x, y = _batch(step, rank, device)
+        opt.zero_grad(set_to_none=(step % 2 == 0))
+        F.cross_entropy(ddp(x), y).backward()
+        grads = [p.grad.detach().cpu().clone() for p in m.parameters()]
+        opt.step()
+        out.append((grads, [p.detach().cpu().clone() for p in m.parameters()]))
+    return out
+
+
+def torch_ddp_rank(store_path: str, device: str = "cuda"):
+    """rumor's GradientAllReduce on cuda:0 against torch DDP on cuda:0 (NCCL for one rank; gloo
+    on CUDA tensors for two ranks sharing the GPU, beside rumor's host staging): gradients and
+    parameters after every step, bit for bit (an average of one or two float32 values is exact
+    in either order)."""
+    import torch
+    import torch.distributed as dist
+
+    import rumor
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    rumor.init()
+    world = rumor.size()
+    dist.init_process_group("nccl" if world == 1 and device == "cuda" else "gloo", store=dist.FileStore(store_path, world),
+                            rank=rumor.rank(), world_size=world)
+    bad = []
+    try:
+        ref = _train_torch_ddp(device)
+        got = _train(None, "allreduce", device=device)
+        for step, ((rg, rp), (gg, gp)) in enumerate(zip(ref, got)):
+            for i, (a, b) in enumerate(zip(rg + rp, gg + gp)):
+                if not torch.equal(a, b):
+                    what = "gradient" if i < len(rg) else "parameter"
+                    bad.append(f"step {step} {what} {i % len(rg)}: max |diff| {float((a - b).abs().max()):.3g}")
+            if bad:
+                break
+    finally:
+        dist.destroy_process_group()
+        rumor.shutdown()
+    return bad
+
+
+@pytest.mark.parametrize("transport,world", [("nccl", 1), ("host", 2)])
+def test_cuda_model_matches_torch_ddp(transport, world, tmp_path):
+    _need_gpu()
+    res = harness.run(torch_ddp_rank, world, timeout=180, args=(str(tmp_path / "store"),),
+                      env={"RUMOR_GPU_TRANSPORT": transport})
     problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
     assert not problems, "\n".join(problems)
 
