@@ -107,6 +107,23 @@ ShmSegment::~ShmSegment() {
   unlink_name();
 }
 
+void ShmSegment::populate(const std::string& what) const {
+#ifdef MADV_POPULATE_WRITE
+  if (data_ == nullptr || size_ == 0) return;
+  int rc;
+  do {
+    rc = ::madvise(data_, size_, MADV_POPULATE_WRITE);
+  } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
+  if (rc == 0 || errno == EINVAL) return;  // EINVAL: a kernel without it; pages fault in lazily
+  if (errno == EFAULT || errno == ENOMEM)
+    throw Error(ErrorKind::kSystem, what + ": shared memory cannot hold " + std::to_string(size_) +
+                                        " bytes of " + name_ + " (" + errno_string(errno) +
+                                        "; is /dev/shm full or too small?)");
+#else
+  (void)what;
+#endif
+}
+
 void ShmSegment::unlink_name() {
   if (!name_.empty()) ::shm_unlink(name_.c_str());
   name_.clear();

@@ -29,6 +29,11 @@ class ShmSegment {
   void* data() const { return data_; }
   size_t size() const { return size_; }
   void unlink_name();
+  // Maps every page of the segment into this process now (allocating the ones nobody touched
+  // yet), so that later accesses take no page faults. Best effort where the kernel lacks
+  // MADV_POPULATE_WRITE (before Linux 5.14): the pages then fault in on first use as before.
+  // Throws if shared memory cannot hold the segment (where a later access would die of SIGBUS).
+  void populate(const std::string& what) const;
   // Leaves the name in place when this object goes away (someone else will unlink it).
   void keep_name() { name_.clear(); }
 

@@ -632,8 +632,8 @@ def _measure_arena_round(busy: Callable[[], None], elements: int,
     size = (elements * 4 + 63) // 64 * 64
     arena = _C.SharedArena(comm, 2 * size)
     x, delta = (torch.frombuffer(arena, dtype=torch.float32, count=elements, offset=at) for at in (0, size))
-    # First touch of the shared pages, untimed: a job's first round pays it once (1.6 s of
-    # mlp25m's first round against 84 ms for the next ones).
+    # Values to average (the arena mapped its pages when built, so no round below pays a first
+    # touch: before it did, mlp25m's first round took 1.6 s against 84 ms for the next ones).
     x.fill_(1.0)
     delta.zero_()
     roles = [1] * comm.size
