@@ -6,13 +6,16 @@ tqdm for the progress bar (optional: a plain bar is drawn without it). Without a
 device it says so in one line and exits 0 without writing anything (1 with --require-gpu or
 RUMOR_EXPECT_GPU=1, as scripts/gpu_check.sh sets).
 
-NOT YET RUN ON A GPU: written on a machine without one; only its orchestration, tables, JSON and
-plot have run (on the CPU, through the same code with CPU tensors).
+Ran on an H200 (docs/gpu.md, "What ran on a GPU"), except the rumor-stream variant below, whose
+orchestration, table, JSON and plot have only run on the CPU (the same code with CPU tensors).
 
 What it measures. One GPU allows two set-ups (NCCL refuses two ranks on one device):
 
   1 rank   rumor.allreduce_ over rumor's NCCL communicator (RUMOR_GPU_TRANSPORT=nccl) vs
-           torch.distributed.all_reduce over a one-rank NCCL process group, both in place.
+           torch.distributed.all_reduce over a one-rank NCCL process group, both in place;
+           rumor twice: as configured (gpu_wait=host by default: the call waits on the host for
+           its op) and as "rumor-stream" under rumor.set_gpu_wait("stream") (returns once
+           queued, like torch's call; its deadline kept by a watch thread).
   2 ranks  two processes sharing cuda:0: rumor staging through page-locked host memory
            (RUMOR_GPU_TRANSPORT=host) vs torch.distributed gloo, which takes CUDA tensors and
            stages them too.
@@ -67,6 +70,7 @@ without changing the exit status.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -87,7 +91,8 @@ PARTS = ("allreduce", "ddp")
 MODELS = ("mlp25m", "cnn", "transformer")
 DEFAULT_OUT = os.path.join(_common.HERE, "..", "docs", "benchmarks", "gpu.json")
 BOUND_BYTES = 64 * MiB  # size of the pinned-copy and memcpy measurements
-LABEL = {"rumor": "rumor", "torch": "torch", "copy": "D2D copy", "compute": "compute-only"}
+LABEL = {"rumor": "rumor", "rumor-stream": "rumor (gpu_wait=stream)", "torch": "torch", "copy": "D2D copy",
+         "compute": "compute-only"}
 
 
 def setup(n: int, device: str) -> Dict[str, str]:
@@ -260,6 +265,22 @@ def _measure_bounds(ctx: Rank, when: str) -> None:
         ctx.barrier()
 
 
+@contextlib.contextmanager
+def _gpu_wait(variant: str):
+    """rumor's wait mode for one variant: "stream" for rumor-stream, rumor's default otherwise."""
+    import rumor
+
+    if variant != "rumor-stream":
+        yield
+        return
+    before = rumor.get_gpu_wait()
+    rumor.set_gpu_wait("stream")
+    try:
+        yield
+    finally:
+        rumor.set_gpu_wait(before)
+
+
 def _allreduce_part(ctx: Rank) -> None:
     dead: Dict[str, str] = {}  # variants that raised: skipped in the later sizes
     for size in ctx.cfg["sizes"]:
@@ -287,6 +308,10 @@ def _allreduce_cell(ctx: Rank, size: int, dead: Dict[str, str]) -> Dict:
     bufs = {"rumor": torch.empty_like(base), "torch": torch.empty_like(base)}
     fns = {"rumor": lambda: rumor.allreduce_(bufs["rumor"], op=rumor.ReduceOp.SUM),
            "torch": lambda: dist.all_reduce(bufs["torch"], op=dist.ReduceOp.SUM)}
+    if cfg["transport"] == "nccl":
+        # The same call with rumor.set_gpu_wait("stream"): returns once queued, as torch's does.
+        bufs["rumor-stream"] = torch.empty_like(base)
+        fns["rumor-stream"] = lambda: rumor.allreduce_(bufs["rumor-stream"], op=rumor.ReduceOp.SUM)
     if n == 1:
         # The one-rank bound: what an out-of-place allreduce must move (base == want at n = 1).
         bufs["copy"] = torch.empty_like(base)
@@ -308,7 +333,8 @@ def _allreduce_cell(ctx: Rank, size: int, dead: Dict[str, str]) -> Dict:
             refill(v)
             ctx.sync()
             ctx.barrier()
-            took = ctx.attempt(v, f"allreduce {size} B", fns[v], failed)
+            with _gpu_wait(v):
+                took = ctx.attempt(v, f"allreduce {size} B", fns[v], failed)
             if took is None:
                 continue
             warm[v].append(took)
@@ -339,14 +365,15 @@ def _allreduce_cell(ctx: Rank, size: int, dead: Dict[str, str]) -> Dict:
             ctx.sync()
             ctx.barrier()
             ev = ctx.events()
-            t0 = time.perf_counter()
-            if ev:
-                ev[0].record()
-            for _ in range(reps):
-                fns[v]()
-            if ev:
-                ev[1].record()
-            ctx.sync()
+            with _gpu_wait(v):
+                t0 = time.perf_counter()
+                if ev:
+                    ev[0].record()
+                for _ in range(reps):
+                    fns[v]()
+                if ev:
+                    ev[1].record()
+                ctx.sync()
             samples[v].append((time.perf_counter() - t0) / reps)
             event_samples[v].append(ev[0].elapsed_time(ev[1]) / 1e3 / reps if ev else float("nan"))
     per_rank = ctx.gather_samples(samples)
@@ -655,6 +682,8 @@ def summarize(cell: Dict, bounds: Optional[Dict]) -> None:
             d["event_median_s"] = statistics.median(ev) if ev else None
         if "rumor" in v and "torch" in v:
             cell["rumor_over_torch"] = v["torch"]["median_s"] / v["rumor"]["median_s"]
+        if "rumor-stream" in v and "torch" in v:
+            cell["stream_over_torch"] = v["torch"]["median_s"] / v["rumor-stream"]["median_s"]
         if n == 1 and "copy" in v:
             cell["bound"] = dict(kind="device copy", algbw=v["copy"]["algbw"])
         elif n > 1 and bounds:
@@ -701,16 +730,18 @@ def print_allreduce(cells: List[Dict], job: Dict) -> None:
           f"wall clock around synchronize; algbw = size/time in GB/s; {bus}; rumor transport: "
           f"{next((c['rumor_transport'] for c in cells if c.get('rumor_transport')), '?')})")
     head = f"{'size':>9} {'reps':>4} |"
-    for name in ("rumor", peer):
+    stream = any("rumor-stream" in c["variants"] or "rumor-stream" in c["errors"] for c in cells)
+    shown = ["rumor"] + (["rumor-stream"] if stream else []) + ["torch"]
+    for name in ["rumor"] + (["rumor stream"] if stream else []) + [peer]:
         head += f" {name + ' time':>27} {'algbw':>7} {'busbw':>7} |"
-    head += f" {'rumor/torch':>11} |"
+    head += f" {'rumor/torch':>11} |" + (f" {'stream/torch':>12} |" if stream else "")
     head += (f" {'D2D copy time':>15} {'algbw':>7} {'rumor/copy':>10}" if n == 1 else
              f" {'staged bound':>12} {'rumor/staged':>12} {'piped':>7} {'rumor/piped':>11}")
     print(head)
     print("-" * len(head))
     for c in cells:
         row = f"{fmt_size(c['size']):>9} {c['reps']:>4} |"
-        for v in ("rumor", "torch"):
+        for v in shown:
             d = c["variants"].get(v)
             if d is None:
                 row += f" {'error' if v in c['errors'] else '-':>27} {'-':>7} {'-':>7} |"
@@ -720,6 +751,9 @@ def print_allreduce(cells: List[Dict], job: Dict) -> None:
             row += f" {t:>27} {_bw(d['algbw']):>7} {_bw(d['busbw']):>7} |"
         r = c.get("rumor_over_torch")
         row += f" {f'{r:.2f}x' if r else '-':>11} |"
+        if stream:
+            r = c.get("stream_over_torch")
+            row += f" {f'{r:.2f}x' if r else '-':>12} |"
         b = c.get("bound")
         if n == 1:
             cp = c["variants"].get("copy")
@@ -742,6 +776,10 @@ def print_allreduce(cells: List[Dict], job: Dict) -> None:
         print(_wrap("bound: a device-to-device copy of the same size (torch copy_), timed alongside: what a "
                     "one-rank out-of-place allreduce moves, one kernel launch at small sizes. In place NCCL "
                     "need move nothing, so rumor/copy may exceed 1: at n = 1 this is per-call overhead."))
+        if stream:
+            print(_wrap("rumor stream: the same call under rumor.set_gpu_wait(\"stream\"): it returns once queued "
+                        "(as torch's does) and a watch thread keeps the deadline; plain rumor (gpu_wait=host, the "
+                        "default) waits on the host for each op's event."))
     else:
         b = job_bounds(job)
         if b:
@@ -808,13 +846,14 @@ def plot(path: str, cells: List[Dict], jobs: List[Dict]) -> Optional[str]:
                 if not cs:
                     continue
                 col = colors[j % len(colors)]
-                for v, style in (("rumor", "-"), ("torch", "--")):
+                for v, style in (("rumor", "-"), ("rumor-stream", "-."), ("torch", "--")):
                     pts = [(c["size"], c["variants"][v]) for c in cs if v in c["variants"]]
                     if not pts:
                         continue
                     xs = [s for s, _ in pts]
+                    name = "torch " + job["setup"]["backend"] if v == "torch" else LABEL[v]
                     ax.plot(xs, [d["algbw"] / 1e9 for _, d in pts], style, color=col, marker="o", ms=3,
-                            label=f"{'rumor' if v == 'rumor' else 'torch ' + job['setup']['backend']} (n={job['n']})")
+                            label=f"{name} (n={job['n']})")
                     ax.fill_between(xs, [d["algbw_min"] / 1e9 for _, d in pts],
                                     [d["algbw_max"] / 1e9 for _, d in pts], color=col, alpha=0.12)
                 bpts = [(c["size"], c["bound"]["algbw"]) for c in cs if "bound" in c]
@@ -878,7 +917,9 @@ def headline(cells: List[Dict]) -> Optional[str]:
         c = next((c for c in cs if c["size"] == 64 * MiB), max(cs, key=lambda c: c["size"]))
         what = "NCCL" if n == 1 else "host-staged vs gloo"
         bw = "algbw" if n == 1 else "busbw"  # the same ratio (of times); busbw is undefined for n = 1
-        parts.append(f"allreduce {fmt_size(c['size'])} n={n} {what} {bw} {_ratio(c)}")
+        st = c.get("stream_over_torch")
+        parts.append(f"allreduce {fmt_size(c['size'])} n={n} {what} {bw} {_ratio(c)}"
+                     + (f" (gpu_wait=stream {st:.2f}x)" if st else ""))
     ddp = [c for c in cells if c["part"] == "ddp"]
     if ddp:
         ns = sorted({c["n"] for c in ddp})

@@ -11,5 +11,12 @@ cmake -S . -B build/asan -G Ninja -DRUMOR_BUILD_PYTHON=OFF -DRUMOR_BUILD_TESTS=O
 cmake --build build/asan
 ctest --test-dir build/asan --output-on-failure -j 2 --timeout 180
 
+# The fake libnccl (tests/cpp/fake_nccl.cpp) once more, without sanitizers: the Python tests load
+# it into a plain interpreter (tests/python/test_nccl.py, test_gpu_watch.py).
+mkdir -p build/fake-nccl
+${CXX:-g++} -std=c++20 -O1 -fPIC -shared -fvisibility=hidden -Wall -Wextra -Werror -pthread \
+  tests/cpp/fake_nccl.cpp -o build/fake-nccl/libnccl-fake.so
+export RUMOR_FAKE_NCCL="$PWD/build/fake-nccl/libnccl-fake.so"
+
 echo "== Python tests"
 $PY -m pytest tests/python -q -p no:cacheprovider

@@ -1,6 +1,7 @@
 """rumor: data-parallel training acceleration for PyTorch with a C++ communication core."""
 from ._runtime import (  # noqa: F401
     Group,
+    get_gpu_wait,
     get_timeout,
     init,
     is_initialized,
@@ -11,6 +12,7 @@ from ._runtime import (  # noqa: F401
     machine_size,
     new_group,
     rank,
+    set_gpu_wait,
     set_timeout,
     shutdown,
     size,

@@ -220,23 +220,39 @@ class PinnedCache:
 
 class GpuGroup:
     """What a Group keeps for the GPU path: its device, the agreed transport (None until the
-    group's first CUDA collective), the NCCL communicator and the staging buffers."""
+    group's first CUDA collective), the NCCL communicator, the watch of its ops queued without a
+    host wait (RUMOR_GPU_WAIT=stream; made with the communicator) and the staging buffers."""
 
     def __init__(self, device: int):
         self.device = int(device)
         self.transport: Optional[str] = None
         self.comm = None
+        self.watch = None
         self.pinned = PinnedCache()
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device(CUDA, self.device)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Waits (at most timeout seconds) for the ops queued without a host wait, then closes
+        the communicator; an op that failed or did not finish is raised after the close."""
         comm, self.comm = self.comm, None
+        watch, self.watch = self.watch, None
         self.pinned.clear()
+        pending = None
+        if watch is not None:
+            try:
+                watch.drain(timeout, f"rumor.shutdown() of {self!r}")
+            except Exception as e:  # noqa: BLE001 - raised below, once the communicator is closed
+                pending = e
+                if comm is not None:
+                    comm.abort()  # an unfinished op must not hold up the close
+            watch.close()
         if comm is not None:
             comm.close()
+        if pending is not None:
+            raise pending
 
     def __repr__(self) -> str:
         return f"GpuGroup(cuda:{self.device}, transport={self.transport})"
@@ -255,13 +271,19 @@ def route(what: str, group, *named, collective: bool = True) -> Optional[GpuGrou
     a value that is not a tensor is left to the CPU path's checks. collective=False (send and
     recv, which only two ranks call) never starts the group-wide agreement."""
     for _, t in named:
-        if isinstance(t, torch.Tensor) and t.device.type != CPU:
+        if isinstance(t, torch.Tensor) and not t.is_cpu:
             break
     else:
         return None
     from ._runtime import _comm
 
     g = _comm(group, what)
+    gpu = g._gpu
+    if gpu is not None and (gpu.transport is not None or not collective):
+        # The group's usual call: every tensor on its device (what decide() would accept).
+        dev = gpu.device
+        if all(t is None or (isinstance(t, torch.Tensor) and t.is_cuda and t.get_device() == dev) for _, t in named):
+            return gpu
     named = [(name, t) for name, t in named if t is not None]
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -297,7 +319,10 @@ def _setup(g, gpu: GpuGroup, what: str) -> None:
     hosts = [st.hosts[r] for r in g.ranks]
     transport = agree(table, hosts, g.ranks, g.rank(), problem, what)
     if transport == "nccl":
+        from ._gpu_watch import StreamWatch
+
         gpu.comm = _nccl.communicator(g, device=gpu.device)
+        gpu.watch = StreamWatch(gpu.comm, f"{g!r} on cuda:{gpu.device}")
     gpu.transport = transport
 
 
@@ -310,7 +335,7 @@ def close_all(state) -> List[str]:
         if gpu is None:
             continue
         try:
-            gpu.close()
+            gpu.close(state.timeout)
         except Exception as e:  # noqa: BLE001 - shutdown goes on; the caller reports these
             errors.append(f"{g!r}: {type(e).__name__}: {e}")
         g._gpu = None

@@ -4,7 +4,10 @@ tensors are all on the group's CUDA device; the group's transport then decides:
 - nccl: the op is queued on torch's current stream of that device through the group's
   rumor._C.NcclCommunicator, followed by an event. A blocking call returns once the event
   passed (waited for with rumor's deadline); a *_nonblocking call returns a Handle whose wait()
-  does that wait. So no call returns leaving work that could hang unseen behind it.
+  does that wait. So no call returns leaving work that could hang unseen behind it. With
+  rumor.set_gpu_wait("stream") a blocking call returns once queued and the group's watch
+  (rumor._gpu_watch) keeps the deadline instead: the work cannot hang unseen either, it is
+  aborted at the deadline and the group's next call raises.
 - host: the input is copied into page-locked host memory on the current stream (waited for with
   a deadline), rumor's CPU collective runs on it, and the result is copied back on the same
   stream; a nonblocking call's Handle.wait() finishes the CPU op and queues that copy.
@@ -110,14 +113,18 @@ class _NcclWork:
     """The Handle's work for an op queued on a stream: done() asks the event (and NCCL for
     errors), wait() polls both through the communicator until the op's deadline."""
 
-    def __init__(self, comm, event, deadline: float, what: str):
+    def __init__(self, comm, event, deadline: float, what: str, watch=None):
         self.comm, self.event, self.deadline, self.what = comm, event, deadline, what
+        self.gpu_watch = watch  # an earlier op queued without a host wait may have failed
 
     def done(self) -> bool:
         self.comm.check(self.what)
         return bool(self.event.query())
 
     def wait(self, timeout: float) -> None:
+        watch = self.gpu_watch
+        if watch is not None:
+            watch.raise_error(self.what)
         left = min(float(timeout), self.deadline - time.monotonic())
         # A wait that starts after the deadline still sees an op that has completed: the
         # communicator asks the event before it looks at the clock.
@@ -127,21 +134,31 @@ class _NcclWork:
 class _Nccl:
     """One NCCL call: the group's communicator, torch's current stream of the group's device."""
 
-    def __init__(self, gpu: GpuGroup, g, what: str):
+    def __init__(self, gpu: GpuGroup, g, what: str, nonblocking: bool = False):
         self.gpu, self.g, self.what = gpu, g, what
         self.comm = gpu.comm
+        if gpu.watch is not None:
+            gpu.watch.raise_error(what)
         self.stream = torch.cuda.current_stream(gpu.torch_device)
         self.handle = self.stream.cuda_stream
-        self.timeout = _runtime._get().timeout
+        st = _runtime._get()
+        self.timeout = st.timeout
+        # RUMOR_GPU_WAIT=stream: a blocking call returns once queued, its deadline kept by the watch.
+        self.queue_only = st.gpu_wait == "stream" and not nonblocking and gpu.watch is not None
+        self.returns_early = nonblocking or self.queue_only
 
     def empty(self, shape, dtype) -> torch.Tensor:
-        # Allocated on the op's stream: the caching allocator then reuses its memory only for
-        # work ordered after the op.
-        with torch.cuda.stream(self.stream):
-            return torch.empty(tuple(shape), dtype=dtype, device=self.gpu.torch_device)
+        # Allocated on the op's stream (the current stream of the tensor's device, whatever the
+        # current device): the caching allocator reuses its memory only for work ordered after
+        # the op. The same holds for the contiguous copies the ops make.
+        return torch.empty(tuple(shape), dtype=dtype, device=self.gpu.torch_device)
 
     def uses(self, *tensors) -> None:
-        # A caller's tensor made on another stream must not be reused while NCCL reads or writes it.
+        # A caller's tensor made on another stream must not be reused while NCCL reads or writes
+        # it. Not needed where the call returns only after the op finished (a blocking call with
+        # host waiting, the default).
+        if not self.returns_early:
+            return
         for t in tensors:
             if t is not None and t.numel():
                 t.record_stream(self.stream)
@@ -157,14 +174,23 @@ class _Nccl:
     def done(self, nonblocking: bool, keep: tuple, finish):
         ev = torch.cuda.Event()
         ev.record(self.stream)
-        work = _NcclWork(self.comm, ev, time.monotonic() + self.timeout, self.what)
+        if self.queue_only:
+            # The watch keeps the deadline. The tensors need no holding: those made here were
+            # allocated on this stream and the caller's are record_stream'ed (uses()). finish()
+            # queues on the current stream, still the op's (as below).
+            self.gpu.watch.add(self.handle, ev, self.timeout, self.what)
+            return finish()
+        work = _NcclWork(self.comm, ev, time.monotonic() + self.timeout, self.what, self.gpu.watch)
+        if not nonblocking:
+            work.wait(self.timeout)
+            return finish()
 
         def on_stream():
+            # Handle.wait() may run under another current stream than the call's.
             with torch.cuda.stream(self.stream):
                 return finish()
 
-        h = C.Handle(work, keep, on_stream)
-        return h if nonblocking else h.wait()
+        return C.Handle(work, keep, on_stream)
 
 
 # ---- the collectives -----------------------------------------------------------------------------
@@ -181,9 +207,8 @@ def allreduce(gpu, g, t, op, group, inplace, nonblocking, algorithm, what):
     if algorithm not in C._ALGO:
         raise ValueError(f"{what}: algorithm must be one of {sorted(C._ALGO)}, got {algorithm!r}")
     # algorithm= chooses among rumor's CPU algorithms; NCCL picks its own.
-    n = _Nccl(gpu, g, what)
-    with torch.cuda.stream(n.stream):
-        src = _contig(t)
+    n = _Nccl(gpu, g, what, nonblocking)
+    src = _contig(t)
     out = src if inplace else n.empty(src.shape, src.dtype)
     n.uses(t)
     if src.numel():
@@ -201,9 +226,8 @@ def broadcast(gpu, g, t, root, group, inplace, nonblocking, what):
                      lambda res: s.to_gpu(res, t if inplace else None))
     code, per = movable_code(t)
     r = C._group_rank(g, root, what, "root")
-    n = _Nccl(gpu, g, what)
-    with torch.cuda.stream(n.stream):
-        src = _contig(t)
+    n = _Nccl(gpu, g, what, nonblocking)
+    src = _contig(t)
     out = src if inplace else n.empty(src.shape, src.dtype)
     n.uses(t)
     if src.numel():
@@ -221,9 +245,8 @@ def reduce(gpu, g, t, root, op, group, nonblocking, what):
     code = dtype_code(t.dtype, what)
     r = C._group_rank(g, root, what, "root")
     o = C._op(op, what)
-    n = _Nccl(gpu, g, what)
-    with torch.cuda.stream(n.stream):
-        src = _contig(t)
+    n = _Nccl(gpu, g, what, nonblocking)
+    src = _contig(t)
     is_root = g.rank() == r
     # NCCL writes the result on the root only; elsewhere its receive address is never touched.
     out = n.empty(src.shape, src.dtype) if is_root else src
@@ -250,12 +273,11 @@ def allgather(gpu, g, t, group, out, nonblocking, what):
         t = t.reshape(1)
     rows, tail = C._gather_rows(t, g, what)
     per_row = math.prod(tail)
-    n = _Nccl(gpu, g, what)
+    n = _Nccl(gpu, g, what, nonblocking)
     res = C._check_out(out, t.dtype, (sum(rows),) + tuple(tail), what, device=gpu.torch_device) if out is not None \
         else n.empty((sum(rows),) + tuple(tail), t.dtype)
     me = g.rank()
-    with torch.cuda.stream(n.stream):
-        src = _contig(t)
+    src = _contig(t)
     n.uses(t, out)
     if sum(rows) == 0:
         pass
@@ -292,7 +314,7 @@ def reduce_scatter(gpu, g, t, op, group, out, nonblocking, what):
                      lambda r: s.to_gpu(r, out))
     code = dtype_code(t.dtype, what)
     o = C._op(op, what)
-    n = _Nccl(gpu, g, what)
+    n = _Nccl(gpu, g, what, nonblocking)
     res = out if out is not None else n.empty(shape, t.dtype)
     n.uses(t, out)
     with torch.cuda.stream(n.stream):
@@ -337,8 +359,7 @@ def send(gpu, g, t, dst, group, what):
     code, per = movable_code(t)
     d = C._group_rank(g, dst, what, "dst")
     n = _Nccl(gpu, g, what)
-    with torch.cuda.stream(n.stream):
-        src = _contig(t)
+    src = _contig(t)
     n.uses(t)
     if src.numel():
         n.call(n.comm.send, address(src), src.numel() * per, code, d)
@@ -360,8 +381,7 @@ def recv(gpu, g, t, src, group, what):
     code, per = movable_code(t)
     p = C._group_rank(g, src, what, "src")
     n = _Nccl(gpu, g, what)
-    with torch.cuda.stream(n.stream):
-        buf = _contig(t)
+    buf = _contig(t)
     n.uses(t)
     if buf.numel():
         n.call(n.comm.recv, address(buf), buf.numel() * per, code, p)

@@ -143,6 +143,7 @@ class _State:
     streams: int = 2  # TCP streams per peer pair, fixed for the life of the Context
     groups: list = field(default_factory=list)
     nccl: object = None  # rumor._C.NcclLibrary, loaded on first use by rumor._nccl.load()
+    gpu_wait: str = "host"  # how blocking NCCL calls end (rumor._gpu_watch; docs/gpu.md)
 
 
 _state: Optional[_State] = None
@@ -265,16 +266,25 @@ def _exchange(store, env: _Env, timeout: float, make_ctx, host: str):
 
 
 def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = None,
-         shm: Optional[bool] = None) -> None:
+         shm: Optional[bool] = None, gpu_wait: Optional[str] = None) -> None:
     """Joins the job described by the launcher's environment (torchrun, mpirun or Slurm).
 
     timeout: seconds every blocking wait may take before it raises (env RUMOR_TIMEOUT, default 300).
     socket_streams: parallel TCP streams per peer pair (env RUMOR_SOCKET_STREAMS, default 2).
     shm: use shared memory between ranks on one host (env RUMOR_SHM, default on).
+    gpu_wait: how a blocking collective on CUDA tensors over NCCL ends (env RUMOR_GPU_WAIT):
+      "host" (default) once the op finished on the GPU, "stream" once it is queued on the current
+      stream, as in torch.distributed (see rumor.set_gpu_wait).
     """
     global _state, _generation, _store_keepalive
     if _state is not None:
         raise RuntimeError("rumor.init() was already called; call rumor.shutdown() first")
+    from ._gpu_watch import WAIT_ENV, mode_setting
+
+    if gpu_wait is None:
+        wait_mode = mode_setting(os.environ.get(WAIT_ENV), f"rumor.init(): {WAIT_ENV}")
+    else:
+        wait_mode = mode_setting(_str_arg(gpu_wait, "rumor.init(): gpu_wait"), "rumor.init(): gpu_wait")
     env = _read_env()
     if timeout is None:
         timeout = float(os.environ.get("RUMOR_TIMEOUT", DEFAULT_TIMEOUT))
@@ -339,6 +349,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         machine_size=len(order),
         timeout=float(timeout),
         streams=int(opts.streams),
+        gpu_wait=wait_mode,
     )
     _generation += 1
     _timeline._start_from_env()
@@ -384,6 +395,35 @@ def set_timeout(seconds: float) -> None:
 def get_timeout() -> float:
     """The limit, in seconds, of the blocking waits that start now."""
     return _get().timeout
+
+
+def _str_arg(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{where} must be a str, got {type(value).__name__}")
+    return value
+
+
+def set_gpu_wait(mode: str) -> None:
+    """How the blocking collectives on CUDA tensors over NCCL that start from now on end, on
+    this rank (ranks may differ; nonblocking calls and host staging are not affected):
+
+    "host": once the op finished on the GPU, waited for on the host with rumor's deadline, so an
+      error or a missing peer is raised by the call itself (as in Horovod or BlueFog).
+    "stream": once the op is queued on torch's current stream, as in torch.distributed, so
+      consecutive calls and the caller's later kernels pipeline on the GPU. A watch thread keeps
+      the deadline: an op past it (or an NCCL error) aborts the group's communicator, is logged,
+      and is raised by the group's next call.
+
+    rumor.init(gpu_wait=...) or RUMOR_GPU_WAIT set the first value (default "host")."""
+    from ._gpu_watch import mode_setting
+
+    st = _get()
+    st.gpu_wait = mode_setting(_str_arg(mode, "rumor.set_gpu_wait(): mode"), "rumor.set_gpu_wait()")
+
+
+def get_gpu_wait() -> str:
+    """"host" or "stream": see rumor.set_gpu_wait."""
+    return _get().gpu_wait
 
 
 def _get() -> _State:

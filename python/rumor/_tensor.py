@@ -72,7 +72,7 @@ def check_dense(t, what: str) -> None:
 
 def _check_layout(t, what: str) -> None:
     check_dense(t, what)
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         # The collectives route CUDA tensors before they get here (rumor._device); what reaches
         # this check is an operation without a GPU path.
         raise ValueError(
@@ -90,8 +90,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     dtype and shape: it streams large buffers past the cache, about 1.5x faster than copy_ for a
     gradient moving into its bucket. Anything else (other layouts, dtypes, devices, a source that
     autograd tracks) goes through copy_."""
-    if (src.dtype == dst.dtype and src.shape == dst.shape and src.device.type == "cpu"
-            and dst.device.type == "cpu" and not src.requires_grad and src.layout == torch.strided
+    if (src.dtype == dst.dtype and src.shape == dst.shape and src.is_cpu
+            and dst.is_cpu and not src.requires_grad and src.layout == torch.strided
             and src.is_contiguous() and dst.is_contiguous()):
         _C.copy_bytes(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
     else:

@@ -358,9 +358,58 @@ def _nccl_one_rank():
 
 
 @needs_gpu
-def test_nccl_one_rank_group():
-    res = harness.run(_nccl_one_rank, 1, timeout=180, env={"RUMOR_GPU_TRANSPORT": "nccl"})
+@pytest.mark.parametrize("wait", ["host", "stream"])
+def test_nccl_one_rank_group(wait):
+    res = harness.run(_nccl_one_rank, 1, timeout=180, env={"RUMOR_GPU_TRANSPORT": "nccl", "RUMOR_GPU_WAIT": wait})
     assert harness.assert_no_failures(res) > 100
+
+
+def _nccl_past_deadline():
+    """An allreduce queued behind a 3 s kernel with a 0.5 s deadline: with host waiting the call
+    raises; with stream waiting it returns at once and the group's next call raises."""
+    import rumor
+
+    torch.cuda.set_device(0)
+    rumor.init()
+    chk = Checker()
+    x = torch.ones(1 << 10, device="cuda")
+    rumor.allreduce_(x)  # the communicator exists; its setup is not part of the deadline
+    torch.cuda.synchronize()
+    rumor.set_timeout(0.5)
+    cycles = int(3.0 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # clock_rate: kHz
+    torch.cuda._sleep(cycles)
+    stream_mode = rumor.get_gpu_wait() == "stream"
+    try:
+        rumor.allreduce_(x)
+        returned = "returned"
+    except rumor.CommTimeoutError as e:
+        returned = str(e)
+    if stream_mode:
+        chk.check(returned == "returned", f"stream: the call returned once queued ({returned})")
+        chk.check(not torch.cuda.current_stream().query(), "stream: the kernel before it still runs")
+        try:
+            torch.cuda.synchronize()
+            rumor.broadcast(x, 0)
+            chk.check(False, "stream: the next call raised")
+        except rumor.CommTimeoutError as e:
+            chk.check("broadcast: an earlier op queued on the GPU failed" in str(e) and "allreduce" in str(e), str(e))
+    else:
+        chk.check("not complete after" in returned and "allreduce" in returned, f"host: {returned}")
+        torch.cuda.synchronize()
+    try:
+        rumor.allreduce_(x)
+        chk.check(False, "the aborted communicator refuses later calls")
+    except rumor.RumorError:
+        pass
+    rumor.shutdown()
+    return chk.failures, chk.count
+
+
+@needs_gpu
+@pytest.mark.parametrize("wait", ["host", "stream"])
+def test_nccl_op_past_its_deadline(wait):
+    res = harness.run(_nccl_past_deadline, 1, timeout=120, env={"RUMOR_GPU_TRANSPORT": "nccl", "RUMOR_GPU_WAIT": wait})
+    assert harness.assert_no_failures(res) >= 2
 
 
 # ---- GPU: a peer killed during a staged op -------------------------------------------------------

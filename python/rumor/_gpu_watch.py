@@ -1,0 +1,200 @@
+"""The deadline of blocking NCCL calls that return once queued (RUMOR_GPU_WAIT=stream; docs/gpu.md,
+"Streams and waiting").
+
+With ``host`` waiting (the default) a blocking call waits on the host for its event, so the
+deadline has a waiter. With ``stream`` waiting the call returns as soon as its work is queued on
+torch's current stream, as torch.distributed's NCCL calls do, so consecutive calls pipeline on
+the GPU; the waiter is then this watch, one thread per group's communicator:
+
+- every such call hands over the event recorded after it and its deadline;
+- the thread looks at the pending events (2 ms apart, growing to 20 ms while nothing finishes:
+  deadlines are seconds, and each look takes the GIL from the training thread) and asks NCCL
+  for asynchronous errors;
+- an event past its deadline, or an NCCL error, aborts the communicator (which ends its kernels,
+  so a later synchronize or .item() returns instead of hanging), logs the error at once, and
+  keeps it: the next call on the group raises it, naming the op that did not finish.
+
+Events of one stream pass in order, so only the newest one of a stream is asked while it has not
+passed, and the oldest one's deadline is the one that can expire.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Dict, Optional
+
+from .errors import CommTimeoutError, RumorError
+
+MODES = ("host", "stream")
+WAIT_ENV = "RUMOR_GPU_WAIT"
+
+_MIN_PAUSE, _MAX_PAUSE = 0.002, 0.02
+
+_log = logging.getLogger("rumor")
+
+
+def mode_setting(raw: Optional[str], where: str) -> str:
+    """A validated wait mode: 'host' (also for None or empty) or 'stream'."""
+    value = (raw or "").strip().lower() or "host"
+    if value not in MODES:
+        raise ValueError(f"{where}: expected one of {', '.join(MODES)}, got {raw!r}")
+    return value
+
+
+class StreamWatch:
+    """Keeps the deadlines of queued ops of one communicator (see the module docstring).
+
+    comm: has check(op) (raises on NCCL's asynchronous error, after aborting) and abort(); the
+    events have query(). name says whose ops these are, in the errors."""
+
+    def __init__(self, comm, name: str, min_pause: float = _MIN_PAUSE, max_pause: float = _MAX_PAUSE):
+        self._comm, self.name = comm, name
+        self._min_pause, self._max_pause = min_pause, max_pause
+        self._cv = threading.Condition()
+        self._streams: Dict[object, deque] = {}  # stream key -> deque of (event, deadline, what, t0)
+        self._count = 0
+        self._error: Optional[BaseException] = None
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+
+    # ---- the calling thread -------------------------------------------------------------------
+
+    def add(self, stream_key, event, timeout: float, what: str) -> None:
+        """Watches an op queued on stream_key, whose completion is event.query(); it must pass
+        within timeout seconds from now."""
+        now = time.monotonic()
+        with self._cv:
+            if self._stop:
+                raise RumorError(f"{what}: the group's GPU watch is closed (rumor.shutdown() was called)")
+            self._streams.setdefault(stream_key, deque()).append((event, now + timeout, what, now))
+            self._count += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rumor-gpu-watch", daemon=True)
+                self._thread.start()
+            elif self._count == 1:
+                self._cv.notify_all()  # asleep with nothing to watch
+
+    def raise_error(self, what: str) -> None:
+        """Raises the error the watch met (an op past its deadline, an NCCL error), if any."""
+        err = self._error
+        if err is not None:
+            raise _later(err, what) from err
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    def pending(self) -> int:
+        with self._cv:
+            return self._count
+
+    def drain(self, timeout: float, what: str) -> None:
+        """Waits until every watched op has finished (the watch's own deadlines still apply);
+        raises the watch's error, or CommTimeoutError after timeout seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._count and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeoutError(f"{what}: {self._count} op(s) queued on the GPU by {self.name} did not "
+                                           f"finish within {timeout:.1f} s")
+                self._cv.notify_all()  # look now rather than after the current pause
+                self._cv.wait(min(left, self._min_pause))
+        self.raise_error(what)
+
+    def close(self) -> None:
+        """Stops the thread (pending ops are no longer watched)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=5.0)
+
+    # ---- the watch thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        pause = self._min_pause
+        while True:
+            failed = None
+            with self._cv:
+                while not self._count and not self._stop:
+                    pause = self._min_pause
+                    self._cv.wait()
+                if self._stop:
+                    return
+                self._cv.wait(pause)
+                if self._stop:
+                    return
+                try:
+                    retired = self._look()
+                except BaseException as e:  # noqa: BLE001 - kept, raised by the group's next call
+                    failed = e
+                else:
+                    if retired:
+                        self._cv.notify_all()  # drain() may be waiting
+                    pause = self._min_pause if retired else min(pause * 2, self._max_pause)
+            if failed is not None:
+                # Aborted outside the lock (an abort may take a while; add() must not wait for
+                # it), and before the error is kept: whoever sees the error finds NCCL stopped.
+                self._abort(failed)
+                with self._cv:
+                    self._keep(failed)
+
+    def _look(self) -> bool:
+        """Retires the passed events (under the lock); raises for an NCCL error or an op past
+        its deadline."""
+        retired = 0
+        now = time.monotonic()
+        for key in list(self._streams):
+            q = self._streams[key]
+            if q[-1][0].query():
+                retired += len(q)
+                del self._streams[key]
+                continue
+            while q[0][0].query():
+                q.popleft()
+                retired += 1
+            event, deadline, what, t0 = q[0]
+            if now > deadline:
+                raise CommTimeoutError(
+                    f"{what}: not finished on the GPU {now - t0:.1f} s after it was queued (deadline "
+                    f"{deadline - t0:.1f} s; a peer that never called it, or called a different op, leaves it "
+                    f"waiting); the NCCL communicator of {self.name} was aborted")
+        self._count -= retired
+        if self._count:
+            self._comm.check(self._oldest_what())
+        return retired > 0
+
+    def _oldest_what(self) -> str:
+        oldest = min((q[0] for q in self._streams.values()), key=lambda e: e[3])
+        return oldest[2]
+
+    def _keep(self, e: BaseException) -> None:
+        """Under the lock: keeps the first error and forgets the pending ops."""
+        if self._error is None:
+            self._error = e
+        self._streams.clear()
+        self._count = 0
+        self._cv.notify_all()
+
+    def _abort(self, e: BaseException) -> None:
+        try:
+            self._comm.abort()
+        except Exception as ab:  # noqa: BLE001 - the error being kept is the one to report
+            _log.warning("rumor: aborting the NCCL communicator of %s failed: %s", self.name, ab)
+        _log.error("rumor: %s: %s (raised by the group's next call)", type(e).__name__, e)
+
+
+def _later(err: BaseException, what: str) -> BaseException:
+    """The watch's error, raised by a later call `what`: same type where it is rumor's."""
+    text = (f"{what}: an earlier op queued on the GPU failed: {err} (RUMOR_GPU_WAIT=stream reports it here; "
+            "this group cannot go on: restart the job or rebuild the group)")
+    if isinstance(err, RumorError):
+        try:
+            return type(err)(text)
+        except TypeError:
+            pass
+    return RumorError(text)
