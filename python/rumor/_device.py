@@ -326,6 +326,19 @@ def _setup(g, gpu: GpuGroup, what: str) -> None:
     gpu.transport = transport
 
 
+def drain_all(state, timeout: float, what: str) -> None:
+    """Waits for the ops every group queued without a host wait (GpuGroup.watch), within one
+    deadline for them all; raises the first error met."""
+    if isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"{what}: timeout must be positive, got {timeout!r}")
+    deadline = time.monotonic() + timeout
+    for g in [state.world] + list(state.groups):
+        gpu = getattr(g, "_gpu", None)
+        watch = gpu.watch if gpu is not None else None
+        if watch is not None:
+            watch.drain(max(deadline - time.monotonic(), 1e-3), what)
+
+
 def close_all(state) -> List[str]:
     """Closes every group's NCCL communicator (rumor.shutdown()); returns the errors met, as text,
     so that one failing close does not keep the others open."""

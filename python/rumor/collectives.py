@@ -58,8 +58,20 @@ def poll(handle: Handle) -> bool:
     return handle.poll()
 
 
-def synchronize(handle: Handle) -> torch.Tensor:
-    return handle.wait()
+def synchronize(handle: Optional[Handle] = None, timeout: Optional[float] = None):
+    """synchronize(h): h.wait(), the op's result. synchronize() without a handle: waits until
+    every blocking NCCL call this rank queued without a host wait (rumor.set_gpu_wait("stream"))
+    has finished on the GPU, at most `timeout` seconds (default rumor's timeout), and raises what
+    one of them met (CommTimeoutError, PeerError); with nothing queued it returns at once."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+        raise TypeError(f"rumor.synchronize(): timeout must be a number of seconds, got {type(timeout).__name__}")
+    if handle is not None:
+        if not callable(getattr(handle, "wait", None)):  # a Handle, or a window's WinHandle
+            raise TypeError(f"rumor.synchronize(): expected a handle or nothing, got {type(handle).__name__}")
+        return handle.wait() if timeout is None else handle.wait(timeout)
+    st = _runtime._get()
+    _device.drain_all(st, st.timeout if timeout is None else float(timeout), "rumor.synchronize()")
+    return None
 
 
 def _op(op, what: str) -> int:

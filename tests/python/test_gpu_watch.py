@@ -154,14 +154,27 @@ def test_drain_has_a_deadline_of_its_own():
     w = _gpu_watch.StreamWatch(comm, "group 3", **FAST)
     try:
         w.add(0, Event(), 60.0, "send")
+        w.add(1, Event(), 60.0, "recv")
         t0 = time.monotonic()
-        with pytest.raises(CommTimeoutError, match=r"shutdown: 1 op\(s\) queued on the GPU by group 3 did not finish "
-                           r"within 0.1 s"):
+        with pytest.raises(CommTimeoutError, match=r"^shutdown: send and 1 more, queued on the GPU by group 3, did not "
+                           r"finish within 0.1 s$"):
             w.drain(0.1, "shutdown")
         assert time.monotonic() - t0 < 5.0
-        assert w.error is None and comm.aborts == 0  # the op's own deadline has not passed
+        assert w.error is None and comm.aborts == 0  # the ops' own deadlines have not passed
     finally:
         w.close()
+    # Both deadlines alike (rumor.synchronize() right after a call, the same timeout): the op's
+    # own error is reported, the communicator aborted, not drain's less precise one.
+    for _ in range(5):
+        comm = Comm()
+        w = _gpu_watch.StreamWatch(comm, "group 4", **FAST)
+        try:
+            w.add(0, Event(), 0.05, "allreduce")
+            with pytest.raises(CommTimeoutError, match="^synchronize: an earlier op .*allreduce: not finished on the GPU"):
+                w.drain(0.05, "synchronize")
+            assert comm.aborts == 1
+        finally:
+            w.close()
 
 
 def test_close_stops_the_thread_and_refuses_new_ops():
@@ -252,6 +265,13 @@ def _settings_rank():
             errors.append(f"{type(e).__name__}: {e}")
     out.append(rumor.get_gpu_wait())
     out.append(errors)
+    sync = [rumor.synchronize()]  # nothing queued on a GPU: returns at once
+    for kw in ({"timeout": 0}, {"timeout": "1"}, {"handle": 3}):
+        try:
+            rumor.synchronize(**kw)
+        except (TypeError, ValueError) as e:
+            sync.append(f"{type(e).__name__}: {e}")
+    out.append(sync)
     return out
 
 
@@ -285,6 +305,9 @@ def test_set_gpu_wait_and_its_errors():
     assert r[3][1].startswith("TypeError: rumor.set_gpu_wait(): mode must be a str, got int")
     assert r[3][2].startswith("TypeError: rumor.set_gpu_wait(): mode must be a str, got NoneType")
     assert len(r[3]) == 3
+    assert r[4] == [None, "ValueError: rumor.synchronize(): timeout must be positive, got 0.0",
+                    "TypeError: rumor.synchronize(): timeout must be a number of seconds, got str",
+                    "TypeError: rumor.synchronize(): expected a handle or nothing, got int"], r[4]
 
 
 @pytest.mark.parametrize("kwargs, env, want", [
@@ -356,6 +379,7 @@ def _collectives_on_the_fake(fake: str):
             gpu.transport = "nccl"
             gpu.comm = _C.NcclCommunicator(lib, lib.unique_id(), 1, 0, 30.0)
             gpu.watch = _gpu_watch.StreamWatch(gpu.comm, "fake group", min_pause=0.001, max_pause=0.004)
+            g._gpu = gpu  # rumor.synchronize() and shutdown() find it there
             return gpu
 
         for mode in ("host", "stream"):
@@ -370,10 +394,12 @@ def _collectives_on_the_fake(fake: str):
                                            "allreduce_nonblocking")
             hv = h.wait()
             pending = gpu.watch.pending()
-            gpu.watch.drain(10.0, "drain")
+            synced = rumor.synchronize(timeout=10.0)
+            left = gpu.watch.pending()
             out[mode] = dict(y=y.tolist(), nc=nc.tolist(), nc_contig=nc.is_contiguous(), b=b.tolist(), h=hv.tolist(),
-                             watched=pending, recorded=len(recorded))
+                             watched=pending, left=left, synced=synced, recorded=len(recorded))
             recorded.clear()
+            g._gpu = None
             gpu.close()
 
             # An allreduce that never finishes, with a 0.3 s deadline.
@@ -388,7 +414,7 @@ def _collectives_on_the_fake(fake: str):
                 first = "CommTimeoutError: " + str(e)
             returned_after = time.monotonic() - t0
             try:
-                gpu.watch.drain(10.0, "drain")
+                rumor.synchronize()
                 drained = "nothing"
             except CommTimeoutError as e:
                 drained = "CommTimeoutError: " + str(e)
@@ -400,6 +426,7 @@ def _collectives_on_the_fake(fake: str):
             out[mode + "_hang"] = dict(first=first, returned_after=returned_after, drained=drained, second=second,
                                        aborted=gpu.comm.aborted)
             rumor.set_timeout(30)
+            g._gpu = None
             try:
                 gpu.close(1.0)
             except Exception:  # noqa: BLE001 - the hung op's error again
@@ -425,9 +452,11 @@ def test_the_collectives_nccl_path_over_the_fake_in_both_wait_modes():
     # call's tensors were record_stream'ed; stream: the three blocking calls went to the watch.
     assert r["host"]["watched"] == 0 and r["host"]["recorded"] == 1, r["host"]
     assert r["stream"]["recorded"] >= 4, r["stream"]
+    for mode in ("host", "stream"):  # rumor.synchronize() leaves nothing pending
+        assert r[mode]["synced"] is None and r[mode]["left"] == 0, r[mode]
     host, stream = r["host_hang"], r["stream_hang"]
     assert host["first"].startswith("CommTimeoutError: ") and "rumor.allreduce_" in host["first"], host
-    assert host["drained"] == "nothing" and host["aborted"], host
+    assert host["drained"] == "nothing" and host["aborted"], host  # the call raised it already
     assert host["second"].startswith("AbortedError"), host
     assert stream["first"] == "returned" and stream["returned_after"] < 0.3, stream
     assert "rumor.allreduce_: not finished on the GPU" in stream["drained"], stream
