@@ -100,10 +100,12 @@ class StreamWatch:
                 now = time.monotonic()
                 left = deadline - now
                 if left <= 0:
-                    oldest = min((q[0] for q in self._streams.values()), key=lambda e: e[3])
+                    heads = [q[0] for q in self._streams.values()]
+                    oldest = min(heads, key=lambda e: e[3])
                     # An op past its own deadline is the watch's to report (it aborts, then
                     # keeps the error): give it a few looks rather than report less precisely.
-                    if not (oldest[1] < now and now < deadline + _DRAIN_GRACE):
+                    overdue = any(e[1] < now for e in heads)
+                    if not (overdue and now < deadline + _DRAIN_GRACE):
                         more = f" and {self._count - 1} more" if self._count > 1 else ""
                         raise CommTimeoutError(f"{what}: {oldest[2]}{more}, queued on the GPU by {self.name}, did "
                                                f"not finish within {timeout:.1f} s")
