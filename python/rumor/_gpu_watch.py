@@ -15,7 +15,9 @@ the GPU; the waiter is then this watch, one thread per group's communicator:
   keeps it: the next call on the group raises it, naming the op that did not finish.
 
 Events of one stream pass in order, so only the newest one of a stream is asked while it has not
-passed, and the oldest one's deadline is the one that can expire.
+passed. Deadlines need not be in that order (set_timeout may lower the timeout between two ops),
+so each stream also keeps its pending ops' soonest deadlines as a monotonic queue: the soonest is
+its head, found without a scan however many ops are pending.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class StreamWatch:
         self._comm, self.name = comm, name
         self._min_pause, self._max_pause = min_pause, max_pause
         self._cv = threading.Condition()
-        self._streams: Dict[object, deque] = {}  # stream key -> deque of (event, deadline, what, t0)
+        self._streams: Dict[object, _Queue] = {}  # stream key -> its pending ops
         self._count = 0
         self._error: Optional[BaseException] = None
         self._stop = False
@@ -69,7 +71,10 @@ class StreamWatch:
         with self._cv:
             if self._stop:
                 raise RumorError(f"{what}: the group's GPU watch is closed (rumor.shutdown() was called)")
-            self._streams.setdefault(stream_key, deque()).append((event, now + timeout, what, now))
+            q = self._streams.get(stream_key)
+            if q is None:
+                q = self._streams[stream_key] = _Queue()
+            q.push(_Op(event, now + timeout, what, now))
             self._count += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="rumor-gpu-watch", daemon=True)
@@ -100,15 +105,13 @@ class StreamWatch:
                 now = time.monotonic()
                 left = deadline - now
                 if left <= 0:
-                    heads = [q[0] for q in self._streams.values()]
-                    oldest = min(heads, key=lambda e: e[3])
                     # An op past its own deadline is the watch's to report (it aborts, then
                     # keeps the error): give it a few looks rather than report less precisely.
-                    overdue = any(e[1] < now for e in heads)
+                    overdue = any(q.soonest().deadline < now for q in self._streams.values())
                     if not (overdue and now < deadline + _DRAIN_GRACE):
                         more = f" and {self._count - 1} more" if self._count > 1 else ""
-                        raise CommTimeoutError(f"{what}: {oldest[2]}{more}, queued on the GPU by {self.name}, did "
-                                               f"not finish within {timeout:.1f} s")
+                        raise CommTimeoutError(f"{what}: {self._oldest_what()}{more}, queued on the GPU by "
+                                               f"{self.name}, did not finish within {timeout:.1f} s")
                 self._cv.notify_all()  # the watch looks now rather than after its pause
                 self._cv.wait(self._min_pause)
         self.raise_error(what)
@@ -159,18 +162,18 @@ class StreamWatch:
         now = time.monotonic()
         for key in list(self._streams):
             q = self._streams[key]
-            if q[-1][0].query():
-                retired += len(q)
+            if q.ops[-1].event.query():
+                retired += len(q.ops)
                 del self._streams[key]
                 continue
-            while q[0][0].query():
-                q.popleft()
+            while q.ops[0].event.query():
+                q.pop()
                 retired += 1
-            event, deadline, what, t0 = q[0]
-            if now > deadline:
+            op = q.soonest()
+            if now > op.deadline:  # _keep() forgets every pending op
                 raise CommTimeoutError(
-                    f"{what}: not finished on the GPU {now - t0:.1f} s after it was queued (deadline "
-                    f"{deadline - t0:.1f} s; a peer that never called it, or called a different op, leaves it "
+                    f"{op.what}: not finished on the GPU {now - op.t0:.1f} s after it was queued (deadline "
+                    f"{op.deadline - op.t0:.1f} s; a peer that never called it, or called a different op, leaves it "
                     f"waiting); the NCCL communicator of {self.name} was aborted")
         self._count -= retired
         if self._count:
@@ -178,8 +181,7 @@ class StreamWatch:
         return retired > 0
 
     def _oldest_what(self) -> str:
-        oldest = min((q[0] for q in self._streams.values()), key=lambda e: e[3])
-        return oldest[2]
+        return min((q.ops[0] for q in self._streams.values()), key=lambda op: op.t0).what
 
     def _keep(self, e: BaseException) -> None:
         """Under the lock: keeps the first error and forgets the pending ops."""
@@ -195,6 +197,38 @@ class StreamWatch:
         except Exception as ab:  # noqa: BLE001 - the error being kept is the one to report
             _log.warning("rumor: aborting the NCCL communicator of %s failed: %s", self.name, ab)
         _log.error("rumor: %s: %s (raised by the group's next call)", type(e).__name__, e)
+
+
+class _Op:
+    __slots__ = ("event", "deadline", "what", "t0")
+
+    def __init__(self, event, deadline: float, what: str, t0: float):
+        self.event, self.deadline, self.what, self.t0 = event, deadline, what, t0
+
+
+class _Queue:
+    """One stream's pending ops, oldest first, and the candidates for the soonest deadline: each
+    is sooner than every op queued before it that is still pending (a sliding-window minimum)."""
+
+    __slots__ = ("ops", "_soonest")
+
+    def __init__(self):
+        self.ops: deque = deque()
+        self._soonest: deque = deque()
+
+    def push(self, op: _Op) -> None:
+        self.ops.append(op)
+        while self._soonest and self._soonest[-1].deadline >= op.deadline:
+            self._soonest.pop()  # never the soonest again: op is sooner and retires later
+        self._soonest.append(op)
+
+    def pop(self) -> None:
+        op = self.ops.popleft()
+        if self._soonest[0] is op:
+            self._soonest.popleft()
+
+    def soonest(self) -> _Op:
+        return self._soonest[0]
 
 
 def _later(err: BaseException, what: str) -> BaseException:

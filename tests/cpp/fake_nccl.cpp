@@ -6,8 +6,8 @@
 //   - an operation runs when the last rank enqueues its part, on that rank's thread; a "stream"
 //     is any pointer, and fakeNcclStreamIdle(stream) says whether everything queued on it ran
 //     (the tests' stand-in for cudaEventQuery);
-//   - reductions support int8/uint8/int32/uint32/int64/uint64/float32/float64 (not the half
-//     types); data movement takes every type.
+//   - reductions support int8/uint8/int32/uint32/int64/uint64/float32/float64/bfloat16 (not
+//     float16); data movement takes every type.
 // Behaviour is chosen by environment variables read when a communicator is created:
 //   RUMOR_FAKE_NCCL_VERSION=<code>        what ncclGetVersion reports (default 22703, 2.27.3)
 //   RUMOR_FAKE_NCCL_FAIL_INIT=sync|async  init returns an error / reports one asynchronously
@@ -15,6 +15,11 @@
 //                                         reduce_scatter, send, recv) never completes
 //   RUMOR_FAKE_NCCL_ASYNC_ERROR=<op>      after enqueuing that op the communicator reports
 //                                         ncclRemoteError
+//   RUMOR_FAKE_NCCL_SYNC=1                a call (in a group: ncclGroupEnd) returns once this
+//                                         rank's parts ran: the "stream" then orders work on
+//                                         host memory as a GPU stream would (host code reading
+//                                         the result next sees it), so ops written for a stream
+//                                         can run several ranks on CPU tensors, one a thread
 // For nonblocking communicators, ncclGroupEnd and ncclCommFinalize answer ncclInProgress (as
 // NCCL may), so the caller's polling path is exercised.
 #include <algorithm>
@@ -101,6 +106,31 @@ void divide(T* acc, size_t n, int by) {
   for (size_t i = 0; i < n; ++i) acc[i] = static_cast<T>(acc[i] / static_cast<T>(by));
 }
 
+// bfloat16 through float, rounded to nearest even (what NCCL's bf16 reductions give per step).
+float from_bf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+void combine_bf16(uint16_t* acc, const uint16_t* in, size_t n, int op) {
+  for (size_t i = 0; i < n; ++i) {
+    float a = from_bf16(acc[i]);
+    const float b = from_bf16(in[i]);
+    combine(&a, &b, 1, op);
+    acc[i] = to_bf16(a);
+  }
+}
+
 // acc op= in over n elements of NCCL type t; false for a type the fake does not reduce.
 bool reduce_into(void* acc, const void* in, size_t n, int t, int op) {
   switch (t) {
@@ -128,6 +158,9 @@ bool reduce_into(void* acc, const void* in, size_t n, int t, int op) {
     case 8:
       combine(static_cast<double*>(acc), static_cast<const double*>(in), n, op);
       return true;
+    case 9:
+      combine_bf16(static_cast<uint16_t*>(acc), static_cast<const uint16_t*>(in), n, op);
+      return true;
     default:
       return false;
   }
@@ -151,6 +184,12 @@ void average(void* acc, size_t n, int t, int by) {
       return divide(static_cast<float*>(acc), n, by);
     case 8:
       return divide(static_cast<double*>(acc), n, by);
+    case 9:
+      for (size_t i = 0; i < n; ++i) {
+        auto* h = static_cast<uint16_t*>(acc) + i;
+        *h = to_bf16(from_bf16(*h) / static_cast<float>(by));
+      }
+      return;
   }
 }
 
@@ -202,6 +241,7 @@ struct Comm {
   std::string uid;
   int rank;
   bool blocking;
+  bool sync = false;
   uint64_t coll_seq = 0;
   int async_error = kSuccess;
   bool init_failed = false;
@@ -222,7 +262,10 @@ std::string env(const char* name) {
 }
 
 void queued(void* stream) { ++g_streams[stream].first; }
-void completed(void* stream) { ++g_streams[stream].second; }
+void completed(void* stream) {
+  ++g_streams[stream].second;
+  g_cv.notify_all();  // a rank in RUMOR_FAKE_NCCL_SYNC mode may wait for its parts
+}
 
 // Runs a collective once every rank queued its part (g_mu held); false if it stays queued.
 bool run_coll(Group& g, Kind kind, std::vector<Part>& parts) {
@@ -352,26 +395,39 @@ Result usable(Comm* c) {
 }
 
 // Calls between ncclGroupStart and ncclGroupEnd on this thread, and whether one of them was on a
-// nonblocking communicator (ncclGroupEnd then answers ncclInProgress, as NCCL may).
+// nonblocking communicator (ncclGroupEnd then answers ncclInProgress, as NCCL may); the
+// RUMOR_FAKE_NCCL_SYNC communicators called in the group, waited for at its end.
 thread_local int t_group_depth = 0;
 thread_local bool t_group_nonblocking = false;
+thread_local std::vector<std::pair<Comm*, std::shared_ptr<Group>>> t_group_sync;
 
-Result after_enqueue(Comm* c, const char* op) {
+// Waits (g_mu held by lk) until c has no queued part left: they ran, or were cancelled by an
+// abort. Only the group is read (c may be destroyed meanwhile by an abort on another thread).
+Result wait_parts(std::unique_lock<std::mutex>& lk, const Comm* c, const std::shared_ptr<Group>& g) {
+  if (g_cv.wait_for(lk, std::chrono::seconds(60), [&] { return !has_parts(*g, c); })) return kSuccess;
+  return kInternalError;  // a broken test; the caller's deadline normally ends a hung op first
+}
+
+Result after_enqueue(std::unique_lock<std::mutex>& lk, Comm* c, const char* op) {
   if (c->error_op == op) {
     c->async_error = kRemoteError;
     c->last_error = std::string("fake NCCL: a remote rank went away during ") + op;
   }
-  if (t_group_depth > 0) t_group_nonblocking |= !c->blocking;
-  return kSuccess;
+  if (t_group_depth > 0) {
+    t_group_nonblocking |= !c->blocking;
+    if (c->sync) t_group_sync.emplace_back(c, c->group);
+    return kSuccess;
+  }
+  return c->sync ? wait_parts(lk, c, c->group) : kSuccess;
 }
 
 Result coll(Kind kind, const void* send, void* recv, size_t count, int dtype, int op, int root, Comm* c,
             void* stream) {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::unique_lock<std::mutex> lk(g_mu);
   if (Result u = usable(c); u != kSuccess) return u;
   if (type_size(dtype) == 0) return kInvalidArgument;
   const bool reduces = kind == Kind::kAllReduce || kind == Kind::kReduce || kind == Kind::kReduceScatter;
-  if (reduces && (op < 0 || op > 4 || dtype == 6 || dtype == 9)) return kInvalidArgument;
+  if (reduces && (op < 0 || op > 4 || dtype == 6)) return kInvalidArgument;
   Group& g = *c->group;
   queued(stream);
   const uint64_t seq = c->coll_seq++;
@@ -383,12 +439,12 @@ Result coll(Kind kind, const void* send, void* recv, size_t count, int dtype, in
               [](const Part& x, const Part& y) { return x.comm->rank < y.comm->rank; });
     if (run_coll(g, kind, entry.second)) g.colls.erase(seq);
   }
-  return after_enqueue(c, kind_name(kind));
+  return after_enqueue(lk, c, kind_name(kind));
 }
 
 Result p2p(bool is_send, const void* send, void* recv, size_t count, int dtype, int peer, Comm* c,
            void* stream) {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::unique_lock<std::mutex> lk(g_mu);
   if (Result u = usable(c); u != kSuccess) return u;
   if (type_size(dtype) == 0 || peer < 0 || peer >= c->group->nranks) return kInvalidArgument;
   Group& g = *c->group;
@@ -398,7 +454,7 @@ Result p2p(bool is_send, const void* send, void* recv, size_t count, int dtype, 
   Part part{c, send, recv, count, dtype, 0, -1, stream, c->hang_op == op};
   (is_send ? g.sends : g.recvs)[{src, dst}].push_back(part);
   run_p2p(g, src, dst);
-  return after_enqueue(c, op);
+  return after_enqueue(lk, c, op);
 }
 
 }  // namespace
@@ -441,6 +497,7 @@ FAKE_API Result ncclCommInitRankConfig(Comm** out, int nranks, UniqueId id, int 
   c->blocking = blocking;
   c->hang_op = env("RUMOR_FAKE_NCCL_HANG");
   c->error_op = env("RUMOR_FAKE_NCCL_ASYNC_ERROR");
+  c->sync = env("RUMOR_FAKE_NCCL_SYNC") == "1";
   if (fail == "async") {
     c->init_failed = true;
     c->async_error = kSystemError;
@@ -550,12 +607,20 @@ FAKE_API Result ncclRecv(void* r, size_t n, int t, int peer, Comm* c, void* st) 
 }
 // Sends and receives are matched as they arrive, so grouping needs no other bookkeeping here.
 FAKE_API Result ncclGroupStart() {
-  if (t_group_depth++ == 0) t_group_nonblocking = false;
+  if (t_group_depth++ == 0) {
+    t_group_nonblocking = false;
+    t_group_sync.clear();
+  }
   return kSuccess;
 }
 FAKE_API Result ncclGroupEnd() {
   if (t_group_depth == 0) return kInvalidUsage;
-  return --t_group_depth == 0 && t_group_nonblocking ? kInProgress : kSuccess;
+  if (--t_group_depth > 0) return kSuccess;
+  std::unique_lock<std::mutex> lk(g_mu);
+  for (const auto& [c, g] : t_group_sync)
+    if (Result r = wait_parts(lk, c, g); r != kSuccess) return r;
+  t_group_sync.clear();
+  return t_group_nonblocking ? kInProgress : kSuccess;
 }
 
 FAKE_API Result ncclCommCount(Comm* c, int* count) {

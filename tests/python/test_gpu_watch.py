@@ -116,6 +116,36 @@ def test_an_op_past_its_deadline_aborts_and_the_next_call_raises():
         w.close()
 
 
+def test_a_younger_op_with_a_sooner_deadline_expires_first():
+    # rumor.set_timeout() lowered between two calls: the second op's deadline comes first, and
+    # it is the one reported, while the older one (with its long deadline) still runs.
+    comm = Comm()
+    w = _gpu_watch.StreamWatch(comm, "group", **FAST)
+    try:
+        older, younger, newest = Event(), Event(), Event()
+        w.add("s", older, 60.0, "allreduce A")
+        w.add("s", younger, 0.05, "allreduce B")
+        w.add("s", newest, 60.0, "allreduce C")
+        _until(lambda: w.error is not None)
+        assert str(w.error).startswith("allreduce B: not finished on the GPU"), str(w.error)
+        assert comm.aborts == 1 and w.pending() == 0
+    finally:
+        w.close()
+    # Once the op with the sooner deadline passed, the others keep their own.
+    comm = Comm()
+    w = _gpu_watch.StreamWatch(comm, "group", **FAST)
+    try:
+        ops = [Event() for _ in range(4)]
+        for ev, timeout, name in zip(ops, (60.0, 0.3, 60.0, 0.6), "ABCD"):
+            w.add("s", ev, timeout, f"op {name}")
+        ops[0].passed = ops[1].passed = True  # B passes in time
+        _until(lambda: w.pending() == 2)
+        _until(lambda: w.error is not None)
+        assert str(w.error).startswith("op D: not finished on the GPU"), str(w.error)
+    finally:
+        w.close()
+
+
 def test_an_nccl_error_is_kept_with_its_type():
     comm = Comm()
     w = _gpu_watch.StreamWatch(comm, "group", **FAST)
