@@ -233,7 +233,11 @@ void bind_nccl(py::module_& m) {
           "aborts the communicator and raises at the deadline or on an NCCL error.")
       .def(
           "check", [](C& c, const std::string& op) { c.check(op); }, py::arg("op") = "nccl check",
-          "Raises (after aborting) if NCCL reported an asynchronous error; never blocks.")
+          // Without the GIL: the communicator's lock may be held by a call still waiting for
+          // NCCL to accept its op (a watch thread asking here must not stall every Python thread).
+          py::call_guard<py::gil_scoped_release>(),
+          "Raises (after aborting) if NCCL reported an asynchronous error; waits only for a call in "
+          "progress on this communicator.")
       .def("abort", &C::abort, py::call_guard<py::gil_scoped_release>(),
            "Aborts the communicator (idempotent, any thread); later calls raise AbortedError.")
       .def("close", &C::close, py::call_guard<py::gil_scoped_release>(),
