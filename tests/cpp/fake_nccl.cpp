@@ -418,7 +418,9 @@ Result after_enqueue(std::unique_lock<std::mutex>& lk, Comm* c, const char* op) 
     if (c->sync) t_group_sync.emplace_back(c, c->group);
     return kSuccess;
   }
-  return c->sync ? wait_parts(lk, c, c->group) : kSuccess;
+  if (!c->sync) return kSuccess;
+  const std::shared_ptr<Group> g = c->group;  // an abort on another thread may destroy c
+  return wait_parts(lk, c, g);
 }
 
 Result coll(Kind kind, const void* send, void* recv, size_t count, int dtype, int op, int root, Comm* c,

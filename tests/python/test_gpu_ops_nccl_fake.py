@@ -12,6 +12,8 @@ stream would. The "device memory" is host memory and torch.cuda's streams and ev
 by the fake's. Every op's outputs must equal, per rank, those of the same ops and inputs over
 HostTransport in three processes: bit for bit where the wire only moves bytes, to float32
 rounding where NCCL and rumor's allreduce may add the ranks' values in different orders.
+The second test runs the collectives' NCCL path (rumor._gpu_collectives) the same way, against
+exact expected values.
 
 What this does not check: CUDA itself (streams, kernels, real NCCL), which
 test_cuda_collectives.py and test_ddp_device.py do on a GPU."""
