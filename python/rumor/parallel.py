@@ -100,10 +100,15 @@ class DistributedDataParallel(torch.nn.Module):
     other buckets' gradients do not exist yet). See docs/optimizer.md for what changes.
 
     After the first iteration buckets follow the observed ready order and a bucket is closed where
-    the next gradient came more than ``bucket_split_gap_ms`` later. ``shared_buckets=False`` keeps
-    buckets out of shared memory when every rank is on this host. ``autotune=True`` (or a dict of
-    rumor.autotune.AutotuneConfig fields, or env RUMOR_AUTOTUNE=1 when left None) searches these
-    settings during the first steps and keeps the fastest (docs/autotune.md).
+    the next gradient came more than ``bucket_split_gap_ms`` later: a timing decision (the first
+    rank's), so two runs of one script may get different buckets, and with them different bits
+    from compressed algorithms (their blocks and seeds follow the bucket) and, on three or more
+    ranks, possibly from allreduce (an element's order of addition can follow its place in the
+    bucket); ``math.inf`` never splits, for runs that must repeat bit for bit.
+    ``shared_buckets=False`` keeps buckets out of shared memory when every rank is on this host.
+    ``autotune=True`` (or a dict of rumor.autotune.AutotuneConfig fields, or env RUMOR_AUTOTUNE=1
+    when left None) searches these settings during the first steps and keeps the fastest
+    (docs/autotune.md).
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
