@@ -74,7 +74,7 @@ class StreamWatch:
             q = self._streams.get(stream_key)
             if q is None:
                 q = self._streams[stream_key] = _Queue()
-            q.push(_Op(event, now + timeout, what, now))
+            q.push((event, now + timeout, what, now))
             self._count += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="rumor-gpu-watch", daemon=True)
@@ -107,7 +107,7 @@ class StreamWatch:
                 if left <= 0:
                     # An op past its own deadline is the watch's to report (it aborts, then
                     # keeps the error): give it a few looks rather than report less precisely.
-                    overdue = any(q.soonest().deadline < now for q in self._streams.values())
+                    overdue = any(q.soonest()[_DEADLINE] < now for q in self._streams.values())
                     if not (overdue and now < deadline + _DRAIN_GRACE):
                         more = f" and {self._count - 1} more" if self._count > 1 else ""
                         raise CommTimeoutError(f"{what}: {self._oldest_what()}{more}, queued on the GPU by "
@@ -162,18 +162,18 @@ class StreamWatch:
         now = time.monotonic()
         for key in list(self._streams):
             q = self._streams[key]
-            if q.ops[-1].event.query():
+            if q.ops[-1][_EVENT].query():
                 retired += len(q.ops)
                 del self._streams[key]
                 continue
-            while q.ops[0].event.query():
+            while q.ops[0][_EVENT].query():
                 q.pop()
                 retired += 1
-            op = q.soonest()
-            if now > op.deadline:  # _keep() forgets every pending op
+            _, deadline, what, t0 = q.soonest()
+            if now > deadline:  # _keep() forgets every pending op
                 raise CommTimeoutError(
-                    f"{op.what}: not finished on the GPU {now - op.t0:.1f} s after it was queued (deadline "
-                    f"{op.deadline - op.t0:.1f} s; a peer that never called it, or called a different op, leaves it "
+                    f"{what}: not finished on the GPU {now - t0:.1f} s after it was queued (deadline "
+                    f"{deadline - t0:.1f} s; a peer that never called it, or called a different op, leaves it "
                     f"waiting); the NCCL communicator of {self.name} was aborted")
         self._count -= retired
         if self._count:
@@ -181,7 +181,7 @@ class StreamWatch:
         return retired > 0
 
     def _oldest_what(self) -> str:
-        return min((q.ops[0] for q in self._streams.values()), key=lambda op: op.t0).what
+        return min((q.ops[0] for q in self._streams.values()), key=lambda op: op[_T0])[_WHAT]
 
     def _keep(self, e: BaseException) -> None:
         """Under the lock: keeps the first error and forgets the pending ops."""
@@ -199,11 +199,7 @@ class StreamWatch:
         _log.error("rumor: %s: %s (raised by the group's next call)", type(e).__name__, e)
 
 
-class _Op:
-    __slots__ = ("event", "deadline", "what", "t0")
-
-    def __init__(self, event, deadline: float, what: str, t0: float):
-        self.event, self.deadline, self.what, self.t0 = event, deadline, what, t0
+_EVENT, _DEADLINE, _WHAT, _T0 = range(4)  # an op: a tuple (plain tuples keep add() cheap)
 
 
 class _Queue:
@@ -216,18 +212,19 @@ class _Queue:
         self.ops: deque = deque()
         self._soonest: deque = deque()
 
-    def push(self, op: _Op) -> None:
+    def push(self, op: tuple) -> None:
         self.ops.append(op)
-        while self._soonest and self._soonest[-1].deadline >= op.deadline:
-            self._soonest.pop()  # never the soonest again: op is sooner and retires later
-        self._soonest.append(op)
+        soonest = self._soonest
+        while soonest and soonest[-1][_DEADLINE] >= op[_DEADLINE]:
+            soonest.pop()  # never the soonest again: op is sooner and retires later
+        soonest.append(op)
 
     def pop(self) -> None:
         op = self.ops.popleft()
         if self._soonest[0] is op:
             self._soonest.popleft()
 
-    def soonest(self) -> _Op:
+    def soonest(self) -> tuple:
         return self._soonest[0]
 
 
