@@ -19,14 +19,12 @@ What this does not check: CUDA itself (streams, kernels, real NCCL), which
 test_cuda_collectives.py and test_ddp_device.py do on a GPU."""
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import itertools
 import threading
 import time
 import types
 
 import harness
+import test_gpu_watch
 
 N = 3
 COUNT = 1001  # blocks of 334, 334, 333 elements: uneven encodings
@@ -138,34 +136,6 @@ def _host_rank():
         rumor.shutdown()
 
 
-def _fake_streams(fake: str):
-    """torch.cuda's current stream (one per thread) and events, played by the fake's streams."""
-    import torch
-
-    idle = ctypes.CDLL(fake).fakeNcclStreamIdle
-    idle.argtypes = [ctypes.c_void_p]
-    local, handles = threading.local(), itertools.count(0x5150, 16)
-
-    def current_stream(device=None):
-        s = getattr(local, "stream", None)
-        if s is None:
-            s = local.stream = types.SimpleNamespace(cuda_stream=next(handles))
-        return s
-
-    class FakeEvent:
-        def __init__(self, *a, **k):
-            self.handle = None
-
-        def record(self, stream=None):
-            self.handle = (stream or current_stream()).cuda_stream
-
-        def query(self):
-            return bool(idle(self.handle))
-
-    torch.cuda.current_stream = current_stream
-    torch.cuda.Event = FakeEvent
-
-
 def _fake_ranks(fake: str):
     import torch
 
@@ -173,7 +143,7 @@ def _fake_ranks(fake: str):
     from rumor import _C, _nccl
     from rumor._gpu_ops import NcclTransport
 
-    _fake_streams(fake)
+    test_gpu_watch._fake_cuda(fake)
     rumor.init(timeout=60)  # NcclTransport.settle's deadline is rumor's
     try:
         lib = _nccl.load()
@@ -374,10 +344,7 @@ def _collectives_over_the_fake(fake: str):
     from rumor import _C, _device, _gpu_watch, _nccl
     from rumor import collectives as C
 
-    _fake_streams(fake)
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.Tensor.record_stream = lambda self, stream: None
+    test_gpu_watch._fake_cuda(fake)
     # allgather learns every rank's row count through the group's CPU communicator; the thread
     # ranks share a list instead.
     shapes, barrier = [None] * N, threading.Barrier(N)

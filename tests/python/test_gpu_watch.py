@@ -8,10 +8,13 @@ built without sanitizers) with the extension's NcclCommunicator over the fake li
 tests/python/test_cuda_collectives.py."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import itertools
 import os
 import threading
 import time
+import types
 
 import pytest
 
@@ -359,28 +362,35 @@ def test_init_takes_the_setting_from_its_argument_or_the_environment(kwargs, env
 # does is checked on a GPU (test_cuda_collectives.py).
 
 def _fake_cuda(fake: str):
+    """torch.cuda's current stream (one per thread), events, stream contexts and record_stream,
+    played by the fake's streams; returns the list of stream handles record_stream was given."""
     import torch
 
     idle = ctypes.CDLL(fake).fakeNcclStreamIdle
     idle.argtypes = [ctypes.c_void_p]
+    local, handles = threading.local(), itertools.count(0x5150, 16)
 
-    class Stream:
-        cuda_stream = 0x5150
+    def current_stream(device=None):
+        s = getattr(local, "stream", None)
+        if s is None:
+            s = local.stream = types.SimpleNamespace(cuda_stream=next(handles))
+        return s
 
     class FakeEvent:
         def __init__(self, *a, **k):
-            self.stream = None
+            self.handle = None
 
         def record(self, stream=None):
-            self.stream = (stream or Stream).cuda_stream
+            self.handle = (stream or current_stream()).cuda_stream
 
         def query(self):
-            return bool(idle(self.stream))
+            return bool(idle(self.handle))
 
     recorded = []
-    torch.cuda.current_stream = lambda device=None: Stream
+    torch.cuda.current_stream = current_stream
     torch.cuda.current_device = lambda: 0
     torch.cuda.Event = FakeEvent
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, stream: recorded.append(stream.cuda_stream)
     return recorded
 
