@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from . import _C, _shm
+from . import _C, _secret, _shm
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_PORT = 29500
@@ -144,6 +144,7 @@ class _State:
     groups: list = field(default_factory=list)
     nccl: object = None  # rumor._C.NcclLibrary, loaded on first use by rumor._nccl.load()
     gpu_wait: str = "host"  # how blocking NCCL calls end (rumor._gpu_watch; docs/gpu.md)
+    secret: Optional[_secret.JobSecret] = None  # the job secret (rumor._secret; docs/security.md)
 
 
 _state: Optional[_State] = None
@@ -377,6 +378,14 @@ atexit.register(shutdown)
 
 def is_initialized() -> bool:
     return _state is not None
+
+
+def job_secret() -> _secret.JobSecret:
+    """The job's secret (rumor._secret): the one init() resolved, else, outside a job, the one the
+    environment gives or this user's host secret. Use .key(label) for a purpose's own key."""
+    if _state is not None and _state.secret is not None:
+        return _state.secret
+    return _secret.resolve(single_host=True)
 
 
 def set_timeout(seconds: float) -> None:

@@ -1,0 +1,255 @@
+"""The job secret and the private files rumor reads back.
+
+Trust model (docs/security.md): processes of the same user are trusted; other local users and
+anyone on the network are not. So:
+
+- A per-job secret never enters torch's TCPStore (which any client on the network may read) nor
+  the wire. Every connection proves it by HMAC challenge-response (csrc/net/auth.h) and values
+  put in the store carry a MAC keyed by it.
+- Files rumor reads back (elastic commits, the autotune cache, the local secret) live in a
+  directory only this user can enter, are created with O_EXCL|O_NOFOLLOW and mode 0600, and are
+  checked with fstat (a regular file, owned by this user, no group/other bits) before anything
+  in them is trusted.
+
+Where the secret comes from, first found wins:
+  RUMOR_JOB_SECRET       the secret itself (at least 16 characters); rumor.run generates one for
+                         its workers when none is given (a process's environment is readable
+                         only by its own user);
+  RUMOR_JOB_SECRET_FILE  a file holding it, owned by this user and not readable by others;
+  one host               a random per-user secret kept in the private directory, shared by every
+                         rumor process of this user on this host;
+  otherwise              none: the job runs unauthenticated (one warning), its connection key
+                         derived from the store's public session token, as before this module.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import os
+import stat
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+SECRET_ENV = "RUMOR_JOB_SECRET"
+SECRET_FILE_ENV = "RUMOR_JOB_SECRET_FILE"
+PRIVATE_DIR_ENV = "RUMOR_PRIVATE_DIR"
+MIN_SECRET_CHARS = 16
+_HOST_SECRET = "host-secret"
+
+
+class UntrustedFileError(PermissionError):
+    """A file or directory rumor was about to trust is not private to this user."""
+
+
+# ---- private directory and files ----------------------------------------------------------------
+
+def private_dir(create: bool = True) -> str:
+    """/dev/shm/rumor-<uid> (or RUMOR_PRIVATE_DIR): a directory only this user can enter.
+
+    Checked with lstat every time: a directory, not a symlink, owned by this user, mode without
+    group/other bits. Another user who created it first makes this raise (naming the path), it
+    never makes rumor use it."""
+    path = os.environ.get(PRIVATE_DIR_ENV) or os.path.join("/dev/shm", f"rumor-{os.geteuid()}")
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            # No /dev/shm (some containers): the user's temporary directory, same checks.
+            if os.environ.get(PRIVATE_DIR_ENV):
+                raise
+            path = os.path.join(tempfile.gettempdir(), f"rumor-{os.geteuid()}")
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+    check_private_dir(path)
+    return path
+
+
+def check_private_dir(path: str) -> None:
+    st = os.lstat(path)
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif st.st_uid != os.geteuid():
+        why = f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
+    elif st.st_mode & 0o077:
+        why = f"has mode {stat.S_IMODE(st.st_mode):04o}; group and others must have no access"
+    if why:
+        raise UntrustedFileError(f"rumor: the private directory {path} {why}; remove it or point "
+                                 f"{PRIVATE_DIR_ENV} at a directory of your own (mode 0700)")
+
+
+def _check_fd(fd: int, path: str) -> os.stat_result:
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif st.st_uid != os.geteuid():
+        why = f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
+    elif st.st_mode & 0o077:
+        why = f"has mode {stat.S_IMODE(st.st_mode):04o}; group and others must have no access"
+    if why:
+        raise UntrustedFileError(f"rumor: refusing to read {path}: it {why}")
+    return st
+
+
+def read_private(path: str) -> bytes:
+    """The bytes of a file this user owns and only this user can read; never follows a symlink.
+    Raises FileNotFoundError when it does not exist and UntrustedFileError when it is not private."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UntrustedFileError(f"rumor: refusing to read {path}: it is a symbolic link") from None
+        raise
+    try:
+        _check_fd(fd, path)
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def write_private(path: str, *chunks: bytes) -> None:
+    """Writes path atomically with mode 0600: the bytes go to a fresh temporary name in the same
+    directory (O_CREAT|O_EXCL|O_NOFOLLOW, so nothing planted there is followed or reused), then
+    rename() replaces path (a symlink planted at path is replaced, not followed). A writer killed
+    mid-write leaves the previous file intact."""
+    d = os.path.dirname(path) or "."
+    base = os.path.basename(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = os.path.join(d, f".{base}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o600)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise OSError(errno.EEXIST, f"rumor: no free temporary name beside {path}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            for c in chunks:
+                f.write(c)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# ---- MACs ---------------------------------------------------------------------------------------
+
+def mac(key: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 over the parts, each length-prefixed so that no two splits collide."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def mac_ok(key: bytes, tag: bytes, *parts: bytes) -> bool:
+    return hmac.compare_digest(mac(key, *parts), tag)
+
+
+# ---- the secret ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobSecret:
+    """secret: the job's secret bytes, or None (unauthenticated); source: where it came from."""
+
+    secret: Optional[bytes]
+    source: str
+
+    @property
+    def authenticated(self) -> bool:
+        return self.secret is not None
+
+    def key(self, label: str, session: bytes = b"") -> bytes:
+        """A key for one purpose (label), bound to a session where one is given. Without a secret
+        it is derived from the session alone: anyone who can read the store can compute it."""
+        if self.secret is None:
+            return mac(b"rumor/unauthenticated", label.encode(), session)
+        return mac(self.secret, label.encode(), session)
+
+
+def _from_text(text: str, where: str) -> bytes:
+    s = text.strip()
+    if len(s) < MIN_SECRET_CHARS:
+        raise ValueError(f"rumor: the job secret from {where} has {len(s)} characters; "
+                         f"give at least {MIN_SECRET_CHARS} (e.g. python -c 'import secrets; "
+                         "print(secrets.token_hex(32))')")
+    return s.encode()
+
+
+def host_secret() -> bytes:
+    """This user's secret on this host, created once (32 random bytes) in the private directory."""
+    path = os.path.join(private_dir(), _HOST_SECRET)
+    try:
+        data = read_private(path)
+        if len(data) == 32:
+            return data
+    except FileNotFoundError:
+        pass
+    # Create under a temporary name, then link(): exactly one creator wins, every other process
+    # (EEXIST) reads the winner's bytes.
+    d = os.path.dirname(path)
+    tmp = os.path.join(d, f".{_HOST_SECRET}.{os.getpid()}.{os.urandom(6).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(os.urandom(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+    data = read_private(path)
+    if len(data) != 32:
+        raise UntrustedFileError(f"rumor: {path} holds {len(data)} bytes, expected 32; remove it")
+    return data
+
+
+def given() -> Optional[JobSecret]:
+    """The secret the user or the launcher gave (environment or file), or None."""
+    env = os.environ
+    if env.get(SECRET_ENV):
+        return JobSecret(_from_text(env[SECRET_ENV], SECRET_ENV), SECRET_ENV)
+    if env.get(SECRET_FILE_ENV):
+        path = env[SECRET_FILE_ENV]
+        try:
+            raw = read_private(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"rumor: {SECRET_FILE_ENV}={path} does not exist") from None
+        return JobSecret(_from_text(raw.decode("utf-8", "strict"), f"{SECRET_FILE_ENV}={path}"),
+                         SECRET_FILE_ENV)
+    return None
+
+
+def resolve(single_host: bool) -> JobSecret:
+    """The job's secret: given, else this user's host secret when every rank runs on this host,
+    else none (the caller warns once that the job is unauthenticated)."""
+    g = given()
+    if g is not None:
+        return g
+    if single_host:
+        return JobSecret(host_secret(), "host")
+    return JobSecret(None, "none")
