@@ -10,6 +10,10 @@ command -v tc >/dev/null 2>&1 || apt_pkgs+=(iproute2)
 [ -f /usr/include/gtest/gtest.h ] || apt_pkgs+=(libgtest-dev)
 command -v g++ >/dev/null 2>&1 || apt_pkgs+=(g++)
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)  # rumor.data cache; rumor starts its own
+[ -f /usr/include/openssl/hmac.h ] || apt_pkgs+=(libssl-dev)  # HMAC for the connection handshake
+# The fuzz targets (scripts/fuzz.sh): clang's libFuzzer with ASan+UBSan.
+command -v clang++-14 >/dev/null 2>&1 || apt_pkgs+=(clang-14)
+compgen -G "/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null || apt_pkgs+=(libfuzzer-14-dev)
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   echo "setup: apt-get install ${apt_pkgs[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -28,6 +32,6 @@ PY=${PYTHON:-python3}
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
 # redis: rumor.data's cache client (redis-py); ipyparallel, nbclient, nbformat, ipykernel: rumor.interactive; optuna: the autotuner
 $PY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib networkx \
-  redis "ipyparallel>=8" nbclient nbformat ipykernel optuna
+  redis "ipyparallel>=8" nbclient nbformat ipykernel optuna atheris
 $PY -m pip install -q --no-build-isolation .
 $PY -c "import rumor, rumor._C as c; print('setup: rumor', rumor.__version__, 'installed; reduction kernels:', c.reduce_isa())"

@@ -18,5 +18,8 @@ ${CXX:-g++} -std=c++20 -O1 -fPIC -shared -fvisibility=hidden -Wall -Wextra -Werr
   tests/cpp/fake_nccl.cpp -o build/fake-nccl/libnccl-fake.so
 export RUMOR_FAKE_NCCL="$PWD/build/fake-nccl/libnccl-fake.so"
 
+echo "== Fuzzing (a short run of every target; scripts/fuzz.sh runs them for 10 minutes each)"
+bash scripts/fuzz.sh "${RUMOR_CI_FUZZ_SECONDS:-15}"
+
 echo "== Python tests"
 $PY -m pytest tests/python -q -p no:cacheprovider

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import math
 import os
 import socket
@@ -190,6 +191,22 @@ def _rendezvous_prefix() -> str:
     return f"rumor/{run_id}/{_generation}/" if run_id else f"rumor/{_generation}/"
 
 
+def _listen_port(env: _Env) -> int:
+    """RUMOR_PORT (rumor.run --rumor-port) is the first of a range: a host's workers listen on
+    RUMOR_PORT + local rank, so several workers per host do not fight for one port."""
+    v = os.environ.get("RUMOR_PORT", "").strip()
+    if not v:
+        return 0
+    if not v.isdigit() or not 0 < int(v) < 65536:
+        raise ValueError(f"rumor.init(): RUMOR_PORT must be a port number, got {v!r}")
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK",
+                                                            os.environ.get("SLURM_LOCALID", "0"))))
+    port = int(v) + local
+    if port >= 65536:
+        raise ValueError(f"rumor.init(): RUMOR_PORT {v} + local rank {local} is past the last port")
+    return port
+
+
 def _wait_key(store, key: str, deadline: float, what: str, on_idle=None) -> None:
     """Polls for key until the deadline; on_idle() runs between polls and may raise to retry."""
     import time
@@ -210,40 +227,121 @@ class _Stale(Exception):
     """The token this rank read belongs to an earlier attempt; read it again."""
 
 
-def _exchange(store, env: _Env, timeout: float, make_ctx, host: str):
+_PEER_FIELDS = 4  # nonce, "address:port", host id, shm tag
+_UNAUTH_WARNED = False
+
+
+def _single_host(env: _Env) -> bool:
+    """True when the launcher's environment says every rank runs on this host (before any rank
+    has met another): torchrun's LOCAL_WORLD_SIZE, Open MPI's local size, Slurm's node count, or
+    a store on a loopback address."""
+    e = os.environ
+    if env.source == "torchrun" and e.get("LOCAL_WORLD_SIZE"):
+        return e["LOCAL_WORLD_SIZE"] == e.get("WORLD_SIZE")
+    if env.source == "mpirun":
+        return e.get("OMPI_COMM_WORLD_LOCAL_SIZE") == e.get("OMPI_COMM_WORLD_SIZE")
+    if env.source == "slurm" and (e.get("SLURM_NNODES") or e.get("SLURM_JOB_NUM_NODES")):
+        return (e.get("SLURM_NNODES") or e.get("SLURM_JOB_NUM_NODES")) == "1"
+    return env.master_addr in ("localhost", "::1") or env.master_addr.startswith("127.")
+
+
+def _job_secret(env: _Env) -> _secret.JobSecret:
+    global _UNAUTH_WARNED
+    js = _secret.resolve(_single_host(env))
+    if not js.authenticated and not _UNAUTH_WARNED:
+        _UNAUTH_WARNED = True
+        import warnings
+
+        warnings.warn(
+            f"rumor.init(): rank {env.rank}: this job spans several hosts and no job secret was given "
+            f"({_secret.SECRET_ENV} or {_secret.SECRET_FILE_ENV}; rumor.run generates one for a single "
+            "node): its connections are NOT authenticated: anyone who can reach the rendezvous store "
+            "can join it (docs/security.md)", RuntimeWarning, stacklevel=3)
+    return js
+
+
+def _valid_entry(e, rank: int) -> bool:
+    """A peer's advertisement as rendezvous expects it: strings of sane length, "host:port" with
+    a port in range, no path separator in the shm tag (it becomes part of a file name)."""
+    if not isinstance(e, list) or len(e) != _PEER_FIELDS or not all(isinstance(x, str) for x in e):
+        return False
+    nonce, addr, host, tag = e
+    if len(nonce) > 64 or len(host) > 1024 or len(tag) > 256 or "/" in tag or "\0" in tag:
+        return False
+    h, sep, port = addr.rpartition(":")
+    return bool(sep) and bool(h) and len(h) <= 255 and port.isdigit() and 0 < int(port) < 65536
+
+
+def _seal(key: bytes, what: str, value) -> str:
+    body = json.dumps(value)
+    return json.dumps([body, _secret.mac(key, what.encode(), body.encode()).hex()])
+
+
+def _unseal(key: bytes, what: str, raw: bytes, who: str):
+    """The value of a store entry written by _seal, or a PermissionError naming the entry when its
+    MAC does not match: it was written by someone without the job secret."""
+    try:
+        body, tag = json.loads(raw)
+        ok = isinstance(body, str) and _secret.mac_ok(key, bytes.fromhex(tag), what.encode(), body.encode())
+    except (ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise PermissionError(
+            f"rumor.init(): {who} in the rendezvous store failed its MAC check: it was written by "
+            f"someone who does not hold this job's secret (or the ranks were given different "
+            f"{_secret.SECRET_ENV} values); refusing it")
+    return json.loads(body)
+
+
+def _exchange(store, env: _Env, timeout: float, make_ctx, host: str, advertise: str, js: _secret.JobSecret):
     """Rendezvous of one init(): returns (ctx, token, entries [nonce, address, host, shm tag]).
 
-    Rank 0 draws a fresh token and publishes it; every rank advertises itself under that token
-    with a nonce, and rank 0 answers with the table of everyone's entries. Keys of an earlier
-    attempt that died in the same store (torchrun restarts the workers, the agent's store stays)
-    can be read before rank 0 overwrites the token: such a token leads to a table without this
-    rank's nonce (or to no table while the token changes), and the rank starts over with the
-    token it then finds, so a stale entry is never used."""
-    import json
+    Rank 0 draws a fresh session token and publishes it; every rank advertises itself under that
+    token with a nonce, and rank 0 answers with the table of everyone's entries. The token is
+    public (the store answers anyone); the connection key is derived from it and the job secret,
+    which never enters the store. Entries and the table carry a MAC keyed by the secret and are
+    checked before use, so whoever can write to the store cannot point a rank elsewhere.
+    Keys of an earlier attempt that died in the same store (torchrun restarts the workers, the
+    agent's store stays) can be read before rank 0 overwrites the token: such a token leads to a
+    table without this rank's nonce (or to no table while the token changes), and the rank
+    starts over with the token it then finds, so a stale entry is never used."""
     import time
 
     deadline = time.monotonic() + timeout
-    advertise = _advertise_address(env.master_addr, env.master_port)
     if env.rank == 0:
         token = os.urandom(16)
         t = token.hex()
+        skey = js.key("store", token)
         ctx = make_ctx(token)
         _test_fault("init:context")
         store.set("token", t)
         keys = [f"{t}/peer/{r}" for r in range(env.size)]
-        store.set(keys[0], json.dumps(["", f"{advertise}:{ctx.port}", host, ctx.shm_tag]))
+        entries = [["", f"{advertise}:{ctx.port}", host, ctx.shm_tag]]
         for r in range(1, env.size):
             _wait_key(store, keys[r], deadline, f"waiting for rank {r} of {env.size} to join")
-        entries = [json.loads(v) for v in store.multi_get(keys)]
-        store.set(f"{t}/table", json.dumps(entries))
+        for r, raw in enumerate(store.multi_get(keys[1:]), start=1):
+            e = _unseal(skey, f"peer/{r}", raw, f"rank {r}'s entry")
+            if not _valid_entry(e, r):
+                raise ValueError(f"rumor.init(): rank {r}'s entry in the rendezvous store is malformed: {e!r}")
+            entries.append(e)
+        store.set(f"{t}/table", _seal(skey, "table", entries))
         return ctx, token, entries
     while True:
         _wait_key(store, "token", deadline, "waiting for rank 0 to publish the job token")
         t = store.get("token").decode()
-        ctx = make_ctx(bytes.fromhex(t))
+        try:
+            token = bytes.fromhex(t)
+        except ValueError:
+            token = b""
+        if len(token) != 16:
+            raise ValueError(f"rumor.init(): rank {env.rank}: the session token in the rendezvous store is "
+                             f"malformed ({t[:40]!r})")
+        skey = js.key("store", token)
+        ctx = make_ctx(token)
         nonce = os.urandom(8).hex()
         _test_fault("init:context")
-        store.set(f"{t}/peer/{env.rank}", json.dumps([nonce, f"{advertise}:{ctx.port}", host, ctx.shm_tag]))
+        store.set(f"{t}/peer/{env.rank}",
+                  _seal(skey, f"peer/{env.rank}", [nonce, f"{advertise}:{ctx.port}", host, ctx.shm_tag]))
 
         def token_changed(t=t):
             if store.get("token").decode() != t:
@@ -251,8 +349,11 @@ def _exchange(store, env: _Env, timeout: float, make_ctx, host: str):
 
         try:
             _wait_key(store, f"{t}/table", deadline, "waiting for rank 0's table of peers", token_changed)
-            entries = json.loads(store.get(f"{t}/table"))
-            if len(entries) != env.size or entries[env.rank][0] != nonce:
+            entries = _unseal(skey, "table", store.get(f"{t}/table"), "rank 0's table of peers")
+            if (not isinstance(entries, list) or len(entries) != env.size
+                    or not all(_valid_entry(e, r) for r, e in enumerate(entries))):
+                raise ValueError(f"rumor.init(): rank {env.rank}: rank 0's table of peers is malformed")
+            if entries[env.rank][0] != nonce:
                 time.sleep(0.01)
                 raise _Stale()
         except _Stale:
@@ -263,7 +364,7 @@ def _exchange(store, env: _Env, timeout: float, make_ctx, host: str):
                 raise CommTimeoutError(f"rumor.init(): rank {env.rank}: the store held only tokens of earlier "
                                        "attempts until the deadline (is rank 0 running?)")
             continue
-        return ctx, bytes.fromhex(t), entries
+        return ctx, token, entries
 
 
 def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = None,
@@ -312,17 +413,24 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
 
     host = _host_id()
     if env.size == 1:
+        js = _secret.JobSecret(None, "single process")
         token = os.urandom(16)
         ctx = _C.Context(0, 1, token, opts, 0)
         addresses, hosts = [f"127.0.0.1:{ctx.port}"], [host]
     else:
+        js = _job_secret(env)
         store = _store_for(env, timeout)
         _store_keepalive = store
-        port = int(os.environ.get("RUMOR_PORT", 0))
+        port = _listen_port(env)
         if opts.shm:
             _shm.sweep()
-        ctx, token, entries = _exchange(
-            store, env, timeout, lambda tok: _C.Context(env.rank, env.size, tok, opts, port), host)
+        advertise = _advertise_address(env.master_addr, env.master_port)
+        bind = os.environ.get("RUMOR_BIND_ADDR", advertise)
+
+        def make_ctx(tok: bytes):
+            return _C.Context(env.rank, env.size, tok, opts, port, key=js.key("connection", tok), bind=bind)
+
+        ctx, token, entries = _exchange(store, env, timeout, make_ctx, host, advertise, js)
         addresses, hosts = [e[1] for e in entries], [e[2] for e in entries]
     if env.size == 1:
         ctx.set_peers(addresses, hosts)
@@ -351,6 +459,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         timeout=float(timeout),
         streams=int(opts.streams),
         gpu_wait=wait_mode,
+        secret=js,
     )
     _generation += 1
     _timeline._start_from_env()

@@ -21,7 +21,8 @@ _RUMOR_FLAGS = {
     "--rumor-timeout": ("RUMOR_TIMEOUT", "seconds any blocking wait may take before it raises (default 300)"),
     "--rumor-shm": ("RUMOR_SHM", "1/0: shared memory between ranks of one host (default 1)"),
     "--rumor-log": ("RUMOR_LOG", "log level of the C++ core: error, warn, info, debug"),
-    "--rumor-port": ("RUMOR_PORT", "fixed port for each worker's listener (default: any free port)"),
+    "--rumor-port": ("RUMOR_PORT", "first port of the workers' listeners: a host's workers listen on this port + "
+                                   "their local rank (default: any free port)"),
     "--autotune-budget": ("RUMOR_AUTOTUNE_BUDGET", "steps the autotuner may take (default 80; with --autotune)"),
     "--autotune-cache": ("RUMOR_AUTOTUNE_CACHE", "the autotuner's JSON cache (default ~/.cache/rumor/autotune.json)"),
 }
@@ -63,6 +64,25 @@ def _validate(args) -> None:
         raise SystemExit(f"rumor-run: --autotune-budget must be a whole number of steps >= 2, got {budget!r}")
 
 
+def _give_secret(min_nodes: str, max_nodes: str) -> None:
+    """The job secret every worker proves on each connection (docs/security.md). On one node the
+    launcher draws it and hands it to its workers through their environment, which only this
+    user can read; several nodes need the same secret on each, which only the user can give."""
+    from . import _secret
+
+    if _secret.given() is not None:  # also checks a given one (length, file owner and mode)
+        return
+    if (max_nodes or min_nodes) == "1":
+        import secrets
+
+        os.environ[_secret.SECRET_ENV] = secrets.token_hex(32)
+    else:
+        print(f"rumor-run: warning: a multi-node job without {_secret.SECRET_ENV} or {_secret.SECRET_FILE_ENV} "
+              "runs unauthenticated: anyone who can reach the rendezvous store can join it. Give every node "
+              f"the same secret, e.g. export {_secret.SECRET_ENV}=$(python -c 'import secrets; "
+              "print(secrets.token_hex(32))') (docs/security.md)", file=sys.stderr)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     from torch.distributed.run import run
 
@@ -90,6 +110,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         except FileNotFoundError as e:
             raise SystemExit(f"rumor-run: --nccl-net-plugin: {e}")
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
+    _give_secret(min_nodes, max_nodes)
     if max_nodes and max_nodes != min_nodes:
         # An elastic node count: with the agent's shared TCP store, torch 2.x gives a node that
         # joins in a later round no MASTER_ADDR (only a node without one publishes it) and its

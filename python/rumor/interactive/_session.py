@@ -9,6 +9,7 @@ import atexit
 import glob
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -202,6 +203,10 @@ class Session:
         self.procs = [None] * self.n
         self.logs = [""] * self.n
         argv = [sys.executable, _PROC, "engine-stdin"]
+        # The job secret goes to each engine on its stdin with the rest of its environment
+        # (docs/security.md): drawn here unless the notebook's environment gives one.
+        job_secret = {} if "RUMOR_JOB_SECRET" in os.environ or "RUMOR_JOB_SECRET_FILE" in os.environ \
+            else {"RUMOR_JOB_SECRET": secrets.token_hex(32)}
         for h in self.layout:
             local = self.launcher is None and _hosts.is_local(h.name)
             for lr, r in enumerate(h.ranks):
@@ -215,7 +220,7 @@ class Session:
                         raise RuntimeError(f"rumor.interactive: could not start the engine of rank {r} on host "
                                            f"{h.name!r}: `{shlex_join(cmd)}`: {e}") from None
                 self.procs[r] = p
-                env = dict(_forwarded_env())
+                env = dict(_forwarded_env(), **job_secret)
                 env.update(RUMOR_INTERACTIVE_HOST=h.name, RUMOR_INTERACTIVE_SLOT=str(r),
                            RUMOR_INTERACTIVE_LOCAL_SIZE=str(h.size))
                 payload = {"connection": conn, "controller": list(self.controller_addr), "env": env}

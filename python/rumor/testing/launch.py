@@ -19,6 +19,7 @@ the rank and whatever it started.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -108,9 +109,13 @@ class Ranks:
         self.timed_out: List[int] = []
         self.elapsed = 0.0
         self._t0 = time.monotonic()
+        # One secret per job, as rumor.run draws one (docs/security.md): emulated hosts are
+        # several hosts to rumor.init(), which would otherwise run them unauthenticated.
+        job_secret = secrets.token_hex(32)
         try:
             for r in range(world):
                 e = base_env(keep_rumor_env)
+                e.setdefault("RUMOR_JOB_SECRET", job_secret)
                 e.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % rph),
                          LOCAL_WORLD_SIZE=str(min(rph, world - (r // rph) * rph)), MASTER_ADDR=master,
                          MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=ifname, OMP_NUM_THREADS="1",
