@@ -501,7 +501,8 @@ class Autotuner:
             rec = by_streams.get(str(self.streams))
             if rec is None:
                 return None
-            why = _valid_setting(rec.get("setting"), self.knobs) if isinstance(rec, dict) else "its record is not a dict"
+            why = (_valid_setting(rec.get("setting"), self.knobs) if isinstance(rec, dict)
+                   else "its record is not a dict")
         if why is not None:
             warnings.warn(f"rumor autotune: ignoring the cache entry for this model and layout in {self.cache_path}: "
                           f"{why}; tuning again", RuntimeWarning, stacklevel=3)

@@ -50,7 +50,7 @@ import os
 import stat
 import struct
 import warnings
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
