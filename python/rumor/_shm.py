@@ -5,17 +5,23 @@ killed in between (SIGKILL during init, say) cannot. Every name ends with "@" an
 ("<pid namespace inode>.<pid>") of the processes that own it; a name whose owners are all gone
 is garbage. The launcher (rumor.run) sweeps when its workers have exited, and rumor.init()
 sweeps before it creates its own names, so a restarted job starts on a clean /dev/shm.
+rumor.elastic's commits live in this user's private directory (rumor._secret.private_dir()),
+swept by the same rule, with the temporary files a killed writer left there.
 """
 from __future__ import annotations
 
 import os
 import re
-from typing import List
+from typing import List, Optional
+
+from . import _secret
 
 SHM_DIR = "/dev/shm"
 # rumor-<token>-...: the core's segments; rumor_elastic-...: rumor.elastic's commits, owned by
 # the launcher's agent (they outlive the workers on purpose, not the job).
 _NAME = re.compile(r"^rumor(?:-[0-9a-f]+|_elastic)-.+@(\d+\.\d+(?:\+\d+\.\d+)*)$")
+# rumor._secret.write_private's temporary names: ".<name>.<writer pid>.<random hex>.tmp".
+TMP_NAME = re.compile(r"^\.(.+)\.\d+\.[0-9a-f]+\.tmp$")
 
 
 def _pid_namespace() -> int:
@@ -48,9 +54,22 @@ def owners(name: str):
     return [tuple(int(x) for x in tag.split(".")) for tag in m.group(1).split("+")]
 
 
-def sweep(directory: str = SHM_DIR) -> List[str]:
+def sweep(directory: Optional[str] = None) -> List[str]:
     """Unlinks rumor names whose owners have all exited; returns the names removed. Names owned
-    by a process of another pid namespace are left alone: their pids mean nothing here."""
+    by a process of another pid namespace are left alone: their pids mean nothing here. Without
+    a directory: /dev/shm and this user's private directory (if there is one)."""
+    if directory is not None:
+        return _sweep(directory, temporaries=False)
+    removed = _sweep(SHM_DIR, temporaries=False)
+    try:
+        private = _secret.private_dir(create=False)
+    except OSError:  # none yet, or not ours (then it is not swept either)
+        return removed
+    return removed + _sweep(private, temporaries=True)
+
+
+def _sweep(directory: str, temporaries: bool) -> List[str]:
+    """temporaries: a write_private temporary file counts as owned by the name it would replace."""
     ns = _pid_namespace()
     removed = []
     try:
@@ -58,7 +77,8 @@ def sweep(directory: str = SHM_DIR) -> List[str]:
     except OSError:
         return removed
     for name in names:
-        tags = owners(name)
+        m = TMP_NAME.match(name) if temporaries else None
+        tags = owners(m.group(1) if m else name)
         if not tags or any(t_ns != ns or not _gone(pid) for t_ns, pid in tags):
             continue
         try:

@@ -19,32 +19,67 @@ everyone by broadcast (a new node gets it from a survivor), re-shards the sample
 world and continues from the committed step.
 
 Where the commits live. torchrun kills all workers of a node when one fails, so "the memory of
-the surviving ranks" must outlive the worker processes. A commit is a file in /dev/shm (tmpfs:
-memory, not disk), one per job, host and launcher agent, written by the host's first rank with
-an atomic rename, so a worker killed mid-write leaves the previous commit intact. This needs no
-keeper process that could itself die or leak and costs one copy of the state per host; a
-finished run() removes the files, the launcher (rumor.run) removes its own when the job ends,
+the surviving ranks" must outlive the worker processes. A commit is a file in this user's
+private directory (rumor._secret.private_dir(): /dev/shm/rumor-<uid>, tmpfs: memory, not disk,
+mode 0700), one per job, host and launcher agent, written by the host's first rank with mode
+0600 under a fresh O_EXCL|O_NOFOLLOW temporary name and an atomic rename, so a worker killed
+mid-write leaves the previous commit intact and nothing another user planted is followed. This
+needs no keeper process that could itself die or leak and costs one copy of the state per host;
+a finished run() removes the files, the launcher (rumor.run) removes its own when the job ends,
 and any later rumor.init() or launcher on the host sweeps those whose agent has exited.
 ``path=`` additionally writes each commit to disk (rank 0), used only when no host has one in
 memory (a job restarted from scratch).
+
+What a commit is. A header (magic, step), an HMAC-SHA256 keyed by the job secret
+(rumor._runtime.job_secret().key("elastic-commit")) over header and payload, and the payload: a
+torch.save of the state, loaded with torch.load(weights_only=True) only after the MAC was
+checked, on every rank after the broadcast too. So the user fields, the sampler's and the
+algorithm's state must be tensors and plain values (numbers, str, bytes, lists, tuples, dicts,
+sets); commit() refuses anything else, naming the field. Types known to be safe can be allowed
+with torch.serialization.add_safe_globals([MyType]) (in every process, before the restore).
 """
 from __future__ import annotations
 
+import collections
+import errno
 import functools
 import hashlib
 import io
 import math
 import os
+import stat
 import struct
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-SNAPSHOT_DIR = "/dev/shm"
+from . import _secret
+
 _PREFIX = "rumor_elastic-"  # not a swept rumor- name: commits must outlive their writer
 _HEADER = struct.Struct("<8sq")  # magic, committed step
-_MAGIC = b"RUMORELS"
+# "RUMORELM": header, MAC, payload. (The unMACed "RUMORELS" files of earlier versions are never
+# read: their magic differs, and they lived in /dev/shm itself, where nothing looks any more.)
+_MAGIC = b"RUMORELM"
+_TAG = 32  # HMAC-SHA256
 _RESERVED = ("model", "optimizer", "sampler", "step", "path")
+_MAC_LABEL = "elastic-commit"
+
+
+class CommitRefused(RuntimeError):
+    """A commit that rumor.elastic will not load: altered or written under another job secret
+    (MAC mismatch), malformed, not private to this user, or holding what weights_only refuses."""
+
+
+def snapshot_dir() -> str:
+    """The directory of this host's in-memory commits: this user's private directory."""
+    return _secret.private_dir()
+
+
+def _key() -> bytes:
+    from . import _runtime
+
+    return _runtime.job_secret().key(_MAC_LABEL)
 
 
 def _job() -> str:
@@ -60,53 +95,148 @@ def _snapshot_file() -> str:
     from . import _runtime, _shm
 
     host = hashlib.sha1(_runtime._host_id().encode()).hexdigest()[:12]
-    return os.path.join(SNAPSHOT_DIR, f"{_PREFIX}{_job()}-{host}@{_shm._pid_namespace()}.{os.getppid()}")
+    return os.path.join(snapshot_dir(), f"{_PREFIX}{_job()}-{host}@{_shm._pid_namespace()}.{os.getppid()}")
+
+
+def _commit_name(name: str) -> Optional[str]:
+    """The commit a name in the private directory belongs to (itself, or the commit a temporary
+    file was going to replace), or None for names that are not elastic commits."""
+    from . import _shm
+
+    m = _shm.TMP_NAME.match(name)
+    base = m.group(1) if m else name
+    return base if base.startswith(_PREFIX) else None
 
 
 def remove_snapshots(run_id: str, agent_pid: int) -> None:
-    """Removes the in-memory commits of a run's agent on this host (the launcher, at its end)."""
+    """Removes the in-memory commits of a run's agent on this host (the launcher, at its end),
+    with any temporary file a killed writer left."""
     from . import _shm
 
     job = hashlib.sha1(run_id.encode()).hexdigest()[:12]
     try:
-        names = os.listdir(SNAPSHOT_DIR)
-    except OSError:
+        d = _secret.private_dir(create=False)
+        names = os.listdir(d)
+    except OSError:  # no private directory (nothing was committed), or not ours: nothing to do
         return
     for n in names:
-        if n.startswith(f"{_PREFIX}{job}-") and n.endswith(f"@{_shm._pid_namespace()}.{agent_pid}"):
+        base = _commit_name(n)
+        if base and base.startswith(f"{_PREFIX}{job}-") and base.endswith(f"@{_shm._pid_namespace()}.{agent_pid}"):
             try:
-                os.unlink(os.path.join(SNAPSHOT_DIR, n))
+                os.unlink(os.path.join(d, n))
             except OSError:
                 pass
 
 
-def _write_atomic(path: str, step: int, payload: bytes) -> None:
-    base, at, owner = path.rpartition("@") if os.path.dirname(path) == SNAPSHOT_DIR else (path, "", "")
-    # A writer killed mid-write leaves its temporary file: in /dev/shm it keeps the owner tag,
-    # so the sweep that removes the commit removes it too.
-    tmp = f"{base}.tmp{os.getpid()}{at}{owner}" if at else f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(_HEADER.pack(_MAGIC, step))
-        f.write(payload)
-    os.replace(tmp, path)
+def _seal(step: int, payload: bytes, key: bytes) -> Tuple[bytes, bytes]:
+    header = _HEADER.pack(_MAGIC, step)
+    return header, _secret.mac(key, header, payload)
 
 
-def _read_step(path: str) -> int:
+def _write_commit(path: str, step: int, payload: bytes, key: bytes) -> None:
+    header, tag = _seal(step, payload, key)
+    _secret.write_private(path, header, tag, payload)
+
+
+def _open_commit(raw, key: bytes, where: str) -> Tuple[int, memoryview]:
+    """(step, payload) of a commit's bytes, after checking its magic and its MAC. Nothing of the
+    payload is parsed before the MAC matched."""
+    raw = memoryview(raw)
+    if len(raw) < _HEADER.size + _TAG:
+        raise CommitRefused(f"rumor.elastic: {where} is not a commit ({len(raw)} bytes)")
+    header = bytes(raw[:_HEADER.size])
+    magic, step = _HEADER.unpack(header)
+    if magic != _MAGIC:
+        raise CommitRefused(f"rumor.elastic: {where} is not a commit of this rumor version (magic {magic!r})")
+    tag, payload = bytes(raw[_HEADER.size:_HEADER.size + _TAG]), raw[_HEADER.size + _TAG:]
+    if not _secret.mac_ok(key, tag, header, payload):
+        raise CommitRefused(
+            f"rumor.elastic: {where} fails its MAC check: it was altered, or written by a job with another "
+            f"job secret ({_secret.SECRET_ENV}); refusing to load it. Remove it to start without it, or run "
+            "with the job secret that wrote it")
+    if step < 0:
+        raise CommitRefused(f"rumor.elastic: {where} has a negative step {step}")
+    return step, payload
+
+
+def _read_local(path: str, key: bytes) -> Optional[Tuple[int, bytes]]:
+    """This host's commit, (step, its bytes), or None when there is none. Raises
+    UntrustedFileError for a file not private to this user, CommitRefused for a bad MAC."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(_HEADER.size)
-    except OSError:
-        return -1
-    if len(head) != _HEADER.size:
-        return -1
-    magic, step = _HEADER.unpack(head)
-    return step if magic == _MAGIC else -1
+        raw = _secret.read_private(path)
+    except FileNotFoundError:
+        return None
+    step, _ = _open_commit(raw, key, path)
+    return step, raw
 
 
-def _read_payload(path: str) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(_HEADER.size)
-        return f.read()
+def _read_disk(path: str, key: bytes) -> Optional[Tuple[int, bytes]]:
+    """The path= copy: like _read_local, but a disk file may be readable by others (it is MACed,
+    not secret); it must be a regular file (not a symlink) owned by this user that nobody else
+    can write."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _secret.UntrustedFileError(f"rumor.elastic: refusing to read {path}: it is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        why = None
+        if not stat.S_ISREG(st.st_mode):
+            why = "is not a regular file"
+        elif st.st_uid != os.geteuid():
+            why = f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
+        elif st.st_mode & 0o022:
+            why = f"has mode {stat.S_IMODE(st.st_mode):04o}: others can write it"
+        if why:
+            raise _secret.UntrustedFileError(f"rumor.elastic: refusing to read the commit {path}: it {why}")
+        raw = f.read()
+    step, _ = _open_commit(raw, key, path)
+    return step, raw
+
+
+# ---- what torch.load(weights_only=True) can restore ---------------------------------------------
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Size, torch.dtype, torch.device)
+_CONTAINERS = (list, tuple, set, dict, collections.OrderedDict)
+
+
+def _safe_types() -> set:
+    out = {torch.Tensor, torch.nn.Parameter}
+    for g in torch.serialization.get_safe_globals():
+        g = g[0] if isinstance(g, tuple) else g
+        if isinstance(g, type):
+            out.add(g)
+    return out
+
+
+def _check_loadable(value, where: str, safe: set, depth: int = 0) -> None:
+    """Raises TypeError, naming where, for a value torch.load(weights_only=True) would refuse.
+    Exact types: a subclass (an IntEnum, a numpy float64, a namedtuple) pickles by its own class,
+    which weights_only refuses."""
+    t = type(value)
+    if t in _PLAIN or t in safe:
+        return
+    if depth > 100:
+        raise TypeError(f"rumor.elastic.State.commit: {where} is nested more than 100 deep")
+    if t in (list, tuple, set):
+        for i, v in enumerate(value):
+            _check_loadable(v, f"{where}[{i}]", safe, depth + 1)
+        return
+    if t in (dict, collections.OrderedDict):
+        for k, v in value.items():
+            _check_loadable(k, f"{where} (a key)", safe, depth + 1)
+            _check_loadable(v, f"{where}[{k!r}]", safe, depth + 1)
+        return
+    raise TypeError(
+        f"rumor.elastic.State.commit: {where} is a {t.__module__}.{t.__qualname__}, which a restore cannot "
+        "load: commits are loaded with torch.load(weights_only=True), which takes tensors and plain values "
+        "(None, bool, int, float, complex, str, bytes, list, tuple, set, dict). Store it as such, or, if "
+        f"the type is safe to rebuild from a commit, call torch.serialization.add_safe_globals([{t.__qualname__}]) "
+        "in every process before the commit and the restore")
 
 
 def _unwrap(model):
@@ -141,7 +271,9 @@ def _reshard(sampler, num_replicas: int, rank: int) -> None:
 class State:
     """What a restarted job needs to continue: the model (or its DistributedDataParallel
     wrapper), the optimizer, an optional sampler, ``step``, and any user fields (``State(...,
-    epoch=0, best=inf)`` gives ``state.epoch``, ``state.best``; picklable values).
+    epoch=0, best=inf)`` gives ``state.epoch``, ``state.best``): tensors and plain values
+    (numbers, str, bytes, lists, tuples, sets, dicts), what torch.load(weights_only=True) loads;
+    commit() refuses others unless registered with torch.serialization.add_safe_globals.
 
     The state must be the same on every rank at a commit (data parallel training with
     GradientAllReduce and the compressed allreduces: ByteGrad, QSGD, LowPrecision), or the
@@ -227,16 +359,31 @@ class State:
             snap["sampler_epoch"] = getattr(self.sampler, "epoch", None)
         if self._algorithm is not None and hasattr(self._algorithm, "elastic_state_dict"):
             snap["algorithm"] = self._algorithm.elastic_state_dict()
+        # Refused here, at the commit, not at a restore after a crash when nothing can be fixed.
+        # (The user fields were checked on every rank by commit().)
+        safe = _safe_types()
+        for k, what in (("model", "the model's state_dict()"), ("optimizer", "the optimizer's state_dict()"),
+                        ("sampler", "the sampler's state_dict()"), ("sampler_epoch", "the sampler's epoch"),
+                        ("algorithm", f"{type(self._algorithm).__name__}.elastic_state_dict()")):
+            if k in snap:
+                _check_loadable(snap[k], what, safe)
         buf = io.BytesIO()
         torch.save(snap, buf)  # tensors are copied to the buffer: later steps do not change it
         return buf.getvalue()
 
     def commit(self) -> None:
         """Makes the current state the one a restart continues from. Every rank calls it at the
-        same step; the host's first rank keeps it in memory (/dev/shm), rank 0 also on disk when
-        the State has a path."""
+        same step; the host's first rank keeps it in memory (this user's private directory in
+        /dev/shm), rank 0 also on disk when the State has a path. Raises TypeError, naming the
+        field, when a field (or the sampler's or the algorithm's state) is not what
+        torch.load(weights_only=True) can restore."""
         from . import _runtime
 
+        # The user fields on every rank, writer or not: a field weights_only cannot load makes
+        # every rank raise here, not the writers alone while the others train on.
+        safe = _safe_types()
+        for k in self._fields:
+            _check_loadable(getattr(self, k), f"field {k!r}", safe)
         writer = not _runtime.is_initialized() or _runtime.local_rank() == 0
         to_disk = self.path is not None and (not _runtime.is_initialized() or _runtime.rank() == 0)
         consensus = None
@@ -245,25 +392,57 @@ class State:
         if not (writer or to_disk):
             return
         payload = self._payload(consensus)
+        key = _key()
         if writer:
-            _write_atomic(_snapshot_file(), int(self.step), payload)
+            _write_commit(_snapshot_file(), int(self.step), payload, key)
         if to_disk:
-            _write_atomic(self.path, int(self.step), payload)
+            _write_commit(self.path, int(self.step), payload, key)
 
     # ---- restoring --------------------------------------------------------------------------------
 
     def restore(self) -> Optional[int]:
         """Collective: continues from the newest commit any rank sees (its host's memory, else the
         path on disk), broadcast from the lowest rank that has it. Returns the step, or None when
-        there is no commit (a fresh start)."""
+        there is no commit (a fresh start). Every rank checks the commit's MAC before loading
+        it; a commit some rank refuses (not private, altered, another job's secret) makes every
+        rank raise CommitRefused (or UntrustedFileError), none waits for the others."""
         from . import _runtime, collectives
 
         n, r = _runtime.size(), _runtime.rank()
-        mine = _read_step(_snapshot_file())
-        on_disk = _read_step(self.path) if self.path is not None and r == 0 else -1
-        best = collectives.allreduce(torch.tensor([mine, on_disk], dtype=torch.int64), collectives.ReduceOp.MAX)
-        newest, disk = int(best[0]), int(best[1])
-        from_disk = newest < 0 <= disk
+        key = _key()
+        # Each rank reads (and checks) what it has; the refusals travel with the steps, so that
+        # one rank's error is every rank's, not a rank raising while the others wait for it.
+        local = disk = None
+        local_err = disk_err = None
+        try:
+            local = _read_local(_snapshot_file(), key)
+        except (CommitRefused, OSError) as e:  # UntrustedFileError is a PermissionError
+            local_err = e
+        if self.path is not None and r == 0:
+            try:
+                disk = _read_disk(self.path, key)
+            except (CommitRefused, OSError) as e:
+                disk_err = e
+        mine = local[0] if local else -1
+        info = torch.full([3 + n], -1, dtype=torch.int64)
+        info[0], info[1] = mine, disk[0] if disk else -1
+        info[2] = 1 if disk_err is not None else 0
+        info[3 + r] = 1 if local_err is not None else 0
+        info = collectives.allreduce(info, collectives.ReduceOp.MAX)
+        newest, disk_step, disk_bad = int(info[0]), int(info[1]), bool(info[2] > 0)
+        refused = [i for i in range(n) if info[3 + i] > 0]
+        if refused:
+            if local_err is not None:
+                raise local_err
+            raise CommitRefused(f"rumor.elastic: rank(s) {refused} refused their host's commit (see their "
+                                "error); no rank continues from an untrusted commit")
+        from_disk = newest < 0 <= disk_step
+        if newest < 0 and disk_bad:  # the disk copy would have been the one: its refusal stops the job
+            if disk_err is not None:
+                raise disk_err
+            raise CommitRefused(f"rumor.elastic: rank 0 refused the commit at {self.path} (see its error)")
+        if disk_err is not None:
+            warnings.warn(f"{disk_err} (not needed: a newer commit is in memory)", RuntimeWarning, stacklevel=2)
         if newest < 0 and not from_disk:
             self._reshard_sampler()
             return None
@@ -273,7 +452,7 @@ class State:
             cand = torch.tensor([r if mine == newest else n], dtype=torch.int64)
             src = int(collectives.allreduce(cand, collectives.ReduceOp.MIN)[0])
         if r == src:
-            raw = _read_payload(self.path if from_disk else _snapshot_file())
+            raw = (disk if from_disk else local)[1]
             data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             length = torch.tensor([data.numel()], dtype=torch.int64)
         else:
@@ -283,12 +462,35 @@ class State:
             data = torch.empty(int(length[0]), dtype=torch.uint8)
         collectives.broadcast_(data, src)
         raw = data.numpy().tobytes()
-        snap = torch.load(io.BytesIO(raw), weights_only=False)
+        # The MAC again on every rank: what arrived is what the sender checked, and the payload
+        # reaches torch.load (weights_only) only after that.
+        snap, err = None, None
+        try:
+            step, payload = _open_commit(raw, key, f"the commit received from rank {src}")
+            try:
+                snap = torch.load(io.BytesIO(payload), weights_only=True)
+            except Exception as e:  # pickle.UnpicklingError and what a bad archive raises
+                raise CommitRefused(
+                    f"rumor.elastic: the commit of step {step} does not load with torch.load(weights_only=True): "
+                    f"{e}. A type it holds must be registered with torch.serialization.add_safe_globals "
+                    "in every process before the restore") from e
+            if not isinstance(snap, dict) or snap.get("step") != step:
+                raise CommitRefused(f"rumor.elastic: the commit of step {step} is malformed")
+        except CommitRefused as e:
+            err = e
+        bad = torch.zeros(n, dtype=torch.int64)
+        bad[r] = 1 if err is not None else 0
+        bad = collectives.allreduce(bad, collectives.ReduceOp.MAX)
+        if err is not None:
+            raise err
+        if bool(bad.any()):
+            raise CommitRefused(f"rumor.elastic: rank(s) {bad.nonzero().flatten().tolist()} refused the commit "
+                                f"received from rank {src} (see their error)")
         self._apply(snap)
         # A host that had no (or an older) commit holds the restored one from now on.
-        if mine != int(snap["step"]) and _runtime.local_rank() == 0:
-            _write_atomic(_snapshot_file(), int(snap["step"]), raw)
-        self.restored_step = int(snap["step"])
+        if mine != step and _runtime.local_rank() == 0:
+            _secret.write_private(_snapshot_file(), raw)
+        self.restored_step = step
         self.restored_from = -1 if from_disk else src
         return self.restored_step
 

@@ -298,7 +298,7 @@ def test_elastic_restart_equals_uninterrupted_run(tmp_path, split, drop_b):
     # Neither a finished run nor the launcher leaves the job's commits in memory.
     from rumor import elastic
 
-    assert not [n for n in os.listdir(elastic.SNAPSHOT_DIR) if n.startswith(f"{elastic._PREFIX}{elastic._job()}")]
+    assert not [n for n in os.listdir(elastic.snapshot_dir()) if n.startswith(f"{elastic._PREFIX}{elastic._job()}")]
 
 
 def test_state_rejects_bad_arguments():

@@ -10,13 +10,25 @@ for values the user explicitly allowed it for (allow_pickle=True on both sides).
 
 Anything that does not parse exactly (bad magic or version, length or checksum mismatch, a
 truncated item, trailing bytes, a pickled item where pickle is not allowed) raises CorruptValue.
+
+The CRC32 catches accidents only: anyone who can write to the backend can compute it. The
+cache therefore stores values sealed (encode/decode with mac_key): an HMAC-SHA256 in front,
+keyed by the job secret (rumor._runtime.job_secret().key("data-cache")) and bound to the value's
+cache key, checked before a single byte of the value is parsed (BadMac otherwise). In an
+authenticated job only its own ranks can produce a value that checks out; in an unauthenticated
+one the key is public and the MAC catches accidents like the CRC.
+
+    sealed:  mac (32 bytes) = HMAC(mac_key, "rumor-cache-value", cache key, header + payload) | header | payload
 """
 from __future__ import annotations
 
 import pickle
 import struct
 import zlib
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
+
+from .._secret import mac as _mac
+from .._secret import mac_ok as _mac_ok
 
 MAGIC = b"RMRC"
 VERSION = 1
@@ -40,6 +52,14 @@ class CorruptValue(ValueError):
 class PickleRefused(CorruptValue):
     """A stored value holds a pickled item but the reader did not allow pickle."""
 
+
+class BadMac(CorruptValue):
+    """A sealed value whose MAC does not match: altered, stored under another key, or written by
+    a job with another job secret."""
+
+
+MAC_SIZE = 32
+_MAC_LABEL = b"rumor-cache-value"
 
 
 def _read_shape(buf, pos: int, ndim: int):
@@ -93,14 +113,27 @@ def _is_ndarray(x) -> bool:
     return type(x) is np.ndarray
 
 
-def encode(value: Any, allow_pickle: bool = False) -> bytes:
-    """Header + payload for value. TypeError for what the format cannot hold without pickle."""
+def encode(value: Any, allow_pickle: bool = False, mac_key: Optional[bytes] = None, key: bytes = b"") -> bytes:
+    """Header + payload for value, sealed with a MAC in front when mac_key is given (bound to the
+    cache key `key`). TypeError for what the format cannot hold without pickle."""
     parts: List[bytes] = []
     flags = [0]
     _enc(value, parts, allow_pickle, flags, 0)
     payload = b"".join(parts)
     head = _HEADER.pack(MAGIC, VERSION, flags[0], 0, len(payload), zlib.crc32(payload))
-    return head + payload
+    if mac_key is None:
+        return head + payload
+    return b"".join((_mac(mac_key, _MAC_LABEL, key, head, payload), head, payload))
+
+
+def _open_sealed(data, mac_key: bytes, key: bytes) -> memoryview:
+    mv = memoryview(data)
+    if len(mv) < MAC_SIZE + HEADER_SIZE:
+        raise BadMac(f"sealed value of {len(mv)} bytes is shorter than MAC and header")
+    head, payload = mv[MAC_SIZE:MAC_SIZE + HEADER_SIZE], mv[MAC_SIZE + HEADER_SIZE:]
+    if not _mac_ok(mac_key, bytes(mv[:MAC_SIZE]), _MAC_LABEL, key, head, payload):
+        raise BadMac("MAC mismatch (altered, stored under another key, or written by a job with another secret)")
+    return mv[MAC_SIZE:]
 
 
 def _enc(x, out: List[bytes], allow_pickle: bool, flags: List[int], depth: int) -> None:
@@ -148,7 +181,7 @@ def _enc(x, out: List[bytes], allow_pickle: bool, flags: List[int], depth: int) 
     elif _is_ndarray(x) and x.dtype.kind in "biufc" and not x.dtype.fields:
         import numpy as np
 
-        a = np.ascontiguousarray(x)
+        a = np.ascontiguousarray(x).reshape(x.shape)  # (ascontiguousarray makes a 0-d array 1-d)
         d = a.dtype.str.encode()
         out += [_T_NDARRAY, _U8.pack(len(d)), d, _U8.pack(a.ndim)]
         out += [_U64.pack(s) for s in a.shape]
@@ -181,9 +214,11 @@ def _tensor_bytes(t, nbytes: int) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
 
 
-def decode(data, allow_pickle: bool = False) -> Any:
-    """Parses what encode() wrote; CorruptValue for anything else."""
-    mv = memoryview(data)
+def decode(data, allow_pickle: bool = False, mac_key: Optional[bytes] = None, key: bytes = b"") -> Any:
+    """Parses what encode() wrote; CorruptValue for anything else. With mac_key the value must
+    be sealed under that key and cache key: BadMac (a CorruptValue) otherwise, raised before
+    anything of the value is parsed."""
+    mv = _open_sealed(data, mac_key, key) if mac_key is not None else memoryview(data)
     if len(mv) < HEADER_SIZE:
         raise CorruptValue(f"value of {len(mv)} bytes is shorter than the {HEADER_SIZE}-byte header")
     magic, version, flags, reserved, length, crc = _HEADER.unpack_from(mv, 0)

@@ -1,5 +1,10 @@
 """Node-local cache store: one file per value in a private directory under /dev/shm.
 
+The directory lives in this user's private directory (rumor._secret.private_dir(), mode 0700)
+and is itself mode 0700: other local users can neither read the values nor plant any. A
+directory opened by path (other ranks, DataLoader workers, local_dir=) is checked the same way
+(a directory, not a symlink, owned by this user, no group/other access) before it is used.
+
 Readers take no lock: a value appears by rename(), which is atomic, and a reader that opened a
 file keeps its bytes even if it is evicted meanwhile. Writers and eviction serialize on flock()
 of a lock file, which the kernel releases when a process dies, so a killed rank never leaves
@@ -42,7 +47,32 @@ _JANITOR = (
 
 
 def shm_root() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    """Where new cache directories go: this user's private directory (/dev/shm/rumor-<uid>, or
+    under the temporary directory where there is no /dev/shm)."""
+    from .._secret import private_dir
+
+    return private_dir()
+
+
+def check_cache_dir(path: str) -> None:
+    """Raises UntrustedFileError unless path is a directory (not a symlink) owned by this user
+    that group and others cannot enter: values read from it are trusted to be this user's."""
+    import stat
+
+    from .._secret import UntrustedFileError
+
+    st = os.lstat(path)
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif st.st_uid != os.geteuid():
+        why = f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
+    elif st.st_mode & 0o077:
+        why = f"has mode {stat.S_IMODE(st.st_mode):04o}; group and others must have no access (chmod 700)"
+    if why:
+        raise UntrustedFileError(f"rumor.data: refusing the local cache directory {path}: it {why}")
 
 
 class LocalStore:
@@ -67,6 +97,7 @@ class LocalStore:
         else:
             if not path or not os.path.isdir(path):
                 raise FileNotFoundError(f"rumor.data local cache directory {path!r} does not exist")
+            check_cache_dir(path)
             self.path = path
 
     def _start_janitor(self) -> None:

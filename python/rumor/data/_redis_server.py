@@ -47,15 +47,19 @@ def _die_with(parent: int):
 
 
 class RedisServer:
-    """redis-server bound to host:port with a random password and maxmemory = capacity bytes
+    """redis-server bound to host:port with a password (given, else random) and maxmemory = capacity bytes
     (allkeys-lru eviction). start() returns once the server answers PING, or raises."""
 
-    def __init__(self, host: str, capacity: int, port: int = 0, start_timeout: float = 20.0):
+    def __init__(self, host: str, capacity: int, port: int = 0, start_timeout: float = 20.0,
+                 password: Optional[str] = None):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.host, self.capacity, self.start_timeout = host, int(capacity), float(start_timeout)
         self.port = port
-        self.password = secrets.token_hex(24)
+        # password: the one every rank derives from the job secret (nothing to publish), else random.
+        if password is not None and (not isinstance(password, str) or not password.isalnum()):
+            raise ValueError("RedisServer: the password must be a non-empty alphanumeric str (it goes on a config line)")
+        self.password = password or secrets.token_hex(24)
         self.proc: Optional[subprocess.Popen] = None
         self._dir: Optional[str] = None
         self._owner_pid = os.getpid()

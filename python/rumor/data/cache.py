@@ -9,26 +9,38 @@ Backends:
            spread over the hosts by rendezvous hashing.
   "local"  a shared-memory LRU directory under /dev/shm, shared by the ranks of one host.
 
-The cache can only make things faster, never wrong: a value read back is checked (header and
-checksum) and recomputed when it does not check out; a backend that is down makes reads fall
-back to computing the sample and writes wait in a bounded buffer. Every such event is counted
-in stats() and reported once as a warning.
+A value read back is checked before any of it is parsed: an HMAC keyed by the job secret
+(rumor._runtime.job_secret().key("data-cache")) and bound to its key, then header and checksum;
+a value that does not check out is recomputed. In an authenticated job (docs/security.md) only
+its own ranks can write a value that checks out, so the cache can only make things faster, never
+wrong; in an unauthenticated one the MAC key is public and catches accidents only. A backend
+that is down makes reads fall back to computing the sample and writes wait in a bounded buffer.
+Every such event is counted in stats() and reported once as a warning.
+
+What ranks learn from rumor's rendezvous store (the redis endpoints, the local directory) is
+MACed with the job secret and validated (address syntax, a directory of this user's in the
+private directory) before use; an entry that does not check out is refused with an error. The
+redis password is derived from the job secret on every rank when the job is authenticated and
+never enters the store; only an unauthenticated job publishes its (random) password there.
 """
 from __future__ import annotations
 
 import atexit
 import hashlib
+import ipaddress
 import json
 import logging
 import os
+import re
 import threading
 import time
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from .. import _secret
 from . import _codec
-from ._codec import CorruptValue, PickleRefused
+from ._codec import BadMac, CorruptValue, PickleRefused
 
 log = logging.getLogger("rumor.data")
 
@@ -61,6 +73,11 @@ def owner_of(key: bytes, host_ids: Sequence[bytes]) -> int:
 
 class BackendError(RuntimeError):
     """A backend operation failed (names the op and the host)."""
+
+
+class StoreEntryRefused(RuntimeError):
+    """An entry of rumor's rendezvous store (a redis endpoint, a local cache path) that fails its
+    MAC or its validation: someone other than the job's ranks wrote it, or it is malformed."""
 
 
 class _Unavailable(Exception):
@@ -287,6 +304,103 @@ def _single_process_note() -> None:
                  "rumor.init() first to share one cache per host between the ranks")
 
 
+# ---- entries of rumor's rendezvous store ----
+# torch's TCPStore can be read and written by anyone who reaches it on the network: entries the
+# ranks act on carry a MAC keyed by the job secret (bound to the entry's name) and are validated.
+
+_STORE_MAC_LABEL = "data-cache-store"
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def _job_secret() -> _secret.JobSecret:
+    from .. import _runtime
+
+    return _runtime.job_secret()
+
+
+def _publish(store, key: str, value: Any) -> None:
+    body = json.dumps(value, sort_keys=True)
+    tag = _secret.mac(_job_secret().key(_STORE_MAC_LABEL), key.encode(), body.encode())
+    store.set(key, json.dumps({"v": body, "mac": tag.hex()}))
+
+
+def _fetch(store, key: str, timeout: float, what: str) -> Any:
+    raw = _wait_key(store, key, timeout, what)
+    try:
+        outer = json.loads(raw)
+        body, tag = outer["v"], bytes.fromhex(outer["mac"])
+        if not isinstance(body, str):
+            raise TypeError("'v' is not a str")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StoreEntryRefused(f"rumor.data: the rendezvous entry {key!r} ({what}) is malformed ({e}); "
+                                "refusing it") from None
+    if not _secret.mac_ok(_job_secret().key(_STORE_MAC_LABEL), tag, key.encode(), body.encode()):
+        raise StoreEntryRefused(
+            f"rumor.data: the rendezvous entry {key!r} ({what}) fails its MAC check: it was not written by a rank "
+            f"of this job (or the ranks have different job secrets, {_secret.SECRET_ENV}); refusing it")
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise StoreEntryRefused(f"rumor.data: the rendezvous entry {key!r} ({what}) is malformed ({e})") from None
+
+
+def _check_endpoint(e: Any, key: str, password: Optional[str]) -> Dict[str, Any]:
+    """A redis endpoint from the store: {"host": an IP address or host name, "port": 1..65535}
+    (+ "password" in an unauthenticated job). password: the derived one, which replaces any."""
+    def bad(why):
+        return StoreEntryRefused(f"rumor.data: the redis endpoint in rendezvous entry {key!r} is refused: {why}")
+
+    if not isinstance(e, dict) or not {"host", "port"} <= set(e) or set(e) - {"host", "port", "password"}:
+        raise bad(f"expected {{'host', 'port'}}, got {e!r}")
+    host, port = e["host"], e["port"]
+    if not isinstance(host, str):
+        raise bad(f"host {host!r} is not a str")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.match(host):
+            raise bad(f"host {host!r} is neither an IP address nor a host name") from None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise bad(f"port {port!r} is not an int in 1..65535")
+    if password is None:
+        pw = e.get("password")
+        if not isinstance(pw, str) or not pw:
+            raise bad("no password")
+    else:
+        pw = password
+    return {"host": host, "port": port, "password": pw}
+
+
+def _check_local_path(path: Any, key: str) -> str:
+    """A local cache directory from the store: one of this user's cache directories directly in
+    this user's private directory, private itself."""
+    from ._local_store import check_cache_dir
+
+    def bad(why):
+        return StoreEntryRefused(f"rumor.data: the local cache path in rendezvous entry {key!r} is refused: {why}")
+
+    if not isinstance(path, str):
+        raise bad(f"{path!r} is not a str")
+    private = _secret.private_dir()
+    if os.path.dirname(path) != private or not os.path.basename(path).startswith("rumor-cache-"):
+        raise bad(f"{path!r} is not a rumor-cache-* directory in the private directory {private}")
+    try:
+        check_cache_dir(path)
+    except FileNotFoundError:
+        raise bad(f"{path} does not exist") from None
+    except _secret.UntrustedFileError as e:
+        raise bad(str(e)) from None
+    return path
+
+
+def _redis_password() -> Optional[str]:
+    """The password of the job's own redis servers when the job is authenticated: derived from the
+    job secret on every rank, so it never enters the store. None: unauthenticated (random, published)."""
+    js = _job_secret()
+    return js.key("redis-password").hex() if js.authenticated else None
+
+
 def _open_redis(name: str, capacity: int, hosts, op_timeout: float, connect_timeout: float, backoff):
     if hosts is None and os.environ.get("RUMOR_CACHE_HOSTS"):
         hosts = json.loads(os.environ["RUMOR_CACHE_HOSTS"])
@@ -307,6 +421,7 @@ def _open_redis(name: str, capacity: int, hosts, op_timeout: float, connect_time
             endpoints = [server.endpoint()]
         else:
             store, machine, machines, local, addr, timeout = ctx
+            password = _redis_password()
             if local == 0:
                 if machines == 1:
                     bind = "127.0.0.1"
@@ -317,11 +432,16 @@ def _open_redis(name: str, capacity: int, hosts, op_timeout: float, connect_time
                         "set RUMOR_ADVERTISE_ADDR to this host's address on the job's network")
                 else:
                     bind = addr
-                server = RedisServer(bind, capacity).start()
-                store.set(f"cache/redis/{name}/{machine}", json.dumps(server.endpoint()))
-            endpoints = [json.loads(_wait_key(store, f"cache/redis/{name}/{m}", timeout,
-                                              f"the redis server of host {m} (its local rank 0 starts it)"))
-                         for m in range(machines)]
+                server = RedisServer(bind, capacity, password=password).start()
+                entry = {"host": server.host, "port": server.port}
+                if password is None:  # unauthenticated job: the ranks have nothing to derive it from
+                    entry["password"] = server.password
+                _publish(store, f"cache/redis/{name}/{machine}", entry)
+            endpoints = []
+            for m in range(machines):
+                key = f"cache/redis/{name}/{m}"
+                e = _fetch(store, key, timeout, f"the redis server of host {m} (its local rank 0 starts it)")
+                endpoints.append(_check_endpoint(e, key, password))
         _registry[("redis", name)] = (endpoints, server)
         return _RedisBackend(endpoints, op_timeout, connect_timeout, backoff, owned=True), server
 
@@ -330,7 +450,10 @@ def _open_local(name: str, capacity: int, local_dir: Optional[str]):
     from ._local_store import LocalStore
 
     if local_dir is not None:
-        os.makedirs(local_dir, exist_ok=True)
+        from ._local_store import check_cache_dir
+
+        os.makedirs(local_dir, mode=0o700, exist_ok=True)
+        check_cache_dir(local_dir)  # this user's and private, or refused naming the fix
         for f in ("lock", "size"):
             p = os.path.join(local_dir, f)
             if not os.path.exists(p):
@@ -351,9 +474,10 @@ def _open_local(name: str, capacity: int, local_dir: Optional[str]):
             key = f"cache/local/{name}/{machine}"
             if local == 0:
                 owned = store = LocalStore(capacity, name)
-                rstore.set(key, store.path)
+                _publish(rstore, key, store.path)
             else:
-                path = _wait_key(rstore, key, timeout, f"the local cache directory of host {machine}").decode()
+                path = _check_local_path(_fetch(rstore, key, timeout, f"the local cache directory of host {machine}"),
+                                         key)
                 store = LocalStore(capacity, name, path=path, create=False)
         _registry[("local", name)] = (store, owned)
         return _LocalBackend(store), owned
@@ -381,8 +505,8 @@ def _default_backend() -> str:
 
 # ==== the cache ======================================================================================
 
-_STAT_NAMES = ("hits", "misses", "errors", "corrupt", "unavailable", "writes", "dropped_writes", "bytes_read",
-               "bytes_written")
+_STAT_NAMES = ("hits", "misses", "errors", "corrupt", "bad_mac", "unavailable", "writes", "dropped_writes",
+               "bytes_read", "bytes_written")
 
 
 class CacheLoader:
@@ -448,6 +572,9 @@ class CacheLoader:
         self.writer_buffer_size, self.allow_pickle = writer_buffer_size, bool(allow_pickle)
         self.max_pending_bytes, self.max_pending_writes = int(max_pending_bytes), int(max_pending_writes)
         self._prefix = f"rumor:{dataset_name}:".encode()
+        # Values are sealed with this key (bound to their cache key): a copy in a DataLoader worker
+        # takes it along, so that it reads and writes what the job's ranks do.
+        self._mac_key = _job_secret().key("data-cache")
         if backend == "redis":
             self._backend, self._owned = _open_redis(dataset_name, capacity_per_node, hosts, float(op_timeout),
                                                      float(connect_timeout), tuple(backoff))
@@ -515,7 +642,8 @@ class CacheLoader:
 
     def stats(self) -> Dict[str, int]:
         """This process's counters: hits, misses, errors (failed backend calls), corrupt (values
-        rejected by the header/checksum check, or pickled ones refused), unavailable (reads not
+        rejected by the MAC, header or checksum check, or pickled ones refused), bad_mac (those of
+        them that failed the MAC check), unavailable (reads not
         tried while a host backs off), writes, dropped_writes, bytes_read, bytes_written, and
         pending (values waiting to be written)."""
         with self._lock:
@@ -546,7 +674,13 @@ class CacheLoader:
             raw = self._read(k)
         if raw is not None:
             try:
-                value = _codec.decode(raw, self.allow_pickle)
+                value = _codec.decode(raw, self.allow_pickle, mac_key=self._mac_key, key=k)
+            except BadMac as e:
+                # Never decoded: altered, or written by someone without the job's secret.
+                self._count("corrupt")
+                self._count("bad_mac")
+                self._report("mac", f"key {key!r}: rejected a value that fails its MAC check ({e}); recomputed "
+                                    "and rewritten")
             except PickleRefused as e:
                 self._count("corrupt")
                 self._report("pickle", f"key {key!r}: {e}; recomputed (a cache that holds pickles must be opened "
@@ -562,7 +696,7 @@ class CacheLoader:
         else:
             self._count("misses")
         value = load_fn(key)
-        self._queue(k, _codec.encode(value, self.allow_pickle))
+        self._queue(k, _codec.encode(value, self.allow_pickle, mac_key=self._mac_key, key=k))
         return value
 
     def _count(self, name: str, n: int = 1) -> None:

@@ -440,8 +440,11 @@ def allreduce_parameters(params) -> None:
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int) -> None:
-    """Overwrites the optimizer's state and hyper-parameters with root_rank's (pickled and
-    broadcast as bytes, so every rank needs no state of its own first)."""
+    """Overwrites the optimizer's state and hyper-parameters with root_rank's (torch.save'd and
+    broadcast as bytes, so every rank needs no state of its own first). The bytes come from the
+    network: they are loaded with torch.load(weights_only=True), which rebuilds tensors and plain
+    values only, never runs code (an optimizer whose state holds other types needs them
+    registered with torch.serialization.add_safe_globals on every rank)."""
     import io
 
     buf = io.BytesIO()
@@ -452,7 +455,13 @@ def broadcast_optimizer_state(optimizer, root_rank: int) -> None:
     n = broadcast(n, root_rank)
     payload = data if data is not None else torch.empty(int(n), dtype=torch.uint8)
     payload = broadcast(payload, root_rank)
-    state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    # Every rank, root_rank included, loads the same bytes the same way: a state weights_only
+    # refuses fails on every rank alike, none is left waiting for the others.
+    try:
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+    except Exception as e:  # pickle.UnpicklingError and what a malformed archive raises
+        raise ValueError(f"rumor.compat.bluefog.broadcast_optimizer_state: the state broadcast from rank "
+                         f"{root_rank} does not load with torch.load(weights_only=True): {e}") from e
     optimizer.load_state_dict(state)
 
 
