@@ -12,12 +12,14 @@ anyone on the network are not. So:
   in them is trusted.
 
 Where the secret comes from, first found wins:
-  RUMOR_JOB_SECRET       the secret itself (at least 16 characters); rumor.run generates one for
-                         its workers when none is given (a process's environment is readable
-                         only by its own user);
+  RUMOR_JOB_SECRET       the secret itself (at least 16 characters; a process's environment is
+                         readable only by its own user);
   RUMOR_JOB_SECRET_FILE  a file holding it, owned by this user and not readable by others;
-  one host               a random per-user secret kept in the private directory, shared by every
-                         rumor process of this user on this host;
+  one host               this user's secret: 32 random bytes created once in ~/.config/rumor/secret
+                         (0600, in a 0700 directory; the private directory where there is no home),
+                         shared by every rumor process of this user. It is stable across launches
+                         and reboots, so what rumor MACs with it (elastic's disk commits, a
+                         persistent data cache) stays readable by the next launch;
   otherwise              none: the job runs unauthenticated (one warning), its connection key
                          derived from the store's public session token, as before this module.
 """
@@ -36,7 +38,7 @@ SECRET_ENV = "RUMOR_JOB_SECRET"
 SECRET_FILE_ENV = "RUMOR_JOB_SECRET_FILE"
 PRIVATE_DIR_ENV = "RUMOR_PRIVATE_DIR"
 MIN_SECRET_CHARS = 16
-_HOST_SECRET = "host-secret"
+_USER_SECRET = "secret"
 
 
 class UntrustedFileError(PermissionError):
@@ -57,8 +59,8 @@ def private_dir(create: bool = True) -> str:
             os.mkdir(path, 0o700)
         except FileExistsError:
             pass
-        except FileNotFoundError:
-            # No /dev/shm (some containers): the user's temporary directory, same checks.
+        except (FileNotFoundError, PermissionError):
+            # No (writable) /dev/shm, as in some containers: the temporary directory, same checks.
             if os.environ.get(PRIVATE_DIR_ENV):
                 raise
             path = os.path.join(tempfile.gettempdir(), f"rumor-{os.geteuid()}")
@@ -198,19 +200,44 @@ def _from_text(text: str, where: str) -> bytes:
     return s.encode()
 
 
-def host_secret() -> bytes:
-    """This user's secret on this host, created once (32 random bytes) in the private directory."""
-    path = os.path.join(private_dir(), _HOST_SECRET)
+def _user_dir() -> str:
+    """Where this user's secret lives: RUMOR_PRIVATE_DIR when set, else ~/.config/rumor (or
+    $XDG_CONFIG_HOME/rumor; 0700, owner checked), else the private directory (no usable home)."""
+    if os.environ.get(PRIVATE_DIR_ENV):
+        return private_dir()
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    path = os.path.join(base, "rumor")
+    try:
+        os.makedirs(base, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        check_private_dir(path)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(path)
+        return path
+    except UntrustedFileError:
+        raise
+    except OSError:
+        return private_dir()
+
+
+def user_secret() -> bytes:
+    """This user's secret (32 random bytes), created once and shared by every rumor process of
+    this user (see the module docstring)."""
+    d = _user_dir()
+    path = os.path.join(d, _USER_SECRET)
     try:
         data = read_private(path)
         if len(data) == 32:
             return data
+        raise UntrustedFileError(f"rumor: {path} holds {len(data)} bytes, expected 32; remove it")
     except FileNotFoundError:
         pass
     # Create under a temporary name, then link(): exactly one creator wins, every other process
     # (EEXIST) reads the winner's bytes.
-    d = os.path.dirname(path)
-    tmp = os.path.join(d, f".{_HOST_SECRET}.{os.getpid()}.{os.urandom(6).hex()}")
+    tmp = os.path.join(d, f".{_USER_SECRET}.{os.getpid()}.{os.urandom(6).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -245,11 +272,11 @@ def given() -> Optional[JobSecret]:
 
 
 def resolve(single_host: bool) -> JobSecret:
-    """The job's secret: given, else this user's host secret when every rank runs on this host,
-    else none (the caller warns once that the job is unauthenticated)."""
+    """The job's secret: given, else this user's secret when every rank runs on this host, else
+    none (the caller warns once that the job is unauthenticated)."""
     g = given()
     if g is not None:
         return g
     if single_host:
-        return JobSecret(host_secret(), "host")
+        return JobSecret(user_secret(), "user")
     return JobSecret(None, "none")

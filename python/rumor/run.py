@@ -64,19 +64,14 @@ def _validate(args) -> None:
         raise SystemExit(f"rumor-run: --autotune-budget must be a whole number of steps >= 2, got {budget!r}")
 
 
-def _give_secret(min_nodes: str, max_nodes: str) -> None:
-    """The job secret every worker proves on each connection (docs/security.md). On one node the
-    launcher draws it and hands it to its workers through their environment, which only this
-    user can read; several nodes need the same secret on each, which only the user can give."""
+def _warn_without_secret(min_nodes: str, max_nodes: str) -> None:
+    """A job on several nodes needs the same secret on each, which only the user can give; on one
+    node every worker finds this user's secret by itself (docs/security.md)."""
     from . import _secret
 
     if _secret.given() is not None:  # also checks a given one (length, file owner and mode)
         return
-    if (max_nodes or min_nodes) == "1":
-        import secrets
-
-        os.environ[_secret.SECRET_ENV] = secrets.token_hex(32)
-    else:
+    if (max_nodes or min_nodes) != "1":
         print(f"rumor-run: warning: a multi-node job without {_secret.SECRET_ENV} or {_secret.SECRET_FILE_ENV} "
               "runs unauthenticated: anyone who can reach the rendezvous store can join it. Give every node "
               f"the same secret, e.g. export {_secret.SECRET_ENV}=$(python -c 'import secrets; "
@@ -110,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         except FileNotFoundError as e:
             raise SystemExit(f"rumor-run: --nccl-net-plugin: {e}")
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
-    _give_secret(min_nodes, max_nodes)
+    _warn_without_secret(min_nodes, max_nodes)
     if max_nodes and max_nodes != min_nodes:
         # An elastic node count: with the agent's shared TCP store, torch 2.x gives a node that
         # joins in a later round no MASTER_ADDR (only a node without one publishes it) and its

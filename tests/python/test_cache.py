@@ -135,7 +135,8 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 def my_shm_dirs():
-    return set(glob.glob("/dev/shm/rumor-cache-*"))
+    # the cache directories: in the private directory (/dev/shm/rumor-<uid>), or /dev/shm itself before
+    return set(glob.glob("/dev/shm/rumor-cache-*")) | set(glob.glob(f"/dev/shm/rumor-{os.geteuid()}/rumor-cache-*"))
 
 
 # ---- value format -----------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ several workers per host.
 """
 import os
 import stat
-import subprocess
-import sys
 import threading
 import warnings
 
@@ -69,11 +67,11 @@ def test_a_secret_file_of_another_user_or_a_symlink_is_refused(private, tmp_path
         _secret.resolve(single_host=False)
 
 
-def test_one_host_shares_a_private_host_secret_and_many_hosts_have_none(private):
+def test_one_host_shares_the_private_user_secret_and_many_hosts_have_none(private):
     a = _secret.resolve(single_host=True)
     b = _secret.resolve(single_host=True)
-    assert a.authenticated and a.secret == b.secret and len(a.secret) == 32
-    st = os.lstat(private / "host-secret")
+    assert a.authenticated and a.secret == b.secret and len(a.secret) == 32 and a.source == "user"
+    st = os.lstat(private / "secret")
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
     assert stat.S_IMODE(os.lstat(private).st_mode) == 0o700
     assert not _secret.resolve(single_host=False).authenticated
@@ -90,7 +88,20 @@ def test_a_private_directory_planted_by_another_user_is_refused(tmp_path, monkey
     monkeypatch.delenv(_secret.SECRET_FILE_ENV, raising=False)
     with pytest.raises(_secret.UntrustedFileError, match="owned by uid 65534"):
         _secret.resolve(single_host=True)
-    assert not (d / "host-secret").exists()
+    assert not (d / "secret").exists()
+
+
+def test_the_user_secret_lives_in_a_private_config_directory(tmp_path, monkeypatch):
+    for k in (_secret.PRIVATE_DIR_ENV, _secret.SECRET_ENV, _secret.SECRET_FILE_ENV):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    a = _secret.user_secret()
+    assert _secret.user_secret() == a and len(a) == 32
+    d = tmp_path / "cfg" / "rumor"
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700 and stat.S_IMODE(os.lstat(d / "secret").st_mode) == 0o600
+    os.chmod(d, 0o755)  # opened up by someone: refused, not used
+    with pytest.raises(_secret.UntrustedFileError, match="mode 0755"):
+        _secret.user_secret()
 
 
 def test_keys_differ_by_purpose_and_session_and_need_the_secret():
@@ -288,17 +299,18 @@ def _secret_of_worker():
 
 def test_two_ranks_join_with_the_host_secret(private):
     res = harness.run(_secret_of_worker, 2, timeout=60, env={_secret.PRIVATE_DIR_ENV: str(private)})
-    assert res[0] == res[1] and res[0][0] == "host"
+    assert res[0] == res[1] and res[0][0] == "user"
 
 
-def test_rumor_run_draws_a_secret_for_one_node(tmp_path):
-    script = tmp_path / "w.py"
-    script.write_text("import os, sys\nopen(os.path.join(sys.argv[1], 'secret' + os.environ['RANK']), 'w')"
-                      ".write(os.environ.get('RUMOR_JOB_SECRET', ''))\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RUMOR_")}
-    out = subprocess.run([sys.executable, "-m", "rumor.run", "--nproc-per-node", "2", "--master-port",
-                          str(harness.free_port()), str(script), str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = [(tmp_path / f"secret{r}").read_text() for r in range(2)]
-    assert got[0] == got[1] and len(got[0]) == 64, got
+@pytest.mark.parametrize("nnodes,warns", [("1", False), ("2", True), ("1:3", True)])
+def test_rumor_run_warns_of_a_multi_node_job_without_a_secret(monkeypatch, capsys, nnodes, warns):
+    from rumor import run
+
+    monkeypatch.delenv(_secret.SECRET_ENV, raising=False)
+    monkeypatch.delenv(_secret.SECRET_FILE_ENV, raising=False)
+    lo, _, hi = nnodes.partition(":")
+    run._warn_without_secret(lo, hi)
+    assert ("runs unauthenticated" in capsys.readouterr().err) is warns
+    monkeypatch.setenv(_secret.SECRET_ENV, "z" * 32)
+    run._warn_without_secret(lo, hi)
+    assert capsys.readouterr().err == ""

@@ -19,7 +19,6 @@ the rank and whatever it started.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -109,9 +108,12 @@ class Ranks:
         self.timed_out: List[int] = []
         self.elapsed = 0.0
         self._t0 = time.monotonic()
-        # One secret per job, as rumor.run draws one (docs/security.md): emulated hosts are
-        # several hosts to rumor.init(), which would otherwise run them unauthenticated.
-        job_secret = secrets.token_hex(32)
+        # Emulated hosts are several hosts to rumor.init(), which would run them unauthenticated
+        # without a secret: they get this user's (docs/security.md), the same for every job, as a
+        # user's fixed RUMOR_JOB_SECRET would be (a disk commit of one job is read by the next).
+        from .. import _secret
+
+        job_secret = _secret.user_secret().hex()
         try:
             for r in range(world):
                 e = base_env(keep_rumor_env)
