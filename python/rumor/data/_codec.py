@@ -23,6 +23,7 @@ one the key is public and the MAC catches accidents like the CRC.
 from __future__ import annotations
 
 import pickle
+import re
 import struct
 import zlib
 from typing import Any, List, Optional, Tuple
@@ -43,6 +44,10 @@ _T_TENSOR, _T_NDARRAY, _T_INT, _T_BIGINT, _T_FLOAT, _T_STR, _T_BYTES = b"T", b"A
 _T_NONE, _T_TRUE, _T_FALSE, _T_LIST, _T_TUPLE, _T_DICT, _T_PICKLE = b"n", b"1", b"0", b"l", b"t", b"d", b"P"
 
 _U8, _U32, _U64, _I64, _F64 = (struct.Struct(f) for f in ("<B", "<I", "<Q", "<q", "<d"))
+
+
+# The dtype strings encode() writes for numpy arrays: byte order, kind, item size.
+_NDARRAY_DTYPE = re.compile(rb"[<>|=][biufc](1|2|4|8|16)")
 
 
 class CorruptValue(ValueError):
@@ -333,7 +338,12 @@ def _dec(buf: bytearray, pos: int, allow_pickle: bool, depth: int):
 
         n = buf[pos]
         a, b = _take(buf, pos + 1, n)
-        dt = np.dtype(bytes(buf[a:b]).decode("ascii"))
+        # Only what encode() writes (a plain numeric dtype.str such as "<f4"): numpy parses any
+        # other string with its own grammar (found by fuzzing: "A,\x00..." raised SyntaxError).
+        spec = bytes(buf[a:b])
+        if _NDARRAY_DTYPE.fullmatch(spec) is None:
+            raise CorruptValue(f"bad array dtype {spec[:32]!r}")
+        dt = np.dtype(spec.decode("ascii"))
         if dt.kind not in "biufc" or dt.fields:
             raise CorruptValue(f"bad array dtype {dt}")
         pos = b
