@@ -312,6 +312,7 @@ void WindowHub::create(uint64_t id, const std::string& name, void* data, size_t 
   }
   ensure_links(deadline);
   std::lock_guard lk(mu_);
+  if (w->bytes > max_window_bytes_.load()) max_window_bytes_.store(w->bytes);
   windows_[id] = std::move(w);
 }
 
@@ -957,7 +958,8 @@ void WindowHub::progress_loop() {
                 if (it != windows_.end()) window_bytes = it->second->bytes;
               }
               Payload what = Payload::kNone;
-              if (std::string bad = check_frame(l.in, l.peer, window_bytes, &what); !bad.empty())
+              if (std::string bad = check_frame(l.in, l.peer, window_bytes, max_window_bytes_.load(), &what);
+                  !bad.empty())
                 throw Error(ErrorKind::kProtocol, bad);
               l.draining = what == Payload::kDrain;
               l.payload.resize(l.draining ? std::min<size_t>(l.in.bytes, kDrainPiece) : l.in.bytes);

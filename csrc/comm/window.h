@@ -182,6 +182,7 @@ class WindowHub {
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> frames_applied_{0};
   std::atomic<size_t> reply_limit_count_{4096};
+  std::atomic<uint64_t> max_window_bytes_{0};  // largest window ever created here (drain limit)
   std::atomic<size_t> reply_limit_bytes_{size_t{256} << 20};
   std::thread thread_;
 };

@@ -18,7 +18,7 @@ const char* status_text(uint32_t s) {
 }
 
 std::string check_frame(const WinFrame& f, uint32_t peer, std::optional<uint64_t> window_bytes,
-                        Payload* payload) {
+                        uint64_t drain_limit, Payload* payload) {
   *payload = Payload::kNone;
   const std::string from = "window frame from rank " + std::to_string(peer);
   if (f.magic != kFrameMagic) return from + ": bad magic";
@@ -35,7 +35,11 @@ std::string check_frame(const WinFrame& f, uint32_t peer, std::optional<uint64_t
       }
       if (!window_bytes) {
         // A window freed here while the peer still wrote to it: answered "no such window". The
-        // payload can only be as large as the peer's own window; it is drained, not stored.
+        // payload is drained, not stored, and can be no larger than a window this rank had.
+        if (f.bytes > drain_limit)
+          return from + ": payload of " + size_text + " for window #" + std::to_string(f.window) +
+                 ", which does not exist here (no window here was ever larger than " +
+                 std::to_string(drain_limit) + " bytes)";
         *payload = f.bytes > 0 ? Payload::kDrain : Payload::kNone;
         return {};
       }

@@ -53,8 +53,11 @@ enum class Payload {
 
 // Checks a frame from `peer` before anything is allocated or looked up with its numbers:
 // `window_bytes` is the registered size (count * element size) of the window the frame names on
-// this rank, nullopt if there is no such window. Returns empty (and *payload) when the frame may
-// be processed; else the protocol violation, after which the link is closed.
-std::string check_frame(const WinFrame& f, uint32_t peer, std::optional<uint64_t> window_bytes, Payload* payload);
+// this rank, nullopt if there is no such window; `drain_limit` the largest window this rank ever
+// had (a put to a freed window is at most that big, so more is never drained). Returns empty
+// (and *payload) when the frame may be processed; else the protocol violation, after which the
+// link is closed.
+std::string check_frame(const WinFrame& f, uint32_t peer, std::optional<uint64_t> window_bytes,
+                        uint64_t drain_limit, Payload* payload);
 
 }  // namespace rumor::window_wire

@@ -361,12 +361,18 @@ window_wire::WinFrame frame(uint8_t kind, uint64_t window, uint64_t op, uint64_t
 template <typename Attack>
 std::string hostile_link(size_t count, const std::function<void(WindowHub&)>& setup, Attack attack) {
   World w = testing::make_world(testing::one_host(2), testing::quick_options(false));
-  std::promise<void> done;
+  std::promise<void> done, created;
   auto done_f = done.get_future().share();
+  auto created_f = created.get_future().share();
   std::string failure;
   testing::expect_all_ok(testing::run_ranks(w, [&](Communicator&, uint32_t r) {
     if (r == 1) {
       auto fds = w.ctx[1]->tcp_streams(kWindowLink, 0, 1, dl());
+      // The link exists during create(); the window only once it returned.
+      if (created_f.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+        ADD_FAILURE() << "rank 0 did not create its window";
+        return;
+      }
       attack(fds.at(0).get());
       EXPECT_TRUE(drained_until_closed(fds.at(0).get(), kTimeout)) << "the hub kept the link open";
       done.set_value();
@@ -376,7 +382,11 @@ std::string hostile_link(size_t count, const std::function<void(WindowHub&)>& se
     setup(hub);
     std::vector<float> x(count, 1.0f);
     hub.create(1, "target", x.data(), x.size(), DType::F32, false, dl());
-    done_f.wait();
+    created.set_value();
+    if (done_f.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+      ADD_FAILURE() << "the hostile peer did not finish";
+      return;
+    }
     try {
       hub.wait(hub.put(1, x.data(), {{1, 1.0}}, false, false, false, dl()), dl());
       ADD_FAILURE() << "a put over the failed link succeeded";
@@ -421,17 +431,18 @@ TEST(WindowWire, RequestFloodWithoutReadingClosesTheLink) {
 TEST(WindowWire, CheckFrame) {
   using namespace window_wire;
   Payload pl;
-  EXPECT_EQ(check_frame(frame(kPut, 1, 1, 32), 1, 32, &pl), "");
+  EXPECT_EQ(check_frame(frame(kPut, 1, 1, 32), 1, 32, 32, &pl), "");
   EXPECT_EQ(pl, Payload::kRead);
-  EXPECT_NE(check_frame(frame(kPut, 1, 1, 33), 1, 32, &pl), "");  // not the window's size
-  EXPECT_NE(check_frame(frame(kPut, 1, 1, 32), 2, 32, &pl), "");  // claims another sender
-  EXPECT_EQ(check_frame(frame(kPut, 1, 1, uint64_t{1} << 40), 1, std::nullopt, &pl), "");
+  EXPECT_NE(check_frame(frame(kPut, 1, 1, 33), 1, 32, 32, &pl), "");  // not the window's size
+  EXPECT_NE(check_frame(frame(kPut, 1, 1, 32), 2, 32, 32, &pl), "");  // claims another sender
+  EXPECT_EQ(check_frame(frame(kPut, 1, 1, 32), 1, std::nullopt, 32, &pl), "");
   EXPECT_EQ(pl, Payload::kDrain);  // no such window: drained in pieces, answered "no such window"
-  EXPECT_NE(check_frame(frame(kAck, 1, 1, 1), 1, 32, &pl), "");
-  EXPECT_NE(check_frame(frame(99, 1, 1, 0), 1, 32, &pl), "");
+  EXPECT_NE(check_frame(frame(kPut, 1, 1, uint64_t{1} << 40), 1, std::nullopt, 32, &pl), "");
+  EXPECT_NE(check_frame(frame(kAck, 1, 1, 1), 1, 32, 32, &pl), "");
+  EXPECT_NE(check_frame(frame(99, 1, 1, 0), 1, 32, 32, &pl), "");
   auto bad = frame(kPut, 1, 1, 32);
   bad.magic ^= 1;
-  EXPECT_NE(check_frame(bad, 1, 32, &pl), "");
+  EXPECT_NE(check_frame(bad, 1, 32, 32, &pl), "");
 }
 
 }  // namespace

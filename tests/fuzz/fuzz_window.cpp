@@ -32,13 +32,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     size -= sizeof(f);
     Payload p = Payload::kNone;
     std::optional<uint64_t> wb = have_window ? std::optional<uint64_t>(win_bytes) : std::nullopt;
-    std::string bad = check_frame(f, peer, wb, &p);
+    const uint64_t drain_limit = win_bytes ^ (static_cast<uint64_t>(data[-1]) << 20);
+    std::string bad = check_frame(f, peer, wb, drain_limit, &p);
     if (!bad.empty()) {
       if (bad.find("rank " + std::to_string(peer)) == std::string::npos) std::abort();
       break;  // the hub closes the link
     }
     if (p == Payload::kRead && (!wb || f.bytes != *wb || f.bytes == 0)) std::abort();
-    if (p == Payload::kDrain && wb) std::abort();
+    if (p == Payload::kDrain && (wb || f.bytes > drain_limit)) std::abort();
     if (p == Payload::kNone && f.bytes != 0) std::abort();
     if (f.magic != kFrameMagic || f.sender != peer) std::abort();
     (void)status_text(f.status);
