@@ -51,7 +51,8 @@ std::string owner_of(const std::string& name) {
 // could otherwise create the name first and feed this process rings and frames of its choosing.
 void check_private(int fd, const std::string& name, const std::string& what) {
   struct stat st{};
-  if (::fstat(fd, &st) != 0) throw Error(ErrorKind::kSystem, what + ": fstat(" + name + "): " + errno_string(errno));
+  if (::fstat(fd, &st) != 0)
+    throw Error(ErrorKind::kSystem, what + ": fstat(" + name + "): " + errno_string(errno));
   if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
     char mode[8];
     std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
@@ -244,7 +245,8 @@ void ShmChannel::check_aborted(const Transfer& t, const OpInfo& op) const {
 
 void ShmChannel::corrupt(const char* which, uint64_t got, uint64_t mine) const {
   throw Error(ErrorKind::kProtocol,
-              "shared-memory channel to " + peer_desc_ + ": corrupt ring " + which + " " + std::to_string(got) +
+              "shared-memory channel to " + peer_desc_ + ": corrupt ring " + which + " " +
+                  std::to_string(got) +
                   " (this side is at " + std::to_string(mine) + ", ring of " + std::to_string(cap_) +
                   " bytes): the peer's memory is damaged or it is not a rumor process");
 }

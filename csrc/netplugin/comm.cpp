@@ -81,7 +81,8 @@ std::string ptr_str(const void* p) {
 template <typename T>
 T random_value() {
   T v{};
-  if (!wire::random_bytes(&v, sizeof(v))) throw Error(ErrorKind::kSystem, "getrandom: " + net::errno_string(errno));
+  if (!wire::random_bytes(&v, sizeof(v)))
+    throw Error(ErrorKind::kSystem, "getrandom: " + net::errno_string(errno));
   return v;
 }
 
@@ -734,7 +735,8 @@ class ConnectState {
     st.proof.mac = kNoMac;
     if (key != nullptr) {
       if (!wire::mac_equal(c.mac, wire::hello_mac(*key, 'A', st.hello, c.nonce)))
-        return error("the listener did not prove the job key (RUMOR_JOB_SECRET differs between the two sides?)");
+        return error(
+            "the listener did not prove the job key (RUMOR_JOB_SECRET differs between the two sides?)");
       st.proof.mac = wire::hello_mac(*key, 'C', st.hello, c.nonce);
     }
     st.proof_ready = true;
@@ -766,7 +768,9 @@ class ConnectState {
 
 class ListenComm {
  public:
-  ListenComm(Fd fd, const wire::Id& id) : fd_(std::move(fd)), id_(id) { net::set_nonblocking(fd_.get(), true); }
+  ListenComm(Fd fd, const wire::Id& id) : fd_(std::move(fd)), id_(id) {
+    net::set_nonblocking(fd_.get(), true);
+  }
 
   abi::Result accept(void** recv_comm) {
     *recv_comm = nullptr;
@@ -822,7 +826,9 @@ class ListenComm {
         g.fds[h.stream] = std::move(it->fd);
         if (++g.have == static_cast<int>(g.fds.size())) {
           auto comm = std::make_unique<RecvComm>(std::move(g.fds));
-          trace([&] { return "accepted recv comm " + ptr_str(comm.get()) + " on listener " + ptr_str(this); });
+          trace([&] {
+            return "accepted recv comm " + ptr_str(comm.get()) + " on listener " + ptr_str(this);
+          });
           groups_.erase(h.conn_id);
           incoming_.erase(it);
           deadline_.reset();
@@ -908,7 +914,8 @@ class ListenComm {
       *why = "its proof is malformed";
       return Step::kDrop;
     }
-    if (key != nullptr && !wire::mac_equal(in.proof.mac, wire::hello_mac(*key, 'C', in.hello, in.challenge.nonce))) {
+    if (key != nullptr &&
+        !wire::mac_equal(in.proof.mac, wire::hello_mac(*key, 'C', in.hello, in.challenge.nonce))) {
       *why = "it did not prove the job key (RUMOR_JOB_SECRET differs between the two sides?)";
       return Step::kDrop;
     }
@@ -919,7 +926,8 @@ class ListenComm {
   void expire_groups(Clock::time_point now) {
     for (auto it = groups_.begin(); it != groups_.end();) {
       if (now >= it->second.expires) {
-        log(abi::kLogWarn, "NET/rumor: dropped a connection with " + std::to_string(it->second.have) + " of " +
+        log(abi::kLogWarn, "NET/rumor: dropped a connection with " + std::to_string(it->second.have) +
+                               " of " +
                                std::to_string(it->second.fds.size()) +
                                " streams: the others did not arrive within RUMOR_NET_PLUGIN_TIMEOUT");
         it = groups_.erase(it);

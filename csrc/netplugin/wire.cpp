@@ -42,7 +42,8 @@ Key derive_key(std::string_view secret) {
 std::string check_hello(const Hello& h, const Id& listen_id) {
   if (h.magic != kHelloMagic) return "not a rumor net plugin hello";
   if (h.version != kProtocolVersion)
-    return "protocol version " + std::to_string(h.version) + ", expected " + std::to_string(kProtocolVersion) +
+    return "protocol version " + std::to_string(h.version) + ", expected " +
+           std::to_string(kProtocolVersion) +
            " (another rumor version?)";
   if (h.nstreams < 1 || h.nstreams > kMaxStreams || h.stream >= h.nstreams)
     return "stream " + std::to_string(h.stream) + " of " + std::to_string(h.nstreams) + " is out of range";

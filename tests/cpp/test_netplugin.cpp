@@ -493,7 +493,9 @@ wire::Id listen_id_of(const char* handle) {
   return id;
 }
 
-bool read_exact(int fd, void* p, size_t n) { return ::recv(fd, p, n, MSG_WAITALL) == static_cast<ssize_t>(n); }
+bool read_exact(int fd, void* p, size_t n) {
+  return ::recv(fd, p, n, MSG_WAITALL) == static_cast<ssize_t>(n);
+}
 
 // Polls accept() (which never blocks) until `done` or the deadline; fails on a comm appearing.
 template <typename Net, typename Pred>
@@ -552,7 +554,8 @@ bool closed_by_peer(int fd) {
 
 // Plays the connecting side of one stream by hand: hello, the listener's challenge, a proof (a
 // right one unless `wrong_proof`). Returns the socket, handshake done.
-int handshake(const char* handle, uint64_t conn_id, uint16_t stream, uint16_t nstreams, bool wrong_proof = false) {
+int handshake(const char* handle, uint64_t conn_id, uint16_t stream, uint16_t nstreams,
+              bool wrong_proof = false) {
   int fd = dial(handle);
   wire::Hello h{};
   h.magic = wire::kHelloMagic;
@@ -572,7 +575,8 @@ int handshake(const char* handle, uint64_t conn_id, uint16_t stream, uint16_t ns
     wire::Key key = wire::derive_key(kTestSecret);
     if (!wire::mac_equal(c.mac, wire::hello_mac(key, 'A', h, c.nonce)))
       throw std::runtime_error("the listener's proof is wrong");
-    pr.mac = wire::hello_mac(wrong_proof ? wire::derive_key("some-other-secret-entirely") : key, 'C', h, c.nonce);
+    const wire::Key used = wrong_proof ? wire::derive_key("some-other-secret-entirely") : key;
+    pr.mac = wire::hello_mac(used, 'C', h, c.nonce);
   } else if (wrong_proof) {
     pr.magic = 0;
   }
@@ -705,7 +709,7 @@ struct FakeSender {
     return ::send(fds.at(stream), p, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n);
   }
   void send(size_t stream, const void* p, size_t n) {
-    if (::send(fds.at(stream), p, n, MSG_NOSIGNAL) != static_cast<ssize_t>(n)) throw std::runtime_error("send");
+    if (!try_send(stream, p, n)) throw std::runtime_error("send");
   }
   void header(size_t stream, uint64_t seq, uint64_t total, uint64_t offset, uint64_t len, int tag = 0) {
     wire::ChunkHeader h{wire::kChunkMagic, tag, seq, total, offset, len};
