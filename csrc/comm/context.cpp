@@ -1,9 +1,11 @@
 #include "comm/context.h"
 
 #include <sched.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 
 #include "core/log.h"
@@ -22,11 +24,28 @@ std::string hex(const net::Token& t, size_t n) {
   return s;
 }
 
+// "<pid namespace>.<pid>.<64 random bits>": the first two let a sweep tell whether the owner is
+// alive (python/rumor/_shm.py); the random part makes every shared-memory name of this process
+// unpredictable, so another local user cannot create a name before its owner does (which would
+// fail the job's init). Random once per process (every Context of a process shares it: tests run
+// many ranks in one process), an immutable value after that.
 std::string process_tag() {
+  static const std::string random_part = [] {
+    uint64_t r = 0;
+    for (size_t got = 0; got < sizeof(r);) {
+      ssize_t n = ::getrandom(reinterpret_cast<char*>(&r) + got, sizeof(r) - got, 0);
+      if (n < 0 && errno != EINTR)
+        throw Error(ErrorKind::kSystem, "getrandom for shared-memory names: " + net::errno_string(errno));
+      if (n > 0) got += static_cast<size_t>(n);
+    }
+    char b[17];
+    std::snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(r));
+    return std::string(b);
+  }();
   struct stat st{};
   unsigned long long ns =
       ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0;
-  return std::to_string(ns) + "." + std::to_string(::getpid());
+  return std::to_string(ns) + "." + std::to_string(::getpid()) + "." + random_part;
 }
 }  // namespace
 

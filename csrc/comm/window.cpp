@@ -12,20 +12,26 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <optional>
 
 #include "comm/neighbor.h"
+#include "comm/window_wire.h"
 #include "core/futex.h"
 #include "core/log.h"
 
 namespace rumor {
 
+using namespace window_wire;  // NOLINT: the frame kinds and statuses read as before the split
+
 namespace {
 
 constexpr uint32_t kSegMagic = 0x444e4957;    // "WIND"
-constexpr uint32_t kFrameMagic = 0x4d524657;  // "WFRM"
 // Window links are TCP streams tagged with this communicator id (groups use small ids,
 // hierarchical sub-communicators ids above 2^48).
 constexpr uint64_t kWindowCommId = 1ull << 62;
+constexpr size_t kMaxMutexWaitersPerPeer = 1024;
+// Payload of a frame nobody will use (see window_wire::Payload::kDrain) is read in pieces this big.
+constexpr size_t kDrainPiece = 64 << 10;
 
 struct alignas(64) SegHeader {
   uint32_t magic;
@@ -85,51 +91,7 @@ void scaled_write(void* dst, const void* x, size_t count, DType dtype, double w,
   }
 }
 
-enum FrameKind : uint8_t {
-  kPut = 1,
-  kAccumulate = 2,
-  kGetRequest = 3,
-  kGetReply = 4,
-  kAck = 5,
-  kMutexAcquire = 6,
-  kMutexRelease = 7,
-};
-
-enum Status : uint32_t { kOk = 0, kUnknownWindow = 1, kSizeMismatch = 2, kFailed = 3, kNotHolder = 4 };
-
-const char* status_text(uint32_t s) {
-  switch (s) {
-    case kUnknownWindow:
-      return "no such window there (freed, or never created on that rank)";
-    case kSizeMismatch:
-      return "the window there has another size";
-    case kFailed:
-      return "the target could not lock its slot before the deadline";
-    case kNotHolder:
-      return "this rank does not hold that mutex";
-    default:
-      return "unknown status";
-  }
-}
-
 }  // namespace
-
-// The frame every window message starts with on a TCP link.
-struct WinFrame {
-  uint32_t magic;
-  uint8_t kind;
-  uint8_t with_p;
-  uint16_t reserved;
-  uint32_t sender;
-  uint32_t status;
-  uint64_t window;
-  uint64_t op_id;  // the requester's id, echoed in the reply
-  uint64_t bytes;  // payload after the frame
-  double weight;
-  double p;
-  uint64_t pad;
-};
-static_assert(sizeof(WinFrame) == 64);
 
 struct WindowHub::Window {
   uint64_t id = 0;
@@ -158,6 +120,7 @@ struct WindowHub::Window {
 
 struct WindowHub::OutMsg {
   WinFrame hdr{};
+  bool reply = false;                             // counted against the link's reply budget
   const std::byte* data = nullptr;                // payload not owned (a put's tensor: alive until acked)
   std::shared_ptr<std::vector<std::byte>> owned;  // or owned (a get's reply)
 };
@@ -173,6 +136,11 @@ struct WindowHub::Link {
   size_t in_hdr = 0;
   std::vector<std::byte> payload;
   size_t in_got = 0;
+  bool draining = false;  // payload read into `drain` and discarded (see window_wire::Payload)
+  // Replies queued for this peer and their payload bytes: bounded (reply_limits_), so a peer
+  // that sends requests without reading the answers cannot grow this process's memory.
+  size_t replies_queued = 0;
+  size_t reply_bytes_queued = 0;
   // Outgoing frames; the front one is being written (out_off bytes of frame + payload done).
   std::deque<OutMsg> out;
   size_t out_off = 0;
@@ -344,6 +312,7 @@ void WindowHub::create(uint64_t id, const std::string& name, void* data, size_t 
   }
   ensure_links(deadline);
   std::lock_guard lk(mu_);
+  if (w->bytes > max_window_bytes_.load()) max_window_bytes_.store(w->bytes);
   windows_[id] = std::move(w);
 }
 
@@ -737,6 +706,8 @@ void WindowHub::fail_link(Link& l, const std::string& why) {
     l.why = why;
     l.out.clear();  // drops references to callers' tensors before their ops complete
     l.out_off = 0;
+    l.replies_queued = 0;
+    l.reply_bytes_queued = 0;
     ::shutdown(l.fd.get(), SHUT_RDWR);
     for (auto it = inflight_.begin(); it != inflight_.end();) {
       if (it->second.peer == l.peer) {
@@ -765,8 +736,23 @@ void WindowHub::reply(Link& l, const WinFrame& req, uint8_t kind, uint32_t statu
       kFrameMagic, kind, req.with_p, 0, rank_, status, req.window, req.op_id, payload ? payload->size() : 0,
       req.weight,  p,    0};
   m.owned = std::move(payload);
+  m.reply = true;
+  const size_t bytes = m.hdr.bytes;
   std::lock_guard lk(mu_);
-  if (!l.dead) l.out.push_back(std::move(m));
+  if (l.dead) return;
+  // Every reply answers a request the peer sent; a peer that keeps sending without reading the
+  // answers would otherwise make this queue (and its snapshots) grow without bound. The first
+  // queued reply is always allowed, whatever its size.
+  if (l.replies_queued > 0 && (l.replies_queued >= reply_limit_count_.load() ||
+                               l.reply_bytes_queued + bytes > reply_limit_bytes_.load()))
+    throw Error(ErrorKind::kProtocol,
+                "rank " + std::to_string(l.peer) + " sends requests faster than it reads the replies (" +
+                    std::to_string(l.replies_queued) + " replies, " + std::to_string(l.reply_bytes_queued) +
+                    " bytes queued unread; limits " + std::to_string(reply_limit_count_.load()) + " and " +
+                    std::to_string(reply_limit_bytes_.load()) + ")");
+  ++l.replies_queued;
+  l.reply_bytes_queued += bytes;
+  l.out.push_back(std::move(m));
 }
 
 void WindowHub::retry_remote_mutexes() {
@@ -789,7 +775,11 @@ void WindowHub::retry_remote_mutexes() {
   }
   for (auto [requester, win_id, op_id] : granted) {
     WinFrame req{kFrameMagic, kMutexAcquire, 0, 0, requester, 0, win_id, op_id, 0, 0, 0, 0};
-    reply(*links_[requester], req, kAck, kOk, 0, nullptr);
+    try {
+      reply(*links_[requester], req, kAck, kOk, 0, nullptr);
+    } catch (const Error& e) {
+      fail_link(*links_[requester], e.what());
+    }
   }
 }
 
@@ -801,6 +791,9 @@ void WindowHub::handle_frame(Link& l) {
     auto it = windows_.find(f.window);
     if (it != windows_.end()) w = it->second;
   }
+  // A drained payload was thrown away: the frame is answered as for a window that does not
+  // exist, even if one with that id appeared in the meantime.
+  if (l.draining) w.reset();
   const Deadline dl = Deadline::after(ctx_->timeout_s());
   switch (f.kind) {
     case kPut:
@@ -873,6 +866,13 @@ void WindowHub::handle_frame(Link& l) {
         break;
       }
       std::lock_guard lk(mu_);
+      // A peer waits for at most a few mutexes at a time (one per thread that asks): a stream of
+      // acquire requests it never waits for is refused instead of queued without bound.
+      size_t mine = 0;
+      for (const auto& t : mutex_waiters_) mine += std::get<0>(t) == l.peer ? 1 : 0;
+      if (mine >= kMaxMutexWaitersPerPeer)
+        throw Error(ErrorKind::kProtocol, "rank " + std::to_string(l.peer) + " has " + std::to_string(mine) +
+                                              " window mutex requests waiting already");
       mutex_waiters_.emplace_back(l.peer, f.window, f.op_id);
       break;
     }
@@ -949,14 +949,27 @@ void WindowHub::progress_loop() {
               }
               l.in_hdr += static_cast<size_t>(n);
               if (l.in_hdr < sizeof(WinFrame)) continue;
-              if (l.in.magic != kFrameMagic) throw Error(ErrorKind::kProtocol, "bad window frame magic");
-              if (l.in.bytes > (size_t{1} << 40))
-                throw Error(ErrorKind::kProtocol, "implausible window frame size");
-              l.payload.resize(l.in.bytes);
+              // Every size in the frame is checked against the named window before a byte is
+              // allocated for it.
+              std::optional<uint64_t> window_bytes;
+              {
+                std::lock_guard lk(mu_);
+                auto it = windows_.find(l.in.window);
+                if (it != windows_.end()) window_bytes = it->second->bytes;
+              }
+              Payload what = Payload::kNone;
+              if (std::string bad = check_frame(l.in, l.peer, window_bytes, max_window_bytes_.load(), &what);
+                  !bad.empty())
+                throw Error(ErrorKind::kProtocol, bad);
+              l.draining = what == Payload::kDrain;
+              l.payload.resize(l.draining ? std::min<size_t>(l.in.bytes, kDrainPiece) : l.in.bytes);
               l.in_got = 0;
             }
             if (l.in_got < l.in.bytes) {
-              ssize_t n = ::recv(l.fd.get(), l.payload.data() + l.in_got, l.in.bytes - l.in_got, 0);
+              const size_t want = l.draining ? std::min<size_t>(l.in.bytes - l.in_got, l.payload.size())
+                                             : l.in.bytes - l.in_got;
+              std::byte* into = l.draining ? l.payload.data() : l.payload.data() + l.in_got;
+              ssize_t n = ::recv(l.fd.get(), into, want, 0);
               if (n == 0) throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
               if (n < 0) {
                 if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
@@ -998,7 +1011,13 @@ void WindowHub::progress_loop() {
           l.out_off += static_cast<size_t>(n);
           if (l.out_off == total) {
             std::lock_guard lk(mu_);
-            if (!l.out.empty()) l.out.pop_front();
+            if (!l.out.empty()) {
+              if (l.out.front().reply) {
+                --l.replies_queued;
+                l.reply_bytes_queued -= l.out.front().hdr.bytes;
+              }
+              l.out.pop_front();
+            }
             l.out_off = 0;
           }
         }

@@ -32,6 +32,10 @@
 
 namespace rumor {
 
+namespace window_wire {
+struct WinFrame;
+}
+
 // Where one window's slot lives and what guards it. 64 bytes, at the head of every slot.
 struct alignas(64) WinSlotHeader {
   std::atomic<uint32_t> lock;  // 0 free, 1 held, 2 held with sleepers (futex word)
@@ -123,6 +127,12 @@ class WindowHub {
 
   // Test hook: the number of frames the progress thread applied (TCP path).
   uint64_t frames_applied() const { return frames_applied_.load(); }
+  // Replies one peer may have queued unsent (a count, and payload bytes beyond the first reply)
+  // before its link is failed as flooding. Defaults: 4096 replies, 256 MiB. Tests lower them.
+  void set_reply_limits(size_t count, size_t bytes) {
+    reply_limit_count_.store(count);
+    reply_limit_bytes_.store(bytes);
+  }
 
  private:
   struct Window;
@@ -143,7 +153,7 @@ class WindowHub {
   void fail_link(Link& l, const std::string& why);  // progress thread only
   void progress_loop();
   void handle_frame(Link& l);
-  void reply(Link& l, const struct WinFrame& req, uint8_t kind, uint32_t status, double p,
+  void reply(Link& l, const window_wire::WinFrame& req, uint8_t kind, uint32_t status, double p,
              std::shared_ptr<std::vector<std::byte>> payload);
   uint32_t apply_write(Window& w, uint32_t sender, const void* x, bool accumulate, double weight, bool with_p,
                        double p, const Deadline& deadline);
@@ -171,6 +181,9 @@ class WindowHub {
   net::Fd wake_fd_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> frames_applied_{0};
+  std::atomic<size_t> reply_limit_count_{4096};
+  std::atomic<uint64_t> max_window_bytes_{0};  // largest window ever created here (drain limit)
+  std::atomic<size_t> reply_limit_bytes_{size_t{256} << 20};
   std::thread thread_;
 };
 

@@ -36,10 +36,48 @@ constexpr uint64_t kSegMagic = 0x52554d4f52534d31ull;
 size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 }  // namespace
 
+namespace {
+// Who owns an existing name, for the error when it is not ours (best effort: /dev/shm is where
+// glibc keeps POSIX shared memory).
+std::string owner_of(const std::string& name) {
+  struct stat st{};
+  if (::lstat(("/dev/shm" + name).c_str(), &st) != 0) return "";
+  char mode[8];
+  std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+  return " (owner uid " + std::to_string(st.st_uid) + ", mode " + mode + ")";
+}
+
+// A segment is trusted only if this user made it and nobody else can open it: another local user
+// could otherwise create the name first and feed this process rings and frames of its choosing.
+void check_private(int fd, const std::string& name, const std::string& what) {
+  struct stat st{};
+  if (::fstat(fd, &st) != 0)
+    throw Error(ErrorKind::kSystem, what + ": fstat(" + name + "): " + errno_string(errno));
+  if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    throw Error(ErrorKind::kProtocol,
+                what + ": refusing shared memory " + name + ": owned by uid " + std::to_string(st.st_uid) +
+                    " with mode " + mode + ", expected uid " + std::to_string(::geteuid()) +
+                    " and no group/other access (another user created it first? remove it and retry)");
+  }
+}
+}  // namespace
+
 ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
-  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) throw Error(ErrorKind::kSystem, "shm_open(" + name + "): " + errno_string(errno));
+  // O_EXCL: a name that exists (another user's, or a stale one) is an error, never adopted.
+  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    int err = errno;
+    throw Error(ErrorKind::kSystem, "shm_open(" + name + "): " + errno_string(err) +
+                                        (err == EEXIST ? owner_of(name) : std::string()));
+  }
   Fd guard(fd);
+  // The umask may only take bits away, but be exact: 0600 whatever the umask says.
+  if (::fchmod(fd, 0600) != 0) {
+    ::shm_unlink(name.c_str());
+    throw Error(ErrorKind::kSystem, "fchmod(" + name + "): " + errno_string(errno));
+  }
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     ::shm_unlink(name.c_str());
     throw Error(ErrorKind::kSystem, "ftruncate(" + name + "): " + errno_string(errno));
@@ -60,9 +98,10 @@ ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
 ShmSegment ShmSegment::open(const std::string& name, size_t bytes, const Deadline& deadline,
                             const std::string& what) {
   while (true) {
-    int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+    int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd >= 0) {
       Fd guard(fd);
+      check_private(fd, name, what);  // before a byte of it is mapped
       struct stat st{};
       // The creator may not have sized it yet; mapping past EOF would SIGBUS.
       if (::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= bytes) {
@@ -162,6 +201,9 @@ ShmChannel::ShmChannel(const std::string& name, bool creator, size_t ring_bytes,
         throw Error(ErrorKind::kTimeout, "shared-memory channel to " + peer_desc_ + " never became ready");
       std::this_thread::yield();
     }
+    if (h->magic != kSegMagic)
+      throw Error(ErrorKind::kProtocol, "shared-memory channel to " + peer_desc_ + ": segment " + name +
+                                            " is not a rumor channel (bad magic)");
     // Both sides have it mapped now; the name is no longer needed, and removing it early
     // means a crash later cannot leak it.
     h->opened.store(1, std::memory_order_release);
@@ -201,11 +243,22 @@ void ShmChannel::check_aborted(const Transfer& t, const OpInfo& op) const {
                     (t.send ? "sending " : "receiving ") + std::to_string(t.len) + " bytes");
 }
 
+void ShmChannel::corrupt(const char* which, uint64_t got, uint64_t mine) const {
+  throw Error(ErrorKind::kProtocol,
+              "shared-memory channel to " + peer_desc_ + ": corrupt ring " + which + " " +
+                  std::to_string(got) +
+                  " (this side is at " + std::to_string(mine) + ", ring of " + std::to_string(cap_) +
+                  " bytes): the peer's memory is damaged or it is not a rumor process");
+}
+
 bool ShmChannel::progress_send(Part& p, Transfer& t) {
   std::byte* ring = ring_data(out_idx_);
-  uint64_t head = out_->head.load(std::memory_order_relaxed);
+  // Our own position is kept privately: only the peer's index is read back from shared memory,
+  // and it is checked before it sizes anything.
+  uint64_t head = out_head_;
   uint64_t published = head;
   uint64_t tail = out_->tail.load(std::memory_order_acquire);
+  if (tail > head || head - tail > cap_) corrupt("tail", tail, head);
   size_t space = cap_ - static_cast<size_t>(head - tail);
   bool moved = false;
   if (p.hdr_done == 0) {
@@ -237,11 +290,13 @@ bool ShmChannel::progress_send(Part& p, Transfer& t) {
     if (last) p.pad_left = 0;
     moved = true;
     // Publish each piece, so the reader starts on it while we write the next.
+    out_head_ = head;
     out_->head.store(head, std::memory_order_release);
     ring_doorbell(peer_);
     published = head;
   }
   if (head != published) {  // only the header went out
+    out_head_ = head;
     out_->head.store(head, std::memory_order_release);
     ring_doorbell(peer_);
   }
@@ -250,8 +305,9 @@ bool ShmChannel::progress_send(Part& p, Transfer& t) {
 
 bool ShmChannel::progress_recv(Part& p, Transfer& t, const OpInfo& op) {
   const std::byte* ring = ring_data(1 - out_idx_);
-  uint64_t tail = in_->tail.load(std::memory_order_relaxed);
+  uint64_t tail = in_tail_;
   uint64_t head = in_->head.load(std::memory_order_acquire);
+  if (head < tail || head - tail > cap_) corrupt("head", head, tail);
   size_t avail = static_cast<size_t>(head - tail);
   bool moved = false;
   if (p.hdr_done == 0) {
@@ -287,6 +343,7 @@ bool ShmChannel::progress_recv(Part& p, Transfer& t, const OpInfo& op) {
     moved = true;
   }
   if (moved) {
+    in_tail_ = tail;
     in_->tail.store(tail, std::memory_order_release);
     ring_doorbell(peer_);
   }

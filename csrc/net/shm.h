@@ -18,7 +18,10 @@ class ShmSegment {
  public:
   ShmSegment() = default;
   static ShmSegment create(const std::string& name, size_t bytes);
+  // Creates with O_EXCL|O_NOFOLLOW and mode 0600: an existing name is an error, never adopted.
   // Retries until the creator has made it (and, if given, until *ready != 0) or the deadline.
+  // Refuses (kProtocol, naming the segment and its owner) a segment that is not this euid's or
+  // that grants group/other access, before mapping it.
   static ShmSegment open(const std::string& name, size_t bytes, const Deadline& deadline,
                          const std::string& what);
   ShmSegment(ShmSegment&& o) noexcept;
@@ -92,6 +95,7 @@ class ShmChannel final : public Channel {
   bool progress_recv(Part& p, Transfer& t, const OpInfo& op);
   void check_aborted(const Transfer& t, const OpInfo& op) const;
   std::byte* ring_data(int which) const;
+  [[noreturn]] void corrupt(const char* which, uint64_t got, uint64_t mine) const;
 
   ShmSegment seg_;
   void* header_ = nullptr;
@@ -100,6 +104,10 @@ class ShmChannel final : public Channel {
   RingCtl* out_ = nullptr;
   RingCtl* in_ = nullptr;
   int out_idx_ = 0;
+  // This side's ring positions, private: the copies in shared memory are for the peer to read,
+  // never read back (a peer could have changed them).
+  uint64_t out_head_ = 0;
+  uint64_t in_tail_ = 0;
   Doorbell* own_;
   Doorbell* peer_;
   std::string peer_desc_;

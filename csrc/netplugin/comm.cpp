@@ -27,7 +27,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -35,16 +34,16 @@
 #include "core/types.h"
 #include "net/socket.h"
 #include "netplugin/plugin.h"
+#include "netplugin/wire.h"
 
 namespace rumor::netplugin {
 namespace {
 
 using net::Fd;
 
-constexpr uint32_t kHandleMagic = 0x524d4e50;  // "RMNP"
-constexpr uint32_t kHelloMagic = 0x524d4e48;   // "RMNH"
-constexpr uint32_t kChunkMagic = 0x524d4e43;   // "RMNC"
-constexpr uint16_t kProtocolVersion = 1;
+using wire::ChunkHeader;
+using wire::Hello;
+using wire::kChunkMagic;
 
 class ConnectState;
 
@@ -55,33 +54,15 @@ struct Handle {
   uint16_t family;  // AF_INET or AF_INET6
   uint16_t port;    // host order
   uint8_t addr[16];
-  uint64_t listen_id;  // random: a stray connection to a reused port is refused
+  wire::Id listen_id;  // 128 random bits: a stray connection to a reused port is refused
   ConnectState* pending;
 };
 static_assert(sizeof(Handle) <= abi::kHandleMaxSize);
 
-// First bytes on every stream, connector to acceptor.
-struct Hello {
-  uint32_t magic;
-  uint16_t version;
-  uint16_t stream;
-  uint16_t nstreams;
-  uint16_t pad[3];
-  uint64_t conn_id;    // groups the streams of one connection
-  uint64_t listen_id;  // from the handle
-};
-static_assert(sizeof(Hello) == 32);
-
-// Precedes every chunk. A message always sends at least one chunk (a 0-byte one for size 0).
-struct ChunkHeader {
-  uint32_t magic;
-  int32_t tag;
-  uint64_t seq;     // message number on this connection, from 0
-  uint64_t total;   // message size
-  uint64_t offset;  // of this chunk in the message
-  uint64_t len;     // of this chunk
-};
-static_assert(sizeof(ChunkHeader) == 40);
+// Accepted sockets still in their handshake, per listener: the oldest is dropped beyond this.
+constexpr size_t kMaxPendingConnections = 128;
+// Connections with some but not all streams in, per listener.
+constexpr size_t kMaxPendingGroups = 128;
 
 // RUMOR_NET_PLUGIN_TRACE: one INFO line per data-path event while its budget lasts.
 // The message is built only when it will be logged: the calls sit on the data path (every chunk).
@@ -96,10 +77,13 @@ std::string ptr_str(const void* p) {
   return buf;
 }
 
-uint64_t random_id() {
-  static thread_local std::mt19937_64 rng(std::random_device{}() ^
-                                          static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
-  return rng();
+// Ids and nonces come from the kernel's CSPRNG: a listen id must not be guessable from others.
+template <typename T>
+T random_value() {
+  T v{};
+  if (!wire::random_bytes(&v, sizeof(v)))
+    throw Error(ErrorKind::kSystem, "getrandom: " + net::errno_string(errno));
+  return v;
 }
 
 // Blocking full transfers on a stream socket; false on EOF or error (errno kept, 0 for EOF).
@@ -461,8 +445,7 @@ class RecvComm : public CommBase {
   struct InFlight {
     Request* req;
     size_t slot;
-    uint64_t total;
-    uint64_t received;
+    wire::MessageBook book;
     bool discard;  // truncated: the bytes are drained so the streams stay in step
   };
 
@@ -479,7 +462,7 @@ class RecvComm : public CommBase {
         if (discard && r->truncation.empty())
           r->truncation = "message truncated: " + std::to_string(h.total) + " bytes sent with tag " +
                           std::to_string(h.tag) + " into a " + std::to_string(r->caps[i]) + "-byte buffer";
-        inflight_.emplace(h.seq, InFlight{r, i, h.total, 0, discard});
+        inflight_.emplace(h.seq, InFlight{r, i, wire::MessageBook{h.total, h.tag, 0, 0}, discard});
         trace([&] {
           return "matched comm " + ptr_str(this) + " seq " + std::to_string(h.seq) + " (" +
                  std::to_string(h.total) + " B tag " + std::to_string(h.tag) + ") to req " + ptr_str(r) +
@@ -517,9 +500,10 @@ class RecvComm : public CommBase {
         io_error("receive", errno);
         break;
       }
-      if (h.magic != kChunkMagic || h.len > h.total || h.offset > h.total - h.len) {
+      // Every number in the header comes from the peer: checked before any is used.
+      if (std::string bad = wire::check_chunk(h); !bad.empty()) {
         std::lock_guard<std::mutex> lk(mu_);
-        fail(abi::kSystemError, "corrupt chunk header on stream " + std::to_string(s));
+        fail(abi::kSystemError, "corrupt chunk header on stream " + std::to_string(s) + ": " + bad);
         break;
       }
       char* dest = nullptr;
@@ -535,9 +519,16 @@ class RecvComm : public CommBase {
         });
         if (stop_ || failed_) break;
         auto it = inflight_.find(h.seq);
-        if (it == inflight_.end() || it->second.total != h.total) {
-          fail(abi::kSystemError,
-               "chunk of unknown message " + std::to_string(h.seq) + " on stream " + std::to_string(s));
+        if (it == inflight_.end()) {
+          fail(abi::kSystemError, "chunk of message " + std::to_string(h.seq) +
+                                      ", which is not in flight (completed or never matched), on stream " +
+                                      std::to_string(s));
+          break;
+        }
+        // Reserves the chunk's bytes now, before its payload is read: a duplicate of a chunk
+        // still arriving on another stream is refused here instead of completing the message twice.
+        if (std::string bad = wire::admit_chunk(it->second.book, h); !bad.empty()) {
+          fail(abi::kSystemError, bad + " on stream " + std::to_string(s));
           break;
         }
         if (!it->second.discard) dest = it->second.req->bufs[it->second.slot] + h.offset;
@@ -560,9 +551,16 @@ class RecvComm : public CommBase {
       std::lock_guard<std::mutex> lk(mu_);
       if (stop_ || failed_) break;
       auto it = inflight_.find(h.seq);
+      if (it == inflight_.end()) {
+        // Cannot happen while admit_chunk() holds the message open for this chunk's reserved
+        // bytes; kept as an error, never a dereference of end().
+        fail(abi::kSystemError, "message " + std::to_string(h.seq) + " vanished while stream " +
+                                    std::to_string(s) + " received a chunk of it");
+        break;
+      }
       InFlight& m = it->second;
-      m.received += h.len;
-      if (m.received == m.total) {
+      m.book.received += h.len;
+      if (m.book.received == m.book.total) {
         Request* r = m.req;
         trace([&] {
           return "received comm " + ptr_str(this) + " seq " + std::to_string(h.seq) + " req " + ptr_str(r);
@@ -580,7 +578,41 @@ class RecvComm : public CommBase {
   uint64_t next_match_ = 0;
 };
 
-// A connect() in progress: the streams' sockets and how much of each hello went out.
+// Non-blocking partial transfers of a handshake message: move what the socket takes now.
+// False on an error or EOF (*err = errno, 0 for EOF); *done counts the bytes moved so far.
+bool send_some(int fd, const void* msg, size_t size, size_t* done, int* err) {
+  while (*done < size) {
+    ssize_t n = ::send(fd, static_cast<const char*>(msg) + *done, size - *done, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n > 0) {
+      *done += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    *err = n < 0 ? errno : 0;
+    return false;
+  }
+  return true;
+}
+
+bool recv_some(int fd, void* msg, size_t size, size_t* done, int* err) {
+  while (*done < size) {
+    ssize_t n = ::recv(fd, static_cast<char*>(msg) + *done, size - *done, MSG_DONTWAIT);
+    if (n > 0) {
+      *done += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    *err = n < 0 ? errno : 0;
+    return false;
+  }
+  return true;
+}
+
+const wire::Mac kNoMac{};
+
+// A connect() in progress: the streams' sockets and where each stream's handshake stands.
 class ConnectState {
  public:
   ConnectState(const Handle& h, int nstreams, double timeout_s)
@@ -602,23 +634,25 @@ class ConnectState {
     char buf[INET6_ADDRSTRLEN] = {};
     ::inet_ntop(h.family, h.addr, buf, sizeof(buf));
     target_ = net::HostPort{buf, h.port}.str();
-    uint64_t conn_id = random_id();
+    const auto conn_id = random_value<uint64_t>();
     for (size_t i = 0; i < streams_.size(); ++i) {
       Hello& hello = streams_[i].hello;
-      hello.magic = kHelloMagic;
-      hello.version = kProtocolVersion;
+      hello.magic = wire::kHelloMagic;
+      hello.version = wire::kProtocolVersion;
       hello.stream = static_cast<uint16_t>(i);
       hello.nstreams = static_cast<uint16_t>(nstreams);
+      hello.flags = auth_key() != nullptr ? wire::kFlagAuth : 0;
       hello.conn_id = conn_id;
       hello.listen_id = h.listen_id;
+      hello.nonce = random_value<wire::Nonce>();
     }
   }
 
-  // One non-blocking pass. kSuccess with *ready = true: every stream connected and greeted.
+  // One non-blocking pass. kSuccess with *ready = true: every stream connected and authenticated.
   abi::Result progress(bool* ready) {
     *ready = true;
     for (auto& st : streams_) {
-      if (st.sent == sizeof(Hello)) continue;
+      if (st.proof_sent == sizeof(wire::Proof)) continue;
       *ready = false;
       if (!st.fd.valid()) {
         if (Clock::now() < st.retry_at) continue;
@@ -642,12 +676,21 @@ class ConnectState {
         }
         st.connected = true;
       }
-      const char* p = reinterpret_cast<const char*>(&st.hello) + st.sent;
-      ssize_t n = ::send(st.fd.get(), p, sizeof(Hello) - st.sent, MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (n > 0)
-        st.sent += static_cast<size_t>(n);
-      else if (n < 0 && errno != EAGAIN && errno != EINTR)
-        return error("sending hello: " + net::errno_string(errno));
+      int err = 0;
+      if (!send_some(st.fd.get(), &st.hello, sizeof(Hello), &st.hello_sent, &err))
+        return error("sending hello: " + describe_errno(err));
+      if (st.hello_sent < sizeof(Hello)) continue;
+      if (!recv_some(st.fd.get(), &st.challenge, sizeof(wire::Challenge), &st.challenge_got, &err))
+        return error("waiting for the listener's challenge: " + describe_errno(err) +
+                     (err == 0 ? " (the listener refused this connection: is RUMOR_JOB_SECRET the same "
+                                 "on both sides, and set on both or neither?)"
+                               : ""));
+      if (st.challenge_got < sizeof(wire::Challenge)) continue;
+      if (!st.proof_ready) {
+        if (abi::Result rc = answer(st); rc != abi::kSuccess) return rc;
+      }
+      if (!send_some(st.fd.get(), &st.proof, sizeof(wire::Proof), &st.proof_sent, &err))
+        return error("sending proof: " + describe_errno(err));
     }
     if (!*ready && deadline_.expired())
       return error("not connected before the deadline (RUMOR_NET_PLUGIN_TIMEOUT=" +
@@ -665,10 +708,40 @@ class ConnectState {
   struct Stream {
     Fd fd;
     bool connected = false;
-    size_t sent = 0;
     Clock::time_point retry_at{};
     Hello hello{};
+    size_t hello_sent = 0;
+    wire::Challenge challenge{};
+    size_t challenge_got = 0;
+    bool proof_ready = false;
+    wire::Proof proof{};
+    size_t proof_sent = 0;
   };
+
+  // The listener's challenge arrived: check that it proved the key (before anything of ours goes
+  // to a listener that could not), then prepare our proof.
+  abi::Result answer(Stream& st) {
+    const wire::Key* key = auth_key();
+    const wire::Challenge& c = st.challenge;
+    if (c.magic != wire::kChallengeMagic) return error("the listener's challenge is malformed");
+    const bool peer_auth = (c.flags & wire::kFlagAuth) != 0;
+    if (key != nullptr && !peer_auth)
+      return error("the listener runs without a job secret while this process has one (RUMOR_JOB_SECRET "
+                   "must be set on both sides or neither)");
+    if (key == nullptr && peer_auth)
+      return error("the listener requires a job secret (RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE) that this "
+                   "process does not have");
+    st.proof.magic = wire::kProofMagic;
+    st.proof.mac = kNoMac;
+    if (key != nullptr) {
+      if (!wire::mac_equal(c.mac, wire::hello_mac(*key, 'A', st.hello, c.nonce)))
+        return error(
+            "the listener did not prove the job key (RUMOR_JOB_SECRET differs between the two sides?)");
+      st.proof.mac = wire::hello_mac(*key, 'C', st.hello, c.nonce);
+    }
+    st.proof_ready = true;
+    return abi::kSuccess;
+  }
 
   // A refused or reset attempt is retried (the listener may be slow to come up) until the deadline.
   bool retry_later(Stream& st, int err) {
@@ -695,51 +768,81 @@ class ConnectState {
 
 class ListenComm {
  public:
-  ListenComm(Fd fd, uint64_t id) : fd_(std::move(fd)), id_(id) { net::set_nonblocking(fd_.get(), true); }
+  ListenComm(Fd fd, const wire::Id& id) : fd_(std::move(fd)), id_(id) {
+    net::set_nonblocking(fd_.get(), true);
+  }
 
   abi::Result accept(void** recv_comm) {
     *recv_comm = nullptr;
     if (!deadline_) deadline_ = Deadline::after(config().timeout_s);
+    const auto now = Clock::now();
+    const auto hello_limit = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(config().hello_timeout_s));
+    size_t evicted = 0;
     while (true) {
       int c = ::accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (c < 0) break;
-      incoming_.push_back({Fd(c), {}, 0});
+      Incoming in;
+      in.fd = Fd(c);
+      in.peer = peer_name(c);
+      in.expires = now + hello_limit;
+      incoming_.push_back(std::move(in));
+      // A flood of connections that never greet must not grow this without bound.
+      if (incoming_.size() > kMaxPendingConnections) {
+        incoming_.pop_front();
+        ++evicted;
+      }
     }
+    if (evicted > 0)
+      log(abi::kLogWarn, "NET/rumor: listener " + ptr_str(this) + " dropped " + std::to_string(evicted) +
+                             " connection(s) still in their handshake: more than " +
+                             std::to_string(kMaxPendingConnections) + " were pending");
     for (auto it = incoming_.begin(); it != incoming_.end();) {
-      auto* dst = reinterpret_cast<char*>(&it->hello) + it->got;
-      ssize_t n = ::recv(it->fd.get(), dst, sizeof(Hello) - it->got, MSG_DONTWAIT);
-      if (n > 0) it->got += static_cast<size_t>(n);
-      bool closed = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
-      if (it->got < sizeof(Hello) && !closed) {
+      std::string why;
+      Step step = advance(*it, &why);
+      if (step == Step::kWaiting && now >= it->expires) {
+        step = Step::kDrop;
+        why = "did not complete its handshake within " +
+              std::to_string(static_cast<int>(config().hello_timeout_s)) +
+              " s (RUMOR_NET_PLUGIN_HELLO_TIMEOUT)";
+      }
+      if (step == Step::kWaiting) {
         ++it;
         continue;
       }
-      const Hello& h = it->hello;
-      bool valid = !closed && h.magic == kHelloMagic && h.version == kProtocolVersion && h.listen_id == id_ &&
-                   h.nstreams >= 1 && h.nstreams <= 64 && h.stream < h.nstreams;
-      if (!valid) {
-        log(abi::kLogWarn, "NET/rumor: dropped a connection from " + peer_name(it->fd.get()) +
-                               " that did not greet as a rumor net plugin stream of this listener");
-      } else {
-        Group& g = groups_[h.conn_id];
-        if (g.fds.empty()) g.fds.resize(h.nstreams);
-        if (g.fds.size() == h.nstreams && !g.fds[h.stream].valid()) {
-          g.fds[h.stream] = std::move(it->fd);
-          if (++g.have == static_cast<int>(g.fds.size())) {
-            auto comm = std::make_unique<RecvComm>(std::move(g.fds));
-            trace([&] {
-              return "accepted recv comm " + ptr_str(comm.get()) + " on listener " + ptr_str(this);
-            });
-            groups_.erase(h.conn_id);
-            incoming_.erase(it);
-            deadline_.reset();
-            *recv_comm = comm.release();  // owned by NCCL until closeRecv
-            return abi::kSuccess;
-          }
+      if (step == Step::kDrop) {
+        log(abi::kLogWarn, "NET/rumor: dropped a connection from " + it->peer + ": " + why);
+        it = incoming_.erase(it);
+        continue;
+      }
+      const Hello h = it->hello;
+      Group& g = groups_[h.conn_id];
+      if (g.fds.empty()) {
+        g.fds.resize(h.nstreams);
+        g.expires = now + std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(config().timeout_s));
+      }
+      if (g.fds.size() == h.nstreams && !g.fds[h.stream].valid()) {
+        g.fds[h.stream] = std::move(it->fd);
+        if (++g.have == static_cast<int>(g.fds.size())) {
+          auto comm = std::make_unique<RecvComm>(std::move(g.fds));
+          trace([&] {
+            return "accepted recv comm " + ptr_str(comm.get()) + " on listener " + ptr_str(this);
+          });
+          groups_.erase(h.conn_id);
+          incoming_.erase(it);
+          deadline_.reset();
+          *recv_comm = comm.release();  // owned by NCCL until closeRecv
+          return abi::kSuccess;
         }
+      } else {
+        log(abi::kLogWarn, "NET/rumor: dropped a connection from " + it->peer + ": stream " +
+                               std::to_string(h.stream) + " of " + std::to_string(h.nstreams) +
+                               " does not fit its connection's other streams");
       }
       it = incoming_.erase(it);
     }
+    expire_groups(now);
     if (deadline_->expired()) {
       log(abi::kLogWarn, "NET/rumor: accept: no complete connection within RUMOR_NET_PLUGIN_TIMEOUT=" +
                              std::to_string(static_cast<int>(config().timeout_s)) + " s");
@@ -752,15 +855,98 @@ class ListenComm {
  private:
   struct Incoming {
     Fd fd;
-    Hello hello;
-    size_t got;
+    std::string peer;
+    Clock::time_point expires;  // the whole handshake must be done by then
+    Hello hello{};
+    size_t hello_got = 0;
+    bool challenged = false;
+    wire::Challenge challenge{};
+    size_t challenge_sent = 0;
+    wire::Proof proof{};
+    size_t proof_got = 0;
   };
   struct Group {
     std::vector<Fd> fds;
     int have = 0;
+    Clock::time_point expires;
   };
+  enum class Step { kWaiting, kDone, kDrop };
+
+  // Moves one accepted socket's handshake on as far as its peer has gone, without blocking.
+  Step advance(Incoming& in, std::string* why) {
+    const wire::Key* key = auth_key();
+    int err = 0;
+    if (!recv_some(in.fd.get(), &in.hello, sizeof(Hello), &in.hello_got, &err)) {
+      *why = "closed before it greeted as a rumor net plugin stream (" + describe_errno(err) + ")";
+      return Step::kDrop;
+    }
+    if (in.hello_got < sizeof(Hello)) return Step::kWaiting;
+    if (!in.challenged) {
+      if (std::string bad = wire::check_hello(in.hello, id_); !bad.empty()) {
+        *why = "it did not greet as a rumor net plugin stream of this listener: " + bad;
+        return Step::kDrop;
+      }
+      const bool peer_auth = (in.hello.flags & wire::kFlagAuth) != 0;
+      if (key != nullptr && !peer_auth) {
+        *why = "it does not authenticate, and this listener requires the job secret (RUMOR_JOB_SECRET)";
+        return Step::kDrop;
+      }
+      // The connector refuses a listener without a secret itself (it reads the flags), with a
+      // clearer message than a closed socket would give it.
+      in.challenge.magic = wire::kChallengeMagic;
+      in.challenge.flags = key != nullptr ? wire::kFlagAuth : 0;
+      in.challenge.nonce = random_value<wire::Nonce>();
+      in.challenge.mac = key != nullptr ? wire::hello_mac(*key, 'A', in.hello, in.challenge.nonce) : kNoMac;
+      in.challenged = true;
+    }
+    if (!send_some(in.fd.get(), &in.challenge, sizeof(wire::Challenge), &in.challenge_sent, &err)) {
+      *why = "sending the challenge: " + describe_errno(err);
+      return Step::kDrop;
+    }
+    if (in.challenge_sent < sizeof(wire::Challenge)) return Step::kWaiting;
+    if (!recv_some(in.fd.get(), &in.proof, sizeof(wire::Proof), &in.proof_got, &err)) {
+      *why = "closed during the handshake (" + describe_errno(err) +
+             "): it did not accept this listener's proof (RUMOR_JOB_SECRET differs?)";
+      return Step::kDrop;
+    }
+    if (in.proof_got < sizeof(wire::Proof)) return Step::kWaiting;
+    if (in.proof.magic != wire::kProofMagic) {
+      *why = "its proof is malformed";
+      return Step::kDrop;
+    }
+    if (key != nullptr &&
+        !wire::mac_equal(in.proof.mac, wire::hello_mac(*key, 'C', in.hello, in.challenge.nonce))) {
+      *why = "it did not prove the job key (RUMOR_JOB_SECRET differs between the two sides?)";
+      return Step::kDrop;
+    }
+    return Step::kDone;
+  }
+
+  // Connections whose other streams never came (or a flood of partial ones) are dropped too.
+  void expire_groups(Clock::time_point now) {
+    for (auto it = groups_.begin(); it != groups_.end();) {
+      if (now >= it->second.expires) {
+        log(abi::kLogWarn, "NET/rumor: dropped a connection with " + std::to_string(it->second.have) +
+                               " of " +
+                               std::to_string(it->second.fds.size()) +
+                               " streams: the others did not arrive within RUMOR_NET_PLUGIN_TIMEOUT");
+        it = groups_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    while (groups_.size() > kMaxPendingGroups) {
+      auto oldest = groups_.begin();
+      for (auto it = groups_.begin(); it != groups_.end(); ++it)
+        if (it->second.expires < oldest->second.expires) oldest = it;
+      log(abi::kLogWarn, "NET/rumor: dropped a partly connected connection: more than " +
+                             std::to_string(kMaxPendingGroups) + " were pending");
+      groups_.erase(oldest);
+    }
+  }
+
   Fd fd_;
-  uint64_t id_;
+  wire::Id id_;
   std::optional<Deadline> deadline_;  // from the first accept() call that found nothing complete
   std::deque<Incoming> incoming_;
   std::map<uint64_t, Group> groups_;
@@ -789,13 +975,13 @@ abi::Result listen(int dev, void* handle, void** listen_comm) {
     return abi::kInvalidArgument;
   const DeviceInfo& d = device(dev);
   Handle h{};
-  h.magic = kHandleMagic;
+  h.magic = wire::kHandleMagic;
   h.family = d.ip.find(':') != std::string::npos ? AF_INET6 : AF_INET;
   if (::inet_pton(h.family, d.ip.c_str(), h.addr) != 1) return abi::kInternalError;
   try {
     auto [fd, port] = net::listen_tcp(0);
     h.port = static_cast<uint16_t>(port);
-    h.listen_id = random_id();
+    h.listen_id = random_value<wire::Id>();
     auto comm = std::make_unique<ListenComm>(std::move(fd), h.listen_id);
     trace([&] { return "listener " + ptr_str(comm.get()) + " on " + d.ip + ":" + std::to_string(h.port); });
     std::memset(handle, 0, abi::kHandleMaxSize);
@@ -813,16 +999,22 @@ abi::Result connect(int dev, void* handle, void** send_comm) {
   *send_comm = nullptr;
   (void)dev;  // the route to the peer's address picks the interface
   auto* h = static_cast<Handle*>(handle);
-  if (h->magic != kHandleMagic || (h->family != AF_INET && h->family != AF_INET6)) {
+  if (h->magic != wire::kHandleMagic || (h->family != AF_INET && h->family != AF_INET6)) {
     log(abi::kLogWarn, "NET/rumor: connect: the handle was not made by this plugin's listen()");
     return abi::kInvalidArgument;
   }
   // The state lives in the handle between calls: adopt it here, hand it back if not done.
   std::unique_ptr<ConnectState> st(h->pending);
   h->pending = nullptr;
-  if (!st) st = std::make_unique<ConnectState>(*h, config().streams, config().timeout_s);
   bool ready = false;
-  abi::Result rc = st->progress(&ready);
+  abi::Result rc = abi::kSuccess;
+  try {  // nothing may throw into NCCL
+    if (!st) st = std::make_unique<ConnectState>(*h, config().streams, config().timeout_s);
+    rc = st->progress(&ready);
+  } catch (const Error& e) {
+    log(abi::kLogWarn, std::string("NET/rumor: connect: ") + e.what());
+    return abi::kSystemError;
+  }
   if (rc != abi::kSuccess) return rc;
   if (!ready) {
     h->pending = st.release();
@@ -836,7 +1028,12 @@ abi::Result connect(int dev, void* handle, void** send_comm) {
 
 abi::Result accept(void* listen_comm, void** recv_comm) {
   if (listen_comm == nullptr || recv_comm == nullptr) return abi::kInvalidArgument;
-  return static_cast<ListenComm*>(listen_comm)->accept(recv_comm);
+  try {  // nothing may throw into NCCL
+    return static_cast<ListenComm*>(listen_comm)->accept(recv_comm);
+  } catch (const Error& e) {
+    log(abi::kLogWarn, std::string("NET/rumor: accept: ") + e.what());
+    return abi::kSystemError;
+  }
 }
 
 abi::Result reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {

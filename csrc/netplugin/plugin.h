@@ -13,6 +13,7 @@
 #include <string>
 
 #include "netplugin/nccl_net_api.h"
+#include "netplugin/wire.h"
 
 namespace rumor::netplugin {
 
@@ -27,6 +28,9 @@ struct Config {
   // chunk costs a header and a wake-up of a stream thread, and four hosts' threads share the CPU.
   size_t chunk = 256 << 10;
   double timeout_s = 300;  // RUMOR_NET_PLUGIN_TIMEOUT: deadline of every setup step
+  // RUMOR_NET_PLUGIN_HELLO_TIMEOUT (1..timeout_s): an accepted socket that has not completed its
+  // handshake within this is dropped, so half-open connections cannot pile up on a listener.
+  double hello_timeout_s = 5;
   // RUMOR_NET_PLUGIN_TRACE: log this many data-path events (connect, accept, isend, irecv,
   // matches, completions) at NCCL's INFO level, for finding where a job stalls; 0 = none.
   long trace_lines = 0;
@@ -44,6 +48,9 @@ struct DeviceInfo {
 // logger). Returns kInternalError when no usable interface exists.
 abi::Result init(abi::Logger logger);
 const Config& config();
+// The job key (RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE, read at init); null when the plugin runs
+// unauthenticated (no secret given: one warning at init).
+const wire::Key* auth_key();
 // Through NCCL's logger (stderr for warnings when init() got none).
 void log(abi::LogLevel level, const std::string& msg);
 // True while RUMOR_NET_PLUGIN_TRACE's budget of lines lasts (each true answer spends one).

@@ -2,11 +2,16 @@
 // NCCL's logger. Written once (std::call_once) before any comm exists, read-only afterwards, so
 // the data path takes no global lock.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +19,7 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -28,6 +34,7 @@ struct State {
   Config cfg;
   std::vector<DeviceInfo> devices;
   std::string error;                 // why no device could be offered
+  std::optional<wire::Key> key;      // the job key; none: unauthenticated
   std::atomic<long> trace_spent{0};  // lines of RUMOR_NET_PLUGIN_TRACE's budget used
 };
 
@@ -47,6 +54,90 @@ long env_long(const char* name, long fallback, long lo, long hi) {
     return fallback;
   }
   return x;
+}
+
+constexpr size_t kMinSecretChars = 16;
+constexpr size_t kMaxSecretFileBytes = 4096;
+
+std::string strip(std::string s) {
+  const char* ws = " \t\r\n\v\f";
+  size_t b = s.find_first_not_of(ws);
+  if (b == std::string::npos) return {};
+  return s.substr(b, s.find_last_not_of(ws) - b + 1);
+}
+
+// RUMOR_JOB_SECRET_FILE: trusted only if it is a regular file of this user that nobody else may
+// read or write; checked on the opened descriptor (O_NOFOLLOW: no symlink is followed), so the
+// file checked is the file read.
+std::string read_secret_file(const char* path, std::string* error) {
+  const std::string what = std::string("RUMOR_JOB_SECRET_FILE=") + path;
+  int fd = ::open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    *error = what + ": cannot open: " + std::strerror(errno) + (errno == ELOOP ? " (a symbolic link)" : "");
+    return {};
+  }
+  std::unique_ptr<int, void (*)(int*)> guard(&fd, [](int* f) { ::close(*f); });
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) {
+    *error = what + ": fstat: " + std::strerror(errno);
+    return {};
+  }
+  if (!S_ISREG(st.st_mode)) {
+    *error = what + " is not a regular file";
+    return {};
+  }
+  if (st.st_uid != ::geteuid()) {
+    *error = what + " is owned by uid " + std::to_string(st.st_uid) + ", not by this process's uid " +
+             std::to_string(::geteuid());
+    return {};
+  }
+  if ((st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    *error = what + " has mode " + mode + ": group/other permission bits must be clear (chmod 600)";
+    return {};
+  }
+  std::string text;
+  char buf[512];
+  while (text.size() <= kMaxSecretFileBytes) {
+    ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      *error = what + ": read: " + std::strerror(errno);
+      return {};
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  if (text.size() > kMaxSecretFileBytes) {
+    *error = what + " is larger than " + std::to_string(kMaxSecretFileBytes) + " bytes";
+    return {};
+  }
+  return text;
+}
+
+// The key from the environment; *error set (and nullopt) when a secret is given but unusable,
+// nullopt with no error when none is given.
+std::optional<wire::Key> read_key(std::string* error) {
+  std::string secret, from;
+  const char* env = std::getenv("RUMOR_JOB_SECRET");
+  const char* file = std::getenv("RUMOR_JOB_SECRET_FILE");
+  if (env != nullptr && *env != '\0') {
+    secret = strip(env);
+    from = "RUMOR_JOB_SECRET";
+  } else if (file != nullptr && *file != '\0') {
+    secret = strip(read_secret_file(file, error));
+    if (!error->empty()) return std::nullopt;
+    from = std::string("RUMOR_JOB_SECRET_FILE=") + file;
+  } else {
+    return std::nullopt;
+  }
+  if (secret.size() < kMinSecretChars) {
+    *error = from + ": the secret has " + std::to_string(secret.size()) + " characters, at least " +
+             std::to_string(kMinSecretChars) + " are required";
+    return std::nullopt;
+  }
+  return wire::derive_key(secret);
 }
 
 // NCCL_SOCKET_IFNAME syntax: comma-separated prefixes; a leading '^' excludes them, a leading
@@ -118,6 +209,23 @@ void setup_once() {
   st->cfg.timeout_s = static_cast<double>(
       env_long("RUMOR_NET_PLUGIN_TIMEOUT", static_cast<long>(defaults.timeout_s), 1, 86400));
   st->cfg.trace_lines = env_long("RUMOR_NET_PLUGIN_TRACE", 0, 0, 1000000);
+  st->cfg.hello_timeout_s = std::min(
+      st->cfg.timeout_s,
+      static_cast<double>(env_long("RUMOR_NET_PLUGIN_HELLO_TIMEOUT",
+                                   static_cast<long>(defaults.hello_timeout_s), 1, 86400)));
+  std::string key_error;
+  st->key = read_key(&key_error);
+  if (!key_error.empty()) {
+    // A secret was meant to protect the job: running without it would be a silent downgrade.
+    st->error = "refusing to start: " + key_error;
+    g_state = std::move(st);
+    log(abi::kLogWarn, "NET/rumor: " + g_state->error);
+    return;
+  }
+  if (!st->key)
+    log(abi::kLogWarn,
+        "NET/rumor: no RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE: connections are NOT authenticated "
+        "(anyone who can reach a listener and learns its id from NCCL's handle exchange can connect)");
   const char* spec = std::getenv("RUMOR_NET_PLUGIN_IFNAME");
   const char* spec_from = "RUMOR_NET_PLUGIN_IFNAME";
   if (spec == nullptr || *spec == '\0')
@@ -144,7 +252,8 @@ void setup_once() {
   log(abi::kLogInfo, "NET/rumor: rumor TCP net plugin (NCCL net API v8-v12), interfaces " + names + ", " +
                          std::to_string(g_state->cfg.streams) + " streams per connection, " +
                          std::to_string(g_state->cfg.chunk >> 10) + " KiB chunks, setup timeout " +
-                         std::to_string(static_cast<int>(g_state->cfg.timeout_s)) + " s");
+                         std::to_string(static_cast<int>(g_state->cfg.timeout_s)) + " s, " +
+                         (g_state->key ? "authenticated (job secret)" : "unauthenticated"));
 }
 
 }  // namespace
@@ -161,10 +270,11 @@ void log(abi::LogLevel level, const std::string& msg) {
 abi::Result init(abi::Logger logger) {
   if (logger != nullptr) g_logger.store(logger, std::memory_order_release);
   std::call_once(g_once, setup_once);
-  return g_state->devices.empty() ? abi::kInternalError : abi::kSuccess;
+  return g_state->devices.empty() || !g_state->error.empty() ? abi::kInternalError : abi::kSuccess;
 }
 
 const Config& config() { return g_state->cfg; }
+const wire::Key* auth_key() { return g_state && g_state->key ? &*g_state->key : nullptr; }
 
 bool tracing() {
   if (!g_state || g_state->cfg.trace_lines <= 0) return false;

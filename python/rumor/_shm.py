@@ -2,8 +2,10 @@
 
 rumor unlinks every shared-memory name as soon as all its users have mapped it, but a process
 killed in between (SIGKILL during init, say) cannot. Every name ends with "@" and the tags
-("<pid namespace inode>.<pid>") of the processes that own it; a name whose owners are all gone
-is garbage. The launcher (rumor.run) sweeps when its workers have exited, and rumor.init()
+("<pid namespace inode>.<pid>", followed in the core's names by ".<random hex>", which makes
+them unpredictable to other local users) of the processes that own it; a name whose owners are
+all gone is garbage. Only names owned by this user (and regular files, not links) are ever
+removed. The launcher (rumor.run) sweeps when its workers have exited, and rumor.init()
 sweeps before it creates its own names, so a restarted job starts on a clean /dev/shm.
 rumor.elastic's commits live in this user's private directory (rumor._secret.private_dir()),
 swept by the same rule, with the temporary files a killed writer left there.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from typing import List, Optional
 
 from . import _secret
@@ -19,7 +22,8 @@ from . import _secret
 SHM_DIR = "/dev/shm"
 # rumor-<token>-...: the core's segments; rumor_elastic-...: rumor.elastic's commits, owned by
 # the launcher's agent (they outlive the workers on purpose, not the job).
-_NAME = re.compile(r"^rumor(?:-[0-9a-f]+|_elastic)-.+@(\d+\.\d+(?:\+\d+\.\d+)*)$")
+_TAG = r"\d+\.\d+(?:\.[0-9a-f]+)?"
+_NAME = re.compile(r"^rumor(?:-[0-9a-f]+|_elastic)-.+@(" + _TAG + r"(?:\+" + _TAG + r")*)$")
 # rumor._secret.write_private's temporary names: ".<name>.<writer pid>.<random hex>.tmp".
 TMP_NAME = re.compile(r"^\.(.+)\.\d+\.[0-9a-f]+\.tmp$")
 
@@ -51,7 +55,7 @@ def owners(name: str):
     m = _NAME.match(name)
     if m is None:
         return None
-    return [tuple(int(x) for x in tag.split(".")) for tag in m.group(1).split("+")]
+    return [tuple(int(x) for x in tag.split(".")[:2]) for tag in m.group(1).split("+")]
 
 
 def sweep(directory: Optional[str] = None) -> List[str]:
@@ -81,8 +85,16 @@ def _sweep(directory: str, temporaries: bool) -> List[str]:
         tags = owners(m.group(1) if m else name)
         if not tags or any(t_ns != ns or not _gone(pid) for t_ns, pid in tags):
             continue
+        path = os.path.join(directory, name)
         try:
-            os.unlink(os.path.join(directory, name))
+            st = os.lstat(path)
+        except OSError:
+            continue
+        # Another user's name (or a link planted under a rumor name) is never ours to remove.
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            continue
+        try:
+            os.unlink(path)
             removed.append(name)
         except FileNotFoundError:
             pass  # another sweeper was first

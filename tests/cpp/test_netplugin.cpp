@@ -5,7 +5,10 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <spawn.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -17,13 +20,19 @@
 #include <thread>
 #include <vector>
 
+#include "netplugin/wire.h"
 #include "netplugin_driver.h"
+
+extern char** environ;
 
 namespace {
 
 using namespace rumor::netplugin::testing;
 namespace abi = rumor::netplugin::abi;  // hides <cxxabi.h>'s global `abi`
 using Clock = std::chrono::steady_clock;
+
+constexpr const char* kTestSecret = "test-secret-of-the-netplugin-suite";
+bool authenticated() { return std::getenv("RUMOR_TEST_NETPLUGIN_NO_SECRET") == nullptr; }
 
 // Settings are read once per process at the first init(): loopback, a short setup deadline (the
 // deadline tests wait it out) and small chunks so a few MiB already make many chunks to steal.
@@ -33,6 +42,13 @@ void* plugin_lib() {
     ::setenv("RUMOR_NET_PLUGIN_TIMEOUT", "3", 1);
     ::setenv("RUMOR_NET_PLUGIN_CHUNK_KB", "16", 1);
     ::unsetenv("RUMOR_NET_PLUGIN_STREAMS");  // the default: 4 streams
+    ::setenv("RUMOR_NET_PLUGIN_HELLO_TIMEOUT", "1", 1);
+    // Authenticated unless RUMOR_TEST_NETPLUGIN_NO_SECRET is set: the suite runs both ways.
+    ::unsetenv("RUMOR_JOB_SECRET_FILE");
+    if (std::getenv("RUMOR_TEST_NETPLUGIN_NO_SECRET") != nullptr)
+      ::unsetenv("RUMOR_JOB_SECRET");
+    else
+      ::setenv("RUMOR_JOB_SECRET", kTestSecret, 1);
     return open_plugin(RUMOR_NETPLUGIN_PATH);
   }();
   return lib;
@@ -450,6 +466,323 @@ TEST(NetPlugin, SetupStepsFailByTheirDeadline) {
   EXPECT_TRUE(log_sink().contains("did not greet"));
   ::close(raw);
   d.net()->close_listen(lc);
+}
+
+// ---- security: strangers, half-open connections, hostile chunk headers ----
+
+namespace wire = rumor::netplugin::wire;
+
+// A loopback socket to the listener of `handle` (our layout: magic(4) family(2) port(2)).
+int dial(const char* handle) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  uint16_t port = 0;
+  std::memcpy(&port, handle + 6, 2);
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) throw std::runtime_error("dial failed");
+  timeval tv{5, 0};  // every blocking read below has a deadline
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+wire::Id listen_id_of(const char* handle) {
+  wire::Id id{};
+  std::memcpy(id.data(), handle + 24, id.size());  // after magic, family, port, addr[16]
+  return id;
+}
+
+bool read_exact(int fd, void* p, size_t n) {
+  return ::recv(fd, p, n, MSG_WAITALL) == static_cast<ssize_t>(n);
+}
+
+// Polls accept() (which never blocks) until `done` or the deadline; fails on a comm appearing.
+template <typename Net, typename Pred>
+bool accept_until(Driver<Net>& d, void* lc, Pred done, double seconds, void** got = nullptr) {
+  auto end = Clock::now() + std::chrono::duration<double>(seconds);
+  while (Clock::now() < end) {
+    void* rc = nullptr;
+    if (d.accept(lc, &rc) != abi::kSuccess) return false;
+    if (rc != nullptr) {
+      if (got == nullptr) {
+        d.net()->close_recv(rc);
+        ADD_FAILURE() << "a connection was accepted";
+        return false;
+      }
+      *got = rc;
+    }
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
+
+// Calls accept() (which never blocks) on its own thread, so that hand-played handshakes, which
+// block on the listener's answer, can run on the test's thread.
+class AcceptPump {
+ public:
+  AcceptPump(Driver<abi::NetV12>& d, void* lc)
+      : thread_([this, &d, lc] {
+          while (!stop_.load()) {
+            void* rc = nullptr;
+            if (d.accept(lc, &rc) == abi::kSuccess && rc != nullptr) comm_.store(rc);
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          }
+        }) {}
+  ~AcceptPump() { stop(); }
+  void stop() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+  void* comm() const { return comm_.load(); }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<void*> comm_{nullptr};
+  std::thread thread_;
+};
+
+// True if the peer has closed `fd` (EOF or reset) by now.
+bool closed_by_peer(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, 0) != 1) return false;
+  char c;
+  ssize_t n = ::recv(fd, &c, 1, MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN);
+}
+
+// Plays the connecting side of one stream by hand: hello, the listener's challenge, a proof (a
+// right one unless `wrong_proof`). Returns the socket, handshake done.
+int handshake(const char* handle, uint64_t conn_id, uint16_t stream, uint16_t nstreams,
+              bool wrong_proof = false) {
+  int fd = dial(handle);
+  wire::Hello h{};
+  h.magic = wire::kHelloMagic;
+  h.version = wire::kProtocolVersion;
+  h.stream = stream;
+  h.nstreams = nstreams;
+  h.flags = authenticated() ? wire::kFlagAuth : 0;
+  h.conn_id = conn_id;
+  h.listen_id = listen_id_of(handle);
+  h.nonce.fill(static_cast<uint8_t>(stream + 1));
+  if (::send(fd, &h, sizeof(h), MSG_NOSIGNAL) != sizeof(h)) throw std::runtime_error("send hello");
+  wire::Challenge c{};
+  if (!read_exact(fd, &c, sizeof(c))) throw std::runtime_error("no challenge");
+  wire::Proof pr{};
+  pr.magic = wire::kProofMagic;
+  if (authenticated()) {
+    wire::Key key = wire::derive_key(kTestSecret);
+    if (!wire::mac_equal(c.mac, wire::hello_mac(key, 'A', h, c.nonce)))
+      throw std::runtime_error("the listener's proof is wrong");
+    const wire::Key used = wrong_proof ? wire::derive_key("some-other-secret-entirely") : key;
+    pr.mac = wire::hello_mac(used, 'C', h, c.nonce);
+  } else if (wrong_proof) {
+    pr.magic = 0;
+  }
+  if (::send(fd, &pr, sizeof(pr), MSG_NOSIGNAL) != sizeof(pr)) throw std::runtime_error("send proof");
+  return fd;
+}
+
+// Runs netplugin_peer --send (a separate process, so its own plugin state) with another secret
+// against our listener; returns its exit status.
+int run_peer_with_secret(const char* handle, const char* secret, Driver<abi::NetV12>& d, void* lc) {
+  std::string hex;
+  for (size_t i = 0; i < abi::kHandleMaxSize; ++i) {
+    char b[3];
+    std::snprintf(b, sizeof(b), "%02x", static_cast<unsigned char>(handle[i]));
+    hex += b;
+  }
+  int in[2];
+  if (::pipe(in) != 0) throw std::runtime_error("pipe");
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e != nullptr; ++e)
+    if (std::strncmp(*e, "RUMOR_JOB_SECRET", 16) != 0) env_s.emplace_back(*e);
+  env_s.push_back(std::string("RUMOR_JOB_SECRET=") + secret);
+  std::vector<char*> envp;
+  for (auto& e : env_s) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+  posix_spawn_file_actions_addclose(&fa, in[1]);
+  std::string exe = RUMOR_NETPLUGIN_PEER_PATH;
+  std::vector<std::string> args_s = {exe, "--send", "--bytes", "100", "--iters", "1", "--deadline", "20"};
+  std::vector<char*> argv;
+  for (auto& a : args_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  int rc = posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(in[0]);
+  if (rc != 0) throw std::runtime_error("posix_spawn netplugin_peer failed");
+  hex += "\n";
+  [[maybe_unused]] ssize_t n = ::write(in[1], hex.data(), hex.size());
+  ::close(in[1]);
+  int status = 0;
+  bool exited = accept_until(
+      d, lc, [&] { return ::waitpid(pid, &status, WNOHANG) == pid; }, 25);
+  if (!exited) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(NetPluginSecurity, ConnectionWithWrongKeyIsRefusedAndOtherCommsGoOn) {
+  if (!authenticated()) GTEST_SKIP() << "runs with a job secret only";
+  Pair<abi::NetV12> p;  // a live connection that must be unaffected
+  char handle[abi::kHandleMaxSize] = {};
+  void* lc = nullptr;
+  ASSERT_EQ(p.d.listen(0, handle, &lc), abi::kSuccess);
+  // Another process with another secret: it refuses the listener's proof and exits 1; the
+  // listener never hands out a comm for it.
+  EXPECT_EQ(run_peer_with_secret(handle, "a-different-secret-0123456789", p.d, lc), 1);
+  EXPECT_TRUE(accept_until(p.d, lc, [] { return log_sink().contains("closed during the handshake"); }, 5));
+  // A connector that sends a wrong proof is dropped by the listener itself.
+  {
+    AcceptPump pump(p.d, lc);
+    int bad = handshake(handle, 77, 0, 1, /*wrong_proof=*/true);
+    pollfd pf{bad, POLLIN, 0};
+    EXPECT_EQ(::poll(&pf, 1, 5000), 1);
+    EXPECT_TRUE(closed_by_peer(bad));
+    pump.stop();
+    EXPECT_EQ(pump.comm(), nullptr);
+    EXPECT_TRUE(log_sink().contains("did not prove the job key"));
+    ::close(bad);
+  }
+  p.d.net()->close_listen(lc);
+  exchange(p, 21, 100000, 3);
+  Pair<abi::NetV12> q;  // and new ones still connect
+  exchange(q, 22, 1000, 1);
+}
+
+TEST(NetPluginSecurity, HalfOpenConnectionIsDroppedAfterTheHelloDeadline) {
+  Driver<abi::NetV12> d(table<abi::NetV12>());
+  ASSERT_EQ(d.init(), abi::kSuccess);
+  char handle[abi::kHandleMaxSize] = {};
+  void* lc = nullptr;
+  ASSERT_EQ(d.listen(0, handle, &lc), abi::kSuccess);
+  int half = dial(handle);
+  char part[10] = {};
+  ASSERT_EQ(::send(half, part, sizeof(part), 0), 10);  // a hello that never completes
+  auto t0 = Clock::now();
+  EXPECT_TRUE(accept_until(d, lc, [&] { return closed_by_peer(half); }, 2.5));
+  double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_GT(waited, 0.8);  // RUMOR_NET_PLUGIN_HELLO_TIMEOUT=1
+  EXPECT_TRUE(log_sink().contains("did not complete its handshake within 1 s"));
+  ::close(half);
+  // More connections than the cap: the oldest are dropped at once, not kept.
+  std::vector<int> flood;
+  for (int i = 0; i < 140; ++i) flood.push_back(dial(handle));
+  EXPECT_TRUE(accept_until(d, lc, [&] { return closed_by_peer(flood[0]); }, 0.5));
+  EXPECT_TRUE(log_sink().contains("more than 128 were pending"));
+  for (int fd : flood) ::close(fd);
+  d.net()->close_listen(lc);
+}
+
+// A receive comm fed by hand-written chunk headers.
+struct FakeSender {
+  Driver<abi::NetV12> d{table<abi::NetV12>()};
+  void* lc = nullptr;
+  void* recv = nullptr;
+  std::vector<int> fds;
+  explicit FakeSender(uint16_t nstreams) {
+    if (d.init() != abi::kSuccess) throw std::runtime_error("init");
+    char handle[abi::kHandleMaxSize] = {};
+    if (d.listen(0, handle, &lc) != abi::kSuccess) throw std::runtime_error("listen");
+    AcceptPump pump(d, lc);
+    for (uint16_t s = 0; s < nstreams; ++s) fds.push_back(handshake(handle, 1234, s, nstreams));
+    for (auto end = Clock::now() + std::chrono::seconds(5); pump.comm() == nullptr && Clock::now() < end;)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    pump.stop();
+    recv = pump.comm();
+    if (recv == nullptr) throw std::runtime_error("accept");
+  }
+  ~FakeSender() {
+    for (int fd : fds) ::close(fd);
+    if (recv != nullptr) d.net()->close_recv(recv);
+    d.net()->close_listen(lc);
+  }
+  bool try_send(size_t stream, const void* p, size_t n) {
+    return ::send(fds.at(stream), p, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n);
+  }
+  void send(size_t stream, const void* p, size_t n) {
+    if (!try_send(stream, p, n)) throw std::runtime_error("send");
+  }
+  void header(size_t stream, uint64_t seq, uint64_t total, uint64_t offset, uint64_t len, int tag = 0) {
+    wire::ChunkHeader h{wire::kChunkMagic, tag, seq, total, offset, len};
+    send(stream, &h, sizeof(h));
+  }
+  void* post(std::vector<unsigned char>& buf, int tag = 0) {
+    void* data[1] = {buf.data()};
+    size_t caps[1] = {buf.size()};
+    int tags[1] = {tag};
+    void* req = nullptr;
+    if (d.irecv(recv, 1, data, caps, tags, &req) != abi::kSuccess) throw std::runtime_error("irecv");
+    return req;
+  }
+};
+
+// The old receiver let a duplicate chunk complete a message while its twin was still arriving,
+// then looked the finished message up again and dereferenced end() (memory corruption in NCCL's
+// proxy thread). Now the duplicate is refused when its header arrives.
+TEST(NetPluginSecurity, DuplicateChunkIsAnErrorNotACrash) {
+  FakeSender f(2);
+  std::vector<unsigned char> buf(10, 0);
+  void* req = f.post(buf);
+  unsigned char payload[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  f.header(0, 0, 10, 0, 10);
+  f.send(0, payload, 9);  // all but the last byte: the message stays in flight
+  f.header(1, 0, 10, 0, 10);
+  f.send(1, payload, 10);
+  // Usually stream 0's header is taken first: the duplicate on stream 1 is refused at its header.
+  // If stream 1's thread happens to be first, its chunk is the message and stream 0's becomes the
+  // stray one, refused as a chunk of a message no longer in flight. Either way no crash, and the
+  // connection is failed with the reason.
+  abi::Result rc = f.d.wait(req, nullptr, 10);
+  f.try_send(0, payload + 9, 1);  // with stream 0 first, the old receiver crashed here
+  std::vector<unsigned char> more(10, 0);
+  EXPECT_EQ(f.d.wait(f.post(more), nullptr, 10), abi::kSystemError) << "the connection went on";
+  if (rc == abi::kSuccess) {
+    EXPECT_TRUE(log_sink().contains("which is not in flight"));
+  } else {
+    EXPECT_EQ(rc, abi::kSystemError);
+    EXPECT_TRUE(log_sink().contains("duplicated or overlapping chunk"));
+  }
+}
+
+TEST(NetPluginSecurity, HostileChunkHeadersAreErrors) {
+  struct Case {
+    uint64_t seq, total, offset, len;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {0, uint64_t{1} << 40, 0, 16, "exceeds"},                      // a 1 TiB message
+      {0, 100, 96, 8, "outside a 100-byte message"},                 // past the end
+      {0, 100, ~uint64_t{0} - 2, 8, "outside a 100-byte message"},   // offset + len wraps
+  };
+  for (const Case& c : cases) {
+    FakeSender f(1);
+    std::vector<unsigned char> buf(100, 0);
+    void* req = f.post(buf);
+    f.header(0, c.seq, c.total, c.offset, c.len);
+    EXPECT_EQ(f.d.wait(req, nullptr, 10), abi::kSystemError) << c.expect;
+    EXPECT_TRUE(log_sink().contains(c.expect)) << c.expect;
+  }
+  {  // a chunk whose total disagrees with its message's first chunk
+    FakeSender f(2);
+    std::vector<unsigned char> buf(100, 0);
+    void* req = f.post(buf);
+    unsigned char payload[50] = {};
+    f.header(0, 0, 100, 0, 50);
+    f.send(0, payload, 50);
+    f.header(1, 0, 60, 50, 10);
+    EXPECT_EQ(f.d.wait(req, nullptr, 10), abi::kSystemError);
+    // Whichever stream is read first sets the message; the other is refused.
+    EXPECT_TRUE(log_sink().contains("its first chunk said"));
+  }
 }
 
 }  // namespace

@@ -2,14 +2,18 @@
 // memory, TCP and mixed hosts; passive progress; push-sum weights; mutexes; torn-read and
 // lost-update stress; errors.
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <future>
 #include <thread>
 
 #include "comm/window.h"
+#include "comm/window_wire.h"
 #include "core/half.h"
 #include "ranks.h"
 
@@ -329,6 +333,116 @@ TEST(Window, DeadPeerFailsPromptly) {
     }
     EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), kTimeout / 2);
   }));
+}
+
+// ---- hostile peers on a window link ----
+
+constexpr uint64_t kWindowLink = 1ull << 62;  // the hub's TCP links' communicator id
+
+// Reads and discards until the hub closes the link; false if it stays open past `seconds`.
+bool drained_until_closed(int fd, double seconds) {
+  auto end = Clock::now() + std::chrono::duration<double>(seconds);
+  std::vector<char> sink(1 << 16);
+  while (Clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) != 1) continue;
+    ssize_t n = ::recv(fd, sink.data(), sink.size(), 0);
+    if (n <= 0) return true;
+  }
+  return false;
+}
+
+window_wire::WinFrame frame(uint8_t kind, uint64_t window, uint64_t op, uint64_t bytes) {
+  return window_wire::WinFrame{window_wire::kFrameMagic, kind, 0, 0, 1, 0, window, op, bytes, 1.0, 0, 0};
+}
+
+// Rank 1 plays a hostile peer on the raw link to rank 0's hub; `attack` writes to it. Returns what
+// a put from rank 0 to rank 1 failed with afterwards.
+template <typename Attack>
+std::string hostile_link(size_t count, const std::function<void(WindowHub&)>& setup, Attack attack) {
+  World w = testing::make_world(testing::one_host(2), testing::quick_options(false));
+  std::promise<void> done, created;
+  auto done_f = done.get_future().share();
+  auto created_f = created.get_future().share();
+  std::string failure;
+  testing::expect_all_ok(testing::run_ranks(w, [&](Communicator&, uint32_t r) {
+    if (r == 1) {
+      auto fds = w.ctx[1]->tcp_streams(kWindowLink, 0, 1, dl());
+      // The link exists during create(); the window only once it returned.
+      if (created_f.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+        ADD_FAILURE() << "rank 0 did not create its window";
+        return;
+      }
+      attack(fds.at(0).get());
+      EXPECT_TRUE(drained_until_closed(fds.at(0).get(), kTimeout)) << "the hub kept the link open";
+      done.set_value();
+      return;
+    }
+    WindowHub hub(w.ctx[0]);
+    setup(hub);
+    std::vector<float> x(count, 1.0f);
+    hub.create(1, "target", x.data(), x.size(), DType::F32, false, dl());
+    created.set_value();
+    if (done_f.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+      ADD_FAILURE() << "the hostile peer did not finish";
+      return;
+    }
+    try {
+      hub.wait(hub.put(1, x.data(), {{1, 1.0}}, false, false, false, dl()), dl());
+      ADD_FAILURE() << "a put over the failed link succeeded";
+    } catch (const Error& e) {
+      failure = e.what();
+    }
+  }));
+  return failure;
+}
+
+// The old hub allocated whatever a frame asked for (up to 1 TiB) before looking at the window.
+TEST(WindowWire, OversizedFrameIsRefusedBeforeAllocating) {
+  std::string why = hostile_link(8, [](WindowHub&) {}, [](int fd) {
+    auto f = frame(window_wire::kPut, 1, 1, uint64_t{1} << 40);
+    ASSERT_EQ(::send(fd, &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
+  });
+  EXPECT_NE(why.find("payload of 1099511627776 bytes for window #1 of 32 bytes"), std::string::npos) << why;
+}
+
+TEST(WindowWire, PayloadOnARequestFrameIsRefused) {
+  std::string why = hostile_link(8, [](WindowHub&) {}, [](int fd) {
+    auto f = frame(window_wire::kGetRequest, 1, 1, 4096);
+    ASSERT_EQ(::send(fd, &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
+  });
+  EXPECT_NE(why.find("carries 4096 bytes"), std::string::npos) << why;
+}
+
+// Get requests sent without ever reading the replies: the hub's reply queue is bounded and the
+// flooding peer's link is failed, instead of queueing a snapshot of the window per request.
+TEST(WindowWire, RequestFloodWithoutReadingClosesTheLink) {
+  std::string why = hostile_link(
+      16384, [](WindowHub& hub) { hub.set_reply_limits(8, size_t{1} << 20); },
+      [](int fd) {
+        for (uint64_t op = 1; op <= 4000; ++op) {
+          auto f = frame(window_wire::kGetRequest, 1, op, 0);
+          if (::send(fd, &f, sizeof(f), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(f))) break;
+        }
+      });
+  EXPECT_NE(why.find("sends requests faster than it reads the replies"), std::string::npos) << why;
+}
+
+TEST(WindowWire, CheckFrame) {
+  using namespace window_wire;
+  Payload pl;
+  EXPECT_EQ(check_frame(frame(kPut, 1, 1, 32), 1, 32, 32, &pl), "");
+  EXPECT_EQ(pl, Payload::kRead);
+  EXPECT_NE(check_frame(frame(kPut, 1, 1, 33), 1, 32, 32, &pl), "");  // not the window's size
+  EXPECT_NE(check_frame(frame(kPut, 1, 1, 32), 2, 32, 32, &pl), "");  // claims another sender
+  EXPECT_EQ(check_frame(frame(kPut, 1, 1, 32), 1, std::nullopt, 32, &pl), "");
+  EXPECT_EQ(pl, Payload::kDrain);  // no such window: drained in pieces, answered "no such window"
+  EXPECT_NE(check_frame(frame(kPut, 1, 1, uint64_t{1} << 40), 1, std::nullopt, 32, &pl), "");
+  EXPECT_NE(check_frame(frame(kAck, 1, 1, 1), 1, 32, 32, &pl), "");
+  EXPECT_NE(check_frame(frame(99, 1, 1, 0), 1, 32, 32, &pl), "");
+  auto bad = frame(kPut, 1, 1, 32);
+  bad.magic ^= 1;
+  EXPECT_NE(check_frame(bad, 1, 32, 32, &pl), "");
 }
 
 }  // namespace
