@@ -37,9 +37,9 @@ struct ArenaRankView {
 std::optional<net::Key> to_key(const py::object& key) {
   if (key.is_none()) return std::nullopt;
   if (!py::isinstance<py::bytes>(key))
-    throw Error(ErrorKind::kInvalidArgument, "connection key must be bytes (" +
-                                                 std::to_string(net::kKeyBytes) + ") or None, got " +
-                                                 std::string(py::str(key.get_type().attr("__name__"))));
+    throw Error(ErrorKind::kInvalidArgument,
+                "connection key must be bytes (" + std::to_string(net::kKeyBytes) + ") or None, got " +
+                    std::string(py::str(py::type::handle_of(key).attr("__name__"))));
   std::string s = key.cast<py::bytes>();
   if (s.size() != net::kKeyBytes)
     throw Error(ErrorKind::kInvalidArgument, "connection key must be " + std::to_string(net::kKeyBytes) +
@@ -235,7 +235,9 @@ PYBIND11_MODULE(_C, m) {
       })
       .def(
           "rank_view",
-          [](std::shared_ptr<SharedArena> a, uint32_t rank) { return ArenaRankView{a, a->data_of(rank)}; },
+          [](std::shared_ptr<SharedArena> a, uint32_t rank) {
+            return ArenaRankView{a, a->data_of(rank)};
+          },
           py::arg("rank"),
           "A writable buffer over the arena of communicator rank `rank`, as mapped here (keeps the arena "
           "alive).")

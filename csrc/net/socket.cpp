@@ -100,7 +100,8 @@ std::string format_address(const sockaddr_storage& ss) {
       return std::string(buf) + ":" + std::to_string(port);
     }
     ::inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof(buf));
-    return "[" + std::string(buf) + "]:" + std::to_string(port);
+    // append, not operator+(const char*, string&&): GCC 12 at -O3 reports a false -Wrestrict there.
+    return std::string("[").append(buf).append("]:").append(std::to_string(port));
   }
   return "<unknown address>";
 }
