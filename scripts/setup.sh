@@ -8,6 +8,7 @@ apt_pkgs=()
 command -v ip >/dev/null 2>&1 || apt_pkgs+=(iproute2)
 command -v tc >/dev/null 2>&1 || apt_pkgs+=(iproute2)
 [ -f /usr/include/gtest/gtest.h ] || apt_pkgs+=(libgtest-dev)
+[ -f /usr/include/openssl/hmac.h ] || apt_pkgs+=(libssl-dev)  # libcrypto: the connection handshake's HMAC
 command -v g++ >/dev/null 2>&1 || apt_pkgs+=(g++)
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)  # rumor.data cache; rumor starts its own
 [ -f /usr/include/openssl/hmac.h ] || apt_pkgs+=(libssl-dev)  # HMAC for the connection handshake

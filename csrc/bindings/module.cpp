@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "comm/context.h"
 #include "core/reduce.h"
 #include "engine/bucket_engine.h"
+#include "net/dial.h"
 #include "net/handshake.h"
 #include "net/socket.h"
 
@@ -31,21 +33,39 @@ struct ArenaRankView {
   std::byte* data;
 };
 
+// 32 bytes, or None for the key derived from the token (an unauthenticated job).
+std::optional<net::Key> to_key(const py::object& key) {
+  if (key.is_none()) return std::nullopt;
+  if (!py::isinstance<py::bytes>(key))
+    throw Error(ErrorKind::kInvalidArgument,
+                "connection key must be bytes (" + std::to_string(net::kKeyBytes) + ") or None, got " +
+                    std::string(py::str(py::type::handle_of(key).attr("__name__"))));
+  std::string s = key.cast<py::bytes>();
+  if (s.size() != net::kKeyBytes)
+    throw Error(ErrorKind::kInvalidArgument, "connection key must be " + std::to_string(net::kKeyBytes) +
+                                                 " bytes, got " + std::to_string(s.size()));
+  net::Key k{};
+  std::memcpy(k.data(), s.data(), k.size());
+  return k;
+}
+
 bool probe_connect(const std::string& address, const py::bytes& token, uint32_t rank, uint64_t comm_id,
-                   uint32_t stream, double timeout_s) {
+                   uint32_t stream, const py::object& key, double timeout_s) {
   net::Token t = to_token(token);
+  std::optional<net::Key> k = to_key(key);
+  const net::Key use = k ? *k : net::unauthenticated_key(t);
   py::gil_scoped_release nogil;
   Deadline dl = Deadline::after(timeout_s);
-  net::Fd fd = net::connect_tcp(net::HostPort::parse(address), dl, "probe");
-  net::Hello h = net::make_hello(t, rank, comm_id, stream);
-  net::write_all(fd.get(), &h, sizeof(h), dl, "probe");
-  char ack[8];
-  try {
-    net::read_all(fd.get(), ack, sizeof(ack), dl, "probe");
-  } catch (const Error&) {
-    return false;
+  net::DialRequest req{rank, comm_id, stream, std::nullopt};
+  while (true) {
+    net::Fd fd = net::connect_tcp(net::HostPort::parse(address), dl, "probe");
+    try {
+      if (net::client_handshake(fd.get(), use, req, dl, "probe") == net::DialOutcome::kAccepted) return true;
+    } catch (const Error&) {
+      return false;  // refused, whatever the step
+    }
+    if (dl.expired()) return false;  // busy until the end
   }
-  return std::memcmp(ack, net::kAccept, sizeof(ack)) == 0;
 }
 
 }  // namespace
@@ -68,8 +88,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("reduce_isa", &reduce_isa);
   m.def("protocol_version", [] { return net::kProtocolVersion; });
   m.def("probe_connect", &probe_connect, py::arg("address"), py::arg("token"), py::arg("rank"),
-        py::arg("comm_id") = 0, py::arg("stream") = 0, py::arg("timeout") = 10.0,
-        "Opens a TCP connection and sends a handshake; True if the listener accepted it.");
+        py::arg("comm_id") = 0, py::arg("stream") = 0, py::arg("key") = py::none(), py::arg("timeout") = 10.0,
+        "Connects and runs the dialing side of the handshake under `key` (None: the key derived from "
+        "`token`); True if the listener accepted the stream, False if it or this side refused.");
   m.def(
       "reduce_into",
       [](uintptr_t dst, uintptr_t src, size_t count, int dtype, int op) {
@@ -110,14 +131,19 @@ PYBIND11_MODULE(_C, m) {
           py::arg("timeout"));
 
   py::class_<Context, std::shared_ptr<Context>>(m, "Context")
-      .def(py::init([](uint32_t rank, uint32_t size, const py::bytes& token, const Options& opts, int port) {
-             return std::make_shared<Context>(rank, size, to_token(token), opts, port);
+      .def(py::init([](uint32_t rank, uint32_t size, const py::bytes& token, const Options& opts, int port,
+                       const py::object& key, const std::string& bind) {
+             return std::make_shared<Context>(rank, size, to_token(token), opts, port, to_key(key), bind);
            }),
-           py::arg("rank"), py::arg("size"), py::arg("token"), py::arg("options"), py::arg("port") = 0)
+           py::arg("rank"), py::arg("size"), py::arg("token"), py::arg("options"), py::arg("port") = 0,
+           py::arg("key") = py::none(), py::arg("bind") = "",
+           "token: the job's 16-byte public session id; key: the 32-byte connection key every TCP stream "
+           "proves (None: derived from the token, unauthenticated); bind: the listen address ('' = all).")
       .def_property_readonly("rank", &Context::rank)
       .def_property_readonly("size", &Context::size)
       .def_property_readonly("port", &Context::port)
       .def_property_readonly("rejected_connections", &Context::rejected_connections)
+      .def_property_readonly("pending_connections", &Context::pending_connections)
       .def("set_peers", &Context::set_peers, py::arg("addresses"), py::arg("host_ids"),
            py::arg("owner_tags") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shm_tag", &Context::shm_tag)
@@ -209,7 +235,9 @@ PYBIND11_MODULE(_C, m) {
       })
       .def(
           "rank_view",
-          [](std::shared_ptr<SharedArena> a, uint32_t rank) { return ArenaRankView{a, a->data_of(rank)}; },
+          [](std::shared_ptr<SharedArena> a, uint32_t rank) {
+            return ArenaRankView{a, a->data_of(rank)};
+          },
           py::arg("rank"),
           "A writable buffer over the arena of communicator rank `rank`, as mapped here (keeps the arena "
           "alive).")

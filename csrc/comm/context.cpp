@@ -9,6 +9,7 @@
 #include <cstdio>
 
 #include "core/log.h"
+#include "net/dial.h"
 #include "net/tcp_channel.h"
 
 namespace rumor {
@@ -49,10 +50,12 @@ std::string process_tag() {
 }
 }  // namespace
 
-Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options options, int port)
+Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options options, int port,
+                 std::optional<net::Key> key, const std::string& bind)
     : rank_(rank),
       size_(size),
       token_(token),
+      key_(key ? *key : net::unauthenticated_key(token)),
       options_(options),
       timeout_s_(options.timeout_s),
       recorder_(rank, options.flight_records) {
@@ -64,7 +67,7 @@ Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options 
                                                  std::to_string(net::kMaxStreams) + "], got " +
                                                  std::to_string(options_.streams));
   if (options_.timeout_s <= 0) throw Error(ErrorKind::kInvalidArgument, "timeout must be positive");
-  listener_ = std::make_unique<net::Listener>(token_, size_, port);
+  listener_ = std::make_unique<net::Listener>(key_, rank_, size_, port, bind);
   own_tag_ = process_tag();
   owner_tags_.assign(size_, own_tag_);
   if (options_.shm) {
@@ -174,19 +177,8 @@ std::vector<net::Fd> Context::tcp_streams(uint64_t comm_id, uint32_t peer, int c
     // The higher rank dials, the lower one accepts: each pair agrees without negotiation.
     if (rank_ > peer) {
       std::string what = "connecting to " + desc + " at " + addresses_[peer];
-      net::Fd fd = net::connect_tcp(net::HostPort::parse(addresses_[peer]), deadline, what);
-      net::Hello h = net::make_hello(token_, rank_, comm_id, static_cast<uint32_t>(s));
-      net::write_all(fd.get(), &h, sizeof(h), deadline, what);
-      char ack[sizeof(net::kAccept)];
-      try {
-        net::read_all(fd.get(), ack, sizeof(ack), deadline, what);
-      } catch (const Error& e) {
-        throw Error(e.kind(),
-                    what + ": the peer refused the handshake (job token or protocol version differ?)");
-      }
-      if (std::memcmp(ack, net::kAccept, sizeof(ack)) != 0)
-        throw Error(ErrorKind::kProtocol, what + ": unexpected handshake reply");
-      streams.push_back(std::move(fd));
+      net::DialRequest req{rank_, comm_id, static_cast<uint32_t>(s), peer};
+      streams.push_back(net::dial(net::HostPort::parse(addresses_[peer]), key_, req, deadline, what));
     } else {
       streams.push_back(listener_->take(comm_id, peer, static_cast<uint32_t>(s), deadline));
     }

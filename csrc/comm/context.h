@@ -8,10 +8,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/types.h"
+#include "net/auth.h"
 #include "net/channel.h"
 #include "net/handshake.h"
 #include "net/listener.h"
@@ -38,7 +40,11 @@ struct Options {
 
 class Context {
  public:
-  Context(uint32_t rank, uint32_t size, const net::Token& token, Options options, int port);
+  // token: the job's public session id (names shared memory). key: what every TCP connection
+  // proves (net/handshake.h); nullopt derives it from the token (net::unauthenticated_key), which
+  // keeps out mistakes, not attackers. bind: the address the listener binds ("" = every interface).
+  Context(uint32_t rank, uint32_t size, const net::Token& token, Options options, int port,
+          std::optional<net::Key> key = std::nullopt, const std::string& bind = "");
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -53,6 +59,8 @@ class Context {
   void set_timeout(double seconds);
   int port() const { return listener_->port(); }
   uint64_t rejected_connections() const { return listener_->rejected(); }
+  size_t pending_connections() const { return listener_->pending(); }
+  const net::Listener& listener() const { return *listener_; }
 
   // Called once after rendezvous: every rank's "host:port" and host identity. Maps the
   // doorbells of the ranks on this host, which must all have their Context by now.
@@ -90,6 +98,7 @@ class Context {
   uint32_t rank_;
   uint32_t size_;
   net::Token token_;
+  net::Key key_;
   Options options_;
   std::atomic<double> timeout_s_;
   std::unique_ptr<net::Listener> listener_;

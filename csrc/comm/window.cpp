@@ -250,7 +250,9 @@ void WindowHub::check_alive(const Window& w, uint32_t peer, const std::string& w
 void WindowHub::ensure_links(const Deadline& deadline) {
   if (links_built_) return;
   for (uint32_t r = 0; r < size_; ++r) {
-    if (r == rank_ || local(r)) continue;
+    // A link built before an earlier call failed stays: the listener hands out each stream
+    // once per Context, so dialing it again would be refused.
+    if (r == rank_ || local(r) || links_[r]) continue;
     auto fds = ctx_->tcp_streams(kWindowCommId, r, 1, deadline);
     auto l = std::make_unique<Link>();
     l->peer = r;

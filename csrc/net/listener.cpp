@@ -1,8 +1,10 @@
 #include "net/listener.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,21 +16,61 @@
 namespace rumor::net {
 
 namespace {
-// A client that has not completed its Hello by then is dropped, so a stalled or hostile
-// connection cannot hold a slot forever.
-constexpr auto kHelloTimeout = std::chrono::seconds(10);
 
-struct Pending {
-  Fd fd;
-  Hello hello{};
-  size_t got = 0;
-  Clock::time_point since;
+// New connections taken per poll round: between rounds the connections already pending are
+// served, so a flood of new ones cannot starve a peer that is half way through its handshake.
+constexpr int kAcceptBatch = 64;
+
+// At most `per_s` refusal lines a second; the rest are counted and summarized in one line, so a
+// scan or a flood cannot fill the log (or slow the thread down writing it).
+class LogLimiter {
+ public:
+  explicit LogLimiter(int per_s) : per_s_(std::max(1, per_s)) {}
+  bool allow(Clock::time_point now) {
+    roll(now);
+    if (lines_ < per_s_) {
+      ++lines_;
+      return true;
+    }
+    ++suppressed_;
+    return false;
+  }
+  void roll(Clock::time_point now) {
+    if (now - window_ < std::chrono::seconds(1)) return;
+    if (suppressed_ > 0)
+      RUMOR_LOG(kWarn,
+                "listener: " << suppressed_ << " more refused connections in the last second not logged");
+    window_ = now;
+    lines_ = 0;
+    suppressed_ = 0;
+  }
+  // When roll() has a summary to write, or never.
+  Clock::time_point due() const {
+    return suppressed_ > 0 ? window_ + std::chrono::seconds(1) : Clock::time_point::max();
+  }
+
+ private:
+  int per_s_;
+  Clock::time_point window_{};
+  int lines_ = 0;
+  uint64_t suppressed_ = 0;
 };
+
+bool fd_limit_error(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
+
 }  // namespace
 
-Listener::Listener(const Token& token, uint32_t world_size, int port)
-    : token_(token), world_size_(world_size) {
-  auto [fd, bound] = listen_tcp(port);
+struct Listener::Pending {
+  Fd fd;
+  std::string peer;  // "host:port", for the logs
+  Clock::time_point since;
+  ServerHandshake hs;
+};
+
+Listener::Listener(const Key& key, uint32_t rank, uint32_t world_size, int port, const std::string& bind_host,
+                   ListenerLimits limits)
+    : key_(key), rank_(rank), world_size_(world_size), limits_(limits) {
+  auto [fd, bound] = listen_tcp(port, bind_host);
   listen_fd_ = std::move(fd);
   port_ = bound;
   set_nonblocking(listen_fd_.get(), true);
@@ -43,9 +85,18 @@ Listener::~Listener() {
   if (thread_.joinable()) thread_.join();
 }
 
+double Listener::thread_cpu_seconds() const {
+  clockid_t cid{};
+  timespec ts{};
+  if (::pthread_getcpuclockid(const_cast<std::thread&>(thread_).native_handle(), &cid) != 0 ||
+      ::clock_gettime(cid, &ts) != 0)
+    return -1.0;
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 Fd Listener::take(uint64_t comm_id, uint32_t from_rank, uint32_t stream, const Deadline& deadline) {
   std::unique_lock lk(mu_);
-  Key key{comm_id, from_rank, stream};
+  StreamKey key{comm_id, from_rank, stream};
   while (true) {
     auto it = ready_.find(key);
     if (it != ready_.end()) {
@@ -60,89 +111,197 @@ Fd Listener::take(uint64_t comm_id, uint32_t from_rank, uint32_t stream, const D
   }
 }
 
+Listener::Step Listener::progress(Pending& p, std::string* why) {
+  try {
+    while (true) {
+      while (!p.hs.output().empty()) {
+        auto out = p.hs.output();
+        ssize_t n = ::send(p.fd.get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+          p.hs.sent(static_cast<size_t>(n));
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+          return Step::kKeep;
+        } else if (n < 0 && errno == EINTR) {
+          continue;
+        } else {
+          *why = "send failed during the handshake: " + errno_string(errno);
+          return Step::kDrop;
+        }
+      }
+      switch (p.hs.state()) {
+        case ServerHandshake::State::kFailed:
+          *why = p.hs.error();
+          return Step::kDrop;
+        case ServerHandshake::State::kAccepted:
+          return Step::kDone;
+        case ServerHandshake::State::kAuthenticated: {
+          const Hello& h = p.hs.hello();
+          StreamKey key{h.comm_id, h.rank, h.stream};
+          auto it = claimed_.find(key);
+          if (it != claimed_.end()) {
+            p.hs.fail("proved the key but claims comm " + std::to_string(h.comm_id) + " rank " +
+                      std::to_string(h.rank) + " stream " + std::to_string(h.stream) + ", which " +
+                      it->second + " already holds (the first stream stays)");
+          } else {
+            claimed_.emplace(key, p.peer);
+            p.hs.accept();
+          }
+          continue;
+        }
+        default:
+          break;
+      }
+      uint8_t buf[kHelloBytes];
+      const size_t want = std::min(sizeof(buf), p.hs.wanted());
+      ssize_t n = ::recv(p.fd.get(), buf, want, MSG_DONTWAIT);
+      if (n > 0) {
+        p.hs.feed({buf, static_cast<size_t>(n)});
+        continue;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Step::kKeep;
+      if (n < 0 && errno == EINTR) continue;
+      *why = n == 0 ? (p.hs.state() == ServerHandshake::State::kHello
+                           ? "closed before completing its hello"
+                           : "closed after its hello, without a proof")
+                    : "recv failed during the handshake: " + errno_string(errno);
+      return Step::kDrop;
+    }
+  } catch (const Error& e) {
+    *why = e.what();
+    return Step::kDrop;
+  }
+}
+
 void Listener::run() {
   std::vector<Pending> pending;
+  LogLimiter log(limits_.log_lines_per_s);
+  Clock::time_point backoff_until{};
+
+  auto refuse = [&](Pending& p, const std::string& why, Clock::time_point now) {
+    // A claim that proved the key and then failed (its Accept could not be sent) was never a stream.
+    if (p.hs.state() == ServerHandshake::State::kAccepted) {
+      const Hello& h = p.hs.hello();
+      claimed_.erase(StreamKey{h.comm_id, h.rank, h.stream});
+    }
+    rejected_.fetch_add(1);  // before the close: tests wait for the close, then read the count
+    if (log.allow(now))
+      RUMOR_LOG(kWarn,
+                "listener of rank " << rank_ << ": refused a connection from " << p.peer << ": " << why);
+  };
+
   while (true) {
+    auto now = Clock::now();
+    const bool backing_off = now < backoff_until;
     std::vector<pollfd> fds;
+    fds.reserve(pending.size() + 2);
     fds.push_back({wake_fd_.get(), POLLIN, 0});
-    fds.push_back({listen_fd_.get(), POLLIN, 0});
-    for (auto& p : pending) fds.push_back({p.fd.get(), POLLIN, 0});
-    int rc = ::poll(fds.data(), fds.size(), 500);
+    fds.push_back({backing_off ? -1 : listen_fd_.get(), POLLIN, 0});  // poll() skips a negative fd
+    for (auto& p : pending) {
+      short ev = 0;
+      if (p.hs.wanted() > 0) ev |= POLLIN;
+      if (!p.hs.output().empty()) ev |= POLLOUT;
+      fds.push_back({p.fd.get(), ev, 0});
+    }
+    auto wake_at = now + std::chrono::milliseconds(500);
+    if (!pending.empty()) wake_at = std::min(wake_at, pending.front().since + limits_.handshake_timeout);
+    if (backing_off) wake_at = std::min(wake_at, backoff_until);
+    wake_at = std::min(wake_at, log.due());
+    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(wake_at - now).count();
+    int rc = ::poll(fds.data(), fds.size(), static_cast<int>(std::clamp<int64_t>(ms, 0, 500)));
     if (rc < 0 && errno != EINTR) {
       RUMOR_LOG(kError, "listener: poll failed: " << errno_string(errno));
       return;
     }
-    if (fds[0].revents != 0) return;
-    const size_t polled = pending.size();  // connections accepted below were not polled yet
-    if (fds[1].revents & POLLIN) {
-      while (true) {
-        int c = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (c < 0) break;
-        pending.push_back(Pending{Fd(c), {}, 0, Clock::now()});
-      }
-    }
-    auto now = Clock::now();
+    if (rc > 0 && fds[0].revents != 0) return;
+    now = Clock::now();
+
+    // Connections already pending first, with what poll saw for each.
     std::vector<Pending> keep;
-    for (size_t i = 0; i < pending.size(); ++i) {
-      Pending& p = pending[i];
-      short rev = i < polled ? fds[i + 2].revents : POLLIN;
-      bool drop = false;
+    keep.reserve(pending.size() + kAcceptBatch);
+    auto settle = [&](Pending& p) {
       std::string why;
-      if (rev != 0) {
-        ssize_t n = ::recv(p.fd.get(), reinterpret_cast<char*>(&p.hello) + p.got, sizeof(Hello) - p.got,
-                           MSG_DONTWAIT);
-        if (n > 0) {
-          p.got += static_cast<size_t>(n);
-          // Reject garbage as soon as the magic is visible, before waiting for the rest.
-          size_t check = std::min<size_t>(p.got, 8);
-          if (std::memcmp(p.hello.magic, kHelloMagic, check) != 0) {
-            drop = true;
-            why = "bad magic (not a rumor peer)";
-          }
-        } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
-          drop = true;
-          why = "closed before completing the handshake";
-        }
+      Step s = progress(p, &why);
+      if (s == Step::kKeep && now - p.since > limits_.handshake_timeout) {
+        s = Step::kDrop;
+        why = "handshake not completed within " + std::to_string(limits_.handshake_timeout.count()) + " ms";
       }
-      if (!drop && p.got == sizeof(Hello)) {
-        const Hello& h = p.hello;
-        if (h.version != kProtocolVersion) {
-          why = "protocol version " + std::to_string(h.version) + ", expected " +
-                std::to_string(kProtocolVersion);
-        } else if (std::memcmp(h.token, token_.data(), kTokenBytes) != 0) {
-          why = "wrong job token";
-        } else if (h.rank >= world_size_) {
-          why = "rank " + std::to_string(h.rank) + " out of range";
-        }
-        if (why.empty()) {
-          set_nonblocking(p.fd.get(), false);
-          try {
-            write_all(p.fd.get(), kAccept, sizeof(kAccept), Deadline::after(5.0), "handshake ack");
-          } catch (const Error& e) {
-            why = e.what();
-          }
-        }
-        if (why.empty()) {
-          tune_stream_socket(p.fd.get());
-          std::lock_guard lk(mu_);
-          ready_[Key{h.comm_id, h.rank, h.stream}] = std::move(p.fd);
-          cv_.notify_all();
-          continue;
-        }
-        drop = true;
+      if (s == Step::kDrop) {
+        refuse(p, why, now);
+        return;  // the Fd closes here
       }
-      if (!drop && now - p.since > kHelloTimeout) {
-        drop = true;
-        why = "handshake not completed within 10 s";
-      }
-      if (drop) {
-        rejected_.fetch_add(1);
-        RUMOR_LOG(kWarn, "listener: rejected a connection: " << why);
-        continue;  // Fd closes here
+      if (s == Step::kDone) {
+        const Hello& h = p.hs.hello();
+        set_nonblocking(p.fd.get(), false);
+        tune_stream_socket(p.fd.get());
+        std::lock_guard lk(mu_);
+        ready_[StreamKey{h.comm_id, h.rank, h.stream}] = std::move(p.fd);
+        cv_.notify_all();
+        return;
       }
       keep.push_back(std::move(p));
+    };
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (rc > 0 && fds[i + 2].revents == 0 && now - pending[i].since <= limits_.handshake_timeout) {
+        keep.push_back(std::move(pending[i]));
+        continue;
+      }
+      settle(pending[i]);
     }
     pending = std::move(keep);
+    keep.clear();
+
+    if (!backing_off && rc > 0 && (fds[1].revents & POLLIN)) {
+      for (int i = 0; i < kAcceptBatch; ++i) {
+        sockaddr_storage ss{};
+        socklen_t len = sizeof(ss);
+        int c =
+            ::accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (c < 0) {
+          const int err = errno;
+          if (err == EAGAIN || err == EWOULDBLOCK) break;
+          if (fd_limit_error(err)) {
+            // The connection stays in the backlog; polling the listening socket again at once
+            // would only spin until an fd is free.
+            backoff_until = now + limits_.accept_backoff;
+            backoffs_.fetch_add(1);
+            if (log.allow(now))
+              RUMOR_LOG(kWarn, "listener of rank "
+                                   << rank_ << ": cannot accept connections: " << errno_string(err)
+                                   << "; pausing accepts for " << limits_.accept_backoff.count() << " ms");
+            break;
+          }
+          continue;  // ECONNABORTED, EPROTO, EPERM, EINTR...: that connection alone is gone
+        }
+        Fd fd(c);
+        const std::string peer = format_address(ss);
+        Nonce nonce{};
+        try {
+          nonce = random_nonce();
+        } catch (const Error& e) {
+          rejected_.fetch_add(1);
+          if (log.allow(now))
+            RUMOR_LOG(kWarn, "listener of rank " << rank_ << ": refused " << peer << ": " << e.what());
+          continue;
+        }
+        if (pending.size() >= limits_.max_pending) {
+          Pending& old = pending.front();
+          // Best effort: a real peer that sees it dials again; a stranger learns nothing new.
+          [[maybe_unused]] ssize_t n =
+              ::send(old.fd.get(), kBusy, sizeof(kBusy), MSG_NOSIGNAL | MSG_DONTWAIT);
+          refuse(old,
+                 "dropped: " + std::to_string(limits_.max_pending) +
+                     " connections were still in their handshake (the oldest goes)",
+                 now);
+          pending.erase(pending.begin());
+        }
+        Pending p{std::move(fd), peer, now, ServerHandshake(key_, rank_, world_size_, nonce)};
+        settle(p);  // its hello is usually there already
+        for (auto& k : keep) pending.push_back(std::move(k));
+        keep.clear();
+      }
+    }
+    pending_count_.store(pending.size());
+    log.roll(Clock::now());
   }
 }
 

@@ -44,7 +44,70 @@ std::string HostPort::str() const {
   return host + ":" + std::to_string(port);
 }
 
-std::pair<Fd, int> listen_tcp(int port) {
+namespace {
+int bound_port(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  return ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                                  : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+}
+
+// Only the named address: a host with a public and a private interface can keep the job's
+// listener off the public one.
+std::pair<Fd, int> listen_on_host(int port, const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string ps = std::to_string(port);
+  int gai = ::getaddrinfo(host.c_str(), ps.c_str(), &hints, &res);
+  if (gai != 0)
+    throw Error(ErrorKind::kInvalidArgument, "listen address '" + host + "': " + ::gai_strerror(gai));
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, &::freeaddrinfo);
+  std::string errors;
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    Fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (!fd.valid()) continue;
+    int one = 1;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+      errors += (errors.empty() ? "" : "; ") + errno_string(errno);
+      continue;
+    }
+    if (::listen(fd.get(), 1024) != 0) throw Error(ErrorKind::kSystem, "listen(): " + errno_string(errno));
+    const int bound = bound_port(fd.get());
+    return {std::move(fd), bound};
+  }
+  throw Error(ErrorKind::kSystem,
+              "bind(" + HostPort{host, port}.str() + "): " + (errors.empty() ? "no usable address" : errors));
+}
+}  // namespace
+
+std::string format_address(const sockaddr_storage& ss) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, buf, sizeof(buf));
+    return std::string(buf) + ":" + std::to_string(ntohs(a->sin_port));
+  }
+  if (ss.ss_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+    const int port = ntohs(a->sin6_port);
+    if (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr)) {
+      ::inet_ntop(AF_INET, &a->sin6_addr.s6_addr[12], buf, sizeof(buf));
+      return std::string(buf) + ":" + std::to_string(port);
+    }
+    ::inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof(buf));
+    // append, not operator+(const char*, string&&): GCC 12 at -O3 reports a false -Wrestrict there.
+    return std::string("[").append(buf).append("]:").append(std::to_string(port));
+  }
+  return "<unknown address>";
+}
+
+std::pair<Fd, int> listen_tcp(int port, const std::string& host) {
+  if (!host.empty()) return listen_on_host(port, host);
   Fd fd(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
   bool v6 = fd.valid();
   if (v6) {
@@ -73,11 +136,7 @@ std::pair<Fd, int> listen_tcp(int port) {
   if (rc != 0)
     throw Error(ErrorKind::kSystem, "bind(port " + std::to_string(port) + "): " + errno_string(errno));
   if (::listen(fd.get(), 1024) != 0) throw Error(ErrorKind::kSystem, "listen(): " + errno_string(errno));
-  sockaddr_storage ss{};
-  socklen_t len = sizeof(ss);
-  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
-  int bound = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
-                                       : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  const int bound = bound_port(fd.get());
   return {std::move(fd), bound};
 }
 

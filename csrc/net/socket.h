@@ -2,6 +2,8 @@
 // The data path uses non-blocking sockets driven by comm/exchange.cpp instead.
 #pragma once
 
+#include <sys/socket.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -41,8 +43,12 @@ struct HostPort {
   std::string str() const;
 };
 
-// Listens on all interfaces; port 0 picks a free one. Returns the fd and the bound port.
-std::pair<Fd, int> listen_tcp(int port);
+// Listens on `host` (an address or a name; "" = every interface, IPv4 and IPv6); port 0 picks a
+// free one. Returns the fd and the bound port.
+std::pair<Fd, int> listen_tcp(int port, const std::string& host = "");
+
+// "a.b.c.d:port" or "[v6]:port" of a peer (IPv4-mapped IPv6 addresses written as IPv4).
+std::string format_address(const sockaddr_storage& ss);
 
 // Connects (retrying refused connections until the deadline) and returns a blocking socket.
 Fd connect_tcp(const HostPort& to, const Deadline& deadline, const std::string& what);

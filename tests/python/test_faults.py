@@ -241,8 +241,10 @@ def _raw(addr, payload: bytes) -> bytes:
             return b"<reset>"
 
 
-def _hello(magic=b"RUMORHS1", version=1, rank=0, comm=0, stream=0, token=b"\0" * 16) -> bytes:
-    return magic + struct.pack("<IIQII", version, rank, comm, stream, 0) + token + b"\0" * 16
+def _hello(magic=b"RUMORHS1", version=2, rank=0, comm=0, stream=0) -> bytes:
+    """A protocol v2 hello (csrc/net/handshake.h) with a fresh nonce: without the key's proof
+    that follows it, the listener never accepts it."""
+    return magic + struct.pack("<IIQII", version, rank, comm, stream, 0) + os.urandom(32)
 
 
 def intruder_rank():
@@ -264,38 +266,36 @@ def intruder_rank():
     rumor.barrier()
 
     probes = 0
-    ok = _C.probe_connect(target, token=b"x" * 16, rank=0)
+    # The highest rank dials every other one, so only the key's proof can refuse these.
+    ok = _C.probe_connect(target, token=b"x" * 16, rank=n - 1)
     chk.check(ok is False, f"probe_connect with a wrong token was accepted ({ok!r})")
     probes += 1
-    ok = _C.probe_connect(target, token=b"x" * 16, rank=0, comm_id=0, stream=1)
-    chk.check(ok is False, "probe_connect with a wrong token (stream 1) was accepted")
+    ok = _C.probe_connect(target, token=b"x" * 16, rank=n - 1, comm_id=0, stream=1, key=os.urandom(32))
+    chk.check(ok is False, "probe_connect with a wrong key (stream 1) was accepted")
     probes += 1
     got = _raw(target, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(200))
-    chk.check(b"RUMOROK1" not in got, f"garbage got a handshake reply: {got!r}")
+    chk.check(b"RUMOROK" not in got, f"garbage got a handshake reply: {got!r}")
     probes += 1
     got = _raw(target, _hello(magic=b"NOTRUMOR"))
-    chk.check(b"RUMOROK1" not in got, f"a hello with bad magic got accepted: {got!r}")
+    chk.check(b"RUMOROK" not in got, f"a hello with bad magic got accepted: {got!r}")
     probes += 1
-    got = _raw(target, _hello(version=99, token=os.urandom(16)))
-    chk.check(b"RUMOROK1" not in got, f"a hello with a bad version got accepted: {got!r}")
+    got = _raw(target, _hello(version=99))
+    chk.check(b"RUMOROK" not in got, f"a hello with a bad version got accepted: {got!r}")
     probes += 1
-    # The job's real token (from the rendezvous store of this first init()), but a rank that is
-    # not in the world, or another protocol version.
-    import datetime
-
-    import torch.distributed as dist
-
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=datetime.timedelta(seconds=30))
-    token = bytes(dist.PrefixStore("rumor/0/", client).get("token"))
-    got = _raw(target, _hello(rank=1000, token=token))
-    chk.check(b"RUMOROK1" not in got, f"a hello with an out-of-range rank got accepted: {got!r}")
+    # Well-formed hellos that the listener refuses before any proof: a rank that is not in the
+    # world, or another protocol version.
+    got = _raw(target, _hello(rank=1000))
+    chk.check(b"RUMOROK" not in got, f"a hello with an out-of-range rank got accepted: {got!r}")
     probes += 1
-    got = _raw(target, _hello(rank=n, token=token))
-    chk.check(b"RUMOROK1" not in got, f"a hello with rank {n} (= world size) got accepted: {got!r}")
+    got = _raw(target, _hello(rank=n))
+    chk.check(b"RUMOROK" not in got, f"a hello with rank {n} (= world size) got accepted: {got!r}")
     probes += 1
-    got = _raw(target, _hello(version=2, rank=0, token=token))
-    chk.check(b"RUMOROK1" not in got, f"a hello with protocol version 2 got accepted: {got!r}")
+    got = _raw(target, _hello(version=3, rank=n - 1))
+    chk.check(b"RUMOROK" not in got, f"a hello with protocol version 3 got accepted: {got!r}")
+    probes += 1
+    # A v1 hello (the job token where v2 has its nonce), as an older rumor would send it.
+    got = _raw(target, _hello(version=1, rank=n - 1))
+    chk.check(b"RUMOROK" not in got, f"a protocol version 1 hello got accepted: {got!r}")
     probes += 1
     got = _raw(target, _hello()[:20])  # half a handshake, then close
     chk.check(got == b"" or got == b"<reset>", f"half a handshake got a reply: {got!r}")
@@ -304,6 +304,10 @@ def intruder_rank():
     rumor.barrier()
     # Each listener saw exactly the probes of its predecessor; the counter is bumped before the
     # listener closes a connection, and every probe above waited for that close.
+    # A probe that refuses the listener's proof hangs up first: its refusal is counted a moment later.
+    deadline = time.monotonic() + 20
+    while st.ctx.rejected_connections - before < probes and time.monotonic() < deadline:
+        time.sleep(0.01)
     after = st.ctx.rejected_connections
     chk.check(after - before >= probes, f"rejected_connections went {before} -> {after}, expected +{probes}")
     # The job is undisturbed: collectives on fresh channels (TCP and shm) are still correct.
