@@ -11,7 +11,6 @@ command -v tc >/dev/null 2>&1 || apt_pkgs+=(iproute2)
 [ -f /usr/include/openssl/hmac.h ] || apt_pkgs+=(libssl-dev)  # libcrypto: the connection handshake's HMAC
 command -v g++ >/dev/null 2>&1 || apt_pkgs+=(g++)
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)  # rumor.data cache; rumor starts its own
-[ -f /usr/include/openssl/hmac.h ] || apt_pkgs+=(libssl-dev)  # HMAC for the connection handshake
 # The fuzz targets (scripts/fuzz.sh): clang's libFuzzer with ASan+UBSan.
 command -v clang++-14 >/dev/null 2>&1 || apt_pkgs+=(clang-14)
 compgen -G "/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null || apt_pkgs+=(libfuzzer-14-dev)
