@@ -173,6 +173,8 @@ Listener::Step Listener::progress(Pending& p, std::string* why) {
 }
 
 void Listener::run() {
+  // Named so that an operator (top -H) or a test can tell the listener from the ranks' threads.
+  ::pthread_setname_np(::pthread_self(), "rumor-listen");
   std::vector<Pending> pending;
   LogLimiter log(limits_.log_lines_per_s);
   Clock::time_point backoff_until{};

@@ -147,11 +147,14 @@ def _flood(workdir: str, errors: list) -> None:
                     pass
             held.append(s)
         for _ in range(CONNECT_CLOSE):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=2):
+            # Connect and hang up at once, without waiting for the handshake to complete: a
+            # listener that has stopped accepting (at its fd limit) must not slow the flooder.
+            with socket.socket() as s:
+                s.setblocking(False)
+                try:
+                    s.connect(("127.0.0.1", port))
+                except (BlockingIOError, OSError):
                     pass
-            except OSError:
-                pass
         time.sleep(3.5)  # hold the half-open ones past the listener's handshake deadline
         for s in held:
             s.close()
@@ -172,7 +175,8 @@ def test_training_goes_on_through_a_connection_flood(tmp_path, shm):
     assert not errors, errors
     r0 = res[0]
     assert r0["steps"] >= 5
-    # Not spinning: the listener used well under one core while it sat at its fd limit.
-    assert r0["cpu"] < 0.5 * r0["wall"], r0
+    # Not spinning: while it sat at its fd limit the listener used a small part of one core
+    # (measured: 0.5% here; 44% with the EMFILE back-off removed, which this bound catches).
+    assert r0["cpu"] < 0.2 * r0["wall"], r0
     assert r0["fds_after"] <= r0["fds_before"] + 2, r0
     assert r0["rejected"] >= 100, r0
