@@ -15,7 +15,8 @@ Where the secret comes from, first found wins:
   RUMOR_JOB_SECRET       the secret itself (at least 16 characters; a process's environment is
                          readable only by its own user);
   RUMOR_JOB_SECRET_FILE  a file holding it, owned by this user and not readable by others;
-  one host               this user's secret: 32 random bytes created once in ~/.config/rumor/secret
+  one host               this user's secret: 32 random bytes (as hex) created once in
+                         ~/.config/rumor/secret
                          (0600, in a 0700 directory; the private directory where there is no home),
                          shared by every rumor process of this user. It is stable across launches
                          and reboots, so what rumor MACs with it (elastic's disk commits, a
@@ -223,36 +224,42 @@ def _user_dir() -> str:
         return private_dir()
 
 
+def user_secret_path() -> str:
+    """The file of this user's secret: 64 hex characters, so that it is also a valid
+    RUMOR_JOB_SECRET_FILE (rumor.run points the NCCL net plugin at it)."""
+    return os.path.join(_user_dir(), _USER_SECRET)
+
+
 def user_secret() -> bytes:
-    """This user's secret (32 random bytes), created once and shared by every rumor process of
-    this user (see the module docstring)."""
-    d = _user_dir()
-    path = os.path.join(d, _USER_SECRET)
+    """This user's secret, created once and shared by every rumor process of this user (see the
+    module docstring): the same bytes RUMOR_JOB_SECRET_FILE=user_secret_path() gives."""
+    path = user_secret_path()
     try:
-        data = read_private(path)
-        if len(data) == 32:
-            return data
-        raise UntrustedFileError(f"rumor: {path} holds {len(data)} bytes, expected 32; remove it")
+        return _user_secret_from(read_private(path), path)
     except FileNotFoundError:
         pass
     # Create under a temporary name, then link(): exactly one creator wins, every other process
     # (EEXIST) reads the winner's bytes.
-    tmp = os.path.join(d, f".{_USER_SECRET}.{os.getpid()}.{os.urandom(6).hex()}")
+    tmp = os.path.join(os.path.dirname(path), f".{_USER_SECRET}.{os.getpid()}.{os.urandom(6).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o600)
-            f.write(os.urandom(32))
+            f.write(os.urandom(32).hex().encode())
         try:
             os.link(tmp, path)
         except FileExistsError:
             pass
     finally:
         os.unlink(tmp)
-    data = read_private(path)
-    if len(data) != 32:
-        raise UntrustedFileError(f"rumor: {path} holds {len(data)} bytes, expected 32; remove it")
-    return data
+    return _user_secret_from(read_private(path), path)
+
+
+def _user_secret_from(raw: bytes, path: str) -> bytes:
+    s = raw.strip()
+    if len(s) != 64 or any(c not in b"0123456789abcdef" for c in s):
+        raise UntrustedFileError(f"rumor: {path} is not a rumor user secret (64 hex characters); remove it")
+    return s
 
 
 def given() -> Optional[JobSecret]:

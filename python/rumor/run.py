@@ -99,13 +99,20 @@ def main(argv: Optional[List[str]] = None) -> None:
         os.environ["RUMOR_AUTOTUNE"] = "1"
     from . import netplugin
 
+    min_nodes, _, max_nodes = str(args.nnodes).partition(":")
+    _warn_without_secret(min_nodes, max_nodes)
     if args.rumor_nccl_net_plugin or netplugin.enabled_by_env():
         try:
             netplugin.enable()
         except FileNotFoundError as e:
             raise SystemExit(f"rumor-run: --nccl-net-plugin: {e}")
-    min_nodes, _, max_nodes = str(args.nnodes).partition(":")
-    _warn_without_secret(min_nodes, max_nodes)
+        from . import _secret
+
+        # The plugin (C++, inside NCCL) reads only the environment: on one node, point it at
+        # this user's secret, which rumor.init() uses there anyway.
+        if (max_nodes or min_nodes) == "1" and _secret.given() is None:
+            _secret.user_secret()  # created if this user has none yet
+            os.environ[_secret.SECRET_FILE_ENV] = _secret.user_secret_path()
     if max_nodes and max_nodes != min_nodes:
         # An elastic node count: with the agent's shared TCP store, torch 2.x gives a node that
         # joins in a later round no MASTER_ADDR (only a node without one publishes it) and its

@@ -70,7 +70,7 @@ def test_a_secret_file_of_another_user_or_a_symlink_is_refused(private, tmp_path
 def test_one_host_shares_the_private_user_secret_and_many_hosts_have_none(private):
     a = _secret.resolve(single_host=True)
     b = _secret.resolve(single_host=True)
-    assert a.authenticated and a.secret == b.secret and len(a.secret) == 32 and a.source == "user"
+    assert a.authenticated and a.secret == b.secret and len(a.secret) == 64 and a.source == "user"
     st = os.lstat(private / "secret")
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
     assert stat.S_IMODE(os.lstat(private).st_mode) == 0o700
@@ -96,7 +96,11 @@ def test_the_user_secret_lives_in_a_private_config_directory(tmp_path, monkeypat
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     a = _secret.user_secret()
-    assert _secret.user_secret() == a and len(a) == 32
+    assert _secret.user_secret() == a and len(a) == 64
+    # The same bytes through RUMOR_JOB_SECRET_FILE (what rumor.run gives the NCCL net plugin).
+    monkeypatch.setenv(_secret.SECRET_FILE_ENV, _secret.user_secret_path())
+    assert _secret.resolve(single_host=False).secret == a
+    monkeypatch.delenv(_secret.SECRET_FILE_ENV)
     d = tmp_path / "cfg" / "rumor"
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700 and stat.S_IMODE(os.lstat(d / "secret").st_mode) == 0o600
     os.chmod(d, 0o755)  # opened up by someone: refused, not used
