@@ -273,6 +273,24 @@ def intruder_rank():
     ok = _C.probe_connect(target, token=b"x" * 16, rank=n - 1, comm_id=0, stream=1, key=os.urandom(32))
     chk.check(ok is False, "probe_connect with a wrong key (stream 1) was accepted")
     probes += 1
+    # What anyone who reaches the rendezvous store reads: the session token. Before the job
+    # secret it was the whole proof (issue 48, "the job token is not a secret": a probe with it
+    # was accepted); now the key needs the secret too.
+    import datetime
+
+    import torch.distributed as dist
+
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=datetime.timedelta(seconds=30))
+    public = bytes.fromhex(bytes(dist.PrefixStore("rumor/0/", client).get("token")).decode())
+    ok = _C.probe_connect(target, token=public, rank=n - 1)
+    chk.check(ok is False, "probe_connect with the store's session token (no secret) was accepted")
+    probes += 1
+    if (r + 1) % n != n - 1:  # a listener accepts only dialers above its own rank
+        # The positive control: with the job's key (on a communicator id nobody uses) it passes.
+        ok = _C.probe_connect(target, token=public, rank=n - 1, comm_id=1 << 62,
+                              key=_runtime._get().secret.key("connection", public))
+        chk.check(ok is True, "probe_connect with the job's own key was refused")
     got = _raw(target, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(200))
     chk.check(b"RUMOROK" not in got, f"garbage got a handshake reply: {got!r}")
     probes += 1
