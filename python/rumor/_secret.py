@@ -73,17 +73,25 @@ def private_dir(create: bool = True) -> str:
     return path
 
 
-def check_private_dir(path: str) -> None:
-    st = os.lstat(path)
-    why = None
+def untrusted_why(st: os.stat_result, kind: str = "file", forbid: int = 0o077) -> Optional[str]:
+    """Why a file (kind "file") or directory ("dir") with this stat is not this user's own, or
+    None: a symlink (from lstat), another type, another owner, or any mode bit in forbid."""
     if stat.S_ISLNK(st.st_mode):
-        why = "is a symbolic link"
-    elif not stat.S_ISDIR(st.st_mode):
-        why = "is not a directory"
-    elif st.st_uid != os.geteuid():
-        why = f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
-    elif st.st_mode & 0o077:
-        why = f"has mode {stat.S_IMODE(st.st_mode):04o}; group and others must have no access"
+        return "is a symbolic link"
+    if kind == "dir" and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if kind == "file" and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
+    if st.st_mode & forbid:
+        who = "others can write it" if forbid == 0o022 else "group and others must have no access"
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}; {who}"
+    return None
+
+
+def check_private_dir(path: str) -> None:
+    why = untrusted_why(os.lstat(path), "dir")
     if why:
         raise UntrustedFileError(f"rumor: the private directory {path} {why}; remove it or point "
                                  f"{PRIVATE_DIR_ENV} at a directory of your own (mode 0700)")
@@ -91,13 +99,7 @@ def check_private_dir(path: str) -> None:
 
 def _check_fd(fd: int, path: str) -> os.stat_result:
     st = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(st.st_mode):
-        why = "is not a regular file"
-    elif st.st_uid != os.geteuid():
-        why = f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
-    elif st.st_mode & 0o077:
-        why = f"has mode {stat.S_IMODE(st.st_mode):04o}; group and others must have no access"
+    why = untrusted_why(st)
     if why:
         raise UntrustedFileError(f"rumor: refusing to read {path}: it {why}")
     return st

@@ -47,7 +47,6 @@ import hashlib
 import io
 import math
 import os
-import stat
 import struct
 import warnings
 from typing import Any, Callable, Optional, Tuple
@@ -183,14 +182,8 @@ def _read_disk(path: str, key: bytes) -> Optional[Tuple[int, bytes]]:
             raise _secret.UntrustedFileError(f"rumor.elastic: refusing to read {path}: it is a symbolic link") from None
         raise
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        why = None
-        if not stat.S_ISREG(st.st_mode):
-            why = "is not a regular file"
-        elif st.st_uid != os.geteuid():
-            why = f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
-        elif st.st_mode & 0o022:
-            why = f"has mode {stat.S_IMODE(st.st_mode):04o}: others can write it"
+        # MACed, not secret: others may read it, nobody else may write it.
+        why = _secret.untrusted_why(os.fstat(fd), forbid=0o022)
         if why:
             raise _secret.UntrustedFileError(f"rumor.elastic: refusing to read the commit {path}: it {why}")
         raw = f.read()

@@ -57,20 +57,9 @@ def shm_root() -> str:
 def check_cache_dir(path: str) -> None:
     """Raises UntrustedFileError unless path is a directory (not a symlink) owned by this user
     that group and others cannot enter: values read from it are trusted to be this user's."""
-    import stat
+    from .._secret import UntrustedFileError, untrusted_why
 
-    from .._secret import UntrustedFileError
-
-    st = os.lstat(path)
-    why = None
-    if stat.S_ISLNK(st.st_mode):
-        why = "is a symbolic link"
-    elif not stat.S_ISDIR(st.st_mode):
-        why = "is not a directory"
-    elif st.st_uid != os.geteuid():
-        why = f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
-    elif st.st_mode & 0o077:
-        why = f"has mode {stat.S_IMODE(st.st_mode):04o}; group and others must have no access (chmod 700)"
+    why = untrusted_why(os.lstat(path), "dir")
     if why:
         raise UntrustedFileError(f"rumor.data: refusing the local cache directory {path}: it {why}")
 
