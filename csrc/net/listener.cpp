@@ -37,9 +37,10 @@ class LogLimiter {
   }
   void roll(Clock::time_point now) {
     if (now - window_ < std::chrono::seconds(1)) return;
-    if (suppressed_ > 0)
-      RUMOR_LOG(kWarn,
-                "listener: " << suppressed_ << " more refused connections in the last second not logged");
+    // Plain strings: this may run at the fd limit too (see the EMFILE line in run()).
+    if (suppressed_ > 0 && log_enabled(LogLevel::kWarn))
+      log_line(LogLevel::kWarn, "listener: " + std::to_string(suppressed_) +
+                                    " more refused connections in the last second not logged");
     window_ = now;
     lines_ = 0;
     suppressed_ = 0;
@@ -266,10 +267,13 @@ void Listener::run() {
             // would only spin until an fd is free.
             backoff_until = now + limits_.accept_backoff;
             backoffs_.fetch_add(1);
-            if (log.allow(now))
-              RUMOR_LOG(kWarn, "listener of rank "
-                                   << rank_ << ": cannot accept connections: " << errno_string(err)
-                                   << "; pausing accepts for " << limits_.accept_backoff.count() << " ms");
+            // Plain strings, not RUMOR_LOG's ostringstream: with no descriptor left, UBSan's vptr
+            // check of the stream cannot load what it needs and reports a false error.
+            if (log.allow(now) && log_enabled(LogLevel::kWarn))
+              log_line(LogLevel::kWarn, "listener of rank " + std::to_string(rank_) +
+                                            ": cannot accept connections: " + errno_string(err) +
+                                            "; pausing accepts for " +
+                                            std::to_string(limits_.accept_backoff.count()) + " ms");
             break;
           }
           continue;  // ECONNABORTED, EPROTO, EPERM, EINTR...: that connection alone is gone
