@@ -25,7 +25,7 @@ using namespace window_wire;  // NOLINT: the frame kinds and statuses read as be
 
 namespace {
 
-constexpr uint32_t kSegMagic = 0x444e4957;    // "WIND"
+constexpr uint32_t kSegMagic = 0x444e4957;  // "WIND"
 // Window links are TCP streams tagged with this communicator id (groups use small ids,
 // hierarchical sub-communicators ids above 2^48).
 constexpr uint64_t kWindowCommId = 1ull << 62;

@@ -726,11 +726,13 @@ class ConnectState {
     if (c.magic != wire::kChallengeMagic) return error("the listener's challenge is malformed");
     const bool peer_auth = (c.flags & wire::kFlagAuth) != 0;
     if (key != nullptr && !peer_auth)
-      return error("the listener runs without a job secret while this process has one (RUMOR_JOB_SECRET "
-                   "must be set on both sides or neither)");
+      return error(
+          "the listener runs without a job secret while this process has one (RUMOR_JOB_SECRET "
+          "must be set on both sides or neither)");
     if (key == nullptr && peer_auth)
-      return error("the listener requires a job secret (RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE) that this "
-                   "process does not have");
+      return error(
+          "the listener requires a job secret (RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE) that this "
+          "process does not have");
     st.proof.magic = wire::kProofMagic;
     st.proof.mac = kNoMac;
     if (key != nullptr) {
@@ -776,8 +778,8 @@ class ListenComm {
     *recv_comm = nullptr;
     if (!deadline_) deadline_ = Deadline::after(config().timeout_s);
     const auto now = Clock::now();
-    const auto hello_limit = std::chrono::duration_cast<Clock::duration>(
-        std::chrono::duration<double>(config().hello_timeout_s));
+    const auto hello_limit =
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(config().hello_timeout_s));
     size_t evicted = 0;
     while (true) {
       int c = ::accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -826,9 +828,8 @@ class ListenComm {
         g.fds[h.stream] = std::move(it->fd);
         if (++g.have == static_cast<int>(g.fds.size())) {
           auto comm = std::make_unique<RecvComm>(std::move(g.fds));
-          trace([&] {
-            return "accepted recv comm " + ptr_str(comm.get()) + " on listener " + ptr_str(this);
-          });
+          trace(
+              [&] { return "accepted recv comm " + ptr_str(comm.get()) + " on listener " + ptr_str(this); });
           groups_.erase(h.conn_id);
           incoming_.erase(it);
           deadline_.reset();
@@ -927,8 +928,7 @@ class ListenComm {
     for (auto it = groups_.begin(); it != groups_.end();) {
       if (now >= it->second.expires) {
         log(abi::kLogWarn, "NET/rumor: dropped a connection with " + std::to_string(it->second.have) +
-                               " of " +
-                               std::to_string(it->second.fds.size()) +
+                               " of " + std::to_string(it->second.fds.size()) +
                                " streams: the others did not arrive within RUMOR_NET_PLUGIN_TIMEOUT");
         it = groups_.erase(it);
       } else {

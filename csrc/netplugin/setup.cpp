@@ -77,7 +77,7 @@ std::string read_secret_file(const char* path, std::string* error) {
     return {};
   }
   std::unique_ptr<int, void (*)(int*)> guard(&fd, [](int* f) { ::close(*f); });
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) {
     *error = what + ": fstat: " + std::strerror(errno);
     return {};
@@ -209,10 +209,10 @@ void setup_once() {
   st->cfg.timeout_s = static_cast<double>(
       env_long("RUMOR_NET_PLUGIN_TIMEOUT", static_cast<long>(defaults.timeout_s), 1, 86400));
   st->cfg.trace_lines = env_long("RUMOR_NET_PLUGIN_TRACE", 0, 0, 1000000);
-  st->cfg.hello_timeout_s = std::min(
-      st->cfg.timeout_s,
-      static_cast<double>(env_long("RUMOR_NET_PLUGIN_HELLO_TIMEOUT",
-                                   static_cast<long>(defaults.hello_timeout_s), 1, 86400)));
+  st->cfg.hello_timeout_s =
+      std::min(st->cfg.timeout_s,
+               static_cast<double>(env_long("RUMOR_NET_PLUGIN_HELLO_TIMEOUT",
+                                            static_cast<long>(defaults.hello_timeout_s), 1, 86400)));
   std::string key_error;
   st->key = read_key(&key_error);
   if (!key_error.empty()) {

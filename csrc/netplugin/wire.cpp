@@ -43,8 +43,7 @@ std::string check_hello(const Hello& h, const Id& listen_id) {
   if (h.magic != kHelloMagic) return "not a rumor net plugin hello";
   if (h.version != kProtocolVersion)
     return "protocol version " + std::to_string(h.version) + ", expected " +
-           std::to_string(kProtocolVersion) +
-           " (another rumor version?)";
+           std::to_string(kProtocolVersion) + " (another rumor version?)";
   if (h.nstreams < 1 || h.nstreams > kMaxStreams || h.stream >= h.nstreams)
     return "stream " + std::to_string(h.stream) + " of " + std::to_string(h.nstreams) + " is out of range";
   if (h.flags & ~kFlagAuth) return "unknown flags " + std::to_string(h.flags);

@@ -639,7 +639,8 @@ TEST(NetPluginSecurity, ConnectionWithWrongKeyIsRefusedAndOtherCommsGoOn) {
   // Another process with another secret: it refuses the listener's proof and exits 1; the
   // listener never hands out a comm for it.
   EXPECT_EQ(run_peer_with_secret(handle, "a-different-secret-0123456789", p.d, lc), 1);
-  EXPECT_TRUE(accept_until(p.d, lc, [] { return log_sink().contains("closed during the handshake"); }, 5));
+  EXPECT_TRUE(accept_until(
+      p.d, lc, [] { return log_sink().contains("closed during the handshake"); }, 5));
   // A connector that sends a wrong proof is dropped by the listener itself.
   {
     AcceptPump pump(p.d, lc);
@@ -668,7 +669,8 @@ TEST(NetPluginSecurity, HalfOpenConnectionIsDroppedAfterTheHelloDeadline) {
   char part[10] = {};
   ASSERT_EQ(::send(half, part, sizeof(part), 0), 10);  // a hello that never completes
   auto t0 = Clock::now();
-  EXPECT_TRUE(accept_until(d, lc, [&] { return closed_by_peer(half); }, 2.5));
+  EXPECT_TRUE(accept_until(
+      d, lc, [&] { return closed_by_peer(half); }, 2.5));
   double waited = std::chrono::duration<double>(Clock::now() - t0).count();
   EXPECT_GT(waited, 0.8);  // RUMOR_NET_PLUGIN_HELLO_TIMEOUT=1
   EXPECT_TRUE(log_sink().contains("did not complete its handshake within 1 s"));
@@ -676,7 +678,8 @@ TEST(NetPluginSecurity, HalfOpenConnectionIsDroppedAfterTheHelloDeadline) {
   // More connections than the cap: the oldest are dropped at once, not kept.
   std::vector<int> flood;
   for (int i = 0; i < 140; ++i) flood.push_back(dial(handle));
-  EXPECT_TRUE(accept_until(d, lc, [&] { return closed_by_peer(flood[0]); }, 0.5));
+  EXPECT_TRUE(accept_until(
+      d, lc, [&] { return closed_by_peer(flood[0]); }, 0.5));
   EXPECT_TRUE(log_sink().contains("more than 128 were pending"));
   for (int fd : flood) ::close(fd);
   d.net()->close_listen(lc);
@@ -759,9 +762,9 @@ TEST(NetPluginSecurity, HostileChunkHeadersAreErrors) {
     const char* expect;
   };
   const Case cases[] = {
-      {0, uint64_t{1} << 40, 0, 16, "exceeds"},                      // a 1 TiB message
-      {0, 100, 96, 8, "outside a 100-byte message"},                 // past the end
-      {0, 100, ~uint64_t{0} - 2, 8, "outside a 100-byte message"},   // offset + len wraps
+      {0, uint64_t{1} << 40, 0, 16, "exceeds"},                     // a 1 TiB message
+      {0, 100, 96, 8, "outside a 100-byte message"},                // past the end
+      {0, 100, ~uint64_t{0} - 2, 8, "outside a 100-byte message"},  // offset + len wraps
   };
   for (const Case& c : cases) {
     FakeSender f(1);

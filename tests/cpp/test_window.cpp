@@ -399,18 +399,22 @@ std::string hostile_link(size_t count, const std::function<void(WindowHub&)>& se
 
 // The old hub allocated whatever a frame asked for (up to 1 TiB) before looking at the window.
 TEST(WindowWire, OversizedFrameIsRefusedBeforeAllocating) {
-  std::string why = hostile_link(8, [](WindowHub&) {}, [](int fd) {
-    auto f = frame(window_wire::kPut, 1, 1, uint64_t{1} << 40);
-    ASSERT_EQ(::send(fd, &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
-  });
+  std::string why = hostile_link(
+      8, [](WindowHub&) {},
+      [](int fd) {
+        auto f = frame(window_wire::kPut, 1, 1, uint64_t{1} << 40);
+        ASSERT_EQ(::send(fd, &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
+      });
   EXPECT_NE(why.find("payload of 1099511627776 bytes for window #1 of 32 bytes"), std::string::npos) << why;
 }
 
 TEST(WindowWire, PayloadOnARequestFrameIsRefused) {
-  std::string why = hostile_link(8, [](WindowHub&) {}, [](int fd) {
-    auto f = frame(window_wire::kGetRequest, 1, 1, 4096);
-    ASSERT_EQ(::send(fd, &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
-  });
+  std::string why = hostile_link(
+      8, [](WindowHub&) {},
+      [](int fd) {
+        auto f = frame(window_wire::kGetRequest, 1, 1, 4096);
+        ASSERT_EQ(::send(fd, &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
+      });
   EXPECT_NE(why.find("carries 4096 bytes"), std::string::npos) << why;
 }
 

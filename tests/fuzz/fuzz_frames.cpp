@@ -50,7 +50,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::memcpy(&h, data, sizeof(h));
     data += sizeof(h);
     size -= sizeof(h);
-    h.seq %= 4;  // keep sequence numbers close, so messages get completed
+    h.seq %= 4;                                   // keep sequence numbers close, so messages get completed
     if (!wire::check_chunk(h).empty()) return 0;  // the comm fails: done
     if (h.offset + h.len > h.total || h.total > wire::kMaxMessageBytes) std::abort();
     if (h.seq == next && inflight.find(h.seq) == inflight.end()) {
