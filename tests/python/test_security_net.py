@@ -180,3 +180,32 @@ def test_training_goes_on_through_a_connection_flood(tmp_path, shm):
     assert r0["cpu"] < 0.2 * r0["wall"], r0
     assert r0["fds_after"] <= r0["fds_before"] + 2, r0
     assert r0["rejected"] >= 100, r0
+
+
+def knock_with_garbage():
+    import rumor
+    from rumor import _runtime
+
+    rumor.init()
+    ctx = _runtime._get().ctx
+    before = ctx.rejected_connections
+    with socket.create_connection(("127.0.0.1", ctx.port), timeout=10) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64)
+        port = s.getsockname()[1]
+        s.settimeout(10)
+        try:
+            s.recv(64)  # the listener closes: refused
+        except (ConnectionResetError, socket.timeout):
+            pass
+    deadline = time.monotonic() + 20
+    while ctx.rejected_connections == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rumor.shutdown()
+    return port
+
+
+def test_a_refused_connection_is_logged_with_the_peers_address():
+    # Issue 48 ("logs do not name the peer address of a refused connection").
+    res = harness.run(knock_with_garbage, 1, timeout=60, raw=True)[0]
+    assert res.ok, res.error
+    assert f"127.0.0.1:{res.value}" in res.output and "bad magic" in res.output, res.output[-2000:]
