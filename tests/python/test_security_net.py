@@ -209,3 +209,31 @@ def test_a_refused_connection_is_logged_with_the_peers_address():
     res = harness.run(knock_with_garbage, 1, timeout=60, raw=True)[0]
     assert res.ok, res.error
     assert f"127.0.0.1:{res.value}" in res.output and "bad magic" in res.output, res.output[-2000:]
+
+
+def listening_addresses():
+    import rumor
+    from rumor import _runtime
+
+    rumor.init()
+    port = _runtime._get().ctx.port
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for ln in lines:
+            local, state = ln.split()[1], ln.split()[3]
+            addr, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                found.append(addr)
+    rumor.barrier()
+    return found
+
+
+def test_the_listener_binds_the_advertised_address_only():
+    # Issue 48 ("rumor's listener binds every interface, not the rendezvous one"): with the store
+    # on loopback, ranks advertise 127.0.0.1 and listen there, not on 0.0.0.0.
+    for found in harness.run(listening_addresses, 2, timeout=60):
+        assert found == ["0100007F"], found  # 127.0.0.1 in /proc/net/tcp's byte order
