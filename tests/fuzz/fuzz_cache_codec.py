@@ -22,6 +22,7 @@ tests/python/test_cache_codec_properties.py checks the same properties with hypo
 """
 from __future__ import annotations
 
+import glob
 import importlib
 import os
 import struct
@@ -29,7 +30,11 @@ import sys
 import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+_SRC = os.path.join(HERE, "..", "..", "python")
+# This checkout's package where its extension is built in place (a developer's tree); else the
+# installed rumor, which scripts/setup.sh built from this checkout (CI's clean clone).
+if glob.glob(os.path.join(_SRC, "rumor", "_C*.so")):
+    sys.path.insert(0, _SRC)
 
 import atheris  # noqa: E402
 
