@@ -226,7 +226,7 @@ def _rumor_transport() -> Optional[str]:
     try:
         import rumor._runtime as rt
 
-        gpu = getattr(rt._get().world, "_gpu", None)
+        gpu = getattr(rt.state().world, "_gpu", None)
         return getattr(gpu, "transport", None)
     except Exception:  # noqa: BLE001
         return None

@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from . import _runtime
 from .errors import CommTimeoutError, RumorError
 
 TRANSPORT_ENV = "RUMOR_GPU_TRANSPORT"
@@ -275,9 +276,9 @@ def route(what: str, group, *named, collective: bool = True) -> Optional[GpuGrou
             break
     else:
         return None
-    from ._runtime import _comm
+    from ._runtime import communicator
 
-    g = _comm(group, what)
+    g = communicator(group, what)
     gpu = g._gpu
     if gpu is not None and (gpu.transport is not None or not collective):
         # The group's usual call: every tensor on its device (what decide() would accept).
@@ -300,9 +301,10 @@ def route(what: str, group, *named, collective: bool = True) -> Optional[GpuGrou
 def _setup(g, gpu: GpuGroup, what: str) -> None:
     """Agrees on the group's transport (one small allgather over the group) and, for NCCL,
     creates its communicator; every member reaches this at the same collective."""
-    from . import _nccl, _runtime, collectives
+    from . import _host_collectives as collectives
+    from . import _nccl
 
-    st = _runtime._get()
+    st = _runtime.state()
     setting_error = None
     try:
         setting = transport_setting()
@@ -313,7 +315,7 @@ def _setup(g, gpu: GpuGroup, what: str) -> None:
     # A rank with a bad setting still takes part in the exchange, so its peers learn of it and
     # raise too instead of waiting for it in NCCL's init; it raises its own, more precise error.
     row = torch.tensor([[code, 0 if problem else 1, gpu.device]], dtype=torch.int64)
-    table = collectives.allgather(row, group=g).tolist()
+    table = collectives.allgather(row, g, None, False, what).tolist()
     if setting_error is not None:
         raise setting_error
     hosts = [st.hosts[r] for r in g.ranks]
@@ -340,7 +342,7 @@ def drain_all(state, timeout: float, what: str) -> None:
 
 
 def close_all(state) -> List[str]:
-    """Closes every group's NCCL communicator (rumor.shutdown()); returns the errors met, as text,
+    """Closes every group's NCCL communicator (rumor.shutdown()); returns what failed, as text,
     so that one failing close does not keep the others open."""
     errors = []
     for g in [state.world] + list(state.groups):
@@ -353,3 +355,11 @@ def close_all(state) -> List[str]:
             errors.append(f"{g!r}: {type(e).__name__}: {e}")
         g._gpu = None
     return errors
+
+
+def _close_at_shutdown(state) -> List[str]:
+    errors = close_all(state)
+    return ["closing NCCL communicators failed: " + "; ".join(errors)] if errors else []
+
+
+_runtime.on_shutdown(_close_at_shutdown)

@@ -22,7 +22,7 @@ import time
 import torch
 
 from . import _runtime
-from . import collectives as C
+from . import _host_collectives as C
 from ._device import GpuGroup, wait_event
 from ._tensor import address, check_dense, dtype_code, movable_code
 
@@ -43,7 +43,7 @@ class _Stage:
     def __init__(self, gpu: GpuGroup, what: str):
         self.gpu, self.what = gpu, what
         self.stream = torch.cuda.current_stream(gpu.torch_device)
-        self.timeout = _runtime._get().timeout
+        self.timeout = _runtime.state().timeout
         self.taken = []
 
     def pinned(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -141,7 +141,7 @@ class _Nccl:
             gpu.watch.raise_error(what)
         self.stream = torch.cuda.current_stream(gpu.torch_device)
         self.handle = self.stream.cuda_stream
-        st = _runtime._get()
+        st = _runtime.state()
         self.timeout = st.timeout
         # RUMOR_GPU_WAIT=stream: a blocking call returns once queued, its deadline kept by the watch.
         self.queue_only = st.gpu_wait == "stream" and not nonblocking and gpu.watch is not None
@@ -200,12 +200,12 @@ def allreduce(gpu, g, t, op, group, inplace, nonblocking, algorithm, what):
     if gpu.transport == "host":
         s = _Stage(gpu, what)
         buf = s.copy_in(t)
-        return s.run(nonblocking, lambda nb: C._allreduce(buf, op, group, True, nb, algorithm, what),
+        return s.run(nonblocking, lambda nb: C.allreduce(buf, op, group, True, nb, algorithm, what),
                      lambda res: s.to_gpu(res, t if inplace else None))
     code = dtype_code(t.dtype, what)
-    o = C._op(op, what)
-    if algorithm not in C._ALGO:
-        raise ValueError(f"{what}: algorithm must be one of {sorted(C._ALGO)}, got {algorithm!r}")
+    o = C.op_code(op, what)
+    if algorithm not in C.ALGORITHMS:
+        raise ValueError(f"{what}: algorithm must be one of {sorted(C.ALGORITHMS)}, got {algorithm!r}")
     # algorithm= chooses among rumor's CPU algorithms; NCCL picks its own.
     n = _Nccl(gpu, g, what, nonblocking)
     src = _contig(t)
@@ -213,7 +213,7 @@ def allreduce(gpu, g, t, op, group, inplace, nonblocking, algorithm, what):
     n.uses(t)
     if src.numel():
         n.call(n.comm.allreduce, address(src), address(out), src.numel(), code, o)
-    finish = C._writeback(t, out) if inplace else (lambda: out)
+    finish = C.writeback(t, out) if inplace else (lambda: out)
     return n.done(nonblocking, (src, out, t), finish)
 
 
@@ -222,17 +222,17 @@ def broadcast(gpu, g, t, root, group, inplace, nonblocking, what):
     if gpu.transport == "host":
         s = _Stage(gpu, what)
         buf = s.copy_in(t)
-        return s.run(nonblocking, lambda nb: C._broadcast(buf, root, group, True, nb, what),
+        return s.run(nonblocking, lambda nb: C.broadcast(buf, root, group, True, nb, what),
                      lambda res: s.to_gpu(res, t if inplace else None))
     code, per = movable_code(t)
-    r = C._group_rank(g, root, what, "root")
+    r = C.group_rank(g, root, what, "root")
     n = _Nccl(gpu, g, what, nonblocking)
     src = _contig(t)
     out = src if inplace else n.empty(src.shape, src.dtype)
     n.uses(t)
     if src.numel():
         n.call(n.comm.broadcast, address(src), address(out), src.numel() * per, code, r)
-    finish = C._writeback(t, out) if inplace else (lambda: out)
+    finish = C.writeback(t, out) if inplace else (lambda: out)
     return n.done(nonblocking, (src, out, t), finish)
 
 
@@ -241,10 +241,10 @@ def reduce(gpu, g, t, root, op, group, nonblocking, what):
     if gpu.transport == "host":
         s = _Stage(gpu, what)
         buf = s.copy_in(t)
-        return s.run(nonblocking, lambda nb: C._reduce(buf, root, op, group, nb, what), lambda res: s.to_gpu(res))
+        return s.run(nonblocking, lambda nb: C.reduce(buf, root, op, group, nb, what), lambda res: s.to_gpu(res))
     code = dtype_code(t.dtype, what)
-    r = C._group_rank(g, root, what, "root")
-    o = C._op(op, what)
+    r = C.group_rank(g, root, what, "root")
+    o = C.op_code(op, what)
     n = _Nccl(gpu, g, what, nonblocking)
     src = _contig(t)
     is_root = g.rank() == r
@@ -264,17 +264,17 @@ def allgather(gpu, g, t, group, out, nonblocking, what):
         buf = s.copy_in(t)
 
         def back(res):
-            dst = None if out is None else C._check_out(out, t.dtype, res.shape, what, device=out.device)
+            dst = None if out is None else C.check_out(out, t.dtype, res.shape, what, device=out.device)
             return s.to_gpu(res, dst)
 
-        return s.run(nonblocking, lambda nb: C._allgather(buf, group, None, nb, what), back)
+        return s.run(nonblocking, lambda nb: C.allgather(buf, group, None, nb, what), back)
     code, per = movable_code(t)
     if t.dim() == 0:
         t = t.reshape(1)
-    rows, tail = C._gather_rows(t, g, what)
+    rows, tail = C.gather_rows(t, g, what)
     per_row = math.prod(tail)
     n = _Nccl(gpu, g, what, nonblocking)
-    res = C._check_out(out, t.dtype, (sum(rows),) + tuple(tail), what, device=gpu.torch_device) if out is not None \
+    res = C.check_out(out, t.dtype, (sum(rows),) + tuple(tail), what, device=gpu.torch_device) if out is not None \
         else n.empty((sum(rows),) + tuple(tail), t.dtype)
     me = g.rank()
     src = _contig(t)
@@ -301,19 +301,19 @@ def reduce_scatter(gpu, g, t, op, group, out, nonblocking, what):
     check_dense(t, what)
     if t.dim() == 0:
         raise ValueError(f"{what}: expected a tensor with at least one dim to split along dim 0")
-    rows = C._split_rows(t.shape[0], g.size())
+    rows = C.split_rows(t.shape[0], g.size())
     me = g.rank()
     shape = (rows[me],) + tuple(t.shape[1:])
     if out is not None:
-        out = C._check_out(out, t.dtype, shape, what, device=gpu.torch_device)
+        out = C.check_out(out, t.dtype, shape, what, device=gpu.torch_device)
     if gpu.transport == "host":
         s = _Stage(gpu, what)
         buf = s.copy_in(t)
         res = s.pinned(shape, t.dtype)
-        return s.run(nonblocking, lambda nb: C._reduce_scatter(buf, op, group, res, nb, what),
+        return s.run(nonblocking, lambda nb: C.reduce_scatter(buf, op, group, res, nb, what),
                      lambda r: s.to_gpu(r, out))
     code = dtype_code(t.dtype, what)
-    o = C._op(op, what)
+    o = C.op_code(op, what)
     n = _Nccl(gpu, g, what, nonblocking)
     res = out if out is not None else n.empty(shape, t.dtype)
     n.uses(t, out)
@@ -343,7 +343,7 @@ def alltoall(gpu, g, t, splits, group, nonblocking, what):
     check_dense(t, what)
     s = _Stage(gpu, what)
     buf = s.copy_in(t)
-    return s.run(nonblocking, lambda nb: C._alltoall(buf, splits, group, nb, what), lambda res: s.to_gpu(res))
+    return s.run(nonblocking, lambda nb: C.alltoall(buf, splits, group, nb, what), lambda res: s.to_gpu(res))
 
 
 def send(gpu, g, t, dst, group, what):
@@ -352,12 +352,12 @@ def send(gpu, g, t, dst, group, what):
         s = _Stage(gpu, what)
         buf = s.copy_in(t)
         try:
-            C.send(buf, dst, group)
+            C.send(buf, dst, group, what)
         finally:
             s.release()
         return None
     code, per = movable_code(t)
-    d = C._group_rank(g, dst, what, "dst")
+    d = C.group_rank(g, dst, what, "dst")
     n = _Nccl(gpu, g, what)
     src = _contig(t)
     n.uses(t)
@@ -373,19 +373,19 @@ def recv(gpu, g, t, src, group, what):
         s = _Stage(gpu, what)
         buf = s.pinned(t.shape, t.dtype)
         try:
-            C.recv(buf, src, group)
+            C.recv(buf, src, group, what)
             s.to_gpu(buf, t)
         finally:
             s.release()
         return t
     code, per = movable_code(t)
-    p = C._group_rank(g, src, what, "src")
+    p = C.group_rank(g, src, what, "src")
     n = _Nccl(gpu, g, what)
     buf = _contig(t)
     n.uses(t)
     if buf.numel():
         n.call(n.comm.recv, address(buf), buf.numel() * per, code, p)
-    return n.done(False, (buf, t), C._writeback(t, buf))
+    return n.done(False, (buf, t), C.writeback(t, buf))
 
 
 def staged(gpu, t, nonblocking, what, cpu_call):

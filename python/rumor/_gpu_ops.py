@@ -128,7 +128,7 @@ class NcclTransport:
     def settle(self, what: str) -> None:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.gpu.torch_device))
-        self.comm.wait(ev.query, _runtime._get().timeout, what)
+        self.comm.wait(ev.query, _runtime.state().timeout, what)
 
 
 class HostTransport:

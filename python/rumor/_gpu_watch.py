@@ -29,21 +29,11 @@ from typing import Dict, Optional
 
 from .errors import CommTimeoutError, RumorError
 
-MODES = ("host", "stream")
-WAIT_ENV = "RUMOR_GPU_WAIT"
 
 _MIN_PAUSE, _MAX_PAUSE = 0.002, 0.02
 _DRAIN_GRACE = 1.0  # seconds drain() waits past its own time for the watch to report an overdue op
 
 _log = logging.getLogger("rumor")
-
-
-def mode_setting(raw: Optional[str], where: str) -> str:
-    """A validated wait mode: 'host' (also for None or empty) or 'stream'."""
-    value = (raw or "").strip().lower() or "host"
-    if value not in MODES:
-        raise ValueError(f"{where}: expected one of {', '.join(MODES)}, got {raw!r}")
-    return value
 
 
 class StreamWatch:

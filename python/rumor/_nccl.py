@@ -121,12 +121,13 @@ def communicator(group=None, timeout: Optional[float] = None, device: Optional[i
 
     import torch
 
-    from . import _runtime, collectives
+    from . import _host_collectives as collectives
+    from . import _runtime
     from .errors import RumorError
 
     what = "rumor._nccl.communicator"
-    st = _runtime._get()
-    g = _runtime._comm(group, what)
+    st = _runtime.state()
+    g = _runtime.communicator(group, what)
     timeout = st.timeout if timeout is None else float(timeout)
     if not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"{what}: timeout must be positive and finite, got {timeout!r}")
@@ -137,7 +138,7 @@ def communicator(group=None, timeout: Optional[float] = None, device: Optional[i
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         error = e
     loaded = collectives.allreduce(torch.tensor([0 if lib is None else 1], dtype=torch.int32),
-                                   op=collectives.ReduceOp.MIN, group=group)
+                                   collectives.ReduceOp.MIN, group, False, False, "auto", what)
     if error is not None:
         raise error
     if int(loaded.item()) == 0:
@@ -147,7 +148,7 @@ def communicator(group=None, timeout: Optional[float] = None, device: Optional[i
     uid = torch.zeros(128, dtype=torch.uint8)
     if st.env.rank == root:
         uid = torch.frombuffer(bytearray(lib.unique_id()), dtype=torch.uint8)
-    uid = collectives.broadcast(uid, root, group=group)
+    uid = collectives.broadcast(uid, root, group, False, False, what)
 
     if device is None and torch.cuda.is_available():
         device = torch.cuda.current_device()

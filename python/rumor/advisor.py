@@ -273,7 +273,7 @@ def _time_exchange(group, nbytes: int, reps: int) -> float:
     from .algorithms.decentralized import shift_one_peer
     from .decentralized import neighbor_allreduce
 
-    me = group.ranks.index(_runtime._get().env.rank)
+    me = group.ranks.index(_runtime.state().env.rank)
     peer = shift_one_peer(group.size(), me, 0)
     if peer is None:
         return 0.0
@@ -298,7 +298,7 @@ def _local_ends_ops(group, nbytes: int) -> Tuple[Callable[[], None], Callable[[]
     c = group._comm
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     code, n = dtype_code(buf.dtype, "rumor.advise"), buf.numel()
-    wait_s = float(_runtime._get().timeout) * 4  # the ops carry their own deadline
+    wait_s = float(_runtime.state().timeout) * 4  # the ops carry their own deadline
 
     def bcast():
         c.broadcast(address(buf), n, code, 0, True).wait(wait_s)
@@ -362,7 +362,7 @@ def _measure_links(link_bytes: int, reps: int, busy: Optional[Callable[[], None]
     from .collectives import ReduceOp, allreduce
     from ._runtime import new_group
 
-    st = _runtime._get()
+    st = _runtime.state()
     hosts: List[str] = []
     for h in st.hosts:
         if h not in hosts:
@@ -439,7 +439,7 @@ def _comm_rate_beside(lg, nbytes: int, alone_s: float, busy: Callable[[], None],
     from .collectives import allreduce_
 
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-    lead = _runtime._get().env.rank in lg.ranks
+    lead = _runtime.state().env.rank in lg.ranks
     return _rate_beside(lambda: allreduce_(buf, group=lg, algorithm="ring"), lead, alone_s, busy, reps)
 
 
@@ -626,7 +626,7 @@ def _measure_arena_round(busy: Callable[[], None], elements: int,
     from .algorithms.async_model_average import shared_arena_possible
     from .collectives import ReduceOp, allreduce
 
-    comm = _runtime._comm(None, "rumor.advise")._comm
+    comm = _runtime.communicator(None, "rumor.advise")._comm
     if not shared_arena_possible(comm):
         return None
     size = (elements * 4 + 63) // 64 * 64
@@ -1305,7 +1305,7 @@ def advise(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sample_batc
     if not params:
         raise ValueError(f"{what}: the model has no trainable parameters")
 
-    st = _runtime._get()
+    st = _runtime.state()
     model_sd = copy.deepcopy(model.state_dict())
     opt_sd = copy.deepcopy(optimizer.state_dict())
     grads = [None if p.grad is None else p.grad.detach().clone() for p in params]

@@ -302,7 +302,7 @@ def _config_from(autotune) -> Optional[AutotuneConfig]:
 
 
 def _config_from_env() -> Optional[AutotuneConfig]:
-    if not _runtime._env_bool("RUMOR_AUTOTUNE", False):
+    if not _runtime.env_bool("RUMOR_AUTOTUNE", False):
         return None
     cfg = AutotuneConfig()
     budget = os.environ.get("RUMOR_AUTOTUNE_BUDGET")
@@ -368,7 +368,7 @@ class Autotuner:
     def __init__(self, ddp: "DistributedDataParallel", cfg: AutotuneConfig):
         self.ddp = ddp
         self.cfg = cfg
-        st = _runtime._get()
+        st = _runtime.state()
         self.group = ddp.group
         self.root = ddp.group.ranks[0]
         self.is_root = st.env.rank == self.root
@@ -389,7 +389,7 @@ class Autotuner:
         elif hasattr(alg, "hierarchical") and self.layout["hosts"] > 1 and self.layout["local_size"] > 1:
             self.knobs.append("hierarchical")
         if (not self.device and comm.size > 1 and comm.all_local and comm.uses_shm
-                and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True)):
+                and _runtime.env_bool("RUMOR_SHARED_BUCKETS", True)):
             self.knobs.append("shared_buckets")
         from .algorithms import GradientAllReduce
 
@@ -594,7 +594,7 @@ class Autotuner:
 
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(params[0].device))
-        wait_event(ev, _runtime._get().timeout, "rumor autotune: the previous step on the GPU")
+        wait_event(ev, _runtime.state().timeout, "rumor autotune: the previous step on the GPU")
 
     def before_forward(self) -> None:
         if self.done:

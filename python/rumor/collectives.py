@@ -2,56 +2,18 @@
 
 CPU tensors take rumor's own transports; CUDA tensors (all of one call's tensors on the group's
 device) go to rumor._gpu_collectives through rumor._device, which picks NCCL or host staging
-(docs/gpu.md). Ranks (root, src, dst) are global ranks, as in torch.distributed. Reducing operations default
+(docs/gpu.md); the CPU implementation is rumor._host_collectives. Ranks (root, src, dst) are global ranks, as in torch.distributed. Reducing operations default
 to ReduceOp.AVG, as in Horovod. Non-contiguous tensors are handled (through a contiguous
 copy). Every call releases the GIL while the C++ core works.
 """
 from __future__ import annotations
 
-import enum
-import math
-from typing import Callable, List, Optional, Sequence
+from typing import Optional, Sequence
 
-import torch
-
-from . import _device, _runtime
-from ._runtime import Group, _comm
-from ._tensor import address, check_dense, check_movable, check_tensor, dtype_tag
-
-
-class ReduceOp(enum.IntEnum):
-    SUM = 0
-    AVG = 1
-    MIN = 2
-    MAX = 3
-    PROD = 4
-
-
-_ALGO = {"auto": 0, "ring": 1, "recursive_doubling": 2, "hierarchical": 3}
-
-
-class Handle:
-    """The result of a *_nonblocking call. wait() (or rumor.synchronize(h)) returns the result."""
-
-    def __init__(self, work, keep: tuple, finish: Callable[[], torch.Tensor]):
-        self._work = work
-        self._keep = keep  # buffers the C++ side reads or writes until it is done
-        self._finish = finish
-        self._result = None
-        self._done = False
-
-    def poll(self) -> bool:
-        return self._done or self._work is None or self._work.done()
-
-    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
-        if not self._done:
-            if self._work is not None:
-                # The op carries its own deadline; this one only guards against a lost wakeup.
-                self._work.wait(timeout if timeout is not None else _runtime._get().timeout * 64)
-            self._result = self._finish()
-            self._done = True
-            self._keep = ()
-        return self._result
+from . import _device, _gpu_collectives, _runtime
+from . import _host_collectives as host
+from ._host_collectives import ALGORITHMS, Handle, ReduceOp  # noqa: F401 - re-exported: the API's types live below
+from ._runtime import communicator
 
 
 def poll(handle: Handle) -> bool:
@@ -69,65 +31,19 @@ def synchronize(handle: Optional[Handle] = None, timeout: Optional[float] = None
         if not callable(getattr(handle, "wait", None)):  # a Handle, or a window's WinHandle
             raise TypeError(f"rumor.synchronize(): expected a handle or nothing, got {type(handle).__name__}")
         return handle.wait() if timeout is None else handle.wait(timeout)
-    st = _runtime._get()
+    st = _runtime.state()
     _device.drain_all(st, st.timeout if timeout is None else float(timeout), "rumor.synchronize()")
     return None
 
 
-def _op(op, what: str) -> int:
-    try:
-        return int(ReduceOp(op))
-    except ValueError:
-        raise ValueError(f"{what}: unknown reduce op {op!r}; use rumor.ReduceOp") from None
-
-
-def _group_rank(g: Group, global_rank: int, what: str, role: str) -> int:
-    try:
-        return g.ranks.index(int(global_rank))
-    except ValueError:
-        raise ValueError(f"{what}: {role} {global_rank} is not a member of {g!r}") from None
-
-
-def _run(nonblocking: bool, issue, keep: tuple, finish: Callable[[], torch.Tensor]):
-    work = issue(nonblocking)
-    h = Handle(work, keep, finish)
-    return h if nonblocking else h.wait()
-
-
-def _contig(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _writeback(target: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Tensor]:
-    def finish():
-        if buf.data_ptr() != target.data_ptr() or not target.is_contiguous():
-            target.copy_(buf)
-        return target
-
-    return finish
-
-
 # ---- allreduce ---------------------------------------------------------------------------------
-
-def _gpu():
-    from . import _gpu_collectives
-
-    return _gpu_collectives
 
 
 def _allreduce(t, op, group, inplace, nonblocking, algorithm, what):
     gpu = _device.route(what, group, ("t", t))
     if gpu is not None:
-        return _gpu().allreduce(gpu, _comm(group, what), t, op, group, inplace, nonblocking, algorithm, what)
-    code = check_tensor(t, what)
-    g = _comm(group, what)
-    if algorithm not in _ALGO:
-        raise ValueError(f"{what}: algorithm must be one of {sorted(_ALGO)}, got {algorithm!r}")
-    o = _op(op, what)
-    buf = _contig(t) if inplace else t.contiguous().clone()
-    issue = lambda nb: g._comm.allreduce(address(buf), buf.numel(), code, o, _ALGO[algorithm], nb)
-    finish = _writeback(t, buf) if inplace else (lambda: buf)
-    return _run(nonblocking, issue, (buf, t), finish)
+        return _gpu_collectives.allreduce(gpu, communicator(group, what), t, op, group, inplace, nonblocking, algorithm, what)
+    return host.allreduce(t, op, group, inplace, nonblocking, algorithm, what)
 
 
 def allreduce(t, op=ReduceOp.AVG, group=None, *, hierarchical=False, algorithm=None):
@@ -157,14 +73,8 @@ def allreduce_nonblocking_(t, op=ReduceOp.AVG, group=None, *, hierarchical=False
 def _broadcast(t, root, group, inplace, nonblocking, what):
     gpu = _device.route(what, group, ("t", t))
     if gpu is not None:
-        return _gpu().broadcast(gpu, _comm(group, what), t, root, group, inplace, nonblocking, what)
-    code, per = check_movable(t, what)
-    g = _comm(group, what)
-    r = _group_rank(g, root, what, "root")
-    buf = _contig(t) if inplace else t.contiguous().clone()
-    issue = lambda nb: g._comm.broadcast(address(buf), buf.numel() * per, code, r, nb)
-    finish = _writeback(t, buf) if inplace else (lambda: buf)
-    return _run(nonblocking, issue, (buf, t), finish)
+        return _gpu_collectives.broadcast(gpu, communicator(group, what), t, root, group, inplace, nonblocking, what)
+    return host.broadcast(t, root, group, inplace, nonblocking, what)
 
 
 def broadcast(t, root, group=None):
@@ -187,17 +97,8 @@ def broadcast_nonblocking_(t, root, group=None) -> Handle:
 def _reduce(t, root, op, group, nonblocking, what):
     gpu = _device.route(what, group, ("t", t))
     if gpu is not None:
-        return _gpu().reduce(gpu, _comm(group, what), t, root, op, group, nonblocking, what)
-    code = check_tensor(t, what)
-    g = _comm(group, what)
-    r = _group_rank(g, root, what, "root")
-    o = _op(op, what)
-    buf = t.contiguous().clone()
-    scratch_ok = g._comm.rank == r
-    issue = lambda nb: g._comm.reduce(address(buf), buf.numel(), code, o, r, nb)
-    # Only the root's buffer holds the reduction; elsewhere the input is returned unchanged.
-    finish = (lambda: buf) if scratch_ok else (lambda: t.clone())
-    return _run(nonblocking, issue, (buf, t), finish)
+        return _gpu_collectives.reduce(gpu, communicator(group, what), t, root, op, group, nonblocking, what)
+    return host.reduce(t, root, op, group, nonblocking, what)
 
 
 def reduce(t, root, op=ReduceOp.AVG, group=None):
@@ -211,58 +112,12 @@ def reduce_nonblocking(t, root, op=ReduceOp.AVG, group=None) -> Handle:
 
 # ---- allgather ---------------------------------------------------------------------------------
 
-_MAX_DIMS = 8
-
-
-def _shapes(t: torch.Tensor, tag: int, g: Group, what: str) -> List[tuple]:
-    """Every rank's shape, gathered so all ranks can check them and raise the same error."""
-    if t.dim() > _MAX_DIMS:
-        raise ValueError(f"{what}: tensors of more than {_MAX_DIMS} dims are not supported")
-    n = g.size()
-    meta = torch.zeros(n, _MAX_DIMS + 2, dtype=torch.int64)
-    mine = meta[g._comm.rank]
-    mine[0] = t.dim()
-    mine[1] = tag
-    mine[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    g._comm.allgather(address(meta), [_MAX_DIMS + 2] * n, 5, False)
-    shapes = []
-    for r in range(n):
-        d, c = int(meta[r, 0]), int(meta[r, 1])
-        if c != tag:
-            raise TypeError(f"{what}: rank {g.ranks[r]} passed a tensor of another dtype than {t.dtype} "
-                            f"(dtype tag {c} vs {tag})")
-        shapes.append(tuple(int(x) for x in meta[r, 2 : 2 + d]))
-    return shapes
-
-
-def _gather_rows(t: torch.Tensor, g: Group, what: str):
-    """(every rank's row count, the shared trailing shape) of an allgather of t (at least 1-D)."""
-    shapes = _shapes(t, dtype_tag(t.dtype), g, what)
-    tail = shapes[g._comm.rank][1:]
-    for r, s in enumerate(shapes):
-        if len(s) != len(tail) + 1 or s[1:] != tail:
-            raise ValueError(
-                f"{what}: all dims but the first must match across ranks; rank {g.ranks[r]} has "
-                f"shape {list(s)}, rank {g.ranks[g._comm.rank]} has {list(t.shape)}")
-    return [s[0] for s in shapes], tail
-
 
 def _allgather(t, group, out, nonblocking, what):
     gpu = _device.route(what, group, ("t", t), ("out", out))
     if gpu is not None:
-        return _gpu().allgather(gpu, _comm(group, what), t, group, out, nonblocking, what)
-    code, per = check_movable(t, what)
-    g = _comm(group, what)
-    if t.dim() == 0:
-        t = t.reshape(1)
-    rows, tail = _gather_rows(t, g, what)
-    per_row = math.prod(tail)
-    out = _check_out(out, t.dtype, (sum(rows),) + tuple(tail), what)
-    start = sum(rows[: g._comm.rank])
-    out[start : start + rows[g._comm.rank]].copy_(t)
-    counts = [r_ * per_row * per for r_ in rows]
-    issue = lambda nb: g._comm.allgather(address(out), counts, code, nb)
-    return _run(nonblocking, issue, (out,), lambda: out)
+        return _gpu_collectives.allgather(gpu, communicator(group, what), t, group, out, nonblocking, what)
+    return host.allgather(t, group, out, nonblocking, what)
 
 
 def allgather(t, group=None, *, out=None):
@@ -278,38 +133,12 @@ def allgather_nonblocking(t, group=None, *, out=None) -> Handle:
 
 # ---- reduce_scatter ----------------------------------------------------------------------------
 
-def _split_rows(rows: int, n: int) -> List[int]:
-    return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
-
-
-def _check_out(out, dtype, shape, what, device=None):
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    # The caller routed out together with the input (rumor._device): it is on their device.
-    check_dense(out, what)
-    if out.dtype != dtype or tuple(out.shape) != tuple(shape) or not out.is_contiguous():
-        raise ValueError(f"{what}: out must be a contiguous {dtype} tensor of shape {list(shape)}, "
-                         f"got {out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ' (non-contiguous)'}")
-    return out
-
 
 def _reduce_scatter(t, op, group, out, nonblocking, what):
     gpu = _device.route(what, group, ("t", t), ("out", out))
     if gpu is not None:
-        return _gpu().reduce_scatter(gpu, _comm(group, what), t, op, group, out, nonblocking, what)
-    code = check_tensor(t, what)
-    g = _comm(group, what)
-    o = _op(op, what)
-    if t.dim() == 0:
-        raise ValueError(f"{what}: expected a tensor with at least one dim to split along dim 0")
-    n = g.size()
-    rows = _split_rows(t.shape[0], n)
-    per_row = math.prod(t.shape[1:])
-    src = _contig(t)
-    me = g._comm.rank
-    res = _check_out(out, t.dtype, (rows[me],) + tuple(t.shape[1:]), what)
-    issue = lambda nb: g._comm.reduce_scatter(address(src), address(res), [r * per_row for r in rows], code, o, nb)
-    return _run(nonblocking, issue, (src, res), lambda: res)
+        return _gpu_collectives.reduce_scatter(gpu, communicator(group, what), t, op, group, out, nonblocking, what)
+    return host.reduce_scatter(t, op, group, out, nonblocking, what)
 
 
 def reduce_scatter(t, op=ReduceOp.AVG, group=None, *, out=None):
@@ -326,31 +155,10 @@ def reduce_scatter_nonblocking(t, op=ReduceOp.AVG, group=None, *, out=None) -> H
 # ---- alltoall ----------------------------------------------------------------------------------
 
 def _alltoall(t, splits, group, nonblocking, what):
-    # Staged on either GPU transport, so the group need not agree on one first.
     gpu = _device.route(what, group, ("t", t), collective=False)
     if gpu is not None:
-        return _gpu().alltoall(gpu, _comm(group, what), t, splits, group, nonblocking, what)
-    code, per = check_movable(t, what)
-    g = _comm(group, what)
-    n = g.size()
-    if t.dim() == 0:
-        raise ValueError(f"{what}: expected a tensor with at least one dim to split along dim 0")
-    if splits is None:
-        if t.shape[0] % n != 0:
-            raise ValueError(f"{what}: dim 0 ({t.shape[0]}) is not divisible by the group size ({n}); pass splits=")
-        splits = [t.shape[0] // n] * n
-    splits = [int(s) for s in splits]
-    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != t.shape[0]:
-        raise ValueError(f"{what}: splits must be {n} non-negative row counts summing to {t.shape[0]}, got {splits}")
-    send_rows = torch.tensor(splits, dtype=torch.int64)
-    recv_rows = torch.empty(n, dtype=torch.int64)
-    g._comm.alltoall(address(send_rows), [1] * n, address(recv_rows), [1] * n, 5, False)
-    per_row = math.prod(t.shape[1:])
-    src = _contig(t)
-    out = torch.empty((int(recv_rows.sum()),) + tuple(t.shape[1:]), dtype=t.dtype)
-    issue = lambda nb: g._comm.alltoall(address(src), [s * per_row * per for s in splits], address(out),
-                                        [int(r) * per_row * per for r in recv_rows], code, nb)
-    return _run(nonblocking, issue, (src, out), lambda: out)
+        return _gpu_collectives.alltoall(gpu, communicator(group, what), t, splits, group, nonblocking, what)
+    return host.alltoall(t, splits, group, nonblocking, what)
 
 
 def alltoall(t, splits: Optional[Sequence[int]] = None, group=None):
@@ -366,8 +174,7 @@ def alltoall_nonblocking(t, splits: Optional[Sequence[int]] = None, group=None) 
 # ---- barrier, send, recv -----------------------------------------------------------------------
 
 def barrier(group=None) -> None:
-    g = _comm(group, "rumor.barrier")
-    g._comm.barrier(False)
+    host.barrier(group, "rumor.barrier")
 
 
 def send(t, dst, group=None) -> None:
@@ -376,12 +183,8 @@ def send(t, dst, group=None) -> None:
     # Only two ranks call it: it never starts the group's transport agreement (docs/gpu.md).
     gpu = _device.route(what, group, ("t", t), collective=False)
     if gpu is not None:
-        return _gpu().send(gpu, _comm(group, what), t, dst, group, what)
-    check_movable(t, what)
-    g = _comm(group, what)
-    d = _group_rank(g, dst, what, "dst")
-    buf = _contig(t)
-    g._comm.send(address(buf), buf.numel() * buf.element_size(), d, False)
+        return _gpu_collectives.send(gpu, communicator(group, what), t, dst, group, what)
+    return host.send(t, dst, group, what)
 
 
 def recv(t, src, group=None):
@@ -389,12 +192,5 @@ def recv(t, src, group=None):
     what = "rumor.recv"
     gpu = _device.route(what, group, ("t", t), collective=False)
     if gpu is not None:
-        return _gpu().recv(gpu, _comm(group, what), t, src, group, what)
-    check_movable(t, what)
-    g = _comm(group, what)
-    s = _group_rank(g, src, what, "src")
-    buf = _contig(t)
-    g._comm.recv(address(buf), buf.numel() * buf.element_size(), s, False)
-    if buf.data_ptr() != t.data_ptr():
-        t.copy_(buf)
-    return t
+        return _gpu_collectives.recv(gpu, communicator(group, what), t, src, group, what)
+    return host.recv(t, src, group, what)

@@ -23,9 +23,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _C, _device, _runtime
-from ._runtime import Group, _comm
+from ._runtime import Group, communicator
 from ._tensor import address, check_movable, check_tensor, dtype_tag
-from .collectives import Handle, _run
+from ._host_collectives import Handle, run as _run
 from .topology import ExponentialGraph, Topology
 
 __all__ = [
@@ -70,7 +70,7 @@ class _Topologies:
 
 
 def _topologies() -> _Topologies:
-    st = _runtime._get()
+    st = _runtime.state()
     t = getattr(st, "_rumor_topologies", None)
     if t is None:
         t = _Topologies(st.env.size, st.machine_size)
@@ -90,7 +90,7 @@ def _as_topology(topo, what: str) -> Topology:
 def _check_same_everywhere(fingerprint: int, what: str, kind: str) -> None:
     """Every rank must set the same topology: gather the fingerprints and compare (every rank
     sees the same table, so every rank raises the same error)."""
-    st = _runtime._get()
+    st = _runtime.state()
     g = st.world
     n = g.size()
     table = torch.zeros(n, dtype=torch.int64)
@@ -118,7 +118,7 @@ def set_topology(topo=None, is_weighted: bool = False) -> bool:
     call it with the same topology: a cheap allgather of a fingerprint checks this and raises
     ValueError on every rank if they differ. is_weighted: use the matrix's weights instead of
     uniform ones. Returns True."""
-    t = _verified_topology(topo, is_weighted, _runtime._get().env.size, "ranks", "topology", "rumor.set_topology")
+    t = _verified_topology(topo, is_weighted, _runtime.state().env.size, "ranks", "topology", "rumor.set_topology")
     tops = _topologies()
     tops.topo, tops.weighted = t, bool(is_weighted)
     return True
@@ -132,7 +132,7 @@ def load_topology() -> Topology:
 def set_machine_topology(topo=None, is_weighted: bool = False) -> bool:
     """Sets the topology among machines for hierarchical_neighbor_allreduce (size =
     rumor.machine_size(); None = ExponentialGraph(machine_size)). Same rules as set_topology."""
-    t = _verified_topology(topo, is_weighted, _runtime._get().machine_size, "machines", "machine topology",
+    t = _verified_topology(topo, is_weighted, _runtime.state().machine_size, "machines", "machine topology",
                            "rumor.set_machine_topology")
     tops = _topologies()
     tops.machine_topo, tops.machine_weighted = t, bool(is_weighted)
@@ -253,11 +253,11 @@ def _neighbor_allreduce(t, self_weight, src_weights, dst_weights, enable_topo_ch
     if res is not None:
         return res
     code = _float_tensor(t, what)
-    g = _comm(group, what)
+    g = communicator(group, what)
     me = g._comm.rank
     check = bool(enable_topo_check)
     if dst_weights is None:
-        if group is not None and g is not _runtime._get().world:
+        if group is not None and g is not _runtime.state().world:
             raise ValueError(f"{what}: static mode uses the world topology; with a group, pass self_weight, "
                              "src_weights and dst_weights")
         tops = _topologies()
@@ -311,11 +311,11 @@ def _neighbor_allgather(t, src_ranks, dst_ranks, enable_topo_check, group, nonbl
         return res
     check_movable(t, what)
     code = dtype_tag(t.dtype)
-    g = _comm(group, what)
+    g = communicator(group, what)
     me = g._comm.rank
     check = bool(enable_topo_check)
     if src_ranks is None and dst_ranks is None:
-        if group is not None and g is not _runtime._get().world:
+        if group is not None and g is not _runtime.state().world:
             raise ValueError(f"{what}: static mode uses the world topology; with a group, pass src_ranks and dst_ranks")
         topo = _topologies().topo
         srcs, dsts = topo.in_neighbor_ranks(me), topo.out_neighbor_ranks(me)
@@ -422,7 +422,7 @@ def _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enab
     if res is not None:
         return res
     code = _float_tensor(t, what)
-    st = _runtime._get()
+    st = _runtime.state()
     g = st.world
     m, nm = st.machine_rank, st.machine_size
     machines = list(range(nm))

@@ -91,9 +91,9 @@ def _snapshot_file() -> str:
     every job that does not set --rdzv-id) it names the launcher's agent, the workers' parent,
     which outlives its workers' restarts but not the job: a later job never continues from an
     earlier one's commit, and a sweep (rumor._shm) removes the file once the agent is gone."""
-    from . import _runtime, _shm
+    from . import _rendezvous, _shm
 
-    host = hashlib.sha1(_runtime._host_id().encode()).hexdigest()[:12]
+    host = hashlib.sha1(_rendezvous.host_id().encode()).hexdigest()[:12]
     return os.path.join(snapshot_dir(), f"{_PREFIX}{_job()}-{host}@{_shm._pid_namespace()}.{os.getppid()}")
 
 

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import _C, _gpu_engine, _runtime, timeline
-from ._runtime import Group, _comm
+from ._runtime import Group, communicator
 from ._tensor import SUPPORTED_DTYPES, address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
 from .collectives import ReduceOp, allgather, broadcast_
@@ -166,7 +166,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
-        self.group = _comm(group, "rumor.DistributedDataParallel")
+        self.group = communicator(group, "rumor.DistributedDataParallel")
         self._cap_bytes = int(bucket_cap_mb * _MB)
         # Ready-time gap (first iteration, first rank) at which a bucket is closed early.
         self._split_gap_s = bucket_split_gap_ms / 1e3
@@ -175,7 +175,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._shared_setting = shared_buckets
         # overlap_optimizer's update once per host (see _shared_step_possible); read once, so that
         # rebuilt buckets keep the choice.
-        self._host_step_setting = _runtime._env_bool("RUMOR_SHARED_OPTIMIZER", True)
+        self._host_step_setting = _runtime.env_bool("RUMOR_SHARED_OPTIMIZER", True)
         self._autotuner = None
         self._first_cap_bytes = int(first_bucket_mb * _MB)
 
@@ -301,7 +301,7 @@ class DistributedDataParallel(torch.nn.Module):
             layer = _gpu_engine.CudaLayer(gpu.torch_device)
             transport = NcclTransport(gpu) if gpu.transport == "nccl" else None
         return _gpu_engine.DeviceEngine(layer, self._device_mode, transport, self.group._comm,
-                                        lambda: _runtime._get().timeout)
+                                        lambda: _runtime.state().timeout)
 
     def _bucket_spec(self, bucket: Bucket):
         """What the engine takes for one bucket: (address or, on a device, the flat tensor,
@@ -510,7 +510,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Buckets go to shared memory when every rank of the group is on this host."""
         comm = self.group._comm
         return (self._device_mode is None and comm.size > 1 and comm.all_local and comm.uses_shm and self._shared_setting is not False
-                and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True))
+                and _runtime.env_bool("RUMOR_SHARED_BUCKETS", True))
 
     # ---- hooks ------------------------------------------------------------------------------
 
@@ -657,7 +657,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _timeout(self) -> float:
         # Read at each wait: rumor.set_timeout (a notebook cell's deadline) applies to wrappers
         # built before it.
-        return _runtime._get().timeout
+        return _runtime.state().timeout
 
     def forward(self, *args, **kwargs):
         if self._autotuner is not None and self.training and torch.is_grad_enabled():

@@ -20,27 +20,14 @@ from typing import Dict, Iterable, List, Optional, Union
 
 from . import _C
 from . import _runtime
+from ._runtime import DEFAULT_FLIGHT_RECORDS  # noqa: F401 - part of this module's API
 
-DEFAULT_FLIGHT_RECORDS = 64
 _CLOCK_ROUNDS = 8
 
 # Module state of the running timeline (None when off). parallel.py reads _on on every step,
 # so it is a plain bool.
 _on = False
 _paths: Optional[Dict[str, str]] = None
-
-
-def _flight_records_from_env() -> int:
-    v = os.environ.get("RUMOR_FLIGHT_RECORDER")
-    if v is None or v.strip() == "":
-        return DEFAULT_FLIGHT_RECORDS
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"RUMOR_FLIGHT_RECORDER must be a non-negative integer, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"RUMOR_FLIGHT_RECORDER must be a non-negative integer, got {n}")
-    return n
 
 
 def _base(path: str) -> str:
@@ -57,7 +44,7 @@ def _measure_clock_offset():
     the smallest round trip (its midpoint is the tightest estimate), over rumor's own send/recv."""
     import torch
 
-    st = _runtime._get()
+    st = _runtime.state()
     n, me = st.env.size, st.env.rank
     if n == 1:
         return 0.0, 0.0
@@ -93,7 +80,7 @@ def start(path: Union[str, os.PathLike]) -> str:
     path = os.fspath(path)
     if not path:
         raise ValueError("rumor.timeline.start(): path must not be empty")
-    st = _runtime._get()
+    st = _runtime.state()
     if _on:
         raise RuntimeError(f"rumor.timeline.start(): a timeline is already recording to {_paths['rank']}; "
                            "call rumor.timeline.stop() first")
@@ -116,7 +103,7 @@ def stop(merge: bool = False, out: Optional[Union[str, os.PathLike]] = None) -> 
     global _on, _paths
     if not _on:
         return None
-    st = _runtime._get()
+    st = _runtime.state()
     _C.timeline_stop(st.ctx)
     paths, _paths, _on = _paths, None, False
     if not merge:
@@ -212,12 +199,12 @@ def _span_s(name: str, cat: str, t0_s: float, t1_s: float, args: str = "") -> No
 def flight_records() -> List[dict]:
     """This rank's last operations, oldest first: seq, name, comm, tag, bytes, peer, ranks, state
     (queued/running/done/failed), queued/started/ended (time.monotonic() seconds or None), error."""
-    return _C.flight_records(_runtime._get().ctx)
+    return _C.flight_records(_runtime.state().ctx)
 
 
 def dump_flight_records(why: str = "requested") -> None:
     """Writes the flight recorder to the log (warn level) and, when recording, to the trace."""
-    _C.flight_dump(_runtime._get().ctx, str(why))
+    _C.flight_dump(_runtime.state().ctx, str(why))
 
 
 # ---- reading and merging -----------------------------------------------------------------------
@@ -282,6 +269,15 @@ def _start_from_env() -> None:
     path = os.environ.get("RUMOR_TIMELINE")
     if path:
         start(path)
+
+
+def _stop_at_shutdown(state) -> list:
+    stop()
+    return []
+
+
+_runtime.on_init(_start_from_env)
+_runtime.on_shutdown(_stop_at_shutdown)
 
 
 def _main(argv=None) -> int:

@@ -119,7 +119,7 @@ class _Windows:
 
 
 def _windows() -> _Windows:
-    st = _runtime._get()
+    st = _runtime.state()
     w = getattr(st, "_rumor_windows", None)
     if w is None:
         w = _Windows(st.ctx)
@@ -128,7 +128,7 @@ def _windows() -> _Windows:
 
 
 def _timeout() -> float:
-    return _runtime._get().timeout
+    return _runtime.state().timeout
 
 
 def _find(name: str, what: str) -> _Win:
@@ -244,7 +244,7 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
         raise ValueError(f"{what}: a window named {name!r} already exists; win_free it first")
     from .collectives import allgather
 
-    world = _runtime._get().world
+    world = _runtime.state().world
     mine = torch.tensor([_fingerprint(name, tensor.numel(), code), tensor.numel(), code], dtype=torch.int64)
     every = allgather(mine, group=world).view(-1, 3)
     bad = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
@@ -272,7 +272,7 @@ def win_free(name: Optional[str] = None) -> bool:
     for w in wins:
         for h in list(w.handles):
             h.wait()
-    _runtime._get().world._comm.barrier(False)
+    _runtime.state().world._comm.barrier(False)
     for w in wins:
         ws.hub.free(w.id, _timeout())
         del ws.by_name[w.name]

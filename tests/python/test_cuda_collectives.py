@@ -293,7 +293,7 @@ def _staged_all():
     chk.close(got.cpu(), torch.full((10,), (1.0 + 2.0) / 2), "neighbor_allreduce")
 
     chk.check(rumor.allreduce(torch.ones(2, device=dev)).device == dev, "result device")
-    chk.check(rumor._runtime._get().world._gpu.transport == "host", f"{expect}: two ranks on one GPU stage")
+    chk.check(rumor._runtime.state().world._gpu.transport == "host", f"{expect}: two ranks on one GPU stage")
     with_mixed = lambda: rumor.allgather(torch.zeros(2, device=dev), out=torch.empty(4))
     chk.raises(ValueError, with_mixed, "mixed", match="out on cpu")
     if torch.cuda.device_count() > 1:
@@ -350,7 +350,7 @@ def _nccl_one_rank():
     chk.check(isinstance(h.poll(), bool), "poll")
     chk.equal(h.wait().cpu(), torch.ones(8), "handle")
     chk.equal(rumor.alltoall(torch.arange(6, device=dev)).cpu(), torch.arange(6), "alltoall (staged)")
-    gpu = rumor._runtime._get().world._gpu
+    gpu = rumor._runtime.state().world._gpu
     chk.check(gpu.transport == "nccl" and gpu.comm is not None, f"transport {gpu!r}")
     rumor.shutdown()
     chk.check(gpu.comm is None, "shutdown closed the communicator")

@@ -256,10 +256,10 @@ def intruder_rank():
     rumor.init()
     n, r = rumor.size(), rumor.rank()
     chk = Checker()
-    st = _runtime._get()
+    st = _runtime.state()
     # Every rank publishes its listener port; each probes the next rank's listener.
     ports = rumor.allgather(torch.tensor([st.ctx.port], dtype=torch.int64)).tolist()
-    mine = _runtime._listen_address()
+    mine = _runtime.listen_address()
     chk.check(mine.endswith(f":{st.ctx.port}"), f"_listen_address() {mine} vs port {st.ctx.port}")
     target = f"127.0.0.1:{ports[(r + 1) % n]}"
     before = st.ctx.rejected_connections
@@ -289,7 +289,7 @@ def intruder_rank():
     if (r + 1) % n != n - 1:  # a listener accepts only dialers above its own rank
         # The positive control: with the job's key (on a communicator id nobody uses) it passes.
         ok = _C.probe_connect(target, token=public, rank=n - 1, comm_id=1 << 62,
-                              key=_runtime._get().secret.key("connection", public))
+                              key=_runtime.state().secret.key("connection", public))
         chk.check(ok is True, "probe_connect with the job's own key was refused")
     got = _raw(target, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(200))
     chk.check(b"RUMOROK" not in got, f"garbage got a handshake reply: {got!r}")

@@ -131,7 +131,7 @@ def _host_rank():
 
     rumor.init(timeout=60)
     try:
-        return _script(HostTransport(_runtime._get().world._comm))
+        return _script(HostTransport(_runtime.state().world._comm))
     finally:
         rumor.shutdown()
 
@@ -342,7 +342,7 @@ def _collectives_over_the_fake(fake: str):
 
     import rumor
     from rumor import _C, _device, _gpu_watch, _nccl
-    from rumor import collectives as C
+    from rumor import _host_collectives as C
 
     test_gpu_watch._fake_cuda(fake)
     # allgather learns every rank's row count through the group's CPU communicator; the thread
@@ -356,7 +356,7 @@ def _collectives_over_the_fake(fake: str):
         barrier.wait(60)
         return [s[0] for s in got], got[g.rank()][1:]
 
-    C._gather_rows = gather_rows
+    C.gather_rows = gather_rows
 
     class HostGroup(_device.GpuGroup):
         torch_device = torch.device("cpu")  # the fake's "device memory" is host memory

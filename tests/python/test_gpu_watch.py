@@ -19,7 +19,7 @@ import types
 import pytest
 
 import harness
-from rumor import _gpu_watch
+from rumor import _gpu_watch, _runtime
 from rumor.errors import AbortedError, CommTimeoutError, PeerError, RumorError
 
 FAST = dict(min_pause=0.001, max_pause=0.004)
@@ -58,12 +58,12 @@ def _until(cond, timeout: float = 10.0) -> None:
 
 
 def test_mode_setting():
-    assert _gpu_watch.mode_setting(None, "x") == "host"
-    assert _gpu_watch.mode_setting("", "x") == "host"
-    assert _gpu_watch.mode_setting(" Stream ", "x") == "stream"
-    assert _gpu_watch.mode_setting("host", "x") == "host"
+    assert _runtime.gpu_wait_mode(None, "x") == "host"
+    assert _runtime.gpu_wait_mode("", "x") == "host"
+    assert _runtime.gpu_wait_mode(" Stream ", "x") == "stream"
+    assert _runtime.gpu_wait_mode("host", "x") == "host"
     with pytest.raises(ValueError, match=r"RUMOR_GPU_WAIT: expected one of host, stream, got 'sync'"):
-        _gpu_watch.mode_setting("sync", "RUMOR_GPU_WAIT")
+        _runtime.gpu_wait_mode("sync", "RUMOR_GPU_WAIT")
 
 
 def test_passed_events_are_retired_and_nothing_is_aborted():
@@ -407,7 +407,7 @@ def _collectives_on_the_fake(fake: str):
     out = {}
     try:
         lib = _nccl.load()
-        g = _runtime._get().world
+        g = _runtime.state().world
 
         class HostGroup(_device.GpuGroup):
             torch_device = torch.device("cpu")  # the fake's "device memory" is host memory

@@ -171,7 +171,7 @@ def sc_bytegrad_reference(chk, hierarchical=False, hosts=None, average=True):
     from rumor import _C
     from rumor._tensor import dtype_code
 
-    comm = rumor._runtime._get().world._comm
+    comm = rumor._runtime.state().world._comm
     n, r = rumor.size(), rumor.rank()
     chunk = 256
     for count in (1, 700, 70001):

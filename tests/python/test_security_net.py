@@ -91,7 +91,7 @@ def train_under_flood(workdir: str):
         cpu0, t0 = _thread_cpu(tid), time.monotonic()
         tmp = os.path.join(workdir, "port.tmp")
         with open(tmp, "w") as f:
-            f.write(str(_runtime._get().ctx.port))
+            f.write(str(_runtime.state().ctx.port))
         os.rename(tmp, os.path.join(workdir, "port"))
     deadline = time.monotonic() + 120
     i = 1
@@ -115,7 +115,7 @@ def train_under_flood(workdir: str):
         while _fd_count() > fds_before + 2 and time.monotonic() < back:
             time.sleep(0.05)
         out = dict(fds_before=fds_before, fds_after=_fd_count(), cpu=cpu, wall=wall,
-                   rejected=_runtime._get().ctx.rejected_connections)
+                   rejected=_runtime.state().ctx.rejected_connections)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-9, atol=1e-12)
     out["steps"] = i
@@ -187,7 +187,7 @@ def knock_with_garbage():
     from rumor import _runtime
 
     rumor.init()
-    ctx = _runtime._get().ctx
+    ctx = _runtime.state().ctx
     before = ctx.rejected_connections
     with socket.create_connection(("127.0.0.1", ctx.port), timeout=10) as s:
         s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64)
@@ -216,7 +216,7 @@ def listening_addresses():
     from rumor import _runtime
 
     rumor.init()
-    port = _runtime._get().ctx.port
+    port = _runtime.state().ctx.port
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:

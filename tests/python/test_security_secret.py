@@ -14,6 +14,7 @@ import warnings
 import pytest
 
 import harness
+from rumor import _rendezvous as rdv
 from rumor import _runtime, _secret
 
 
@@ -145,18 +146,18 @@ def test_single_host_detection(monkeypatch, env, addr, single):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert _runtime._single_host(_runtime._Env(1, 4, addr, 1, "torchrun")) is single
+    assert rdv.single_host(rdv.Env(1, 4, addr, 1, "torchrun")) is single
 
 
 def test_a_multi_host_job_without_a_secret_warns_once(private, monkeypatch):
-    monkeypatch.setattr(_runtime, "_UNAUTH_WARNED", False)
+    monkeypatch.setattr(rdv, "_UNAUTH_WARNED", False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    env = _runtime._Env(1, 2, "10.1.1.1", 1, "torchrun")
+    env = rdv.Env(1, 2, "10.1.1.1", 1, "torchrun")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        assert not _runtime._job_secret(env).authenticated
-        assert not _runtime._job_secret(env).authenticated
+        assert not rdv.job_secret_for(env).authenticated
+        assert not rdv.job_secret_for(env).authenticated
     msgs = [str(x.message) for x in w if "NOT authenticated" in str(x.message)]
     assert len(msgs) == 1, msgs
 
@@ -192,14 +193,14 @@ class _Ctx:
         self.port, self.shm_tag = port, f"1.{port}"
 
 
-def _rendezvous(store, secrets, tamper=None, timeout=10.0):
+def _meet(store, secrets, tamper=None, timeout=10.0):
     """Runs _exchange for len(secrets) ranks in threads; returns {rank: entries or exception}."""
     out = {}
 
     def rank(r):
-        env = _runtime._Env(r, len(secrets), "127.0.0.1", 1, "test")
+        env = rdv.Env(r, len(secrets), "127.0.0.1", 1, "test")
         try:
-            out[r] = _runtime._exchange(store, env, timeout, lambda tok: _Ctx(40000 + r), f"host{r}", "127.0.0.1",
+            out[r] = rdv.exchange(store, env, timeout, lambda tok: _Ctx(40000 + r), f"host{r}", "127.0.0.1",
                                         secrets[r])[2]
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[r] = e
@@ -218,7 +219,7 @@ def _rendezvous(store, secrets, tamper=None, timeout=10.0):
 
 def test_rendezvous_with_one_secret_agrees():
     js = _secret.JobSecret(b"s" * 32, "test")
-    out = _rendezvous(_Store(), [js, js, js])
+    out = _meet(_Store(), [js, js, js])
     assert out[0] == out[1] == out[2]
     assert [e[1] for e in out[0]] == ["127.0.0.1:40000", "127.0.0.1:40001", "127.0.0.1:40002"]
 
@@ -226,7 +227,7 @@ def test_rendezvous_with_one_secret_agrees():
 def test_the_secret_never_enters_the_store():
     js = _secret.JobSecret(b"S3cr3t-" * 5, "test")
     store = _Store()
-    _rendezvous(store, [js, js])
+    _meet(store, [js, js])
     blob = b"".join(store.d.values()) + b"".join(k.encode() for k in store.d)
     assert js.secret not in blob and js.secret.hex().encode() not in blob
     token = bytes.fromhex(store.d["token"].decode())
@@ -234,7 +235,7 @@ def test_the_secret_never_enters_the_store():
 
 
 def test_ranks_with_different_secrets_are_refused_by_name():
-    out = _rendezvous(_Store(), [_secret.JobSecret(b"a" * 32, "t"), _secret.JobSecret(b"b" * 32, "t")], timeout=3)
+    out = _meet(_Store(), [_secret.JobSecret(b"a" * 32, "t"), _secret.JobSecret(b"b" * 32, "t")], timeout=3)
     assert isinstance(out[0], PermissionError) and "rank 1's entry" in str(out[0]), out[0]
     assert "MAC" in str(out[0])
 
@@ -254,7 +255,7 @@ def test_a_tampered_table_is_refused():
             if "token" in store.d and not any("/peer/1" in k for k in store.d):
                 t = store.d["token"].decode()
                 key = js.key("store", bytes.fromhex(t))
-                store.set(f"{t}/peer/1", _runtime._seal(key, "peer/1", ["ab", "127.0.0.1:40001", "h1", "1.2"]))
+                store.set(f"{t}/peer/1", rdv.seal(key, "peer/1", ["ab", "127.0.0.1:40001", "h1", "1.2"]))
             time.sleep(0.01)
         t = store.d["token"].decode()
         body, mac = json.loads(store.d[f"{t}/table"])
@@ -263,7 +264,7 @@ def test_a_tampered_table_is_refused():
         store.set(f"{t}/table", json.dumps([json.dumps(forged), mac]))
         ts[1].start()
 
-    out = _rendezvous(_Store(), [js, js], tamper=tamper, timeout=5)
+    out = _meet(_Store(), [js, js], tamper=tamper, timeout=5)
     assert isinstance(out[1], PermissionError) and "table of peers" in str(out[1]), out[1]
 
 
@@ -272,7 +273,7 @@ def test_a_tampered_table_is_refused():
     ["n", "h:1", "h", 5], "x",
 ], ids=["no-port", "port-range", "tag-path", "short", "not-str", "not-list"])
 def test_malformed_entries_are_refused(entry):
-    assert not _runtime._valid_entry(entry, 1)
+    assert not rdv.valid_entry(entry, 1)
 
 
 # ---- ports ---------------------------------------------------------------------------------------
@@ -281,14 +282,14 @@ def test_malformed_entries_are_refused(entry):
 def test_rumor_port_is_the_first_of_the_hosts_ports(monkeypatch, value, local, port):
     monkeypatch.setenv("RUMOR_PORT", value)
     monkeypatch.setenv("LOCAL_RANK", local)
-    assert _runtime._listen_port(_runtime._Env(0, 4, "127.0.0.1", 1, "torchrun")) == port
+    assert rdv.listen_port(rdv.Env(0, 4, "127.0.0.1", 1, "torchrun")) == port
 
 
 @pytest.mark.parametrize("value", ["abc", "70000", "-1"])
 def test_a_bad_rumor_port_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("RUMOR_PORT", value)
     with pytest.raises(ValueError, match="RUMOR_PORT"):
-        _runtime._listen_port(_runtime._Env(0, 4, "127.0.0.1", 1, "torchrun"))
+        rdv.listen_port(rdv.Env(0, 4, "127.0.0.1", 1, "torchrun"))
 
 
 # ---- the launcher hands a secret to its workers --------------------------------------------------
@@ -297,7 +298,7 @@ def _secret_of_worker():
     import rumor
 
     rumor.init()
-    js = _runtime._get().secret
+    js = _runtime.state().secret
     return js.source, js.secret
 
 

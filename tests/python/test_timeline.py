@@ -98,7 +98,7 @@ def _flight_rank(base):
         for n in sizes:
             rumor.allreduce_(torch.ones(n))
         before = rumor.timeline.flight_records()
-        store = _runtime._store_keepalive
+        store = _runtime.rendezvous_store()
         err = None
         if rumor.rank() == 0:
             # Rank 1 skips this barrier: rank 0 times out (RUMOR_TIMEOUT) in it.
@@ -270,16 +270,16 @@ def test_flight_recorder_last_n_and_dump_on_timeout(tmp_path):
 
 
 def test_flight_records_env_is_validated(monkeypatch):
-    import rumor.timeline as tl
+    from rumor import _runtime
 
     monkeypatch.setenv("RUMOR_FLIGHT_RECORDER", "0")
-    assert tl._flight_records_from_env() == 0
+    assert _runtime.flight_records_from_env() == 0
     monkeypatch.delenv("RUMOR_FLIGHT_RECORDER")
-    assert tl._flight_records_from_env() == 64
+    assert _runtime.flight_records_from_env() == 64
     for bad in ("-1", "many"):
         monkeypatch.setenv("RUMOR_FLIGHT_RECORDER", bad)
         with pytest.raises(ValueError, match="RUMOR_FLIGHT_RECORDER"):
-            tl._flight_records_from_env()
+            _runtime.flight_records_from_env()
 
 
 def test_merge_inputs_are_checked(tmp_path):

@@ -159,7 +159,7 @@ def shared_arena_possible(comm) -> bool:
     """Whether "all" rounds on this communicator can keep the weights in a shared arena: several
     ranks, all on this host, shared memory on (float weights on the host are the caller's part)."""
     return (comm.size > 1 and comm.all_local and comm.uses_shm
-            and _runtime._env_bool("RUMOR_SHARED_BUCKETS", True))
+            and _runtime.env_bool("RUMOR_SHARED_BUCKETS", True))
 
 
 class _AllMixer(_Mixer):
@@ -492,7 +492,7 @@ class AsyncModelAverage(Algorithm):
         with self._lock:
             self._resume_to, self._state = self._state, PAUSED
         collectives.barrier(self._ddp.group)
-        ticks, end = self._ticks, time.monotonic() + _runtime._get().timeout
+        ticks, end = self._ticks, time.monotonic() + _runtime.state().timeout
         self._wake.set()
         while self._ticks < ticks + 2:
             self._raise_if_failed()
@@ -640,7 +640,7 @@ class AsyncModelAverage(Algorithm):
         pushing its fixed weights to the ranks still training. Then the thread stops and the
         windows are freed (a barrier: no rank leaves while a peer may still put to it). Started
         once; a finish() called again after a TimeoutError keeps waiting for the same average."""
-        wait_s = _runtime._get().timeout * 2 if timeout is None else timeout
+        wait_s = _runtime.state().timeout * 2 if timeout is None else timeout
         end = time.monotonic() + wait_s
         # The thread's round in flight may still write x; the average starts after it took x.
         while not self._leaving.wait(0.1):

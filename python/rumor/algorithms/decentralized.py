@@ -114,7 +114,7 @@ def _check_interval(k) -> int:
 def _host_layout(group) -> Tuple[int, int, int]:
     """(number of hosts, this rank's host index, ranks on this host) for a group, with hosts
     in order of their lowest rank: the order of the C++ core's host-leader communicator."""
-    st = _runtime._get()
+    st = _runtime.state()
     hosts: List[str] = []
     for r in group.ranks:
         if st.hosts[r] not in hosts:

@@ -3,7 +3,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import _C
-from ..collectives import ReduceOp, _ALGO
+from ..collectives import ReduceOp, ALGORITHMS
 from .base import Algorithm
 
 
@@ -58,4 +58,4 @@ class GradientAllReduce(Algorithm):
                 algo = "recursive_doubling"
             elif not self.hierarchical and nbytes <= 64 * 1024:
                 algo = "ring"  # "auto" would still pick recursive doubling below its own threshold
-        return _C.allreduce_op(int(op), _ALGO[algo])
+        return _C.allreduce_op(int(op), ALGORITHMS[algo])

@@ -27,7 +27,7 @@ import torch
 
 from .. import _C, _runtime
 from .._tensor import address, dtype_code
-from ..collectives import ReduceOp, _ALGO
+from ..collectives import ReduceOp, ALGORITHMS
 from .base import Algorithm
 from .bytegrad import KIND_BF16, KIND_F16, KIND_MINMAX_U8, KIND_QSGD
 from .decentralized import FlatWeights
@@ -68,7 +68,7 @@ def _need_optimizer(ddp, who: str) -> None:
 def _host_groups(ddp) -> tuple:
     """(groups, this rank's group) with one group per host of the wrapper's ranks, hosts in
     order of their lowest rank. Collective: every rank of the wrapper creates every group."""
-    st = _runtime._get()
+    st = _runtime.state()
     hosts: Dict[str, List[int]] = {}
     for r in ddp.group.ranks:
         hosts.setdefault(st.hosts[r], []).append(r)
@@ -87,7 +87,7 @@ def _allreduce_avg(group, t: torch.Tensor, algorithm: str = "auto", nonblocking:
         call = collectives.allreduce_nonblocking_ if nonblocking else collectives.allreduce_
         return call(t, ReduceOp.AVG, group, hierarchical=algorithm == "hierarchical")
     return group._comm.allreduce(address(t), t.numel(), dtype_code(t.dtype, "rumor.algorithms"),
-                                 int(ReduceOp.AVG), _ALGO[algorithm], nonblocking)
+                                 int(ReduceOp.AVG), ALGORITHMS[algorithm], nonblocking)
 
 
 def ring_bytes(numel: int, element_bytes: float, n: int) -> float:
@@ -439,7 +439,7 @@ class DiLoCo(Algorithm):
         comm = self._group._comm
         code = dtype_code(buf.dtype, type(self).__name__)
         if self._codec is None:
-            algo = _ALGO["hierarchical" if self.hierarchical else "auto"]
+            algo = ALGORITHMS["hierarchical" if self.hierarchical else "auto"]
             return comm.allreduce(address(buf), buf.numel(), code, int(ReduceOp.AVG), algo, nonblocking)
         kind, levels, chunk = self._codec
         return _C.compressed_allreduce(comm, address(buf), buf.numel(), code, kind=kind, chunk=chunk,
@@ -569,7 +569,7 @@ class DiLoCo(Algorithm):
 
 
 def _host_names(ddp) -> List[str]:
-    st = _runtime._get()
+    st = _runtime.state()
     return list(dict.fromkeys(st.hosts[r] for r in ddp.group.ranks))
 
 

@@ -7,7 +7,7 @@ import torch
 
 from .. import _C
 from .._tensor import address
-from ..collectives import _ALGO, ReduceOp
+from ..collectives import ALGORITHMS, ReduceOp
 from .base import Algorithm
 from .bytegrad import _check_chunk
 
@@ -130,7 +130,7 @@ class OneBitAdam(Algorithm):
             if bucket.arena is not None:  # peers read shared buckets in place: the fast warm-up average
                 warmup = bucket.arena.allreduce_op(int(ReduceOp.AVG))
             else:
-                warmup = _C.allreduce_op(int(ReduceOp.AVG), _ALGO["hierarchical" if self.hierarchical else "auto"])
+                warmup = _C.allreduce_op(int(ReduceOp.AVG), ALGORITHMS["hierarchical" if self.hierarchical else "auto"])
             op = _C.onebit_momentum_op(address(flats["exp_avg"]), address(flats["worker_error"]),
                                        address(flats["server_error"]), count, float(betas.pop()), self.chunk,
                                        warmup, self.hierarchical)

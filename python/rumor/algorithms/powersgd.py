@@ -11,7 +11,7 @@ import torch
 
 from .. import _C
 from .._tensor import address, dtype_code
-from ..collectives import _ALGO, ReduceOp
+from ..collectives import ALGORITHMS, ReduceOp
 from .base import Algorithm
 
 _WIRE = {None: torch.float32, torch.float32: torch.float32, torch.float16: torch.float16,
@@ -215,7 +215,7 @@ class PowerSGD(Algorithm):
         if bucket.arena is not None:  # peers read shared buckets in place: the fast full average
             warmup = bucket.arena.allreduce_op(int(ReduceOp.AVG))
         else:
-            warmup = _C.allreduce_op(int(ReduceOp.AVG), _ALGO["auto"])
+            warmup = _C.allreduce_op(int(ReduceOp.AVG), ALGORITHMS["auto"])
         s.op = _C.powersgd_op([(mx.offset, mx.n, mx.m, mx.k, mx.p_off, mx.q_off) for mx in matrices],
                               uncompressed, count, address(s.p), p_count, address(s.q), q_count,
                               address(error) if error is not None else 0, self.orthogonalization_epsilon,

@@ -276,15 +276,16 @@ _registry: Dict[Tuple[str, str], Any] = {}  # (backend, dataset_name) -> (endpoi
 def _rumor_context():
     """(store, machine_rank, machine_size, local_rank, advertise address, timeout) when rumor is
     initialized with more than one rank, else None."""
+    from .. import _rendezvous
     from .. import _runtime as rt
 
     if not rt.is_initialized():
         return None
-    st = rt._get()
-    if st.env.size == 1 or rt._store_keepalive is None:
+    st = rt.state()
+    if st.env.size == 1 or rt.rendezvous_store() is None:
         return None
-    addr = rt._advertise_address(st.env.master_addr, st.env.master_port)
-    return rt._store_keepalive, st.machine_rank, st.machine_size, st.local_rank, addr, st.timeout
+    addr = _rendezvous.advertise_address(st.env.master_addr, st.env.master_port)
+    return rt.rendezvous_store(), st.machine_rank, st.machine_size, st.local_rank, addr, st.timeout
 
 
 def _wait_key(store, key: str, timeout: float, what: str) -> bytes:

@@ -61,13 +61,13 @@ def setup(rank: int, size: int, master_port: int, timeout: float, generation: in
         rumor.shutdown()
     # Every rank must use the same store key prefix; a rank whose earlier init() failed would
     # otherwise count generations differently from its peers.
-    _runtime._generation = generation
+    _runtime.set_generation(generation)
     rumor.init(timeout=timeout)
     shm_prefix = ""
     if size > 1:
         # The store holds the job token as hex; the core names segments "rumor-" + the hex of
         # the token's first 8 bytes (Context::shm_prefix).
-        token = bytes(_runtime._store_keepalive.get("token")).decode()
+        token = bytes(_runtime.rendezvous_store().get("token")).decode()
         shm_prefix = "rumor-" + token[:16]
         shm_prefixes.append(shm_prefix)
     try:

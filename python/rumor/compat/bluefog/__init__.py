@@ -94,7 +94,7 @@ def init(topology_fn: Optional[Callable[[int], nx.DiGraph]] = None, is_weighted:
         _machine_env_host_id()
         _r.init()
     _bluefog_timeline()
-    _st.generation = _runtime._generation
+    _st.generation = _runtime.generation()
     topo = topology_fn(size()) if topology_fn is not None else ExponentialGraph(size())
     set_topology(topo, is_weighted)
     _st.machine_topology = None
@@ -130,7 +130,7 @@ machine_size = _r.machine_size
 
 def is_homogeneous() -> bool:
     """Every machine runs the same number of ranks."""
-    hosts = _runtime._get().hosts
+    hosts = _runtime.state().hosts
     return len({hosts.count(h) for h in set(hosts)}) == 1
 
 

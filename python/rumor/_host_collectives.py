@@ -1,0 +1,248 @@
+"""The CPU implementation of the collectives: rumor's own transports (shared memory, TCP) on
+host tensors, and the checks and helpers every path shares. The front door (rumor.collectives)
+routes CUDA tensors to rumor._gpu_collectives first; that path stages through these functions
+when NCCL is not used. Ranks are global ranks; `what` names the public call in errors."""
+from __future__ import annotations
+
+import enum
+import math
+from typing import Callable, List, Optional
+
+import torch
+
+from . import _runtime
+from ._runtime import Group, communicator
+from ._tensor import address, check_dense, check_movable, check_tensor, dtype_tag
+
+class ReduceOp(enum.IntEnum):
+    SUM = 0
+    AVG = 1
+    MIN = 2
+    MAX = 3
+    PROD = 4
+
+
+ALGORITHMS = {"auto": 0, "ring": 1, "recursive_doubling": 2, "hierarchical": 3}
+
+
+class Handle:
+    """The result of a *_nonblocking call. wait() (or rumor.synchronize(h)) returns the result."""
+
+    def __init__(self, work, keep: tuple, finish: Callable[[], torch.Tensor]):
+        self._work = work
+        self._keep = keep  # buffers the C++ side reads or writes until it is done
+        self._finish = finish
+        self._result = None
+        self._done = False
+
+    def poll(self) -> bool:
+        return self._done or self._work is None or self._work.done()
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        if not self._done:
+            if self._work is not None:
+                # The op carries its own deadline; this one only guards against a lost wakeup.
+                self._work.wait(timeout if timeout is not None else _runtime.state().timeout * 64)
+            self._result = self._finish()
+            self._done = True
+            self._keep = ()
+        return self._result
+
+
+def op_code(op, what: str) -> int:
+    try:
+        return int(ReduceOp(op))
+    except ValueError:
+        raise ValueError(f"{what}: unknown reduce op {op!r}; use rumor.ReduceOp") from None
+
+
+def group_rank(g: Group, global_rank: int, what: str, role: str) -> int:
+    try:
+        return g.ranks.index(int(global_rank))
+    except ValueError:
+        raise ValueError(f"{what}: {role} {global_rank} is not a member of {g!r}") from None
+
+
+def run(nonblocking: bool, issue, keep: tuple, finish: Callable[[], torch.Tensor]):
+    work = issue(nonblocking)
+    h = Handle(work, keep, finish)
+    return h if nonblocking else h.wait()
+
+
+def contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def writeback(target: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def finish():
+        if buf.data_ptr() != target.data_ptr() or not target.is_contiguous():
+            target.copy_(buf)
+        return target
+
+    return finish
+
+
+def allreduce(t, op, group, inplace, nonblocking, algorithm, what):
+    code = check_tensor(t, what)
+    g = communicator(group, what)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{what}: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    o = op_code(op, what)
+    buf = contig(t) if inplace else t.contiguous().clone()
+    issue = lambda nb: g._comm.allreduce(address(buf), buf.numel(), code, o, ALGORITHMS[algorithm], nb)
+    finish = writeback(t, buf) if inplace else (lambda: buf)
+    return run(nonblocking, issue, (buf, t), finish)
+
+
+def broadcast(t, root, group, inplace, nonblocking, what):
+    code, per = check_movable(t, what)
+    g = communicator(group, what)
+    r = group_rank(g, root, what, "root")
+    buf = contig(t) if inplace else t.contiguous().clone()
+    issue = lambda nb: g._comm.broadcast(address(buf), buf.numel() * per, code, r, nb)
+    finish = writeback(t, buf) if inplace else (lambda: buf)
+    return run(nonblocking, issue, (buf, t), finish)
+
+
+def reduce(t, root, op, group, nonblocking, what):
+    code = check_tensor(t, what)
+    g = communicator(group, what)
+    r = group_rank(g, root, what, "root")
+    o = op_code(op, what)
+    buf = t.contiguous().clone()
+    scratch_ok = g._comm.rank == r
+    issue = lambda nb: g._comm.reduce(address(buf), buf.numel(), code, o, r, nb)
+    # Only the root's buffer holds the reduction; elsewhere the input is returned unchanged.
+    finish = (lambda: buf) if scratch_ok else (lambda: t.clone())
+    return run(nonblocking, issue, (buf, t), finish)
+
+
+MAX_DIMS = 8
+
+
+def gather_shapes(t: torch.Tensor, tag: int, g: Group, what: str) -> List[tuple]:
+    """Every rank's shape, gathered so all ranks can check them and raise the same error."""
+    if t.dim() > MAX_DIMS:
+        raise ValueError(f"{what}: tensors of more than {MAX_DIMS} dims are not supported")
+    n = g.size()
+    meta = torch.zeros(n, MAX_DIMS + 2, dtype=torch.int64)
+    mine = meta[g._comm.rank]
+    mine[0] = t.dim()
+    mine[1] = tag
+    mine[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    g._comm.allgather(address(meta), [MAX_DIMS + 2] * n, 5, False)
+    shapes = []
+    for r in range(n):
+        d, c = int(meta[r, 0]), int(meta[r, 1])
+        if c != tag:
+            raise TypeError(f"{what}: rank {g.ranks[r]} passed a tensor of another dtype than {t.dtype} "
+                            f"(dtype tag {c} vs {tag})")
+        shapes.append(tuple(int(x) for x in meta[r, 2 : 2 + d]))
+    return shapes
+
+
+def gather_rows(t: torch.Tensor, g: Group, what: str):
+    """(every rank's row count, the shared trailing shape) of an allgather of t (at least 1-D)."""
+    shapes = gather_shapes(t, dtype_tag(t.dtype), g, what)
+    tail = shapes[g._comm.rank][1:]
+    for r, s in enumerate(shapes):
+        if len(s) != len(tail) + 1 or s[1:] != tail:
+            raise ValueError(
+                f"{what}: all dims but the first must match across ranks; rank {g.ranks[r]} has "
+                f"shape {list(s)}, rank {g.ranks[g._comm.rank]} has {list(t.shape)}")
+    return [s[0] for s in shapes], tail
+
+
+def allgather(t, group, out, nonblocking, what):
+    code, per = check_movable(t, what)
+    g = communicator(group, what)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    rows, tail = gather_rows(t, g, what)
+    per_row = math.prod(tail)
+    out = check_out(out, t.dtype, (sum(rows),) + tuple(tail), what)
+    start = sum(rows[: g._comm.rank])
+    out[start : start + rows[g._comm.rank]].copy_(t)
+    counts = [r_ * per_row * per for r_ in rows]
+    issue = lambda nb: g._comm.allgather(address(out), counts, code, nb)
+    return run(nonblocking, issue, (out,), lambda: out)
+
+
+def split_rows(rows: int, n: int) -> List[int]:
+    return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+
+
+def check_out(out, dtype, shape, what, device=None):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    # The caller routed out together with the input (rumor._device): it is on their device.
+    check_dense(out, what)
+    if out.dtype != dtype or tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+        raise ValueError(f"{what}: out must be a contiguous {dtype} tensor of shape {list(shape)}, "
+                         f"got {out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ' (non-contiguous)'}")
+    return out
+
+
+def reduce_scatter(t, op, group, out, nonblocking, what):
+    code = check_tensor(t, what)
+    g = communicator(group, what)
+    o = op_code(op, what)
+    if t.dim() == 0:
+        raise ValueError(f"{what}: expected a tensor with at least one dim to split along dim 0")
+    n = g.size()
+    rows = split_rows(t.shape[0], n)
+    per_row = math.prod(t.shape[1:])
+    src = contig(t)
+    me = g._comm.rank
+    res = check_out(out, t.dtype, (rows[me],) + tuple(t.shape[1:]), what)
+    issue = lambda nb: g._comm.reduce_scatter(address(src), address(res), [r * per_row for r in rows], code, o, nb)
+    return run(nonblocking, issue, (src, res), lambda: res)
+
+
+def alltoall(t, splits, group, nonblocking, what):
+    # Staged on either GPU transport, so the group need not agree on one first.
+    code, per = check_movable(t, what)
+    g = communicator(group, what)
+    n = g.size()
+    if t.dim() == 0:
+        raise ValueError(f"{what}: expected a tensor with at least one dim to split along dim 0")
+    if splits is None:
+        if t.shape[0] % n != 0:
+            raise ValueError(f"{what}: dim 0 ({t.shape[0]}) is not divisible by the group size ({n}); pass splits=")
+        splits = [t.shape[0] // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != t.shape[0]:
+        raise ValueError(f"{what}: splits must be {n} non-negative row counts summing to {t.shape[0]}, got {splits}")
+    send_rows = torch.tensor(splits, dtype=torch.int64)
+    recv_rows = torch.empty(n, dtype=torch.int64)
+    g._comm.alltoall(address(send_rows), [1] * n, address(recv_rows), [1] * n, 5, False)
+    per_row = math.prod(t.shape[1:])
+    src = contig(t)
+    out = torch.empty((int(recv_rows.sum()),) + tuple(t.shape[1:]), dtype=t.dtype)
+    issue = lambda nb: g._comm.alltoall(address(src), [s * per_row * per for s in splits], address(out),
+                                        [int(r) * per_row * per for r in recv_rows], code, nb)
+    return run(nonblocking, issue, (src, out), lambda: out)
+
+
+def barrier(group, what: str) -> None:
+    g = communicator(group, what)
+    g._comm.barrier(False)
+
+
+def send(t, dst, group, what: str) -> None:
+    check_movable(t, what)
+    g = communicator(group, what)
+    d = group_rank(g, dst, what, "dst")
+    buf = contig(t)
+    g._comm.send(address(buf), buf.numel() * buf.element_size(), d, False)
+
+
+def recv(t, src, group, what: str):
+    check_movable(t, what)
+    g = communicator(group, what)
+    s = group_rank(g, src, what, "src")
+    buf = contig(t)
+    g._comm.recv(address(buf), buf.numel() * buf.element_size(), s, False)
+    if buf.data_ptr() != t.data_ptr():
+        t.copy_(buf)
+    return t

@@ -1,0 +1,308 @@
+"""How the ranks of one init() find each other: the launcher's environment, the rendezvous store
+and the authenticated exchange of addresses (docs/security.md). Below the runtime state: nothing
+here holds state between init() calls except the once-only warning of an unauthenticated job."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+from . import _secret
+
+
+DEFAULT_PORT = 29500
+
+
+@dataclass
+class Env:
+    rank: int
+    size: int
+    master_addr: str
+    master_port: int
+    source: str
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    # "node[01-04,07],gpu2" -> "node01"; enough for rank 0's host, which is first in the list.
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        first = rest.split(",")[0].split("-")[0].rstrip("]")
+        return prefix + first
+    return head
+
+
+def read_env() -> Env:
+    e = os.environ
+    port = int(e.get("MASTER_PORT", DEFAULT_PORT))
+    if "RANK" in e and "WORLD_SIZE" in e:
+        return Env(int(e["RANK"]), int(e["WORLD_SIZE"]), e.get("MASTER_ADDR", "127.0.0.1"), port, "torchrun")
+    if "OMPI_COMM_WORLD_RANK" in e:
+        single = e.get("OMPI_COMM_WORLD_LOCAL_SIZE") == e.get("OMPI_COMM_WORLD_SIZE")
+        addr = e.get("MASTER_ADDR", "127.0.0.1" if single else "")
+        if not addr:
+            raise RuntimeError("rumor.init(): under mpirun on several hosts, set MASTER_ADDR (and MASTER_PORT) to rank 0's host")
+        return Env(int(e["OMPI_COMM_WORLD_RANK"]), int(e["OMPI_COMM_WORLD_SIZE"]), addr, port, "mpirun")
+    if "PMI_RANK" in e and "PMI_SIZE" in e:
+        addr = e.get("MASTER_ADDR", "")
+        if not addr:
+            raise RuntimeError("rumor.init(): under an MPICH-style launcher, set MASTER_ADDR (and MASTER_PORT)")
+        return Env(int(e["PMI_RANK"]), int(e["PMI_SIZE"]), addr, port, "pmi")
+    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
+        addr = e.get("MASTER_ADDR") or _first_slurm_host(e.get("SLURM_JOB_NODELIST", e.get("SLURM_NODELIST", "127.0.0.1")))
+        return Env(int(e["SLURM_PROCID"]), int(e["SLURM_NTASKS"]), addr, port, "slurm")
+    return Env(0, 1, "127.0.0.1", port, "single process")
+
+
+def advertise_address(master_addr: str, master_port: int) -> str:
+    """The local IP other ranks should dial: the one on the route to rank 0's host."""
+    explicit = os.environ.get("RUMOR_ADVERTISE_ADDR")
+    if explicit:
+        return explicit
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, master_port or 9))  # UDP connect sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def host_id() -> str:
+    """Ranks with the same host id share memory. Network namespaces count as separate hosts,
+    so emulated clusters (one namespace per host) really go through the network."""
+    explicit = os.environ.get("RUMOR_HOST_ID")
+    if explicit:
+        return explicit
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}|{netns}"
+
+
+def fault_point(point: str) -> None:
+    # Fault injection for tests of what a crash leaves behind: RUMOR_TEST_DIE_AT=<point>[:<rank>]
+    # SIGKILLs the process (of that rank, or every rank) when init reaches the point.
+    spec = os.environ.get("RUMOR_TEST_DIE_AT")
+    if not spec:
+        return
+    where, _, who = spec.rpartition(":") if spec.count(":") > 1 else (spec, "", "")
+    if where == point and (not who or int(who) == int(os.environ.get("RANK", "-1"))):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def store_for(env: Env, timeout: float, generation: int):
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=timeout)
+    if dist.is_available() and dist.is_initialized():
+        base = dist.distributed_c10d._get_default_store()
+    else:
+        # Under torchrun the agent already hosts the store at MASTER_PORT; otherwise rank 0
+        # hosts it. multi_tenant lets a later torch.distributed.init_process_group() in this
+        # process share the same server instead of failing on a busy port.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        base = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.size,
+            is_master=(env.rank == 0 and not agent),
+            timeout=td,
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+    return dist.PrefixStore(rendezvous_prefix(generation), base)
+
+
+def rendezvous_prefix(generation: int) -> str:
+    # Under torchrun the agent's store outlives the workers: a restarted worker must not find
+    # its predecessors' keys. The run id separates jobs sharing one store; the in-process
+    # generation separates init() calls of one process. Restarts of the same run are kept apart
+    # by the fresh token rank 0 draws each time (see exchange), not by
+    # TORCHELASTIC_RESTART_COUNT: the agents of a multi-node job count restarts differently
+    # (an agent restarts its workers without counting when another node joins or fails), so
+    # ranks of one round would disagree on the key and never meet.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"rumor/{run_id}/{generation}/" if run_id else f"rumor/{generation}/"
+
+
+def listen_port(env: Env) -> int:
+    """RUMOR_PORT (rumor.run --rumor-port) is the first of a range: a host's workers listen on
+    RUMOR_PORT + local rank, so several workers per host do not fight for one port."""
+    v = os.environ.get("RUMOR_PORT", "").strip()
+    if not v:
+        return 0
+    if not v.isdigit() or not 0 < int(v) < 65536:
+        raise ValueError(f"rumor.init(): RUMOR_PORT must be a port number, got {v!r}")
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK",
+                                                            os.environ.get("SLURM_LOCALID", "0"))))
+    port = int(v) + local
+    if port >= 65536:
+        raise ValueError(f"rumor.init(): RUMOR_PORT {v} + local rank {local} is past the last port")
+    return port
+
+
+def wait_key(store, key: str, deadline: float, what: str, on_idle=None) -> None:
+    """Polls for key until the deadline; on_idle() runs between polls and may raise to retry."""
+    import time
+
+    pause = 0.002
+    while not store.check([key]):
+        if on_idle is not None:
+            on_idle()
+        if time.monotonic() > deadline:
+            from .errors import CommTimeoutError
+
+            raise CommTimeoutError(f"rumor.init(): {what}: store key {key!r} did not appear before the deadline")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+class _Stale(Exception):
+    """The token this rank read belongs to an earlier attempt; read it again."""
+
+
+_PEER_FIELDS = 4  # nonce, "address:port", host id, shm tag
+
+
+_UNAUTH_WARNED = False
+
+
+def single_host(env: Env) -> bool:
+    """True when the launcher's environment says every rank runs on this host (before any rank
+    has met another): torchrun's LOCAL_WORLD_SIZE, Open MPI's local size, Slurm's node count, or
+    a store on a loopback address."""
+    e = os.environ
+    if env.source == "torchrun" and e.get("LOCAL_WORLD_SIZE"):
+        return e["LOCAL_WORLD_SIZE"] == e.get("WORLD_SIZE")
+    if env.source == "mpirun":
+        return e.get("OMPI_COMM_WORLD_LOCAL_SIZE") == e.get("OMPI_COMM_WORLD_SIZE")
+    if env.source == "slurm" and (e.get("SLURM_NNODES") or e.get("SLURM_JOB_NUM_NODES")):
+        return (e.get("SLURM_NNODES") or e.get("SLURM_JOB_NUM_NODES")) == "1"
+    return env.master_addr in ("localhost", "::1") or env.master_addr.startswith("127.")
+
+
+def job_secret_for(env: Env) -> _secret.JobSecret:
+    global _UNAUTH_WARNED
+    js = _secret.resolve(single_host(env))
+    if not js.authenticated and not _UNAUTH_WARNED:
+        _UNAUTH_WARNED = True
+        import warnings
+
+        warnings.warn(
+            f"rumor.init(): rank {env.rank}: this job spans several hosts and no job secret was given "
+            f"({_secret.SECRET_ENV} or {_secret.SECRET_FILE_ENV}; rumor.run generates one for a single "
+            "node): its connections are NOT authenticated: anyone who can reach the rendezvous store "
+            "can join it (docs/security.md)", RuntimeWarning, stacklevel=3)
+    return js
+
+
+def valid_entry(e, rank: int) -> bool:
+    """A peer's advertisement as rendezvous expects it: strings of sane length, "host:port" with
+    a port in range, no path separator in the shm tag (it becomes part of a file name)."""
+    if not isinstance(e, list) or len(e) != _PEER_FIELDS or not all(isinstance(x, str) for x in e):
+        return False
+    nonce, addr, host, tag = e
+    if len(nonce) > 64 or len(host) > 1024 or len(tag) > 256 or "/" in tag or "\0" in tag:
+        return False
+    h, sep, port = addr.rpartition(":")
+    return bool(sep) and bool(h) and len(h) <= 255 and port.isdigit() and 0 < int(port) < 65536
+
+
+def seal(key: bytes, what: str, value) -> str:
+    body = json.dumps(value)
+    return json.dumps([body, _secret.mac(key, what.encode(), body.encode()).hex()])
+
+
+def unseal(key: bytes, what: str, raw: bytes, who: str):
+    """The value of a store entry written by seal, or a PermissionError naming the entry when its
+    MAC does not match: it was written by someone without the job secret."""
+    try:
+        body, tag = json.loads(raw)
+        ok = isinstance(body, str) and _secret.mac_ok(key, bytes.fromhex(tag), what.encode(), body.encode())
+    except (ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise PermissionError(
+            f"rumor.init(): {who} in the rendezvous store failed its MAC check: it was written by "
+            f"someone who does not hold this job's secret (or the ranks were given different "
+            f"{_secret.SECRET_ENV} values); refusing it")
+    return json.loads(body)
+
+
+def exchange(store, env: Env, timeout: float, make_ctx, host: str, advertise: str, js: _secret.JobSecret):
+    """Rendezvous of one init(): returns (ctx, token, entries [nonce, address, host, shm tag]).
+
+    Rank 0 draws a fresh session token and publishes it; every rank advertises itself under that
+    token with a nonce, and rank 0 answers with the table of everyone's entries. The token is
+    public (the store answers anyone); the connection key is derived from it and the job secret,
+    which never enters the store. Entries and the table carry a MAC keyed by the secret and are
+    checked before use, so whoever can write to the store cannot point a rank elsewhere.
+    Keys of an earlier attempt that died in the same store (torchrun restarts the workers, the
+    agent's store stays) can be read before rank 0 overwrites the token: such a token leads to a
+    table without this rank's nonce (or to no table while the token changes), and the rank
+    starts over with the token it then finds, so a stale entry is never used."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    if env.rank == 0:
+        token = os.urandom(16)
+        t = token.hex()
+        skey = js.key("store", token)
+        ctx = make_ctx(token)
+        fault_point("init:context")
+        store.set("token", t)
+        keys = [f"{t}/peer/{r}" for r in range(env.size)]
+        entries = [["", f"{advertise}:{ctx.port}", host, ctx.shm_tag]]
+        for r in range(1, env.size):
+            wait_key(store, keys[r], deadline, f"waiting for rank {r} of {env.size} to join")
+        for r, raw in enumerate(store.multi_get(keys[1:]), start=1):
+            e = unseal(skey, f"peer/{r}", raw, f"rank {r}'s entry")
+            if not valid_entry(e, r):
+                raise ValueError(f"rumor.init(): rank {r}'s entry in the rendezvous store is malformed: {e!r}")
+            entries.append(e)
+        store.set(f"{t}/table", seal(skey, "table", entries))
+        return ctx, token, entries
+    while True:
+        wait_key(store, "token", deadline, "waiting for rank 0 to publish the job token")
+        t = store.get("token").decode()
+        try:
+            token = bytes.fromhex(t)
+        except ValueError:
+            token = b""
+        if len(token) != 16:
+            raise ValueError(f"rumor.init(): rank {env.rank}: the session token in the rendezvous store is "
+                             f"malformed ({t[:40]!r})")
+        skey = js.key("store", token)
+        ctx = make_ctx(token)
+        nonce = os.urandom(8).hex()
+        fault_point("init:context")
+        store.set(f"{t}/peer/{env.rank}",
+                  seal(skey, f"peer/{env.rank}", [nonce, f"{advertise}:{ctx.port}", host, ctx.shm_tag]))
+
+        def token_changed(t=t):
+            if store.get("token").decode() != t:
+                raise _Stale()
+
+        try:
+            wait_key(store, f"{t}/table", deadline, "waiting for rank 0's table of peers", token_changed)
+            entries = unseal(skey, "table", store.get(f"{t}/table"), "rank 0's table of peers")
+            if (not isinstance(entries, list) or len(entries) != env.size
+                    or not all(valid_entry(e, r) for r, e in enumerate(entries))):
+                raise ValueError(f"rumor.init(): rank {env.rank}: rank 0's table of peers is malformed")
+            if entries[env.rank][0] != nonce:
+                time.sleep(0.01)
+                raise _Stale()
+        except _Stale:
+            del ctx
+            if time.monotonic() > deadline:
+                from .errors import CommTimeoutError
+
+                raise CommTimeoutError(f"rumor.init(): rank {env.rank}: the store held only tokens of earlier "
+                                       "attempts until the deadline (is rank 0 running?)")
+            continue
+        return ctx, token, entries
