@@ -317,10 +317,7 @@ def _config_from_env() -> Optional[AutotuneConfig]:
 def _supported(algorithm) -> bool:
     # Algorithms whose every step is one synchronous bucket exchange: their step time is what the
     # knobs change, and rebuilding their buckets between steps is all a new setting needs.
-    from .algorithms import GradientAllReduce
-    from .algorithms.bytegrad import CompressedAllReduce
-
-    return isinstance(algorithm, (GradientAllReduce, CompressedAllReduce)) and type(algorithm).__name__ != "OneBitAdam"
+    return bool(getattr(algorithm, "tunable_buckets", False))
 
 
 def _make_autotuner(ddp: "DistributedDataParallel", autotune) -> Optional["Autotuner"]:

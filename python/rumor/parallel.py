@@ -7,65 +7,25 @@ import hashlib
 import math
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
 
 from . import _C, _gpu_engine, _runtime, timeline
 from ._runtime import Group, communicator
-from ._tensor import SUPPORTED_DTYPES, address, copy_into, dtype_code
+from ._tensor import address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
 from .collectives import ReduceOp, allgather, broadcast_
+from .engine.buckets import Bucket, coalesced_broadcast
 
 _MB = 1024 * 1024
 # The optimizer state a host-shared update keeps per element, by kernel (Adam: with amsgrad).
 _SHARED_STATE = {"adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
-@dataclass
-class Bucket:
-    """A flat buffer whose slices are the .grad of ``params`` (views: no copy to communicate)."""
-
-    index: int
-    flat: torch.Tensor
-    params: List[torch.nn.Parameter]
-    names: List[str]
-    offsets: List[int]
-    # Set when the bucket lives in shared memory that the group's (all-local) peers read in
-    # place; algorithms may then use arena.allreduce_op().
-    arena: Optional[object] = None
-
-
 def _aligned(nbytes: int) -> int:
     """Arena regions start on cache lines."""
     return (nbytes + 63) // 64 * 64
-
-
-def _coalesced_broadcast(tensors: List[torch.Tensor], group: Group) -> None:
-    """Broadcasts tensors from the group's first rank, one message per dtype."""
-    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    root = group.ranks[0]
-    for dtype in sorted(by_dtype, key=str):  # same order on every rank
-        ts = by_dtype[dtype]
-        if dtype not in SUPPORTED_DTYPES:
-            if dtype == torch.bool:
-                flat = torch.cat([t.detach().reshape(-1).to(torch.uint8) for t in ts])
-                broadcast_(flat, root, group)
-                flat = flat.to(torch.bool)
-            else:
-                raise TypeError(f"rumor.DistributedDataParallel: cannot broadcast {dtype} parameters or buffers")
-        else:
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            broadcast_(flat, root, group)
-        off = 0
-        with torch.no_grad():
-            for t in ts:
-                n = t.numel()
-                t.copy_(flat[off:off + n].view_as(t))
-                off += n
 
 
 def _clip_bucket(grads: List[torch.Tensor], max_norm: float) -> None:
@@ -188,7 +148,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._device_mode = self._choose_device_mode(named, autotune)
         self._synced_params = [p for _, p in named]
         self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in ignore]
-        _coalesced_broadcast([p.data for p in self._synced_params] + self._buffers_to_sync, self.group)
+        coalesced_broadcast([p.data for p in self._synced_params] + self._buffers_to_sync, self.group)
 
         trainable = [(n, p) for n, p in named if p.requires_grad]
         self._names = [n for n, _ in trainable]
@@ -664,7 +624,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._autotuner.before_forward()
         start = time.monotonic()
         if self.broadcast_buffers and self.training and self._buffers_to_sync and torch.is_grad_enabled():
-            _coalesced_broadcast(self._buffers_to_sync, self.group)
+            coalesced_broadcast(self._buffers_to_sync, self.group)
         self.algorithm.before_forward(self)
         module_start = time.monotonic()
         out = self.module(*args, **kwargs)

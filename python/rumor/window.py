@@ -96,14 +96,14 @@ def _check(t, what: str) -> int:
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
-    from ._gpu_engine import host_like
+    from ._gpu_staging import host_like
 
     return host_like(t)
 
 
 def _to_host(src: torch.Tensor, dst: torch.Tensor, what: str) -> torch.Tensor:
     """dst <- src, complete when this returns (the C++ side reads dst from the host)."""
-    from ._gpu_engine import to_host
+    from ._gpu_staging import to_host
 
     return to_host(src, dst, what, _timeout())
 

@@ -44,7 +44,7 @@ from .._tensor import address, copy_into, dtype_code
 from ..collectives import ReduceOp
 from ..errors import RumorError
 from .base import Algorithm
-from .decentralized import FlatWeights
+from ..engine.flat import FlatWeights
 from .gradient_allreduce import GradientAllReduce
 
 PEER_SELECTION_MODES = ("all", "ring", "shift_one", "exp2")
@@ -456,7 +456,7 @@ class AsyncModelAverage(Algorithm):
             # took a snapshot of it (so a round's snapshot is at most one step old, and the rule
             # x <- x + (average - snapshot) still keeps every rank's progress since), applies
             # results to the device weights, and finish() copies the final average back.
-            from .._gpu_engine import host_like, to_host
+            from .._gpu_staging import host_like, to_host
 
             self._slots = [_Slot(to_host(f, host_like(f), "AsyncModelAverage", ddp._timeout))
                            for f in self._flat.flats]
@@ -630,9 +630,9 @@ class AsyncModelAverage(Algorithm):
             if self._saved_broadcast_buffers and self._ddp._buffers_to_sync:
                 # The last round completed, so every rank is here: one collective on the
                 # wrapper's group makes the buffers (broadcast only during warm-up) equal too.
-                from ..parallel import _coalesced_broadcast
+                from ..engine.buckets import coalesced_broadcast
 
-                _coalesced_broadcast(self._ddp._buffers_to_sync, self._ddp.group)
+                coalesced_broadcast(self._ddp._buffers_to_sync, self._ddp.group)
 
     def _final_gossip(self, timeout: Optional[float]) -> None:
         """Gossip modes: once every rank is in finish(), one exact average on the mixer's own
@@ -706,7 +706,7 @@ class AsyncModelAverage(Algorithm):
     def _sync_mirror_locked(self) -> None:
         """Device weights -> the host mirror the averaging thread reads (caller holds the lock)."""
         if self._mirror_stale:
-            from .._gpu_engine import to_host
+            from .._gpu_staging import to_host
 
             for s, x in zip(self._slots, self._flat.flats):
                 to_host(x, s.x, "AsyncModelAverage", self._ddp._timeout)

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, FrozenSet, List
 
+from ..engine.buckets import default_bucket_plan
+
 if TYPE_CHECKING:  # pragma: no cover
-    from ..parallel import Bucket, DistributedDataParallel
+    from ..engine.buckets import Bucket
+    from ..parallel import DistributedDataParallel
 
 
 class Algorithm:
@@ -32,6 +35,10 @@ class Algorithm:
     # and optimizer were loaded. Algorithms with none of these are refused by rumor.elastic.State.
     elastic_replicated = False
     elastic_consensus = False
+    # The autotuner (rumor.autotune) may change the bucket layout between steps only for an
+    # algorithm whose every step is one synchronous exchange of the gradient buckets: then the
+    # step time is what its knobs change, and rebuilding the buckets is all a new setting needs.
+    tunable_buckets = False
 
     def init(self, ddp: "DistributedDataParallel") -> None:
         """Called once, after parameters were broadcast and buckets built."""
@@ -77,24 +84,3 @@ class Algorithm:
         pass
 
 
-def default_bucket_plan(params: List, cap_bytes: int, first_cap_bytes: int,
-                        breaks: FrozenSet[int] = frozenset()) -> List[List[int]]:
-    """Consecutive parameters of one dtype share a bucket until it would exceed its cap or a
-    break comes; the very first bucket is capped lower so that communication starts early."""
-    buckets: List[List[int]] = []
-    open_by_dtype = {}  # dtype -> (bucket index, bytes so far)
-    for i, p in enumerate(params):
-        if i in breaks:
-            open_by_dtype.clear()
-        nbytes = p.numel() * p.element_size()
-        cur = open_by_dtype.get(p.dtype)
-        if cur is not None:
-            b, used = cur
-            bucket_cap = first_cap_bytes if b == 0 else cap_bytes
-            if used + nbytes <= bucket_cap or used == 0:
-                buckets[b].append(i)
-                open_by_dtype[p.dtype] = (b, used + nbytes)
-                continue
-        buckets.append([i])
-        open_by_dtype[p.dtype] = (len(buckets) - 1, nbytes)
-    return buckets

@@ -35,6 +35,8 @@ class CompressedAllReduce(Algorithm):
     only between one leader per host (on a single host nothing is compressed then).
     """
 
+    tunable_buckets = True
+
     # Every rank ends a step with the same weights and the algorithm keeps nothing across steps:
     # a commit of any rank restores the whole job (rumor.elastic).
     elastic_replicated = True

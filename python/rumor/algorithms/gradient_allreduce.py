@@ -20,6 +20,8 @@ class GradientAllReduce(Algorithm):
     one host, 16 KiB across hosts). Shared-memory buckets (all ranks on one host) ignore it.
     """
 
+    tunable_buckets = True
+
     # Every rank ends a step with the same weights and the algorithm keeps nothing across steps:
     # a commit of any rank restores the whole job (rumor.elastic).
     elastic_replicated = True

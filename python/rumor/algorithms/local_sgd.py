@@ -30,7 +30,7 @@ from .._tensor import address, dtype_code
 from ..collectives import ReduceOp, ALGORITHMS
 from .base import Algorithm
 from .bytegrad import KIND_BF16, KIND_F16, KIND_MINMAX_U8, KIND_QSGD
-from .decentralized import FlatWeights
+from ..engine.flat import FlatWeights
 from .gradient_allreduce import GradientAllReduce
 
 _ONE_FLAT = 1 << 62  # a cap no model reaches: one flat buffer per dtype

@@ -7,7 +7,8 @@ import torch
 from .. import _C
 from .._tensor import address, dtype_code
 from .base import Algorithm
-from .decentralized import FlatWeights, _check_interval
+from ..engine.flat import FlatWeights
+from .decentralized import _check_interval
 
 
 class LowPrecisionDecentralized(Algorithm):

@@ -6,6 +6,7 @@ from typing import Dict, FrozenSet
 import torch
 
 from .. import _C
+from ..optim.onebit_adam import OneBitAdam as OneBitAdamOptimizer
 from .._tensor import address
 from ..collectives import ALGORITHMS, ReduceOp
 from .base import Algorithm
@@ -58,8 +59,6 @@ class OneBitAdam(Algorithm):
     """
 
     def __init__(self, optimizer, chunk: int = 0, hierarchical: bool = False):
-        from ..optim import OneBitAdam as OneBitAdamOptimizer
-
         if not isinstance(optimizer, OneBitAdamOptimizer):
             raise TypeError("rumor.algorithms.OneBitAdam: optimizer must be a rumor.optim.OneBitAdam, "
                             f"got {type(optimizer).__name__}")

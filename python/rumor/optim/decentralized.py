@@ -40,17 +40,16 @@ exchange per step; set the attribute to True while debugging a schedule.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Dict, Optional
 
 import torch
 
 from .. import collectives
 from .. import decentralized as _dec
-from ..algorithms.decentralized import FlatWeights
+from ..engine.flat import FlatWeights
+from ._wrap import ONE_BUFFER_PER_DTYPE, build_subclass, check_args
 
 COMMUNICATIONS = ("neighbor_allreduce", "hierarchical_neighbor_allreduce", "allreduce", "empty")
-_ONE_BUFFER_PER_DTYPE = 1 << 62  # bucket cap for FlatWeights: no dtype is split
 
 
 class _Combine:
@@ -91,7 +90,7 @@ class _Combine:
         params = [p for p in named if id(p) in in_opt]
         if not params:
             raise ValueError(f"{type(self).__name__}: the optimizer holds none of the model's trainable parameters")
-        self._flat = FlatWeights(params, _ONE_BUFFER_PER_DTYPE, f"rumor.optim.{type(self).__name__}")
+        self._flat = FlatWeights(params, ONE_BUFFER_PER_DTYPE, f"rumor.optim.{type(self).__name__}")
         self._hook = model.register_forward_pre_hook(self._forward_pre_hook)
 
     # ---- communication ------------------------------------------------------------------------
@@ -187,40 +186,13 @@ class _Combine:
         self._hook.remove()
 
 
-def build_subclass(kind: type, optimizer):
-    """An instance of a new class deriving from ``kind`` and the optimizer's own class, over the
-    same parameter groups (hyper-parameters included) and state; ``kind._setup`` is left to the
-    caller. isinstance checks and LR schedulers keep working, as with BlueFog's and Horovod's
-    wrappers."""
-    name = kind.__name__
-    base = type(optimizer)
-    cls = type(f"{name}({base.__name__})", (kind, base), {"_base": base})
-    opt = cls.__new__(cls)
-    # Construct the new optimizer over the same parameter groups (their hyper-parameters
-    # included) and carry over any state the wrapped one already has.
-    # Some optimizers keep defaults that their constructor does not take (AdamW's
-    # decoupled_weight_decay): pass only what it accepts, then restore the full defaults.
-    sig = inspect.signature(base.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values())
-    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in sig}
-    base.__init__(opt, optimizer.param_groups, **kwargs)
-    opt.defaults = dict(optimizer.defaults)
-    opt.load_state_dict(optimizer.state_dict())
-    return opt
-
-
 def _wrap(kind: type, optimizer, model, communication, num_steps_per_communication, overlap=False):
     name = kind.__name__
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"rumor.optim.{name}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"rumor.optim.{name}: expected a torch.nn.Module as model, got {type(model).__name__}")
+    k = check_args(f"rumor.optim.{name}", optimizer, model, num_steps_per_communication,
+                   "num_steps_per_communication")
     if communication not in COMMUNICATIONS:
         raise ValueError(f"rumor.optim.{name}: unknown communication {communication!r}; expected one of "
                          f"{', '.join(COMMUNICATIONS)}")
-    k = num_steps_per_communication
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"rumor.optim.{name}: num_steps_per_communication must be an integer >= 1, got {k!r}")
     opt = build_subclass(kind, optimizer)
     opt._setup(model, communication, k, overlap)
     return opt

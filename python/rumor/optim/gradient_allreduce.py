@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import collectives
-from .decentralized import build_subclass
+from ._wrap import build_subclass, check_args
 
 
 class _GradientAllreduce:
@@ -91,13 +91,7 @@ class GradientAllreduce(_GradientAllreduce):
         if cls is not GradientAllreduce:
             return super().__new__(cls)
         what = "rumor.optim.GradientAllreduce"
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"{what}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"{what}: expected a torch.nn.Module as model, got {type(model).__name__}")
-        k = backward_passes_per_step
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"{what}: backward_passes_per_step must be an integer >= 1, got {k!r}")
+        k = check_args(what, optimizer, model, backward_passes_per_step, "backward_passes_per_step")
         opt = build_subclass(_GradientAllreduce, optimizer)
         opt._setup(model, k)
         return opt

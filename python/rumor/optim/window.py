@@ -50,8 +50,8 @@ import torch
 from .. import _runtime
 from .. import collectives
 from .. import window as _win
-from ..algorithms.decentralized import FlatWeights
-from .decentralized import _ONE_BUFFER_PER_DTYPE, build_subclass
+from ..engine.flat import FlatWeights
+from ._wrap import ONE_BUFFER_PER_DTYPE, build_subclass, check_args
 
 _serial = itertools.count()
 
@@ -82,7 +82,7 @@ class _WindowOptimizer:
         params = [p for p in model.parameters() if p.requires_grad and id(p) in in_opt]
         if not params:
             raise ValueError(f"{type(self).__name__}: the optimizer holds none of the model's trainable parameters")
-        self._flat = FlatWeights(params, _ONE_BUFFER_PER_DTYPE, f"rumor.optim.{type(self).__name__}")
+        self._flat = FlatWeights(params, ONE_BUFFER_PER_DTYPE, f"rumor.optim.{type(self).__name__}")
         serial = next(_serial)
         self._names = [f"rumor.optim.{self._kind}.{serial}.{k}" for k in range(len(self._flat.flats))]
         self._create_windows()
@@ -299,13 +299,8 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
 
 def _wrap(kind: type, optimizer, model, num_steps_per_communication):
     name = kind.__name__
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"rumor.optim.{name}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"rumor.optim.{name}: expected a torch.nn.Module as model, got {type(model).__name__}")
-    k = num_steps_per_communication
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"rumor.optim.{name}: num_steps_per_communication must be an integer >= 1, got {k!r}")
+    k = check_args(f"rumor.optim.{name}", optimizer, model, num_steps_per_communication,
+                   "num_steps_per_communication")
     opt = build_subclass(kind, optimizer)
     opt._setup(model, k)
     return opt
