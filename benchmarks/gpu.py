@@ -211,7 +211,7 @@ def _describe(ctx: Rank) -> Dict:
         except Exception as e:  # noqa: BLE001 (informational only)
             d["torch_nccl"] = _error_text(e)
         try:
-            from rumor import _nccl
+            from rumor.gpu import nccl as _nccl
 
             lib = _nccl.load()
             d["rumor_nccl"] = f"{lib.version} ({lib.path})"

@@ -49,7 +49,7 @@ from . import elastic  # noqa: F401
 from . import optim  # noqa: F401
 from . import timeline  # noqa: F401
 from . import topology  # noqa: F401
-from .decentralized import (  # noqa: F401
+from .neighbor.ops import (  # noqa: F401
     hierarchical_neighbor_allreduce,
     hierarchical_neighbor_allreduce_nonblocking,
     in_neighbor_machine_ranks,
@@ -69,7 +69,7 @@ from .parallel import DistributedDataParallel  # noqa: F401
 from .errors import AbortedError, CommTimeoutError, PeerError, ProtocolError, RumorError  # noqa: F401
 
 __version__ = "0.1.0"
-from .window import (  # noqa: F401
+from .neighbor.window import (  # noqa: F401
     WinHandle,
     get_current_created_window_names,
     get_win_version,

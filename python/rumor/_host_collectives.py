@@ -1,6 +1,6 @@
 """The CPU implementation of the collectives: rumor's own transports (shared memory, TCP) on
 host tensors, and the checks and helpers every path shares. The front door (rumor.collectives)
-routes CUDA tensors to rumor._gpu_collectives first; that path stages through these functions
+routes CUDA tensors to rumor.gpu.collectives first; that path stages through these functions
 when NCCL is not used. Ranks are global ranks; `what` names the public call in errors."""
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def split_rows(rows: int, n: int) -> List[int]:
 def check_out(out, dtype, shape, what, device=None):
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    # The caller routed out together with the input (rumor._device): it is on their device.
+    # The caller routed out together with the input (rumor.gpu.routing): it is on their device.
     check_dense(out, what)
     if out.dtype != dtype or tuple(out.shape) != tuple(shape) or not out.is_contiguous():
         raise ValueError(f"{what}: out must be a contiguous {dtype} tensor of shape {list(shape)}, "

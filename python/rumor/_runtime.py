@@ -29,7 +29,7 @@ class Group:
         self.ranks = list(ranks)
         self._comm = comm
         self.id = gid
-        self._gpu = None  # rumor._device.GpuGroup: device, transport, NCCL communicator (GPU path)
+        self._gpu = None  # rumor.gpu.routing.GpuGroup: device, transport, NCCL communicator (GPU path)
 
     def rank(self) -> int:
         """This process's rank within the group, or -1 if it is not a member."""
@@ -59,8 +59,8 @@ class _State:
     next_group_id: int = 1
     streams: int = 2  # TCP streams per peer pair, fixed for the life of the Context
     groups: list = field(default_factory=list)
-    nccl: object = None  # rumor._C.NcclLibrary, loaded on first use by rumor._nccl.load()
-    gpu_wait: str = "host"  # how blocking NCCL calls end (rumor._gpu_watch; docs/gpu.md)
+    nccl: object = None  # rumor._C.NcclLibrary, loaded on first use by rumor.gpu.nccl.load()
+    gpu_wait: str = "host"  # how blocking NCCL calls end (rumor.gpu.watch; docs/gpu.md)
     secret: Optional[_secret.JobSecret] = None  # the job secret (rumor._secret; docs/security.md)
 
 

@@ -73,7 +73,7 @@ def check_dense(t, what: str) -> None:
 def _check_layout(t, what: str) -> None:
     check_dense(t, what)
     if not t.is_cpu:
-        # The collectives route CUDA tensors before they get here (rumor._device); what reaches
+        # The collectives route CUDA tensors before they get here (rumor.gpu.routing); what reaches
         # this check is an operation without a GPU path.
         raise ValueError(
             f"{what}: expected a CPU tensor, got one on {t.device} "

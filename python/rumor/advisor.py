@@ -271,7 +271,7 @@ def _time_exchange(group, nbytes: int, reps: int) -> float:
     the group (shift_one's first round), both directions at once; 0 for a rank left out."""
     from . import _runtime
     from .algorithms.decentralized import shift_one_peer
-    from .decentralized import neighbor_allreduce
+    from .neighbor.ops import neighbor_allreduce
 
     me = group.ranks.index(_runtime.state().env.rank)
     peer = shift_one_peer(group.size(), me, 0)

@@ -376,7 +376,7 @@ class Autotuner:
         self.layout = dict(world_size=len(hosts), hosts=len(per_host), local_size=max(per_host.values()))
         alg = ddp.algorithm
         self.knobs: List[str] = ["bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms"]
-        # CUDA parameters (rumor._gpu_engine): only the buckets' layout is ours to tune there
+        # CUDA parameters (rumor.engine.device): only the buckets' layout is ours to tune there
         # (NCCL picks its own algorithms, and device buckets live in no shared memory); each
         # step's time is measured with the device synchronized (an event waited for with the
         # deadline), since the host may run ahead of the GPU.
@@ -587,7 +587,7 @@ class Autotuner:
         params = self.ddp._params
         if not params or params[0].device.type != "cuda":
             return  # the emulation on CPU tensors: nothing runs ahead
-        from ._device import wait_event
+        from .gpu.routing import wait_event
 
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(params[0].device))

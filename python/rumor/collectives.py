@@ -1,7 +1,7 @@
 """Collective and point-to-point operations on torch tensors.
 
 CPU tensors take rumor's own transports; CUDA tensors (all of one call's tensors on the group's
-device) go to rumor._gpu_collectives through rumor._device, which picks NCCL or host staging
+device) go to rumor.gpu.collectives through rumor.gpu.routing, which picks NCCL or host staging
 (docs/gpu.md); the CPU implementation is rumor._host_collectives. Ranks (root, src, dst) are global ranks, as in torch.distributed. Reducing operations default
 to ReduceOp.AVG, as in Horovod. Non-contiguous tensors are handled (through a contiguous
 copy). Every call releases the GIL while the C++ core works.
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from . import _device, _gpu_collectives, _runtime
+from . import _runtime
+from .gpu import routing
+from .gpu import collectives as gpu_collectives
 from . import _host_collectives as host
 from ._host_collectives import ALGORITHMS, Handle, ReduceOp  # noqa: F401 - re-exported: the API's types live below
 from ._runtime import communicator
@@ -32,7 +34,7 @@ def synchronize(handle: Optional[Handle] = None, timeout: Optional[float] = None
             raise TypeError(f"rumor.synchronize(): expected a handle or nothing, got {type(handle).__name__}")
         return handle.wait() if timeout is None else handle.wait(timeout)
     st = _runtime.state()
-    _device.drain_all(st, st.timeout if timeout is None else float(timeout), "rumor.synchronize()")
+    routing.drain_all(st, st.timeout if timeout is None else float(timeout), "rumor.synchronize()")
     return None
 
 
@@ -40,9 +42,9 @@ def synchronize(handle: Optional[Handle] = None, timeout: Optional[float] = None
 
 
 def _allreduce(t, op, group, inplace, nonblocking, algorithm, what):
-    gpu = _device.route(what, group, ("t", t))
+    gpu = routing.route(what, group, ("t", t))
     if gpu is not None:
-        return _gpu_collectives.allreduce(gpu, communicator(group, what), t, op, group, inplace, nonblocking, algorithm, what)
+        return gpu_collectives.allreduce(gpu, communicator(group, what), t, op, group, inplace, nonblocking, algorithm, what)
     return host.allreduce(t, op, group, inplace, nonblocking, algorithm, what)
 
 
@@ -71,9 +73,9 @@ def allreduce_nonblocking_(t, op=ReduceOp.AVG, group=None, *, hierarchical=False
 # ---- broadcast / reduce ------------------------------------------------------------------------
 
 def _broadcast(t, root, group, inplace, nonblocking, what):
-    gpu = _device.route(what, group, ("t", t))
+    gpu = routing.route(what, group, ("t", t))
     if gpu is not None:
-        return _gpu_collectives.broadcast(gpu, communicator(group, what), t, root, group, inplace, nonblocking, what)
+        return gpu_collectives.broadcast(gpu, communicator(group, what), t, root, group, inplace, nonblocking, what)
     return host.broadcast(t, root, group, inplace, nonblocking, what)
 
 
@@ -95,9 +97,9 @@ def broadcast_nonblocking_(t, root, group=None) -> Handle:
 
 
 def _reduce(t, root, op, group, nonblocking, what):
-    gpu = _device.route(what, group, ("t", t))
+    gpu = routing.route(what, group, ("t", t))
     if gpu is not None:
-        return _gpu_collectives.reduce(gpu, communicator(group, what), t, root, op, group, nonblocking, what)
+        return gpu_collectives.reduce(gpu, communicator(group, what), t, root, op, group, nonblocking, what)
     return host.reduce(t, root, op, group, nonblocking, what)
 
 
@@ -114,9 +116,9 @@ def reduce_nonblocking(t, root, op=ReduceOp.AVG, group=None) -> Handle:
 
 
 def _allgather(t, group, out, nonblocking, what):
-    gpu = _device.route(what, group, ("t", t), ("out", out))
+    gpu = routing.route(what, group, ("t", t), ("out", out))
     if gpu is not None:
-        return _gpu_collectives.allgather(gpu, communicator(group, what), t, group, out, nonblocking, what)
+        return gpu_collectives.allgather(gpu, communicator(group, what), t, group, out, nonblocking, what)
     return host.allgather(t, group, out, nonblocking, what)
 
 
@@ -135,9 +137,9 @@ def allgather_nonblocking(t, group=None, *, out=None) -> Handle:
 
 
 def _reduce_scatter(t, op, group, out, nonblocking, what):
-    gpu = _device.route(what, group, ("t", t), ("out", out))
+    gpu = routing.route(what, group, ("t", t), ("out", out))
     if gpu is not None:
-        return _gpu_collectives.reduce_scatter(gpu, communicator(group, what), t, op, group, out, nonblocking, what)
+        return gpu_collectives.reduce_scatter(gpu, communicator(group, what), t, op, group, out, nonblocking, what)
     return host.reduce_scatter(t, op, group, out, nonblocking, what)
 
 
@@ -155,9 +157,9 @@ def reduce_scatter_nonblocking(t, op=ReduceOp.AVG, group=None, *, out=None) -> H
 # ---- alltoall ----------------------------------------------------------------------------------
 
 def _alltoall(t, splits, group, nonblocking, what):
-    gpu = _device.route(what, group, ("t", t), collective=False)
+    gpu = routing.route(what, group, ("t", t), collective=False)
     if gpu is not None:
-        return _gpu_collectives.alltoall(gpu, communicator(group, what), t, splits, group, nonblocking, what)
+        return gpu_collectives.alltoall(gpu, communicator(group, what), t, splits, group, nonblocking, what)
     return host.alltoall(t, splits, group, nonblocking, what)
 
 
@@ -181,16 +183,16 @@ def send(t, dst, group=None) -> None:
     """Sends t to global rank dst, which must post a matching rumor.recv."""
     what = "rumor.send"
     # Only two ranks call it: it never starts the group's transport agreement (docs/gpu.md).
-    gpu = _device.route(what, group, ("t", t), collective=False)
+    gpu = routing.route(what, group, ("t", t), collective=False)
     if gpu is not None:
-        return _gpu_collectives.send(gpu, communicator(group, what), t, dst, group, what)
+        return gpu_collectives.send(gpu, communicator(group, what), t, dst, group, what)
     return host.send(t, dst, group, what)
 
 
 def recv(t, src, group=None):
     """Receives into t (in place) from global rank src; the sizes must match. Returns t."""
     what = "rumor.recv"
-    gpu = _device.route(what, group, ("t", t), collective=False)
+    gpu = routing.route(what, group, ("t", t), collective=False)
     if gpu is not None:
-        return _gpu_collectives.recv(gpu, communicator(group, what), t, src, group, what)
+        return gpu_collectives.recv(gpu, communicator(group, what), t, src, group, what)
     return host.recv(t, src, group, what)

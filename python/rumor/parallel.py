@@ -11,7 +11,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import _C, _gpu_engine, _runtime, timeline
+from . import _C, _runtime, timeline
+from .engine import device as device_engine
 from ._runtime import Group, communicator
 from ._tensor import address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
@@ -144,7 +145,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._check_no_sparse(module)
         self._verify_same_model(named)
         # Parameters on a CUDA device (or, in the tests, the emulation of that path on CPU) run
-        # on rumor._gpu_engine.DeviceEngine instead of the C++ engine.
+        # on rumor.engine.device.DeviceEngine instead of the C++ engine.
         self._device_mode = self._choose_device_mode(named, autotune)
         self._synced_params = [p for _, p in named]
         self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in ignore]
@@ -229,15 +230,15 @@ class DistributedDataParallel(torch.nn.Module):
         """None for the C++ engine (CPU parameters), else the DeviceEngine's mode: "direct"
         (the algorithm's device ops over NCCL) or "staged" (its CPU ops on page-locked copies)."""
         what = "rumor.DistributedDataParallel"
-        emulate = _gpu_engine.emulated()
+        emulate = device_engine.emulated()
         if all(p.device.type == "cpu" for _, p in named) and emulate is None:
             return None
         if emulate is None:
-            from . import _device
+            from .gpu import routing
 
             # Every parameter on this rank's CUDA device, or a ValueError naming the ones that
             # are not; at the group's first CUDA call, the ranks agree on the GPU transport.
-            gpu = _device.route(what, self.group, *[(f"parameter {n}", p) for n, p in named])
+            gpu = routing.route(what, self.group, *[(f"parameter {n}", p) for n, p in named])
             nccl = gpu.transport == "nccl"
         else:
             nccl = emulate == "direct"
@@ -252,15 +253,15 @@ class DistributedDataParallel(torch.nn.Module):
                          "hierarchical=False; otherwise keep this model on the CPU")
 
     def _make_device_engine(self):
-        from ._gpu_ops import HostTransport, NcclTransport
+        from .engine.ops import HostTransport, NcclTransport
 
-        if _gpu_engine.emulated() is not None:
-            layer, transport = _gpu_engine.EmulatedLayer(), HostTransport(self.group._comm)
+        if device_engine.emulated() is not None:
+            layer, transport = device_engine.EmulatedLayer(), HostTransport(self.group._comm)
         else:
             gpu = self.group._gpu
-            layer = _gpu_engine.CudaLayer(gpu.torch_device)
+            layer = device_engine.CudaLayer(gpu.torch_device)
             transport = NcclTransport(gpu) if gpu.transport == "nccl" else None
-        return _gpu_engine.DeviceEngine(layer, self._device_mode, transport, self.group._comm,
+        return device_engine.DeviceEngine(layer, self._device_mode, transport, self.group._comm,
                                         lambda: _runtime.state().timeout)
 
     def _bucket_spec(self, bucket: Bucket):
@@ -460,7 +461,7 @@ class DistributedDataParallel(torch.nn.Module):
         would copy every gradient once a step for nobody (mlp25m, 4 ranks on 2 cores: 60 ms of
         a 330 ms step). The fused optimizer reads its gradients from the buckets, so with one
         they are carried all the same."""
-        from ._gpu_ops import LocalOp
+        from .engine.ops import LocalOp
 
         self._engine.set_buckets(specs)
         ops = [getattr(s[4], "host_op", s[4]) for s in specs]  # a staged CUDA bucket: its CPU op

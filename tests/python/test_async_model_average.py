@@ -256,13 +256,13 @@ def rank_progress(steps, sleeps, warm, lr, interval_ms, mode=None):
     gs = _const_grads(rank)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=interval_ms, warmup_steps=warm)
-    from rumor import _gpu_engine
+    from rumor.engine import device as device_engine
 
-    _gpu_engine.EMULATE = mode  # the engine and host mirror of CUDA parameters, on CPU ones
+    device_engine.EMULATE = mode  # the engine and host mirror of CUDA parameters, on CPU ones
     try:
         ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
     finally:
-        _gpu_engine.EMULATE = None
+        device_engine.EMULATE = None
     moved_inside = 0
     for _ in range(steps[rank]):
         opt.zero_grad()

@@ -28,14 +28,15 @@ def _train_pair(cache_path, steps, mode=None):
     import torch
 
     import rumor
-    from rumor import _gpu_engine, autotune
+    from rumor import autotune
+    from rumor.engine import device as device_engine
     from rumor.testing import models
 
     torch.set_num_threads(1)
     rumor.init()
     rank = rumor.rank()
-    # mode: the engine of CUDA parameters, emulated on CPU ones (rumor._gpu_engine.EMULATE)
-    _gpu_engine.EMULATE = mode
+    # mode: the engine of CUDA parameters, emulated on CPU ones (rumor.engine.device.EMULATE)
+    device_engine.EMULATE = mode
 
     def run(tune):
         model = models.build("mlp25m", seed=1, scale=1 / 64, dtype=torch.float64)

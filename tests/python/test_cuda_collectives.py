@@ -12,7 +12,7 @@ import torch
 
 import harness
 from harness import Checker, check_reduced, gen, reference
-from rumor import _device
+from rumor.gpu import routing
 from rumor.errors import RumorError
 
 EXPECT_GPU = os.environ.get("RUMOR_EXPECT_GPU") == "1"
@@ -31,13 +31,13 @@ def test_expect_gpu_means_a_gpu():
                                       ("NCCL", "nccl"), (" host ", "host")])
 def test_transport_setting(raw, want):
     env = {} if raw is None else {"RUMOR_GPU_TRANSPORT": raw}
-    assert _device.transport_setting(env) == want
+    assert routing.transport_setting(env) == want
 
 
 @pytest.mark.parametrize("raw", ["gloo", "tcp", "nccl,host", "0"])
 def test_transport_setting_rejects(raw):
     with pytest.raises(ValueError) as e:
-        _device.transport_setting({"RUMOR_GPU_TRANSPORT": raw})
+        routing.transport_setting({"RUMOR_GPU_TRANSPORT": raw})
     msg = str(e.value)
     assert "RUMOR_GPU_TRANSPORT" in msg and repr(raw) in msg
     assert "auto, nccl, host" in msg
@@ -54,21 +54,21 @@ def cuda(i=None):
 
 
 def test_decide_cpu_path():
-    assert _device.decide("op", [("t", cpu())], None) == _device.CPU
-    assert _device.decide("op", [("t", cpu()), ("out", "cpu")], 0) == _device.CPU
-    assert _device.decide("op", [], 0) == _device.CPU
+    assert routing.decide("op", [("t", cpu())], None) == routing.CPU
+    assert routing.decide("op", [("t", cpu()), ("out", "cpu")], 0) == routing.CPU
+    assert routing.decide("op", [], 0) == routing.CPU
 
 
 def test_decide_cuda_path():
-    assert _device.decide("op", [("t", cuda(1))], 1) == _device.CUDA
-    assert _device.decide("op", [("t", cuda(0)), ("out", cuda(0))], 0) == _device.CUDA
+    assert routing.decide("op", [("t", cuda(1))], 1) == routing.CUDA
+    assert routing.decide("op", [("t", cuda(0)), ("out", cuda(0))], 0) == routing.CUDA
     # "cuda" without an index is torch's current device, which is the rank's.
-    assert _device.decide("op", [("t", cuda())], 3) == _device.CUDA
+    assert routing.decide("op", [("t", cuda())], 3) == routing.CUDA
 
 
 def test_decide_mixed_devices():
     with pytest.raises(ValueError) as e:
-        _device.decide("rumor.allgather", [("t", cuda(0)), ("out", cpu())], 0)
+        routing.decide("rumor.allgather", [("t", cuda(0)), ("out", cpu())], 0)
     msg = str(e.value)
     assert msg.startswith("rumor.allgather:")
     assert "t on cuda:0" in msg and "out on cpu" in msg and "different devices" in msg
@@ -76,31 +76,31 @@ def test_decide_mixed_devices():
 
 def test_decide_foreign_device():
     with pytest.raises(ValueError) as e:
-        _device.decide("rumor.allreduce", [("t", cuda(1))], 0)
+        routing.decide("rumor.allreduce", [("t", cuda(1))], 0)
     msg = str(e.value)
     assert "t is on cuda:1" in msg and "this rank's device is cuda:0" in msg
     assert "torch.cuda.set_device" in msg
     with pytest.raises(ValueError, match="out is on cuda:2"):
-        _device.decide("op", [("t", cuda(0)), ("out", cuda(2))], 0)
+        routing.decide("op", [("t", cuda(0)), ("out", cuda(2))], 0)
 
 
 def test_decide_other_device_types():
     for d in ("meta", "xpu", "mps"):
         with pytest.raises(ValueError) as e:
-            _device.decide("rumor.broadcast", [("t", torch.device(d))], 0)
+            routing.decide("rumor.broadcast", [("t", torch.device(d))], 0)
         assert f"t is on {d}" in str(e.value) and "CPU or CUDA" in str(e.value)
 
 
 def test_decide_no_cuda_device_here():
     with pytest.raises(ValueError, match="sees no CUDA device"):
-        _device.decide("op", [("t", cuda(0))], None)
+        routing.decide("op", [("t", cuda(0))], None)
 
 
 def test_route_cpu_tensors_need_no_runtime():
     # The CPU path's cost: a device check; not even rumor.init() is consulted.
     t = torch.zeros(3)
-    assert _device.route("op", None, ("t", t), ("out", None)) is None
-    assert _device.route("op", None, ("t", 5)) is None  # left to the CPU path's TypeError
+    assert routing.route("op", None, ("t", t), ("out", None)) is None
+    assert routing.route("op", None, ("t", 5)) is None  # left to the CPU path's TypeError
 
 
 # ---- the group's agreement -----------------------------------------------------------------------
@@ -111,7 +111,7 @@ AUTO, NCCL, HOST = 0, 1, 2
 def agree(rows, hosts=None, me=0, problem=None):
     ranks = list(range(10, 10 + len(rows)))
     hosts = hosts or [f"h{i}" for i in range(len(rows))]
-    return _device.agree(rows, hosts, ranks, me, problem, "rumor.allreduce")
+    return routing.agree(rows, hosts, ranks, me, problem, "rumor.allreduce")
 
 
 def test_agree_choices():
@@ -158,10 +158,10 @@ def test_agree_nccl_on_a_shared_gpu():
 # ---- the staging cache's bookkeeping (no pinned memory needed) -----------------------------------
 
 def test_pinned_cache_bounds():
-    assert _device.PinnedCache.size_for(0) == 64 << 10
-    assert _device.PinnedCache.size_for((64 << 10) + 1) == 128 << 10
-    assert _device.PinnedCache.size_for(1 << 20) == 1 << 20
-    c = _device.PinnedCache(max_buffers=2, max_bytes=1 << 20)
+    assert routing.PinnedCache.size_for(0) == 64 << 10
+    assert routing.PinnedCache.size_for((64 << 10) + 1) == 128 << 10
+    assert routing.PinnedCache.size_for(1 << 20) == 1 << 20
+    c = routing.PinnedCache(max_buffers=2, max_bytes=1 << 20)
     bufs = [torch.empty(64 << 10, dtype=torch.uint8) for _ in range(3)]
     for b in bufs:
         c.give(b)

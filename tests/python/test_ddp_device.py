@@ -1,12 +1,12 @@
-"""DistributedDataParallel's engine for CUDA parameters (rumor._gpu_engine, docs/gpu.md).
+"""DistributedDataParallel's engine for CUDA parameters (rumor.engine.device, docs/gpu.md).
 
-On any machine: the engine runs for CPU parameters under its emulation (rumor._gpu_engine.EMULATE:
+On any machine: the engine runs for CPU parameters under its emulation (rumor.engine.device.EMULATE:
 streams and events are no-ops, the direct mode's ops use rumor's CPU collectives), so everything
 but the CUDA calls is checked here:
 
 * staged mode: the algorithms' C++ ops on the host copy of each bucket; parameters and
   gradients must equal, bit for bit, those of the C++ engine running the same ops;
-* direct mode: the Python bucket ops of rumor._gpu_ops (one allreduce; ByteGrad / QSGD /
+* direct mode: the Python bucket ops of rumor.engine.ops (one allreduce; ByteGrad / QSGD /
   LowPrecision as a compressed reduce-scatter + allgather). They must also equal the C++ engine
   bit for bit (same blocks, seeds, accumulation order and division), on 3 ranks so that the
   average divides by a number that is not a power of two;
@@ -91,10 +91,10 @@ def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = Fal
     import torch.nn.functional as F
 
     import rumor
-    from rumor import _gpu_engine
+    from rumor.engine import device as device_engine
 
     rank = rumor.rank()
-    _gpu_engine.EMULATE = mode if device == "cpu" else None
+    device_engine.EMULATE = mode if device == "cpu" else None
     try:
         m = _model(10 + rank, device)
         if algo.startswith("onebit"):
@@ -112,9 +112,9 @@ def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = Fal
         ddp = rumor.DistributedDataParallel(m, algorithm=alg, shared_buckets=False,
                                             find_unused_parameters=unused, optimizer=opt, **extra, **SMALL_BUCKETS)
     finally:
-        _gpu_engine.EMULATE = None
+        device_engine.EMULATE = None
     if mode is not None:
-        assert isinstance(ddp._engine, _gpu_engine.DeviceEngine), ddp._engine
+        assert isinstance(ddp._engine, device_engine.DeviceEngine), ddp._engine
         if algo.startswith(("lpdec", "diloco", "streaming")):
             assert ddp._engine.mode == "direct"
             avg = getattr(ddp.algorithm, "_device_avg", None)
@@ -207,17 +207,17 @@ def no_sync_rank():
     import torch.nn.functional as F
 
     import rumor
-    from rumor import _gpu_engine
+    from rumor.engine import device as device_engine
 
     rumor.init()
     res = []
     for mode in (None, "direct", "staged"):
-        _gpu_engine.EMULATE = mode
+        device_engine.EMULATE = mode
         try:
             m = _model(3 + rumor.rank())
             ddp = rumor.DistributedDataParallel(m, shared_buckets=False, **SMALL_BUCKETS)
         finally:
-            _gpu_engine.EMULATE = None
+            device_engine.EMULATE = None
         with ddp.no_sync():
             x, y = _batch(0, rumor.rank())
             F.cross_entropy(ddp(x), y).backward()
@@ -236,7 +236,7 @@ def refusals_rank():
 
     import rumor
     import rumor.algorithms as A
-    from rumor import _gpu_engine
+    from rumor.engine import device as device_engine
 
     rumor.init()
     msgs = {}
@@ -252,14 +252,14 @@ def refusals_rank():
             opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-3, freeze_step=2)
             kw = dict(kw, optimizer=opt, algorithm=A.OneBitAdam(opt))
             mode = "staged"
-        _gpu_engine.EMULATE = mode
+        device_engine.EMULATE = mode
         try:
             rumor.DistributedDataParallel(m, **kw)
             msgs[name] = None
         except ValueError as e:
             msgs[name] = str(e)
         finally:
-            _gpu_engine.EMULATE = None
+            device_engine.EMULATE = None
     rumor.shutdown()
     return msgs
 
@@ -272,16 +272,16 @@ def dead_peer_rank(mode):
     import torch.nn.functional as F
 
     import rumor
-    from rumor import _gpu_engine
+    from rumor.engine import device as device_engine
 
     rumor.init()
     rumor.set_timeout(20)
-    _gpu_engine.EMULATE = mode
+    device_engine.EMULATE = mode
     try:
         m = _model(5)
         ddp = rumor.DistributedDataParallel(m, shared_buckets=False, **SMALL_BUCKETS)
     finally:
-        _gpu_engine.EMULATE = None
+        device_engine.EMULATE = None
     x, y = _batch(0, rumor.rank())
     F.cross_entropy(ddp(x), y).backward()
     if rumor.rank() == 1:
@@ -350,7 +350,7 @@ def test_direct_engine_launches_queue_only_buckets_from_the_calling_thread():
 
     import torch
 
-    from rumor import _gpu_engine
+    from rumor.engine import device as device_engine
 
     log = []
 
@@ -371,7 +371,7 @@ def test_direct_engine_launches_queue_only_buckets_from_the_calling_thread():
 
     gate = threading.Event()
     ops = [Op("a", True), Op("b", False, gate), Op("c", True), Op("d", True)]
-    eng = _gpu_engine.DeviceEngine(_gpu_engine.EmulatedLayer(), "direct", Transport(), None, lambda: 30.0)
+    eng = device_engine.DeviceEngine(device_engine.EmulatedLayer(), "direct", Transport(), None, lambda: 30.0)
     try:
         eng.set_buckets([(torch.zeros(4), 4, 0, 1, op) for op in ops])
         me = threading.get_ident()

@@ -1,4 +1,4 @@
-"""The device bucket ops (rumor._gpu_ops) with several ranks on NCCL's calls, without a GPU.
+"""The device bucket ops (rumor.engine.ops) with several ranks on NCCL's calls, without a GPU.
 
 DistributedDataParallel's device ops are written once against a transport: NcclTransport on a
 GPU, HostTransport in the CPU emulation (whose results the DDP tests check bit for bit against
@@ -12,7 +12,7 @@ stream would. The "device memory" is host memory and torch.cuda's streams and ev
 by the fake's. Every op's outputs must equal, per rank, those of the same ops and inputs over
 HostTransport in three processes: bit for bit where the wire only moves bytes, to float32
 rounding where NCCL and rumor's allreduce may add the ranks' values in different orders.
-The second test runs the collectives' NCCL path (rumor._gpu_collectives) the same way, against
+The second test runs the collectives' NCCL path (rumor.gpu.collectives) the same way, against
 exact expected values.
 
 What this does not check: CUDA itself (streams, kernels, real NCCL), which
@@ -37,7 +37,7 @@ def _script(tp) -> dict:
     import torch
 
     from rumor import _C
-    from rumor._gpu_ops import AllreduceOp, CompressedOp, LowPrecisionRing, OneBitMomentumOp, PowerSgdOp, WeightMix
+    from rumor.engine.ops import AllreduceOp, CompressedOp, LowPrecisionRing, OneBitMomentumOp, PowerSgdOp, WeightMix
 
     torch.set_num_threads(1)
     r, n = tp.rank, tp.size
@@ -127,7 +127,7 @@ def _script(tp) -> dict:
 def _host_rank():
     import rumor
     from rumor import _runtime
-    from rumor._gpu_ops import HostTransport
+    from rumor.engine.ops import HostTransport
 
     rumor.init(timeout=60)
     try:
@@ -140,8 +140,9 @@ def _fake_ranks(fake: str):
     import torch
 
     import rumor
-    from rumor import _C, _nccl
-    from rumor._gpu_ops import NcclTransport
+    from rumor import _C
+    from rumor.gpu import nccl as _nccl
+    from rumor.engine.ops import NcclTransport
 
     test_gpu_watch._fake_cuda(fake)
     rumor.init(timeout=60)  # NcclTransport.settle's deadline is rumor's
@@ -217,7 +218,7 @@ def test_device_ops_over_nccl_calls_match_the_host_transport():
     assert checked == N * len(host[0])
 
 
-# ---- the collectives' NCCL path (rumor._gpu_collectives) with three ranks -----------------------
+# ---- the collectives' NCCL path (rumor.gpu.collectives) with three ranks -----------------------
 # The calls a user makes on CUDA tensors, each rank a thread over the fake in its SYNC mode, in
 # both wait modes: uneven allgather (grouped sends and receives into offsets of the result),
 # reduce_scatter of rows that do not split evenly (padded blocks), reduce's root-only result,
@@ -284,7 +285,7 @@ def _expected(r: int, n: int) -> dict:
 
 def _collectives_script(gpu, g) -> dict:
     import rumor
-    from rumor import _gpu_collectives as G
+    from rumor.gpu import collectives as G
 
     r = g.rank()
     ins = _inputs(r)
@@ -341,7 +342,10 @@ def _collectives_over_the_fake(fake: str):
     import torch
 
     import rumor
-    from rumor import _C, _device, _gpu_watch, _nccl
+    from rumor import _C
+    from rumor.gpu import routing
+    from rumor.gpu import watch as gpu_watch
+    from rumor.gpu import nccl as _nccl
     from rumor import _host_collectives as C
 
     test_gpu_watch._fake_cuda(fake)
@@ -358,7 +362,7 @@ def _collectives_over_the_fake(fake: str):
 
     C.gather_rows = gather_rows
 
-    class HostGroup(_device.GpuGroup):
+    class HostGroup(routing.GpuGroup):
         torch_device = torch.device("cpu")  # the fake's "device memory" is host memory
 
     rumor.init(timeout=60)
@@ -373,7 +377,7 @@ def _collectives_over_the_fake(fake: str):
                 gpu = HostGroup(0)
                 gpu.transport = "nccl"
                 gpu.comm = _C.NcclCommunicator(lib, uid, N, r, 60.0)
-                gpu.watch = _gpu_watch.StreamWatch(gpu.comm, f"rank {r}", min_pause=0.001, max_pause=0.004)
+                gpu.watch = gpu_watch.StreamWatch(gpu.comm, f"rank {r}", min_pause=0.001, max_pause=0.004)
                 try:
                     return _collectives_script(gpu, _Ranks(r, N))
                 finally:

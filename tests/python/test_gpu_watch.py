@@ -1,4 +1,4 @@
-"""rumor._gpu_watch: the deadline of blocking NCCL calls that return once queued
+"""rumor.gpu.watch: the deadline of blocking NCCL calls that return once queued
 (rumor.set_gpu_wait("stream"); docs/gpu.md, "Streams and waiting").
 
 The watch only needs events with query() and a communicator with check() and abort(), so it is
@@ -19,7 +19,8 @@ import types
 import pytest
 
 import harness
-from rumor import _gpu_watch, _runtime
+from rumor import _runtime
+from rumor.gpu import watch as gpu_watch
 from rumor.errors import AbortedError, CommTimeoutError, PeerError, RumorError
 
 FAST = dict(min_pause=0.001, max_pause=0.004)
@@ -68,7 +69,7 @@ def test_mode_setting():
 
 def test_passed_events_are_retired_and_nothing_is_aborted():
     comm = Comm()
-    w = _gpu_watch.StreamWatch(comm, "group 0", **FAST)
+    w = gpu_watch.StreamWatch(comm, "group 0", **FAST)
     try:
         evs = [Event() for _ in range(5)]
         for i, ev in enumerate(evs):
@@ -99,7 +100,7 @@ def test_passed_events_are_retired_and_nothing_is_aborted():
 
 def test_an_op_past_its_deadline_aborts_and_the_next_call_raises():
     comm = Comm()
-    w = _gpu_watch.StreamWatch(comm, "rumor.Group(id=0, ranks=[0, 1]) on cuda:0", **FAST)
+    w = gpu_watch.StreamWatch(comm, "rumor.Group(id=0, ranks=[0, 1]) on cuda:0", **FAST)
     try:
         w.add(7, Event(passed=True), 30.0, "allreduce of 8 float32")
         w.add(7, Event(), 0.05, "allreduce of 1024 float32")
@@ -123,7 +124,7 @@ def test_a_younger_op_with_a_sooner_deadline_expires_first():
     # rumor.set_timeout() lowered between two calls: the second op's deadline comes first, and
     # it is the one reported, while the older one (with its long deadline) still runs.
     comm = Comm()
-    w = _gpu_watch.StreamWatch(comm, "group", **FAST)
+    w = gpu_watch.StreamWatch(comm, "group", **FAST)
     try:
         older, younger, newest = Event(), Event(), Event()
         w.add("s", older, 60.0, "allreduce A")
@@ -138,7 +139,7 @@ def test_a_younger_op_with_a_sooner_deadline_expires_first():
     # passed when they are handed over: a look retires them before it reads any deadline, so
     # B's is never the one reported, however late the look comes).
     comm = Comm()
-    w = _gpu_watch.StreamWatch(comm, "group", **FAST)
+    w = gpu_watch.StreamWatch(comm, "group", **FAST)
     try:
         for passed, timeout, name in zip((True, True, False, False), (60.0, 0.05, 60.0, 0.5), "ABCD"):
             w.add("s", Event(passed=passed), timeout, f"op {name}")
@@ -150,7 +151,7 @@ def test_a_younger_op_with_a_sooner_deadline_expires_first():
 
 def test_an_nccl_error_is_kept_with_its_type():
     comm = Comm()
-    w = _gpu_watch.StreamWatch(comm, "group", **FAST)
+    w = gpu_watch.StreamWatch(comm, "group", **FAST)
     try:
         w.add(1, Event(), 30.0, "reduce_scatter")
         _until(lambda: comm.checks)
@@ -166,7 +167,7 @@ def test_an_nccl_error_is_kept_with_its_type():
 
 def test_a_stream_costs_two_queries_a_look_however_many_ops_it_has():
     comm = Comm()
-    w = _gpu_watch.StreamWatch(comm, "group", **FAST)
+    w = gpu_watch.StreamWatch(comm, "group", **FAST)
     try:
         evs = [Event() for _ in range(100)]
         for ev in evs:
@@ -183,7 +184,7 @@ def test_a_stream_costs_two_queries_a_look_however_many_ops_it_has():
 
 def test_drain_has_a_deadline_of_its_own():
     comm = Comm()
-    w = _gpu_watch.StreamWatch(comm, "group 3", **FAST)
+    w = gpu_watch.StreamWatch(comm, "group 3", **FAST)
     try:
         w.add(0, Event(), 60.0, "send")
         w.add(1, Event(), 60.0, "recv")
@@ -199,7 +200,7 @@ def test_drain_has_a_deadline_of_its_own():
     # own error is reported, the communicator aborted, not drain's less precise one.
     for _ in range(5):
         comm = Comm()
-        w = _gpu_watch.StreamWatch(comm, "group 4", **FAST)
+        w = gpu_watch.StreamWatch(comm, "group 4", **FAST)
         try:
             w.add(0, Event(), 0.05, "allreduce")
             with pytest.raises(CommTimeoutError, match="^synchronize: an earlier op .*allreduce: not finished on the GPU"):
@@ -211,7 +212,7 @@ def test_drain_has_a_deadline_of_its_own():
 
 def test_close_stops_the_thread_and_refuses_new_ops():
     before = {t.ident for t in threading.enumerate()}
-    w = _gpu_watch.StreamWatch(Comm(), "group", **FAST)
+    w = gpu_watch.StreamWatch(Comm(), "group", **FAST)
     w.add(0, Event(), 30.0, "allreduce")
     threads = [t for t in threading.enumerate() if t.ident not in before and t.name == "rumor-gpu-watch"]
     assert len(threads) == 1
@@ -228,7 +229,7 @@ def test_a_failing_abort_still_keeps_the_error():
             raise RuntimeError("abort failed")
 
     comm = BadAbort()
-    w = _gpu_watch.StreamWatch(comm, "group", **FAST)
+    w = gpu_watch.StreamWatch(comm, "group", **FAST)
     try:
         w.add(0, Event(), 0.01, "allreduce")
         _until(lambda: w.error is not None)
@@ -245,12 +246,12 @@ def test_the_watch_aborts_a_hung_op_of_a_real_communicator(monkeypatch):
     C = test_nccl._ext()
     import numpy as np
 
-    from rumor import _nccl
+    from rumor.gpu import nccl
 
     fake = test_nccl._fake_path()
     monkeypatch.setenv("RUMOR_NCCL_LIBRARY", fake)
     monkeypatch.setenv("RUMOR_FAKE_NCCL_HANG", "allreduce")
-    lib = _nccl.load()
+    lib = nccl.load()
     idle = ctypes.CDLL(fake).fakeNcclStreamIdle
     idle.argtypes = [ctypes.c_void_p]
 
@@ -262,7 +263,7 @@ def test_the_watch_aborts_a_hung_op_of_a_real_communicator(monkeypatch):
             return bool(idle(self.stream))
 
     comm = C.NcclCommunicator(lib, lib.unique_id(), 1, 0, 30.0)
-    w = _gpu_watch.StreamWatch(comm, "group", **FAST)
+    w = gpu_watch.StreamWatch(comm, "group", **FAST)
     try:
         x = np.arange(8, dtype=np.float32)
         y = np.zeros(8, dtype=np.float32)
@@ -356,7 +357,7 @@ def test_init_takes_the_setting_from_its_argument_or_the_environment(kwargs, env
 
 
 # ---- the collectives' NCCL path over the fake libnccl -------------------------------------------
-# rumor._gpu_collectives on CPU tensors: the fake works on host memory, and torch.cuda's streams
+# rumor.gpu.collectives on CPU tensors: the fake works on host memory, and torch.cuda's streams
 # and events are played by the fake's (an event passes once its stream is idle). This checks
 # rumor's side of the path (ordering, results, the two wait modes, the watch); what CUDA itself
 # does is checked on a GPU (test_cuda_collectives.py).
@@ -399,17 +400,20 @@ def _collectives_on_the_fake(fake: str):
     import torch
 
     import rumor
-    from rumor import _C, _device, _gpu_collectives, _nccl, _runtime
+    from rumor import _C, _runtime
+    from rumor.gpu import routing
+    from rumor.gpu import collectives as gpu_collectives
+    from rumor.gpu import nccl
     from rumor.errors import CommTimeoutError
 
     recorded = _fake_cuda(fake)
     rumor.init(timeout=30)
     out = {}
     try:
-        lib = _nccl.load()
+        lib = nccl.load()
         g = _runtime.state().world
 
-        class HostGroup(_device.GpuGroup):
+        class HostGroup(routing.GpuGroup):
             torch_device = torch.device("cpu")  # the fake's "device memory" is host memory
 
         def group(hang: bool):
@@ -417,7 +421,7 @@ def _collectives_on_the_fake(fake: str):
             gpu = HostGroup(0)
             gpu.transport = "nccl"
             gpu.comm = _C.NcclCommunicator(lib, lib.unique_id(), 1, 0, 30.0)
-            gpu.watch = _gpu_watch.StreamWatch(gpu.comm, "fake group", min_pause=0.001, max_pause=0.004)
+            gpu.watch = gpu_watch.StreamWatch(gpu.comm, "fake group", min_pause=0.001, max_pause=0.004)
             g._gpu = gpu  # rumor.synchronize() and shutdown() find it there
             return gpu
 
@@ -425,11 +429,11 @@ def _collectives_on_the_fake(fake: str):
             rumor.set_gpu_wait(mode)
             gpu = group(hang=False)
             x = torch.arange(12.0).reshape(3, 4)
-            y = _gpu_collectives.allreduce(gpu, g, x, rumor.ReduceOp.SUM, None, False, False, "auto", "allreduce")
+            y = gpu_collectives.allreduce(gpu, g, x, rumor.ReduceOp.SUM, None, False, False, "auto", "allreduce")
             nc = torch.arange(12.0).reshape(3, 4).t()
-            _gpu_collectives.allreduce(gpu, g, nc, rumor.ReduceOp.SUM, None, True, False, "auto", "allreduce_")
-            b = _gpu_collectives.broadcast(gpu, g, torch.arange(5), 0, None, False, False, "broadcast")
-            h = _gpu_collectives.allreduce(gpu, g, torch.ones(3), rumor.ReduceOp.SUM, None, False, True, "auto",
+            gpu_collectives.allreduce(gpu, g, nc, rumor.ReduceOp.SUM, None, True, False, "auto", "allreduce_")
+            b = gpu_collectives.broadcast(gpu, g, torch.arange(5), 0, None, False, False, "broadcast")
+            h = gpu_collectives.allreduce(gpu, g, torch.ones(3), rumor.ReduceOp.SUM, None, False, True, "auto",
                                            "allreduce_nonblocking")
             hv = h.wait()
             pending = gpu.watch.pending()
@@ -446,7 +450,7 @@ def _collectives_on_the_fake(fake: str):
             gpu = group(hang=True)
             t0 = time.monotonic()
             try:
-                _gpu_collectives.allreduce(gpu, g, torch.ones(4), rumor.ReduceOp.SUM, None, True, False, "auto",
+                gpu_collectives.allreduce(gpu, g, torch.ones(4), rumor.ReduceOp.SUM, None, True, False, "auto",
                                            "rumor.allreduce_")
                 first = "returned"
             except CommTimeoutError as e:
@@ -458,7 +462,7 @@ def _collectives_on_the_fake(fake: str):
             except CommTimeoutError as e:
                 drained = "CommTimeoutError: " + str(e)
             try:
-                _gpu_collectives.broadcast(gpu, g, torch.ones(2), 0, None, True, False, "rumor.broadcast_")
+                gpu_collectives.broadcast(gpu, g, torch.ones(2), 0, None, True, False, "rumor.broadcast_")
                 second = "returned"
             except Exception as e:  # noqa: BLE001
                 second = f"{type(e).__name__}: {e}"

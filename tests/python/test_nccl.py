@@ -1,4 +1,4 @@
-"""rumor._nccl: where NCCL is looked for, the errors of a bad library, is_available() on a machine
+"""rumor.gpu.nccl: where NCCL is looked for, the errors of a bad library, is_available() on a machine
 without NCCL, and (when the C++ tests are built) the NcclLibrary / NcclCommunicator bindings and
 communicator() over the fake libnccl (tests/cpp/fake_nccl.cpp, a host-memory test double whose
 ranks must share one process). The tests that need the extension's NCCL classes skip when the
@@ -16,9 +16,9 @@ import pytest
 
 import harness
 
-# An installed rumor older than this tree has no rumor._nccl: these tests need a reinstall, or a
+# An installed rumor older than this tree has no rumor.gpu.nccl: these tests need a reinstall, or a
 # build of this tree on PYTHONPATH (its python/rumor with the built _C beside it).
-pytest.importorskip("rumor._nccl", reason="the imported rumor has no rumor._nccl (reinstall, or PYTHONPATH)")
+pytest.importorskip("rumor.gpu.nccl", reason="the imported rumor has no rumor.gpu.nccl (reinstall, or PYTHONPATH)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,24 +53,24 @@ def _fake_path():
 
 
 def test_env_var_is_the_only_candidate(monkeypatch):
-    from rumor import _nccl
+    from rumor.gpu import nccl
 
     monkeypatch.setenv("RUMOR_NCCL_LIBRARY", "/opt/nccl/lib/libnccl.so.2")
-    assert _nccl.candidates() == ["/opt/nccl/lib/libnccl.so.2"]
-    assert _nccl.find_library() == "/opt/nccl/lib/libnccl.so.2"
+    assert nccl.candidates() == ["/opt/nccl/lib/libnccl.so.2"]
+    assert nccl.find_library() == "/opt/nccl/lib/libnccl.so.2"
 
 
 def test_default_candidates_end_with_the_loader_search(monkeypatch):
-    from rumor import _nccl
+    from rumor.gpu import nccl
 
     monkeypatch.delenv("RUMOR_NCCL_LIBRARY", raising=False)
-    c = _nccl.candidates()
+    c = nccl.candidates()
     assert c[-1] == "libnccl.so.2"
     assert all(os.path.isfile(p) for p in c[:-1]), c
 
 
 def test_the_nvidia_wheel_is_found_without_importing_it(monkeypatch, tmp_path):
-    from rumor import _nccl
+    from rumor.gpu import nccl
 
     lib = tmp_path / "nvidia" / "nccl" / "lib"
     lib.mkdir(parents=True)
@@ -80,44 +80,45 @@ def test_the_nvidia_wheel_is_found_without_importing_it(monkeypatch, tmp_path):
     importlib.invalidate_caches()
     if "nvidia" in sys.modules:
         pytest.skip("an nvidia package is already imported")
-    assert _nccl.find_library() == str(lib / "libnccl.so.2")
-    assert _nccl.candidates()[-1] == "libnccl.so.2"
+    assert nccl.find_library() == str(lib / "libnccl.so.2")
+    assert nccl.candidates()[-1] == "libnccl.so.2"
 
 
 def test_bad_paths_give_clear_errors(monkeypatch):
     _ext()
-    from rumor import _nccl
+    from rumor.gpu import nccl
     from rumor.errors import RumorError
 
     monkeypatch.setenv("RUMOR_NCCL_LIBRARY", "/nonexistent/dir/libnccl.so.2")
     with pytest.raises(RumorError, match=r"/nonexistent/dir/libnccl.so.2 \(file not found\)") as e:
-        _nccl.load()
+        nccl.load()
     assert "RUMOR_NCCL_LIBRARY" in str(e.value)
     monkeypatch.setenv("RUMOR_NCCL_LIBRARY", "libm.so.6")
     with pytest.raises(RumorError, match=r"not an NCCL library: missing symbol ncclGetVersion"):
-        _nccl.load()
+        nccl.load()
 
 
 def test_is_available_is_false_here_and_never_raises(monkeypatch):
-    from rumor import _C, _nccl
+    from rumor import _C
+    from rumor.gpu import nccl
 
     if _C.cuda_device_count() > 0:
         pytest.skip("this machine has a GPU")
-    assert _nccl.is_available() is False
+    assert nccl.is_available() is False
     monkeypatch.setenv("RUMOR_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
-    assert _nccl.is_available() is False
+    assert nccl.is_available() is False
 
 
 def test_library_and_communicator_bindings_on_the_fake(monkeypatch):
     C = _ext()
     import numpy as np
 
-    from rumor import _nccl
+    from rumor.gpu import nccl
     from rumor.errors import AbortedError
 
     fake = _fake_path()
     monkeypatch.setenv("RUMOR_NCCL_LIBRARY", fake)
-    lib = _nccl.load()
+    lib = nccl.load()
     assert lib.version == "2.27.3" and lib.version_code == 22703
     assert os.path.realpath(lib.path) == os.path.realpath(fake)
     assert C.NcclLibrary.min_version == "2.14.0"
@@ -163,11 +164,11 @@ def _shared_id_rank():
     """Each rank records what communicator() would create (the fake cannot join processes), then
     makes a real one-rank communicator over its own group."""
     import rumor
-    from rumor import _nccl
+    from rumor.gpu import nccl
 
     rumor.init()
     try:
-        lib = _nccl.load()  # cached in rumor's state: communicator() below reuses it
+        lib = nccl.load()  # cached in rumor's state: communicator() below reuses it
         made = []
 
         class _Recorder:
@@ -175,15 +176,15 @@ def _shared_id_rank():
                 made.append((uid, nranks, rank, timeout))
                 return None
 
-        real = _nccl._extension
-        _nccl._extension = lambda: _Recorder()
+        real = nccl._extension
+        nccl._extension = lambda: _Recorder()
         try:
-            _nccl.communicator(timeout=7.0)
+            nccl.communicator(timeout=7.0)
         finally:
-            _nccl._extension = real
-        lib_cached = _nccl.load() is lib
+            nccl._extension = real
+        lib_cached = nccl.load() is lib
         solo = [rumor.new_group([r]) for r in range(rumor.size())][rumor.rank()]
-        comm = _nccl.communicator(solo)
+        comm = nccl.communicator(solo)
         out = (made, lib_cached, comm.size, comm.rank)
         comm.close()
         return out
@@ -193,11 +194,11 @@ def _shared_id_rank():
 
 def _failing_rank():
     import rumor
-    from rumor import _nccl
+    from rumor.gpu import nccl
 
     rumor.init()
     try:
-        _nccl.communicator()
+        nccl.communicator()
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e)
     finally:

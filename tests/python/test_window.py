@@ -31,7 +31,7 @@ def ops_rank(stage=False):
     import rumor
     import torch
     from rumor import topology as T
-    from rumor import window
+    from rumor.neighbor import window
 
     window._STAGE_CPU = stage  # the CUDA tensors' staging through host twins, on CPU tensors
     rumor.init()
@@ -383,7 +383,7 @@ def train_rank(kind, stage=False):
     bound on the spread is the algorithm's and not the scheduler's (2 cores, 3 ranks)."""
     import rumor
     import torch
-    from rumor import window
+    from rumor.neighbor import window
 
     window._STAGE_CPU = stage
     rumor.init()

@@ -268,7 +268,7 @@ class _GossipMixer(_Mixer):
         self.mixed = 0  # rounds in which fresh values from some peer were averaged in
 
     def setup(self, ddp, slots) -> None:
-        from .. import window
+        from ..neighbor import window
 
         world = list(range(_runtime.size()))
         if list(ddp.group.ranks) != world:
@@ -456,7 +456,7 @@ class AsyncModelAverage(Algorithm):
             # took a snapshot of it (so a round's snapshot is at most one step old, and the rule
             # x <- x + (average - snapshot) still keeps every rank's progress since), applies
             # results to the device weights, and finish() copies the final average back.
-            from .._gpu_staging import host_like, to_host
+            from ..gpu.staging import host_like, to_host
 
             self._slots = [_Slot(to_host(f, host_like(f), "AsyncModelAverage", ddp._timeout))
                            for f in self._flat.flats]
@@ -529,7 +529,7 @@ class AsyncModelAverage(Algorithm):
         return nccl
 
     def device_bucket_op(self, ddp, bucket):
-        from .._gpu_ops import LocalOp
+        from ..engine.ops import LocalOp
 
         if self._async:
             return LocalOp()
@@ -706,7 +706,7 @@ class AsyncModelAverage(Algorithm):
     def _sync_mirror_locked(self) -> None:
         """Device weights -> the host mirror the averaging thread reads (caller holds the lock)."""
         if self._mirror_stale:
-            from .._gpu_staging import to_host
+            from ..gpu.staging import to_host
 
             for s, x in zip(self._slots, self._flat.flats):
                 to_host(x, s.x, "AsyncModelAverage", self._ddp._timeout)

@@ -56,7 +56,7 @@ class Algorithm:
 
     # Parameters on a CUDA device (docs/gpu.md). Where has_device_ops(ddp, nccl) says so (nccl:
     # whether the group's GPU transport is NCCL), every bucket runs device_bucket_op()'s op
-    # (rumor._gpu_ops) on the device. Otherwise, an algorithm whose bucket_op touches nothing but
+    # (rumor.engine.ops) on the device. Otherwise, an algorithm whose bucket_op touches nothing but
     # the bucket sets stages_through_host: its CPU op then runs on a page-locked host copy of
     # each bucket. An algorithm with neither is refused for CUDA parameters.
     stages_through_host = False

@@ -57,7 +57,7 @@ class CompressedAllReduce(Algorithm):
         return nccl and not (self.hierarchical and not ddp.group._comm.all_local)
 
     def device_bucket_op(self, ddp, bucket):
-        from .._gpu_ops import AllreduceOp, CompressedOp
+        from ..engine.ops import AllreduceOp, CompressedOp
 
         self._check_dtype(bucket)
         if self.hierarchical:  # one host (has_device_ops): nothing is compressed, as in the C++ op

@@ -194,7 +194,7 @@ class Decentralized(Algorithm):
         if ddp._device_mode is not None:
             # On a CUDA device the mix is a task of the wrapper's DeviceEngine, on its
             # communication stream: on the device over NCCL, else through host memory.
-            from .._gpu_ops import WeightMix
+            from ..engine.ops import WeightMix
 
             comm = ddp.group._comm
             staged = not ddp._device_nccl or (self.hierarchical and not comm.all_local)
@@ -213,7 +213,7 @@ class Decentralized(Algorithm):
         return True  # backward communicates nothing; the weight mix picks its own path (init)
 
     def device_bucket_op(self, ddp, bucket):
-        from .._gpu_ops import LocalOp
+        from ..engine.ops import LocalOp
 
         return LocalOp()
 

@@ -45,7 +45,7 @@ class GradientAllReduce(Algorithm):
     def device_bucket_op(self, ddp, bucket):
         # NCCL picks its own ring or tree per size and topology: hierarchical and
         # small_allreduce_kb choose among rumor's CPU algorithms only.
-        from .._gpu_ops import AllreduceOp
+        from ..engine.ops import AllreduceOp
 
         return AllreduceOp(ReduceOp.AVG if self.average else ReduceOp.SUM)
 

@@ -170,7 +170,7 @@ class LocalSGD(Algorithm):
         return nccl
 
     def device_bucket_op(self, ddp, bucket):
-        from .._gpu_ops import LocalOp
+        from ..engine.ops import LocalOp
 
         if self._local:
             return LocalOp()
@@ -382,8 +382,8 @@ class DiLoCo(Algorithm):
         self._device_avg = None
         if ddp._device_mode is not None:
             # CUDA parameters: the outer state and the pseudo-gradients live on the device; the
-            # averages run on their own stream (rumor._gpu_engine.GroupAverager).
-            from .._gpu_engine import GroupAverager, emulated
+            # averages run on their own stream (rumor.engine.device.GroupAverager).
+            from ..engine.device import GroupAverager, emulated
 
             device = None if emulated() is not None else params[0].device
             self._device_avg = GroupAverager(self._group, device, self._codec, self.hierarchical,
@@ -396,7 +396,7 @@ class DiLoCo(Algorithm):
         return True  # backward communicates nothing; the averages pick their own path (init)
 
     def device_bucket_op(self, ddp, bucket):
-        from .._gpu_ops import LocalOp
+        from ..engine.ops import LocalOp
 
         return LocalOp()
 

@@ -61,7 +61,7 @@ class LowPrecisionDecentralized(Algorithm):
     def _make_ops(self) -> None:
         # Each op starts its tracked copy and its neighbours' replicas at the current weights.
         if self._ddp_device:
-            from .._gpu_ops import LowPrecisionRing
+            from ..engine.ops import LowPrecisionRing
 
             comm = self._comm
             self.ops = [LowPrecisionRing(f, comm.size, comm.rank, self.hierarchical, comm.all_local, self.chunk)
@@ -92,7 +92,7 @@ class LowPrecisionDecentralized(Algorithm):
         return nccl and not (self.hierarchical and not ddp.group._comm.all_local)
 
     def device_bucket_op(self, ddp, bucket):
-        from .._gpu_ops import LocalOp
+        from ..engine.ops import LocalOp
 
         return LocalOp()
 

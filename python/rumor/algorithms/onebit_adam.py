@@ -121,7 +121,7 @@ class OneBitAdam(Algorithm):
         count = bucket.flat.numel()
         flats = {k: torch.zeros(count, dtype=torch.float32, device=bucket.flat.device) for k in _STATE_KEYS}
         if device:
-            from .._gpu_ops import OneBitMomentumOp
+            from ..engine.ops import OneBitMomentumOp
 
             op = OneBitMomentumOp(flats["exp_avg"], flats["worker_error"], flats["server_error"], float(betas.pop()),
                                   self.chunk, self.hierarchical)

@@ -171,7 +171,7 @@ class PowerSGD(Algorithm):
     def bucket_op(self, ddp, bucket):
         return self._make_op(ddp, bucket, device=False)
 
-    # CUDA parameters: over NCCL the op runs on the device (rumor._gpu_ops.PowerSgdOp); without
+    # CUDA parameters: over NCCL the op runs on the device (rumor.engine.ops.PowerSgdOp); without
     # NCCL the C++ op runs on a page-locked copy of each bucket (its state stays on the host).
     stages_through_host = True
 
@@ -205,7 +205,7 @@ class PowerSGD(Algorithm):
                          torch.zeros(max(q_count, 1), device=dev))
         self._restore(s)
         if device:
-            from .._gpu_ops import PowerSgdOp
+            from ..engine.ops import PowerSgdOp
 
             s.op = PowerSgdOp([(mx.offset, mx.n, mx.m, mx.k, mx.p_off, mx.q_off) for mx in matrices], uncompressed,
                               count, s.p, s.q, error, self.orthogonalization_epsilon, self.wire_dtype)

@@ -22,11 +22,11 @@ import torch
 import rumor as _r
 from rumor import _runtime
 from rumor import collectives as _coll
-from rumor import decentralized as _dec
+from rumor.neighbor import ops as _dec
 from rumor import timeline as _tl
-from rumor import window as _win
-from rumor.optim import decentralized as _optdec
-from rumor.optim import window as _optwin
+from rumor.neighbor import window as _win
+from rumor.optim import combine as _optdec
+from rumor.optim import win_optimizers as _optwin
 from rumor.optim.gradient_allreduce import GradientAllreduce as _GradientAllreduce
 
 from . import topology_util  # noqa: F401 (bf.topology_util, as in BlueFog)

@@ -70,7 +70,7 @@ def find_library(env=None) -> str:
 
 
 def _extension():
-    from . import _C
+    from .. import _C
 
     if not hasattr(_C, "NcclLibrary"):
         raise RuntimeError("this build of rumor's extension has no NCCL support (rumor._C.NcclLibrary is "
@@ -81,7 +81,7 @@ def _extension():
 def load():
     """The NCCL library (rumor._C.NcclLibrary), loaded once per rumor.init(). Raises
     rumor.errors.RumorError naming every candidate tried and why each was rejected."""
-    from . import _runtime
+    from .. import _runtime
 
     st = _runtime._state
     lib = getattr(st, "nccl", None) if st is not None else None
@@ -96,7 +96,7 @@ def is_available() -> bool:
     """True when rumor can use NCCL here: a usable NCCL library and at least one CUDA device.
     Never raises."""
     try:
-        from . import _C
+        from .. import _C
 
         if _C.cuda_device_count() < 1:
             return False
@@ -121,11 +121,11 @@ def communicator(group=None, timeout: Optional[float] = None, device: Optional[i
 
     import torch
 
-    from . import _host_collectives as collectives
-    from . import _runtime
-    from .errors import RumorError
+    from .. import _host_collectives as collectives
+    from .. import _runtime
+    from ..errors import RumorError
 
-    what = "rumor._nccl.communicator"
+    what = "rumor.gpu.nccl.communicator"
     st = _runtime.state()
     g = _runtime.communicator(group, what)
     timeout = st.timeout if timeout is None else float(timeout)

@@ -7,7 +7,7 @@ on the current stream:
 - NcclTransport: the group's NCCL communicator (rumor._C.NcclCommunicator), on the engine's
   communication stream;
 - HostTransport: rumor's CPU collectives on CPU tensors, blocking. The engine's emulation
-  (rumor._gpu_engine.EMULATE) runs the very same op code through it, so the tests check the
+  (rumor.engine.device.EMULATE) runs the very same op code through it, so the tests check the
   ops' arithmetic and message pattern bit for bit against the C++ ops on any machine.
 
 The ops:
@@ -26,8 +26,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C, _runtime
-from ._tensor import address, dtype_code
+from .. import _C, _runtime
+from .._tensor import address, dtype_code
 
 def _one_dtype(sends, recvs) -> int:
     """The dtype code of an exchange's tensors, which must share one (counts are elements)."""
@@ -201,7 +201,7 @@ class CompressedOp:
     sends that to everyone; every rank decodes every block from those same bytes."""
 
     def __init__(self, kind: int, chunk: int, levels: int, average: bool, seed: int):
-        from .compression import Codec
+        from ..compression import Codec
 
         self.kind, self.chunk, self.levels = int(kind), int(chunk), int(levels)
         self.average = bool(average)
@@ -313,7 +313,7 @@ class WeightMix:
                     out.add_(b, alpha=w)
 
     def _staged(self, ins, outs, plan, stream, timeout: float) -> None:
-        from ._tensor import address, dtype_code
+        from .._tensor import address, dtype_code
 
         layer = self.layer
         tin = [self._twin(x) for x in ins]
@@ -351,7 +351,7 @@ class OneBitMomentumOp:
 
     def __init__(self, momentum: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                  beta1: float, chunk: int, hierarchical: bool):
-        from .compression import Codec
+        from ..compression import Codec
 
         self.m, self.we, self.se = momentum, worker_error, server_error
         self.beta1 = torch.tensor(beta1, dtype=torch.float32).item()  # as the C++ op's float
@@ -429,7 +429,7 @@ class LowPrecisionRing:
     replicas. The same float operations in the same order as the C++ op."""
 
     def __init__(self, x: torch.Tensor, n: int, rank: int, hierarchical: bool, all_local: bool, chunk: int):
-        from .compression import Codec
+        from ..compression import Codec
 
         self.x = x
         self.average_only = hierarchical and all_local

@@ -11,7 +11,7 @@ running, else by the engine's worker thread. finish() (at the end of backward) w
 bucket is launched, then makes the caller's current stream wait for the communication stream's
 last event: the host never waits for the GPU there. Two modes:
 
-- direct (NCCL): each bucket's op (rumor._gpu_ops) is queued on the communication stream. The
+- direct (NCCL): each bucket's op (rumor.engine.ops) is queued on the communication stream. The
   worker then watches each bucket's event with rumor's deadline and NCCL's error state; a dead
   peer or a deadline aborts the communicator, which ends its kernels, and the next call on the
   engine raises the error (so a job fails instead of hanging inside the GPU).
@@ -36,9 +36,9 @@ from typing import List, Optional
 
 import torch
 
-from . import _C
-from .errors import CommTimeoutError, RumorError
-from ._tensor import address, dtype_code
+from .. import _C
+from ..errors import CommTimeoutError, RumorError
+from .._tensor import address, dtype_code
 
 EMULATE: Optional[str] = None
 MODES = ("direct", "staged")
@@ -76,7 +76,7 @@ class CudaLayer:
         stream.wait_event(event)
 
     def host_wait(self, event, timeout: float, what: str) -> None:
-        from ._device import wait_event
+        from ..gpu.routing import wait_event
 
         wait_event(event, timeout, what)
 
@@ -518,7 +518,7 @@ class DeviceEngine:
 def emulated() -> Optional[str]:
     """The emulation mode for CPU parameters, or None (the engine only runs for CUDA ones)."""
     if EMULATE is not None and EMULATE not in MODES:
-        raise ValueError(f"rumor._gpu_engine.EMULATE must be None or one of {MODES}, got {EMULATE!r}")
+        raise ValueError(f"rumor.engine.device.EMULATE must be None or one of {MODES}, got {EMULATE!r}")
     return EMULATE
 
 
@@ -532,7 +532,7 @@ class GroupAverager:
     current stream wait for the result).
 
     Over NCCL a plain average is queued right away from the calling thread (an ncclAllReduce on
-    the averager's stream); a compressed one (rumor._gpu_ops.CompressedOp, which decodes on the
+    the averager's stream); a compressed one (rumor.engine.ops.CompressedOp, which decodes on the
     host's word) runs on the averager's worker, so every average of one averager takes the same
     path and the group sees them in the same order on every rank. Without NCCL (host transport,
     or hierarchical=True across hosts, which only the C++ ops do) each average is staged: a
@@ -542,22 +542,22 @@ class GroupAverager:
     blocks as the C++ compressed allreduce with seed=seed and call number `step`."""
 
     def __init__(self, group, device: Optional[torch.device], codec, hierarchical: bool, timeout_fn):
-        from . import _gpu_ops
+        from . import ops as device_ops
 
         self.codec, self.hierarchical = codec, bool(hierarchical)
         self.comm = group._comm
         if device is None:  # EMULATE
             layer = EmulatedLayer()
             direct = emulated() == "direct"
-            transport = _gpu_ops.HostTransport(self.comm) if direct else None
+            transport = device_ops.HostTransport(self.comm) if direct else None
         else:
-            from . import _device
+            from ..gpu import routing
 
             # The group agrees on its transport now: every rank builds its averager together.
-            gpu = _device.route("rumor DiLoCo", group, ("buffer", torch.empty(1, device=device)))
+            gpu = routing.route("rumor DiLoCo", group, ("buffer", torch.empty(1, device=device)))
             layer = CudaLayer(device)
             direct = gpu.transport == "nccl"
-            transport = _gpu_ops.NcclTransport(gpu) if direct else None
+            transport = device_ops.NcclTransport(gpu) if direct else None
         self.staged = not direct or (self.hierarchical and not self.comm.all_local)
         self.engine = DeviceEngine(layer, "direct", transport, self.comm, timeout_fn)
         self._twins = {}
@@ -570,7 +570,7 @@ class GroupAverager:
             # Full precision, or compressed-and-hierarchical on one host (nothing is compressed
             # there, as in the C++ op): one allreduce.
             return self.engine.submit(lambda tp, stream: tp.allreduce(buf, 1), what, inline=self.codec is None)
-        from ._gpu_ops import CompressedOp
+        from .ops import CompressedOp
 
         kind, levels, chunk = self.codec
         op = CompressedOp(kind, chunk, levels, True, seed=1)

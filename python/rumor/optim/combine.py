@@ -45,7 +45,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import collectives
-from .. import decentralized as _dec
+from ..neighbor import ops as _dec
 from ..engine.flat import FlatWeights
 from ._wrap import ONE_BUFFER_PER_DTYPE, build_subclass, check_args
 

@@ -26,7 +26,7 @@ DistributedPushSumOptimizer  push-sum (gradient push): each rank holds z and a w
 
 ``num_steps_per_communication = J`` counts training passes (forward passes through ``model`` in
 training mode with autograd on), not step() calls, as the combine wrappers in
-rumor.optim.decentralized do: in the pattern "J forward/backward passes, then one step()" every
+rumor.optim.combine do: in the pattern "J forward/backward passes, then one step()" every
 step() communicates; with a step() after every pass, every J-th step communicates and the others
 are local updates. A step() with no forward through the model since the previous one counts as
 one pass. The first pass of each group of J communicates (BlueFog's compat layer shifts this to
@@ -49,7 +49,7 @@ import torch
 
 from .. import _runtime
 from .. import collectives
-from .. import window as _win
+from ..neighbor import window as _win
 from ..engine.flat import FlatWeights
 from ._wrap import ONE_BUFFER_PER_DTYPE, build_subclass, check_args
 

@@ -20,7 +20,7 @@ def to_host(src: torch.Tensor, dst: torch.Tensor, what: str, timeout: float) -> 
     if src.device.type != "cuda":
         dst.copy_(src)
         return dst
-    from ._device import wait_event
+    from .routing import wait_event
 
     dst.copy_(src, non_blocking=True)
     ev = torch.cuda.Event()

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from typing import Dict, Optional
 
-from .errors import CommTimeoutError, RumorError
+from ..errors import CommTimeoutError, RumorError
 
 
 _MIN_PAUSE, _MAX_PAUSE = 0.002, 0.02

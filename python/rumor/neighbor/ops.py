@@ -22,11 +22,12 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _C, _device, _runtime
-from ._runtime import Group, communicator
-from ._tensor import address, check_movable, check_tensor, dtype_tag
-from ._host_collectives import Handle, run as _run
-from .topology import ExponentialGraph, Topology
+from .. import _C, _runtime
+from ..gpu import routing
+from .._runtime import Group, communicator
+from .._tensor import address, check_movable, check_tensor, dtype_tag
+from .._host_collectives import Handle, run as _run
+from ..topology import ExponentialGraph, Topology
 
 __all__ = [
     "set_topology",
@@ -239,12 +240,12 @@ def _static_receive(topo: Topology, weighted: bool, me: int, self_weight, src_we
 def _staged(t, group, nonblocking, what, cpu_call):
     """CUDA tensors: the neighbor ops stage through host memory on either GPU transport
     (docs/gpu.md), which needs no agreement of the group; None for CPU tensors."""
-    gpu = _device.route(what, group, ("t", t), collective=False)
+    gpu = routing.route(what, group, ("t", t), collective=False)
     if gpu is None:
         return None
-    from . import _gpu_collectives
+    from ..gpu import collectives as gpu_collectives
 
-    return _gpu_collectives.staged(gpu, t, nonblocking, what, cpu_call)
+    return gpu_collectives.staged(gpu, t, nonblocking, what, cpu_call)
 
 
 def _neighbor_allreduce(t, self_weight, src_weights, dst_weights, enable_topo_check, group, nonblocking, what):

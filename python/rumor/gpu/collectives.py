@@ -1,4 +1,4 @@
-"""rumor's collectives on CUDA tensors (docs/gpu.md). rumor._device routes a call here once its
+"""rumor's collectives on CUDA tensors (docs/gpu.md). rumor.gpu.routing routes a call here once its
 tensors are all on the group's CUDA device; the group's transport then decides:
 
 - nccl: the op is queued on torch's current stream of that device through the group's
@@ -6,7 +6,7 @@ tensors are all on the group's CUDA device; the group's transport then decides:
   passed (waited for with rumor's deadline); a *_nonblocking call returns a Handle whose wait()
   does that wait. So no call returns leaving work that could hang unseen behind it. With
   rumor.set_gpu_wait("stream") a blocking call returns once queued and the group's watch
-  (rumor._gpu_watch) keeps the deadline instead: the work cannot hang unseen either, it is
+  (rumor.gpu.watch) keeps the deadline instead: the work cannot hang unseen either, it is
   aborted at the deadline and the group's next call raises.
 - host: the input is copied into page-locked host memory on the current stream (waited for with
   a deadline), rumor's CPU collective runs on it, and the result is copied back on the same
@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from . import _runtime
-from . import _host_collectives as C
-from ._device import GpuGroup, wait_event
-from ._tensor import address, check_dense, dtype_code, movable_code
+from .. import _runtime
+from .. import _host_collectives as C
+from .routing import GpuGroup, wait_event
+from .._tensor import address, check_dense, dtype_code, movable_code
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -36,9 +36,9 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from . import _C, _runtime
-from ._tensor import address, check_dense, check_tensor, dtype_code
-from .decentralized import _topologies, in_neighbor_ranks, out_neighbor_ranks
+from .. import _C, _runtime
+from .._tensor import address, check_dense, check_tensor, dtype_code
+from .ops import _topologies, in_neighbor_ranks, out_neighbor_ranks
 
 __all__ = [
     "win_create",
@@ -87,23 +87,23 @@ def _check(t, what: str) -> int:
     if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{what}: the tensor is on {t.device}; windows take CPU or CUDA tensors")
     if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-        from . import _device
+        from ..gpu import routing
 
         check_dense(t, what)
-        _device.route(what, None, ("tensor", t), collective=False)  # the rank's device, or a clear error
+        routing.route(what, None, ("tensor", t), collective=False)  # the rank's device, or a clear error
         return dtype_code(t.dtype, what)
     return check_tensor(t, what)
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
-    from ._gpu_staging import host_like
+    from ..gpu.staging import host_like
 
     return host_like(t)
 
 
 def _to_host(src: torch.Tensor, dst: torch.Tensor, what: str) -> torch.Tensor:
     """dst <- src, complete when this returns (the C++ side reads dst from the host)."""
-    from ._gpu_staging import to_host
+    from ..gpu.staging import to_host
 
     return to_host(src, dst, what, _timeout())
 
@@ -242,7 +242,7 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
     ws = _windows()
     if name in ws.by_name:
         raise ValueError(f"{what}: a window named {name!r} already exists; win_free it first")
-    from .collectives import allgather
+    from ..collectives import allgather
 
     world = _runtime.state().world
     mine = torch.tensor([_fingerprint(name, tensor.numel(), code), tensor.numel(), code], dtype=torch.int64)

@@ -2,9 +2,9 @@
 
 A call whose tensors are all on the CPU takes the CPU path unchanged; this module then costs one
 device check per tensor. A call whose tensors are all on this rank's CUDA device takes the GPU
-path (rumor._gpu_collectives) over one of two transports:
+path (rumor.gpu.collectives) over one of two transports:
 
-- ``nccl``: rumor's NCCL communicator (rumor._nccl), one per group, ops on torch's current stream;
+- ``nccl``: rumor's NCCL communicator (rumor.gpu.nccl), one per group, ops on torch's current stream;
 - ``host``: staging through page-locked host memory around rumor's CPU collectives.
 
 ``RUMOR_GPU_TRANSPORT`` = ``auto`` (default) | ``nccl`` | ``host`` chooses. Every rank of a
@@ -27,8 +27,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _runtime
-from .errors import CommTimeoutError, RumorError
+from .. import _runtime
+from ..errors import CommTimeoutError, RumorError
 
 TRANSPORT_ENV = "RUMOR_GPU_TRANSPORT"
 TRANSPORTS = ("auto", "nccl", "host")
@@ -136,12 +136,13 @@ def agree(table: Sequence[Sequence[int]], hosts: Sequence[str], ranks: Sequence[
 
 def nccl_problem() -> Optional[str]:
     """None where this rank can use NCCL, else why not (the loader's message)."""
-    from . import _C, _nccl
+    from .. import _C
+    from . import nccl
 
     try:
         if _C.cuda_device_count() < 1:
             return "rumor's extension sees no CUDA device"
-        _nccl.load()
+        nccl.load()
     except Exception as e:  # noqa: BLE001 - the reason is reported, on every rank, by agree()
         return f"{type(e).__name__}: {e}"
     return None
@@ -276,7 +277,7 @@ def route(what: str, group, *named, collective: bool = True) -> Optional[GpuGrou
             break
     else:
         return None
-    from ._runtime import communicator
+    from .._runtime import communicator
 
     g = communicator(group, what)
     gpu = g._gpu
@@ -301,8 +302,8 @@ def route(what: str, group, *named, collective: bool = True) -> Optional[GpuGrou
 def _setup(g, gpu: GpuGroup, what: str) -> None:
     """Agrees on the group's transport (one small allgather over the group) and, for NCCL,
     creates its communicator; every member reaches this at the same collective."""
-    from . import _host_collectives as collectives
-    from . import _nccl
+    from .. import _host_collectives as collectives
+    from . import nccl
 
     st = _runtime.state()
     setting_error = None
@@ -321,9 +322,9 @@ def _setup(g, gpu: GpuGroup, what: str) -> None:
     hosts = [st.hosts[r] for r in g.ranks]
     transport = agree(table, hosts, g.ranks, g.rank(), problem, what)
     if transport == "nccl":
-        from ._gpu_watch import StreamWatch
+        from .watch import StreamWatch
 
-        gpu.comm = _nccl.communicator(g, device=gpu.device)
+        gpu.comm = nccl.communicator(g, device=gpu.device)
         gpu.watch = StreamWatch(gpu.comm, f"{g!r} on cuda:{gpu.device}")
     gpu.transport = transport
 
