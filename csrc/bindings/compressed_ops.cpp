@@ -7,6 +7,7 @@
 
 #include "bindings/common.h"
 #include "ops/compressed_allreduce.h"
+#include "ops/onebit_allreduce.h"
 
 namespace rumor::bindings {
 

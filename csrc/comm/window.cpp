@@ -1,18 +1,11 @@
 #include "comm/window.h"
 
-#include <poll.h>
-#include <signal.h>
-#include <sys/eventfd.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <deque>
 #include <functional>
-#include <optional>
 
 #include "comm/neighbor.h"
 #include "comm/window_wire.h"
@@ -26,12 +19,6 @@ using namespace window_wire;  // NOLINT: the frame kinds and statuses read as be
 namespace {
 
 constexpr uint32_t kSegMagic = 0x444e4957;  // "WIND"
-// Window links are TCP streams tagged with this communicator id (groups use small ids,
-// hierarchical sub-communicators ids above 2^48).
-constexpr uint64_t kWindowCommId = 1ull << 62;
-constexpr size_t kMaxMutexWaitersPerPeer = 1024;
-// Payload of a frame nobody will use (see window_wire::Payload::kDrain) is read in pieces this big.
-constexpr size_t kDrainPiece = 64 << 10;
 
 struct alignas(64) SegHeader {
   uint32_t magic;
@@ -118,41 +105,6 @@ struct WindowHub::Window {
   std::string desc() const { return "window '" + name + "'"; }
 };
 
-struct WindowHub::OutMsg {
-  WinFrame hdr{};
-  bool reply = false;                             // counted against the link's reply budget
-  const std::byte* data = nullptr;                // payload not owned (a put's tensor: alive until acked)
-  std::shared_ptr<std::vector<std::byte>> owned;  // or owned (a get's reply)
-};
-
-struct WindowHub::Link {
-  uint32_t peer = 0;
-  net::Fd fd;
-  bool dead = false;
-  bool abort_requested = false;
-  std::string why;
-  // Incoming frame being read.
-  WinFrame in{};
-  size_t in_hdr = 0;
-  std::vector<std::byte> payload;
-  size_t in_got = 0;
-  bool draining = false;  // payload read into `drain` and discarded (see window_wire::Payload)
-  // Replies queued for this peer and their payload bytes: bounded (reply_limits_), so a peer
-  // that sends requests without reading the answers cannot grow this process's memory.
-  size_t replies_queued = 0;
-  size_t reply_bytes_queued = 0;
-  // Outgoing frames; the front one is being written (out_off bytes of frame + payload done).
-  std::deque<OutMsg> out;
-  size_t out_off = 0;
-};
-
-// A remote part of an operation, waiting for the target's reply (the reply echoes the request's
-// weight and p flag, so nothing else needs keeping here).
-struct WindowHub::Inflight {
-  std::shared_ptr<WinOp> op;
-  uint32_t peer = 0;
-};
-
 // ---- WinOp ----
 
 bool WinOp::done() const {
@@ -205,18 +157,10 @@ void WinOp::wait(const Deadline& deadline) const {
 // ---- WindowHub ----
 
 WindowHub::WindowHub(std::shared_ptr<Context> ctx)
-    : ctx_(std::move(ctx)), rank_(ctx_->rank()), size_(ctx_->size()) {
-  links_.resize(size_);
-  int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (fd < 0) throw Error(ErrorKind::kSystem, "window hub: eventfd: " + net::errno_string(errno));
-  wake_fd_ = net::Fd(fd);
-}
+    : ctx_(std::move(ctx)), rank_(ctx_->rank()), size_(ctx_->size()), progress_(ctx_, *this) {}
 
-WindowHub::~WindowHub() {
-  stop_.store(true);
-  wake();
-  if (thread_.joinable()) thread_.join();
-}
+// The progress thread calls back into this object: it stops before any member goes away.
+WindowHub::~WindowHub() { progress_.stop(); }
 
 bool WindowHub::local(uint32_t peer) const { return ctx_->options().shm && ctx_->same_host(rank_, peer); }
 
@@ -234,9 +178,10 @@ std::shared_ptr<WindowHub::Window> WindowHub::find(uint64_t id, const char* op) 
   return it->second;
 }
 
-void WindowHub::wake() {
-  uint64_t one = 1;
-  [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+std::shared_ptr<WindowHub::Window> WindowHub::lookup(uint64_t id) const {
+  std::lock_guard lk(mu_);
+  auto it = windows_.find(id);
+  return it == windows_.end() ? nullptr : it->second;
 }
 
 void WindowHub::check_alive(const Window& w, uint32_t peer, const std::string& what) const {
@@ -248,24 +193,10 @@ void WindowHub::check_alive(const Window& w, uint32_t peer, const std::string& w
 }
 
 void WindowHub::ensure_links(const Deadline& deadline) {
-  if (links_built_) return;
-  for (uint32_t r = 0; r < size_; ++r) {
-    // A link built before an earlier call failed stays: the listener hands out each stream
-    // once per Context, so dialing it again would be refused.
-    if (r == rank_ || local(r) || links_[r]) continue;
-    auto fds = ctx_->tcp_streams(kWindowCommId, r, 1, deadline);
-    auto l = std::make_unique<Link>();
-    l->peer = r;
-    l->fd = std::move(fds.at(0));
-    net::set_nonblocking(l->fd.get(), true);
-    net::tune_stream_socket(l->fd.get());
-    std::lock_guard lk(mu_);
-    links_[r] = std::move(l);
-  }
-  links_built_ = true;
-  bool any = false;
-  for (const auto& l : links_) any = any || l != nullptr;
-  if (any && !thread_.joinable()) thread_ = std::thread([this] { progress_loop(); });
+  std::vector<uint32_t> remote;
+  for (uint32_t r = 0; r < size_; ++r)
+    if (r != rank_ && !local(r)) remote.push_back(r);
+  progress_.connect(remote, deadline);
 }
 
 void WindowHub::create(uint64_t id, const std::string& name, void* data, size_t count, DType dtype,
@@ -339,57 +270,12 @@ void WindowHub::seal(uint64_t id) { find(id, "win_create")->own.unlink_name(); }
 
 void WindowHub::free(uint64_t id, const Deadline& deadline) {
   auto w = find(id, "win_free");
-  std::unique_lock lk(mu_);
-  auto busy = [&] {
-    for (const auto& [op_id, f] : inflight_)
-      if (f.op->window() == id) return true;
-    return false;
-  };
-  if (!idle_cv_.wait_until(lk, deadline.at(), [&] { return !busy(); }))
+  if (!progress_.wait_idle(id, deadline))
     throw Error(ErrorKind::kTimeout, "win_free('" + w->name +
                                          "'): operations on it are still in flight after the deadline "
                                          "(the window stays allocated)");
+  std::lock_guard lk(mu_);
   windows_.erase(id);
-}
-
-WindowHub::Link& WindowHub::link(uint32_t peer) {
-  Link* l = links_.at(peer).get();
-  if (l == nullptr)
-    throw Error(ErrorKind::kInvalidArgument, "window hub: no link to rank " + std::to_string(peer));
-  return *l;
-}
-
-uint64_t WindowHub::register_op(const std::shared_ptr<WinOp>& op, uint32_t peer) {
-  // mu_ held by the caller
-  uint64_t op_id = next_op_++;
-  inflight_[op_id] = Inflight{op, peer};
-  op->add_pending(peer);
-  return op_id;
-}
-
-void WindowHub::enqueue(uint32_t peer, OutMsg msg) {
-  // mu_ held by the caller
-  Link& l = link(peer);
-  if (l.dead)
-    throw Error(ErrorKind::kPeerGone, "window link to rank " + std::to_string(peer) + " failed: " + l.why);
-  l.out.push_back(std::move(msg));
-}
-
-uint32_t WindowHub::apply_write(Window& w, uint32_t sender, const void* x, bool accumulate, double weight,
-                                bool with_p, double p, const Deadline& deadline) {
-  // Writes into this rank's own slot for `sender` (a frame from a remote peer).
-  try {
-    WinSlotHeader* s = w.slot(rank_, sender);
-    SlotGuard g(s, deadline,
-                [&] { return w.desc() + ": slot of rank " + std::to_string(sender) + " stayed locked"; });
-    scaled_write(w.slot_data(rank_, sender), x, w.count, w.dtype, weight, accumulate);
-    if (with_p) s->p = accumulate ? s->p + weight * p : weight * p;
-    s->version.fetch_add(1, std::memory_order_relaxed);
-    ++s->writes;
-    return kOk;
-  } catch (const Error&) {
-    return kFailed;
-  }
 }
 
 double WindowHub::p(uint64_t id) {
@@ -440,23 +326,21 @@ std::shared_ptr<WinOp> WindowHub::put(uint64_t id, const void* x, const Weights&
         ++s->writes;
       }
     } else {
-      OutMsg m;
-      m.hdr = WinFrame{kFrameMagic,
-                       accumulate ? kAccumulate : kPut,
-                       static_cast<uint8_t>(with_p),
-                       0,
-                       rank_,
-                       0,
-                       id,
-                       0,
-                       w->bytes,
-                       weight,
-                       my_p,
-                       0};
-      m.data = static_cast<const std::byte*>(x);
+      const WinFrame frame{kFrameMagic,
+                           accumulate ? kAccumulate : kPut,
+                           static_cast<uint8_t>(with_p),
+                           0,
+                           rank_,
+                           0,
+                           id,
+                           0,
+                           w->bytes,
+                           weight,
+                           my_p,
+                           0};
       // With the mutex the part is waited for here, before the release.
       auto part = require_mutex ? std::make_shared<WinOp>(what, id) : op;
-      submit(part, dst, std::move(m));
+      progress_.submit(part, dst, frame, static_cast<const std::byte*>(x));
       if (require_mutex) wait(part, deadline);
     }
     if (require_mutex) mutex_release_one(*w, dst, deadline);
@@ -489,11 +373,10 @@ std::shared_ptr<WinOp> WindowHub::get(uint64_t id, const Weights& srcs, bool wit
       mine->version.fetch_add(1, std::memory_order_relaxed);
       ++mine->writes;
     } else {
-      OutMsg m;
-      m.hdr = WinFrame{
+      const WinFrame frame{
           kFrameMagic, kGetRequest, static_cast<uint8_t>(with_p), 0, rank_, 0, id, 0, 0, weight, 0, 0};
       auto part = require_mutex ? std::make_shared<WinOp>(what, id) : op;
-      submit(part, src, std::move(m));
+      progress_.submit(part, src, frame, nullptr);
       if (require_mutex) wait(part, deadline);
     }
     if (require_mutex) mutex_release_one(*w, src, deadline);
@@ -571,12 +454,7 @@ void WindowHub::wait(const std::shared_ptr<WinOp>& op, const Deadline& deadline)
     op->wait(deadline);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::kTimeout) throw;
-    {
-      std::lock_guard lk(mu_);
-      for (uint32_t peer : op->outstanding())
-        if (peer < links_.size() && links_[peer]) links_[peer]->abort_requested = true;
-    }
-    wake();
+    progress_.abort(op->outstanding());
     // The progress thread fails the op promptly once it sees the request; only then may the
     // caller's buffers go away.
     std::unique_lock lk(op->mu_);
@@ -662,373 +540,61 @@ void WindowHub::mutex_release_one(Window& w, uint32_t target, const Deadline& de
 void WindowHub::remote_request(Window& w, uint32_t target, uint8_t kind, const std::string& what,
                                const Deadline& deadline) {
   auto op = std::make_shared<WinOp>(what, w.id);
-  OutMsg msg;
-  msg.hdr = WinFrame{kFrameMagic, kind, 0, 0, rank_, 0, w.id, 0, 0, 0, 0, 0};
-  submit(op, target, std::move(msg));
+  progress_.submit(op, target, WinFrame{kFrameMagic, kind, 0, 0, rank_, 0, w.id, 0, 0, 0, 0, 0}, nullptr);
   wait(op, deadline);
 }
 
-void WindowHub::submit(const std::shared_ptr<WinOp>& part, uint32_t peer, OutMsg msg) {
-  {
-    std::lock_guard lk(mu_);
-    const uint64_t op_id = register_op(part, peer);
-    msg.hdr.op_id = op_id;
-    try {
-      enqueue(peer, std::move(msg));
-    } catch (...) {
-      inflight_.erase(op_id);
-      part->complete(peer, std::current_exception());
-      throw;
-    }
-  }
-  wake();
+// ---- WindowTarget: what remote peers' frames do here (progress thread) ----
+
+std::optional<uint64_t> WindowHub::window_bytes(uint64_t id) const {
+  auto w = lookup(id);
+  if (!w) return std::nullopt;
+  return w->bytes;
 }
 
-// ---- progress thread (TCP links) ----
-
-void WindowHub::finish_inflight(uint64_t op_id, uint32_t peer, std::exception_ptr err) {
-  std::shared_ptr<WinOp> op;
-  {
-    std::lock_guard lk(mu_);
-    auto it = inflight_.find(op_id);
-    if (it == inflight_.end() || it->second.peer != peer) return;  // already failed
-    op = it->second.op;
-    inflight_.erase(it);
-    idle_cv_.notify_all();
-  }
-  op->complete(peer, std::move(err));
+uint32_t WindowHub::write_slot(uint64_t id, uint32_t sender, const std::byte* x, uint64_t bytes,
+                               bool accumulate, double weight, bool with_p, double p,
+                               const Deadline& deadline) {
+  auto w = lookup(id);
+  if (!w) return kUnknownWindow;
+  if (bytes != w->bytes) return kSizeMismatch;
+  WinSlotHeader* s = w->slot(rank_, sender);
+  SlotGuard g(s, deadline,
+              [&] { return w->desc() + ": slot of rank " + std::to_string(sender) + " stayed locked"; });
+  scaled_write(w->slot_data(rank_, sender), x, w->count, w->dtype, weight, accumulate);
+  if (with_p) s->p = accumulate ? s->p + weight * p : weight * p;
+  s->version.fetch_add(1, std::memory_order_relaxed);
+  ++s->writes;
+  return kOk;
 }
 
-void WindowHub::fail_link(Link& l, const std::string& why) {
-  std::vector<std::pair<std::shared_ptr<WinOp>, uint32_t>> failed;
-  {
-    std::lock_guard lk(mu_);
-    if (l.dead) return;
-    l.dead = true;
-    l.why = why;
-    l.out.clear();  // drops references to callers' tensors before their ops complete
-    l.out_off = 0;
-    l.replies_queued = 0;
-    l.reply_bytes_queued = 0;
-    ::shutdown(l.fd.get(), SHUT_RDWR);
-    for (auto it = inflight_.begin(); it != inflight_.end();) {
-      if (it->second.peer == l.peer) {
-        failed.emplace_back(it->second.op, l.peer);
-        it = inflight_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    std::erase_if(mutex_waiters_, [&](const auto& t) { return std::get<0>(t) == l.peer; });
-    idle_cv_.notify_all();
-  }
-  // A peer that shut down cleanly closes its link too; only a link that still had work is news.
-  if (!failed.empty()) RUMOR_LOG(kWarn, "window link to rank " << l.peer << " failed: " << why);
-  // One exception per operation: see WinOp::complete.
-  for (auto& [op, peer] : failed)
-    op->complete(peer, std::make_exception_ptr(
-                           Error(ErrorKind::kPeerGone,
-                                 "window link to rank " + std::to_string(l.peer) + " failed: " + why)));
+uint32_t WindowHub::read_published(uint64_t id, std::vector<std::byte>* out, double* p,
+                                   const Deadline& deadline) {
+  auto w = lookup(id);
+  if (!w) return kUnknownWindow;
+  out->resize(w->bytes);
+  WinSlotHeader* s = w->slot(rank_, rank_);
+  SlotGuard g(s, deadline, [&] { return w->desc() + ": own slot stayed locked"; });
+  std::memcpy(out->data(), w->slot_data(rank_, rank_), w->bytes);
+  *p = s->p;
+  return kOk;
 }
 
-void WindowHub::reply(Link& l, const WinFrame& req, uint8_t kind, uint32_t status, double p,
-                      std::shared_ptr<std::vector<std::byte>> payload) {
-  OutMsg m;
-  m.hdr = WinFrame{
-      kFrameMagic, kind, req.with_p, 0, rank_, status, req.window, req.op_id, payload ? payload->size() : 0,
-      req.weight,  p,    0};
-  m.owned = std::move(payload);
-  m.reply = true;
-  const size_t bytes = m.hdr.bytes;
-  std::lock_guard lk(mu_);
-  if (l.dead) return;
-  // Every reply answers a request the peer sent; a peer that keeps sending without reading the
-  // answers would otherwise make this queue (and its snapshots) grow without bound. The first
-  // queued reply is always allowed, whatever its size.
-  if (l.replies_queued > 0 && (l.replies_queued >= reply_limit_count_.load() ||
-                               l.reply_bytes_queued + bytes > reply_limit_bytes_.load()))
-    throw Error(ErrorKind::kProtocol,
-                "rank " + std::to_string(l.peer) + " sends requests faster than it reads the replies (" +
-                    std::to_string(l.replies_queued) + " replies, " + std::to_string(l.reply_bytes_queued) +
-                    " bytes queued unread; limits " + std::to_string(reply_limit_count_.load()) + " and " +
-                    std::to_string(reply_limit_bytes_.load()) + ")");
-  ++l.replies_queued;
-  l.reply_bytes_queued += bytes;
-  l.out.push_back(std::move(m));
+MutexGrant WindowHub::try_grant_mutex(uint64_t id, uint32_t requester) {
+  auto w = lookup(id);
+  if (!w) return MutexGrant::kNoWindow;
+  uint32_t expected = 0;
+  return w->header(rank_)->mutex.compare_exchange_strong(expected, requester + 1) ? MutexGrant::kGranted
+                                                                                  : MutexGrant::kHeld;
 }
 
-void WindowHub::retry_remote_mutexes() {
-  std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> granted;
-  {
-    std::lock_guard lk(mu_);
-    for (auto it = mutex_waiters_.begin(); it != mutex_waiters_.end();) {
-      auto [requester, win_id, op_id] = *it;
-      auto wit = windows_.find(win_id);
-      bool drop = wit == windows_.end();
-      if (!drop) {
-        uint32_t expected = 0;
-        if (wit->second->header(rank_)->mutex.compare_exchange_strong(expected, requester + 1)) {
-          granted.push_back(*it);
-          drop = true;
-        }
-      }
-      it = drop ? mutex_waiters_.erase(it) : it + 1;
-    }
-  }
-  for (auto [requester, win_id, op_id] : granted) {
-    WinFrame req{kFrameMagic, kMutexAcquire, 0, 0, requester, 0, win_id, op_id, 0, 0, 0, 0};
-    try {
-      reply(*links_[requester], req, kAck, kOk, 0, nullptr);
-    } catch (const Error& e) {
-      fail_link(*links_[requester], e.what());
-    }
-  }
-}
-
-void WindowHub::handle_frame(Link& l) {
-  const WinFrame& f = l.in;
-  std::shared_ptr<Window> w;
-  {
-    std::lock_guard lk(mu_);
-    auto it = windows_.find(f.window);
-    if (it != windows_.end()) w = it->second;
-  }
-  // A drained payload was thrown away: the frame is answered as for a window that does not
-  // exist, even if one with that id appeared in the meantime.
-  if (l.draining) w.reset();
-  const Deadline dl = Deadline::after(ctx_->timeout_s());
-  switch (f.kind) {
-    case kPut:
-    case kAccumulate: {
-      uint32_t st = !w ? kUnknownWindow : f.bytes != w->bytes ? kSizeMismatch : kOk;
-      if (st == kOk)
-        st = apply_write(*w, l.peer, l.payload.data(), f.kind == kAccumulate, f.weight, f.with_p != 0, f.p,
-                         dl);
-      frames_applied_.fetch_add(1);
-      reply(l, f, kAck, st, 0, nullptr);
-      break;
-    }
-    case kGetRequest: {
-      if (!w) {
-        reply(l, f, kGetReply, kUnknownWindow, 0, nullptr);
-        break;
-      }
-      auto snap = std::make_shared<std::vector<std::byte>>(w->bytes);
-      double p = 0;
-      try {
-        WinSlotHeader* s = w->slot(rank_, rank_);
-        SlotGuard g(s, dl, [&] { return w->desc() + ": own slot stayed locked"; });
-        std::memcpy(snap->data(), w->slot_data(rank_, rank_), w->bytes);
-        p = s->p;
-      } catch (const Error&) {
-        reply(l, f, kGetReply, kFailed, 0, nullptr);
-        break;
-      }
-      reply(l, f, kGetReply, kOk, p, std::move(snap));
-      break;
-    }
-    case kGetReply: {
-      std::exception_ptr err;
-      uint32_t st = f.status;
-      if (st == kOk && (!w || f.bytes != w->bytes)) st = !w ? kUnknownWindow : kSizeMismatch;
-      if (st == kOk) {
-        try {
-          WinSlotHeader* s = w->slot(rank_, l.peer);
-          SlotGuard g(s, dl, [&] {
-            return w->desc() + ": slot of rank " + std::to_string(l.peer) + " stayed locked";
-          });
-          scaled_write(w->slot_data(rank_, l.peer), l.payload.data(), w->count, w->dtype, f.weight, false);
-          if (f.with_p) s->p = f.weight * f.p;
-          s->version.fetch_add(1, std::memory_order_relaxed);
-          ++s->writes;
-        } catch (...) {
-          err = std::current_exception();
-        }
-        frames_applied_.fetch_add(1);
-      }
-      if (st != kOk)
-        err = std::make_exception_ptr(
-            Error(ErrorKind::kInvalidArgument,
-                  "win_get: rank " + std::to_string(l.peer) + " refused: " + status_text(st)));
-      finish_inflight(f.op_id, l.peer, std::move(err));
-      break;
-    }
-    case kAck: {
-      std::exception_ptr err;
-      if (f.status != kOk)
-        err = std::make_exception_ptr(Error(
-            f.status == kFailed ? ErrorKind::kTimeout : ErrorKind::kInvalidArgument,
-            "window operation refused by rank " + std::to_string(l.peer) + ": " + status_text(f.status)));
-      finish_inflight(f.op_id, l.peer, std::move(err));
-      break;
-    }
-    case kMutexAcquire: {
-      if (!w) {
-        reply(l, f, kAck, kUnknownWindow, 0, nullptr);
-        break;
-      }
-      std::lock_guard lk(mu_);
-      // A peer waits for at most a few mutexes at a time (one per thread that asks): a stream of
-      // acquire requests it never waits for is refused instead of queued without bound.
-      size_t mine = 0;
-      for (const auto& t : mutex_waiters_) mine += std::get<0>(t) == l.peer ? 1 : 0;
-      if (mine >= kMaxMutexWaitersPerPeer)
-        throw Error(ErrorKind::kProtocol, "rank " + std::to_string(l.peer) + " has " + std::to_string(mine) +
-                                              " window mutex requests waiting already");
-      mutex_waiters_.emplace_back(l.peer, f.window, f.op_id);
-      break;
-    }
-    case kMutexRelease: {
-      uint32_t st = kUnknownWindow;
-      if (w) {
-        uint32_t expected = l.peer + 1;
-        st = w->header(rank_)->mutex.compare_exchange_strong(expected, 0) ? kOk : kNotHolder;
-        if (st == kOk) futex_wake_all(&w->header(rank_)->mutex);
-      }
-      reply(l, f, kAck, st, 0, nullptr);
-      break;
-    }
-    default:
-      throw Error(ErrorKind::kProtocol, "unknown window frame kind " + std::to_string(f.kind));
-  }
-}
-
-void WindowHub::progress_loop() {
-  std::vector<pollfd> fds;
-  std::vector<Link*> order;
-  while (!stop_.load()) {
-    fds.clear();
-    order.clear();
-    fds.push_back(pollfd{wake_fd_.get(), POLLIN, 0});
-    bool waiters = false;
-    {
-      std::lock_guard lk(mu_);
-      for (auto& lp : links_) {
-        if (!lp || lp->dead) continue;
-        if (lp->abort_requested) continue;
-        short ev = POLLIN;
-        if (!lp->out.empty()) ev |= POLLOUT;
-        fds.push_back(pollfd{lp->fd.get(), ev, 0});
-        order.push_back(lp.get());
-      }
-      waiters = !mutex_waiters_.empty();
-    }
-    // A remote mutex request waits for a holder on this host, which releases without telling
-    // this thread: poll for it every millisecond while any request waits.
-    int rc = ::poll(fds.data(), fds.size(), waiters ? 1 : 200);
-    if (rc < 0 && errno != EINTR) {
-      RUMOR_LOG(kError, "window progress thread: poll: " << net::errno_string(errno));
-      continue;
-    }
-    if (fds[0].revents & POLLIN) {
-      uint64_t v;
-      [[maybe_unused]] ssize_t n = ::read(wake_fd_.get(), &v, sizeof(v));
-    }
-    {
-      std::vector<Link*> aborts;
-      {
-        std::lock_guard lk(mu_);
-        for (auto& lp : links_)
-          if (lp && lp->abort_requested && !lp->dead) aborts.push_back(lp.get());
-      }
-      for (Link* l : aborts)
-        fail_link(*l, "a window operation's deadline passed while waiting for this peer");
-    }
-    for (size_t i = 0; i < order.size(); ++i) {
-      Link& l = *order[i];
-      short re = fds[i + 1].revents;
-      try {
-        if (re & (POLLIN | POLLHUP | POLLERR)) {
-          // Read as much as is there: frames, and their payloads.
-          for (;;) {
-            if (l.in_hdr < sizeof(WinFrame)) {
-              ssize_t n = ::recv(l.fd.get(), reinterpret_cast<char*>(&l.in) + l.in_hdr,
-                                 sizeof(WinFrame) - l.in_hdr, 0);
-              if (n == 0) throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
-              if (n < 0) {
-                if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-                throw Error(ErrorKind::kPeerGone, "recv: " + net::errno_string(errno));
-              }
-              l.in_hdr += static_cast<size_t>(n);
-              if (l.in_hdr < sizeof(WinFrame)) continue;
-              // Every size in the frame is checked against the named window before a byte is
-              // allocated for it.
-              std::optional<uint64_t> window_bytes;
-              {
-                std::lock_guard lk(mu_);
-                auto it = windows_.find(l.in.window);
-                if (it != windows_.end()) window_bytes = it->second->bytes;
-              }
-              Payload what = Payload::kNone;
-              if (std::string bad = check_frame(l.in, l.peer, window_bytes, max_window_bytes_.load(), &what);
-                  !bad.empty())
-                throw Error(ErrorKind::kProtocol, bad);
-              l.draining = what == Payload::kDrain;
-              l.payload.resize(l.draining ? std::min<size_t>(l.in.bytes, kDrainPiece) : l.in.bytes);
-              l.in_got = 0;
-            }
-            if (l.in_got < l.in.bytes) {
-              const size_t want = l.draining ? std::min<size_t>(l.in.bytes - l.in_got, l.payload.size())
-                                             : l.in.bytes - l.in_got;
-              std::byte* into = l.draining ? l.payload.data() : l.payload.data() + l.in_got;
-              ssize_t n = ::recv(l.fd.get(), into, want, 0);
-              if (n == 0) throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
-              if (n < 0) {
-                if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-                throw Error(ErrorKind::kPeerGone, "recv: " + net::errno_string(errno));
-              }
-              l.in_got += static_cast<size_t>(n);
-              if (l.in_got < l.in.bytes) continue;
-            }
-            handle_frame(l);
-            l.in_hdr = 0;
-            l.in_got = 0;
-          }
-        }
-        // Write queued frames until the socket is full.
-        for (;;) {
-          OutMsg* m = nullptr;
-          {
-            std::lock_guard lk(mu_);
-            if (l.dead || l.out.empty()) break;
-            m = &l.out.front();
-          }
-          const std::byte* payload = m->owned ? m->owned->data() : m->data;
-          const size_t total = sizeof(WinFrame) + m->hdr.bytes;
-          iovec iov[2];
-          int niov = 0;
-          if (l.out_off < sizeof(WinFrame))
-            iov[niov++] = {reinterpret_cast<char*>(&m->hdr) + l.out_off, sizeof(WinFrame) - l.out_off};
-          size_t pay_off = l.out_off > sizeof(WinFrame) ? l.out_off - sizeof(WinFrame) : 0;
-          if (m->hdr.bytes > pay_off)
-            iov[niov++] = {const_cast<std::byte*>(payload) + pay_off, m->hdr.bytes - pay_off};
-          msghdr mh{};
-          mh.msg_iov = iov;
-          mh.msg_iovlen = static_cast<size_t>(niov);
-          ssize_t n = ::sendmsg(l.fd.get(), &mh, MSG_NOSIGNAL);
-          if (n < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-            throw Error(ErrorKind::kPeerGone, "send: " + net::errno_string(errno));
-          }
-          l.out_off += static_cast<size_t>(n);
-          if (l.out_off == total) {
-            std::lock_guard lk(mu_);
-            if (!l.out.empty()) {
-              if (l.out.front().reply) {
-                --l.replies_queued;
-                l.reply_bytes_queued -= l.out.front().hdr.bytes;
-              }
-              l.out.pop_front();
-            }
-            l.out_off = 0;
-          }
-        }
-      } catch (const std::exception& e) {
-        fail_link(l, e.what());
-      }
-    }
-    retry_remote_mutexes();
-  }
+uint32_t WindowHub::release_mutex(uint64_t id, uint32_t holder) {
+  auto w = lookup(id);
+  if (!w) return kUnknownWindow;
+  uint32_t expected = holder + 1;
+  if (!w->header(rank_)->mutex.compare_exchange_strong(expected, 0)) return kNotHolder;
+  futex_wake_all(&w->header(rank_)->mutex);
+  return kOk;
 }
 
 }  // namespace rumor

@@ -4,8 +4,9 @@
 // publishes for others to get. Progress is passive on the target:
 //  - a peer on the same host maps the segment and writes its slot directly (one scaled copy);
 //  - a peer on another host sends a frame over the hub's TCP link, and the target's progress
-//    thread (one per process, owned by WindowHub) applies it; the sender's operation completes
-//    only when the target acknowledged the application, so "put returned" means "it landed".
+//    thread (one per process, comm/window_progress.h, owned by WindowHub) applies it; the sender's
+//    operation completes only when the target acknowledged the application, so "put returned"
+//    means "it landed".
 // Every access to a slot (write, accumulate, read-and-reset by update, snapshot for get) holds
 // that slot's lock, a futex word in the segment, so a combined tensor is never torn and an
 // accumulate is atomic per slot. Lock order: neighbour slots (ascending rank), then a self
@@ -18,23 +19,19 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "comm/context.h"
+#include "comm/window_progress.h"
 #include "core/types.h"
 #include "net/shm.h"
-#include "net/socket.h"
 
 namespace rumor {
-
-namespace window_wire {
-struct WinFrame;
-}
 
 // Where one window's slot lives and what guards it. 64 bytes, at the head of every slot.
 struct alignas(64) WinSlotHeader {
@@ -61,6 +58,7 @@ class WinOp {
 
  private:
   friend class WindowHub;
+  friend class WindowProgress;
   void add_pending(uint32_t peer);
   void complete(uint32_t peer, std::exception_ptr err);
   std::vector<uint32_t> outstanding() const;
@@ -73,7 +71,9 @@ class WinOp {
   std::exception_ptr error_;
 };
 
-class WindowHub {
+// Window state and the shared-memory paths; the TCP paths go through WindowProgress, which calls
+// back into the hub (as its WindowTarget) to apply what remote peers send.
+class WindowHub : private WindowTarget {
  public:
   using Weights = std::vector<std::pair<uint32_t, double>>;  // (world rank, weight)
 
@@ -126,65 +126,43 @@ class WindowHub {
   void wait(const std::shared_ptr<WinOp>& op, const Deadline& deadline);
 
   // Test hook: the number of frames the progress thread applied (TCP path).
-  uint64_t frames_applied() const { return frames_applied_.load(); }
+  uint64_t frames_applied() const { return progress_.frames_applied(); }
   // Replies one peer may have queued unsent (a count, and payload bytes beyond the first reply)
   // before its link is failed as flooding. Defaults: 4096 replies, 256 MiB. Tests lower them.
-  void set_reply_limits(size_t count, size_t bytes) {
-    reply_limit_count_.store(count);
-    reply_limit_bytes_.store(bytes);
-  }
+  void set_reply_limits(size_t count, size_t bytes) { progress_.set_reply_limits(count, bytes); }
 
  private:
   struct Window;
-  struct Link;
-  struct OutMsg;
-  struct Inflight;
 
-  std::shared_ptr<Window> find(uint64_t id, const char* op) const;
+  std::shared_ptr<Window> find(uint64_t id, const char* op) const;  // throws when absent
+  std::shared_ptr<Window> lookup(uint64_t id) const;                // null when absent
   bool local(uint32_t peer) const;
-  Link& link(uint32_t peer);
   void ensure_links(const Deadline& deadline);
-  uint64_t register_op(const std::shared_ptr<WinOp>& op, uint32_t peer);
-  void enqueue(uint32_t peer, OutMsg msg);
-  // Registers `part` as waiting for `peer`, queues the frame and wakes the progress thread; a
-  // dead link completes the part with its error and rethrows it.
-  void submit(const std::shared_ptr<WinOp>& part, uint32_t peer, OutMsg msg);
-  void wake();
-  void fail_link(Link& l, const std::string& why);  // progress thread only
-  void progress_loop();
-  void handle_frame(Link& l);
-  void reply(Link& l, const window_wire::WinFrame& req, uint8_t kind, uint32_t status, double p,
-             std::shared_ptr<std::vector<std::byte>> payload);
-  uint32_t apply_write(Window& w, uint32_t sender, const void* x, bool accumulate, double weight, bool with_p,
-                       double p, const Deadline& deadline);
   void mutex_acquire_one(Window& w, uint32_t target, const Deadline& deadline);
   void mutex_release_one(Window& w, uint32_t target, const Deadline& deadline);
   // Sends a frame without payload (a mutex request) to a remote target and waits for its ack.
   void remote_request(Window& w, uint32_t target, uint8_t kind, const std::string& what,
                       const Deadline& deadline);
-  void retry_remote_mutexes();
-  void finish_inflight(uint64_t op_id, uint32_t peer, std::exception_ptr err);
   void check_alive(const Window& w, uint32_t peer, const std::string& what) const;
+
+  // WindowTarget: what remote peers' frames do here (progress thread).
+  std::optional<uint64_t> window_bytes(uint64_t id) const override;
+  uint64_t max_window_bytes() const override { return max_window_bytes_.load(); }
+  uint32_t write_slot(uint64_t id, uint32_t sender, const std::byte* x, uint64_t bytes, bool accumulate,
+                      double weight, bool with_p, double p, const Deadline& deadline) override;
+  uint32_t read_published(uint64_t id, std::vector<std::byte>* out, double* p,
+                          const Deadline& deadline) override;
+  MutexGrant try_grant_mutex(uint64_t id, uint32_t requester) override;
+  uint32_t release_mutex(uint64_t id, uint32_t holder) override;
 
   std::shared_ptr<Context> ctx_;
   uint32_t rank_, size_;
 
-  mutable std::mutex mu_;  // windows_, inflight_, link queues
-  std::condition_variable idle_cv_;
+  mutable std::mutex mu_;  // windows_
   std::map<uint64_t, std::shared_ptr<Window>> windows_;
-  std::map<uint64_t, Inflight> inflight_;  // op id -> waiting op (remote parts)
-  uint64_t next_op_ = 1;
-  std::vector<std::unique_ptr<Link>> links_;  // by world rank; null for self and local peers
-  bool links_built_ = false;
-  std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> mutex_waiters_;  // (requester, window, op id)
-
-  net::Fd wake_fd_;
-  std::atomic<bool> stop_{false};
-  std::atomic<uint64_t> frames_applied_{0};
-  std::atomic<size_t> reply_limit_count_{4096};
   std::atomic<uint64_t> max_window_bytes_{0};  // largest window ever created here (drain limit)
-  std::atomic<size_t> reply_limit_bytes_{size_t{256} << 20};
-  std::thread thread_;
+  // Last: it is stopped (its thread calls back into the members above) before they go away.
+  WindowProgress progress_;
 };
 
 }  // namespace rumor

@@ -15,7 +15,7 @@
 #include <string_view>
 
 #include "compress/kernels.h"
-#include "core/cpu.h"
+#include "core/isa_dispatch.h"
 
 namespace rumor::compress {
 
@@ -24,11 +24,9 @@ static_assert(std::endian::native == std::endian::little, "the codec wire format
 namespace generic {
 extern const KernelSet kKernels;
 }
-#ifdef RUMOR_AVX2_KERNELS
 namespace avx2 {
 extern const KernelSet kKernels;
 }
-#endif
 
 namespace {
 
@@ -227,19 +225,12 @@ QsgdKey qsgd_key(uint64_t seed) {
   return QsgdKey{static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32)};
 }
 
-const KernelSet* kernel_set(Isa isa) {
-  if (isa == Isa::kGeneric) return &generic::kKernels;
-#ifdef RUMOR_AVX2_KERNELS
-  if (cpu_has_avx2()) return &avx2::kKernels;
-#endif
-  return nullptr;
-}
+constexpr IsaDispatch<KernelSet> kDispatch{&generic::kKernels, RUMOR_AVX2_SET(avx2::kKernels),
+                                           "RUMOR_CODEC_ISA"};
 
-const KernelSet& active_kernels() {
-  static const KernelSet* const set =
-      choose_kernels(&generic::kKernels, kernel_set(Isa::kAvx2), "RUMOR_CODEC_ISA");
-  return *set;
-}
+const KernelSet* kernel_set(Isa isa) { return kDispatch.set(isa); }
+
+const KernelSet& active_kernels() { return active_set<kDispatch>(); }
 
 const char* codec_isa() { return active_kernels().isa; }
 

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/cpu.h"
 #include "core/hd.h"
 #include "core/types.h"
 
@@ -46,7 +47,7 @@ struct KernelSet {
   void (*bf16_decode)(const std::byte* codes, size_t count, void* out, DType dtype, bool accumulate);
 };
 
-enum class Isa : uint8_t { kGeneric, kAvx2 };
+using rumor::Isa;
 
 // The kernel set for `isa`, or nullptr where it is not compiled in or this CPU lacks it.
 const KernelSet* kernel_set(Isa isa);

@@ -2,32 +2,23 @@
 
 #include <cmath>
 
-#include "core/cpu.h"
+#include "core/isa_dispatch.h"
 
 namespace rumor::compress::powersgd {
 
 namespace generic {
 extern const KernelSet kKernels;
 }
-#ifdef RUMOR_AVX2_KERNELS
 namespace avx2 {
 extern const KernelSet kKernels;
 }
-#endif
 
-const KernelSet* kernel_set(Isa isa) {
-  if (isa == Isa::kGeneric) return &generic::kKernels;
-#ifdef RUMOR_AVX2_KERNELS
-  if (cpu_has_avx2()) return &avx2::kKernels;
-#endif
-  return nullptr;
-}
+constexpr IsaDispatch<KernelSet> kDispatch{&generic::kKernels, RUMOR_AVX2_SET(avx2::kKernels),
+                                           "RUMOR_POWERSGD_ISA"};
 
-const KernelSet& active_kernels() {
-  static const KernelSet* const set =
-      choose_kernels(&generic::kKernels, kernel_set(Isa::kAvx2), "RUMOR_POWERSGD_ISA");
-  return *set;
-}
+const KernelSet* kernel_set(Isa isa) { return kDispatch.set(isa); }
+
+const KernelSet& active_kernels() { return active_set<kDispatch>(); }
 
 void orthogonalize(float* x, size_t n, uint32_t k, double epsilon, double* d) {
   const size_t total = n * k;

@@ -17,6 +17,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/cpu.h"
+
 namespace rumor::compress::powersgd {
 
 struct KernelSet {
@@ -33,7 +35,7 @@ struct KernelSet {
                       float* err);
 };
 
-enum class Isa : uint8_t { kGeneric, kAvx2 };
+using rumor::Isa;
 
 // The set for isa, or null where this build or CPU cannot run it.
 const KernelSet* kernel_set(Isa isa);

@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/cpu.h"
+#include "core/isa_dispatch.h"
 #include "core/types.h"
 
 namespace rumor::optim {
@@ -16,25 +16,16 @@ namespace rumor::optim {
 namespace generic {
 extern const KernelSet kKernels;
 }
-#ifdef RUMOR_AVX2_KERNELS
 namespace avx2 {
 extern const KernelSet kKernels;
 }
-#endif
 
-const KernelSet* kernel_set(Isa isa) {
-  if (isa == Isa::kGeneric) return &generic::kKernels;
-#ifdef RUMOR_AVX2_KERNELS
-  if (cpu_has_avx2()) return &avx2::kKernels;
-#endif
-  return nullptr;
-}
+constexpr IsaDispatch<KernelSet> kDispatch{&generic::kKernels, RUMOR_AVX2_SET(avx2::kKernels),
+                                           "RUMOR_OPTIM_ISA"};
 
-const KernelSet& active_kernels() {
-  static const KernelSet* const set =
-      choose_kernels(&generic::kKernels, kernel_set(Isa::kAvx2), "RUMOR_OPTIM_ISA");
-  return *set;
-}
+const KernelSet* kernel_set(Isa isa) { return kDispatch.set(isa); }
+
+const KernelSet& active_kernels() { return active_set<kDispatch>(); }
 
 namespace {
 

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/cpu.h"
+
 namespace rumor::optim {
 
 // Hyper-parameters as Python floats (double); the kernel derives its float coefficients.
@@ -37,7 +39,7 @@ struct KernelSet {
                size_t n, const AdamHyper& h, double step);
 };
 
-enum class Isa { kGeneric, kAvx2 };
+using rumor::Isa;
 
 // The kernel set for isa, or null where this build or CPU cannot run it.
 const KernelSet* kernel_set(Isa isa);

@@ -10,6 +10,7 @@
 
 #include "compress/codec.h"
 #include "ops/compressed_allreduce.h"
+#include "ops/onebit_allreduce.h"
 #include "ranks.h"
 
 namespace rumor {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "compress/codec.h"
-#include "ops/compressed_allreduce.h"
+#include "ops/onebit_allreduce.h"
 #include "ranks.h"
 
 namespace rumor {
