@@ -9,7 +9,7 @@
   no prediction is below the measured compute (the ranks' mean step for the periodic and
   asynchronous rows), 1-bit Adam appears only for Adam, and the model
   and optimizer come back bit for bit.
-* ``python -m rumor.advise --nproc-per-node 2 script.py`` with a script defining rumor_advise().
+* ``python -m rumor.advisor --nproc-per-node 2 script.py`` with a script defining rumor_advise().
 No timing is asserted: the figures are whatever this machine measured.
 The accuracy check against measured step times needs emulated hosts: benchmarks/advise.py.
 """
@@ -723,7 +723,7 @@ def test_advise_command_line():
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RUMOR_", "TORCHELASTIC_"))
                and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
         env.update(OMP_NUM_THREADS="1", RUMOR_TIMEOUT="60")
-        cmd = [sys.executable, "-m", "rumor.advise", "--nproc-per-node", "2", "--steps", "2", "--warmup", "1",
+        cmd = [sys.executable, "-m", "rumor.advisor", "--nproc-per-node", "2", "--steps", "2", "--warmup", "1",
                "--link-mb", "1", "--json", out, script]
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150, env=env,
                            start_new_session=True)
@@ -737,7 +737,7 @@ def test_advise_command_line():
         bad = os.path.join(d, "nohook.py")
         with open(bad, "w") as f:
             f.write("x = 1\n")
-        p = subprocess.run([sys.executable, "-m", "rumor.advise", bad], stdout=subprocess.PIPE,
+        p = subprocess.run([sys.executable, "-m", "rumor.advisor", bad], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, timeout=60, env=env)
         assert p.returncode != 0 and "rumor_advise()" in p.stdout
 

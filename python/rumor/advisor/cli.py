@@ -1,8 +1,11 @@
 """The advisor's command line, for a script that defines ``rumor_advise()`` returning
 ``dict(model=..., optimizer=..., batch=..., loss_fn=None)``::
 
-    python -m rumor.advise --nproc-per-node 4 train.py [script args]
-    rumor-run --nnodes 4 ... -m rumor.advise train.py [script args]     (several hosts)
+    rumor-advise --nproc-per-node 4 train.py [script args]             (or python -m rumor.advisor)
+    rumor-run --nnodes 4 ... -m rumor.advisor train.py [script args]   (several hosts)
+
+The entry point is the package's __main__, not a module rumor/advise.py: importing such a module
+would rebind the attribute rumor.advise, the API function, to the module.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ def _load_script(path: str, argv: Sequence[str]) -> Dict:
     import runpy
 
     if not os.path.isfile(path):
-        raise SystemExit(f"rumor.advise: no such script: {path}")
+        raise SystemExit(f"rumor.advisor: no such script: {path}")
     old_argv = sys.argv
     sys.argv = [path, *argv]
     try:
@@ -32,11 +35,11 @@ def _load_script(path: str, argv: Sequence[str]) -> Dict:
         sys.argv = old_argv
     hook = ns.get(SCRIPT_HOOK)
     if not callable(hook):
-        raise SystemExit(f"rumor.advise: {path} defines no function {SCRIPT_HOOK}() returning "
+        raise SystemExit(f"rumor.advisor: {path} defines no function {SCRIPT_HOOK}() returning "
                          "dict(model=..., optimizer=..., batch=..., loss_fn=None)")
     got = hook()
     if not isinstance(got, dict) or not {"model", "optimizer", "batch"} <= set(got):
-        raise SystemExit(f"rumor.advise: {SCRIPT_HOOK}() must return a dict with model, optimizer and batch "
+        raise SystemExit(f"rumor.advisor: {SCRIPT_HOOK}() must return a dict with model, optimizer and batch "
                          f"(and optionally loss_fn), got {type(got).__name__}")
     return got
 
@@ -44,11 +47,13 @@ def _load_script(path: str, argv: Sequence[str]) -> Dict:
 def main(argv: Optional[List[str]] = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m rumor.advise",
+    # The console script and `python -m` reach the same main(); usage shows how it was called.
+    prog = "rumor-advise" if os.path.basename(sys.argv[0]) == "rumor-advise" else "python -m rumor.advisor"
+    ap = argparse.ArgumentParser(prog=prog,
                                  description="measure a training step and rank rumor's algorithms (docs/advisor.md)")
     ap.add_argument("--nproc-per-node", type=int, default=None,
                     help="start this many ranks on this machine (through rumor-run); without it, run under an "
-                         "existing launcher (rumor-run/torchrun ... -m rumor.advise script.py)")
+                         "existing launcher (rumor-run/torchrun ... -m rumor.advisor script.py)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--link-mb", type=float, default=4)
@@ -64,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rest = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--link-mb", str(args.link_mb)]
         if args.json:
             rest += ["--json", os.path.abspath(args.json)]
-        run_main(["--nproc-per-node", str(args.nproc_per_node), "-m", "rumor.advise", *rest,
+        run_main(["--nproc-per-node", str(args.nproc_per_node), "-m", "rumor.advisor", *rest,
                   os.path.abspath(args.script), *args.script_args])
         return 0
     from .._runtime import init, is_initialized, rank
