@@ -742,6 +742,53 @@ def test_advise_command_line():
         assert p.returncode != 0 and "rumor_advise()" in p.stdout
 
 
+def test_advisor_help():
+    p = subprocess.run([sys.executable, "-m", "rumor.advisor", "--help"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert p.stdout.startswith("usage: python -m rumor.advisor") and "--nproc-per-node" in p.stdout
+
+
+# Run in a fresh interpreter: importing every submodule (compat's aliases, testing helpers) is not
+# something the pytest process should keep.
+REBIND_CHECK = textwrap.dedent("""
+    import importlib, inspect, pkgutil, sys
+    import rumor
+
+    def packages():
+        return {n: m for n, m in list(sys.modules.items())
+                if (n == "rumor" or n.startswith("rumor.")) and hasattr(m, "__path__")}
+
+    # A package's attributes that are not modules: a submodule of the same name, once imported,
+    # would replace one (as rumor/advise.py once replaced the function rumor.advise).
+    before = {n: {k: v for k, v in vars(p).items() if not inspect.ismodule(v)} for n, p in packages().items()}
+    for info in pkgutil.walk_packages(rumor.__path__, "rumor.", onerror=lambda name: None):
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # optional dependencies (ipyparallel, optuna, redis, ...) may be missing
+            pass
+    for n, attrs in before.items():
+        p = sys.modules[n]
+        for k, v in attrs.items():
+            assert getattr(p, k, None) is v, f"{n}.{k} was rebound to {getattr(p, k, None)!r}"
+    assert inspect.isfunction(rumor.advise) and rumor.advise is sys.modules["rumor.advisor"].advise
+    try:
+        import rumor.advise  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError("rumor.advise is importable as a module again")
+    assert inspect.isfunction(rumor.advise)
+    print("ok")
+""")
+
+
+def test_importing_submodules_keeps_rumor_advise_a_function():
+    p = subprocess.run([sys.executable, "-c", REBIND_CHECK], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.rstrip().endswith("ok"), p.stdout[-4000:]
+
+
 def test_ties_prefer_exact():
     """A less exact algorithm must be predicted faster by its kind's margin (1% compressed, 2%
     decentralized, 5% periodic or asynchronous) to rank above a more exact one."""
