@@ -9,7 +9,7 @@
   no prediction is below the measured compute (the ranks' mean step for the periodic and
   asynchronous rows), 1-bit Adam appears only for Adam, and the model
   and optimizer come back bit for bit.
-* ``python -m rumor.advise --nproc-per-node 2 script.py`` with a script defining rumor_advise().
+* ``python -m rumor.advisor --nproc-per-node 2 script.py`` with a script defining rumor_advise().
 No timing is asserted: the figures are whatever this machine measured.
 The accuracy check against measured step times needs emulated hosts: benchmarks/advise.py.
 """
@@ -45,13 +45,13 @@ def _measured(**kw):
 
 
 def _rows(m, inter, intra=None, adam=False):
-    from rumor.advisor import predict
+    from rumor.advisor.model import predict
 
     return {r["algorithm"]: r for r in predict(m, intra, inter, adam=adam)}
 
 
 def test_prediction_model_by_hand():
-    from rumor.advisor import Link, predict, predict_torch
+    from rumor.advisor.model import Link, predict, predict_torch
 
     B, a = 125e6, 1e-4  # 1 Gbit, 100 us
     inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
@@ -105,7 +105,7 @@ def test_hierarchical_legs_inside_a_host_by_hand():
     """With several ranks on each of several hosts, the hierarchical allreduce reduces to the
     host's leader and broadcasts back (the measured ends, not the host's ring); hierarchical
     mixing is the host's ring, the leaders' exchange and the leader's broadcast."""
-    from rumor.advisor import Link
+    from rumor.advisor.model import Link
 
     B, a = 125e6, 1e-4
     inter = Link(n=2, bandwidth_Bps=B, latency_s=a)
@@ -169,7 +169,7 @@ def test_one_host_weight_mix_and_loopback_by_hand():
     ring runs over loopback TCP at its own rate beside compute, its threads summing (n-1)/n of
     each bucket, compute losing the loopback's stretch. A table without those figures keeps
     the shared-memory ring."""
-    from rumor.advisor import Link, predict_torch
+    from rumor.advisor.model import Link, predict_torch
 
     intra = Link(n=4, bandwidth_Bps=4e9, latency_s=1e-5)
     bcast = Link(2, 2e9, 1e-5)
@@ -218,7 +218,7 @@ def test_network_slowed_beside_compute_and_the_pairwise_link():
     """Communication that runs while compute does progresses at the measured rate beside
     compute until compute ends, then at full speed; shift_one's and LowPrecisionDecentralized's
     exchanges with peers use the pairwise link (both directions at once), not the ring's."""
-    from rumor.advisor import Link
+    from rumor.advisor.model import Link
 
     B, a = 125e6, 1e-4
     P, pa = 100e6, 2e-5  # the pairwise swap: slower than the ring's rate
@@ -264,7 +264,7 @@ def test_network_slowed_beside_compute_and_the_pairwise_link():
 def test_network_cpu_stretches_the_compute_it_overlaps():
     """The measured CPU cost of a byte sent between hosts is added to the compute that traffic
     runs beside; a link fast enough to hide the communication leaves that cost alone."""
-    from rumor.advisor import AMA_INTERVAL_MS, Link, predict_torch
+    from rumor.advisor.model import AMA_INTERVAL_MS, Link, predict_torch
 
     B, a, c = 125e9, 1e-6, 1e-9  # a link that hides everything; 1 ms of compute per MB sent
     inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
@@ -292,7 +292,7 @@ def test_network_cpu_stretches_the_compute_it_overlaps():
 
 
 def test_powersgd_model_by_hand():
-    from rumor.advisor import Link, _powersgd_bucket
+    from rumor.advisor.model import Link, _powersgd_bucket
 
     B, a = 125e6, 1e-4
     inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
@@ -316,19 +316,19 @@ def test_powersgd_model_by_hand():
 def test_powersgd_probe_shape_follows_the_largest_matrix():
     """The kernel probe runs on the job's largest matrix (first dimension by the rest, as PowerSGD
     views it), rows cut to the element cap; without a compressible matrix, the fixed probe."""
-    from rumor.advisor import _powersgd_probe_shape
+    from rumor.advisor.measure import powersgd_probe_shape
 
     mlp = [[4096, 1024], [4096], [4096, 4096], [4096], [1024, 4096], [1024]]
-    assert _powersgd_probe_shape(mlp) == (2048, 4096)
-    assert _powersgd_probe_shape(mlp, cap=1 << 30) == (4096, 4096)
-    assert _powersgd_probe_shape([[64, 3, 3, 3], [64], [10, 64]]) == (64, 27)
-    assert _powersgd_probe_shape([[1, 300], [300]]) == (512, 2048)
-    assert _powersgd_probe_shape([[8, 1 << 24]]) == (1, 1 << 24)
+    assert powersgd_probe_shape(mlp) == (2048, 4096)
+    assert powersgd_probe_shape(mlp, cap=1 << 30) == (4096, 4096)
+    assert powersgd_probe_shape([[64, 3, 3, 3], [64], [10, 64]]) == (64, 27)
+    assert powersgd_probe_shape([[1, 300], [300]]) == (512, 2048)
+    assert powersgd_probe_shape([[8, 1 << 24]]) == (1, 1 << 24)
 
 
 def _link(B):
     """The same job on a link of bandwidth B (latency 50 us), 4 hosts."""
-    from rumor.advisor import Link
+    from rumor.advisor.model import Link
 
     return Link(n=4, bandwidth_Bps=B, latency_s=5e-5)
 
@@ -336,7 +336,7 @@ def _link(B):
 def _realistic(**kw):
     """A 24M-parameter model (mlp25m-like) whose gradients come over 80 ms of backward, with codec and weight
     arithmetic costs of this order on a CPU."""
-    from rumor.advisor import _bucket_times, bucket_plan, torch_bucket_plan
+    from rumor.advisor.model import bucket_plan, bucket_times, torch_bucket_plan
 
     shapes = [[4096, 1024], [4096], [4096, 4096], [4096], [1024, 4096], [1024]][::-1]
     nbytes = [4 * (s[0] * (s[1] if len(s) > 1 else 1)) for s in shapes]
@@ -346,8 +346,8 @@ def _realistic(**kw):
     plan = bucket_plan(ready, nbytes)
     m = dict(ranks=4, hosts=4, local_size=1, forward_s=0.04, backward_s=0.08, optimizer_s=0.01,
              grad_bytes=sum(nbytes), grad_bytes_per_element=4.0, codecs=codecs, shapes=shapes,
-             bucket_params=plan, buckets=_bucket_times(plan, ready, nbytes),
-             torch_buckets=_bucket_times(torch_bucket_plan(ready, nbytes), ready, nbytes),
+             bucket_params=plan, buckets=bucket_times(plan, ready, nbytes),
+             torch_buckets=bucket_times(torch_bucket_plan(ready, nbytes), ready, nbytes),
              elementwise_s_per_element=5e-10, powersgd_rank=4, powersgd_s_per_element=3e-9,
              buffer_bytes=0, buffer_broadcast_s=0.0)
     m.update(kw)
@@ -361,7 +361,7 @@ def test_unsynchronized_steps_take_the_ranks_mean_compute():
     """Periodic and asynchronous algorithms synchronize no step: their local step is the ranks'
     mean compute step (free_step_s), not the slowest rank's phases; algorithms that synchronize
     every step keep the latter."""
-    from rumor.advisor import Link
+    from rumor.advisor.model import Link
 
     B, a = 125e6, 1e-4
     inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
@@ -381,7 +381,7 @@ def test_async_model_average_round_by_hand():
     the round; a round costs compute those passes, the training thread's one adding the result
     and the network's CPU; the step pays its share of a round. On one host the rounds are
     spaced so that the thread is busy a tenth of the time."""
-    from rumor.advisor import AMA_INTERVAL_MS, Link
+    from rumor.advisor.model import AMA_INTERVAL_MS, Link
 
     B, a, ew, c = 12.5e6, 1e-4, 1e-9, 1e-10  # 100 Mbit: a round outlasts the interval
     inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
@@ -429,7 +429,7 @@ def test_async_model_average_round_by_hand():
 
 def test_model_monotonic_in_bandwidth():
     """More bandwidth never predicts a slower step, and no step is below the local compute."""
-    from rumor.advisor import predict, predict_torch
+    from rumor.advisor.model import predict, predict_torch
 
     for kw in ({}, {"buffer_bytes": 4096, "buffer_broadcast_s": 1e-4}):
         m = _realistic(**kw)
@@ -454,7 +454,7 @@ def test_model_monotonic_in_bandwidth():
 def test_ranking_follows_the_link():
     """Fast link: compute-bound, exact allreduce first. Slow link: every exact algorithm falls
     behind the ones that send less, and the predicted speed-up over torch DDP grows."""
-    from rumor.advisor import predict, predict_torch, rank_rows
+    from rumor.advisor.model import predict, predict_torch, rank_rows
 
     m = _realistic()
     ranked = {}
@@ -472,7 +472,7 @@ def test_ranking_follows_the_link():
 
 
 def test_bucket_plan_follows_ready_order():
-    from rumor.advisor import _buckets, bucket_plan, torch_bucket_plan
+    from rumor.advisor.model import _buckets, bucket_plan, torch_bucket_plan
 
     mb = 1024 * 1024
     ready = [0.3, 0.1, 0.2, 0.4]
@@ -655,7 +655,7 @@ def _check(res, hosts, local, adam):
     steps = [r["predicted_step_s"] for r in rows]
     # ordered by predicted step; only predictions within 1% of each other (a tie) may be swapped,
     # and then the exact algorithm comes before the compressed one before the decentralized one
-    from rumor.advisor import PER_STEP_SYNC, UNSYNCHRONIZED_STEPS, rank_rows
+    from rumor.advisor.model import PER_STEP_SYNC, UNSYNCHRONIZED_STEPS, rank_rows
     assert rank_rows(rows) == rows
     for a, b in zip(steps, steps[1:]):
         assert b >= a / 1.0501
@@ -723,7 +723,7 @@ def test_advise_command_line():
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RUMOR_", "TORCHELASTIC_"))
                and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
         env.update(OMP_NUM_THREADS="1", RUMOR_TIMEOUT="60")
-        cmd = [sys.executable, "-m", "rumor.advise", "--nproc-per-node", "2", "--steps", "2", "--warmup", "1",
+        cmd = [sys.executable, "-m", "rumor.advisor", "--nproc-per-node", "2", "--steps", "2", "--warmup", "1",
                "--link-mb", "1", "--json", out, script]
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150, env=env,
                            start_new_session=True)
@@ -737,15 +737,62 @@ def test_advise_command_line():
         bad = os.path.join(d, "nohook.py")
         with open(bad, "w") as f:
             f.write("x = 1\n")
-        p = subprocess.run([sys.executable, "-m", "rumor.advise", bad], stdout=subprocess.PIPE,
+        p = subprocess.run([sys.executable, "-m", "rumor.advisor", bad], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, timeout=60, env=env)
         assert p.returncode != 0 and "rumor_advise()" in p.stdout
+
+
+def test_advisor_help():
+    p = subprocess.run([sys.executable, "-m", "rumor.advisor", "--help"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert p.stdout.startswith("usage: python -m rumor.advisor") and "--nproc-per-node" in p.stdout
+
+
+# Run in a fresh interpreter: importing every submodule (compat's aliases, testing helpers) is not
+# something the pytest process should keep.
+REBIND_CHECK = textwrap.dedent("""
+    import importlib, inspect, pkgutil, sys
+    import rumor
+
+    def packages():
+        return {n: m for n, m in list(sys.modules.items())
+                if (n == "rumor" or n.startswith("rumor.")) and hasattr(m, "__path__")}
+
+    # A package's attributes that are not modules: a submodule of the same name, once imported,
+    # would replace one (as rumor/advise.py once replaced the function rumor.advise).
+    before = {n: {k: v for k, v in vars(p).items() if not inspect.ismodule(v)} for n, p in packages().items()}
+    for info in pkgutil.walk_packages(rumor.__path__, "rumor.", onerror=lambda name: None):
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # optional dependencies (ipyparallel, optuna, redis, ...) may be missing
+            pass
+    for n, attrs in before.items():
+        p = sys.modules[n]
+        for k, v in attrs.items():
+            assert getattr(p, k, None) is v, f"{n}.{k} was rebound to {getattr(p, k, None)!r}"
+    assert inspect.isfunction(rumor.advise) and rumor.advise is sys.modules["rumor.advisor"].advise
+    try:
+        import rumor.advise  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError("rumor.advise is importable as a module again")
+    assert inspect.isfunction(rumor.advise)
+    print("ok")
+""")
+
+
+def test_importing_submodules_keeps_rumor_advise_a_function():
+    p = subprocess.run([sys.executable, "-c", REBIND_CHECK], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.rstrip().endswith("ok"), p.stdout[-4000:]
 
 
 def test_ties_prefer_exact():
     """A less exact algorithm must be predicted faster by its kind's margin (1% compressed, 2%
     decentralized, 5% periodic or asynchronous) to rank above a more exact one."""
-    from rumor.advisor import rank_rows
+    from rumor.advisor.model import rank_rows
 
     rows = [dict(algorithm="Decentralized all", kind="decentralized", predicted_step_s=0.999),
             dict(algorithm="ByteGrad", kind="compressed", predicted_step_s=1.0),
@@ -764,7 +811,7 @@ def test_gradient_copies_and_the_comm_threads_work_taken_from_compute():
     taken from compute; the periodic algorithms' local steps copy nothing. What compute loses
     before a bucket is ready (the copies so far, the CPU of buckets that communicated beside
     backward) makes that bucket late by as much."""
-    from rumor.advisor import Link, predict_torch
+    from rumor.advisor.model import Link, predict_torch
 
     B, a = 125e6, 1e-4
     inter = Link(n=4, bandwidth_Bps=B, latency_s=a)
@@ -809,7 +856,7 @@ def test_per_step_synchronization_waits_for_the_slowest_rank():
     the median compute; periodic and asynchronous ones do not. The bucketed ones pay it where
     compute bounds the step: their buckets' ready times are already the last rank's, so a step
     bound by its communication pays nothing more."""
-    from rumor.advisor import Link, predict_torch
+    from rumor.advisor.model import Link, predict_torch
 
     for backward, bound, B in ((0.5, "compute", 125e6), (0.02, "communication", 12.5e6)):
         inter = Link(n=4, bandwidth_Bps=B, latency_s=1e-4)
@@ -836,7 +883,7 @@ def test_compute_steps_start_after_the_sync():
 
     import torch
 
-    from rumor.advisor import _default_loss, _measure_compute
+    from rumor.advisor.measure import default_loss, measure_compute
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -848,7 +895,7 @@ def test_compute_steps_start_after_the_sync():
         calls.append(1)
         time.sleep(0.25)
 
-    res = _measure_compute(model, opt, batch, _default_loss, steps=3, warmup=2, sync=sync)
+    res = measure_compute(model, opt, batch, default_loss, steps=3, warmup=2, sync=sync)
     totals = res[-1]
     assert len(calls) == 5 and len(totals) == 3
     assert max(totals) < 0.25, totals  # the 250 ms in sync() are outside every step's time
@@ -860,7 +907,7 @@ def test_compute_steps_start_without_gradients():
     training does not pay)."""
     import torch
 
-    from rumor.advisor import _default_loss, _measure_compute
+    from rumor.advisor.measure import default_loss, measure_compute
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -870,7 +917,7 @@ def test_compute_steps_start_without_gradients():
 
     def loss_fn(m, b):
         seen.append([p.grad is None for p in m.parameters()])
-        return _default_loss(m, b)
+        return default_loss(m, b)
 
-    _measure_compute(model, opt, batch, loss_fn, steps=3, warmup=2)
+    measure_compute(model, opt, batch, loss_fn, steps=3, warmup=2)
     assert seen == [[True, True]] * 5, seen
