@@ -39,15 +39,15 @@ from typing import List, Optional
 
 import torch
 
-from .. import _C, _runtime
+from .. import _runtime
 from .._tensor import address, copy_into, dtype_code
 from ..collectives import ReduceOp
 from ..errors import RumorError
 # shared_arena_possible is not used here: rumor.advisor imports it from this module.
 from ._mixers import _Census, _Mixer, _make_mixer, shared_arena_possible  # noqa: F401
+from ._warmup import WarmupThenLocal
 from .base import Algorithm
 from .decentralized import FlatWeights
-from .gradient_allreduce import GradientAllReduce
 
 PEER_SELECTION_MODES = ("all", "ring", "shift_one", "exp2")
 GOSSIP_MODES = ("ring", "shift_one", "exp2")
@@ -144,7 +144,7 @@ def _check_warmup(k) -> int:
     return k
 
 
-class AsyncModelAverage(Algorithm):
+class AsyncModelAverage(WarmupThenLocal, Algorithm):
     """Asynchronous model averaging (Bagua's AsyncModelAverageAlgorithm).
 
     peer_selection_mode: "all" averages over every rank; "ring", "shift_one" and "exp2" gossip
@@ -280,29 +280,10 @@ class AsyncModelAverage(Algorithm):
             self._ddp._refresh_bucket_ops()
             self._start_async(self._ddp)
 
-    def bucket_op(self, ddp, bucket):
-        if self._async:
-            return _C.local_op()
-        return GradientAllReduce().bucket_op(ddp, bucket)
-
-    # CUDA parameters: the warm-up's gradient average on the device over NCCL (staged without);
-    # afterwards backward communicates nothing.
-    stages_through_host = True
-
-    def has_device_ops(self, ddp, nccl: bool) -> bool:
-        return nccl
-
-    def device_bucket_op(self, ddp, bucket):
-        from .._gpu_ops import LocalOp
-
-        if self._async:
-            return LocalOp()
-        return GradientAllReduce().device_bucket_op(ddp, bucket)
-
-    def rebuild_buckets(self, ddp) -> bool:
-        # Asynchronous from the first step: no collective on the training thread, ever (the
-        # bucket order does not matter to the local op). During warm-up the ranks are in step.
-        return not self._async
+    @property
+    def _local(self) -> bool:
+        # Backward goes local exactly when the averaging goes asynchronous.
+        return self._async
 
     def before_forward(self, ddp) -> None:
         self._raise_if_failed()
