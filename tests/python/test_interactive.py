@@ -45,7 +45,7 @@ def _left(pids, timeout):
     """Waits (bounded) until neither the pids nor anything in their process groups runs (each
     was started in a session of its own, so its group holds what it forked, e.g. the
     controller's schedulers); returns what still runs."""
-    from rumor.interactive._session import group_members
+    from rumor.interactive._launch import group_members
 
     deadline = time.monotonic() + timeout
     while True:

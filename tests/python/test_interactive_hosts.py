@@ -95,7 +95,7 @@ def test_launcher_commands():
 
 
 def test_engines_get_the_notebooks_rumor_settings_but_not_its_host_identity(monkeypatch):
-    from rumor.interactive._session import _forwarded_env
+    from rumor.interactive._launch import _forwarded_env
 
     for k in [k for k in os.environ if k.startswith("RUMOR_") or k == "OMP_NUM_THREADS"]:
         monkeypatch.delenv(k)

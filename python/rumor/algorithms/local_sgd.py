@@ -28,10 +28,10 @@ import torch
 from .. import _C, _runtime
 from .._tensor import address, dtype_code
 from ..collectives import ReduceOp, ALGORITHMS
+from ._warmup import WarmupThenLocal
 from .base import Algorithm
 from .bytegrad import KIND_BF16, KIND_F16, KIND_MINMAX_U8, KIND_QSGD
 from ..engine.flat import FlatWeights
-from .gradient_allreduce import GradientAllReduce
 
 _ONE_FLAT = 1 << 62  # a cap no model reaches: one flat buffer per dtype
 _HALF = (torch.float16, torch.bfloat16)
@@ -98,7 +98,7 @@ def ring_bytes(numel: int, element_bytes: float, n: int) -> float:
 
 # ---- LocalSGD -----------------------------------------------------------------------------------
 
-class LocalSGD(Algorithm):
+class LocalSGD(WarmupThenLocal, Algorithm):
     """Local SGD with periodic model averaging (torch's PostLocalSGD + PeriodicModelAverager).
 
     sync_every (H): after the warm-up, the parameters are averaged over every rank after every
@@ -140,6 +140,7 @@ class LocalSGD(Algorithm):
         extra = f", hierarchical=True, cross_host_every={self.cross_host_every}" if self.hierarchical else ""
         return f"LocalSGD(sync_every={self.sync_every}, warmup_steps={self.warmup_steps}{extra})"
 
+    # CUDA parameters: the parameter averages go through the collectives' GPU path (_allreduce_avg).
     @property
     def _local(self) -> bool:
         return self.backward_passes >= self.warmup_steps
@@ -156,29 +157,6 @@ class LocalSGD(Algorithm):
             groups, mine = _host_groups(ddp)
             if len(groups) > 1:
                 self._host_group = mine
-
-    def bucket_op(self, ddp, bucket):
-        if self._local:
-            return _C.local_op()
-        return GradientAllReduce().bucket_op(ddp, bucket)
-
-    # CUDA parameters: the warm-up's gradient average on the device over NCCL, or staged; the
-    # parameter averages go through the collectives' GPU path (_allreduce_avg).
-    stages_through_host = True
-
-    def has_device_ops(self, ddp, nccl: bool) -> bool:
-        return nccl
-
-    def device_bucket_op(self, ddp, bucket):
-        from ..engine.ops import LocalOp
-
-        if self._local:
-            return LocalOp()
-        return GradientAllReduce().device_bucket_op(ddp, bucket)
-
-    def rebuild_buckets(self, ddp) -> bool:
-        # Nothing to order when backward never communicates.
-        return not self._local
 
     def after_backward(self, ddp) -> None:
         was_local = self._local
@@ -382,7 +360,7 @@ class DiLoCo(Algorithm):
         self._device_avg = None
         if ddp._device_mode is not None:
             # CUDA parameters: the outer state and the pseudo-gradients live on the device; the
-            # averages run on their own stream (rumor.engine.device.GroupAverager).
+            # averages run on their own stream (rumor._gpu_engine.GroupAverager).
             from ..engine.device import GroupAverager, emulated
 
             device = None if emulated() is not None else params[0].device

@@ -41,6 +41,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 from torch.utils.data import Sampler
 
+__all__ = ["LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSampler"]
+
 _STATE_VERSION = 1
 # Independent random streams of one (seed, epoch): which samples and in what order, the order of
 # work within steps, and the batch sampler's own choices.
@@ -129,13 +131,13 @@ def _costs_on_rank0(dataset, complexity_fn: Callable, n: int, what: str) -> np.n
     if which is None:
         return local()
     if which == "rumor":
-        import rumor
+        from .. import collectives
 
         def bcast(t):
-            return rumor.broadcast(t, 0)
+            return collectives.broadcast(t, 0)
 
         def allmax(t):
-            return rumor.allreduce(t, op=rumor.ReduceOp.MAX)
+            return collectives.allreduce(t, op=collectives.ReduceOp.MAX)
     else:
         import torch.distributed as dist
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import _hosts, _session
-from ._session import RankError, Session  # noqa: F401
+from ._errors import RankError
+from ._session import Session
 
 __all__ = ["start", "connect", "stop", "restart", "status", "run", "pull", "push", "client", "session",
-           "RankError", "load_ipython_extension"]
+           "RankError", "Session", "load_ipython_extension", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 30.0
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 # rumor's /dev/shm name prefixes of the jobs this engine joined: the watchdog of an engine
 # started with hosts= removes them when the session is gone (_proc.py).
@@ -54,15 +55,14 @@ def setup(rank: int, size: int, master_port: int, timeout: float, generation: in
         MASTER_PORT=str(master_port),
         RUMOR_TIMEOUT=repr(float(timeout)),
     )
-    import rumor
-    from rumor import _runtime
+    from .. import _runtime
 
-    if rumor.is_initialized():
-        rumor.shutdown()
+    if _runtime.is_initialized():
+        _runtime.shutdown()
     # Every rank must use the same store key prefix; a rank whose earlier init() failed would
     # otherwise count generations differently from its peers.
     _runtime.set_generation(generation)
-    rumor.init(timeout=timeout)
+    _runtime.init(timeout=timeout)
     shm_prefix = ""
     if size > 1:
         # The store holds the job token as hex; the core names segments "rumor-" + the hex of
@@ -77,31 +77,33 @@ def setup(rank: int, size: int, master_port: int, timeout: float, generation: in
         if ip is not None:
             import torch
 
-            ip.user_ns.update(rumor=rumor, torch=torch)
+            # Cells use the package as users import it. It is loaded already (this module's
+            # parent), so this hands it over without this module depending on it.
+            ip.user_ns.update(rumor=sys.modules[__name__.split(".")[0]], torch=torch)
     except ImportError:
         pass
-    return {"rank": rumor.rank(), "pid": os.getpid(), "host": host_label(), "shm_prefix": shm_prefix}
+    return {"rank": _runtime.rank(), "pid": os.getpid(), "host": host_label(), "shm_prefix": shm_prefix}
 
 
 def set_timeout(seconds: float) -> float:
     """rumor's deadline for the waits of the cells that follow (a cell's --timeout)."""
-    import rumor
+    from .. import _runtime
 
-    rumor.set_timeout(seconds)
-    return rumor.get_timeout()
+    _runtime.set_timeout(seconds)
+    return _runtime.get_timeout()
 
 
 def teardown() -> int:
-    import rumor
+    from .. import _runtime
 
-    if rumor.is_initialized():
-        rumor.shutdown()
+    if _runtime.is_initialized():
+        _runtime.shutdown()
     return os.getpid()
 
 
 def identify() -> dict:
     """What a session attaching to running engines needs (rumor.interactive.connect)."""
-    import rumor
+    from .. import _runtime
 
-    return {"rank": rumor.rank() if rumor.is_initialized() else -1, "pid": os.getpid(), "host": host_label(),
+    return {"rank": _runtime.rank() if _runtime.is_initialized() else -1, "pid": os.getpid(), "host": host_label(),
             "machine": machine_id()}
