@@ -71,8 +71,8 @@ ALGORITHMS = {
     "qsgd": ("QSGD(16)", "QSGD(levels=16)"),
     "fp16": ("fp16", "LowPrecision(dtype=torch.float16)"),
     "bf16": ("bf16", "LowPrecision(dtype=torch.bfloat16)"),
-    "onebit_adam": ("1-bit Adam", "OneBitAdam(optimizer) with rumor.optim.OneBitAdam(freeze_step=warmup)"),
-    "onebit_adam_hier": ("1-bit Adam hier", "OneBitAdam(optimizer, hierarchical=True), the same optimizer"),
+    "onebit_adam": ("1-bit Adam", "OneBitAdamAlgorithm(optimizer) with rumor.optim.OneBitAdamOptimizer(freeze_step=warmup)"),
+    "onebit_adam_hier": ("1-bit Adam hier", "OneBitAdamAlgorithm(optimizer, hierarchical=True), the same optimizer"),
     "dec_all": ("Dec all", "Decentralized(peer_selection='all')"),
     "dec_shift_one": ("Dec shift_one", "Decentralized(peer_selection='shift_one')"),
     "dec_exp2": ("Dec exp2", "Decentralized(peer_selection='exp2')"),
@@ -108,8 +108,8 @@ def _algorithm(key: str, opt):
         "qsgd": lambda: A.QSGD(levels=16),
         "fp16": lambda: A.LowPrecision(dtype=torch.float16),
         "bf16": lambda: A.LowPrecision(dtype=torch.bfloat16),
-        "onebit_adam": lambda: A.OneBitAdam(opt),
-        "onebit_adam_hier": lambda: A.OneBitAdam(opt, hierarchical=True),
+        "onebit_adam": lambda: A.OneBitAdamAlgorithm(opt),
+        "onebit_adam_hier": lambda: A.OneBitAdamAlgorithm(opt, hierarchical=True),
         "dec_all": lambda: A.Decentralized(peer_selection="all"),
         "dec_shift_one": lambda: A.Decentralized(peer_selection="shift_one"),
         "dec_exp2": lambda: A.Decentralized(peer_selection="exp2"),
@@ -133,7 +133,7 @@ def _optimizer(key: str, model, cfg):
 
         # frozen variance (the compressed phase) from the first measured step on; the warm-up
         # steps of this variant are its full-precision Adam steps
-        return rumor.optim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=_warmup_steps(key, cfg))
+        return rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=1e-3, freeze_step=_warmup_steps(key, cfg))
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     if key == "rumor_fused":
         import rumor.optim
@@ -563,7 +563,7 @@ def main(argv=None) -> int:
                 variants={"compute": "plain model, no communication (bound)",
                           **{k: "rumor.DistributedDataParallel, " + ALGORITHMS[k][1] for k in ALGORITHMS},
                           "torch": "torch.nn.parallel.DistributedDataParallel, gloo, defaults"},
-                optimizer="SGD(lr, momentum 0.9) for every variant except onebit_adam (rumor.optim.OneBitAdam, "
+                optimizer="SGD(lr, momentum 0.9) for every variant except onebit_adam (rumor.optim.OneBitAdamOptimizer, "
                           "lr 1e-3, variance frozen after its warm-up: max(--warmup, --onebit-freeze) full-precision steps)")
     result = dict(meta=meta, jobs=[], cells=[], targets=[], errors=[])
     print(f"rumor {meta['rumor']} vs torch {meta['torch']} DDP (gloo) | {meta['hostname']}, {meta['cpus']} cpus, "

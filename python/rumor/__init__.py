@@ -96,3 +96,25 @@ from . import netplugin as _netplugin
 
 # RUMOR_NCCL_NET_PLUGIN=1 points NCCL at rumor's net plugin also without rumor-run (docs/netplugin.md).
 _netplugin.enable_from_env()
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "AbortedError", "CommTimeoutError", "DistributedDataParallel", "Group", "Handle",
+    "PeerError", "ProtocolError", "ReduceOp", "RumorError", "WinHandle", "advise", "allgather",
+    "allgather_nonblocking", "allreduce", "allreduce_", "allreduce_nonblocking",
+    "allreduce_nonblocking_", "alltoall", "alltoall_nonblocking", "barrier", "broadcast",
+    "broadcast_", "broadcast_nonblocking", "broadcast_nonblocking_",
+    "get_current_created_window_names", "get_gpu_wait", "get_timeout", "get_win_version",
+    "hierarchical_neighbor_allreduce", "hierarchical_neighbor_allreduce_nonblocking",
+    "in_neighbor_machine_ranks", "in_neighbor_ranks", "init", "is_initialized",
+    "load_machine_topology", "load_topology", "local_group", "local_rank", "local_size",
+    "machine_rank", "machine_size", "neighbor_allgather", "neighbor_allgather_nonblocking",
+    "neighbor_allreduce", "neighbor_allreduce_nonblocking", "new_group",
+    "out_neighbor_machine_ranks", "out_neighbor_ranks", "poll", "rank", "recv", "reduce",
+    "reduce_nonblocking", "reduce_scatter", "reduce_scatter_nonblocking", "send",
+    "set_gpu_wait", "set_machine_topology", "set_timeout", "set_topology", "shutdown", "size",
+    "synchronize", "turn_off_win_ops_with_associated_p", "turn_on_win_ops_with_associated_p",
+    "win_accumulate", "win_accumulate_nonblocking", "win_associated_p", "win_create",
+    "win_free", "win_get", "win_get_nonblocking", "win_mutex", "win_poll", "win_publish",
+    "win_put", "win_put_nonblocking", "win_update", "win_update_then_collect", "win_wait",
+]

@@ -571,3 +571,8 @@ def run(train_fn: Optional[Callable] = None, state: Optional[State] = None):
     if state is not None:
         return wrapper(state)
     return wrapper
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "CommitRefused", "State", "remove_snapshots", "run", "snapshot_dir",
+]

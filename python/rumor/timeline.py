@@ -295,3 +295,10 @@ def _main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main())
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "DEFAULT_FLIGHT_RECORDS", "dump_flight_records", "flight_records", "instant",
+    "is_recording", "load", "merge", "merge_files", "path", "range", "rank_path", "record",
+    "start", "stop",
+]

@@ -563,10 +563,10 @@ def _train_rows(advice, opt_name):
     for row in advice.rows:
         model = models.build("mlp25m", seed=0, scale=1 / 32)
         start = [p.detach().clone() for p in model.parameters()]
-        if row["ctor"]["cls"] == "OneBitAdam":
-            opt = rumor.optim.OneBitAdam(model.parameters(), lr=1e-3)
+        if row["ctor"]["cls"] == "OneBitAdamAlgorithm":
+            opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=1e-3)
             algo = build_algorithm(row, opt)
-            same_text = "OneBitAdam(optimizer)" in row["kwargs"]
+            same_text = "OneBitAdamAlgorithm(optimizer)" in row["kwargs"]
         else:
             opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if opt_name == "adam"
                    else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))

@@ -73,7 +73,13 @@ def _describe(qual: str, obj) -> list:
         if kind == "enum":
             lines += [f"{qual}.{m}: member" for m in obj.__members__]
             return lines
-        for name, member in sorted(vars(obj).items()):
+        # What the class offers, its own and inherited from rumor's classes (a method moved into
+        # a base or mix-in is still there); torch's and object's are not rumor's API.
+        members = {}
+        for klass in reversed(obj.__mro__):
+            if str(getattr(klass, "__module__", "")).startswith("rumor"):
+                members.update(vars(klass))
+        for name, member in sorted(members.items()):
             if name.startswith("_"):
                 continue
             if isinstance(member, property):
@@ -127,3 +133,35 @@ def test_every_public_module_declares_all(modname):
     missing = [n for n in mod.__all__ if not hasattr(mod, n)]
     assert not missing, f"{modname}.__all__ names what it does not define: {missing}"
     assert len(set(mod.__all__)) == len(mod.__all__), f"{modname}.__all__ repeats a name"
+
+
+@pytest.mark.parametrize("module, old, new", [
+    ("rumor.optim", "OneBitAdam", "OneBitAdamOptimizer"),
+    ("rumor.optim", "GradientAllreduce", "GradientAllReduceOptimizer"),
+    ("rumor.algorithms", "OneBitAdam", "OneBitAdamAlgorithm"),
+])
+def test_renamed_names_still_work_and_warn_once(module, old, new):
+    """In a fresh interpreter, so that no other test has used the old name (it warns once)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import importlib, warnings
+mod = importlib.import_module({module!r})
+with warnings.catch_warnings(record=True) as got:
+    warnings.simplefilter("always")
+    first = getattr(mod, {old!r})
+    second = getattr(mod, {old!r})
+assert first is getattr(mod, {new!r}) and second is first
+msgs = [str(w.message) for w in got if issubclass(w.category, FutureWarning)]
+assert msgs == [{f"{module}.{old} was renamed {module}.{new}; the old name will go away"!r}], msgs
+assert {old!r} not in mod.__all__ and {new!r} in mod.__all__
+try:
+    mod.NoSuchName
+except AttributeError as e:
+    assert "no attribute 'NoSuchName'" in str(e), e
+else:
+    raise AssertionError("no AttributeError")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

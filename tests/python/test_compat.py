@@ -587,7 +587,7 @@ def _native_mnist(mod, optimizer, steps, lr=0.05):
         rumor.broadcast_(p.data, 0)
     base = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if optimizer == "gradient_allreduce":
-        opt = rumor.optim.GradientAllreduce(base, model)
+        opt = rumor.optim.GradientAllReduceOptimizer(base, model)
     else:
         wrap = rumor.optim.AdaptWithCombine if optimizer == "awc" else rumor.optim.AdaptThenCombine
         opt = wrap(base, model)
@@ -611,13 +611,13 @@ def _native_bagua(mod, algorithm, steps, lr=0.05):
     torch.manual_seed(0)
     model = mod.Net()
     if algorithm == "qadam":
-        optimizer = rumor.optim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=5)
+        optimizer = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=1e-3, freeze_step=5)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     alg = {"gradient_allreduce": lambda: rumor.algorithms.GradientAllReduce(),
            "decentralized": lambda: rumor.algorithms.Decentralized(peer_selection="all", hierarchical=True),
            "bytegrad": lambda: rumor.algorithms.ByteGrad(),
-           "qadam": lambda: rumor.algorithms.OneBitAdam(optimizer, hierarchical=True)}[algorithm]()
+           "qadam": lambda: rumor.algorithms.OneBitAdamAlgorithm(optimizer, hierarchical=True)}[algorithm]()
     model = rumor.DistributedDataParallel(model, optimizer=optimizer, algorithm=alg)
     losses = []
     for step in range(steps):

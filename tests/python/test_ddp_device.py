@@ -98,8 +98,8 @@ def _train(mode, algo: str, device="cpu", steps: int = STEPS, unused: bool = Fal
     try:
         m = _model(10 + rank, device)
         if algo.startswith("onebit"):
-            opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-2, freeze_step=2)
-            alg = rumor.algorithms.OneBitAdam(opt, hierarchical=algo == "onebit_hier")
+            opt = rumor.optim.OneBitAdamOptimizer(m.parameters(), lr=1e-2, freeze_step=2)
+            alg = rumor.algorithms.OneBitAdamAlgorithm(opt, hierarchical=algo == "onebit_hier")
         else:
             opt, alg = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), _algorithm(algo)
         extra = {}
@@ -249,8 +249,8 @@ def refusals_rank():
         if "optimizer" in kw:
             kw = dict(kw, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
         if kw.pop("onebit", False):  # 1-bit Adam's state lives on the device: no staged form
-            opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-3, freeze_step=2)
-            kw = dict(kw, optimizer=opt, algorithm=A.OneBitAdam(opt))
+            opt = rumor.optim.OneBitAdamOptimizer(m.parameters(), lr=1e-3, freeze_step=2)
+            kw = dict(kw, optimizer=opt, algorithm=A.OneBitAdamAlgorithm(opt))
             mode = "staged"
         device_engine.EMULATE = mode
         try:
@@ -339,7 +339,7 @@ def test_emulated_engine_no_sync():
 
 def test_refusals_name_what_has_no_gpu_path():
     (msgs,) = harness.run(refusals_rank, 1, timeout=60)
-    assert "OneBitAdam does not run on CUDA parameters yet" in msgs["onebit_staged"], msgs
+    assert "OneBitAdamAlgorithm does not run on CUDA parameters yet" in msgs["onebit_staged"], msgs
 
 
 def test_direct_engine_launches_queue_only_buckets_from_the_calling_thread():
@@ -576,8 +576,8 @@ def overlap_rank(algo: str):
     # A bucket per layer or so (a 2048 x 2048 float32 weight is 16 MiB): the first buckets are
     # ready while the earlier layers' backward still runs.
     if algo == "onebit":  # after freeze_step its op updates the momentum on the device, even on one rank
-        opt = rumor.optim.OneBitAdam(m.parameters(), lr=1e-4, freeze_step=2)
-        alg = rumor.algorithms.OneBitAdam(opt)
+        opt = rumor.optim.OneBitAdamOptimizer(m.parameters(), lr=1e-4, freeze_step=2)
+        alg = rumor.algorithms.OneBitAdamAlgorithm(opt)
     else:
         alg = _algorithm(algo)
     ddp = rumor.DistributedDataParallel(m, algorithm=alg, bucket_cap_mb=17, first_bucket_mb=17, optimizer=opt)

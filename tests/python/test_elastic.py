@@ -329,8 +329,8 @@ def _make_consensus_job(name, seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     if name == "OneBitAdam":
-        opt = rumor.optim.OneBitAdam(model.parameters(), lr=0.01, freeze_step=2)
-        algo = rumor.algorithms.OneBitAdam(opt)
+        opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=0.01, freeze_step=2)
+        algo = rumor.algorithms.OneBitAdamAlgorithm(opt)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         algo = {"Decentralized": lambda: rumor.algorithms.Decentralized("shift_one", hierarchical=False),

@@ -10,7 +10,7 @@ every mismatch. What is compared:
   differently); flat on 2 and 4 ranks, hierarchical on 2 hosts x 2 ranks;
 * training a small MLP with each algorithm: parameters bitwise identical on every rank after
   every step (gathered and compared), final loss within 10% of GradientAllReduce's;
-* rumor.optim.OneBitAdam before its freeze step against torch.optim.Adam on the concatenated
+* rumor.optim.OneBitAdamOptimizer before its freeze step against torch.optim.Adam on the concatenated
   batch (float32 tolerance), and a state_dict round trip (through torch.save) in the
   compression stage that continues bit for bit like the uninterrupted run.
 """
@@ -245,12 +245,12 @@ def sc_onebit_training(chk, hierarchical=False):
     adam = _train(chk, lambda opt: rumor.algorithms.GradientAllReduce(),
                   lambda ps: torch.optim.Adam(ps, lr=0.005), "Adam + GradientAllReduce")
     chk.check(adam < 1.0, f"Adam did not learn (loss {adam})")
-    onebit = _train(chk, lambda opt: rumor.algorithms.OneBitAdam(opt),
-                    lambda ps: rumor.optim.OneBitAdam(ps, lr=0.005, freeze_step=5), "OneBitAdam")
+    onebit = _train(chk, lambda opt: rumor.algorithms.OneBitAdamAlgorithm(opt),
+                    lambda ps: rumor.optim.OneBitAdamOptimizer(ps, lr=0.005, freeze_step=5), "OneBitAdam")
     chk.check(abs(onebit - adam) <= 0.1 * adam, f"OneBitAdam: loss {onebit:.4f} vs Adam {adam:.4f}")
     if hierarchical:
-        hier = _train(chk, lambda opt: rumor.algorithms.OneBitAdam(opt, hierarchical=True),
-                      lambda ps: rumor.optim.OneBitAdam(ps, lr=0.005, freeze_step=5), "OneBitAdam hierarchical")
+        hier = _train(chk, lambda opt: rumor.algorithms.OneBitAdamAlgorithm(opt, hierarchical=True),
+                      lambda ps: rumor.optim.OneBitAdamOptimizer(ps, lr=0.005, freeze_step=5), "OneBitAdam hierarchical")
         chk.check(abs(hier - adam) <= 0.1 * adam, f"OneBitAdam hierarchical: loss {hier:.4f} vs Adam {adam:.4f}")
 
 
@@ -263,8 +263,8 @@ def sc_onebit_warmup_is_adam(chk):
 
     n = rumor.size()
     model, ref = _mlp(3), _mlp(3)
-    opt = rumor.optim.OneBitAdam(model.parameters(), lr=0.01, weight_decay=0.01, freeze_step=10)
-    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.OneBitAdam(opt),
+    opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=0.01, weight_decay=0.01, freeze_step=10)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.OneBitAdamAlgorithm(opt),
                                         **SMALL_BUCKETS)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, weight_decay=0.01)
     for step in range(6):
@@ -304,8 +304,8 @@ def sc_onebit_zero_variance(chk):
 
     torch.manual_seed(0)
     model = torch.nn.Linear(D_IN, CLASSES, bias=False)
-    opt = rumor.optim.OneBitAdam(model.parameters(), lr=0.01, freeze_step=3)
-    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.OneBitAdam(opt))
+    opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=0.01, freeze_step=3)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.OneBitAdamAlgorithm(opt))
     start = model.weight.detach().clone()
     half = D_IN // 2
     for step in range(12):
@@ -333,8 +333,8 @@ def sc_onebit_state_dict(chk):
 
     def build(seed):
         model = _mlp(seed)
-        opt = rumor.optim.OneBitAdam(model.parameters(), lr=0.01, freeze_step=3)
-        ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.OneBitAdam(opt),
+        opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=0.01, freeze_step=3)
+        ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.OneBitAdamAlgorithm(opt),
                                             **SMALL_BUCKETS)
         # Buckets follow the first iteration's ready order, never timing gaps: both runs then
         # use the same buckets (and so the same 1-bit blocks).
@@ -441,13 +441,13 @@ def test_bad_arguments():
         rumor.algorithms.QSGD(chunk=100)
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="freeze_step"):
-        rumor.optim.OneBitAdam(params, freeze_step=0)
+        rumor.optim.OneBitAdamOptimizer(params, freeze_step=0)
     with pytest.raises(ValueError, match="betas"):
-        rumor.optim.OneBitAdam(params, betas=(1.0, 0.999))
+        rumor.optim.OneBitAdamOptimizer(params, betas=(1.0, 0.999))
     with pytest.raises(ValueError, match="learning rate"):
-        rumor.optim.OneBitAdam(params, lr=-1.0)
-    with pytest.raises(TypeError, match="rumor.optim.OneBitAdam"):
-        rumor.algorithms.OneBitAdam(torch.optim.Adam(params))
+        rumor.optim.OneBitAdamOptimizer(params, lr=-1.0)
+    with pytest.raises(TypeError, match="rumor.optim.OneBitAdamOptimizer"):
+        rumor.algorithms.OneBitAdamAlgorithm(torch.optim.Adam(params))
     with pytest.raises(ValueError, match="codec kind"):
         rumor._C.compressed_allreduce_op(kind=9)
 
@@ -461,7 +461,7 @@ def test_onebit_adam_alone_is_adam_then_frozen_variance():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(50))
     ref = torch.nn.Parameter(w.detach().clone())
-    opt = rumor.optim.OneBitAdam([w], lr=0.01, freeze_step=4)
+    opt = rumor.optim.OneBitAdamOptimizer([w], lr=0.01, freeze_step=4)
     ref_opt = torch.optim.Adam([ref], lr=0.01)
     for step in range(4):
         g = torch.randn(50, generator=torch.Generator().manual_seed(step))

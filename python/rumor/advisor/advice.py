@@ -68,7 +68,7 @@ class Advice:
 
 def build_algorithm(row: Dict, optimizer: Optional[torch.optim.Optimizer] = None):
     """The rumor algorithm of an advice row (``row["ctor"]``), constructed: what the row's
-    ``kwargs`` text says. 1-bit Adam needs its optimizer (a rumor.optim.OneBitAdam)."""
+    ``kwargs`` text says. 1-bit Adam needs its optimizer (a rumor.optim.OneBitAdamOptimizer)."""
     from .. import algorithms as A
 
     ctor = row.get("ctor") if isinstance(row, dict) else None
@@ -77,10 +77,10 @@ def build_algorithm(row: Dict, optimizer: Optional[torch.optim.Optimizer] = None
     kwargs = {k: getattr(torch, v) if k in ("dtype", "wire_dtype") and isinstance(v, str) else v
               for k, v in ctor["kwargs"].items()}
     cls = getattr(A, ctor["cls"])
-    if ctor["cls"] == "OneBitAdam":
+    if ctor["cls"] == "OneBitAdamAlgorithm":
         if optimizer is None:
             raise ValueError("rumor.advisor.build_algorithm: 1-bit Adam needs its optimizer "
-                             "(rumor.optim.OneBitAdam)")
+                             "(rumor.optim.OneBitAdamOptimizer)")
         return cls(optimizer, **kwargs)
     return cls(**kwargs)
 

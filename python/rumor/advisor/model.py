@@ -371,9 +371,9 @@ def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -
             link = inter if H > 1 else intra
             t = link.ring(el * w, n) if link is not None else 0.0
             return t, codec_time("1-bit", el)
-        add("1-bit Adam", "OneBitAdam", {}, COMPRESSED_EF, "compressed",
+        add("1-bit Adam", "OneBitAdamAlgorithm", {}, COMPRESSED_EF, "compressed",
             _overlapped(m, onebit, cpu_s=net * ring_sent(elements * w, n)), w,
-            shown="optimizer=rumor.optim.OneBitAdam(...), algorithm=OneBitAdam(optimizer)")
+            shown="optimizer=rumor.optim.OneBitAdamOptimizer(...), algorithm=OneBitAdamAlgorithm(optimizer)")
 
     # PowerSGD: per bucket, P (with the tensors it leaves uncompressed, copied into the send
     # buffer: one pass) and Q are two allreduces, with the three kernels over every compressed

@@ -360,7 +360,7 @@ class DiLoCo(Algorithm):
         self._device_avg = None
         if ddp._device_mode is not None:
             # CUDA parameters: the outer state and the pseudo-gradients live on the device; the
-            # averages run on their own stream (rumor._gpu_engine.GroupAverager).
+            # averages run on their own stream (rumor.engine.device.GroupAverager).
             from ..engine.device import GroupAverager, emulated
 
             device = None if emulated() is not None else params[0].device

@@ -6,7 +6,7 @@ from typing import Dict, FrozenSet
 import torch
 
 from .. import _C
-from ..optim.onebit_adam import OneBitAdam as OneBitAdamOptimizer
+from ..optim.onebit_adam import OneBitAdamOptimizer
 from .._tensor import address
 from ..collectives import ALGORITHMS, ReduceOp
 from .base import Algorithm
@@ -35,12 +35,12 @@ class _BucketState:
             yield p, flat[off:off + p.numel()].view_as(p)
 
 
-class OneBitAdam(Algorithm):
-    """1-bit Adam with ``rumor.optim.OneBitAdam``::
+class OneBitAdamAlgorithm(Algorithm):
+    """1-bit Adam with ``rumor.optim.OneBitAdamOptimizer``::
 
-        opt = rumor.optim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100)
+        opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=1e-3, freeze_step=100)
         model = rumor.DistributedDataParallel(model, optimizer=opt,
-                                              algorithm=rumor.algorithms.OneBitAdam(opt))
+                                              algorithm=rumor.algorithms.OneBitAdamAlgorithm(opt))
 
     For the first ``freeze_step`` steps gradients are averaged at full precision and the optimizer
     runs Adam. Afterwards each bucket's op, on the communication thread as soon as the bucket's
@@ -48,7 +48,7 @@ class OneBitAdam(Algorithm):
     across ranks with 1-bit (sign and per-chunk scale) compression and error feedback on both the
     sending ("worker") and the reducing ("server") side; the optimizer then applies it with the
     frozen variance. The momentum is kept preconditioned by that variance once it is frozen
-    (see rumor.optim.OneBitAdam), so 1-bit errors are bounded in units of the update. Momentum and error buffers are flat per bucket; the optimizer's state holds
+    (see rumor.optim.OneBitAdamOptimizer), so 1-bit errors are bounded in units of the update. Momentum and error buffers are flat per bucket; the optimizer's state holds
     views into them, so ``optimizer.state_dict()`` saves them.
 
     chunk: elements per 1-bit chunk (one float32 scale each); 0 = the codec's default.
@@ -60,13 +60,13 @@ class OneBitAdam(Algorithm):
 
     def __init__(self, optimizer, chunk: int = 0, hierarchical: bool = False):
         if not isinstance(optimizer, OneBitAdamOptimizer):
-            raise TypeError("rumor.algorithms.OneBitAdam: optimizer must be a rumor.optim.OneBitAdam, "
+            raise TypeError("rumor.algorithms.OneBitAdamAlgorithm: optimizer must be a rumor.optim.OneBitAdamOptimizer, "
                             f"got {type(optimizer).__name__}")
         if optimizer._algorithm is not None:
-            raise ValueError("rumor.algorithms.OneBitAdam: this optimizer already belongs to another "
-                             "rumor.algorithms.OneBitAdam")
+            raise ValueError("rumor.algorithms.OneBitAdamAlgorithm: this optimizer already belongs to another "
+                             "rumor.algorithms.OneBitAdamAlgorithm")
         self.optimizer = optimizer
-        self.chunk = _check_chunk(chunk, "rumor.algorithms.OneBitAdam")
+        self.chunk = _check_chunk(chunk, "rumor.algorithms.OneBitAdamAlgorithm")
         self.hierarchical = bool(hierarchical)
         self._states: Dict[int, _BucketState] = {}
         self._compressed_last = False
@@ -103,7 +103,7 @@ class OneBitAdam(Algorithm):
 
     def _make_op(self, ddp, bucket, device: bool):
         if bucket.flat.dtype != torch.float32:
-            raise TypeError(f"rumor.algorithms.OneBitAdam: parameters {bucket.names[:3]} are "
+            raise TypeError(f"rumor.algorithms.OneBitAdamAlgorithm: parameters {bucket.names[:3]} are "
                             f"{bucket.flat.dtype}; 1-bit Adam keeps float32 momenta (use float32 parameters)")
         if bucket.index == 0:  # buckets are being (re)built from scratch
             self._states = {}
@@ -112,11 +112,11 @@ class OneBitAdam(Algorithm):
         for name, p in zip(bucket.names, bucket.params):
             g = group_of.get(id(p))
             if g is None:
-                raise ValueError(f"rumor.algorithms.OneBitAdam: parameter {name} is trained by the model but "
+                raise ValueError(f"rumor.algorithms.OneBitAdamAlgorithm: parameter {name} is trained by the model but "
                                  "not in the optimizer's parameter groups")
             betas.add(g["betas"][0])
         if len(betas) != 1:
-            raise ValueError(f"rumor.algorithms.OneBitAdam: a bucket mixes parameter groups with different "
+            raise ValueError(f"rumor.algorithms.OneBitAdamAlgorithm: a bucket mixes parameter groups with different "
                              f"beta1 {sorted(betas)}; use one beta1 for all groups")
         count = bucket.flat.numel()
         flats = {k: torch.zeros(count, dtype=torch.float32, device=bucket.flat.device) for k in _STATE_KEYS}

@@ -21,7 +21,7 @@ last event: the host never waits for the GPU there. Two modes:
   parameters; finish() waits for those ops and queues the copies back on the current stream.
 
 EMULATE ("direct" or "staged"; tests only) runs this engine for CPU parameters: streams and
-events become no-ops and the direct ops use rumor's CPU collectives (_gpu_ops.HostTransport),
+events become no-ops and the direct ops use rumor's CPU collectives (engine.ops.HostTransport),
 so everything here except the CUDA calls themselves runs, and is checked, on any machine.
 """
 from __future__ import annotations
@@ -309,7 +309,7 @@ def _launches_only(op, transport) -> bool:
 
 class DeviceEngine:
     """See the module docstring. mode: "direct" or "staged"; transport: the direct ops'
-    (_gpu_ops.NcclTransport or HostTransport); comm: the group's C++ communicator (staged)."""
+    (engine.ops.NcclTransport or HostTransport); comm: the group's C++ communicator (staged)."""
 
     def __init__(self, layer, mode: str, transport, comm, timeout_fn):
         if mode not in MODES:

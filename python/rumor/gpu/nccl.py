@@ -83,7 +83,7 @@ def load():
     rumor.errors.RumorError naming every candidate tried and why each was rejected."""
     from .. import _runtime
 
-    st = _runtime._state
+    st = _runtime.state() if _runtime.is_initialized() else None
     lib = getattr(st, "nccl", None) if st is not None else None
     if lib is None:
         lib = _extension().NcclLibrary(candidates())

@@ -118,7 +118,7 @@ class _Windows:
         self.with_p = False
 
 
-def _windows() -> _Windows:
+def registry() -> _Windows:
     st = _runtime.state()
     w = getattr(st, "_rumor_windows", None)
     if w is None:
@@ -131,8 +131,8 @@ def _timeout() -> float:
     return _runtime.state().timeout
 
 
-def _find(name: str, what: str) -> _Win:
-    ws = _windows()
+def find_window(name: str, what: str) -> _Win:
+    ws = registry()
     if not isinstance(name, str):
         raise TypeError(f"{what}: name must be a str, got {type(name).__name__}")
     w = ws.by_name.get(name)
@@ -193,7 +193,7 @@ class WinHandle:
     def wait(self, timeout: Optional[float] = None) -> bool:
         if self._done:
             return True
-        ws = _windows()
+        ws = registry()
         try:
             ws.hub.wait(self._op, timeout if timeout is not None else _timeout())
         finally:
@@ -239,7 +239,7 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
         raise ValueError(f"{what}: the tensor must be contiguous (win_update writes into it)")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{what}: name must be a non-empty str")
-    ws = _windows()
+    ws = registry()
     if name in ws.by_name:
         raise ValueError(f"{what}: a window named {name!r} already exists; win_free it first")
     from ..collectives import allgather
@@ -267,8 +267,8 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
 def win_free(name: Optional[str] = None) -> bool:
     """Frees the window `name`, or every window (collective). This rank's nonblocking operations
     on it are waited for first; a barrier then makes sure no peer still writes to it."""
-    ws = _windows()
-    wins = list(ws.by_name.values()) if name is None else [_find(name, "rumor.win_free")]
+    ws = registry()
+    wins = list(ws.by_name.values()) if name is None else [find_window(name, "rumor.win_free")]
     for w in wins:
         for h in list(w.handles):
             h.wait()
@@ -280,15 +280,15 @@ def win_free(name: Optional[str] = None) -> bool:
 
 
 def get_current_created_window_names() -> List[str]:
-    return sorted(_windows().by_name)
+    return sorted(registry().by_name)
 
 
 def _put(tensor, name, self_weight, dst_weights, require_mutex, accumulate: bool, what: str) -> WinHandle:
-    w = _find(name, what)
+    w = find_window(name, what)
     _check_like(tensor, w, what)
     dsts = _weights(dst_weights, out_neighbor_ranks(), what, "dst_weights")
     sw = 1.0 if self_weight is None else float(self_weight)
-    ws = _windows()
+    ws = registry()
     publish = tensor.data_ptr() == w.tensor.data_ptr()
     src = tensor
     if w.twin is not None:  # the registered tensor's twin, refreshed, or a host copy of another one
@@ -301,16 +301,16 @@ def _put(tensor, name, self_weight, dst_weights, require_mutex, accumulate: bool
     return h
 
 
-def _put_registered(w: _Win, dsts, accumulate: bool, with_p: bool, what: str):
+def put_registered(w: _Win, dsts, accumulate: bool, with_p: bool, what: str):
     """hub.put of the window's own tensor (push-sum's z), through its twin when staged;
     returns (op, what the C++ side reads until the op completes)."""
     src = w.tensor if w.twin is None else _to_host(w.tensor, w.twin, what)
-    return _windows().hub.put(w.id, address(src), sorted(dsts.items()), accumulate, with_p, False, _timeout()), src
+    return registry().hub.put(w.id, address(src), sorted(dsts.items()), accumulate, with_p, False, _timeout()), src
 
 
-def _update_registered(w: _Win, self_weight: float, srcs, reset: bool, with_p: bool, what: str) -> None:
+def update_registered(w: _Win, self_weight: float, srcs, reset: bool, with_p: bool, what: str) -> None:
     """In-place hub.update of the window's own tensor, through its twin when staged."""
-    hub = _windows().hub
+    hub = registry().hub
     if w.twin is None:
         hub.update(w.id, self_weight, sorted(srcs.items()), reset, with_p, address(w.tensor), False, _timeout())
         return
@@ -351,9 +351,9 @@ def win_accumulate(tensor: torch.Tensor, name: str, self_weight: Optional[float]
 def win_get_nonblocking(name: str, src_weights: Optional[Dict[int, float]] = None,
                         require_mutex: bool = False) -> WinHandle:
     what = "rumor.win_get"
-    w = _find(name, what)
+    w = find_window(name, what)
     srcs = _weights(src_weights, in_neighbor_ranks(), what, "src_weights")
-    ws = _windows()
+    ws = registry()
     op = ws.hub.get(w.id, sorted(srcs.items()), ws.with_p, bool(require_mutex), _timeout())
     h = WinHandle(w, op, None, 1.0, False, False)
     w.handles.append(h)
@@ -382,7 +382,7 @@ def win_update(name: str, self_weight: Optional[float] = None,
     was set with is_weighted=True, else 1/(in_degree + 1) for self and each in-neighbour. reset
     zeroes the combined slots afterwards. require_mutex holds this rank's window mutex."""
     what = "rumor.win_update"
-    w = _find(name, what)
+    w = find_window(name, what)
     if (self_weight is None) != (neighbor_weights is None):
         raise ValueError(f"{what}: give self_weight and neighbor_weights together, or neither")
     if self_weight is None:
@@ -390,7 +390,7 @@ def win_update(name: str, self_weight: Optional[float] = None,
     else:
         sw = float(self_weight)
         nbrs = _weights(neighbor_weights, [], what, "neighbor_weights")
-    ws = _windows()
+    ws = registry()
     if w.twin is not None:
         # x is read from the twin: bring it up to date, combine there, copy the result back.
         _to_host(w.tensor, w.twin, what)
@@ -416,16 +416,16 @@ def win_update_then_collect(name: str, require_mutex: bool = True) -> torch.Tens
 def win_publish(name: str) -> None:
     """Makes the registered tensor's current value the one win_get returns to peers (rumor's
     addition: see the module docstring)."""
-    w = _find(name, "rumor.win_publish")
+    w = find_window(name, "rumor.win_publish")
     if w.twin is not None:
         _to_host(w.tensor, w.twin, "rumor.win_publish")
-    _windows().hub.publish(w.id, _timeout())
+    registry().hub.publish(w.id, _timeout())
 
 
 def get_win_version(name: str) -> Dict[int, int]:
     """{in-neighbour: writes into its slot since this rank last combined it} (0: nothing new)."""
-    w = _find(name, "rumor.get_win_version")
-    v = _windows().hub.versions(w.id)
+    w = find_window(name, "rumor.get_win_version")
+    v = registry().hub.versions(w.id)
     return {r: int(v[r]) for r in in_neighbor_ranks()}
 
 
@@ -435,7 +435,7 @@ def win_mutex(name: str, for_self: bool = False, ranks: Optional[List[int]] = No
     for the body. Puts and accumulates with require_mutex=True, and win_update with
     require_mutex=True on the owner, wait for it. Acquired in ascending rank order."""
     what = "rumor.win_mutex"
-    w = _find(name, what)
+    w = find_window(name, what)
     n = _runtime.size()
     if for_self:
         targets = [_runtime.rank()]
@@ -444,7 +444,7 @@ def win_mutex(name: str, for_self: bool = False, ranks: Optional[List[int]] = No
     for r in targets:
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n:
             raise ValueError(f"{what}: rank {r!r} is not in the world of size {n}")
-    hub = _windows().hub
+    hub = registry().hub
     hub.mutex_acquire(w.id, targets, _timeout())
     try:
         yield
@@ -454,15 +454,15 @@ def win_mutex(name: str, for_self: bool = False, ranks: Optional[List[int]] = No
 
 def win_associated_p(name: str) -> float:
     """This rank's push-sum weight p of the window (1.0 at creation)."""
-    w = _find(name, "rumor.win_associated_p")
-    return float(_windows().hub.p(w.id))
+    w = find_window(name, "rumor.win_associated_p")
+    return float(registry().hub.p(w.id))
 
 
 def turn_on_win_ops_with_associated_p() -> None:
     """From now on win_put / win_accumulate carry w * p, win_get fetches w * p_j, and win_update
     combines p like the tensor."""
-    _windows().with_p = True
+    registry().with_p = True
 
 
 def turn_off_win_ops_with_associated_p() -> None:
-    _windows().with_p = False
+    registry().with_p = False

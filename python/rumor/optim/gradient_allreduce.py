@@ -20,7 +20,7 @@ class _GradientAllreduce:
     _base: type = torch.optim.Optimizer
 
     def __init__(self, *args, **kwargs):
-        pass  # built by GradientAllreduce.__new__
+        pass  # built by GradientAllReduceOptimizer.__new__
 
     def _setup(self, model, backward_passes_per_step: int) -> None:
         self._model = model
@@ -82,15 +82,15 @@ class _GradientAllreduce:
             h.remove()
 
 
-class GradientAllreduce(_GradientAllreduce):
-    """``rumor.optim.GradientAllreduce(optimizer, model, backward_passes_per_step=1)`` returns
+class GradientAllReduceOptimizer(_GradientAllreduce):
+    """``rumor.optim.GradientAllReduceOptimizer(optimizer, model, backward_passes_per_step=1)`` returns
     the optimizer wrapped (an instance of a subclass of its own class) so that step() applies
     the gradients averaged over all ranks (see the module doc)."""
 
     def __new__(cls, optimizer=None, model=None, backward_passes_per_step=1):
-        if cls is not GradientAllreduce:
+        if cls is not GradientAllReduceOptimizer:
             return super().__new__(cls)
-        what = "rumor.optim.GradientAllreduce"
+        what = "rumor.optim.GradientAllReduceOptimizer"
         k = check_args(what, optimizer, model, backward_passes_per_step, "backward_passes_per_step")
         opt = build_subclass(_GradientAllreduce, optimizer)
         opt._setup(model, k)

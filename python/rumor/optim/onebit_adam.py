@@ -8,8 +8,8 @@ from typing import Callable, Optional
 import torch
 
 
-class OneBitAdam(torch.optim.Optimizer):
-    """Adam in two stages, for use with ``rumor.algorithms.OneBitAdam(optimizer)``.
+class OneBitAdamOptimizer(torch.optim.Optimizer):
+    """Adam in two stages, for use with ``rumor.algorithms.OneBitAdamAlgorithm(optimizer)``.
 
     Warm-up (the first ``freeze_step`` steps): gradients are averaged at full precision and the
     update is exactly ``torch.optim.Adam``'s (weight decay added to the gradient, bias
@@ -36,24 +36,24 @@ class OneBitAdam(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100):
         if not (isinstance(lr, (int, float)) and lr >= 0.0):
-            raise ValueError(f"rumor.optim.OneBitAdam: invalid learning rate {lr!r}")
+            raise ValueError(f"rumor.optim.OneBitAdamOptimizer: invalid learning rate {lr!r}")
         try:
             b1, b2 = (float(b) for b in betas)
         except (TypeError, ValueError):
-            raise ValueError(f"rumor.optim.OneBitAdam: betas must be two floats, got {betas!r}") from None
+            raise ValueError(f"rumor.optim.OneBitAdamOptimizer: betas must be two floats, got {betas!r}") from None
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"rumor.optim.OneBitAdam: betas must lie in [0, 1), got {betas!r}")
+            raise ValueError(f"rumor.optim.OneBitAdamOptimizer: betas must lie in [0, 1), got {betas!r}")
         if not (isinstance(eps, (int, float)) and eps >= 0.0):
-            raise ValueError(f"rumor.optim.OneBitAdam: invalid eps {eps!r}")
+            raise ValueError(f"rumor.optim.OneBitAdamOptimizer: invalid eps {eps!r}")
         if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
-            raise ValueError(f"rumor.optim.OneBitAdam: invalid weight_decay {weight_decay!r}")
+            raise ValueError(f"rumor.optim.OneBitAdamOptimizer: invalid weight_decay {weight_decay!r}")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError("rumor.optim.OneBitAdam: freeze_step must be an int >= 1 (the variance needs at "
+            raise ValueError("rumor.optim.OneBitAdamOptimizer: freeze_step must be an int >= 1 (the variance needs at "
                              f"least one full-precision step), got {freeze_step!r}")
         super().__init__(params, dict(lr=float(lr), betas=(b1, b2), eps=float(eps),
                                       weight_decay=float(weight_decay)))
         self.freeze_step = freeze_step
-        self._algorithm = None  # the rumor.algorithms.OneBitAdam that communicates the momentum
+        self._algorithm = None  # the rumor.algorithms.OneBitAdamAlgorithm that communicates the momentum
         # Once the variance is frozen, Adam's denominator is a constant per parameter: computed once
         # instead of three passes over the parameter every step. Derived, so not in state_dict().
         self._frozen_inv = {}
@@ -82,7 +82,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError("rumor.optim.OneBitAdam does not support sparse gradients")
+                    raise RuntimeError("rumor.optim.OneBitAdamOptimizer does not support sparse gradients")
                 st = self.state[p]
                 if "step" not in st:
                     st["step"] = 0

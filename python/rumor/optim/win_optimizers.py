@@ -251,15 +251,15 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
     def _collect(self) -> None:
         """z += what neighbours pushed (slots reset), p likewise; then x = z / p. Local steps
         since the last push moved x and not z: z = x * p first, so they are kept."""
-        hub = _win._windows().hub
+        hub = _win.registry().hub
         with torch.no_grad():
             for name, z, flat in zip(self._names, self._z, self._flat.flats):
-                w = _win._find(name, "DistributedPushSumOptimizer")
+                w = _win.find_window(name, "DistributedPushSumOptimizer")
                 if self._local_steps:
                     torch.mul(flat, hub.p(w.id), out=z)
                 versions = hub.versions(w.id)
                 srcs = {r: 1.0 for r, v in enumerate(versions) if v > 0}
-                _win._update_registered(w, 1.0, srcs, True, True, "DistributedPushSumOptimizer")
+                _win.update_registered(w, 1.0, srcs, True, True, "DistributedPushSumOptimizer")
                 torch.div(z, hub.p(w.id), out=flat)
         self._local_steps = False
 
@@ -275,12 +275,12 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
         else:
             self._flat.ensure_views()
             sw, dst = self._push_weights()
-            hub = _win._windows().hub
+            hub = _win.registry().hub
             with torch.no_grad():
                 for name, z, flat in zip(self._names, self._z, self._flat.flats):
-                    w = _win._find(name, "DistributedPushSumOptimizer")
+                    w = _win.find_window(name, "DistributedPushSumOptimizer")
                     torch.mul(flat, hub.p(w.id), out=z)
-                    op, src = _win._put_registered(w, dst, True, True, "DistributedPushSumOptimizer")
+                    op, src = _win.put_registered(w, dst, True, True, "DistributedPushSumOptimizer")
                     h = _win.WinHandle(w, op, z, sw, True, False)
                     h._keep = src
                     w.handles.append(h)

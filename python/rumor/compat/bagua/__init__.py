@@ -320,3 +320,14 @@ def with_bagua(self, optimizers, algorithm, process_group=None, do_flatten: bool
 
 torch.nn.Module.with_bagua = with_bagua
 BaguaModule = _r.DistributedDataParallel
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "BaguaModule", "BaguaProcessGroup", "ReduceOp", "allgather", "allgather_inplace",
+    "allreduce", "allreduce_inplace", "alltoall", "alltoall_inplace", "alltoall_v",
+    "alltoall_v_inplace", "barrier", "broadcast", "gather", "gather_inplace", "get_backend",
+    "get_local_rank", "get_local_size", "get_node_rank", "get_rank", "get_world_size",
+    "init_process_group", "is_initialized", "new_group", "recv", "reduce", "reduce_inplace",
+    "reduce_scatter", "reduce_scatter_inplace", "scatter", "scatter_inplace", "send",
+    "with_bagua",
+]

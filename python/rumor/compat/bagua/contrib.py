@@ -25,3 +25,8 @@ def fuse_optimizer(optimizer, do_flatten: bool = True, check_flatten: bool = Tru
     from rumor.optim import fuse_optimizer as _fuse
 
     return _fuse(optimizer)
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "CachedDataset", "LoadBalancingDistributedSampler", "fuse_optimizer",
+]

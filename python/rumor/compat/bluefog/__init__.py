@@ -27,7 +27,7 @@ from rumor import timeline as _tl
 from rumor.neighbor import window as _win
 from rumor.optim import combine as _optdec
 from rumor.optim import win_optimizers as _optwin
-from rumor.optim.gradient_allreduce import GradientAllreduce as _GradientAllreduce
+from rumor.optim.gradient_allreduce import GradientAllReduceOptimizer as _GradientAllreduce
 
 from . import topology_util  # noqa: F401 (bf.topology_util, as in BlueFog)
 from . import topology_util as _tu
@@ -606,3 +606,39 @@ def DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication: i
     opt = _window_flavour(_optwin.DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication))
     opt.force_barrier = True  # BlueFog's default for push-sum (False for put and get)
     return opt
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "CommunicationType", "DistributedAdaptThenCombineOptimizer",
+    "DistributedAdaptWithCombineOptimizer", "DistributedAllreduceOptimizer",
+    "DistributedGradientAllreduceOptimizer",
+    "DistributedHierarchicalNeighborAllreduceOptimizer",
+    "DistributedNeighborAllreduceOptimizer", "DistributedPullGetOptimizer",
+    "DistributedPushSumOptimizer", "DistributedWinPutOptimizer", "ExponentialGraph",
+    "ExponentialTwoGraph", "FullyConnectedGraph", "GetDynamicOnePeerSendRecvRanks",
+    "GetExp2DynamicSendRecvMachineRanks", "GetInnerOuterExpo2DynamicSendRecvRanks",
+    "GetInnerOuterRingDynamicSendRecvRanks", "GetRecvWeights", "GetSendWeights",
+    "InferDestinationFromSourceRanks", "InferSourceFromDestinationRanks", "IsRegularGraph",
+    "IsTopologyEquivalent", "MeshGrid2DGraph", "RingGraph", "StarGraph",
+    "SymmetricExponentialGraph", "allgather", "allgather_nonblocking", "allreduce",
+    "allreduce_", "allreduce_nonblocking", "allreduce_nonblocking_", "allreduce_parameters",
+    "barrier", "broadcast", "broadcast_", "broadcast_nonblocking", "broadcast_nonblocking_",
+    "broadcast_optimizer_state", "broadcast_parameters", "get_current_created_window_names",
+    "get_skip_negotiate_stage", "get_win_version", "hierarchical_neighbor_allreduce",
+    "hierarchical_neighbor_allreduce_nonblocking", "in_neighbor_machine_ranks",
+    "in_neighbor_ranks", "init", "is_homogeneous", "is_machine_topo_weighted",
+    "is_topo_weighted", "load_machine_topology", "load_topology", "local_rank", "local_size",
+    "machine_rank", "machine_size", "mpi_threads_supported", "nccl_built", "neighbor_allgather",
+    "neighbor_allgather_nonblocking", "neighbor_allreduce", "neighbor_allreduce_nonblocking",
+    "neighbor_win_accumulate", "neighbor_win_accumulate_nonblocking", "neighbor_win_get",
+    "neighbor_win_get_nonblocking", "neighbor_win_put", "neighbor_win_put_nonblocking",
+    "out_neighbor_machine_ranks", "out_neighbor_ranks", "pair_gossip",
+    "pair_gossip_nonblocking", "poll", "rank", "resume", "set_machine_topology",
+    "set_skip_negotiate_stage", "set_topology", "shutdown", "size", "suspend", "synchronize",
+    "timeline_context", "timeline_end_activity", "timeline_start_activity",
+    "turn_off_win_ops_with_associated_p", "turn_on_win_ops_with_associated_p",
+    "unified_mpi_window_model_supported", "wait", "win_accumulate",
+    "win_accumulate_nonblocking", "win_associated_p", "win_create", "win_free", "win_get",
+    "win_get_nonblocking", "win_lock", "win_mutex", "win_poll", "win_put",
+    "win_put_nonblocking", "win_update", "win_update_then_collect", "win_wait",
+]

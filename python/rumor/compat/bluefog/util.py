@@ -22,3 +22,8 @@ def env(**kwargs):
 
 def mpi_built(verbose: bool = False) -> bool:
     return False  # rumor needs no MPI
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "env", "mpi_built",
+]

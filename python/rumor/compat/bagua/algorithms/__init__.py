@@ -41,3 +41,8 @@ GlobalAlgorithmRegistry.register("low_precision_decentralized", decentralized.Lo
 GlobalAlgorithmRegistry.register("qadam", q_adam.QAdamAlgorithm, "QAdam (rumor's 1-bit Adam)")
 GlobalAlgorithmRegistry.register("async", async_model_average.AsyncModelAverageAlgorithm,
                                  "Asynchronous model average")
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry",
+]

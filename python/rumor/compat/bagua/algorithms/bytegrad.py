@@ -6,3 +6,8 @@ class ByteGradAlgorithm(_ByteGrad):
 
     def __init__(self, hierarchical: bool = True, average: bool = True):
         super().__init__(hierarchical=hierarchical, average=average)
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "ByteGradAlgorithm",
+]

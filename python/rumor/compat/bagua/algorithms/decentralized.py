@@ -16,3 +16,8 @@ class LowPrecisionDecentralizedAlgorithm(_LowPrecisionDecentralized):
 
     def __init__(self, hierarchical: bool = True, communication_interval: int = 1):
         super().__init__(hierarchical=hierarchical, communication_interval=communication_interval)
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm",
+]

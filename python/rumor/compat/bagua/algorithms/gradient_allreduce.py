@@ -6,3 +6,8 @@ class GradientAllReduceAlgorithm(_GradientAllReduce):
 
     def __init__(self, hierarchical: bool = False, average: bool = True):
         super().__init__(hierarchical=hierarchical, average=average)
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "GradientAllReduceAlgorithm",
+]

@@ -3,11 +3,11 @@
 Same structure as Bagua's QAdam: plain Adam with full-precision gradient averaging for
 ``warmup_steps`` steps, then Adam with the second moment frozen and the momentum averaged in
 compressed form. rumor compresses the momentum to 1 bit per element with error feedback
-(rumor.algorithms.OneBitAdam) where Bagua quantized it to 8 bits, so the trajectories are close
+(rumor.algorithms.OneBitAdamAlgorithm) where Bagua quantized it to 8 bits, so the trajectories are close
 but not bit-equal to Bagua's.
 """
-from rumor.algorithms import OneBitAdam as _OneBitAdamAlgorithm
-from rumor.optim import OneBitAdam as _OneBitAdam
+from rumor.algorithms import OneBitAdamAlgorithm as _OneBitAdamAlgorithm
+from rumor.optim import OneBitAdamOptimizer as _OneBitAdam
 
 
 def QAdamOptimizer(params, lr: float = 1e-3, warmup_steps: int = 100, betas=(0.9, 0.999),  # noqa: N802
@@ -20,3 +20,8 @@ class QAdamAlgorithm(_OneBitAdamAlgorithm):
 
     def __init__(self, q_adam_optimizer, hierarchical: bool = True):
         super().__init__(q_adam_optimizer, hierarchical=hierarchical)
+
+# The public names; everything else here is this module's own business.
+__all__ = [
+    "QAdamAlgorithm", "QAdamOptimizer",
+]
