@@ -25,7 +25,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("engine", ["rumor.engine"]),
     ("optim", ["rumor.optim"]),
     ("algorithms", ["rumor.algorithms"]),
-    ("autotune", ["rumor.autotune"]),
+    ("autotune", ["rumor._autotune_cache", "rumor.autotune"]),
     ("wrapper", ["rumor.parallel"]),
     ("tools", ["rumor.netplugin", "rumor.data", "rumor.elastic", "rumor.interactive", "rumor.advisor",
                "rumor.run"]),
