@@ -53,7 +53,7 @@ inline std::shared_ptr<Work> dispatch(Communicator& c, bool nonblocking, std::fu
 void bind_compression(py::module_& m);
 void bind_cuda(py::module_& m);
 void bind_compressed_ops(py::module_& m);
-void bind_decentralized(py::module_& m);
+void bind_neighbor(py::module_& m);
 void bind_decentralized_ops(py::module_& m);
 void bind_window(py::module_& m);
 void bind_optim(py::module_& m);

@@ -308,7 +308,7 @@ PYBIND11_MODULE(_C, m) {
   bind_compression(m);
   bind_cuda(m);
   bind_compressed_ops(m);
-  bind_decentralized(m);
+  bind_neighbor(m);
   bind_decentralized_ops(m);
   bind_window(m);
   bind_optim(m);

@@ -1,4 +1,4 @@
-// Neighbor exchange over graph topologies (comm/neighbor.h) for python/rumor/decentralized.py.
+// Neighbor exchange over graph topologies (comm/neighbor.h) for python/rumor/neighbor/ops.py.
 // Ranks here are communicator ranks; Python maps global ranks onto them.
 #include <pybind11/stl.h>
 
@@ -42,7 +42,7 @@ std::shared_ptr<Work> run_weighted(Communicator& c, uintptr_t in, uintptr_t out,
 
 }  // namespace
 
-void bind_decentralized(py::module_& m) {
+void bind_neighbor(py::module_& m) {
   using C = Communicator;
   using Scratch = std::shared_ptr<NeighborScratch>;
   py::class_<NeighborScratch, Scratch>(m, "NeighborScratch",
