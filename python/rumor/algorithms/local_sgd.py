@@ -360,8 +360,9 @@ class DiLoCo(Algorithm):
         self._device_avg = None
         if ddp._device_mode is not None:
             # CUDA parameters: the outer state and the pseudo-gradients live on the device; the
-            # averages run on their own stream (rumor.engine.device.GroupAverager).
-            from ..engine.device import GroupAverager, emulated
+            # averages run on their own stream (rumor.engine.averager.GroupAverager).
+            from ..engine.averager import GroupAverager
+            from ..engine.device import emulated
 
             device = None if emulated() is not None else params[0].device
             self._device_avg = GroupAverager(self._group, device, self._codec, self.hierarchical,
