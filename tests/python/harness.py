@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -572,3 +573,32 @@ def file_barrier_wait(directory: str, name: str, ranks, timeout: float = 60.0) -
             missing = [q for q in ranks if not os.path.exists(os.path.join(directory, f"{name}.{q}"))]
             raise TimeoutError(f"file barrier {name!r}: ranks {missing} did not arrive within {timeout} s")
         time.sleep(0.01)
+
+
+# ---- running a launcher command ------------------------------------------------------------------
+
+LAUNCH_DEADLINE_S = 120
+
+
+def launch(cmd, cwd, env_extra=None, deadline_s: float = LAUNCH_DEADLINE_S) -> str:
+    """Runs a launcher command (rumor.run, rumor-run, torchrun) with a deadline (the whole process
+    group is killed when it passes, and the test fails) in an environment scrubbed like a rank's;
+    returns the combined output after checking the exit code."""
+    __tracebackhide__ = True
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_TIMEOUT="30")
+    if env_extra:
+        env.update(env_extra)
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {deadline_s} s:\n{out.decode(errors='replace')[-6000:]}")
+    text = out.decode(errors="replace")
+    assert p.returncode == 0, f"{' '.join(cmd)} exited with {p.returncode}:\n{text[-6000:]}"
+    return text
