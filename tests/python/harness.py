@@ -468,6 +468,64 @@ def assert_no_failures(results, what: str = "") -> int:
     return total
 
 
+
+# ---- named scenarios: one test id each, one launch per batch ------------------------------------
+#
+# Starting ranks costs seconds, so a test module runs many named scenarios in one launch. To give
+# each scenario its own test id (`pytest -k NAME` picks it), a test is parametrized by scenario
+# and fetches its result through batch(): the first test of a batch launches once, running every
+# scenario of that batch that this session selected (after -k / -m), and the others take their
+# part of that launch's result. A failed launch fails every test of its batch (it is not retried).
+
+def run_scenarios(chk: "Checker", names, table, *args) -> Dict[str, tuple]:
+    """Rank side: runs table[name](chk, *args) for each name in order; returns {name: (failures,
+    count)}, each scenario's part of the Checker's, for assert_no_failures."""
+    out = {}
+    for name in names:
+        f0, c0 = len(chk.failures), chk.count
+        table[name](chk, *args)
+        out[name] = (chk.failures[f0:], chk.count - c0)
+    return out
+
+
+def selected(request, argname: str, **where) -> list:
+    """The values of parametrize argument `argname` of the tests of request's test function that
+    this session runs (after deselection), in their order; only those whose other parameters equal
+    `where`."""
+    fn = request.function
+    out = []
+    for item in request.session.items:
+        cs = getattr(item, "callspec", None)
+        if cs is None or getattr(item, "function", None) is not fn or argname not in cs.params:
+            continue
+        if any(cs.params.get(k) != v for k, v in where.items()):
+            continue
+        v = cs.params[argname]
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def batch(cache: dict, key, launch: Callable[[], Any]):
+    """launch()'s result, computed once per key in `cache` (the conftest fixture `batches`, one
+    dict per module); a launch that raised raises the same for every later test of its key."""
+    __tracebackhide__ = True
+    if key not in cache:
+        try:
+            cache[key] = (True, launch())
+        except BaseException as e:  # noqa: BLE001 - kept and raised again for each test of the batch
+            cache[key] = (False, e)
+            raise
+    ok, value = cache[key]
+    if not ok:
+        raise value.with_traceback(None)
+    return value
+
+
+def scenario_results(results, name: str) -> list:
+    """Per-rank (failures, count) of scenario `name` from per-rank run_scenarios() dicts."""
+    return [None if r is None else r[name] for r in results]
+
 # ---- deterministic inputs and exact references --------------------------------------------------
 
 OP_NAMES = ("SUM", "AVG", "MIN", "MAX", "PROD")
