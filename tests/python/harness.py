@@ -488,17 +488,16 @@ def run_scenarios(chk: "Checker", names, table, *args) -> Dict[str, tuple]:
     return out
 
 
-def selected(request, argname: str, **where) -> list:
-    """The values of parametrize argument `argname` of the tests of request's test function that
-    this session runs (after deselection), in their order; only those whose other parameters equal
-    `where`."""
-    fn = request.function
+def selected(request, argname: str) -> list:
+    """The values of parametrize argument `argname` of the tests this session runs (after
+    deselection) that differ from request's test only in `argname`, in their order."""
+    fn, mine = request.function, request.node.callspec.params
     out = []
     for item in request.session.items:
         cs = getattr(item, "callspec", None)
         if cs is None or getattr(item, "function", None) is not fn or argname not in cs.params:
             continue
-        if any(cs.params.get(k) != v for k, v in where.items()):
+        if any(cs.params.get(k) != v for k, v in mine.items() if k != argname):
             continue
         v = cs.params[argname]
         if v not in out:

@@ -1069,7 +1069,7 @@ def test_equivalence_and_features(world, scenario, request, batches):
     """Every scenario on 1, 2 and 4 ranks of one host (torch.compile on 2: it costs seconds). The
     selected scenarios of one world size run in one launch."""
     def launch():
-        names = harness.selected(request, "scenario", world=world)
+        names = harness.selected(request, "scenario")
         res = harness.run(scenarios_rank, world, timeout=170, args=(names,))
         if set(names) >= set(ALL):  # the whole batch: it checked a lot
             assert sum(c for r in res for _, c in r[1].values()) > 100

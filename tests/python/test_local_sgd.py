@@ -538,7 +538,7 @@ def test_against_simulation(world, scenario, request, batches):
     simulation of the rule, every step; state_dict round trips. The selected scenarios of one
     world size run in one launch."""
     def launch():
-        names = harness.selected(request, "scenario", world=world)
+        names = harness.selected(request, "scenario")
         res = harness.run(scenarios_rank, world, timeout=150, args=(names,))
         if set(names) >= set(SIM):  # the whole batch: it checked a lot
             assert sum(c for r in res for _, c in r.values()) > 100
