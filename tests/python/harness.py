@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -467,6 +468,63 @@ def assert_no_failures(results, what: str = "") -> int:
     return total
 
 
+
+# ---- named scenarios: one test id each, one launch per batch ------------------------------------
+#
+# Starting ranks costs seconds, so a test module runs many named scenarios in one launch. To give
+# each scenario its own test id (`pytest -k NAME` picks it), a test is parametrized by scenario
+# and fetches its result through batch(): the first test of a batch launches once, running every
+# scenario of that batch that this session selected (after -k / -m), and the others take their
+# part of that launch's result. A failed launch fails every test of its batch (it is not retried).
+
+def run_scenarios(chk: "Checker", names, table, *args) -> Dict[str, tuple]:
+    """Rank side: runs table[name](chk, *args) for each name in order; returns {name: (failures,
+    count)}, each scenario's part of the Checker's, for assert_no_failures."""
+    out = {}
+    for name in names:
+        f0, c0 = len(chk.failures), chk.count
+        table[name](chk, *args)
+        out[name] = (chk.failures[f0:], chk.count - c0)
+    return out
+
+
+def selected(request, argname: str) -> list:
+    """The values of parametrize argument `argname` of the tests this session runs (after
+    deselection) that differ from request's test only in `argname`, in their order."""
+    fn, mine = request.function, request.node.callspec.params
+    out = []
+    for item in request.session.items:
+        cs = getattr(item, "callspec", None)
+        if cs is None or getattr(item, "function", None) is not fn or argname not in cs.params:
+            continue
+        if any(cs.params.get(k) != v for k, v in mine.items() if k != argname):
+            continue
+        v = cs.params[argname]
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def batch(cache: dict, key, launch: Callable[[], Any]):
+    """launch()'s result, computed once per key in `cache` (the conftest fixture `batches`, one
+    dict per module); a launch that raised raises the same for every later test of its key."""
+    __tracebackhide__ = True
+    if key not in cache:
+        try:
+            cache[key] = (True, launch())
+        except BaseException as e:  # noqa: BLE001 - kept and raised again for each test of the batch
+            cache[key] = (False, e)
+            raise
+    ok, value = cache[key]
+    if not ok:
+        raise value.with_traceback(None)
+    return value
+
+
+def scenario_results(results, name: str) -> list:
+    """Per-rank (failures, count) of scenario `name` from per-rank run_scenarios() dicts."""
+    return [None if r is None else r[name] for r in results]
+
 # ---- deterministic inputs and exact references --------------------------------------------------
 
 OP_NAMES = ("SUM", "AVG", "MIN", "MAX", "PROD")
@@ -572,3 +630,32 @@ def file_barrier_wait(directory: str, name: str, ranks, timeout: float = 60.0) -
             missing = [q for q in ranks if not os.path.exists(os.path.join(directory, f"{name}.{q}"))]
             raise TimeoutError(f"file barrier {name!r}: ranks {missing} did not arrive within {timeout} s")
         time.sleep(0.01)
+
+
+# ---- running a launcher command ------------------------------------------------------------------
+
+LAUNCH_DEADLINE_S = 120
+
+
+def launch(cmd, cwd, env_extra=None, deadline_s: float = LAUNCH_DEADLINE_S) -> str:
+    """Runs a launcher command (rumor.run, rumor-run, torchrun) with a deadline (the whole process
+    group is killed when it passes, and the test fails) in an environment scrubbed like a rank's;
+    returns the combined output after checking the exit code."""
+    __tracebackhide__ = True
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_TIMEOUT="30")
+    if env_extra:
+        env.update(env_extra)
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {deadline_s} s:\n{out.decode(errors='replace')[-6000:]}")
+    text = out.decode(errors="replace")
+    assert p.returncode == 0, f"{' '.join(cmd)} exited with {p.returncode}:\n{text[-6000:]}"
+    return text

@@ -154,8 +154,13 @@ def test_lifecycle(world_size):
 
 # ---- launcher environments ------------------------------------------------------------------------
 
-def launcher_env_rank(sync_dir):
-    """rumor.init() reads mpirun (Open MPI), MPICH/PMI and Slurm variables as well as torchrun's."""
+LAUNCHER_STYLES = ["mpirun", "pmi", "slurm", "none"]
+
+
+def launcher_env_rank(styles_run, sync_dir):
+    """rumor.init() reads mpirun (Open MPI), MPICH/PMI and Slurm variables as well as torchrun's;
+    with none of them ("none"), a world of one. Runs the named styles in order; returns
+    {style: (failures, count)}."""
     import torch
 
     import rumor
@@ -167,7 +172,20 @@ def launcher_env_rank(sync_dir):
         "pmi": {"PMI_RANK": r, "PMI_SIZE": n},
         "slurm": {"SLURM_PROCID": r, "SLURM_NTASKS": n},
     }
-    for style, env in styles.items():
+    out = {}
+    for style in styles_run:
+        f0, c0 = len(chk.failures), chk.count
+        if style == "none":
+            # Nothing at all: a world of one.
+            rumor.init()
+            chk.check((rumor.rank(), rumor.size()) == (0, 1), f"no launcher: rank/size {rumor.rank()}/{rumor.size()}")
+            chk.equal(rumor.allreduce(torch.tensor([5.0])), torch.tensor([5.0]), "no launcher: allreduce")
+            rumor.shutdown()
+            # the other ranks may still be in a world of their own: none joins another's
+            harness.file_barrier(sync_dir, style, rank=r, world=n)
+            out[style] = (chk.failures[f0:], chk.count - c0)
+            continue
+        env = styles[style]
         os.environ.update({k: str(v) for k, v in env.items()})
         rumor.init()
         chk.check((rumor.rank(), rumor.size()) == (r, n), f"{style}: rank/size {rumor.rank()}/{rumor.size()}")
@@ -178,18 +196,19 @@ def launcher_env_rank(sync_dir):
         harness.file_barrier(sync_dir, style, rank=r, world=n)  # see lifecycle_rank
         for k in env:
             del os.environ[k]
-    # Nothing at all: a world of one.
-    rumor.init()
-    chk.check((rumor.rank(), rumor.size()) == (0, 1), f"no launcher: rank/size {rumor.rank()}/{rumor.size()}")
-    chk.equal(rumor.allreduce(torch.tensor([5.0])), torch.tensor([5.0]), "no launcher: allreduce")
-    rumor.shutdown()
-    return chk.failures, chk.count
+        out[style] = (chk.failures[f0:], chk.count - c0)
+    return out
 
 
-def test_launcher_environments():
-    with tempfile.TemporaryDirectory() as d:
-        res = harness.run(launcher_env_rank, 2, timeout=120, args=(d,))
-    harness.assert_no_failures(res)
+@pytest.mark.parametrize("style", LAUNCHER_STYLES)
+def test_launcher_environments(style, request, batches):
+    """One test id per launcher's variables; the selected ones run in one launch of 2 ranks."""
+    def launch():
+        with tempfile.TemporaryDirectory() as d:
+            return harness.run(launcher_env_rank, 2, timeout=120, args=(harness.selected(request, "style"), d))
+
+    res = harness.batch(batches, "launcher environments", launch)
+    assert harness.assert_no_failures(harness.scenario_results(res, style), style) > 0
 
 
 def test_rank_outside_world_is_rejected():

@@ -643,28 +643,37 @@ def rank_killed(victim, how, mode="all"):
 
 # ==== the tests ===================================================================================
 
-def test_bad_arguments():
+BAD_ARGUMENTS = [
+    (dict(peer_selection_mode="everyone"), ValueError, "peer_selection_mode"),
+    (dict(peer_selection_mode=None), TypeError, "peer_selection_mode"),
+    (dict(sync_interval_ms=-1), ValueError, "sync_interval_ms"),
+    (dict(sync_interval_ms=float("nan")), ValueError, "sync_interval_ms"),
+    (dict(sync_interval_ms="500"), TypeError, "sync_interval_ms"),
+    (dict(sync_interval_ms=True), TypeError, "sync_interval_ms"),
+    (dict(warmup_steps=-1), ValueError, "warmup_steps"),
+    (dict(warmup_steps=1.5), TypeError, "warmup_steps"),
+    (dict(warmup_steps=False), TypeError, "warmup_steps"),
+    (dict(max_busy_fraction=0), ValueError, "max_busy_fraction"),
+    (dict(max_busy_fraction=1.5), ValueError, "max_busy_fraction"),
+    (dict(max_busy_fraction=float("nan")), ValueError, "max_busy_fraction"),
+    (dict(max_busy_fraction="0.1"), TypeError, "max_busy_fraction"),
+    (dict(max_busy_fraction=True), TypeError, "max_busy_fraction"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_ARGUMENTS,
+                         ids=[",".join(f"{k}={v!r}" for k, v in kw.items()) for kw, _, _ in BAD_ARGUMENTS])
+def test_bad_arguments(kwargs, exc, match):
+    import rumor
+
+    with pytest.raises(exc, match=match):
+        rumor.algorithms.AsyncModelAverage(**kwargs)
+
+
+def test_good_arguments():
     import rumor
 
     A = rumor.algorithms.AsyncModelAverage
-    for kwargs, exc, match in [
-        (dict(peer_selection_mode="everyone"), ValueError, "peer_selection_mode"),
-        (dict(peer_selection_mode=None), TypeError, "peer_selection_mode"),
-        (dict(sync_interval_ms=-1), ValueError, "sync_interval_ms"),
-        (dict(sync_interval_ms=float("nan")), ValueError, "sync_interval_ms"),
-        (dict(sync_interval_ms="500"), TypeError, "sync_interval_ms"),
-        (dict(sync_interval_ms=True), TypeError, "sync_interval_ms"),
-        (dict(warmup_steps=-1), ValueError, "warmup_steps"),
-        (dict(warmup_steps=1.5), TypeError, "warmup_steps"),
-        (dict(warmup_steps=False), TypeError, "warmup_steps"),
-        (dict(max_busy_fraction=0), ValueError, "max_busy_fraction"),
-        (dict(max_busy_fraction=1.5), ValueError, "max_busy_fraction"),
-        (dict(max_busy_fraction=float("nan")), ValueError, "max_busy_fraction"),
-        (dict(max_busy_fraction="0.1"), TypeError, "max_busy_fraction"),
-        (dict(max_busy_fraction=True), TypeError, "max_busy_fraction"),
-    ]:
-        with pytest.raises(exc, match=match):
-            A(**kwargs)
     for mode in ("ring", "shift_one", "exp2"):
         assert A(peer_selection_mode=mode).peer_selection_mode == mode
     a = A(peer_selection_mode="all", sync_interval_ms=0, warmup_steps=3)

@@ -279,21 +279,34 @@ def test_confirmation_keeps_a_setting_only_if_it_still_leads():
     assert verdict([1.00] * 8) == (0, 1.00, 1.00)               # nobody led: no confirmation ran
 
 
-def test_autotune_bad_arguments():
-    (errors, warned, env_status), = harness.run(_bad_args, 1, timeout=60)
-    expect = {"str": "TypeError", "unknown option": "TypeError", "small budget": "ValueError",
-              "zero measure": "ValueError", "negative warm": "ValueError", "float budget": "TypeError",
-              "bad knob": "ValueError", "bad value": "ValueError", "bad bool": "TypeError",
-              "algorithm": "ValueError", "gap": "ValueError", "shared": "TypeError", "threshold": "ValueError",
-              "env budget": "ValueError", "gain too big": "ValueError", "gain negative": "ValueError",
-              "gain str": "TypeError", "confirm str": "TypeError"}
-    for name, kind in expect.items():
-        assert errors[name] is not None, f"{name}: no exception"
-        assert errors[name][0] == kind, (name, errors[name])
-    assert "budget_steps" in errors["small budget"][1] and "Decentralized" in errors["algorithm"][1]
-    assert "bucket_split_gap_ms" in errors["gap"][1] and "small_allreduce_kb" in errors["threshold"][1]
-    assert all("min_gain" in errors[k][1] for k in ("gain too big", "gain negative", "gain str"))
-    assert "confirm" in errors["confirm str"][1]
+BAD_ARGUMENTS = {  # case: (exception type, a word its message must hold or None)
+    "str": ("TypeError", None), "unknown option": ("TypeError", None), "small budget": ("ValueError", "budget_steps"),
+    "zero measure": ("ValueError", None), "negative warm": ("ValueError", None), "float budget": ("TypeError", None),
+    "bad knob": ("ValueError", None), "bad value": ("ValueError", None), "bad bool": ("TypeError", None),
+    "algorithm": ("ValueError", "Decentralized"), "gap": ("ValueError", "bucket_split_gap_ms"),
+    "shared": ("TypeError", None), "threshold": ("ValueError", "small_allreduce_kb"),
+    "env budget": ("ValueError", None),
+    "gain too big": ("ValueError", "min_gain"), "gain negative": ("ValueError", "min_gain"),
+    "gain str": ("TypeError", "min_gain"), "confirm str": ("TypeError", "confirm")}
+
+
+def _bad_args_once(batches):
+    """_bad_args's result: one launch for every test of this file that needs it (every case in it)."""
+    return harness.batch(batches, "bad args", lambda: harness.run(_bad_args, 1, timeout=60)[0])
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS), ids=[k.replace(" ", "_") for k in BAD_ARGUMENTS])
+def test_autotune_bad_arguments(name, batches):
+    errors, _, _ = _bad_args_once(batches)
+    kind, word = BAD_ARGUMENTS[name]
+    assert errors[name] is not None, f"{name}: no exception"
+    assert errors[name][0] == kind, (name, errors[name])
+    if word is not None:
+        assert word in errors[name][1], (name, errors[name])
+
+
+def test_autotune_from_the_environment_only_warns_for_an_untunable_algorithm(batches):
+    _, warned, env_status = _bad_args_once(batches)
     assert env_status is None and any("RUMOR_AUTOTUNE ignored" in m for m in warned)
 
 

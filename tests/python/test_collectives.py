@@ -2,7 +2,8 @@
 
 Each test spawns its ranks once and runs a whole batch of cases in them (spawning costs a
 couple of seconds per rank on a small machine); a rank records every mismatch it sees and the
-test fails listing all of them. Expected results are computed locally and exactly: every rank
+test fails listing all of them; the matrix tests have one test id per group of cases (`-k large`),
+the selected groups sharing one launch. Expected results are computed locally and exactly: every rank
 can generate every other rank's input from the case's key (harness.gen). Where torch's gloo
 backend implements the same operation, the ranks also compare against it in the same
 processes (init_process_group("gloo") after rumor.init() shares rumor's TCPStore).
@@ -266,53 +267,69 @@ def _rank_queries(chk, n, r, hosts=None):
         chk.check(got == want, f"{name}() = {got}, expected {want} (hosts {hosts})")
 
 
-def matrix_rank(profile: str, key: str, large: bool, gloo: bool):
+MATRIX = {
+    "queries": lambda chk, n, r, profile, key: _rank_queries(chk, n, r),
+    "reducing": _reducing_cases,
+    "copying": _copying_cases,
+    "large": lambda chk, n, r, profile, key: _large_cases(chk, n, r, key),
+    "gloo": lambda chk, n, r, profile, key: _gloo_cases(chk, n, r, key),
+}
+
+
+def matrix_rank(groups, profile: str, key: str):
+    """Runs the named groups of MATRIX in order; returns {group: (failures, count)}."""
     import rumor
 
     rumor.init()
     n, r = rumor.size(), rumor.rank()
     chk = Checker()
-    _rank_queries(chk, n, r)
-    _reducing_cases(chk, n, r, profile, key)
-    _copying_cases(chk, n, r, profile, key)
-    if large:
-        _large_cases(chk, n, r, key)
-    if gloo and n > 1:
-        _gloo_cases(chk, n, r, key)
-    return _finish(chk)
+    out = harness.run_scenarios(chk, groups, MATRIX, n, r, profile, key)
+    _finish(chk)
+    return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_matrix_shared_memory(world_size):
+# One test id per group of cases (`-k reducing`); the selected groups of one test's ranks run in
+# one launch (harness.batch), as a whole batch did before.
+BASIC = ["queries", "reducing", "copying", "large"]
+
+
+def _matrix(request, batches, group, profile, key, world_size, **run):
+    __tracebackhide__ = True
+    res = harness.batch(batches, key, lambda: harness.run(
+        matrix_rank, world_size, timeout=240, args=(harness.selected(request, "group"), profile, key), **run))
+    harness.assert_no_failures(harness.scenario_results(res, group), f"[{key}] {group}")
+
+
+SHM = [(n, g) for n in (1, 2, 3, 4) for g in BASIC + (["gloo"] if n > 1 else [])]
+
+
+@pytest.mark.parametrize("world_size,group", SHM, ids=[f"{n}-{g}" for n, g in SHM])
+def test_matrix_shared_memory(world_size, group, request, batches):
     """Every collective x dtype x op x size; the default transport (shared memory on one host),
     plus a comparison with gloo."""
-    res = harness.run(matrix_rank, world_size, timeout=240, args=("full", f"shm{world_size}", True, True))
-    harness.assert_no_failures(res)
+    _matrix(request, batches, group, "full", f"shm{world_size}", world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_matrix_tcp(world_size):
+@pytest.mark.parametrize("group", BASIC)
+def test_matrix_tcp(world_size, group, request, batches):
     """The same over TCP on one host (RUMOR_SHM=0), default two streams per peer (three ranks
     over TCP: see the socket-streams tests)."""
-    res = harness.run(matrix_rank, world_size, timeout=240, env=TCP,
-                      args=("reduced", f"tcp{world_size}", True, False))
-    harness.assert_no_failures(res)
+    _matrix(request, batches, group, "reduced", f"tcp{world_size}", world_size, env=TCP)
 
 
 @pytest.mark.parametrize("streams", [1, 4])
-def test_matrix_tcp_socket_streams(streams):
+@pytest.mark.parametrize("group", BASIC)
+def test_matrix_tcp_socket_streams(streams, group, request, batches):
     """One and four TCP streams per peer pair; the large cases stripe messages >= 256 KiB."""
-    res = harness.run(matrix_rank, 3, timeout=240,
-                      env={**TCP, "RUMOR_SOCKET_STREAMS": str(streams)},
-                      args=("minimal", f"streams{streams}", True, False))
-    harness.assert_no_failures(res)
+    _matrix(request, batches, group, "minimal", f"streams{streams}", 3,
+            env={**TCP, "RUMOR_SOCKET_STREAMS": str(streams)})
 
 
-def test_matrix_small_shm_ring():
+@pytest.mark.parametrize("group", BASIC)
+def test_matrix_small_shm_ring(group, request, batches):
     """A 64 KiB shared-memory ring: every large message wraps around the ring many times."""
-    res = harness.run(matrix_rank, 3, timeout=240, env={"RUMOR_SHM_RING_BYTES": str(64 * 1024)},
-                      args=("minimal", "smallring", True, False))
-    harness.assert_no_failures(res)
+    _matrix(request, batches, group, "minimal", "smallring", 3, env={"RUMOR_SHM_RING_BYTES": str(64 * 1024)})
 
 
 # ---- allreduce algorithms ------------------------------------------------------------------------

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -469,14 +470,15 @@ def _window_reference_step(kind, X, Z, P, S, SP, local, src, grads, lr, due):
     return X, [0.5 * z for z in Z], [0.5 * p for p in P], S, SP, False
 
 
-def rank_window_pass_counting():
+def rank_window_pass_counting(cases):
     """BlueFog's window optimizers count passes: with num_steps_per_communication=3, "3 passes
     then one step()" communicates at every step, a step after every pass at every third (the
     third pass of each group for BlueFog's names, the first for rumor's own, which is what
     counting steps gave), and a bare step() counts as a pass. Checked bit for bit against a
     float64 simulation of all ranks (one in-neighbour, weights 1/2, lr 1/8: every operation
     rounds once, in the same order); push-sum also keeps the local steps between its pushes.
-    BlueFog's names run with force_barrier, rumor's with explicit waits and barriers."""
+    BlueFog's names run with force_barrier, rumor's with explicit waits and barriers.
+    cases: [(kind, api)] in order; returns {case: (failures, count)}."""
     import torch
 
     import rumor
@@ -492,63 +494,74 @@ def rank_window_pass_counting():
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
     kinds = {"winput": "DistributedWinPutOptimizer", "pullget": "DistributedPullGetOptimizer",
              "pushsum": "DistributedPushSumOptimizer"}
-    for kind, cls in kinds.items():
-        for api in ("bluefog", "native"):
-            m = _model(40 + r)
-            make = getattr(bf if api == "bluefog" else rumor.optim, cls)
-            opt = make(torch.optim.SGD(m.parameters(), lr=lr), m, num_steps_per_communication=J)
-            if api == "bluefog":
-                chk.check(opt.force_barrier is (kind == "pushsum"), f"{kind}: BlueFog's force_barrier default")
-                opt.force_barrier = True
-            X = list(rumor.allgather(flat(m).unsqueeze(0)))
-            Z, P = list(X), [torch.ones((), dtype=torch.float64)] * n
-            S, SP, local = [torch.zeros_like(X[0])] * n, [torch.zeros((), dtype=torch.float64)] * n, False
-            gen = torch.Generator().manual_seed(70 + r)
-            offset = 1 if api == "bluefog" else 0
-            passes = 0
-            # (passes before the step, with a forward each; 0 is a bare step(): a pass itself)
-            schedule = [3, 3] + [1] * 6 + [0] * 3
-            for step, k in enumerate(schedule):
-                opt.zero_grad()
-                due = any((passes + i + offset) % J == 0 for i in range(max(k, 1)))
-                passes += max(k, 1)
-                for _ in range(k):
-                    m(torch.randn(4, 5, dtype=torch.float64, generator=gen)).pow(2).sum().backward()
-                g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                               for p in m.parameters()])
-                # One-sided exchanges land on their own time: the barriers make this run lockstep
-                # (puts and gets of this step before any combine, pushes after every collect);
-                # BlueFog's force_barrier does the first inside step().
-                if api == "native":
-                    for h in list(opt._handles):
-                        h.wait()
-                    rumor.barrier()
-                if k == 0:
-                    g = torch.zeros_like(g)
-                opt.step(closure=rumor.barrier)
-                opt._wait()
+    out = {}
+    for case in cases:
+        kind, api = case
+        cls = kinds[kind]
+        f0, c0 = len(chk.failures), chk.count
+        m = _model(40 + r)
+        make = getattr(bf if api == "bluefog" else rumor.optim, cls)
+        opt = make(torch.optim.SGD(m.parameters(), lr=lr), m, num_steps_per_communication=J)
+        if api == "bluefog":
+            chk.check(opt.force_barrier is (kind == "pushsum"), f"{kind}: BlueFog's force_barrier default")
+            opt.force_barrier = True
+        X = list(rumor.allgather(flat(m).unsqueeze(0)))
+        Z, P = list(X), [torch.ones((), dtype=torch.float64)] * n
+        S, SP, local = [torch.zeros_like(X[0])] * n, [torch.zeros((), dtype=torch.float64)] * n, False
+        gen = torch.Generator().manual_seed(70 + r)
+        offset = 1 if api == "bluefog" else 0
+        passes = 0
+        # (passes before the step, with a forward each; 0 is a bare step(): a pass itself)
+        schedule = [3, 3] + [1] * 6 + [0] * 3
+        for step, k in enumerate(schedule):
+            opt.zero_grad()
+            due = any((passes + i + offset) % J == 0 for i in range(max(k, 1)))
+            passes += max(k, 1)
+            for _ in range(k):
+                m(torch.randn(4, 5, dtype=torch.float64, generator=gen)).pow(2).sum().backward()
+            g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                           for p in m.parameters()])
+            # One-sided exchanges land on their own time: the barriers make this run lockstep
+            # (puts and gets of this step before any combine, pushes after every collect);
+            # BlueFog's force_barrier does the first inside step().
+            if api == "native":
+                for h in list(opt._handles):
+                    h.wait()
                 rumor.barrier()
-                grads = list(rumor.allgather(g.unsqueeze(0)))
-                what = f"{api} {kind}: step {step} ({k} passes, communicates: {due})"
-                if k == 0 and kind != "pushsum":
-                    # A bare step() exchanges and combines inside step(): what a neighbour's slot
-                    # or published copy holds then depends on timing (one-sided), so only
-                    # whether it communicated is checked (no gradient: a local step is a no-op).
-                    before, X = X[r], list(rumor.allgather(flat(m).unsqueeze(0)))
-                    chk.check(bool((X[r] != before).any()) == due, what)
-                    continue
-                X, Z, P, S, SP, local = _window_reference_step(kind, X, Z, P, S, SP, local, src, grads, lr, due)
-                chk.equal(flat(m), X[r], what)
-            opt.remove_hooks()
+            if k == 0:
+                g = torch.zeros_like(g)
+            opt.step(closure=rumor.barrier)
+            opt._wait()
             rumor.barrier()
-            opt.free_windows()
-    return chk.failures, chk.count
+            grads = list(rumor.allgather(g.unsqueeze(0)))
+            what = f"{api} {kind}: step {step} ({k} passes, communicates: {due})"
+            if k == 0 and kind != "pushsum":
+                # A bare step() exchanges and combines inside step(): what a neighbour's slot
+                # or published copy holds then depends on timing (one-sided), so only
+                # whether it communicated is checked (no gradient: a local step is a no-op).
+                before, X = X[r], list(rumor.allgather(flat(m).unsqueeze(0)))
+                chk.check(bool((X[r] != before).any()) == due, what)
+                continue
+            X, Z, P, S, SP, local = _window_reference_step(kind, X, Z, P, S, SP, local, src, grads, lr, due)
+            chk.equal(flat(m), X[r], what)
+        opt.remove_hooks()
+        rumor.barrier()
+        opt.free_windows()
+        out[case] = (chk.failures[f0:], chk.count - c0)
+    return out
+
+
+PASS_COUNTING = [(kind, api) for kind in ("winput", "pullget", "pushsum") for api in ("bluefog", "native")]
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_window_optimizers_count_passes(n):
-    res = harness.run(rank_window_pass_counting, n, timeout=120)
-    harness.assert_no_failures([res[r] for r in range(n)], f"window optimizers' pass counting, {n} ranks")
+@pytest.mark.parametrize("case", PASS_COUNTING, ids=[f"{k}-{a}" for k, a in PASS_COUNTING])
+def test_window_optimizers_count_passes(n, case, request, batches):
+    """One test id per (optimizer, API); the selected ones of a world size run in one launch."""
+    res = harness.batch(batches, ("pass counting", n), lambda: harness.run(
+        rank_window_pass_counting, n, timeout=120, args=(harness.selected(request, "case"),)))
+    assert harness.assert_no_failures(harness.scenario_results(res, case),
+                                      f"window optimizers' pass counting, {n} ranks, {case}") > 0
 
 
 # ==== ranks: example scripts, import changed only, vs rumor's native API ==========================
@@ -700,32 +713,37 @@ def _bagua_primitives(chk):
     bagua.barrier()
 
 
-def rank_examples():
+def _example_consensus(chk, topo):
+    import rumor.compat.bluefog as bf
+
+    consensus = _load("bluefog_consensus")
+    x, errors = consensus.main(topo, weighted=True, iterations=60)
+    native = _native_consensus(bf.topology_util.to_topology(bf.load_topology()), 60)
+    chk.equal(x, native, f"bluefog_consensus {topo}: same bits as rumor.neighbor_allreduce")
+    chk.check(errors[-1] < 1e-12, f"consensus {topo}: relative error {errors[-1]}")
+
+
+def _example_bluefog_mnist(chk, opt):
+    mnist = _load("bluefog_mnist")
+    losses, params = mnist.main(opt, steps=6)
+    want_losses, want_params = _native_mnist(mnist, opt, 6)
+    chk.equal(params, want_params, f"bluefog_mnist {opt}: parameters")
+    chk.check(losses == want_losses, f"bluefog_mnist {opt}: losses {losses} vs {want_losses}")
+
+
+def _example_bagua_mnist(chk, alg):
+    bagua_mnist = _load("bagua_mnist")
+    losses, params = bagua_mnist.main(alg, steps=8)
+    want_losses, want_params = _native_bagua(bagua_mnist, alg, 8)
+    chk.equal(params, want_params, f"bagua_mnist {alg}: parameters")
+    chk.check(losses == want_losses, f"bagua_mnist {alg}: losses")
+
+
+def _example_synthetic_benchmark(chk):
     import torch
 
     import rumor
-    import rumor.compat.bluefog as bf
 
-    chk = harness.Checker()
-    _bagua_primitives(chk)
-    consensus = _load("bluefog_consensus")
-    for topo in ("star", "mesh", "expo2"):
-        x, errors = consensus.main(topo, weighted=True, iterations=60)
-        native = _native_consensus(bf.topology_util.to_topology(bf.load_topology()), 60)
-        chk.equal(x, native, f"bluefog_consensus {topo}: same bits as rumor.neighbor_allreduce")
-        chk.check(errors[-1] < 1e-12, f"consensus {topo}: relative error {errors[-1]}")
-    mnist = _load("bluefog_mnist")
-    for opt in ("awc", "atc", "gradient_allreduce"):
-        losses, params = mnist.main(opt, steps=6)
-        want_losses, want_params = _native_mnist(mnist, opt, 6)
-        chk.equal(params, want_params, f"bluefog_mnist {opt}: parameters")
-        chk.check(losses == want_losses, f"bluefog_mnist {opt}: losses {losses} vs {want_losses}")
-    bagua_mnist = _load("bagua_mnist")
-    for alg in ("gradient_allreduce", "decentralized", "bytegrad", "qadam"):
-        losses, params = bagua_mnist.main(alg, steps=8)
-        want_losses, want_params = _native_bagua(bagua_mnist, alg, 8)
-        chk.equal(params, want_params, f"bagua_mnist {alg}: parameters")
-        chk.check(losses == want_losses, f"bagua_mnist {alg}: losses")
     bench = _load("bagua_synthetic_benchmark")
     rate, params = bench.main("gradient_allreduce", warmup=1, iters=2)
     chk.check(rate > 0, "benchmark rate")
@@ -739,9 +757,27 @@ def rank_examples():
         torch.nn.functional.cross_entropy(model(data), torch.arange(16) % 10).backward()
         optimizer.step()
     chk.equal(params, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "synthetic benchmark")
-    return chk.failures, chk.count
 
 
-def test_example_scripts_equal_native_api():
-    res = harness.run(rank_examples, 2, timeout=150)
-    harness.assert_no_failures([res[r] for r in range(2)], "examples")
+# Each example (and setting) is a scenario of its own; each initializes rumor itself.
+EXAMPLE_SCENARIOS = {"bagua_primitives": _bagua_primitives}
+EXAMPLE_SCENARIOS.update({f"bluefog_consensus_{t}": functools.partial(_example_consensus, topo=t)
+                          for t in ("star", "mesh", "expo2")})
+EXAMPLE_SCENARIOS.update({f"bluefog_mnist_{o}": functools.partial(_example_bluefog_mnist, opt=o)
+                          for o in ("awc", "atc", "gradient_allreduce")})
+EXAMPLE_SCENARIOS.update({f"bagua_mnist_{a}": functools.partial(_example_bagua_mnist, alg=a)
+                          for a in ("gradient_allreduce", "decentralized", "bytegrad", "qadam")})
+EXAMPLE_SCENARIOS["bagua_synthetic_benchmark"] = _example_synthetic_benchmark
+
+
+def rank_examples(names):
+    """Runs the named example scenarios in order; returns {name: (failures, count)}."""
+    return harness.run_scenarios(harness.Checker(), names, EXAMPLE_SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", list(EXAMPLE_SCENARIOS))
+def test_example_scripts_equal_native_api(scenario, request, batches):
+    """One test id per example and setting; the selected ones run in one launch of 2 ranks."""
+    res = harness.batch(batches, "examples", lambda: harness.run(
+        rank_examples, 2, timeout=150, args=(harness.selected(request, "scenario"),)))
+    assert harness.assert_no_failures(harness.scenario_results(res, scenario), f"examples: {scenario}") > 0

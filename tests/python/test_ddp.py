@@ -5,7 +5,8 @@ test with its traceback). Each rank calls rumor.init() and then
 torch.distributed.init_process_group("gloo"), which shares rumor's TCPStore, so rumor's wrapper
 and torch DDP train side by side in the same processes on the same data. Many scenarios run per
 spawn (process start-up dominates on a 2-core machine); every mismatch is collected by a
-harness.Checker, so one run reports all of them.
+harness.Checker, so one run reports all of them. Each scenario is a test id of its own
+(`-k mlp_hier`); the selected scenarios of one launch still share it (harness.batch).
 
 What is compared, and how:
 * bitwise (torch.equal): parameters and gradients across ranks (sha256 of every tensor, gathered
@@ -1028,6 +1029,8 @@ SCENARIOS = {
 
 
 def scenarios_rank(names, expect_hosts=None):
+    """Runs the named scenarios in order; returns the topology check's (failures, count) and
+    {name: (failures, count)}."""
     import rumor
 
     _init()
@@ -1037,10 +1040,10 @@ def scenarios_rank(names, expect_hosts=None):
         chk.check(rumor.machine_size() == hosts and rumor.local_size() == per,
                   f"topology: machine_size {rumor.machine_size()}, local_size {rumor.local_size()}, "
                   f"expected {hosts} hosts x {per}")
-    for name in names:
-        SCENARIOS[name](chk)
+    topology = (chk.failures[:], chk.count)
+    out = harness.run_scenarios(chk, names, SCENARIOS)
     _finish()
-    return chk.failures, chk.count
+    return topology, out
 
 
 # ==== the tests ===================================================================================
@@ -1050,13 +1053,30 @@ ALL = ["default_algorithm", "mlp", "mlp_sum", "mlp_hier", "mlp_big_buckets", "tr
        "unused", "frozen_ignored", "autocast", "buffers", "state_dict", "dropped_wrapper"]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_equivalence_and_features(world):
-    """Every scenario on 1, 2 and 4 ranks of one host (torch.compile on 2: it costs seconds)."""
-    names = ALL + (["compile"] if world == 2 else [])
-    res = harness.run(scenarios_rank, world, timeout=170, args=(names,))
-    n = harness.assert_no_failures(res, f"rumor DDP on {world} rank(s)")
-    assert n > 100
+def _scenario(results, name, what):
+    """Asserts the topology check and scenario `name` of a scenarios_rank launch; returns the
+    scenario's number of checks."""
+    __tracebackhide__ = True
+    harness.assert_no_failures([r[0] for r in results], what)
+    return harness.assert_no_failures(harness.scenario_results([r[1] for r in results], name), f"{what}: {name}")
+
+
+EQUIVALENCE = [(world, name) for world in (1, 2, 4) for name in ALL + (["compile"] if world == 2 else [])]
+
+
+@pytest.mark.parametrize("world,scenario", EQUIVALENCE, ids=[f"{w}ranks-{n}" for w, n in EQUIVALENCE])
+def test_equivalence_and_features(world, scenario, request, batches):
+    """Every scenario on 1, 2 and 4 ranks of one host (torch.compile on 2: it costs seconds). The
+    selected scenarios of one world size run in one launch."""
+    def launch():
+        names = harness.selected(request, "scenario")
+        res = harness.run(scenarios_rank, world, timeout=170, args=(names,))
+        if set(names) >= set(ALL):  # the whole batch: it checked a lot
+            assert sum(c for r in res for _, c in r[1].values()) > 100
+        return res
+
+    res = harness.batch(batches, ("equivalence", world), launch)
+    assert _scenario(res, scenario, f"rumor DDP on {world} rank(s)") > 0
 
 
 def test_error_cases():
@@ -1072,25 +1092,29 @@ def test_sparse_gradient_without_sparse_module():
 HIER = ["mlp", "mlp_hier", "mlp_big_buckets", "mlp_medium", "mlp_medium_hier", "no_sync", "unused", "buffers"]
 
 
-def test_hierarchical_two_hosts_by_host_id():
+@pytest.mark.parametrize("scenario", HIER)
+def test_hierarchical_two_hosts_by_host_id(scenario, request, batches):
     """2 hosts x 2 ranks on one machine: RUMOR_HOST_ID makes rumor treat ranks 0,1 and 2,3 as two
     hosts (shared memory inside, TCP between), so hierarchical=True really runs intra-host
     reduce, leader allreduce and intra-host broadcast."""
     rank_env = [{"RUMOR_HOST_ID": h} for h in ("hA", "hA", "hB", "hB")]
-    res = harness.run(scenarios_rank, 4, timeout=150, rank_env=rank_env, args=(HIER, (2, 2)))
-    harness.assert_no_failures(res, "hierarchical, RUMOR_HOST_ID hA,hA,hB,hB")
+    res = harness.batch(batches, "host id", lambda: harness.run(
+        scenarios_rank, 4, timeout=150, rank_env=rank_env, args=(harness.selected(request, "scenario"), (2, 2))))
+    _scenario(res, scenario, "hierarchical, RUMOR_HOST_ID hA,hA,hB,hB")
 
 
-def test_hierarchical_two_emulated_hosts():
+@pytest.mark.parametrize("scenario", HIER)
+def test_hierarchical_two_emulated_hosts(scenario, request, batches):
     """The same on 2 emulated hosts (network namespaces, rumor.testing.netns) x 2 ranks."""
     from rumor.testing import launch, netns
 
     ok, why = netns.available()
     if not ok:
         pytest.skip(f"emulated hosts need Linux network namespaces: {why}")
-    res = _run_in_cluster(scenarios_rank, hosts=2, ranks_per_host=2, timeout=150, args=(HIER, (2, 2)),
-                          launch=launch, netns=netns)
-    harness.assert_no_failures(res, "hierarchical, 2 emulated hosts x 2 ranks")
+    res = harness.batch(batches, "netns", lambda: _run_in_cluster(
+        scenarios_rank, hosts=2, ranks_per_host=2, timeout=150, args=(harness.selected(request, "scenario"), (2, 2)),
+        launch=launch, netns=netns))
+    _scenario(res, scenario, "hierarchical, 2 emulated hosts x 2 ranks")
 
 
 def _run_in_cluster(fn, hosts, ranks_per_host, timeout, args, launch, netns):

@@ -158,12 +158,15 @@ def _same(a, b) -> bool:
 
 
 def equivalence_rank(cases):
-    """[(mode, algorithm, unused)]: each against the C++ engine, bit for bit."""
+    """[(mode, algorithm, unused)]: each against the C++ engine, bit for bit; returns {case: the
+    differences found}."""
     import rumor
 
     rumor.init()
-    bad = []
-    for mode, algo, unused in cases:
+    out = {}
+    for case in cases:
+        mode, algo, unused = case
+        out[case] = bad = []
         steps = 7 if "diloco" in algo or "streaming" in algo else STEPS
         ref = _train(None, algo, unused=unused, steps=steps)
         got = _train(mode, algo, unused=unused, steps=steps)
@@ -174,20 +177,22 @@ def equivalence_rank(cases):
                 bad.append(f"{mode} {algo} unused={unused} step {step}: parameters differ from the C++ engine's")
     # Nothing to compare to if the averaging did nothing: the ranks' gradients started different.
     rumor.shutdown()
-    return bad
+    return out
 
 
 def close_rank(cases):
     """[(mode, algorithm)] against the C++ engine to float32 rounding: Decentralized's weight
     mix (the device form sums in another order; staged: the C++ WeightMixOp) and PowerSGD (the
-    device op's matrix products are torch's)."""
+    device op's matrix products are torch's). Returns {case: the differences found}."""
     import torch
 
     import rumor
 
     rumor.init()
-    bad = []
-    for mode, algo in cases:
+    out = {}
+    for case in cases:
+        mode, algo = case
+        out[case] = bad = []
         ref = _train(None, algo, steps=4)
         got = _train(mode, algo, steps=4)
         for step, ((_, rp), (_, gp)) in enumerate(zip(ref, got)):
@@ -197,7 +202,7 @@ def close_rank(cases):
                                f"{float((a - b).abs().max()):.3g}")
                     break
     rumor.shutdown()
-    return bad
+    return out
 
 
 def no_sync_rank():
@@ -299,33 +304,44 @@ def dead_peer_rank(mode):
 
 # ==== the tests ===================================================================================
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_emulated_engine_matches_the_cpp_engine(world):
-    cases = [("staged", "allreduce", False), ("direct", "allreduce", False), ("direct", "allreduce_sum", False),
-             ("direct", "bytegrad", False), ("direct", "qsgd", False), ("staged", "qsgd", False),
-             ("direct", "fp16", False), ("direct", "bytegrad_hier", False), ("direct", "allreduce", True),
-             ("staged", "bytegrad", True), ("direct", "localsgd", False), ("staged", "localsgd", False),
-             ("direct", "onebit", False), ("direct", "onebit_hier", False), ("direct", "lpdec", False),
-             ("direct", "lpdec_hier", False), ("direct", "diloco", False), ("staged", "diloco", False),
-             ("direct", "diloco_4bit", False), ("staged", "diloco_4bit", False), ("direct", "streaming", False),
-             ("staged", "streaming", False)]
-    if world == 2:
-        cases = [c for c in cases if c[1] in ("allreduce", "bytegrad", "localsgd", "onebit", "lpdec", "streaming")] + [
-            ("direct", "bf16", False)]
-    res = harness.run(equivalence_rank, world, timeout=240, args=(cases,))
-    problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
+EQUIVALENCE = [("staged", "allreduce", False), ("direct", "allreduce", False), ("direct", "allreduce_sum", False),
+               ("direct", "bytegrad", False), ("direct", "qsgd", False), ("staged", "qsgd", False),
+               ("direct", "fp16", False), ("direct", "bytegrad_hier", False), ("direct", "allreduce", True),
+               ("staged", "bytegrad", True), ("direct", "localsgd", False), ("staged", "localsgd", False),
+               ("direct", "onebit", False), ("direct", "onebit_hier", False), ("direct", "lpdec", False),
+               ("direct", "lpdec_hier", False), ("direct", "diloco", False), ("staged", "diloco", False),
+               ("direct", "diloco_4bit", False), ("staged", "diloco_4bit", False), ("direct", "streaming", False),
+               ("staged", "streaming", False)]
+EQUIVALENCE = [(3, c) for c in EQUIVALENCE] + [
+    (2, c) for c in EQUIVALENCE if c[1] in ("allreduce", "bytegrad", "localsgd", "onebit", "lpdec", "streaming")] + [
+    (2, ("direct", "bf16", False))]
+CLOSE = [(mode, algo) for mode in ("direct", "staged") for algo in ("dec_all", "dec_shift_one", "dec_exp2", "dec_hier")]
+CLOSE += [("direct", "powersgd"), ("direct", "powersgd_bf16"), ("staged", "powersgd"),
+          ("direct", "allreduce_overlap"), ("staged", "allreduce_overlap"), ("direct", "allreduce_fused"),
+          ("direct", "bytegrad_overlap_clip")]
+CLOSE = [(w, c) for w in (2, 3) for c in CLOSE]
+
+# One test id per (world size, case); the selected cases of one world size run in one launch.
+
+
+def _case_id(world, case):
+    mode, algo, *unused = case
+    return f"{world}ranks-{mode}-{algo}" + ("-unused" if unused and unused[0] else "")
+
+
+@pytest.mark.parametrize("world,case", EQUIVALENCE, ids=[_case_id(w, c) for w, c in EQUIVALENCE])
+def test_emulated_engine_matches_the_cpp_engine(world, case, request, batches):
+    res = harness.batch(batches, ("equivalence", world), lambda: harness.run(
+        equivalence_rank, world, timeout=240, args=(harness.selected(request, "case"),)))
+    problems = [f"rank {r}: {p}" for r, out in enumerate(res) for p in out[case]]
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_emulated_engine_close_to_the_cpp_engine(world):
-    cases = [(mode, algo) for mode in ("direct", "staged")
-             for algo in ("dec_all", "dec_shift_one", "dec_exp2", "dec_hier")]
-    cases += [("direct", "powersgd"), ("direct", "powersgd_bf16"), ("staged", "powersgd"),
-              ("direct", "allreduce_overlap"), ("staged", "allreduce_overlap"), ("direct", "allreduce_fused"),
-              ("direct", "bytegrad_overlap_clip")]
-    res = harness.run(close_rank, world, timeout=150, args=(cases,))
-    problems = [f"rank {r}: {p}" for r, bad in enumerate(res) for p in bad]
+@pytest.mark.parametrize("world,case", CLOSE, ids=[_case_id(w, c) for w, c in CLOSE])
+def test_emulated_engine_close_to_the_cpp_engine(world, case, request, batches):
+    res = harness.batch(batches, ("close", world), lambda: harness.run(
+        close_rank, world, timeout=150, args=(harness.selected(request, "case"),)))
+    problems = [f"rank {r}: {p}" for r, out in enumerate(res) for p in out[case]]
     assert not problems, "\n".join(problems)
 
 

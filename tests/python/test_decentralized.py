@@ -327,9 +327,8 @@ def test_decentralized_matches_simulation_4_ranks():
     harness.assert_no_failures([(chk.failures, chk.count)], "decentralized, 4 ranks")
 
 
-def test_decentralized_odd_world_and_hierarchical():
-    """shift_one on 3 ranks (one sits out each round); hierarchical on hosts faked with
-    RUMOR_HOST_ID: 2 hosts x 2 ranks and 3 hosts of 2, 1 and 1 ranks."""
+def test_decentralized_odd_world():
+    """shift_one on 3 ranks (one sits out each round)."""
     steps = 4
     chk = harness.Checker()
     specs3 = [dict(kind="decentralized", sel="shift_one"), dict(kind="decentralized", sel="shift_one", k=2)]
@@ -339,34 +338,45 @@ def test_decentralized_odd_world_and_hierarchical():
         got = [res[r][si]["traj"] for r in range(3)]
         _check_traj(chk, got, _simulate_decentralized("shift_one", 3, steps, spec.get("k", 1)),
                     f"shift_one on 3 ranks, k={spec.get('k', 1)}")
-    skew2 = [[0.75, 0.5], [0.25, 0.5]]
-    half2 = [[0.5, 0.5], [0.5, 0.5]]  # RingGraph(2) with uniform receive weights
-    cases = {("hA", "hA", "hB", "hB"): [dict(kind="decentralized", sel="all", hier=True),
-                                        dict(kind="decentralized", sel="shift_one", hier=True),
-                                        dict(kind="decentralized", sel=skew2, hier=True),
-                                        dict(kind="awc", comm="hierarchical_neighbor_allreduce",
-                                             machine_topology="ring", sel=half2),
-                                        dict(kind="atc", comm="hierarchical_neighbor_allreduce",
-                                             machine_topology="ring", sel=half2)],
-             ("hA", "hA", "hB", "hC"): [dict(kind="decentralized", sel="shift_one", hier=True),
-                                        dict(kind="decentralized", sel="exp2", hier=True)]}
-    for hosts, specs in cases.items():
-        res = harness.run(rank_train, 4, timeout=90, args=(specs, steps),
-                          rank_env=[{"RUMOR_HOST_ID": h} for h in hosts])
-        for si, spec in enumerate(specs):
-            got = [res[r][si]["traj"] for r in range(4)]
-            what = (f"hierarchical {spec['kind']} {spec['sel'] if isinstance(spec['sel'], str) else 'matrix'} "
-                    f"on hosts {hosts}")
-            exp = _simulate_decentralized(spec["sel"], 4, steps, 1, hosts=list(hosts), atc=spec["kind"] == "atc")
-            _check_traj(chk, got, exp, what)
-            if spec["kind"] != "decentralized":
-                continue
-            for r in range(4):  # ranks of a host hold the same mixed weights
-                peer = hosts.index(hosts[r])
-                for t in range(steps):
-                    chk.equal(res[r][si]["mixed"][t], res[peer][si]["mixed"][t],
-                              f"{what}: rank {r} step {t}: mixed weights equal to its host leader's")
-    harness.assert_no_failures([(chk.failures, chk.count)], "decentralized, odd world and hierarchical")
+    harness.assert_no_failures([(chk.failures, chk.count)], "decentralized, odd world")
+
+
+_SKEW2 = [[0.75, 0.5], [0.25, 0.5]]
+_HALF2 = [[0.5, 0.5], [0.5, 0.5]]  # RingGraph(2) with uniform receive weights
+HIER_CASES = {("hA", "hA", "hB", "hB"): [dict(kind="decentralized", sel="all", hier=True),
+                                         dict(kind="decentralized", sel="shift_one", hier=True),
+                                         dict(kind="decentralized", sel=_SKEW2, hier=True),
+                                         dict(kind="awc", comm="hierarchical_neighbor_allreduce",
+                                              machine_topology="ring", sel=_HALF2),
+                                         dict(kind="atc", comm="hierarchical_neighbor_allreduce",
+                                              machine_topology="ring", sel=_HALF2)],
+              ("hA", "hA", "hB", "hC"): [dict(kind="decentralized", sel="shift_one", hier=True),
+                                         dict(kind="decentralized", sel="exp2", hier=True)]}
+
+
+@pytest.mark.parametrize("hosts", list(HIER_CASES), ids=["2x2", "2+1+1"])
+def test_decentralized_hierarchical(hosts):
+    """Hierarchical on hosts faked with RUMOR_HOST_ID: 2 hosts x 2 ranks and 3 hosts of 2, 1 and
+    1 ranks (one launch each)."""
+    steps = 4
+    chk = harness.Checker()
+    specs = HIER_CASES[hosts]
+    res = harness.run(rank_train, 4, timeout=90, args=(specs, steps),
+                      rank_env=[{"RUMOR_HOST_ID": h} for h in hosts])
+    for si, spec in enumerate(specs):
+        got = [res[r][si]["traj"] for r in range(4)]
+        what = (f"hierarchical {spec['kind']} {spec['sel'] if isinstance(spec['sel'], str) else 'matrix'} "
+                f"on hosts {hosts}")
+        exp = _simulate_decentralized(spec["sel"], 4, steps, 1, hosts=list(hosts), atc=spec["kind"] == "atc")
+        _check_traj(chk, got, exp, what)
+        if spec["kind"] != "decentralized":
+            continue
+        for r in range(4):  # ranks of a host hold the same mixed weights
+            peer = hosts.index(hosts[r])
+            for t in range(steps):
+                chk.equal(res[r][si]["mixed"][t], res[peer][si]["mixed"][t],
+                          f"{what}: rank {r} step {t}: mixed weights equal to its host leader's")
+    harness.assert_no_failures([(chk.failures, chk.count)], f"decentralized, hierarchical on hosts {hosts}")
 
 
 def _simulate_low_precision(n, steps, sizes, k=1, hosts=None):
@@ -411,39 +421,42 @@ def _simulate_low_precision(n, steps, sizes, k=1, hosts=None):
     return traj, xh
 
 
-def test_low_precision_matches_simulation():
+LOWPREC_CASES = [(4, None, [dict(kind="lowprec"), dict(kind="lowprec", k=2)]),
+                 (2, None, [dict(kind="lowprec")]),
+                 (4, ("hA", "hA", "hB", "hB"), [dict(kind="lowprec", hier=True)])]
+
+
+@pytest.mark.parametrize("n,hosts,specs", LOWPREC_CASES, ids=["4ranks", "2ranks", "2x2hosts"])
+def test_low_precision_matches_simulation(n, hosts, specs):
     """Parameters follow the simulation; a neighbour's replica of a rank is that rank's tracked
-    copy, bit for bit (4 ranks: 3-neighbour mixing; 2 ranks: one neighbour; 2 hosts x 2)."""
+    copy, bit for bit (4 ranks: 3-neighbour mixing; 2 ranks: one neighbour; 2 hosts x 2); one
+    launch each."""
     import torch
 
     steps = 5
     chk = harness.Checker()
-    cases = [(4, None, [dict(kind="lowprec"), dict(kind="lowprec", k=2)]),
-             (2, None, [dict(kind="lowprec")]),
-             (4, ("hA", "hA", "hB", "hB"), [dict(kind="lowprec", hier=True)])]
-    for n, hosts, specs in cases:
-        rank_env = [{"RUMOR_HOST_ID": h} for h in hosts] if hosts else None
-        res = harness.run(rank_train, n, timeout=90, args=(specs, steps), rank_env=rank_env)
-        for si, spec in enumerate(specs):
-            what = f"LowPrecisionDecentralized n={n} k={spec.get('k', 1)} hosts={hosts}"
-            exp, xh = _simulate_low_precision(n, steps, res[0][si]["sizes"], spec.get("k", 1),
-                                              list(hosts) if hosts else None)
-            _check_traj(chk, [res[r][si]["traj"] for r in range(n)], exp, what)
-            leaders = [r for r in range(n) if hosts is None or hosts.index(hosts[r]) == r]
-            m = len(leaders)
-            for j, r in enumerate(leaders):
-                mine = torch.cat([c[0] for c in res[r][si]["copies"]])
-                chk.close(mine, xh[j], f"{what}: rank {r}'s tracked copy vs simulation", **TOL)
-                left = torch.cat([c[1] for c in res[leaders[(j + 1) % m]][si]["copies"]])
-                chk.equal(left, mine, f"{what}: the right neighbour's replica of rank {r}")
-                if m > 2:
-                    right = torch.cat([c[2] for c in res[leaders[(j - 1) % m]][si]["copies"]])
-                    chk.equal(right, mine, f"{what}: the left neighbour's replica of rank {r}")
-            for r in range(n):
-                if r not in leaders:
-                    chk.check(all(len(c[0]) == 0 for c in res[r][si]["copies"]),
-                              f"{what}: non-leader rank {r} keeps no copies")
-    harness.assert_no_failures([(chk.failures, chk.count)], "low-precision decentralized")
+    rank_env = [{"RUMOR_HOST_ID": h} for h in hosts] if hosts else None
+    res = harness.run(rank_train, n, timeout=90, args=(specs, steps), rank_env=rank_env)
+    for si, spec in enumerate(specs):
+        what = f"LowPrecisionDecentralized n={n} k={spec.get('k', 1)} hosts={hosts}"
+        exp, xh = _simulate_low_precision(n, steps, res[0][si]["sizes"], spec.get("k", 1),
+                                          list(hosts) if hosts else None)
+        _check_traj(chk, [res[r][si]["traj"] for r in range(n)], exp, what)
+        leaders = [r for r in range(n) if hosts is None or hosts.index(hosts[r]) == r]
+        m = len(leaders)
+        for j, r in enumerate(leaders):
+            mine = torch.cat([c[0] for c in res[r][si]["copies"]])
+            chk.close(mine, xh[j], f"{what}: rank {r}'s tracked copy vs simulation", **TOL)
+            left = torch.cat([c[1] for c in res[leaders[(j + 1) % m]][si]["copies"]])
+            chk.equal(left, mine, f"{what}: the right neighbour's replica of rank {r}")
+            if m > 2:
+                right = torch.cat([c[2] for c in res[leaders[(j - 1) % m]][si]["copies"]])
+                chk.equal(right, mine, f"{what}: the left neighbour's replica of rank {r}")
+        for r in range(n):
+            if r not in leaders:
+                chk.check(all(len(c[0]) == 0 for c in res[r][si]["copies"]),
+                          f"{what}: non-leader rank {r} keeps no copies")
+    harness.assert_no_failures([(chk.failures, chk.count)], f"low-precision decentralized n={n} hosts={hosts}")
 
 
 def _consensus(xs):

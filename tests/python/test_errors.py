@@ -193,14 +193,16 @@ def _expect_rumor_error(chk, rumor, what, call):
 
 
 def mismatch_rank(cases, sync_dir):
+    """Runs the named cases in order, each followed by a new world; returns {case: (failures, count)}."""
     import torch
 
     import rumor
 
     rumor.init()
     chk = Checker()
-    kinds = {}
+    kinds, out = {}, {}
     for case in cases:
+        f0, c0 = len(chk.failures), chk.count
         # Every rank must have returned from init() before any of them starts the failing op:
         # a rank that aborts makes a peer still finishing the previous op (init's barrier) fail
         # there instead (shared memory: the abort flag wins over data already in the ring).
@@ -217,8 +219,9 @@ def mismatch_rank(cases, sync_dir):
         n, r = rumor.size(), rumor.rank()
         chk.equal(rumor.allreduce(torch.full((7,), float(r)), rumor.ReduceOp.SUM),
                   torch.full((7,), float(sum(range(n)))), f"{case}: allreduce after shutdown() and a new init()")
+        out[case] = (chk.failures[f0:], chk.count - c0)
     rumor.barrier()
-    return chk.failures, chk.count
+    return out
 
 
 def _mismatch_case(chk, rumor, torch, case):
@@ -264,16 +267,21 @@ MISMATCHES = ["small sizes", "large sizes", "dtype", "different collectives", "b
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_mismatch_between_ranks_raises_everywhere(transport):
+@pytest.mark.parametrize("case", MISMATCHES, ids=[c.replace(" ", "_") for c in MISMATCHES])
+def test_mismatch_between_ranks_raises_everywhere(transport, case, request, batches):
     """Sizes, dtypes or collectives that differ between ranks: every rank raises a RumorError
     (ProtocolError / PeerError, or at worst CommTimeoutError) within the deadline; none hangs,
-    none returns garbage. After each case every rank shuts down and joins a fresh world."""
-    env = {"RUMOR_TIMEOUT": "15"}
-    if transport == "tcp":
-        env["RUMOR_SHM"] = "0"
-    with tempfile.TemporaryDirectory() as d:
-        res = harness.run(mismatch_rank, 3, timeout=150, env=env, args=(MISMATCHES, d))
-    harness.assert_no_failures(res, transport)
+    none returns garbage. After each case every rank shuts down and joins a fresh world. The
+    selected cases of one transport run in one launch."""
+    def launch():
+        env = {"RUMOR_TIMEOUT": "15"}
+        if transport == "tcp":
+            env["RUMOR_SHM"] = "0"
+        with tempfile.TemporaryDirectory() as d:
+            return harness.run(mismatch_rank, 3, timeout=150, env=env, args=(harness.selected(request, "case"), d))
+
+    res = harness.batch(batches, ("mismatch", transport), launch)
+    assert harness.assert_no_failures(harness.scenario_results(res, case), f"{transport}: {case}") > 0
 
 
 def empty_on_one_rank_rank(op: str):

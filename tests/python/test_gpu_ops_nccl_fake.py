@@ -24,7 +24,7 @@ import time
 import types
 
 import harness
-import test_gpu_watch
+import nccl_fakes
 
 N = 3
 COUNT = 1001  # blocks of 334, 334, 333 elements: uneven encodings
@@ -144,7 +144,7 @@ def _fake_ranks(fake: str):
     from rumor.gpu import nccl as _nccl
     from rumor.engine.ops import NcclTransport
 
-    test_gpu_watch._fake_cuda(fake)
+    nccl_fakes.fake_cuda(fake)
     rumor.init(timeout=60)  # NcclTransport.settle's deadline is rumor's
     try:
         lib = _nccl.load()
@@ -188,10 +188,8 @@ def _thread_ranks(rank, what: str, timeout: float = 240.0) -> list:
 def test_device_ops_over_nccl_calls_match_the_host_transport():
     import torch
 
-    import test_nccl
-
-    test_nccl._ext()
-    fake = test_nccl._fake_path()
+    nccl_fakes.ext()
+    fake = nccl_fakes.fake_path()
     host = harness.run(_host_rank, N, timeout=180)
     (nccl,) = harness.run(_fake_ranks, 1, timeout=300, env={"RUMOR_NCCL_LIBRARY": fake, "RUMOR_FAKE_NCCL_SYNC": "1"},
                           args=(fake,))
@@ -348,7 +346,7 @@ def _collectives_over_the_fake(fake: str):
     from rumor.gpu import nccl as _nccl
     from rumor import _host_collectives as C
 
-    test_gpu_watch._fake_cuda(fake)
+    nccl_fakes.fake_cuda(fake)
     # allgather learns every rank's row count through the group's CPU communicator; the thread
     # ranks share a list instead.
     shapes, barrier = [None] * N, threading.Barrier(N)
@@ -392,10 +390,8 @@ def _collectives_over_the_fake(fake: str):
 def test_collectives_nccl_path_with_three_ranks():
     import torch
 
-    import test_nccl
-
-    test_nccl._ext()
-    fake = test_nccl._fake_path()
+    nccl_fakes.ext()
+    fake = nccl_fakes.fake_path()
     (res,) = harness.run(_collectives_over_the_fake, 1, timeout=300,
                          env={"RUMOR_NCCL_LIBRARY": fake, "RUMOR_FAKE_NCCL_SYNC": "1"}, args=(fake,))
     for mode in ("host", "stream"):

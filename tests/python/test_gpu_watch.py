@@ -8,17 +8,15 @@ built without sanitizers) with the extension's NcclCommunicator over the fake li
 tests/python/test_cuda_collectives.py."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import itertools
 import os
 import threading
 import time
-import types
 
 import pytest
 
 import harness
+import nccl_fakes
 from rumor import _runtime
 from rumor.gpu import watch as gpu_watch
 from rumor.errors import AbortedError, CommTimeoutError, PeerError, RumorError
@@ -241,14 +239,12 @@ def test_a_failing_abort_still_keeps_the_error():
 # ---- over the extension's NcclCommunicator and the fake libnccl -------------------------------
 
 def test_the_watch_aborts_a_hung_op_of_a_real_communicator(monkeypatch):
-    import test_nccl
-
-    C = test_nccl._ext()
+    C = nccl_fakes.ext()
     import numpy as np
 
     from rumor.gpu import nccl
 
-    fake = test_nccl._fake_path()
+    fake = nccl_fakes.fake_path()
     monkeypatch.setenv("RUMOR_NCCL_LIBRARY", fake)
     monkeypatch.setenv("RUMOR_FAKE_NCCL_HANG", "allreduce")
     lib = nccl.load()
@@ -362,40 +358,6 @@ def test_init_takes_the_setting_from_its_argument_or_the_environment(kwargs, env
 # rumor's side of the path (ordering, results, the two wait modes, the watch); what CUDA itself
 # does is checked on a GPU (test_cuda_collectives.py).
 
-def _fake_cuda(fake: str):
-    """torch.cuda's current stream (one per thread), events, stream contexts and record_stream,
-    played by the fake's streams; returns the list of stream handles record_stream was given."""
-    import torch
-
-    idle = ctypes.CDLL(fake).fakeNcclStreamIdle
-    idle.argtypes = [ctypes.c_void_p]
-    local, handles = threading.local(), itertools.count(0x5150, 16)
-
-    def current_stream(device=None):
-        s = getattr(local, "stream", None)
-        if s is None:
-            s = local.stream = types.SimpleNamespace(cuda_stream=next(handles))
-        return s
-
-    class FakeEvent:
-        def __init__(self, *a, **k):
-            self.handle = None
-
-        def record(self, stream=None):
-            self.handle = (stream or current_stream()).cuda_stream
-
-        def query(self):
-            return bool(idle(self.handle))
-
-    recorded = []
-    torch.cuda.current_stream = current_stream
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.Event = FakeEvent
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.Tensor.record_stream = lambda self, stream: recorded.append(stream.cuda_stream)
-    return recorded
-
-
 def _collectives_on_the_fake(fake: str):
     import torch
 
@@ -406,7 +368,7 @@ def _collectives_on_the_fake(fake: str):
     from rumor.gpu import nccl
     from rumor.errors import CommTimeoutError
 
-    recorded = _fake_cuda(fake)
+    recorded = nccl_fakes.fake_cuda(fake)
     rumor.init(timeout=30)
     out = {}
     try:
@@ -480,10 +442,8 @@ def _collectives_on_the_fake(fake: str):
 
 
 def test_the_collectives_nccl_path_over_the_fake_in_both_wait_modes():
-    import test_nccl
-
-    test_nccl._ext()
-    fake = test_nccl._fake_path()
+    nccl_fakes.ext()
+    fake = nccl_fakes.fake_path()
     (r,) = harness.run(_collectives_on_the_fake, 1, timeout=120, env={"RUMOR_NCCL_LIBRARY": fake}, args=(fake,))
     want = dict(y=[[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]],
                 nc=[[0.0, 4.0, 8.0], [1.0, 5.0, 9.0], [2.0, 6.0, 10.0], [3.0, 7.0, 11.0]], nc_contig=False,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ import pytest
 
 import harness
 
-DEADLINE_S = 120
+DEADLINE_S = harness.LAUNCH_DEADLINE_S
 
 WORKER = textwrap.dedent(
     """
@@ -46,32 +45,11 @@ WORKER = textwrap.dedent(
 )
 
 
-def _launch(cmd, cwd, env_extra=None):
-    """Runs a launcher command with a deadline (the whole process group is killed when it
-    passes, and the test fails); returns the combined output after checking the exit code."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(harness._SCRUB_PREFIXES) and k not in harness._SCRUB_NAMES}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_TIMEOUT="30")
-    if env_extra:
-        env.update(env_extra)
-    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {DEADLINE_S} s:\n{out.decode(errors='replace')[-6000:]}")
-    text = out.decode(errors="replace")
-    assert p.returncode == 0, f"{' '.join(cmd)} exited with {p.returncode}:\n{text[-6000:]}"
-    return text
-
-
 def _run(cmd, tmp_path, env_extra=None):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     cmd = [str(c).replace("{script}", str(script)) for c in cmd]
-    text = _launch(cmd, tmp_path, env_extra)
+    text = harness.launch(cmd, tmp_path, env_extra)
     for r in range(2):
         assert f"WORKER-OK rank {r}" in text, f"rank {r} did not report success:\n{text[-6000:]}"
     return text
@@ -119,7 +97,7 @@ def test_rumor_run_async_example(tmp_path, mode):
     example = os.path.join(os.path.dirname(harness.HERE), os.pardir, "examples", "async_train.py")
     cmd = [sys.executable, "-m", "rumor.run", "--nproc-per-node", "2", *_rdzv(), os.path.abspath(example),
            "--mode", mode, "--seconds", "1.5"]
-    text = _launch(cmd, tmp_path)
+    text = harness.launch(cmd, tmp_path)
     # The launcher merges the ranks' output streams, so two reports may share a line: count them.
     assert text.count("eval loss") == 2, text[-6000:]
     if mode != "pushsum":

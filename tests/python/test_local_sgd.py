@@ -2,7 +2,8 @@
 
 Every multi-rank test spawns its ranks through harness.run (deadline per test; a failing rank
 fails the test with its traceback); several scenarios run per spawn and every mismatch is
-collected by a harness.Checker.
+collected by a harness.Checker. Each scenario is a test id of its own (`-k q_int8`); the selected
+scenarios of one launch share it (harness.batch).
 
 References:
 * a float64 single-process simulation of the same rule, written here (``_Sim``): every rank's
@@ -490,14 +491,14 @@ def train_rank(kind, steps):
 
 
 def scenarios_rank(names, gloo=False):
+    """Runs the named scenarios in order; returns {name: (failures, count)}."""
     _init(gloo)
     chk = harness.Checker()
-    for name in names:
-        SCENARIOS[name](chk)
+    out = harness.run_scenarios(chk, names, SCENARIOS)
     import rumor
 
     rumor.barrier()
-    return chk.failures, chk.count
+    return out
 
 
 SCENARIOS = {
@@ -531,17 +532,30 @@ SIM = ["local", "local_h1_nowarmup", "local_h4", "local_state", "diloco", "diloc
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_against_simulation(world):
+@pytest.mark.parametrize("scenario", SIM)
+def test_against_simulation(world, scenario, request, batches):
     """LocalSGD, DiLoCo and Streaming DiLoCo (delays, alpha, quantization) against the float64
-    simulation of the rule, every step; state_dict round trips."""
-    res = harness.run(scenarios_rank, world, timeout=150, args=(SIM,))
-    n = harness.assert_no_failures(res, f"local SGD / DiLoCo on {world} ranks")
-    assert n > 100
+    simulation of the rule, every step; state_dict round trips. The selected scenarios of one
+    world size run in one launch."""
+    def launch():
+        names = harness.selected(request, "scenario")
+        res = harness.run(scenarios_rank, world, timeout=150, args=(names,))
+        if set(names) >= set(SIM):  # the whole batch: it checked a lot
+            assert sum(c for r in res for _, c in r.values()) > 100
+        return res
+
+    res = harness.batch(batches, ("simulation", world), launch)
+    n = harness.assert_no_failures(harness.scenario_results(res, scenario),
+                                   f"local SGD / DiLoCo on {world} ranks: {scenario}")
+    assert n > 0
 
 
-def test_local_sgd_matches_torch_post_local_sgd():
-    res = harness.run(scenarios_rank, 2, timeout=120, args=(["local_torch", "local_torch_nowarmup"], True))
-    harness.assert_no_failures(res, "LocalSGD vs torch PeriodicModelAverager")
+@pytest.mark.parametrize("scenario", ["local_torch", "local_torch_nowarmup"])
+def test_local_sgd_matches_torch_post_local_sgd(scenario, request, batches):
+    res = harness.batch(batches, "torch", lambda: harness.run(
+        scenarios_rank, 2, timeout=120, args=(harness.selected(request, "scenario"), True)))
+    harness.assert_no_failures(harness.scenario_results(res, scenario),
+                               f"LocalSGD vs torch PeriodicModelAverager: {scenario}")
 
 
 def hier_rank(H, warmup, cross, hosts):

@@ -2,7 +2,7 @@
 
 Ranks are spawned by harness.run (two spawns: 2 ranks on one host, and 4 ranks faked as 2 hosts
 x 2 ranks with RUMOR_HOST_ID); many scenarios run per spawn and a harness.Checker collects
-every mismatch. What is compared:
+every mismatch; each scenario is a test id of its own (`-k onebit_state_dict`). What is compared:
 * the compressed allreduce (rumor._C.compressed_allreduce with ByteGrad's codec) against a
   pure-torch implementation of the same pipeline: min/max uint8 quantization per chunk, each
   block reduced by its owner in float32 with its own part at full precision, re-quantized once
@@ -374,52 +374,68 @@ def sc_onebit_state_dict(chk):
     chk.equal(_flat_params(model2), uninterrupted, "OneBitAdam resumed from a state_dict")
 
 
-def lowprec_rank(n_hosts_expected=1):
+def _algorithms(kinds, hierarchical):
+    """sc_training's list of (name, make) for the named algorithms."""
     import torch
 
     import rumor
 
+    A = rumor.algorithms
+    if hierarchical:
+        make = {"ByteGrad": lambda opt: A.ByteGrad(), "QSGD": lambda opt: A.QSGD(levels=16)}
+        return [(f"{k} hierarchical", make[k]) for k in kinds]
+    make = {"ByteGrad": lambda opt: A.ByteGrad(hierarchical=False),
+            "QSGD": lambda opt: A.QSGD(levels=16, hierarchical=False),
+            "LowPrecision fp16": lambda opt: A.LowPrecision(torch.float16, hierarchical=False),
+            "LowPrecision bf16": lambda opt: A.LowPrecision(torch.bfloat16, hierarchical=False)}
+    return [(k, make[k]) for k in kinds]
+
+
+ONE_HOST = {
+    "bytegrad_reference": lambda chk: sc_bytegrad_reference(chk),
+    "bytegrad_reference_sum": lambda chk: sc_bytegrad_reference(chk, average=False),
+    "training": lambda chk: sc_training(chk, _algorithms(
+        ["ByteGrad", "QSGD", "LowPrecision fp16", "LowPrecision bf16"], hierarchical=False)),
+    "single_host_hierarchical": sc_single_host_hierarchical,
+    "onebit_training": lambda chk: sc_onebit_training(chk),
+    "onebit_warmup_is_adam": sc_onebit_warmup_is_adam,
+    "onebit_state_dict": sc_onebit_state_dict,
+    "onebit_zero_variance": sc_onebit_zero_variance,
+}
+
+TWO_HOSTS = {
+    "bytegrad_reference": lambda chk: sc_bytegrad_reference(chk),
+    "bytegrad_reference_sum": lambda chk: sc_bytegrad_reference(chk, average=False),
+    "bytegrad_reference_hierarchical": lambda chk: sc_bytegrad_reference(chk, hierarchical=True,
+                                                                         hosts=[(0, 1), (2, 3)]),
+    "training": lambda chk: sc_training(chk, _algorithms(["ByteGrad", "QSGD"], hierarchical=True)),
+    "onebit_training": lambda chk: sc_onebit_training(chk, hierarchical=True),
+}
+
+
+def lowprec_rank(names, n_hosts_expected=1):
+    """Runs the named scenarios of ONE_HOST (or TWO_HOSTS) in order; returns {name: (failures, count)}."""
     _init()
     chk = harness.Checker()
-    n = rumor.size()
-    sc_bytegrad_reference(chk)
-    sc_bytegrad_reference(chk, average=False)
-    if n_hosts_expected == 2:
-        sc_bytegrad_reference(chk, hierarchical=True, hosts=[(0, 1), (2, 3)])
-        algorithms = [
-            ("ByteGrad hierarchical", lambda opt: rumor.algorithms.ByteGrad()),
-            ("QSGD hierarchical", lambda opt: rumor.algorithms.QSGD(levels=16)),
-        ]
-        sc_training(chk, algorithms)
-        sc_onebit_training(chk, hierarchical=True)
-    else:
-        algorithms = [
-            ("ByteGrad", lambda opt: rumor.algorithms.ByteGrad(hierarchical=False)),
-            ("QSGD", lambda opt: rumor.algorithms.QSGD(levels=16, hierarchical=False)),
-            ("LowPrecision fp16", lambda opt: rumor.algorithms.LowPrecision(torch.float16, hierarchical=False)),
-            ("LowPrecision bf16", lambda opt: rumor.algorithms.LowPrecision(torch.bfloat16, hierarchical=False)),
-        ]
-        sc_training(chk, algorithms)
-        sc_single_host_hierarchical(chk)
-        sc_onebit_training(chk)
-        sc_onebit_warmup_is_adam(chk)
-        sc_onebit_state_dict(chk)
-        sc_onebit_zero_variance(chk)
-    return chk.failures, chk.count
-
+    return harness.run_scenarios(chk, names, TWO_HOSTS if n_hosts_expected == 2 else ONE_HOST)
 
 
 # ==== tests =======================================================================================
+# One test id per scenario; the selected scenarios of one launch run in it together.
 
-def test_single_host_two_ranks():
-    res = harness.run(lowprec_rank, 2, timeout=110)
-    harness.assert_no_failures(res, "low precision, 2 ranks")
+@pytest.mark.parametrize("scenario", list(ONE_HOST))
+def test_single_host_two_ranks(scenario, request, batches):
+    res = harness.batch(batches, "one host", lambda: harness.run(
+        lowprec_rank, 2, timeout=110, args=(harness.selected(request, "scenario"),)))
+    harness.assert_no_failures(harness.scenario_results(res, scenario), f"low precision, 2 ranks: {scenario}")
 
 
-def test_two_hosts_of_two_by_host_id():
+@pytest.mark.parametrize("scenario", list(TWO_HOSTS))
+def test_two_hosts_of_two_by_host_id(scenario, request, batches):
     rank_env = [{"RUMOR_HOST_ID": h} for h in ("hA", "hA", "hB", "hB")]
-    res = harness.run(lowprec_rank, 4, timeout=110, rank_env=rank_env, args=(2,))
-    harness.assert_no_failures(res, "low precision, 2 hosts x 2 ranks")
+    res = harness.batch(batches, "two hosts", lambda: harness.run(
+        lowprec_rank, 4, timeout=110, rank_env=rank_env, args=(harness.selected(request, "scenario"), 2)))
+    harness.assert_no_failures(harness.scenario_results(res, scenario), f"low precision, 2 hosts x 2 ranks: {scenario}")
 
 
 def test_bad_arguments():

@@ -7,7 +7,6 @@ one."""
 from __future__ import annotations
 
 import ctypes
-import glob
 import importlib
 import os
 import sys
@@ -15,41 +14,12 @@ import sys
 import pytest
 
 import harness
+from nccl_fakes import ext as _ext
+from nccl_fakes import fake_path as _fake_path
 
 # An installed rumor older than this tree has no rumor.gpu.nccl: these tests need a reinstall, or a
 # build of this tree on PYTHONPATH (its python/rumor with the built _C beside it).
 pytest.importorskip("rumor.gpu.nccl", reason="the imported rumor has no rumor.gpu.nccl (reinstall, or PYTHONPATH)")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _ext():
-    from rumor import _C
-
-    if not hasattr(_C, "NcclLibrary"):
-        pytest.skip("the imported rumor._C has no NCCL classes (reinstall, or put a build of this tree on PYTHONPATH)")
-    return _C
-
-
-def _fake_path():
-    """libnccl-fake.so from RUMOR_FAKE_NCCL or the newest unsanitized C++ test build under build/
-    (a sanitizer build cannot be loaded into a plain Python)."""
-    p = os.environ.get("RUMOR_FAKE_NCCL")
-    if p:
-        return p
-    found = []
-    for lib in glob.glob(os.path.join(ROOT, "build", "*", "tests", "cpp", "libnccl-fake.so")):
-        cache = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(lib))), "CMakeCache.txt")
-        try:
-            with open(cache) as f:
-                if any(line.startswith("RUMOR_SANITIZE:") and line.strip().split("=", 1)[1] for line in f):
-                    continue
-        except OSError:
-            continue
-        found.append(lib)
-    if not found:
-        pytest.skip("libnccl-fake.so is not built (cmake -DRUMOR_BUILD_TESTS=ON; or set RUMOR_FAKE_NCCL)")
-    return max(found, key=os.path.getmtime)
 
 
 def test_env_var_is_the_only_candidate(monkeypatch):

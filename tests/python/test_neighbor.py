@@ -1,12 +1,14 @@
 """Neighbor operations (rumor.neighbor_allreduce / neighbor_allgather / hierarchical) on spawned
 ranks, against closed forms computed from the topology's weight matrix.
 
-Each test spawns its ranks once and runs a batch of cases; a rank records every mismatch
+Each test spawns its ranks once and runs a batch of cases (the static topologies: one test id
+each, `-k ring2`, the selected ones in one launch); a rank records every mismatch
 (harness.Checker) and the test lists them all. Inputs are small integers, so results are exact
 where the weights are powers of two and within float tolerance otherwise.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -39,40 +41,63 @@ def _expected(W, values, r, weighted=True):
 
 # ---- static topologies -------------------------------------------------------------------------
 
-def static_rank():
-    import numpy as np
+def _static_topologies(n):
+    """The topologies checked one by one: {scenario name: topology}."""
+    from rumor import topology as T
+
+    topos = [T.ExponentialGraph(n), T.RingGraph(n, 0), T.RingGraph(n, 1), T.RingGraph(n, 2), T.StarGraph(n),
+             T.StarGraph(n, center=n - 1), T.MeshGrid2DGraph(n), T.FullyConnectedGraph(n),
+             T.SymmetricExponentialGraph(n, 2)]
+    return dict(zip(STATIC_TOPOLOGIES, topos))
+
+
+STATIC_TOPOLOGIES = ["exponential", "ring0", "ring1", "ring2", "star", "star_last", "mesh2d", "fully_connected",
+                     "symmetric_exponential2"]
+
+
+def _sc_default_topology(chk, n, r, values):
+    import rumor
+    from rumor import topology as T
+
+    # Default: ExponentialGraph(n) without set_topology.
+    chk.check(rumor.load_topology() == T.ExponentialGraph(n), "default topology")
+
+
+def _sc_topology(chk, n, r, values, name):
+    import rumor
+    import torch
+
+    topo = _static_topologies(n)[name]
+    what = f"{topo.name} {topo.out_neighbor_ranks(0)}"
+    rumor.set_topology(topo)
+    chk.check(rumor.in_neighbor_ranks() == topo.in_neighbor_ranks(r), f"{what}: in_neighbor_ranks")
+    chk.check(rumor.out_neighbor_ranks() == topo.out_neighbor_ranks(r), f"{what}: out_neighbor_ranks")
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        x = values[r].to(dtype)
+        got = rumor.neighbor_allreduce(x)
+        want = _expected(topo.weights, values, r).to(dtype)
+        chk.close(got, want, f"{what} {dtype}")
+        chk.equal(x, values[r].to(dtype), f"{what} {dtype}: input unchanged")
+    h = rumor.neighbor_allreduce_nonblocking(values[r])
+    chk.close(rumor.synchronize(h), _expected(topo.weights, values, r), f"{what}: nonblocking")
+
+
+def _sc_exponential4_closed_form(chk, n, r, values):
     import rumor
     import torch
     from rumor import topology as T
 
-    rumor.init()
-    n, r = rumor.size(), rumor.rank()
-    chk = Checker()
-    values = [torch.arange(6, dtype=torch.float64).reshape(3, 2) + 10 * q for q in range(n)]
-    topos = [T.ExponentialGraph(n), T.RingGraph(n, 0), T.RingGraph(n, 1), T.RingGraph(n, 2), T.StarGraph(n),
-             T.StarGraph(n, center=n - 1), T.MeshGrid2DGraph(n), T.FullyConnectedGraph(n),
-             T.SymmetricExponentialGraph(n, 2)]
-    # Default: ExponentialGraph(n) without set_topology.
-    chk.check(rumor.load_topology() == T.ExponentialGraph(n), "default topology")
-    for topo in topos:
-        what = f"{topo.name} {topo.out_neighbor_ranks(0)}"
-        rumor.set_topology(topo)
-        chk.check(rumor.in_neighbor_ranks() == topo.in_neighbor_ranks(r), f"{what}: in_neighbor_ranks")
-        chk.check(rumor.out_neighbor_ranks() == topo.out_neighbor_ranks(r), f"{what}: out_neighbor_ranks")
-        for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-            x = values[r].to(dtype)
-            got = rumor.neighbor_allreduce(x)
-            want = _expected(topo.weights, values, r).to(dtype)
-            chk.close(got, want, f"{what} {dtype}")
-            chk.equal(x, values[r].to(dtype), f"{what} {dtype}: input unchanged")
-        h = rumor.neighbor_allreduce_nonblocking(values[r])
-        chk.close(rumor.synchronize(h), _expected(topo.weights, values, r), f"{what}: nonblocking")
     # The example of the docs: ExponentialGraph(4), rank 0 gets (0 + 3 + 2) / 3.
-    if n == 4:
-        rumor.set_topology(T.ExponentialGraph(4))
-        got = rumor.neighbor_allreduce(torch.tensor([float(r)], dtype=torch.float64))
-        want = {0: (0 + 3 + 2) / 3, 1: (1 + 0 + 3) / 3, 2: (2 + 1 + 0) / 3, 3: (3 + 2 + 1) / 3}[r]
-        chk.close(got, torch.tensor([want], dtype=torch.float64), "ExponentialGraph(4) closed form")
+    assert n == 4
+    rumor.set_topology(T.ExponentialGraph(4))
+    got = rumor.neighbor_allreduce(torch.tensor([float(r)], dtype=torch.float64))
+    want = {0: (0 + 3 + 2) / 3, 1: (1 + 0 + 3) / 3, 2: (2 + 1 + 0) / 3, 3: (3 + 2 + 1) / 3}[r]
+    chk.close(got, torch.tensor([want], dtype=torch.float64), "ExponentialGraph(4) closed form")
+
+
+def _sc_weighted_matrix(chk, n, r, values):
+    import numpy as np
+    import rumor
 
     # is_weighted: the receiver uses column r of an arbitrary non-negative matrix.
     rng = np.random.default_rng(5)
@@ -82,6 +107,13 @@ def static_rank():
     # Unweighted use of the same matrix: uniform weights over its edges.
     rumor.set_topology(W, is_weighted=False)
     chk.close(rumor.neighbor_allreduce(values[r]), _expected(W, values, r, weighted=False), "uniform on matrix")
+
+
+def _sc_src_weights_and_errors(chk, n, r, values):
+    import rumor
+    import torch
+    from rumor import topology as T
+
     # Static mode with explicit receive weights (a source left out weighs 0).
     rumor.set_topology(T.ExponentialGraph(n))
     ins = T.ExponentialGraph(n).in_neighbor_ranks(r)
@@ -101,6 +133,12 @@ def static_rank():
     # Ranks that set different topologies all get the same ValueError.
     chk.raises(ValueError, lambda: rumor.set_topology(T.StarGraph(n) if r == 1 else T.FullyConnectedGraph(n)),
                "different topologies", match="ranks [1]")
+
+
+def _sc_digraph_and_dropped_input(chk, n, r, values):
+    import rumor
+    from rumor import topology as T
+
     # A networkx DiGraph (as BlueFog's topology functions return) is accepted as it is.
     rumor.set_topology(T.RingGraph(n, 2).graph, is_weighted=True)
     chk.check(rumor.load_topology() == T.RingGraph(n, 2), "set_topology from a DiGraph")
@@ -110,18 +148,50 @@ def static_rank():
     h = rumor.neighbor_allreduce_nonblocking(tmp)
     del tmp
     chk.close(h.wait(), _expected(T.RingGraph(n, 2).weights, values, r), "input dropped before wait")
-    # Non-contiguous input.
+
+
+def _sc_non_contiguous(chk, n, r, values):
+    import rumor
+    from rumor import topology as T
+
     xt = values[r].t()
     rumor.set_topology(T.RingGraph(n))
     chk.close(rumor.neighbor_allreduce(xt), _expected(T.RingGraph(n).weights, [v.t() for v in values], r),
               "non-contiguous")
-    return _finish(chk)
 
 
-@pytest.mark.parametrize("n", [4, 3])
-def test_static_topologies(n):
-    res = harness.run(static_rank, n, timeout=90)
-    harness.assert_no_failures(res, f"static topologies on {n} ranks")
+# In this order ("default_topology" first: it checks the topology before any set_topology).
+STATIC = {"default_topology": _sc_default_topology}
+STATIC.update({name: functools.partial(_sc_topology, name=name) for name in STATIC_TOPOLOGIES})
+STATIC.update({"exponential4_closed_form": _sc_exponential4_closed_form, "weighted_matrix": _sc_weighted_matrix,
+               "src_weights_and_errors": _sc_src_weights_and_errors,
+               "digraph_and_dropped_input": _sc_digraph_and_dropped_input, "non_contiguous": _sc_non_contiguous})
+
+
+def static_rank(names):
+    """Runs the named scenarios of STATIC in order; returns {name: (failures, count)}."""
+    import rumor
+    import torch
+
+    rumor.init()
+    n, r = rumor.size(), rumor.rank()
+    chk = Checker()
+    values = [torch.arange(6, dtype=torch.float64).reshape(3, 2) + 10 * q for q in range(n)]
+    out = harness.run_scenarios(chk, names, STATIC, n, r, values)
+    _finish(chk)
+    return out
+
+
+STATIC_CASES = [(n, name) for n in (4, 3) for name in STATIC if n == 4 or name != "exponential4_closed_form"]
+
+
+@pytest.mark.parametrize("n,scenario", STATIC_CASES, ids=[f"{n}ranks-{s}" for n, s in STATIC_CASES])
+def test_static_topologies(n, scenario, request, batches):
+    """One test id per topology or check; the selected ones of a world size run in one launch."""
+    res = harness.batch(batches, ("static", n), lambda: harness.run(
+        static_rank, n, timeout=90, args=(harness.selected(request, "scenario"),)))
+    assert harness.assert_no_failures(harness.scenario_results(res, scenario),
+                                      f"static topologies on {n} ranks: {scenario}") > 0
 
 
 # ---- dynamic topologies ------------------------------------------------------------------------

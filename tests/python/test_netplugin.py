@@ -81,13 +81,11 @@ WORKER = textwrap.dedent(
 
 def _launch_env(tmp_path, extra_args, env_extra):
     """rumor-run with one worker that prints its environment; returns {name: value}."""
-    from test_launcher import _launch  # the launcher tests' runner: scrubbed env, deadline, exit code
-
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "rumor.run", "--nproc-per-node", "1", "--nnodes", "1", "--master-addr",
            "127.0.0.1", "--master-port", str(harness.free_port()), *extra_args, str(script)]
-    out = _launch(cmd, tmp_path, env_extra)
+    out = harness.launch(cmd, tmp_path, env_extra)  # scrubbed env, deadline, exit code
     return dict(line[4:].split("=", 1) for line in out.splitlines() if line.startswith("ENV "))
 
 

@@ -99,7 +99,9 @@ def scenarios_rank(names):
     rumor.init()
     torch.set_num_threads(1)
     chk = harness.Checker()
+    out = {}
     for opt_name in names:
+        f0, c0 = len(chk.failures), chk.count
         plain, plain_sd = _train(opt_name, "plain")
         kernel = opt_name in ("sgd", "adam", "adamw")
         for mode in ("fused", "overlap", "overlap-private"):
@@ -123,7 +125,8 @@ def scenarios_rank(names):
                         # The state as every rank reads it (shared on one host) is the plain run's.
                         err = ((sd["state"][k][key] - v).abs() / v.abs().clamp(min=1e-3)).max().item()
                         chk.check(err <= 1e-5, f"{opt_name}/{mode}: state {k}/{key} differs by {err:.3g}")
-    return chk.failures, chk.count
+        out[opt_name] = (chk.failures[f0:], chk.count - c0)
+    return out
 
 
 def resume_rank(opt_name, mode):
@@ -190,7 +193,9 @@ def clip_rank(names, max_norm):
     rumor.init()
     torch.set_num_threads(1)
     chk = harness.Checker()
+    out = {}
     for opt_name in names:
+        f0, c0 = len(chk.failures), chk.count
         runs = {}
         layouts = []
         for mode in ("overlap", "plain"):
@@ -219,7 +224,8 @@ def clip_rank(names, max_norm):
         for i, (a, b) in enumerate(zip(runs["overlap"], runs["plain"])):
             err = ((a - b).abs() / b.abs().clamp(min=1.0)).max().item()
             chk.check(err <= 1e-5, f"{opt_name}: parameter {i} differs from per-bucket clip_grad_norm_ by {err:.3g}")
-    return chk.failures, chk.count
+        out[opt_name] = (chk.failures[f0:], chk.count - c0)
+    return out
 
 
 def sc_kernel_refused_mid_training(chk):
@@ -304,10 +310,16 @@ def errors_rank():
     return chk.failures, chk.count
 
 
-@pytest.mark.parametrize("names", [["sgd", "adam"], ["adamw", "rmsprop", "adagrad"]], ids=["kernels", "fallback"])
-def test_fused_and_overlapped_equal_plain(names):
-    res = harness.run(scenarios_rank, 2, timeout=120, args=(names,))
-    harness.assert_no_failures(res, "overlap_optimizer")
+# One test id per optimizer; the selected optimizers of a group ("kernels": rumor's fused kernels,
+# "fallback": torch's step per bucket) run in one launch, as the whole group did before.
+FUSED = [("kernels", o) for o in ("sgd", "adam")] + [("fallback", o) for o in ("adamw", "rmsprop", "adagrad")]
+
+
+@pytest.mark.parametrize("group,opt_name", FUSED, ids=[f"{g}-{o}" for g, o in FUSED])
+def test_fused_and_overlapped_equal_plain(group, opt_name, request, batches):
+    res = harness.batch(batches, ("fused", group), lambda: harness.run(
+        scenarios_rank, 2, timeout=120, args=(harness.selected(request, "opt_name"),)))
+    assert harness.assert_no_failures(harness.scenario_results(res, opt_name), f"overlap_optimizer: {opt_name}") > 0
 
 
 @pytest.mark.parametrize("mode", ["overlap", "overlap-private"])
@@ -322,7 +334,11 @@ def test_overlap_errors():
     harness.assert_no_failures(res, "overlap_optimizer errors")
 
 
-@pytest.mark.parametrize("names", [["sgd", "adam"], ["rmsprop"]], ids=["kernels", "fallback"])
-def test_bucket_clip_norm_equals_per_bucket_clipping(names):
-    res = harness.run(clip_rank, 2, timeout=120, args=(names, 0.05))
-    harness.assert_no_failures(res, "bucket_clip_norm")
+CLIP = [("kernels", o) for o in ("sgd", "adam")] + [("fallback", "rmsprop")]
+
+
+@pytest.mark.parametrize("group,opt_name", CLIP, ids=[f"{g}-{o}" for g, o in CLIP])
+def test_bucket_clip_norm_equals_per_bucket_clipping(group, opt_name, request, batches):
+    res = harness.batch(batches, ("clip", group), lambda: harness.run(
+        clip_rank, 2, timeout=120, args=(harness.selected(request, "opt_name"), 0.05)))
+    assert harness.assert_no_failures(harness.scenario_results(res, opt_name), f"bucket_clip_norm: {opt_name}") > 0

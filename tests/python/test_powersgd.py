@@ -2,7 +2,8 @@
 GradientAllReduce.
 
 Ranks are spawned by harness.run (one spawn of 3 ranks, one of 2); many scenarios run per spawn
-and a harness.Checker collects every mismatch. Each rank calls rumor.init() and then
+and a harness.Checker collects every mismatch; each scenario is a test id of its own
+(`-k torch_hook`). Each rank calls rumor.init() and then
 torch.distributed.init_process_group("gloo") (sharing rumor's TCPStore) so that torch DDP with
 torch's powerSGD_hook runs in the same processes. What is compared:
 * the averaged gradients, P, Q and this rank's error feedback after every step against a float64
@@ -428,19 +429,26 @@ def _pq_order(bucket, algo):
     return [n for g in groups.values() for n in g]
 
 
-def powersgd_rank_3():
+THREE = {
+    "reference_rank2_buckets_per_layer": lambda chk: sc_reference_sequence(
+        chk, "rank 2, buckets per layer", SMALL_BUCKETS, rank=2, start=2),
+    "reference_rank1_one_bucket_batched": lambda chk: sc_reference_sequence(
+        chk, "rank 1, one bucket, batched, no EF, no warm start, eps", ONE_BUCKET,
+        rank=1, start=1, ef=False, warm=False, eps=1e-8, batch=True, seed=5),
+    "reference_rank4_warm_rate1": lambda chk: sc_reference_sequence(
+        chk, "rank 4, warm start, rate 1", SMALL_BUCKETS, rank=4, start=0, rate=1.0),
+    "full_rank_is_averaging": lambda chk: sc_full_rank_is_averaging(chk),
+    "training_vs_allreduce": lambda chk: sc_training_vs_allreduce(chk),
+}
+
+
+def powersgd_rank_3(names):
     import rumor
 
     _init()
     chk = harness.Checker()
     assert rumor.size() == 3
-    sc_reference_sequence(chk, "rank 2, buckets per layer", SMALL_BUCKETS, rank=2, start=2)
-    sc_reference_sequence(chk, "rank 1, one bucket, batched, no EF, no warm start, eps", ONE_BUCKET,
-                          rank=1, start=1, ef=False, warm=False, eps=1e-8, batch=True, seed=5)
-    sc_reference_sequence(chk, "rank 4, warm start, rate 1", SMALL_BUCKETS, rank=4, start=0, rate=1.0)
-    sc_full_rank_is_averaging(chk)
-    sc_training_vs_allreduce(chk)
-    return chk.failures, chk.count
+    return harness.run_scenarios(chk, names, THREE)
 
 
 def sc_float64_refused(chk):
@@ -458,29 +466,45 @@ def sc_float64_refused(chk):
     del keep
 
 
-def powersgd_rank_2():
+TWO = {
+    "float64_refused": sc_float64_refused,
+    "state_dict_round_trip": lambda chk: sc_state_dict_round_trip(chk),
+    "torch_hook_rank2": lambda chk: sc_torch_hook(chk, rank=2),
+    "torch_hook_rank1": lambda chk: sc_torch_hook(chk, rank=1),
+    "torch_hook_rank4": lambda chk: sc_torch_hook(chk, rank=4, compare_pq=False),
+}
+
+
+def powersgd_rank_2(names):
     _init()
     chk = harness.Checker()
-    sc_float64_refused(chk)
-    sc_state_dict_round_trip(chk)
-    sc_torch_hook(chk, rank=2)
-    sc_torch_hook(chk, rank=1)
-    sc_torch_hook(chk, rank=4, compare_pq=False)
-    return chk.failures, chk.count
+    return harness.run_scenarios(chk, names, TWO)
 
 
 # ==== tests =======================================================================================
+# One test id per scenario; the selected scenarios of one world size run in one launch.
 
-def test_three_ranks_reference_averaging_training():
-    res = harness.run(powersgd_rank_3, 3, timeout=150)
-    n = harness.assert_no_failures(res, "PowerSGD, 3 ranks")
-    assert n > 100
+def _launch_once(request, batches, fn, world, timeout, table, least):
+    def launch():
+        names = harness.selected(request, "scenario")
+        res = harness.run(fn, world, timeout=timeout, args=(names,))
+        if set(names) >= set(table):  # the whole batch: it checked a lot
+            assert sum(c for r in res for _, c in r.values()) > least
+        return res
+
+    return harness.batch(batches, world, launch)
 
 
-def test_two_ranks_state_dict_and_torch_hook():
-    res = harness.run(powersgd_rank_2, 2, timeout=120)
-    n = harness.assert_no_failures(res, "PowerSGD, 2 ranks")
-    assert n > 20
+@pytest.mark.parametrize("scenario", list(THREE))
+def test_three_ranks_reference_averaging_training(scenario, request, batches):
+    res = _launch_once(request, batches, powersgd_rank_3, 3, 150, THREE, 100)
+    assert harness.assert_no_failures(harness.scenario_results(res, scenario), f"PowerSGD, 3 ranks: {scenario}") > 0
+
+
+@pytest.mark.parametrize("scenario", list(TWO))
+def test_two_ranks_state_dict_and_torch_hook(scenario, request, batches):
+    res = _launch_once(request, batches, powersgd_rank_2, 2, 120, TWO, 20)
+    assert harness.assert_no_failures(harness.scenario_results(res, scenario), f"PowerSGD, 2 ranks: {scenario}") > 0
 
 
 def test_bad_arguments():
