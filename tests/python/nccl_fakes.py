@@ -19,10 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def ext():
-    """rumor._C, or a skip when the imported rumor has no rumor._nccl or its _C no NCCL classes."""
-    # An installed rumor older than this tree has no rumor._nccl: these tests need a reinstall, or
+    """rumor._C, or a skip when the imported rumor has no rumor.gpu.nccl or its _C no NCCL classes."""
+    # An installed rumor older than this tree has no rumor.gpu.nccl: these tests need a reinstall, or
     # a build of this tree on PYTHONPATH (its python/rumor with the built _C beside it).
-    pytest.importorskip("rumor._nccl", reason="the imported rumor has no rumor._nccl (reinstall, or PYTHONPATH)")
+    pytest.importorskip("rumor.gpu.nccl", reason="the imported rumor has no rumor.gpu.nccl (reinstall, or PYTHONPATH)")
     from rumor import _C
 
     if not hasattr(_C, "NcclLibrary"):
