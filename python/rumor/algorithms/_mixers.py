@@ -216,10 +216,10 @@ class _GossipMixer(_Mixer):
             return
         dst = self.peer()
         got_any = False
-        hub = self._win._windows().hub
+        hub = self._win.registry().hub
         timeout = self._win._timeout()
         for name, b in zip(self.names, bufs):
-            w = self._win._find(name, "AsyncModelAverage")
+            w = self._win.find_window(name, "AsyncModelAverage")
             self._put(hub, w, b, dst, timeout)
             fresh = [j for j, v in enumerate(hub.versions(w.id)) if v > 0]
             u = 1.0 / (1 + len(fresh))
@@ -235,10 +235,10 @@ class _GossipMixer(_Mixer):
         if self.n < 2:
             return
         dst = self.peer()
-        hub = self._win._windows().hub
+        hub = self._win.registry().hub
         timeout = self._win._timeout()
         for name, b in zip(self.names, bufs):
-            self._put(hub, self._win._find(name, "AsyncModelAverage"), b, dst, timeout)
+            self._put(hub, self._win.find_window(name, "AsyncModelAverage"), b, dst, timeout)
         self.round += 1
 
     def free(self) -> None:

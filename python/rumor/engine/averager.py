@@ -79,7 +79,7 @@ class GroupAverager:
         layer.host_wait(copied, timeout, "rumor DiLoCo: copying to host memory")
         code = dtype_code(twin.dtype, "DiLoCo")
         if self.codec is None:
-            algo = 3 if self.hierarchical else 0  # collectives._ALGO: hierarchical / auto
+            algo = 3 if self.hierarchical else 0  # collectives.ALGORITHMS: hierarchical / auto
             self.comm.allreduce(address(twin), twin.numel(), code, 1, algo, False)
         else:
             kind, levels, chunk = self.codec
