@@ -19,6 +19,11 @@ LOG_LEVELS = ("error", "warn", "info", "debug")
 # "generic" forces the scalar kernels; anything else lets the CPU choose (csrc/core/isa_dispatch.h).
 ISA_CHOICES = ("auto", "avx2", "generic")
 ISA_VARS = ("RUMOR_CODEC_ISA", "RUMOR_OPTIM_ISA", "RUMOR_POWERSGD_ISA")
+# The NCCL net plugin's numbers and their ranges (csrc/netplugin/setup.cpp). The plugin runs
+# inside NCCL and can only log a bad value and use its default; a rumor process checks first.
+NET_PLUGIN_INTS = {"RUMOR_NET_PLUGIN_STREAMS": (1, 16), "RUMOR_NET_PLUGIN_CHUNK_KB": (4, 16384),
+                   "RUMOR_NET_PLUGIN_TIMEOUT": (1, 86400), "RUMOR_NET_PLUGIN_HELLO_TIMEOUT": (1, 86400),
+                   "RUMOR_NET_PLUGIN_TRACE": (0, 1000000)}
 
 
 def _raw(name: str, env: Optional[Mapping[str, str]]) -> Optional[str]:
@@ -88,11 +93,14 @@ def env_choice(name: str, choices: Sequence[str], default: str, env: Optional[Ma
 
 
 def check_core_env(env: Optional[Mapping[str, str]] = None) -> None:
-    """The variables the C++ core reads by itself and would otherwise take any value of (an
-    unknown RUMOR_LOG level meant "warn", an unknown ISA meant "auto")."""
+    """The variables the C++ code reads by itself and would otherwise take any value of (an
+    unknown RUMOR_LOG level meant "warn", an unknown ISA meant "auto", a bad net plugin number
+    its default)."""
     env_choice("RUMOR_LOG", LOG_LEVELS, "warn", env, exact=True)
     for name in ISA_VARS:
         env_choice(name, ISA_CHOICES, "auto", env, exact=True)
+    for name, (lo, hi) in NET_PLUGIN_INTS.items():
+        env_int(name, None, minimum=lo, maximum=hi, env=env)
 
 
 def _range(what: str, lo, hi) -> str:

@@ -72,6 +72,14 @@ class DistributedDataParallel(torch.nn.Module):
     ``autotune=True`` (or a dict of rumor.autotune.AutotuneConfig fields, or env RUMOR_AUTOTUNE=1
     when left None) searches these settings during the first steps and keeps the fastest
     (docs/autotune.md).
+
+    torch DDP's keyword arguments keep torch's meaning where rumor can give it: device_ids=[d]
+    (a module on CUDA device d; tensor inputs are moved there), output_device (only the module's
+    device), process_group (a rumor.Group, as group=), gradient_as_bucket_view (gradients are
+    always bucket views), static_graph=True (unused parameters need no find_unused_parameters).
+    state_dict() has torch DDP's keys ("module." + the module's); load_state_dict() also takes
+    the module's own keys. Attributes are not forwarded to the module: use .module. Every
+    remaining difference, with what to do instead: docs/torch_ddp.md.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -748,9 +756,9 @@ class DistributedDataParallel(torch.nn.Module):
 
 # torch DDP's public methods this wrapper lacks, and what to do instead.
 _TORCH_DDP_ONLY = {
-    "join": "make every rank run the same number of iterations (rumor.data's samplers give every rank "
-            "the same number of batches)",
-    "join_hook": "make every rank run the same number of iterations",
+    "join": "give every rank the same number of batches (torch's DistributedSampler, or "
+            "rumor.data.LoadBalancingDistributedSampler)",
+    "join_hook": "give every rank the same number of batches",
     "register_comm_hook": "write a rumor.algorithms.Algorithm (PowerSGD, low-precision and local-SGD "
                           "algorithms exist) and pass it as algorithm=",
     "will_sync_module_buffers": "buffers are broadcast from the group's first rank before each training "

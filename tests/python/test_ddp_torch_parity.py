@@ -215,7 +215,7 @@ def sc_attributes(chk):
     d = rumor.DistributedDataParallel(m)
     chk.raises(AttributeError, lambda: d.weight, "the module's parameter", match="use .module.weight")
     chk.raises(AttributeError, lambda: d.tag, "the module's attribute", match="use .module.tag")
-    chk.raises(AttributeError, lambda: d.join, "torch DDP's join", match="same number of iterations")
+    chk.raises(AttributeError, lambda: d.join, "torch DDP's join", match="same number of batches")
     chk.raises(AttributeError, lambda: d.register_comm_hook, "torch DDP's register_comm_hook",
                match="rumor.algorithms.Algorithm")
     e = chk.raises(AttributeError, lambda: d.nothing_here, "a missing attribute")
@@ -314,6 +314,8 @@ def test_env_parsers_accept_and_refuse():
         # The C++ core compares these byte for byte: "INFO" would silently mean "warn" there.
         (lambda: _env.check_core_env({"RUMOR_LOG": "INFO"}), r"RUMOR_LOG='INFO'"),
         (lambda: _env.check_core_env({"RUMOR_POWERSGD_ISA": "sse"}), r"RUMOR_POWERSGD_ISA='sse'.*auto, avx2, generic"),
+        (lambda: _env.check_core_env({"RUMOR_NET_PLUGIN_CHUNK_KB": "2"}),
+         r"RUMOR_NET_PLUGIN_CHUNK_KB='2'.*an integer from 4 to 16384"),
     ]
     for fn, match in cases:
         with pytest.raises(ValueError, match=match):
