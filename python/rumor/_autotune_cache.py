@@ -15,6 +15,7 @@ import warnings
 from typing import Dict, Optional, Sequence
 
 from . import _secret
+from ._env import env_float
 
 
 CACHE_ENV = "RUMOR_AUTOTUNE_CACHE"
@@ -60,16 +61,7 @@ def read_cache(path: str) -> Dict:
 
 
 def _lock_timeout() -> float:
-    v = os.environ.get(LOCK_TIMEOUT_ENV)
-    if not v:
-        return LOCK_TIMEOUT_S
-    try:
-        t = float(v)
-    except ValueError:
-        raise ValueError(f"rumor autotune: {LOCK_TIMEOUT_ENV}={v!r} is not a number of seconds") from None
-    if not t > 0:
-        raise ValueError(f"rumor autotune: {LOCK_TIMEOUT_ENV}={v!r} must be positive")
-    return t
+    return env_float(LOCK_TIMEOUT_ENV, LOCK_TIMEOUT_S, positive=True)
 
 
 class _CacheLock:

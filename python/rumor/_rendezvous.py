@@ -10,6 +10,7 @@ import socket
 from dataclasses import dataclass
 
 from . import _secret
+from ._env import env_int
 
 
 DEFAULT_PORT = 29500
@@ -36,24 +37,33 @@ def _first_slurm_host(nodelist: str) -> str:
 
 def read_env() -> Env:
     e = os.environ
-    port = int(e.get("MASTER_PORT", DEFAULT_PORT))
+
+    def num(name: str, minimum: int) -> int:
+        # The launcher's variables: a bad one names itself rather than failing in a bare int().
+        return env_int(name, None, minimum=minimum, env=e) if e.get(name, "").strip() else _missing(name)
+
+    port = env_int("MASTER_PORT", DEFAULT_PORT, minimum=0, maximum=65535, env=e)
     if "RANK" in e and "WORLD_SIZE" in e:
-        return Env(int(e["RANK"]), int(e["WORLD_SIZE"]), e.get("MASTER_ADDR", "127.0.0.1"), port, "torchrun")
+        return Env(num("RANK", 0), num("WORLD_SIZE", 1), e.get("MASTER_ADDR", "127.0.0.1"), port, "torchrun")
     if "OMPI_COMM_WORLD_RANK" in e:
         single = e.get("OMPI_COMM_WORLD_LOCAL_SIZE") == e.get("OMPI_COMM_WORLD_SIZE")
         addr = e.get("MASTER_ADDR", "127.0.0.1" if single else "")
         if not addr:
             raise RuntimeError("rumor.init(): under mpirun on several hosts, set MASTER_ADDR (and MASTER_PORT) to rank 0's host")
-        return Env(int(e["OMPI_COMM_WORLD_RANK"]), int(e["OMPI_COMM_WORLD_SIZE"]), addr, port, "mpirun")
+        return Env(num("OMPI_COMM_WORLD_RANK", 0), num("OMPI_COMM_WORLD_SIZE", 1), addr, port, "mpirun")
     if "PMI_RANK" in e and "PMI_SIZE" in e:
         addr = e.get("MASTER_ADDR", "")
         if not addr:
             raise RuntimeError("rumor.init(): under an MPICH-style launcher, set MASTER_ADDR (and MASTER_PORT)")
-        return Env(int(e["PMI_RANK"]), int(e["PMI_SIZE"]), addr, port, "pmi")
+        return Env(num("PMI_RANK", 0), num("PMI_SIZE", 1), addr, port, "pmi")
     if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
         addr = e.get("MASTER_ADDR") or _first_slurm_host(e.get("SLURM_JOB_NODELIST", e.get("SLURM_NODELIST", "127.0.0.1")))
-        return Env(int(e["SLURM_PROCID"]), int(e["SLURM_NTASKS"]), addr, port, "slurm")
+        return Env(num("SLURM_PROCID", 0), num("SLURM_NTASKS", 1), addr, port, "slurm")
     return Env(0, 1, "127.0.0.1", port, "single process")
+
+
+def _missing(name: str) -> int:
+    raise ValueError(f"rumor.init(): the launcher variable {name} is set but empty")
 
 
 def advertise_address(master_addr: str, master_port: int) -> str:

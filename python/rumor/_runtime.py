@@ -5,21 +5,17 @@ All mutable state lives in one _State object, created by init() and dropped by s
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from . import _C, _rendezvous, _secret, _shm
+from ._env import check_core_env, env_bool, env_choice, env_float, env_int  # noqa: F401 (the runtime's API)
 
 DEFAULT_TIMEOUT = 300.0
-
-
-def env_bool(name: str, default: bool) -> bool:
-    v = os.environ.get(name)
-    if v is None:
-        return default
-    return v.strip().lower() not in ("0", "false", "no", "off", "")
+_log = logging.getLogger("rumor")
 
 
 class Group:
@@ -94,9 +90,13 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         wait_mode = gpu_wait_mode(os.environ.get(GPU_WAIT_ENV), f"rumor.init(): {GPU_WAIT_ENV}")
     else:
         wait_mode = gpu_wait_mode(_str_arg(gpu_wait, "rumor.init(): gpu_wait"), "rumor.init(): gpu_wait")
+    # Before anything starts: the C++ core reads these by itself, on first use, and would take
+    # a misspelt value as the default.
+    check_core_env()
     env = _rendezvous.read_env()
+    _say_single_process(env)
     if timeout is None:
-        timeout = float(os.environ.get("RUMOR_TIMEOUT", DEFAULT_TIMEOUT))
+        timeout = env_float("RUMOR_TIMEOUT", DEFAULT_TIMEOUT, positive=True)
     if timeout <= 0:
         raise ValueError(f"rumor.init(): timeout must be positive, got {timeout}")
     if not 0 <= env.rank < env.size:
@@ -104,17 +104,13 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
 
     opts = _C.Options()
     opts.timeout = float(timeout)
-    opts.streams = int(socket_streams if socket_streams is not None else os.environ.get("RUMOR_SOCKET_STREAMS", 2))
+    if socket_streams is None:
+        socket_streams = env_int("RUMOR_SOCKET_STREAMS", opts.streams, minimum=1, maximum=MAX_SOCKET_STREAMS)
+    opts.streams = int(socket_streams)
     opts.shm = env_bool("RUMOR_SHM", True) if shm is None else bool(shm)
-    if "RUMOR_SHM_RING_BYTES" in os.environ:
-        opts.shm_ring_bytes = int(os.environ["RUMOR_SHM_RING_BYTES"])
-    if "RUMOR_STRIPE_MIN_BYTES" in os.environ:
-        v = os.environ["RUMOR_STRIPE_MIN_BYTES"]
-        if not v.strip().isdigit():
-            raise ValueError(f"rumor.init(): RUMOR_STRIPE_MIN_BYTES must be a byte count >= 0, got {v!r}")
-        opts.stripe_min = int(v)
-    if "RUMOR_SPIN_US" in os.environ:
-        opts.spin_us = int(os.environ["RUMOR_SPIN_US"])
+    opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
+    opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
+    opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
     opts.flight_records = flight_records_from_env()
 
     host = _rendezvous.host_id()
@@ -171,6 +167,22 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     _generation += 1
     for hook in list(_init_hooks):
         hook()
+
+
+_said_single = False
+
+
+def _say_single_process(env) -> None:
+    """A script started without a launcher runs alone; say so (once per process, at INFO) and
+    how to start more, since a 1-process job otherwise looks just like a working one."""
+    global _said_single
+    if env.source != "single process" or _said_single:
+        return
+    _said_single = True
+    _log.info("rumor.init(): no launcher variables are set (RANK and WORLD_SIZE, OMPI_COMM_WORLD_RANK, "
+              "PMI_RANK or SLURM_PROCID), so this job runs as one process (world size 1). To start N "
+              "processes on this host: python -m rumor.run --nproc-per-node N script.py (or torchrun, "
+              "mpirun, srun)")
 
 
 def shutdown() -> None:
@@ -385,16 +397,8 @@ def gpu_wait_mode(raw: Optional[str], where: str) -> str:
 
 
 DEFAULT_FLIGHT_RECORDS = 64
+MAX_SOCKET_STREAMS = 16  # net::kMaxStreams (csrc/net/channel.h)
 
 
 def flight_records_from_env() -> int:
-    v = os.environ.get("RUMOR_FLIGHT_RECORDER")
-    if v is None or v.strip() == "":
-        return DEFAULT_FLIGHT_RECORDS
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"RUMOR_FLIGHT_RECORDER must be a non-negative integer, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"RUMOR_FLIGHT_RECORDER must be a non-negative integer, got {n}")
-    return n
+    return env_int("RUMOR_FLIGHT_RECORDER", DEFAULT_FLIGHT_RECORDS, minimum=0)

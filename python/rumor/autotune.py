@@ -169,12 +169,7 @@ def _config_from_env() -> Optional[AutotuneConfig]:
     if not _runtime.env_bool("RUMOR_AUTOTUNE", False):
         return None
     cfg = AutotuneConfig()
-    budget = os.environ.get("RUMOR_AUTOTUNE_BUDGET")
-    if budget:
-        try:
-            cfg.budget_steps = int(budget)
-        except ValueError:
-            raise ValueError(f"RUMOR_AUTOTUNE_BUDGET must be an integer number of steps, got {budget!r}") from None
+    cfg.budget_steps = _runtime.env_int("RUMOR_AUTOTUNE_BUDGET", cfg.budget_steps, minimum=1)
     return cfg.validate()
 
 

@@ -18,6 +18,8 @@ import sys
 import warnings
 from typing import Dict, MutableMapping, Optional, Sequence
 
+from ._env import env_bool
+
 LIB_NAME = "libnccl-net-rumor.so"
 ENABLE_VAR = "RUMOR_NCCL_NET_PLUGIN"
 
@@ -56,8 +58,7 @@ def enable(env: Optional[MutableMapping[str, str]] = None) -> str:
 
 
 def enabled_by_env(env: Optional[MutableMapping[str, str]] = None) -> bool:
-    env = os.environ if env is None else env
-    return env.get(ENABLE_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_bool(ENABLE_VAR, False, env)
 
 
 def enable_from_env() -> None:

@@ -1,13 +1,15 @@
 """rumor.DistributedDataParallel: data-parallel training on rumor's C++ engine."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import math
 import time
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional
 
 import torch
 
@@ -70,6 +72,14 @@ class DistributedDataParallel(torch.nn.Module):
     ``autotune=True`` (or a dict of rumor.autotune.AutotuneConfig fields, or env RUMOR_AUTOTUNE=1
     when left None) searches these settings during the first steps and keeps the fastest
     (docs/autotune.md).
+
+    torch DDP's keyword arguments keep torch's meaning where rumor can give it: device_ids=[d]
+    (a module on CUDA device d; tensor inputs are moved there), output_device (only the module's
+    device), process_group (a rumor.Group, as group=), gradient_as_bucket_view (gradients are
+    always bucket views), static_graph=True (unused parameters need no find_unused_parameters).
+    state_dict() has torch DDP's keys ("module." + the module's); load_state_dict() also takes
+    the module's own keys. Attributes are not forwarded to the module: use .module. Every
+    remaining difference, with what to do instead: docs/torch_ddp.md.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -78,12 +88,24 @@ class DistributedDataParallel(torch.nn.Module):
                  broadcast_buffers: bool = True, group: Optional[Group] = None,
                  overlap_optimizer: bool = False, bucket_clip_norm: Optional[float] = None,
                  bucket_split_gap_ms: float = 5.0, shared_buckets: Optional[bool] = None,
-                 autotune=None):
+                 autotune=None, *, device_ids=None, output_device=None, process_group=None,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False):
         super().__init__()
         if not _runtime.is_initialized():
             raise RuntimeError("rumor.DistributedDataParallel: call rumor.init() before wrapping a model")
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"rumor.DistributedDataParallel: expected a torch.nn.Module, got {type(module).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            # torch DDP's second positional argument is device_ids: DDP(model, [0]) lands here.
+            raise TypeError("rumor.DistributedDataParallel: the second argument is the optimizer (a "
+                            f"torch.optim.Optimizer or None), got {type(optimizer).__name__}; torch DDP's "
+                            "device_ids, output_device and process_group are keyword arguments here "
+                            "(device_ids=[d])")
+        for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"rumor.DistributedDataParallel: {name} must be True or False, got "
+                                f"{type(flag).__name__}")
+        group = _group_from(group, process_group)
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError("rumor.DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be positive")
         if (isinstance(bucket_split_gap_ms, bool) or not isinstance(bucket_split_gap_ms, (int, float))
@@ -125,7 +147,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._step_ops: List[Optional[object]] = []
         self._step_segs: List[list] = []
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
-        self.find_unused_parameters = bool(find_unused_parameters)
+        # static_graph: as in torch, parameters unused in every iteration need no
+        # find_unused_parameters; here that costs nothing more than with it (zeros are averaged).
+        self.static_graph = static_graph
+        self.find_unused_parameters = bool(find_unused_parameters) or static_graph
+        # Every gradient is a view into its bucket already (torch's gradient_as_bucket_view=True);
+        # False is accepted too, see docs/torch_ddp.md.
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.broadcast_buffers = bool(broadcast_buffers)
         self.group = communicator(group, "rumor.DistributedDataParallel")
         self._cap_bytes = int(bucket_cap_mb * _MB)
@@ -142,6 +170,9 @@ class DistributedDataParallel(torch.nn.Module):
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
+        self._input_device = _input_device(device_ids, output_device, module)
+        self.device_ids = None if self._input_device is None else [self._input_device.index]
+        self.output_device = None if self._input_device is None else self._input_device.index
         self._check_no_sparse(module)
         self._verify_same_model(named)
         # Parameters on a CUDA device (or, in the tests, the emulation of that path on CPU) run
@@ -627,6 +658,8 @@ class DistributedDataParallel(torch.nn.Module):
         if self.broadcast_buffers and self.training and self._buffers_to_sync and torch.is_grad_enabled():
             coalesced_broadcast(self._buffers_to_sync, self.group)
         self.algorithm.before_forward(self)
+        if self._input_device is not None:
+            args, kwargs = _to_device(args, self._input_device), _to_device(kwargs, self._input_device)
         module_start = time.monotonic()
         out = self.module(*args, **kwargs)
         self._forward_times = (start, module_start, time.monotonic())
@@ -679,17 +712,128 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self._require_sync = old
 
-    def state_dict(self, *args, **kwargs):
-        """The wrapped module's state dict, with its own keys (no 'module.' prefix)."""
-        return self.module.state_dict(*args, **kwargs)
+    # state_dict() is nn.Module's: the keys are the module's with a "module." prefix, as torch
+    # DistributedDataParallel's, so that checkpoints move between the two wrappers.
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """torch DDP's keys ("module." + the module's). Unlike torch, a state dict with the
+        module's own keys (model.module.state_dict(), or a checkpoint of an older rumor wrapper,
+        which had no prefix) loads too: it is recognised by its keys matching the module's without
+        the prefix and none matching with it."""
+        return super().load_state_dict(self._prefixed(state_dict), strict=strict, assign=assign)
+
+    def _prefixed(self, state_dict):
+        if not isinstance(state_dict, Mapping):
+            return state_dict  # nn.Module's own TypeError says what it takes
+        wanted = set(self.module.state_dict(keep_vars=True))
+        keys = set(state_dict)
+        if any("module." + k in keys for k in wanted) or not any(k in wanted for k in keys):
+            return state_dict
+        out = collections.OrderedDict(("module." + k, v) for k, v in state_dict.items())
+        meta = getattr(state_dict, "_metadata", None)
+        if meta is not None:
+            out._metadata = collections.OrderedDict(
+                ("module" if k == "" else "module." + k, v) for k, v in meta.items())
+        return out
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "module":  # not set yet (inside __init__)
-                raise
-            return getattr(self.module, name)
+            pass
+        # As in torch DDP, the module's attributes are not forwarded: a name that exists on both
+        # (train, forward, state_dict, ...) would otherwise mean one thing or the other by accident.
+        base = f"'DistributedDataParallel' object has no attribute {name!r}"
+        if name in _TORCH_DDP_ONLY:
+            raise AttributeError(f"{base}: torch DDP's {name} has no counterpart in rumor's wrapper; "
+                                 f"{_TORCH_DDP_ONLY[name]} (docs/torch_ddp.md)")
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and not name.startswith("__") and hasattr(module, name):
+            raise AttributeError(f"{base}; the wrapped module has it: use .module.{name} (like torch's "
+                                 "DistributedDataParallel, the wrapper does not forward attributes)")
+        raise AttributeError(base)
+
+
+# torch DDP's public methods this wrapper lacks, and what to do instead.
+_TORCH_DDP_ONLY = {
+    "join": "give every rank the same number of batches (torch's DistributedSampler, or "
+            "rumor.data.LoadBalancingDistributedSampler)",
+    "join_hook": "give every rank the same number of batches",
+    "register_comm_hook": "write a rumor.algorithms.Algorithm (PowerSGD, low-precision and local-SGD "
+                          "algorithms exist) and pass it as algorithm=",
+    "will_sync_module_buffers": "buffers are broadcast from the group's first rank before each training "
+                                "forward when broadcast_buffers=True",
+}
+
+
+def _group_from(group, process_group):
+    """group= is rumor's; process_group= (torch's name) takes a rumor.Group too, but not a torch
+    ProcessGroup: rumor runs its own communicator, which cannot borrow torch's."""
+    if process_group is None:
+        return group
+    if not isinstance(process_group, Group):
+        raise TypeError("rumor.DistributedDataParallel: process_group must be a rumor.Group, got "
+                        f"{type(process_group).__module__}.{type(process_group).__name__}; rumor runs its "
+                        "own communicator and cannot use a torch.distributed process group. For the whole "
+                        "job pass nothing; for a subset pass group=rumor.new_group(ranks) with the same "
+                        "ranks (torch.distributed.get_process_group_ranks(pg))")
+    if group is not None and group is not process_group:
+        raise ValueError("rumor.DistributedDataParallel: group= and process_group= name different groups; "
+                         "pass one of them")
+    return process_group
+
+
+def _device_of(d, what: str) -> torch.device:
+    if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
+        raise TypeError(f"rumor.DistributedDataParallel: {what} must be a CUDA device index, a "
+                        f"torch.device or a device string, got {type(d).__name__}")
+    dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _input_device(device_ids, output_device, module) -> Optional[torch.device]:
+    """torch's meaning of device_ids: None for a CPU module, [d] for a module on CUDA device d,
+    whose forward then gets its inputs moved to d. output_device, if given, must be that device:
+    the output stays where the module puts it, as in torch with one device per process."""
+    what = "rumor.DistributedDataParallel"
+    devices = {t.device for t in itertools.chain(module.parameters(), module.buffers())}
+    if device_ids is None or (isinstance(device_ids, (list, tuple)) and len(device_ids) == 0):
+        if output_device is not None:
+            raise ValueError(f"{what}: output_device={output_device!r} needs device_ids=[d] (a module on one CUDA "
+                             "device); the output stays where the module puts it: move it with .to()")
+        return None
+    if not isinstance(device_ids, (list, tuple)):
+        raise TypeError(f"{what}: device_ids must be a list of one device, e.g. [rumor.local_rank()], got "
+                        f"{type(device_ids).__name__}")
+    if len(device_ids) > 1:
+        raise ValueError(f"{what}: device_ids={list(device_ids)!r}: one process drives one device; start one "
+                         "process per GPU (python -m rumor.run --nproc-per-node N) and pass device_ids=[d]")
+    dev = _device_of(device_ids[0], "device_ids[0]")
+    if dev.type != "cuda":
+        raise ValueError(f"{what}: device_ids={list(device_ids)!r}: device_ids is for a module on one CUDA "
+                         "device; for a CPU module pass device_ids=None")
+    if devices != {dev}:
+        found = ", ".join(sorted(str(d) for d in devices)) or "no parameters"
+        raise ValueError(f"{what}: device_ids=[{dev.index}] says the module is on {dev}, but its parameters "
+                         f"and buffers are on {found}: move it first (module.to({str(dev)!r})), or pass "
+                         "device_ids=None for a module on the CPU")
+    if output_device is not None and _device_of(output_device, "output_device") != dev:
+        raise ValueError(f"{what}: output_device={output_device!r} differs from the module's device {dev}: "
+                         "rumor leaves the output where the module puts it; move it with .to()")
+    return dev
+
+
+def _to_device(obj, device: torch.device):
+    """Tensors inside (nested tuples, lists, dicts) moved to device, as torch DDP does for its
+    inputs when given device_ids."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    return obj

@@ -162,8 +162,15 @@ def _redis_password() -> Optional[str]:
 
 def _open_redis(name: str, capacity: int, hosts, op_timeout: float, connect_timeout: float, backoff,
                 rumor_context: Callable[[], Optional[tuple]] = _rumor_context):
-    if hosts is None and os.environ.get("RUMOR_CACHE_HOSTS"):
-        hosts = json.loads(os.environ["RUMOR_CACHE_HOSTS"])
+    if hosts is None and os.environ.get("RUMOR_CACHE_HOSTS", "").strip():
+        raw = os.environ["RUMOR_CACHE_HOSTS"]
+        try:
+            hosts = json.loads(raw)
+        except ValueError:
+            # The value is not echoed: it may hold the servers' passwords.
+            raise ValueError("environment variable RUMOR_CACHE_HOSTS is not valid JSON: expected a JSON list of "
+                             '{"host": ..., "port": ..., "password": ...} objects, e.g. [{"host": "10.0.0.1", '
+                             '"port": 6379}]') from None
     if hosts is not None:
         return _RedisBackend(_validate_hosts(hosts), op_timeout, connect_timeout, backoff, owned=False), None
     from ._redis_server import RedisServer

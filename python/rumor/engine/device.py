@@ -37,6 +37,7 @@ from typing import List, Optional
 import torch
 
 from .. import _C
+from .._env import env_bool
 from ..errors import CommTimeoutError, RumorError
 from .._tensor import address, dtype_code
 
@@ -44,7 +45,7 @@ EMULATE: Optional[str] = None
 MODES = ("direct", "staged")
 # RUMOR_DEVICE_INLINE_LAUNCH=0 hands every direct bucket to the worker thread, as before inline
 # launches existed: a switch to compare the two (benchmarks/gpu.py), not a tuning knob.
-INLINE_LAUNCH = os.environ.get("RUMOR_DEVICE_INLINE_LAUNCH", "1") != "0"
+INLINE_LAUNCH = env_bool("RUMOR_DEVICE_INLINE_LAUNCH", True)
 
 
 # ---- device layers -----------------------------------------------------------------------------
