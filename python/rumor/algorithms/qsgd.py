@@ -12,8 +12,8 @@ class QSGD(CompressedAllReduce):
     differ per bucket, step, rank and block and are reproducible.
 
     Args:
-        levels: quantization levels per sign, an int in 2..256; default 16. More levels cost
-            nothing on the wire (one byte per element either way) and lower the variance.
+        levels: quantization levels per sign, an int in 2..256; default 16. More levels lower
+            the variance; each element takes one byte on the wire up to 127 levels, two above.
         hierarchical: True (the default) averages inside each host at full precision and
             compresses only between one leader per host; False compresses between every pair of
             ranks.
