@@ -15,6 +15,11 @@ from ._runtime import Group, communicator
 from ._tensor import address, check_dense, check_movable, check_tensor, dtype_tag
 
 class ReduceOp(enum.IntEnum):
+    """How a reducing collective combines the ranks' values, elementwise.
+
+    SUM, AVG (the sum divided by the number of ranks; the default of rumor's collectives, as in
+    Horovod), MIN, MAX, PROD. An IntEnum: the value is the code the C++ core takes.
+    """
     SUM = 0
     AVG = 1
     MIN = 2
@@ -26,7 +31,15 @@ ALGORITHMS = {"auto": 0, "ring": 1, "recursive_doubling": 2, "hierarchical": 3}
 
 
 class Handle:
-    """The result of a *_nonblocking call. wait() (or rumor.synchronize(h)) returns the result."""
+    """The result of a *_nonblocking call. wait() (or rumor.synchronize(h)) returns the result.
+
+    Made by rumor's nonblocking calls, not by users.
+
+    Args:
+        work: the C++ core's work item (None when the op finished at once).
+        keep: the buffers the C++ side reads or writes until it is done, kept alive here.
+        finish: called once after the work finished; its return value is the result.
+    """
 
     def __init__(self, work, keep: tuple, finish: Callable[[], torch.Tensor]):
         self._work = work
@@ -36,9 +49,27 @@ class Handle:
         self._done = False
 
     def poll(self) -> bool:
+        """Whether the operation finished, without waiting.
+
+        Returns:
+            True once wait() would return without blocking.
+        """
         return self._done or self._work is None or self._work.done()
 
     def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        """Waits for the operation and returns its result (again on later calls).
+
+        Args:
+            timeout: a guard, in seconds, against a lost wakeup; None (the default) uses 64 times
+                rumor's timeout. The op itself ends at rumor's timeout.
+
+        Returns:
+            The operation's result tensor.
+
+        Raises:
+            CommTimeoutError: a peer did not take part within rumor's timeout.
+            PeerError: a peer failed or left.
+        """
         if not self._done:
             if self._work is not None:
                 # The op carries its own deadline; this one only guards against a lost wakeup.

@@ -19,7 +19,16 @@ _log = logging.getLogger("rumor")
 
 
 class Group:
-    """A subset of ranks, made by rumor.new_group(). Ranks in collectives are global ranks."""
+    """A subset of ranks, made by rumor.new_group() or rumor.local_group().
+
+    Ranks in collectives are global ranks. Users get groups from those functions rather than
+    constructing one.
+
+    Args:
+        ranks: the global ranks of the group, in group-rank order (kept as ``ranks``).
+        comm: the group's communicator, or None on a rank outside the group.
+        gid: the group's id, the same on every rank (kept as ``id``).
+    """
 
     def __init__(self, ranks: List[int], comm: Optional["_C.Communicator"], gid: int):
         self.ranks = list(ranks)
@@ -32,6 +41,11 @@ class Group:
         return self._comm.rank if self._comm is not None else -1
 
     def size(self) -> int:
+        """The number of ranks in the group.
+
+        Returns:
+            len(ranks).
+        """
         return len(self.ranks)
 
     def __contains__(self, global_rank: int) -> bool:
@@ -239,6 +253,11 @@ def rendezvous_store():
 
 
 def is_initialized() -> bool:
+    """Whether rumor.init() was called and rumor.shutdown() was not since.
+
+    Returns:
+        A bool.
+    """
     return _state is not None
 
 
@@ -276,16 +295,23 @@ def _str_arg(value, where: str) -> str:
 
 def set_gpu_wait(mode: str) -> None:
     """How the blocking collectives on CUDA tensors over NCCL that start from now on end, on
-    this rank (ranks may differ; nonblocking calls and host staging are not affected):
+    this rank (ranks may differ; nonblocking calls and host staging are not affected).
 
-    "host": once the op finished on the GPU, waited for on the host with rumor's deadline, so an
-      error or a missing peer is raised by the call itself (as in Horovod or BlueFog).
-    "stream": once the op is queued on torch's current stream, as in torch.distributed, so
-      consecutive calls and the caller's later kernels pipeline on the GPU. A watch thread keeps
-      the deadline: an op past it (or an NCCL error) aborts the group's communicator, is logged,
-      and is raised by the group's next call.
+    rumor.init(gpu_wait=...) or RUMOR_GPU_WAIT set the first value (default "host").
 
-    rumor.init(gpu_wait=...) or RUMOR_GPU_WAIT set the first value (default "host")."""
+    Args:
+        mode: "host": once the op finished on the GPU, waited for on the host with rumor's
+            deadline, so an error or a missing peer is raised by the call itself (as in Horovod or
+            BlueFog). "stream": once the op is queued on torch's current stream, as in
+            torch.distributed, so consecutive calls and later kernels pipeline on the GPU; a watch
+            thread keeps the deadline, and an op past it (or an NCCL error) aborts the group's
+            communicator, is logged, and is raised by the group's next call.
+
+    Raises:
+        TypeError: mode is not a str.
+        ValueError: mode is neither "host" nor "stream".
+        RuntimeError: rumor is not initialized.
+    """
     st = state()
     st.gpu_wait = gpu_wait_mode(_str_arg(mode, "rumor.set_gpu_wait(): mode"), "rumor.set_gpu_wait()")
 
@@ -302,26 +328,74 @@ def state() -> _State:
 
 
 def rank() -> int:
+    """This process's global rank, 0 to size() - 1.
+
+    Returns:
+        An int.
+
+    Raises:
+        RuntimeError: rumor is not initialized (call rumor.init() first).
+    """
     return state().env.rank
 
 
 def size() -> int:
+    """The number of processes in the job.
+
+    Returns:
+        An int.
+
+    Raises:
+        RuntimeError: rumor is not initialized (call rumor.init() first).
+    """
     return state().env.size
 
 
 def local_rank() -> int:
+    """This process's rank among the processes on its machine.
+
+    Returns:
+        An int.
+
+    Raises:
+        RuntimeError: rumor is not initialized (call rumor.init() first).
+    """
     return state().local_rank
 
 
 def local_size() -> int:
+    """The number of processes on this machine.
+
+    Returns:
+        An int.
+
+    Raises:
+        RuntimeError: rumor is not initialized (call rumor.init() first).
+    """
     return state().local_size
 
 
 def machine_rank() -> int:
+    """The index of this process's machine, 0 to machine_size() - 1.
+
+    Returns:
+        An int.
+
+    Raises:
+        RuntimeError: rumor is not initialized (call rumor.init() first).
+    """
     return state().machine_rank
 
 
 def machine_size() -> int:
+    """The number of machines in the job.
+
+    Returns:
+        An int.
+
+    Raises:
+        RuntimeError: rumor is not initialized (call rumor.init() first).
+    """
     return state().machine_size
 
 

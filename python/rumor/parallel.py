@@ -80,6 +80,56 @@ class DistributedDataParallel(torch.nn.Module):
     state_dict() has torch DDP's keys ("module." + the module's); load_state_dict() also takes
     the module's own keys. Attributes are not forwarded to the module: use .module. Every
     remaining difference, with what to do instead: docs/torch_ddp.md.
+
+    Args:
+        module: the torch.nn.Module to train; its parameters and buffers are broadcast from
+            rank 0 when wrapping.
+        optimizer: the optimizer of module's parameters; None (the default) for none. Needed by
+            algorithms that act after the step (after_step hooks) and by overlap_optimizer.
+        algorithm: the rumor.algorithms.Algorithm that decides what is communicated; None (the
+            default) means GradientAllReduce (averaged gradients, as torch DDP).
+        bucket_cap_mb: the most MiB of gradients one bucket holds; default 25. Must be positive.
+        first_bucket_mb: the cap of the first bucket in MiB, small so that communication starts
+            early in backward; default 1. Must be positive.
+        find_unused_parameters: if True, a parameter that got no gradient in a backward is
+            treated as ready (its gradient counted as zero) instead of raising; default False,
+            as in torch DDP.
+        broadcast_buffers: if True (the default), rank 0's buffers (for instance BatchNorm's
+            running statistics) are broadcast before every forward in training mode.
+        group: the Group of ranks that train together (rumor.new_group()); None (the
+            default) means every rank.
+        overlap_optimizer: if True (default False), each bucket's optimizer update runs as soon
+            as its communication finished, during backward; needs optimizer.
+        bucket_clip_norm: with overlap_optimizer, the L2 norm each bucket's averaged gradients
+            are clipped to before its update; None (the default) clips nothing.
+        bucket_split_gap_ms: after the first iteration, a bucket is closed where the next
+            gradient came more than this many milliseconds later; default 5.0, math.inf never
+            splits. Must be positive.
+        shared_buckets: False keeps buckets out of shared memory when every rank is on this
+            host; None (the default) lets rumor decide.
+        autotune: True, or a dict of rumor.autotune.AutotuneConfig fields, searches the bucket
+            settings during the first steps and keeps the fastest; None (the default) follows
+            env RUMOR_AUTOTUNE; False never tunes.
+        device_ids: torch DDP's argument: None (the default) or [d], where the module lives on
+            CUDA device d; tensor inputs are then moved to d. A CPU module or several devices is
+            refused with a ValueError saying what to do.
+        output_device: torch DDP's argument; only the module's own device (or None, the
+            default) is accepted.
+        process_group: a rumor Group, the same as group= (give one of them); a torch
+            ProcessGroup is refused with a TypeError (rumor runs its own communicator).
+        gradient_as_bucket_view: accepted for torch's API: rumor's gradients are always views of
+            their bucket, so True has torch's meaning and False (the default) changes nothing.
+        static_graph: True (default False) tells rumor the set of used parameters never changes,
+            so unused parameters need no find_unused_parameters.
+
+    Raises:
+        RuntimeError: rumor.init() was not called.
+        TypeError: module is not a torch.nn.Module, algorithm is not an Algorithm, or
+            shared_buckets or bucket_clip_norm has the wrong type.
+        ValueError: bucket_cap_mb, first_bucket_mb or bucket_split_gap_ms is not positive, or
+            overlap_optimizer is set without optimizer.
+        RuntimeError: (at the end of a backward) a parameter got no gradient and
+            find_unused_parameters is False.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -652,6 +702,14 @@ class DistributedDataParallel(torch.nn.Module):
         return _runtime.state().timeout
 
     def forward(self, *args, **kwargs):
+        """Runs the wrapped module's forward, with the algorithm's before_forward hook and (in
+        training mode, with broadcast_buffers) rank 0's buffers broadcast first.
+
+        Args and keyword arguments are passed to module.forward unchanged.
+
+        Returns:
+            What module.forward returns.
+        """
         if self._autotuner is not None and self.training and torch.is_grad_enabled():
             self._autotuner.before_forward()
         start = time.monotonic()
@@ -716,10 +774,25 @@ class DistributedDataParallel(torch.nn.Module):
     # DistributedDataParallel's, so that checkpoints move between the two wrappers.
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """torch DDP's keys ("module." + the module's). Unlike torch, a state dict with the
-        module's own keys (model.module.state_dict(), or a checkpoint of an older rumor wrapper,
-        which had no prefix) loads too: it is recognised by its keys matching the module's without
-        the prefix and none matching with it."""
+        """Loads torch DDP's keys ("module." + the module's) into the wrapped module.
+
+        Unlike torch, a state dict with the module's own keys (model.module.state_dict(), or a
+        checkpoint of an older rumor wrapper, which had no prefix) loads too: it is recognised by
+        its keys matching the module's without the prefix and none matching with it.
+
+        Args:
+            state_dict: the state to load, with or without the "module." prefix.
+            strict: if True (the default), the keys must match exactly.
+            assign: if True (default False), assign the loaded tensors instead of copying into the
+                module's own (torch's assign semantics; the wrapper's hooks stay on the old
+                parameters, see docs/torch_ddp.md).
+
+        Returns:
+            torch's NamedTuple of missing_keys and unexpected_keys.
+
+        Raises:
+            RuntimeError: strict is True and keys are missing or unexpected.
+        """
         return super().load_state_dict(self._prefixed(state_dict), strict=strict, assign=assign)
 
     def _prefixed(self, state_dict):

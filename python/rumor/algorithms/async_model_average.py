@@ -240,6 +240,12 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
     elastic_consensus = True
 
     def elastic_state_dict(self):
+        """The algorithm's own part of a rumor.elastic commit: the count of synchronized backward
+        passes, which says whether the restored job is still in its warm-up.
+
+        Returns:
+            A dict with ``steps``.
+        """
         return {"steps": self.steps}
 
     def elastic_before_load(self) -> None:
@@ -266,6 +272,17 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
             time.sleep(0.002)
 
     def load_elastic_state_dict(self, sd) -> None:
+        """Restores the step count saved by elastic_state_dict() after rumor.elastic loaded the
+        weights: drops any averaging result computed from the replaced weights, resumes this
+        rank's part in the averaging if elastic_before_load() paused it, and starts the
+        asynchronous stage if the commit was taken after the warm-up (on every rank together).
+
+        Args:
+            sd: the dict elastic_state_dict() returned.
+
+        Raises:
+            KeyError: sd lacks ``steps``.
+        """
         self.steps = int(sd["steps"])
         with self._lock:
             self._pending = False  # computed from the weights just replaced
@@ -320,7 +337,16 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
             self._state = PAUSED
 
     def resume(self, ddp=None) -> None:
-        """Undoes abort(): this rank contributes again from the next round on. Does not block."""
+        """Undoes abort(): this rank contributes again from the next round on. Does not block.
+
+        Args:
+            ddp: accepted for Bagua compatibility (resume(model) there); when given, it must be
+                the DistributedDataParallel that runs this algorithm. Default None.
+
+        Raises:
+            ValueError: ddp is a wrapper that does not use this algorithm.
+            RuntimeError: finish() was called already.
+        """
         self._check_ddp(ddp)
         with self._lock:
             if self._finished:

@@ -41,17 +41,45 @@ class Algorithm:
     tunable_buckets = False
 
     def init(self, ddp: "DistributedDataParallel") -> None:
-        """Called once, after parameters were broadcast and buckets built."""
+        """Called once, after parameters were broadcast and buckets built.
+
+        Args:
+            ddp: the DistributedDataParallel wrapper this algorithm drives.
+        """
 
     def plan_buckets(self, ddp: "DistributedDataParallel", params: List, cap_bytes: int,
                      first_cap_bytes: int, breaks: FrozenSet[int] = frozenset()) -> List[List[int]]:
         """Returns lists of indices into ``params`` (given in expected ready order), one list per
         bucket, each of a single dtype. Buckets are launched in the order returned. ``breaks``
         holds positions whose gradient arrived well after the previous one (measured in the
-        first iteration): a bucket should not span them."""
+        first iteration): a bucket should not span them.
+
+        Args:
+            ddp: the wrapper.
+            params: the parameters that need gradients, in expected ready order.
+            cap_bytes: the most bytes a bucket holds (the wrapper's bucket_cap_mb).
+            first_cap_bytes: the cap of the first bucket (the wrapper's first_bucket_mb), small
+                so that communication starts early in backward.
+            breaks: positions in ``params`` a bucket must not span; empty by default.
+
+        Returns:
+            One list of indices into ``params`` per bucket.
+        """
         return default_bucket_plan(params, cap_bytes, first_cap_bytes, breaks)
 
     def bucket_op(self, ddp: "DistributedDataParallel", bucket: "Bucket"):
+        """The C++ op the comm thread runs on a ready bucket of CPU parameters.
+
+        Args:
+            ddp: the wrapper.
+            bucket: the bucket (its flat gradient buffer and parameter indices).
+
+        Returns:
+            An op built by ``rumor._C`` (for instance ``allreduce_op``), or None for none.
+
+        Raises:
+            NotImplementedError: on the base class; every algorithm defines it.
+        """
         raise NotImplementedError
 
     # Parameters on a CUDA device (docs/gpu.md). Where has_device_ops(ddp, nccl) says so (nccl:
@@ -62,25 +90,66 @@ class Algorithm:
     stages_through_host = False
 
     def has_device_ops(self, ddp: "DistributedDataParallel", nccl: bool) -> bool:
+        """Whether buckets of CUDA parameters run device_bucket_op()'s op on the device.
+
+        Args:
+            ddp: the wrapper.
+            nccl: whether the group's GPU transport is NCCL.
+
+        Returns:
+            False on the base class (CUDA buckets are staged through the host, if
+            stages_through_host allows it, or refused).
+        """
         return False
 
     def device_bucket_op(self, ddp: "DistributedDataParallel", bucket: "Bucket"):
+        """The device op (rumor.engine.ops) run on a ready bucket of CUDA parameters; called only
+        where has_device_ops() returned True.
+
+        Args:
+            ddp: the wrapper.
+            bucket: the bucket of CUDA gradients.
+
+        Raises:
+            NotImplementedError: on the base class.
+        """
         raise NotImplementedError
 
     def rebuild_buckets(self, ddp: "DistributedDataParallel") -> bool:
         """Whether to rebuild the buckets in the observed ready order after the first iteration.
         The rebuild is a collective on the wrapper's group (the first rank's order is broadcast)
         at the end of the first backward; an algorithm whose backward communicates nothing, and
-        whose ranks need not be in step, may return False."""
+        whose ranks need not be in step, may return False.
+
+        Args:
+            ddp: the wrapper.
+
+        Returns:
+            True on the base class.
+        """
         return True
 
     def before_forward(self, ddp: "DistributedDataParallel") -> None:
-        pass
+        """Hook run at the start of every forward of the wrapper; does nothing on the base class.
+
+        Args:
+            ddp: the wrapper.
+        """
 
     def after_backward(self, ddp: "DistributedDataParallel") -> None:
-        pass
+        """Hook run at the end of every backward, after every bucket's op finished; does nothing
+        on the base class.
+
+        Args:
+            ddp: the wrapper.
+        """
 
     def after_step(self, ddp: "DistributedDataParallel") -> None:
-        pass
+        """Hook run after every optimizer.step() of the optimizer given to the wrapper; does
+        nothing on the base class.
+
+        Args:
+            ddp: the wrapper.
+        """
 
 

@@ -89,6 +89,19 @@ class ByteGrad(CompressedAllReduce):
 
     Each chunk of a block is sent as its minimum and maximum (float32) and one byte per element
     (round to nearest of 256 evenly spaced levels): about 4x fewer bytes than float32.
+
+    Args:
+        hierarchical: True (the default) averages inside each host at full precision and
+            compresses only between one leader per host; on a single host nothing is then
+            compressed. False compresses between every pair of ranks.
+        average: True (the default) divides the sum by the number of ranks; False leaves the sum.
+        chunk: elements per quantization chunk (each carries its own minimum and maximum); 0,
+            the default, takes the codec's default (1024), otherwise a multiple of 8 up to 2**24.
+
+    Raises:
+        ValueError: chunk is not 0 or a multiple of 8 up to 2**24.
+        TypeError: (when a bucket is communicated) its gradients are not float32, float16,
+            bfloat16 or float64.
     """
 
     _kind = KIND_MINMAX_U8

@@ -218,13 +218,41 @@ class Decentralized(Algorithm):
         return LocalOp()
 
     def elastic_state_dict(self):
-        # The schedule's position: the restarted job mixes with the peers it would have next.
+        """The algorithm's own part of a rumor.elastic commit: the position in the peer schedule,
+        so that a restarted job mixes with the peers it would have had next.
+
+        Returns:
+            A dict with ``step`` (backward passes so far) and ``rounds`` (communications so far).
+        """
         return {"step": self.step, "rounds": self.rounds}
 
     def load_elastic_state_dict(self, sd) -> None:
+        """Restores the schedule position saved by elastic_state_dict() (rumor.elastic calls it
+        after loading the model and the optimizer).
+
+        Args:
+            sd: the dict elastic_state_dict() returned.
+
+        Raises:
+            KeyError: sd lacks ``step`` or ``rounds``.
+        """
         self.step, self.rounds = int(sd["step"]), int(sd["rounds"])
 
     def plan(self, ddp, round_: int) -> Plan:
+        """What this rank (or, when hierarchical, this rank's host) does in one communication
+        round under the algorithm's peer selection. Valid after init().
+
+        Args:
+            ddp: the wrapper.
+            round_: the index of the communication round (0 for the first).
+
+        Returns:
+            A tuple (average_all, self_weight, sources, destinations): average_all is True when
+            the round is an average over every node; otherwise the new weights are self_weight
+            times this node's own plus the sum of weight times x_src over the (src, weight)
+            pairs of sources, and this node's weights go to every node in destinations. Nodes
+            are ranks of the wrapper's group, or host indices when hierarchical.
+        """
         sel = self._matrix if self._matrix is not None else self.peer_selection
         return mixing_plan(sel, self._n, self._me, round_)
 

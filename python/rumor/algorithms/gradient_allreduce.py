@@ -18,6 +18,20 @@ class GradientAllReduce(Algorithm):
     small_allreduce_kb: buckets of at most this many KiB use recursive doubling (latency-bound),
     larger ones the ring (bandwidth-bound); None keeps the communicator's own threshold (64 KiB on
     one host, 16 KiB across hosts). Shared-memory buckets (all ranks on one host) ignore it.
+
+    On CUDA parameters over NCCL each bucket is one NCCL allreduce: NCCL picks its own algorithm,
+    so hierarchical and small_allreduce_kb apply to rumor's CPU transports only.
+
+    Args:
+        hierarchical: reduce inside each host first, then among one leader per host (see
+            above); default False.
+        average: True (the default) divides the sum by the number of ranks, as torch DDP does;
+            False leaves the sum of the ranks' gradients.
+        small_allreduce_kb: the size in KiB up to which a bucket uses recursive doubling (see
+            above); default None.
+
+    Raises:
+        ValueError: small_allreduce_kb is neither None nor a number >= 0.
     """
 
     tunable_buckets = True

@@ -184,6 +184,13 @@ class LocalSGD(WarmupThenLocal, Algorithm):
         self.averages += 1
 
     def state_dict(self) -> dict:
+        """The step counters, to checkpoint with the model and the optimizer.
+
+        Returns:
+            A dict with ``steps`` (optimizer steps), ``backward_passes`` (synchronized backward
+            passes, which the warm-up counts), ``averages`` (averaging points) and
+            ``global_averages`` (of which over every rank).
+        """
         return dict(steps=self.steps, backward_passes=self.backward_passes, averages=self.averages,
                     global_averages=self.global_averages)
 
@@ -191,12 +198,36 @@ class LocalSGD(WarmupThenLocal, Algorithm):
     elastic_consensus = True
 
     def elastic_state_dict(self) -> dict:
+        """The algorithm's own part of a rumor.elastic commit: state_dict().
+
+        Returns:
+            The dict state_dict() returns.
+        """
         return self.state_dict()
 
     def load_elastic_state_dict(self, sd) -> None:
+        """Restores what elastic_state_dict() saved, as load_state_dict() does (rumor.elastic calls
+        it after loading the model and the optimizer).
+
+        Args:
+            sd: the dict elastic_state_dict() returned.
+
+        Raises:
+            KeyError: as load_state_dict().
+        """
         self.load_state_dict(sd)
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restores the step counters saved by state_dict(). Where that moves the algorithm
+        across the end of the warm-up, the wrapper's buckets switch between the warm-up's
+        gradient average and the local op.
+
+        Args:
+            sd: the dict state_dict() returned.
+
+        Raises:
+            KeyError: sd lacks one of the counters.
+        """
         was_local = self._local
         for k in ("steps", "backward_passes", "averages", "global_averages"):
             setattr(self, k, int(sd[k]))
@@ -493,15 +524,44 @@ class DiLoCo(Algorithm):
     elastic_consensus = True
 
     def elastic_state_dict(self) -> dict:
+        """The algorithm's own part of a rumor.elastic commit: state_dict() (the outer parameters
+        and the outer optimizer are the same on every rank).
+
+        Returns:
+            The dict state_dict() returns.
+
+        Raises:
+            RuntimeError: as state_dict().
+        """
         return self.state_dict()
 
     def load_elastic_state_dict(self, sd) -> None:
+        """Restores what elastic_state_dict() saved, as load_state_dict() does (rumor.elastic calls
+        it after loading the model and the optimizer).
+
+        Args:
+            sd: the dict elastic_state_dict() returned.
+
+        Raises:
+            RuntimeError: as load_state_dict().
+            ValueError: as load_state_dict().
+        """
         self.load_state_dict(sd)
 
     def state_dict(self) -> dict:
         """The round state: inner step counter, outer parameters (the global model at the start of
         each fragment's round), the outer optimizer's state, and the averaged pseudo-gradients
-        of averages in flight (waited for here) with the step after which they apply."""
+        of averages in flight (waited for here) with the step after which they apply.
+
+        Returns:
+            A dict with ``steps``, ``wire_bytes``, ``sent`` (averages started, per fragment),
+            ``outer`` (per fragment, copies of its outer parameters), ``pending`` (per fragment,
+            None or (inner step, averaged pseudo-gradients)), ``outer_optimizer`` (its
+            state_dict()) and ``config`` (inner_steps, num_fragments, fragment_sync_delay).
+
+        Raises:
+            RuntimeError: the model was not wrapped yet (the outer state is made by init()).
+        """
         if self._ddp is None:
             raise RuntimeError(f"{type(self).__name__}.state_dict(): wrap the model first")
         self.wait()
@@ -516,6 +576,19 @@ class DiLoCo(Algorithm):
                         fragment_sync_delay=self.fragment_sync_delay))
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restores the round state saved by state_dict(): the step counter, the outer parameters,
+        the outer optimizer's state and the averages that were in flight, applied at their step
+        as they would have been. Waits for this algorithm's own averages in flight first. Load
+        the model's and the inner optimizer's state as well.
+
+        Args:
+            sd: the dict state_dict() returned.
+
+        Raises:
+            RuntimeError: the model was not wrapped yet.
+            ValueError: sd was saved with another inner_steps, num_fragments or
+                fragment_sync_delay, or its outer parameters do not match this model's.
+        """
         if self._ddp is None:
             raise RuntimeError(f"{type(self).__name__}.load_state_dict(): wrap the model first")
         cfg = sd["config"]
@@ -565,7 +638,27 @@ class StreamingDiLoCo(DiLoCo):
     next fragment_sync_delay inner steps compute (None: H // (2 F), at least 1: half the gap
     between two fragments' sends), int8 pseudo-gradients on the wire, and
     fragment_update_alpha=0.5 (half of a fragment's local progress made while its average was
-    in flight is kept). Same arguments as DiLoCo."""
+    in flight is kept). Same arguments as DiLoCo, with other defaults.
+
+    Args:
+        inner_steps: H, inner optimizer steps per round, an integer >= 1; default 32.
+        outer_optimizer: builds the outer optimizer from the outer parameters; default None
+            (SGD, lr 0.7, Nesterov momentum 0.9).
+        num_fragments: F, the fragments synchronized one after the other, 1 <= F <= H;
+            default 4.
+        fragment_sync_delay: tau, inner steps a fragment's average runs in the background,
+            0 <= tau < H; default None: H // (2 F), at least 1 (and at most H - 1).
+        fragment_update_alpha: the share of a fragment's local progress kept when its average
+            is applied, in [0, 1]; default 0.5.
+        quantization: the pseudo-gradients on the wire: None, "fp16", "bf16", "int8" (the
+            default) or "4bit".
+        hierarchical: average inside each host first, then between one rank per host; default
+            False.
+
+    Raises:
+        TypeError: an argument has the wrong type (the message names it).
+        ValueError: an argument is out of range (the message names it).
+    """
 
     def __init__(self, inner_steps: int = 32, outer_optimizer: Optional[Callable] = None, num_fragments: int = 4,
                  fragment_sync_delay: Optional[int] = None, fragment_update_alpha: float = 0.5,

@@ -11,6 +11,16 @@ class LowPrecision(CompressedAllReduce):
     nearest even): half the bytes of float32. The owner of each block still accumulates in
     float32. float16 keeps 11 significant bits but overflows above 65504; bfloat16 keeps
     float32's range with 8 significant bits.
+
+    Args:
+        dtype: the wire type, torch.float16 (the default) or torch.bfloat16.
+        hierarchical: True (the default) averages inside each host at full precision and sends
+            the low-precision values only between one leader per host; False between every pair
+            of ranks.
+        average: True (the default) divides the sum by the number of ranks; False leaves the sum.
+
+    Raises:
+        ValueError: dtype is neither torch.float16 nor torch.bfloat16.
     """
 
     def __init__(self, dtype: torch.dtype = torch.float16, hierarchical: bool = True, average: bool = True):

@@ -35,6 +35,18 @@ class LowPrecisionDecentralized(Algorithm):
 
     Needs the optimizer: ``DistributedDataParallel(model, optimizer=opt, algorithm=...)``.
     Parameters must be float32 or float64.
+
+    Args:
+        hierarchical: run the ring over one leader per host after a shared-memory average inside
+            each host (see above); default True.
+        communication_interval: communicate at every communication_interval-th optimizer step,
+            an integer >= 1; default 1.
+        chunk: elements per MinMaxU8 chunk (each sends its own minimum and maximum), an integer
+            >= 0; 0, the default, takes the codec's default.
+
+    Raises:
+        ValueError: communication_interval is not an integer >= 1 or chunk not an integer >= 0;
+            at init(), the wrapper was given no optimizer.
     """
 
     elastic_consensus = True  # the ranks' replicas differ: a commit keeps their average
@@ -72,9 +84,25 @@ class LowPrecisionDecentralized(Algorithm):
                     for f in self._flat.flats]
 
     def elastic_state_dict(self):
+        """The algorithm's own part of a rumor.elastic commit: the step counter (the replicas of
+        the neighbours' weights are not saved; they restart from the committed weights).
+
+        Returns:
+            A dict with ``step``, the optimizer steps so far.
+        """
         return {"step": self.step}
 
     def load_elastic_state_dict(self, sd) -> None:
+        """Restores the step counter saved by elastic_state_dict() and restarts the tracked copy
+        and the neighbours' replicas from the weights just loaded, as at the start of training
+        (rumor.elastic calls it after loading the model and the optimizer).
+
+        Args:
+            sd: the dict elastic_state_dict() returned.
+
+        Raises:
+            RuntimeError: an exchange is still in flight (call synchronize() first).
+        """
         # Every rank now holds the committed average: the tracked copies (what the neighbours
         # believe of each other) start over from it, as at the start of training.
         if self._pending is not None:
@@ -136,5 +164,10 @@ class LowPrecisionDecentralized(Algorithm):
         self._pending = _C.low_precision_exchange(comm, self.ops, True)
 
     def synchronize(self, ddp) -> None:
-        """Waits for the exchange in flight (before checkpointing the replicas, say)."""
+        """Waits for the exchange in flight (before checkpointing the replicas, say) and raises
+        its error, if it failed.
+
+        Args:
+            ddp: the wrapper (its timeout bounds the wait).
+        """
         self._wait(ddp)

@@ -78,9 +78,22 @@ class OneBitAdamAlgorithm(Algorithm):
     # change with the world size. A restored job keeps the commit's optimizer state and starts
     # its error feedback from zero, as compression does when it begins.
     def elastic_state_dict(self):
+        """The algorithm's own part of a rumor.elastic commit: nothing (the momentum and the
+        variance travel with the optimizer's state; the error feedback restarts from zero on
+        load).
+
+        Returns:
+            An empty dict.
+        """
         return {}
 
     def load_elastic_state_dict(self, sd) -> None:
+        """Called by rumor.elastic after it loaded the model and the optimizer: zeroes this
+        rank's error-feedback buffers (worker and server side), as when compression begins.
+
+        Args:
+            sd: the dict elastic_state_dict() returned (empty; not read).
+        """
         for s in self._states.values():
             s.flats["worker_error"].zero_()
             s.flats["server_error"].zero_()

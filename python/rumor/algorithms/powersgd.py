@@ -87,6 +87,30 @@ class PowerSGD(Algorithm):
     State (iteration, random generator, per-parameter error, P and Q) is saved by
     ``state_dict()`` and restored by ``load_state_dict()`` (keyed by parameter name, so it does
     not depend on the bucket layout).
+
+    Args:
+        matrix_approximation_rank: the rank k of the approximation, an integer >= 1; default 1.
+        start_powerSGD_iter: backward passes averaged exactly before compression starts, an
+            integer >= 0; default 1000.
+        min_compression_rate: a tensor is compressed only when its compressed size times this
+            rate is below its size, a finite number >= 0; default 2.
+        use_error_feedback: carry each step's approximation error into the next gradient;
+            default True.
+        warm_start: start the power iteration from the last step's Q; default True.
+        orthogonalization_epsilon: added to each column's norm when Q and P are orthogonalized
+            (each column is divided by norm + epsilon), so that a zero column does not divide by
+            zero; a finite number >= 0, default 0 (torch's default).
+        random_seed: the seed of the numpy generator of the random Qs, 0 <= random_seed < 2**32;
+            default 0.
+        batch_tensors_with_same_shape: draw the random Q of all matrices of one shape in a
+            bucket with one call, as torch's hook does when it batches them; it changes only
+            which random numbers each matrix gets, not the arithmetic. Default False.
+        wire_dtype: the type P, Q and the uncompressed values are sent in: None or
+            torch.float32 (the default, full precision), torch.float16 or torch.bfloat16.
+
+    Raises:
+        ValueError: an argument is outside the range given above (the message names it).
+        TypeError: (when a bucket is communicated) its parameters are not float32.
     """
 
     def __init__(self, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1000,
@@ -289,17 +313,39 @@ class PowerSGD(Algorithm):
     # is each rank's own, so a restored job keeps the commit's P/Q and iteration and starts its
     # error feedback from zero.
     def elastic_state_dict(self) -> dict:
+        """The algorithm's own part of a rumor.elastic commit: state_dict() without the error
+        feedback (each rank's own, so the restored job starts it from zero).
+
+        Returns:
+            A dict as state_dict()'s, with every parameter's ``error`` set to None.
+        """
         sd = self.state_dict()
         for st in sd["params"].values():
             st["error"] = None
         return sd
 
     def load_elastic_state_dict(self, sd) -> None:
+        """Restores what elastic_state_dict() saved, as load_state_dict() does (rumor.elastic calls
+        it after loading the model and the optimizer).
+
+        Args:
+            sd: the dict elastic_state_dict() returned.
+
+        Raises:
+            ValueError: as load_state_dict().
+        """
         self.load_state_dict(sd)
 
     def state_dict(self) -> dict:
         """The algorithm's state: iteration count, random generator, and per parameter (by name)
-        its error feedback, P and Q (copies)."""
+        its error feedback, P and Q (copies).
+
+        Returns:
+            A dict of tensors and plain numbers (it loads with torch.load(weights_only=True)):
+            ``iter``, ``rng``, ``params`` (name -> dict of ``error``, ``p``, ``q``,
+            ``initialized``) and the
+            settings ``matrix_approximation_rank``, ``use_error_feedback`` and ``warm_start``.
+        """
         params = self._snapshot(clone=True)
         params.update({k: dict(v) for k, v in self._carry.items()})
         name, keys, pos, has_gauss, gauss = self.rng.get_state()
@@ -311,7 +357,16 @@ class PowerSGD(Algorithm):
                 "use_error_feedback": self.use_error_feedback, "warm_start": self.warm_start}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores what state_dict() saved; call before or after wrapping the model."""
+        """Restores what state_dict() saved; call before or after wrapping the model. Parameters
+        are matched by name, so the bucket layout may differ from the one that saved it.
+
+        Args:
+            state: the dict state_dict() returned.
+
+        Raises:
+            ValueError: state is not such a dict, was saved with another
+                matrix_approximation_rank, or holds a bad random generator state.
+        """
         if not isinstance(state, dict) or not {"iter", "rng", "params"} <= set(state):
             raise ValueError("rumor.algorithms.PowerSGD.load_state_dict: expected a dict from "
                              "PowerSGD.state_dict() (keys iter, rng, params)")

@@ -56,7 +56,21 @@ def coalesced_broadcast(tensors: List[torch.Tensor], group: Group) -> None:
 def default_bucket_plan(params: List, cap_bytes: int, first_cap_bytes: int,
                         breaks: FrozenSet[int] = frozenset()) -> List[List[int]]:
     """Consecutive parameters of one dtype share a bucket until it would exceed its cap or a
-    break comes; the very first bucket is capped lower so that communication starts early."""
+    break comes; the very first bucket is capped lower so that communication starts early.
+    Algorithm.plan_buckets' default.
+
+    Args:
+        params: the parameters, in the order their gradients are expected to become ready.
+        cap_bytes: the most bytes a bucket holds (a parameter larger than that gets a bucket of
+            its own).
+        first_cap_bytes: the cap of the first bucket.
+        breaks: positions in ``params`` that start new buckets (every open bucket is closed
+            there); empty by default.
+
+    Returns:
+        One list of indices into ``params`` per bucket, in launch order; each bucket holds a
+        single dtype.
+    """
     buckets: List[List[int]] = []
     open_by_dtype = {}  # dtype -> (bucket index, bytes so far)
     for i, p in enumerate(params):

@@ -118,7 +118,16 @@ def set_topology(topo=None, is_weighted: bool = False) -> bool:
     networkx.DiGraph or an n x n weight matrix; None = ExponentialGraph(size)). Every rank must
     call it with the same topology: a cheap allgather of a fingerprint checks this and raises
     ValueError on every rank if they differ. is_weighted: use the matrix's weights instead of
-    uniform ones. Returns True."""
+    uniform ones. Returns True.
+
+    Args:
+        topo: a Topology, a networkx.DiGraph or an n x n weight matrix; None (the default) means
+            ExponentialGraph(size).
+        is_weighted: if True (default False), use the topology's weights instead of uniform ones.
+
+    Raises:
+        ValueError: the ranks passed different topologies, or its size is not rumor.size().
+    """
     t = _verified_topology(topo, is_weighted, _runtime.state().env.size, "ranks", "topology", "rumor.set_topology")
     tops = _topologies()
     tops.topo, tops.weighted = t, bool(is_weighted)
@@ -132,7 +141,19 @@ def load_topology() -> Topology:
 
 def set_machine_topology(topo=None, is_weighted: bool = False) -> bool:
     """Sets the topology among machines for hierarchical_neighbor_allreduce (size =
-    rumor.machine_size(); None = ExponentialGraph(machine_size)). Same rules as set_topology."""
+    rumor.machine_size(); None = ExponentialGraph(machine_size)). Same rules as set_topology.
+
+    Args:
+        topo: a Topology, networkx.DiGraph or weight matrix over machines; None (the default)
+            means ExponentialGraph(machine_size).
+        is_weighted: if True (default False), use its weights instead of uniform ones.
+
+    Returns:
+        True.
+
+    Raises:
+        ValueError: the ranks passed different topologies, or its size is not machine_size().
+    """
     t = _verified_topology(topo, is_weighted, _runtime.state().machine_size, "machines", "machine topology",
                            "rumor.set_machine_topology")
     tops = _topologies()
@@ -141,6 +162,11 @@ def set_machine_topology(topo=None, is_weighted: bool = False) -> bool:
 
 
 def load_machine_topology() -> Topology:
+    """The topology among machines (ExponentialGraph(machine_size) until set_machine_topology()).
+
+    Returns:
+        A rumor.topology.Topology over machine ranks.
+    """
     return _topologies().machine_topo
 
 
@@ -155,10 +181,20 @@ def out_neighbor_ranks() -> List[int]:
 
 
 def in_neighbor_machine_ranks() -> List[int]:
+    """This machine's in-neighbors in the machine topology (sorted machine ranks).
+
+    Returns:
+        A list of ints.
+    """
     return _topologies().machine_topo.in_neighbor_ranks(_runtime.machine_rank())
 
 
 def out_neighbor_machine_ranks() -> List[int]:
+    """This machine's out-neighbors in the machine topology (sorted machine ranks).
+
+    Returns:
+        A list of ints.
+    """
     return _topologies().machine_topo.out_neighbor_ranks(_runtime.machine_rank())
 
 
@@ -291,14 +327,39 @@ def neighbor_allreduce(t, self_weight: Optional[float] = None, src_weights: Opti
     the weight before sending); self_weight and src_weights {rank: weight} are then required.
     enable_topo_check (dynamic mode) raises ValueError on every rank when some rank's sends
     do not match its receivers' src lists; without it such a mismatch ends in an error
-    (deadline or protocol check), never in mixed-up data. Floating-point tensors only."""
+    (deadline or protocol check), never in mixed-up data. Floating-point tensors only.
+
+    Args:
+        t: this rank's tensor; same shape and dtype on every rank.
+        self_weight: the weight of this rank's own t; None (the default) takes the topology's.
+        src_weights: {in-neighbor rank: weight}; None (the default) takes the topology's.
+        dst_weights: None (the default) for the static topology; a list of ranks or
+            {rank: weight} to send to for a dynamic step.
+        enable_topo_check: in dynamic mode, check that every rank's sends match its receivers' lists and raise ValueError on every rank if not; default True.
+        group: the Group whose ranks take part; None (the default) means every rank.
+
+    Returns:
+        A new tensor: self_weight * t + the weighted in-neighbor tensors.
+    """
     return _neighbor_allreduce(t, self_weight, src_weights, dst_weights, enable_topo_check, group, False,
                                "rumor.neighbor_allreduce")
 
 
 def neighbor_allreduce_nonblocking(t, self_weight=None, src_weights=None, dst_weights=None,
                                    enable_topo_check: bool = True, group: Optional[Group] = None) -> Handle:
-    """neighbor_allreduce, returning a Handle (rumor.synchronize(h) gives the result)."""
+    """neighbor_allreduce, returning a Handle (rumor.synchronize(h) gives the result).
+
+    Args:
+        t: this rank's tensor; must not change until the handle is waited.
+        self_weight: as in neighbor_allreduce; default None.
+        src_weights: as in neighbor_allreduce; default None.
+        dst_weights: as in neighbor_allreduce; default None (static topology).
+        enable_topo_check: in dynamic mode, check that every rank's sends match its receivers' lists and raise ValueError on every rank if not; default True.
+        group: the Group whose ranks take part; None (the default) means every rank.
+
+    Returns:
+        A Handle; rumor.synchronize(h) or h.wait() gives the result.
+    """
     return _neighbor_allreduce(t, self_weight, src_weights, dst_weights, enable_topo_check, group, True,
                                "rumor.neighbor_allreduce_nonblocking")
 
@@ -371,13 +432,35 @@ def neighbor_allgather(t, src_ranks: Optional[Sequence[int]] = None, dst_ranks: 
     """Concatenates the in-neighbors' tensors along dim 0 (not including this rank's own), in
     the order of the static topology's in-neighbors (ascending) or of src_ranks. First dims may
     differ between ranks; the other dims and the dtype must match. Dynamic mode: src_ranks and
-    dst_ranks together (checked like neighbor_allreduce's lists)."""
+    dst_ranks together (checked like neighbor_allreduce's lists).
+
+    Args:
+        t: this rank's tensor.
+        src_ranks: dynamic mode, the ranks to receive from; None (the default) for the static topology.
+        dst_ranks: dynamic mode, the ranks to send to; None (the default) for the static topology.
+        enable_topo_check: in dynamic mode, check that every rank's sends match its receivers' lists and raise ValueError on every rank if not; default True.
+        group: the Group whose ranks take part; None (the default) means every rank.
+
+    Returns:
+        A new tensor, the in-neighbors' tensors concatenated along dim 0.
+    """
     return _neighbor_allgather(t, src_ranks, dst_ranks, enable_topo_check, group, False, "rumor.neighbor_allgather")
 
 
 def neighbor_allgather_nonblocking(t, src_ranks=None, dst_ranks=None, enable_topo_check: bool = True,
                                    group: Optional[Group] = None) -> Handle:
-    """Like neighbor_allgather; the small shape exchange runs before it returns."""
+    """Like neighbor_allgather; the small shape exchange runs before it returns.
+
+    Args:
+        t: this rank's tensor; must not change until the handle is waited.
+        src_ranks: as in neighbor_allgather; default None.
+        dst_ranks: as in neighbor_allgather; default None.
+        enable_topo_check: in dynamic mode, check that every rank's sends match its receivers' lists and raise ValueError on every rank if not; default True.
+        group: the Group whose ranks take part; None (the default) means every rank.
+
+    Returns:
+        A Handle; rumor.synchronize(h) or h.wait() gives the result.
+    """
     return _neighbor_allgather(t, src_ranks, dst_ranks, enable_topo_check, group, True,
                                "rumor.neighbor_allgather_nonblocking")
 
@@ -458,12 +541,38 @@ def hierarchical_neighbor_allreduce(t, self_weight: Optional[float] = None,
     machine topology (set_machine_topology(); or dynamic, with machine ranks as keys, like
     neighbor_allreduce), and returns the result on every rank of the machine (a new tensor).
     Every rank of a machine must pass the same machine weights (the machine's first rank's
-    are used)."""
+    are used).
+
+    Args:
+        t: this rank's tensor; same shape and dtype on every rank.
+        self_weight: the weight of this machine's own average; None (the default) takes the
+            machine topology's.
+        src_machine_weights: {machine rank: weight} of the in-neighbor machines; None (the
+            default) takes the machine topology's.
+        dst_machine_weights: None (the default) for the static machine topology; a list of
+            machine ranks or {machine rank: weight} for a dynamic step.
+        enable_topo_check: in dynamic mode, check that every rank's sends match its receivers' lists and raise ValueError on every rank if not; default True.
+
+    Returns:
+        A new tensor with the combined machine averages.
+    """
     return _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, False,
                          "rumor.hierarchical_neighbor_allreduce")
 
 
 def hierarchical_neighbor_allreduce_nonblocking(t, self_weight=None, src_machine_weights=None,
                                                 dst_machine_weights=None, enable_topo_check: bool = True) -> Handle:
+    """Starts hierarchical_neighbor_allreduce(t, ...) and returns at once.
+
+    Args:
+        t: this rank's tensor; must not change until the handle is waited.
+        self_weight: as in hierarchical_neighbor_allreduce; default None.
+        src_machine_weights: as in hierarchical_neighbor_allreduce; default None.
+        dst_machine_weights: as in hierarchical_neighbor_allreduce; default None.
+        enable_topo_check: in dynamic mode, check that every rank's sends match its receivers' lists and raise ValueError on every rank if not; default True.
+
+    Returns:
+        A Handle; rumor.synchronize(h) or h.wait() gives the result.
+    """
     return _hierarchical(t, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, True,
                          "rumor.hierarchical_neighbor_allreduce_nonblocking")

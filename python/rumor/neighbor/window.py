@@ -174,7 +174,18 @@ def _weights(weights, default: List[int], what: str, arg: str) -> Dict[int, floa
 
 class WinHandle:
     """What a *_nonblocking window call returns: wait() blocks until the targets applied the
-    operation (then scales the tensor by self_weight), poll() tells whether it is done."""
+    operation (then scales the tensor by self_weight), poll() tells whether it is done.
+
+    Made by the nonblocking window calls, not by users.
+
+    Args:
+        win: the window the operation acts on.
+        op: the C++ core's operation (None when nothing was sent).
+        tensor: the tensor to scale by self_weight when done, or None.
+        self_weight: the factor applied to tensor on completion.
+        with_p: whether the push-sum weight p travels with the operation.
+        publish: whether the operation publishes the window's value (win_get's source).
+    """
 
     def __init__(self, win: _Win, op, tensor: Optional[torch.Tensor], self_weight: float, with_p: bool,
                  publish: bool):
@@ -188,9 +199,25 @@ class WinHandle:
         self._done = False
 
     def poll(self) -> bool:
+        """Whether the targets applied the operation, without waiting.
+
+        Returns:
+            A bool.
+        """
         return self._done or self._op.done()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the targets applied the operation, then scales the tensor by self_weight.
+
+        Args:
+            timeout: the most seconds to wait; None (the default) means rumor's timeout.
+
+        Returns:
+            True.
+
+        Raises:
+            CommTimeoutError: the targets did not answer in time.
+        """
         if self._done:
             return True
         ws = registry()
@@ -214,10 +241,26 @@ class WinHandle:
 
 
 def win_poll(handle: WinHandle) -> bool:
+    """Whether a nonblocking window operation finished, without waiting.
+
+    Args:
+        handle: a WinHandle.
+
+    Returns:
+        A bool.
+    """
     return handle.poll()
 
 
 def win_wait(handle: WinHandle) -> bool:
+    """Waits for a nonblocking window operation (handle.wait()).
+
+    Args:
+        handle: a WinHandle.
+
+    Returns:
+        True.
+    """
     return handle.wait()
 
 
@@ -280,6 +323,11 @@ def win_free(name: Optional[str] = None) -> bool:
 
 
 def get_current_created_window_names() -> List[str]:
+    """The names of the windows this rank created and has not freed.
+
+    Returns:
+        A sorted list of str.
+    """
     return sorted(registry().by_name)
 
 
@@ -323,7 +371,18 @@ def win_put_nonblocking(tensor: torch.Tensor, name: str, self_weight: Optional[f
                         dst_weights: Optional[Dict[int, float]] = None, require_mutex: bool = False) -> WinHandle:
     """Starts writing dst_weights[j] * tensor into rank j's slot for this rank (default: every
     out-neighbour, weight 1); wait() then scales tensor by self_weight (default 1). The tensor
-    must not change until then."""
+    must not change until then.
+
+    Args:
+        tensor: the value to write; must not change until the handle is waited.
+        name: the window's name, as given to win_create.
+        self_weight: after the write, tensor is scaled by it; None (the default) means 1.
+        dst_weights: {rank: weight}; None (the default) means every out-neighbour, weight 1.
+        require_mutex: if True, hold each target's window mutex around its write; default False.
+
+    Returns:
+        A WinHandle.
+    """
     return _put(tensor, name, self_weight, dst_weights, require_mutex, False, "rumor.win_put")
 
 
@@ -331,25 +390,70 @@ def win_put(tensor: torch.Tensor, name: str, self_weight: Optional[float] = None
             dst_weights: Optional[Dict[int, float]] = None, require_mutex: bool = False) -> bool:
     """Overwrites each destination's slot for this rank with w * tensor (landed when this
     returns), then tensor *= self_weight. require_mutex holds each destination's window mutex
-    around its write."""
+    around its write.
+
+    Args:
+        tensor: the value to write; same shape and dtype as the window.
+        name: the window's name, as given to win_create.
+        self_weight: after the write, tensor is scaled by it; None (the default) means 1.
+        dst_weights: {rank: weight} of the destinations; None (the default) means every
+            out-neighbour with weight 1.
+        require_mutex: if True, hold each target's window mutex around its write; default False.
+
+    Returns:
+        True.
+    """
     return win_put_nonblocking(tensor, name, self_weight, dst_weights, require_mutex).wait()
 
 
 def win_accumulate_nonblocking(tensor: torch.Tensor, name: str, self_weight: Optional[float] = None,
                                dst_weights: Optional[Dict[int, float]] = None,
                                require_mutex: bool = False) -> WinHandle:
+    """Starts win_accumulate and returns at once.
+
+    Args:
+        tensor: the value; must not change until the handle is waited.
+        name: the window's name, as given to win_create.
+        self_weight: after the write, tensor is scaled by it; None (the default) means 1.
+        dst_weights: {rank: weight}; None (the default) means every out-neighbour, weight 1.
+        require_mutex: if True, hold each target's window mutex around its write; default False.
+
+    Returns:
+        A WinHandle whose wait() blocks until the targets applied the operation.
+    """
     return _put(tensor, name, self_weight, dst_weights, require_mutex, True, "rumor.win_accumulate")
 
 
 def win_accumulate(tensor: torch.Tensor, name: str, self_weight: Optional[float] = None,
                    dst_weights: Optional[Dict[int, float]] = None, require_mutex: bool = False) -> bool:
     """Adds w * tensor into each destination's slot for this rank, atomically per slot, then
-    tensor *= self_weight."""
+    tensor *= self_weight.
+
+    Args:
+        tensor: the value to add; same shape and dtype as the window.
+        name: the window's name, as given to win_create.
+        self_weight: after the write, tensor is scaled by it; None (the default) means 1.
+        dst_weights: {rank: weight}; None (the default) means every out-neighbour, weight 1.
+        require_mutex: if True, hold each target's window mutex around its write; default False.
+
+    Returns:
+        True.
+    """
     return win_accumulate_nonblocking(tensor, name, self_weight, dst_weights, require_mutex).wait()
 
 
 def win_get_nonblocking(name: str, src_weights: Optional[Dict[int, float]] = None,
                         require_mutex: bool = False) -> WinHandle:
+    """Starts win_get and returns at once.
+
+    Args:
+        name: the window's name, as given to win_create.
+        src_weights: {rank: weight}; None (the default) means every in-neighbour, weight 1.
+        require_mutex: if True (default False), hold each source's mutex around the read.
+
+    Returns:
+        A WinHandle.
+    """
     what = "rumor.win_get"
     w = find_window(name, what)
     srcs = _weights(src_weights, in_neighbor_ranks(), what, "src_weights")
@@ -362,7 +466,17 @@ def win_get_nonblocking(name: str, src_weights: Optional[Dict[int, float]] = Non
 
 def win_get(name: str, src_weights: Optional[Dict[int, float]] = None, require_mutex: bool = False) -> bool:
     """Copies w * (rank j's published value) into this rank's slot for j, for each source
-    (default: every in-neighbour, weight 1). win_update then combines the slots."""
+    (default: every in-neighbour, weight 1). win_update then combines the slots.
+
+    Args:
+        name: the window's name, as given to win_create.
+        src_weights: {rank: weight} of the sources; None (the default) means every in-neighbour,
+            weight 1.
+        require_mutex: if True, hold each source's window mutex around the read; default False.
+
+    Returns:
+        True.
+    """
     return win_get_nonblocking(name, src_weights, require_mutex).wait()
 
 
@@ -380,7 +494,19 @@ def win_update(name: str, self_weight: Optional[float] = None,
     """x <- self_weight * x + sum_j neighbor_weights[j] * slot_j on the registered tensor (or a
     clone with clone=True) and returns it. Without weights: the topology's receive weights if it
     was set with is_weighted=True, else 1/(in_degree + 1) for self and each in-neighbour. reset
-    zeroes the combined slots afterwards. require_mutex holds this rank's window mutex."""
+    zeroes the combined slots afterwards. require_mutex holds this rank's window mutex.
+
+    Args:
+        name: the window's name, as given to win_create.
+        self_weight: the weight of this rank's value; None (the default) as described above.
+        neighbor_weights: {in-neighbour: weight}; None (the default) as described above.
+        reset: if True (default False), zero the combined slots afterwards.
+        clone: if True (default False), return a combined clone and leave the tensor as it was.
+        require_mutex: if True (default False), hold this rank's window mutex.
+
+    Returns:
+        The combined tensor (the registered one, or its clone).
+    """
     what = "rumor.win_update"
     w = find_window(name, what)
     if (self_weight is None) != (neighbor_weights is None):
@@ -409,13 +535,25 @@ def win_update(name: str, self_weight: Optional[float] = None,
 
 def win_update_then_collect(name: str, require_mutex: bool = True) -> torch.Tensor:
     """x <- x + sum of the in-neighbours' slots, which are then zeroed (what accumulate-based
-    push-sum needs): win_update(name, 1.0, {j: 1.0 for in-neighbours}, reset=True)."""
+    push-sum needs): win_update(name, 1.0, {j: 1.0 for in-neighbours}, reset=True).
+
+    Args:
+        name: the window's name, as given to win_create.
+        require_mutex: if True (the default), hold this rank's window mutex while combining.
+
+    Returns:
+        The registered tensor.
+    """
     return win_update(name, 1.0, {r: 1.0 for r in in_neighbor_ranks()}, reset=True, require_mutex=require_mutex)
 
 
 def win_publish(name: str) -> None:
     """Makes the registered tensor's current value the one win_get returns to peers (rumor's
-    addition: see the module docstring)."""
+    addition: see the module docstring).
+
+    Args:
+        name: the window's name, as given to win_create.
+    """
     w = find_window(name, "rumor.win_publish")
     if w.twin is not None:
         _to_host(w.tensor, w.twin, "rumor.win_publish")
@@ -423,7 +561,14 @@ def win_publish(name: str) -> None:
 
 
 def get_win_version(name: str) -> Dict[int, int]:
-    """{in-neighbour: writes into its slot since this rank last combined it} (0: nothing new)."""
+    """{in-neighbour: writes into its slot since this rank last combined it} (0: nothing new).
+
+    Args:
+        name: the window's name, as given to win_create.
+
+    Returns:
+        A dict {in-neighbour rank: int}.
+    """
     w = find_window(name, "rumor.get_win_version")
     v = registry().hub.versions(w.id)
     return {r: int(v[r]) for r in in_neighbor_ranks()}
@@ -433,7 +578,13 @@ def get_win_version(name: str) -> Dict[int, int]:
 def win_mutex(name: str, for_self: bool = False, ranks: Optional[List[int]] = None) -> Iterator[None]:
     """Holds the window mutex of `ranks` (default: the out-neighbours; for_self: this rank's own)
     for the body. Puts and accumulates with require_mutex=True, and win_update with
-    require_mutex=True on the owner, wait for it. Acquired in ascending rank order."""
+    require_mutex=True on the owner, wait for it. Acquired in ascending rank order.
+
+    Args:
+        name: the window's name, as given to win_create.
+        for_self: if True (default False), lock this rank's own window.
+        ranks: the ranks whose mutex to hold; None (the default) means the out-neighbours.
+    """
     what = "rumor.win_mutex"
     w = find_window(name, what)
     n = _runtime.size()
@@ -453,7 +604,14 @@ def win_mutex(name: str, for_self: bool = False, ranks: Optional[List[int]] = No
 
 
 def win_associated_p(name: str) -> float:
-    """This rank's push-sum weight p of the window (1.0 at creation)."""
+    """This rank's push-sum weight p of the window (1.0 at creation).
+
+    Args:
+        name: the window's name, as given to win_create.
+
+    Returns:
+        A float.
+    """
     w = find_window(name, "rumor.win_associated_p")
     return float(registry().hub.p(w.id))
 
@@ -465,4 +623,5 @@ def turn_on_win_ops_with_associated_p() -> None:
 
 
 def turn_off_win_ops_with_associated_p() -> None:
+    """Undoes turn_on_win_ops_with_associated_p: window operations carry the tensor only."""
     registry().with_p = False

@@ -156,6 +156,19 @@ class _Combine:
             self._pending = self._launch()
 
     def step(self, closure=None):
+        """One training step: waits for the exchange in flight and writes the combined
+        parameters (AdaptWithCombine), applies the wrapped optimizer's update, then (for
+        AdaptThenCombine, on a pass that communicates) combines the updated parameters, waiting
+        for the result unless overlap=True. A step() with no forward through the model since the
+        previous one counts as a training pass itself.
+
+        Args:
+            closure: passed to the wrapped optimizer's step(); default None. Its forward does
+                not count as a training pass.
+
+        Returns:
+            What the wrapped optimizer's step() returns (the closure's loss, or None).
+        """
         # The wrapped class's own step, without torch's hook wrapper: this step() already runs
         # the optimizer's step hooks once.
         base_step = self._base.step

@@ -65,6 +65,15 @@ class _GradientAllreduce:
             self._should_synchronize = True
 
     def step(self, closure=None):
+        """Waits for the gradient averages and writes them into ``.grad`` (synchronize()), unless
+        inside skip_synchronize(), then applies the wrapped optimizer's update.
+
+        Args:
+            closure: passed to the wrapped optimizer's step(); default None.
+
+        Returns:
+            What the wrapped optimizer's step() returns (the closure's loss, or None).
+        """
         base_step = self._base.step
         base_step = base_step.__wrapped__ if getattr(base_step, "hooked", False) else base_step
         if self._should_synchronize:
@@ -72,12 +81,24 @@ class _GradientAllreduce:
         return base_step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True):
+        """The wrapped optimizer's zero_grad(), refused while averages are in flight (they write
+        into the gradients).
+
+        Args:
+            set_to_none: set the gradients to None instead of zeroing them; default True.
+
+        Raises:
+            RuntimeError: gradient averages started by backward have not been waited for yet
+                (call step() or synchronize() first).
+        """
         if self._handles:
             raise RuntimeError(f"{type(self).__name__}.zero_grad(): gradient averages are still in flight "
                                "(call step() or synchronize() first)")
         return self._base.zero_grad(self, set_to_none)
 
     def remove_hooks(self) -> None:
+        """Detaches the hooks that start each gradient's average from the parameters: after it,
+        backward no longer starts averages and synchronize() averages everything itself."""
         for h in self._hooks:
             h.remove()
 

@@ -31,6 +31,21 @@ class OneBitAdamOptimizer(torch.optim.Optimizer):
     locally. ``state_dict()`` holds, per parameter, ``step``, ``exp_avg``, ``exp_avg_sq`` and the
     error-feedback buffers ``worker_error`` and ``server_error`` (when the algorithm is used), so a
     checkpoint resumes exactly.
+
+    Args:
+        params: the parameters to optimize, or dicts of parameter groups (as for any torch
+            optimizer).
+        lr: the learning rate, >= 0; default 1e-3.
+        betas: (beta1, beta2), the decay rates of the momentum and of the second moment, each in
+            [0, 1); default (0.9, 0.999).
+        eps: added to the denominator, >= 0; default 1e-8.
+        weight_decay: L2 penalty (added to the gradient during warm-up, decoupled afterwards),
+            >= 0; default 0.
+        freeze_step: the number of warm-up steps, after which the variance is frozen and the
+            momentum compressed; an int >= 1, default 100.
+
+    Raises:
+        ValueError: an argument is outside the range given above (the message names it).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -68,6 +83,20 @@ class OneBitAdamOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
+        """Takes one step: Adam's during the warm-up, the frozen-variance update from the
+        (averaged) preconditioned momentum afterwards (see the class docstring). Parameters
+        without a gradient are skipped.
+
+        Args:
+            closure: optional; re-evaluates the model and returns the loss (run with autograd on,
+                before the update). Default None.
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: a gradient is sparse.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -123,6 +152,17 @@ class OneBitAdamOptimizer(torch.optim.Optimizer):
         return inv
 
     def load_state_dict(self, state_dict) -> None:
+        """Loads the optimizer's state (torch's Optimizer.load_state_dict) and, when a
+        rumor.algorithms.OneBitAdamAlgorithm uses this optimizer, copies the loaded momentum and
+        error-feedback buffers into the algorithm's flat per-bucket buffers. The frozen
+        denominator is recomputed from the loaded variance.
+
+        Args:
+            state_dict: a dict returned by state_dict().
+
+        Raises:
+            ValueError: as torch's, when state_dict does not match the parameter groups.
+        """
         super().load_state_dict(state_dict)
         self._frozen_inv = {}
         # torch replaced the state tensors; the algorithm's flat buffers must hold them again.

@@ -152,6 +152,19 @@ class _WindowOptimizer:
             self._in_step = False
 
     def step(self, closure=None):
+        """One training step. On a pass that communicates: waits for this rank's exchange
+        started in forward (or starts it here, when no forward ran since the last step), then
+        combines the window's slots into the parameters with win_update. Then applies the wrapped
+        optimizer's update (DistributedPullGetOptimizer then publishes the new parameters). With
+        force_barrier, every rank's exchange lands first (a barrier).
+
+        Args:
+            closure: passed to the wrapped optimizer's step(); default None. Its forward does
+                not count as a training pass.
+
+        Returns:
+            What the wrapped optimizer's step() returns (the closure's loss, or None).
+        """
         self._lockstep()
         if self._take_due():
             if not self._handles:  # no forward through the model since the last step
@@ -167,6 +180,9 @@ class _WindowOptimizer:
         pass
 
     def remove_hooks(self) -> None:
+        """Detaches the forward pre-hook from the model: forwards no longer count as training
+        passes nor start exchanges (step() still does both). The windows stay; free_windows()
+        releases them."""
         self._hook.remove()
 
     def free_windows(self) -> None:
@@ -237,6 +253,11 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
             _win.win_create(z, name, zero_init=True)
 
     def associated_p(self) -> float:
+        """This rank's push-sum weight p (the model's parameters are z / p).
+
+        Returns:
+            A float; 1.0 at creation, and after free_windows().
+        """
         return _win.win_associated_p(self._names[0]) if self._names else 1.0
 
     def _push_weights(self):
@@ -264,6 +285,18 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
         self._local_steps = False
 
     def step(self, closure=None):
+        """One push-sum step: waits for this rank's previous pushes; on a pass that communicates,
+        collects what the neighbours pushed (x = z / p), applies the wrapped optimizer's update
+        to x, sets z = x p and pushes shares of (z, p) to the out-neighbours (the pushes run
+        until the next step). Steps that do not communicate only apply the update. With
+        force_barrier, every rank's pushes land first (a barrier).
+
+        Args:
+            closure: passed to the wrapped optimizer's step(); default None.
+
+        Returns:
+            What the wrapped optimizer's step() returns (the closure's loss, or None).
+        """
         self._wait()
         self._lockstep()
         due = self._take_due()

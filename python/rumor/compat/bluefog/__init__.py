@@ -89,7 +89,12 @@ def _machine_env_host_id():
 
 def init(topology_fn: Optional[Callable[[int], nx.DiGraph]] = None, is_weighted: bool = False) -> None:
     """Joins the job (rumor.init) and sets the topology (topology_fn(size), default
-    ExponentialGraph(size)). May be called again: the job stays, the topology is reset."""
+    ExponentialGraph(size)). May be called again: the job stays, the topology is reset.
+
+    Args:
+        topology_fn: builds the topology from the size; default None (exponential graph).
+        is_weighted: if True (default False), use the topology's weights.
+    """
     if not _r.is_initialized():
         _machine_env_host_id()
         _r.init()
@@ -116,6 +121,7 @@ def _bluefog_timeline() -> None:
 
 
 def shutdown() -> None:
+    """Ends rumor (rumor.shutdown())."""
     _r.shutdown()
     _st.__init__()
 
@@ -135,38 +141,84 @@ def is_homogeneous() -> bool:
 
 
 def nccl_built() -> bool:
+    """Whether rumor can load NCCL for CUDA tensors.
+
+    Returns:
+        A bool.
+    """
     return False  # rumor moves CPU tensors over its own transports
 
 
 def mpi_threads_supported() -> bool:
+    """Whether operations may be issued from any thread; True in rumor.
+
+    Returns:
+        True.
+    """
     return True  # rumor's operations may be issued from any thread
 
 
 def unified_mpi_window_model_supported() -> bool:
+    """Whether MPI's unified window model is available; False in rumor (no MPI windows).
+
+    Returns:
+        False.
+    """
     return False
 
 
 def set_skip_negotiate_stage(value: bool) -> None:
     """Accepted for compatibility: rumor has no negotiation stage (operations are matched by
-    their order on every rank, and mismatches are caught by frame checks)."""
+    their order on every rank, and mismatches are caught by frame checks).
+
+    Args:
+        value: the flag (kept for BlueFog compatibility).
+    """
     _st.skip_negotiate = bool(value)
 
 
 def get_skip_negotiate_stage() -> bool:
+    """The value set by set_skip_negotiate_stage (default False).
+
+    Returns:
+        A bool.
+    """
     return _st.skip_negotiate
 
 
 def suspend():
+    """Not available in rumor (BlueFog's interactive suspend).
+
+    Raises:
+        NotImplementedError: always.
+    """
     _missing("suspend() (interactive BlueFog)")
 
 
 def resume():
+    """Not available in rumor (BlueFog's interactive resume).
+
+    Raises:
+        NotImplementedError: always.
+    """
     _missing("resume() (interactive BlueFog)")
 
 
 # ---- topology ----------------------------------------------------------------------------------
 
 def set_topology(topology: Optional[nx.DiGraph] = None, is_weighted: bool = False) -> bool:
+    """Sets the static topology for the neighbor operations (rumor.set_topology).
+
+    Args:
+        topology: a networkx.DiGraph; None (the default) means ExponentialGraph(size()).
+        is_weighted: if True (default False), use the graph's edge weights.
+
+    Returns:
+        True.
+
+    Raises:
+        ValueError: the ranks passed different topologies.
+    """
     if topology is None:
         topology = ExponentialGraph(size())
     if not isinstance(topology, (nx.DiGraph, _r.topology.Topology)):
@@ -190,10 +242,24 @@ def load_topology() -> nx.DiGraph:
 
 
 def is_topo_weighted() -> bool:
+    """Whether the topology was set with is_weighted=True.
+
+    Returns:
+        A bool.
+    """
     return _st.weighted
 
 
 def set_machine_topology(topology: Optional[nx.DiGraph], is_weighted: bool = False) -> bool:
+    """Sets the topology among machines (rumor.set_machine_topology).
+
+    Args:
+        topology: a networkx.DiGraph over machines; None (the default) means an exponential graph.
+        is_weighted: if True (default False), use the graph's edge weights.
+
+    Returns:
+        True.
+    """
     if topology is None:
         raise ValueError("set_machine_topology: the machine topology must not be None")
     if not isinstance(topology, (nx.DiGraph, _r.topology.Topology)):
@@ -205,6 +271,11 @@ def set_machine_topology(topology: Optional[nx.DiGraph], is_weighted: bool = Fal
 
 
 def load_machine_topology() -> nx.DiGraph:
+    """The topology among machines, as a networkx.DiGraph.
+
+    Returns:
+        A networkx.DiGraph.
+    """
     current = _dec.load_machine_topology()
     if _st.machine_topology is None or _tu.to_topology(_st.machine_topology) != current:
         _st.machine_topology = current.graph
@@ -212,6 +283,11 @@ def load_machine_topology() -> nx.DiGraph:
 
 
 def is_machine_topo_weighted() -> bool:
+    """Whether the machine topology was set with is_weighted=True.
+
+    Returns:
+        A bool.
+    """
     return _st.machine_weighted
 
 
@@ -233,53 +309,175 @@ def _local(is_hierarchical_local: bool):
 
 def allreduce(tensor, average: bool = True, is_hierarchical_local: bool = False, name=None):
     """Average (or sum) over all ranks, or over this machine's ranks with
-    is_hierarchical_local=True. Returns a new tensor."""
+    is_hierarchical_local=True. Returns a new tensor.
+
+    Args:
+        tensor: the tensor to reduce.
+        average: if True (the default) average, else sum.
+        is_hierarchical_local: if True (default False), reduce within each machine only.
+        name: accepted for BlueFog compatibility and ignored; default None.
+    """
     return _coll.allreduce(tensor, _reduce_op(average), _local(is_hierarchical_local))
 
 
 def allreduce_nonblocking(tensor, average: bool = True, is_hierarchical_local: bool = False, name=None):
+    """Starts allreduce(tensor) and returns a handle.
+
+    Args:
+        tensor: the tensor to reduce; must not change until waited.
+        average: if True (the default) average, else sum.
+        is_hierarchical_local: if True (default False), reduce within each machine only.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A handle for bf.synchronize() / bf.wait().
+    """
     return _coll.allreduce_nonblocking(tensor, _reduce_op(average), _local(is_hierarchical_local))
 
 
 def allreduce_(tensor, average: bool = True, is_hierarchical_local: bool = False, name=None):
+    """In-place allreduce of tensor over every rank.
+
+    Args:
+        tensor: the tensor to reduce; holds the result afterwards.
+        average: if True (the default) average, else sum.
+        is_hierarchical_local: if True (default False), reduce within each machine only.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        tensor.
+    """
     return _coll.allreduce_(tensor, _reduce_op(average), _local(is_hierarchical_local))
 
 
 def allreduce_nonblocking_(tensor, average: bool = True, is_hierarchical_local: bool = False, name=None):
+    """Starts allreduce_(tensor) (in place) and returns a handle.
+
+    Args:
+        tensor: the tensor to reduce in place.
+        average: if True (the default) average, else sum.
+        is_hierarchical_local: if True (default False), reduce within each machine only.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A handle for bf.synchronize() / bf.wait().
+    """
     return _coll.allreduce_nonblocking_(tensor, _reduce_op(average), _local(is_hierarchical_local))
 
 
 def broadcast(tensor, root_rank: int, name=None):
+    """Returns root_rank's tensor on every rank (a new tensor).
+
+    Args:
+        tensor: the tensor to send (on root_rank) or whose shape receives.
+        root_rank: the sending rank.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A new tensor.
+    """
     return _coll.broadcast(tensor, root_rank)
 
 
 def broadcast_nonblocking(tensor, root_rank: int, name=None):
+    """Starts broadcast(tensor, root_rank) and returns a handle.
+
+    Args:
+        tensor: the tensor to send or receive the shape of.
+        root_rank: the sending rank.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A handle for bf.synchronize() / bf.wait().
+    """
     return _coll.broadcast_nonblocking(tensor, root_rank)
 
 
 def broadcast_(tensor, root_rank: int, name=None):
+    """Copies root_rank's tensor into tensor on every rank.
+
+    Args:
+        tensor: the tensor, overwritten in place.
+        root_rank: the sending rank.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        tensor.
+    """
     return _coll.broadcast_(tensor, root_rank)
 
 
 def broadcast_nonblocking_(tensor, root_rank: int, name=None):
+    """Starts broadcast_(tensor, root_rank) (in place) and returns a handle.
+
+    Args:
+        tensor: the tensor, overwritten in place.
+        root_rank: the sending rank.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A handle for bf.synchronize() / bf.wait().
+    """
     return _coll.broadcast_nonblocking_(tensor, root_rank)
 
 
 def allgather(tensor, name=None):
+    """Concatenates every rank's tensor along dim 0.
+
+    Args:
+        tensor: this rank's tensor.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A new tensor.
+    """
     return _coll.allgather(tensor)
 
 
 def allgather_nonblocking(tensor, name=None):
+    """Starts allgather(tensor) and returns a handle.
+
+    Args:
+        tensor: this rank's tensor.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A handle for bf.synchronize() / bf.wait().
+    """
     return _coll.allgather_nonblocking(tensor)
 
 
 def neighbor_allgather(tensor, *, src_ranks: Optional[List[int]] = None, dst_ranks: Optional[List[int]] = None,
                        enable_topo_check: bool = True, name=None):
+    """Concatenates the in-neighbours' tensors (rumor.neighbor_allgather).
+
+    Args:
+        tensor: this rank's tensor.
+        src_ranks: dynamic sources; default None (static topology).
+        dst_ranks: dynamic destinations; default None.
+        enable_topo_check: default True.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A new tensor.
+    """
     return _dec.neighbor_allgather(tensor, src_ranks, dst_ranks, enable_topo_check)
 
 
 def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_check: bool = True,
                                    name=None):
+    """Starts neighbor_allgather and returns a handle.
+
+    Args:
+        tensor: this rank's tensor.
+        src_ranks: default None.
+        dst_ranks: default None.
+        enable_topo_check: default True.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A handle for bf.synchronize() / bf.wait().
+    """
     return _dec.neighbor_allgather_nonblocking(tensor, src_ranks, dst_ranks, enable_topo_check)
 
 
@@ -300,12 +498,38 @@ def _neighbor_args(self_weight, src_weights, dst_weights, what):
 def neighbor_allreduce(tensor, *, self_weight: Optional[float] = None, src_weights: Optional[Dict[int, float]] = None,
                        dst_weights: Union[None, Dict[int, float], List[int]] = None,
                        enable_topo_check: bool = True, name=None):
+    """Combines tensor with the in-neighbours' (rumor.neighbor_allreduce).
+
+    Args:
+        tensor: this rank's tensor.
+        self_weight: this rank's weight; None (the default) takes the topology's.
+        src_weights: {rank: weight} of the sources; default None.
+        dst_weights: None (static topology, the default), or ranks / {rank: weight} for a dynamic step.
+        enable_topo_check: check the dynamic lists match; default True.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A new tensor.
+    """
     return neighbor_allreduce_nonblocking(tensor, self_weight=self_weight, src_weights=src_weights,
                                           dst_weights=dst_weights, enable_topo_check=enable_topo_check).wait()
 
 
 def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None, dst_weights=None,
                                    enable_topo_check: bool = True, name=None):
+    """Starts neighbor_allreduce and returns a handle.
+
+    Args:
+        tensor: this rank's tensor.
+        self_weight: as in neighbor_allreduce; default None.
+        src_weights: default None.
+        dst_weights: default None.
+        enable_topo_check: default True.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A handle for bf.synchronize() / bf.wait().
+    """
     what = "neighbor_allreduce"
     sw, src, dst = _neighbor_args(self_weight, src_weights, dst_weights, what)
     if dst is not None:
@@ -315,6 +539,19 @@ def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None
 
 def hierarchical_neighbor_allreduce(tensor, *, self_weight=None, src_machine_weights=None,
                                     dst_machine_weights=None, enable_topo_check: bool = False, name=None):
+    """Averages within each machine and combines machines (rumor.hierarchical_neighbor_allreduce).
+
+    Args:
+        tensor: this rank's tensor.
+        self_weight: the machine's own weight; default None.
+        src_machine_weights: {machine: weight}; default None.
+        dst_machine_weights: default None (static machine topology).
+        enable_topo_check: default False.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A new tensor.
+    """
     return hierarchical_neighbor_allreduce_nonblocking(
         tensor, self_weight=self_weight, src_machine_weights=src_machine_weights,
         dst_machine_weights=dst_machine_weights, enable_topo_check=enable_topo_check).wait()
@@ -323,6 +560,19 @@ def hierarchical_neighbor_allreduce(tensor, *, self_weight=None, src_machine_wei
 def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_machine_weights=None,
                                                 dst_machine_weights=None, enable_topo_check: bool = False,
                                                 name=None):
+    """Starts hierarchical_neighbor_allreduce and returns a handle.
+
+    Args:
+        tensor: this rank's tensor.
+        self_weight: default None.
+        src_machine_weights: default None.
+        dst_machine_weights: default None.
+        enable_topo_check: default False.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A handle for bf.synchronize() / bf.wait().
+    """
     what = "hierarchical_neighbor_allreduce"
     sw, src, dst = _neighbor_args(self_weight, src_machine_weights, dst_machine_weights, what)
     return _dec.hierarchical_neighbor_allreduce_nonblocking(tensor, sw, src, dst, enable_topo_check)
@@ -330,11 +580,34 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
 
 def pair_gossip(tensor, target_rank: int, self_weight=None, pair_weight=None, name=None):
     """x <- self_weight * x + pair_weight * x_target with one peer (default 1/2 each): a dynamic
-    neighbor_allreduce over one edge each way."""
+    neighbor_allreduce over one edge each way.
+
+    Args:
+        tensor: this rank's tensor.
+        target_rank: the peer.
+        self_weight: default None.
+        pair_weight: default None.
+        name: accepted for BlueFog compatibility and ignored; default None.
+    """
     return pair_gossip_nonblocking(tensor, target_rank, self_weight, pair_weight).wait()
 
 
 def pair_gossip_nonblocking(tensor, target_rank: int, self_weight=None, pair_weight=None, name=None):
+    """Starts pair_gossip and returns a handle.
+
+    Args:
+        tensor: this rank's tensor.
+        target_rank: the peer.
+        self_weight: with pair_weight, or both None (the default: 1/2 each).
+        pair_weight: the peer's weight; default None.
+        name: accepted for BlueFog compatibility and ignored; default None.
+
+    Returns:
+        A handle for bf.synchronize() / bf.wait().
+
+    Raises:
+        ValueError: only one of self_weight and pair_weight is given.
+    """
     if (self_weight is None) != (pair_weight is None):
         raise ValueError("pair_gossip: self_weight and pair_weight go together")
     sw = 0.5 if self_weight is None else float(self_weight)
@@ -343,18 +616,43 @@ def pair_gossip_nonblocking(tensor, target_rank: int, self_weight=None, pair_wei
 
 
 def poll(handle) -> bool:
+    """Whether the operation behind handle finished, without waiting.
+
+    Args:
+        handle: a handle from a *_nonblocking call.
+
+    Returns:
+        A bool.
+    """
     return handle.poll()
 
 
 def synchronize(handle):
+    """Waits for the operation behind handle and returns its result.
+
+    Args:
+        handle: a handle from a *_nonblocking call.
+
+    Returns:
+        The operation's result.
+    """
     return handle.wait()
 
 
 def wait(handle):
+    """Same as synchronize(handle).
+
+    Args:
+        handle: a handle from a *_nonblocking call.
+
+    Returns:
+        The operation's result.
+    """
     return handle.wait()
 
 
 def barrier() -> None:
+    """Returns once every rank has called barrier."""
     _r.barrier()
 
 
@@ -387,13 +685,26 @@ turn_off_win_ops_with_associated_p = _win.turn_off_win_ops_with_associated_p
 
 
 def win_lock(name: str):
+    """Not available in rumor: an exclusive MPI window lock; use win_mutex.
+
+    Args:
+        name: the window's name.
+
+    Raises:
+        NotImplementedError: always.
+    """
     _missing("win_lock (an exclusive MPI window lock; use win_mutex)")
 
 
 # ---- timeline ----------------------------------------------------------------------------------
 
 def timeline_start_activity(tensor_name: str, activity_name: str) -> bool:
-    """Opens an activity span for tensor_name on rumor's timeline (written when it ends)."""
+    """Opens an activity span for tensor_name on rumor's timeline (written when it ends).
+
+    Args:
+        tensor_name: the tensor (row) the activity belongs to.
+        activity_name: the activity's name.
+    """
     if not _tl.is_recording():
         return False
     _st.activities[(threading.get_ident(), tensor_name)] = (activity_name, time.monotonic())
@@ -401,6 +712,14 @@ def timeline_start_activity(tensor_name: str, activity_name: str) -> bool:
 
 
 def timeline_end_activity(tensor_name: str) -> bool:
+    """Closes the activity opened for tensor_name.
+
+    Args:
+        tensor_name: the tensor given to timeline_start_activity.
+
+    Returns:
+        True.
+    """
     started = _st.activities.pop((threading.get_ident(), tensor_name), None)
     if started is None or not _tl.is_recording():
         return False
@@ -412,6 +731,12 @@ def timeline_end_activity(tensor_name: str) -> bool:
 
 @contextlib.contextmanager
 def timeline_context(tensor_name: str, activity_name: str):
+    """A context manager: an activity span for tensor_name on rumor's timeline around its body.
+
+    Args:
+        tensor_name: the tensor (row) the activity belongs to.
+        activity_name: the activity's name.
+    """
     timeline_start_activity(tensor_name, activity_name)
     try:
         yield
@@ -423,7 +748,12 @@ def timeline_context(tensor_name: str, activity_name: str):
 
 def broadcast_parameters(params, root_rank: int) -> None:
     """Overwrites every parameter (a state_dict, named_parameters() or (name, tensor) pairs) with
-    root_rank's values, in place."""
+    root_rank's values, in place.
+
+    Args:
+        params: a dict name -> tensor or an iterable of (name, tensor) pairs.
+        root_rank: the sending rank.
+    """
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
     handles = [broadcast_nonblocking_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank)
                for _, p in items]
@@ -432,7 +762,11 @@ def broadcast_parameters(params, root_rank: int) -> None:
 
 
 def allreduce_parameters(params) -> None:
-    """Averages every parameter over all ranks, in place."""
+    """Averages every parameter over all ranks, in place.
+
+    Args:
+        params: a dict name -> tensor or an iterable of (name, tensor) pairs.
+    """
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
     handles = [allreduce_nonblocking_(p.data if isinstance(p, torch.nn.Parameter) else p) for _, p in items]
     for h in handles:
@@ -467,11 +801,25 @@ def broadcast_optimizer_state(optimizer, root_rank: int) -> None:
 
 def InferSourceFromDestinationRanks(dst_ranks: List[int], construct_adjacency_matrix: bool = False):  # noqa: N802
     """Collective: the ranks that list this rank among their destinations (and, optionally,
-    the n x n matrix, rows normalized, of everyone's lists)."""
+    the n x n matrix, rows normalized, of everyone's lists).
+
+    Args:
+        dst_ranks: the ranks this rank sends to.
+        construct_adjacency_matrix: if True (default False), also return the adjacency matrix.
+    """
     return _infer(dst_ranks, False, construct_adjacency_matrix, "InferSourceFromDestinationRanks")
 
 
 def InferDestinationFromSourceRanks(src_ranks: List[int], construct_adjacency_matrix: bool = False):  # noqa: N802
+    """Given every rank's source ranks, returns this rank's destinations (a collective).
+
+    Args:
+        src_ranks: the ranks this rank receives from.
+        construct_adjacency_matrix: if True (default False), also return the adjacency matrix.
+
+    Returns:
+        The destination ranks, and with construct_adjacency_matrix the matrix too.
+    """
     return _infer(src_ranks, True, construct_adjacency_matrix, "InferDestinationFromSourceRanks")
 
 
@@ -498,6 +846,9 @@ def _infer(ranks, transpose, matrix, what):
 # ---- optimizers --------------------------------------------------------------------------------
 
 class CommunicationType(enum.Enum):
+    """How the adapt-and-combine optimizers combine parameters: neighbor_allreduce,
+    hierarchical_neighbor_allreduce, allreduce or empty (no communication).
+    """
     neighbor_allreduce = "neighbor.allreduce"
     hierarchical_neighbor_allreduce = "hierarchical.neighbor.allreduce"
     allreduce = "allreduce"
@@ -546,32 +897,114 @@ def _combine(kind, optimizer, model, communication_type, num_steps_per_communica
 def DistributedAdaptWithCombineOptimizer(optimizer, model,  # noqa: N802
                                          communication_type=CommunicationType.neighbor_allreduce,
                                          num_steps_per_communication: int = 1):
+    """Wraps optimizer so that model's parameters are combined with the neighbours' while the local update runs (adapt with combine).
+
+    Args:
+        optimizer: the torch optimizer of model's parameters.
+        model: the torch.nn.Module being trained.
+        communication_type: a CommunicationType saying how parameters are combined; default
+            CommunicationType.neighbor_allreduce.
+        num_steps_per_communication: communicate every this many steps; default 1.
+
+    Returns:
+        The wrapped optimizer (a rumor.optim optimizer).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
     return _combine(_optdec.AdaptWithCombine, optimizer, model, communication_type, num_steps_per_communication)
 
 
 def DistributedAdaptThenCombineOptimizer(optimizer, model,  # noqa: N802
                                          communication_type=CommunicationType.neighbor_allreduce,
                                          num_steps_per_communication: int = 1):
+    """Wraps optimizer so that model's parameters are updated locally first and then combined with the neighbours' (adapt then combine).
+
+    Args:
+        optimizer: the torch optimizer of model's parameters.
+        model: the torch.nn.Module being trained.
+        communication_type: a CommunicationType saying how parameters are combined; default
+            CommunicationType.neighbor_allreduce.
+        num_steps_per_communication: communicate every this many steps; default 1.
+
+    Returns:
+        The wrapped optimizer (a rumor.optim optimizer).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
     return _combine(_optdec.AdaptThenCombine, optimizer, model, communication_type, num_steps_per_communication)
 
 
 def DistributedAllreduceOptimizer(optimizer, model, num_steps_per_communication: int = 1):  # noqa: N802
+    """Wraps optimizer so that model's parameters are averaged over every rank with allreduce after the local update.
+
+    Args:
+        optimizer: the torch optimizer of model's parameters.
+        model: the torch.nn.Module being trained.
+        num_steps_per_communication: communicate every this many steps; default 1.
+
+    Returns:
+        The wrapped optimizer (a rumor.optim optimizer).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
     return DistributedAdaptWithCombineOptimizer(optimizer, model, CommunicationType.allreduce,
                                                 num_steps_per_communication)
 
 
 def DistributedNeighborAllreduceOptimizer(optimizer, model, num_steps_per_communication: int = 1):  # noqa: N802
+    """Wraps optimizer so that model's parameters are combined with the in-neighbours' by neighbor_allreduce.
+
+    Args:
+        optimizer: the torch optimizer of model's parameters.
+        model: the torch.nn.Module being trained.
+        num_steps_per_communication: communicate every this many steps; default 1.
+
+    Returns:
+        The wrapped optimizer (a rumor.optim optimizer).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
     return DistributedAdaptWithCombineOptimizer(optimizer, model, CommunicationType.neighbor_allreduce,
                                                 num_steps_per_communication)
 
 
 def DistributedHierarchicalNeighborAllreduceOptimizer(optimizer, model,  # noqa: N802
                                                       num_steps_per_communication: int = 1):
+    """Wraps optimizer so that model's parameters are combined across machines by hierarchical_neighbor_allreduce.
+
+    Args:
+        optimizer: the torch optimizer of model's parameters.
+        model: the torch.nn.Module being trained.
+        num_steps_per_communication: communicate every this many steps; default 1.
+
+    Returns:
+        The wrapped optimizer (a rumor.optim optimizer).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
     return DistributedAdaptWithCombineOptimizer(optimizer, model, CommunicationType.hierarchical_neighbor_allreduce,
                                                 num_steps_per_communication)
 
 
 def DistributedGradientAllreduceOptimizer(optimizer, model, num_steps_per_communication: int = 1):  # noqa: N802
+    """Wraps optimizer so that model's parameters are updated with gradients averaged over every rank.
+
+    Args:
+        optimizer: the torch optimizer of model's parameters.
+        model: the torch.nn.Module being trained.
+        num_steps_per_communication: communicate every this many steps; default 1.
+
+    Returns:
+        The wrapped optimizer (a rumor.optim optimizer).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
             _missing("optimizer wrappers over a list of several models")
@@ -595,14 +1028,55 @@ def _window_flavour(opt):
 
 def DistributedWinPutOptimizer(optimizer, model, num_steps_per_communication: int = 1,  # noqa: N802
                                window_prefix: Optional[str] = None):
+    """Wraps optimizer so that model's parameters are pushed to the out-neighbours' windows (win_put) and combined.
+
+    Args:
+        optimizer: the torch optimizer of model's parameters.
+        model: the torch.nn.Module being trained.
+        window_prefix: a prefix for the window names, so two such optimizers can coexist; None
+            (the default) for none.
+        num_steps_per_communication: communicate every this many steps; default 1.
+
+    Returns:
+        The wrapped optimizer (a rumor.optim optimizer).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
     return _window_flavour(_optwin.DistributedWinPutOptimizer(optimizer, model, num_steps_per_communication))
 
 
 def DistributedPullGetOptimizer(optimizer, model, num_steps_per_communication: int = 1):  # noqa: N802
+    """Wraps optimizer so that model's parameters are combined with values pulled from the in-neighbours' windows (win_get).
+
+    Args:
+        optimizer: the torch optimizer of model's parameters.
+        model: the torch.nn.Module being trained.
+        num_steps_per_communication: communicate every this many steps; default 1.
+
+    Returns:
+        The wrapped optimizer (a rumor.optim optimizer).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
     return _window_flavour(_optwin.DistributedPullGetOptimizer(optimizer, model, num_steps_per_communication))
 
 
 def DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication: int = 1):  # noqa: N802
+    """Wraps optimizer so that model's parameters are combined by push-sum over windows (win_accumulate with the associated weight p).
+
+    Args:
+        optimizer: the torch optimizer of model's parameters.
+        model: the torch.nn.Module being trained.
+        num_steps_per_communication: communicate every this many steps; default 1.
+
+    Returns:
+        The wrapped optimizer (a rumor.optim optimizer).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
     opt = _window_flavour(_optwin.DistributedPushSumOptimizer(optimizer, model, num_steps_per_communication))
     opt.force_barrier = True  # BlueFog's default for push-sum (False for put and get)
     return opt

@@ -98,7 +98,11 @@ def SymmetricExponentialGraph(size: int, base: int = 4) -> nx.DiGraph:  # noqa: 
 
 def RingGraph(size: int, connect_style: int = 0) -> nx.DiGraph:  # noqa: N802
     """connect_style 0: both neighbours (weights 1/3); 1: to the left (i - 1, weights 1/2);
-    2: to the right (i + 1). A ring of 2 is one mutual edge with weights 1/2."""
+    2: to the right (i + 1). A ring of 2 is one mutual edge with weights 1/2.
+
+    Args:
+        size: the number of nodes.
+    """
     size = _T._check_size(size, "RingGraph")
     if connect_style not in (0, 1, 2) or isinstance(connect_style, bool):
         raise ValueError(f"RingGraph: connect_style must be 0, 1 or 2, got {connect_style!r}")
@@ -108,6 +112,14 @@ def RingGraph(size: int, connect_style: int = 0) -> nx.DiGraph:  # noqa: N802
 
 
 def FullyConnectedGraph(size: int) -> nx.DiGraph:  # noqa: N802
+    """The complete directed graph on size nodes, uniform weights 1/size.
+
+    Args:
+        size: the number of nodes.
+
+    Returns:
+        A networkx.DiGraph.
+    """
     size = _T._check_size(size, "FullyConnectedGraph")
     return _circulant(size, range(size), "FullyConnectedGraph")
 
@@ -127,26 +139,45 @@ def MeshGrid2DGraph(size: int, shape: Optional[Tuple[int, int]] = None) -> nx.Di
 
 
 def GetRecvWeights(topo, rank: int) -> Tuple[float, Dict[int, float]]:
-    """(self weight, {in-neighbour: weight}) from the graph's weights."""
+    """(self weight, {in-neighbour: weight}) from the graph's weights.
+
+    Args:
+        topo: a networkx.DiGraph.
+        rank: the receiving node.
+    """
     t = to_topology(topo)
     sw, ws = t.receive_weights(rank)
     return sw, dict(ws)
 
 
 def GetSendWeights(topo, rank: int) -> Tuple[float, Dict[int, float]]:
-    """(self weight, {out-neighbour: weight})."""
+    """(self weight, {out-neighbour: weight}).
+
+    Args:
+        topo: a networkx.DiGraph.
+        rank: the sending node.
+    """
     t = to_topology(topo)
     return float(t.weights[rank, rank]), t.send_weights(rank)
 
 
 def IsRegularGraph(topo) -> bool:
-    """All ranks have the same degree (in + out, as networkx counts it)."""
+    """All ranks have the same degree (in + out, as networkx counts it).
+
+    Args:
+        topo: a networkx.DiGraph.
+    """
     g = topo if isinstance(topo, nx.DiGraph) else to_topology(topo).graph
     return len({g.degree(r) for r in g.nodes}) <= 1
 
 
 def IsTopologyEquivalent(topo1, topo2) -> bool:
-    """Same number of nodes and the same weight matrix (not an isomorphism test)."""
+    """Same number of nodes and the same weight matrix (not an isomorphism test).
+
+    Args:
+        topo1: a networkx.DiGraph.
+        topo2: a networkx.DiGraph.
+    """
     if topo1 is None or topo2 is None:
         return False
     a, b = to_topology(topo1).weights, to_topology(topo2).weights
@@ -155,7 +186,12 @@ def IsTopologyEquivalent(topo1, topo2) -> bool:
 
 def GetDynamicOnePeerSendRecvRanks(topo, self_rank: int) -> Iterator[Tuple[List[int], List[int]]]:  # noqa: N802
     """At step k every rank sends to its out-neighbour number k mod out-degree, counted
-    clockwise from itself; yields ([send rank], [receive ranks])."""
+    clockwise from itself; yields ([send rank], [receive ranks]).
+
+    Args:
+        topo: the networkx.DiGraph whose out-edges are cycled through.
+        self_rank: this rank.
+    """
     return _T.one_peer_schedule(to_topology(topo), self_rank)
 
 
@@ -170,7 +206,14 @@ def _homogeneous(world_size, local_size, self_rank, what):
 def GetExp2DynamicSendRecvMachineRanks(world_size: int, local_size: int, self_rank: int,  # noqa: N802
                                        local_rank: int) -> Iterator[Tuple[List[int], List[int]]]:
     """One peer machine per step at distance 2^(k mod ceil(log2 machines)); yields
-    ([send machine], [receive machine])."""
+    ([send machine], [receive machine]).
+
+    Args:
+        world_size: the number of ranks.
+        local_size: the number of ranks per machine.
+        self_rank: this rank.
+        local_rank: this rank's index on its machine.
+    """
     what = "GetExp2DynamicSendRecvMachineRanks"
     _homogeneous(world_size, local_size, self_rank, what)
     if self_rank % local_size != local_rank:
@@ -209,9 +252,29 @@ def _inner_outer(world_size, local_size, self_rank, what, exp2):
 
 def GetInnerOuterRingDynamicSendRecvRanks(world_size: int, local_size: int,  # noqa: N802
                                           self_rank: int) -> Iterator[Tuple[List[int], List[int]]]:
+    """Dynamic peers: a ring inside each machine and a ring between machines, alternating.
+
+    Args:
+        world_size: the number of ranks.
+        local_size: the number of ranks per machine.
+        self_rank: this rank.
+
+    Returns:
+        An endless iterator of (send ranks, receive ranks), one pair per step.
+    """
     return _inner_outer(world_size, local_size, self_rank, "GetInnerOuterRingDynamicSendRecvRanks", False)
 
 
 def GetInnerOuterExpo2DynamicSendRecvRanks(world_size: int, local_size: int,  # noqa: N802
                                            self_rank: int) -> Iterator[Tuple[List[int], List[int]]]:
+    """Dynamic peers: a ring inside each machine and exponential-2 hops between machines, alternating.
+
+    Args:
+        world_size: the number of ranks.
+        local_size: the number of ranks per machine.
+        self_rank: this rank.
+
+    Returns:
+        An endless iterator of (send ranks, receive ranks), one pair per step.
+    """
     return _inner_outer(world_size, local_size, self_rank, "GetInnerOuterExpo2DynamicSendRecvRanks", True)

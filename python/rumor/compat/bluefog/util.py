@@ -21,6 +21,14 @@ def env(**kwargs):
 
 
 def mpi_built(verbose: bool = False) -> bool:
+    """Whether BlueFog's MPI backend is built; False in rumor (no MPI).
+
+    Args:
+        verbose: accepted for BlueFog compatibility; default False.
+
+    Returns:
+        False.
+    """
     return False  # rumor needs no MPI
 
 # The public names; everything else here is this module's own business.
