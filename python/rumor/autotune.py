@@ -94,6 +94,19 @@ class AutotuneConfig:
     confirm: bool = True
 
     def validate(self) -> "AutotuneConfig":
+        """Checks every field (DistributedDataParallel calls it on the config it is given).
+
+        Returns:
+            This config, unchanged, so that ``AutotuneConfig(...).validate()`` can be passed on.
+
+        Raises:
+            TypeError: a field has the wrong type (budget_steps, warm_steps, measure_steps and
+                seed ints; min_gain a number; confirm a bool; cache a path or None; space a dict
+                whose hierarchical / shared_buckets values are bools).
+            ValueError: warm_steps < 0, measure_steps < 1, budget_steps holds fewer than two
+                trials, min_gain outside [0, 1), or space names an unknown knob, is empty for a
+                knob or holds a non-positive value.
+        """
         what = "rumor autotune"
         for name in ("budget_steps", "warm_steps", "measure_steps", "seed"):
             v = getattr(self, name)
@@ -130,6 +143,7 @@ class AutotuneConfig:
 
     @property
     def trials(self) -> int:
+        """How many trials the budget holds: budget_steps // (warm_steps + measure_steps)."""
         return self.budget_steps // (self.warm_steps + self.measure_steps)
 
     @property
@@ -206,7 +220,17 @@ def _fmt(v) -> str:
 
 
 def ddp_kwargs(setting: Dict, algorithm_name: str = "GradientAllReduce") -> str:
-    """The setting as the arguments to pass by hand."""
+    """The setting as the arguments to pass by hand.
+
+    Args:
+        setting: {knob: value}, e.g. the "setting" of status(ddp)["best"].
+        algorithm_name: the algorithm class named for the algorithm's own knobs (hierarchical,
+            small_allreduce_kb); default "GradientAllReduce".
+
+    Returns:
+        A str of keyword arguments for DistributedDataParallel, e.g.
+        ``bucket_cap_mb=25, first_bucket_mb=1, algorithm=GradientAllReduce(hierarchical=True)``.
+    """
     parts = [f"{k}={_fmt(setting[k])}" for k in ("bucket_cap_mb", "first_bucket_mb", "bucket_split_gap_ms",
                                                   "shared_buckets") if k in setting]
     # small_allreduce_kb=None is GradientAllReduce's default: nothing to pass
@@ -219,7 +243,15 @@ def ddp_kwargs(setting: Dict, algorithm_name: str = "GradientAllReduce") -> str:
 
 class Autotuner:
     """One per wrapper; created by DistributedDataParallel when autotune is on. Everything here
-    runs on every rank in the same order; only rank 0 holds the optuna study."""
+    runs on every rank in the same order; only rank 0 holds the optuna study.
+
+    Args:
+        ddp: the DistributedDataParallel wrapper whose settings are tuned.
+        cfg: the validated AutotuneConfig of the search.
+
+    Raises:
+        RuntimeError: rumor.init() has not run.
+    """
 
     def __init__(self, ddp: "DistributedDataParallel", cfg: AutotuneConfig):
         self.ddp = ddp
@@ -432,7 +464,16 @@ class Autotuner:
     def observe_ready_times(self, local_order: List[int], local_times: List[Optional[float]],
                             order: List[int]) -> None:
         """From the wrapper's first-iteration rebuild: the agreed order, and (meaningful on the
-        group's first rank, whose order it is) how far apart the gradients arrived."""
+        group's first rank, whose order it is) how far apart the gradients arrived.
+
+        Args:
+            local_order: the order in which this rank's gradients became ready (parameter
+                indices); kept for the wrapper's signature, not used here.
+            local_times: the time each gradient of local_order became ready, in seconds (None
+                where unknown); on the group's first rank their differences become the gaps
+                the bucket_split_gap_ms knob splits at.
+            order: the ready order every rank agreed on (parameter indices).
+        """
         self._order = list(order)
         gaps = [0.0] * len(order)
         if self.is_root:
@@ -453,6 +494,10 @@ class Autotuner:
         wait_event(ev, _runtime.state().timeout, "rumor autotune: the previous step on the GPU")
 
     def before_forward(self) -> None:
+        """The wrapper calls this at the start of every training forward: it times the step
+        that just ended and, at the end of a trial, agrees on the scores and applies the next
+        setting (or the best one, once the budget is spent) on every rank. Collective at trial
+        boundaries; does nothing once the search is done."""
         if self.done:
             return
         if self.device:
@@ -600,7 +645,16 @@ class Autotuner:
 def status(ddp: "DistributedDataParallel") -> Optional[Dict]:
     """The autotuner's state for a wrapper (None when autotune is off): done, the settings every
     rank applied and at which training forward (history; identical on every rank), the knobs
-    searched, and once done the best setting with its score and the defaults' (best)."""
+    searched, and once done the best setting with its score and the defaults' (best).
+
+    Args:
+        ddp: a rumor.DistributedDataParallel.
+
+    Returns:
+        A dict with keys done, knobs, key (the cache key), cache (the cache's path), history,
+        best, default (the wrapper's own setting) and config (the AutotuneConfig as a dict);
+        None when the wrapper does not tune.
+    """
     tuner = getattr(ddp, "_autotuner", None)
     if tuner is None:
         return None

@@ -94,7 +94,18 @@ def _dims(shape) -> tuple:
 
 
 class Codec:
-    """Base class: one C++ codec with fixed parameters."""
+    """Base class: one C++ codec with fixed parameters. Use the subclasses (MinMaxUInt8,
+    QSGD, SignScale, Float16, BFloat16), which pick kind and validate their own arguments.
+
+    Args:
+        kind: the codec's kind, a rumor._C.CodecKind.
+        chunk: elements per chunk for the chunked codecs, a multiple of 8 in [8, 2**24]; None
+            (the default) means 1024. Float16 and BFloat16 ignore it.
+        levels: quantization levels, used by QSGD only (default 16).
+
+    Raises:
+        ValueError: chunk is not a positive int, or not a multiple of 8 in range.
+    """
 
     def __init__(self, kind, chunk: Optional[int] = None, levels: int = 16):
         if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
@@ -103,6 +114,8 @@ class Codec:
 
     @property
     def name(self) -> str:
+        """The codec and its parameters as text, e.g. "QSGD(levels=16, chunk=1024)" or
+        "Float16" (also its repr)."""
         return self._c.name
 
     def __repr__(self) -> str:

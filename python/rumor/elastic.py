@@ -109,7 +109,13 @@ def _commit_name(name: str) -> Optional[str]:
 
 def remove_snapshots(run_id: str, agent_pid: int) -> None:
     """Removes the in-memory commits of a run's agent on this host (the launcher, at its end),
-    with any temporary file a killed writer left."""
+    with any temporary file a killed writer left. Files that cannot be removed, or a private
+    directory that does not exist, are left alone without an error.
+
+    Args:
+        run_id: the rendezvous run id of the job whose commits are removed.
+        agent_pid: the pid of the launcher agent that owned them (commits are named per agent).
+    """
     from . import _shm
 
     job = hashlib.sha1(run_id.encode()).hexdigest()[:12]
@@ -275,6 +281,24 @@ class State:
     saves the average of every rank's weights and optimizer state (a collective; the restarted
     job, whatever its size, starts from that consensus point). Algorithms with state of their
     own implement ``elastic_state_dict()`` / ``load_elastic_state_dict()``; others are refused.
+
+    Args:
+        model: the torch.nn.Module trained, or its DistributedDataParallel wrapper (whose
+            algorithm decides how a commit is made consistent, see above).
+        optimizer: the torch.optim.Optimizer stepping the model.
+        sampler: optional (default None); a sampler with set_epoch() or state_dict() (torch's
+            DistributedSampler, rumor.data's samplers) whose position is committed and which is
+            resharded for the restarted world.
+        path: optional file (default None): rank 0 also writes every commit there, and a job
+            restarted from scratch (no commit in any host's memory) continues from it.
+        **fields: user fields, set as attributes (``state.epoch``) and committed with the rest.
+
+    Raises:
+        TypeError: model, optimizer or sampler is of the wrong kind.
+        ValueError: a field name is reserved (a name State itself uses, or one starting
+            with _).
+        NotImplementedError: the wrapper's algorithm keeps state a restart would lose and
+            implements no elastic_state_dict()/load_elastic_state_dict().
     """
 
     def __init__(self, model, optimizer, sampler=None, *, path: Optional[str] = None, **fields: Any):

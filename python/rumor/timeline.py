@@ -118,6 +118,7 @@ def stop(merge: bool = False, out: Optional[Union[str, os.PathLike]] = None) -> 
 
 
 def is_recording() -> bool:
+    """Whether a timeline is recording in this process (between start() and stop())."""
     return _on
 
 
@@ -147,7 +148,17 @@ def _encode_args(what: str, args: dict) -> str:
 
 class range:  # noqa: A001 - the API's name (rumor.timeline.range)
     """``with rumor.timeline.range("data"):`` a user span on this thread's track. Costs a bool
-    test when no timeline is recording. Extra keyword arguments become the event's args."""
+    test when no timeline is recording. Extra keyword arguments become the event's args.
+    An instance also decorates a function: ``@rumor.timeline.range("step")`` records each call.
+
+    Args:
+        name: the span's name (str).
+        **args: JSON-serialisable values shown as the event's args.
+
+    Raises:
+        TypeError: name is not a str; when the span is recorded, args that are not
+            JSON-serialisable.
+    """
 
     __slots__ = ("name", "args", "_t0")
 
@@ -180,7 +191,15 @@ class range:  # noqa: A001 - the API's name (rumor.timeline.range)
 
 
 def instant(name: str, **args) -> None:
-    """A point event on this thread's track."""
+    """A point event on this thread's track; does nothing when no timeline is recording.
+
+    Args:
+        name: the event's name (str).
+        **args: JSON-serialisable values shown as the event's args.
+
+    Raises:
+        TypeError: args are not JSON-serialisable (only checked while recording).
+    """
     if _on:
         _emit(name, "user", _C.trace_now_us(), 0.0, "i", _encode_args("rumor.timeline.instant", args))
 
@@ -203,7 +222,14 @@ def flight_records() -> List[dict]:
 
 
 def dump_flight_records(why: str = "requested") -> None:
-    """Writes the flight recorder to the log (warn level) and, when recording, to the trace."""
+    """Writes the flight recorder to the log (warn level) and, when recording, to the trace.
+
+    Args:
+        why: the reason printed with the dump (default "requested").
+
+    Raises:
+        RuntimeError: rumor.init() has not run.
+    """
     _C.flight_dump(_runtime.state().ctx, str(why))
 
 
@@ -211,7 +237,18 @@ def dump_flight_records(why: str = "requested") -> None:
 
 def load(path: Union[str, os.PathLike]) -> List[dict]:
     """Reads a trace file, also one cut short by a killed process (its array lacks only the
-    closing bracket, which is what Perfetto and chrome://tracing accept too)."""
+    closing bracket, which is what Perfetto and chrome://tracing accept too).
+
+    Args:
+        path: the trace file (str or os.PathLike).
+
+    Returns:
+        The trace's events, a list of dicts in the Chrome trace event format.
+
+    Raises:
+        ValueError: the file is not a JSON-array trace, or its JSON is malformed.
+        OSError: the file cannot be read.
+    """
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read().rstrip()
     if not text.startswith("["):
@@ -230,7 +267,21 @@ def _clock_of(events: List[dict], path: str):
 
 def merge_files(paths: Union[str, Iterable[str]], out: Union[str, os.PathLike]) -> str:
     """Merges per-rank files (a list, or a glob pattern) into `out`: one process per rank
-    ("rank r"), every timestamp moved onto rank 0's clock. Returns out."""
+    ("rank r"), every timestamp moved onto rank 0's clock. Returns out. Also available as
+    rumor.timeline.merge.
+
+    Args:
+        paths: the per-rank trace files: a list of paths, or one glob pattern such as
+            "trace.rank*.json".
+        out: the merged trace to write (replaced atomically).
+
+    Returns:
+        out, as a str.
+
+    Raises:
+        ValueError: no file matches or none is given, a file is not a rumor trace (no clock
+            record), or two files are the same rank's.
+    """
     if isinstance(paths, (str, os.PathLike)):
         found = sorted(_glob.glob(os.fspath(paths)))
         if not found:

@@ -73,7 +73,18 @@ def metropolis_hastings_weights(topo) -> "Topology":
     """The same edges with Metropolis-Hastings weights W[i, j] = 1 / (1 + max(d_i, d_j)) on every
     edge and the rest on the diagonal. For an undirected edge set (i -> j exactly when j -> i;
     e.g. star, mesh, symmetric rings) W is symmetric and doubly stochastic, so averaging
-    converges to the exact mean even on irregular graphs, where uniform weights do not."""
+    converges to the exact mean even on irregular graphs, where uniform weights do not.
+
+    Args:
+        topo: a Topology, or anything Topology() takes (a weight matrix, a networkx graph);
+            only its edges are used, not its weights.
+
+    Returns:
+        A new Topology with the same name and edges.
+
+    Raises:
+        ValueError: the edge set is not undirected, or topo is not a valid topology.
+    """
     t = topo if isinstance(topo, Topology) else Topology(topo)
     n = t.size
     adj = t.weights > 0
@@ -95,6 +106,16 @@ class Topology:
     Topology(W) takes an n x n array-like of finite non-negative weights; Topology(G) takes a
     networkx.DiGraph whose nodes are 0..n-1 (edge attribute "weight", default 1; a self loop
     gives the self weight), or another Topology. Both are stored as W.
+
+    Args:
+        weights: the n x n weight matrix, a networkx graph (an undirected one counts both
+            directions) or a Topology to copy.
+        name: a label for repr() and error messages; None (the default) keeps a copied
+            Topology's name, else "Topology".
+
+    Raises:
+        ValueError: the matrix is not square, empty, non-finite or has a negative weight, or the
+            graph's nodes are not 0..n-1.
     """
 
     def __init__(self, weights, *, name: Optional[str] = None):
@@ -140,6 +161,7 @@ class Topology:
 
     @property
     def size(self) -> int:
+        """The number of ranks n."""
         return self._w.shape[0]
 
     @property
@@ -172,9 +194,31 @@ class Topology:
         return list(self._out[self._rank(rank)])
 
     def in_degree(self, rank: int) -> int:
+        """How many ranks send to rank (self loops not counted).
+
+        Args:
+            rank: a rank in [0, size).
+
+        Returns:
+            The number of in-neighbors.
+
+        Raises:
+            ValueError: rank is not an int in [0, size).
+        """
         return len(self._in[self._rank(rank)])
 
     def out_degree(self, rank: int) -> int:
+        """How many ranks rank sends to (self loops not counted).
+
+        Args:
+            rank: a rank in [0, size).
+
+        Returns:
+            The number of out-neighbors.
+
+        Raises:
+            ValueError: rank is not an int in [0, size).
+        """
         return len(self._out[self._rank(rank)])
 
     def receive_weights(self, rank: int) -> Tuple[float, Dict[int, float]]:
@@ -183,7 +227,14 @@ class Topology:
         return float(self._w[r, r]), {j: float(self._w[j, r]) for j in self._in[r]}
 
     def uniform_receive_weights(self, rank: int) -> Tuple[float, Dict[int, float]]:
-        """(1/(d+1), {src: 1/(d+1)}) with d = in-degree: the weights when is_weighted=False."""
+        """(1/(d+1), {src: 1/(d+1)}) with d = in-degree: the weights when is_weighted=False.
+
+        Args:
+            rank: the receiving rank, in [0, size).
+
+        Raises:
+            ValueError: rank is not an int in [0, size).
+        """
         r = self._rank(rank)
         u = 1.0 / (len(self._in[r]) + 1)
         return u, {j: u for j in self._in[r]}
@@ -206,7 +257,12 @@ class Topology:
         return bool(np.array_equal(self._w, self._w.T))
 
     def is_doubly_stochastic(self, tol: float = 1e-12) -> bool:
-        """Rows and columns of W sum to 1: averaging preserves the mean and converges to it."""
+        """Rows and columns of W sum to 1: averaging preserves the mean and converges to it
+        (on a connected graph).
+
+        Args:
+            tol: the absolute tolerance on each row and column sum (default 1e-12).
+        """
         return bool(np.allclose(self._w.sum(0), 1, atol=tol) and np.allclose(self._w.sum(1), 1, atol=tol))
 
     def is_connected(self) -> bool:
@@ -303,7 +359,18 @@ def RingGraph(n: int, style: int = 0) -> Topology:  # noqa: N802
     """A ring. style 0: each rank sends to both neighbors i - 1 and i + 1; style 1: each rank
     sends to its left neighbor i - 1 (so it receives from i + 1); style 2: each rank sends to
     its right neighbor i + 1 (receives from i - 1). As in BlueFog, a ring of 2 ranks is one
-    mutual edge whatever the style."""
+    mutual edge whatever the style.
+
+    Args:
+        n: the number of ranks (>= 1).
+        style: 0 (the default), 1 or 2, as above.
+
+    Returns:
+        A Topology with uniform receive weights.
+
+    Raises:
+        ValueError: n is not a positive int, or style is not 0, 1 or 2.
+    """
     what = "rumor.topology.RingGraph"
     n = _check_size(n, what)
     if style not in (0, 1, 2) or isinstance(style, bool):
@@ -315,7 +382,18 @@ def RingGraph(n: int, style: int = 0) -> Topology:  # noqa: N802
 
 
 def StarGraph(n: int, center: int = 0) -> Topology:  # noqa: N802
-    """Every rank exchanges with `center` in both directions; no other edges."""
+    """Every rank exchanges with `center` in both directions; no other edges.
+
+    Args:
+        n: the number of ranks (>= 1).
+        center: the hub rank, in [0, n); default 0.
+
+    Returns:
+        A Topology with uniform receive weights.
+
+    Raises:
+        ValueError: n is not a positive int, or center is not a rank.
+    """
     what = "rumor.topology.StarGraph"
     n = _check_size(n, what)
     c = _check_rank(center, n, what, "center")
@@ -385,7 +463,18 @@ def one_peer_exponential_schedule(n: int, rank: int) -> Iterator[Tuple[List[int]
 
 def one_peer_machine_schedule(machine_size: int, machine_rank: int) -> Iterator[Tuple[List[int], List[int]]]:
     """one_peer_exponential_schedule over machines: yields ([send machine], [recv machine])
-    for hierarchical_neighbor_allreduce(dst_machine_weights=..., src_machine_weights=...)."""
+    for hierarchical_neighbor_allreduce(dst_machine_weights=..., src_machine_weights=...).
+
+    Args:
+        machine_size: the number of machines (>= 1).
+        machine_rank: this machine's rank, in [0, machine_size).
+
+    Returns:
+        An endless iterator of ([send machine], [recv machine]) pairs.
+
+    Raises:
+        ValueError: machine_size is not a positive int or machine_rank is out of range.
+    """
     what = "rumor.topology.one_peer_machine_schedule"
     n = _check_size(machine_size, what)
     _check_rank(machine_rank, n, what, "machine_rank")
@@ -395,7 +484,18 @@ def one_peer_machine_schedule(machine_size: int, machine_rank: int) -> Iterator[
 def one_peer_schedule(topo: Topology, rank: int) -> Iterator[Tuple[List[int], List[int]]]:
     """One outgoing edge of a static topology per step: at step k every rank r sends to its
     out-neighbor number k mod out_degree(r), counted clockwise from r (r+1, r+2, ... mod n),
-    and receives from every rank that picked it. A rank without out-neighbors sends nothing."""
+    and receives from every rank that picked it. A rank without out-neighbors sends nothing.
+
+    Args:
+        topo: the static topology (a Topology, or anything Topology() takes).
+        rank: the rank whose steps are yielded, in [0, topo.size).
+
+    Returns:
+        An endless iterator of (send ranks, recv ranks) lists.
+
+    Raises:
+        ValueError: rank is out of range, or topo is not a valid topology.
+    """
     topo = topo if isinstance(topo, Topology) else Topology(topo)
     n = topo.size
     rank = _check_rank(rank, n, "rumor.topology.one_peer_schedule")
@@ -454,7 +554,20 @@ def inner_outer_ring_schedule(world_size: int, local_size: int, rank: int) -> It
     k, local rank k mod local_size of every machine sends to the same local rank on the next
     machine and receives from the previous machine; the other local_size - 1 ranks of each
     machine form a ring among themselves (skipping the outgoing rank): send to the next,
-    receive from the previous. A rank with nobody to talk to at a step yields ([], [])."""
+    receive from the previous. A rank with nobody to talk to at a step yields ([], []).
+
+    Args:
+        world_size: the number of ranks (>= 1), a multiple of local_size.
+        local_size: ranks per machine (>= 1).
+        rank: the rank whose steps are yielded, in [0, world_size).
+
+    Returns:
+        An endless iterator of (send ranks, recv ranks) lists.
+
+    Raises:
+        ValueError: a size is not a positive int, world_size is not a multiple of local_size,
+            or rank is out of range.
+    """
     world_size, local_size, rank = _check_hierarchy(world_size, local_size, rank,
                                                      "rumor.topology.inner_outer_ring_schedule")
     return _inner_outer(world_size, local_size, rank, exp2=False)
@@ -463,7 +576,20 @@ def inner_outer_ring_schedule(world_size: int, local_size: int, rank: int) -> It
 def inner_outer_exp2_schedule(world_size: int, local_size: int, rank: int) -> Iterator[Tuple[List[int], List[int]]]:
     """As inner_outer_ring_schedule, but at step k the outgoing rank jumps 2^(k mod
     ceil(log2 machines)) machines ahead (and receives from as far behind), and the staying
-    ranks jump 2^(k mod ceil(log2(local_size - 1))) places along their ring."""
+    ranks jump 2^(k mod ceil(log2(local_size - 1))) places along their ring.
+
+    Args:
+        world_size: the number of ranks (>= 1), a multiple of local_size.
+        local_size: ranks per machine (>= 1).
+        rank: the rank whose steps are yielded, in [0, world_size).
+
+    Returns:
+        An endless iterator of (send ranks, recv ranks) lists.
+
+    Raises:
+        ValueError: a size is not a positive int, world_size is not a multiple of local_size,
+            or rank is out of range.
+    """
     world_size, local_size, rank = _check_hierarchy(world_size, local_size, rank,
                                                      "rumor.topology.inner_outer_exp2_schedule")
     return _inner_outer(world_size, local_size, rank, exp2=True)

@@ -58,6 +58,7 @@ class Advice:
 
     @property
     def best(self) -> Dict:
+        """The top-ranked row (rows[0]): the algorithm predicted to train fastest."""
         return self.rows[0]
 
     def algorithm(self, row: Optional[Dict] = None, optimizer=None):

@@ -45,6 +45,20 @@ def _load_script(path: str, argv: Sequence[str]) -> Dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The ``rumor-advise`` / ``python -m rumor.advisor`` command: loads the script's
+    rumor_advise() (SCRIPT_HOOK), runs rumor.advise on it and prints the table on rank 0. With
+    --nproc-per-node N outside a launcher it starts N ranks through rumor-run instead.
+
+    Args:
+        argv: the command-line arguments (without the program name); None (the default) means
+            sys.argv[1:].
+
+    Returns:
+        0 on success (the process exit status).
+
+    Raises:
+        SystemExit: bad arguments, no such script, or a script without a valid rumor_advise().
+    """
     import argparse
 
     # The console script and `python -m` reach the same main(); usage shows how it was called.

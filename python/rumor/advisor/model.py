@@ -61,7 +61,14 @@ AMA_MAX_BUSY = 0.1  # AsyncModelAverage's max_busy_fraction default (one host)
 
 @dataclass
 class Link:
-    """A ring allreduce among n ranks over one kind of link, fitted at two sizes."""
+    """A ring allreduce among n ranks over one kind of link, fitted at two sizes.
+
+    Args:
+        n: the number of ranks in the ring.
+        bandwidth_Bps: the fitted bandwidth, bytes per second.
+        latency_s: the fitted latency of one hop, seconds.
+        samples: the (bytes, seconds) measurements the fit rests on; default empty.
+    """
 
     n: int
     bandwidth_Bps: float
@@ -69,13 +76,30 @@ class Link:
     samples: List = field(default_factory=list)  # (bytes, seconds) measured
 
     def ring(self, nbytes: float, n: Optional[int] = None) -> float:
+        """The predicted time of a ring allreduce: 2(n-1)/n of the bytes at the bandwidth plus
+        2(n-1) hops of latency.
+
+        Args:
+            nbytes: the bytes each rank reduces.
+            n: the ranks in the ring; None (the default) means this link's n.
+
+        Returns:
+            Seconds; 0.0 for one rank or no bytes.
+        """
         n = self.n if n is None else n
         if n <= 1 or nbytes <= 0:
             return 0.0
         return 2 * (n - 1) / n * nbytes / self.bandwidth_Bps + 2 * (n - 1) * self.latency_s
 
     def hop(self, nbytes: float) -> float:
-        """One message to one peer."""
+        """One message to one peer.
+
+        Args:
+            nbytes: the message's size in bytes.
+
+        Returns:
+            Seconds: nbytes at the bandwidth plus one latency.
+        """
         return nbytes / self.bandwidth_Bps + self.latency_s
 
 
@@ -110,7 +134,21 @@ def bucket_plan(ready: List[float], nbytes: List[int], cap_mb: float = 25, first
     """Parameter indices per bucket, as rumor's wrapper lays them out after its first iteration
     (Algorithm.plan_buckets): in the order of ``first`` (that iteration's ready times; default
     ``ready``), a bucket closed before it would exceed its cap (``first_mb`` for the first) and
-    where the next gradient came more than ``gap_s`` after the one before it."""
+    where the next gradient came more than ``gap_s`` after the one before it.
+
+    Args:
+        ready: each parameter's gradient ready time, seconds into backward.
+        nbytes: each parameter's gradient size in bytes (same order as ready).
+        cap_mb: the cap of every bucket after the first, in MiB (default 25).
+        first_mb: the first bucket's cap, in MiB (default 1).
+        first: the first iteration's ready times that fix the order; None (the default) means
+            ready.
+        gap_s: the gap in seconds that closes a bucket; None never splits at gaps (default
+            SPLIT_GAP_S, 5 ms).
+
+    Returns:
+        A list of buckets, each a list of parameter indices.
+    """
     first = ready if first is None else first
     order = sorted(range(len(ready)), key=lambda i: (first[i], i))
     out: List[List[int]] = []
@@ -133,7 +171,18 @@ def bucket_plan(ready: List[float], nbytes: List[int], cap_mb: float = 25, first
 def torch_bucket_plan(ready: List[float], nbytes: List[int], cap_mb: float = 25,
                       first: Optional[List[float]] = None) -> List[List[int]]:
     """torch DDP's buckets after its rebuild: first-iteration ready order, a bucket closed once
-    it reaches its cap (1 MiB for the first, cap_mb after), never split at gaps."""
+    it reaches its cap (1 MiB for the first, cap_mb after), never split at gaps.
+
+    Args:
+        ready: each parameter's gradient ready time, seconds into backward.
+        nbytes: each parameter's gradient size in bytes (same order as ready).
+        cap_mb: the cap of every bucket after the first, in MiB (default 25).
+        first: the first iteration's ready times that fix the order; None (the default) means
+            ready.
+
+    Returns:
+        A list of buckets, each a list of parameter indices.
+    """
     first = ready if first is None else first
     order = sorted(range(len(ready)), key=lambda i: (first[i], i))
     out: List[List[int]] = []
@@ -285,7 +334,22 @@ def _powersgd_bucket(shapes: List[List[int]], members: List[int], rank: int, min
 
 
 def predict(m: Dict, intra: Optional[Link], inter: Optional[Link], adam: bool) -> List[Dict]:
-    """Predicted step of each algorithm from the measured figures (see the module docstring)."""
+    """Predicted step of each algorithm from the measured figures (see the module docstring).
+
+    Args:
+        m: the measured figures (Advice.measured: ranks, hosts, local_size, compute times,
+            gradient sizes, buckets, codec rates, ...).
+        intra: the ring inside a host, or None where it was not measured (one rank per host).
+        inter: the ring among one rank per host, or None on one host.
+        adam: whether the optimizer is an Adam; only then is 1-bit Adam a candidate.
+
+    Returns:
+        One dict per candidate algorithm (algorithm, kwargs, ctor, caveat, kind, period,
+        wire_bytes_per_element, predicted_step_s, exposed_comm_s, ...), not yet ranked.
+
+    Raises:
+        KeyError: m lacks a figure the model needs.
+    """
     H, L, n = m["hosts"], m["local_size"], m["ranks"]
     codecs = m["codecs"]
     param_bytes = m["grad_bytes"]
@@ -539,7 +603,20 @@ UNSYNCHRONIZED_STEPS = ("periodic", "async")
 
 def predict_torch(m: Dict, intra: Optional[Link], inter: Optional[Link]) -> Dict:
     """torch DDP: a flat fp32 ring over all ranks (gloo) over torch's own buckets, overlapped the
-    same way."""
+    same way.
+
+    Args:
+        m: the measured figures, as for predict.
+        intra: the ring inside a host (used on one host when no loopback figure was measured),
+            or None.
+        inter: the ring among one rank per host (used across hosts), or None.
+
+    Returns:
+        A dict with algorithm ("torch DDP"), predicted_step_s and exposed_comm_s.
+
+    Raises:
+        KeyError: m lacks a figure the model needs.
+    """
     n, H = m["ranks"], m["hosts"]
     link = inter if H > 1 else intra
     lo = _link_of(m.get("loopback")) if H == 1 else None
@@ -590,6 +667,13 @@ MARGIN = {"exact": 0.0, "compressed": 0.01, "decentralized": 0.02, "periodic": 0
 
 
 def rank_rows(rows: List[Dict]) -> List[Dict]:
-    """Fastest first, by predicted step plus the kind's MARGIN; then more exact first."""
+    """Fastest first, by predicted step plus the kind's MARGIN; then more exact first.
+
+    Args:
+        rows: predict()'s rows (each with predicted_step_s, kind and algorithm).
+
+    Returns:
+        A new list of the same rows, ranked.
+    """
     return sorted(rows, key=lambda r: (r["predicted_step_s"] * (1 + MARGIN[r["kind"]]), list(MARGIN).index(r["kind"]),
                                        r["algorithm"]))

@@ -13,6 +13,16 @@ def _rate(bps: float) -> str:
 
 
 def format_table(m: Dict, rows: List[Dict], tref: Dict) -> str:
+    """The advisor's printed report: what was measured, then one line per algorithm.
+
+    Args:
+        m: the measured figures (Advice.measured).
+        rows: the ranked rows (rank_rows(predict(...)), each with speedup_over_torch).
+        tref: the torch DDP row (predict_torch(...)).
+
+    Returns:
+        The table as text, lines separated by newlines.
+    """
     lines = [f"rumor advisor: {m['ranks']} ranks on {m['hosts']} host(s), up to {m['local_size']} per host",
              "measured (slowest rank):",
              f"  compute: forward {m['forward_s'] * 1e3:.1f} ms, backward {m['backward_s'] * 1e3:.1f} ms, "

@@ -78,6 +78,8 @@ class CacheLoader:
     max_pending_bytes / max_pending_writes: bound the values waiting for a backend that is down;
       beyond it the oldest are dropped (counted in stats()["dropped_writes"]).
     op_timeout / connect_timeout: seconds a redis call / connection may take.
+    backoff: (first, longest) seconds a redis host that failed is left alone before it is tried
+      again; each further failure doubles the wait up to longest (default (0.5, 10.0)).
     local_dir: backend="local" with a directory you manage (not removed at exit) instead of a
       private one under /dev/shm.
     """
@@ -397,10 +399,28 @@ class CachedDataset(_TorchDataset):
     """A map-style dataset whose samples are cached: dataset[i] is computed once per job (as
     long as the cache holds it) and read back from the cache afterwards.
 
-    Arguments as CacheLoader's (dataset_name is required). Call on_epoch_end() after each epoch
-    (or flush()); close() at the end, or use it as a context manager. Sample values must be
-    tensors, numpy arrays, numbers, str/bytes or lists/tuples/dicts of those (or anything with
-    allow_pickle=True). Values come back on the CPU, without requires_grad.
+    Call on_epoch_end() after each epoch (or flush()); close() at the end, or use it as a
+    context manager. Sample values must be tensors, numpy arrays, numbers, str/bytes or
+    lists/tuples/dicts of those (or anything with allow_pickle=True). Values come back on the
+    CPU, without requires_grad.
+
+    Args:
+        dataset: the map-style dataset to cache (it needs __getitem__ and __len__); its
+            dataset[i] is called only for samples the cache does not hold.
+        backend: "redis", "local" or None (the default: redis where redis-server and redis-py
+            are installed, else local), as for CacheLoader.
+        dataset_name: names the key space, as for CacheLoader; required (the default "" is
+            refused).
+        writer_buffer_size: values per write batch (default 20), as for CacheLoader.
+        **kwargs: CacheLoader's keyword-only arguments (hosts, capacity_per_node, allow_pickle,
+            max_pending_bytes, max_pending_writes, op_timeout, connect_timeout, backoff,
+            local_dir).
+
+    Raises:
+        TypeError: dataset is not map-style.
+        ValueError: dataset_name is empty, or another argument is out of range (see
+            CacheLoader).
+        RuntimeError: backend="redis" without redis-py installed.
     """
 
     def __init__(self, dataset, backend: Optional[str] = None, dataset_name: str = "", writer_buffer_size: int = 20,
@@ -430,18 +450,38 @@ class CachedDataset(_TorchDataset):
         return self.cache_loader.get(index, self.dataset.__getitem__)
 
     def flush(self) -> None:
+        """Writes every pending sample the backend takes now (CacheLoader.flush); the others
+        stay queued, within the bounds of max_pending_writes / max_pending_bytes."""
         self.cache_loader.flush()
 
     def on_epoch_end(self) -> None:
+        """Call at the end of each epoch: flushes the pending writes."""
         self.cache_loader.on_epoch_end()
 
     def stats(self) -> Dict[str, int]:
+        """This process's cache counters (see CacheLoader.stats).
+
+        Returns:
+            A dict of int counters: hits, misses, errors, corrupt, bad_mac, unavailable, writes,
+            dropped_writes, bytes_read, bytes_written and pending.
+        """
         return self.cache_loader.stats()
 
     def num_keys(self) -> int:
+        """How many samples the backend holds for this dataset_name, over all hosts.
+
+        Returns:
+            The number of keys.
+
+        Raises:
+            BackendError: the backend could not be asked.
+        """
         return self.cache_loader.num_keys()
 
     def close(self) -> None:
+        """Flushes, then releases the backend (CacheLoader.close): a server or directory this
+        process started is stopped or removed, so close at the end of the job. Closing twice
+        does nothing."""
         self.cache_loader.close()
 
     def __enter__(self):

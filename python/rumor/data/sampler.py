@@ -177,6 +177,10 @@ class LoadBalancingDistributedSampler(Sampler):
     batch_size: the per-rank batch size of the DataLoader this sampler feeds; each global step's
       num_replicas*batch_size samples are partitioned together. With the default 1 the running
       cost totals of the ranks are still kept within one sample's cost of each other.
+    sort_window: with it above 1 (default 16), the samples of each window of sort_window global
+      steps are sorted by cost and cut into steps, so that a step holds samples of similar cost
+      (less padding), and those steps are shuffled within the window (when shuffle is on); 1
+      keeps the permutation's order.
 
     Resuming mid-epoch: state_dict() says the epoch and how many samples this rank has drawn
     (the same on every rank, so saving rank 0's is enough); load_state_dict() on a fresh
@@ -338,7 +342,16 @@ class LoadBalancingDistributedSampler(Sampler):
         epochs this only changes whom the next epochs are planned for. With a mid-epoch resume
         pending (load_state_dict) and a new world size, the rest of that epoch, the samples the
         old world had not consumed, is partitioned anew over the new world, balanced the same
-        way: every sample of the epoch is still drawn exactly once (padding apart)."""
+        way: every sample of the epoch is still drawn exactly once (padding apart).
+
+        Args:
+            num_replicas: the new world size (>= 1).
+            rank: this process's rank in the new world (0 <= rank < num_replicas).
+
+        Raises:
+            TypeError: num_replicas or rank is not an int.
+            ValueError: num_replicas < 1 or rank is out of range.
+        """
         what = f"{self._what}.reshard"
         num_replicas = _int(num_replicas, "num_replicas", what, minimum=1)
         rank = _int(rank, "rank", what, minimum=0)
@@ -505,9 +518,20 @@ class LoadBalancingDistributedBatchSampler(Sampler):
 
     @property
     def epoch(self) -> int:
+        """The epoch being planned: the wrapped sampler's."""
         return self.sampler.epoch
 
     def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch to plan, on the wrapped sampler too (call before each epoch).
+        Setting the epoch a loaded state resumes keeps the resume point.
+
+        Args:
+            epoch: the epoch number (an int >= 0).
+
+        Raises:
+            TypeError: epoch is not an int.
+            ValueError: epoch is negative.
+        """
         self.sampler.set_epoch(epoch)
         if self._resume_epoch is not None and self.sampler.epoch != self._resume_epoch:
             self._resume_epoch, self._start, self._history = None, 0, []
@@ -600,7 +624,16 @@ class LoadBalancingDistributedBatchSampler(Sampler):
     def reshard(self, num_replicas: int, rank: int) -> None:
         """As LoadBalancingDistributedSampler.reshard: with a mid-epoch resume pending and a new
         world size, the batches the old world had not drawn are grouped into steps of the new
-        world (split or dropped as drop_last says, to make a multiple of it)."""
+        world (split or dropped as drop_last says, to make a multiple of it).
+
+        Args:
+            num_replicas: the new world size (>= 1).
+            rank: this process's rank in the new world (0 <= rank < num_replicas).
+
+        Raises:
+            TypeError: num_replicas or rank is not an int.
+            ValueError: num_replicas < 1 or rank is out of range.
+        """
         s = self.sampler
         old = s.num_replicas
         s.reshard(num_replicas, rank)
@@ -629,6 +662,19 @@ class LoadBalancingDistributedBatchSampler(Sampler):
                     history=[list(h) for h in self._history], **self._identity())
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resumes from state_dict(): the next iteration yields the rest of state['epoch']'s
+        batches (also sets the wrapped sampler's epoch). A state saved by a world of another size
+        resumes too (as after reshard()).
+
+        Args:
+            state: a dict returned by state_dict().
+
+        Raises:
+            TypeError: state is not a dict.
+            ValueError: state is malformed, was saved with other arguments (seed, max_tokens,
+                padded, ...; num_replicas may differ), or says more batches were drawn than
+                the epoch has.
+        """
         what = f"{self._what}.load_state_dict"
         epoch, consumed, history = _check_state(state, self._identity(), what)
         if state["num_replicas"] != self.sampler.num_replicas:

@@ -85,6 +85,27 @@ def start(n: int = 4, hosts: Optional[Sequence[str]] = None, timeout: float = DE
         (default: this machine's address on the route to the first other host).
 
     In IPython the %%rumor, %%rank0 and %rumor_status magics are registered.
+
+    Args:
+        n: the number of ranks (engines), an int >= 1; default 4.
+        hosts: see above; default None (all on this host).
+        timeout: see above; default DEFAULT_TIMEOUT (30 s).
+        start_timeout: see above; default 60 s.
+        quiet: if True (default False), print no "ranks ready" line.
+        launcher: see above; default None (ssh). Needs hosts.
+        controller_ip: see above; default None.
+
+    Returns:
+        The ipyparallel Client of the new session.
+
+    Raises:
+        TypeError: n, hosts, launcher, timeout, start_timeout or controller_ip is of the wrong
+            type.
+        ValueError: n < 1, a timeout is not positive, hosts does not describe n ranks, a
+            launcher template lacks '{host}', or launcher is given without hosts.
+        ImportError: ipyparallel (>= 8) is not installed.
+        RuntimeError: a session is already running, or an engine could not be started.
+        TimeoutError: the engines or rumor.init() did not come up within start_timeout.
     """
     layout = _check_args(n, hosts, timeout, start_timeout, launcher, controller_ip)
     try:
@@ -116,7 +137,20 @@ def start(n: int = 4, hosts: Optional[Sequence[str]] = None, timeout: float = DE
 def connect(path: str, quiet: bool = False) -> "Any":
     """Attaches this kernel to ranks started from a shell with `rumor-run --interactive -n N`
     (or `python -m rumor.interactive -n N`); path is the connection file it printed. stop()
-    then only detaches: the ranks run until Ctrl-C in that shell. Returns the Client."""
+    then only detaches: the ranks run until Ctrl-C in that shell. Returns the Client.
+
+    Args:
+        path: the connection file (str).
+        quiet: if True (default False), print no "attached" line.
+
+    Returns:
+        The ipyparallel Client of the attached session.
+
+    Raises:
+        TypeError: path is not a str.
+        RuntimeError: a session is already running in this kernel.
+        OSError: the connection file cannot be read.
+    """
     if not isinstance(path, str):
         raise TypeError(f"rumor.interactive.connect(): path must be a str, got {type(path).__name__}")
     if _session._session is not None:
@@ -181,7 +215,23 @@ def status() -> List[Dict[str, Any]]:
 
 def run(code: str, ranks: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> list:
     """What %%rumor does, as a function: runs code on the ranks (default all) and returns each
-    rank's last expression value as text (None where there is none)."""
+    rank's last expression value as text (None where there is none).
+
+    Args:
+        code: the Python source to run (str).
+        ranks: the ranks to run it on; None (the default) means all.
+        timeout: rumor's deadline in seconds for this cell's blocking waits on the engines;
+            None (the default) uses the session's (start(timeout=)).
+
+    Returns:
+        A list with one entry per rank run on, in the order given.
+
+    Raises:
+        TypeError: code is not a str.
+        ValueError: a rank is outside 0..n-1.
+        RuntimeError: no session runs, or it must be restarted.
+        RankError: the code failed on some rank (the first failing rank's traceback first).
+    """
     if not isinstance(code, str):
         raise TypeError(f"rumor.interactive.run(): code must be a str, got {type(code).__name__}")
     s = _session.current()
@@ -194,14 +244,33 @@ def run(code: str, ranks: Optional[Sequence[int]] = None, timeout: Optional[floa
 
 
 def pull(name: str) -> list:
-    """The value of a variable on every rank, in rank order."""
+    """The value of a variable on every rank, in rank order.
+
+    Args:
+        name: the variable's name in the ranks' namespace.
+
+    Returns:
+        A list: the value on rank 0, rank 1, ...
+
+    Raises:
+        RuntimeError: no session runs, or it must be restarted.
+    """
     s = _session.current()
     s.check_usable()
     return [s.client[eid].pull(name, block=True) for eid in s.engine_ids]
 
 
 def push(values: Dict[str, Any], ranks: Optional[Sequence[int]] = None) -> None:
-    """Sets variables on the ranks (default all)."""
+    """Sets variables on the ranks (default all).
+
+    Args:
+        values: {name: value}; each value is sent to every rank given and bound to its name.
+        ranks: the ranks to set them on; None (the default) means all.
+
+    Raises:
+        RuntimeError: no session runs, or it must be restarted.
+        IndexError: a rank is n or more.
+    """
     s = _session.current()
     s.check_usable()
     ids = s.engine_ids if ranks is None else [s.engine_ids[int(r)] for r in ranks]
@@ -219,7 +288,12 @@ def _register_magics() -> None:
 
 
 def load_ipython_extension(ipython) -> None:
-    """%load_ext rumor.interactive"""
+    """Registers the %%rumor, %%rank0 and %rumor_status magics: what `%load_ext
+    rumor.interactive` calls (start() and connect() do it too).
+
+    Args:
+        ipython: the IPython shell (InteractiveShell) to register the magics with.
+    """
     from ._magics import RumorMagics
 
     ipython.register_magics(RumorMagics)

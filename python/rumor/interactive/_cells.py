@@ -32,6 +32,12 @@ class CellsMixin:
     """Session's cells and status (Session holds the state these methods use)."""
 
     def check_usable(self) -> None:
+        """Refuses a session whose engines must be restarted.
+
+        Raises:
+            RuntimeError: a rank died or would not stop (dead is set); the message says why and
+                to run rumor.interactive.restart().
+        """
         if self.dead:
             raise RuntimeError(f"rumor.interactive: {self.dead}; run rumor.interactive.restart()")
 
@@ -39,7 +45,29 @@ class CellsMixin:
                 prefix: bool = True, out=None, err=None) -> list:
         """Runs code on the given ranks (default all), streaming each rank's output with a
         "[rank r]" prefix. Returns each rank's execute_result text (or None). Raises RankError
-        with the first failing rank's traceback first."""
+        with the first failing rank's traceback first.
+
+        A rank still busy 10 s after the deadline is sent SIGINT; one that does not stop 5 s
+        later, or that died, leaves the session dead (restart() needed).
+
+        Args:
+            code: the Python source to run on every given rank.
+            ranks: the ranks to run it on, as a list of ints; None (the default) means all.
+            timeout: rumor's deadline in seconds for the cell's blocking waits on the engines;
+                None (the default) uses the session's timeout.
+            prefix: if True (the default), each output line is prefixed with "[rank r] ".
+            out: the stream stdout lines and results are written to; None (the default) means
+                sys.stdout.
+            err: the stream stderr lines are written to; None (the default) means sys.stderr.
+
+        Returns:
+            A list, one entry per given rank in order: the text of the cell's last expression
+            value, or None where there is none.
+
+        Raises:
+            RuntimeError: the session is dead (check_usable).
+            RankError: the cell failed, died or timed out on some rank.
+        """
         self.check_usable()
         out = out or sys.stdout
         err = err or sys.stderr
@@ -193,6 +221,13 @@ class CellsMixin:
 
     # ---- status -------------------------------------------------------------------------
     def status(self) -> List[dict]:
+        """One row per rank, as %rumor_status shows it.
+
+        Returns:
+            A list of dicts with keys rank, host, pid, engine (the engine id) and state:
+            "idle", "busy" (with how long and the cell's first line when it is this session's
+            cell) or "dead".
+        """
         rows = []
         busy_ids = set()
         try:

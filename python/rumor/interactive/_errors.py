@@ -10,7 +10,17 @@ _COMM_ERRORS = ("CommTimeoutError", "PeerError", "AbortedError", "ProtocolError"
 
 class RankError(RuntimeError):
     """A cell failed on one or more ranks. `failures` maps rank -> (error name, message,
-    traceback text); `first` is the rank whose error is shown first (the likely cause)."""
+    traceback text); `first` is the rank whose error is shown first (the likely cause).
+
+    Session.execute raises it; the arguments are kept as the attributes of the same names.
+
+    Args:
+        message: the one-line summary (str(error)).
+        failures: {rank: (error name, message, traceback text)} of every rank that failed.
+        first: the rank whose error is shown first, or None.
+        lines: the lines IPython shows instead of a local traceback: the first rank's remote
+            traceback, one line per other failed rank, and what the session needs next.
+    """
 
     def __init__(self, message: str, failures: Dict[int, tuple], first: Optional[int], lines: List[str]):
         super().__init__(message)

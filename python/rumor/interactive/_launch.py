@@ -103,6 +103,20 @@ class LaunchMixin:
     """Session's start and stop (Session holds the state these methods use)."""
 
     def launch(self, start_timeout: float) -> None:
+        """Starts the controller and the n engines (here, or on the layout's hosts through the
+        launcher), waits for them to register and runs rumor.init() on each (init_rumor).
+        rumor.interactive.start() calls it; on an error it shuts the session down.
+
+        Args:
+            start_timeout: seconds the engines may take to register, and rumor.init() to
+                finish on them.
+
+        Raises:
+            TimeoutError: the engines did not register, or rumor.init() did not finish, in
+                time.
+            RuntimeError: an engine could not be started, exited or died, or came up with the
+                wrong rank.
+        """
         if self.layout is not None:
             return self._launch_hosts(start_timeout)
         import ipyparallel as ipp
@@ -250,7 +264,17 @@ class LaunchMixin:
         return [r for r in range(self.n) if r not in have]
 
     def init_rumor(self, wait_timeout: float) -> None:
-        """rumor.init() on every engine, engine_ids[r] becoming rank r."""
+        """rumor.init() on every engine, engine_ids[r] becoming rank r. Also used by
+        restart() to re-initialise rumor on live engines (generation counts the runs).
+
+        Args:
+            wait_timeout: seconds rumor.init() may take on the engines.
+
+        Raises:
+            TimeoutError: some engine did not finish in wait_timeout seconds.
+            RuntimeError: an engine died or failed during rumor.init(), or came up with the
+                wrong rank.
+        """
         self.generation += 1
         if self.layout is None:
             port = _free_port()
@@ -372,7 +396,17 @@ class LaunchMixin:
                     pass
 
     def write_connection_file(self, path: str) -> None:
-        """What rumor.interactive.connect() needs to attach to these ranks from another process."""
+        """Writes what rumor.interactive.connect() needs to attach to these ranks from another
+        process (JSON: the controller's client file, engine ids, pids, hosts, timeout), through
+        a temporary file renamed into place so a reader never sees half of it.
+
+        Args:
+            path: where to write the connection file.
+
+        Raises:
+            RuntimeError: the controller wrote no client connection file.
+            OSError: the file could not be written.
+        """
         client_file = self.cluster.controller.connection_files["client"]
         if not os.path.exists(client_file):
             raise RuntimeError(f"rumor.interactive: the controller wrote no client file ({client_file})")
@@ -386,6 +420,21 @@ class LaunchMixin:
 
     @classmethod
     def attach(cls, path: str) -> "Session":
+        """A Session attached to ranks another process started (rumor.interactive.connect()
+        calls it): owned is False, so shutdown() only closes the client.
+
+        Args:
+            path: a connection file written by write_connection_file (the one
+                `rumor-run --interactive` prints).
+
+        Returns:
+            The attached Session, its client connected to the controller.
+
+        Raises:
+            OSError: the file cannot be read.
+            ValueError: the file is not valid JSON.
+            KeyError: the file lacks a field.
+        """
         import ipyparallel as ipp
 
         with open(path) as f:

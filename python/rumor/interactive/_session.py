@@ -21,7 +21,46 @@ from ._launch import LaunchMixin, pid_alive
 @dataclass
 class Session(LaunchMixin, CellsMixin):
     """The state of one session; starting and stopping it are LaunchMixin's, its cells
-    CellsMixin's."""
+    CellsMixin's. rumor.interactive.start() and connect() make one; rumor.interactive.session()
+    returns the running one. Its fields are the session's bookkeeping, read by the module's
+    functions and the magics; set them only through those.
+
+    Attributes:
+        n: the number of ranks (one engine each).
+        timeout: rumor's deadline in seconds on the engines (start(timeout=)), the default
+            timeout of a cell.
+        cluster: the ipyparallel Cluster that runs the controller (and, on one host, the
+            engines); None when attached with connect() or before launch().
+        client: the ipyparallel Client talking to the controller (None until launched).
+        profile_dir: the private ipyparallel profile directory ("" until launched); removed at
+            shutdown.
+        engine_ids: engine_ids[r] is rank r's ipyparallel engine id.
+        pids: pids[r] is the process id of rank r's engine.
+        hosts: hosts[r] is the host name rank r's engine reported.
+        controller_pid: the controller's process id (0: unknown).
+        shm_prefixes: the /dev/shm name prefix of every rumor job this session ran, removed at
+            shutdown.
+        generation: how many times rumor was initialised on the engines (init_rumor counts).
+        broken: why rumor must be re-initialised on the ranks (a communication error in a cell),
+            or "" when it need not be.
+        dead: why the engines must be restarted (a rank died or would not stop), or "" when
+            they need not be; a session with it set runs no more cells.
+        running: the cell last sent to the engines while some rank may still run it, else None.
+        owned: True when this process started the ranks; False when attached with connect(),
+            when stop() only detaches.
+        cells: how many cells were run.
+        rank_deadline: the rumor deadline set on the engines now (0.0: unknown, set at the next
+            cell).
+        layout: hosts= sessions: which ranks run on which host; None when every rank runs here.
+        launcher: hosts= sessions: how an engine is started on a host (start(launcher=)).
+        controller_ip: hosts= sessions: the address the controller listens on.
+        controller_addr: hosts= sessions: (ip, registration port) the engines dial.
+        procs: hosts= sessions: procs[r] is the local process (subprocess.Popen) that runs rank
+            r's engine, directly or through ssh; its stdin is the engine's lifeline.
+        logs: hosts= sessions: logs[r] is the file holding that process's output.
+        pid_local: pid_local[r] says whether pids[r] is a process of this machine (only those
+            are signalled or watched from here).
+    """
 
     n: int
     timeout: float
@@ -51,6 +90,15 @@ class Session(LaunchMixin, CellsMixin):
     pid_local: List[bool] = field(default_factory=list)   # index = rank: pid is a process of this machine
 
     def host_of(self, r: int) -> str:
+        """The host rank r runs on.
+
+        Args:
+            r: the rank.
+
+        Returns:
+            The host's name from the layout (hosts= sessions), else the name the engine
+            reported, or "?" when it is not known yet.
+        """
         if self.layout is not None:
             for h in self.layout:
                 if r in h.ranks:

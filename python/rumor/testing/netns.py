@@ -107,6 +107,16 @@ def available() -> Tuple[bool, str]:
 
 @dataclass
 class Host:
+    """One emulated host of a Cluster (Cluster.host(i) returns it).
+
+    Attributes:
+        index: the host's number i in its Cluster, 0..H-1.
+        netns: the network namespace's name (for `ip netns exec`).
+        ip: the address of ifname inside the namespace, <subnet>.<index + 1>.
+        ifname: the host's interface, "eth0".
+        switch_port: the name of the veth end in the switch namespace, "h<index>".
+    """
+
     index: int
     netns: str      # namespace name (for `ip netns exec`)
     ip: str         # address of eth0 inside the namespace
@@ -159,6 +169,18 @@ class Cluster:
         self.close()
 
     def start(self) -> "Cluster":
+        """Creates the namespaces, the bridge, the veth links and (with rate) the tbf qdiscs,
+        and waits until every host's interface is up; what a `with` block does on entry. Calling
+        it again does nothing. On a failure everything made so far is removed.
+
+        Returns:
+            This Cluster.
+
+        Raises:
+            NetnsError: network namespaces are not available here (not Linux, not root, or
+                ip / tc missing: see available()), or a namespace, link or qdisc could not be
+                made.
+        """
         if self._started:
             return self
         ok, why = available()
@@ -263,13 +285,36 @@ class Cluster:
     # -- running things inside hosts -------------------------------------------------------------
 
     def host(self, i: int) -> Host:
+        """Host number i.
+
+        Args:
+            i: the host's index, 0..H-1.
+
+        Returns:
+            Its Host record.
+
+        Raises:
+            IndexError: i is not a host's index.
+        """
         return self.hosts[i]
 
     def ip(self, i: int) -> str:
+        """Host i's address (of its eth0), what other hosts dial.
+
+        Args:
+            i: the host's index, 0..H-1.
+
+        Returns:
+            The address as a dotted str.
+
+        Raises:
+            IndexError: i is not a host's index.
+        """
         return self.hosts[i].ip
 
     @property
     def namespaces(self) -> List[str]:
+        """The names of every namespace of the cluster: the switch's first, then each host's."""
         return [self.switch] + [h.netns for h in self.hosts]
 
     def popen(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
@@ -285,7 +330,24 @@ class Cluster:
 
     def run(self, i: int, argv: Sequence[str], timeout: float = 60.0, check: bool = False,
             **kwargs) -> subprocess.CompletedProcess:
-        """Runs argv to completion inside host i's namespace (output captured as text)."""
+        """Runs argv to completion inside host i's namespace (output captured as text).
+
+        Args:
+            i: the host's index, 0..H-1.
+            argv: the command and its arguments.
+            timeout: seconds it may run (default 60); then its process group is killed.
+            check: if True (default False), a non-zero exit status raises.
+            **kwargs: passed on to subprocess.Popen (stdout, stderr and text default to
+                captured text).
+
+        Returns:
+            A subprocess.CompletedProcess with returncode, stdout and stderr.
+
+        Raises:
+            RuntimeError: the cluster is not running.
+            subprocess.TimeoutExpired: it ran longer than timeout.
+            subprocess.CalledProcessError: check is True and it exited non-zero.
+        """
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
         kwargs.setdefault("text", True)
@@ -303,6 +365,20 @@ class Cluster:
 
     @staticmethod
     def exec_run_ns(ns: str, argv: Sequence[str], timeout: float = 20.0) -> subprocess.CompletedProcess:
+        """Runs argv inside namespace ns (`ip netns exec ns argv...`), output captured as
+        text; unlike run(), it needs no running cluster and takes any namespace by name.
+
+        Args:
+            ns: the namespace's name (e.g. one of namespaces).
+            argv: the command and its arguments.
+            timeout: seconds it may run (default 20).
+
+        Returns:
+            A subprocess.CompletedProcess; a non-zero exit status does not raise.
+
+        Raises:
+            subprocess.TimeoutExpired: it ran longer than timeout.
+        """
         return subprocess.run(["ip", "netns", "exec", ns, *argv], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, timeout=timeout)
 
