@@ -472,6 +472,8 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
     # ---- internals ----------------------------------------------------------------------------
 
     def _check_ddp(self, ddp) -> None:
+        # A module given to rumor.compat.bagua's with_bagua is its own wrapper (Bagua's abort(model)).
+        ddp = getattr(ddp, "_rumor_ddp", ddp)
         if ddp is not None and self._ddp is not None and getattr(ddp, "algorithm", None) is not self:
             raise ValueError("AsyncModelAverage: the DistributedDataParallel given does not use this algorithm")
 
