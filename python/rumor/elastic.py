@@ -46,6 +46,7 @@ import functools
 import hashlib
 import io
 import math
+import operator
 import os
 import struct
 import warnings
@@ -269,7 +270,9 @@ def _reshard(sampler, num_replicas: int, rank: int) -> None:
 
 class State:
     """What a restarted job needs to continue: the model (or its DistributedDataParallel
-    wrapper), the optimizer, an optional sampler, ``step``, and any user fields (``State(...,
+    wrapper), the optimizer, an optional sampler, ``step`` (``State(..., step=100)`` starts the
+    count there, as Horovod's ``TorchState(model, optimizer, step=100)`` does; a restore replaces
+    it with the committed step), and any user fields (``State(...,
     epoch=0, best=inf)`` gives ``state.epoch``, ``state.best``): tensors and plain values
     (numbers, str, bytes, lists, tuples, sets, dicts), what torch.load(weights_only=True) loads;
     commit() refuses others unless registered with torch.serialization.add_safe_globals.
@@ -301,7 +304,8 @@ class State:
             implements no elastic_state_dict()/load_elastic_state_dict().
     """
 
-    def __init__(self, model, optimizer, sampler=None, *, path: Optional[str] = None, **fields: Any):
+    def __init__(self, model, optimizer, sampler=None, *, path: Optional[str] = None, step: int = 0,
+                 **fields: Any):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"rumor.elastic.State: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -313,6 +317,16 @@ class State:
         bad = [k for k in fields if k in _RESERVED or k.startswith("_")]
         if bad:
             raise ValueError(f"rumor.elastic.State: field names {bad} are reserved")
+        # bool is an int, but State(step=True) is a mistake, not step 1; numpy and torch integer
+        # scalars (a counter read back from a checkpoint) are fine.
+        try:
+            start = operator.index(step) if not isinstance(step, bool) else None
+        except TypeError:
+            start = None
+        if start is None:
+            raise TypeError(f"rumor.elastic.State: step must be an int (the starting step), got {step!r}")
+        if start < 0:
+            raise ValueError(f"rumor.elastic.State: step must be >= 0 (the starting step), got {start}")
         module, algorithm = _unwrap(model)
         if algorithm is not None and not getattr(algorithm, "elastic_replicated", False) \
                 and not getattr(algorithm, "elastic_consensus", False) \
@@ -325,7 +339,7 @@ class State:
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self._module, self._algorithm = module, algorithm
         self.path = path
-        self.step = 0
+        self.step = start
         self._fields = list(fields)
         self.restored_step: Optional[int] = None  # the commit run() continued from, if any
         self.restored_from: Optional[int] = None  # the rank that sent it (-1: read from path)

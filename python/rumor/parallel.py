@@ -710,16 +710,24 @@ class DistributedDataParallel(torch.nn.Module):
         Returns:
             What module.forward returns.
         """
-        if self._autotuner is not None and self.training and torch.is_grad_enabled():
+        return self._run_forward(self.training, self.module, args, kwargs)
+
+    def _run_forward(self, training: bool, call, args, kwargs):
+        """What a forward through the wrapper does around ``call`` (the module's forward):
+        the autotuner's tick, the buffer broadcast, the algorithm's before_forward and the
+        forward's timings. rumor.compat.bagua's with_bagua runs it around the module's own
+        forward, with the module's training flag."""
+        training = training and torch.is_grad_enabled()
+        if self._autotuner is not None and training:
             self._autotuner.before_forward()
         start = time.monotonic()
-        if self.broadcast_buffers and self.training and self._buffers_to_sync and torch.is_grad_enabled():
+        if self.broadcast_buffers and training and self._buffers_to_sync:
             coalesced_broadcast(self._buffers_to_sync, self.group)
         self.algorithm.before_forward(self)
         if self._input_device is not None:
             args, kwargs = _to_device(args, self._input_device), _to_device(kwargs, self._input_device)
         module_start = time.monotonic()
-        out = self.module(*args, **kwargs)
+        out = call(*args, **kwargs)
         self._forward_times = (start, module_start, time.monotonic())
         if timeline._on:
             timeline._span_s("forward", "phase", start, self._forward_times[2])

@@ -461,8 +461,8 @@ def rank_abort_resume(workdir):
 
 def rank_pending_then_abort(workdir):
     """Rank 0 makes no forward while rounds run (its delta waits, and is retaken by the next
-    rounds), then aborts: the rounds it now sits out must not touch the delta that waits, and
-    its next forward applies it: the mean of the round, exactly."""
+    rounds), then aborts: abort() applies the delta that waits (the mean of the round, exactly),
+    the rounds it now sits out do not touch the weights, and its next forward applies nothing."""
     import time
 
     import torch
@@ -482,6 +482,7 @@ def rank_pending_then_abort(workdir):
     if rank == 0:
         _until(lambda: alg.rounds >= 2, lambda: time.sleep(0.005), what="rounds without a forward")
         alg.abort()
+        out["applied_by_abort"] = torch.equal(_flat(model), target)
         ticks = alg._ticks
         # ranks 1 and 2 keep training meanwhile: these are weight rounds rank 0 sits out
         _until(lambda: alg._ticks >= ticks + 4, lambda: time.sleep(0.005), what="rounds sat out")
@@ -492,7 +493,7 @@ def rank_pending_then_abort(workdir):
         _until(lambda: all(os.path.exists(f) for f in others), lambda: time.sleep(0.005),
                what="the other ranks at the mean")
         open(os.path.join(workdir, "done"), "w").close()
-        out["unchanged_before_forward"] = torch.equal(_flat(model), torch.full_like(target, 1.0))
+        out["unchanged_before_forward"] = torch.equal(_flat(model), target)
         _step(ddp, opt, 0, rank)
         out["applied"] = alg.applied
     else:
@@ -507,6 +508,69 @@ def rank_pending_then_abort(workdir):
     alg.finish()
     out["after"] = torch.equal(_flat(model), target)
     out["fused"] = alg._slots[0].shared
+    rumor.shutdown()
+    return out
+
+
+def rank_abort_with_round_in_flight(workdir):
+    """2 ranks, lr=0, weights 1 and 2. Rank 0's averaging thread enters a round (its census)
+    while rank 1's thread is still an hour away from it (a straggler); rank 0 then aborts, and
+    only then does rank 1's thread join that round. Bagua's guarantee: once abort() returned,
+    the weights change only by local training, so forwards after the round completed (lr=0:
+    steps that do not move the weights) must leave rank 0 exactly where abort() left it, and
+    that is the round's mean (abort() waited for it and applied it)."""
+    import threading
+    import time
+
+    import torch
+
+    import rumor
+
+    _init()
+    rank = rumor.rank()
+    model = _net(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    alg = rumor.algorithms.AsyncModelAverage(sync_interval_ms=_FIRST_ROUND_LATER_MS)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    _fill(model, rank + 1.0)
+    mean = torch.full_like(_flat(model), 1.5)
+    aborting, done = os.path.join(workdir, "aborting"), os.path.join(workdir, "done")
+    out = {}
+    if rank == 0:
+        entered = threading.Event()
+        census = alg._mixer.census
+
+        def watched(state, role=0):
+            entered.set()  # the thread read its state (ACTIVE) before this: the round is joined
+            return census(state, role)
+
+        alg._mixer.census = watched
+        _start_rounds(alg, 10)
+        out["in_flight"] = entered.wait(30)
+        open(aborting, "w").close()  # the straggler's thread may come now, during abort()
+        alg._mixer.census = census
+        alg.abort()
+        at_abort = _flat(model)
+        _until(lambda: alg.rounds >= 1, lambda: time.sleep(0.005), what="the round in flight completed")
+        for t in range(3):
+            _step(ddp, opt, t, rank)
+        out["unchanged_after_abort"] = torch.equal(_flat(model), at_abort)
+        out["abort_applied_the_round"] = torch.equal(at_abort, mean)
+        open(done, "w").close()
+    else:
+        _until(lambda: os.path.exists(aborting), lambda: time.sleep(0.005), what="rank 0 aborting")
+        _start_rounds(alg, 10)
+
+        def step():
+            _step(ddp, opt, 0, rank)
+            time.sleep(0.005)
+
+        # (a bound: the round in flight gives rank 1 the mean too, applied at its next forward)
+        _until(lambda: torch.equal(_flat(model), mean), step, what="rank 1 at the round's mean")
+        out["mean"] = True
+        _until(lambda: os.path.exists(done), step, what="rank 0 done")
+    alg.finish(timeout=60)
+    out["after"] = torch.equal(_flat(model), mean)
     rumor.shutdown()
     return out
 
@@ -574,7 +638,7 @@ def rank_gossip(mode, mixes):
     rank, n = rumor.rank(), rumor.size()
     model = _net(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    alg = rumor.algorithms.AsyncModelAverage(peer_selection_mode=mode, sync_interval_ms=_FIRST_ROUND_LATER_MS)
+    alg = rumor.algorithms.AsyncModelAverage(peer_selection=mode, sync_interval_ms=_FIRST_ROUND_LATER_MS)
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
     _fill(model, rank + 1)
     _start_rounds(alg, 5)
@@ -613,7 +677,7 @@ def rank_killed(victim, how, mode="all"):
     rank = rumor.rank()
     model = _net(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    alg = rumor.algorithms.AsyncModelAverage(peer_selection_mode=mode, sync_interval_ms=20, warmup_steps=1)
+    alg = rumor.algorithms.AsyncModelAverage(peer_selection=mode, sync_interval_ms=20, warmup_steps=1)
     ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=alg)
     for t in range(5):
         _step(ddp, opt, t, rank)
@@ -644,8 +708,10 @@ def rank_killed(victim, how, mode="all"):
 # ==== the tests ===================================================================================
 
 BAD_ARGUMENTS = [
-    (dict(peer_selection_mode="everyone"), ValueError, "peer_selection_mode"),
-    (dict(peer_selection_mode=None), TypeError, "peer_selection_mode"),
+    (dict(peer_selection="everyone"), ValueError, "unknown peer_selection"),
+    (dict(peer_selection=None), TypeError, "peer_selection"),
+    (dict(peer_selection=[[0.5, 0.5], [0.5, 0.5]]), TypeError, "topology.*common rounds"),
+    (dict(peer_selection="ring", peer_selection_mode="exp2"), TypeError, "peer_selection only"),
     (dict(sync_interval_ms=-1), ValueError, "sync_interval_ms"),
     (dict(sync_interval_ms=float("nan")), ValueError, "sync_interval_ms"),
     (dict(sync_interval_ms="500"), TypeError, "sync_interval_ms"),
@@ -675,11 +741,38 @@ def test_good_arguments():
 
     A = rumor.algorithms.AsyncModelAverage
     for mode in ("ring", "shift_one", "exp2"):
-        assert A(peer_selection_mode=mode).peer_selection_mode == mode
-    a = A(peer_selection_mode="all", sync_interval_ms=0, warmup_steps=3)
-    assert (a.peer_selection_mode, a.sync_interval_ms, a.warmup_steps) == ("all", 0.0, 3)
+        assert A(peer_selection=mode).peer_selection == mode
+        assert A(mode).peer_selection_mode == mode  # the old attribute name still reads
+    a = A(peer_selection="all", sync_interval_ms=0, warmup_steps=3)
+    assert (a.peer_selection, a.sync_interval_ms, a.warmup_steps) == ("all", 0.0, 3)
     with pytest.raises(RuntimeError, match="not wrapped"):
         a.finish()
+
+
+def _settings(a):
+    # What the constructor decided: everything but the thread primitives (new objects each time).
+    import threading
+
+    kinds = (type(threading.Lock()), threading.Condition, threading.Event)
+    return {k: v for k, v in vars(a).items() if not isinstance(v, kinds)}
+
+
+@pytest.mark.parametrize("mode", ["all", "ring", "shift_one", "exp2"])
+def test_old_peer_selection_mode_keyword_warns_and_is_the_same(mode):
+    import warnings
+
+    import rumor
+    from rumor.compat.bagua.algorithms.async_model_average import AsyncModelAverageAlgorithm
+
+    A = rumor.algorithms.AsyncModelAverage
+    with pytest.warns(FutureWarning, match=r"peer_selection_mode=.*renamed peer_selection="):
+        old = A(peer_selection_mode=mode, sync_interval_ms=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = A(peer_selection=mode, sync_interval_ms=20)
+        # Bagua's spelling is the compat layer's own: no warning there.
+        bagua = AsyncModelAverageAlgorithm(peer_selection_mode=mode, sync_interval_ms=20)
+    assert _settings(old) == _settings(new) == _settings(bagua) and new.peer_selection == mode
 
 
 def test_round_spacing_bounds_the_busy_fraction():
@@ -886,10 +979,20 @@ def test_abort_keeps_a_waiting_delta(shared):
     env = None if shared else {"RUMOR_SHARED_BUCKETS": "0"}
     with tempfile.TemporaryDirectory() as d:
         res = harness.run(rank_pending_then_abort, 3, timeout=60, args=(d,), env=env)
-    assert res[0]["unchanged_before_forward"] and res[0]["applied"] == 1, res[0]
+    assert res[0]["applied_by_abort"] and res[0]["unchanged_before_forward"] and res[0]["applied"] == 1, res[0]
     for r, out in enumerate(res):
         assert out["fused"] == shared, (r, out["fused"])
         assert out["mean"] and out["after"], (r, out)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-arena", "private-buffers"])
+def test_abort_waits_for_the_round_in_flight(shared):
+    env = None if shared else {"RUMOR_SHARED_BUCKETS": "0"}
+    with tempfile.TemporaryDirectory() as d:
+        res = harness.run(rank_abort_with_round_in_flight, 2, timeout=60, args=(d,), env=env)
+    assert res[0] == {"in_flight": True, "unchanged_after_abort": True, "abort_applied_the_round": True,
+                      "after": True}, res[0]
+    assert res[1] == {"mean": True, "after": True}, res[1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

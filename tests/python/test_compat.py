@@ -781,3 +781,91 @@ def test_example_scripts_equal_native_api(scenario, request, batches):
     res = harness.batch(batches, "examples", lambda: harness.run(
         rank_examples, 2, timeout=150, args=(harness.selected(request, "scenario"),)))
     assert harness.assert_no_failures(harness.scenario_results(res, scenario), f"examples: {scenario}") > 0
+
+
+# ==== with_bagua returns the module itself ========================================================
+
+def rank_with_bagua_returns_the_module(algorithm):
+    """Bagua: with_bagua "Returns: the original module". The same object comes back (its class,
+    attributes and state_dict keys), its own forward hooks run once per call, and training it
+    gives the same bits as rumor.DistributedDataParallel called as a wrapper (what with_bagua
+    returned before), for an algorithm that only averages gradients and for one whose
+    before_forward mixes the weights."""
+    import torch
+    import torch.nn.functional as F
+
+    import rumor
+    import rumor.compat.bagua as bagua
+    from rumor.compat.bagua.algorithms import decentralized, gradient_allreduce
+
+    class MyNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3)
+            self.bn = torch.nn.BatchNorm1d(16)
+            self.tag = "mine"
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+    def make():
+        return {"gradient_allreduce": gradient_allreduce.GradientAllReduceAlgorithm,
+                "decentralized": lambda: decentralized.DecentralizedAlgorithm(hierarchical=False,
+                                                                              peer_selection_mode="shift_one"),
+                }[algorithm]()
+
+    bagua.init_process_group()
+    chk = harness.Checker()
+    r = bagua.get_rank()
+
+    def train(model, call):
+        opt = model_opt[id(model)]
+        for t in range(4):
+            g = torch.Generator().manual_seed(100 * t + r)
+            x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(call(x), y).backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()] +
+                         [b.detach().reshape(-1).double() for b in model.buffers()])
+
+    model_opt = {}
+    torch.manual_seed(r)  # rank-different: wrapping broadcasts rank 0's weights
+    plain = MyNet()
+    keys = list(plain.state_dict().keys())
+    calls = []
+    plain.register_forward_pre_hook(lambda m, a: calls.append(1))
+    model_opt[id(plain)] = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    got = plain.with_bagua([model_opt[id(plain)]], make())
+    chk.check(got is plain, "with_bagua returned another object")
+    chk.check(isinstance(got, MyNet) and got.tag == "mine" and got.fc1 is plain.fc1, "class and attributes")
+    chk.check(list(got.state_dict().keys()) == keys, f"state_dict keys {list(got.state_dict().keys())} vs {keys}")
+    chk.check(type(got.bagua_algorithm).__module__.startswith("rumor.compat.bagua.algorithms")
+              and got.bagua_module_name == "MyNet" and got.bagua_optimizers == [model_opt[id(plain)]],
+              "bagua_algorithm, bagua_module_name, bagua_optimizers")
+    mine = train(got, got)
+    chk.check(len(calls) == 4, f"the module's forward pre-hook ran {len(calls)} times in 4 forwards")
+
+    torch.manual_seed(r)
+    ref = MyNet()
+    model_opt[id(ref)] = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ddp = rumor.DistributedDataParallel(ref, optimizer=model_opt[id(ref)], algorithm=make())
+    want = train(ref, ddp)
+    chk.equal(mine, want, f"{algorithm}: parameters and buffers after training, with_bagua vs the wrapper")
+    got.eval()
+    with torch.no_grad():
+        x = torch.randn(2, 6, generator=torch.Generator().manual_seed(9))
+        ddp.eval()
+        chk.equal(got(x), ddp(x), "evaluation forward")
+    try:
+        got.with_bagua([model_opt[id(plain)]], make())
+        chk.check(False, "with_bagua accepted a module twice")
+    except RuntimeError as e:
+        chk.check("already" in str(e), str(e))
+    return chk.failures, chk.count
+
+
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "decentralized"])
+def test_with_bagua_returns_the_module_and_trains_the_same(algorithm):
+    res = harness.run(rank_with_bagua_returns_the_module, 2, timeout=90, args=(algorithm,))
+    assert harness.assert_no_failures(res, f"with_bagua, {algorithm}") > 0

@@ -253,6 +253,8 @@ def _check_traj(chk, got, expected, what):
 def test_peer_schedules():
     """shift_one is a perfect matching every round (one rank out when n is odd) and meets every
     pair once per n'-1 rounds; exp2 sends to rank + 2^k and receives from rank - 2^k."""
+    import torch
+
     from rumor.algorithms.decentralized import exp2_peers, mixing_matrix, shift_one_peer
 
     for n in range(1, 10):
@@ -271,6 +273,43 @@ def test_peer_schedules():
     assert [exp2_peers(8, 3, r) for r in range(4)] == [(4, 2), (5, 1), (7, 7), (4, 2)]
     assert [exp2_peers(5, 0, r) for r in range(4)] == [(1, 4), (2, 3), (4, 1), (1, 4)]
     assert exp2_peers(1, 0, 0) is None
+    # ring: both neighbours every round, 1/3 each; with two ranks the one neighbour, 1/2
+    for r in range(3):
+        assert torch.equal(mixing_matrix("ring", 4, r), torch.tensor(RING4, dtype=torch.float64))
+    assert torch.equal(mixing_matrix("ring", 2, 0), torch.full((2, 2), 0.5, dtype=torch.float64))
+    assert torch.equal(mixing_matrix("ring", 1, 0), torch.ones(1, 1, dtype=torch.float64))
+
+
+def test_gossip_peers_are_the_decentralized_schedules():
+    """AsyncModelAverage's gossip modes put to the peers Decentralized sends to under the same
+    name, round for round (its thread's own round count)."""
+    from rumor.algorithms._mixers import _GossipMixer
+    from rumor.algorithms.decentralized import mixing_plan
+
+    for mode in ("ring", "shift_one", "exp2"):
+        for n in range(2, 9):
+            for me in range(n):
+                m = _GossipMixer(mode)
+                m.n, m.me = n, me
+                for t in range(2 * n):
+                    m.round = t
+                    assert sorted(m.peers()) == sorted(mixing_plan(mode, n, me, t)[3]), (mode, n, me, t)
+
+
+def test_low_precision_peer_selection():
+    """LowPrecisionDecentralized runs on the ring only; the other names are refused with the
+    reason (its replicas of the neighbours need the same two neighbours every round)."""
+    import rumor
+
+    L = rumor.algorithms.LowPrecisionDecentralized
+    assert L().peer_selection == "ring" and L(peer_selection="ring").peer_selection == "ring"
+    for mode in ("all", "shift_one", "exp2"):
+        with pytest.raises(ValueError, match=f"peer_selection='{mode}' is not supported .*replicas .*'ring'"):
+            L(peer_selection=mode)
+    with pytest.raises(ValueError, match="unknown peer_selection"):
+        L(peer_selection="rings")
+    with pytest.raises(TypeError, match="peer_selection must be 'ring'"):
+        L(peer_selection=RING4)
 
 
 def test_bad_arguments():
@@ -298,7 +337,7 @@ def test_decentralized_matches_simulation_4_ranks():
     import torch
 
     steps = 4
-    specs = [dict(kind="decentralized", sel=s, k=k) for s in ("all", "shift_one", "exp2") for k in (1, 2)]
+    specs = [dict(kind="decentralized", sel=s, k=k) for s in ("all", "shift_one", "exp2", "ring") for k in (1, 2)]
     specs += [dict(kind="decentralized", sel=RING4), dict(kind="decentralized", sel=SKEW4, k=3),
               dict(kind="decentralized", sel="exp2", swap=True), dict(kind="decentralized", sel=SKEW4, k=2, swap=True)]
     half = [dict(kind="decentralized", sel=s, dtype=d) for s in ("all", "exp2") for d in ("bfloat16", "float16")]
@@ -331,13 +370,14 @@ def test_decentralized_odd_world():
     """shift_one on 3 ranks (one sits out each round)."""
     steps = 4
     chk = harness.Checker()
-    specs3 = [dict(kind="decentralized", sel="shift_one"), dict(kind="decentralized", sel="shift_one", k=2)]
+    specs3 = [dict(kind="decentralized", sel="shift_one"), dict(kind="decentralized", sel="shift_one", k=2),
+              dict(kind="decentralized", sel="ring")]
     res = harness.run(rank_train, 3, timeout=90, args=(specs3 + [dict(kind="bad_args")], steps))
     harness.assert_no_failures([res[r][-1] for r in range(3)], "bad arguments")
     for si, spec in enumerate(specs3):
         got = [res[r][si]["traj"] for r in range(3)]
-        _check_traj(chk, got, _simulate_decentralized("shift_one", 3, steps, spec.get("k", 1)),
-                    f"shift_one on 3 ranks, k={spec.get('k', 1)}")
+        _check_traj(chk, got, _simulate_decentralized(spec["sel"], 3, steps, spec.get("k", 1)),
+                    f"{spec['sel']} on 3 ranks, k={spec.get('k', 1)}")
     harness.assert_no_failures([(chk.failures, chk.count)], "decentralized, odd world")
 
 

@@ -315,9 +315,60 @@ def test_state_rejects_bad_arguments():
     with pytest.raises(TypeError, match="sampler"):
         rumor.elastic.State(model, opt, sampler=[1, 2, 3])
     with pytest.raises(ValueError, match="reserved"):
-        rumor.elastic.State(model, opt, step=3)
+        rumor.elastic.State(model, opt, _mine=3)
+    with pytest.raises(TypeError, match="step must be an int"):
+        rumor.elastic.State(model, opt, step=2.5)
+    with pytest.raises(TypeError, match="step must be an int"):
+        rumor.elastic.State(model, opt, step=True)
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        rumor.elastic.State(model, opt, step=-1)
     with pytest.raises(TypeError, match="train_fn"):
         rumor.elastic.run(None)
+
+
+def starting_step_then_commit_and_restore(path):
+    """Horovod's spelling, State(model, opt, step=N): a fresh start continues from N (restore
+    finds no commit and leaves it), a commit saves the counter reached, and a restore replaces
+    whatever step= a restarted State was given with the committed one."""
+    import torch
+
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    rumor.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = rumor.elastic.State(ddp, opt, step=7, path=path, epoch=1)
+    seen = {"constructed": state.step}
+    seen["restore"] = state.restore()
+    seen["after_fresh_restore"] = state.step
+    g = torch.Generator().manual_seed(rumor.rank())
+    while state.step < 10:
+        loss = ddp(torch.randn(3, 4, generator=g)).square().sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state.step += 1
+    state.commit()
+    weights = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    again = rumor.elastic.State(ddp, opt, step=3, path=path, epoch=0)
+    seen["restored"] = again.restore()
+    seen["after_restore"] = again.step
+    seen["weights_back"] = all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    again._finish()
+    return seen
+
+
+def test_state_step_keyword_is_the_starting_step(tmp_path):
+    res = harness.run(starting_step_then_commit_and_restore, 2, timeout=90, args=(str(tmp_path / "c.pt"),))
+    for seen in res:
+        assert seen == {"constructed": 7, "restore": None, "after_fresh_restore": 7, "restored": 10,
+                        "after_restore": 10, "weights_back": True}, seen
 
 
 def _make_consensus_job(name, seed):

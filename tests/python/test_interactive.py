@@ -220,3 +220,58 @@ def test_session_lifecycle(kernelspec):
                 pass
     assert _left(seen_pids, 5) == []
     assert _shm(seen_shm) == []
+
+
+# start(2), record every process it started, stop(): nothing of it may still run when stop()
+# returns (no waiting after it), and its own children must be reaped (kill(pid, 0) fails).
+STOP_PROBE = """
+import json, os, sys
+import rumor.interactive as ri
+from rumor.interactive import _session
+
+def proc_table():  # pid -> (parent, state, start time)
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(d)] = (int(fields[1]), fields[0], fields[19])
+    return out
+
+ri.start(2, timeout=30, quiet=True)
+# Independently of what the session tracks: everything descended from this process now.
+table = proc_table()
+found, todo = {}, [os.getpid()]
+while todo:
+    p = todo.pop()
+    for c, (pp, state, start) in table.items():
+        if pp == p and c not in found:
+            found[c] = start
+            todo.append(c)
+for p in _session.current().all_pids():
+    found.setdefault(p, table[p][2])
+ri.stop()
+after = proc_table()
+same = {p: after[p] for p, start in found.items() if p in after and after[p][2] == start}
+running = sorted(p for p, (pp, state, _) in same.items() if state not in ("Z", "X"))
+children = []
+for p, (pp, state, _) in same.items():
+    if pp == os.getpid():
+        try:
+            os.kill(p, 0)
+            children.append(p)
+        except ProcessLookupError:
+            pass
+print("RESULT " + json.dumps({"recorded": len(found), "running": running, "unreaped_children": children}))
+"""
+
+
+def test_stop_returns_after_every_process_exited(tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")])}
+    text = harness.launch([sys.executable, "-c", STOP_PROBE], str(tmp_path), env, deadline_s=150)
+    res = json.loads(re.search(r"^RESULT (.*)$", text, re.M).group(1))
+    # 2 engines and the controller at least, with whatever they started
+    assert res["recorded"] >= 3 and res["running"] == [] and res["unreaped_children"] == [], (res, text[-3000:])

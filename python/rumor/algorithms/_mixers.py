@@ -1,10 +1,9 @@
-"""The communication of AsyncModelAverage's rounds, one strategy per peer_selection_mode: "all"
+"""The communication of AsyncModelAverage's rounds, one strategy per peer_selection: "all"
 (a census, then an allreduce or, with every rank on one host, a shared arena) and the gossip
 modes over one-sided windows. The algorithm (async_model_average.py) owns everything else: when
 rounds run, the snapshots and deltas, abort/resume/finish."""
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, List, Optional
 
 import torch
@@ -12,6 +11,7 @@ import torch
 from .. import _C, _runtime
 from .._tensor import address, dtype_code
 from ..collectives import ReduceOp
+from .decentralized import exp2_peers, ring_peers, shift_one_peer
 
 if TYPE_CHECKING:
     from .async_model_average import _Slot
@@ -158,12 +158,15 @@ class _AllMixer(_Mixer):
 
 class _GossipMixer(_Mixer):
     """"ring", "shift_one", "exp2": gossip over one-sided windows. Each round this rank puts its
-    weights into one peer's window (a passive write: the peer does nothing and waits for
+    weights into its peers' windows (a passive write: the peer does nothing and waits for
     nobody), then averages its weights with the values that arrived in its own window since its
-    last round (x <- (x + sum of fresh x_j) / (1 + number of fresh senders)). Who gets the put:
+    last round (x <- (x + sum of fresh x_j) / (1 + number of fresh senders)). The peers are
+    Decentralized's schedules for the same names (rumor.algorithms.decentralized), with this
+    thread's own round count:
 
-      ring       rank + 1 every round;
-      shift_one  rank + 1 + (round mod (n - 1)): every other rank in turn;
+      ring       both ring neighbours, rank - 1 and rank + 1, every round;
+      shift_one  the round-robin partner (shift_one_peer): every other rank in turn, no put
+                 in the rounds where this rank sits out (an odd number of ranks);
       exp2       rank + 2^(round mod ceil(log2 n)): the one-peer exponential graph.
 
     A slow rank only means older values in its peers' windows; nobody ever waits for it. This
@@ -182,7 +185,7 @@ class _GossipMixer(_Mixer):
 
         world = list(range(_runtime.size()))
         if list(ddp.group.ranks) != world:
-            raise ValueError(f"AsyncModelAverage: peer_selection_mode={self.mode!r} gossips over the whole world; "
+            raise ValueError(f"AsyncModelAverage: peer_selection={self.mode!r} gossips over the whole world; "
                              f"the wrapper's group is {ddp.group.ranks}")
         self.n, self.me = len(world), _runtime.rank()
         self.group = _runtime.new_group(world)  # finish()'s exact average, off the training thread's comm
@@ -196,31 +199,32 @@ class _GossipMixer(_Mixer):
             window.win_create(s.work, name, zero_init=True)
             self.names.append(name)
 
-    def peer(self) -> int:
+    def peers(self) -> List[int]:
+        """Whose windows this round's put goes to."""
         n, r, t = self.n, self.me, self.round
         if self.mode == "ring":
-            off = 1
-        elif self.mode == "shift_one":
-            off = 1 + t % (n - 1)
-        else:
-            off = 2 ** (t % max(1, math.ceil(math.log2(n))))
-        return (r + off) % n
+            return ring_peers(n, r)
+        if self.mode == "shift_one":
+            p = shift_one_peer(n, r, t)
+            return [] if p is None else [p]
+        return [exp2_peers(n, r, t)[0]]
 
-    def _put(self, hub, w, b, dst: int, timeout: float) -> None:
+    def _put(self, hub, w, b, dsts: List[int], timeout: float) -> None:
         assert b.data_ptr() == w.tensor.data_ptr()
-        hub.wait(hub.put(w.id, b.data_ptr(), [(dst, 1.0)], False, False, False, timeout), timeout)
+        if dsts:
+            hub.wait(hub.put(w.id, b.data_ptr(), [(d, 1.0) for d in dsts], False, False, False, timeout), timeout)
 
     def average(self, bufs: List[torch.Tensor], census=None) -> None:
         """Puts each buffer to this round's peer, then averages it with the fresh slots."""
         if self.n < 2:
             return
-        dst = self.peer()
+        dsts = self.peers()
         got_any = False
         hub = self._win.registry().hub
         timeout = self._win._timeout()
         for name, b in zip(self.names, bufs):
             w = self._win.find_window(name, "AsyncModelAverage")
-            self._put(hub, w, b, dst, timeout)
+            self._put(hub, w, b, dsts, timeout)
             fresh = [j for j, v in enumerate(hub.versions(w.id)) if v > 0]
             u = 1.0 / (1 + len(fresh))
             # In place on b (the window's value); the versions of the slots read drop to 0.
@@ -234,11 +238,11 @@ class _GossipMixer(_Mixer):
         in, so the ranks still training keep averaging with its final progress."""
         if self.n < 2:
             return
-        dst = self.peer()
+        dsts = self.peers()
         hub = self._win.registry().hub
         timeout = self._win._timeout()
         for name, b in zip(self.names, bufs):
-            self._put(hub, self._win.find_window(name, "AsyncModelAverage"), b, dst, timeout)
+            self._put(hub, self._win.find_window(name, "AsyncModelAverage"), b, dsts, timeout)
         self.round += 1
 
     def free(self) -> None:

@@ -26,7 +26,7 @@ How it fits together
 * When every rank has called ``finish()`` the threads run a last round that sets every rank's
   weights to the average of all ranks (identical bits everywhere) and exit.
 
-The communication of a round is a strategy object per ``peer_selection_mode`` (``_Mixer``, in _mixers.py):
+The communication of a round is a strategy object per ``peer_selection`` (``_Mixer``, in _mixers.py):
 "all" is the census + allreduce above; the gossip modes ("ring", "shift_one", "exp2") will put
 weights into neighbours' one-sided windows and plug in there.
 """
@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from typing import List, Optional
 
 import torch
@@ -46,6 +47,7 @@ from ..errors import RumorError
 # shared_arena_possible is not used here: rumor.advisor imports it from this module.
 from ._mixers import _Census, _Mixer, _make_mixer, shared_arena_possible  # noqa: F401
 from ._warmup import WarmupThenLocal
+from .decentralized import check_peer_selection
 from .base import Algorithm
 from ..engine.flat import FlatWeights
 
@@ -110,13 +112,10 @@ class _Slot:
 # ---- the algorithm ------------------------------------------------------------------------------
 
 def _check_mode(mode) -> str:
-    if not isinstance(mode, str):
-        raise TypeError(f"AsyncModelAverage: peer_selection_mode must be a string, one of "
-                        f"{', '.join(PEER_SELECTION_MODES)}; got {type(mode).__name__}")
-    if mode not in PEER_SELECTION_MODES:
-        raise ValueError(f"AsyncModelAverage: unknown peer_selection_mode {mode!r}; expected one of "
-                         f"{', '.join(PEER_SELECTION_MODES)}")
-    return mode
+    # A topology's weights assume every rank mixes in the same round; asynchronous rounds do not.
+    return check_peer_selection("AsyncModelAverage", mode, PEER_SELECTION_MODES,
+                                why=" (a static topology's weights need the ranks to mix in common rounds, "
+                                    "which asynchronous averaging does not have)")
 
 
 def _check_interval(ms) -> float:
@@ -147,8 +146,13 @@ def _check_warmup(k) -> int:
 class AsyncModelAverage(WarmupThenLocal, Algorithm):
     """Asynchronous model averaging (Bagua's AsyncModelAverageAlgorithm).
 
-    peer_selection_mode: "all" averages over every rank; "ring", "shift_one" and "exp2" gossip
-      over one-sided windows (each round mixes with one peer's latest weights).
+    peer_selection: "all" averages over every rank; "ring", "shift_one" and "exp2" gossip over
+      one-sided windows, with Decentralized's peers for the same names (each round puts the
+      weights to the round's peers and mixes in the latest values that arrived): "ring" both
+      ring neighbours, "shift_one" the round-robin partner, "exp2" rank + 2^k. (A topology,
+      which Decentralized accepts, is refused: its weights need common rounds.)
+      ``peer_selection_mode=`` is the old name of this argument (Bagua's): it still works, with
+      a FutureWarning.
     sync_interval_ms: time from the start of one averaging round to the start of the next (a
       round that takes longer is followed at once by the next); 0 runs rounds back to back
       (within max_busy_fraction).
@@ -176,9 +180,16 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
     on the training thread at the next forward, or by finish().
     """
 
-    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: float = 500, warmup_steps: int = 0,
-                 max_busy_fraction: float = 0.1):
-        self.peer_selection_mode = _check_mode(peer_selection_mode)
+    def __init__(self, peer_selection: str = "all", sync_interval_ms: float = 500, warmup_steps: int = 0,
+                 max_busy_fraction: float = 0.1, *, peer_selection_mode: Optional[str] = None):
+        if peer_selection_mode is not None:
+            if peer_selection != "all":
+                raise TypeError("AsyncModelAverage: pass peer_selection only (peer_selection_mode is its old name)")
+            warnings.warn("AsyncModelAverage(peer_selection_mode=...) was renamed peer_selection=, the name "
+                          "Decentralized and LowPrecisionDecentralized use; the old keyword will go away",
+                          FutureWarning, stacklevel=2)
+            peer_selection = peer_selection_mode
+        self.peer_selection = _check_mode(peer_selection)
         self.sync_interval_ms = _check_interval(sync_interval_ms)
         self.warmup_steps = _check_warmup(warmup_steps)
         self.max_busy_fraction = _check_busy(max_busy_fraction)
@@ -191,6 +202,10 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
         self._async = self.warmup_steps == 0   # bucket_op is asked before init()
         self._device = False  # CUDA parameters (set by init): the thread works on a host mirror
         self._lock = threading.Lock()
+        # Notified (under _lock) when the thread ends an iteration: abort() waits on it.
+        self._idle = threading.Condition(self._lock)
+        self._round_state: Optional[int] = None  # the state the thread's iteration in flight read
+        self._discard = False  # an abort() timed out: a result arriving after it is dropped
         self._wake = threading.Event()
         self._state = ACTIVE   # the state the next census reports (abort/resume/finish change it)
         self._pending = False  # a round's result waits for the training thread to apply it
@@ -227,7 +242,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
             self._mirror_stale = False
         else:
             self._slots = [_Slot(f) for f in self._flat.flats]
-        self._mixer = _make_mixer(self.peer_selection_mode)
+        self._mixer = _make_mixer(self.peer_selection)
         self._mixer.setup(ddp, self._slots)
         if any(s.shared for s in self._slots):
             # The weights moved into the shared arena: the parameters become views into it.
@@ -238,6 +253,11 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
 
     # The ranks' replicas differ: a commit (rumor.elastic) keeps their average.
     elastic_consensus = True
+
+    @property
+    def peer_selection_mode(self) -> str:
+        """The old name of ``peer_selection`` (read only)."""
+        return self.peer_selection
 
     def elastic_state_dict(self):
         """The algorithm's own part of a rumor.elastic commit: the count of synchronized backward
@@ -323,18 +343,47 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
 
     # ---- public control -----------------------------------------------------------------------
 
-    def abort(self, ddp=None) -> None:
-        """Stops this rank's part in the averaging after the current round: from the next round
-        on it contributes nothing and its weights change only by its own training (the result
-        of a round already in flight is still applied at the next forward). The background
-        thread keeps answering the other ranks' rounds, so any subset of ranks may call this, at
-        any time (before wrapping or during warm-up too: averaging then starts paused). Does not
-        block. ``ddp`` is accepted for Bagua compatibility (abort(model) there)."""
+    def abort(self, ddp=None, timeout: Optional[float] = None) -> None:
+        """Stops this rank's part in the averaging. When it returns, the weights change only by
+        this rank's own training until resume(): as in Bagua, whose abort stops and joins the
+        averaging worker, a round this rank had joined before the call is waited for and its
+        result applied to the weights here, before returning (nothing is left for a later
+        forward to apply); later rounds it sits out. The background thread keeps answering the
+        other ranks' rounds, so any subset of ranks may call this, at any time (before wrapping
+        or during warm-up too: averaging then starts paused, and nothing is in flight).
+
+        The wait is bounded: ``timeout`` seconds (None: twice the job's deadline, one for the
+        round's census and one for its weight average). Past it, TimeoutError names the round;
+        the rank stays paused and the late result is dropped when it comes, so the guarantee
+        holds either way. Raises the averaging thread's error if the round failed (a dead peer).
+        ``ddp`` is accepted for Bagua compatibility (abort(model) there)."""
         self._check_ddp(ddp)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ValueError(f"AsyncModelAverage.abort(): timeout must be a number of seconds >= 0 or None, "
+                             f"got {timeout!r}")
         with self._lock:
             if self._finished:
                 raise RuntimeError("AsyncModelAverage.abort(): finish() was called already")
             self._state = PAUSED
+            thread = self._thread
+            if thread is None:
+                return
+            wait_s = 2 * _runtime.state().timeout if timeout is None else float(timeout)
+
+            def settled() -> bool:
+                return self._round_state != ACTIVE or self._error is not None or not thread.is_alive()
+
+            if not self._idle.wait_for(settled, wait_s):
+                self._discard = True
+                what = ("its census and weight allreduce with the other ranks' averaging threads"
+                        if self._mixer.collective else "its put into the peer's window and the mix")
+                raise TimeoutError(f"AsyncModelAverage.abort(): the averaging round in flight ({what}) did not "
+                                   f"finish within {wait_s:g} s; this rank is paused and that round's result "
+                                   f"will be dropped")
+            if self._error is None:
+                self._apply_pending_locked()
+        self._raise_if_failed()
 
     def resume(self, ddp=None) -> None:
         """Undoes abort(): this rank contributes again from the next round on. Does not block.
@@ -352,6 +401,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
             if self._finished:
                 raise RuntimeError("AsyncModelAverage.resume(): finish() was called already")
             self._state = ACTIVE
+            self._discard = False
 
     def finish(self, timeout: Optional[float] = None) -> None:
         """Ends asynchronous averaging; every rank must call it once training is over.
@@ -448,6 +498,8 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
     # ---- internals ----------------------------------------------------------------------------
 
     def _check_ddp(self, ddp) -> None:
+        # A module given to rumor.compat.bagua's with_bagua is its own wrapper (Bagua's abort(model)).
+        ddp = getattr(ddp, "_rumor_ddp", ddp)
         if ddp is not None and self._ddp is not None and getattr(ddp, "algorithm", None) is not self:
             raise ValueError("AsyncModelAverage: the DistributedDataParallel given does not use this algorithm")
 
@@ -515,7 +567,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                 if self._stop.is_set():
                     return
                 with self._lock:
-                    state = self._state
+                    state = self._round_state = self._state
                     if state == LEAVING and not leaving:
                         # finish() applied what was pending and waits: x no longer moves.
                         for s in self._slots:
@@ -528,10 +580,12 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                     self._mixer.push([s.work for s in self._slots])
                 elif state == ACTIVE:
                     self._round(state, None)
+                self._iteration_done()
                 next_round = self._next_round(started, time.monotonic() - started)
         except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
             self._error = e
             self._leaving.set()
+            self._iteration_done()
 
     def _loop(self) -> None:
         try:
@@ -542,7 +596,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                     self._wake.wait(delay)
                 self._wake.clear()
                 with self._lock:
-                    state = self._state
+                    state = self._round_state = self._state
                     role = 0
                     if self._shared and state != PAUSED:
                         # Shared arena: the peers read this rank's weights (and a result not
@@ -557,6 +611,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                 if census.all_leaving:
                     self._mixer.final(self._slots)
                     self.rounds += 1
+                    self._iteration_done()
                     return
                 if census.active >= 1 and census.contributors >= 2:
                     # Busy time: the round itself, not the census (which mostly waits for
@@ -566,8 +621,16 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                     next_round = self._next_round(started, time.monotonic() - t)
                 elif role == 2:
                     self._give_back()
+                self._iteration_done()
         except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
             self._error = e
+            self._iteration_done()
+
+    def _iteration_done(self) -> None:
+        """The thread's iteration is over (its result, if any, is pending): wakes abort()."""
+        with self._lock:
+            self._round_state = None
+            self._idle.notify_all()
 
     def _next_round(self, started: float, busy: float) -> float:
         """When the next round may start: sync_interval_ms after this one started, and for
@@ -630,8 +693,12 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                 # applied what was pending; apply this round's result now.
                 for s in slots:
                     self._apply(s)
+            elif self._discard:
+                # An abort() that timed out waiting for this round returned: nothing may change
+                # the weights now but local training.
+                pass
             else:
-                # Also after an abort() during the round: the round in flight completes.
+                # An abort() during the round waits for this and applies it before returning.
                 self._pending = True
             self.rounds += 1
 
@@ -648,7 +715,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                 for s in self._slots:
                     self._apply(s)
                 self.applied += 1
-            else:
+            elif not self._discard:
                 self._pending = True
 
     def _round_shared(self, state: int, census: _Census) -> None:

@@ -12,7 +12,13 @@ from .._tensor import address, dtype_code
 from ..engine.flat import FlatWeights
 from .base import Algorithm
 
-PEER_SELECTIONS = ("all", "shift_one", "exp2")
+# The peer selections of the weight-averaging algorithms, one meaning each (Decentralized,
+# LowPrecisionDecentralized and AsyncModelAverage accept those that make sense for them):
+#   all        the average over every rank
+#   shift_one  one partner per round, a round-robin pairing (shift_one_peer)
+#   exp2       one peer per round at distance 1, 2, 4, ... (exp2_peers)
+#   ring       both ring neighbours (rank - 1, rank + 1) every round, 1/3 each (two ranks: 1/2)
+PEER_SELECTIONS = ("all", "shift_one", "exp2", "ring")
 
 # (average_all, self_weight, [(src, weight)], [dst]) in the ranks of the communicator that mixes.
 Plan = Tuple[bool, float, List[Tuple[int, float]], List[int]]
@@ -51,6 +57,31 @@ def exp2_peers(n: int, rank: int, round_: int) -> Optional[Tuple[int, int]]:
     return (rank + d) % n, (rank - d) % n
 
 
+def ring_peers(n: int, rank: int) -> list:
+    """This rank's ring neighbours: [rank - 1, rank + 1] mod n, one of them when n == 2, none
+    when n == 1."""
+    if n <= 1:
+        return []
+    left, right = (rank - 1) % n, (rank + 1) % n
+    return [left] if left == right else [left, right]
+
+
+def check_peer_selection(owner: str, value, accepted, why: str = "", topology: bool = False):
+    """A peer_selection argument checked against what ``owner`` accepts (a subset of
+    PEER_SELECTIONS, plus a topology when ``topology``). ``why`` says why the others make no sense
+    there; returns the value, or its weight matrix for a topology."""
+    what = ", ".join(repr(m) for m in accepted) + (" or a topology" if topology else "")
+    if isinstance(value, str):
+        if value in accepted:
+            return value
+        if value in PEER_SELECTIONS:
+            raise ValueError(f"{owner}: peer_selection={value!r} is not supported{why}; expected {what}")
+        raise ValueError(f"{owner}: unknown peer_selection {value!r}; expected {what}")
+    if topology:
+        return topology_matrix(value)
+    raise TypeError(f"{owner}: peer_selection must be {what}{why}; got {type(value).__name__}")
+
+
 def topology_matrix(topology) -> torch.Tensor:
     """The weight matrix of a topology as float64 [n, n], W[i, j] = weight of edge i -> j
     (row = sender). Accepts a rumor.topology.Topology, a networkx graph (edge attribute
@@ -64,7 +95,7 @@ def topology_matrix(topology) -> torch.Tensor:
     if isinstance(topology, torch.Tensor):
         topology = topology.detach().cpu().double().numpy()
     if not isinstance(topology, (Topology, nx.Graph, np.ndarray, list, tuple)):
-        raise TypeError("peer_selection: expected 'all', 'shift_one', 'exp2' or a topology (rumor.topology.Topology, "
+        raise TypeError("peer_selection: expected 'all', 'shift_one', 'exp2', 'ring' or a topology (rumor.topology.Topology, "
                         f"networkx graph or square weight matrix), got {type(topology).__name__}")
     return torch.from_numpy(np.array(Topology(topology).weights, dtype=np.float64))
 
@@ -83,6 +114,10 @@ def mixing_plan(peer_selection, n: int, rank: int, round_: int) -> Plan:
                 return False, 1.0, [], []
             dst, src = peers
             return False, 0.5, [(src, 0.5)], [dst]
+        if peer_selection == "ring":
+            peers = ring_peers(n, rank)
+            w = 1.0 / (1 + len(peers))
+            return False, w, [(p, w) for p in peers], list(peers)
         raise ValueError(f"unknown peer_selection {peer_selection!r}")
     w = peer_selection if isinstance(peer_selection, torch.Tensor) else topology_matrix(peer_selection)
     srcs = [(j, float(w[j, rank])) for j in range(n) if j != rank and float(w[j, rank]) != 0.0]
@@ -141,6 +176,8 @@ class Decentralized(Algorithm):
                    communication and also works for an odd number of ranks (one sits out)
       "exp2"       one-peer exponential graph: send to rank + 2^k, receive from rank - 2^k,
                    k cycling over the powers of two below the world size; 1/2 each
+      "ring"       both ring neighbours every step, 1/3 each (rank - 1, itself, rank + 1;
+                   with two ranks the one neighbour, 1/2)
       a topology   static: W from a rumor.topology.Topology (W[i, j] = weight of edge i -> j),
                    a networkx DiGraph or a square matrix; its size must be the world size
                    (or the number of hosts when hierarchical)
@@ -153,13 +190,8 @@ class Decentralized(Algorithm):
     elastic_consensus = True  # the ranks' replicas differ: a commit keeps their average
 
     def __init__(self, peer_selection="all", communication_interval: int = 1, hierarchical: bool = True):
-        if isinstance(peer_selection, str):
-            if peer_selection not in PEER_SELECTIONS:
-                raise ValueError(f"Decentralized: unknown peer_selection {peer_selection!r}; expected one of "
-                                 f"{', '.join(PEER_SELECTIONS)} or a topology")
-            self._matrix = None
-        else:
-            self._matrix = topology_matrix(peer_selection)
+        checked = check_peer_selection("Decentralized", peer_selection, PEER_SELECTIONS, topology=True)
+        self._matrix = None if isinstance(checked, str) else checked
         self.peer_selection = peer_selection
         self.communication_interval = _check_interval(communication_interval)
         self.hierarchical = bool(hierarchical)

@@ -8,7 +8,7 @@ from .. import _C
 from .._tensor import address, dtype_code
 from .base import Algorithm
 from ..engine.flat import FlatWeights
-from .decentralized import _check_interval
+from .decentralized import _check_interval, check_peer_selection
 
 
 class LowPrecisionDecentralized(Algorithm):
@@ -33,6 +33,11 @@ class LowPrecisionDecentralized(Algorithm):
     one leader per host, and the leader's result is broadcast inside the host (on a single host:
     an exact average, no ring).
 
+    peer_selection: "ring" (the only one, and the default): the same peers, with the same 1/3
+    weights, as ``Decentralized(peer_selection="ring")``. The others are refused: each rank keeps
+    replicas of its neighbours' tracked copies, built up from every difference they sent, so the
+    neighbours cannot change from round to round ("shift_one", "exp2") nor be everyone ("all").
+
     Needs the optimizer: ``DistributedDataParallel(model, optimizer=opt, algorithm=...)``.
     Parameters must be float32 or float64.
 
@@ -51,7 +56,12 @@ class LowPrecisionDecentralized(Algorithm):
 
     elastic_consensus = True  # the ranks' replicas differ: a commit keeps their average
 
-    def __init__(self, hierarchical: bool = True, communication_interval: int = 1, chunk: int = 0):
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1, chunk: int = 0,
+                 peer_selection: str = "ring"):
+        self.peer_selection = check_peer_selection(
+            "LowPrecisionDecentralized", peer_selection, ("ring",),
+            why=" (each rank keeps replicas of its ring neighbours' weights, updated by the compressed differences "
+                "they send: the neighbours must stay the same two)")
         self.hierarchical = bool(hierarchical)
         self.communication_interval = _check_interval(communication_interval)
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:

@@ -53,6 +53,57 @@ def group_members(pgids) -> List[int]:
     return found
 
 
+def _proc_table() -> Dict[int, tuple]:
+    """pid -> (parent pid, state, start time) of every process of this machine."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(d)] = (int(fields[1]), fields[0], fields[19])
+    return out
+
+
+def process_tree(roots) -> Dict[int, str]:
+    """The running processes among roots and everything they started (children, theirs, ...,
+    whatever session or process group they moved to): pid -> start time, so that a recycled pid
+    is never taken for one of them."""
+    table = _proc_table()
+    children: Dict[int, List[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: Dict[int, str] = {}
+    todo = [int(p) for p in roots]
+    while todo:
+        pid = todo.pop()
+        if pid in found or pid not in table or table[pid][1] in ("Z", "X"):
+            continue
+        found[pid] = table[pid][2]
+        todo += children.get(pid, [])
+    return found
+
+
+def _still_running(tracked: Dict[int, str]) -> List[int]:
+    return sorted(p for p, started in tracked.items() if _start_time(p) == started)
+
+
+def _reap(pids) -> None:
+    """Collects the exit status of those of pids that are this process's exited children: a
+    zombie is gone for pid_alive, but kill(pid, 0) still finds it until it is reaped."""
+    table = _proc_table()
+    for pid in pids:
+        ppid, state, _ = table.get(pid, (0, "", ""))
+        if ppid == os.getpid() and state in ("Z", "X"):
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass  # reaped meanwhile by its owner (a Popen, ipyparallel's launcher)
+
+
 def _owner_spec() -> str:
     return f"{os.getpid()}:{_start_time(os.getpid()) or ''}"
 
@@ -315,14 +366,24 @@ class LaunchMixin:
                         pids.append(el.pid)
         return pids
 
+    # How long stop() lets the processes end after SIGTERM, then after SIGKILL.
+    _TERM_GRACE_S = 3.0
+    _KILL_WAIT_S = 10.0
+
     def shutdown(self) -> None:
-        """Stops everything this session started; safe to call more than once."""
+        """Stops everything this session started; safe to call more than once. Returns only
+        when every process it started has exited: the engines, the controller, launchers, and
+        everything they started (ipyparallel's nannies and schedulers, subprocesses of user
+        code), recorded by pid and start time before anything is stopped. The orderly stop
+        (rumor's teardown, ipyparallel's SIGTERM) gets a few seconds, then whatever is left is
+        SIGKILLed and waited for; RuntimeError names any process still running after that."""
         if not self.owned:
             if self.client is not None:
                 self.client.close()
                 self.client = None
             return
         pids = self.all_pids()
+        tracked = process_tree(pids)
         if self.client is not None and not self.dead:
             # Let rumor release its sockets and shared memory in an orderly way first.
             live = [eid for r, eid in enumerate(self.engine_ids) if r < len(self.pids) and self.rank_alive(r)]
@@ -346,17 +407,30 @@ class LaunchMixin:
             except Exception:  # noqa: BLE001
                 pass
             self.client = None
-        # Whatever survived SIGTERM and the launcher's SIGKILL: every process was started in a
-        # session of its own, so its process group also holds what it forked (the controller's
-        # schedulers, subprocesses of user code on the engines).
+        # What the processes started while being stopped counts too.
+        tracked.update(process_tree(_still_running(tracked)))
+        for p in _still_running(tracked):
+            try:
+                os.kill(p, signal.SIGTERM)  # ipyparallel's SIGTERM reaches its own processes only
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._wait_gone(tracked, pids, self._TERM_GRACE_S)
+        # Whatever survived SIGTERM: every process was started in a session of its own, so its
+        # process group also holds what it forked (the controller's schedulers, subprocesses of
+        # user code on the engines); a process that left its group is killed by pid.
+        tracked.update(process_tree(_still_running(tracked)))
         for pid in pids:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        deadline = time.monotonic() + 5
-        while (any(pid_alive(p) for p in pids) or group_members(pids)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        for p in _still_running(tracked):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        left = self._wait_gone(tracked, pids, self._KILL_WAIT_S)
+        _reap(tracked)
         for prefix in self.shm_prefixes:
             for path in glob.glob(f"/dev/shm/{prefix}*"):
                 try:
@@ -366,6 +440,21 @@ class LaunchMixin:
         if self.profile_dir:
             shutil.rmtree(self.profile_dir, ignore_errors=True)
         self.cluster = None
+        if left:
+            raise RuntimeError(f"rumor.interactive: process(es) {left} of the session still run "
+                               f"{self._KILL_WAIT_S:g} s after SIGKILL (uninterruptible sleep?)")
+
+    @staticmethod
+    def _wait_gone(tracked: Dict[int, str], pgids, wait_s: float) -> List[int]:
+        """Waits (at most wait_s) until none of the tracked processes, nor anything in the
+        process groups pgids, runs; returns what still does."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            _reap(tracked)
+            left = sorted(set(_still_running(tracked)) | set(group_members(pgids)))
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.02)
 
     def _stop_launched(self) -> None:
         """Engines of hosts=: closing their stdin ends them on every host (their watchdog exits

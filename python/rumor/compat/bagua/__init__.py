@@ -17,6 +17,7 @@ import torch
 
 import rumor as _r
 
+
 from . import algorithms  # noqa: F401
 from . import contrib  # noqa: F401
 
@@ -707,11 +708,24 @@ def barrier(comm=None) -> None:
 
 # ---- model.with_bagua ----------------------------------------------------------------------------
 
+def _forward_with(module, ddp, original):
+    """The module's forward after with_bagua: the wrapper's forward around the module's own, with
+    the module's training flag (the user trains and evaluates the module itself)."""
+    def forward(*args, **kwargs):
+        return ddp._run_forward(module.training, original, args, kwargs)
+
+    return forward
+
+
 def with_bagua(self, optimizers, algorithm, process_group=None, do_flatten: bool = True):
-    """``model = model.with_bagua([optimizer], algorithm)``: the model wrapped in
-    rumor.DistributedDataParallel with the algorithm (a class from bagua.algorithms or any
-    rumor algorithm). Keep using the same optimizer object. Installed on torch.nn.Module when
-    this module is imported.
+    """``model = model.with_bagua([optimizer], algorithm)``: as in Bagua, returns the module
+    itself (``isinstance``, its attributes and its state_dict keys unchanged), with rumor's
+    DistributedDataParallel machinery attached: gradients are averaged by the algorithm (a class
+    from bagua.algorithms or any rumor algorithm) exactly as when the wrapper is called, and the
+    module's forward does what the wrapper's forward does. ``model.bagua_algorithm``,
+    ``model.bagua_optimizers`` and ``model.bagua_module_name`` are set as in Bagua; the rumor
+    wrapper is ``model._rumor_ddp``. Keep using the same optimizer object. A module can be given
+    to with_bagua once.
 
     Args:
         optimizers: one optimizer or a list of at most one (an empty list: none); it is given
@@ -723,13 +737,14 @@ def with_bagua(self, optimizers, algorithm, process_group=None, do_flatten: bool
             in flat buckets); default True.
 
     Returns:
-        The rumor.DistributedDataParallel (Bagua's BaguaModule), with the attributes
-        ``bagua_algorithm``, ``bagua_optimizers`` and ``bagua_module_name`` set.
+        The module itself (Bagua's documented behaviour), with ``bagua_algorithm``,
+        ``bagua_optimizers`` and ``bagua_module_name`` set.
 
     Raises:
         NotImplementedError: more than one optimizer was given.
         TypeError: algorithm is not a rumor algorithm, or process_group not a group.
-        RuntimeError: init_process_group() was not called.
+        RuntimeError: init_process_group() was not called, or with_bagua was already called on
+            this module.
     """
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
@@ -740,13 +755,21 @@ def with_bagua(self, optimizers, algorithm, process_group=None, do_flatten: bool
         raise TypeError(f"with_bagua: algorithm must be one of bagua.algorithms' classes, got {type(algorithm).__name__}")
     if not _r.is_initialized():
         raise RuntimeError("with_bagua: call init_process_group() first")
+    if "_rumor_ddp" in self.__dict__:
+        raise RuntimeError(f"with_bagua: this {type(self).__name__} was given to with_bagua already")
     group = _group(process_group, "with_bagua") if process_group is not None else None
     ddp = _r.DistributedDataParallel(self, optimizer=optimizers[0] if optimizers else None,
                                      algorithm=algorithm, group=group)
-    ddp.bagua_algorithm = algorithm
-    ddp.bagua_optimizers = optimizers
-    ddp.bagua_module_name = type(self).__name__
-    return ddp
+    # In the instance's __dict__, not as a submodule: the module's state_dict, parameters and
+    # children stay what they were (the wrapper holds the module; the module must not hold it
+    # as a child in return).
+    object.__setattr__(self, "_rumor_ddp", ddp)
+    object.__setattr__(self, "forward", _forward_with(self, ddp, self.forward))
+    for obj in (self, ddp):  # also reachable from the wrapper, as before
+        obj.bagua_algorithm = algorithm
+        obj.bagua_optimizers = optimizers
+        obj.bagua_module_name = type(self).__name__
+    return self
 
 
 torch.nn.Module.with_bagua = with_bagua
