@@ -40,7 +40,7 @@ if [ "${1:-}" = "--prepare" ]; then
   rm -rf "$DEPS"
   mkdir -p "$DEPS"
   # Pure-Python wheels, with the backports Python 3.10 needs (harmless on later versions).
-  "$PY" -m pip install -q --target "$DEPS/py" --python-version 3.10 --only-binary=:all: pytest exceptiongroup tomli \
+  "$PY" -m pip install -q --target "$DEPS/py" --python-version 3.10 --only-binary=:all: pytest exceptiongroup tomli tqdm \
     typing_extensions
   if [ -d /usr/src/googletest ]; then
     cp -r /usr/src/googletest "$DEPS/googletest-src"
