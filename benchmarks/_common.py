@@ -35,40 +35,60 @@ def parse_rate(rate: str) -> float:
     return v / 8 if (m.group(3) or "bit") == "bit" else v
 
 
+class _Lines:
+    """A stream for tqdm where stderr is not a terminal (a log, a pipe): tqdm redraws its line
+    after a carriage return, which a log shows as one ever-growing line; here each redraw becomes
+    a line of its own, and the blank redraw that erases the bar is dropped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, s: str) -> None:
+        line = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", s.replace("\r", "")).rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 class Progress:
-    """A progress bar on stderr. Where stderr is not a terminal every update is a new line, so
-    quiet_s limits those to one per quiet_s seconds (unless forced)."""
+    """The benchmarks' progress bar: tqdm on stderr, updated from the jobs' reader threads with
+    update(done, label, force) and erased with clear(). On a terminal tqdm redraws in place;
+    elsewhere every redraw is a new line, so quiet_s spaces those out (tqdm's mininterval) unless
+    an update is forced (a job's milestone)."""
 
     def __init__(self, total: int, unit: str = "", quiet_s: float = 0.0, stream=sys.stderr):
-        self.total, self.done, self.stream = max(1, total), 0, stream
-        self.unit = f" {unit}" if unit else ""
-        self.quiet_s = quiet_s
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            raise SystemExit("the benchmarks draw their progress with tqdm: pip install 'rumor[bench]' "
+                             "(or pip install tqdm)") from None
         self.tty = stream.isatty()
-        self.t0 = time.monotonic()
-        self.label = ""
-        self.last = 0.0
-        self.lock = threading.Lock()  # updated from the jobs' reader threads
+        self.lock = threading.Lock()
+        self.bar = tqdm(total=max(1, total), unit=f" {unit}" if unit else "", leave=False,
+                        file=stream if self.tty else _Lines(stream), dynamic_ncols=self.tty,
+                        ncols=None if self.tty else 160, ascii=not self.tty,
+                        mininterval=0.1 if self.tty else max(0.1, quiet_s),
+                        bar_format="[{bar:30}] {n}/{total}{unit} {elapsed}{postfix}")
+
+    @property
+    def done(self) -> int:
+        return self.bar.n
 
     def update(self, done: Optional[int] = None, label: str = "", force: bool = False) -> None:
         with self.lock:
-            if done is not None:
-                self.done = done
-            self.label = label or self.label
-            now = time.monotonic()
-            if not self.tty and not force and now - self.last < self.quiet_s:
-                return
-            self.last = now
-            frac = min(1.0, self.done / self.total)
-            bar = "#" * int(frac * 30) + "-" * (30 - int(frac * 30))
-            line = f"[{bar}] {self.done}/{self.total}{self.unit} {now - self.t0:6.0f}s  {self.label}"
-            self.stream.write(("\r\033[K" + line[:160]) if self.tty else line + "\n")
-            self.stream.flush()
+            if label:
+                self.bar.set_postfix_str(label[:100], refresh=False)
+            if done is not None and done != self.bar.n:
+                self.bar.update(done - self.bar.n)  # redraws only once mininterval has passed
+            if force:
+                self.bar.refresh()
 
     def clear(self) -> None:
-        if self.tty:
-            with self.lock:
-                self.stream.write("\r\033[K")
-                self.stream.flush()
+        # Erases the line (a message or a table follows); the next update draws the bar again.
+        with self.lock:
+            self.bar.clear()
 
 
 # ==== inside a rank ==================================================================================

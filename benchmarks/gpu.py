@@ -2,7 +2,7 @@
 """GPU benchmark (issue 12): rumor vs torch.distributed on ONE GPU, per BENCHMARKS.md.
 
 Needs: a CUDA device, the installed rumor package, torch with CUDA; matplotlib for the plot and
-tqdm for the progress bar (optional: a plain bar is drawn without it). Without a visible CUDA
+tqdm for the progress bar (pip install 'rumor[bench]'). Without a visible CUDA
 device it says so in one line and exits 0 without writing anything (1 with --require-gpu or
 RUMOR_EXPECT_GPU=1, as scripts/gpu_check.sh sets).
 
@@ -78,7 +78,6 @@ import math
 import os
 import statistics
 import sys
-import threading
 import time
 import traceback
 from typing import Dict, List, Optional
@@ -551,43 +550,6 @@ def worker_main(cfg_path: str) -> int:
 
 # ==== the driver =====================================================================================
 
-class Bar:
-    """The progress bar: tqdm on a terminal where it is installed, else _common.Progress (which,
-    into a log such as gpu_check.sh's, writes whole lines at most every 10 s rather than tqdm's
-    carriage-return redraws). The same calls as _common.Progress (update(done, label, force),
-    clear()), made from the jobs' reader threads."""
-
-    def __init__(self, total: int, unit: str):
-        self.lock = threading.Lock()
-        self.plain, self.bar = None, None
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            tqdm = None
-        if tqdm is None or not sys.stderr.isatty():
-            self.plain = Progress(total, unit=unit, quiet_s=10)
-            return
-        self.bar = tqdm(total=total, unit=f" {unit}", file=sys.stderr, dynamic_ncols=True, leave=False,
-                        bar_format="{l_bar}{bar}| {n}/{total}{unit} [{elapsed}] {postfix}")
-
-    def update(self, done: Optional[int] = None, label: str = "", force: bool = False) -> None:
-        if self.plain is not None:
-            return self.plain.update(done, label, force)
-        with self.lock:
-            if label:
-                self.bar.set_postfix_str(label[:100], refresh=False)
-            if done is not None and done != self.bar.n:
-                self.bar.update(done - self.bar.n)
-            if force:
-                self.bar.refresh()
-
-    def clear(self) -> None:
-        if self.plain is not None:
-            return self.plain.clear()
-        with self.lock:
-            self.bar.close()
-
-
 class Job(_common.Job):
     """One world size on the one GPU, running the parts asked for."""
 
@@ -963,7 +925,7 @@ def run_benchmark(args, device: str = "cuda") -> int:
           f"ddp iters {args.ddp_iters}")
 
     units = (len(args.sizes) if "allreduce" in args.parts else 0) + (len(args.models) if "ddp" in args.parts else 0)
-    progress = Bar(len(args.worlds) * units, unit="cells")
+    progress = Progress(len(args.worlds) * units, unit="cells", quiet_s=10)
     drv = _common.Driver("rumor-gpu-bench-", progress, hosts_mode=False)
 
     def body() -> int:

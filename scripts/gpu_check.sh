@@ -40,7 +40,7 @@ if [ "${1:-}" = "--prepare" ]; then
   rm -rf "$DEPS"
   mkdir -p "$DEPS"
   # Pure-Python wheels, with the backports Python 3.10 needs (harmless on later versions).
-  "$PY" -m pip install -q --target "$DEPS/py" --python-version 3.10 --only-binary=:all: pytest exceptiongroup tomli \
+  "$PY" -m pip install -q --target "$DEPS/py" --python-version 3.10 --only-binary=:all: pytest exceptiongroup tomli tqdm \
     typing_extensions
   if [ -d /usr/src/googletest ]; then
     cp -r /usr/src/googletest "$DEPS/googletest-src"
@@ -107,7 +107,7 @@ install() {
   local wheel=${RUMOR_GPU_WHEEL:-}
   if [ -z "$wheel" ]; then
     rm -rf build/gpu-wheel-out
-    show "$PY" -m pip wheel --no-build-isolation --no-deps -C cmake.define.RUMOR_CUDA=ON \
+    show "$PY" -m pip wheel --no-build-isolation --no-deps -C cmake.define.RUMOR_CUDA=ON -C cmake.define.RUMOR_WERROR=ON \
       -C build-dir=build/gpu-wheel -w build/gpu-wheel-out . >build/gpu-pip-wheel.log 2>&1 ||
       { tail -40 build/gpu-pip-wheel.log; return 1; }
     wheel=$(ls build/gpu-wheel-out/rumor-*.whl)
@@ -131,7 +131,7 @@ cpp_tests() {
   fi
   local dir=build/gpu-tests
   # RelWithDebInfo as scripts/test.sh: GCC 12 at -O3 raises a false -Wrestrict in tests/cpp/ranks.h.
-  local cfg=(-S . -B "$dir" -G Ninja -DRUMOR_BUILD_PYTHON=OFF -DRUMOR_BUILD_TESTS=ON -DRUMOR_CUDA=ON
+  local cfg=(-S . -B "$dir" -G Ninja -DRUMOR_BUILD_PYTHON=OFF -DRUMOR_BUILD_TESTS=ON -DRUMOR_CUDA=ON -DRUMOR_WERROR=ON
     -DCMAKE_BUILD_TYPE=RelWithDebInfo)
   if ! show cmake "${cfg[@]}" >"$OUT_DIR/cmake.log" 2>&1; then
     grep -q GTest "$OUT_DIR/cmake.log" && [ -d "$DEPS/googletest-src" ] || { cat "$OUT_DIR/cmake.log"; return 1; }

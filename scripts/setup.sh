@@ -28,10 +28,14 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-# torch is not pinned by the package (any 2.x works); this machine's CPU build is 2.13.0.
+# The package asks for torch >= 2.1; 2.13.0 (this machine's CPU build) is the version CI tests.
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
-# redis: rumor.data's cache client (redis-py); ipyparallel, nbclient, nbformat, ipykernel: rumor.interactive; optuna: the autotuner
-$PY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib networkx \
-  redis "ipyparallel>=8" nbclient nbformat ipykernel optuna atheris
-$PY -m pip install -q --no-build-isolation .
+# networkx: rumor.topology; redis: rumor.data's cache client (redis-py); ipyparallel, nbclient,
+# nbformat, ipykernel: rumor.interactive; optuna: the autotuner; matplotlib, tqdm: benchmarks/;
+# build: scripts/check_install.sh; mkdocs*: the documentation site; atheris: scripts/fuzz.sh.
+$PY -m pip install -q "scikit-build-core>=0.11" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib \
+  networkx tqdm build redis "ipyparallel>=8" nbclient nbformat ipykernel optuna atheris \
+  mkdocs mkdocs-material "mkdocstrings[python]"
+# The project's own build: warnings are errors (RUMOR_WERROR, off for users' builds).
+$PY -m pip install -q --no-build-isolation -C cmake.define.RUMOR_WERROR=ON .
 $PY -c "import rumor, rumor._C as c; print('setup: rumor', rumor.__version__, 'installed; reduction kernels:', c.reduce_isa())"

@@ -6,7 +6,7 @@ bash scripts/setup.sh
 PY=${PYTHON:-python3}
 
 echo "== C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
-cmake -S . -B build/asan -G Ninja -DRUMOR_BUILD_PYTHON=OFF -DRUMOR_BUILD_TESTS=ON \
+cmake -S . -B build/asan -G Ninja -DRUMOR_BUILD_PYTHON=OFF -DRUMOR_BUILD_TESTS=ON -DRUMOR_WERROR=ON \
   -DRUMOR_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build/asan
 ctest --test-dir build/asan --output-on-failure -j 2 --timeout 180
@@ -23,3 +23,6 @@ bash scripts/fuzz.sh "${RUMOR_CI_FUZZ_SECONDS:-15}"
 
 echo "== Python tests"
 $PY -m pytest tests/python -q -p no:cacheprovider
+
+echo "== Install check (sdist -> wheel -> fresh venv -> import rumor and a 2-rank allreduce)"
+bash scripts/check_install.sh

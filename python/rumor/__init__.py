@@ -1,4 +1,25 @@
 """rumor: data-parallel training acceleration for PyTorch with a C++ communication core."""
+
+
+def _require_torch() -> None:
+    # rumor.parallel hooks Tensor.register_post_accumulate_grad_hook, which torch 2.1 introduced:
+    # an older torch fails here, naming both versions, not at a model's first backward.
+    import re
+
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("rumor needs PyTorch (torch >= 2.1), which is not installed: "
+                          "pip install 'torch>=2.1'") from e
+    found = str(getattr(torch, "__version__", "unknown"))
+    m = re.match(r"(\d+)\.(\d+)", found)
+    if m is None or (int(m[1]), int(m[2])) < (2, 1):
+        raise ImportError(f"rumor needs torch >= 2.1, found torch {found} at {getattr(torch, '__file__', '?')}: "
+                          "pip install --upgrade 'torch>=2.1'")
+
+
+_require_torch()
+del _require_torch
 from ._runtime import (  # noqa: F401
     Group,
     get_gpu_wait,

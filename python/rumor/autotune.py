@@ -447,7 +447,7 @@ class Autotuner:
                                "cache (see its error)")
         if status == 2:
             raise ImportError("rumor.DistributedDataParallel(autotune=True) needs optuna on the group's first rank "
-                              "(pip install optuna, or pip install rumor[autotune])")
+                              "(pip install 'rumor[autotune]')")
         if status == 1:
             setting = self._decode(t)
             self._apply(setting)

@@ -266,7 +266,7 @@ def _default_backend() -> str:
         return "redis"
     if not _default_note[0]:
         _default_note[0] = True
-        missing = "redis-server" if have_client else "the redis Python package (pip install redis)"
+        missing = "redis-server" if have_client else "the redis Python package (pip install 'rumor[cache]')"
         log.info("rumor.data: %s is not installed: caching in node-local shared memory (backend='local')", missing)
     return "local"
 

@@ -117,7 +117,8 @@ class CacheLoader:
             try:
                 import redis  # noqa: F401
             except ImportError:
-                raise RuntimeError("rumor.data: backend='redis' needs redis-py: pip install redis") from None
+                raise RuntimeError("rumor.data: backend='redis' needs redis-py: pip install 'rumor[cache]' "
+                                   "(or pip install redis)") from None
         self.backend_name, self.dataset_name = backend, dataset_name
         self.writer_buffer_size, self.allow_pickle = writer_buffer_size, bool(allow_pickle)
         self.max_pending_bytes, self.max_pending_writes = int(max_pending_bytes), int(max_pending_writes)

@@ -111,7 +111,7 @@ def start(n: int = 4, hosts: Optional[Sequence[str]] = None, timeout: float = DE
     try:
         import ipyparallel  # noqa: F401
     except ImportError as e:
-        raise ImportError("rumor.interactive needs ipyparallel >= 8: pip install 'ipyparallel>=8'") from e
+        raise ImportError("rumor.interactive needs ipyparallel >= 8: pip install 'rumor[interactive]'") from e
     if _session._session is not None:
         raise RuntimeError("rumor.interactive.start(): a session is running; call stop() or restart() first")
     s = Session(n=n, timeout=float(timeout))
