@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: C++ tests (GoogleTest, built with ASan+UBSan) then the Python tests.
+# The whole test suite: C++ tests (GoogleTest, built with ASan+UBSan), fuzzing, the docs site in
+# strict mode, the Python tests (examples included), then a clean-venv install from the sdist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -20,6 +21,9 @@ export RUMOR_FAKE_NCCL="$PWD/build/fake-nccl/libnccl-fake.so"
 
 echo "== Fuzzing (a short run of every target; scripts/fuzz.sh runs them for 10 minutes each)"
 bash scripts/fuzz.sh "${RUMOR_CI_FUZZ_SECONDS:-15}"
+
+echo "== Docs site (MkDocs, strict: a broken link or a missing name fails)"
+bash scripts/docs.sh
 
 echo "== Python tests"
 $PY -m pytest tests/python -q -p no:cacheprovider
