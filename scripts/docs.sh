@@ -8,6 +8,6 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 export NO_MKDOCS_2_WARNING=1
 start=$(date +%s%N)
-mkdocs build --strict --site-dir "$tmp" "$@"
+"${PYTHON:-python3}" -m mkdocs build --strict --site-dir "$tmp" "$@"
 end=$(date +%s%N)
 echo "docs: built in $(( (end - start) / 1000000 )) ms (strict)"
