@@ -20,8 +20,8 @@ EXAMPLES = os.path.abspath(os.path.join(harness.HERE, os.pardir, os.pardir, "exa
 STEP = re.compile(r"^step (\d+) loss ([0-9.eE+-]+)", re.M)
 
 
-def _run(tmp_path, example, *args, launcher=(), env=None):
-    cmd = [sys.executable, "-m", "rumor.run", "--nproc-per-node", "2", "--nnodes", "1",
+def _run(tmp_path, example, *args, launcher=(), env=None, nproc=2):
+    cmd = [sys.executable, "-m", "rumor.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(harness.free_port()), *launcher,
            os.path.join(EXAMPLES, example), *map(str, args)]
     return harness.launch(cmd, tmp_path, env)
@@ -67,8 +67,10 @@ def test_ddp_cnn_cuda(tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
-    text = _run(tmp_path, "ddp_cnn.py", "--device", "cuda", "--steps", 12, "--log-every", 4)
-    assert "(cuda)" in text
+    # One GPU per rank (NCCL refuses two ranks on one device): a single GPU runs one rank.
+    nproc = min(2, torch.cuda.device_count())
+    text = _run(tmp_path, "ddp_cnn.py", "--device", "cuda", "--steps", 12, "--log-every", 4, nproc=nproc)
+    assert f"on {nproc} ranks (cuda)" in text
     _went_down(text)
 
 
