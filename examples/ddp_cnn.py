@@ -128,7 +128,11 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     model = small_cnn().to(device)
     if args.algorithm == "onebit_adam":
-        optimizer = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=args.lr / 10, freeze_step=args.warmup)
+        # 1-bit Adam freezes Adam's variance after the warm-up: a weight whose gradient was ~0 until
+        # then (a unit that had not fired yet) would later step by g / eps. With this short warm-up
+        # a larger eps than Adam's 1e-8 bounds that; long runs use freeze_step ~ 15-25% of training.
+        optimizer = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=args.lr / 10, eps=1e-3,
+                                                    freeze_step=args.warmup)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     algorithm = make_algorithm(args.algorithm, optimizer, args)
