@@ -61,7 +61,7 @@ def main() -> None:
     if alg is not None:
         alg.finish()  # every rank: waits for the others, then the same weights everywhere
     else:
-        opt._wait()
+        opt.wait()  # this rank's pushes have landed; after the barrier, everyone's have
         rumor.barrier()
         opt.synchronize()
         opt.free_windows()

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec python3 -m rumor.run --nproc-per-node "${NPROC:-4}" examples/train.py "$@"
+exec python3 -m rumor.run --nproc-per-node "${NPROC:-4}" benchmarks/vs_ddp.py "$@"

@@ -742,6 +742,93 @@ def test_advise_command_line():
         assert p.returncode != 0 and "rumor_advise()" in p.stdout
 
 
+EXAMPLES = os.path.abspath(os.path.join(harness.HERE, os.pardir, os.pardir, "examples"))
+
+
+def test_advisor_on_an_ordinary_script():
+    """`python -m rumor.advisor --nproc-per-node 2 examples/ddp_cnn.py`: no rumor_advise() in the
+    script; it runs as __main__ with its own arguments and is measured at its first training
+    forward, before any of its steps completes."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "advice.json")
+        cmd = [sys.executable, "-m", "rumor.advisor", "--nproc-per-node", "2", "--steps", "2", "--warmup", "1",
+               "--link-mb", "1", "--json", out, os.path.join(EXAMPLES, "ddp_cnn.py"), "--algorithm", "qsgd",
+               "--batch-size", "8"]
+        text = harness.launch(cmd, d)
+        assert "qsgd on 2 ranks (cpu), batch 8 per rank" in text, text[-4000:]  # the script's own args
+        assert "rumor advisor: 2 ranks on 1 host(s)" in text and "suggestion:" in text, text[-4000:]
+        assert "step 1 loss" not in text, text[-4000:]
+        with open(out) as f:
+            data = json.load(f)
+        # The small CNN: 2 conv + 2 linear layers, weights and biases.
+        assert data["measured"]["params"] == 8 and data["measured"]["ranks"] == 2
+        assert data["measured"]["grad_elements"] == (3 * 16 * 9 + 16) + (16 * 32 * 9 + 32) + (2048 * 64 + 64) + (64 * 10 + 10)
+
+
+PLAIN_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    import rumor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    ddp = rumor.DistributedDataParallel(model)     # no optimizer=: the advisor finds it at step()
+    decoy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.123)
+    with torch.no_grad():
+        ddp(torch.zeros(2, 5))                     # an evaluation forward: not a training step
+    for step in range(int(sys.argv[1])):
+        x = torch.full((7, 5), float(step))
+        opt.zero_grad()
+        decoy.step()
+        torch.nn.functional.cross_entropy(ddp(x), torch.zeros(7, dtype=torch.long)).backward()
+        opt.step()
+        print(f"trained step {step}")
+""")
+
+
+def test_advise_script_finds_model_optimizer_and_batch(tmp_path, capsys):
+    """The recorder in place of the wrapper: the plain model, the optimizer whose step() moved
+    the model's parameters (not the other one), the batch of the step measured, and at most one
+    step of the script run; the wrapper class is put back afterwards."""
+    import torch
+
+    import rumor
+    from rumor.advisor.script import advise_script, stand_in_loss
+
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    seen = {}
+
+    def run_advise(model, optimizer, batch, loss_fn):
+        seen.update(model=model, optimizer=optimizer, batch=batch)
+        loss_fn(model, batch).backward()
+        seen["grads"] = [p.grad is not None for p in model.parameters()]
+        return "the advice"
+
+    assert advise_script(str(script), ["50"], run_advise) == "the advice"
+    assert capsys.readouterr().out.splitlines() == ["trained step 0"]
+    assert type(seen["model"]) is torch.nn.Sequential
+    assert isinstance(seen["optimizer"], torch.optim.Adam) and seen["optimizer"].defaults["lr"] == 0.123
+    args, kwargs = seen["batch"]
+    assert kwargs == {} and torch.equal(args[0], torch.full((7, 5), 1.0))  # the second step's batch
+    assert seen["grads"] == [True] * 4
+    assert "__new__" not in vars(rumor.DistributedDataParallel)
+    out = stand_in_loss(seen["model"], ((torch.ones(2, 5),), {}))
+    assert torch.allclose(out, seen["model"](torch.ones(2, 5)).mean())
+
+
+def test_advise_script_without_the_wrapper(tmp_path):
+    import rumor
+    from rumor.advisor.script import advise_script
+
+    script = tmp_path / "nowrap.py"
+    script.write_text("import torch\nprint(torch.zeros(1))\n")
+    with pytest.raises(SystemExit, match="never wrapped a model in rumor.DistributedDataParallel"):
+        advise_script(str(script), [], lambda *a: pytest.fail("advised"))
+    assert "__new__" not in vars(rumor.DistributedDataParallel)
+
+
 def test_advisor_help():
     p = subprocess.run([sys.executable, "-m", "rumor.advisor", "--help"], stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=60)

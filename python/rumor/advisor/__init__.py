@@ -9,7 +9,8 @@ Inside a job (every rank, after rumor.init())::
 From the command line: rumor.advisor.cli.
 
 One module per job: measure (the collective probes), model (the prediction model, pure
-arithmetic), advice (advise() and the Advice it returns), report (the table), cli.
+arithmetic), advice (advise() and the Advice it returns), report (the table), cli, script (an
+ordinary training script, measured at its first step through the wrapper).
 """
 from .advice import Advice, advise, build_algorithm
 from .cli import SCRIPT_HOOK, main

@@ -1,8 +1,12 @@
-"""The advisor's command line, for a script that defines ``rumor_advise()`` returning
-``dict(model=..., optimizer=..., batch=..., loss_fn=None)``::
+"""The advisor's command line::
 
     rumor-advise --nproc-per-node 4 train.py [script args]             (or python -m rumor.advisor)
     rumor-run --nnodes 4 ... -m rumor.advisor train.py [script args]   (several hosts)
+
+An ordinary training script runs under the advisor until its first training step through
+rumor.DistributedDataParallel, which is measured (rumor.advisor.script). A script that defines
+``rumor_advise()`` returning ``dict(model=..., optimizer=..., batch=..., loss_fn=None)`` is
+measured on what that returns instead, and its own training does not run.
 
 The entry point is the package's __main__, not a module rumor/advise.py: importing such a module
 would rebind the attribute rumor.advise, the API function, to the module.
@@ -42,6 +46,17 @@ def _load_script(path: str, argv: Sequence[str]) -> Dict:
         raise SystemExit(f"rumor.advisor: {SCRIPT_HOOK}() must return a dict with model, optimizer and batch "
                          f"(and optionally loss_fn), got {type(got).__name__}")
     return got
+
+
+def _defines_hook(path: str) -> bool:
+    """Whether the script defines rumor_advise() at its top level (read, not run)."""
+    import ast
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"rumor.advisor: no such script: {path}")
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), path)
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == SCRIPT_HOOK for n in tree.body)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -88,11 +103,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     from .._runtime import init, is_initialized, rank
 
-    if not is_initialized():
-        init()
-    got = _load_script(args.script, args.script_args)
-    advice = advise(got["model"], got["optimizer"], got["batch"], got.get("loss_fn"), steps=args.steps,
-                    warmup=args.warmup, link_mb=args.link_mb)
+    if _defines_hook(args.script):
+        if not is_initialized():
+            init()
+        got = _load_script(args.script, args.script_args)
+        advice = advise(got["model"], got["optimizer"], got["batch"], got.get("loss_fn"), steps=args.steps,
+                        warmup=args.warmup, link_mb=args.link_mb)
+    else:
+        from .script import advise_script
+
+        # The script calls rumor.init() itself, as in training.
+        def run_advise(model, optimizer, batch, loss_fn):
+            if not is_initialized():  # a script that reaches its training without rumor.init()
+                init()
+            return advise(model, optimizer, batch, loss_fn, steps=args.steps, warmup=args.warmup,
+                          link_mb=args.link_mb)
+
+        advice = advise_script(args.script, args.script_args, run_advise)
     if args.json and rank() == 0:
         import json
 

@@ -127,6 +127,12 @@ class _WindowOptimizer:
         for h in handles:
             h.wait()
 
+    def wait(self) -> None:
+        """Waits until this rank's communication in flight has landed at its destinations (a
+        barrier after it on every rank: every rank's has). Training's end: wait(), barrier, then
+        synchronize() (push-sum) or free_windows()."""
+        self._wait()
+
     def _lockstep(self) -> None:
         """force_barrier: this rank's exchange has landed, then every rank's has."""
         if self.force_barrier and _runtime.size() > 1:

@@ -1,6 +1,6 @@
 """The standard models of BENCHMARKS.md, with their synthetic data, in one place.
 
-Used by examples/train.py, benchmarks/training.py and tests/python/test_ddp.py, so that every
+Used by benchmarks/vs_ddp.py, benchmarks/training.py and tests/python/test_ddp.py, so that every
 figure and every test talks about the same networks:
 
     mlp25m       Linear 1024->4096, ReLU, Linear 4096->4096, ReLU, Linear 4096->1024;

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Data-parallel training with rumor.DistributedDataParallel, side by side with torch DDP.
+"""rumor.DistributedDataParallel against torch DDP, side by side (what scripts/demo.sh runs).
 
-    python -m rumor.run --nproc-per-node 4 examples/train.py                 # mlp25m (~25M params)
-    python -m rumor.run --nproc-per-node 4 examples/train.py --model cnn --steps 30
-    torchrun --nproc-per-node 2 examples/train.py --model transformer
+    python -m rumor.run --nproc-per-node 4 benchmarks/vs_ddp.py                 # mlp25m (~25M params)
+    python -m rumor.run --nproc-per-node 4 benchmarks/vs_ddp.py --model cnn --steps 30
+    torchrun --nproc-per-node 2 benchmarks/vs_ddp.py --model transformer
 
 Every rank builds the same model twice (same seed): one copy wrapped in
 rumor.DistributedDataParallel (GradientAllReduce: bucketed allreduce overlapped with backward),
@@ -11,7 +11,7 @@ the other in torch.nn.parallel.DistributedDataParallel over gloo, in the same pr
 (rumor.init() first; torch.distributed then shares rumor's store). They train on the same
 synthetic batches (rumor.testing.models; a small pool, cycled, so that the loss goes down),
 in alternating blocks of steps, so both see the same
-machine load. Rank 0 draws a progress bar and prints, per framework, samples/s (global batch /
+machine load. Rank 0 draws a progress bar (tqdm, on stderr) and prints, per framework, samples/s (global batch /
 slowest rank's step time) and the loss, then how far apart the two models ended up and, as
 the last line, the samples/s ratio.
 """
@@ -42,40 +42,12 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-class Bar:
-    """A one-line progress bar on rank 0 (plain lines when the output is not a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.done = max(1, total), enabled, 0
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.monotonic()
-        self.last_line = 0.0
-
-    def step(self, text: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        frac = self.done / self.total
-        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-        line = f"[{bar}] {self.done}/{self.total} {time.monotonic() - self.t0:5.0f}s  {text}"
-        if self.tty:
-            sys.stderr.write("\r\033[K" + line)
-        elif self.done == self.total or time.monotonic() - self.last_line > 5:
-            sys.stderr.write(line + "\n")
-            self.last_line = time.monotonic()
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    from tqdm import tqdm
 
     import rumor
     from rumor.testing import models
@@ -122,7 +94,9 @@ def main(argv=None) -> int:
         return loss.detach()
 
     blocks = -(-args.steps // args.block)
-    bar = Bar(2 * (args.warmup + blocks * args.block), main_rank)
+    # Off a terminal tqdm would redraw into a log file: one line every few seconds there instead.
+    bar = tqdm(total=2 * (args.warmup + blocks * args.block), disable=not main_rank, file=sys.stderr,
+               dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 5.0)
     times = {name: [] for name in runs}
     losses = {name: [] for name in runs}
     next_step = {name: 0 for name in runs}
@@ -132,7 +106,8 @@ def main(argv=None) -> int:
                 get_batch(next_step[name])
                 train_step(name, next_step[name])
                 next_step[name] += 1
-                bar.step(f"warm-up {name}")
+                bar.set_postfix_str(f"warm-up {name}", refresh=False)
+                bar.update()
         for b in range(blocks):
             order = list(runs) if b % 2 == 0 else list(reversed(list(runs)))
             for name in order:
@@ -151,8 +126,10 @@ def main(argv=None) -> int:
                     dist.all_reduce(total, op=dist.ReduceOp.SUM)
                     times[name].append(float(slowest))
                     losses[name].append(float(total) / world)
-                    bar.step(f"{name} block {b + 1}/{blocks}: {batch * world / float(slowest):7.1f} samples/s, "
-                             f"loss {losses[name][-1]:.4f}")
+                    bar.set_postfix_str(f"{name} block {b + 1}/{blocks}: "
+                                        f"{batch * world / float(slowest):7.1f} samples/s, "
+                                        f"loss {losses[name][-1]:.4f}", refresh=False)
+                    bar.update()
     finally:
         bar.close()
 
