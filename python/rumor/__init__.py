@@ -115,6 +115,12 @@ from .neighbor.window import (  # noqa: F401
 from .advisor import advise  # noqa: F401
 from . import netplugin as _netplugin
 
+from . import torch_backend as _torch_backend
+
+# After `import rumor`, torch.distributed.init_process_group(backend="rumor") runs torch's
+# collectives on rumor's core (docs/torch_backend.md); registering starts nothing.
+_torch_backend.register()
+
 # RUMOR_NCCL_NET_PLUGIN=1 points NCCL at rumor's net plugin also without rumor-run (docs/netplugin.md).
 _netplugin.enable_from_env()
 

@@ -1,0 +1,974 @@
+"""torch.distributed backend "rumor": torch's collectives on rumor's core (docs/torch_backend.md).
+
+`import rumor` registers the name; torch calls `_create` once per process group (the default
+group and every new_group), with that group's own store prefix, rank, size and timeout. Each
+group gets its own rumor Context, met through that store, so the backend works under every
+launcher torch supports and never needs rumor.init() (nor disturbs it).
+
+torch only lets Python implement a whole ProcessGroup (its Backend class has no Python
+constructor), so when torch sees a Python process group it takes it in place of the group it
+was building: a device map such as "cpu:rumor,cuda:nccl" therefore yields rumor's group for
+every device, and CUDA tensors are refused with a message saying what to do instead.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import queue
+import threading
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _C, _rendezvous, _shm
+from ._env import env_bool, env_int
+from ._tensor import dtype_code, movable_code
+
+BACKEND_NAME = "rumor"
+
+# The core's reduce codes (rumor.ReduceOp); PREMUL_SUM becomes a local scale and a SUM.
+_RED = dist.ReduceOp.RedOpType
+_OPS = {_RED.SUM: 0, _RED.AVG: 1, _RED.MIN: 2, _RED.MAX: 3, _RED.PRODUCT: 4}
+# Point-to-point messages run on one communicator per (source, destination, tag) so that each
+# such stream is matched in order on its own and an unmatched irecv holds up nothing else.
+# Their ids live above the group's own communicator (0) and below the core's reserved bits.
+_P2P_BASE = 1 << 47
+_P2P_MAX_TAG = (1 << 23) - 1
+_P2P_MAX_RANKS = 1 << 12
+
+
+def _where(what: str) -> str:
+    return f"torch.distributed.{what} on the rumor backend"
+
+
+def _check_cpu(tensors: Sequence[torch.Tensor], what: str, arg: str) -> None:
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_where(what)}: {arg} must hold torch.Tensor values, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"{_where(what)}: {arg} is on {t.device}, and rumor's torch.distributed backend runs CPU "
+                "tensors only. For CUDA tensors make a group on NCCL next to it, "
+                "e.g. dist.new_group(backend='nccl'), or init_process_group(backend='nccl') and "
+                "dist.new_group(backend='rumor') for the CPU side (docs/torch_backend.md)")
+        if t.layout != torch.strided:
+            raise TypeError(f"{_where(what)}: {arg} must be a dense (strided) tensor, got layout {t.layout}")
+
+
+def _same_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype, what: str, arg: str) -> None:
+    for t in tensors:
+        if t.dtype != dtype:
+            raise TypeError(f"{_where(what)}: {arg} must all be {dtype} like the input, got {t.dtype}")
+
+
+def _reduce_code(t: torch.Tensor, what: str) -> int:
+    try:
+        return dtype_code(t.dtype, what)
+    except TypeError as e:
+        raise TypeError(f"{_where(what)}: {e}") from None
+
+
+def _op(opts_op, what: str):
+    """(core op code, premultiplier or None) of torch's ReduceOp."""
+    kind = opts_op.op
+    if kind == _RED.PREMUL_SUM:
+        factor = getattr(opts_op, "factor", None)
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item() if factor.numel() == 1 else None
+        if not isinstance(factor, (int, float)):
+            raise ValueError(f"{_where(what)}: ReduceOp.PREMUL_SUM needs a scalar factor; this one is not usable")
+        return 0, float(factor)
+    if kind not in _OPS:
+        raise ValueError(f"{_where(what)}: unsupported reduce op {kind.name}; the rumor backend supports "
+                         "SUM, AVG, MIN, MAX, PRODUCT and PREMUL_SUM (bitwise ops are not implemented)")
+    return _OPS[kind], None
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _as_error(e: BaseException, what: str, peer: str) -> BaseException:
+    if isinstance(e, dist.DistBackendError):
+        return e
+    return dist.DistBackendError(f"{_where(what)} ({peer}) failed: {e}")
+
+
+class _Waiter:
+    """One daemon thread per process group that completes futures in issue order, so that a
+    torch Future (DDP's comm hooks, FSDP) is set without anyone calling wait() on the work."""
+
+    def __init__(self):
+        self._q: "queue.SimpleQueue[Optional[RumorWork]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def put(self, w: "RumorWork") -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="rumor-torch-backend", daemon=True)
+                self._thread.start()
+        self._q.put(w)
+
+    def _loop(self) -> None:
+        while True:
+            w = self._q.get()
+            if w is None:
+                return
+            w._settle_future()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+
+
+class RumorWork(dist._Work):
+    """An operation issued on the rumor backend, as torch.distributed returns it (async_op=True).
+
+    Made by RumorProcessGroup; users get it from torch.distributed calls.
+
+    Args:
+        pg: the process group that issued it.
+        what: the torch.distributed call, for error messages.
+        peer: who the operation talks to, for error messages.
+        works: the core's work items (empty when nothing was sent).
+        keep: buffers the core reads or writes until it is done, kept alive here.
+        finish: runs once after the works finished and returns the list of result tensors.
+    """
+
+    def __init__(self, pg: "RumorProcessGroup", what: str, peer: str, works: list, keep: tuple,
+                 finish: Callable[[], List[torch.Tensor]]):
+        super().__init__()
+        self._pg = pg
+        self._what = what
+        self._peer = peer
+        self._works = works
+        self._keep = keep
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._done = False
+        self._result: List[torch.Tensor] = []
+        self._error: Optional[BaseException] = None
+        self._future: Optional[torch.futures.Future] = None
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            try:
+                for w in self._works:
+                    # The op carries rumor's deadline (the group's timeout); this one only guards
+                    # against a lost wakeup.
+                    w.wait(self._pg._timeout * 4 + 60)
+                self._result = self._finish()
+            except BaseException as e:  # noqa: BLE001 (every failure is the op's result)
+                self._error = _as_error(e, self._what, self._peer)
+            self._done = True
+            self._keep = ()
+            self._works = []
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        """Blocks until the operation finished.
+
+        Args:
+            timeout: torch's per-call limit; the operation also ends at the group's timeout
+                (init_process_group(timeout=...)), which is rumor's deadline.
+
+        Returns:
+            True.
+
+        Raises:
+            torch.distributed.DistBackendError: the operation failed or passed a deadline; the
+                message names the operation and the peer.
+        """
+        if timeout is not None and timeout > datetime.timedelta(0) and not self._done:
+            limit = timeout.total_seconds()
+            try:
+                for w in list(self._works):
+                    w.wait(limit)
+            except Exception as e:  # noqa: BLE001
+                if "deadline" not in str(e).lower() and "timed out" not in str(e).lower():
+                    self._complete()
+                else:
+                    raise dist.DistBackendError(
+                        f"{_where(self._what)} ({self._peer}): not finished within wait(timeout={limit}s)") from None
+        self._complete()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the operation finished (successfully or not), without waiting.
+
+        Returns:
+            A bool.
+        """
+        return self._done or all(w.done() for w in self._works)
+
+    def is_success(self) -> bool:
+        """Whether the operation finished without error (False while it runs).
+
+        Returns:
+            A bool.
+        """
+        return self._done and self._error is None
+
+    def exception(self) -> Optional[BaseException]:
+        """The operation's error once it finished, else None.
+
+        Returns:
+            The DistBackendError the operation ended with, or None.
+        """
+        return self._error
+
+    def result(self) -> List[torch.Tensor]:
+        """The result tensors, after wait() (as gloo's work returns them).
+
+        Returns:
+            A list of tensors.
+        """
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A future set to the list of result tensors when the operation finishes (or to its
+        error), as gloo's: DDP comm hooks chain on it.
+
+        Returns:
+            A torch.futures.Future.
+        """
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            self._future = torch.futures.Future()
+            done = self._done
+        if done:
+            self._settle_future()
+        else:
+            self._pg._waiter.put(self)
+        return self._future
+
+    def _settle_future(self) -> None:
+        self._complete()
+        fut = self._future
+        if fut is None or fut.done():
+            return
+        if self._error is not None:
+            fut.set_exception(self._error)
+        else:
+            fut.set_result(self._result)
+
+
+def _core_options(timeout: float) -> "_C.Options":
+    from ._runtime import MAX_SOCKET_STREAMS, flight_records_from_env
+
+    opts = _C.Options()
+    opts.timeout = float(timeout)
+    opts.streams = env_int("RUMOR_SOCKET_STREAMS", opts.streams, minimum=1, maximum=MAX_SOCKET_STREAMS)
+    opts.shm = env_bool("RUMOR_SHM", True)
+    opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
+    opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
+    opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
+    opts.flight_records = flight_records_from_env()
+    return opts
+
+
+def _store_host(store) -> str:
+    """The address of the TCPStore under torch's prefix stores (the host other ranks reached),
+    else MASTER_ADDR, else loopback (FileStore and HashStore jobs on one host)."""
+    s = store
+    for _ in range(16):
+        if isinstance(s, dist.TCPStore):
+            return s.host
+        if isinstance(s, dist.PrefixStore):
+            s = s.underlying_store
+            continue
+        break
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+class RumorProcessGroup(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run on rumor's core (CPU tensors).
+
+    torch makes it: pass backend="rumor" to init_process_group or new_group. Ranks in the
+    calls torch forwards here are group ranks.
+
+    Args:
+        ctx: the group's rumor Context, connected to its peers.
+        rank: this process's rank in the group.
+        size: the number of ranks in the group.
+        timeout: seconds every operation may take (init_process_group's timeout).
+        global_ranks: the group's members as global ranks (empty for the default group).
+    """
+
+    def __init__(self, ctx, rank: int, size: int, timeout: float, global_ranks: Sequence[int]):
+        super().__init__(rank, size)
+        self._ctx = ctx
+        self._rank = rank
+        self._size = size
+        self._timeout = float(timeout)
+        self._global = list(global_ranks) or list(range(size))
+        self._comm = _C.Communicator(ctx, 0, "torch.distributed group", list(range(size)))
+        self._p2p: dict = {}
+        self._p2p_lock = threading.Lock()
+        self._waiter = _Waiter()
+
+    # ---- identity -------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        """The backend's name.
+
+        Returns:
+            "rumor".
+        """
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        """The backend's name.
+
+        Returns:
+            "rumor".
+        """
+        return BACKEND_NAME
+
+    def abort(self) -> None:
+        """Fails every operation in flight at once, here and (through closed connections) at
+        the peers."""
+        self._comm.abort("aborted through torch.distributed")
+        for c in list(self._p2p.values()):
+            c.abort("aborted through torch.distributed")
+
+    def shutdown(self) -> None:
+        """Stops the thread that completes futures; the connections close with the group."""
+        self._waiter.stop()
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _peer(self, group_rank: int) -> str:
+        return f"rank {self._global[group_rank]}"
+
+    def _all(self) -> str:
+        return f"ranks {self._global}"
+
+    def _work(self, what, peer, works, keep, finish) -> RumorWork:
+        return RumorWork(self, what, peer, works, keep, finish)
+
+    def _issue(self, what: str, peer: str, fn):
+        try:
+            return fn()
+        except (TypeError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 (a communicator broken by an earlier failure)
+            raise _as_error(e, what, peer) from None
+
+    def _one(self, tensors, what: str, arg: str = "tensor") -> torch.Tensor:
+        if len(tensors) != 1:
+            raise ValueError(f"{_where(what)}: expects one {arg} per process, got {len(tensors)}")
+        _check_cpu(tensors, what, arg)
+        return tensors[0]
+
+    def _root(self, root: int, what: str) -> int:
+        if not 0 <= root < self._size:
+            raise ValueError(f"{_where(what)}: root rank {root} is outside a group of size {self._size}")
+        return root
+
+    # ---- reductions -----------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        """allreduce of one CPU tensor, in place (dist.all_reduce).
+
+        Args:
+            tensors: a list of one tensor.
+            opts: torch's AllreduceOptions (its reduceOp).
+
+        Returns:
+            A RumorWork.
+        """
+        what = "all_reduce"
+        t = self._one(tensors, what)
+        code = _reduce_code(t, what)
+        op, pre = _op((opts or dist.AllreduceOptions()).reduceOp, what)
+        buf = _contig(t)
+        if pre is not None:
+            buf = buf * pre if buf is not t else buf.mul_(pre)
+
+        def finish():
+            if buf.data_ptr() != t.data_ptr():
+                t.copy_(buf)
+            return [t]
+
+        w = self._issue(what, self._all(), lambda: self._comm.allreduce(buf.data_ptr(), buf.numel(), code, op, 0, True))
+        return self._work(what, self._all(), [w], (buf, t), finish)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """allreduce of several CPU tensors of one dtype as one message (dist.all_reduce_coalesced).
+
+        Args:
+            tensors: the tensors, reduced in place.
+            opts: torch's AllreduceCoalescedOptions.
+
+        Returns:
+            A RumorWork.
+        """
+        what = "all_reduce_coalesced"
+        if not tensors:
+            raise ValueError(f"{_where(what)}: tensors must not be empty")
+        _check_cpu(tensors, what, "tensors")
+        _same_dtype(tensors, tensors[0].dtype, what, "tensors")
+        code = _reduce_code(tensors[0], what)
+        op, pre = _op((opts or dist.AllreduceCoalescedOptions()).reduceOp, what)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if pre is not None:
+            flat.mul_(pre)
+
+        def finish():
+            off = 0
+            for t in tensors:
+                t.copy_(flat[off: off + t.numel()].view_as(t))
+                off += t.numel()
+            return list(tensors)
+
+        w = self._issue(what, self._all(), lambda: self._comm.allreduce(flat.data_ptr(), flat.numel(), code, op, 0, True))
+        return self._work(what, self._all(), [w], (flat,), finish)
+
+    def reduce(self, tensors, opts=None):
+        """reduce of one CPU tensor onto the root (dist.reduce); other ranks' tensors are left as
+        they were.
+
+        Args:
+            tensors: a list of one tensor.
+            opts: torch's ReduceOptions (rootRank, reduceOp).
+
+        Returns:
+            A RumorWork.
+        """
+        what = "reduce"
+        opts = opts or dist.ReduceOptions()
+        t = self._one(tensors, what)
+        code = _reduce_code(t, what)
+        op, pre = _op(opts.reduceOp, what)
+        root = self._root(opts.rootRank, what)
+        mine = root == self._rank
+        buf = _contig(t) if mine else t.contiguous().clone()
+        if pre is not None:
+            buf.mul_(pre)
+
+        def finish():
+            if mine and buf.data_ptr() != t.data_ptr():
+                t.copy_(buf)
+            return [t]
+
+        peer = f"root {self._peer(root)}"
+        w = self._issue(what, peer, lambda: self._comm.reduce(buf.data_ptr(), buf.numel(), code, op, root, True))
+        return self._work(what, peer, [w], (buf, t), finish)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """reduce_scatter of lists of CPU tensors (dist.reduce_scatter).
+
+        Args:
+            output_tensors: a list of one output tensor.
+            input_tensors: a list of one list of group-size tensors.
+            opts: torch's ReduceScatterOptions (reduceOp).
+
+        Returns:
+            A RumorWork.
+        """
+        what = "reduce_scatter"
+        out = self._one(output_tensors, what, "output tensor")
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
+            raise ValueError(f"{_where(what)}: input_list must hold {self._size} tensors (the group size)")
+        ins = list(input_tensors[0])
+        _check_cpu(ins, what, "input_list")
+        _same_dtype(ins, out.dtype, what, "input_list")
+        if ins[self._rank].numel() != out.numel():
+            raise ValueError(f"{_where(what)}: output has {out.numel()} elements but input_list[{self._rank}] "
+                             f"has {ins[self._rank].numel()}")
+        return self._reduce_scatter(what, out, torch.cat([t.reshape(-1) for t in ins]),
+                                    [t.numel() for t in ins], opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 (torch's name)
+        """reduce_scatter_tensor of CPU tensors (dist.reduce_scatter_tensor).
+
+        Args:
+            output: this rank's block of the result.
+            input: group-size blocks, one per rank, each of output's size.
+            opts: torch's ReduceScatterOptions (reduceOp).
+
+        Returns:
+            A RumorWork.
+        """
+        what = "reduce_scatter_tensor"
+        _check_cpu([output], what, "output")
+        _check_cpu([input], what, "input")
+        _same_dtype([input], output.dtype, what, "input")
+        if input.numel() != output.numel() * self._size:
+            raise ValueError(f"{_where(what)}: input must have group size ({self._size}) x output's "
+                             f"{output.numel()} elements, got {input.numel()}")
+        return self._reduce_scatter(what, output, _contig(input), [output.numel()] * self._size, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def _reduce_scatter(self, what, out, src, counts, opts):
+        code = _reduce_code(out, what)
+        op, pre = _op((opts or dist.ReduceScatterOptions()).reduceOp, what)
+        if pre is not None:
+            src = src * pre
+        res = _contig(out)
+
+        def finish():
+            if res.data_ptr() != out.data_ptr():
+                out.copy_(res)
+            return [out]
+
+        w = self._issue(what, self._all(), lambda: self._comm.reduce_scatter(
+            src.data_ptr(), res.data_ptr(), counts, code, op, True))
+        return self._work(what, self._all(), [w], (src, res, out), finish)
+
+    # ---- data movement --------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        """broadcast of one CPU tensor from the root (dist.broadcast); any dtype.
+
+        Args:
+            tensors: a list of one tensor.
+            opts: torch's BroadcastOptions (rootRank).
+
+        Returns:
+            A RumorWork.
+        """
+        what = "broadcast"
+        opts = opts or dist.BroadcastOptions()
+        t = self._one(tensors, what)
+        root = self._root(opts.rootRank, what)
+        code, per = movable_code(t)
+        buf = _contig(t)
+
+        def finish():
+            if buf.data_ptr() != t.data_ptr():
+                t.copy_(buf)
+            return [t]
+
+        peer = f"root {self._peer(root)}"
+        w = self._issue(what, peer, lambda: self._comm.broadcast(buf.data_ptr(), buf.numel() * per, code, root, True))
+        return self._work(what, peer, [w], (buf, t), finish)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """all_gather into a list of CPU tensors (dist.all_gather); blocks may differ in size.
+
+        Args:
+            output_tensors: a list of one list of group-size tensors.
+            input_tensors: a list of one tensor.
+            opts: torch's AllgatherOptions.
+
+        Returns:
+            A RumorWork.
+        """
+        what = "all_gather"
+        t = self._one(input_tensors, what)
+        if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
+            raise ValueError(f"{_where(what)}: tensor_list must hold {self._size} tensors (the group size)")
+        outs = list(output_tensors[0])
+        _check_cpu(outs, what, "tensor_list")
+        _same_dtype(outs, t.dtype, what, "tensor_list")
+        if outs[self._rank].numel() != t.numel():
+            raise ValueError(f"{_where(what)}: tensor_list[{self._rank}] has {outs[self._rank].numel()} elements "
+                             f"but the input has {t.numel()}")
+        code, per = movable_code(t)
+        counts = [o.numel() for o in outs]
+        flat = torch.empty(sum(counts), dtype=t.dtype)
+        start = sum(counts[: self._rank])
+        flat[start: start + t.numel()].copy_(t.reshape(-1))
+
+        def finish():
+            off = 0
+            for o in outs:
+                o.copy_(flat[off: off + o.numel()].view_as(o))
+                off += o.numel()
+            return outs
+
+        w = self._issue(what, self._all(), lambda: self._comm.allgather(flat.data_ptr(), [c * per for c in counts], code, True))
+        return self._work(what, self._all(), [w], (flat,), finish)
+
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002 (torch's name)
+        """all_gather_into_tensor of CPU tensors (dist.all_gather_into_tensor).
+
+        Args:
+            output: group-size blocks, one per rank, each of input's size.
+            input: this rank's block.
+            opts: torch's AllgatherOptions.
+
+        Returns:
+            A RumorWork.
+        """
+        what = "all_gather_into_tensor"
+        _check_cpu([output], what, "output_tensor")
+        _check_cpu([input], what, "input_tensor")
+        _same_dtype([output], input.dtype, what, "output_tensor")
+        n = input.numel()
+        if output.numel() != n * self._size:
+            raise ValueError(f"{_where(what)}: output_tensor must have group size ({self._size}) x input's "
+                             f"{n} elements, got {output.numel()}")
+        code, per = movable_code(input)
+        buf = _contig(output)
+        buf.view(-1)[self._rank * n: (self._rank + 1) * n].copy_(input.reshape(-1))
+
+        def finish():
+            if buf.data_ptr() != output.data_ptr():
+                output.copy_(buf)
+            return [output]
+
+        w = self._issue(what, self._all(), lambda: self._comm.allgather(buf.data_ptr(), [n * per] * self._size, code, True))
+        return self._work(what, self._all(), [w], (buf, output), finish)
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """Several all_gather_into_tensor calls as one work (torch's coalescing manager).
+
+        Args:
+            outputs: the output tensors.
+            inputs: the input tensors, one per output.
+            opts: torch's AllgatherOptions.
+
+        Returns:
+            A RumorWork.
+        """
+        return self._coalesced("all_gather_into_tensor_coalesced",
+                               [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """Several reduce_scatter_tensor calls as one work (torch's coalescing manager).
+
+        Args:
+            outputs: the output tensors.
+            inputs: the input tensors, one per output.
+            opts: torch's ReduceScatterOptions.
+
+        Returns:
+            A RumorWork.
+        """
+        return self._coalesced("reduce_scatter_tensor_coalesced",
+                               [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _coalesced(self, what, works: List[RumorWork]) -> RumorWork:
+        def finish():
+            out = []
+            for w in works:
+                w.wait()
+                out += w._result
+            return out
+
+        return self._work(what, self._all(), [], tuple(works), finish)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        """all_to_all_single of CPU tensors with even or uneven splits along dim 0.
+
+        Args:
+            output: receives every rank's block for this rank, in rank order.
+            input: holds this rank's block for every rank, in rank order.
+            output_split_sizes: rows received from each rank (empty: even split).
+            input_split_sizes: rows sent to each rank (empty: even split).
+            opts: torch's AllToAllOptions.
+
+        Returns:
+            A RumorWork.
+        """
+        what = "all_to_all_single"
+        _check_cpu([output], what, "output")
+        _check_cpu([input], what, "input")
+        _same_dtype([output], input.dtype, what, "output")
+        n = self._size
+        send = self._splits(input, input_split_sizes, what, "input_split_sizes")
+        recv = self._splits(output, output_split_sizes, what, "output_split_sizes")
+        if input.dim() > 0 and output.dim() > 0 and tuple(input.shape[1:]) != tuple(output.shape[1:]):
+            raise ValueError(f"{_where(what)}: input and output must agree on every dim but the first, "
+                             f"got {list(input.shape)} and {list(output.shape)}")
+        per_row = math.prod(input.shape[1:]) if input.dim() > 0 else 1
+        code, per = movable_code(input)
+        src, dst = _contig(input), _contig(output)
+
+        def finish():
+            if dst.data_ptr() != output.data_ptr():
+                output.copy_(dst)
+            return [output]
+
+        w = self._issue(what, self._all(), lambda: self._comm.alltoall(
+            src.data_ptr(), [s * per_row * per for s in send], dst.data_ptr(),
+            [r * per_row * per for r in recv], code, True))
+        del n
+        return self._work(what, self._all(), [w], (src, dst, output), finish)
+
+    alltoall_base = all_to_all_single
+
+    def _splits(self, t, sizes, what, arg):
+        rows = t.shape[0] if t.dim() > 0 else 1
+        if not sizes:
+            if rows % self._size:
+                raise ValueError(f"{_where(what)}: dim 0 ({rows}) is not divisible by the group size "
+                                 f"({self._size}); pass {arg}")
+            return [rows // self._size] * self._size
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != self._size or any(s < 0 for s in sizes) or sum(sizes) != rows:
+            raise ValueError(f"{_where(what)}: {arg} must be {self._size} non-negative row counts summing "
+                             f"to {rows}, got {sizes}")
+        return sizes
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """all_to_all of lists of CPU tensors (dist.all_to_all); sizes may differ per rank.
+
+        Args:
+            output_tensors: group-size tensors, received from each rank.
+            input_tensors: group-size tensors, sent to each rank.
+            opts: torch's AllToAllOptions.
+
+        Returns:
+            A RumorWork.
+        """
+        what = "all_to_all"
+        n = self._size
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise ValueError(f"{_where(what)}: output_tensor_list and input_tensor_list must each hold "
+                             f"{n} tensors (the group size)")
+        _check_cpu(input_tensors, what, "input_tensor_list")
+        _check_cpu(output_tensors, what, "output_tensor_list")
+        dtype = input_tensors[0].dtype
+        _same_dtype(input_tensors, dtype, what, "input_tensor_list")
+        _same_dtype(output_tensors, dtype, what, "output_tensor_list")
+        code, per = movable_code(input_tensors[0])
+        src = torch.cat([t.reshape(-1) for t in input_tensors])
+        dst = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
+
+        def finish():
+            off = 0
+            for o in output_tensors:
+                o.copy_(dst[off: off + o.numel()].view_as(o))
+                off += o.numel()
+            return list(output_tensors)
+
+        w = self._issue(what, self._all(), lambda: self._comm.alltoall(
+            src.data_ptr(), [t.numel() * per for t in input_tensors], dst.data_ptr(),
+            [t.numel() * per for t in output_tensors], code, True))
+        return self._work(what, self._all(), [w], (src, dst), finish)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """gather of one CPU tensor per rank onto the root (dist.gather).
+
+        Args:
+            output_tensors: on the root a list of one list of group-size tensors, else empty.
+            input_tensors: a list of one tensor.
+            opts: torch's GatherOptions (rootRank).
+
+        Returns:
+            A RumorWork.
+        """
+        what = "gather"
+        opts = opts or dist.GatherOptions()
+        t = self._one(input_tensors, what)
+        root = self._root(opts.rootRank, what)
+        peer = f"root {self._peer(root)}"
+        if self._rank != root:
+            buf = _contig(t)
+            w = self._issue(what, peer, lambda: self._comm.send(buf.data_ptr(), buf.numel() * buf.element_size(), root, True))
+            return self._work(what, peer, [w], (buf,), lambda: [t])
+        if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
+            raise ValueError(f"{_where(what)}: on the root, gather_list must hold {self._size} tensors (the group size)")
+        outs = list(output_tensors[0])
+        _check_cpu(outs, what, "gather_list")
+        _same_dtype(outs, t.dtype, what, "gather_list")
+        bufs, works = [], []
+        for r, o in enumerate(outs):
+            if r == root:
+                o.copy_(t)
+                continue
+            b = _contig(o)
+            bufs.append((b, o))
+            works.append(self._issue(what, self._peer(r), lambda b=b, r=r: self._comm.recv(
+                b.data_ptr(), b.numel() * b.element_size(), r, True)))
+
+        def finish():
+            for b, o in bufs:
+                if b.data_ptr() != o.data_ptr():
+                    o.copy_(b)
+            return outs
+
+        return self._work(what, self._all(), works, tuple(bufs), finish)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """scatter of the root's list of CPU tensors, one to each rank (dist.scatter).
+
+        Args:
+            output_tensors: a list of one tensor, this rank's block.
+            input_tensors: on the root a list of one list of group-size tensors, else empty.
+            opts: torch's ScatterOptions (rootRank).
+
+        Returns:
+            A RumorWork.
+        """
+        what = "scatter"
+        opts = opts or dist.ScatterOptions()
+        out = self._one(output_tensors, what)
+        root = self._root(opts.rootRank, what)
+        peer = f"root {self._peer(root)}"
+        if self._rank != root:
+            buf = _contig(out)
+
+            def finish_leaf():
+                if buf.data_ptr() != out.data_ptr():
+                    out.copy_(buf)
+                return [out]
+
+            w = self._issue(what, peer, lambda: self._comm.recv(buf.data_ptr(), buf.numel() * buf.element_size(), root, True))
+            return self._work(what, peer, [w], (buf,), finish_leaf)
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
+            raise ValueError(f"{_where(what)}: on the root, scatter_list must hold {self._size} tensors (the group size)")
+        ins = list(input_tensors[0])
+        _check_cpu(ins, what, "scatter_list")
+        _same_dtype(ins, out.dtype, what, "scatter_list")
+        keep, works = [], []
+        for r, s in enumerate(ins):
+            if r == root:
+                out.copy_(s)
+                continue
+            b = _contig(s)
+            keep.append(b)
+            works.append(self._issue(what, self._peer(r), lambda b=b, r=r: self._comm.send(
+                b.data_ptr(), b.numel() * b.element_size(), r, True)))
+        return self._work(what, self._all(), works, tuple(keep), lambda: [out])
+
+    def barrier(self, opts=None):
+        """A barrier of the group (dist.barrier).
+
+        Args:
+            opts: torch's BarrierOptions.
+
+        Returns:
+            A RumorWork.
+        """
+        what = "barrier"
+        w = self._issue(what, self._all(), lambda: self._comm.barrier(True))
+        return self._work(what, self._all(), [w], (), lambda: [])
+
+    # ---- point to point -------------------------------------------------------------------
+    def _p2p_comm(self, src: int, dst: int, tag: int, what: str):
+        if not 0 <= tag <= _P2P_MAX_TAG:
+            raise ValueError(f"{_where(what)}: tag must be in [0, {_P2P_MAX_TAG}] on the rumor backend, got {tag}")
+        if self._size > _P2P_MAX_RANKS:
+            raise ValueError(f"{_where(what)}: point-to-point needs a group of at most {_P2P_MAX_RANKS} ranks")
+        key = (src, dst, tag)
+        with self._p2p_lock:
+            c = self._p2p.get(key)
+            if c is None:
+                gid = _P2P_BASE | (tag << 24) | (src << 12) | dst
+                c = _C.Communicator(self._ctx, gid, f"p2p {self._global[src]}->{self._global[dst]} tag {tag}",
+                                    list(range(self._size)))
+                self._p2p[key] = c
+            return c
+
+    def _p2p_check(self, tensors, other: int, what: str, role: str) -> torch.Tensor:
+        t = self._one(tensors, what)
+        if not 0 <= other < self._size or other == self._rank:
+            raise ValueError(f"{_where(what)}: {role} {other} is not another rank of a group of size {self._size}")
+        return t
+
+    def send(self, tensors, dst_rank: int, tag: int = 0):
+        """send of one CPU tensor to a peer (dist.send / isend); messages of one tag between two
+        ranks arrive in order.
+
+        Args:
+            tensors: a list of one tensor.
+            dst_rank: the destination's group rank.
+            tag: matches the receiver's tag (0 to 2**23 - 1).
+
+        Returns:
+            A RumorWork.
+        """
+        what = "send"
+        t = self._p2p_check(tensors, dst_rank, what, "dst")
+        c = self._p2p_comm(self._rank, dst_rank, tag, what)
+        buf = _contig(t)
+        peer = f"to {self._peer(dst_rank)}, tag {tag}"
+        w = self._issue(what, peer, lambda: c.send(buf.data_ptr(), buf.numel() * buf.element_size(), dst_rank, True))
+        return self._work(what, peer, [w], (buf,), lambda: [t])
+
+    def recv(self, tensors, src_rank: int, tag: int = 0):
+        """recv into one CPU tensor from a peer (dist.recv / irecv).
+
+        Args:
+            tensors: a list of one tensor, filled with the message.
+            src_rank: the source's group rank.
+            tag: matches the sender's tag.
+
+        Returns:
+            A RumorWork.
+        """
+        what = "recv"
+        t = self._p2p_check(tensors, src_rank, what, "src")
+        c = self._p2p_comm(src_rank, self._rank, tag, what)
+        buf = _contig(t)
+
+        def finish():
+            if buf.data_ptr() != t.data_ptr():
+                t.copy_(buf)
+            return [t]
+
+        peer = f"from {self._peer(src_rank)}, tag {tag}"
+        w = self._issue(what, peer, lambda: c.recv(buf.data_ptr(), buf.numel() * buf.element_size(), src_rank, True))
+        return self._work(what, peer, [w], (buf, t), finish)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        """Not supported: rumor matches messages by source; pass src to dist.recv.
+
+        Args:
+            tensors: unused.
+            tag: unused.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(f"{_where('recv')}: src=None (receive from any source) is not supported; pass src")
+
+
+def _create(opts, backend_options=None):
+    """torch's creator (extended API): one RumorProcessGroup per group, met through its store."""
+    rank, size = int(opts.group_rank), int(opts.group_size)
+    timeout = opts.timeout.total_seconds() if opts.timeout is not None else 1800.0
+    if timeout <= 0:
+        raise ValueError(f"init_process_group(backend='rumor'): timeout must be positive, got {opts.timeout}")
+    store = dist.PrefixStore("rumor/", opts.store)
+    master = _store_host(opts.store)
+    env = _rendezvous.Env(rank, size, master, 0, "torch.distributed")
+    copts = _core_options(timeout)
+    host = _rendezvous.host_id()
+    if size == 1:
+        ctx = _C.Context(0, 1, os.urandom(16), copts, 0)
+        ctx.set_peers([f"127.0.0.1:{ctx.port}"], [host])
+    else:
+        js = _rendezvous.job_secret_for(env)
+        if copts.shm:
+            _shm.sweep()
+        advertise = _rendezvous.advertise_address(master, 0)
+        bind = os.environ.get("RUMOR_BIND_ADDR", advertise)
+
+        def make_ctx(tok: bytes):
+            return _C.Context(rank, size, tok, copts, 0, key=js.key("connection", tok), bind=bind)
+
+        ctx, _token, entries = _rendezvous.exchange(store, env, timeout, make_ctx, host, advertise, js)
+        ctx.set_peers([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries])
+    pg = RumorProcessGroup(ctx, rank, size, timeout, list(opts.global_ranks_in_group or []))
+    # Every rank must have mapped its local peers' shared memory before the names can go.
+    pg._comm.barrier(False)
+    ctx.seal()
+    return pg
+
+
+def register() -> None:
+    """Registers the "rumor" backend with torch.distributed (done by `import rumor`; again is a
+    no-op). Cheap: nothing starts until init_process_group(backend="rumor") or new_group."""
+    if not dist.is_available() or "RUMOR" in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+
+
+__all__ = ["RumorProcessGroup", "RumorWork", "register", "BACKEND_NAME"]
