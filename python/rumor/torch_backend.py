@@ -64,10 +64,7 @@ def _same_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype, what: str, 
 
 
 def _reduce_code(t: torch.Tensor, what: str) -> int:
-    try:
-        return dtype_code(t.dtype, what)
-    except TypeError as e:
-        raise TypeError(f"{_where(what)}: {e}") from None
+    return dtype_code(t.dtype, _where(what))
 
 
 def _op(opts_op, what: str):

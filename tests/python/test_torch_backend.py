@@ -1,0 +1,456 @@
+"""torch.distributed's backend "rumor" (rumor.torch_backend) against the same calls on gloo.
+
+Each rank joins the default group on "rumor" and makes a gloo group of the same ranks, runs
+every call on both and compares the results locally (exact for integers and exact math,
+float32 sums to rounding), so one launch covers many calls.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+
+import harness
+
+TIMEOUT = 120
+
+
+def _init(timeout_s: float = 60.0):
+    import torch.distributed as dist
+
+    import rumor  # noqa: F401 (registers the backend)
+
+    dist.init_process_group("rumor", rank=harness.env_rank(), world_size=harness.env_world(),
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist
+
+
+def _diff(name, got, want, exact=True):
+    if isinstance(got, (list, tuple)):
+        for i, (g, w) in enumerate(zip(got, want)):
+            d = _diff(f"{name}[{i}]", g, w, exact)
+            if d:
+                return d
+        return None if len(got) == len(want) else f"{name}: {len(got)} results vs {len(want)}"
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{name}: {got.dtype} {list(got.shape)} vs gloo's {want.dtype} {list(want.shape)}"
+    # Sums of a few values in another order: a few units in the last place of the dtype.
+    tol = 8 * torch.finfo(got.dtype).eps if got.dtype.is_floating_point else 0
+    ok = torch.equal(got, want) if exact else torch.allclose(got, want, rtol=tol, atol=tol)
+    return None if ok else f"{name}: {got} vs gloo's {want}"
+
+
+def _data(seed, shape, dtype):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-50, 50, shape, generator=g).to(dtype)
+
+
+def _collectives_rank():
+    dist = _init()
+    r, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    bad = []
+
+    def both(name, fn, exact=True):
+        got, want = fn(None), fn(gloo)
+        d = _diff(name, got, want, exact)
+        if d:
+            bad.append(d)
+
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16):
+        exact = not dtype.is_floating_point
+        for op in ("SUM", "MIN", "MAX", "PRODUCT"):
+            def ar(g, op=op, dtype=dtype):
+                t = _data(r + 1, (5, 7), dtype)
+                if op == "PRODUCT":
+                    t = t.clamp(-2, 2) if not dtype.is_floating_point else t
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
+                return t
+            both(f"all_reduce {op} {dtype}", ar, exact or op in ("MIN", "MAX"))
+    # AVG is not on gloo: the sum divided by n, exact for integers (their sum is divisible here).
+    t = torch.full((6,), float(r * n), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    want = torch.full((6,), float(sum(range(n))), dtype=torch.float64)
+    if not torch.equal(t, want):
+        bad.append(f"all_reduce AVG: {t} vs {want}")
+    # PREMUL_SUM: each rank's input scaled by the factor, then summed.
+    t = _data(r, (9,), torch.float64)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+    s = _data(r, (9,), torch.float64) * 0.5
+    dist.all_reduce(s, group=gloo)
+    if not torch.allclose(t, s, rtol=1e-12):
+        bad.append(f"all_reduce PREMUL_SUM: {t} vs {s}")
+
+    def coalesced(g):
+        ts = [_data(r + 10, (3,), torch.float32), _data(r + 20, (2, 2), torch.float32)]
+        dist.all_reduce_coalesced(ts, group=g)
+        return ts
+    both("all_reduce_coalesced", coalesced, exact=False)
+
+    def noncontig(g):
+        t = _data(r + 3, (4, 6), torch.int64).t()
+        dist.all_reduce(t, group=g)
+        return t
+    both("all_reduce non-contiguous", noncontig)
+
+    for root in range(n):
+        def bc(g, root=root):
+            t = _data(r + 30, (3, 4), torch.int32)
+            dist.broadcast(t, src=root if g is None else root, group=g)
+            return t
+        both(f"broadcast root {root}", bc)
+
+        def bcb(g, root=root):
+            t = torch.tensor([r % 2 == 0, True, r == root])
+            dist.broadcast(t, src=root, group=g)
+            return t
+        both(f"broadcast bool root {root}", bcb)
+
+        def red(g, root=root):
+            t = _data(r + 40, (8,), torch.int64)
+            dist.reduce(t, dst=root, group=g)
+            return t if r == root else torch.zeros(0)
+        both(f"reduce root {root}", red)
+
+        def gat(g, root=root):
+            t = _data(r + 50, (2, 3), torch.int64)
+            out = [torch.empty(2, 3, dtype=torch.int64) for _ in range(n)] if r == root else None
+            dist.gather(t, out, dst=root, group=g)
+            return out if r == root else []
+        both(f"gather root {root}", gat)
+
+        def sca(g, root=root):
+            ins = [_data(100 + i, (4,), torch.float32) for i in range(n)] if r == root else None
+            out = torch.empty(4)
+            dist.scatter(out, ins, src=root, group=g)
+            return out
+        both(f"scatter root {root}", sca)
+
+    def ag(g):
+        out = [torch.empty(3, 2, dtype=torch.int32) for i in range(n)]
+        dist.all_gather(out, _data(r, (3, 2), torch.int32), group=g)
+        return out
+    both("all_gather", ag)
+    # blocks of different sizes (gloo refuses them): rank i's block has i + 1 rows
+    out = [torch.empty(i + 1, 2, dtype=torch.int16) for i in range(n)]
+    dist.all_gather(out, _data(r, (r + 1, 2), torch.int16))
+    d = _diff("all_gather uneven", out, [_data(i, (i + 1, 2), torch.int16) for i in range(n)])
+    if d:
+        bad.append(d)
+
+    def agt(g):
+        out = torch.empty(n * 3, 2, dtype=torch.float64)
+        dist.all_gather_into_tensor(out, _data(r + 60, (3, 2), torch.float64), group=g)
+        return out
+    both("all_gather_into_tensor", agt)
+
+    def rs(g):
+        out = torch.empty(4, dtype=torch.int64)
+        dist.reduce_scatter(out, [_data(r * 10 + i, (4,), torch.int64) for i in range(n)], group=g)
+        return out
+    if True:
+        # gloo has no reduce_scatter of lists on CPU in every torch; compare to a sum of gathers.
+        got = rs(None)
+        parts = [torch.zeros(4, dtype=torch.int64) for _ in range(n)]
+        for src in range(n):
+            part = _data(src * 10 + r, (4,), torch.int64)
+            parts[src] = part
+        want = sum(parts)
+        if not torch.equal(got, want):
+            bad.append(f"reduce_scatter: {got} vs {want}")
+
+    def rst(g):
+        out = torch.empty(2, 3, dtype=torch.int32)
+        dist.reduce_scatter_tensor(out, _data(r + 70, (2 * n, 3), torch.int32), group=g)
+        return out
+    both("reduce_scatter_tensor", rst)
+
+    def a2a_uneven(g):
+        # Rank r sends i + r + 1 rows to rank i: every pair's count differs.
+        send = [i + r + 1 for i in range(n)]
+        recv = [r + j + 1 for j in range(n)]
+        t = _data(r + 80, (sum(send), 2), torch.float32)
+        out = torch.empty(sum(recv), 2)
+        dist.all_to_all_single(out, t, recv, send, group=g)
+        return out
+    both("all_to_all_single uneven", a2a_uneven)
+
+    def a2a_even(g):
+        out = torch.empty(2 * n, dtype=torch.int64)
+        dist.all_to_all_single(out, _data(r + 90, (2 * n,), torch.int64), group=g)
+        return out
+    both("all_to_all_single even", a2a_even)
+
+    def a2a_list(g):
+        ins = [_data(r * 7 + i, (i + 1,), torch.int64) for i in range(n)]
+        outs = [torch.empty(r + 1, dtype=torch.int64) for _ in range(n)]
+        dist.all_to_all(outs, ins, group=g)
+        return outs
+    # gloo has no all_to_all of lists: each rank j sent its block for r, of r + 1 elements.
+    got = a2a_list(None)
+    want = [_data(j * 7 + r, (r + 1,), torch.int64) for j in range(n)]
+    d = _diff("all_to_all lists", got, want)
+    if d:
+        bad.append(d)
+
+    # async work and its future: the future's value is the list of result tensors
+    t = _data(r + 5, (16,), torch.float32)
+    w = dist.all_reduce(t, async_op=True)
+    fut = w.get_future()
+    val = fut.wait()
+    w.wait()
+    u = _data(r + 5, (16,), torch.float32)
+    dist.all_reduce(u, group=gloo)
+    if not (isinstance(val, list) and len(val) == 1 and val[0] is t and torch.allclose(t, u)):
+        bad.append(f"async all_reduce future: {val} vs {u}")
+    if not (w.is_completed() and w.is_success()):
+        bad.append("async all_reduce: work not completed/successful after wait()")
+    chained = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    if not torch.equal(chained.wait(), torch.full((3,), 2.0 * n)):
+        bad.append(f"future.then: {chained.value()}")
+
+    dist.barrier()
+    return bad
+
+
+def test_collectives_match_gloo():
+    for rank_bad in harness.run(_collectives_rank, 3, timeout=TIMEOUT):
+        assert rank_bad == []
+
+
+def _subgroup_rank():
+    dist = _init()
+    r = dist.get_rank()
+    bad = []
+    # torch calls the creator again for each group, with the group's rank and size.
+    evens = dist.new_group([0, 2], backend="rumor")
+    evens_gloo = dist.new_group([0, 2], backend="gloo")
+    odd = dist.new_group([1, 3], backend="rumor")
+    for g, gg in ((evens, evens_gloo),):
+        if r in (0, 2):
+            a, b = _data(r, (5,), torch.int64), _data(r, (5,), torch.int64)
+            dist.all_reduce(a, group=g)
+            dist.all_reduce(b, group=gg)
+            if not torch.equal(a, b):
+                bad.append(f"subgroup all_reduce: {a} vs {b}")
+            t = torch.tensor([r])
+            dist.broadcast(t, src=2, group=g)  # src is a global rank
+            if t.item() != 2:
+                bad.append(f"subgroup broadcast from global rank 2 gave {t}")
+            if dist.get_rank(g) != r // 2 or dist.get_world_size(g) != 2:
+                bad.append("subgroup rank/size")
+    if r in (1, 3):
+        x = torch.tensor([float(r)])
+        dist.all_reduce(x, group=odd)
+        if x.item() != 4.0:
+            bad.append(f"odd subgroup sum {x}")
+        # point to point inside a subgroup names global ranks
+        if r == 1:
+            dist.send(torch.tensor([7, 8]), dst=3, group=odd)
+        else:
+            y = torch.zeros(2, dtype=torch.int64)
+            dist.recv(y, src=1, group=odd)
+            if y.tolist() != [7, 8]:
+                bad.append(f"subgroup recv {y}")
+    # the world group still works after making groups
+    z = torch.ones(1)
+    dist.all_reduce(z)
+    if z.item() != 4:
+        bad.append(f"world after subgroups {z}")
+    return bad
+
+
+def test_subgroups():
+    for rank_bad in harness.run(_subgroup_rank, 4, timeout=TIMEOUT):
+        assert rank_bad == []
+
+
+def _p2p_rank():
+    dist = _init()
+    r = dist.get_rank()
+    peer = 1 - r
+    # Tags are matched independently: the receiver asks for tag 2 first, then tag 1, while
+    # the sender sent tag 1 first; each recv gets its own tag's message.
+    if r == 0:
+        a = dist.isend(torch.full((1000,), 1.0), dst=1, tag=1)
+        b = dist.isend(torch.full((3,), 2.0), dst=1, tag=2)
+        c = dist.isend(torch.full((3,), 3.0), dst=1, tag=2)
+        for w in (a, b, c):
+            w.wait()
+        got = None
+    else:
+        x2 = torch.zeros(3)
+        dist.recv(x2, src=0, tag=2)
+        x1 = torch.zeros(1000)
+        dist.recv(x1, src=0, tag=1)
+        x3 = torch.zeros(3)
+        dist.irecv(x3, src=0, tag=2).wait()
+        got = [x1.unique().tolist(), x2.unique().tolist(), x3.unique().tolist()]
+    # both ranks post a receive before their send: batch_isend_irecv and plain isend/irecv
+    mine = torch.arange(50_000, dtype=torch.float32) + r
+    theirs = torch.empty(50_000)
+    ops = [dist.P2POp(dist.irecv, theirs, peer), dist.P2POp(dist.isend, mine, peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    exchange_ok = torch.equal(theirs, torch.arange(50_000, dtype=torch.float32) + peer)
+    # the future of a recv holds the received tensor
+    if r == 0:
+        fut_val = None
+        dist.send(torch.tensor([42]), dst=1)
+    else:
+        y = torch.zeros(1, dtype=torch.int64)
+        fut_val = dist.irecv(y, src=0).get_future().wait()[0].tolist()
+    dist.barrier()
+    return got, exchange_ok, fut_val
+
+
+def test_send_recv_tags_and_batch():
+    res = harness.run(_p2p_rank, 2, timeout=TIMEOUT)
+    assert res[1][0] == [[1.0], [2.0], [3.0]]
+    assert res[0][1] and res[1][1]
+    assert res[1][2] == [42]
+
+
+def _dead_rank(timeout_s):
+    dist = _init(timeout_s)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if dist.get_rank() == 2:
+        os._exit(0)
+    try:
+        for _ in range(3):
+            dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__module__ + "." + type(e).__name__, str(e)
+    return None
+
+
+def test_dead_rank_fails_survivors_within_timeout():
+    # gloo would wait its 30-minute default; here the group's 5 s timeout is rumor's deadline,
+    # and the harness deadline (well under gloo's) fails the test if a survivor hangs.
+    res = harness.run(_dead_rank, 3, timeout=60, args=(5.0,), may_die=(2,))
+    for r in (0, 1):
+        kind, msg = res[r]
+        assert kind == "torch.distributed.DistBackendError", (kind, msg)
+        assert "all_reduce" in msg and "rumor backend" in msg, msg
+
+
+def _bad_input_rank():
+    dist = _init()
+    errs = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+            errs[name] = None
+        except Exception as e:  # noqa: BLE001
+            errs[name] = (type(e).__name__, str(e))
+
+    catch("dtype mix", lambda: dist.all_gather_into_tensor(torch.empty(2, dtype=torch.int32), torch.ones(2)))
+    catch("band", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND))
+    catch("bool sum", lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool)))
+    catch("meta tensor", lambda: dist.all_reduce(torch.ones(2, device="meta")))
+    catch("splits", lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 1], [2, 1]))
+    # torch checks dst itself; the group's own check covers callers that reach it directly
+    catch("self send", lambda: dist.distributed_c10d._get_default_group().send([torch.ones(1)], 0, 0))
+    # after refused calls the group still works
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    errs["after"] = t.tolist()
+    return errs
+
+
+def test_bad_input_is_refused_clearly():
+    (errs,) = harness.run(_bad_input_rank, 1, timeout=TIMEOUT)
+    # torch or the backend refuses it, naming the dtypes
+    assert errs["dtype mix"][0] in ("TypeError", "ValueError") and "int32" in errs["dtype mix"][1]
+    assert errs["band"][0] == "ValueError" and "BAND" in errs["band"][1] and "SUM" in errs["band"][1]
+    assert errs["bool sum"][0] == "TypeError" and "bool" in errs["bool sum"][1]
+    assert errs["meta tensor"][0] == "ValueError" and "CPU" in errs["meta tensor"][1] \
+        and "nccl" in errs["meta tensor"][1]
+    assert errs["splits"][0] == "ValueError" and "input_split_sizes" in errs["splits"][1]
+    assert errs["self send"][0] == "ValueError" and "dst 0" in errs["self send"][1]
+    assert errs["after"] == [1.0, 1.0]
+
+
+def _ddp_rank(hook_name):
+    import torch.nn as nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist = _init()
+    r = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+
+    def train(group):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4))
+        ddp = DDP(model, process_group=group, bucket_cap_mb=0.001)
+        if hook_name == "allreduce":
+            ddp.register_comm_hook(group, default_hooks.allreduce_hook)
+        elif hook_name == "fp16":
+            ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        elif hook_name == "bf16":
+            ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        elif hook_name == "powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=2,
+                                                start_powerSGD_iter=2, random_seed=0)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + r)
+        for _ in range(4):
+            x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    mine, ref = train(None), train(gloo)
+    return max(float((a - b).abs().max()) for a, b in zip(mine, ref))
+
+
+@pytest.mark.parametrize("hook", ["none", "allreduce", "fp16", "bf16", "powersgd"])
+def test_torch_ddp_matches_gloo(hook):
+    for diff in harness.run(_ddp_rank, 2, timeout=TIMEOUT, args=(hook,)):
+        # float32 sums of two values are exact and order-free; the 16-bit hooks round the same
+        # values the same way, so the runs agree to float32 rounding.
+        assert diff <= 1e-6, diff
+
+
+def _objects_rank():
+    from torch.utils.data import DistributedSampler
+
+    dist = _init()
+    r, n = dist.get_rank(), dist.get_world_size()
+    gathered = [None] * n
+    dist.all_gather_object(gathered, {"rank": r, "name": "x" * (r + 1)})
+    objs = [{"from": r}, [r] * 3] if r == 1 else [None, None]
+    dist.broadcast_object_list(objs, src=1)
+    sampler = DistributedSampler(list(range(10)), shuffle=True, seed=3)
+    return gathered, objs, list(sampler)
+
+
+def test_object_collectives_and_sampler():
+    res = harness.run(_objects_rank, 2, timeout=TIMEOUT)
+    for gathered, objs, _ in res:
+        assert gathered == [{"rank": 0, "name": "x"}, {"rank": 1, "name": "xx"}]
+        assert objs == [{"from": 1}, [1, 1, 1]]
+    # DistributedSampler takes rank and size from the rumor group: disjoint halves of 10
+    assert sorted(res[0][2] + res[1][2]) == list(range(10)) and len(res[0][2]) == 5
+
+
+def test_registration_is_cheap_and_idempotent():
+    import torch.distributed as dist
+
+    import rumor.torch_backend as tb
+
+    tb.register()
+    assert "RUMOR" in dist.Backend._plugins
+    assert dist.Backend("rumor") == "rumor"
+    assert "rumor" in dist.Backend.backend_capability and dist.Backend.backend_capability["rumor"] == ["cpu"]
+    # registering does not take over torch's default for CPU tensors
+    assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
