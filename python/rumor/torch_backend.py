@@ -102,6 +102,9 @@ class _Waiter:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def put(self, w: "RumorWork") -> None:
         with self._lock:
             if self._thread is None:
@@ -241,7 +244,9 @@ class RumorWork(dist._Work):
                 return self._future
             self._future = torch.futures.Future()
             done = self._done
-        if done:
+        # A future's callbacks run on the waiter thread; one that issues another op and waits on
+        # its future (PowerSGD's hook does) would wait for its own thread, so settle it here.
+        if done or self._pg._waiter.on_thread():
             self._settle_future()
         else:
             self._pg._waiter.put(self)

@@ -395,7 +395,11 @@ def _ddp_rank(hook_name):
         elif hook_name == "fp16":
             ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
         elif hook_name == "bf16":
-            ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+            # DDP refuses bf16_compress_hook by name unless torch has NCCL; the same hook through
+            # a wrapper runs on CPU (gloo reduces bfloat16 there too).
+            def bf16(state, bucket):
+                return default_hooks.bf16_compress_hook(state, bucket)
+            ddp.register_comm_hook(group, bf16)
         elif hook_name == "powersgd":
             state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=2,
                                                 start_powerSGD_iter=2, random_seed=0)
