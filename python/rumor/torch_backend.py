@@ -334,6 +334,40 @@ class RumorProcessGroup(dist.ProcessGroup):
         """
         return BACKEND_NAME
 
+    # torch names every group after making it; with no C++ backend behind this group the name
+    # must be kept here (FSDP2, DeviceMesh and functional collectives look groups up by it).
+    def setGroupName(self, name: str) -> None:  # noqa: N802 (torch's name)
+        """Keeps the name torch gives this group.
+
+        Args:
+            name: the group's name.
+        """
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802 (torch's name)
+        """The name torch gave this group.
+
+        Returns:
+            A str ("" before torch named it).
+        """
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 (torch's name)
+        """Keeps the description torch gives this group.
+
+        Args:
+            desc: the group's description.
+        """
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802 (torch's name)
+        """The description torch gave this group.
+
+        Returns:
+            A str.
+        """
+        return getattr(self, "_group_desc", "")
+
     def abort(self) -> None:
         """Fails every operation in flight at once, here and (through closed connections) at
         the peers."""

@@ -458,3 +458,95 @@ def test_registration_is_cheap_and_idempotent():
     assert "rumor" in dist.Backend.backend_capability and dist.Backend.backend_capability["rumor"] == ["cpu"]
     # registering does not take over torch's default for CPU tensors
     assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
+
+
+def _fsdp_rank():
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    dist = _init()
+    r = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+
+    def train(group):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(200 + r)
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+    mine, ref = train(None), train(gloo)
+    return max(float((a - b).abs().max()) for a, b in zip(mine, ref))
+
+
+def test_fsdp2_fully_shard_matches_gloo():
+    for diff in harness.run(_fsdp_rank, 2, timeout=TIMEOUT):
+        assert diff <= 1e-6, diff
+
+
+def _dcp_rank(path):
+    import torch.distributed.checkpoint as dcp
+    import torch.nn as nn
+
+    dist = _init()
+    r = dist.get_rank()
+    torch.manual_seed(1)
+    model = nn.Linear(6, 3)
+    state = {"model": model.state_dict(), "step": torch.tensor([7 + 0 * r])}
+    dcp.save(state, checkpoint_id=path)
+    other = nn.Linear(6, 3)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    loaded = {"model": other.state_dict(), "step": torch.tensor([0])}
+    dcp.load(loaded, checkpoint_id=path)
+    return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values())), \
+        int(loaded["step"])
+
+
+def test_distributed_checkpoint_save_load(tmp_path):
+    for same, step in harness.run(_dcp_rank, 2, timeout=TIMEOUT, args=(str(tmp_path / "ckpt"),)):
+        assert same and step == 7
+
+
+def _compiled_ddp_rank():
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist = _init()
+    r = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+
+    def train(group):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 2))
+        # the compiled model inside DDP; torch.compile(DDP(...)) makes dynamo read the Python
+        # process group's attributes, which it refuses (see docs/torch_backend.md)
+        ddp = DDP(torch.compile(model, backend="aot_eager"), process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(300 + r)
+        for _ in range(3):
+            x, y = torch.randn(4, 10, generator=g), torch.randn(4, 2, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    mine, ref = train(None), train(gloo)
+    return max(float((a - b).abs().max()) for a, b in zip(mine, ref))
+
+
+def test_compiled_model_under_ddp_matches_gloo():
+    for diff in harness.run(_compiled_ddp_rank, 2, timeout=TIMEOUT):
+        assert diff <= 1e-6, diff
