@@ -50,9 +50,11 @@ def _check_cpu(tensors: Sequence[torch.Tensor], what: str, arg: str) -> None:
         if t.device.type != "cpu":
             raise ValueError(
                 f"{_where(what)}: {arg} is on {t.device}, and rumor's torch.distributed backend runs CPU "
-                "tensors only. For CUDA tensors make a group on NCCL next to it, "
-                "e.g. dist.new_group(backend='nccl'), or init_process_group(backend='nccl') and "
-                "dist.new_group(backend='rumor') for the CPU side (docs/torch_backend.md)")
+                "tensors only (torch gives a Python backend every device of a device map, so "
+                "'cpu:rumor,cuda:nccl' does not send CUDA tensors to NCCL). Keep CUDA tensors on a "
+                "group of their own: init_process_group(backend='nccl') and "
+                "dist.new_group(backend='rumor') for the CPU tensors, or the reverse with "
+                "dist.new_group(backend='nccl') (docs/torch_backend.md)")
         if t.layout != torch.strided:
             raise TypeError(f"{_where(what)}: {arg} must be a dense (strided) tensor, got layout {t.layout}")
 

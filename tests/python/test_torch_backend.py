@@ -550,3 +550,21 @@ def _compiled_ddp_rank():
 def test_compiled_model_under_ddp_matches_gloo():
     for diff in harness.run(_compiled_ddp_rank, 2, timeout=TIMEOUT):
         assert diff <= 1e-6, diff
+
+
+def _device_map_rank():
+    import torch.distributed as dist
+
+    import rumor  # noqa: F401
+
+    dist.init_process_group("cpu:rumor,cuda:nccl", rank=harness.env_rank(), world_size=harness.env_world(),
+                            timeout=datetime.timedelta(seconds=60))
+    t = torch.tensor([dist.get_rank() + 1], dtype=torch.int64)
+    dist.all_reduce(t)
+    pg = dist.distributed_c10d._get_default_group()
+    return int(t), type(pg).__name__
+
+
+def test_device_map_puts_cpu_tensors_on_rumor():
+    for total, kind in harness.run(_device_map_rank, 2, timeout=TIMEOUT):
+        assert total == 3 and kind == "RumorProcessGroup"
