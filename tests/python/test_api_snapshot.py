@@ -33,6 +33,7 @@ PUBLIC_MODULES = [
     "rumor.compression",
     "rumor.timeline",
     "rumor.compat",
+    "rumor.torch_backend",
 ]
 
 
