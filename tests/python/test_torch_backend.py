@@ -568,3 +568,32 @@ def _device_map_rank():
 def test_device_map_puts_cpu_tensors_on_rumor():
     for total, kind in harness.run(_device_map_rank, 2, timeout=TIMEOUT):
         assert total == 3 and kind == "RumorProcessGroup"
+
+
+def _wait_timeout_rank():
+    dist = _init()
+    r = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    if r == 0:
+        x = torch.zeros(3)
+        w = dist.irecv(x, src=1, tag=3)
+        # rank 1 sends only after this rank passed the gloo barrier below, so nothing can arrive
+        # within this wait
+        try:
+            w.wait(datetime.timedelta(milliseconds=300))
+            first = None
+        except Exception as e:  # noqa: BLE001
+            first = (type(e).__name__, str(e))
+        dist.barrier(group=gloo)
+        w.wait()
+        return first, x.tolist()
+    dist.barrier(group=gloo)
+    dist.send(torch.full((3,), 9.0), dst=0, tag=3)
+    return None
+
+
+def test_work_wait_timeout_then_completes():
+    res = harness.run(_wait_timeout_rank, 2, timeout=TIMEOUT)
+    first, got = res[0]
+    assert first is not None and first[0] == "DistBackendError" and "recv" in first[1], first
+    assert got == [9.0, 9.0, 9.0]
