@@ -597,3 +597,22 @@ def test_work_wait_timeout_then_completes():
     first, got = res[0]
     assert first is not None and first[0] == "DistBackendError" and "recv" in first[1], first
     assert got == [9.0, 9.0, 9.0]
+
+
+def _with_rumor_init_rank():
+    import rumor
+
+    dist = _init()
+    rumor.init()  # meets its peers through torch's default store, next to the backend's group
+    a = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(a)
+    b = rumor.allreduce(torch.tensor([float(dist.get_rank() + 1)]), op=rumor.ReduceOp.SUM)
+    c = torch.tensor([2.0])
+    dist.all_reduce(c, op=dist.ReduceOp.PRODUCT)
+    rumor.shutdown()
+    return a.item(), b.item(), c.item()
+
+
+def test_coexists_with_rumor_init():
+    for got in harness.run(_with_rumor_init_rank, 2, timeout=TIMEOUT):
+        assert got == (3.0, 3.0, 4.0)
