@@ -976,7 +976,10 @@ def _create(opts, backend_options=None):
         raise ValueError(f"init_process_group(backend='rumor'): timeout must be positive, got {opts.timeout}")
     store = dist.PrefixStore("rumor/", opts.store)
     master = _store_host(opts.store)
-    env = _rendezvous.Env(rank, size, master, 0, "torch.distributed")
+    # Under torchrun its local world size tells whether every rank is on this host (which
+    # decides whether a job secret is required, as for rumor.init()).
+    source = "torchrun" if os.environ.get("LOCAL_WORLD_SIZE") and os.environ.get("WORLD_SIZE") else "torch.distributed"
+    env = _rendezvous.Env(rank, size, master, 0, source)
     copts = _core_options(timeout)
     host = _rendezvous.host_id()
     if size == 1:
