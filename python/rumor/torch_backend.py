@@ -968,8 +968,31 @@ class RumorProcessGroup(dist.ProcessGroup):
         raise ValueError(f"{_where('recv')}: src=None (receive from any source) is not supported; pass src")
 
 
+_DYNAMO_HIDDEN = False
+
+
+def _hide_from_dynamo() -> None:
+    """torch.compile(DDP(model)) traces into the calls DDP makes on its group; dynamo cannot read
+    a Python process group's attributes, so the group's methods run eagerly (a graph break),
+    as a C++ group's calls do. Done when the first group is made: importing dynamo takes a
+    moment, too much for `import rumor`."""
+    global _DYNAMO_HIDDEN
+    if _DYNAMO_HIDDEN:
+        return
+    _DYNAMO_HIDDEN = True
+    try:
+        from torch._dynamo import disable
+    except Exception:  # noqa: BLE001 (a torch without dynamo has nothing to hide from)
+        return
+    for cls in (RumorProcessGroup, RumorWork):
+        for name, fn in list(vars(cls).items()):
+            if callable(fn) and not name.startswith("__"):
+                setattr(cls, name, disable(fn, recursive=True))
+
+
 def _create(opts, backend_options=None):
     """torch's creator (extended API): one RumorProcessGroup per group, met through its store."""
+    _hide_from_dynamo()
     rank, size = int(opts.group_rank), int(opts.group_size)
     timeout = opts.timeout.total_seconds() if opts.timeout is not None else 1800.0
     if timeout <= 0:

@@ -520,7 +520,7 @@ def test_distributed_checkpoint_save_load(tmp_path):
         assert same and step == 7
 
 
-def _compiled_ddp_rank():
+def _compiled_ddp_rank(outer):
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -531,9 +531,10 @@ def _compiled_ddp_rank():
     def train(group):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 2))
-        # the compiled model inside DDP; torch.compile(DDP(...)) makes dynamo read the Python
-        # process group's attributes, which it refuses (see docs/torch_backend.md)
-        ddp = DDP(torch.compile(model, backend="aot_eager"), process_group=group)
+        if outer:  # dynamo traces DDP's own calls on the group too
+            ddp = torch.compile(DDP(model, process_group=group), backend="aot_eager")
+        else:
+            ddp = DDP(torch.compile(model, backend="aot_eager"), process_group=group)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(300 + r)
         for _ in range(3):
@@ -547,8 +548,9 @@ def _compiled_ddp_rank():
     return max(float((a - b).abs().max()) for a, b in zip(mine, ref))
 
 
-def test_compiled_model_under_ddp_matches_gloo():
-    for diff in harness.run(_compiled_ddp_rank, 2, timeout=TIMEOUT):
+@pytest.mark.parametrize("outer", [False, True], ids=["ddp_of_compiled", "compiled_ddp"])
+def test_compiled_model_under_ddp_matches_gloo(outer):
+    for diff in harness.run(_compiled_ddp_rank, 2, timeout=TIMEOUT, args=(outer,)):
         assert diff <= 1e-6, diff
 
 
