@@ -389,7 +389,11 @@ def _ddp_rank(hook_name):
     def train(group):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4))
-        ddp = DDP(model, process_group=group, bucket_cap_mb=0.001)
+        # Several buckets, except for PowerSGD: its hook issues collectives from future callbacks,
+        # which run on whichever thread completes the future, so with several buckets in flight
+        # two ranks may issue them in different orders (gloo has the same race;
+        # docs/torch_backend.md). One bucket keeps the order the same on every rank.
+        ddp = DDP(model, process_group=group, bucket_cap_mb=25 if hook_name == "powersgd" else 0.001)
         if hook_name == "allreduce":
             ddp.register_comm_hook(group, default_hooks.allreduce_hook)
         elif hook_name == "fp16":
