@@ -60,11 +60,15 @@ def _optimizer(opt, params):
         import rumor
 
         return rumor.optim.OneBitAdamOptimizer(params, lr=0.01, freeze_step=2)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
 def _loader():
-    return torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=False)
+    # One sampler for both runs (Lightning's own would shuffle with its seed); the launcher's
+    # RANK, which Lightning's teardown leaves in place (it removes WORLD_SIZE).
+    sampler = torch.utils.data.DistributedSampler(_data(), num_replicas=2, rank=int(os.environ["RANK"]),
+                                                  shuffle=False)
+    return torch.utils.data.DataLoader(_data(), batch_size=BATCH, sampler=sampler)
 
 
 def _trainer(strategy, **kw):
@@ -73,7 +77,7 @@ def _trainer(strategy, **kw):
     kw.setdefault("max_steps", 4)
     return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=0, deterministic=True, **kw)
+                     limit_val_batches=0, deterministic=True, use_distributed_sampler=False, **kw)
 
 
 def _params(module):
@@ -85,6 +89,7 @@ def _plain(name, kwargs, opt, steps):
     import rumor
     from rumor.lightning import ALGORITHMS
 
+    os.environ["WORLD_SIZE"] = "2"  # Lightning's teardown removed it
     rumor.init()
     try:
         model = _module(opt)
@@ -95,9 +100,7 @@ def _plain(name, kwargs, opt, steps):
         else:
             algorithm = cls(**kwargs)
         ddp = rumor.DistributedDataParallel(model, optimizer=optimizer, algorithm=algorithm, **NO_SPLIT)
-        sampler = torch.utils.data.DistributedSampler(_data(), num_replicas=rumor.size(),
-                                                      rank=rumor.rank(), shuffle=False)
-        loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH, sampler=sampler)
+        loader = _loader()
         losses, step = [], 0
         while step < steps:
             for batch in loader:
