@@ -182,17 +182,19 @@ class RumorStrategy(DDPStrategy):
         self._rumor_timeout = timeout
         self._started_rumor = False
         self._failed = False
+        self._algorithm: Optional[Algorithm] = None
 
     # ---- processes ----------------------------------------------------------------------------
 
     @property
     def algorithm(self) -> Optional[Algorithm]:
-        """The algorithm of the wrapped model while fitting (None before the wrapper exists).
+        """The algorithm of the last fit (None before the model was first wrapped). It stays
+        after fit, so that trainer.save_checkpoint() afterwards still saves its state.
 
         Returns:
             The rumor.algorithms.Algorithm object, or None.
         """
-        return self.model.algorithm if isinstance(self.model, DistributedDataParallel) else None
+        return self._algorithm
 
     def _get_process_group_backend(self) -> str:
         if self._process_group_backend:
@@ -279,7 +281,7 @@ class RumorStrategy(DDPStrategy):
         return self.optimizers[0]
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        algorithm = self._make_algorithm()
+        algorithm = self._algorithm = self._make_algorithm()
         optimizer = None
         if len(self.optimizers) == 1:
             optimizer = self.optimizers[0]
