@@ -279,3 +279,50 @@ def test_bad_arguments_are_named():
     from rumor.algorithms import GradientAllReduce
 
     assert RumorStrategy("Gradient-AllReduce")._algorithm_class is GradientAllReduce
+
+
+_OWN_LAUNCHER_SCRIPT = """
+import sys
+sys.path.insert(0, {here!r})
+import torch, lightning as L
+import rumor.lightning  # registers "rumor"
+import test_lightning as T
+
+model = T._module()
+loader = torch.utils.data.DataLoader(T._data(), batch_size=T.BATCH)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="rumor", max_steps=3, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, loader)
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+both = [torch.zeros_like(flat) for _ in range(2)]
+torch.distributed.all_gather(both, flat)
+print("DONE", trainer.global_rank, len(model.losses), torch.equal(both[0], both[1]), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_lightning_own_launcher(tmp_path):
+    """`python train.py` with devices=2: Lightning starts the second process itself and sets no
+    RANK; the strategy gives rumor.init() Lightning's ranks."""
+    import subprocess
+    import sys
+
+    from rumor.testing.launch import kill_process_group
+
+    script = tmp_path / "train.py"
+    script.write_text(_OWN_LAUNCHER_SCRIPT.format(here=harness.HERE))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(harness._SCRUB_PREFIXES) and k not in harness._SCRUB_NAMES}
+    import rumor
+
+    # The checkout's rumor (PYTHONPATH may be relative, and the script runs in tmp_path).
+    env.update(OMP_NUM_THREADS="1", RUMOR_TIMEOUT="60", MASTER_PORT=str(harness.free_port()),
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(rumor.__file__))))
+    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=TIMEOUT)
+    finally:
+        kill_process_group(p)
+    done = sorted(line for line in out.splitlines() if line.startswith("DONE"))
+    assert done == ["DONE 0 3 True", "DONE 1 3 True"], out[-4000:]
