@@ -36,8 +36,10 @@ $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
 $PY -m pip install -q "scikit-build-core>=0.11" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib \
   networkx tqdm build redis "ipyparallel>=8" nbclient nbformat ipykernel optuna atheris \
   mkdocs mkdocs-material "mkdocstrings[python]"
-# accelerate, transformers, ray[train]: tests/python/test_hf.py and test_ray.py (torch pinned: never replaced).
-$PY -m pip install -q accelerate transformers "ray[train]" "torch==2.13.0"
+# The integrations' tests (test_lightning.py, test_hf.py, test_ray.py), with torch pinned to the
+# one installed so that pip never swaps it for another build.
+$PY -m pip install -q "lightning>=2.0" accelerate transformers "ray[train]" \
+  "torch==$($PY -c 'import torch; print(torch.__version__.split("+")[0])')"
 # The project's own build: warnings are errors (RUMOR_WERROR, off for users' builds).
 $PY -m pip install -q --no-build-isolation -C cmake.define.RUMOR_WERROR=ON .
 $PY -c "import rumor, rumor._C as c; print('setup: rumor', rumor.__version__, 'installed; reduction kernels:', c.reduce_isa())"
