@@ -306,7 +306,7 @@ def test_empty_tensor_on_one_rank_raises_everywhere(op):
     harness.assert_no_failures(res, op)
 
 
-@pytest.mark.parametrize("value", ["abc", "-1", "1.5", ""])
+@pytest.mark.parametrize("value", ["abc", "-1", "1.5", "4k"])
 def test_bad_stripe_threshold_is_refused_by_init(value):
     """RUMOR_STRIPE_MIN_BYTES that is not a byte count fails rumor.init() naming the variable."""
     import os
@@ -318,3 +318,15 @@ def test_bad_stripe_threshold_is_refused_by_init(value):
                        text=True, timeout=120)
     assert p.returncode != 0
     assert "ValueError" in p.stderr and "RUMOR_STRIPE_MIN_BYTES" in p.stderr and repr(value) in p.stderr
+
+
+def test_empty_stripe_threshold_means_the_default():
+    """An empty RUMOR_* variable is the same as an unset one (docs/environment.md)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RUMOR_STRIPE_MIN_BYTES="", WORLD_SIZE="1", RANK="0")
+    p = subprocess.run([sys.executable, "-c", "import rumor; rumor.init(); rumor.shutdown()"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr

@@ -22,6 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "python" / "rumor"
 
 
+def _rumor_path() -> str:
+    """The folder holding the rumor this test process imports (the installed one in CI; the
+    checkout's python/ where a developer put it on PYTHONPATH with a built _C)."""
+    import rumor
+
+    return str(Path(rumor.__file__).resolve().parents[1])
+
+
 def _project() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
@@ -123,7 +131,7 @@ print(" ".join(sorted(asked)))
 def test_import_rumor_needs_only_required_dependencies():
     """`import rumor` must work with the required dependencies alone: what rumor's code imports
     on the way comes with them, not with an extra."""
-    out = subprocess.run([sys.executable, "-c", _RECORD_IMPORTS], env=dict(os.environ, PYTHONPATH=str(ROOT / "python")),
+    out = subprocess.run([sys.executable, "-c", _RECORD_IMPORTS], env=dict(os.environ, PYTHONPATH=_rumor_path()),
                          capture_output=True, text=True, timeout=120, check=True).stdout
     asked = _third_party(out.split())
     # Declared directly, not only pulled in by another dependency, which may drop it.
@@ -137,7 +145,7 @@ def test_import_rumor_needs_only_required_dependencies():
 def _import_rumor_with(tmp_path: Path, torch_init: str) -> subprocess.CompletedProcess:
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text(torch_init)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "python")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), _rumor_path()]))
     return subprocess.run([sys.executable, "-c", "import rumor"], env=env, capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
 

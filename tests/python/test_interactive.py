@@ -270,7 +270,11 @@ print("RESULT " + json.dumps({"recorded": len(found), "running": running, "unrea
 
 
 def test_stop_returns_after_every_process_exited(tmp_path):
-    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")])}
+    # The rumor this process imports (installed in CI, the checkout's where PYTHONPATH says so).
+    import rumor
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(rumor.__file__)))
+    env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     text = harness.launch([sys.executable, "-c", STOP_PROBE], str(tmp_path), env, deadline_s=150)
     res = json.loads(re.search(r"^RESULT (.*)$", text, re.M).group(1))
     # 2 engines and the controller at least, with whatever they started

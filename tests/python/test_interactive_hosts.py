@@ -387,5 +387,10 @@ def test_rumor_run_interactive_hosts_killed_leaves_nothing(cluster, tmp_path):
     left = _left(cluster, allowed=(), timeout=20)
     assert left == {}, f"still running after rumor-run was killed: {left}"
     assert [p for p in pids if harness.pid_alive(p)] == []
-    # The controller's watchdog removed the session's private profile directory.
-    assert not os.path.exists(os.path.dirname(os.path.dirname(info["client_file"])))
+    # The controller's watchdog removes the session's private profile directory (it may still be
+    # at it when the last process in the namespaces is gone).
+    profile = os.path.dirname(os.path.dirname(info["client_file"]))
+    deadline = time.monotonic() + 20
+    while os.path.exists(profile) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(profile), f"the profile directory {profile} is still there"

@@ -234,13 +234,18 @@ class LaunchMixin:
             environment={"RUMOR_INTERACTIVE_OWNER": owner, "RUMOR_INTERACTIVE_PROFILE": self.profile_dir})
         self.controller_pid = int(self.cluster.controller.pid)
         engine_file = self.cluster.controller.connection_files["engine"]
-        while not os.path.exists(engine_file):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rumor.interactive: the controller wrote no engine connection file ({engine_file}) "
-                                   f"within {start_timeout:.0f} s")
-            time.sleep(0.05)
-        with open(engine_file) as f:
-            conn = json.load(f)
+        # The controller creates the file before it writes it: a file that is there but not yet
+        # whole JSON is read again, up to the deadline.
+        conn = None
+        while conn is None:
+            try:
+                with open(engine_file) as f:
+                    conn = json.load(f)
+            except (FileNotFoundError, json.JSONDecodeError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rumor.interactive: the controller wrote no engine connection file "
+                                       f"({engine_file}) within {start_timeout:.0f} s") from None
+                time.sleep(0.05)
         dial = conn.get("location") if ip == "*" else ip
         self.controller_addr = (dial, int(conn["registration"]))
         self.procs = [None] * self.n

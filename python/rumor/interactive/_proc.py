@@ -57,15 +57,11 @@ def _watch(specs, cleanup_dir):
             if not _alive(spec):
                 sys.stderr.write(f"rumor.interactive: the {what} (pid {spec.split(':')[0]}) is gone; exiting\n")
                 sys.stderr.flush()
-                if cleanup_dir:
-                    shutil.rmtree(cleanup_dir, ignore_errors=True)
                 # No clean-up of rumor itself is needed: its shared-memory names are unlinked
                 # once every peer has mapped them, and the kernel closes the sockets. The
                 # controller forks its schedulers (they have no watchdog thread): this process
                 # leads their process group, so the group goes with it.
-                if os.getpgrp() == os.getpid():
-                    os.killpg(os.getpid(), 9)
-                os._exit(3)
+                _end_group(cleanup_dir)
 
 
 def _read_line(fd):
@@ -101,10 +97,44 @@ def _exit_now(why, cleanup_dir):
     sys.stderr.write(f"rumor.interactive: {why}; exiting\n")
     sys.stderr.flush()
     _remove_own_shm()
+    _end_group(cleanup_dir)
+
+
+def _group_members(pgid):
+    me, out = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != me:
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                out.append(int(d))
+    return out
+
+
+def _end_group(cleanup_dir):
+    """Ends this process and, when it leads its process group, the rest of the group, removing
+    cleanup_dir in between: the others go first (SIGKILL, then up to 5 s until they are gone), so
+    that none of them writes into the directory while or after it is removed."""
+    leader = os.getpgrp() == os.getpid()
+    if leader:
+        deadline = time.monotonic() + 5
+        while True:
+            members = _group_members(os.getpid())
+            if not members or time.monotonic() > deadline:
+                break
+            for pid in members:
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+            time.sleep(0.02)
     if cleanup_dir:
         shutil.rmtree(cleanup_dir, ignore_errors=True)
-    if os.getpgrp() == os.getpid():
-        os.killpg(os.getpid(), 9)
+    if leader:
+        os.killpg(os.getpid(), 9)  # whatever was forked meanwhile, and this process
     os._exit(3)
 
 
