@@ -46,9 +46,12 @@ void bind_compressed_ops(py::module_& m) {
         DType dt = to_dtype(dtype);
         auto impl = std::make_shared<CompressedAllreduce>(codec_params(kind, chunk, levels), average,
                                                           hierarchical, seed);
-        return dispatch(*c, nonblocking, [c, impl, buf, count, dt, step] {
+        // The task holds the communicator by address, as every op on its queue does: a queued
+        // op keeps no owner, so ~Communicator (which drains the queue) never runs on its own worker.
+        Communicator* comm = c.get();
+        return dispatch(*c, nonblocking, [comm, impl, buf, count, dt, step] {
           impl->set_calls(step);  // seeds as in the op's call number `step`
-          impl->run(*c, ptr(buf), count, dt);
+          impl->run(*comm, ptr(buf), count, dt);
         });
       },
       py::arg("comm"), py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("kind"),

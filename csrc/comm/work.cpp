@@ -71,21 +71,24 @@ void Worker::loop() {
     cv_.wait(lk, [&] { return stop_ || (!busy_ && !queue_.empty()); });
     if (queue_.empty() && stop_) return;
     if (queue_.empty()) continue;
-    auto task = std::move(queue_.front());
+    auto [fn, work] = std::move(queue_.front());
     queue_.pop_front();
     busy_ = true;
     lk.unlock();
     std::exception_ptr err;
     try {
-      task.first();
+      fn();
     } catch (...) {
       err = std::current_exception();
     }
-    task.second->finish(err);
-    // The task's captures may hold the last reference to an op whose destructor takes another
-    // lock (a Python-backed op takes the GIL): release them before mu_, or a thread holding
-    // that lock and submitting here would wait for mu_ while this one waits for its lock.
-    task = {};
+    // Release the task's captures before anyone can see it done. A waiter may drop the last other
+    // owner of this worker's communicator the moment wait() returns: a capture released after
+    // finish() could then run ~Worker on this very thread, which cannot join itself. And
+    // before mu_: a capture may hold an op whose destructor takes another lock (a Python-backed
+    // op takes the GIL), and a thread holding that lock while submitting here waits for mu_.
+    fn = nullptr;
+    work->finish(err);
+    work.reset();
     lk.lock();
     busy_ = false;
     cv_.notify_all();

@@ -234,7 +234,6 @@ TEST(Worker, CapturesAreReleasedWithoutTheWorkerLock) {
   auto holder = std::make_shared<Holder>(&outer, &in_destructor);  // no temporary Holder
   auto first = worker.submit([h = holder] {});
   holder.reset();  // the task's capture is the last owner
-  first->wait(Deadline::after(30));
   const Deadline dl = Deadline::after(30);
   while (!in_destructor.load()) {
     if (dl.expired()) FAIL() << "the task's captures were never released";
@@ -248,7 +247,55 @@ TEST(Worker, CapturesAreReleasedWithoutTheWorkerLock) {
     std::_Exit(1);  // both threads are deadlocked: nothing can be joined
   }
   held.unlock();
+  first->wait(Deadline::after(30));
   second.get()->wait(Deadline::after(30));
+}
+
+// A waiter may drop the last other owner of the worker the moment wait() returns (rumor.shutdown()
+// right after a nonblocking op): were the task's captures released after finish(), the worker's
+// own thread could run ~Worker and try to join itself (std::terminate, "Resource deadlock
+// avoided"). So no capture may outlive the moment its work is seen done.
+TEST(Worker, CapturesAreReleasedBeforeTheWorkIsDone) {
+  Worker worker;
+  std::atomic<int> seen{-1};  // done() as the capture was destroyed: 0 or 1
+  struct Probe {
+    std::shared_ptr<std::shared_ptr<Work>> work;
+    std::atomic<int>* seen;
+    ~Probe() {
+      if (*work) seen->store((*work)->done() ? 1 : 0);
+    }
+  };
+  auto slot = std::make_shared<std::shared_ptr<Work>>();
+  std::promise<void> go;
+  auto gate = go.get_future().share();
+  {
+    auto probe = std::make_shared<Probe>(Probe{slot, &seen});
+    *slot = worker.submit([p = std::move(probe), gate] { gate.wait(); });
+  }
+  go.set_value();  // the task runs only once the probe can see its Work
+  (*slot)->wait(Deadline::after(30));
+  EXPECT_EQ(seen.load(), 0) << "a task's captures were released after its work was reported done";
+}
+
+// The case behind that rule: a communicator-like owner whose last reference is the task's own
+// capture once the caller has waited and let go. The owner must be destroyed on the caller's
+// thread, not on the worker's.
+TEST(Worker, OwnerDroppedRightAfterWaitIsDestroyedByTheCaller) {
+  struct Owner {
+    Worker worker;
+    std::thread::id destroyed_on;
+    std::atomic<std::thread::id>* out;
+    ~Owner() { out->store(std::this_thread::get_id()); }
+  };
+  for (int i = 0; i < 200; ++i) {
+    std::atomic<std::thread::id> where{};
+    auto owner = std::make_shared<Owner>();
+    owner->out = &where;
+    auto work = owner->worker.submit([o = owner] {});
+    work->wait(Deadline::after(30));
+    owner.reset();
+    ASSERT_EQ(where.load(), std::this_thread::get_id()) << "round " << i;
+  }
 }
 
 }  // namespace
