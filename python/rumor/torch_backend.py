@@ -17,6 +17,7 @@ import math
 import os
 import queue
 import threading
+import time
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -93,6 +94,26 @@ def _as_error(e: BaseException, what: str, peer: str) -> BaseException:
     if isinstance(e, dist.DistBackendError):
         return e
     return dist.DistBackendError(f"{_where(what)} ({peer}) failed: {e}")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Ran:
+    """A core work item for an op that already ran on the caller's thread."""
+
+    __slots__ = ("_error",)
+
+    def __init__(self, error: Optional[BaseException]):
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 class _Waiter:
@@ -305,10 +326,13 @@ class RumorProcessGroup(dist.ProcessGroup):
         size: the number of ranks in the group.
         timeout: seconds every operation may take (init_process_group's timeout).
         global_ranks: the group's members as global ranks (empty for the default group).
+        store: the group's store (monitored_barrier meets there, off the data path).
     """
 
-    def __init__(self, ctx, rank: int, size: int, timeout: float, global_ranks: Sequence[int]):
+    def __init__(self, ctx, rank: int, size: int, timeout: float, global_ranks: Sequence[int], store=None):
         super().__init__(rank, size)
+        self._store = store
+        self._monitored = 0  # monitored_barrier calls so far: each one's keys are its own
         self._ctx = ctx
         self._rank = rank
         self._size = size
@@ -318,6 +342,7 @@ class RumorProcessGroup(dist.ProcessGroup):
         self._p2p: dict = {}
         self._p2p_lock = threading.Lock()
         self._waiter = _Waiter()
+        self._inline_bytes = env_int("RUMOR_TORCH_INLINE_BYTES", 64 << 10, minimum=0)
 
     # ---- identity -------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -391,6 +416,22 @@ class RumorProcessGroup(dist.ProcessGroup):
     def _work(self, what, peer, works, keep, finish) -> RumorWork:
         return RumorWork(self, what, peer, works, keep, finish)
 
+    def _collective(self, what: str, peer: str, nbytes: int, fn):
+        """Issues a collective: fn(nonblocking) calls the core. One of at most
+        RUMOR_TORCH_INLINE_BYTES runs here and now, which spares the hand-off to the
+        communicator's thread and back (most of a small op's time when ranks outnumber cores);
+        every rank issues collectives in the same order, so running one early changes no result.
+        Its error still surfaces at wait(), as an asynchronous op's does."""
+        if nbytes > self._inline_bytes:
+            return self._issue(what, peer, lambda: fn(True))
+        try:
+            fn(False)
+        except (TypeError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 (reported at wait(), as for an asynchronous op)
+            return _Ran(e)
+        return _Ran(None)
+
     def _issue(self, what: str, peer: str, fn):
         try:
             return fn()
@@ -434,7 +475,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 t.copy_(buf)
             return [t]
 
-        w = self._issue(what, self._all(), lambda: self._comm.allreduce(buf.data_ptr(), buf.numel(), code, op, 0, True))
+        w = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allreduce(buf.data_ptr(), buf.numel(), code, op, 0, nb))
         return self._work(what, self._all(), [w], (buf, t), finish)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -465,7 +506,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += t.numel()
             return list(tensors)
 
-        w = self._issue(what, self._all(), lambda: self._comm.allreduce(flat.data_ptr(), flat.numel(), code, op, 0, True))
+        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allreduce(flat.data_ptr(), flat.numel(), code, op, 0, nb))
         return self._work(what, self._all(), [w], (flat,), finish)
 
     def reduce(self, tensors, opts=None):
@@ -496,7 +537,7 @@ class RumorProcessGroup(dist.ProcessGroup):
             return [t]
 
         peer = f"root {self._peer(root)}"
-        w = self._issue(what, peer, lambda: self._comm.reduce(buf.data_ptr(), buf.numel(), code, op, root, True))
+        w = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.reduce(buf.data_ptr(), buf.numel(), code, op, root, nb))
         return self._work(what, peer, [w], (buf, t), finish)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -557,8 +598,8 @@ class RumorProcessGroup(dist.ProcessGroup):
                 out.copy_(res)
             return [out]
 
-        w = self._issue(what, self._all(), lambda: self._comm.reduce_scatter(
-            src.data_ptr(), res.data_ptr(), counts, code, op, True))
+        w = self._collective(what, self._all(), _nbytes(src), lambda nb: self._comm.reduce_scatter(
+            src.data_ptr(), res.data_ptr(), counts, code, op, nb))
         return self._work(what, self._all(), [w], (src, res, out), finish)
 
     # ---- data movement --------------------------------------------------------------------
@@ -585,7 +626,7 @@ class RumorProcessGroup(dist.ProcessGroup):
             return [t]
 
         peer = f"root {self._peer(root)}"
-        w = self._issue(what, peer, lambda: self._comm.broadcast(buf.data_ptr(), buf.numel() * per, code, root, True))
+        w = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.broadcast(buf.data_ptr(), buf.numel() * per, code, root, nb))
         return self._work(what, peer, [w], (buf, t), finish)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -622,7 +663,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += o.numel()
             return outs
 
-        w = self._issue(what, self._all(), lambda: self._comm.allgather(flat.data_ptr(), [c * per for c in counts], code, True))
+        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allgather(flat.data_ptr(), [c * per for c in counts], code, nb))
         return self._work(what, self._all(), [w], (flat,), finish)
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 (torch's name)
@@ -653,7 +694,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 output.copy_(buf)
             return [output]
 
-        w = self._issue(what, self._all(), lambda: self._comm.allgather(buf.data_ptr(), [n * per] * self._size, code, True))
+        w = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allgather(buf.data_ptr(), [n * per] * self._size, code, nb))
         return self._work(what, self._all(), [w], (buf, output), finish)
 
     _allgather_base = all_gather_single
@@ -732,9 +773,9 @@ class RumorProcessGroup(dist.ProcessGroup):
                 output.copy_(dst)
             return [output]
 
-        w = self._issue(what, self._all(), lambda: self._comm.alltoall(
+        w = self._collective(what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
             src.data_ptr(), [s * per_row * per for s in send], dst.data_ptr(),
-            [r * per_row * per for r in recv], code, True))
+            [r * per_row * per for r in recv], code, nb))
         del n
         return self._work(what, self._all(), [w], (src, dst, output), finish)
 
@@ -785,9 +826,9 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += o.numel()
             return list(output_tensors)
 
-        w = self._issue(what, self._all(), lambda: self._comm.alltoall(
+        w = self._collective(what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
             src.data_ptr(), [t.numel() * per for t in input_tensors], dst.data_ptr(),
-            [t.numel() * per for t in output_tensors], code, True))
+            [t.numel() * per for t in output_tensors], code, nb))
         return self._work(what, self._all(), [w], (src, dst), finish)
 
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -885,8 +926,66 @@ class RumorProcessGroup(dist.ProcessGroup):
             A RumorWork.
         """
         what = "barrier"
-        w = self._issue(what, self._all(), lambda: self._comm.barrier(True))
+        w = self._collective(what, self._all(), 0, lambda nb: self._comm.barrier(nb))
         return self._work(what, self._all(), [w], (), lambda: [])
+
+    def monitored_barrier(self, timeout: Optional[datetime.timedelta] = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored_barrier on this group (torch's dist.monitored_barrier refuses every
+        backend but gloo: call rumor.torch_backend.monitored_barrier). Every rank reports to
+        group rank 0 through the store; rank 0 names the ranks that did not arrive in time.
+        It goes through the store, not the group's connections, so it still answers after a
+        peer died or a collective failed.
+
+        Args:
+            timeout: how long rank 0 waits for the others and they wait for its release
+                (default: the group's timeout).
+            wait_all_ranks: rank 0 names every missing rank, not only the first.
+
+        Raises:
+            torch.distributed.DistBackendError: on rank 0, the ranks that did not arrive; on the
+                others, rank 0 did not release them in time (it failed, or is not there).
+        """
+        what = "monitored_barrier"
+        limit = self._timeout if timeout is None else timeout.total_seconds()
+        if limit <= 0:
+            raise ValueError(f"{_where(what)}: timeout must be positive, got {timeout}")
+        seq = self._monitored
+        self._monitored += 1
+        if self._size == 1:
+            return
+        if self._store is None:
+            raise ValueError(f"{_where(what)}: this group was made without a store")
+        key = f"monitored/{seq}/"
+        deadline = time.monotonic() + limit
+        if self._rank != 0:
+            self._store.set(f"{key}{self._rank}", b"1")
+            try:
+                self._store.wait([f"{key}released"], datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            except Exception:  # noqa: BLE001 (the store's timeout error; rank 0 is what matters)
+                raise dist.DistBackendError(
+                    f"{_where(what)}: {self._peer(self._rank)} passed it but {self._peer(0)} did not release it "
+                    f"within {limit:g} s (rank 0 failed, or found another rank missing)") from None
+            return
+        missing = []
+        for r in range(1, self._size):
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0 or (missing and not wait_all_ranks):
+                    raise TimeoutError
+                self._store.wait([f"{key}{r}"], datetime.timedelta(seconds=left))
+            except Exception:  # noqa: BLE001 (a timeout of the store's wait)
+                if not self._store.check([f"{key}{r}"]):
+                    missing.append(r)
+                    if not wait_all_ranks:
+                        break
+        if missing:
+            names = ", ".join(str(self._global[r]) for r in missing)
+            raise dist.DistBackendError(
+                f"{_where(what)}: {'ranks' if len(missing) > 1 else 'rank'} {names} failed to pass "
+                f"monitored_barrier in {limit:g} s (waited for by {self._peer(0)})")
+        for r in range(1, self._size):
+            self._store.delete_key(f"{key}{r}")
+        self._store.set(f"{key}released", b"1")
 
     # ---- point to point -------------------------------------------------------------------
     def _p2p_comm(self, src: int, dst: int, tag: int, what: str):
@@ -1020,7 +1119,7 @@ def _create(opts, backend_options=None):
 
         ctx, _token, entries = _rendezvous.exchange(store, env, timeout, make_ctx, host, advertise, js)
         ctx.set_peers([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries])
-    pg = RumorProcessGroup(ctx, rank, size, timeout, list(opts.global_ranks_in_group or []))
+    pg = RumorProcessGroup(ctx, rank, size, timeout, list(opts.global_ranks_in_group or []), store=store)
     # Every rank must have mapped its local peers' shared memory before the names can go.
     pg._comm.barrier(False)
     ctx.seal()
@@ -1035,4 +1134,24 @@ def register() -> None:
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
 
 
-__all__ = ["RumorProcessGroup", "RumorWork", "register", "BACKEND_NAME"]
+def monitored_barrier(group: Optional[dist.ProcessGroup] = None, timeout: Optional[datetime.timedelta] = None,
+                      wait_all_ranks: bool = False) -> None:
+    """dist.monitored_barrier for rumor's groups (torch's own refuses every backend but gloo);
+    on any other group it calls torch's.
+
+    Args:
+        group: the process group (default: the default group).
+        timeout: how long to wait (default: the group's timeout).
+        wait_all_ranks: rank 0 names every rank that did not arrive, not only the first.
+
+    Raises:
+        torch.distributed.DistBackendError: some rank did not arrive in time (named on rank 0).
+    """
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if isinstance(pg, RumorProcessGroup):
+        pg.monitored_barrier(timeout, wait_all_ranks)
+    else:
+        dist.monitored_barrier(group, timeout, wait_all_ranks)
+
+
+__all__ = ["RumorProcessGroup", "RumorWork", "register", "monitored_barrier", "BACKEND_NAME"]

@@ -622,3 +622,64 @@ def _with_rumor_init_rank():
 def test_coexists_with_rumor_init():
     for got in harness.run(_with_rumor_init_rank, 2, timeout=TIMEOUT):
         assert got == (3.0, 3.0, 4.0)
+
+
+def _monitored_rank():
+    """gloo's monitored_barrier semantics through rumor.torch_backend.monitored_barrier: all
+    arrive -> all pass; group rank 2 stays away -> rank 0 names it, rank 1 hears rank 0 did not
+    release it; two stay away with wait_all_ranks -> rank 0 names both. Each outcome is gloo's."""
+    import re
+
+    import torch.distributed as dist
+
+    from rumor.torch_backend import monitored_barrier
+
+    dist_ = _init()
+    r = dist_.get_rank()
+    short = datetime.timedelta(seconds=2)
+    out = {}
+
+    def outcome(group, skip, wait_all):
+        if r in skip:
+            return "skipped"
+        try:
+            if group is None:
+                monitored_barrier(timeout=short, wait_all_ranks=wait_all)
+            else:
+                dist.monitored_barrier(group, timeout=short, wait_all_ranks=wait_all)
+            return "passed"
+        except RuntimeError as e:
+            if r != 0:
+                return "failed"
+            m = re.search(r"[Rr]anks? ([\d, ]+) failed to pass", str(e))
+            if not m:
+                return f"failed: {e}"
+            return f"failed {sorted(int(x) for x in m.group(1).replace(',', ' ').split())}"
+
+    for name, skip, wait_all in (("all", (), False), ("one", (2,), False), ("two", (1, 2), True)):
+        got = outcome(None, skip, wait_all)
+        dist.barrier()
+        # A failed monitored_barrier breaks gloo's group: a fresh one for each case.
+        want = outcome(dist.new_group(backend="gloo"), skip, wait_all)
+        dist.barrier()
+        out[name] = (got, want)
+    # torch's own function refuses rumor's group, which is why rumor has one.
+    try:
+        dist.monitored_barrier(timeout=short)
+        out["torch"] = "accepted"
+    except ValueError as e:
+        out["torch"] = "refused" if "GLOO" in str(e) else str(e)
+    dist.barrier()
+    return out
+
+
+def test_monitored_barrier_matches_gloo():
+    res = harness.run(_monitored_rank, 3, timeout=TIMEOUT)
+    for r, out in enumerate(res):
+        assert out.pop("torch") == "refused"
+        for name, (got, want) in out.items():
+            assert got == want, (r, name, got, want)
+    assert res[0]["one"][0] == "failed [2]"
+    assert res[0]["two"][0] == "failed [1, 2]"
+    assert res[1]["one"][0] == "failed"
+    assert res[2]["all"][0] == "passed"
