@@ -56,6 +56,8 @@ def train_bytegrad(rank: int):
 def train_loop(config) -> None:
     """Ray's train function: torch DDP on the group Ray made (its backend is TorchConfig's), or
     ByteGrad through rumor's wrapper; saves the final parameters."""
+    import importlib.util
+
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -70,7 +72,10 @@ def train_loop(config) -> None:
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
         params = [p.detach().clone() for p in model.parameters()]
-    torch.save(dict(group=type(dist.group.WORLD).__name__, backend=dist.get_backend(), params=params),
+    # Whether this worker could have imported the train loop by name (it must not need to).
+    importable = importlib.util.find_spec("ray_job") is not None
+    torch.save(dict(group=type(dist.group.WORLD).__name__, backend=dist.get_backend(), params=params,
+                    ray_job_importable=importable),
                os.path.join(config["out"], f"{config['name']}.{rank}.pt"))
 
 
@@ -83,6 +88,10 @@ def main(out: str) -> None:
     # would otherwise be pickled by reference and fail on workers that cannot import it.
     if __name__ != "__main__":
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # Nor may Ray hand this script's directory (tests/python, sys.path[0]) on to the workers with
+    # the driver's path: they must do without it, as on a cluster.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     # Ray's session files (sockets included, whose paths must stay short) in a directory of
     # this run, not in the shared /tmp/ray.
     ray_tmp = tempfile.mkdtemp(prefix="rumor-ray-")

@@ -87,6 +87,8 @@ def test_torch_trainer_on_rumor_matches_gloo(tmp_path):
     for r in (0, 1):
         assert res["rumor", r]["group"] == "RumorProcessGroup", res["rumor", r]["group"]
         assert res["gloo", r]["backend"] == "gloo"
+        # The train loop reached the workers by value: they could not have imported it by name.
+        assert not any(res[n, r]["ray_job_importable"] for n, _, _ in ray_job.RUNS)
         # torch DDP averages two float32 gradients on either backend: the same bits.
         assert len(res["rumor", r]["params"]) == len(res["gloo", r]["params"]) == 4
         for a, b in zip(res["rumor", r]["params"], res["gloo", r]["params"]):
