@@ -792,7 +792,7 @@ class DistributedDataParallel(torch.nn.Module):
         Call it between iterations. An algorithm with a background thread (AsyncModelAverage)
         must have finished first (``ddp.algorithm.finish()``): its thread is the algorithm's,
         not a hook. Calling it again does nothing. Nothing here communicates, so ranks may call
-        it at different times.
+        it at different times. The buckets' memory is freed when the wrapper is dropped.
 
         Raises:
             RuntimeError: called during a backward (from a hook or an autograd callback).
