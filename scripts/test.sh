@@ -26,7 +26,7 @@ echo "== Docs site (MkDocs, strict: a broken link or a missing name fails)"
 bash scripts/docs.sh
 
 echo "== Python tests"
-# Tests marked slow (more ddp_cnn algorithms, elastic churn: another launch each, with nothing a
+# Tests marked slow (more ddp_cnn algorithms, elastic churn, Ray Train: another launch each, with nothing a
 # faster test leaves unchecked) run with RUMOR_TEST_SLOW=1; CI leaves them out to stay in time.
 if [ "${RUMOR_TEST_SLOW:-0}" = 1 ]; then
   $PY -m pytest tests/python -q -p no:cacheprovider

@@ -88,17 +88,6 @@ def _steps_optimizer(algorithm: Algorithm) -> bool:
     return type(algorithm).after_step is not Algorithm.after_step
 
 
-def _detach(ddp: DistributedDataParallel) -> None:
-    """Removes the wrapper's hooks from the module's parameters and the optimizer, so that the
-    module Lightning keeps after teardown trains (or is wrapped again) without rumor."""
-    handles = list(getattr(ddp, "_hook_handles", ()))
-    handles.append(getattr(ddp, "_step_hook", None))
-    handles.extend(getattr(ddp, "_step_trace_hooks", ()) or ())
-    for h in handles:
-        if h is not None:
-            h.remove()
-
-
 class RumorStrategy(DDPStrategy):
     """Lightning's data-parallel strategy on rumor: the LightningModule is wrapped in
     rumor.DistributedDataParallel with any rumor algorithm.
@@ -379,7 +368,8 @@ class RumorStrategy(DDPStrategy):
                     ddp.algorithm.finish()
         finally:
             if ddp is not None:
-                _detach(ddp)
+                # The module Lightning keeps after teardown trains (or is wrapped again) without rumor.
+                ddp.remove_hooks()
                 self.model = ddp.module
             super().teardown()
             if self._started_rumor:

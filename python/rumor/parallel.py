@@ -281,6 +281,7 @@ class DistributedDataParallel(torch.nn.Module):
                                       optimizer.register_step_post_hook(trace("_trace_step_end")))
         self._step_t0 = None
         self._backward_t0 = None
+        self._hooks_removed = False
         self.algorithm.init(self)
         from .autotune import _make_autotuner
         self._autotuner = _make_autotuner(self, autotune)
@@ -467,6 +468,9 @@ class DistributedDataParallel(torch.nn.Module):
         fusion.layout(plan)
         if self.overlap_optimizer:
             fusion.overlap = self
+            if not hasattr(self, "_amp_flag_before"):
+                # What remove_hooks() puts back: the optimizer's own (instance) flag, or none.
+                self._amp_flag_before = self.optimizer.__dict__.get("_step_supports_amp_scaling", _NO_FLAG)
             self.optimizer._step_supports_amp_scaling = True  # so that GradScaler is refused, not ignored
             self._step_segs = [[s for s in fusion.segments if s.bucket == bi] for bi in range(len(self.buckets))]
             self._step_ops = [self._make_step_op(bi, segs) for bi, segs in enumerate(self._step_segs)]
@@ -717,6 +721,11 @@ class DistributedDataParallel(torch.nn.Module):
         the autotuner's tick, the buffer broadcast, the algorithm's before_forward and the
         forward's timings. rumor.compat.bagua's with_bagua runs it around the module's own
         forward, with the module's training flag."""
+        if self._hooks_removed:
+            raise RuntimeError("rumor.DistributedDataParallel: forward through a wrapper after its "
+                               "remove_hooks(): it no longer averages gradients, so a step through it would "
+                               "silently train this rank alone; call the module itself (.module), or wrap "
+                               "it again")
         training = training and torch.is_grad_enabled()
         if self._autotuner is not None and training:
             self._autotuner.before_forward()
@@ -766,6 +775,59 @@ class DistributedDataParallel(torch.nn.Module):
                     forward_end=None if f_end is None else f_end - f_start,
                     backward_compute_end=compute_end - f_start, backward_end=end - f_start, buckets=buckets,
                     exposed_comm=end - compute_end, comm_busy=sum(b["end"] - b["start"] for b in buckets))
+
+    def remove_hooks(self) -> None:
+        """Gives the module and the optimizer back as they would be without the wrapper.
+
+        Removes every hook the wrapper put on the module's parameters (gradient readiness and the
+        sparse-gradient check) and on the optimizer (the algorithm's after_step, the timeline's
+        step spans); gradients that were views of the wrapper's buckets become tensors of their
+        own; a fused optimizer (rumor.optim.fuse_optimizer) is laid out over its own flat buffers
+        again and, with overlap_optimizer, steps every parameter in optimizer.step() again. The
+        parameter values, gradients and optimizer state are kept. Afterwards ``.module`` trains
+        as a plain module (a backward communicates nothing) and can be wrapped again; a forward
+        through this wrapper raises. An optimizer the wrapper fused itself (overlap_optimizer
+        with a plain one) stays fused, which computes the same steps.
+
+        Call it between iterations. An algorithm with a background thread (AsyncModelAverage)
+        must have finished first (``ddp.algorithm.finish()``): its thread is the algorithm's,
+        not a hook. Calling it again does nothing. Nothing here communicates, so ranks may call
+        it at different times. The buckets' memory is freed when the wrapper is dropped.
+
+        Raises:
+            RuntimeError: called during a backward (from a hook or an autograd callback).
+        """
+        if self._hooks_removed:
+            return
+        # Inside autograd (a hook, a queued callback) the backward's buckets are still being
+        # averaged. Outside it, a backward that raised half way may have left its flags set: the
+        # wrapper is done with, so they do not matter (Lightning's teardown after an error).
+        if getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1:
+            raise RuntimeError("rumor.DistributedDataParallel.remove_hooks: called during a backward (its "
+                               "buckets are being averaged); call it between iterations")
+        handles = list(self._hook_handles)
+        if self.optimizer is not None:
+            handles.append(self._step_hook)
+            handles.extend(self._step_trace_hooks)
+        for h in handles:
+            h.remove()
+        self._hook_handles = []
+        self._hooks_removed = True
+        fusion = self._fusion
+        if fusion is not None:
+            if fusion.overlap is self:
+                fusion.overlap = None
+                flag = getattr(self, "_amp_flag_before", _NO_FLAG)
+                if flag is _NO_FLAG:
+                    self.optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+                else:
+                    self.optimizer._step_supports_amp_scaling = flag
+            # Segments over bucket slices (shared memory, possibly) become private buffers.
+            fusion.layout(fusion.default_plan())
+        with torch.no_grad():
+            for p, view in zip(self._params, self._views):
+                if p.grad is not None and view is not None and p.grad.data_ptr() == view.data_ptr():
+                    p.grad = p.grad.clone()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -834,6 +896,9 @@ class DistributedDataParallel(torch.nn.Module):
                                  "DistributedDataParallel, the wrapper does not forward attributes)")
         raise AttributeError(base)
 
+
+# remove_hooks(): the optimizer had no _step_supports_amp_scaling of its own.
+_NO_FLAG = object()
 
 # torch DDP's public methods this wrapper lacks, and what to do instead.
 _TORCH_DDP_ONLY = {
