@@ -1,12 +1,12 @@
-"""The Ray side of test_ray.py: a driver that starts a local Ray cluster and fits three
-TorchTrainers, run as a script (`python ray_job.py OUT_DIR`) inside a private network namespace.
+"""The Ray side of test_ray.py: a driver that starts a local Ray cluster and fits one 2-worker
+TorchTrainer on the rumor backend, run as a script (`python ray_job.py OUT_DIR`) inside a private network namespace.
 
 Run as a script, this module is ``__main__``, which cloudpickle always serializes by value: the
 train loop and everything it calls travel to Ray's workers inside the pickle, so the workers need
 neither tests/python on their path nor the test module (they only import rumor, torch and ray).
 The same file is also imported by name (by test_ray.py's harness ranks) for the run without Ray.
 
-Output: one ``<name>.<rank>.pt`` per trainer and worker in OUT_DIR, then a line ``RAY_JOB_DONE``.
+Output: one ``rumor.<rank>.pt`` per worker in OUT_DIR, then a line ``RAY_JOB_DONE``.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import tempfile
 import torch
 
 STEPS = 4
-RUNS = (("rumor", "rumor", False), ("gloo", "gloo", False), ("algo", "rumor", True))
 
 
 def mlp() -> torch.nn.Module:
@@ -30,6 +29,18 @@ def batches(rank: int):
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)) for _ in range(2 * STEPS)]
     return data[rank::2]
+
+
+def train_ddp(rank: int):
+    """torch DDP on the default process group (its backend is whatever the launcher chose)."""
+    model = mlp()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in batches(rank):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def train_bytegrad(rank: int):
@@ -53,30 +64,23 @@ def train_bytegrad(rank: int):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def train_both(rank: int) -> dict:
+    """What a worker runs under either launcher: torch DDP, then ByteGrad through rumor's wrapper."""
+    return dict(ddp=train_ddp(rank), algo=train_bytegrad(rank))
+
+
 def train_loop(config) -> None:
-    """Ray's train function: torch DDP on the group Ray made (its backend is TorchConfig's), or
-    ByteGrad through rumor's wrapper; saves the final parameters."""
+    """Ray's train function, on the group Ray made (TorchConfig's backend): train_both, saved with
+    what the group is and whether the worker could have imported this module by name."""
     import importlib.util
 
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    if config["rumor_ddp"]:
-        params = train_bytegrad(rank)
-    else:
-        model = mlp()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for x, y in batches(rank):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
-        params = [p.detach().clone() for p in model.parameters()]
-    # Whether this worker could have imported the train loop by name (it must not need to).
-    importable = importlib.util.find_spec("ray_job") is not None
-    torch.save(dict(group=type(dist.group.WORLD).__name__, backend=dist.get_backend(), params=params,
-                    ray_job_importable=importable),
-               os.path.join(config["out"], f"{config['name']}.{rank}.pt"))
+    res = train_both(rank)
+    res.update(group=type(dist.group.WORLD).__name__, backend=dist.get_backend(),
+               ray_job_importable=importlib.util.find_spec("ray_job") is not None)
+    torch.save(res, os.path.join(config["out"], f"rumor.{rank}.pt"))
 
 
 def main(out: str) -> None:
@@ -99,11 +103,10 @@ def main(out: str) -> None:
              _temp_dir=ray_tmp, object_store_memory=100 * 1024 * 1024,
              runtime_env={"worker_process_setup_hook": "rumor.torch_backend.register"})
     try:
-        for name, backend, rumor_ddp in RUNS:
-            TorchTrainer(train_loop, train_loop_config=dict(out=out, name=name, rumor_ddp=rumor_ddp),
-                         torch_config=TorchConfig(backend=backend, timeout_s=60),
-                         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                         run_config=RunConfig(name=name, storage_path=os.path.join(out, "ray"))).fit()
+        TorchTrainer(train_loop, train_loop_config=dict(out=out),
+                     torch_config=TorchConfig(backend="rumor", timeout_s=60),
+                     scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                     run_config=RunConfig(name="rumor", storage_path=os.path.join(out, "ray"))).fit()
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)

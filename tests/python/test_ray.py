@@ -1,16 +1,15 @@
 """Ray Train's TorchTrainer on rumor's torch.distributed backend (docs/ray.md).
 
-ray_job.py, run as a script, starts a local Ray cluster and fits 2-worker trainers on
-TorchConfig(backend="rumor"), on "gloo", and with rumor.DistributedDataParallel (ByteGrad) in
-the train loop. Ray's workers create the process group before the train function runs, so they
+ray_job.py, run as a script, starts a local Ray cluster and fits a 2-worker trainer on
+TorchConfig(backend="rumor") whose loop runs torch DDP and then rumor.DistributedDataParallel
+(ByteGrad); both must equal the same code under torchrun's environment on gloo. Ray's workers create the process group before the train function runs, so they
 must have imported rumor by then: the job's runtime_env names rumor's registration as the worker
 setup hook. The workers import the rumor this process imports (the installed one, or the one
 PYTHONPATH names) and get the train loop by value (ray_job.py's docstring).
 
 Ray's head and workers listen on every interface, so the driver runs in a network namespace of
 its own (only its loopback exists) and a PID namespace of its own (when the driver ends, or the
-deadline kills it, the kernel ends every Ray process it started). Starting Ray and three
-trainers takes minutes on two busy cores: marked slow.
+deadline kills it, the kernel ends every Ray process it started).
 """
 from __future__ import annotations
 
@@ -24,8 +23,6 @@ import torch
 
 import harness
 import ray_job
-
-pytestmark = pytest.mark.slow
 
 DEADLINE_S = 900
 
@@ -46,9 +43,16 @@ def _namespaces_available() -> bool:
         return False
 
 
-def _without_ray_rank():
-    """ray_job's ByteGrad loop launched by the test harness (torchrun's environment) instead."""
-    return ray_job.train_bytegrad(int(os.environ["RANK"]))
+def _torchrun_rank():
+    """The same worker code under the test harness (torchrun's environment) on gloo: the run Ray's
+    must equal."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=harness.env_rank(), world_size=harness.env_world())
+    try:
+        return ray_job.train_both(dist.get_rank())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_torch_trainer_on_rumor_matches_gloo(tmp_path):
@@ -83,18 +87,15 @@ def test_torch_trainer_on_rumor_matches_gloo(tmp_path):
         kill_process_group(p)
     assert p.returncode == 0 and "RAY_JOB_DONE" in log, f"exit code {p.returncode}; output:\n{log[-6000:]}"
 
-    res = {(n, r): torch.load(out / f"{n}.{r}.pt") for n, _, _ in ray_job.RUNS for r in (0, 1)}
+    ref = harness.run(_torchrun_rank, 2, timeout=120)
     for r in (0, 1):
-        assert res["rumor", r]["group"] == "RumorProcessGroup", res["rumor", r]["group"]
-        assert res["gloo", r]["backend"] == "gloo"
+        got = torch.load(out / f"rumor.{r}.pt")
+        assert got["group"] == "RumorProcessGroup" and got["backend"] == "rumor", (got["group"], got["backend"])
         # The train loop reached the workers by value: they could not have imported it by name.
-        assert not any(res[n, r]["ray_job_importable"] for n, _, _ in ray_job.RUNS)
-        # torch DDP averages two float32 gradients on either backend: the same bits.
-        assert len(res["rumor", r]["params"]) == len(res["gloo", r]["params"]) == 4
-        for a, b in zip(res["rumor", r]["params"], res["gloo", r]["params"]):
-            assert torch.equal(a, b)
-    # ByteGrad inside Ray's loop: the same bits as the same loop under the test harness.
-    for r, without in enumerate(harness.run(_without_ray_rank, 2, timeout=120)):
-        assert len(res["algo", r]["params"]) == len(without) == 4
-        for a, b in zip(res["algo", r]["params"], without):
-            assert torch.equal(a, b)
+        assert not got["ray_job_importable"]
+        # torch DDP averages two float32 gradients on either backend: the same bits as on gloo;
+        # ByteGrad inside Ray's loop: the same bits as outside it.
+        for part in ("ddp", "algo"):
+            assert len(got[part]) == len(ref[r][part]) == 4
+            for a, b in zip(got[part], ref[r][part]):
+                assert torch.equal(a, b), (part, r)
