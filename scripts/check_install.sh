@@ -27,7 +27,11 @@ step "python -m build (sdist, then a wheel from the sdist) into $work/dist"
 # RUMOR_WERROR: the project's own builds keep warnings fatal; users' builds (the default) do not.
 # RUMOR_CUDA=OFF: the packaging is what is checked here; the CUDA kernels are compiled (with nvcc,
 # where found) by setup.sh's build of the same sources, and would triple this build's time.
-timeout 3600 "$PY" -m build --outdir "$work/dist" -C cmake.define.RUMOR_WERROR=ON -C cmake.define.RUMOR_CUDA=OFF "$REPO" >"$work/build.log" 2>&1 ||
+# The isolated build environment and the unpacked sdist under $work, hashed relative to it
+# (scripts/ccache_env.sh): the core's objects come from ccache when an earlier run built them.
+source scripts/ccache_env.sh
+export CCACHE_BASEDIR="$work"
+TMPDIR="$work" timeout 3600 "$PY" -m build --outdir "$work/dist" -C cmake.define.RUMOR_WERROR=ON -C cmake.define.RUMOR_CUDA=OFF "$REPO" >"$work/build.log" 2>&1 ||
   { tail -60 "$work/build.log"; step "FAILED: python -m build"; exit 1; }
 t_build=$(($(now) - t0))
 sdist=$(ls "$work"/dist/rumor-*.tar.gz)

@@ -10,6 +10,7 @@ command -v tc >/dev/null 2>&1 || apt_pkgs+=(iproute2)
 [ -f /usr/include/gtest/gtest.h ] || apt_pkgs+=(libgtest-dev)
 [ -f /usr/include/openssl/hmac.h ] || apt_pkgs+=(libssl-dev)  # libcrypto: the connection handshake's HMAC
 command -v g++ >/dev/null 2>&1 || apt_pkgs+=(g++)
+command -v ccache >/dev/null 2>&1 || apt_pkgs+=(ccache)  # compiler cache: scripts/ccache_env.sh
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)  # rumor.data cache; rumor starts its own
 # The fuzz targets (scripts/fuzz.sh): clang's libFuzzer with ASan+UBSan.
 command -v clang++-14 >/dev/null 2>&1 || apt_pkgs+=(clang-14)
@@ -41,5 +42,6 @@ $PY -m pip install -q "scikit-build-core>=0.11" "pybind11>=2.12" cmake ninja num
 $PY -m pip install -q "lightning>=2.0" accelerate transformers "ray[train]>=2.9" \
   "torch==$($PY -c 'import torch; print(torch.__version__.split("+")[0])')"
 # The project's own build: warnings are errors (RUMOR_WERROR, off for users' builds).
+source scripts/ccache_env.sh
 $PY -m pip install -q --no-build-isolation -C cmake.define.RUMOR_WERROR=ON .
 $PY -c "import rumor, rumor._C as c; print('setup: rumor', rumor.__version__, 'installed; reduction kernels:', c.reduce_isa())"

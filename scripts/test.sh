@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
+source scripts/ccache_env.sh
 
 echo "== C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
 cmake -S . -B build/asan -G Ninja -DRUMOR_BUILD_PYTHON=OFF -DRUMOR_BUILD_TESTS=ON -DRUMOR_WERROR=ON \
@@ -36,3 +37,8 @@ fi
 
 echo "== Install check (sdist -> wheel -> fresh venv -> import rumor and a 2-rank allreduce)"
 bash scripts/check_install.sh
+
+if [ -n "${CMAKE_CXX_COMPILER_LAUNCHER:-}" ]; then
+  echo "== ccache (scripts/ccache_env.sh)"
+  ccache --show-stats 2>/dev/null | grep -iE "^ *(hits|misses|cacheable)" || true
+fi
