@@ -8,6 +8,10 @@ scripts/test.sh: the whole class takes long.
     PYTHONPATH=python python scripts/torch_suite.py -k "all_reduce or barrier"
     PYTHONPATH=python python scripts/torch_suite.py --backends rumor --world-size 3
 
+BACKEND=rumor runs the tests torch's suite allows a plugin backend (CPU, DDP and subgroups);
+"rumor-as-gloo" runs the suite as for gloo (BACKEND=gloo, so also the tests it keeps for gloo
+by name) with every group it makes on rumor; gloo itself is the reference.
+
 Each backend runs one pytest of scripts/torch_suite_tests.py with BACKEND, WORLD_SIZE and
 TEMP_DIR set as torch's suite expects; DISTRIBUTED_TESTS_DEFAULT_TIMEOUT (--timeout) is the
 suite's own deadline per test, after which it fails the test and ends its ranks. Needs
@@ -29,23 +33,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SUITE = os.path.join(HERE, "torch_suite_tests.py")
 
-# The line that names what went wrong: an exception's "Type: message" line, skipping the
-# suite's own wrapper ("Process 0 exited with error code 10 and exception:").
-_EXC = re.compile(r"^(?:E\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Failure|Exit|Timeout)\w*)(?::\s?(.*))?$")
+# An exception's "Type: message" line; the suite wraps each failed rank's traceback in
+# "Process N exited with error code 10 and exception:".
+_EXC = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Failure|Exit|Timeout)\w*)(?::\s?(.*))?$")
 _WRAPPER = re.compile(r"Process \d+ (?:exited with error code|terminated or timed out)")
 
 
 def first_error_line(message: str, text: str) -> str:
-    """The first exception a rank raised, as 'Type: message', else the report's first line."""
-    for raw in (text or "").splitlines() + (message or "").splitlines():
-        line = re.sub(r"^\[rank\d+\]:\S+ \S+ \d+ \S+\]\s?", "", raw).strip()
-        m = _EXC.match(line)
-        if m and not _WRAPPER.search(line):
-            return re.sub(r"^E\s+", "", line)[:300]
-    for line in (message or text or "").splitlines():
-        if line.strip():
-            return line.strip()[:300]
-    return ""
+    """What the first failed rank raised last (after any exception it was handling), as
+    'Type: message'; else the report's first line."""
+    lines = [re.sub(r"^E\s+", "", raw).strip() for raw in (message or text or "").splitlines()]
+    found = ""
+    for i, line in enumerate(lines):
+        if _WRAPPER.search(line):
+            if found:
+                break
+            continue
+        if _EXC.match(line):
+            found = line
+    if found:
+        return found[:300]
+    return next((line[:300] for line in lines if line), "")
 
 
 def parse_junit(path: str) -> dict:
@@ -71,7 +79,10 @@ def run_backend(backend: str, args, logdir: str) -> dict:
     tmp = tempfile.mkdtemp(prefix=f"torch-suite-{backend}-")
     os.makedirs(os.path.join(tmp, "barrier"))
     env = dict(os.environ)
-    env.update(BACKEND=backend, WORLD_SIZE=str(args.world_size), TEMP_DIR=tmp,
+    # "rumor-as-gloo": the suite runs its gloo tests, every group it makes is rumor's.
+    name, _, as_ = backend.partition("-as-")
+    suite_backend, substitute = (as_, name) if as_ else (backend, "")
+    env.update(BACKEND=suite_backend, TORCH_SUITE_AS=substitute, WORLD_SIZE=str(args.world_size), TEMP_DIR=tmp,
                DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(args.timeout), PYTORCH_PRINT_REPRO_ON_FAILURE="0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
     xml = os.path.join(logdir, f"{backend}.xml")
@@ -95,7 +106,9 @@ def run_backend(backend: str, args, logdir: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default="rumor,gloo", help="comma-separated; the last is the reference (default gloo)")
+    ap.add_argument("--backends", default="rumor,rumor-as-gloo,gloo",
+                    help="comma-separated; the last is the reference. X-as-Y runs the suite's tests for Y "
+                         "with every group made on X (default: rumor,rumor-as-gloo,gloo)")
     ap.add_argument("-k", default="", help="pytest -k expression selecting tests")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=120, help="seconds a test may run (the suite's own deadline)")

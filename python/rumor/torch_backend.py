@@ -699,6 +699,54 @@ class RumorProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """all_gather of several CPU tensors of one dtype as one message (dist.all_gather_coalesced).
+
+        Without this method torch's base class looks for a C++ backend of the device and fails
+        ("No backend type associated with device type cpu").
+
+        Args:
+            output_lists: group-size lists; output_lists[r][i] receives rank r's input_tensors[i].
+            input_tensors: this rank's tensors.
+            opts: torch's AllgatherOptions.
+
+        Returns:
+            A RumorWork.
+        """
+        what = "all_gather_coalesced"
+        if len(output_lists) != self._size or any(len(o) != len(input_tensors) for o in output_lists):
+            raise ValueError(f"{_where(what)}: output_tensor_lists must hold {self._size} lists (the group size) "
+                             f"of {len(input_tensors)} tensors (one per input)")
+        if not input_tensors:
+            raise ValueError(f"{_where(what)}: input_tensor_list must not be empty")
+        _check_cpu(input_tensors, what, "input_tensor_list")
+        dtype = input_tensors[0].dtype
+        _same_dtype(input_tensors, dtype, what, "input_tensor_list")
+        outs = [list(o) for o in output_lists]
+        for o in outs:
+            _check_cpu(o, what, "output_tensor_lists")
+            _same_dtype(o, dtype, what, "output_tensor_lists")
+        for i, t in enumerate(input_tensors):
+            if outs[self._rank][i].numel() != t.numel():
+                raise ValueError(f"{_where(what)}: output_tensor_lists[{self._rank}][{i}] has "
+                                 f"{outs[self._rank][i].numel()} elements but input_tensor_list[{i}] has {t.numel()}")
+        code, per = movable_code(input_tensors[0])
+        counts = [sum(t.numel() for t in o) for o in outs]
+        flat = torch.empty(sum(counts), dtype=dtype)
+        start = sum(counts[: self._rank])
+        torch.cat([t.reshape(-1) for t in input_tensors], out=flat[start: start + counts[self._rank]])
+
+        def finish():
+            off = 0
+            for o in outs:
+                for t in o:
+                    t.copy_(flat[off: off + t.numel()].view_as(t))
+                    off += t.numel()
+            return [t for o in outs for t in o]
+
+        w = self._issue(what, self._all(), lambda: self._comm.allgather(flat.data_ptr(), [c * per for c in counts], code, True))
+        return self._work(what, self._all(), [w], (flat,), finish)
+
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """Several all_gather_into_tensor calls as one work (torch's coalescing manager).
 
