@@ -683,3 +683,36 @@ def test_monitored_barrier_matches_gloo():
     assert res[0]["two"][0] == "failed [1, 2]"
     assert res[1]["one"][0] == "failed"
     assert res[2]["all"][0] == "passed"
+
+
+def _gather_coalesced_rank():
+    dist = _init()
+    r, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    bad = []
+    # Inputs of different shapes, one of them empty; each rank's values its own.
+    for dtype, shapes in ((torch.int64, [(2, 3), (0,), (5,)]), (torch.complex64, [(4,), (1, 2)])):
+        def run(g, dtype=dtype, shapes=shapes):
+            ins = [_data(r * 10 + i, s, torch.float32).to(dtype) if dtype.is_complex else _data(r * 10 + i, s, dtype)
+                   for i, s in enumerate(shapes)]
+            outs = [[torch.full(s, -1, dtype=dtype) for s in shapes] for _ in range(n)]
+            dist.all_gather_coalesced(outs, ins, group=g)
+            return [t for o in outs for t in o]
+        got, want = run(None), run(gloo)
+        d = _diff(f"all_gather_coalesced {dtype}", got, want)
+        if d:
+            bad.append(d)
+    # async: the future completes with the gathered tensors in place.
+    ins = [_data(r, (3,), torch.float64)]
+    outs = [[torch.empty(3, dtype=torch.float64)] for _ in range(n)]
+    dist.all_gather_coalesced(outs, ins, async_op=True).wait()
+    d = _diff("all_gather_coalesced async", [o[0] for o in outs], [_data(i, (3,), torch.float64) for i in range(n)])
+    if d:
+        bad.append(d)
+    dist.destroy_process_group()
+    return bad
+
+
+def test_all_gather_coalesced_matches_gloo():
+    for rank_bad in harness.run(_gather_coalesced_rank, 3, timeout=TIMEOUT):
+        assert rank_bad == []
