@@ -1,10 +1,11 @@
 """torch's generic distributed test class (DistributedTest._DistTestBase) on the backend named
 by $BACKEND, as torch's own test/distributed/test_distributed_spawn.py runs it for gloo.
 
-Collected by scripts/torch_suite.py (not by the project's test suite). Every test spawns
-$WORLD_SIZE processes that unpickle the test class, which imports this module in each of them:
-so `import rumor` (which registers the "rumor" backend) and the feature sets below take effect
-in every rank before it calls init_process_group.
+Collected by scripts/torch_suite.py (not by the project's test suite). Every test starts
+$WORLD_SIZE ranks, forked from the pytest process that imported this module (or, with
+TORCH_SUITE_START=spawn, spawned ranks that import it again to unpickle the test class): either
+way `import rumor` (which registers the "rumor" backend) and the settings below are in place in
+every rank before it calls init_process_group.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
 )
 
 
-class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+class TestTorchSuite(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
         self._start_ranks()
