@@ -744,7 +744,8 @@ class RumorProcessGroup(dist.ProcessGroup):
                     off += t.numel()
             return [t for o in outs for t in o]
 
-        w = self._issue(what, self._all(), lambda: self._comm.allgather(flat.data_ptr(), [c * per for c in counts], code, True))
+        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allgather(
+            flat.data_ptr(), [c * per for c in counts], code, nb))
         return self._work(what, self._all(), [w], (flat,), finish)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
