@@ -987,7 +987,7 @@ class RumorProcessGroup(dist.ProcessGroup):
 
         Args:
             timeout: how long rank 0 waits for the others and they wait for its release
-                (default: the group's timeout).
+                (default: the group's timeout; 0: rank 0 only looks, as gloo's does).
             wait_all_ranks: rank 0 names every missing rank, not only the first.
 
         Raises:
@@ -996,8 +996,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         """
         what = "monitored_barrier"
         limit = self._timeout if timeout is None else timeout.total_seconds()
-        if limit <= 0:
-            raise ValueError(f"{_where(what)}: timeout must be positive, got {timeout}")
+        if limit < 0:
+            raise ValueError(f"{_where(what)}: timeout must not be negative, got {timeout}")
         seq = self._monitored
         self._monitored += 1
         if self._size == 1:
