@@ -706,7 +706,7 @@ class RumorProcessGroup(dist.ProcessGroup):
         ("No backend type associated with device type cpu").
 
         Args:
-            output_lists: group-size lists; output_lists[r][i] receives rank r's input_tensors[i].
+            output_lists: group-size lists; ``output_lists[r][i]`` receives rank r's ``input_tensors[i]``.
             input_tensors: this rank's tensors.
             opts: torch's AllgatherOptions.
 
