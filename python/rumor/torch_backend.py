@@ -475,7 +475,8 @@ class RumorProcessGroup(dist.ProcessGroup):
                 t.copy_(buf)
             return [t]
 
-        w = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allreduce(buf.data_ptr(), buf.numel(), code, op, 0, nb))
+        w = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allreduce(
+            buf.data_ptr(), buf.numel(), code, op, 0, nb))
         return self._work(what, self._all(), [w], (buf, t), finish)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -506,7 +507,8 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += t.numel()
             return list(tensors)
 
-        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allreduce(flat.data_ptr(), flat.numel(), code, op, 0, nb))
+        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allreduce(
+            flat.data_ptr(), flat.numel(), code, op, 0, nb))
         return self._work(what, self._all(), [w], (flat,), finish)
 
     def reduce(self, tensors, opts=None):
@@ -537,7 +539,8 @@ class RumorProcessGroup(dist.ProcessGroup):
             return [t]
 
         peer = f"root {self._peer(root)}"
-        w = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.reduce(buf.data_ptr(), buf.numel(), code, op, root, nb))
+        w = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.reduce(
+            buf.data_ptr(), buf.numel(), code, op, root, nb))
         return self._work(what, peer, [w], (buf, t), finish)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -626,7 +629,8 @@ class RumorProcessGroup(dist.ProcessGroup):
             return [t]
 
         peer = f"root {self._peer(root)}"
-        w = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.broadcast(buf.data_ptr(), buf.numel() * per, code, root, nb))
+        w = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.broadcast(
+            buf.data_ptr(), buf.numel() * per, code, root, nb))
         return self._work(what, peer, [w], (buf, t), finish)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -650,11 +654,18 @@ class RumorProcessGroup(dist.ProcessGroup):
         if outs[self._rank].numel() != t.numel():
             raise ValueError(f"{_where(what)}: tensor_list[{self._rank}] has {outs[self._rank].numel()} elements "
                              f"but the input has {t.numel()}")
-        code, per = movable_code(t)
-        counts = [o.numel() for o in outs]
-        flat = torch.empty(sum(counts), dtype=t.dtype)
+        return self._allgather_blocks(what, [[o] for o in outs], [t])
+
+    def _allgather_blocks(self, what: str, blocks, inputs):
+        """Gathers every rank's tensors as one message: blocks[r] are the tensors that receive
+        rank r's inputs (blocks[own rank] has this rank's inputs' sizes); one flat buffer, then
+        copied out at wait()."""
+        code, per = movable_code(inputs[0])
+        counts = [sum(b.numel() for b in block) for block in blocks]
+        flat = torch.empty(sum(counts), dtype=inputs[0].dtype)
         start = sum(counts[: self._rank])
-        flat[start: start + t.numel()].copy_(t.reshape(-1))
+        torch.cat([t.reshape(-1) for t in inputs], out=flat[start: start + counts[self._rank]])
+        outs = [b for block in blocks for b in block]
 
         def finish():
             off = 0
@@ -663,7 +674,8 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += o.numel()
             return outs
 
-        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allgather(flat.data_ptr(), [c * per for c in counts], code, nb))
+        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allgather(
+            flat.data_ptr(), [c * per for c in counts], code, nb))
         return self._work(what, self._all(), [w], (flat,), finish)
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 (torch's name)
@@ -694,7 +706,8 @@ class RumorProcessGroup(dist.ProcessGroup):
                 output.copy_(buf)
             return [output]
 
-        w = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allgather(buf.data_ptr(), [n * per] * self._size, code, nb))
+        w = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allgather(
+            buf.data_ptr(), [n * per] * self._size, code, nb))
         return self._work(what, self._all(), [w], (buf, output), finish)
 
     _allgather_base = all_gather_single
@@ -730,23 +743,7 @@ class RumorProcessGroup(dist.ProcessGroup):
             if outs[self._rank][i].numel() != t.numel():
                 raise ValueError(f"{_where(what)}: output_tensor_lists[{self._rank}][{i}] has "
                                  f"{outs[self._rank][i].numel()} elements but input_tensor_list[{i}] has {t.numel()}")
-        code, per = movable_code(input_tensors[0])
-        counts = [sum(t.numel() for t in o) for o in outs]
-        flat = torch.empty(sum(counts), dtype=dtype)
-        start = sum(counts[: self._rank])
-        torch.cat([t.reshape(-1) for t in input_tensors], out=flat[start: start + counts[self._rank]])
-
-        def finish():
-            off = 0
-            for o in outs:
-                for t in o:
-                    t.copy_(flat[off: off + t.numel()].view_as(t))
-                    off += t.numel()
-            return [t for o in outs for t in o]
-
-        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allgather(
-            flat.data_ptr(), [c * per for c in counts], code, nb))
-        return self._work(what, self._all(), [w], (flat,), finish)
+        return self._allgather_blocks(what, outs, list(input_tensors))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """Several all_gather_into_tensor calls as one work (torch's coalescing manager).
@@ -898,10 +895,12 @@ class RumorProcessGroup(dist.ProcessGroup):
         peer = f"root {self._peer(root)}"
         if self._rank != root:
             buf = _contig(t)
-            w = self._issue(what, peer, lambda: self._comm.send(buf.data_ptr(), buf.numel() * buf.element_size(), root, True))
+            w = self._issue(what, peer, lambda: self._comm.send(
+                buf.data_ptr(), buf.numel() * buf.element_size(), root, True))
             return self._work(what, peer, [w], (buf,), lambda: [t])
         if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
-            raise ValueError(f"{_where(what)}: on the root, gather_list must hold {self._size} tensors (the group size)")
+            raise ValueError(f"{_where(what)}: on the root, gather_list"
+                             f" must hold {self._size} tensors (the group size)")
         outs = list(output_tensors[0])
         _check_cpu(outs, what, "gather_list")
         _same_dtype(outs, t.dtype, what, "gather_list")
@@ -947,10 +946,12 @@ class RumorProcessGroup(dist.ProcessGroup):
                     out.copy_(buf)
                 return [out]
 
-            w = self._issue(what, peer, lambda: self._comm.recv(buf.data_ptr(), buf.numel() * buf.element_size(), root, True))
+            w = self._issue(what, peer, lambda: self._comm.recv(
+                buf.data_ptr(), buf.numel() * buf.element_size(), root, True))
             return self._work(what, peer, [w], (buf,), finish_leaf)
         if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
-            raise ValueError(f"{_where(what)}: on the root, scatter_list must hold {self._size} tensors (the group size)")
+            raise ValueError(f"{_where(what)}: on the root, scatter_list"
+                             f" must hold {self._size} tensors (the group size)")
         ins = list(input_tensors[0])
         _check_cpu(ins, what, "scatter_list")
         _same_dtype(ins, out.dtype, what, "scatter_list")
@@ -1034,6 +1035,10 @@ class RumorProcessGroup(dist.ProcessGroup):
                 f"monitored_barrier in {limit:g} s (waited for by {self._peer(0)})")
         for r in range(1, self._size):
             self._store.delete_key(f"{key}{r}")
+        # Everyone arrived here, so everyone has seen the previous call's release: its key goes,
+        # and the store holds one such key at most however many barriers a job runs.
+        if seq > 0:
+            self._store.delete_key(f"monitored/{seq - 1}/released")
         self._store.set(f"{key}released", b"1")
 
     # ---- point to point -------------------------------------------------------------------

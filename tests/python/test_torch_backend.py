@@ -670,6 +670,14 @@ def _monitored_rank():
     except ValueError as e:
         out["torch"] = "refused" if "GLOO" in str(e) else str(e)
     dist.barrier()
+    # Passing barriers leave one release key in the group's store at most: the latest. (A fresh
+    # group: after the failed cases above the ranks' barrier counts differ, as gloo's group is
+    # broken after a failure.)
+    pg = dist.new_group(backend="rumor")
+    for _ in range(3):
+        monitored_barrier(pg, timeout=short)
+    out["keys"] = [k for k in range(3) if pg._store.check([f"monitored/{k}/released"])]
+    dist.barrier()
     return out
 
 
@@ -677,6 +685,7 @@ def test_monitored_barrier_matches_gloo():
     res = harness.run(_monitored_rank, 3, timeout=TIMEOUT)
     for r, out in enumerate(res):
         assert out.pop("torch") == "refused"
+        assert out.pop("keys") == [2], r
         for name, (got, want) in out.items():
             assert got == want, (r, name, got, want)
     assert res[0]["one"][0] == "failed [2]"
