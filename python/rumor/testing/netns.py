@@ -8,9 +8,26 @@ Layout (nothing is added to the root namespace):
     <prefix>h0   eth0 = 10.213.0.1/24   (host 0: its own namespace, lo up)
     <prefix>h1   eth0 = 10.213.0.2/24   (host 1) ...
 
-Each host's eth0 egress can be shaped with tbf (``rate`` argument, e.g. "1gbit"); netem is not
-available on the kernels we run on, so there is no delay emulation here. Addresses live only in
-namespaces this module creates, so the same private /24 can be reused by concurrent instances.
+Each host's eth0 egress can be shaped with tbf (``rate`` argument, e.g. "1gbit"). Addresses live
+only in namespaces this module creates, so the same private /24 can be reused by concurrent
+instances.
+
+WAN emulation (``delay``, ``jitter``, ``loss``; scalars, H x H matrices or functions of
+(src, dst)): netem is not available on the kernels we run on, so delay, jitter and loss come from
+``rumor-wanem`` (csrc/tools/wanem.cpp, shipped as rumor/lib/rumor-wanem), a forwarder running in
+the caller's namespace that gives every host a TUN device ``wan0``. Each host routes its peers'
+addresses (/32, more specific than eth0's /24) through wan0, so ``c.ip(j)`` is still what host i
+dials; the forwarder holds every packet for its pair's one-way delay (plus jitter, without
+reordering a pair's packets unless ``reorder=True``) or drops it with the pair's loss probability,
+then writes it into the destination's wan0. With ``rate`` as well, the tbf shapes each host's wan0
+egress instead of eth0, so a link has both. wan0's MTU is 65000 by default, so 1 Gbit takes about
+2,000 packets/s through user space.
+
+    with netns.Cluster(4, rate="1gbit", delay="50ms", jitter="1ms", loss=0.001) as c:
+        ...   # 100 ms round trip between any two hosts, 0.1% of packets lost each way
+    far = lambda i, j: "5ms" if i // 2 == j // 2 else "80ms"      # two pairs, far apart
+    with netns.Cluster(4, delay=far) as c:
+        print(c.wan_stats())   # the forwarder's counters: forwarded / lost per pair, lateness
 
     from rumor.testing import netns
     ok, why = netns.available()
@@ -21,15 +38,19 @@ namespaces this module creates, so the same private /24 can be reused by concurr
     # Ctrl-C or SIGTERM; processes started with popen() are killed first.
 
 Command line: ``python -m rumor.testing.netns --check`` builds a 2-host cluster, pings across it and
-measures TCP throughput through a shaped link; ``--list`` / ``--cleanup-stale`` show or remove
-namespaces left behind by dead processes (after a SIGKILL nothing could clean up).
+measures TCP throughput through a shaped link; ``--check-wan --delay 50ms [--rate 1gbit]
+[--loss 0.001]`` verifies the WAN element (round trip vs the setting, one TCP stream vs its
+window/RTT bound, loss counted over UDP datagrams); ``--list`` / ``--cleanup-stale`` show or
+remove namespaces left behind by dead processes (after a SIGKILL nothing could clean up).
 """
 from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -37,7 +58,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 PREFIX = "rmr"  # every namespace this module creates starts with this: rmr<pid>x<k>{s,h<i>}
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)x(\d+)(s|h\d+)$")
@@ -105,6 +126,64 @@ def available() -> Tuple[bool, str]:
     return _available_cache
 
 
+# -- WAN parameters --------------------------------------------------------------------------------
+
+WANEM_ENV = "RUMOR_WANEM"  # overrides where rumor-wanem is looked up (a build tree's binary)
+PairValue = Union[None, float, str, Sequence[Sequence[Union[float, str]]], Callable[[int, int], Union[float, str]]]
+_TIME_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|ms|us|ns)?\s*$")
+
+
+def parse_time(v: Union[float, int, str]) -> float:
+    """A duration in seconds: a number is seconds, a str may carry a unit ("50ms", "200us",
+    "1.5s", "0ns"). Negative durations are refused."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if v < 0:
+            raise ValueError(f"a duration must be >= 0, got {v}")
+        return float(v)
+    m = _TIME_RE.match(str(v))
+    if not m:
+        raise ValueError(f"bad duration {v!r} (examples: 50ms, 200us, 0.1s, or seconds as a number)")
+    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[m.group(2) or "s"]
+
+
+def _pair_matrix(name: str, v: PairValue, n: int, conv: Callable[[Any], float]) -> List[List[float]]:
+    """v as an n x n matrix of floats (row = sending host): a scalar for every pair, a matrix, or a
+    function of (src, dst). The diagonal is 0 (a host's traffic to itself never leaves it)."""
+    if v is None:
+        return [[0.0] * n for _ in range(n)]
+    if callable(v):
+        get = lambda i, j: v(i, j)  # noqa: E731
+    elif isinstance(v, (int, float, str)) and not isinstance(v, bool):
+        get = lambda i, j: v  # noqa: E731
+    else:
+        rows = [list(r) for r in v]  # type: ignore[union-attr]
+        if len(rows) != n or any(len(r) != n for r in rows):
+            raise ValueError(f"Cluster: {name} as a matrix must be {n} x {n} (hosts x hosts), got "
+                             f"{len(rows)} rows of lengths {sorted({len(r) for r in rows})}")
+        get = lambda i, j: rows[i][j]  # noqa: E731
+    return [[0.0 if i == j else conv(get(i, j)) for j in range(n)] for i in range(n)]
+
+
+def _probability(v: Any) -> float:
+    p = float(v)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"Cluster: a loss probability must be in [0, 1], got {v!r}")
+    return p
+
+
+def wanem_path() -> str:
+    """Full path of the rumor-wanem forwarder: $RUMOR_WANEM, else rumor/lib/rumor-wanem (built by
+    CMake beside the NCCL net plugin). FileNotFoundError saying how to get it otherwise."""
+    env = os.environ.get(WANEM_ENV)
+    p = env or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", "rumor-wanem")
+    if not (os.path.isfile(p) and os.access(p, os.X_OK)):
+        how = (f"{WANEM_ENV}={env} is not an executable file" if env else
+               f"{p} does not exist: it is built with the extension (CMake target rumor-wanem, "
+               "`cmake --build <dir> --target rumor-wanem`); copy it there or set " + WANEM_ENV)
+        raise FileNotFoundError(f"WAN emulation needs rumor-wanem: {how}")
+    return p
+
+
 @dataclass
 class Host:
     """One emulated host of a Cluster (Cluster.host(i) returns it).
@@ -134,14 +213,47 @@ class Cluster:
              full-duplex NIC would be; off by default, as in BENCHMARKS.md (egress only).
     subnet:  the first three octets of the private /24; host i gets <subnet>.<i+1>.
     mtu:     MTU of the veth links.
+    delay:   one-way delay of every pair ("50ms", 0.05), an H x H matrix of them (row = sender),
+             or a function (src, dst) -> delay. Any of delay / jitter / loss turns the WAN
+             element on (module docstring); with none of them the cluster is as before.
+    jitter:  added to each packet's delay, drawn per packet: uniform in [-jitter, +jitter] or
+             normal with that standard deviation (jitter_dist), never making a delay negative.
+             Same forms as delay.
+    loss:    probability in [0, 1] that a packet of the pair is dropped; same forms as delay.
+    jitter_dist: "uniform" (default) or "normal".
+    reorder: let jitter reorder a pair's packets (default False: a packet leaves no earlier than
+             the one sent before it on the same pair).
+    wan_mtu: MTU of the hosts' wan0 TUN devices (default 65000).
+    seed:    seed of the forwarder's loss and jitter draws (runs are repeatable packet by packet
+             only as far as the packets themselves are).
     """
 
     def __init__(self, hosts: int, rate: Optional[str] = None, *, burst: str = "256kb",
                  latency: str = "20ms", shape_switch_side: bool = False, subnet: str = "10.213.0",
-                 mtu: int = 1500):
+                 mtu: int = 1500, delay: PairValue = None, jitter: PairValue = None,
+                 loss: PairValue = None, jitter_dist: str = "uniform", reorder: bool = False,
+                 wan_mtu: int = 65000, seed: int = 1):
         if not 1 <= int(hosts) <= 250:
             raise ValueError(f"Cluster: hosts must be in 1..250, got {hosts}")
         self.n = int(hosts)
+        self.wan = any(v is not None for v in (delay, jitter, loss))
+        self.delays = _pair_matrix("delay", delay, self.n, parse_time)
+        self.jitters = _pair_matrix("jitter", jitter, self.n, parse_time)
+        self.losses = _pair_matrix("loss", loss, self.n, _probability)
+        if jitter_dist not in ("uniform", "normal"):
+            raise ValueError(f"Cluster: jitter_dist must be 'uniform' or 'normal', got {jitter_dist!r}")
+        if self.wan and shape_switch_side:
+            raise ValueError("Cluster: shape_switch_side is not available with delay/jitter/loss "
+                             "(host-to-host traffic then bypasses the switch); shape each host's "
+                             "egress with rate")
+        self.jitter_dist = jitter_dist
+        self.reorder = bool(reorder)
+        self.wan_mtu = int(wan_mtu)
+        self.seed = int(seed)
+        self.wan_ifname = "wan0"
+        self._wanem: Optional[subprocess.Popen] = None
+        self._wanem_err: Any = None
+        self._wanem_buf = b""
         self.rate = rate
         self.burst = burst
         self.latency = latency
@@ -214,10 +326,12 @@ class Cluster:
             _ip("-n", sw, "link", "set", h.switch_port, "up")
             _ip("-n", h.netns, "addr", "add", f"{h.ip}/24", "dev", h.ifname)
             _ip("-n", h.netns, "link", "set", h.ifname, "up")
-            if self.rate:
+            if self.rate and not self.wan:
                 self._tbf(h.netns, h.ifname)
                 if self.shape_switch_side:
                     self._tbf(sw, h.switch_port)
+        if self.wan and self.n > 1:
+            self._start_wan()
         # Wait until every host's eth0 is operationally up (veth carrier, bridge forwarding).
         deadline = time.monotonic() + 10
         for h in self.hosts:
@@ -233,6 +347,106 @@ class Cluster:
         _ip("netns", "add", name)
         self._created.append(name)
 
+    def _start_wan(self) -> None:
+        us = lambda m: ",".join(str(int(round(v * 1e6))) for row in m for v in row)  # noqa: E731
+        argv = [wanem_path(), "--ifname", self.wan_ifname, "--parent-pid", str(os.getpid()),
+                "--seed", str(self.seed), "--jitter-dist", self.jitter_dist,
+                "--delay-us", us(self.delays), "--jitter-us", us(self.jitters),
+                "--loss", ",".join(repr(v) for row in self.losses for v in row)]
+        if self.reorder:
+            argv.append("--reorder")
+        for h in self.hosts:
+            argv += ["--host", f"/run/netns/{h.netns}={h.ip}"]
+        import tempfile
+        self._wanem_err = tempfile.TemporaryFile()
+        # Its own session: a Ctrl-C meant for the caller reaches it only through close().
+        self._wanem = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=self._wanem_err, start_new_session=True)
+        line = self._wanem_line(10.0)
+        if line != "ready":
+            raise NetnsError(f"rumor-wanem did not start (said {line!r}): {self._wanem_stderr()}")
+        for h in self.hosts:
+            # Routes to the peers' /32s through wan0 win over eth0's /24; the source stays the
+            # host's eth0 address, so the peers see the same addresses as without emulation.
+            cmds = [f"link set {self.wan_ifname} mtu {self.wan_mtu} up"]
+            cmds += [f"route add {p.ip}/32 dev {self.wan_ifname} src {h.ip}"
+                     for p in self.hosts if p is not h]
+            r = subprocess.run(["ip", "-n", h.netns, "-batch", "-"], input="\n".join(cmds) + "\n",
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=20)
+            if r.returncode != 0:
+                raise NetnsError(f"routing {h.netns} through {self.wan_ifname} failed: {r.stderr.strip()}")
+            # Replies arrive on wan0 from addresses eth0's /24 also covers: no reverse-path filter.
+            self.exec_run_ns(h.netns, ["sysctl", "-q", "-w", "net.ipv4.conf.all.rp_filter=0",
+                                       f"net.ipv4.conf.{self.wan_ifname}.rp_filter=0"])
+            # IPv6 router solicitations would only show up as "unroutable" in wan_stats().
+            self.exec_run_ns(h.netns, ["sysctl", "-q", "-w", f"net.ipv6.conf.{self.wan_ifname}.disable_ipv6=1"])
+            if self.rate:
+                self._tbf(h.netns, self.wan_ifname)
+
+    def _wanem_line(self, timeout: float) -> str:
+        """The forwarder's next stdout line, waiting at most timeout seconds ("" if none came)."""
+        p = self._wanem
+        assert p is not None and p.stdout is not None
+        deadline = time.monotonic() + timeout
+        fd = p.stdout.fileno()
+        while b"\n" not in self._wanem_buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return ""
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    return ""
+                self._wanem_buf += chunk
+        line, self._wanem_buf = self._wanem_buf.split(b"\n", 1)
+        return line.decode(errors="replace").strip()
+
+    def _wanem_stderr(self) -> str:
+        f = self._wanem_err
+        if f is None:
+            return ""
+        try:
+            f.seek(0)
+            return f.read().decode(errors="replace").strip()[-2000:]
+        except (OSError, ValueError):
+            return ""
+
+    def wan_stats(self, timeout: float = 5.0) -> Dict[str, Any]:
+        """The WAN forwarder's counters: "forwarded" and "lost" (H x H lists, row = sender),
+        "overflow" (dropped on a full queue), "unroutable", "write_errors", "queued" (held now),
+        "released", and how late packets left: "late_mean_us", "late_max_us".
+
+        Raises:
+            RuntimeError: the cluster has no WAN element (no delay, jitter or loss asked for).
+            NetnsError: the forwarder exited or did not answer within timeout seconds.
+        """
+        if self._wanem is None:
+            raise RuntimeError("Cluster.wan_stats(): this cluster has no WAN element (give delay, jitter or loss)")
+        if self._wanem.poll() is not None:
+            raise NetnsError(f"rumor-wanem exited with status {self._wanem.returncode}: {self._wanem_stderr()}")
+        self._wanem.send_signal(signal.SIGUSR1)
+        line = self._wanem_line(timeout)
+        if not line:
+            raise NetnsError(f"rumor-wanem did not report its counters within {timeout} s: {self._wanem_stderr()}")
+        return json.loads(line)
+
+    def _stop_wan(self) -> None:
+        p, self._wanem = self._wanem, None
+        if p is not None:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(3)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+            if p.stdout is not None:
+                p.stdout.close()
+        if self._wanem_err is not None:
+            self._wanem_err.close()
+            self._wanem_err = None
+
     def _tbf(self, ns: str, dev: str) -> None:
         r = self.exec_run_ns(ns, ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
                                   "burst", self.burst, "latency", self.latency])
@@ -247,6 +461,7 @@ class Cluster:
         self._closed = True
         try:
             self._kill_procs()
+            self._stop_wan()
             for name in reversed(self._created):
                 self._kill_netns_pids(name)
                 _ip("netns", "del", name, check=False)
@@ -383,8 +598,10 @@ class Cluster:
                               stderr=subprocess.PIPE, text=True, timeout=timeout)
 
     def qdisc(self, i: int) -> str:
-        """`tc -s qdisc show dev eth0` inside host i (for diagnostics)."""
-        return self.exec_run_ns(self.hosts[i].netns, ["tc", "-s", "qdisc", "show", "dev", "eth0"]).stdout
+        """`tc -s qdisc show dev IF` inside host i (for diagnostics), IF being the shaped
+        interface: wan0 with WAN emulation, else eth0."""
+        dev = self.wan_ifname if self._wanem is not None else self.hosts[i].ifname
+        return self.exec_run_ns(self.hosts[i].netns, ["tc", "-s", "qdisc", "show", "dev", dev]).stdout
 
     def _kill_procs(self) -> None:
         live = [p for p in self._procs if p.poll() is None]
