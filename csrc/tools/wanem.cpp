@@ -11,7 +11,7 @@
 //   rumor-wanem --host /run/netns/A=10.213.0.1 --host /run/netns/B=10.213.0.2 ...
 //               --delay-us D00,D01,...   one-way delay per (src,dst), row-major, N*N values
 //               [--jitter-us J00,...] [--loss P00,...] [--jitter-dist uniform|normal] [--reorder]
-//               [--ifname wan0] [--seed S] [--max-queue-bytes B] [--parent-pid PID]
+//               [--ifname wan0] [--seed S] [--max-queue-bytes B] [--parent-pid PID] [--no-realtime]
 // Prints "ready" on stdout once every TUN exists; on SIGUSR1 prints one JSON line of counters;
 // exits cleanly on SIGTERM/SIGINT/SIGHUP and when its parent dies.
 #include <fcntl.h>
@@ -21,6 +21,7 @@
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/timerfd.h>
 #include <unistd.h>
@@ -47,6 +48,7 @@ namespace {
 
 constexpr size_t kPacketBuffer = 65536;  // a TUN never hands over more than its MTU (< 64 KiB)
 constexpr int kWakeMs = 1000;            // epoll deadline: the parent check runs at least this often
+constexpr int kBatch = 16;               // packets read from one TUN before due ones are released
 
 [[noreturn]] void die(const std::string& msg) {
   std::fprintf(stderr, "rumor-wanem: %s\n", msg.c_str());
@@ -98,6 +100,7 @@ struct Options {
   uint64_t seed = 1;
   size_t max_queue_bytes = size_t{512} << 20;
   long parent_pid = 0;
+  bool realtime = true;
 };
 
 template <class T, class Parse>
@@ -152,6 +155,8 @@ Options parse_args(int argc, char** argv) {
       o.normal = v == "normal";
     } else if (a == "--reorder") {
       o.reorder = true;
+    } else if (a == "--no-realtime") {
+      o.realtime = false;
     } else if (a == "--ifname") {
       o.ifname = value();
       if (o.ifname.empty() || o.ifname.size() >= IFNAMSIZ) die("--ifname: bad interface name '" + o.ifname + "'");
@@ -231,9 +236,10 @@ class Forwarder {
       : o_(std::move(opt)), n_(static_cast<int>(o_.ips.size())), tuns_(std::move(tuns)), rng_(o_.seed),
         last_due_(static_cast<size_t>(n_) * n_, 0), forwarded_(last_due_.size(), 0), lost_(last_due_.size(), 0) {}
 
-  // Reads every packet waiting on host src's TUN and queues (or drops) it.
+  // Reads up to kBatch packets waiting on host src's TUN and queues (or drops) them. Bounded:
+  // a sender that keeps the TUN busy must not hold back the release of due packets.
   void drain(int src) {
-    for (;;) {
+    for (int k = 0; k < kBatch; ++k) {
       std::vector<uint8_t> buf = take_buffer();
       ssize_t got = ::read(tuns_[src].get(), buf.data(), buf.size());
       if (got < 0) {
@@ -378,6 +384,20 @@ int main(int argc, char** argv) {
   if (getppid() != parent) return 0;  // the parent died before PDEATHSIG was armed
   // Timer slack is 50 us by default; packets should leave within microseconds of their time.
   (void)prctl(PR_SET_TIMERSLACK, 1UL);
+  // netem runs in the kernel's softirq; this runs among the emulated hosts' own processes and,
+  // starved on a busy machine, would add its scheduling delay to every packet (and drop on the
+  // TUN's full queue). It sleeps in epoll between packets, and the kernel's RT throttling bounds
+  // it anyway.
+  if (opt.realtime) {
+    sched_param sp{};
+    sp.sched_priority = 10;
+    if (sched_setscheduler(0, SCHED_FIFO, &sp) != 0) {
+      const int err = errno;
+      if (setpriority(PRIO_PROCESS, 0, -20) != 0)
+        std::fprintf(stderr, "rumor-wanem: warning: neither SCHED_FIFO (%s) nor nice -20 (%s): delays may run late on a busy machine\n",
+                     errno_text(err).c_str(), errno_text(errno).c_str());
+    }
+  }
 
   Fd home(::open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC));
   if (home.get() < 0) die("open /proc/self/ns/net: " + errno_text(errno));

@@ -735,12 +735,274 @@ def tcp_throughput(cluster: Cluster, src: int, dst: int, nbytes: int = 64 << 20,
             sink.wait()
 
 
+# -- WAN checks: round trip, one TCP stream against its window/RTT bound, loss -----------------------
+
+_UDP_ECHO = r"""
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", int(sys.argv[1])))
+s.settimeout(float(sys.argv[2])); print("ready", flush=True)
+try:
+    while True:
+        d, a = s.recvfrom(2048); s.sendto(d, a)
+except socket.timeout:
+    pass
+"""
+
+_UDP_PING = r"""
+import json, socket, struct, sys, time
+addr, port, count, gap, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); rtts = []; lost = 0
+for k in range(count):
+    t0 = time.perf_counter(); s.sendto(struct.pack("!I", k), (addr, port)); deadline = t0 + wait
+    while True:
+        s.settimeout(max(1e-3, deadline - time.perf_counter()))
+        try:
+            d, _ = s.recvfrom(64)
+        except socket.timeout:
+            lost += 1; break
+        if struct.unpack("!I", d[:4])[0] == k:
+            rtts.append(time.perf_counter() - t0); break
+    time.sleep(gap)
+print(json.dumps({"rtts": rtts, "lost": lost}))
+"""
+
+
+def udp_rtt(cluster: Cluster, src: int, dst: int, count: int = 50, gap: float = 0.01,
+            port: int = 5301, wait: float = 5.0) -> Dict[str, Any]:
+    """Round trips of count UDP probes from host src to an echo on host dst (the machines we run
+    on have no ping): {"rtts": [seconds...], "lost": probes without an answer within wait s}."""
+    echo = cluster.popen(dst, [sys.executable, "-c", _UDP_ECHO, str(port), str(wait + 5)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if echo.stdout.readline().strip() != "ready":
+            raise NetnsError(f"udp echo did not start: {echo.stderr.read()}")
+        r = cluster.run(src, [sys.executable, "-c", _UDP_PING, cluster.ip(dst), str(port), str(count),
+                              str(gap), str(wait)], timeout=count * (gap + wait) + 30, check=True)
+        return json.loads(r.stdout)
+    finally:
+        _kill_group(echo)
+        echo.wait()
+
+
+_UDP_COUNT = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20); s.bind(("0.0.0.0", int(sys.argv[1])))
+idle, deadline = float(sys.argv[2]), time.monotonic() + float(sys.argv[3]); seen = set()
+print("ready", flush=True); s.settimeout(deadline - time.monotonic())
+try:
+    while True:
+        d = s.recv(2048); seen.add(int.from_bytes(d[:4], "big")); s.settimeout(idle)
+except (socket.timeout, ValueError):
+    pass
+print(len(seen), flush=True)
+"""
+
+_UDP_FLOOD = r"""
+import socket, sys, time
+addr, port, count, pps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); pad = bytes(60); t0 = time.perf_counter()
+for k in range(count):
+    s.sendto(k.to_bytes(4, "big") + pad, (addr, port))
+    if k % 50 == 49:
+        ahead = t0 + (k + 1) / pps - time.perf_counter()
+        if ahead > 0: time.sleep(ahead)
+"""
+
+
+def udp_delivered(cluster: Cluster, src: int, dst: int, count: int = 20000, pps: float = 20000.0,
+                  port: int = 5302, idle: float = 1.0) -> int:
+    """Sends count numbered UDP datagrams from host src to host dst at pps per second and
+    returns how many distinct ones arrived (the receiver stops idle s after the last one)."""
+    sink = cluster.popen(dst, [sys.executable, "-c", _UDP_COUNT, str(port), str(idle), str(count / pps + 60)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if sink.stdout.readline().strip() != "ready":
+            raise NetnsError(f"udp sink did not start: {sink.stderr.read()}")
+        cluster.run(src, [sys.executable, "-c", _UDP_FLOOD, cluster.ip(dst), str(port), str(count), str(pps)],
+                    timeout=count / pps + 60, check=True)
+        out, err = sink.communicate(timeout=count / pps + 90)
+        return int(out.split()[-1])
+    finally:
+        if sink.poll() is None:
+            _kill_group(sink)
+            sink.wait()
+
+
+_TCP_TIMED_SINK = r"""
+import json, socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+if int(sys.argv[2]) > 0:  # before listen(): the window scale is agreed in the handshake
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(sys.argv[2]))
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); buf = bytearray(4 << 20); marks = []; n = 0
+while True:
+    k = c.recv_into(buf)
+    if not k: break
+    n += k; marks.append((time.perf_counter(), n))
+rcvbuf = c.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF); c.close()
+print(json.dumps({"marks": marks[:: max(1, len(marks) // 500)] + marks[-1:], "rcvbuf": rcvbuf}), flush=True)
+"""
+
+_TCP_TIMED_SOURCE = r"""
+import json, socket, struct, sys, time
+addr, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+for _ in range(200):
+    try:
+        c = socket.create_connection((addr, port), timeout=10); break
+    except OSError: time.sleep(0.05)
+buf = b"\0" * (1 << 20); t0 = time.perf_counter(); end = t0 + seconds; wnd = []; last = 0.0
+while True:
+    t = time.perf_counter()
+    if t >= end: break
+    c.send(buf)
+    if t - last > 0.01:
+        last = t; i = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        # struct tcp_info (linux/tcp.h): tcpi_snd_mss at byte 16, tcpi_rtt at 68, tcpi_snd_cwnd
+        # at 80, tcpi_total_retrans at 100, tcpi_snd_wnd (the peer's advertised window, bytes)
+        # at 228 on kernels from 6.x.
+        mss, = struct.unpack_from("I", i, 16); rtt, = struct.unpack_from("I", i, 68)
+        cwnd, = struct.unpack_from("I", i, 80); retr, = struct.unpack_from("I", i, 100)
+        snd_wnd = struct.unpack_from("I", i, 228)[0] if len(i) >= 232 else 0
+        wnd.append((t, snd_wnd, rtt, retr, cwnd * mss))
+c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
+print(json.dumps({"samples": wnd}), flush=True)
+"""
+
+
+def tcp_stream(cluster: Cluster, src: int, dst: int, seconds: float = 4.0, rcvbuf: int = 0,
+               port: int = 5203) -> Dict[str, Any]:
+    """One TCP stream from host src to host dst for `seconds`; rcvbuf > 0 sets the receiver's
+    SO_RCVBUF (else the kernel autotunes up to tcp_rmem). The rate is taken over the second half
+    of the transfer (slow start left out), with the mean advertised window the sender saw then.
+
+    Returns:
+        {"rate": bytes/s, "window": bytes (mean tcpi_snd_wnd: the receiver's advertised window),
+         "cwnd": bytes (mean congestion window), "srtt": s (kernel's smoothed RTT), "retrans":
+         segments retransmitted, "rcvbuf": the receiver's SO_RCVBUF, "bytes": total}.
+    """
+    sink = cluster.popen(dst, [sys.executable, "-c", _TCP_TIMED_SINK, str(port), str(int(rcvbuf))],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if sink.stdout.readline().strip() != "ready":
+            raise NetnsError(f"tcp sink did not start: {sink.stderr.read()}")
+        r = cluster.run(src, [sys.executable, "-c", _TCP_TIMED_SOURCE, cluster.ip(dst), str(port), str(seconds)],
+                        timeout=seconds + 60, check=True)
+        out, _ = sink.communicate(timeout=60)
+    finally:
+        if sink.poll() is None:
+            _kill_group(sink)
+            sink.wait()
+    got = json.loads(out)
+    marks = got["marks"]
+    t_first, t_last = marks[0][0], marks[-1][0]
+    t_half = t_first + (t_last - t_first) / 2
+    n_half = next(n for t, n in marks if t >= t_half)
+    rate = (marks[-1][1] - n_half) / max(1e-9, t_last - t_half)
+    samples = json.loads(r.stdout)["samples"]
+    late = [x for x in samples if x[0] >= t_half] or samples
+    return {"rate": rate, "window": sum(x[1] for x in late) / len(late),
+            "cwnd": sum(x[4] for x in late) / len(late),
+            "srtt": sum(x[2] for x in late) / len(late) / 1e6, "retrans": samples[-1][3] if samples else 0,
+            "rcvbuf": got["rcvbuf"], "bytes": marks[-1][1]}
+
+
+def check_wan(delay: str = "50ms", rate: Optional[str] = None, loss: float = 0.001, jitter: Optional[str] = None,
+              probes: int = 50, datagrams: int = 50000, seconds: float = 4.0,
+              rcvbufs: Sequence[int] = (1 << 20, 4 << 20, 0), out=print) -> Dict[str, Any]:
+    """Builds 3 hosts with `delay` one way between every pair (and `rate` on each host's egress),
+    loss only between hosts 0 and 2, and measures: the UDP round trip 0->1 against 2 x delay, one
+    TCP stream 0->1 per receive buffer in rcvbufs (SO_RCVBUF; 0: kernel-autotuned) against
+    min(rate, window / RTT), and the share of `datagrams` UDP datagrams 0->2 lost against `loss`.
+    Prints each figure with its ratio to the setting and returns them all."""
+    d = parse_time(delay)
+    rtt_set = 2 * d
+    losses = [[0.0] * 3 for _ in range(3)]
+    losses[0][2] = losses[2][0] = float(loss)
+    res: Dict[str, Any] = {"delay_s": d, "rtt_set_s": rtt_set, "rate": rate, "loss_set": loss, "jitter": jitter}
+    rate_bps = _rate_bytes(rate) if rate else None
+    with Cluster(3, rate=rate, delay=d, jitter=jitter, loss=losses) as c:
+        out(f"set: one-way delay {d * 1e3:g} ms (RTT {rtt_set * 1e3:g} ms), jitter {jitter or 0}, "
+            f"rate {rate or 'unshaped'}, loss {loss:g} between host0 and host2")
+        # A sender's buffer (tcp_wmem, 4 MiB at most by default) caps a stream at wmem/RTT long
+        # before the receiver's window does: raise it to tcp_rmem's maximum so the window is the
+        # limit the check compares against.
+        rmem = c.exec_run_ns(c.host(0).netns, ["sysctl", "-n", "net.ipv4.tcp_rmem"]).stdout.split()
+        wmem = f"4096 16384 {rmem[2]}" if len(rmem) == 3 else "4096 16384 33554432"
+        for h in c.hosts:
+            c.exec_run_ns(h.netns, ["sysctl", "-q", "-w", f"net.ipv4.tcp_wmem={wmem}"])
+        res["tcp_rmem"], res["tcp_wmem"] = " ".join(rmem), wmem
+        out(f"hosts: tcp_rmem {' '.join(rmem)}, tcp_wmem raised to {wmem}")
+        p = udp_rtt(c, 0, 1, count=probes)
+        rtts = sorted(p["rtts"])
+        med = rtts[len(rtts) // 2]
+        res["rtt"] = {"median_s": med, "min_s": rtts[0], "max_s": rtts[-1], "lost": p["lost"],
+                      "ratio": med / rtt_set if rtt_set else None}
+        out(f"RTT host0->host1 (UDP echo, {len(rtts)} probes): median {med * 1e3:.3f} ms, min "
+            f"{rtts[0] * 1e3:.3f}, max {rtts[-1] * 1e3:.3f}; set {rtt_set * 1e3:g} ms; ratio "
+            + (f"{med / rtt_set:.4f}" if rtt_set else "n/a"))
+        res["tcp"] = []
+        for rb in rcvbufs:
+            label = f"SO_RCVBUF {rb >> 10} KiB" if rb else "rcvbuf autotuned"
+            t = tcp_stream(c, 0, 1, seconds=seconds, rcvbuf=rb)
+            # The receiver's window is the bound the emulation must honour; the congestion
+            # window (growing in slow start, cut by tbf's drops) is printed beside it.
+            wbound = t["window"] / rtt_set if rtt_set else float("inf")
+            bound = min(wbound, rate_bps) if rate_bps else wbound
+            limit = "rate" if rate_bps and rate_bps < wbound else "receive window"
+            if t["cwnd"] < t["window"] and t["cwnd"] / rtt_set < bound:
+                limit = "congestion window"
+            t.update(label=label, window_bound=wbound, rate_bound=rate_bps, bound=bound, ratio=t["rate"] / bound,
+                     limit=limit)
+            res["tcp"].append(t)
+            out(f"TCP host0->host1 ({label}, rcvbuf {t['rcvbuf'] >> 10} KiB): {t['rate'] / 1e6:.1f} MB/s; "
+                f"window {t['window'] / 1e6:.2f} MB / RTT {rtt_set * 1e3:g} ms = {wbound / 1e6:.1f} MB/s"
+                + (f", rate {rate_bps / 1e6:.1f} MB/s" if rate_bps else "")
+                + f"; bound {bound / 1e6:.1f} MB/s; ratio {t['rate'] / bound:.3f} "
+                f"(cwnd {t['cwnd'] / 1e6:.2f} MB, kernel srtt {t['srtt'] * 1e3:.1f} ms, "
+                f"{t['retrans']} retransmits; limited by {limit})")
+        before = c.wan_stats()
+        got = udp_delivered(c, 0, 2, count=datagrams, pps=25000.0, idle=max(1.0, 4 * rtt_set))
+        after = c.wan_stats()
+        dropped = after["lost"][0][2] - before["lost"][0][2]
+        passed = after["forwarded"][0][2] - before["forwarded"][0][2]
+        measured = 1 - got / datagrams
+        # Losses are Bernoulli draws: the count has a binomial spread, 2 sigma ~ 95% of runs.
+        spread = 2 * (datagrams * loss * (1 - loss)) ** 0.5
+        lo, hi = max(0.0, datagrams * loss - spread), datagrams * loss + spread
+        res["loss"] = {"sent": datagrams, "received": got, "measured": measured,
+                       "forwarder_dropped": dropped, "forwarder_passed": passed,
+                       "expected_95": [lo, hi], "ratio": measured / loss if loss else None}
+        out(f"loss host0->host2: {datagrams - got} of {datagrams} UDP datagrams lost = {measured:.5f}; set {loss:g}; "
+            + (f"ratio {measured / loss:.3f}; " if loss else "")
+            + f"95% of runs lose {lo:.0f}..{hi:.0f} (forwarder dropped {dropped}, passed {passed})")
+        st = c.wan_stats()
+        res["forwarder"] = {k: st[k] for k in ("late_mean_us", "late_max_us", "overflow", "write_errors")}
+        out(f"forwarder: packets left {st['late_mean_us']:.1f} us after their time on average "
+            f"(max {st['late_max_us']:.0f} us); overflow drops {st['overflow']}, write errors {st['write_errors']}")
+    return res
+
+
+def _rate_bytes(rate: str) -> float:
+    """A tc rate ("1gbit", "100mbit", "500kbit") in bytes/s."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)bit\s*", rate.lower())
+    if not m:
+        raise ValueError(f"bad rate {rate!r} (examples: 1gbit, 100mbit)")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)] / 8
+
+
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m rumor.testing.netns", description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="build 2 hosts, ping, measure shaped TCP")
-    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--rate", default="1gbit", help="tbf rate ('none': unshaped; --check-wan: default unshaped)")
+    ap.add_argument("--check-wan", action="store_true",
+                    help="verify the WAN element: RTT, one TCP stream vs window/RTT, loss")
+    ap.add_argument("--delay", default="50ms", help="--check-wan: one-way delay (default 50ms)")
+    ap.add_argument("--jitter", default=None, help="--check-wan: jitter (default none)")
+    ap.add_argument("--loss", type=float, default=0.001, help="--check-wan: loss between host0 and host2")
+    ap.add_argument("--json", default=None, help="--check-wan: also write the figures to this file")
     ap.add_argument("--list", action="store_true", help="list namespaces made by this module")
     ap.add_argument("--cleanup-stale", action="store_true", help="remove namespaces of dead processes")
     a = ap.parse_args(argv)
@@ -757,7 +1019,17 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     if not ok:
         print("unavailable:", why)
         return 1
-    with Cluster(2, rate=a.rate) as c:
+    rate = None if a.rate.lower() == "none" else a.rate
+    if a.check_wan:
+        wan_rate = rate if "--rate" in (argv if argv is not None else sys.argv) else None
+        res = check_wan(delay=a.delay, rate=wan_rate, loss=a.loss, jitter=a.jitter)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        left = [n for n in _netns_names() if _NAME_RE.match(n) and int(_NAME_RE.match(n).group(1)) == os.getpid()]
+        print("cleaned up" if not left else f"LEFT BEHIND: {left}")
+        return 0 if not left else 1
+    with Cluster(2, rate=rate) as c:
         print("namespaces:", " ".join(c.namespaces))
         if shutil.which("ping"):
             r = c.run(0, ["ping", "-c", "2", "-W", "2", c.ip(1)])
