@@ -12,6 +12,7 @@
 //               --delay-us D00,D01,...   one-way delay per (src,dst), row-major, N*N values
 //               [--jitter-us J00,...] [--loss P00,...] [--jitter-dist uniform|normal] [--reorder]
 //               [--ifname wan0] [--seed S] [--max-queue-bytes B] [--parent-pid PID] [--no-realtime]
+//               [--spin-us US]
 // Prints "ready" on stdout once every TUN exists; on SIGUSR1 prints one JSON line of counters;
 // exits cleanly on SIGTERM/SIGINT/SIGHUP and when its parent dies.
 #include <fcntl.h>
@@ -101,6 +102,7 @@ struct Options {
   size_t max_queue_bytes = size_t{512} << 20;
   long parent_pid = 0;
   bool realtime = true;
+  int64_t spin_ns = 0;
 };
 
 template <class T, class Parse>
@@ -155,6 +157,9 @@ Options parse_args(int argc, char** argv) {
       o.normal = v == "normal";
     } else if (a == "--reorder") {
       o.reorder = true;
+    } else if (a == "--spin-us") {
+      o.spin_ns = parse_list<int64_t>(a, value(), to_i64).at(0) * 1000;
+      if (o.spin_ns < 0 || o.spin_ns > 1000000) die("--spin-us must be in 0..1000000");
     } else if (a == "--no-realtime") {
       o.realtime = false;
     } else if (a == "--ifname") {
@@ -279,8 +284,12 @@ class Forwarder {
   // Writes every packet whose time has come; returns the departure time of the next one (or -1).
   int64_t release() {
     while (!queue_.empty()) {
-      const int64_t now = now_ns();
-      if (queue_.top().due_ns > now) return queue_.top().due_ns;
+      int64_t now = now_ns();
+      const int64_t due = queue_.top().due_ns;
+      // A timer wake-up lands tens of microseconds late on a busy machine: the timer is set
+      // spin_ns early and the last stretch is waited out here.
+      if (due > now + o_.spin_ns) return due - o_.spin_ns;
+      while (due > now) now = now_ns();
       // priority_queue::top() is const: the packet is copied out by moving its buffer.
       Packet p = std::move(const_cast<Packet&>(queue_.top()));
       queue_.pop();

@@ -70,7 +70,7 @@ def test_forwarder_refuses_bad_arguments():
 def test_round_trip_never_shorter_than_twice_the_delay():
     _need_netns()
     with netns.Cluster(2, delay="20ms", jitter="2ms") as c:
-        got = netns.udp_rtt(c, 0, 1, count=10, gap=0.005)
+        got = netns.ping_rtt(c, 0, 1, count=10, gap=0.005)
         st = c.wan_stats()
     assert got["lost"] == 0 and len(got["rtts"]) == 10
     # Jitter is drawn in [-2, +2] ms: each way takes at least 18 ms.
