@@ -14,7 +14,7 @@
 //               [--ifname wan0] [--seed S] [--max-queue-bytes B] [--parent-pid PID] [--no-realtime]
 //               [--spin-us US]
 // Prints "ready" on stdout once every TUN exists; on SIGUSR1 prints one JSON line of counters;
-// exits cleanly on SIGTERM/SIGINT/SIGHUP and when its parent dies.
+// exits cleanly on SIGTERM/SIGINT/SIGHUP and when its parent process dies.
 #include <fcntl.h>
 #include <linux/if.h>
 #include <linux/if_tun.h>
@@ -387,9 +387,11 @@ int main(int argc, char** argv) {
   // Signals arrive through a signalfd so the loop handles them between packets, never inside one.
   sigset_t sigs;
   sigemptyset(&sigs);
-  for (int s : {SIGTERM, SIGINT, SIGHUP, SIGUSR1}) sigaddset(&sigs, s);
+  for (int s : {SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2}) sigaddset(&sigs, s);
   if (sigprocmask(SIG_BLOCK, &sigs, nullptr) != 0) die("sigprocmask: " + errno_text(errno));
-  if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0) die("prctl(PR_SET_PDEATHSIG): " + errno_text(errno));
+  // The death signal comes when the *thread* that started us exits, which may be a helper thread
+  // of a parent that lives on: SIGUSR2 then only makes the loop look at getppid().
+  if (prctl(PR_SET_PDEATHSIG, SIGUSR2) != 0) die("prctl(PR_SET_PDEATHSIG): " + errno_text(errno));
   if (getppid() != parent) return 0;  // the parent died before PDEATHSIG was armed
   // Timer slack is 50 us by default; packets should leave within microseconds of their time.
   (void)prctl(PR_SET_TIMERSLACK, 1UL);
@@ -447,7 +449,7 @@ int main(int argc, char** argv) {
         while (::read(sfd.get(), &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
           if (si.ssi_signo == SIGUSR1)
             fw.print_stats();
-          else
+          else if (si.ssi_signo != SIGUSR2)
             stop = true;
         }
       } else if (tag == kTimerTag) {

@@ -182,3 +182,22 @@ def test_forwarder_exits_when_its_parent_is_killed():
             p.kill()
             p.wait()
         netns.cleanup_stale()  # the SIGKILLed parent left its namespaces
+
+
+def test_forwarder_outlives_the_thread_that_started_it():
+    # PR_SET_PDEATHSIG fires when the starting *thread* exits; the forwarder must stay while its
+    # process lives.
+    _need_netns()
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", netns.Cluster(2, delay="1ms").start()))
+    t.start()
+    t.join(60)
+    c = box["c"]
+    try:
+        assert netns.ping_rtt(c, 0, 1, count=3, gap=0.0)["lost"] == 0
+        assert c.wan_stats()["forwarded"][0][1] >= 3
+        assert c._wanem.poll() is None
+    finally:
+        c.close()

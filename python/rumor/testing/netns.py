@@ -217,10 +217,10 @@ class Cluster:
     delay:   one-way delay of every pair ("50ms", 0.05), an H x H matrix of them (row = sender),
              or a function (src, dst) -> delay. Any of delay / jitter / loss turns the WAN
              element on (module docstring); with none of them the cluster is as before.
-    jitter:  added to each packet's delay, drawn per packet: uniform in [-jitter, +jitter] or
+    jitter:  added to each packet's delay, drawn per packet: uniform in `[-jitter, +jitter]` or
              normal with that standard deviation (jitter_dist), never making a delay negative.
              Same forms as delay.
-    loss:    probability in [0, 1] that a packet of the pair is dropped; same forms as delay.
+    loss:    probability in `[0, 1]` that a packet of the pair is dropped; same forms as delay.
     jitter_dist: "uniform" (default) or "normal".
     reorder: let jitter reorder a pair's packets (default False: a packet leaves no earlier than
              the one sent before it on the same pair).
@@ -773,8 +773,8 @@ print(json.dumps({"rtts": rtts, "lost": lost}))
 def ping_rtt(cluster: Cluster, src: int, dst: int, count: int = 50, gap: float = 0.01,
              wait: float = 5.0) -> Dict[str, Any]:
     """Round trips of count ICMP echo requests from host src to host dst, answered by dst's kernel
-    (a raw socket: the machines we run on have no ping binary): {"rtts": [seconds...], "lost":
-    requests without an answer within wait s}."""
+    (a raw socket: the machines we run on have no ping binary): `{"rtts": [seconds, ...], "lost":
+    requests without an answer within wait s}`."""
     r = cluster.run(src, [sys.executable, "-c", _ICMP_PING, cluster.ip(dst), str(count), str(gap), str(wait)],
                     timeout=count * (gap + wait) + 30, check=True)
     return json.loads(r.stdout)
@@ -873,9 +873,10 @@ def tcp_stream(cluster: Cluster, src: int, dst: int, seconds: float = 4.0, rcvbu
     of the transfer (slow start left out), with the mean advertised window the sender saw then.
 
     Returns:
-        {"rate": bytes/s, "window": bytes (mean tcpi_snd_wnd: the receiver's advertised window),
-         "cwnd": bytes (mean congestion window), "srtt": s (kernel's smoothed RTT), "retrans":
-         segments retransmitted, "rcvbuf": the receiver's SO_RCVBUF, "bytes": total}.
+        A dict: "rate" (bytes/s), "window" (bytes: the mean tcpi_snd_wnd, the receiver's
+        advertised window), "cwnd" (bytes: the mean congestion window), "srtt" (s: the kernel's
+        smoothed RTT), "retrans" (segments retransmitted), "rcvbuf" (the receiver's SO_RCVBUF),
+        "bytes" (total).
     """
     sink = cluster.popen(dst, [sys.executable, "-c", _TCP_TIMED_SINK, str(port), str(int(rcvbuf))],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
