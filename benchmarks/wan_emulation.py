@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--probes", type=int, default=50)
     ap.add_argument("--datagrams", type=int, default=50000)
     ap.add_argument("--seconds", type=float, default=4.0, help="length of each TCP stream")
+    ap.add_argument("--seed", type=int, default=1, help="forwarder seed of the first configuration (+1 each)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
@@ -56,7 +57,8 @@ def main() -> int:
               file=sys.stderr)
         one_way = netns.parse_time(rtt) / 2
         res = netns.check_wan(delay=one_way, rate=rate, loss=args.loss, jitter=args.jitter, probes=args.probes,
-                              datagrams=args.datagrams, seconds=args.seconds, out=lambda s: print("  " + s))
+                              datagrams=args.datagrams, seconds=args.seconds, seed=args.seed + i,
+                              out=lambda s: print("  " + s))
         res["config"] = {"rtt": rtt, "rate": rate}
         runs.append(res)
 

@@ -906,12 +906,13 @@ def tcp_stream(cluster: Cluster, src: int, dst: int, seconds: float = 4.0, rcvbu
 
 def check_wan(delay: str = "50ms", rate: Optional[str] = None, loss: float = 0.001, jitter: Optional[str] = None,
               probes: int = 50, datagrams: int = 50000, seconds: float = 4.0,
-              rcvbufs: Sequence[int] = (1 << 20, 4 << 20, 0), out=print) -> Dict[str, Any]:
+              rcvbufs: Sequence[int] = (1 << 20, 4 << 20, 0), seed: int = 1, out=print) -> Dict[str, Any]:
     """Builds 3 hosts with `delay` one way between every pair (and `rate` on each host's egress),
     loss only between hosts 0 and 2, and measures: the ping round trip 0->1 against 2 x delay, one
     TCP stream 0->1 per receive buffer in rcvbufs (SO_RCVBUF; 0: kernel-autotuned) against
     min(rate, window / RTT), and the share of `datagrams` UDP datagrams 0->2 lost against `loss`.
-    Prints each figure with its ratio to the setting and returns them all."""
+    Prints each figure with its ratio to the setting and returns them all. seed: the
+    forwarder's (which packets are lost); the same seed loses the same datagrams."""
     d = parse_time(delay)
     rtt_set = 2 * d
     losses = [[0.0] * 3 for _ in range(3)]
@@ -921,7 +922,7 @@ def check_wan(delay: str = "50ms", rate: Optional[str] = None, loss: float = 0.0
     with Cluster(2) as c:  # the hosts' own round trip, without the element, for reference
         base = sorted(ping_rtt(c, 0, 1, count=20, gap=0.005)["rtts"])
         base_med = base[len(base) // 2]
-    with Cluster(3, rate=rate, delay=d, jitter=jitter, loss=losses) as c:
+    with Cluster(3, rate=rate, delay=d, jitter=jitter, loss=losses, seed=seed) as c:
         out(f"set: one-way delay {d * 1e3:g} ms (RTT {rtt_set * 1e3:g} ms), jitter {jitter or 0}, "
             f"rate {rate or 'unshaped'}, loss {loss:g} between host0 and host2")
         # A sender's buffer (tcp_wmem, 4 MiB at most by default) caps a stream at wmem/RTT long
