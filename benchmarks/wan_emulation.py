@@ -113,7 +113,7 @@ def main() -> int:
                           [f"RTT {r['config']['rtt']}\n{r['config']['rate'] or 'unshaped'}" for r in runs])
             ax.set_ylabel("measured / set (TCP: / bound)")
             ax.set_title("rumor-wanem: measured vs setting")
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
             fig.tight_layout()
             png = path.replace(".json", ".png")
             fig.savefig(png, dpi=110)
