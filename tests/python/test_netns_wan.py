@@ -134,7 +134,7 @@ def test_tcp_through_delay_jitter_loss_and_rate_is_intact():
                        wan_mtu=1500) as c:
         assert "tbf" in c.qdisc(0)  # the rate is shaped on wan0, before the delay
         sink = c.popen(1, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
-        assert sink.stdout.readline().strip() == "ready"
+        assert netns.read_line(sink, 30) == "ready"
         c.run(0, [sys.executable, "-c", _SOURCE, c.ip(1), str(size)], timeout=60, check=True)
         out, _ = sink.communicate(timeout=60)
         st = c.wan_stats()
@@ -155,9 +155,10 @@ def test_cleanup_after_exception_leaves_nothing():
 
 
 _ORPHAN = r"""
-import sys, time
-sys.path.insert(0, sys.argv[1])
-from rumor.testing import netns
+import importlib.util, sys, time
+# The module file alone (stdlib only): importing the rumor package would import torch.
+spec = importlib.util.spec_from_file_location("netns", sys.argv[1])
+netns = sys.modules["netns"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(netns)
 c = netns.Cluster(2, delay="1ms").start()
 print(c._wanem.pid, flush=True)
 time.sleep(60)
@@ -166,11 +167,9 @@ time.sleep(60)
 
 def test_forwarder_exits_when_its_parent_is_killed():
     _need_netns()
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p = subprocess.Popen([sys.executable, "-c", _ORPHAN, os.path.join(here, "python")], stdout=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen([sys.executable, "-c", _ORPHAN, netns.__file__], stdout=subprocess.PIPE, text=True)
     try:
-        fw = int(p.stdout.readline())
+        fw = int(netns.read_line(p, 60))
         p.send_signal(signal.SIGKILL)  # no cleanup runs: the forwarder must notice by itself
         p.wait(10)
         deadline = time.monotonic() + 10

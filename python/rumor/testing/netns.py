@@ -728,8 +728,8 @@ def tcp_throughput(cluster: Cluster, src: int, dst: int, nbytes: int = 64 << 20,
     sink = cluster.popen(dst, [sys.executable, "-c", _TCP_SINK, str(port)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
-        line = sink.stdout.readline()
-        if line.strip() != "ready":
+        line = read_line(sink, 30.0)
+        if line != "ready":
             raise NetnsError(f"tcp sink did not start: {line!r} {sink.stderr.read()}")
         cluster.run(src, [sys.executable, "-c", _TCP_SOURCE, cluster.ip(dst), str(port), str(nbytes)],
                     timeout=timeout, check=True)
@@ -813,7 +813,7 @@ def udp_delivered(cluster: Cluster, src: int, dst: int, count: int = 20000, pps:
     sink = cluster.popen(dst, [sys.executable, "-c", _UDP_COUNT, str(port), str(idle), str(count / pps + 60)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        if sink.stdout.readline().strip() != "ready":
+        if read_line(sink, 30.0) != "ready":
             raise NetnsError(f"udp sink did not start: {sink.stderr.read()}")
         cluster.run(src, [sys.executable, "-c", _UDP_FLOOD, cluster.ip(dst), str(port), str(count), str(pps)],
                     timeout=count / pps + 60, check=True)
@@ -881,7 +881,7 @@ def tcp_stream(cluster: Cluster, src: int, dst: int, seconds: float = 4.0, rcvbu
     sink = cluster.popen(dst, [sys.executable, "-c", _TCP_TIMED_SINK, str(port), str(int(rcvbuf))],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        if sink.stdout.readline().strip() != "ready":
+        if read_line(sink, 30.0) != "ready":
             raise NetnsError(f"tcp sink did not start: {sink.stderr.read()}")
         r = cluster.run(src, [sys.executable, "-c", _TCP_TIMED_SOURCE, cluster.ip(dst), str(port), str(seconds)],
                         timeout=seconds + 60, check=True)
@@ -990,6 +990,13 @@ def check_wan(delay: str = "50ms", rate: Optional[str] = None, loss: float = 0.0
         out(f"forwarder: packets left {st['late_mean_us']:.1f} us after their time on average "
             f"(max {st['late_max_us']:.0f} us); overflow drops {st['overflow']}, write errors {st['write_errors']}")
     return res
+
+
+def read_line(p: subprocess.Popen, timeout: float) -> str:
+    """The next line p writes on its stdout (a text pipe), stripped; "" if none comes within
+    timeout seconds or p closes it first."""
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    return p.stdout.readline().strip() if ready else ""
 
 
 def _tx_dropped(c: Cluster, i: int) -> int:
