@@ -957,7 +957,7 @@ def check_wan(delay: str = "50ms", rate: Optional[str] = None, loss: float = 0.0
                 limit = "congestion window"
             elif t["rate"] < 0.9 * bound:
                 # Neither window nor rate explains it: the end hosts' processes (CPU) do.
-                limit = "the end hosts, not the link (window and cwnd above the rate)"
+                limit = "the end hosts, not the link (window and cwnd allow more)"
             t.update(label=label, window_bound=wbound, rate_bound=rate_bps, bound=bound, ratio=t["rate"] / bound,
                      limit=limit)
             res["tcp"].append(t)
