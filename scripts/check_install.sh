@@ -57,7 +57,7 @@ tag = sys.argv[1].rsplit("-", 3)[1]  # the wheel's python tag, e.g. cp311
 want = [n for n in exts if f"-{tag[2:]}-" in n or f".{tag}-" in n]
 if len(exts) != 1 or not want:
     sys.exit(f"check_install: FAILED: the wheel should hold exactly this interpreter's rumor/_C*.so, holds {exts}")
-for n in ("rumor/lib/libnccl-net-rumor.so", "rumor/__init__.py"):
+for n in ("rumor/lib/libnccl-net-rumor.so", "rumor/lib/rumor-wanem", "rumor/__init__.py"):
     if n not in names:
         sys.exit(f"check_install: FAILED: the wheel lacks {n}")
 if not any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names):
