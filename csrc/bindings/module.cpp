@@ -118,6 +118,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("small_allreduce_bytes", &Options::small_allreduce_bytes)
       .def_readwrite("large_broadcast_bytes", &Options::large_broadcast_bytes)
       .def_readwrite("spin_us", &Options::spin_us)
+      .def_readwrite("host_direct", &Options::host_direct)
       .def_readwrite("flight_records", &Options::flight_records);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <utility>
 
+#include "comm/direct.h"
 #include "core/log.h"
 #include "core/reduce.h"
 
@@ -247,16 +248,20 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
     chosen = AllreduceAlgo::kRecursiveDoubling;
   else if (algo == AllreduceAlgo::kAuto && hierarchical_)
     chosen = AllreduceAlgo::kHierarchical;
+  // Every rank of one host: reduce in each other's buffers directly (comm/direct.h) rather than
+  // through the rings, unless the kernel refuses it (then the ring, from then on).
+  const bool direct = chosen == AllreduceAlgo::kRing && algo == AllreduceAlgo::kAuto && use_direct(bytes);
   info.bytes = static_cast<int64_t>(bytes);
   info.algo = chosen == AllreduceAlgo::kHierarchical        ? "hierarchical"
               : chosen == AllreduceAlgo::kRecursiveDoubling ? "recursive doubling"
+              : direct                                      ? "direct"
                                                             : "ring";
   guarded(info, [&] {
     if (chosen == AllreduceAlgo::kHierarchical)
       allreduce_hier(b, count, dtype, op);
     else if (chosen == AllreduceAlgo::kRecursiveDoubling)
       allreduce_rd(b, count, dtype, op, info);
-    else
+    else if (!direct || !host_direct().allreduce(b, count, dtype, op, info))
       allreduce_ring(b, count, dtype, op, info);
   });
 }
@@ -306,6 +311,17 @@ void Communicator::allreduce_rd(std::byte* buf, size_t count, DType dtype, Reduc
     Transfer s[1] = {make_send(r + p2, buf, bytes)};
     exchange(s, info);
   }
+}
+
+bool Communicator::use_direct(size_t bytes) const {
+  // Below this, the rings' latency is lower than announcing buffers and sharing out chunks.
+  return all_local_ && uses_shm() && ctx_->options().host_direct && size() > 1 &&
+         bytes > ctx_->options().small_allreduce_bytes;
+}
+
+HostDirect& Communicator::host_direct() {
+  if (!direct_) direct_ = std::make_unique<HostDirect>(*this);
+  return *direct_;
 }
 
 size_t Communicator::small_bytes() const {
@@ -406,7 +422,10 @@ void Communicator::reduce_scatter(const void* in, void* out, std::span<const siz
     if (counts[0] > 0) std::memcpy(dst, src, counts[0] * es);
     return;
   }
+  const bool direct = use_direct(off.back());
+  if (direct) info.algo = "direct";
   guarded(info, [&] {
+    if (direct && host_direct().reduce_scatter(src, dst, counts, dtype, op, info)) return;
     // The ring of ring_reduce_scatter, but partial sums live in two scratch blocks (one being
     // sent while the next is received) instead of a full-size copy of the input.
     const uint32_t n = size(), r = rank_;
@@ -434,9 +453,14 @@ void Communicator::allgather(void* buf, std::span<const size_t> counts, DType dt
                                                  " block counts for a group of " + std::to_string(size()));
   net::OpInfo info = begin("allgather", Opcode::kAllgather);
   if (size() == 1) return;
-  info.bytes = static_cast<int64_t>(byte_offsets(counts, dtype_size(dtype)).back());
-  info.algo = "ring";
-  guarded(info, [&] { ring_allgather(static_cast<std::byte*>(buf), counts, dtype, info); });
+  const size_t bytes = byte_offsets(counts, dtype_size(dtype)).back();
+  info.bytes = static_cast<int64_t>(bytes);
+  const bool direct = use_direct(bytes);
+  info.algo = direct ? "direct" : "ring";
+  guarded(info, [&] {
+    auto* b = static_cast<std::byte*>(buf);
+    if (!direct || !host_direct().allgather(b, counts, dtype, info)) ring_allgather(b, counts, dtype, info);
+  });
 }
 
 // ---- broadcast / reduce ----------------------------------------------------------------------

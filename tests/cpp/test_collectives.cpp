@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <future>
@@ -14,6 +16,7 @@
 #include <tuple>
 
 #include "comm/arena.h"
+#include "comm/direct.h"
 #include "ranks.h"
 
 namespace rumor {
@@ -161,6 +164,89 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<uint32_t, bool>
 INSTANTIATE_TEST_SUITE_P(Worlds, Collectives,
                          ::testing::Combine(::testing::Values(1u, 2u, 3u, 4u, 5u), ::testing::Bool()),
                          param_name);
+
+// The one-host direct allreduce (comm/direct.h) against a float64 reference (exact for
+// integers), on sizes around its chunk boundaries, odd rank counts and many operations in a row
+// (its counter slots alternate). Every rank must end with the same bits, whichever rank took
+// which chunk.
+TEST(HostDirect, AllreduceMatchesFloat64Reference) {
+  auto value = [](uint32_t rank, size_t i) { return std::sin(0.37 * rank + 0.011 * static_cast<double>(i)) * 3.0; };
+  auto bf16_of = [](float f) {  // small integers only: exact, no rounding needed
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    return static_cast<uint16_t>(bits >> 16);
+  };
+  for (uint32_t n : {2u, 3u, 5u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    const size_t chunk = HostDirect::kChunkBytes / sizeof(float);
+    const std::vector<size_t> counts = {chunk + 1, 3 * chunk, 5 * chunk + 7, (size_t{1} << 20) + 3};
+    std::vector<std::vector<std::vector<float>>> seen(n);  // [rank][size] float32 result bits
+    auto errs = run_ranks(w, [&, n](Communicator& c, uint32_t r) {
+      for (size_t count : counts) {
+        std::vector<float> f(count);
+        std::vector<double> d(count), want(count, 0.0);
+        std::vector<int32_t> k(count);
+        std::vector<int64_t> m(count);
+        std::vector<uint16_t> b(count);
+        for (size_t i = 0; i < count; ++i) {
+          f[i] = static_cast<float>(value(r, i));
+          d[i] = value(r, i);
+          k[i] = static_cast<int32_t>((r * 7 + i * 3) % 1000003) - 500000;
+          m[i] = static_cast<int64_t>((r * 31 + i * 17) % 101);
+          b[i] = bf16_of(static_cast<float>((r + i) % 13));
+          for (uint32_t q = 0; q < n; ++q) want[i] += static_cast<double>(static_cast<float>(value(q, i)));
+        }
+        c.allreduce(f.data(), count, DType::F32, ReduceOp::SUM);
+        c.allreduce(d.data(), count, DType::F64, ReduceOp::AVG);
+        c.allreduce(k.data(), count, DType::I32, ReduceOp::SUM);
+        c.allreduce(m.data(), count, DType::I64, ReduceOp::MAX);
+        c.allreduce(b.data(), count, DType::BF16, ReduceOp::SUM);
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_NEAR(f[i], want[i], 1e-5 * (1.0 + std::abs(want[i]))) << "f32 count " << count << " i " << i;
+          double avg = 0;
+          int64_t ksum = 0, mmax = 0, bsum = 0;
+          for (uint32_t q = 0; q < n; ++q) {
+            avg += value(q, i);
+            ksum += static_cast<int32_t>((q * 7 + i * 3) % 1000003) - 500000;
+            mmax = std::max<int64_t>(mmax, static_cast<int64_t>((q * 31 + i * 17) % 101));
+            bsum += static_cast<int64_t>((q + i) % 13);
+          }
+          ASSERT_NEAR(d[i], avg / n, 1e-12) << "f64 avg count " << count << " i " << i;
+          ASSERT_EQ(k[i], ksum) << "i32 count " << count << " i " << i;
+          ASSERT_EQ(m[i], mmax) << "i64 max count " << count << " i " << i;
+          ASSERT_EQ(b[i], bf16_of(static_cast<float>(bsum))) << "bf16 count " << count << " i " << i;
+        }
+        seen[r].push_back(std::move(f));
+      }
+    });
+    expect_all_ok(errs);
+    for (uint32_t r = 1; r < n; ++r)
+      for (size_t s = 0; s < counts.size() && s < seen[r].size(); ++s)
+        EXPECT_EQ(std::memcmp(seen[r][s].data(), seen[0][s].data(), counts[s] * sizeof(float)), 0)
+            << "rank " << r << " holds other float32 bits than rank 0 (" << counts[s] << " elements)";
+  }
+}
+
+// The same figures with the direct path turned off (the ring): integers must agree exactly.
+TEST(HostDirect, OffGivesTheSameIntegers) {
+  const uint32_t n = 3;
+  const size_t count = 4 * HostDirect::kChunkBytes / sizeof(int64_t) + 5;
+  std::vector<std::vector<int64_t>> got(2);
+  for (bool direct : {true, false}) {
+    Options o = quick_options(true);
+    o.host_direct = direct;
+    auto w = make_world(one_host(n), o);
+    auto errs = run_ranks(w, [&, direct](Communicator& c, uint32_t r) {
+      std::vector<int64_t> v(count);
+      for (size_t i = 0; i < count; ++i) v[i] = static_cast<int64_t>(i * (r + 1)) - 1000;
+      c.allreduce(v.data(), count, DType::I64, ReduceOp::SUM);
+      if (r == 0) got[direct ? 0 : 1] = v;
+    });
+    expect_all_ok(errs);
+  }
+  ASSERT_EQ(got[0].size(), count);
+  EXPECT_EQ(got[0], got[1]);
+}
 
 TEST(Hierarchical, TwoHostsOfTwoAndUnevenHosts) {
   for (auto hosts : {testing::hosts_of(4, 2), std::vector<std::string>{"a", "a", "a", "b", "c"}}) {
