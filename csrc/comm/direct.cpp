@@ -1,5 +1,6 @@
 #include "comm/direct.h"
 
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -36,6 +37,11 @@ struct HostDirect::Control {
 };
 
 namespace {
+uint64_t own_pid_ns() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
 constexpr uint64_t kControlMagic = 0x52554d4f52444952ull;
 
 void cpu_relax() {
@@ -100,6 +106,7 @@ bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
   // Can this process reach every peer's memory? (ptrace rules: Yama, containers without
   // CAP_SYS_PTRACE, a seccomp filter.) Every rank must agree before anyone relies on it.
   uint32_t ok = 1;
+  for (const Entry& e : entries) ok = ok && e.pid_ns == entries[r].pid_ns && e.pid_ns != 0;
   std::byte probe[1];
   for (uint32_t q = 0; q < n && ok; ++q) {
     if (q == r) continue;
@@ -208,7 +215,7 @@ struct Pieces {
 
 bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, 0}, peers, info);
+  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, 0, own_pid_ns()}, peers, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype), chunk_elems = kChunkBytes / es;
@@ -226,7 +233,7 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
                                 ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
   Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(in), static_cast<int32_t>(::getpid()), 1,
-                           reinterpret_cast<uint64_t>(out)},
+                           reinterpret_cast<uint64_t>(out), own_pid_ns()},
                      peers, info);
   if (slot == nullptr) return false;
   const uint32_t r = comm_.rank();
@@ -248,7 +255,7 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
 
 bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, 0}, peers, info);
+  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, 0, own_pid_ns()}, peers, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype);

@@ -55,6 +55,7 @@ class HostDirect {
     int32_t pid;
     uint32_t ok;   // first use: whether this rank could read every peer's buffer
     uint64_t out;  // reduce_scatter: the output block
+    uint64_t pid_ns;  // first use: a pid means the same process only inside one pid namespace
   };
   struct Slot;
   struct Control;
