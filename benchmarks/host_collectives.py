@@ -80,7 +80,9 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
         rounds = int(math.log2(p2))
         t = 7 * S * p2 * rounds + 9 * S * (P - p2)
         return t, t, f"recursive doubling ({rounds} rounds)"
-    if op == "allreduce" and variant == "rumor":
+    # The direct path: from 3 ranks on, unless RUMOR_HOST_DIRECT=0 (Communicator::use_direct).
+    direct = P > 2 and S > SMALL_ALLREDUCE and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0"
+    if op == "allreduce" and variant == "rumor" and direct:
         # Direct (csrc/comm/direct.h): per chunk c the taker reads P-1 peers' chunks into its
         # cache (2c each), reduces them into its own chunk (3c per pass, plus a 2c copy when the
         # taker is not rank 0), writes the result into the P-1 peers (2c each). From memory: every
@@ -91,12 +93,12 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
         # steps (send 2, receive 2), on every rank; from memory: 3 and 2 of them (the ring's
         # side stays in cache).
         return 9 * (P - 1) * S, 5 * (P - 1) * S, "ring via shm rings"
-    if op == "reduce_scatter" and S > SMALL_ALLREDUCE:
+    if op == "reduce_scatter" and direct:
         # Direct: per chunk c of a block the taker reads P-1 peers' chunks into its cache (2c
         # each), copies the first into an accumulator (2c), reduces the others in (3c each) and
         # writes the sum into the block owner's output (2c). From memory: the bound.
         return (5 * P - 1) * S, P * S + S, "direct: chunks taken from a shared counter"
-    if op == "allgather" and S > SMALL_ALLREDUCE:
+    if op == "allgather" and direct:
         # Direct: the own block copied into the output first (rumor.allgather, 2 S/P per rank),
         # then each chunk read once from its owner and written into the P-1 others (2c each).
         return 2 * S + 2 * (P - 1) * S, 2 * S + P * S, "direct: chunks taken from a shared counter"

@@ -176,7 +176,7 @@ TEST(HostDirect, AllreduceMatchesFloat64Reference) {
     std::memcpy(&bits, &f, sizeof(bits));
     return static_cast<uint16_t>(bits >> 16);
   };
-  for (uint32_t n : {2u, 3u, 5u}) {
+  for (uint32_t n : {3u, 4u, 5u}) {  // two ranks keep the rings (Communicator::use_direct)
     auto w = make_world(one_host(n), quick_options(true));
     const size_t chunk = HostDirect::kChunkBytes / sizeof(float);
     const std::vector<size_t> counts = {chunk + 1, 3 * chunk, 5 * chunk + 7, (size_t{1} << 20) + 3};
@@ -224,6 +224,50 @@ TEST(HostDirect, AllreduceMatchesFloat64Reference) {
       for (size_t s = 0; s < counts.size() && s < seen[r].size(); ++s)
         EXPECT_EQ(std::memcmp(seen[r][s].data(), seen[0][s].data(), counts[s] * sizeof(float)), 0)
             << "rank " << r << " holds other float32 bits than rank 0 (" << counts[s] << " elements)";
+  }
+}
+
+// reduce_scatter and allgather on the direct path: uneven blocks (one empty, one spanning
+// several chunks with a partial last one), float64 reference for floats, exact for integers.
+TEST(HostDirect, ReduceScatterAndAllgatherUnevenBlocks) {
+  for (uint32_t n : {3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    auto errs = run_ranks(w, [n](Communicator& c, uint32_t r) {
+      const size_t chunk = HostDirect::kChunkBytes / sizeof(float);
+      std::vector<size_t> counts(n);
+      for (uint32_t q = 0; q < n; ++q) counts[q] = q == 1 ? 0 : (q + 2) * chunk + 3 * q + 1;
+      const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+      std::vector<size_t> at(n + 1, 0);
+      for (uint32_t q = 0; q < n; ++q) at[q + 1] = at[q] + counts[q];
+      auto value = [](uint32_t rank, size_t i) { return std::cos(0.29 * rank + 0.007 * static_cast<double>(i)); };
+      std::vector<float> in(total);
+      std::vector<int32_t> in_i(total);
+      for (size_t i = 0; i < total; ++i) {
+        in[i] = static_cast<float>(value(r, i));
+        in_i[i] = static_cast<int32_t>((i * 5 + r * 11) % 7919);
+      }
+      std::vector<float> out(counts[r] + 1);
+      std::vector<int32_t> out_i(counts[r] + 1);
+      c.reduce_scatter(in.data(), out.data(), counts, DType::F32, ReduceOp::SUM);
+      c.reduce_scatter(in_i.data(), out_i.data(), counts, DType::I32, ReduceOp::SUM);
+      for (size_t j = 0; j < counts[r]; ++j) {
+        double want = 0;
+        int64_t want_i = 0;
+        for (uint32_t q = 0; q < n; ++q) {
+          want += static_cast<double>(static_cast<float>(value(q, at[r] + j)));
+          want_i += static_cast<int64_t>(((at[r] + j) * 5 + q * 11) % 7919);
+        }
+        ASSERT_NEAR(out[j], want, 1e-5 * (1.0 + std::abs(want))) << "reduce_scatter f32 rank " << r << " j " << j;
+        ASSERT_EQ(out_i[j], want_i) << "reduce_scatter i32 rank " << r << " j " << j;
+      }
+      std::vector<int64_t> g(total, -1);
+      for (size_t j = 0; j < counts[r]; ++j) g[at[r] + j] = static_cast<int64_t>(r * 1000003 + j);
+      c.allgather(g.data(), counts, DType::I64);
+      for (uint32_t q = 0; q < n; ++q)
+        for (size_t j = 0; j < counts[q]; ++j)
+          ASSERT_EQ(g[at[q] + j], static_cast<int64_t>(q * 1000003 + j)) << "allgather block " << q << " j " << j;
+    });
+    expect_all_ok(errs);
   }
 }
 
