@@ -162,9 +162,9 @@ class Communicator {
   std::atomic<bool> broken_{false};
   std::string broken_why_;
   std::mutex broken_mu_;
+  std::unique_ptr<HostDirect> direct_;  // one host: collectives on each other's buffers in place
   // Hierarchical allreduce: ranks on this host, and one leader per host. Used only from
   // inside this communicator's operations, so they need no worker of their own.
-  std::unique_ptr<HostDirect> direct_;  // one host: collectives on each other's buffers in place
   std::unique_ptr<Communicator> local_;
   std::unique_ptr<Communicator> leaders_;
   bool hierarchy_built_ = false;
