@@ -32,8 +32,9 @@ rumor's design reads plus writes, all ranks together, counted from the algorithm
 and out of the shared-memory rings and every reduction pass, cache-resident staging included),
 as a multiple of the bound's bytes, twice: "touched" (cache-resident staging included) and
 "memory" (without it: what the copy rate limits; 1/memory is about the best fraction that design
-could reach). "ring (before)" is rumor's allreduce forced to the ring it used on one host before
-the direct path (csrc/comm/direct.h), timed in the same run.
+could reach). "before" is rumor's allreduce forced to what it used on one host before issue 44
+(recursive doubling up to 64 KiB, the ring above; csrc/comm/direct.h has the new paths), timed in
+the same run.
 
   python benchmarks/host_collectives.py                               # full run (long)
   python benchmarks/host_collectives.py --sizes 4KiB,1MiB,64MiB --iters 10   # quicker
@@ -71,7 +72,12 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
     leaves out staging that stays in the caches (the 1 MiB shm rings, the direct path's chunks),
     which is what the bound's copy rate limits. Through a shared-memory ring a send is a copy into
     the ring (S read, S written), a receive a copy out (2S) or a reduction out of it into the
-    destination (2 reads, 1 write: 3S). variant "rumor_ring" is allreduce forced to the ring."""
+    destination (2 reads, 1 write: 3S). variant "rumor_before" is allreduce as it ran before issue 44."""
+    if op == "allreduce" and S <= SMALL_ALLREDUCE and variant == "rumor" and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0":
+        # Shared slots (csrc/comm/direct.h, HostSmall): each rank copies its buffer into its slot
+        # (2S), then copies slot 0 into its buffer (2S) and reduces the P-1 others in (3S each).
+        t = P * (4 + 3 * (P - 1)) * S
+        return t, t, "shared slots, one wait"
     if op == "allreduce" and S <= SMALL_ALLREDUCE:
         # Recursive doubling: per round each rank sends S (2S), receives into scratch (2S), then
         # reduces scratch into its buffer (3S); ranks beyond the largest power of two fold in
@@ -147,9 +153,13 @@ def _deepspeed_peer(n: int) -> Tuple[Optional[Callable], Dict]:
 def _body(cfg: Dict, rank: int, n: int) -> None:
     import rumor
 
-    # "Before": the ring through the shared-memory rings, which allreduce took on one host until
-    # the direct path (issue 44), timed in the same run.
-    peers = {"rumor_ring": lambda dtype: lambda t: rumor.allreduce_(t, op=rumor.ReduceOp.SUM, algorithm="ring")}
+    # "Before": what allreduce took on one host until issue 44, timed in the same run: recursive
+    # doubling up to 64 KiB, the ring through the shared-memory rings above.
+    def before(t):
+        algo = "recursive_doubling" if t.numel() * t.element_size() <= SMALL_ALLREDUCE else "ring"
+        return rumor.allreduce_(t, op=rumor.ReduceOp.SUM, algorithm=algo)
+
+    peers = {"rumor_before": lambda dtype: before}
     if cfg.get("deepspeed"):
         make, status = _deepspeed_peer(n)
         if rank == 0:
@@ -181,7 +191,7 @@ def summarize(cell: Dict, C: float) -> None:
     op, P, S = cell["op"], cell["n"], cell["size"]
     cell["bound_bytes"] = bound_bytes(op, P, S)
     cell["bound_s"] = cell["bound_bytes"] / (2 * C)
-    for v in ("rumor", "rumor_ring"):
+    for v in ("rumor", "rumor_before"):
         if v in cell["variants"]:
             d = cell["variants"][v]
             d["touched_bytes"], d["memory_bytes"], d["design"] = rumor_moved(op, P, S, v)
@@ -203,16 +213,16 @@ def print_table(cells: List[Dict], ds_status: Optional[Dict]) -> None:
         ds_why = ds_status["unavailable"][dtype]
     print(f"\n{P} ranks, 1 host: {op} {dtype}   (time = median [min-max] of {len(c0['variants']['rumor']['samples_s'])}"
           f" samples; frac = bound/time; moved = rumor's bytes / bound's bytes)")
-    before = "rumor_ring" in c0["variants"]
+    before = "rumor_before" in c0["variants"]
     head = (f"{'size':>9} | {'bound':>8} | {'rumor time':>26} {'frac':>5} | "
-            + (f"{'ring (before)':>13} {'frac':>5} | " if before else "")
+            + (f"{'before':>13} {'frac':>5} | " if before else "")
             + f"{'gloo':>9} {'frac':>5} | {'deepspeed':>9} {'frac':>5} | {'r/gloo':>7} {'r/ds':>6} | "
             f"{'touched':>7} {'memory':>6} design" + (" [before: touched memory]" if before else ""))
     print(head)
     print("-" * len(head))
     for c in cells:
         v = c["variants"]
-        r, g, d, b = v["rumor"], v.get("gloo"), v.get("deepspeed"), v.get("rumor_ring")
+        r, g, d, b = v["rumor"], v.get("gloo"), v.get("deepspeed"), v.get("rumor_before")
         bad = lambda x: "" if x is None or x["correct"] else "!"
         rt = f"{fmt_time(r['median_s'])} [{fmt_time(r['min_s'])}-{fmt_time(r['max_s'])}]{bad(r)}"
         gt = f"{fmt_time(g['median_s'])}{bad(g)}" if g else "n/a"
@@ -240,13 +250,13 @@ def plot(path: str, cells: List[Dict], C: float) -> Optional[str]:
         return _common.NO_MATPLOTLIB
     ops = [o for o in OPS if any(c["op"] == o for c in cells)]
     fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
-    styles = {"rumor": "-", "rumor_ring": ":", "gloo": "--", "deepspeed": "-."}
+    styles = {"rumor": "-", "rumor_before": ":", "gloo": "--", "deepspeed": "-."}
     for j, op in enumerate(ops):
         ax = axes[0][j]
         for (P, dtype) in sorted({(c["n"], c["dtype"]) for c in cells if c["op"] == op}):
             cs = sorted((c for c in cells if c["op"] == op and c["n"] == P and c["dtype"] == dtype),
                         key=lambda c: c["size"])
-            for v in ("rumor", "rumor_ring") + PEERS:
+            for v in ("rumor", "rumor_before") + PEERS:
                 pts = [(c["size"], c["variants"][v]["of_bound"]) for c in cs if v in c["variants"]]
                 if pts:
                     ax.plot(*zip(*pts), styles[v], marker="o", ms=3, label=f"{v} {P} ranks {dtype}")

@@ -251,14 +251,22 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
   // Every rank of one host: reduce in each other's buffers directly (comm/direct.h) rather than
   // through the rings, unless the kernel refuses it (then the ring, from then on).
   const bool direct = chosen == AllreduceAlgo::kRing && algo == AllreduceAlgo::kAuto && use_direct(bytes);
+  // Small ones: one shared slot per rank and a single wait (comm/direct.h) instead of log2(P)
+  // rounds, each of which waits for a peer that may not be running.
+  const bool small = chosen == AllreduceAlgo::kRecursiveDoubling && algo == AllreduceAlgo::kAuto &&
+                     bytes <= HostSmall::kMaxBytes && all_local_ && uses_shm() && ctx_->options().host_direct &&
+                     size() <= HostSmall::kMaxRanks;
   info.bytes = static_cast<int64_t>(bytes);
-  info.algo = chosen == AllreduceAlgo::kHierarchical        ? "hierarchical"
+  info.algo = chosen == AllreduceAlgo::kHierarchical ? "hierarchical"
+              : small                                ? "shared slots"
               : chosen == AllreduceAlgo::kRecursiveDoubling ? "recursive doubling"
               : direct                                      ? "direct"
                                                             : "ring";
   guarded(info, [&] {
     if (chosen == AllreduceAlgo::kHierarchical)
       allreduce_hier(b, count, dtype, op);
+    else if (small)
+      host_small().allreduce(b, count, dtype, op, info);
     else if (chosen == AllreduceAlgo::kRecursiveDoubling)
       allreduce_rd(b, count, dtype, op, info);
     else if (!direct || !host_direct().allreduce(b, count, dtype, op, info))
@@ -326,6 +334,11 @@ bool Communicator::use_direct(size_t bytes) const {
 HostDirect& Communicator::host_direct() {
   if (!direct_) direct_ = std::make_unique<HostDirect>(*this);
   return *direct_;
+}
+
+HostSmall& Communicator::host_small() {
+  if (!small_) small_ = std::make_unique<HostSmall>(*this);
+  return *small_;
 }
 
 size_t Communicator::small_bytes() const {

@@ -33,6 +33,7 @@ enum class Opcode : uint8_t {
 };
 
 class HostDirect;
+class HostSmall;
 
 enum class AllreduceAlgo : uint8_t { kAuto = 0, kRing = 1, kRecursiveDoubling = 2, kHierarchical = 3 };
 
@@ -149,6 +150,7 @@ class Communicator {
   // (comm/direct.h): every rank on this host, shared memory on, big enough to pay for it.
   bool use_direct(size_t bytes) const;
   HostDirect& host_direct();
+  HostSmall& host_small();
 
   std::shared_ptr<Context> ctx_;
   uint64_t id_;
@@ -163,6 +165,7 @@ class Communicator {
   std::string broken_why_;
   std::mutex broken_mu_;
   std::unique_ptr<HostDirect> direct_;  // one host: collectives on each other's buffers in place
+  std::unique_ptr<HostSmall> small_;    // one host: small allreduces through shared slots
   // Hierarchical allreduce: ranks on this host, and one leader per host. Used only from
   // inside this communicator's operations, so they need no worker of their own.
   std::unique_ptr<Communicator> local_;

@@ -1,6 +1,8 @@
 #include "comm/direct.h"
 
+#include <poll.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -114,6 +116,10 @@ bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
     iovec rm{reinterpret_cast<void*>(entries[q].addr), 1};
     ok = ::process_vm_readv(entries[q].pid, &l, 1, &rm, 1, 0) == 1;
   }
+  // Opened now, while every peer is inside this operation and so alive.
+  std::vector<int32_t> pids(n);
+  for (uint32_t q = 0; q < n; ++q) pids[q] = entries[q].pid;
+  ok = ok && peers_.open(pids, r);
   Entry mine = entries[r];
   mine.ok = ok;
   entries = share(mine, info);  // every rank has mapped the block, too
@@ -147,14 +153,20 @@ HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entri
     if (state_ == State::kOff) {
       ctl_ = nullptr;
       seg_ = net::ShmSegment{};
+      peers_ = PeerProcesses{};
       return nullptr;
     }
   }
+  for (uint32_t q = 0; q < entries.size(); ++q)
+    if (entries[q].pid != peers_.pids()[q])
+      throw Error(ErrorKind::kProtocol, info.where() + ": " + comm_.peer_desc(q) + " announced pid " +
+                                            std::to_string(entries[q].pid) + " (expected " +
+                                            std::to_string(peers_.pids()[q]) + ", the process of the first operation)");
   return &ctl_->slot[ops_++ % 2];
 }
 
 template <typename Body>
-void HostDirect::work(Slot& slot, size_t total, const std::vector<Entry>& peers, const net::OpInfo& info,
+void HostDirect::work(Slot& slot, size_t total, const net::OpInfo& info,
                       Body&& body) {
   if (total >= UINT32_MAX)
     throw Error(ErrorKind::kInvalidArgument, info.where() + ": " + std::to_string(total) + " chunks are too many");
@@ -165,7 +177,7 @@ void HostDirect::work(Slot& slot, size_t total, const std::vector<Entry>& peers,
       body(static_cast<size_t>(i));
       if (slot.done.fetch_add(1, std::memory_order_acq_rel) + 1 == total) futex_wake_all(&slot.done);
     }
-    wait_done(slot, total, peers, info);
+    wait_done(slot, total, info);
   } catch (...) {
     // The others would otherwise wait for chunks this rank will never finish.
     uint32_t none = 0;  // the first failure is the one to name
@@ -219,10 +231,11 @@ bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp o
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype), chunk_elems = kChunkBytes / es;
-  work(*slot, (count + chunk_elems - 1) / chunk_elems, peers, info, [&](size_t i) {
+  work(*slot, (count + chunk_elems - 1) / chunk_elems, info, [&](size_t i) {
     const size_t first = i * chunk_elems, elems = std::min(chunk_elems, count - first);
     const size_t off = first * es, len = elems * es;
     std::memcpy(buf + off, reduce_chunk(buf + off, off, elems, peers, dtype, op, info), len);
+    peers_.check_alive(comm_, info, "before writing a reduced chunk");
     for (uint32_t q = 0; q < n; ++q)
       if (q != r) vm_copy(true, peers[q].pid, buf + off, peers[q].addr + off, len, info, comm_.peer_desc(q));
   });
@@ -241,10 +254,11 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
   const Pieces pieces(counts, kChunkBytes / es);
   std::vector<size_t> block_off(counts.size() + 1, 0);
   for (size_t b = 0; b < counts.size(); ++b) block_off[b + 1] = block_off[b] + counts[b] * es;
-  work(*slot, pieces.total(), peers, info, [&](size_t i) {
+  work(*slot, pieces.total(), info, [&](size_t i) {
     const Piece p = pieces.at(i, counts);
     const size_t off = block_off[p.block] + p.first * es, len = p.elems * es;
     std::byte* sum = reduce_chunk(in + off, off, p.elems, peers, dtype, op, info);
+    peers_.check_alive(comm_, info, "before writing a reduced chunk");
     if (p.block == r)
       std::memcpy(out + p.first * es, sum, len);
     else
@@ -262,13 +276,14 @@ bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType
   const Pieces pieces(counts, kChunkBytes / es);
   std::vector<size_t> block_off(counts.size() + 1, 0);
   for (size_t b = 0; b < counts.size(); ++b) block_off[b + 1] = block_off[b] + counts[b] * es;
-  work(*slot, pieces.total(), peers, info, [&](size_t i) {
+  work(*slot, pieces.total(), info, [&](size_t i) {
     const Piece p = pieces.at(i, counts);
     const size_t off = block_off[p.block] + p.first * es, len = p.elems * es;
     // Read once from the block's owner (into this rank's own copy of the block, which needs it
     // anyway), then write from there into every other rank.
     if (p.block != r) vm_copy(false, peers[p.block].pid, buf + off, peers[p.block].addr + off, len, info,
                               comm_.peer_desc(p.block));
+    peers_.check_alive(comm_, info, "before writing a gathered chunk");
     for (uint32_t q = 0; q < n; ++q)
       if (q != r && q != p.block)
         vm_copy(true, peers[q].pid, buf + off, peers[q].addr + off, len, info, comm_.peer_desc(q));
@@ -276,7 +291,7 @@ bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType
   return true;
 }
 
-void HostDirect::wait_done(Slot& slot, size_t total, const std::vector<Entry>& peers, const net::OpInfo& info) {
+void HostDirect::wait_done(Slot& slot, size_t total, const net::OpInfo& info) {
   const auto spin = std::chrono::microseconds(std::max(0, comm_.context().options().spin_us));
   const auto spin_until = Clock::now() + spin;
   auto next_alive_check = Clock::now() + std::chrono::milliseconds(100);
@@ -299,13 +314,166 @@ void HostDirect::wait_done(Slot& slot, size_t total, const std::vector<Entry>& p
     // Only the rank finishing the last chunk wakes the sleepers: one wake-up per operation.
     futex_wait(&slot.done, done, 20 * 1000);
     if (Clock::now() >= next_alive_check) {
-      for (uint32_t q = 0; q < peers.size(); ++q)
-        if (q != comm_.rank() && net::process_gone(peers[q].pid))
-          throw Error(ErrorKind::kPeerGone, info.where() + ": " + comm_.peer_desc(q) + " (pid " +
-                                                std::to_string(peers[q].pid) + ") exited with " +
-                                                std::to_string(total - slot.done.load()) + " chunks not reduced");
+      peers_.check_alive(comm_, info, "while waiting for the chunks others took");
       next_alive_check = Clock::now() + std::chrono::milliseconds(100);
     }
+  }
+}
+
+// ---- small messages ----------------------------------------------------------------------------
+
+struct HostSmall::Header {
+  uint64_t magic;
+  std::atomic<uint32_t> ready;
+  uint32_t ranks;
+  alignas(64) std::atomic<uint32_t> arrived;  // n per completed operation, wrapping
+};
+
+struct HostSmall::Slot {
+  uint64_t bytes;  // what this rank contributed: every rank checks it is the same everywhere
+  uint32_t kind;   // dtype and op, likewise
+  alignas(64) std::byte data[kMaxBytes];
+};
+
+namespace {
+constexpr uint64_t kSmallMagic = 0x52554d4f52534d4cull;
+}  // namespace
+
+HostSmall::Slot& HostSmall::slot(uint64_t set, uint32_t rank) const {
+  auto* base = reinterpret_cast<std::byte*>(hdr_) + 4096;
+  return *reinterpret_cast<Slot*>(base + (set * comm_.size() + rank) * sizeof(Slot));
+}
+
+void HostSmall::setup(const net::OpInfo& info) {
+  static_assert(sizeof(Header) <= 4096 && sizeof(Slot) == kMaxBytes + 64);
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  const std::string name = comm_.context().owned_name(comm_.shm_prefix() + "-small", {comm_.world_ranks()[0]});
+  const size_t bytes = 4096 + 2 * static_cast<size_t>(n) * sizeof(Slot);
+  if (r == 0) {
+    seg_ = net::ShmSegment::create(name, bytes);
+    seg_.populate(info.where() + ": small-message slots");
+    hdr_ = new (seg_.data()) Header{};  // placement-new on shared memory, owned by seg_
+    hdr_->magic = kSmallMagic;
+    hdr_->ranks = n;
+    hdr_->ready.store(1, std::memory_order_release);
+  } else {
+    seg_ = net::ShmSegment::open(name, bytes, info.deadline, info.where() + ": small-message slots");
+    seg_.keep_name();  // rank 0 removes it once everyone has it mapped
+    hdr_ = static_cast<Header*>(seg_.data());
+    while (hdr_->ready.load(std::memory_order_acquire) == 0) {
+      if (info.deadline.expired())
+        throw Error(ErrorKind::kTimeout, info.where() + ": rank 0's small-message block never became ready");
+      cpu_relax();
+    }
+    if (hdr_->magic != kSmallMagic || hdr_->ranks != n)
+      throw Error(ErrorKind::kProtocol, info.where() + ": " + name + " is not a rumor small-message block for " +
+                                            std::to_string(n) + " ranks");
+  }
+  // Everyone has mapped it once every pid has arrived everywhere; the pids are kept for the
+  // liveness checks while waiting.
+  std::vector<int32_t> pids(n);
+  pids[r] = static_cast<int32_t>(::getpid());
+  std::vector<net::Transfer> ts;
+  ts.reserve(2 * (n - 1));
+  for (uint32_t q = 0; q < n; ++q) {
+    if (q == r) continue;
+    ts.push_back(net::make_send(q, &pids[r], sizeof(int32_t)));
+    ts.push_back(net::make_recv(q, &pids[q], sizeof(int32_t)));
+  }
+  comm_.exchange(ts, info);
+  if (r == 0) seg_.unlink_name();
+  peers_.open(pids, r);  // without pidfds the wait still ends at the deadline
+}
+
+void HostSmall::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
+  if (hdr_ == nullptr) setup(info);
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  const size_t bytes = count * dtype_size(dtype);
+  const uint64_t set = ops_ % 2;
+  const auto target = static_cast<uint32_t>(static_cast<uint64_t>(n) * (ops_ + 1));
+  ++ops_;
+  const uint32_t kind = static_cast<uint32_t>(dtype) | static_cast<uint32_t>(op) << 8;
+  Slot& mine = slot(set, r);
+  std::memcpy(mine.data, buf, bytes);
+  mine.bytes = bytes;
+  mine.kind = kind;
+  // The increment publishes the slot (release); the last arrival wakes everyone who slept.
+  if (hdr_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
+    futex_wake_all(&hdr_->arrived);
+  } else {
+    const auto spin_until = Clock::now() + std::chrono::microseconds(std::max(0, comm_.context().options().spin_us));
+    auto next_alive_check = Clock::now() + std::chrono::milliseconds(100);
+    while (true) {
+      const uint32_t now = hdr_->arrived.load(std::memory_order_acquire);
+      if (static_cast<int32_t>(now - target) >= 0) break;
+      if (Clock::now() < spin_until) {
+        cpu_relax();
+        continue;
+      }
+      if (info.deadline.expired())
+        throw Error(ErrorKind::kTimeout,
+                    info.where() + ": timed out after " + std::to_string(info.timeout_s) + " s with " +
+                        std::to_string(n - (target - now)) + " of " + std::to_string(n) +
+                        " ranks arrived (the others never entered this allreduce)");
+      futex_wait(&hdr_->arrived, now, 20 * 1000);
+      if (Clock::now() >= next_alive_check) {
+        if (!peers_.empty()) peers_.check_alive(comm_, info, "before entering this allreduce");
+        next_alive_check = Clock::now() + std::chrono::milliseconds(100);
+      }
+    }
+  }
+  bool same = true;
+  for (uint32_t q = 0; q < n; ++q) same = same && slot(set, q).bytes == bytes && slot(set, q).kind == kind;
+  if (!same) {  // every rank sees the same slots, so every rank reports the same list
+    std::string all;
+    for (uint32_t q = 0; q < n; ++q)
+      all += (q ? ", " : "") + comm_.peer_desc(q) + " " + std::to_string(slot(set, q).bytes) + " bytes (dtype/op " +
+             std::to_string(slot(set, q).kind) + ")";
+    throw Error(ErrorKind::kProtocol, info.where() + ": the ranks contributed different buffers (" + all +
+                                          "); every rank must pass the same count, dtype and op");
+  }
+  // Rank order, whoever reduces: every rank computes the same bits.
+  std::memcpy(buf, slot(set, 0).data, bytes);
+  for (uint32_t q = 1; q < n; ++q) reduce_into(buf, slot(set, q).data, count, dtype, op);
+  if (op == ReduceOp::AVG) finish_average(buf, count, dtype, n);
+}
+
+bool PeerProcesses::open(const std::vector<int32_t>& pids, uint32_t self) {
+  std::vector<net::Fd> fds(pids.size());
+  for (uint32_t q = 0; q < pids.size(); ++q) {
+    if (q == self) continue;
+    const long fd = ::syscall(SYS_pidfd_open, static_cast<pid_t>(pids[q]), 0u);
+    if (fd < 0) return false;  // kernel before 5.3, or a seccomp filter
+    fds[q] = net::Fd(static_cast<int>(fd));
+  }
+  fds_ = std::move(fds);
+  pids_ = pids;
+  return true;
+}
+
+void PeerProcesses::check_alive(const Communicator& comm, const net::OpInfo& info, const char* when) const {
+  // A pidfd polls readable once its process has exited.
+  constexpr uint32_t kBatch = 64;
+  pollfd fds[kBatch];
+  uint32_t owner[kBatch];
+  uint32_t q = 0;
+  while (q < fds_.size()) {
+    uint32_t k = 0;
+    for (; q < fds_.size() && k < kBatch; ++q)
+      if (fds_[q].valid()) {
+        fds[k] = pollfd{fds_[q].get(), POLLIN, 0};
+        owner[k++] = q;
+      }
+    if (k == 0) continue;
+    int rc;
+    do rc = ::poll(fds, k, 0);
+    while (rc < 0 && errno == EINTR);
+    if (rc < 0)
+      throw Error(ErrorKind::kSystem, info.where() + ": polling the peers' pidfds: " + net::errno_string(errno));
+    for (uint32_t i = 0; i < k && rc > 0; ++i)
+      if (fds[i].revents != 0)
+        throw Error(ErrorKind::kPeerGone, info.where() + ": " + comm.peer_desc(owner[i]) + " (pid " +
+                                              std::to_string(pids_[owner[i]]) + ") exited " + when);
   }
 }
 

@@ -22,10 +22,59 @@
 
 #include "net/channel.h"
 #include "net/shm.h"
+#include "net/socket.h"
 
 namespace rumor {
 
 class Communicator;
+
+// The peers' processes on this host, named by pidfd: a pidfd keeps naming the process it was
+// opened for, where a pid number could come to name another process once the dead peer is
+// reaped.
+class PeerProcesses {
+ public:
+  // Opens a pidfd for every pid but `self`'s (each must be alive now: call while the peers are
+  // known to be inside an operation). False, with nothing kept, where the kernel refuses.
+  bool open(const std::vector<int32_t>& pids, uint32_t self);
+  bool empty() const { return pids_.empty(); }
+  const std::vector<int32_t>& pids() const { return pids_; }
+  // Throws kPeerGone naming the first peer that has exited, zombie or reaped.
+  void check_alive(const Communicator& comm, const net::OpInfo& info, const char* when) const;
+
+ private:
+  std::vector<net::Fd> fds_;  // invalid for this rank
+  std::vector<int32_t> pids_;
+};
+
+// Allreduce of at most kMaxBytes among the ranks of one host with one wait: every rank copies its
+// buffer into its slot of a shared segment and counts itself in on a shared counter; the last to
+// arrive wakes the sleepers (one futex wake-up per operation), and every rank then reduces all
+// slots, in rank order, into its own buffer. Two sets of slots alternate between operations, and
+// the counter needs no reset: a rank enters operation k+2 (rewriting the set of k) only after
+// every rank arrived at k+1, so after every rank finished reading k.
+class HostSmall {
+ public:
+  explicit HostSmall(Communicator& comm) : comm_(comm) {}
+  HostSmall(const HostSmall&) = delete;
+  HostSmall& operator=(const HostSmall&) = delete;
+
+  void allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
+
+  static constexpr size_t kMaxBytes = 64 * 1024;
+  static constexpr uint32_t kMaxRanks = 64;
+
+ private:
+  struct Header;
+  struct Slot;
+  void setup(const net::OpInfo& info);
+  Slot& slot(uint64_t set, uint32_t rank) const;
+
+  Communicator& comm_;
+  net::ShmSegment seg_;
+  Header* hdr_ = nullptr;
+  uint64_t ops_ = 0;
+  PeerProcesses peers_;
+};
 
 class HostDirect {
  public:
@@ -67,8 +116,8 @@ class HostDirect {
   // Takes chunks 0..total-1 from the slot's counter and runs body(i) on each, then waits until
   // every rank's chunks are done.
   template <typename Body>
-  void work(Slot& slot, size_t total, const std::vector<Entry>& peers, const net::OpInfo& info, Body&& body);
-  void wait_done(Slot& slot, size_t total, const std::vector<Entry>& peers, const net::OpInfo& info);
+  void work(Slot& slot, size_t total, const net::OpInfo& info, Body&& body);
+  void wait_done(Slot& slot, size_t total, const net::OpInfo& info);
   // Reads this chunk of every rank's input (own from `mine`, peers' at their address + off) and
   // leaves their reduction, in rank order, at the returned pointer (`mine` or scratch).
   std::byte* reduce_chunk(const std::byte* mine, size_t off, size_t elems, const std::vector<Entry>& peers,
@@ -80,6 +129,9 @@ class HostDirect {
   Control* ctl_ = nullptr;
   uint64_t ops_ = 0;  // operations on this path so far (the same count on every rank)
   std::vector<std::byte> scratch_;
+  // Opened while every peer was inside the first operation. Checked between a chunk's reads and
+  // its writes, so a write never targets a process that has exited.
+  PeerProcesses peers_;
 };
 
 }  // namespace rumor

@@ -292,6 +292,65 @@ TEST(HostDirect, OffGivesTheSameIntegers) {
   EXPECT_EQ(got[0], got[1]);
 }
 
+// Small allreduces through the shared slots (comm/direct.h, HostSmall): many operations in a
+// row with a different value each time (the two slot sets alternate and the arrival counter
+// carries on), every dtype and op against a float64 / exact reference, sizes from empty up to
+// the slot size, and every rank holding the same bits.
+TEST(HostSmall, ManyOperationsMatchTheReference) {
+  for (uint32_t n : {2u, 3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    std::vector<std::vector<float>> last(n);
+    auto errs = run_ranks(w, [&, n](Communicator& c, uint32_t r) {
+      const size_t sizes[] = {0, 1, 5, 1023, HostSmall::kMaxBytes / sizeof(float)};
+      for (int round = 0; round < 40; ++round) {
+        const size_t count = sizes[round % 5];
+        std::vector<float> f(count);
+        std::vector<int32_t> k(count), lo(count);
+        for (size_t i = 0; i < count; ++i) {
+          f[i] = static_cast<float>(std::sin(0.1 * round + 0.3 * r + 0.01 * static_cast<double>(i)));
+          k[i] = static_cast<int32_t>(round * 1000 + r * 10 + i % 7);
+          lo[i] = static_cast<int32_t>((r * 13 + i + round) % 17);
+        }
+        c.allreduce(f.data(), count, DType::F32, ReduceOp::AVG);
+        c.allreduce(k.data(), count, DType::I32, ReduceOp::SUM);
+        c.allreduce(lo.data(), count, DType::I32, ReduceOp::MIN);
+        for (size_t i = 0; i < count; ++i) {
+          double avg = 0;
+          int64_t sum = 0, mn = INT64_MAX;
+          for (uint32_t q = 0; q < n; ++q) {
+            avg += static_cast<float>(std::sin(0.1 * round + 0.3 * q + 0.01 * static_cast<double>(i)));
+            sum += round * 1000 + q * 10 + static_cast<int64_t>(i % 7);
+            mn = std::min<int64_t>(mn, static_cast<int64_t>((q * 13 + i + round) % 17));
+          }
+          ASSERT_NEAR(f[i], avg / n, 1e-6) << "round " << round << " i " << i;
+          ASSERT_EQ(k[i], sum) << "round " << round << " i " << i;
+          ASSERT_EQ(lo[i], mn) << "round " << round << " i " << i;
+        }
+        if (round == 39) last[r] = f;
+      }
+    });
+    expect_all_ok(errs);
+    for (uint32_t r = 1; r < n; ++r) EXPECT_EQ(last[r], last[0]) << "rank " << r << " holds other bits than rank 0";
+  }
+}
+
+// A rank that contributes another size (or dtype) is named on every rank instead of summing
+// mismatched slots.
+TEST(HostSmall, MismatchedSizesAreReportedEverywhere) {
+  auto w = make_world(one_host(3), quick_options(true));
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    std::vector<float> v(r == 2 ? 9 : 8, 1.0f);
+    c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM);
+  });
+  ASSERT_EQ(errs.size(), 3u);
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(errs[r]) << "rank " << r << " summed mismatched buffers";
+    const std::string what = testing::describe(errs[r]);
+    EXPECT_NE(what.find("rank 2 36 bytes"), std::string::npos) << "rank " << r << ": " << what;
+    EXPECT_NE(what.find("rank 0 32 bytes"), std::string::npos) << "rank " << r << ": " << what;
+  }
+}
+
 TEST(Hierarchical, TwoHostsOfTwoAndUnevenHosts) {
   for (auto hosts : {testing::hosts_of(4, 2), std::vector<std::string>{"a", "a", "a", "b", "c"}}) {
     auto w = make_world(hosts, quick_options(true));
