@@ -92,6 +92,8 @@ def fmt_bw(bps: float) -> str:
 
 
 def busbw_factor(op: str, n: int) -> float:
+    if op == "broadcast":  # nccl-tests: every byte crosses each link once
+        return 1.0
     return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
 
 
@@ -140,6 +142,8 @@ def _expected(op: str, numel: int, n: int, rank: int, salt: int, per: int, dtype
 
     if op == "allgather":
         return torch.cat([_template(per, r, salt, dtype) for r in range(n)])
+    if op == "broadcast":  # rank 0's buffer
+        return _template(numel, 0, salt, dtype)
     period = sum(_template(13, r, salt, dtype).double() for r in range(n)).to(getattr(torch, dtype))  # exact
     total = period.repeat(-(-numel // 13))[:numel]
     if op == "reduce_scatter":
@@ -205,6 +209,13 @@ def _measure(cfg: Dict, rank: int, n: int, peers: Optional[Dict] = None) -> None
                    "gloo": lambda: ag_single(out_g, tmpl)}
             results = {"rumor": lambda: out_r, "gloo": lambda: out_g}
             refill = lambda v: None
+        elif op == "broadcast":  # from rank 0; the others start from zeros, so a miss shows
+            tmpl = _template(numel, 0, salt, dtype) if rank == 0 else torch.zeros(numel, dtype=getattr(torch, dtype))
+            bufs = {"rumor": tmpl.clone(), "gloo": tmpl.clone()}
+            fns = {"rumor": lambda: rumor.broadcast_(bufs["rumor"], 0),
+                   "gloo": lambda: dist.broadcast(bufs["gloo"], 0)}
+            results = {"rumor": lambda: bufs["rumor"], "gloo": lambda: bufs["gloo"]}
+            refill = lambda v: bufs[v].copy_(tmpl)
         else:  # reduce_scatter
             tmpl = _template(numel, rank, salt, dtype)
             out_g = torch.empty(per, dtype=tmpl.dtype)

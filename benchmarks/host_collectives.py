@@ -7,9 +7,9 @@ torch==2.13.0` (its CPU shared-memory op is compiled with the system compiler on
 for the plot `pip install matplotlib`.
 
 What it runs: the cells of benchmarks/collectives.py (same timing loop, same exact-value checks),
-for 2 and 4 ranks on this machine, allreduce / reduce_scatter / allgather, float32 and bfloat16,
-4 KiB .. 256 MiB. Sizes are the full buffer (allreduce: each rank's buffer; reduce_scatter: each
-rank's input; allgather: the gathered output). Columns:
+for 2 and 4 ranks on this machine, allreduce / reduce_scatter / allgather / broadcast, float32 and
+bfloat16, 4 KiB .. 256 MiB. Sizes are the full buffer (allreduce: each rank's buffer;
+reduce_scatter: each rank's input; allgather: the gathered output; broadcast: the buffer). Columns:
   rumor, gloo            rumor.allreduce_ / reduce_scatter / allgather and torch.distributed on gloo
   deepspeed              deepspeed.comm.inference_all_reduce (allreduce only), set up as DeepSpeed
                          does on CPU: DS_ACCELERATOR=cpu, LOCAL_SIZE = ranks on the host,
@@ -27,6 +27,7 @@ moves a byte read plus a byte written per copied byte, so
     allreduce       reads P*S, writes P*S          -> P*S / C
     reduce_scatter  reads P*S, writes P * S/P = S  -> (P+1)*S / (2C)
     allgather       reads P * S/P = S, writes P*S  -> (P+1)*S / (2C)
+    broadcast       reads S (the root's), writes (P-1)*S  -> P*S / (2C)
 Each time is printed as a fraction of that bound (bound/time, 1.0 = at the bound). "moved" is what
 rumor's design reads plus writes, all ranks together, counted from the algorithm (every copy into
 and out of the shared-memory rings and every reduction pass, cache-resident staging included),
@@ -53,7 +54,7 @@ import collectives as coll
 from _common import Progress, emit
 from collectives import KiB, MiB, fmt_size, fmt_time
 
-OPS = coll.OPS
+OPS = coll.OPS + ("broadcast",)
 DTYPES = ("float32", "bfloat16")
 PEERS = ("gloo", "deepspeed")
 SMALL_ALLREDUCE = 64 * KiB  # rumor's recursive-doubling threshold on one host (context.h)
@@ -63,6 +64,8 @@ SMALL_ALLREDUCE = 64 * KiB  # rumor's recursive-doubling threshold on one host (
 
 def bound_bytes(op: str, P: int, S: int) -> int:
     """Bytes a perfect implementation reads plus writes, all ranks together (module docstring)."""
+    if op == "broadcast":  # the root's buffer read once, P-1 copies written
+        return P * S
     return 2 * P * S if op == "allreduce" else (P + 1) * S
 
 
@@ -99,6 +102,20 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
         # steps (send 2, receive 2), on every rank; from memory: 3 and 2 of them (the ring's
         # side stays in cache).
         return 9 * (P - 1) * S, 5 * (P - 1) * S, "ring via shm rings"
+    if op == "broadcast" and direct:
+        # Direct (an allgather whose only block is the root's): per chunk the taker copies it
+        # from the root into its own buffer (2c), then from its cache into the P-2 others (2c
+        # each). From memory: the root's buffer read once, every copy written once.
+        return 2 * (P - 1) * S, P * S, "direct: chunks taken from a shared counter"
+    if op == "broadcast" and S >= 512 * KiB:
+        # Scatter + ring allgather (Communicator::broadcast): the root sends P-1 blocks of S/P
+        # through the rings (into 2, out 2), then P-1 ring steps of S/P on every rank (send 2,
+        # receive 2); from memory the root's read, the scatter's write and the steps' 1 and 1.
+        return 4 * (P - 1) * S // P + 4 * (P - 1) * S, 2 * (P - 1) * S // P + 2 * (P - 1) * S, \
+            "scatter + ring allgather via shm rings"
+    if op == "broadcast":
+        # Binomial tree: each of the P-1 receivers gets S once through a ring (into 2, out 2).
+        return 4 * (P - 1) * S, 2 * (P - 1) * S, "binomial tree via shm rings"
     if op == "reduce_scatter" and direct:
         # Direct: per chunk c of a block the taker reads P-1 peers' chunks into its cache (2c
         # each), copies the first into an accumulator (2c), reduces the others in (3c each) and

@@ -507,10 +507,19 @@ void Communicator::broadcast(void* buf, size_t count, DType dtype, uint32_t root
   auto* b = static_cast<std::byte*>(buf);
   const size_t es = dtype_size(dtype);
   info.bytes = static_cast<int64_t>(count * es);
-  info.algo = count * es < ctx_->options().large_broadcast_bytes || count < size()
+  // One host: an allgather whose only block is the root's (comm/direct.h): each chunk read once
+  // from the root and written once into every other rank, by whichever rank is running.
+  const bool direct = use_direct(count * es);
+  info.algo = direct ? "direct"
+              : count * es < ctx_->options().large_broadcast_bytes || count < size()
                   ? "binomial tree"
                   : "scatter + ring allgather";
   guarded(info, [&] {
+    if (direct) {
+      std::vector<size_t> blocks(size(), 0);
+      blocks[root] = count * es;
+      if (host_direct().allgather(b, blocks, DType::U8, info)) return;
+    }
     if (count * es < ctx_->options().large_broadcast_bytes || count < size()) {
       binomial_broadcast(b, count * es, root, info);
       return;

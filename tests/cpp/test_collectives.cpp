@@ -271,6 +271,27 @@ TEST(HostDirect, ReduceScatterAndAllgatherUnevenBlocks) {
   }
 }
 
+// broadcast on the direct path (an allgather whose only block is the root's): every root, sizes
+// around the chunk boundaries, exact bytes everywhere.
+TEST(HostDirect, BroadcastFromEveryRoot) {
+  for (uint32_t n : {3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    auto errs = run_ranks(w, [n](Communicator& c, uint32_t r) {
+      for (size_t count : {HostDirect::kChunkBytes / 8 + 1, 3 * HostDirect::kChunkBytes / 8 + 5}) {
+        for (uint32_t root = 0; root < n; ++root) {
+          std::vector<int64_t> v(count, -1);
+          if (r == root)
+            for (size_t i = 0; i < count; ++i) v[i] = static_cast<int64_t>(root * 1000003 + i * 7);
+          c.broadcast(v.data(), count, DType::I64, root);
+          for (size_t i = 0; i < count; ++i)
+            ASSERT_EQ(v[i], static_cast<int64_t>(root * 1000003 + i * 7)) << "root " << root << " i " << i;
+        }
+      }
+    });
+    expect_all_ok(errs);
+  }
+}
+
 // The same figures with the direct path turned off (the ring): integers must agree exactly.
 TEST(HostDirect, OffGivesTheSameIntegers) {
   const uint32_t n = 3;
