@@ -549,7 +549,17 @@ void Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, uin
   auto* b = static_cast<std::byte*>(buf);
   const size_t es = dtype_size(dtype);
   info.bytes = static_cast<int64_t>(count * es);
+  // One host: a reduce_scatter whose only block is the root's (comm/direct.h), so each chunk is
+  // read once from every rank and written once into the root; the others' buffers stay as they
+  // were. (The hierarchical allreduce's first leg.)
+  const bool direct = use_direct(count * es);
+  if (direct) info.algo = "direct";
   guarded(info, [&] {
+    if (direct) {
+      std::vector<size_t> blocks(size(), 0);
+      blocks[root] = count;
+      if (host_direct().reduce_scatter(b, b, blocks, dtype, op, info)) return;
+    }
     if (count * es <= small_bytes() || count < size()) {
       allreduce_rd(b, count, dtype, op, info);
       return;

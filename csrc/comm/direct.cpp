@@ -46,6 +46,13 @@ uint64_t own_pid_ns() {
 
 constexpr uint64_t kControlMagic = 0x52554d4f52444952ull;
 
+// Named after the group's first member too: the local groups of two hosts share an id, and where
+// the "hosts" are threads of one process (tests) they also share the owner tag.
+std::string segment_name(const Communicator& comm, const char* what) {
+  const uint32_t first = comm.world_ranks()[0];
+  return comm.context().owned_name(comm.shm_prefix() + "-" + what + "-" + std::to_string(first), {first});
+}
+
 void cpu_relax() {
 #if defined(__x86_64__)
   _mm_pause();
@@ -92,7 +99,7 @@ std::vector<HostDirect::Entry> HostDirect::share(const Entry& mine, const net::O
 
 bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
   const uint32_t n = comm_.size(), r = comm_.rank();
-  const std::string name = comm_.context().owned_name(comm_.shm_prefix() + "-direct", {comm_.world_ranks()[0]});
+  const std::string name = segment_name(comm_, "direct");
   if (r != 0) {
     seg_ = net::ShmSegment::open(name, sizeof(Control), info.deadline, info.where() + ": direct collectives");
     seg_.keep_name();  // rank 0 removes it once everyone has it mapped
@@ -134,7 +141,7 @@ HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entri
   const uint32_t r = comm_.rank();
   if (state_ == State::kUnknown && r == 0) {
     seg_ = net::ShmSegment::create(
-        comm_.context().owned_name(comm_.shm_prefix() + "-direct", {comm_.world_ranks()[0]}), sizeof(Control));
+        segment_name(comm_, "direct"), sizeof(Control));
     ctl_ = new (seg_.data()) Control{};  // placement-new on shared memory, owned by seg_
     ctl_->magic = kControlMagic;
     ctl_->ready.store(1, std::memory_order_release);
@@ -347,7 +354,7 @@ HostSmall::Slot& HostSmall::slot(uint64_t set, uint32_t rank) const {
 void HostSmall::setup(const net::OpInfo& info) {
   static_assert(sizeof(Header) <= 4096 && sizeof(Slot) == kMaxBytes + 64);
   const uint32_t n = comm_.size(), r = comm_.rank();
-  const std::string name = comm_.context().owned_name(comm_.shm_prefix() + "-small", {comm_.world_ranks()[0]});
+  const std::string name = segment_name(comm_, "small");
   const size_t bytes = 4096 + 2 * static_cast<size_t>(n) * sizeof(Slot);
   if (r == 0) {
     seg_ = net::ShmSegment::create(name, bytes);

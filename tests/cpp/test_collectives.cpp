@@ -292,6 +292,43 @@ TEST(HostDirect, BroadcastFromEveryRoot) {
   }
 }
 
+// reduce on the direct path (a reduce_scatter whose only block is the root's): the root gets the
+// exact integer sum (and AVG of floats against float64), the others keep their input.
+TEST(HostDirect, ReduceToEveryRoot) {
+  for (uint32_t n : {3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    auto errs = run_ranks(w, [n](Communicator& c, uint32_t r) {
+      const size_t count = 2 * HostDirect::kChunkBytes / 8 + 3;
+      for (uint32_t root = 0; root < n; ++root) {
+        std::vector<int64_t> v(count);
+        std::vector<double> d(count);
+        for (size_t i = 0; i < count; ++i) {
+          v[i] = static_cast<int64_t>(r * 100003 + i + root);
+          d[i] = 0.25 * r + 1e-3 * static_cast<double>(i);
+        }
+        const std::vector<int64_t> mine = v;
+        c.reduce(v.data(), count, DType::I64, ReduceOp::SUM, root);
+        c.reduce(d.data(), count, DType::F64, ReduceOp::AVG, root);
+        for (size_t i = 0; i < count; ++i) {
+          int64_t want = 0;
+          double avg = 0;
+          for (uint32_t q = 0; q < n; ++q) {
+            want += static_cast<int64_t>(q * 100003 + i + root);
+            avg += 0.25 * q + 1e-3 * static_cast<double>(i);
+          }
+          if (r == root) {
+            ASSERT_EQ(v[i], want) << "root " << root << " i " << i;
+            ASSERT_NEAR(d[i], avg / n, 1e-12) << "root " << root << " i " << i;
+          } else {
+            ASSERT_EQ(v[i], mine[i]) << "rank " << r << " (not the root) had its input changed at " << i;
+          }
+        }
+      }
+    });
+    expect_all_ok(errs);
+  }
+}
+
 // The same figures with the direct path turned off (the ring): integers must agree exactly.
 TEST(HostDirect, OffGivesTheSameIntegers) {
   const uint32_t n = 3;
