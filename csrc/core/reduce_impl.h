@@ -162,56 +162,49 @@ struct Fold<Plain<T>, Op> {
 namespace rumor::RUMOR_KERNEL_NS {
 namespace {
 
-template <template <typename> class Op>
-void into_by_dtype(void* dst, const void* src, size_t n, DType t) {
+// Calls f.template operator()<Op, E>() with the Op of `op` and the element traits E of `t`: the
+// one place that maps the runtime enums onto kernel instantiations.
+template <template <typename> class Op, class F>
+void with_dtype(DType t, F&& f) {
   switch (t) {
     case DType::F32:
-      return native<float, Op>(dst, src, n);
+      return f.template operator()<Op, Plain<float>>();
     case DType::F64:
-      return native<double, Op>(dst, src, n);
+      return f.template operator()<Op, Plain<double>>();
     case DType::I32:
-      return native<int32_t, Op>(dst, src, n);
+      return f.template operator()<Op, Plain<int32_t>>();
     case DType::I64:
-      return native<int64_t, Op>(dst, src, n);
+      return f.template operator()<Op, Plain<int64_t>>();
     case DType::U8:
-      return native<uint8_t, Op>(dst, src, n);
+      return f.template operator()<Op, Plain<uint8_t>>();
     case DType::I8:
-      return native<int8_t, Op>(dst, src, n);
+      return f.template operator()<Op, Plain<int8_t>>();
     case DType::I16:
-      return native<int16_t, Op>(dst, src, n);
+      return f.template operator()<Op, Plain<int16_t>>();
     case DType::F16:
-    case DType::BF16: {
-      // Half types are reduced in float and rounded once per hop: a fold of (dst, src).
-      const void* both[2] = {dst, src};
-      if (t == DType::F16) return Fold<F16, Op>::run(dst, both, 2, n);
-      return Fold<BF16, Op>::run(dst, both, 2, n);
-    }
+      return f.template operator()<Op, F16>();
+    case DType::BF16:
+      return f.template operator()<Op, BF16>();
   }
 }
 
-template <template <typename> class Op>
-void many_by_dtype(void* dst, const void* const* srcs, size_t k, size_t n, DType t) {
-  switch (t) {
-    case DType::F32:
-      return Fold<Plain<float>, Op>::run(dst, srcs, k, n);
-    case DType::F64:
-      return Fold<Plain<double>, Op>::run(dst, srcs, k, n);
-    case DType::I32:
-      return Fold<Plain<int32_t>, Op>::run(dst, srcs, k, n);
-    case DType::I64:
-      return Fold<Plain<int64_t>, Op>::run(dst, srcs, k, n);
-    case DType::U8:
-      return Fold<Plain<uint8_t>, Op>::run(dst, srcs, k, n);
-    case DType::I8:
-      return Fold<Plain<int8_t>, Op>::run(dst, srcs, k, n);
-    case DType::I16:
-      return Fold<Plain<int16_t>, Op>::run(dst, srcs, k, n);
-    case DType::F16:
-      return Fold<F16, Op>::run(dst, srcs, k, n);
-    case DType::BF16:
-      return Fold<BF16, Op>::run(dst, srcs, k, n);
+template <class F>
+void with_kernel(ReduceOp op, DType t, F&& f) {
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:
+      return with_dtype<Sum>(t, f);
+    case ReduceOp::PROD:
+      return with_dtype<Prod>(t, f);
+    case ReduceOp::MIN:
+      return with_dtype<Min>(t, f);
+    case ReduceOp::MAX:
+      return with_dtype<Max>(t, f);
   }
 }
+
+template <class E>
+constexpr bool kNative = std::is_same_v<typename E::Raw, typename E::Acc>;
 
 template <typename T>
 void divide(void* buf, size_t n, size_t divisor) {
@@ -229,31 +222,19 @@ void divide(void* buf, size_t n, size_t divisor) {
 }  // namespace
 
 void reduce_into(void* dst, const void* src, size_t n, DType t, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::SUM:
-    case ReduceOp::AVG:
-      return into_by_dtype<Sum>(dst, src, n, t);
-    case ReduceOp::PROD:
-      return into_by_dtype<Prod>(dst, src, n, t);
-    case ReduceOp::MIN:
-      return into_by_dtype<Min>(dst, src, n, t);
-    case ReduceOp::MAX:
-      return into_by_dtype<Max>(dst, src, n, t);
-  }
+  with_kernel(op, t, [&]<template <typename> class Op, class E>() {
+    if constexpr (kNative<E>) {
+      native<typename E::Raw, Op>(dst, src, n);
+    } else {
+      // Half types are reduced in float and rounded once per hop: a fold of (dst, src).
+      const void* both[2] = {dst, src};
+      Fold<E, Op>::run(dst, both, 2, n);
+    }
+  });
 }
 
 void reduce_many(void* dst, const void* const* srcs, size_t k, size_t n, DType t, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::SUM:
-    case ReduceOp::AVG:
-      return many_by_dtype<Sum>(dst, srcs, k, n, t);
-    case ReduceOp::PROD:
-      return many_by_dtype<Prod>(dst, srcs, k, n, t);
-    case ReduceOp::MIN:
-      return many_by_dtype<Min>(dst, srcs, k, n, t);
-    case ReduceOp::MAX:
-      return many_by_dtype<Max>(dst, srcs, k, n, t);
-  }
+  with_kernel(op, t, [&]<template <typename> class Op, class E>() { Fold<E, Op>::run(dst, srcs, k, n); });
 }
 
 void finish_average(void* buf, size_t n, DType t, size_t divisor) {
