@@ -21,13 +21,30 @@ namespace {
 using half::bf16_to_f32;
 using half::f32_to_bf16;
 
+// Integers wrap (as torch's do), computed unsigned so that an overflow is not undefined: at
+// least `unsigned` wide, since two uint16 would multiply as (signed) int.
+template <typename T>
+using Wrap = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+
 template <typename T>
 struct Sum {
-  static T apply(T a, T b) { return a + b; }
+  static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      return static_cast<T>(static_cast<Wrap<T>>(a) + static_cast<Wrap<T>>(b));
+    } else {
+      return a + b;
+    }
+  }
 };
 template <typename T>
 struct Prod {
-  static T apply(T a, T b) { return a * b; }
+  static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      return static_cast<T>(static_cast<Wrap<T>>(a) * static_cast<Wrap<T>>(b));
+    } else {
+      return a * b;
+    }
+  }
 };
 template <typename T>
 struct Min {
@@ -116,12 +133,24 @@ struct Fold<Plain<T>, Op> {
     return v;
   }
 
+  // Integer lanes wrap through their unsigned twin, as Sum and Prod do on scalars.
+  typedef std::make_unsigned_t<std::conditional_t<std::is_integral_v<T>, T, int>> U;
+  typedef U UVec __attribute__((vector_size(kVectorBytes)));
+
   // Op<Vec> would not do: GCC drops the vector attribute of a template argument.
   static Vec apply(Vec a, Vec b) {
     if constexpr (std::is_same_v<Op<T>, Sum<T>>) {
-      return a + b;
+      if constexpr (std::is_integral_v<T>) {
+        return (Vec)((UVec)a + (UVec)b);
+      } else {
+        return a + b;
+      }
     } else if constexpr (std::is_same_v<Op<T>, Prod<T>>) {
-      return a * b;
+      if constexpr (std::is_integral_v<T>) {
+        return (Vec)((UVec)a * (UVec)b);
+      } else {
+        return a * b;
+      }
     } else if constexpr (std::is_same_v<Op<T>, Min<T>>) {
       return b < a ? b : a;
     } else {

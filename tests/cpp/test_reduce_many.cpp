@@ -146,20 +146,29 @@ TEST(ReduceMany, NativeTypesEqualTheReduceIntoChainBitForBit) {
   check_native_many<int16_t>(DType::I16);
 }
 
-TEST(ReduceMany, IntegersWrapAsTheChainDoes) {
-  // 8 x 100 overflows int8 (and 8 factors of 3 its product); the fold wraps modulo 256 like the
-  // chain, whose every hop narrows back to int8.
+template <typename T>
+void check_wraps(DType t, T sum_term, T prod_factor, T sum_want, T prod_want) {
   for (ReduceOp op : {ReduceOp::SUM, ReduceOp::PROD}) {
     const size_t n = 77, k = 8;
-    std::vector<std::vector<uint8_t>> srcs(k, std::vector<uint8_t>(n, op == ReduceOp::SUM ? 100 : 3));
-    const auto ptrs = pointers(srcs);
-    std::vector<uint8_t> chain = srcs[0], got(n);
-    for (size_t j = 1; j < k; ++j) reduce_into(chain.data(), srcs[j].data(), n, DType::I8, op);
-    reduce_many(got.data(), ptrs.data(), k, n, DType::I8, op);
-    EXPECT_EQ(got, chain) << op_name(op);
-    const uint8_t want = op == ReduceOp::SUM ? static_cast<uint8_t>(800 % 256) : static_cast<uint8_t>(6561 % 256);
-    EXPECT_EQ(got[n - 1], want) << op_name(op);
+    const T v = op == ReduceOp::SUM ? sum_term : prod_factor;
+    std::vector<std::vector<T>> srcs(k, std::vector<T>(n, v));
+    std::vector<const void*> ptrs;
+    for (const auto& s : srcs) ptrs.push_back(s.data());
+    std::vector<T> chain = srcs[0], got(n);
+    for (size_t j = 1; j < k; ++j) reduce_into(chain.data(), srcs[j].data(), n, t, op);
+    reduce_many(got.data(), ptrs.data(), k, n, t, op);
+    EXPECT_EQ(got, chain) << where(t, op, k, n);
+    EXPECT_EQ(got, std::vector<T>(n, op == ReduceOp::SUM ? sum_want : prod_want)) << where(t, op, k, n);
   }
+}
+
+TEST(ReduceMany, IntegersWrapAsTheChainDoes) {
+  // Overflow wraps modulo 2^bits in every path (under UBSan too: no signed overflow is evaluated).
+  check_wraps<int8_t>(DType::I8, 100, 3, static_cast<int8_t>(800 - 3 * 256), static_cast<int8_t>(6561 % 256 - 256));
+  check_wraps<int16_t>(DType::I16, 20000, 7, static_cast<int16_t>(160000 - 2 * 65536),
+                       static_cast<int16_t>(5764801 % 65536 - 65536));
+  check_wraps<int32_t>(DType::I32, 0x40000000, 0x10000, 0, 0);
+  check_wraps<int64_t>(DType::I64, int64_t{1} << 62, int64_t{1} << 10, 0, 0);
 }
 
 TEST(ReduceMany, DestinationMayBeAnySource) {
