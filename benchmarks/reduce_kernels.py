@@ -13,7 +13,10 @@ row times one operation on buffers of that size:
 
 GB/s counts the bytes a perfect kernel must move (reads of every source plus the write of dst;
 a chain moves more, but is charged the same as reduce_many k=4 so the two compare by time), and
-each row's ratio is to memcpy's GB/s at the same size in the same run. Rows alternate within a
+each row's ratio is to memcpy's GB/s at the same size in the same run. reduce_many writes to a
+buffer of its own, as the collective does, so the CPU also reads dst before writing it (a cache
+line is filled before it is written): reduce_many k=2 touches one buffer more than reduce_into,
+which reads and writes the same dst. Rows alternate within a
 repetition, after one warm-up; a figure is the median over --repeats repetitions (min-max
 beside it), each repetition long enough (--min-ms) that the Python call (about a microsecond)
 is small against it. Buffers hold N(0, 1) data and are allocated once (no page faults timed).
