@@ -30,14 +30,19 @@ RUMOR_REDUCE_INLINE __m256 apply8(__m256 acc, __m256 x) {
   }
 }
 
+// Widens p[0..16) into lo and hi. float16: lo holds elements 0-7, hi 8-15. bfloat16 is the top
+// half of a float, so interleaving with zeros widens it (cheaper than zero-extend and shift); the
+// interleave works per 128-bit lane, leaving lo = elements 0-3 and 8-11, hi = 4-7 and 12-15, the
+// order narrow16's pack restores. Everything between is lane by lane, so the order is free.
 template <class E>
-RUMOR_REDUCE_INLINE __m256 widen8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+RUMOR_REDUCE_INLINE void widen16(const uint16_t* p, __m256& lo, __m256& hi) {
   if constexpr (std::is_same_v<E, F16>) {
-    return _mm256_cvtph_ps(h);
+    lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
   } else {
-    // bfloat16 is the top half of a float.
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x));
   }
 }
 
@@ -52,7 +57,7 @@ RUMOR_REDUCE_INLINE __m256i bf16_bits8(__m256 f) {
   return _mm256_blendv_epi8(even, quiet, nan);
 }
 
-// Rounds 16 floats (lo: elements 0-7, hi: 8-15) to p[0..16).
+// Rounds the 16 floats of widen16's lo and hi (in its order) to p[0..16).
 template <class E>
 RUMOR_REDUCE_INLINE void narrow16(uint16_t* p, __m256 lo, __m256 hi) {
   if constexpr (std::is_same_v<E, F16>) {
@@ -60,11 +65,9 @@ RUMOR_REDUCE_INLINE void narrow16(uint16_t* p, __m256 lo, __m256 hi) {
                                           _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), both);
   } else {
-    // packus interleaves the 128-bit lanes of its operands (lo0-3 hi0-3 lo4-7 hi4-7, in 64-bit
-    // groups); the permute puts the groups back in order. No value exceeds 0xffff, so nothing
-    // saturates.
-    const __m256i packed = _mm256_packus_epi32(bf16_bits8(lo), bf16_bits8(hi));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
+    // packus takes 4 values from lo, then 4 from hi, in each 128-bit lane: elements 0-3, 4-7 |
+    // 8-11, 12-15. No value exceeds 0xffff, so nothing saturates.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(bf16_bits8(lo), bf16_bits8(hi)));
   }
 }
 
@@ -77,13 +80,18 @@ struct HalfFold {
     size_t i = 0;
     for (; i + kBlock <= n; i += kBlock) {
       const uint16_t* s = static_cast<const uint16_t*>(srcs[0]) + i;
-      __m256 a0 = widen8<E>(s), a1 = widen8<E>(s + 8), a2 = widen8<E>(s + 16), a3 = widen8<E>(s + 24);
+      __m256 a0, a1, a2, a3;
+      widen16<E>(s, a0, a1);
+      widen16<E>(s + 16, a2, a3);
       for (size_t j = 1; j < k; ++j) {
         s = static_cast<const uint16_t*>(srcs[j]) + i;
-        a0 = apply8<Op>(a0, widen8<E>(s));
-        a1 = apply8<Op>(a1, widen8<E>(s + 8));
-        a2 = apply8<Op>(a2, widen8<E>(s + 16));
-        a3 = apply8<Op>(a3, widen8<E>(s + 24));
+        __m256 x0, x1, x2, x3;
+        widen16<E>(s, x0, x1);
+        widen16<E>(s + 16, x2, x3);
+        a0 = apply8<Op>(a0, x0);
+        a1 = apply8<Op>(a1, x1);
+        a2 = apply8<Op>(a2, x2);
+        a3 = apply8<Op>(a3, x3);
       }
       narrow16<E>(d + i, a0, a1);
       narrow16<E>(d + i + 16, a2, a3);
