@@ -78,8 +78,8 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
     destination (2 reads, 1 write: 3S). variant "rumor_before" is allreduce as it ran before issue 44."""
     if op == "allreduce" and S <= SMALL_ALLREDUCE and variant == "rumor" and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0":
         # Shared slots (csrc/comm/direct.h, HostSmall): each rank copies its buffer into its slot
-        # (2S), then copies slot 0 into its buffer (2S) and reduces the P-1 others in (3S each).
-        t = P * (4 + 3 * (P - 1)) * S
+        # (2S), then folds the P slots into its buffer in one pass (P reads, 1 write).
+        t = P * (P + 3) * S
         return t, t, "shared slots, one wait"
     if op == "allreduce" and S <= SMALL_ALLREDUCE:
         # Recursive doubling: per round each rank sends S (2S), receives into scratch (2S), then
@@ -93,10 +93,10 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
     direct = P > 2 and S > SMALL_ALLREDUCE and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0"
     if op == "allreduce" and variant == "rumor" and direct:
         # Direct (csrc/comm/direct.h): per chunk c the taker reads P-1 peers' chunks into its
-        # cache (2c each), reduces them into its own chunk (3c per pass, plus a 2c copy when the
-        # taker is not rank 0), writes the result into the P-1 peers (2c each). From memory: every
-        # input read once and every output written once.
-        return 7 * (P - 1) * S + 2 * (P - 1) * S // P, 2 * P * S, "direct: chunks taken from a shared counter"
+        # cache (2c each), folds the P chunks into its own buffer in one pass ((P+1)c), writes the
+        # result into the P-1 peers (2c each). From memory: every input read once and every
+        # output written once.
+        return (5 * P - 3) * S, 2 * P * S, "direct: chunks taken from a shared counter"
     if op == "allreduce":
         # Ring: P-1 reduce-scatter steps of S/P (send 2, reduce-receive 3) and P-1 allgather
         # steps (send 2, receive 2), on every rank; from memory: 3 and 2 of them (the ring's
@@ -118,9 +118,9 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
         return 4 * (P - 1) * S, 2 * (P - 1) * S, "binomial tree via shm rings"
     if op == "reduce_scatter" and direct:
         # Direct: per chunk c of a block the taker reads P-1 peers' chunks into its cache (2c
-        # each), copies the first into an accumulator (2c), reduces the others in (3c each) and
-        # writes the sum into the block owner's output (2c). From memory: the bound.
-        return (5 * P - 1) * S, P * S + S, "direct: chunks taken from a shared counter"
+        # each), folds the P chunks into scratch in one pass ((P+1)c) and writes the sum into the
+        # block owner's output (2c). From memory: the bound.
+        return (3 * P + 1) * S, P * S + S, "direct: chunks taken from a shared counter"
     if op == "allgather" and direct:
         # Direct: the own block copied into the output first (rumor.allgather, 2 S/P per rank),
         # then each chunk read once from its owner and written into the P-1 others (2c each).

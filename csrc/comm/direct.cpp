@@ -195,18 +195,19 @@ void HostDirect::work(Slot& slot, size_t total, const net::OpInfo& info,
 }
 
 std::byte* HostDirect::reduce_chunk(const std::byte* mine, size_t off, size_t elems, const std::vector<Entry>& peers,
-                                    DType dtype, ReduceOp op, const net::OpInfo& info) {
+                                    DType dtype, ReduceOp op, const net::OpInfo& info, std::byte* dst) {
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t len = elems * dtype_size(dtype);
   scratch_.resize(static_cast<size_t>(n + 1) * kChunkBytes);
   auto staged = [&](uint32_t q) { return scratch_.data() + static_cast<size_t>(q) * kChunkBytes; };
   for (uint32_t q = 0; q < n; ++q)
     if (q != r) vm_copy(false, peers[q].pid, staged(q), peers[q].addr + off, len, info, comm_.peer_desc(q));
-  // Ranks summed in rank order whoever takes the chunk, so a result never depends on which rank
-  // happened to be running.
-  std::byte* acc = staged(n);
-  std::memcpy(acc, r == 0 ? mine : staged(0), len);
-  for (uint32_t q = 1; q < n; ++q) reduce_into(acc, q == r ? mine : staged(q), elems, dtype, op);
+  // Ranks folded in rank order whoever takes the chunk, so a result never depends on which rank
+  // happened to be running; one pass over the P inputs (half types summed in fp32, rounded once).
+  srcs_.resize(n);
+  for (uint32_t q = 0; q < n; ++q) srcs_[q] = q == r ? mine : staged(q);
+  std::byte* acc = dst != nullptr ? dst : staged(n);
+  reduce_many(acc, srcs_.data(), n, elems, dtype, op);
   if (op == ReduceOp::AVG) finish_average(acc, elems, dtype, n);
   return acc;
 }
@@ -241,7 +242,7 @@ bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp o
   work(*slot, (count + chunk_elems - 1) / chunk_elems, info, [&](size_t i) {
     const size_t first = i * chunk_elems, elems = std::min(chunk_elems, count - first);
     const size_t off = first * es, len = elems * es;
-    std::memcpy(buf + off, reduce_chunk(buf + off, off, elems, peers, dtype, op, info), len);
+    reduce_chunk(buf + off, off, elems, peers, dtype, op, info, buf + off);  // in place: no copy back
     peers_.check_alive(comm_, info, "before writing a reduced chunk");
     for (uint32_t q = 0; q < n; ++q)
       if (q != r) vm_copy(true, peers[q].pid, buf + off, peers[q].addr + off, len, info, comm_.peer_desc(q));
@@ -439,9 +440,10 @@ void HostSmall::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op
     throw Error(ErrorKind::kProtocol, info.where() + ": the ranks contributed different buffers (" + all +
                                           "); every rank must pass the same count, dtype and op");
   }
-  // Rank order, whoever reduces: every rank computes the same bits.
-  std::memcpy(buf, slot(set, 0).data, bytes);
-  for (uint32_t q = 1; q < n; ++q) reduce_into(buf, slot(set, q).data, count, dtype, op);
+  // Rank order, whoever reduces: every rank computes the same bits, in one pass over the slots.
+  const void* srcs[kMaxRanks];
+  for (uint32_t q = 0; q < n; ++q) srcs[q] = slot(set, q).data;
+  if (count > 0) reduce_many(buf, srcs, n, count, dtype, op);
   if (op == ReduceOp::AVG) finish_average(buf, count, dtype, n);
 }
 

@@ -119,9 +119,9 @@ class HostDirect {
   void work(Slot& slot, size_t total, const net::OpInfo& info, Body&& body);
   void wait_done(Slot& slot, size_t total, const net::OpInfo& info);
   // Reads this chunk of every rank's input (own from `mine`, peers' at their address + off) and
-  // leaves their reduction, in rank order, at the returned pointer (`mine` or scratch).
+  // leaves their reduction, in rank order, at `dst` (scratch when null; `mine` itself may be it).
   std::byte* reduce_chunk(const std::byte* mine, size_t off, size_t elems, const std::vector<Entry>& peers,
-                          DType dtype, ReduceOp op, const net::OpInfo& info);
+                          DType dtype, ReduceOp op, const net::OpInfo& info, std::byte* dst = nullptr);
 
   Communicator& comm_;
   enum class State { kUnknown, kOn, kOff } state_ = State::kUnknown;
@@ -129,6 +129,7 @@ class HostDirect {
   Control* ctl_ = nullptr;
   uint64_t ops_ = 0;  // operations on this path so far (the same count on every rank)
   std::vector<std::byte> scratch_;
+  std::vector<const void*> srcs_;  // reduce_chunk's inputs, in rank order
   // Opened while every peer was inside the first operation. Checked between a chunk's reads and
   // its writes, so a write never targets a process that has exited.
   PeerProcesses peers_;
