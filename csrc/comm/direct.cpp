@@ -402,7 +402,7 @@ void HostSmall::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op
   ++ops_;
   const uint32_t kind = static_cast<uint32_t>(dtype) | static_cast<uint32_t>(op) << 8;
   Slot& mine = slot(set, r);
-  std::memcpy(mine.data, buf, bytes);
+  if (bytes > 0) std::memcpy(mine.data, buf, bytes);  // buf may be null when empty
   mine.bytes = bytes;
   mine.kind = kind;
   // The increment publishes the slot (release); the last arrival wakes everyone who slept.
