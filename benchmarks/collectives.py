@@ -92,15 +92,19 @@ def fmt_bw(bps: float) -> str:
 
 
 def busbw_factor(op: str, n: int) -> float:
+    if op == "broadcast":  # nccl-tests: every byte crosses each link once
+        return 1.0
     return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
 
 
-def measure_memcpy(nbytes: int = 64 * MiB, iters: int = 20) -> Dict:
-    """Single-threaded torch copy_ bandwidth (bytes copied per second), the one-host bound."""
+def measure_memcpy(nbytes: int = 64 * MiB, iters: int = 20, threads: int = 1) -> Dict:
+    """torch copy_ bandwidth with `threads` threads (bytes copied per second): with 1 thread the
+    bound of this benchmark, with every core the all-core copy rate C of host_collectives.py
+    (torch splits a large copy across its intra-op threads)."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         src = torch.ones(nbytes // 4, dtype=torch.float32)
         dst = torch.empty_like(src)
@@ -112,31 +116,35 @@ def measure_memcpy(nbytes: int = 64 * MiB, iters: int = 20) -> Dict:
             dst.copy_(src)
             samples.append(time.perf_counter() - t0)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     med = statistics.median(samples)
-    return dict(bytes=nbytes, samples_s=samples, median_s=med, bw=nbytes / med,
+    return dict(bytes=nbytes, threads=threads, samples_s=samples, median_s=med, bw=nbytes / med,
                 bw_min=nbytes / max(samples), bw_max=nbytes / min(samples))
 
 
 # ==== inside a rank ==================================================================================
 
-def _template(numel: int, owner: int, salt: int):
-    """Rank `owner`'s input: small positive integers times 2^SCALE_EXP. Sums over ranks are exact,
-    and reps in-place sums of n ranks stay finite as long as n^reps < 2^180 (see max_reps).
+def _template(numel: int, owner: int, salt: int, dtype: str = "float32"):
+    """Rank `owner`'s input: small positive integers times 2^SCALE_EXP. Sums over ranks are exact
+    (also in bfloat16: at most 13*n < 2^8 for n < 19), and reps in-place sums of n ranks stay
+    finite as long as n^reps < 2^180 (see max_reps; bfloat16 has float32's exponent range).
     The pattern has period 13, so it is built by tiling (cheap even at 256 MiB)."""
     import torch
 
-    period = ((torch.arange(13) * 7 + owner * 3 + salt) % 13 + 1).to(torch.float32) * (2.0 ** SCALE_EXP)
+    period = (((torch.arange(13) * 7 + owner * 3 + salt) % 13 + 1).to(torch.float32) * (2.0 ** SCALE_EXP)).to(
+        getattr(torch, dtype))
     reps = -(-numel // 13)
     return period.repeat(reps)[:numel].clone() if reps * 13 != numel else period.repeat(reps)
 
 
-def _expected(op: str, numel: int, n: int, rank: int, salt: int, per: int):
+def _expected(op: str, numel: int, n: int, rank: int, salt: int, per: int, dtype: str = "float32"):
     import torch
 
     if op == "allgather":
-        return torch.cat([_template(per, r, salt) for r in range(n)])
-    period = sum(_template(13, r, salt).double() for r in range(n)).float()  # exact
+        return torch.cat([_template(per, r, salt, dtype) for r in range(n)])
+    if op == "broadcast":  # rank 0's buffer
+        return _template(numel, 0, salt, dtype)
+    period = sum(_template(13, r, salt, dtype).double() for r in range(n)).to(getattr(torch, dtype))  # exact
     total = period.repeat(-(-numel // 13))[:numel]
     if op == "reduce_scatter":
         return total[rank * per:(rank + 1) * per]
@@ -153,7 +161,10 @@ def _describe(rank: int, n: int) -> Dict:
                 host_id=os.readlink("/proc/self/ns/net"))
 
 
-def _measure(cfg: Dict, rank: int, n: int) -> None:
+def _measure(cfg: Dict, rank: int, n: int, peers: Optional[Dict] = None) -> None:
+    """Every cell of cfg on this rank. peers: more allreduce implementations to time beside
+    rumor and gloo, name -> fn(dtype) giving an in-place allreduce of a tensor, or None where
+    that implementation cannot reduce this dtype here."""
     import torch
     import torch.distributed as dist
 
@@ -166,14 +177,14 @@ def _measure(cfg: Dict, rank: int, n: int) -> None:
     hier_ok = rumor.machine_size() > 1 and rumor.local_size() > 1
     cell_index = 0
 
-    def run_cell(op: str, size: int, cell_index: int) -> None:
+    def run_cell(op: str, size: int, cell_index: int, dtype: str) -> None:
         # One (op, size): a function so that its buffers are freed before the next one.
-        numel = size // 4
+        numel = size // getattr(torch, dtype).itemsize
         per = numel // n
         salt = cell_index % 5
         # Buffers and the functions each library runs (one call = one op).
         if op == "allreduce":
-            tmpl = _template(numel, rank, salt)
+            tmpl = _template(numel, rank, salt, dtype)
             bufs = {"rumor": tmpl.clone(), "gloo": tmpl.clone()}
             fns = {"rumor": lambda: rumor.allreduce_(bufs["rumor"], op=SUM),
                    "gloo": lambda: dist.all_reduce(bufs["gloo"], op=dist.ReduceOp.SUM)}
@@ -182,20 +193,33 @@ def _measure(cfg: Dict, rank: int, n: int) -> None:
                 bufs["rumor_hier"] = tmpl.clone()
                 fns["rumor_hier"] = lambda: rumor.allreduce_(bufs["rumor_hier"], op=SUM, hierarchical=True)
                 results["rumor_hier"] = lambda: bufs["rumor_hier"]
+            for name, make in (peers or {}).items():
+                fn = make(dtype)
+                if fn is not None:
+                    bufs[name] = tmpl.clone()
+                    fns[name] = (lambda f, b: lambda: f(b))(fn, bufs[name])
+                    results[name] = (lambda b: lambda: b)(bufs[name])
             refill = lambda v: bufs[v].copy_(tmpl)
         elif op == "allgather":
-            tmpl = _template(per, rank, salt)
-            out_g = torch.empty(numel, dtype=torch.float32)
-            out_r = torch.empty(numel, dtype=torch.float32)
+            tmpl = _template(per, rank, salt, dtype)
+            out_g = torch.empty(numel, dtype=tmpl.dtype)
+            out_r = torch.empty(numel, dtype=tmpl.dtype)
             # Both libraries write into preallocated outputs.
             fns = {"rumor": lambda: rumor.allgather(tmpl, out=out_r),
                    "gloo": lambda: ag_single(out_g, tmpl)}
             results = {"rumor": lambda: out_r, "gloo": lambda: out_g}
             refill = lambda v: None
+        elif op == "broadcast":  # from rank 0; the others start from zeros, so a miss shows
+            tmpl = _template(numel, 0, salt, dtype) if rank == 0 else torch.zeros(numel, dtype=getattr(torch, dtype))
+            bufs = {"rumor": tmpl.clone(), "gloo": tmpl.clone()}
+            fns = {"rumor": lambda: rumor.broadcast_(bufs["rumor"], 0),
+                   "gloo": lambda: dist.broadcast(bufs["gloo"], 0)}
+            results = {"rumor": lambda: bufs["rumor"], "gloo": lambda: bufs["gloo"]}
+            refill = lambda v: bufs[v].copy_(tmpl)
         else:  # reduce_scatter
-            tmpl = _template(numel, rank, salt)
-            out_g = torch.empty(per, dtype=torch.float32)
-            out_r = torch.empty(per, dtype=torch.float32)
+            tmpl = _template(numel, rank, salt, dtype)
+            out_g = torch.empty(per, dtype=tmpl.dtype)
+            out_r = torch.empty(per, dtype=tmpl.dtype)
             in_g = tmpl.clone()
             fns = {"rumor": lambda: rumor.reduce_scatter(tmpl, op=SUM, out=out_r),
                    "gloo": lambda: rs_single(out_g, in_g, op=dist.ReduceOp.SUM)}
@@ -204,7 +228,7 @@ def _measure(cfg: Dict, rank: int, n: int) -> None:
         variants = list(fns)
 
         # Warm-up; the first op of each library is checked against the exact result.
-        expected = _expected(op, numel, n, rank, salt, per)
+        expected = _expected(op, numel, n, rank, salt, per, dtype)
         correct = {}
         warm = {v: [] for v in variants}
         for w in range(cfg["warmup"]):
@@ -245,7 +269,7 @@ def _measure(cfg: Dict, rank: int, n: int) -> None:
         oks = [None] * n
         dist.all_gather_object(oks, correct)
         if rank == 0:
-            cell = dict(op=op, size=size, n=n, reps=reps, warmup_s={v: warm[v] for v in variants},
+            cell = dict(op=op, size=size, n=n, dtype=dtype, reps=reps, warmup_s={v: warm[v] for v in variants},
                         variants={})
             for v in variants:
                 sm = [max(per_rank[v][r][i] for r in range(n)) for i in range(cfg["iters"])]
@@ -254,10 +278,11 @@ def _measure(cfg: Dict, rank: int, n: int) -> None:
                                            correct=not errs, errors=errs[:4])
             emit("cell", cell)
 
-    for op in cfg["ops"]:
-        for size in cfg["sizes"]:
-            run_cell(op, size, cell_index)
-            cell_index += 1
+    for dtype in cfg.get("dtypes", ["float32"]):
+        for op in cfg["ops"]:
+            for size in cfg["sizes"]:
+                run_cell(op, size, cell_index, dtype)
+                cell_index += 1
 
 
 # ==== the driver =====================================================================================
@@ -266,8 +291,8 @@ class Job(_common.Job):
     """One set of ranks (one world size), running the whole size list for every op."""
 
     def __init__(self, args, n: int, ops: List[str], sizes: List[int], workdir: str, progress: Progress,
-                 base: int, cluster=None):
-        super().__init__(os.path.abspath(__file__), args, n, workdir, progress, base, cluster)
+                 base: int, cluster=None, script: str = os.path.abspath(__file__)):
+        super().__init__(script, args, n, workdir, progress, base, cluster)
         self.ops, self.sizes = ops, sizes
 
     @property

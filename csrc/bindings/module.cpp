@@ -99,6 +99,17 @@ PYBIND11_MODULE(_C, m) {
       },
       "dst[i] = dst[i] op src[i] (AVG accumulates as SUM).");
   m.def(
+      "reduce_many",
+      [](uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, int dtype, int op) {
+        std::vector<const void*> p(srcs.size());
+        for (size_t j = 0; j < srcs.size(); ++j) p[j] = ptr(srcs[j]);
+        py::gil_scoped_release nogil;
+        reduce_many(ptr(dst), p.data(), p.size(), count, to_dtype(dtype), to_op(op));
+      },
+      "dst[i] = srcs[0][i] op srcs[1][i] op ... in one pass (core/reduce.h; float16/bfloat16 "
+      "summed in float32 and rounded once). Raw addresses, as reduce_into: used by "
+      "benchmarks/reduce_kernels.py.");
+  m.def(
       "copy_bytes",
       [](uintptr_t dst, uintptr_t src, size_t bytes) {
         // libc's copy streams large buffers past the cache (no read of the destination first),
@@ -118,6 +129,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("small_allreduce_bytes", &Options::small_allreduce_bytes)
       .def_readwrite("large_broadcast_bytes", &Options::large_broadcast_bytes)
       .def_readwrite("spin_us", &Options::spin_us)
+      .def_readwrite("host_direct", &Options::host_direct)
       .def_readwrite("flight_records", &Options::flight_records);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")

@@ -32,6 +32,9 @@ enum class Opcode : uint8_t {
   kNeighbor = 10,
 };
 
+class HostDirect;
+class HostSmall;
+
 enum class AllreduceAlgo : uint8_t { kAuto = 0, kRing = 1, kRecursiveDoubling = 2, kHierarchical = 3 };
 
 class Communicator {
@@ -143,6 +146,11 @@ class Communicator {
   // Below this many bytes allreduce uses recursive doubling. Lower across hosts, where each
   // extra full-buffer round costs link time rather than memory bandwidth.
   size_t small_bytes() const;
+  // Whether a collective of this many bytes reads and writes the peers' buffers in place
+  // (comm/direct.h): every rank on this host, shared memory on, big enough to pay for it.
+  bool use_direct(size_t bytes) const;
+  HostDirect& host_direct();
+  HostSmall& host_small();
 
   std::shared_ptr<Context> ctx_;
   uint64_t id_;
@@ -156,6 +164,8 @@ class Communicator {
   std::atomic<bool> broken_{false};
   std::string broken_why_;
   std::mutex broken_mu_;
+  std::unique_ptr<HostDirect> direct_;  // one host: collectives on each other's buffers in place
+  std::unique_ptr<HostSmall> small_;    // one host: small allreduces through shared slots
   // Hierarchical allreduce: ranks on this host, and one leader per host. Used only from
   // inside this communicator's operations, so they need no worker of their own.
   std::unique_ptr<Communicator> local_;

@@ -34,6 +34,9 @@ struct Options {
   size_t shm_ring_bytes = 1 << 20;
   size_t small_allreduce_bytes = 64 * 1024;   // below: recursive doubling, above: ring
   size_t large_broadcast_bytes = 512 * 1024;  // at or above: scatter + ring allgather
+  // One host: allreduce by reading and writing the peers' buffers in place (process_vm_readv;
+  // RUMOR_HOST_DIRECT=0 turns it off). Where the kernel refuses, the ring is used.
+  bool host_direct = true;
   int spin_us = 20;                           // busy-poll this long before sleeping (latency vs. CPU)
   size_t flight_records = 64;                 // operations the flight recorder keeps (RUMOR_FLIGHT_RECORDER)
 };

@@ -125,6 +125,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
     opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
     opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
+    opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
     opts.flight_records = flight_records_from_env()
 
     host = _rendezvous.host_id()

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <future>
@@ -14,6 +16,7 @@
 #include <tuple>
 
 #include "comm/arena.h"
+#include "comm/direct.h"
 #include "ranks.h"
 
 namespace rumor {
@@ -161,6 +164,250 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<uint32_t, bool>
 INSTANTIATE_TEST_SUITE_P(Worlds, Collectives,
                          ::testing::Combine(::testing::Values(1u, 2u, 3u, 4u, 5u), ::testing::Bool()),
                          param_name);
+
+// The one-host direct allreduce (comm/direct.h) against a float64 reference (exact for
+// integers), on sizes around its chunk boundaries, odd rank counts and many operations in a row
+// (its counter slots alternate). Every rank must end with the same bits, whichever rank took
+// which chunk.
+TEST(HostDirect, AllreduceMatchesFloat64Reference) {
+  auto value = [](uint32_t rank, size_t i) { return std::sin(0.37 * rank + 0.011 * static_cast<double>(i)) * 3.0; };
+  auto bf16_of = [](float f) {  // small integers only: exact, no rounding needed
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    return static_cast<uint16_t>(bits >> 16);
+  };
+  for (uint32_t n : {3u, 4u, 5u}) {  // two ranks keep the rings (Communicator::use_direct)
+    auto w = make_world(one_host(n), quick_options(true));
+    const size_t chunk = HostDirect::kChunkBytes / sizeof(float);
+    const std::vector<size_t> counts = {chunk + 1, 3 * chunk, 5 * chunk + 7, (size_t{1} << 20) + 3};
+    std::vector<std::vector<std::vector<float>>> seen(n);  // [rank][size] float32 result bits
+    auto errs = run_ranks(w, [&, n](Communicator& c, uint32_t r) {
+      for (size_t count : counts) {
+        std::vector<float> f(count);
+        std::vector<double> d(count), want(count, 0.0);
+        std::vector<int32_t> k(count);
+        std::vector<int64_t> m(count);
+        std::vector<uint16_t> b(count);
+        for (size_t i = 0; i < count; ++i) {
+          f[i] = static_cast<float>(value(r, i));
+          d[i] = value(r, i);
+          k[i] = static_cast<int32_t>((r * 7 + i * 3) % 1000003) - 500000;
+          m[i] = static_cast<int64_t>((r * 31 + i * 17) % 101);
+          b[i] = bf16_of(static_cast<float>((r + i) % 13));
+          for (uint32_t q = 0; q < n; ++q) want[i] += static_cast<double>(static_cast<float>(value(q, i)));
+        }
+        c.allreduce(f.data(), count, DType::F32, ReduceOp::SUM);
+        c.allreduce(d.data(), count, DType::F64, ReduceOp::AVG);
+        c.allreduce(k.data(), count, DType::I32, ReduceOp::SUM);
+        c.allreduce(m.data(), count, DType::I64, ReduceOp::MAX);
+        c.allreduce(b.data(), count, DType::BF16, ReduceOp::SUM);
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_NEAR(f[i], want[i], 1e-5 * (1.0 + std::abs(want[i]))) << "f32 count " << count << " i " << i;
+          double avg = 0;
+          int64_t ksum = 0, mmax = 0, bsum = 0;
+          for (uint32_t q = 0; q < n; ++q) {
+            avg += value(q, i);
+            ksum += static_cast<int32_t>((q * 7 + i * 3) % 1000003) - 500000;
+            mmax = std::max<int64_t>(mmax, static_cast<int64_t>((q * 31 + i * 17) % 101));
+            bsum += static_cast<int64_t>((q + i) % 13);
+          }
+          ASSERT_NEAR(d[i], avg / n, 1e-12) << "f64 avg count " << count << " i " << i;
+          ASSERT_EQ(k[i], ksum) << "i32 count " << count << " i " << i;
+          ASSERT_EQ(m[i], mmax) << "i64 max count " << count << " i " << i;
+          ASSERT_EQ(b[i], bf16_of(static_cast<float>(bsum))) << "bf16 count " << count << " i " << i;
+        }
+        seen[r].push_back(std::move(f));
+      }
+    });
+    expect_all_ok(errs);
+    for (uint32_t r = 1; r < n; ++r)
+      for (size_t s = 0; s < counts.size() && s < seen[r].size(); ++s)
+        EXPECT_EQ(std::memcmp(seen[r][s].data(), seen[0][s].data(), counts[s] * sizeof(float)), 0)
+            << "rank " << r << " holds other float32 bits than rank 0 (" << counts[s] << " elements)";
+  }
+}
+
+// reduce_scatter and allgather on the direct path: uneven blocks (one empty, one spanning
+// several chunks with a partial last one), float64 reference for floats, exact for integers.
+TEST(HostDirect, ReduceScatterAndAllgatherUnevenBlocks) {
+  for (uint32_t n : {3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    auto errs = run_ranks(w, [n](Communicator& c, uint32_t r) {
+      const size_t chunk = HostDirect::kChunkBytes / sizeof(float);
+      std::vector<size_t> counts(n);
+      for (uint32_t q = 0; q < n; ++q) counts[q] = q == 1 ? 0 : (q + 2) * chunk + 3 * q + 1;
+      const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+      std::vector<size_t> at(n + 1, 0);
+      for (uint32_t q = 0; q < n; ++q) at[q + 1] = at[q] + counts[q];
+      auto value = [](uint32_t rank, size_t i) { return std::cos(0.29 * rank + 0.007 * static_cast<double>(i)); };
+      std::vector<float> in(total);
+      std::vector<int32_t> in_i(total);
+      for (size_t i = 0; i < total; ++i) {
+        in[i] = static_cast<float>(value(r, i));
+        in_i[i] = static_cast<int32_t>((i * 5 + r * 11) % 7919);
+      }
+      std::vector<float> out(counts[r] + 1);
+      std::vector<int32_t> out_i(counts[r] + 1);
+      c.reduce_scatter(in.data(), out.data(), counts, DType::F32, ReduceOp::SUM);
+      c.reduce_scatter(in_i.data(), out_i.data(), counts, DType::I32, ReduceOp::SUM);
+      for (size_t j = 0; j < counts[r]; ++j) {
+        double want = 0;
+        int64_t want_i = 0;
+        for (uint32_t q = 0; q < n; ++q) {
+          want += static_cast<double>(static_cast<float>(value(q, at[r] + j)));
+          want_i += static_cast<int64_t>(((at[r] + j) * 5 + q * 11) % 7919);
+        }
+        ASSERT_NEAR(out[j], want, 1e-5 * (1.0 + std::abs(want))) << "reduce_scatter f32 rank " << r << " j " << j;
+        ASSERT_EQ(out_i[j], want_i) << "reduce_scatter i32 rank " << r << " j " << j;
+      }
+      std::vector<int64_t> g(total, -1);
+      for (size_t j = 0; j < counts[r]; ++j) g[at[r] + j] = static_cast<int64_t>(r * 1000003 + j);
+      c.allgather(g.data(), counts, DType::I64);
+      for (uint32_t q = 0; q < n; ++q)
+        for (size_t j = 0; j < counts[q]; ++j)
+          ASSERT_EQ(g[at[q] + j], static_cast<int64_t>(q * 1000003 + j)) << "allgather block " << q << " j " << j;
+    });
+    expect_all_ok(errs);
+  }
+}
+
+// broadcast on the direct path (an allgather whose only block is the root's): every root, sizes
+// around the chunk boundaries, exact bytes everywhere.
+TEST(HostDirect, BroadcastFromEveryRoot) {
+  for (uint32_t n : {3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    auto errs = run_ranks(w, [n](Communicator& c, uint32_t r) {
+      for (size_t count : {HostDirect::kChunkBytes / 8 + 1, 3 * HostDirect::kChunkBytes / 8 + 5}) {
+        for (uint32_t root = 0; root < n; ++root) {
+          std::vector<int64_t> v(count, -1);
+          if (r == root)
+            for (size_t i = 0; i < count; ++i) v[i] = static_cast<int64_t>(root * 1000003 + i * 7);
+          c.broadcast(v.data(), count, DType::I64, root);
+          for (size_t i = 0; i < count; ++i)
+            ASSERT_EQ(v[i], static_cast<int64_t>(root * 1000003 + i * 7)) << "root " << root << " i " << i;
+        }
+      }
+    });
+    expect_all_ok(errs);
+  }
+}
+
+// reduce on the direct path (a reduce_scatter whose only block is the root's): the root gets the
+// exact integer sum (and AVG of floats against float64), the others keep their input.
+TEST(HostDirect, ReduceToEveryRoot) {
+  for (uint32_t n : {3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    auto errs = run_ranks(w, [n](Communicator& c, uint32_t r) {
+      const size_t count = 2 * HostDirect::kChunkBytes / 8 + 3;
+      for (uint32_t root = 0; root < n; ++root) {
+        std::vector<int64_t> v(count);
+        std::vector<double> d(count);
+        for (size_t i = 0; i < count; ++i) {
+          v[i] = static_cast<int64_t>(r * 100003 + i + root);
+          d[i] = 0.25 * r + 1e-3 * static_cast<double>(i);
+        }
+        const std::vector<int64_t> mine = v;
+        c.reduce(v.data(), count, DType::I64, ReduceOp::SUM, root);
+        c.reduce(d.data(), count, DType::F64, ReduceOp::AVG, root);
+        for (size_t i = 0; i < count; ++i) {
+          int64_t want = 0;
+          double avg = 0;
+          for (uint32_t q = 0; q < n; ++q) {
+            want += static_cast<int64_t>(q * 100003 + i + root);
+            avg += 0.25 * q + 1e-3 * static_cast<double>(i);
+          }
+          if (r == root) {
+            ASSERT_EQ(v[i], want) << "root " << root << " i " << i;
+            ASSERT_NEAR(d[i], avg / n, 1e-12) << "root " << root << " i " << i;
+          } else {
+            ASSERT_EQ(v[i], mine[i]) << "rank " << r << " (not the root) had its input changed at " << i;
+          }
+        }
+      }
+    });
+    expect_all_ok(errs);
+  }
+}
+
+// The same figures with the direct path turned off (the ring): integers must agree exactly.
+TEST(HostDirect, OffGivesTheSameIntegers) {
+  const uint32_t n = 3;
+  const size_t count = 4 * HostDirect::kChunkBytes / sizeof(int64_t) + 5;
+  std::vector<std::vector<int64_t>> got(2);
+  for (bool direct : {true, false}) {
+    Options o = quick_options(true);
+    o.host_direct = direct;
+    auto w = make_world(one_host(n), o);
+    auto errs = run_ranks(w, [&, direct](Communicator& c, uint32_t r) {
+      std::vector<int64_t> v(count);
+      for (size_t i = 0; i < count; ++i) v[i] = static_cast<int64_t>(i * (r + 1)) - 1000;
+      c.allreduce(v.data(), count, DType::I64, ReduceOp::SUM);
+      if (r == 0) got[direct ? 0 : 1] = v;
+    });
+    expect_all_ok(errs);
+  }
+  ASSERT_EQ(got[0].size(), count);
+  EXPECT_EQ(got[0], got[1]);
+}
+
+// Small allreduces through the shared slots (comm/direct.h, HostSmall): many operations in a
+// row with a different value each time (the two slot sets alternate and the arrival counter
+// carries on), every dtype and op against a float64 / exact reference, sizes from empty up to
+// the slot size, and every rank holding the same bits.
+TEST(HostSmall, ManyOperationsMatchTheReference) {
+  for (uint32_t n : {2u, 3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    std::vector<std::vector<float>> last(n);
+    auto errs = run_ranks(w, [&, n](Communicator& c, uint32_t r) {
+      const size_t sizes[] = {0, 1, 5, 1023, HostSmall::kMaxBytes / sizeof(float)};
+      for (int round = 0; round < 40; ++round) {
+        const size_t count = sizes[round % 5];
+        std::vector<float> f(count);
+        std::vector<int32_t> k(count), lo(count);
+        for (size_t i = 0; i < count; ++i) {
+          f[i] = static_cast<float>(std::sin(0.1 * round + 0.3 * r + 0.01 * static_cast<double>(i)));
+          k[i] = static_cast<int32_t>(round * 1000 + r * 10 + i % 7);
+          lo[i] = static_cast<int32_t>((r * 13 + i + round) % 17);
+        }
+        c.allreduce(f.data(), count, DType::F32, ReduceOp::AVG);
+        c.allreduce(k.data(), count, DType::I32, ReduceOp::SUM);
+        c.allreduce(lo.data(), count, DType::I32, ReduceOp::MIN);
+        for (size_t i = 0; i < count; ++i) {
+          double avg = 0;
+          int64_t sum = 0, mn = INT64_MAX;
+          for (uint32_t q = 0; q < n; ++q) {
+            avg += static_cast<float>(std::sin(0.1 * round + 0.3 * q + 0.01 * static_cast<double>(i)));
+            sum += round * 1000 + q * 10 + static_cast<int64_t>(i % 7);
+            mn = std::min<int64_t>(mn, static_cast<int64_t>((q * 13 + i + round) % 17));
+          }
+          ASSERT_NEAR(f[i], avg / n, 1e-6) << "round " << round << " i " << i;
+          ASSERT_EQ(k[i], sum) << "round " << round << " i " << i;
+          ASSERT_EQ(lo[i], mn) << "round " << round << " i " << i;
+        }
+        if (round == 39) last[r] = f;
+      }
+    });
+    expect_all_ok(errs);
+    for (uint32_t r = 1; r < n; ++r) EXPECT_EQ(last[r], last[0]) << "rank " << r << " holds other bits than rank 0";
+  }
+}
+
+// A rank that contributes another size (or dtype) is named on every rank instead of summing
+// mismatched slots.
+TEST(HostSmall, MismatchedSizesAreReportedEverywhere) {
+  auto w = make_world(one_host(3), quick_options(true));
+  auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+    std::vector<float> v(r == 2 ? 9 : 8, 1.0f);
+    c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM);
+  });
+  ASSERT_EQ(errs.size(), 3u);
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(errs[r]) << "rank " << r << " summed mismatched buffers";
+    const std::string what = testing::describe(errs[r]);
+    EXPECT_NE(what.find("rank 2 36 bytes"), std::string::npos) << "rank " << r << ": " << what;
+    EXPECT_NE(what.find("rank 0 32 bytes"), std::string::npos) << "rank " << r << ": " << what;
+  }
+}
 
 TEST(Hierarchical, TwoHostsOfTwoAndUnevenHosts) {
   for (auto hosts : {testing::hosts_of(4, 2), std::vector<std::string>{"a", "a", "a", "b", "c"}}) {

@@ -180,7 +180,7 @@ TEST(FlightRecorder, CommunicatorRecordsOpsAndFailures) {
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[0].name, "allreduce");
   const std::string text = slurp(path);
-  EXPECT_NE(text.find("\"algorithm\":\"recursive doubling\""), std::string::npos);
+  EXPECT_NE(text.find("\"algorithm\":\"shared slots\""), std::string::npos);
   EXPECT_NE(text.find("\"transport\":\"shm\""), std::string::npos);
   std::filesystem::remove(path);
 

@@ -1,0 +1,489 @@
+#include "comm/direct.h"
+
+#include <poll.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <new>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "comm/communicator.h"
+#include "core/futex.h"
+#include "core/reduce.h"
+#include "net/socket.h"
+
+namespace rumor {
+
+// One operation's counters. Two slots alternate between consecutive operations: rank 0 clears
+// the slot of operation k before it announces k, and no rank can still be in operation k-2 then
+// (rank 0 finished k-1, which every rank entered only after leaving k-2).
+struct HostDirect::Slot {
+  alignas(64) std::atomic<uint32_t> next;  // the next chunk to take
+  alignas(64) std::atomic<uint32_t> done;  // chunks reduced and delivered everywhere
+  std::atomic<uint32_t> failed;            // 1 + the rank that failed, 0 while none did
+};
+
+struct HostDirect::Control {
+  uint64_t magic;
+  std::atomic<uint32_t> ready;
+  Slot slot[2];
+};
+
+namespace {
+uint64_t own_pid_ns() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+constexpr uint64_t kControlMagic = 0x52554d4f52444952ull;
+
+// Named after the group's first member too: the local groups of two hosts share an id, and where
+// the "hosts" are threads of one process (tests) they also share the owner tag.
+std::string segment_name(const Communicator& comm, const char* what) {
+  const uint32_t first = comm.world_ranks()[0];
+  return comm.context().owned_name(comm.shm_prefix() + "-" + what + "-" + std::to_string(first), {first});
+}
+
+void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// Copies len bytes between this process and `pid` (a read from it, or a write into it), however
+// many calls the kernel needs.
+void vm_copy(bool write, pid_t pid, std::byte* local, uint64_t remote, size_t len, const net::OpInfo& info,
+             const std::string& peer) {
+  while (len > 0) {
+    iovec l{local, len};
+    iovec r{reinterpret_cast<void*>(remote), len};
+    const ssize_t n = write ? ::process_vm_writev(pid, &l, 1, &r, 1, 0) : ::process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EIO;
+      throw Error(err == ESRCH ? ErrorKind::kPeerGone : ErrorKind::kSystem,
+                  info.where() + ": " + (write ? "writing " : "reading ") + std::to_string(len) + " bytes " +
+                      (write ? "into " : "of ") + peer + "'s buffer (pid " + std::to_string(pid) +
+                      ") directly: " + net::errno_string(err) + " (expected the buffer it announced for this operation)");
+    }
+    local += n;
+    remote += static_cast<uint64_t>(n);
+    len -= static_cast<size_t>(n);
+  }
+}
+}  // namespace
+
+std::vector<HostDirect::Entry> HostDirect::share(const Entry& mine, const net::OpInfo& info) {
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  std::vector<Entry> all(n);
+  all[r] = mine;
+  std::vector<net::Transfer> ts;
+  ts.reserve(2 * (n - 1));
+  for (uint32_t q = 0; q < n; ++q) {
+    if (q == r) continue;
+    ts.push_back(net::make_send(q, &all[r], sizeof(Entry)));
+    ts.push_back(net::make_recv(q, &all[q], sizeof(Entry)));
+  }
+  comm_.exchange(ts, info);
+  return all;
+}
+
+bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  const std::string name = segment_name(comm_, "direct");
+  if (r != 0) {
+    seg_ = net::ShmSegment::open(name, sizeof(Control), info.deadline, info.where() + ": direct collectives");
+    seg_.keep_name();  // rank 0 removes it once everyone has it mapped
+    ctl_ = static_cast<Control*>(seg_.data());
+    while (ctl_->ready.load(std::memory_order_acquire) == 0) {
+      if (info.deadline.expired())
+        throw Error(ErrorKind::kTimeout, info.where() + ": rank 0's direct-collective block never became ready");
+      cpu_relax();
+    }
+    if (ctl_->magic != kControlMagic)
+      throw Error(ErrorKind::kProtocol, info.where() + ": " + name + " is not a rumor direct-collective block");
+  }
+  // Can this process reach every peer's memory? (ptrace rules: Yama, containers without
+  // CAP_SYS_PTRACE, a seccomp filter.) Every rank must agree before anyone relies on it.
+  uint32_t ok = 1;
+  for (const Entry& e : entries) ok = ok && e.pid_ns == entries[r].pid_ns && e.pid_ns != 0;
+  std::byte probe[1];
+  for (uint32_t q = 0; q < n && ok; ++q) {
+    if (q == r) continue;
+    iovec l{probe, 1};
+    iovec rm{reinterpret_cast<void*>(entries[q].addr), 1};
+    ok = ::process_vm_readv(entries[q].pid, &l, 1, &rm, 1, 0) == 1;
+  }
+  // Opened now, while every peer is inside this operation and so alive.
+  std::vector<int32_t> pids(n);
+  for (uint32_t q = 0; q < n; ++q) pids[q] = entries[q].pid;
+  ok = ok && peers_.open(pids, r);
+  Entry mine = entries[r];
+  mine.ok = ok;
+  entries = share(mine, info);  // every rank has mapped the block, too
+  if (r == 0) seg_.unlink_name();
+  bool all_ok = true;
+  for (const Entry& e : entries) all_ok = all_ok && e.ok != 0;
+  return all_ok;
+}
+
+HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entries, const net::OpInfo& info) {
+  if (state_ == State::kOff) return nullptr;
+  const uint32_t r = comm_.rank();
+  if (state_ == State::kUnknown && r == 0) {
+    seg_ = net::ShmSegment::create(
+        segment_name(comm_, "direct"), sizeof(Control));
+    ctl_ = new (seg_.data()) Control{};  // placement-new on shared memory, owned by seg_
+    ctl_->magic = kControlMagic;
+    ctl_->ready.store(1, std::memory_order_release);
+  }
+  if (r == 0 && state_ == State::kOn) {
+    Slot& s = ctl_->slot[ops_ % 2];
+    s.next.store(0, std::memory_order_relaxed);
+    s.done.store(0, std::memory_order_relaxed);
+    s.failed.store(0, std::memory_order_relaxed);
+  }
+  // Announcing the buffers is also the entry barrier: nobody touches a peer's buffer before the
+  // peer has entered the operation.
+  entries = share(mine, info);
+  if (state_ == State::kUnknown) {
+    state_ = setup(entries, info) ? State::kOn : State::kOff;
+    if (state_ == State::kOff) {
+      ctl_ = nullptr;
+      seg_ = net::ShmSegment{};
+      peers_ = PeerProcesses{};
+      return nullptr;
+    }
+  }
+  for (uint32_t q = 0; q < entries.size(); ++q)
+    if (entries[q].pid != peers_.pids()[q])
+      throw Error(ErrorKind::kProtocol, info.where() + ": " + comm_.peer_desc(q) + " announced pid " +
+                                            std::to_string(entries[q].pid) + " (expected " +
+                                            std::to_string(peers_.pids()[q]) + ", the process of the first operation)");
+  return &ctl_->slot[ops_++ % 2];
+}
+
+template <typename Body>
+void HostDirect::work(Slot& slot, size_t total, const net::OpInfo& info,
+                      Body&& body) {
+  if (total >= UINT32_MAX)
+    throw Error(ErrorKind::kInvalidArgument, info.where() + ": " + std::to_string(total) + " chunks are too many");
+  try {
+    while (true) {
+      const uint32_t i = slot.next.fetch_add(1, std::memory_order_acq_rel);
+      if (i >= total) break;
+      body(static_cast<size_t>(i));
+      if (slot.done.fetch_add(1, std::memory_order_acq_rel) + 1 == total) futex_wake_all(&slot.done);
+    }
+    wait_done(slot, total, info);
+  } catch (...) {
+    // The others would otherwise wait for chunks this rank will never finish.
+    uint32_t none = 0;  // the first failure is the one to name
+    slot.failed.compare_exchange_strong(none, 1 + comm_.rank(), std::memory_order_acq_rel);
+    futex_wake_all(&slot.done);
+    throw;
+  }
+}
+
+std::byte* HostDirect::reduce_chunk(const std::byte* mine, size_t off, size_t elems, const std::vector<Entry>& peers,
+                                    DType dtype, ReduceOp op, const net::OpInfo& info, std::byte* dst) {
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  const size_t len = elems * dtype_size(dtype);
+  scratch_.resize(static_cast<size_t>(n + 1) * kChunkBytes);
+  auto staged = [&](uint32_t q) { return scratch_.data() + static_cast<size_t>(q) * kChunkBytes; };
+  for (uint32_t q = 0; q < n; ++q)
+    if (q != r) vm_copy(false, peers[q].pid, staged(q), peers[q].addr + off, len, info, comm_.peer_desc(q));
+  // Ranks folded in rank order whoever takes the chunk, so a result never depends on which rank
+  // happened to be running; one pass over the P inputs (half types summed in fp32, rounded once).
+  srcs_.resize(n);
+  for (uint32_t q = 0; q < n; ++q) srcs_[q] = q == r ? mine : staged(q);
+  std::byte* acc = dst != nullptr ? dst : staged(n);
+  reduce_many(acc, srcs_.data(), n, elems, dtype, op);
+  if (op == ReduceOp::AVG) finish_average(acc, elems, dtype, n);
+  return acc;
+}
+
+namespace {
+// Chunks never straddle two ranks' blocks: chunk i is `elems` elements from `first` of `block`.
+struct Piece {
+  uint32_t block;
+  size_t first, elems;
+};
+struct Pieces {
+  std::vector<size_t> start;  // first chunk of each block, and the total at the end
+  size_t chunk_elems;
+  Pieces(std::span<const size_t> counts, size_t chunk_elems) : start(counts.size() + 1, 0), chunk_elems(chunk_elems) {
+    for (size_t b = 0; b < counts.size(); ++b) start[b + 1] = start[b] + (counts[b] + chunk_elems - 1) / chunk_elems;
+  }
+  size_t total() const { return start.back(); }
+  Piece at(size_t i, std::span<const size_t> counts) const {
+    const auto b = static_cast<uint32_t>(std::upper_bound(start.begin(), start.end(), i) - start.begin() - 1);
+    const size_t first = (i - start[b]) * chunk_elems;
+    return Piece{b, first, std::min(chunk_elems, counts[b] - first)};
+  }
+};
+}  // namespace
+
+bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
+  std::vector<Entry> peers;
+  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, 0, own_pid_ns()}, peers, info);
+  if (slot == nullptr) return false;
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  const size_t es = dtype_size(dtype), chunk_elems = kChunkBytes / es;
+  work(*slot, (count + chunk_elems - 1) / chunk_elems, info, [&](size_t i) {
+    const size_t first = i * chunk_elems, elems = std::min(chunk_elems, count - first);
+    const size_t off = first * es, len = elems * es;
+    reduce_chunk(buf + off, off, elems, peers, dtype, op, info, buf + off);  // in place: no copy back
+    peers_.check_alive(comm_, info, "before writing a reduced chunk");
+    for (uint32_t q = 0; q < n; ++q)
+      if (q != r) vm_copy(true, peers[q].pid, buf + off, peers[q].addr + off, len, info, comm_.peer_desc(q));
+  });
+  return true;
+}
+
+bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
+                                ReduceOp op, const net::OpInfo& info) {
+  std::vector<Entry> peers;
+  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(in), static_cast<int32_t>(::getpid()), 1,
+                           reinterpret_cast<uint64_t>(out), own_pid_ns()},
+                     peers, info);
+  if (slot == nullptr) return false;
+  const uint32_t r = comm_.rank();
+  const size_t es = dtype_size(dtype);
+  const Pieces pieces(counts, kChunkBytes / es);
+  std::vector<size_t> block_off(counts.size() + 1, 0);
+  for (size_t b = 0; b < counts.size(); ++b) block_off[b + 1] = block_off[b] + counts[b] * es;
+  work(*slot, pieces.total(), info, [&](size_t i) {
+    const Piece p = pieces.at(i, counts);
+    const size_t off = block_off[p.block] + p.first * es, len = p.elems * es;
+    std::byte* sum = reduce_chunk(in + off, off, p.elems, peers, dtype, op, info);
+    peers_.check_alive(comm_, info, "before writing a reduced chunk");
+    if (p.block == r)
+      std::memcpy(out + p.first * es, sum, len);
+    else
+      vm_copy(true, peers[p.block].pid, sum, peers[p.block].out + p.first * es, len, info, comm_.peer_desc(p.block));
+  });
+  return true;
+}
+
+bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
+  std::vector<Entry> peers;
+  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, 0, own_pid_ns()}, peers, info);
+  if (slot == nullptr) return false;
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  const size_t es = dtype_size(dtype);
+  const Pieces pieces(counts, kChunkBytes / es);
+  std::vector<size_t> block_off(counts.size() + 1, 0);
+  for (size_t b = 0; b < counts.size(); ++b) block_off[b + 1] = block_off[b] + counts[b] * es;
+  work(*slot, pieces.total(), info, [&](size_t i) {
+    const Piece p = pieces.at(i, counts);
+    const size_t off = block_off[p.block] + p.first * es, len = p.elems * es;
+    // Read once from the block's owner (into this rank's own copy of the block, which needs it
+    // anyway), then write from there into every other rank.
+    if (p.block != r) vm_copy(false, peers[p.block].pid, buf + off, peers[p.block].addr + off, len, info,
+                              comm_.peer_desc(p.block));
+    peers_.check_alive(comm_, info, "before writing a gathered chunk");
+    for (uint32_t q = 0; q < n; ++q)
+      if (q != r && q != p.block)
+        vm_copy(true, peers[q].pid, buf + off, peers[q].addr + off, len, info, comm_.peer_desc(q));
+  });
+  return true;
+}
+
+void HostDirect::wait_done(Slot& slot, size_t total, const net::OpInfo& info) {
+  const auto spin = std::chrono::microseconds(std::max(0, comm_.context().options().spin_us));
+  const auto spin_until = Clock::now() + spin;
+  auto next_alive_check = Clock::now() + std::chrono::milliseconds(100);
+  while (true) {
+    const uint32_t done = slot.done.load(std::memory_order_acquire);
+    if (done >= total) return;
+    if (const uint32_t f = slot.failed.load(std::memory_order_acquire); f != 0)
+      throw Error(ErrorKind::kPeerGone, info.where() + ": " + comm_.peer_desc(f - 1) +
+                                            " failed while the ranks were reducing each other's buffers (" +
+                                            std::to_string(done) + " of " + std::to_string(total) + " chunks done)");
+    const auto now = Clock::now();
+    if (now < spin_until) {
+      cpu_relax();
+      continue;
+    }
+    if (info.deadline.expired())
+      throw Error(ErrorKind::kTimeout, info.where() + ": timed out after " + std::to_string(info.timeout_s) +
+                                           " s with " + std::to_string(done) + " of " + std::to_string(total) +
+                                           " chunks reduced (a rank that took a chunk never finished it)");
+    // Only the rank finishing the last chunk wakes the sleepers: one wake-up per operation.
+    futex_wait(&slot.done, done, 20 * 1000);
+    if (Clock::now() >= next_alive_check) {
+      peers_.check_alive(comm_, info, "while waiting for the chunks others took");
+      next_alive_check = Clock::now() + std::chrono::milliseconds(100);
+    }
+  }
+}
+
+// ---- small messages ----------------------------------------------------------------------------
+
+struct HostSmall::Header {
+  uint64_t magic;
+  std::atomic<uint32_t> ready;
+  uint32_t ranks;
+  alignas(64) std::atomic<uint32_t> arrived;  // n per completed operation, wrapping
+};
+
+struct HostSmall::Slot {
+  uint64_t bytes;  // what this rank contributed: every rank checks it is the same everywhere
+  uint32_t kind;   // dtype and op, likewise
+  alignas(64) std::byte data[kMaxBytes];
+};
+
+namespace {
+constexpr uint64_t kSmallMagic = 0x52554d4f52534d4cull;
+}  // namespace
+
+HostSmall::Slot& HostSmall::slot(uint64_t set, uint32_t rank) const {
+  auto* base = reinterpret_cast<std::byte*>(hdr_) + 4096;
+  return *reinterpret_cast<Slot*>(base + (set * comm_.size() + rank) * sizeof(Slot));
+}
+
+void HostSmall::setup(const net::OpInfo& info) {
+  static_assert(sizeof(Header) <= 4096 && sizeof(Slot) == kMaxBytes + 64);
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  const std::string name = segment_name(comm_, "small");
+  const size_t bytes = 4096 + 2 * static_cast<size_t>(n) * sizeof(Slot);
+  if (r == 0) {
+    seg_ = net::ShmSegment::create(name, bytes);
+    seg_.populate(info.where() + ": small-message slots");
+    hdr_ = new (seg_.data()) Header{};  // placement-new on shared memory, owned by seg_
+    hdr_->magic = kSmallMagic;
+    hdr_->ranks = n;
+    hdr_->ready.store(1, std::memory_order_release);
+  } else {
+    seg_ = net::ShmSegment::open(name, bytes, info.deadline, info.where() + ": small-message slots");
+    seg_.keep_name();  // rank 0 removes it once everyone has it mapped
+    hdr_ = static_cast<Header*>(seg_.data());
+    while (hdr_->ready.load(std::memory_order_acquire) == 0) {
+      if (info.deadline.expired())
+        throw Error(ErrorKind::kTimeout, info.where() + ": rank 0's small-message block never became ready");
+      cpu_relax();
+    }
+    if (hdr_->magic != kSmallMagic || hdr_->ranks != n)
+      throw Error(ErrorKind::kProtocol, info.where() + ": " + name + " is not a rumor small-message block for " +
+                                            std::to_string(n) + " ranks");
+  }
+  // Everyone has mapped it once every pid has arrived everywhere; the pids are kept for the
+  // liveness checks while waiting.
+  std::vector<int32_t> pids(n);
+  pids[r] = static_cast<int32_t>(::getpid());
+  std::vector<net::Transfer> ts;
+  ts.reserve(2 * (n - 1));
+  for (uint32_t q = 0; q < n; ++q) {
+    if (q == r) continue;
+    ts.push_back(net::make_send(q, &pids[r], sizeof(int32_t)));
+    ts.push_back(net::make_recv(q, &pids[q], sizeof(int32_t)));
+  }
+  comm_.exchange(ts, info);
+  if (r == 0) seg_.unlink_name();
+  peers_.open(pids, r);  // without pidfds the wait still ends at the deadline
+}
+
+void HostSmall::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
+  if (hdr_ == nullptr) setup(info);
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  const size_t bytes = count * dtype_size(dtype);
+  const uint64_t set = ops_ % 2;
+  const auto target = static_cast<uint32_t>(static_cast<uint64_t>(n) * (ops_ + 1));
+  ++ops_;
+  const uint32_t kind = static_cast<uint32_t>(dtype) | static_cast<uint32_t>(op) << 8;
+  Slot& mine = slot(set, r);
+  if (bytes > 0) std::memcpy(mine.data, buf, bytes);  // buf may be null when empty
+  mine.bytes = bytes;
+  mine.kind = kind;
+  // The increment publishes the slot (release); the last arrival wakes everyone who slept.
+  if (hdr_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
+    futex_wake_all(&hdr_->arrived);
+  } else {
+    const auto spin_until = Clock::now() + std::chrono::microseconds(std::max(0, comm_.context().options().spin_us));
+    auto next_alive_check = Clock::now() + std::chrono::milliseconds(100);
+    while (true) {
+      const uint32_t now = hdr_->arrived.load(std::memory_order_acquire);
+      if (static_cast<int32_t>(now - target) >= 0) break;
+      if (Clock::now() < spin_until) {
+        cpu_relax();
+        continue;
+      }
+      if (info.deadline.expired())
+        throw Error(ErrorKind::kTimeout,
+                    info.where() + ": timed out after " + std::to_string(info.timeout_s) + " s with " +
+                        std::to_string(n - (target - now)) + " of " + std::to_string(n) +
+                        " ranks arrived (the others never entered this allreduce)");
+      futex_wait(&hdr_->arrived, now, 20 * 1000);
+      if (Clock::now() >= next_alive_check) {
+        if (!peers_.empty()) peers_.check_alive(comm_, info, "before entering this allreduce");
+        next_alive_check = Clock::now() + std::chrono::milliseconds(100);
+      }
+    }
+  }
+  bool same = true;
+  for (uint32_t q = 0; q < n; ++q) same = same && slot(set, q).bytes == bytes && slot(set, q).kind == kind;
+  if (!same) {  // every rank sees the same slots, so every rank reports the same list
+    std::string all;
+    for (uint32_t q = 0; q < n; ++q)
+      all += (q ? ", " : "") + comm_.peer_desc(q) + " " + std::to_string(slot(set, q).bytes) + " bytes (dtype/op " +
+             std::to_string(slot(set, q).kind) + ")";
+    throw Error(ErrorKind::kProtocol, info.where() + ": the ranks contributed different buffers (" + all +
+                                          "); every rank must pass the same count, dtype and op");
+  }
+  // Rank order, whoever reduces: every rank computes the same bits, in one pass over the slots.
+  const void* srcs[kMaxRanks];
+  for (uint32_t q = 0; q < n; ++q) srcs[q] = slot(set, q).data;
+  if (count > 0) reduce_many(buf, srcs, n, count, dtype, op);
+  if (op == ReduceOp::AVG) finish_average(buf, count, dtype, n);
+}
+
+bool PeerProcesses::open(const std::vector<int32_t>& pids, uint32_t self) {
+  std::vector<net::Fd> fds(pids.size());
+  for (uint32_t q = 0; q < pids.size(); ++q) {
+    if (q == self) continue;
+    const long fd = ::syscall(SYS_pidfd_open, static_cast<pid_t>(pids[q]), 0u);
+    if (fd < 0) return false;  // kernel before 5.3, or a seccomp filter
+    fds[q] = net::Fd(static_cast<int>(fd));
+  }
+  fds_ = std::move(fds);
+  pids_ = pids;
+  return true;
+}
+
+void PeerProcesses::check_alive(const Communicator& comm, const net::OpInfo& info, const char* when) const {
+  // A pidfd polls readable once its process has exited.
+  constexpr uint32_t kBatch = 64;
+  pollfd fds[kBatch];
+  uint32_t owner[kBatch];
+  uint32_t q = 0;
+  while (q < fds_.size()) {
+    uint32_t k = 0;
+    for (; q < fds_.size() && k < kBatch; ++q)
+      if (fds_[q].valid()) {
+        fds[k] = pollfd{fds_[q].get(), POLLIN, 0};
+        owner[k++] = q;
+      }
+    if (k == 0) continue;
+    int rc;
+    do rc = ::poll(fds, k, 0);
+    while (rc < 0 && errno == EINTR);
+    if (rc < 0)
+      throw Error(ErrorKind::kSystem, info.where() + ": polling the peers' pidfds: " + net::errno_string(errno));
+    for (uint32_t i = 0; i < k && rc > 0; ++i)
+      if (fds[i].revents != 0)
+        throw Error(ErrorKind::kPeerGone, info.where() + ": " + comm.peer_desc(owner[i]) + " (pid " +
+                                              std::to_string(pids_[owner[i]]) + ") exited " + when);
+  }
+}
+
+}  // namespace rumor

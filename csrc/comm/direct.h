@@ -1,0 +1,138 @@
+// Collectives among the ranks of one host that read and write each other's buffers in place
+// (process_vm_readv/writev: the kernel copies straight between the two processes), instead of
+// staging every byte through the shared-memory rings.
+//
+// Work follows the cores, not the ranks: the buffer is cut into chunks, and whichever rank is
+// running takes the next chunk from a counter in shared memory, reads that chunk from every
+// rank, reduces it in its cache and writes the result into every rank's buffer. A rank that is
+// descheduled (more ranks than free cores) holds up at most the one chunk it took; the others
+// finish the rest. The counters double as the closing barrier: a rank returns once every chunk
+// is done, so no peer still reads or writes its buffer afterwards.
+//
+// Bytes moved by an allreduce of S bytes over P ranks: every input read once and every output
+// written once (2 P S, the bound), plus the chunk staging in the taker's cache.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "net/channel.h"
+#include "net/shm.h"
+#include "net/socket.h"
+
+namespace rumor {
+
+class Communicator;
+
+// The peers' processes on this host, named by pidfd: a pidfd keeps naming the process it was
+// opened for, where a pid number could come to name another process once the dead peer is
+// reaped.
+class PeerProcesses {
+ public:
+  // Opens a pidfd for every pid but `self`'s (each must be alive now: call while the peers are
+  // known to be inside an operation). False, with nothing kept, where the kernel refuses.
+  bool open(const std::vector<int32_t>& pids, uint32_t self);
+  bool empty() const { return pids_.empty(); }
+  const std::vector<int32_t>& pids() const { return pids_; }
+  // Throws kPeerGone naming the first peer that has exited, zombie or reaped.
+  void check_alive(const Communicator& comm, const net::OpInfo& info, const char* when) const;
+
+ private:
+  std::vector<net::Fd> fds_;  // invalid for this rank
+  std::vector<int32_t> pids_;
+};
+
+// Allreduce of at most kMaxBytes among the ranks of one host with one wait: every rank copies its
+// buffer into its slot of a shared segment and counts itself in on a shared counter; the last to
+// arrive wakes the sleepers (one futex wake-up per operation), and every rank then reduces all
+// slots, in rank order, into its own buffer. Two sets of slots alternate between operations, and
+// the counter needs no reset: a rank enters operation k+2 (rewriting the set of k) only after
+// every rank arrived at k+1, so after every rank finished reading k.
+class HostSmall {
+ public:
+  explicit HostSmall(Communicator& comm) : comm_(comm) {}
+  HostSmall(const HostSmall&) = delete;
+  HostSmall& operator=(const HostSmall&) = delete;
+
+  void allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
+
+  static constexpr size_t kMaxBytes = 64 * 1024;
+  static constexpr uint32_t kMaxRanks = 64;
+
+ private:
+  struct Header;
+  struct Slot;
+  void setup(const net::OpInfo& info);
+  Slot& slot(uint64_t set, uint32_t rank) const;
+
+  Communicator& comm_;
+  net::ShmSegment seg_;
+  Header* hdr_ = nullptr;
+  uint64_t ops_ = 0;
+  PeerProcesses peers_;
+};
+
+class HostDirect {
+ public:
+  explicit HostDirect(Communicator& comm) : comm_(comm) {}
+  HostDirect(const HostDirect&) = delete;
+  HostDirect& operator=(const HostDirect&) = delete;
+
+  // In-place allreduce of `count` elements on every rank (collective). Returns false, before
+  // touching any buffer, where the kernel does not let these processes reach each other's memory
+  // (decided together by all ranks on first use, then remembered): the caller then takes
+  // another path for this and every later call.
+  bool allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
+  // reduce_scatter: `in` holds size() blocks of counts[q] elements; `out` gets this rank's block
+  // reduced. Every input byte is read once, every output byte written once.
+  bool reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
+                      ReduceOp op, const net::OpInfo& info);
+  // allgather in place: buf holds size() blocks, this rank's filled in. Each block is read once
+  // from its owner and written once into every other rank.
+  bool allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);
+
+  // Chunk the takers work on: each of the P chunks it reads stays in L2 while it is reduced.
+  static constexpr size_t kChunkBytes = 256 * 1024;
+
+ private:
+  struct Entry {  // what every rank tells the others at the start of an operation
+    uint64_t addr;
+    int32_t pid;
+    uint32_t ok;   // first use: whether this rank could read every peer's buffer
+    uint64_t out;  // reduce_scatter: the output block
+    uint64_t pid_ns;  // first use: a pid means the same process only inside one pid namespace
+  };
+  struct Slot;
+  struct Control;
+
+  std::vector<Entry> share(const Entry& mine, const net::OpInfo& info);
+  bool setup(std::vector<Entry>& entries, const net::OpInfo& info);
+  // Announces this rank's buffers; nullptr where the path is off (nothing touched then).
+  Slot* enter(const Entry& mine, std::vector<Entry>& entries, const net::OpInfo& info);
+  // Takes chunks 0..total-1 from the slot's counter and runs body(i) on each, then waits until
+  // every rank's chunks are done.
+  template <typename Body>
+  void work(Slot& slot, size_t total, const net::OpInfo& info, Body&& body);
+  void wait_done(Slot& slot, size_t total, const net::OpInfo& info);
+  // Reads this chunk of every rank's input (own from `mine`, peers' at their address + off) and
+  // leaves their reduction, in rank order, at `dst` (scratch when null; `mine` itself may be it).
+  std::byte* reduce_chunk(const std::byte* mine, size_t off, size_t elems, const std::vector<Entry>& peers,
+                          DType dtype, ReduceOp op, const net::OpInfo& info, std::byte* dst = nullptr);
+
+  Communicator& comm_;
+  enum class State { kUnknown, kOn, kOff } state_ = State::kUnknown;
+  net::ShmSegment seg_;
+  Control* ctl_ = nullptr;
+  uint64_t ops_ = 0;  // operations on this path so far (the same count on every rank)
+  std::vector<std::byte> scratch_;
+  std::vector<const void*> srcs_;  // reduce_chunk's inputs, in rank order
+  // Opened while every peer was inside the first operation. Checked between a chunk's reads and
+  // its writes, so a write never targets a process that has exited.
+  PeerProcesses peers_;
+};
+
+}  // namespace rumor
