@@ -82,19 +82,27 @@ void vm_copy(bool write, pid_t pid, std::byte* local, uint64_t remote, size_t le
 }
 }  // namespace
 
-std::vector<HostDirect::Entry> HostDirect::share(const Entry& mine, const net::OpInfo& info) {
-  const uint32_t n = comm_.size(), r = comm_.rank();
-  std::vector<Entry> all(n);
+namespace {
+// Every rank's `mine`, in rank order (a small all-to-all over the group's channels).
+template <typename T>
+std::vector<T> share_all(Communicator& comm, const T& mine, const net::OpInfo& info) {
+  const uint32_t n = comm.size(), r = comm.rank();
+  std::vector<T> all(n);
   all[r] = mine;
   std::vector<net::Transfer> ts;
   ts.reserve(2 * (n - 1));
   for (uint32_t q = 0; q < n; ++q) {
     if (q == r) continue;
-    ts.push_back(net::make_send(q, &all[r], sizeof(Entry)));
-    ts.push_back(net::make_recv(q, &all[q], sizeof(Entry)));
+    ts.push_back(net::make_send(q, &all[r], sizeof(T)));
+    ts.push_back(net::make_recv(q, &all[q], sizeof(T)));
   }
-  comm_.exchange(ts, info);
+  comm.exchange(ts, info);
   return all;
+}
+}  // namespace
+
+std::vector<HostDirect::Entry> HostDirect::share(const Entry& mine, const net::OpInfo& info) {
+  return share_all(comm_, mine, info);
 }
 
 bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
@@ -379,16 +387,7 @@ void HostSmall::setup(const net::OpInfo& info) {
   }
   // Everyone has mapped it once every pid has arrived everywhere; the pids are kept for the
   // liveness checks while waiting.
-  std::vector<int32_t> pids(n);
-  pids[r] = static_cast<int32_t>(::getpid());
-  std::vector<net::Transfer> ts;
-  ts.reserve(2 * (n - 1));
-  for (uint32_t q = 0; q < n; ++q) {
-    if (q == r) continue;
-    ts.push_back(net::make_send(q, &pids[r], sizeof(int32_t)));
-    ts.push_back(net::make_recv(q, &pids[q], sizeof(int32_t)));
-  }
-  comm_.exchange(ts, info);
+  const std::vector<int32_t> pids = share_all(comm_, static_cast<int32_t>(::getpid()), info);
   if (r == 0) seg_.unlink_name();
   peers_.open(pids, r);  // without pidfds the wait still ends at the deadline
 }

@@ -45,7 +45,11 @@
 #include <utility>
 #include <vector>
 
+#include "net/socket.h"
+
 namespace {
+
+using rumor::net::Fd;
 
 constexpr size_t kPacketBuffer = 65536;  // a TUN never hands over more than its MTU (< 64 KiB)
 constexpr int kWakeMs = 1000;            // epoll deadline: the parent check runs at least this often
@@ -58,31 +62,6 @@ constexpr int kBatch = 16;               // packets read from one TUN before due
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
-// An owned file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  ~Fd() { reset(); }
-  int get() const { return fd_; }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 int64_t now_ns() {
   timespec ts{};
