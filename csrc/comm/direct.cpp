@@ -101,6 +101,11 @@ std::vector<T> share_all(Communicator& comm, const T& mine, const net::OpInfo& i
 }
 }  // namespace
 
+HostDirect::Entry HostDirect::announce(const void* buf, const void* out) {
+  return Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, reinterpret_cast<uint64_t>(out),
+               own_pid_ns()};
+}
+
 std::vector<HostDirect::Entry> HostDirect::share(const Entry& mine, const net::OpInfo& info) {
   return share_all(comm_, mine, info);
 }
@@ -227,10 +232,15 @@ struct Piece {
   size_t first, elems;
 };
 struct Pieces {
-  std::vector<size_t> start;  // first chunk of each block, and the total at the end
+  std::vector<size_t> start;     // first chunk of each block, and the total at the end
+  std::vector<size_t> byte_off;  // where each block starts in the buffer
   size_t chunk_elems;
-  Pieces(std::span<const size_t> counts, size_t chunk_elems) : start(counts.size() + 1, 0), chunk_elems(chunk_elems) {
-    for (size_t b = 0; b < counts.size(); ++b) start[b + 1] = start[b] + (counts[b] + chunk_elems - 1) / chunk_elems;
+  Pieces(std::span<const size_t> counts, size_t es)
+      : start(counts.size() + 1, 0), byte_off(counts.size() + 1, 0), chunk_elems(HostDirect::kChunkBytes / es) {
+    for (size_t b = 0; b < counts.size(); ++b) {
+      start[b + 1] = start[b] + (counts[b] + chunk_elems - 1) / chunk_elems;
+      byte_off[b + 1] = byte_off[b] + counts[b] * es;
+    }
   }
   size_t total() const { return start.back(); }
   Piece at(size_t i, std::span<const size_t> counts) const {
@@ -243,7 +253,7 @@ struct Pieces {
 
 bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, 0, own_pid_ns()}, peers, info);
+  Slot* slot = enter(announce(buf), peers, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype), chunk_elems = kChunkBytes / es;
@@ -261,18 +271,14 @@ bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp o
 bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
                                 ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(in), static_cast<int32_t>(::getpid()), 1,
-                           reinterpret_cast<uint64_t>(out), own_pid_ns()},
-                     peers, info);
+  Slot* slot = enter(announce(in, out), peers, info);
   if (slot == nullptr) return false;
   const uint32_t r = comm_.rank();
   const size_t es = dtype_size(dtype);
-  const Pieces pieces(counts, kChunkBytes / es);
-  std::vector<size_t> block_off(counts.size() + 1, 0);
-  for (size_t b = 0; b < counts.size(); ++b) block_off[b + 1] = block_off[b] + counts[b] * es;
+  const Pieces pieces(counts, es);
   work(*slot, pieces.total(), info, [&](size_t i) {
     const Piece p = pieces.at(i, counts);
-    const size_t off = block_off[p.block] + p.first * es, len = p.elems * es;
+    const size_t off = pieces.byte_off[p.block] + p.first * es, len = p.elems * es;
     std::byte* sum = reduce_chunk(in + off, off, p.elems, peers, dtype, op, info);
     peers_.check_alive(comm_, info, "before writing a reduced chunk");
     if (p.block == r)
@@ -285,16 +291,14 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
 
 bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, 0, own_pid_ns()}, peers, info);
+  Slot* slot = enter(announce(buf), peers, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype);
-  const Pieces pieces(counts, kChunkBytes / es);
-  std::vector<size_t> block_off(counts.size() + 1, 0);
-  for (size_t b = 0; b < counts.size(); ++b) block_off[b + 1] = block_off[b] + counts[b] * es;
+  const Pieces pieces(counts, es);
   work(*slot, pieces.total(), info, [&](size_t i) {
     const Piece p = pieces.at(i, counts);
-    const size_t off = block_off[p.block] + p.first * es, len = p.elems * es;
+    const size_t off = pieces.byte_off[p.block] + p.first * es, len = p.elems * es;
     // Read once from the block's owner (into this rank's own copy of the block, which needs it
     // anyway), then write from there into every other rank.
     if (p.block != r) vm_copy(false, peers[p.block].pid, buf + off, peers[p.block].addr + off, len, info,

@@ -109,6 +109,8 @@ class HostDirect {
   struct Slot;
   struct Control;
 
+  // What this rank tells the others: its buffer (and reduce_scatter's output block), its pid.
+  static Entry announce(const void* buf, const void* out = nullptr);
   std::vector<Entry> share(const Entry& mine, const net::OpInfo& info);
   bool setup(std::vector<Entry>& entries, const net::OpInfo& info);
   // Announces this rank's buffers; nullptr where the path is off (nothing touched then).
