@@ -241,6 +241,9 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
   auto* b = static_cast<std::byte*>(buf);
   const size_t bytes = count * dtype_size(dtype);
   AllreduceAlgo chosen = AllreduceAlgo::kRing;
+  // Hierarchical within one host is one level: the host's own paths (direct, shared slots) are
+  // that level already, and give the bits of a plain allreduce.
+  if (algo == AllreduceAlgo::kHierarchical && all_local_) algo = AllreduceAlgo::kAuto;
   if (algo == AllreduceAlgo::kHierarchical)
     chosen = AllreduceAlgo::kHierarchical;
   else if (algo == AllreduceAlgo::kRecursiveDoubling ||

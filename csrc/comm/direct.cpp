@@ -101,9 +101,24 @@ std::vector<T> share_all(Communicator& comm, const T& mine, const net::OpInfo& i
 }
 }  // namespace
 
-HostDirect::Entry HostDirect::announce(const void* buf, const void* out) {
+HostDirect::Entry HostDirect::announce(uint64_t shape, const void* buf, const void* out) {
   return Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, reinterpret_cast<uint64_t>(out),
-               own_pid_ns()};
+               own_pid_ns(), shape};
+}
+
+uint64_t HostDirect::shape_of(uint32_t what, DType dtype, ReduceOp op, std::span<const size_t> counts) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(what);
+  mix(static_cast<uint64_t>(dtype));
+  mix(static_cast<uint64_t>(op));
+  for (size_t c : counts) mix(c);
+  return h;
 }
 
 std::vector<HostDirect::Entry> HostDirect::share(const Entry& mine, const net::OpInfo& info) {
@@ -177,6 +192,15 @@ HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entri
       return nullptr;
     }
   }
+  for (uint32_t q = 0; q < entries.size(); ++q)
+    if (entries[q].shape != entries[0].shape) {
+      // Every rank holds every entry, so every rank throws here, before touching any buffer.
+      std::string all;
+      for (uint32_t k = 0; k < entries.size(); ++k)
+        all += (k ? ", " : "") + comm_.peer_desc(k) + " " + std::to_string(entries[k].shape % 1000000);
+      throw Error(ErrorKind::kProtocol, info.where() + ": the ranks passed different sizes, dtypes or ops "
+                                            "(shape hashes mod 1e6: " + all + ")");
+    }
   for (uint32_t q = 0; q < entries.size(); ++q)
     if (entries[q].pid != peers_.pids()[q])
       throw Error(ErrorKind::kProtocol, info.where() + ": " + comm_.peer_desc(q) + " announced pid " +
@@ -253,7 +277,8 @@ struct Pieces {
 
 bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(announce(buf), peers, info);
+  const size_t whole[] = {count};
+  Slot* slot = enter(announce(shape_of(1, dtype, op, whole), buf), peers, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype), chunk_elems = kChunkBytes / es;
@@ -271,7 +296,7 @@ bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp o
 bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
                                 ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(announce(in, out), peers, info);
+  Slot* slot = enter(announce(shape_of(2, dtype, op, counts), in, out), peers, info);
   if (slot == nullptr) return false;
   const uint32_t r = comm_.rank();
   const size_t es = dtype_size(dtype);
@@ -291,7 +316,7 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
 
 bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(announce(buf), peers, info);
+  Slot* slot = enter(announce(shape_of(3, dtype, ReduceOp::SUM, counts), buf), peers, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype);

@@ -105,12 +105,15 @@ class HostDirect {
     uint32_t ok;   // first use: whether this rank could read every peer's buffer
     uint64_t out;  // reduce_scatter: the output block
     uint64_t pid_ns;  // first use: a pid means the same process only inside one pid namespace
+    uint64_t shape;   // hash of the operation, dtype, op and block sizes: must match everywhere
   };
   struct Slot;
   struct Control;
 
   // What this rank tells the others: its buffer (and reduce_scatter's output block), its pid.
-  static Entry announce(const void* buf, const void* out = nullptr);
+  static Entry announce(uint64_t shape, const void* buf, const void* out = nullptr);
+  // A hash of what every rank must pass alike (checked before any buffer is touched).
+  static uint64_t shape_of(uint32_t what, DType dtype, ReduceOp op, std::span<const size_t> counts);
   std::vector<Entry> share(const Entry& mine, const net::OpInfo& info);
   bool setup(std::vector<Entry>& entries, const net::OpInfo& info);
   // Announces this rank's buffers; nullptr where the path is off (nothing touched then).
