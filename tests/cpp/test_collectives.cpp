@@ -329,6 +329,29 @@ TEST(HostDirect, ReduceToEveryRoot) {
   }
 }
 
+// A rank passing one element more is refused on every rank before any buffer is touched (the
+// chunk counts alone could agree and sum mismatched buffers silently).
+TEST(HostDirect, MismatchedCountsAreRefusedEverywhere) {
+  auto w = make_world(one_host(3), quick_options(true));
+  const size_t count = 4 * HostDirect::kChunkBytes / sizeof(float);
+  auto errs = run_ranks(w, [count](Communicator& c, uint32_t r) {
+    std::vector<float> v(count + (r == 2), 1.0f);
+    const std::vector<float> before = v;
+    try {
+      c.allreduce(v.data(), v.size(), DType::F32, ReduceOp::SUM);
+    } catch (...) {
+      EXPECT_EQ(v, before) << "rank " << r << ": its buffer changed although the op was refused";
+      throw;
+    }
+  });
+  ASSERT_EQ(errs.size(), 3u);
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(errs[r]) << "rank " << r << " accepted mismatched sizes";
+    const std::string what = testing::describe(errs[r]);
+    EXPECT_NE(what.find("different sizes"), std::string::npos) << "rank " << r << ": " << what;
+  }
+}
+
 // The same figures with the direct path turned off (the ring): integers must agree exactly.
 TEST(HostDirect, OffGivesTheSameIntegers) {
   const uint32_t n = 3;
