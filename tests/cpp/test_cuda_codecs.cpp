@@ -341,23 +341,6 @@ uint64_t exp_mask(DType t) {
                             : 0x7ff0000000000000ull;
 }
 
-// Decoded values of dtype t with every NaN replaced by one quiet NaN. Where a chunk's scale
-// overflows float32 the decode multiplies inf by 0, and the hardware picks the NaN: x86 its
-// default NaN (sign set), the GPU its canonical one. A NaN must still meet a NaN.
-std::vector<std::byte> values_nan_blind(DType t, std::vector<std::byte> v) {
-  const size_t w = dtype_size(t);
-  const uint64_t man = (uint64_t{1} << man_bits(t)) - 1;
-  for (size_t i = 0; i + w <= v.size(); i += w) {
-    uint64_t bits = 0;
-    std::memcpy(&bits, v.data() + i, w);
-    if ((bits & exp_mask(t)) == exp_mask(t) && (bits & man) != 0) {
-      bits = exp_mask(t) | (uint64_t{1} << (man_bits(t) - 1));
-      std::memcpy(v.data() + i, &bits, w);
-    }
-  }
-  return v;
-}
-
 // The NaN `bits` of dtype `from` becomes in dtype `to` by the rule.
 uint64_t quiet_as(DType from, uint64_t bits, DType to) {
   const size_t wf = 8 * dtype_size(from), wt = 8 * dtype_size(to);
@@ -586,6 +569,23 @@ TEST(CudaCodecOps, EmulatedKernelsDecodeAsScalarCpu) {
 }
 
 #ifdef RUMOR_WITH_CUDA
+
+// Decoded values of dtype t with every NaN replaced by one quiet NaN. Where a chunk's scale
+// overflows float32 the decode multiplies inf by 0, and the hardware picks the NaN: x86 its
+// default NaN (sign set), the GPU its canonical one. A NaN must still meet a NaN.
+std::vector<std::byte> values_nan_blind(DType t, std::vector<std::byte> v) {
+  const size_t w = dtype_size(t);
+  const uint64_t man = (uint64_t{1} << man_bits(t)) - 1;
+  for (size_t i = 0; i + w <= v.size(); i += w) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, v.data() + i, w);
+    if ((bits & exp_mask(t)) == exp_mask(t) && (bits & man) != 0) {
+      bits = exp_mask(t) | (uint64_t{1} << (man_bits(t) - 1));
+      std::memcpy(v.data() + i, &bits, w);
+    }
+  }
+  return v;
+}
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) FAIL() << what << ": " << cudaGetErrorString(e);
