@@ -862,6 +862,29 @@ def rank_with_bagua_returns_the_module(algorithm):
         chk.check(False, "with_bagua accepted a module twice")
     except RuntimeError as e:
         chk.check("already" in str(e), str(e))
+
+    # remove_hooks() gives the module back: its own forward, gradients of this rank's data alone
+    # (a module built from the same state is the reference), and it can be wrapped again.
+    got.train()
+    got._rumor_ddp.remove_hooks()
+    alone = MyNet()
+    alone.load_state_dict(got.state_dict())
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(50 + r))
+    for m in (got, alone):
+        m.zero_grad()
+        m(x).square().sum().backward()
+    chk.equal(torch.cat([p.grad.reshape(-1) for p in got.parameters()]),
+              torch.cat([p.grad.reshape(-1) for p in alone.parameters()]),
+              "gradients after remove_hooks: this rank's own")
+    old = got._rumor_ddp
+    chk.check(got.with_bagua([model_opt[id(plain)]], make()) is got and got._rumor_ddp is not old,
+              "with_bagua after remove_hooks wraps the module again")
+    if algorithm == "gradient_allreduce":
+        got.zero_grad()
+        got(x).square().sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in got.parameters()])
+        every = rumor.allgather(grads).reshape(2, -1)
+        chk.equal(every[0], every[1], "gradients averaged again after the second with_bagua")
     return chk.failures, chk.count
 
 

@@ -5,6 +5,8 @@ import os
 import socket
 import sys
 
+from .._env import env_int
+
 # rumor's /dev/shm name prefixes of the jobs this engine joined: the watchdog of an engine
 # started with hosts= removes them when the session is gone (_proc.py).
 shm_prefixes = []
@@ -28,7 +30,7 @@ def machine_id() -> str:
 
 def placement() -> dict:
     """Which rank this engine was started for (engines started with hosts=)."""
-    return {"slot": int(os.environ.get("RUMOR_INTERACTIVE_SLOT", "-1")), "host": host_label(), "pid": os.getpid(),
+    return {"slot": env_int("RUMOR_INTERACTIVE_SLOT", -1, minimum=-1), "host": host_label(), "pid": os.getpid(),
             "machine": machine_id()}
 
 

@@ -712,8 +712,12 @@ def _forward_with(module, ddp, original):
     """The module's forward after with_bagua: the wrapper's forward around the module's own, with
     the module's training flag (the user trains and evaluates the module itself)."""
     def forward(*args, **kwargs):
+        # After the wrapper's remove_hooks() the module is given back as it was: its own forward.
+        if ddp._hooks_removed:
+            return original(*args, **kwargs)
         return ddp._run_forward(module.training, original, args, kwargs)
 
+    forward.__wrapped__ = original  # what a later with_bagua wraps again
     return forward
 
 
@@ -725,7 +729,8 @@ def with_bagua(self, optimizers, algorithm, process_group=None, do_flatten: bool
     module's forward does what the wrapper's forward does. ``model.bagua_algorithm``,
     ``model.bagua_optimizers`` and ``model.bagua_module_name`` are set as in Bagua; the rumor
     wrapper is ``model._rumor_ddp``. Keep using the same optimizer object. A module can be given
-    to with_bagua once.
+    to with_bagua once; after ``model._rumor_ddp.remove_hooks()`` its forward is its own again
+    (a backward communicates nothing) and it can be given to with_bagua again.
 
     Args:
         optimizers: one optimizer or a list of at most one (an empty list: none); it is given
@@ -744,7 +749,7 @@ def with_bagua(self, optimizers, algorithm, process_group=None, do_flatten: bool
         NotImplementedError: more than one optimizer was given.
         TypeError: algorithm is not a rumor algorithm, or process_group not a group.
         RuntimeError: init_process_group() was not called, or with_bagua was already called on
-            this module.
+            this module and its hooks were not removed.
     """
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
@@ -755,16 +760,19 @@ def with_bagua(self, optimizers, algorithm, process_group=None, do_flatten: bool
         raise TypeError(f"with_bagua: algorithm must be one of bagua.algorithms' classes, got {type(algorithm).__name__}")
     if not _r.is_initialized():
         raise RuntimeError("with_bagua: call init_process_group() first")
-    if "_rumor_ddp" in self.__dict__:
-        raise RuntimeError(f"with_bagua: this {type(self).__name__} was given to with_bagua already")
+    before = self.__dict__.get("_rumor_ddp")
+    if before is not None and not before._hooks_removed:
+        raise RuntimeError(f"with_bagua: this {type(self).__name__} was given to with_bagua already "
+                           "(call model._rumor_ddp.remove_hooks() first to wrap it again)")
     group = _group(process_group, "with_bagua") if process_group is not None else None
+    original = self.__dict__["forward"].__wrapped__ if before is not None else self.forward
     ddp = _r.DistributedDataParallel(self, optimizer=optimizers[0] if optimizers else None,
                                      algorithm=algorithm, group=group)
     # In the instance's __dict__, not as a submodule: the module's state_dict, parameters and
     # children stay what they were (the wrapper holds the module; the module must not hold it
     # as a child in return).
     object.__setattr__(self, "_rumor_ddp", ddp)
-    object.__setattr__(self, "forward", _forward_with(self, ddp, self.forward))
+    object.__setattr__(self, "forward", _forward_with(self, ddp, original))
     for obj in (self, ddp):  # also reachable from the wrapper, as before
         obj.bagua_algorithm = algorithm
         obj.bagua_optimizers = optimizers
