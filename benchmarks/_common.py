@@ -283,16 +283,18 @@ class Driver:
         self.progress, self.hosts_mode = progress, hosts_mode
         self.cluster = None
 
-    def start_cluster(self, hosts: int, rate: str) -> Optional[float]:
+    def start_cluster(self, hosts: int, rate: str, **wan) -> Optional[float]:
         """Starts the emulated hosts and returns one TCP stream's throughput through a shaped link
-        (bytes/s); None, after saying why, where network namespaces cannot be made here."""
+        (bytes/s); None, after saying why, where network namespaces cannot be made here. `wan`:
+        netns.Cluster's delay / jitter / loss (wan_kwargs(args) of add_world_args' options)."""
         from rumor.testing import netns
 
         ok, why = netns.available()
         if not ok:
             print(f"cannot emulate hosts: {why}", file=sys.stderr)
             return None
-        self.cluster = netns.Cluster(hosts, rate=rate).start()
+        wan = {k: v for k, v in wan.items() if v is not None}
+        self.cluster = netns.Cluster(hosts, rate=rate, **wan).start()
         return self.tcp_throughput()
 
     def tcp_throughput(self) -> float:
@@ -333,6 +335,22 @@ def add_world_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ranks", default="2,4", help="one-host mode: world sizes to run")
     ap.add_argument("--ranks-per-host", type=int, default=1, help="--hosts mode: ranks per emulated host")
     ap.add_argument("--rate", default="1gbit", help="--hosts mode: tbf rate of each host's link")
+    ap.add_argument("--delay", default=None,
+                    help="--hosts mode: one-way delay of every link (e.g. 50ms: a 100 ms round trip), "
+                         "through rumor-wanem")
+    ap.add_argument("--jitter", default=None, help="--hosts mode: per-packet jitter added to --delay")
+    ap.add_argument("--loss", type=float, default=None, help="--hosts mode: packet loss probability, e.g. 0.001")
+
+
+def wan_kwargs(args) -> Dict:
+    """netns.Cluster's WAN keywords from add_world_args' options (None: not asked for)."""
+    return dict(delay=args.delay, jitter=args.jitter, loss=args.loss)
+
+
+def wan_label(args) -> str:
+    parts = [f"{k} {v}" for k, v in (("delay", args.delay), ("jitter", args.jitter), ("loss", args.loss))
+             if v is not None]
+    return (", " + ", ".join(parts)) if parts else ""
 
 
 def add_run_args(ap: argparse.ArgumentParser) -> None:

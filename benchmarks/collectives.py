@@ -492,16 +492,18 @@ def main(argv=None) -> int:
               f"[{mc['bw_min'] / 1e9:.2f}-{mc['bw_max'] / 1e9:.2f}]")
         bounds: Dict = {}
         if hosts_mode:
-            tcp0 = drv.start_cluster(args.hosts, args.rate)
+            tcp0 = drv.start_cluster(args.hosts, args.rate, **_common.wan_kwargs(args))
             if tcp0 is None:
                 return 2
             B = parse_rate(args.rate)
             tcp = [tcp0]
             n_h = args.hosts
             bounds = dict(rate=args.rate, link_Bps=B, ring_bound=B * n_h / (2 * (n_h - 1)),
-                          title=f"{args.hosts} emulated hosts x {args.ranks_per_host} rank(s), tbf {args.rate}")
+                          title=f"{args.hosts} emulated hosts x {args.ranks_per_host} rank(s), tbf {args.rate}"
+                                f"{_common.wan_label(args)}")
             print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), namespaces "
-                  f"{' '.join(drv.cluster.namespaces)}, tbf {args.rate} = {B / 1e6:.0f} MB/s per link; "
+                  f"{' '.join(drv.cluster.namespaces)}, tbf {args.rate} = {B / 1e6:.0f} MB/s per link"
+                  f"{_common.wan_label(args)}; "
                   f"single TCP stream through one shaped link: {tcp[0] / 1e6:.1f} MB/s")
         else:
             bounds = dict(memcpy_bw=mc["bw"], title="one host: rumor vs gloo (bound: 1-thread memcpy)")

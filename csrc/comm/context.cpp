@@ -7,9 +7,11 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <sstream>
 
 #include "core/log.h"
 #include "net/dial.h"
+#include "net/link.h"
 #include "net/tcp_channel.h"
 
 namespace rumor {
@@ -162,18 +164,64 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
     return std::make_unique<net::ShmChannel>(name, rank_ == hi, options_.shm_ring_bytes, own_bell_,
                                              peer_doorbell(peer, deadline), desc, deadline);
   }
-  std::vector<net::Fd> streams = tcp_streams(comm_id, peer, options_.streams, deadline);
-  RUMOR_LOG(kDebug, "comm " << comm_id << ": " << options_.streams << " TCP streams to " << desc);
+  std::vector<net::Fd> streams = sized_tcp_streams(comm_id, peer, deadline);
   return std::make_unique<net::TcpChannel>(std::move(streams), desc, options_.stripe_min);
 }
 
+// The dialer measures the pair's round trip on the first stream (the kernel's sample of the
+// authentication handshake's exchanges), decides how many streams the pair needs and says so on
+// that stream before dialing the rest: the two ends could measure different round trips.
+std::vector<net::Fd> Context::sized_tcp_streams(uint64_t comm_id, uint32_t peer, const Deadline& deadline) {
+  const std::string desc = "rank " + std::to_string(peer);
+  std::vector<net::Fd> streams = tcp_streams(comm_id, peer, 1, deadline);
+  const int fd0 = streams[0].get();
+  const double rtt = net::measured_rtt_s(fd0);
+  const bool long_link = rtt > net::kLongLinkRtt;
+  const net::WindowLimits limits = long_link ? net::window_limits() : net::WindowLimits{};
+  uint32_t count = static_cast<uint32_t>(options_.streams);
+  const std::string what = "connection setup with " + desc + ": the stream count";
+  if (rank_ > peer) {
+    if (long_link)
+      count = static_cast<uint32_t>(net::streams_for_link(rtt, options_.link_rate, limits.per_stream(),
+                                                          options_.streams, static_cast<int>(net::kMaxStreams)));
+    net::write_all(fd0, &count, sizeof(count), deadline, what);
+  } else {
+    net::read_all(fd0, &count, sizeof(count), deadline, what);
+    if (count < 1 || count > net::kMaxStreams)
+      throw Error(ErrorKind::kProtocol, what + " is " + std::to_string(count) + ", expected 1.." +
+                                            std::to_string(net::kMaxStreams));
+  }
+  auto more = tcp_streams(comm_id, peer, static_cast<int>(count), deadline, 1);
+  for (auto& fd : more) streams.push_back(std::move(fd));
+  if (long_link) {
+    for (auto& fd : streams) net::set_long_link_buffers(fd.get(), limits);
+    const double carry = static_cast<double>(count) * static_cast<double>(limits.per_stream()) / rtt;
+    const bool capped = carry < options_.link_rate;
+    std::ostringstream msg;
+    msg << "comm " << comm_id << ": " << desc << " is " << rtt * 1e3 << " ms away: " << count << " TCP streams, "
+        << (limits.per_stream() >> 10) << " KiB in flight each";
+    if (capped) {
+      msg << " (bounded by " << (limits.send <= limits.recv ? limits.send_limit : limits.recv_limit)
+          << "): they carry at most " << carry * 8e-9 << " Gbit/s of the " << options_.link_rate * 8e-9
+          << " asked for (RUMOR_LINK_GBIT)";
+      RUMOR_LOG(kInfo, msg.str());
+    } else {
+      msg << ": up to " << carry * 8e-9 << " Gbit/s";
+      RUMOR_LOG(kDebug, msg.str());
+    }
+  } else {
+    RUMOR_LOG(kDebug, "comm " << comm_id << ": " << count << " TCP streams to " << desc);
+  }
+  return streams;
+}
+
 std::vector<net::Fd> Context::tcp_streams(uint64_t comm_id, uint32_t peer, int count,
-                                          const Deadline& deadline) {
+                                          const Deadline& deadline, int first) {
   if (addresses_.empty())
     throw Error(ErrorKind::kInvalidArgument, "context has no peers yet (set_peers not called)");
   std::string desc = "rank " + std::to_string(peer);
   std::vector<net::Fd> streams;
-  for (int s = 0; s < count; ++s) {
+  for (int s = first; s < count; ++s) {
     // The higher rank dials, the lower one accepts: each pair agrees without negotiation.
     if (rank_ > peer) {
       std::string what = "connecting to " + desc + " at " + addresses_[peer];

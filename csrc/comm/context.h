@@ -24,7 +24,10 @@ namespace rumor {
 
 struct Options {
   double timeout_s = 300.0;  // every blocking wait (RUMOR_TIMEOUT)
-  int streams = 2;           // TCP streams per peer pair (RUMOR_SOCKET_STREAMS)
+  int streams = 2;           // TCP streams per peer pair, at least (RUMOR_SOCKET_STREAMS)
+  // The rate (bytes/s) a long link's streams should be able to carry (RUMOR_LINK_GBIT): a pair
+  // whose round trip is long gets enough streams for this rate times its round trip (net/link.h).
+  double link_rate = 1.25e9;
   // Messages at least this big are striped over all streams (RUMOR_STRIPE_MIN_BYTES). Striping
   // the 0.25-4 MiB messages of the compressed allreduce's all-to-all over 2 streams made it 1.4-2x
   // slower through a 100 Mbit link (a message waits for its slowest stripe), and gained nothing
@@ -79,10 +82,11 @@ class Context {
   // Builds the channel of communicator `comm_id` to world rank `peer`, blocking until the
   // peer's side exists or the deadline passes.
   std::unique_ptr<net::Channel> connect(uint64_t comm_id, uint32_t peer, const Deadline& deadline);
-  // `count` raw TCP streams to `peer` tagged with comm_id (the higher rank dials, the lower
+  // Raw TCP streams first..count-1 to `peer` tagged with comm_id (the higher rank dials, the lower
   // accepts through the listener), blocking sockets after the handshake. connect() builds its
   // TcpChannel from these; the window hub (comm/window.h) uses one as its link.
-  std::vector<net::Fd> tcp_streams(uint64_t comm_id, uint32_t peer, int count, const Deadline& deadline);
+  std::vector<net::Fd> tcp_streams(uint64_t comm_id, uint32_t peer, int count, const Deadline& deadline,
+                                   int first = 0);
   net::Doorbell* doorbell() const { return own_bell_; }
   // Prefix of every shared-memory name of this job ("/rumor-<token bits>").
   std::string shm_prefix() const;
@@ -96,6 +100,8 @@ class Context {
   trace::Recorder& recorder() { return recorder_; }
 
  private:
+  // connect()'s streams: as many as the pair's measured round trip needs (net/link.h).
+  std::vector<net::Fd> sized_tcp_streams(uint64_t comm_id, uint32_t peer, const Deadline& deadline);
   net::Doorbell* peer_doorbell(uint32_t peer, const Deadline& deadline);
 
   uint32_t rank_;

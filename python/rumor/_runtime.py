@@ -67,7 +67,7 @@ class _State:
     machine_size: int
     timeout: float
     next_group_id: int = 1
-    streams: int = 2  # TCP streams per peer pair, fixed for the life of the Context
+    streams: int = 2  # TCP streams per peer pair at least, fixed for the life of the Context
     groups: list = field(default_factory=list)
     nccl: object = None  # rumor._C.NcclLibrary, loaded on first use by rumor.gpu.nccl.load()
     gpu_wait: str = "host"  # how blocking NCCL calls end (rumor.gpu.watch; docs/gpu.md)
@@ -91,7 +91,8 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     """Joins the job described by the launcher's environment (torchrun, mpirun or Slurm).
 
     timeout: seconds every blocking wait may take before it raises (env RUMOR_TIMEOUT, default 300).
-    socket_streams: parallel TCP streams per peer pair (env RUMOR_SOCKET_STREAMS, default 2).
+    socket_streams: parallel TCP streams per peer pair, at least (env RUMOR_SOCKET_STREAMS, default
+      2); a pair on a long link gets more where its round trip needs them (env RUMOR_LINK_GBIT).
     shm: use shared memory between ranks on one host (env RUMOR_SHM, default on).
     gpu_wait: how a blocking collective on CUDA tensors over NCCL ends (env RUMOR_GPU_WAIT):
       "host" (default) once the op finished on the GPU, "stream" once it is queued on the current
@@ -124,6 +125,8 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     opts.shm = env_bool("RUMOR_SHM", True) if shm is None else bool(shm)
     opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
     opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
+    # A pair on a long link gets enough streams for this rate over its round trip (docs/wan.md).
+    opts.link_rate = env_float("RUMOR_LINK_GBIT", opts.link_rate * 8e-9, positive=True) * 1.25e8
     opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
     opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
     opts.flight_records = flight_records_from_env()

@@ -62,6 +62,29 @@ TEST_P(Collectives, AllreduceAllAlgorithmsAndSizes) {
   expect_all_ok(errs);
 }
 
+// Large enough that the ring sends each block in several pieces (quick_options' striping
+// threshold is 256 KiB), with an odd count so blocks and pieces are uneven; AVG divides each
+// piece of the owner's block once.
+TEST_P(Collectives, RingAllreduceInPieces) {
+  auto w = make_world(one_host(n()), quick_options(shm()));
+  const uint32_t size = n();
+  auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+    const size_t count = 1000003;
+    std::vector<float> want(count);
+    for (size_t i = 0; i < count; ++i)
+      for (uint32_t q = 0; q < size; ++q) want[i] += input(q, i) * static_cast<float>(size);
+    for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG}) {
+      std::vector<float> buf(count);
+      for (size_t i = 0; i < count; ++i) buf[i] = input(r, i) * static_cast<float>(size);
+      c.allreduce(buf.data(), count, DType::F32, op, AllreduceAlgo::kRing);
+      for (size_t i = 0; i < count; ++i)
+        ASSERT_EQ(buf[i], op == ReduceOp::AVG ? want[i] / static_cast<float>(size) : want[i])
+            << "i " << i << " op " << op_name(op);
+    }
+  });
+  expect_all_ok(errs);
+}
+
 TEST_P(Collectives, ReduceScatterAndAllgatherUneven) {
   auto w = make_world(one_host(n()), quick_options(shm()));
   const uint32_t size = n();

@@ -143,6 +143,62 @@ def test_tcp_through_delay_jitter_loss_and_rate_is_intact():
     assert st["lost"][0][1] + st["lost"][1][0] > 0  # the transfer did go through losses
 
 
+_LONG_LINK_RANK = r"""
+import os, torch, rumor
+rumor.init(timeout=60)
+r = rumor.rank()
+n = 3 * (1 << 20) + 5  # 12 MiB of float32: the ring sends each block in several pieces
+base = torch.arange(n, dtype=torch.float32).remainder(97)
+y = rumor.allreduce(base * (r + 1), op=rumor.ReduceOp.AVG)
+assert torch.equal(y, base * 1.5), "allreduce over the long link differs from the reference"
+if r == 1:
+    # This host runs rank 1 alone: its established TCP connections, the store's aside, are the
+    # streams of the one pair.
+    store = int(os.environ["MASTER_PORT"])
+    count = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, remote, state = line.split()[1:4]
+            ports = {int(local.split(":")[1], 16), int(remote.split(":")[1], 16)}
+            count += state == "01" and store not in ports
+    print("established", count, flush=True)
+rumor.shutdown()
+"""
+
+
+def _sysctl_last(name: str) -> int:
+    with open("/proc/sys/" + name.replace(".", "/")) as f:
+        return int(f.read().split()[-1])
+
+
+def test_long_link_gets_streams_for_its_bandwidth_delay_product(tmp_path):
+    """A pair 20 ms apart gets ceil(rate x round trip / window) streams (net/link.h), both ends
+    use them all, and the allreduce through them is exact."""
+    _need_netns()
+    from rumor.testing import launch
+
+    rate_gbit = 20
+    with netns.Cluster(2, delay="10ms") as c, \
+            launch.Ranks([sys.executable, "-c", _LONG_LINK_RANK], world=2, cluster=c,
+                         env={"RUMOR_LINK_GBIT": rate_gbit, "RUMOR_LOG": "debug"}, pipe_stdout=[1]) as ranks:
+        codes = ranks.wait(timeout=120)
+        out = ranks.procs[1].stdout.read().decode()
+        assert codes == [0, 0], ranks.report()
+        log = ranks.log(1)
+    said = [ln for ln in log.splitlines() if "ms away:" in ln]
+    assert said, f"rank 1 (the dialer) did not log its long-link sizing:\n{log[-3000:]}"
+    rtt_ms = float(said[0].split(" is ")[1].split(" ms away")[0])
+    streams = int(said[0].split("ms away: ")[1].split(" TCP streams")[0])
+    assert rtt_ms >= 20.0, said[0]  # never below the emulated round trip
+    # The rule, from this namespace's limits (payload is half of a socket buffer).
+    window = min(max(_sysctl_last("net.ipv4.tcp_wmem") // 2, _sysctl_last("net.core.wmem_max")),
+                 max(_sysctl_last("net.ipv4.tcp_rmem") // 2, _sysctl_last("net.core.rmem_max")))
+    want = min(16, max(2, -(-int(rate_gbit * 1.25e8 * rtt_ms * 1e-3) // window)))
+    assert streams == want, (said[0], window)
+    assert streams > 2, said[0]  # more than the default: the delay is what asked for them
+    assert f"established {streams}" in out, out
+
+
 def test_cleanup_after_exception_leaves_nothing():
     _need_netns()
     with pytest.raises(RuntimeError, match="boom"):
