@@ -27,7 +27,7 @@ struct Options {
   int streams = 2;           // TCP streams per peer pair, at least (RUMOR_SOCKET_STREAMS)
   // The rate (bytes/s) a long link's streams should be able to carry (RUMOR_LINK_GBIT): a pair
   // whose round trip is long gets enough streams for this rate times its round trip (net/link.h).
-  double link_rate = 1.25e9;
+  double link_rate = 312.5e6;
   // Messages at least this big are striped over all streams (RUMOR_STRIPE_MIN_BYTES). Striping
   // the 0.25-4 MiB messages of the compressed allreduce's all-to-all over 2 streams made it 1.4-2x
   // slower through a 100 Mbit link (a message waits for its slowest stripe), and gained nothing
