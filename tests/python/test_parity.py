@@ -1,0 +1,242 @@
+"""rumor.elastic.verify(): state parity across ranks.
+
+Every multi-rank check is made against an independent reference: each rank's raw state bytes
+gathered over a torch.distributed gloo group (FileStore rendezvous) and compared with
+torch.equal on uint8 views, not against verify() itself.
+
+* equal replicas (2, 3, 4 ranks; a NaN held by every rank included) give an equal report;
+* one rank's parameter one ulp off, a flipped NaN payload, -0.0 against 0.0, a bf16 buffer one
+  ulp off, Adam's exp_avg one ulp off, and two ranks off on two tensors at once: the report names
+  exactly the tensors and ranks the reference finds; repair=True makes every rank's bytes equal
+  to the majority's and a second verify equal;
+* 2 ranks that differ: no majority, a ParityError naming the ranks and the tensor, nothing
+  changed; source=0 repairs it;
+* a replica of another shape: reported as a layout mismatch, ParityError with repair, nothing
+  changed;
+* Decentralized: the replicas' differing parameters are not reported, a differing step count is;
+* State.restore() ends with a verify (on by default, State(verify=False) skips it).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import harness
+
+TIMEOUT = 120
+
+
+# ---- the reference: gloo, raw bytes ----------------------------------------------------------------
+
+def _gloo(store_path):
+    import torch.distributed as dist
+
+    import rumor
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rumor.rank(),
+                                world_size=rumor.size())
+    return dist
+
+
+def _raw(t):
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def _state_bytes(model, opt):
+    out = {f"param:{n}": _raw(p) for n, p in model.named_parameters()}
+    out.update({f"buffer:{n}": _raw(b) for n, b in model.named_buffers()})
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                out[f"optimizer:state[{names[id(p)]}].{k}"] = _raw(v)
+    return out
+
+
+def _reference(store_path, model, opt):
+    """{name: sorted ranks whose bytes differ from the majority's} over every rank, and the
+    gathered bytes, by gloo."""
+    dist = _gloo(store_path)
+    n = dist.get_world_size()
+    every = [None] * n
+    dist.all_gather_object(every, _state_bytes(model, opt))
+    diff = {}
+    for name in every[0]:
+        held = [every[r][name] for r in range(n)]
+        groups = []
+        for r, b in enumerate(held):
+            for g in groups:
+                if torch.equal(held[g[0]], b):
+                    g.append(r)
+                    break
+            else:
+                groups.append([r])
+        if len(groups) > 1:
+            best = max(groups, key=len)
+            diff[name] = sorted(r for r in range(n) if r not in best) if 2 * len(best) > n else list(range(n))
+    return diff, every
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 1)
+        self.register_buffer("flags", torch.zeros(4))
+        self.register_buffer("fp16", torch.linspace(-1, 1, 8).half())
+        self.register_buffer("brain", torch.linspace(-1, 1, 8).bfloat16())
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _trained_ddp(algorithm=None, steps=2, hidden=16):
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _Net(hidden)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ddp = DistributedDataParallel(model, optimizer=opt, algorithm=algorithm)
+    g = torch.Generator().manual_seed(100 + rumor.rank())  # rank-different data
+    for _ in range(steps):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, opt, ddp
+
+
+def _ulp(t, index):
+    with torch.no_grad():
+        flat = t.view(-1)
+        flat[index] = torch.nextafter(flat[index], torch.tensor(math.inf, dtype=t.dtype))
+
+
+def _perturb(case, model, opt, r, n):
+    """Changes this rank's state as the case says; returns {name: ranks} expected to differ."""
+    last = n - 1
+    if case == "ulp":
+        if r == last:
+            _ulp(model.fc1.weight.data, 3)
+        return {"param:fc1.weight": [last]}
+    if case == "nan_payload":
+        if r == last:
+            model.flags.view(torch.int32)[1] ^= 1  # another quiet NaN
+        return {"buffer:flags": [last]}
+    if case == "negative_zero":
+        if r == last:
+            model.flags[0] = -0.0
+        return {"buffer:flags": [last]}
+    if case == "bf16":
+        if r == last:
+            model.brain.view(torch.int16)[2] += 1
+        return {"buffer:brain": [last]}
+    if case == "exp_avg":
+        if r == last:
+            _ulp(opt.state[model.fc2.weight]["exp_avg"], 0)
+        return {"optimizer:state[fc2.weight].exp_avg": [last]}
+    if case == "two_ranks":
+        if r == 1:
+            _ulp(model.fc1.bias.data, 0)
+        if r == 2:
+            model.fp16.view(torch.int16)[5] += 1
+        return {"param:fc1.bias": [1], "buffer:fp16": [2]}
+    raise AssertionError(case)
+
+
+CASES = ["ulp", "nan_payload", "negative_zero", "bf16", "exp_avg", "two_ranks"]
+
+
+def found_and_repaired(store_path):
+    import rumor
+
+    rumor.init()
+    r, n = rumor.rank(), rumor.size()
+    model, opt, ddp = _trained_ddp()
+    with torch.no_grad():
+        model.flags[1] = float("nan")  # the same NaN everywhere: equal bytes, an equal report
+    first = rumor.elastic.verify(ddp, opt, repair=False)
+    ref0, _ = _reference(store_path, model, opt)
+    out = {"equal": (bool(first), first.mismatches, ref0, first.entries, first.replicas)}
+    for case in CASES:
+        if case == "two_ranks" and n < 3:
+            continue
+        before, every_before = _reference(store_path, model, opt)
+        assert not before, before
+        want = _perturb(case, model, opt, r, n)
+        ref, _ = _reference(store_path, model, opt)
+        rep = rumor.elastic.verify(ddp, opt, repair=False)
+        found = {m.name: list(m.ranks) for m in rep.mismatches}
+        kinds = {m.kind for m in rep.mismatches}
+        fixed = rumor.elastic.verify(ddp, opt)  # repair=True
+        after, every_after = _reference(store_path, model, opt)
+        # Every rank now holds, byte for byte, what the majority held before the perturbation.
+        same_as_before = all(torch.equal(every_after[r2][k], every_before[0][k])
+                             for r2 in range(n) for k in every_before[0])
+        again = rumor.elastic.verify(ddp, opt, repair=False)
+        out[case] = dict(want=want, reference=ref, found=found, kinds=kinds, equal=bool(rep),
+                         repaired=sorted(fixed.repaired), fixed_equal=bool(fixed), after=after,
+                         same_as_before=same_as_before, again=bool(again))
+    return out
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_verify_finds_exactly_what_differs_and_repairs_it(tmp_path, n):
+    res = harness.run(found_and_repaired, n, timeout=TIMEOUT, args=(str(tmp_path / "gloo"),))
+    for r, out in enumerate(res):
+        eq, mism, ref0, entries, replicas = out["equal"]
+        assert eq and not mism and not ref0 and replicas == "identical", (r, out["equal"])
+        assert entries >= 5 + 6, entries  # 4 parameters, 3 buffers, Adam's state, hyperparameters
+        for case in CASES:
+            c = out[case]
+            assert c["reference"] == c["want"], (case, c)
+            assert c["found"] == c["want"], (case, c)
+            assert c["kinds"] == {"value"} and not c["equal"], (case, c)
+            assert c["repaired"] == sorted(c["want"]), (case, c)
+            assert c["fixed_equal"] and c["again"] and not c["after"] and c["same_as_before"], (case, c)
+
+
+def two_ranks_no_majority(store_path):
+    import rumor
+
+    rumor.init()
+    r = rumor.rank()
+    model, opt, ddp = _trained_ddp()
+    out = {"equal": bool(rumor.elastic.verify(ddp, opt, repair=False))}
+    if r == 1:
+        _ulp(model.fc2.bias.data, 0)
+    ref, every_before = _reference(store_path, model, opt)
+    rep = rumor.elastic.verify(ddp, opt, repair=False)
+    out["report"] = [(m.name, list(m.ranks), list(m.reference)) for m in rep.mismatches]
+    try:
+        rumor.elastic.verify(ddp, opt)
+        out["error"] = None
+    except rumor.elastic.ParityError as e:
+        out["error"] = str(e)
+    unchanged, every_mid = _reference(store_path, model, opt)
+    out["unchanged"] = unchanged == ref and all(
+        torch.equal(every_mid[i][k], every_before[i][k]) for i in range(2) for k in every_before[0])
+    fixed = rumor.elastic.verify(ddp, opt, source=0)
+    after, every_after = _reference(store_path, model, opt)
+    out["fixed"] = (sorted(fixed.repaired), bool(fixed), after,
+                    all(torch.equal(every_after[1][k], every_before[0][k]) for k in every_before[0]))
+    out["reference"] = ref
+    return out
+
+
+def test_two_ranks_that_differ_have_no_majority(tmp_path):
+    res = harness.run(two_ranks_no_majority, 2, timeout=TIMEOUT, args=(str(tmp_path / "gloo"),))
+    for out in res:
+        assert out["equal"], out
+        assert out["reference"] == {"param:fc2.bias": [0, 1]}, out
+        assert out["report"] == [("param:fc2.bias", [0, 1], [])], out
+        err = out["error"]
+        assert err and "no majority" in err and "param:fc2.bias" in err and "[0, 1]" in err and "source=" in err, err
+        assert out["unchanged"], out
+        assert out["fixed"] == (["param:fc2.bias"], True, {}, True), out
