@@ -240,3 +240,190 @@ def test_two_ranks_that_differ_have_no_majority(tmp_path):
         assert err and "no majority" in err and "param:fc2.bias" in err and "[0, 1]" in err and "source=" in err, err
         assert out["unchanged"], out
         assert out["fixed"] == (["param:fc2.bias"], True, {}, True), out
+
+
+def other_shape(store_path):
+    import rumor
+
+    rumor.init()
+    r = rumor.rank()
+    torch.manual_seed(0)
+    model = _Net(hidden=12 if r == 2 else 16)  # rank 2 built another model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rep = rumor.elastic.verify(model, repair=False)
+    out = {"report": sorted((m.name, m.kind, list(m.ranks), list(m.reference), m.repairable, m.detail)
+                            for m in rep.mismatches), "equal": bool(rep)}
+    try:
+        rumor.elastic.verify(model)
+        out["error"] = None
+    except rumor.elastic.ParityError as e:
+        out["error"] = str(e)
+    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    return out
+
+
+def test_replica_of_another_shape_is_an_error_never_repaired(tmp_path):
+    res = harness.run(other_shape, 3, timeout=TIMEOUT, args=(str(tmp_path / "gloo"),))
+    for out in res:
+        assert not out["equal"], out
+        names = [m[0] for m in out["report"]]
+        assert names == ["param:fc1.bias", "param:fc1.weight", "param:fc2.weight"], out
+        for name, kind, ranks, ref, repairable, detail in out["report"]:
+            assert kind == "layout" and ranks == [2] and ref == [0, 1] and not repairable, out
+            assert "on rank [2]" in detail and "on ranks [0, 1]" in detail, detail
+        assert "float32[12, 6] on rank [2]" in out["report"][1][5], out
+        err = out["error"]
+        assert err and "different models" in err and "nothing was repaired" in err and "param:fc1.weight" in err, err
+        assert out["unchanged"], out
+
+
+def decentralized_counts(store_path):
+    import rumor
+
+    rumor.init()
+    r = rumor.rank()
+    algo = rumor.algorithms.Decentralized("shift_one", hierarchical=False)
+    model, opt, ddp = _trained_ddp(algorithm=algo, steps=3)
+    ref, _ = _reference(store_path, model, opt)
+    rep = rumor.elastic.verify(ddp, opt, repair=False)
+    out = {"reference": ref, "replicas": rep.replicas, "equal": bool(rep), "mismatches": rep.mismatches}
+    if r == 1:
+        algo.step += 1  # this rank is a step ahead of the others
+    rep = rumor.elastic.verify(ddp, opt, repair=False)
+    out["step"] = [(m.name, m.kind, list(m.ranks), m.repairable) for m in rep.mismatches]
+    try:
+        rumor.elastic.verify(ddp, opt)
+        out["error"] = None
+    except rumor.elastic.ParityError as e:
+        out["error"] = str(e)
+    if r == 1:
+        algo.step -= 1
+    if r == 2:
+        opt.state[model.fc1.weight]["step"] += 1  # Adam's count of steps, out of step on rank 2
+    rep = rumor.elastic.verify(ddp, opt, repair=False)
+    out["adam_step"] = [(m.name, list(m.ranks)) for m in rep.mismatches]
+    return out
+
+
+def test_decentralized_values_differ_legitimately_step_counts_do_not(tmp_path):
+    res = harness.run(decentralized_counts, 3, timeout=TIMEOUT, args=(str(tmp_path / "gloo"),))
+    for out in res:
+        # The reference sees the replicas' parameters and momenta differ; verify does not report them.
+        assert "param:fc1.weight" in out["reference"] and "optimizer:state[fc1.weight].exp_avg" in out["reference"], out
+        assert out["replicas"] == "differ" and out["equal"] and not out["mismatches"], out
+        assert out["step"] == [("algorithm:step", "value", [1], False)], out
+        assert out["error"] and "algorithm:step" in out["error"] and "[1]" in out["error"], out
+        assert out["adam_step"] == [("optimizer:state[fc1.weight].step", [2])], out
+
+
+# ---- hashing, one process --------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool]
+
+
+def _digest(t):
+    from rumor import _parity
+
+    return _parity._Hasher().tensor(t, "t")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_digest_is_of_the_logical_bytes(dtype):
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(5, 7, generator=g) * 50).to(dtype) if dtype != torch.bool else torch.rand(5, 7, generator=g) > 0.5
+    d = _digest(base)
+    assert d == _digest(base.clone()) and len(d) == 16
+    # The same values under another layout: a transposed copy seen through its transpose.
+    strided = base.t().contiguous().t()
+    assert not strided.is_contiguous() and torch.equal(strided, base)
+    assert _digest(strided) == d
+    # A slice hashes as its values, not as the storage behind it.
+    assert _digest(base[1:3, ::2]) == _digest(base[1:3, ::2].contiguous())
+    # One byte changed anywhere changes the digest.
+    changed = base.clone()
+    raw = changed.view(-1).view(torch.uint8)
+    raw[raw.numel() // 2] ^= 1
+    assert _digest(changed) != d
+
+
+def test_digest_tells_signed_zeros_and_nan_payloads_apart():
+    z = torch.zeros(3)
+    nz = z.clone()
+    nz[1] = -0.0
+    assert torch.equal(z, nz) and _digest(z) != _digest(nz)
+    a = torch.full((3,), float("nan"))
+    b = a.clone()
+    b.view(torch.int32)[0] ^= 1
+    assert torch.isnan(b).all() and _digest(a) == _digest(a.clone()) and _digest(a) != _digest(b)
+    c = torch.randn(4, dtype=torch.complex64)
+    assert _digest(c.conj()) == _digest(c.conj().resolve_conj())
+
+
+def test_plain_values_are_hashed_exactly():
+    from rumor import _parity
+
+    def d(v):
+        return _parity._Hasher().entry(_parity._Entry("v", v, True, False))
+
+    assert d(0.0) != d(-0.0) and d(1) != d(True) and d(1) != d(1.0) and d("1") != d(1)
+    assert d(float("nan")) == d(float("nan")) and d({1, 2}) == d({2, 1}) and d(b"x") != d("x")
+    with pytest.raises(TypeError, match="verify compares tensors and plain values"):
+        d(object())
+    assert _parity.comparable({"a": [1, torch.ones(2)], "b": None}) and not _parity.comparable(object())
+
+
+# ---- State.restore() ends with a verify ------------------------------------------------------------
+
+def restore_verifies(verify_on, perturb):
+    import warnings
+
+    import rumor
+
+    rumor.init()
+    r = rumor.rank()
+    model, opt, ddp = _trained_ddp()
+    state = rumor.elastic.State(ddp, opt, epoch=3, seed=torch.arange(4))
+    state.step = 2
+    state.commit()
+    committed = {k: v.clone() for k, v in model.state_dict().items()}
+    model2, opt2, ddp2 = _trained_ddp(steps=1)  # other weights, the same shapes
+    state2 = rumor.elastic.State(ddp2, opt2, verify=verify_on, epoch=0, seed=torch.zeros(4, dtype=torch.int64))
+    if perturb and r == 2:
+        apply = state2._apply
+
+        def apply_then_lose_one(snap):  # a load that left one tensor of this rank behind
+            apply(snap)
+            _ulp(model2.fc1.weight.data, 0)
+
+        state2._apply = apply_then_lose_one
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = state2.restore()
+    rep = state2.verified
+    out = {"step": step, "verified": None if rep is None else (rep.equal, [m.name for m in rep.mismatches],
+                                                                  sorted(rep.repaired), rep.entries),
+           "warned": [str(w.message) for w in caught if "repaired from the majority" in str(w.message)],
+           "weights_committed": all(torch.equal(v, committed[k]) for k, v in model2.state_dict().items())}
+    state2._finish()
+    return out
+
+
+@pytest.mark.parametrize("verify_on,perturb", [(True, False), (True, True), (False, False)],
+                         ids=["verified", "repaired", "opted-out"])
+def test_restore_proves_the_replicas_equal(verify_on, perturb):
+    res = harness.run(restore_verifies, 3, timeout=TIMEOUT, args=(verify_on, perturb),
+                      env={"RUMOR_ELASTIC_JOB": f"parity-{verify_on}-{perturb}-{os.getpid()}"})
+    for r, out in enumerate(res):
+        assert out["step"] == 2, out
+        if not verify_on:
+            assert out["verified"] is None and not out["warned"], out
+            continue
+        equal, names, repaired, entries = out["verified"]
+        assert equal and entries > 10, out
+        assert out["weights_committed"], out
+        if perturb:
+            assert names == ["param:fc1.weight"] and repaired == ["param:fc1.weight"], out
+            assert len(out["warned"]) == 1, out
+        else:
+            assert names == [] and not out["warned"], out
