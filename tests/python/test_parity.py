@@ -427,3 +427,61 @@ def test_restore_proves_the_replicas_equal(verify_on, perturb):
             assert len(out["warned"]) == 1, out
         else:
             assert names == [] and not out["warned"], out
+
+
+# ---- no false alarms: every algorithm, after real training -----------------------------------------
+
+def _algorithm(name, model):
+    import rumor
+
+    if name == "OneBitAdam":
+        opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=0.01, freeze_step=2)
+        return opt, rumor.algorithms.OneBitAdamAlgorithm(opt)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    algo = {"GradientAllReduce": lambda: rumor.algorithms.GradientAllReduce(),
+            "ByteGrad": lambda: rumor.algorithms.ByteGrad(),
+            "PowerSGD": lambda: rumor.algorithms.PowerSGD(start_powerSGD_iter=2),
+            "LowPrecisionDecentralized": lambda: rumor.algorithms.LowPrecisionDecentralized(hierarchical=False),
+            "AsyncModelAverage": lambda: rumor.algorithms.AsyncModelAverage(sync_interval_ms=1, warmup_steps=1),
+            "LocalSGD": lambda: rumor.algorithms.LocalSGD(sync_every=3),
+            "DiLoCo": lambda: rumor.algorithms.DiLoCo(inner_steps=3)}[name]()
+    return opt, algo
+
+
+def trained_with(name, store_path):
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    rumor.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt, algo = _algorithm(name, model)
+    ddp = DistributedDataParallel(model, optimizer=opt, algorithm=algo)
+    g = torch.Generator().manual_seed(100 + rumor.rank())
+    for _ in range(4):  # 4: LocalSGD and DiLoCo are between averages
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if name == "AsyncModelAverage":
+        algo.finish(timeout=60)  # the averaging thread no longer writes the weights
+    ref, _ = _reference(store_path, model, opt)
+    rep = rumor.elastic.verify(ddp, opt, repair=False)
+    return dict(replicas=rep.replicas, mismatches=[str(m) for m in rep.mismatches], reference=sorted(ref),
+                names=rep.entries)
+
+
+@pytest.mark.parametrize("name", ["GradientAllReduce", "ByteGrad", "PowerSGD", "OneBitAdam",
+                                  "LowPrecisionDecentralized", "AsyncModelAverage", "LocalSGD", "DiLoCo"])
+def test_trained_replicas_verify_equal_under_every_algorithm(tmp_path, name):
+    res = harness.run(trained_with, 3, timeout=TIMEOUT, args=(name, str(tmp_path / "gloo")))
+    differ = name in ("LowPrecisionDecentralized", "AsyncModelAverage", "LocalSGD", "DiLoCo")
+    for out in res:
+        assert out["replicas"] == ("differ" if differ else "identical"), out
+        assert out["mismatches"] == [], out
+        if differ:  # the reference sees what verify must not report (weights or momenta)
+            assert out["reference"], out
+        else:
+            # 1-bit Adam's error feedback is each rank's own (parity_own_keys); nothing else differs.
+            assert all(n.endswith(("worker_error", "server_error")) for n in out["reference"]), out
