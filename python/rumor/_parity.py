@@ -36,7 +36,12 @@ def _hasher():
 class ParityError(RuntimeError):
     """The replicas differ in a way verify() cannot or may not repair: a different model (names,
     shapes, dtypes), algorithm state or configuration, a plain value, no majority to repair
-    from, or a repair that did not make them equal. ``report`` holds the ParityReport."""
+    from, or a repair that did not make them equal. ``report`` holds the ParityReport.
+
+    Args:
+        message: what differs, naming the entries and the ranks.
+        report: the ParityReport of the comparison that failed (also ``.report``).
+    """
 
     def __init__(self, message: str, report: "ParityReport"):
         super().__init__(message)
@@ -543,8 +548,6 @@ def verify(model, optimizer=None, *, extra: Optional[Dict[str, Any]] = None, rep
     ranks = tuple(group.ranks) if group is not None else tuple(range(_runtime.size()))
     if source is not None and (isinstance(source, bool) or not isinstance(source, int) or source not in ranks):
         raise ValueError(f"rumor.elastic.verify: source must be a rank of the group {list(ranks)}, got {source!r}")
-    if algorithm is not None and hasattr(algorithm, "synchronize") and mode == "identical":
-        algorithm.synchronize(model)  # nothing in flight may still write the weights
     entries = _entries(module, optimizer, algorithm, extra, mode == "differ")
     found, nbytes = _compare(entries, group, ranks, source)
     report = ParityReport(not found, ranks, mode, len(entries), nbytes, mismatches=found)

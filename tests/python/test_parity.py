@@ -485,3 +485,47 @@ def test_trained_replicas_verify_equal_under_every_algorithm(tmp_path, name):
         else:
             # 1-bit Adam's error feedback is each rank's own (parity_own_keys); nothing else differs.
             assert all(n.endswith(("worker_error", "server_error")) for n in out["reference"]), out
+
+
+def extra_and_arguments(store_path):
+    import rumor
+
+    rumor.init()
+    r = rumor.rank()
+    model = _Net()  # a plain module: the whole world, every value compared
+    ema = torch.arange(6, dtype=torch.float64).reshape(2, 3).t()  # strided, repaired through a copy
+    if r == 0:
+        ema[1, 0] = 7.5
+    out = {}
+    rep = rumor.elastic.verify(model, extra={"ema": ema, "seed": 11}, repair=False)
+    out["found"] = [(m.name, list(m.ranks)) for m in rep.mismatches]
+    rep = rumor.elastic.verify(model, extra={"ema": ema, "seed": 11})
+    out["ema"] = (rep.repaired, rep.equal, ema.tolist())
+    try:
+        rumor.elastic.verify(model, extra={"seed": 11 + (r == 1)})
+        out["plain"] = None
+    except rumor.elastic.ParityError as e:
+        out["plain"] = (str(e), [(m.name, list(m.ranks)) for m in e.report.mismatches])
+    bad = []
+    for kw in ({"replicas": "some"}, {"source": 5}, {"source": True}, {"extra": [1]}):
+        try:
+            rumor.elastic.verify(model, **kw)
+        except (TypeError, ValueError) as e:
+            bad.append(type(e).__name__)
+    out["bad"] = bad
+    try:
+        rumor.elastic.verify(model, extra={"o": object()})
+    except TypeError as e:
+        out["object"] = str(e)
+    return out
+
+
+def test_extra_tensors_are_repaired_plain_values_are_reported(tmp_path):
+    res = harness.run(extra_and_arguments, 3, timeout=TIMEOUT, args=(str(tmp_path / "gloo"),))
+    for out in res:
+        assert out["found"] == [("extra:ema", [0])], out
+        assert out["ema"] == (["extra:ema"], True, [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]), out
+        msg, found = out["plain"]
+        assert found == [("extra:seed", [1])] and "not tensors" in msg and "extra:seed" in msg, out
+        assert out["bad"] == ["ValueError", "ValueError", "ValueError", "TypeError"], out
+        assert "extra:o is a builtins.object" in out["object"], out
