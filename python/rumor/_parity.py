@@ -323,6 +323,21 @@ class _Hasher:
         return h.digest()[:_DIGEST]
 
 
+def _threads() -> int:
+    """Hashing threads for this rank: its share of the cores this process may run on (the host's
+    ranks hash at once; more threads than cores only contend), at most 8."""
+    import os
+
+    from . import _runtime
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    local = _runtime.local_size() if _runtime.is_initialized() else 1
+    return max(1, min(8, cores // max(1, local)))
+
+
 def _digests(entries: List[_Entry]) -> Tuple[torch.Tensor, int]:
     """[len(entries), 2] int64: each compared entry's 16-byte digest (zeros for layout-only
     entries), and the bytes hashed. Large CPU tensors are hashed on threads."""
@@ -334,9 +349,7 @@ def _digests(entries: List[_Entry]) -> Tuple[torch.Tensor, int]:
     rest = [i for i, e in enumerate(entries) if e.compare and i not in threaded]
     results: Dict[int, bytes] = {}
     if big:
-        import os
-
-        workers = max(1, min(len(big), os.cpu_count() or 1, 8))
+        workers = min(len(big), _threads())
         counters = [_Hasher() for _ in big]
 
         def one(job):

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import harness
+from test_elastic import _train_steps
 
 TIMEOUT = 120
 
@@ -102,13 +103,7 @@ def _trained_ddp(algorithm=None, steps=2, hidden=16):
     model = _Net(hidden)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ddp = DistributedDataParallel(model, optimizer=opt, algorithm=algorithm)
-    g = torch.Generator().manual_seed(100 + rumor.rank())  # rank-different data
-    for _ in range(steps):
-        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_steps(ddp, opt, torch.Generator().manual_seed(100 + rumor.rank()), steps)  # rank-different data
     return model, opt, ddp
 
 
@@ -457,13 +452,7 @@ def trained_with(name, store_path):
     model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt, algo = _algorithm(name, model)
     ddp = DistributedDataParallel(model, optimizer=opt, algorithm=algo)
-    g = torch.Generator().manual_seed(100 + rumor.rank())
-    for _ in range(4):  # 4: LocalSGD and DiLoCo are between averages
-        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_steps(ddp, opt, torch.Generator().manual_seed(100 + rumor.rank()), 4)
     if name == "AsyncModelAverage":
         algo.finish(timeout=60)  # the averaging thread no longer writes the weights
     ref, _ = _reference(store_path, model, opt)
