@@ -170,6 +170,14 @@ def _algorithm_config(algo) -> Dict[str, Any]:
     return cfg
 
 
+def _leaf(name: str, v, compare: bool) -> _Entry:
+    """An entry of the optimizer's state: a value verify cannot hash (an object some optimizer
+    keeps there) is compared by its type alone rather than refused."""
+    if torch.is_tensor(v):
+        return _Entry(name, v.detach(), compare, True)
+    return _Entry(name, v, compare and comparable(v), False)
+
+
 def _entries(module, optimizer, algorithm, extra, differ: bool) -> List[_Entry]:
     out: List[_Entry] = []
     for n, p in module.named_parameters():
@@ -186,7 +194,7 @@ def _entries(module, optimizer, algorithm, extra, differ: bool) -> List[_Entry]:
                     continue
                 leaves: List[Tuple[str, Any]] = []
                 _flatten(f"optimizer:param_groups[{gi}].{key}", g[key], leaves, ())
-                out += [_Entry(n, v, True, torch.is_tensor(v)) for n, v in leaves]
+                out += [_leaf(n, v, True) for n, v in leaves]
             for p in g["params"]:
                 st = optimizer.state.get(p)
                 pname = names.get(id(p), str(k))
@@ -202,14 +210,16 @@ def _entries(module, optimizer, algorithm, extra, differ: bool) -> List[_Entry]:
                         # Floating-point state of replicas that differ (momenta) differs with
                         # them; the step counters do not.
                         layout_only = differ and torch.is_tensor(v) and v.is_floating_point() and key != "step"
-                        out.append(_Entry(n, v.detach() if torch.is_tensor(v) else v, not layout_only,
-                                          torch.is_tensor(v)))
+                        out.append(_leaf(n, v, not layout_only))
     if algorithm is not None:
         leaves = []
         _flatten("algorithm:config", _algorithm_config(algorithm), leaves, ())
         if hasattr(algorithm, "elastic_state_dict"):
             _flatten("algorithm:", algorithm.elastic_state_dict(), leaves, own)
-        out += [_Entry(n, v.detach() if torch.is_tensor(v) else v, True, False) for n, v in leaves]
+        for n, v in leaves:  # compared, never re-sent (a rank out of step is no corrupted tensor)
+            e = _leaf(n, v, True)
+            e.repairable = False
+            out.append(e)
     if extra is not None:
         if not isinstance(extra, dict):
             raise TypeError(f"rumor.elastic.verify: extra must be a dict of name -> tensor or plain value, "
@@ -296,8 +306,8 @@ class _Hasher:
     def tensor(self, t: torch.Tensor, where: str) -> bytes:
         if t.is_sparse or t.layout != torch.strided:
             raise TypeError(f"rumor.elastic.verify: {where} is a {t.layout} tensor; verify compares strided tensors")
-        if t.is_meta:
-            return b""
+        if t.is_meta:  # no contents: the layout is all there is to compare
+            return _hasher().digest()[:_DIGEST]
         raw = _host_bytes(t)
         h = _hasher()
         n = raw.numel()

@@ -445,7 +445,9 @@ class State:
         path on disk), broadcast from the lowest rank that has it. Returns the step, or None when
         there is no commit (a fresh start). Every rank checks the commit's MAC before loading
         it; a commit some rank refuses (not private, altered, another job's secret) makes every
-        rank raise CommitRefused (or UntrustedFileError), none waits for the others."""
+        rank raise CommitRefused (or UntrustedFileError), none waits for the others. Unless the
+        State was made with verify=False, a restore that loaded a commit ends with
+        rumor.elastic.verify() (see State), which may raise ParityError."""
         from . import _runtime, collectives
 
         n, r = _runtime.size(), _runtime.rank()

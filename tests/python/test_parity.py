@@ -353,6 +353,8 @@ def test_digest_tells_signed_zeros_and_nan_payloads_apart():
     assert torch.isnan(b).all() and _digest(a) == _digest(a.clone()) and _digest(a) != _digest(b)
     c = torch.randn(4, dtype=torch.complex64)
     assert _digest(c.conj()) == _digest(c.conj().resolve_conj())
+    assert _digest(-c) == _digest((-c).clone()) and _digest(torch.empty(0)) != _digest(torch.zeros(1))
+    assert len(_digest(torch.empty(3, device="meta"))) == 16  # layout only: nothing to read
 
 
 def test_plain_values_are_hashed_exactly():
@@ -366,6 +368,8 @@ def test_plain_values_are_hashed_exactly():
     with pytest.raises(TypeError, match="verify compares tensors and plain values"):
         d(object())
     assert _parity.comparable({"a": [1, torch.ones(2)], "b": None}) and not _parity.comparable(object())
+    # What an optimizer keeps that verify cannot hash is compared by its type, not refused.
+    assert not _parity._leaf("optimizer:x", object(), True).compare and _parity._leaf("o", 1.5, True).compare
 
 
 # ---- State.restore() ends with a verify ------------------------------------------------------------
