@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from . import _secret
+from ._parity import Mismatch, ParityError, ParityReport, verify
 
 _PREFIX = "rumor_elastic-"  # not a swept rumor- name: commits must outlive their writer
 _HEADER = struct.Struct("<8sq")  # magic, committed step
@@ -62,7 +63,7 @@ _HEADER = struct.Struct("<8sq")  # magic, committed step
 # read: their magic differs, and they lived in /dev/shm itself, where nothing looks any more.)
 _MAGIC = b"RUMORELM"
 _TAG = 32  # HMAC-SHA256
-_RESERVED = ("model", "optimizer", "sampler", "step", "path")
+_RESERVED = ("model", "optimizer", "sampler", "step", "path", "verify", "verified")
 _MAC_LABEL = "elastic-commit"
 
 
@@ -294,6 +295,12 @@ class State:
             resharded for the restarted world.
         path: optional file (default None): rank 0 also writes every commit there, and a job
             restarted from scratch (no commit in any host's memory) continues from it.
+        verify: if True (the default), every restore that loaded a commit ends with
+            rumor.elastic.verify() over the model, the optimizer, ``step`` and the user fields
+            that are tensors or plain values (digests only: two small allgathers and a hash of
+            the state), so each restart proves the replicas equal; what differs is repaired
+            from the majority with a RuntimeWarning, or raises ParityError. ``state.verified``
+            holds the last ParityReport. False skips it.
         **fields: user fields, set as attributes (``state.epoch``) and committed with the rest.
 
     Raises:
@@ -305,7 +312,7 @@ class State:
     """
 
     def __init__(self, model, optimizer, sampler=None, *, path: Optional[str] = None, step: int = 0,
-                 **fields: Any):
+                 verify: bool = True, **fields: Any):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"rumor.elastic.State: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -343,6 +350,8 @@ class State:
         self._fields = list(fields)
         self.restored_step: Optional[int] = None  # the commit run() continued from, if any
         self.restored_from: Optional[int] = None  # the rank that sent it (-1: read from path)
+        self._verify = bool(verify)
+        self.verified: Optional[ParityReport] = None  # the check that ended the last restore
         for k, v in fields.items():
             setattr(self, k, v)
 
@@ -436,7 +445,9 @@ class State:
         path on disk), broadcast from the lowest rank that has it. Returns the step, or None when
         there is no commit (a fresh start). Every rank checks the commit's MAC before loading
         it; a commit some rank refuses (not private, altered, another job's secret) makes every
-        rank raise CommitRefused (or UntrustedFileError), none waits for the others."""
+        rank raise CommitRefused (or UntrustedFileError), none waits for the others. Unless the
+        State was made with verify=False, a restore that loaded a commit ends with
+        rumor.elastic.verify() (see State), which may raise ParityError."""
         from . import _runtime, collectives
 
         n, r = _runtime.size(), _runtime.rank()
@@ -523,7 +534,25 @@ class State:
             _secret.write_private(_snapshot_file(), raw)
         self.restored_step = step
         self.restored_from = -1 if from_disk else src
+        if self._verify:
+            self._verify_restored()
         return self.restored_step
+
+    def _verify_restored(self) -> None:
+        """Every rank loaded the same bytes; this proves it of what they now hold (a load that
+        silently kept a rank's old tensor, a user field set per rank after the load)."""
+        from ._parity import comparable
+
+        extra = {"step": int(self.step)}
+        for k in self._fields:
+            v = getattr(self, k)
+            if comparable(v):
+                extra[f"field.{k}"] = v
+        report = verify(self.model, self.optimizer, extra=extra, repair=True)
+        if report.repaired:
+            warnings.warn(f"rumor.elastic: after the restore of step {self.step} the replicas differed; "
+                          f"repaired from the majority: {report}", RuntimeWarning, stacklevel=3)
+        self.verified = report
 
     def _apply(self, snap) -> None:
         if hasattr(self._algorithm, "elastic_before_load"):
@@ -612,5 +641,6 @@ def run(train_fn: Optional[Callable] = None, state: Optional[State] = None):
 
 # The public names; everything else here is this module's own business.
 __all__ = [
-    "CommitRefused", "State", "remove_snapshots", "run", "snapshot_dir",
+    "CommitRefused", "Mismatch", "ParityError", "ParityReport", "State", "remove_snapshots", "run",
+    "snapshot_dir", "verify",
 ]

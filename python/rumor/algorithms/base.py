@@ -35,6 +35,10 @@ class Algorithm:
     # and optimizer were loaded. Algorithms with none of these are refused by rumor.elastic.State.
     elastic_replicated = False
     elastic_consensus = False
+    # rumor.elastic.verify compares the replicas' state; keys named here (of the optimizer's
+    # per-parameter state and of elastic_state_dict()) are each rank's own, e.g. error feedback,
+    # and are left out of the comparison.
+    parity_own_keys: tuple = ()
     # The autotuner (rumor.autotune) may change the bucket layout between steps only for an
     # algorithm whose every step is one synchronous exchange of the gradient buckets: then the
     # step time is what its knobs change, and rebuilding the buckets is all a new setting needs.

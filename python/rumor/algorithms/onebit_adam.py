@@ -77,6 +77,8 @@ class OneBitAdamAlgorithm(Algorithm):
     # error feedback is each rank's own and, on the server side, belongs to chunks whose owners
     # change with the world size. A restored job keeps the commit's optimizer state and starts
     # its error feedback from zero, as compression does when it begins.
+    parity_own_keys = ("worker_error", "server_error")  # not compared by rumor.elastic.verify
+
     def elastic_state_dict(self):
         """The algorithm's own part of a rumor.elastic commit: nothing (the momentum and the
         variance travel with the optimizer's state; the error feedback restarts from zero on
