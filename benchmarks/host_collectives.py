@@ -35,7 +35,8 @@ as a multiple of the bound's bytes, twice: "touched" (cache-resident staging inc
 "memory" (without it: what the copy rate limits; 1/memory is about the best fraction that design
 could reach). "before" is rumor's allreduce forced to what it used on one host before issue 44
 (recursive doubling up to 64 KiB, the ring above; csrc/comm/direct.h has the new paths), timed in
-the same run.
+the same run. The other collectives have no algorithm to force from Python: for their "before",
+run this script twice, once with an older build of rumor's extension on PYTHONPATH.
 
   python benchmarks/host_collectives.py                               # full run (long)
   python benchmarks/host_collectives.py --sizes 4KiB,1MiB,64MiB --iters 10   # quicker
@@ -58,6 +59,7 @@ OPS = coll.OPS + ("broadcast",)
 DTYPES = ("float32", "bfloat16")
 PEERS = ("gloo", "deepspeed")
 SMALL_ALLREDUCE = 64 * KiB  # rumor's recursive-doubling threshold on one host (context.h)
+SMALL_SLOT = 64 * KiB  # one shared slot (HostSmall::kMaxBytes in csrc/comm/direct.h)
 
 
 # ==== what the bound and rumor's designs move ========================================================
@@ -76,10 +78,26 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
     which is what the bound's copy rate limits. Through a shared-memory ring a send is a copy into
     the ring (S read, S written), a receive a copy out (2S) or a reduction out of it into the
     destination (2 reads, 1 write: 3S). variant "rumor_before" is allreduce as it ran before issue 44."""
-    if op == "allreduce" and S <= SMALL_ALLREDUCE and variant == "rumor" and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0":
+    slots = variant == "rumor" and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0"
+    if slots and op == "allreduce" and S <= SMALL_SLOT:
         # Shared slots (csrc/comm/direct.h, HostSmall): each rank copies its buffer into its slot
         # (2S), then folds the P slots into its buffer in one pass (P reads, 1 write).
         t = P * (P + 3) * S
+        return t, t, "shared slots, one wait"
+    if slots and op == "reduce_scatter" and S <= SMALL_SLOT:
+        # Shared slots: each rank copies its whole input into its slot (2S), then folds its block
+        # of the P slots into its output (P reads of S/P, one write).
+        t = 2 * P * S + (P + 1) * S
+        return t, t, "shared slots, one wait"
+    if slots and op == "allgather" and S // P <= SMALL_SLOT:
+        # Shared slots (the limit is one block per slot): the own block copied into the output
+        # (rumor.allgather, 2 S/P per rank) and into the slot (2 S/P), the P-1 others copied out
+        # of their slots (2 S/P each).
+        t = 2 * (P + 1) * S
+        return t, t, "shared slots, one wait"
+    if slots and op == "broadcast" and S <= SMALL_SLOT:
+        # Shared slots: the root copies its buffer into its slot (2S), the P-1 others copy it out.
+        t = 2 * P * S
         return t, t, "shared slots, one wait"
     if op == "allreduce" and S <= SMALL_ALLREDUCE:
         # Recursive doubling: per round each rank sends S (2S), receives into scratch (2S), then

@@ -261,8 +261,7 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
   // Small ones: one shared slot per rank and a single wait (comm/direct.h) instead of log2(P)
   // rounds, each of which waits for a peer that may not be running.
   const bool small = chosen == AllreduceAlgo::kRecursiveDoubling && algo == AllreduceAlgo::kAuto &&
-                     bytes <= HostSmall::kMaxBytes && all_local_ && uses_shm() && ctx_->options().host_direct &&
-                     size() <= HostSmall::kMaxRanks;
+                     HostSmall::fits(bytes) && use_small();
   info.bytes = static_cast<int64_t>(bytes);
   info.algo = chosen == AllreduceAlgo::kHierarchical ? "hierarchical"
               : small                                ? "shared slots"
@@ -382,6 +381,10 @@ bool Communicator::use_direct(size_t bytes) const {
          bytes > ctx_->options().small_allreduce_bytes;
 }
 
+bool Communicator::use_small() const {
+  return all_local_ && uses_shm() && ctx_->options().host_direct && size() <= HostSmall::kMaxRanks;
+}
+
 HostDirect& Communicator::host_direct() {
   if (!direct_) direct_ = std::make_unique<HostDirect>(*this);
   return *direct_;
@@ -490,9 +493,13 @@ void Communicator::reduce_scatter(const void* in, void* out, std::span<const siz
     if (counts[0] > 0) std::memcpy(dst, src, counts[0] * es);
     return;
   }
-  const bool direct = use_direct(off.back());
+  // One wait through the shared slots where the whole input fits a slot (comm/direct.h).
+  const bool small = use_small() && HostSmall::fits_reduce_scatter(counts, dtype);
+  const bool direct = !small && use_direct(off.back());
+  if (small) info.algo = "shared slots";
   if (direct) info.algo = "direct";
   guarded(info, [&] {
+    if (small) return host_small().reduce_scatter(src, dst, counts, dtype, op, info);
     if (direct && host_direct().reduce_scatter(src, dst, counts, dtype, op, info)) return;
     // The ring of ring_reduce_scatter, but partial sums live in two scratch blocks (one being
     // sent while the next is received) instead of a full-size copy of the input.
@@ -523,11 +530,16 @@ void Communicator::allgather(void* buf, std::span<const size_t> counts, DType dt
   if (size() == 1) return;
   const size_t bytes = byte_offsets(counts, dtype_size(dtype)).back();
   info.bytes = static_cast<int64_t>(bytes);
-  const bool direct = use_direct(bytes);
-  info.algo = direct ? "direct" : "ring";
+  // One wait through the shared slots where every rank's block fits its slot (comm/direct.h).
+  const bool small = use_small() && HostSmall::fits_allgather(counts, dtype);
+  const bool direct = !small && use_direct(bytes);
+  info.algo = small ? "shared slots" : direct ? "direct" : "ring";
   guarded(info, [&] {
     auto* b = static_cast<std::byte*>(buf);
-    if (!direct || !host_direct().allgather(b, counts, dtype, info)) ring_allgather(b, counts, dtype, info);
+    if (small)
+      host_small().allgather(b, counts, dtype, info);
+    else if (!direct || !host_direct().allgather(b, counts, dtype, info))
+      ring_allgather(b, counts, dtype, info);
   });
 }
 
@@ -560,12 +572,16 @@ void Communicator::broadcast(void* buf, size_t count, DType dtype, uint32_t root
   info.bytes = static_cast<int64_t>(count * es);
   // One host: an allgather whose only block is the root's (comm/direct.h): each chunk read once
   // from the root and written once into every other rank, by whichever rank is running.
-  const bool direct = use_direct(count * es);
-  info.algo = direct ? "direct"
+  // Small ones: the root's slot, one wait (comm/direct.h).
+  const bool small = use_small() && HostSmall::fits(count * es);
+  const bool direct = !small && use_direct(count * es);
+  info.algo = small    ? "shared slots"
+              : direct ? "direct"
               : count * es < ctx_->options().large_broadcast_bytes || count < size()
                   ? "binomial tree"
                   : "scatter + ring allgather";
   guarded(info, [&] {
+    if (small) return host_small().broadcast(b, count, dtype, root, info);
     if (direct) {
       std::vector<size_t> blocks(size(), 0);
       blocks[root] = count * es;
@@ -603,12 +619,16 @@ void Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, uin
   // One host: a reduce_scatter whose only block is the root's (comm/direct.h), so each chunk is
   // read once from every rank and written once into the root; the others' buffers stay as they
   // were. (The hierarchical allreduce's first leg.)
-  const bool direct = use_direct(count * es);
+  // Small ones likewise through the shared slots: only the root reads them.
+  const bool small = use_small() && HostSmall::fits(count * es);
+  const bool direct = !small && use_direct(count * es);
+  if (small) info.algo = "shared slots";
   if (direct) info.algo = "direct";
   guarded(info, [&] {
-    if (direct) {
+    if (small || direct) {
       std::vector<size_t> blocks(size(), 0);
       blocks[root] = count;
+      if (small) return host_small().reduce_scatter(b, b, blocks, dtype, op, info);
       if (host_direct().reduce_scatter(b, b, blocks, dtype, op, info)) return;
     }
     if (count * es <= small_bytes() || count < size()) {

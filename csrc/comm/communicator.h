@@ -149,6 +149,8 @@ class Communicator {
   // Whether a collective of this many bytes reads and writes the peers' buffers in place
   // (comm/direct.h): every rank on this host, shared memory on, big enough to pay for it.
   bool use_direct(size_t bytes) const;
+  // Every rank on this host, shared memory on: the shared slots (comm/direct.h, HostSmall) can serve.
+  bool use_small() const;
   HostDirect& host_direct();
   HostSmall& host_small();
 

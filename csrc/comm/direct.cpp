@@ -32,9 +32,18 @@ struct HostDirect::Slot {
   std::atomic<uint32_t> failed;            // 1 + the rank that failed, 0 while none did
 };
 
-struct HostDirect::Control {
+namespace {
+// What every shared block rank 0 makes for its group starts with: the others map the block and
+// check it before they trust anything else in it.
+struct BlockHead {
   uint64_t magic;
-  std::atomic<uint32_t> ready;
+  uint32_t ranks;
+  std::atomic<uint32_t> ready;  // set last, once the rest is in place
+};
+}  // namespace
+
+struct HostDirect::Control {
+  BlockHead head;
   Slot slot[2];
 };
 
@@ -57,6 +66,37 @@ void cpu_relax() {
 #if defined(__x86_64__)
   _mm_pause();
 #endif
+}
+
+// Rank 0's side of a shared block: made under `name`, zeroed, headed and marked ready.
+template <typename Block>
+Block* create_block(net::ShmSegment& seg, const std::string& name, size_t bytes, uint64_t magic, uint32_t ranks) {
+  seg = net::ShmSegment::create(name, bytes);
+  auto* b = new (seg.data()) Block{};  // placement-new on shared memory, owned by seg
+  b->head.magic = magic;
+  b->head.ranks = ranks;
+  b->head.ready.store(1, std::memory_order_release);
+  return b;
+}
+
+// The other ranks' side: maps the block rank 0 made under `name` (keeping the name: rank 0
+// removes it once every rank has it mapped), waits until rank 0 marked it ready and checks that
+// it is the block this group of `ranks` expects.
+template <typename Block>
+Block* open_block(net::ShmSegment& seg, const std::string& name, size_t bytes, uint64_t magic, uint32_t ranks,
+                  const net::OpInfo& info, const char* what) {
+  seg = net::ShmSegment::open(name, bytes, info.deadline, info.where() + ": " + what);
+  seg.keep_name();
+  auto* b = static_cast<Block*>(seg.data());
+  while (b->head.ready.load(std::memory_order_acquire) == 0) {
+    if (info.deadline.expired())
+      throw Error(ErrorKind::kTimeout, info.where() + ": rank 0's " + what + " never became ready");
+    cpu_relax();
+  }
+  if (b->head.magic != magic || b->head.ranks != ranks)
+    throw Error(ErrorKind::kProtocol, info.where() + ": " + name + " is not rumor's " + what + " for " +
+                                          std::to_string(ranks) + " ranks");
+  return b;
 }
 
 // Copies len bytes between this process and `pid` (a read from it, or a write into it), however
@@ -106,7 +146,9 @@ HostDirect::Entry HostDirect::announce(uint64_t shape, const void* buf, const vo
                own_pid_ns(), shape};
 }
 
-uint64_t HostDirect::shape_of(uint32_t what, DType dtype, ReduceOp op, std::span<const size_t> counts) {
+namespace {
+// A hash of what every rank must pass alike: the operation, dtype, op and every block count.
+uint64_t shape_hash(uint32_t what, DType dtype, ReduceOp op, std::span<const size_t> counts) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
   auto mix = [&h](uint64_t v) {
     for (int i = 0; i < 8; ++i) {
@@ -120,6 +162,7 @@ uint64_t HostDirect::shape_of(uint32_t what, DType dtype, ReduceOp op, std::span
   for (size_t c : counts) mix(c);
   return h;
 }
+}  // namespace
 
 std::vector<HostDirect::Entry> HostDirect::share(const Entry& mine, const net::OpInfo& info) {
   return share_all(comm_, mine, info);
@@ -128,18 +171,7 @@ std::vector<HostDirect::Entry> HostDirect::share(const Entry& mine, const net::O
 bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
   const uint32_t n = comm_.size(), r = comm_.rank();
   const std::string name = segment_name(comm_, "direct");
-  if (r != 0) {
-    seg_ = net::ShmSegment::open(name, sizeof(Control), info.deadline, info.where() + ": direct collectives");
-    seg_.keep_name();  // rank 0 removes it once everyone has it mapped
-    ctl_ = static_cast<Control*>(seg_.data());
-    while (ctl_->ready.load(std::memory_order_acquire) == 0) {
-      if (info.deadline.expired())
-        throw Error(ErrorKind::kTimeout, info.where() + ": rank 0's direct-collective block never became ready");
-      cpu_relax();
-    }
-    if (ctl_->magic != kControlMagic)
-      throw Error(ErrorKind::kProtocol, info.where() + ": " + name + " is not a rumor direct-collective block");
-  }
+  if (r != 0) ctl_ = open_block<Control>(seg_, name, sizeof(Control), kControlMagic, n, info, "direct-collective block");
   // Can this process reach every peer's memory? (ptrace rules: Yama, containers without
   // CAP_SYS_PTRACE, a seccomp filter.) Every rank must agree before anyone relies on it.
   uint32_t ok = 1;
@@ -164,16 +196,12 @@ bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
   return all_ok;
 }
 
-HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entries, const net::OpInfo& info) {
+HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entries, bool reduces,
+                                     const net::OpInfo& info) {
   if (state_ == State::kOff) return nullptr;
   const uint32_t r = comm_.rank();
-  if (state_ == State::kUnknown && r == 0) {
-    seg_ = net::ShmSegment::create(
-        segment_name(comm_, "direct"), sizeof(Control));
-    ctl_ = new (seg_.data()) Control{};  // placement-new on shared memory, owned by seg_
-    ctl_->magic = kControlMagic;
-    ctl_->ready.store(1, std::memory_order_release);
-  }
+  if (state_ == State::kUnknown && r == 0)
+    ctl_ = create_block<Control>(seg_, segment_name(comm_, "direct"), sizeof(Control), kControlMagic, comm_.size());
   if (r == 0 && state_ == State::kOn) {
     Slot& s = ctl_->slot[ops_ % 2];
     s.next.store(0, std::memory_order_relaxed);
@@ -206,6 +234,8 @@ HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entri
       throw Error(ErrorKind::kProtocol, info.where() + ": " + comm_.peer_desc(q) + " announced pid " +
                                             std::to_string(entries[q].pid) + " (expected " +
                                             std::to_string(peers_.pids()[q]) + ", the process of the first operation)");
+  // P peers' chunks and the reduction of a chunk (reduce_chunk).
+  if (reduces) scratch_.resize(static_cast<size_t>(comm_.size() + 1) * kChunkBytes);
   return &ctl_->slot[ops_++ % 2];
 }
 
@@ -235,7 +265,6 @@ std::byte* HostDirect::reduce_chunk(const std::byte* mine, size_t off, size_t el
                                     DType dtype, ReduceOp op, const net::OpInfo& info, std::byte* dst) {
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t len = elems * dtype_size(dtype);
-  scratch_.resize(static_cast<size_t>(n + 1) * kChunkBytes);
   auto staged = [&](uint32_t q) { return scratch_.data() + static_cast<size_t>(q) * kChunkBytes; };
   for (uint32_t q = 0; q < n; ++q)
     if (q != r) vm_copy(false, peers[q].pid, staged(q), peers[q].addr + off, len, info, comm_.peer_desc(q));
@@ -278,7 +307,7 @@ struct Pieces {
 bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
   const size_t whole[] = {count};
-  Slot* slot = enter(announce(shape_of(1, dtype, op, whole), buf), peers, info);
+  Slot* slot = enter(announce(shape_hash(1, dtype, op, whole), buf), peers, true, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype), chunk_elems = kChunkBytes / es;
@@ -296,7 +325,7 @@ bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp o
 bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
                                 ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(announce(shape_of(2, dtype, op, counts), in, out), peers, info);
+  Slot* slot = enter(announce(shape_hash(2, dtype, op, counts), in, out), peers, true, info);
   if (slot == nullptr) return false;
   const uint32_t r = comm_.rank();
   const size_t es = dtype_size(dtype);
@@ -316,7 +345,7 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
 
 bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
   std::vector<Entry> peers;
-  Slot* slot = enter(announce(shape_of(3, dtype, ReduceOp::SUM, counts), buf), peers, info);
+  Slot* slot = enter(announce(shape_hash(3, dtype, ReduceOp::SUM, counts), buf), peers, false, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype);
@@ -368,21 +397,62 @@ void HostDirect::wait_done(Slot& slot, size_t total, const net::OpInfo& info) {
 // ---- small messages ----------------------------------------------------------------------------
 
 struct HostSmall::Header {
-  uint64_t magic;
-  std::atomic<uint32_t> ready;
-  uint32_t ranks;
+  BlockHead head;
   alignas(64) std::atomic<uint32_t> arrived;  // n per completed operation, wrapping
 };
 
+// What a rank was asked to do: every rank's must be the same.
+struct HostSmall::Shape {
+  uint64_t hash;   // shape_hash of the operation, dtype, op and every block count
+  uint64_t bytes;  // the operation's size, for the error message
+  uint32_t opcode, root;
+  uint32_t dtype, op;
+  Shape(const net::OpInfo& info, DType dt, ReduceOp rop, std::span<const size_t> counts, uint64_t total,
+        uint32_t from = 0)
+      : hash(shape_hash(info.opcode, dt, rop, counts)),
+        bytes(total),
+        opcode(info.opcode),
+        root(from),
+        dtype(static_cast<uint32_t>(dt)),
+        op(static_cast<uint32_t>(rop)) {}
+  bool operator==(const Shape&) const = default;
+};
+
 struct HostSmall::Slot {
-  uint64_t bytes;  // what this rank contributed: every rank checks it is the same everywhere
-  uint32_t kind;   // dtype and op, likewise
+  Shape shape;
   alignas(64) std::byte data[kMaxBytes];
 };
 
 namespace {
 constexpr uint64_t kSmallMagic = 0x52554d4f52534d4cull;
+
+std::string opcode_name(uint32_t opcode) {
+  switch (static_cast<Opcode>(opcode)) {
+    case Opcode::kAllreduce: return "allreduce";
+    case Opcode::kReduceScatter: return "reduce_scatter";
+    case Opcode::kAllgather: return "allgather";
+    case Opcode::kBroadcast: return "broadcast";
+    case Opcode::kReduce: return "reduce";
+    default: return "opcode " + std::to_string(opcode);
+  }
+}
+
+size_t total_bytes(std::span<const size_t> counts, DType dtype) {
+  size_t t = 0;
+  for (size_t c : counts) t += c;
+  return t * dtype_size(dtype);
+}
 }  // namespace
+
+bool HostSmall::fits_reduce_scatter(std::span<const size_t> counts, DType dtype) {
+  return fits(total_bytes(counts, dtype));
+}
+
+bool HostSmall::fits_allgather(std::span<const size_t> counts, DType dtype) {
+  for (size_t c : counts)
+    if (c > kMaxBytes / dtype_size(dtype)) return false;
+  return true;
+}
 
 HostSmall::Slot& HostSmall::slot(uint64_t set, uint32_t rank) const {
   auto* base = reinterpret_cast<std::byte*>(hdr_) + 4096;
@@ -395,24 +465,10 @@ void HostSmall::setup(const net::OpInfo& info) {
   const std::string name = segment_name(comm_, "small");
   const size_t bytes = 4096 + 2 * static_cast<size_t>(n) * sizeof(Slot);
   if (r == 0) {
-    seg_ = net::ShmSegment::create(name, bytes);
+    hdr_ = create_block<Header>(seg_, name, bytes, kSmallMagic, n);
     seg_.populate(info.where() + ": small-message slots");
-    hdr_ = new (seg_.data()) Header{};  // placement-new on shared memory, owned by seg_
-    hdr_->magic = kSmallMagic;
-    hdr_->ranks = n;
-    hdr_->ready.store(1, std::memory_order_release);
   } else {
-    seg_ = net::ShmSegment::open(name, bytes, info.deadline, info.where() + ": small-message slots");
-    seg_.keep_name();  // rank 0 removes it once everyone has it mapped
-    hdr_ = static_cast<Header*>(seg_.data());
-    while (hdr_->ready.load(std::memory_order_acquire) == 0) {
-      if (info.deadline.expired())
-        throw Error(ErrorKind::kTimeout, info.where() + ": rank 0's small-message block never became ready");
-      cpu_relax();
-    }
-    if (hdr_->magic != kSmallMagic || hdr_->ranks != n)
-      throw Error(ErrorKind::kProtocol, info.where() + ": " + name + " is not a rumor small-message block for " +
-                                            std::to_string(n) + " ranks");
+    hdr_ = open_block<Header>(seg_, name, bytes, kSmallMagic, n, info, "small-message slots");
   }
   // Everyone has mapped it once every pid has arrived everywhere; the pids are kept for the
   // liveness checks while waiting.
@@ -421,18 +477,15 @@ void HostSmall::setup(const net::OpInfo& info) {
   peers_.open(pids, r);  // without pidfds the wait still ends at the deadline
 }
 
-void HostSmall::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
+uint64_t HostSmall::arrive(const std::byte* data, size_t bytes, const Shape& shape, const net::OpInfo& info) {
   if (hdr_ == nullptr) setup(info);
   const uint32_t n = comm_.size(), r = comm_.rank();
-  const size_t bytes = count * dtype_size(dtype);
   const uint64_t set = ops_ % 2;
   const auto target = static_cast<uint32_t>(static_cast<uint64_t>(n) * (ops_ + 1));
   ++ops_;
-  const uint32_t kind = static_cast<uint32_t>(dtype) | static_cast<uint32_t>(op) << 8;
   Slot& mine = slot(set, r);
-  if (bytes > 0) std::memcpy(mine.data, buf, bytes);  // buf may be null when empty
-  mine.bytes = bytes;
-  mine.kind = kind;
+  if (bytes > 0) std::memcpy(mine.data, data, bytes);  // data may be null when empty
+  mine.shape = shape;
   // The increment publishes the slot (release); the last arrival wakes everyone who slept.
   if (hdr_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
     futex_wake_all(&hdr_->arrived);
@@ -450,29 +503,87 @@ void HostSmall::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op
         throw Error(ErrorKind::kTimeout,
                     info.where() + ": timed out after " + std::to_string(info.timeout_s) + " s with " +
                         std::to_string(n - (target - now)) + " of " + std::to_string(n) +
-                        " ranks arrived (the others never entered this allreduce)");
+                        " ranks arrived (the others never entered this " + info.name + ")");
       futex_wait(&hdr_->arrived, now, 20 * 1000);
       if (Clock::now() >= next_alive_check) {
-        if (!peers_.empty()) peers_.check_alive(comm_, info, "before entering this allreduce");
+        if (!peers_.empty()) peers_.check_alive(comm_, info, ("before entering this " + info.name).c_str());
         next_alive_check = Clock::now() + std::chrono::milliseconds(100);
       }
     }
   }
   bool same = true;
-  for (uint32_t q = 0; q < n; ++q) same = same && slot(set, q).bytes == bytes && slot(set, q).kind == kind;
+  for (uint32_t q = 0; q < n; ++q) same = same && slot(set, q).shape == shape;
   if (!same) {  // every rank sees the same slots, so every rank reports the same list
     std::string all;
-    for (uint32_t q = 0; q < n; ++q)
-      all += (q ? ", " : "") + comm_.peer_desc(q) + " " + std::to_string(slot(set, q).bytes) + " bytes (dtype/op " +
-             std::to_string(slot(set, q).kind) + ")";
-    throw Error(ErrorKind::kProtocol, info.where() + ": the ranks contributed different buffers (" + all +
-                                          "); every rank must pass the same count, dtype and op");
+    for (uint32_t q = 0; q < n; ++q) {
+      const Shape& s = slot(set, q).shape;
+      const bool rooted = s.opcode == static_cast<uint32_t>(Opcode::kBroadcast);
+      if (q > 0) all += ", ";
+      all += comm_.peer_desc(q);
+      all += ' ';
+      all += std::to_string(s.bytes);
+      all += " bytes (";
+      all += opcode_name(s.opcode);
+      all += ' ';
+      all += dtype_name(static_cast<DType>(s.dtype));
+      if (rooted) {
+        all += " from rank ";
+        all += std::to_string(s.root);
+      } else {
+        all += ' ';
+        all += op_name(static_cast<ReduceOp>(s.op));
+      }
+      all += ", block sizes hash mod 1e6 ";
+      all += std::to_string(s.hash % 1000000);
+      all += ')';
+    }
+    throw Error(ErrorKind::kProtocol, info.where() + ": the ranks asked for different operations (" + all +
+                                          "); every rank must pass the same counts, dtype, op and root");
   }
+  return set;
+}
+
+void HostSmall::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
+  const size_t whole[] = {count}, bytes = count * dtype_size(dtype);
+  const uint64_t set = arrive(buf, bytes, Shape(info, dtype, op, whole, bytes), info);
   // Rank order, whoever reduces: every rank computes the same bits, in one pass over the slots.
+  const uint32_t n = comm_.size();
   const void* srcs[kMaxRanks];
   for (uint32_t q = 0; q < n; ++q) srcs[q] = slot(set, q).data;
   if (count > 0) reduce_many(buf, srcs, n, count, dtype, op);
   if (op == ReduceOp::AVG) finish_average(buf, count, dtype, n);
+}
+
+void HostSmall::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
+                               ReduceOp op, const net::OpInfo& info) {
+  const size_t bytes = total_bytes(counts, dtype);
+  const uint64_t set = arrive(in, bytes, Shape(info, dtype, op, counts, bytes), info);
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  size_t off = 0;
+  for (uint32_t q = 0; q < r; ++q) off += counts[q] * dtype_size(dtype);
+  const void* srcs[kMaxRanks];
+  for (uint32_t q = 0; q < n; ++q) srcs[q] = slot(set, q).data + off;
+  if (counts[r] > 0) reduce_many(out, srcs, n, counts[r], dtype, op);
+  if (op == ReduceOp::AVG) finish_average(out, counts[r], dtype, n);
+}
+
+void HostSmall::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
+  const uint32_t n = comm_.size(), r = comm_.rank();
+  const size_t es = dtype_size(dtype);
+  std::vector<size_t> off(n + 1, 0);
+  for (uint32_t q = 0; q < n; ++q) off[q + 1] = off[q] + counts[q] * es;
+  const uint64_t set = arrive(buf + off[r], counts[r] * es,
+                              Shape(info, dtype, ReduceOp::SUM, counts, off[n]), info);
+  for (uint32_t q = 0; q < n; ++q)
+    if (q != r && counts[q] > 0) std::memcpy(buf + off[q], slot(set, q).data, counts[q] * es);
+}
+
+void HostSmall::broadcast(std::byte* buf, size_t count, DType dtype, uint32_t root, const net::OpInfo& info) {
+  const size_t whole[] = {count}, bytes = count * dtype_size(dtype);
+  const bool is_root = comm_.rank() == root;
+  const uint64_t set = arrive(buf, is_root ? bytes : 0,
+                              Shape(info, dtype, ReduceOp::SUM, whole, bytes, root), info);
+  if (!is_root && bytes > 0) std::memcpy(buf, slot(set, root).data, bytes);
 }
 
 bool PeerProcesses::open(const std::vector<int32_t>& pids, uint32_t self) {

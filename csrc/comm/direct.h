@@ -46,28 +46,53 @@ class PeerProcesses {
   std::vector<int32_t> pids_;
 };
 
-// Allreduce of at most kMaxBytes among the ranks of one host with one wait: every rank copies its
-// buffer into its slot of a shared segment and counts itself in on a shared counter; the last to
-// arrive wakes the sleepers (one futex wake-up per operation), and every rank then reduces all
-// slots, in rank order, into its own buffer. Two sets of slots alternate between operations, and
-// the counter needs no reset: a rank enters operation k+2 (rewriting the set of k) only after
-// every rank arrived at k+1, so after every rank finished reading k.
+// Small collectives among the ranks of one host with one wait: every rank copies its
+// contribution into its slot of a shared segment and counts itself in on a shared counter; the
+// last to arrive wakes the sleepers (one futex wake-up per operation), and every rank then reads
+// what it needs from the slots into its own buffers. Two sets of slots alternate between
+// operations, and the counter needs no reset: a rank enters operation k+2 (rewriting the set of
+// k) only after every rank arrived at k+1, so after every rank finished reading k. Each rank also
+// writes what it was asked to do (collective, sizes, dtype, op, root) beside its contribution,
+// so ranks that disagree are all refused, with the same list, before any buffer is touched.
+//
+// What goes into a slot, and so each collective's limit (the fits() functions):
+//   allreduce       the whole buffer                 -> buffer <= kMaxBytes
+//   reduce_scatter  the whole input (every rank's    -> input (the sum of the blocks) <= kMaxBytes
+//                   block of it is read by its owner)
+//   allgather       this rank's own block only       -> every block <= kMaxBytes (the gathered
+//                                                       output may be up to P times that)
+//   broadcast       the root's buffer (others none)  -> buffer <= kMaxBytes
 class HostSmall {
  public:
   explicit HostSmall(Communicator& comm) : comm_(comm) {}
   HostSmall(const HostSmall&) = delete;
   HostSmall& operator=(const HostSmall&) = delete;
 
+  // Every rank's result is reduced from the slots in rank order: the same bits on every rank.
   void allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
+  // `in` holds size() blocks of counts[q] elements; `out` (which may be `in`) gets this rank's.
+  void reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
+                      ReduceOp op, const net::OpInfo& info);
+  // In place: buf holds size() blocks of counts[q] elements, this rank's filled in.
+  void allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);
+  void broadcast(std::byte* buf, size_t count, DType dtype, uint32_t root, const net::OpInfo& info);
 
-  static constexpr size_t kMaxBytes = 64 * 1024;
+  static bool fits(size_t bytes) { return bytes <= kMaxBytes; }  // allreduce, broadcast
+  static bool fits_reduce_scatter(std::span<const size_t> counts, DType dtype);
+  static bool fits_allgather(std::span<const size_t> counts, DType dtype);
+
+  static constexpr size_t kMaxBytes = 64 * 1024;  // one slot's data
   static constexpr uint32_t kMaxRanks = 64;
 
  private:
   struct Header;
+  struct Shape;
   struct Slot;
   void setup(const net::OpInfo& info);
   Slot& slot(uint64_t set, uint32_t rank) const;
+  // Copies `bytes` of `data` into this rank's slot beside `shape`, waits until every rank has
+  // arrived and checks that all asked for the same; returns the set of slots to read.
+  uint64_t arrive(const std::byte* data, size_t bytes, const Shape& shape, const net::OpInfo& info);
 
   Communicator& comm_;
   net::ShmSegment seg_;
@@ -112,12 +137,12 @@ class HostDirect {
 
   // What this rank tells the others: its buffer (and reduce_scatter's output block), its pid.
   static Entry announce(uint64_t shape, const void* buf, const void* out = nullptr);
-  // A hash of what every rank must pass alike (checked before any buffer is touched).
-  static uint64_t shape_of(uint32_t what, DType dtype, ReduceOp op, std::span<const size_t> counts);
   std::vector<Entry> share(const Entry& mine, const net::OpInfo& info);
   bool setup(std::vector<Entry>& entries, const net::OpInfo& info);
   // Announces this rank's buffers; nullptr where the path is off (nothing touched then).
-  Slot* enter(const Entry& mine, std::vector<Entry>& entries, const net::OpInfo& info);
+  // `reduces`: the operation stages peers' chunks for reduce_chunk (its scratch is sized here,
+  // once per operation).
+  Slot* enter(const Entry& mine, std::vector<Entry>& entries, bool reduces, const net::OpInfo& info);
   // Takes chunks 0..total-1 from the slot's counter and runs body(i) on each, then waits until
   // every rank's chunks are done.
   template <typename Body>

@@ -17,9 +17,11 @@ namespace rumor::net {
 class ShmSegment {
  public:
   ShmSegment() = default;
-  static ShmSegment create(const std::string& name, size_t bytes);
   // Creates with O_EXCL|O_NOFOLLOW and mode 0600: an existing name is an error, never adopted.
-  // Retries until the creator has made it (and, if given, until *ready != 0) or the deadline.
+  static ShmSegment create(const std::string& name, size_t bytes);
+  // Retries until the creator has made it and sized it to at least `bytes`, or the deadline.
+  // Whether the creator has also filled it in is for the caller to check (each layout marks that
+  // in its own header, e.g. a `ready` flag the creator sets last).
   // Refuses (kProtocol, naming the segment and its owner) a segment that is not this euid's or
   // that grants group/other access, before mapping it.
   static ShmSegment open(const std::string& name, size_t bytes, const Deadline& deadline,

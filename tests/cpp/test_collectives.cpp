@@ -14,6 +14,7 @@
 #include <numeric>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "comm/arena.h"
 #include "comm/direct.h"
@@ -458,6 +459,183 @@ TEST(HostSmall, MismatchedSizesAreReportedEverywhere) {
     const std::string what = testing::describe(errs[r]);
     EXPECT_NE(what.find("rank 2 36 bytes"), std::string::npos) << "rank " << r << ": " << what;
     EXPECT_NE(what.find("rank 0 32 bytes"), std::string::npos) << "rank " << r << ": " << what;
+  }
+}
+
+// The other small collectives through the same slots (HostSmall): many rounds in a row mixing
+// reduce_scatter, allgather, broadcast (every root) and allreduce, so the two slot sets and the
+// arrival counter carry on across collectives; sizes from empty up to each collective's limit
+// (the whole input for reduce_scatter, one block for allgather), odd element counts, float32 /
+// int32 / bfloat16. References: integers exact; float32 summed in rank order in float32 (what
+// every rank must compute, bit for bit); bfloat16 inputs are small integers, so exact too.
+namespace small_ref {
+uint16_t bf16_of(float f) {  // small integers only: exact, no rounding needed
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<uint16_t>(bits >> 16);
+}
+double source(int round, uint32_t rank, size_t i) {
+  return std::sin(0.1 * round + 0.3 * rank + 0.01 * static_cast<double>(i));
+}
+int64_t whole(int round, uint32_t rank, size_t i) {
+  return static_cast<int64_t>((rank * 13 + i * 3 + static_cast<size_t>(round)) % 29);
+}
+// Element i of rank `rank`'s input in round `round`, as the dtype's bits.
+template <typename T>
+T input(int round, uint32_t rank, size_t i) {
+  if constexpr (std::is_same_v<T, float>) return static_cast<float>(source(round, rank, i));
+  else if constexpr (std::is_same_v<T, int32_t>) return static_cast<int32_t>(round * 100000 + whole(round, rank, i) * 1000 + rank) - 7;
+  else return bf16_of(static_cast<float>(whole(round, rank, i)));
+}
+// The sum over n ranks of element i, folded in rank order.
+template <typename T>
+T sum(int round, uint32_t n, size_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    float acc = input<float>(round, 0, i);
+    for (uint32_t q = 1; q < n; ++q) acc += input<float>(round, q, i);
+    return acc;
+  } else if constexpr (std::is_same_v<T, int32_t>) {
+    int64_t acc = 0;
+    for (uint32_t q = 0; q < n; ++q) acc += input<int32_t>(round, q, i);
+    return static_cast<int32_t>(acc);
+  } else {
+    int64_t acc = 0;
+    for (uint32_t q = 0; q < n; ++q) acc += whole(round, q, i);
+    return bf16_of(static_cast<float>(acc));
+  }
+}
+// Splits `total` elements into n blocks, the first ones one longer; with `hole`, block 1 is
+// empty and block 0 takes its share.
+std::vector<size_t> blocks(size_t total, uint32_t n, bool hole) {
+  std::vector<size_t> c(n);
+  for (uint32_t q = 0; q < n; ++q) c[q] = total / n + (q < total % n ? 1 : 0);
+  if (hole && n > 1) {
+    c[0] += c[1];
+    c[1] = 0;
+  }
+  return c;
+}
+
+template <typename T>
+void one_round(Communicator& c, DType dt, int round, uint32_t r, size_t pick) {
+  const uint32_t n = c.size();
+  const size_t limit = HostSmall::kMaxBytes / sizeof(T);
+  const size_t sizes[] = {0, 1, 5, 1023, limit - 1, limit};
+  const size_t count = sizes[pick % 6];
+  const bool hole = round % 2 == 1;
+  const std::string where = "round " + std::to_string(round) + " " + std::string(dtype_name(dt)) + " count " +
+                            std::to_string(count) + " rank " + std::to_string(r);
+  // reduce_scatter: the whole input is at most one slot.
+  {
+    const auto counts = blocks(count, n, hole);
+    size_t at = 0;
+    for (uint32_t q = 0; q < r; ++q) at += counts[q];
+    std::vector<T> in(count), out(counts[r] + 1, T{});
+    for (size_t i = 0; i < count; ++i) in[i] = input<T>(round, r, i);
+    const std::vector<T> in_before = in;
+    const T guard = out.back();
+    c.reduce_scatter(in.data(), out.data(), counts, dt, ReduceOp::SUM);
+    for (size_t j = 0; j < counts[r]; ++j) {
+      const T want = sum<T>(round, n, at + j);
+      ASSERT_EQ(std::memcmp(&out[j], &want, sizeof(T)), 0) << "reduce_scatter " << where << " j " << j;
+    }
+    ASSERT_EQ(std::memcmp(&out.back(), &guard, sizeof(T)), 0) << "reduce_scatter wrote past its block, " << where;
+    ASSERT_EQ(in, in_before) << "reduce_scatter changed its input, " << where;
+  }
+  // allgather: each block is at most one slot, so the output may be n slots.
+  {
+    const auto counts = blocks(count * n, n, hole);
+    std::vector<size_t> at(n + 1, 0);
+    for (uint32_t q = 0; q < n; ++q) at[q + 1] = at[q] + counts[q];
+    std::vector<T> buf(at[n], T{});
+    for (size_t j = 0; j < counts[r]; ++j) buf[at[r] + j] = input<T>(round, r, j);
+    c.allgather(buf.data(), counts, dt);
+    for (uint32_t q = 0; q < n; ++q)
+      for (size_t j = 0; j < counts[q]; ++j) {
+        const T want = input<T>(round, q, j);
+        ASSERT_EQ(std::memcmp(&buf[at[q] + j], &want, sizeof(T)), 0) << "allgather " << where << " block " << q;
+      }
+  }
+  // broadcast from every root in turn.
+  for (uint32_t root = 0; root < n; ++root) {
+    std::vector<T> buf(count, T{});
+    if (r == root)
+      for (size_t i = 0; i < count; ++i) buf[i] = input<T>(round + 1, root, i);
+    c.broadcast(buf.data(), count, dt, root);
+    for (size_t i = 0; i < count; ++i) {
+      const T want = input<T>(round + 1, root, i);
+      ASSERT_EQ(std::memcmp(&buf[i], &want, sizeof(T)), 0) << "broadcast root " << root << " " << where;
+    }
+  }
+  // An allreduce between them: the same slots, the same counter.
+  {
+    std::vector<T> buf(count);
+    for (size_t i = 0; i < count; ++i) buf[i] = input<T>(round, r, i);
+    c.allreduce(buf.data(), count, dt, ReduceOp::SUM);
+    for (size_t i = 0; i < count; ++i) {
+      const T want = sum<T>(round, n, i);
+      ASSERT_EQ(std::memcmp(&buf[i], &want, sizeof(T)), 0) << "allreduce " << where << " i " << i;
+    }
+  }
+}
+}  // namespace small_ref
+
+TEST(HostSmall, AllCollectivesMixedMatchTheReference) {
+  for (uint32_t n : {2u, 3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+      for (int round = 0; round < 36; ++round) {
+        const auto pick = static_cast<size_t>(round / 3);
+        switch (round % 3) {
+          case 0: small_ref::one_round<float>(c, DType::F32, round, r, pick); break;
+          case 1: small_ref::one_round<int32_t>(c, DType::I32, round, r, pick); break;
+          default: small_ref::one_round<uint16_t>(c, DType::BF16, round, r, pick); break;
+        }
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+      // AVG divides once, after the rank-order float32 sum.
+      const size_t count = 1001;
+      const auto counts = small_ref::blocks(count, c.size(), false);
+      size_t at = 0;
+      for (uint32_t q = 0; q < r; ++q) at += counts[q];
+      std::vector<float> in(count), out(counts[r]);
+      for (size_t i = 0; i < count; ++i) in[i] = small_ref::input<float>(99, r, i);
+      c.reduce_scatter(in.data(), out.data(), counts, DType::F32, ReduceOp::AVG);
+      for (size_t j = 0; j < counts[r]; ++j)
+        ASSERT_NEAR(out[j], small_ref::sum<float>(99, c.size(), at + j) / c.size(), 1e-6) << "avg j " << j;
+    });
+    expect_all_ok(errs);
+  }
+}
+
+// A rank passing other block sizes to allgather or reduce_scatter, or another root to broadcast,
+// is named on every rank, every rank's buffers untouched.
+TEST(HostSmall, MismatchedBlocksAndRootsAreReportedEverywhere) {
+  for (int what = 0; what < 3; ++what) {
+    auto w = make_world(one_host(3), quick_options(true));  // a refused operation aborts the group
+    auto errs = run_ranks(w, [what](Communicator& c, uint32_t r) {
+      std::vector<size_t> counts = {4, 4, r == 2 ? size_t{5} : size_t{4}};
+      std::vector<float> buf(13, static_cast<float>(r + 1)), out(5, -1.0f);
+      const std::vector<float> before = buf, out_before = out;
+      try {
+        if (what == 0) c.allgather(buf.data(), counts, DType::F32);
+        if (what == 1) c.reduce_scatter(buf.data(), out.data(), counts, DType::F32, ReduceOp::SUM);
+        if (what == 2) c.broadcast(buf.data(), 8, DType::F32, r == 1 ? 1 : 0);
+      } catch (...) {
+        EXPECT_EQ(buf, before) << "rank " << r << ": its buffer changed although the op was refused";
+        EXPECT_EQ(out, out_before) << "rank " << r << ": its output changed although the op was refused";
+        throw;
+      }
+    });
+    ASSERT_EQ(errs.size(), 3u);
+    for (uint32_t r = 0; r < 3; ++r) {
+      ASSERT_TRUE(errs[r]) << "case " << what << ": rank " << r << " accepted a mismatch";
+      const std::string got = testing::describe(errs[r]);
+      const char* want[3][2] = {{"rank 2 52 bytes (allgather", "rank 0 48 bytes (allgather"},
+                                {"rank 2 52 bytes (reduce_scatter", "rank 1 48 bytes (reduce_scatter"},
+                                {"rank 1 32 bytes (broadcast float32 from rank 1", "rank 2 32 bytes (broadcast float32 from rank 0"}};
+      for (const char* part : want[what]) EXPECT_NE(got.find(part), std::string::npos) << "rank " << r << ": " << got;
+    }
   }
 }
 
