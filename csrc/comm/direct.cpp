@@ -405,14 +405,12 @@ struct HostSmall::Header {
 struct HostSmall::Shape {
   uint64_t hash;   // shape_hash of the operation, dtype, op and every block count
   uint64_t bytes;  // the operation's size, for the error message
-  uint32_t opcode, root;
+  uint32_t opcode;
   uint32_t dtype, op;
-  Shape(const net::OpInfo& info, DType dt, ReduceOp rop, std::span<const size_t> counts, uint64_t total,
-        uint32_t from = 0)
+  Shape(const net::OpInfo& info, DType dt, ReduceOp rop, std::span<const size_t> counts, uint64_t total)
       : hash(shape_hash(info.opcode, dt, rop, counts)),
         bytes(total),
         opcode(info.opcode),
-        root(from),
         dtype(static_cast<uint32_t>(dt)),
         op(static_cast<uint32_t>(rop)) {}
   bool operator==(const Shape&) const = default;
@@ -517,7 +515,6 @@ uint64_t HostSmall::arrive(const std::byte* data, size_t bytes, const Shape& sha
     std::string all;
     for (uint32_t q = 0; q < n; ++q) {
       const Shape& s = slot(set, q).shape;
-      const bool rooted = s.opcode == static_cast<uint32_t>(Opcode::kBroadcast);
       if (q > 0) all += ", ";
       all += comm_.peer_desc(q);
       all += ' ';
@@ -526,13 +523,8 @@ uint64_t HostSmall::arrive(const std::byte* data, size_t bytes, const Shape& sha
       all += opcode_name(s.opcode);
       all += ' ';
       all += dtype_name(static_cast<DType>(s.dtype));
-      if (rooted) {
-        all += " from rank ";
-        all += std::to_string(s.root);
-      } else {
-        all += ' ';
-        all += op_name(static_cast<ReduceOp>(s.op));
-      }
+      all += ' ';
+      all += op_name(static_cast<ReduceOp>(s.op));
       all += ", block sizes hash mod 1e6 ";
       all += std::to_string(s.hash % 1000000);
       all += ')';
@@ -576,14 +568,6 @@ void HostSmall::allgather(std::byte* buf, std::span<const size_t> counts, DType 
                               Shape(info, dtype, ReduceOp::SUM, counts, off[n]), info);
   for (uint32_t q = 0; q < n; ++q)
     if (q != r && counts[q] > 0) std::memcpy(buf + off[q], slot(set, q).data, counts[q] * es);
-}
-
-void HostSmall::broadcast(std::byte* buf, size_t count, DType dtype, uint32_t root, const net::OpInfo& info) {
-  const size_t whole[] = {count}, bytes = count * dtype_size(dtype);
-  const bool is_root = comm_.rank() == root;
-  const uint64_t set = arrive(buf, is_root ? bytes : 0,
-                              Shape(info, dtype, ReduceOp::SUM, whole, bytes, root), info);
-  if (!is_root && bytes > 0) std::memcpy(buf, slot(set, root).data, bytes);
 }
 
 bool PeerProcesses::open(const std::vector<int32_t>& pids, uint32_t self) {

@@ -61,7 +61,6 @@ class PeerProcesses {
 //                   block of it is read by its owner)
 //   allgather       this rank's own block only       -> every block <= kMaxBytes (the gathered
 //                                                       output may be up to P times that)
-//   broadcast       the root's buffer (others none)  -> buffer <= kMaxBytes
 class HostSmall {
  public:
   explicit HostSmall(Communicator& comm) : comm_(comm) {}
@@ -75,9 +74,8 @@ class HostSmall {
                       ReduceOp op, const net::OpInfo& info);
   // In place: buf holds size() blocks of counts[q] elements, this rank's filled in.
   void allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);
-  void broadcast(std::byte* buf, size_t count, DType dtype, uint32_t root, const net::OpInfo& info);
 
-  static bool fits(size_t bytes) { return bytes <= kMaxBytes; }  // allreduce, broadcast
+  static bool fits(size_t bytes) { return bytes <= kMaxBytes; }  // allreduce, reduce
   static bool fits_reduce_scatter(std::span<const size_t> counts, DType dtype);
   static bool fits_allgather(std::span<const size_t> counts, DType dtype);
 
