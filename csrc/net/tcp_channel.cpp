@@ -86,13 +86,24 @@ void TcpChannel::check_stall(const Transfer& t, const OpInfo& op, Clock::time_po
   if (idle < op.stall_floor_s) return;  // the limit is never below the floor: no syscall here
   const size_t left = t.len - t.bytes_done();
   const double rtt = rtt_s();
-  const double limit = stall_limit_s(left, rx_rate_Bps_, rtt, op.stall_floor_s, op.timeout_s);
+  // No whole message measured yet (the first big one is this one): its own rate so far.
+  double rate = rx_rate_Bps_;
+  std::string rate_desc = "link to " + peer_desc_ + ": ";
+  const double flowing = seconds(t.last_moved - t.first_moved);
+  if (rate <= 0 && flowing > 0 && t.bytes_done() >= kStallPieceBytes) {
+    rate = static_cast<double>(t.bytes_done()) / flowing;
+    rate_desc += fmt("%.3g MB/s", rate * 1e-6) + " received in this message before it stopped";
+  } else {
+    rate_desc += rate > 0 ? fmt("%.3g MB/s", rate * 1e-6) + " received" : std::string("rate not measured yet");
+  }
+  rate_desc += ", RTT " + fmt("%.3g ms", rtt * 1e3);
+  const double limit = stall_limit_s(left, rate, rtt, op.stall_floor_s, op.timeout_s);
   if (idle < limit) return;
   throw Error(ErrorKind::kTimeout,
               op.where() + ": " + peer_desc_ + " stopped in the middle of a message: no byte for " +
                   fmt("%.1f", idle) + " s while this rank was receiving " + std::to_string(t.len) +
                   " bytes (" + std::to_string(t.bytes_done()) + " done, " + std::to_string(left) +
-                  " outstanding); " + link_desc() + ", so the progress deadline was " + fmt("%.3g", limit) +
+                  " outstanding); " + rate_desc + ", so the progress deadline was " + fmt("%.3g", limit) +
                   " s (floor " + fmt("%g", op.stall_floor_s) + " s RUMOR_DEADLINE_FLOOR, ceiling " +
                   fmt("%g", op.timeout_s) + " s RUMOR_TIMEOUT; RUMOR_ADAPTIVE_DEADLINE=0 restores fixed deadlines)");
 }

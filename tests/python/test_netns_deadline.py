@@ -108,7 +108,7 @@ def _rank_main() -> None:
         expected = (_input(SLOW_COUNT, 0).double() + _input(SLOW_COUNT, 1).double()).float()
         t0 = time.monotonic()
         try:
-            y = rumor.allreduce(x)
+            y = rumor.allreduce(x, op=rumor.ReduceOp.SUM)
             out.update(ok=True, exact=bool(torch.equal(y, expected)))
         except rumor.RumorError as e:
             out.update(ok=False, error=type(e).__name__, message=str(e))
@@ -120,7 +120,7 @@ def _rank_main() -> None:
         if rank == 1:
             _stop_self_after(STOP_AFTER_BYTES)
         try:
-            rumor.allreduce(x)
+            rumor.allreduce(x, op=rumor.ReduceOp.SUM)
             out.update(ok=True)
         except rumor.RumorError as e:
             out.update(ok=False, error=type(e).__name__, message=str(e))
