@@ -1,5 +1,6 @@
 // The progress deadline rule (net/stall.h) as a pure function: bytes outstanding, the link's
-// rate and RTT, the floor and the ceiling in; seconds of silence allowed out.
+// rate and RTT, the floor and the ceiling in; seconds of silence allowed out. Then TcpChannel
+// applying it over a loopback connection whose sending end the test writes by hand.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 
