@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
-
-from rumor.testing.launch import kill_process_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
@@ -35,9 +32,6 @@ STOP_COUNT = 8 << 20     # 32 MiB: the victim stops after a few MiB of it
 STOP_AFTER_BYTES = 2 << 20
 RUN_DEADLINE_S = 100     # a whole run; below STOP_TIMEOUT_S, so a fixed deadline would miss it
 
-_SCRUB_PREFIXES = ("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_", "RUMOR_", "PMIX_")
-_SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                "MASTER_ADDR", "MASTER_PORT")
 _BOOT = "import sys; sys.path.insert(0, {here!r}); import test_netns_deadline as t; t._rank_main()"
 
 
@@ -132,43 +126,25 @@ def _rank_main() -> None:
 
 # ---- the test (pytest process) -------------------------------------------------------------------
 
-def _child_env(rank: int, master: str, scenario: str, extra: dict):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
-    e.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-             MASTER_ADDR=master, MASTER_PORT=str(PORT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-             PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", DEADLINE_TEST_SCENARIO=scenario)
-    e.update(extra)
-    return e
-
-
 def _run(tmp_path, scenario: str, extra_env: dict, wait_for=(0, 1)):
     """Runs both ranks on their own emulated hosts; returns each rank's RESULT dict (None if it
     printed none) once the ranks in wait_for have exited; the others are killed then."""
-    from rumor.testing import netns
+    from rumor.testing import launch, netns
 
-    procs, logs = [], []
-    with netns.Cluster(WORLD, rate=RATE) as cluster:
-        try:
-            for r in range(WORLD):
-                log = open(tmp_path / f"{scenario}-rank{r}.log", "w+b")
-                logs.append(log)
-                procs.append(cluster.popen(
-                    r, [sys.executable, "-c", _BOOT.format(here=HERE)],
-                    env=_child_env(r, cluster.ip(0), scenario, extra_env), stdout=log,
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-            deadline = time.monotonic() + RUN_DEADLINE_S
-            while any(procs[r].poll() is None for r in wait_for) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            late = [r for r in wait_for if procs[r].poll() is None]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    kill_process_group(p)
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read().decode("utf-8", "replace"))
-        log.close()
+    env = dict(extra_env, DEADLINE_TEST_SCENARIO=scenario)
+    argv = [sys.executable, "-c", _BOOT.format(here=HERE)]
+    logdir = tmp_path / scenario
+    logdir.mkdir()
+    with netns.Cluster(WORLD, rate=RATE) as cluster, \
+            launch.Ranks(argv, WORLD, cluster=cluster, env=env, port=PORT,
+                         logdir=str(logdir)) as ranks:
+        deadline = time.monotonic() + RUN_DEADLINE_S
+        while any(ranks.procs[r].poll() is None for r in wait_for) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        late = [r for r in wait_for if ranks.procs[r].poll() is None]
+        ranks.kill()  # the stopped rank, and any rank still running at the deadline
+        outputs = [ranks.log(r) for r in range(WORLD)]
+        codes = [p.returncode for p in ranks.procs]
     results = []
     for text in outputs:
         lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
@@ -178,8 +154,7 @@ def _run(tmp_path, scenario: str, extra_env: dict, wait_for=(0, 1)):
         pytest.fail(f"{scenario}: rank(s) {late} still running after {RUN_DEADLINE_S} s\n{dump}", pytrace=False)
     for r in wait_for:
         if results[r] is None:
-            pytest.fail(f"{scenario}: rank {r} reported no result (exit code {procs[r].returncode})\n{dump}",
-                        pytrace=False)
+            pytest.fail(f"{scenario}: rank {r} reported no result (exit code {codes[r]})\n{dump}", pytrace=False)
     return results, dump
 
 
