@@ -105,6 +105,7 @@ net::OpInfo Communicator::begin(const char* name, Opcode code) {
   op.tag = next_tag_++;
   op.timeout_s = ctx_->timeout_s();
   op.deadline = Deadline::after(op.timeout_s);
+  if (ctx_->options().adaptive_deadline) op.stall_floor_s = ctx_->options().deadline_floor_s;
   if (broken_.load()) {
     std::lock_guard lk(broken_mu_);
     throw Error(ErrorKind::kAborted, op.where() + ": communicator " + name_ +
@@ -130,7 +131,10 @@ void Communicator::abort(const std::string& why) {
 net::Channel& Communicator::channel(uint32_t peer, const net::OpInfo& op) {
   if (!channels_[peer]) {
     try {
-      channels_[peer] = ctx_->connect(id_, world_ranks_[peer], op.deadline);
+      // With progress deadlines an op may outlast its start's deadline while bytes move; a
+      // channel first needed late in it (a later step's peer) gets a full RUMOR_TIMEOUT to set up.
+      const Deadline setup = op.stall_floor_s > 0 ? Deadline::after(op.timeout_s) : op.deadline;
+      channels_[peer] = ctx_->connect(id_, world_ranks_[peer], setup);
     } catch (const Error& e) {
       throw Error(e.kind(), op.where() + ": setting up the channel to " + peer_desc(peer) + ": " + e.what());
     }
@@ -151,6 +155,12 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op,
   std::vector<net::Channel*> shm_waiting;
   // The timeline reports how long an operation slept waiting for its peers.
   const bool timed = ctx_->recorder().active();
+  // The ceiling: with progress deadlines (net/stall.h), RUMOR_TIMEOUT of silence, restarted by
+  // every byte that moves; without, RUMOR_TIMEOUT from the op's start.
+  const bool adaptive = op.stall_floor_s > 0;
+  const auto ceiling =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(op.timeout_s));
+  Deadline quiet = adaptive ? Deadline(Clock::now() + ceiling) : op.deadline;
   while (true) {
     const uint32_t seen = bell != nullptr ? bell->seq.load(std::memory_order_seq_cst) : 0;
     bool moved = false, pending = false, any_tcp = false, held = false;
@@ -187,6 +197,7 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op,
     auto now = Clock::now();
     if (moved) {
       spin_until = now + spin;
+      if (adaptive) quiet = Deadline(now + ceiling);
       continue;
     }
     // Spin only while every pending transfer is over shared memory: a socket wait is cheap in
@@ -195,16 +206,26 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op,
       cpu_relax();
       continue;
     }
-    if (op.deadline.expired()) {
+    if (adaptive && any_tcp)
+      for (const Transfer& t : ts)
+        if (t.begun && !t.finished()) channels_[t.peer]->check_stall(t, op, now);
+    if (quiet.expired()) {
       std::string waiting;
       for (const Transfer& t : ts) {
         if (t.finished()) continue;
         if (!waiting.empty()) waiting += ", ";
         waiting += peer_desc(t.peer) + (t.send ? " (sending " : " (receiving ") +
-                   std::to_string(t.bytes_done()) + " of " + std::to_string(t.len) + " bytes)";
+                   std::to_string(t.bytes_done()) + " of " + std::to_string(t.len) + " bytes";
+        const std::string link = t.begun ? channels_[t.peer]->link_desc() : std::string();
+        if (!link.empty()) waiting += "; " + link;
+        waiting += ")";
       }
-      throw Error(ErrorKind::kTimeout, op.where() + ": timed out after " + std::to_string(op.timeout_s) +
-                                           " s waiting for " + waiting);
+      throw Error(ErrorKind::kTimeout,
+                  op.where() + ": timed out after " + std::to_string(op.timeout_s) +
+                      (adaptive ? " s with no byte moving (RUMOR_TIMEOUT; a message a peer has begun "
+                                  "has its own progress deadline) waiting for "
+                                : " s waiting for ") +
+                      waiting);
     }
     if (any_tcp) {
       fds.clear();
@@ -218,7 +239,7 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op,
       // sleep short. Otherwise sleep until a socket is ready (bounded, to re-check the deadline).
       timespec ts_wait{0, shm_waiting.empty() ? 0 : 200 * 1000};
       if (shm_waiting.empty()) {
-        int ms = op.deadline.ms_left(100);
+        int ms = quiet.ms_left(100);
         ts_wait = {ms / 1000, static_cast<long>(ms % 1000) * 1000000};
       }
       const double t0 = timed ? trace::now_us() : 0;

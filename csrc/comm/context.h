@@ -23,7 +23,14 @@
 namespace rumor {
 
 struct Options {
-  double timeout_s = 300.0;  // every blocking wait (RUMOR_TIMEOUT)
+  // The longest any wait may go with no byte moving (RUMOR_TIMEOUT); with adaptive_deadline off,
+  // the longest a whole operation may take, as before issue 46.
+  double timeout_s = 300.0;
+  // Progress deadlines over TCP (net/stall.h; RUMOR_ADAPTIVE_DEADLINE=0 turns them off): a peer
+  // that stops in the middle of a message is reported after stall_limit_s(), never sooner than
+  // deadline_floor_s (RUMOR_DEADLINE_FLOOR), and an operation lasts as long as bytes keep moving.
+  bool adaptive_deadline = true;
+  double deadline_floor_s = 10.0;
   int streams = 2;           // TCP streams per peer pair, at least (RUMOR_SOCKET_STREAMS)
   // The rate (bytes/s) a long link's streams should be able to carry (RUMOR_LINK_GBIT): a pair
   // whose round trip is long gets enough streams for this rate times its round trip (net/link.h).

@@ -37,8 +37,12 @@ struct OpInfo {
   std::string comm;  // e.g. "world" or "group 3"
   uint8_t opcode = 0;
   uint64_t tag = 0;  // op sequence number within the communicator
+  // From the op's start: the whole op with the adaptive rule off, and the waits that have no
+  // progress to measure (shared-memory setup, the host's direct paths) either way.
   Deadline deadline{Clock::now()};
-  double timeout_s = 0;
+  double timeout_s = 0;  // RUMOR_TIMEOUT when the op began
+  // > 0: the adaptive rule (net/stall.h) with this floor; 0: deadline bounds the whole op.
+  double stall_floor_s = 0;
   // For the timeline and flight recorder only: payload bytes, the one peer of a point-to-point
   // operation (world rank), the algorithm (a static string).
   int64_t bytes = -1;
@@ -73,6 +77,10 @@ struct Transfer {
 
   // Owned by the channel once begun.
   bool begun = false;
+  // TCP: when the first and the latest byte (header included) of this transfer moved; zero
+  // before any did. What the progress deadline and the link's rate estimate are measured from.
+  Clock::time_point first_moved{};
+  Clock::time_point last_moved{};
   size_t nparts = 0;
   std::array<Part, kMaxStreams> parts{};
   size_t bytes_done() const;
@@ -95,6 +103,11 @@ class Channel {
   virtual void want(const Transfer& t, std::vector<pollfd>& fds) const = 0;
   // Shared memory: throws if the peer process is gone.
   virtual void check_alive(const OpInfo& op) = 0;
+  // TCP: throws kTimeout if t is a receive its peer started sending and then went silent for
+  // longer than the progress deadline (net/stall.h). Called while nothing moves.
+  virtual void check_stall(const Transfer&, const OpInfo&, Clock::time_point) {}
+  // For error messages: the link's measured figures ("" where none are kept).
+  virtual std::string link_desc() const { return {}; }
   // Makes the peer's pending and future operations on this channel fail promptly.
   virtual void abort() = 0;
 };

@@ -40,7 +40,7 @@ double measured_rtt_s(int fd) {
   tcp_info info{};
   socklen_t len = sizeof(info);
   if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return 0;
-  return info.tcpi_rtt * 1e-6;
+  return std::max(info.tcpi_rtt, info.tcpi_rcv_rtt) * 1e-6;
 }
 
 int streams_for_link(double rtt_s, double rate, size_t window, int min_streams, int max_streams) {

@@ -24,8 +24,8 @@ struct WindowLimits {
 // Reads net.ipv4.tcp_{w,r}mem and net.core.{w,r}mem_max of this network namespace.
 WindowLimits window_limits();
 
-// The connected socket's smoothed round trip as the kernel measured it (TCP_INFO), in seconds;
-// 0 when unknown.
+// The connected socket's smoothed round trip as the kernel measured it (TCP_INFO: the larger of
+// the sender's and the receiver's estimates), in seconds; 0 when unknown.
 double measured_rtt_s(int fd);
 
 // Streams that keep `rate` bytes/s in flight over a round trip of `rtt_s` with `window` payload

@@ -3,10 +3,14 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "core/reduce.h"
+#include "net/link.h"
+#include "net/stall.h"
 
 namespace rumor::net {
 
@@ -15,6 +19,14 @@ namespace {
 constexpr size_t kStageBytes = 256 * 1024;
 // Stripe boundaries stay multiples of this so that no element straddles two streams.
 constexpr size_t kStripeAlign = 64;
+
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof(b), f, v);
+  return b;
+}
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 }  // namespace
 
 TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min)
@@ -22,6 +34,68 @@ TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t st
   for (auto& s : streams_) set_nonblocking(s.get(), true);
   stage_.resize(streams_.size());
   staged_.assign(streams_.size(), 0);
+  // The handshake (TCP's and the authentication's round trips) has just given the kernel its
+  // first samples.
+  connect_rtt_s_ = rtt_s();
+}
+
+double TcpChannel::rtt_s() const {
+  double rtt = 0;
+  for (const auto& s : streams_) rtt = std::max(rtt, measured_rtt_s(s.get()));
+  return rtt > 0 ? rtt : connect_rtt_s_;
+}
+
+void TcpChannel::note_moved(Transfer& t) {
+  const auto now = Clock::now();
+  if (t.first_moved == Clock::time_point{}) t.first_moved = now;
+  t.last_moved = now;
+  // A whole message's receive rate, first byte to last, refreshes the estimate: it leaves out
+  // the wait for the sender to start, and a message that found its bytes already buffered
+  // reads too fast only above the rate that matters (stall_limit_s is at its floor there).
+  if (!t.send && t.len >= kStallPieceBytes && t.finished()) {
+    const double d = seconds(now - t.first_moved);
+    if (d > 0) {
+      const double sample = static_cast<double>(t.len) / d;
+      rx_rate_Bps_ = rx_rate_Bps_ > 0 ? 0.5 * (rx_rate_Bps_ + sample) : sample;
+    }
+  }
+}
+
+std::string TcpChannel::link_desc() const {
+  return "link to " + peer_desc_ + ": " +
+         (rx_rate_Bps_ > 0 ? fmt("%.3g MB/s", rx_rate_Bps_ * 1e-6) + " received"
+                           : std::string("rate not measured yet")) +
+         ", RTT " + fmt("%.3g ms", rtt_s() * 1e3);
+}
+
+void TcpChannel::check_stall(const Transfer& t, const OpInfo& op, Clock::time_point now) {
+  // Only a receive whose sender has begun it: see net/stall.h for why the other waits keep
+  // the ceiling.
+  if (op.stall_floor_s <= 0 || t.send || t.first_moved == Clock::time_point{} || t.finished()) return;
+  const double idle = seconds(now - t.last_moved);
+  if (idle < op.stall_floor_s) return;  // the limit is never below the floor: no syscall here
+  const size_t left = t.len - t.bytes_done();
+  const double rtt = rtt_s();
+  // No whole message measured yet (the first big one is this one): its own rate so far.
+  double rate = rx_rate_Bps_;
+  std::string rate_desc = "link to " + peer_desc_ + ": ";
+  const double flowing = seconds(t.last_moved - t.first_moved);
+  if (rate <= 0 && flowing > 0 && t.bytes_done() >= kStallPieceBytes) {
+    rate = static_cast<double>(t.bytes_done()) / flowing;
+    rate_desc += fmt("%.3g MB/s", rate * 1e-6) + " received in this message before it stopped";
+  } else {
+    rate_desc += rate > 0 ? fmt("%.3g MB/s", rate * 1e-6) + " received" : std::string("rate not measured yet");
+  }
+  rate_desc += ", RTT " + fmt("%.3g ms", rtt * 1e3);
+  const double limit = stall_limit_s(left, rate, rtt, op.stall_floor_s, op.timeout_s);
+  if (idle < limit) return;
+  throw Error(ErrorKind::kTimeout,
+              op.where() + ": " + peer_desc_ + " stopped in the middle of a message: no byte for " +
+                  fmt("%.1f", idle) + " s while this rank was receiving " + std::to_string(t.len) +
+                  " bytes (" + std::to_string(t.bytes_done()) + " done, " + std::to_string(left) +
+                  " outstanding); " + rate_desc + ", so the progress deadline was " + fmt("%.3g", limit) +
+                  " s (floor " + fmt("%g", op.stall_floor_s) + " s RUMOR_DEADLINE_FLOOR, ceiling " +
+                  fmt("%g", op.timeout_s) + " s RUMOR_TIMEOUT; RUMOR_ADAPTIVE_DEADLINE=0 restores fixed deadlines)");
 }
 
 void TcpChannel::begin(Transfer& t, const OpInfo& op) {
@@ -143,6 +217,7 @@ bool TcpChannel::progress(Transfer& t, const OpInfo& op) {
     if (p.finished()) continue;
     moved |= t.send ? progress_send(p, t, op) : progress_recv(p, t, op);
   }
+  if (moved) note_moved(t);
   return moved;
 }
 

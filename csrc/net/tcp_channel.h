@@ -19,12 +19,18 @@ class TcpChannel final : public Channel {
   bool progress(Transfer& t, const OpInfo& op) override;
   void want(const Transfer& t, std::vector<pollfd>& fds) const override;
   void check_alive(const OpInfo&) override {}
+  void check_stall(const Transfer& t, const OpInfo& op, Clock::time_point now) override;
+  std::string link_desc() const override;
   void abort() override;
 
  private:
   bool progress_send(Part& p, Transfer& t, const OpInfo& op);
   bool progress_recv(Part& p, Transfer& t, const OpInfo& op);
   [[noreturn]] void fail_io(const Transfer& t, const OpInfo& op, int err, bool closed);
+  // The kernel's smoothed round trip over the streams (the largest: the stall rule must not be
+  // tighter than the slowest stream), or what was measured at connect time if it reports none.
+  double rtt_s() const;
+  void note_moved(Transfer& t);
 
   std::vector<Fd> streams_;
   std::string peer_desc_;
@@ -32,6 +38,10 @@ class TcpChannel final : public Channel {
   // Per stream: where reduce-receives land before being folded into the destination.
   std::vector<std::vector<std::byte>> stage_;
   std::vector<size_t> staged_;
+  // The link as measured (net/stall.h): round trip at connect time, and the receive rate of
+  // recent messages (a moving average; 0 until one big enough has arrived).
+  double connect_rtt_s_ = 0;
+  double rx_rate_Bps_ = 0;
 };
 
 }  // namespace rumor::net

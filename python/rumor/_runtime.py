@@ -90,7 +90,10 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
          shm: Optional[bool] = None, gpu_wait: Optional[str] = None) -> None:
     """Joins the job described by the launcher's environment (torchrun, mpirun or Slurm).
 
-    timeout: seconds every blocking wait may take before it raises (env RUMOR_TIMEOUT, default 300).
+    timeout: seconds any blocking wait may go with no byte moving before it raises (env
+      RUMOR_TIMEOUT, default 300); an op whose bytes keep moving may last longer, and a peer that
+      stops in the middle of a TCP message is reported sooner (RUMOR_DEADLINE_FLOOR,
+      RUMOR_ADAPTIVE_DEADLINE=0 for the whole-op deadline; docs/environment.md).
     socket_streams: parallel TCP streams per peer pair, at least (env RUMOR_SOCKET_STREAMS, default
       2); a pair on a long link gets more where its round trip needs them (env RUMOR_LINK_GBIT).
     shm: use shared memory between ranks on one host (env RUMOR_SHM, default on).
@@ -125,10 +128,15 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     opts.shm = env_bool("RUMOR_SHM", True) if shm is None else bool(shm)
     opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
     opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
-    # A pair on a long link gets enough streams for this rate over its round trip (docs/wan.md).
+    # A pair on a long link gets enough streams for this rate over its round trip (docs/environment.md).
     opts.link_rate = env_float("RUMOR_LINK_GBIT", opts.link_rate * 8e-9, positive=True) * 1.25e8
     opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
     opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
+    # Progress deadlines over TCP (issue 46, csrc/net/stall.h): RUMOR_TIMEOUT bounds silence, a
+    # peer stopped mid-message is reported after a deadline derived from the link, never sooner
+    # than the floor.
+    opts.adaptive_deadline = env_bool("RUMOR_ADAPTIVE_DEADLINE", True)
+    opts.deadline_floor = env_float("RUMOR_DEADLINE_FLOOR", opts.deadline_floor, positive=True)
     opts.flight_records = flight_records_from_env()
 
     host = _rendezvous.host_id()

@@ -588,7 +588,7 @@ class DistributedDataParallel(torch.nn.Module):
         if not self._engine.idle():
             self._engine.launch_all()
         try:
-            self._engine.finish(self._timeout)
+            self._engine.finish(self._finish_guard)
         except Exception:  # the error being raised is the one the user needs to see
             pass
 
@@ -642,7 +642,7 @@ class DistributedDataParallel(torch.nn.Module):
                 names = ", ".join(self._names[i] for i in unmarked[:10])
                 # Finish the iteration (as all ranks do) so the engine is ready for the next one.
                 self._engine.launch_all()
-                self._engine.finish(self._timeout)
+                self._engine.finish(self._finish_guard)
                 raise RuntimeError(
                     f"rumor.DistributedDataParallel: parameters [{names}] received no gradient in this "
                     "backward pass; if the model has parameters that are not used every iteration, "
@@ -657,7 +657,7 @@ class DistributedDataParallel(torch.nn.Module):
                         self._views[i].zero_()
                         p.grad = self._views[i]
             self._engine.launch_all()
-        self._engine.finish(self._timeout)
+        self._engine.finish(self._finish_guard)
         end = time.monotonic()
         self._timeline = (self._forward_times, compute_end, end, self._engine.last_timings())
         if timeline._on and self._backward_t0 is not None:
@@ -704,6 +704,13 @@ class DistributedDataParallel(torch.nn.Module):
         # Read at each wait: rumor.set_timeout (a notebook cell's deadline) applies to wrappers
         # built before it.
         return _runtime.state().timeout
+
+    @property
+    def _finish_guard(self) -> float:
+        # The end of backward waits only for launched buckets, each of which ends by its own
+        # deadline; with progress deadlines (issue 46) a bucket may outlast RUMOR_TIMEOUT while its
+        # bytes move, so this is a guard against a lost wakeup, as for blocking calls (64 x).
+        return _runtime.state().timeout * 64
 
     def forward(self, *args, **kwargs):
         """Runs the wrapped module's forward, with the algorithm's before_forward hook and (in

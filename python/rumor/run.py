@@ -18,7 +18,7 @@ from typing import List, Optional
 # flag -> (environment variable, help)
 _RUMOR_FLAGS = {
     "--socket-streams": ("RUMOR_SOCKET_STREAMS", "parallel TCP streams per peer pair (default 2)"),
-    "--rumor-timeout": ("RUMOR_TIMEOUT", "seconds any blocking wait may take before it raises (default 300)"),
+    "--rumor-timeout": ("RUMOR_TIMEOUT", "seconds any blocking wait may go with no byte moving before it raises (default 300)"),
     "--rumor-shm": ("RUMOR_SHM", "1/0: shared memory between ranks of one host (default 1)"),
     "--rumor-log": ("RUMOR_LOG", "log level of the C++ core: error, warn, info, debug"),
     "--rumor-port": ("RUMOR_PORT", "first port of the workers' listeners: a host's workers listen on this port + "

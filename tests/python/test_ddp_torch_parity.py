@@ -352,6 +352,8 @@ def _init_with_env():
     ("RUMOR_SPIN_US", "x", "RUMOR_SPIN_US='x'"),
     ("RUMOR_STRIPE_MIN_BYTES", "-4", "RUMOR_STRIPE_MIN_BYTES='-4'"),
     ("RUMOR_FLIGHT_RECORDER", "many", "RUMOR_FLIGHT_RECORDER='many'"),
+    ("RUMOR_ADAPTIVE_DEADLINE", "maybe", "RUMOR_ADAPTIVE_DEADLINE='maybe'"),
+    ("RUMOR_DEADLINE_FLOOR", "0", "RUMOR_DEADLINE_FLOOR='0'"),
     ("WORLD_SIZE", "two", "WORLD_SIZE='two'"),
 ])
 def test_init_refuses_a_bad_variable_by_name(var, value, match):
