@@ -42,11 +42,11 @@ std::vector<size_t> byte_offsets(std::span<const size_t> counts, size_t es) {
   return off;
 }
 
-// Sub-communicators used by the hierarchical allreduce get ids that group ids never reach.
 // The ring allreduce's pieces (allreduce_ring): at most this many per block, so an operation
 // stays a few hundred transfers, and no smaller than this.
 constexpr size_t kRingMaxPieces = 32;
 constexpr size_t kRingMinPieceBytes = 64 * 1024;
+// Sub-communicators used by the hierarchical allreduce get ids that group ids never reach.
 constexpr uint64_t kLocalCommBit = 1ull << 48;
 constexpr uint64_t kLeaderCommBit = 2ull << 48;
 
@@ -324,7 +324,8 @@ void Communicator::allreduce_ring(std::byte* buf, size_t count, DType dtype, Red
   };
   const uint32_t next = (r + 1) % n, prev = (r + n - 1) % n;
   const uint32_t steps = 2 * (n - 1);
-  std::vector<Transfer> ts;
+  std::vector<Transfer>& ts = ring_ts_;
+  ts.clear();
   ts.reserve(2 * steps * pieces);
   // ts[2k] sends and ts[2k+1] receives piece k = s * pieces + c.
   for (uint32_t s = 0; s < steps; ++s) {

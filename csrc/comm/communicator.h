@@ -163,6 +163,9 @@ class Communicator {
   uint64_t next_tag_ = 0;
   std::vector<uint64_t> p2p_sent_, p2p_recv_;
   std::vector<std::byte> scratch_;
+  // allreduce_ring's transfers, kept between operations: hundreds of them (about 1.4 KB each)
+  // for a large buffer, an allocation big enough to be mapped and unmapped per operation.
+  std::vector<net::Transfer> ring_ts_;
   std::atomic<bool> broken_{false};
   std::string broken_why_;
   std::mutex broken_mu_;

@@ -61,11 +61,12 @@ void TcpChannel::note_moved(Transfer& t) {
   }
 }
 
-std::string TcpChannel::link_desc() const {
+std::string TcpChannel::link_desc() const { return describe_link(rx_rate_Bps_, " received", rtt_s()); }
+
+std::string TcpChannel::describe_link(double rate, const char* how, double rtt) const {
   return "link to " + peer_desc_ + ": " +
-         (rx_rate_Bps_ > 0 ? fmt("%.3g MB/s", rx_rate_Bps_ * 1e-6) + " received"
-                           : std::string("rate not measured yet")) +
-         ", RTT " + fmt("%.3g ms", rtt_s() * 1e3);
+         (rate > 0 ? fmt("%.3g MB/s", rate * 1e-6) + how : std::string("rate not measured yet")) + ", RTT " +
+         fmt("%.3g ms", rtt * 1e3);
 }
 
 void TcpChannel::check_stall(const Transfer& t, const OpInfo& op, Clock::time_point now) {
@@ -78,15 +79,13 @@ void TcpChannel::check_stall(const Transfer& t, const OpInfo& op, Clock::time_po
   const double rtt = rtt_s();
   // No whole message measured yet (the first big one is this one): its own rate so far.
   double rate = rx_rate_Bps_;
-  std::string rate_desc = "link to " + peer_desc_ + ": ";
+  const char* how = " received";
   const double flowing = seconds(t.last_moved - t.first_moved);
   if (rate <= 0 && flowing > 0 && t.bytes_done() >= kStallPieceBytes) {
     rate = static_cast<double>(t.bytes_done()) / flowing;
-    rate_desc += fmt("%.3g MB/s", rate * 1e-6) + " received in this message before it stopped";
-  } else {
-    rate_desc += rate > 0 ? fmt("%.3g MB/s", rate * 1e-6) + " received" : std::string("rate not measured yet");
+    how = " received in this message before it stopped";
   }
-  rate_desc += ", RTT " + fmt("%.3g ms", rtt * 1e3);
+  const std::string rate_desc = describe_link(rate, how, rtt);
   const double limit = stall_limit_s(left, rate, rtt, op.stall_floor_s, op.timeout_s);
   if (idle < limit) return;
   throw Error(ErrorKind::kTimeout,

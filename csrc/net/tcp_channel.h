@@ -27,6 +27,8 @@ class TcpChannel final : public Channel {
   bool progress_send(Part& p, Transfer& t, const OpInfo& op);
   bool progress_recv(Part& p, Transfer& t, const OpInfo& op);
   [[noreturn]] void fail_io(const Transfer& t, const OpInfo& op, int err, bool closed);
+  // "link to rank 3: 12.5 MB/s received, RTT 101 ms" for error messages; `how` follows the rate.
+  std::string describe_link(double rate, const char* how, double rtt) const;
   // The kernel's smoothed round trip over the streams (the largest: the stall rule must not be
   // tighter than the slowest stream), or what was measured at connect time if it reports none.
   double rtt_s() const;
