@@ -131,6 +131,9 @@ class _NcclWork:
         self.comm.wait(self.event.query, max(left, 1e-3), self.what)
 
 
+_SPIN_S = 50e-6  # a blocking call asks its event alone this long before the deadline-keeping wait
+
+
 class _Nccl:
     """One NCCL call: the group's communicator, torch's current stream of the group's device."""
 
@@ -172,18 +175,28 @@ class _Nccl:
                 fn(*args, self.handle)
 
     def done(self, nonblocking: bool, keep: tuple, finish):
-        ev = torch.cuda.Event()
+        gpu = self.gpu
+        ev = gpu.event()
         ev.record(self.stream)
         if self.queue_only:
-            # The watch keeps the deadline. The tensors need no holding: those made here were
-            # allocated on this stream and the caller's are record_stream'ed (uses()). finish()
-            # queues on the current stream, still the op's (as below).
-            self.gpu.watch.add(self.handle, ev, self.timeout, self.what)
+            # The watch keeps the deadline (and gives the event back once it passed). The tensors
+            # need no holding: those made here were allocated on this stream and the caller's are
+            # record_stream'ed (uses()). finish() queues on the current stream, still the op's.
+            gpu.watch.add(self.handle, ev, self.timeout, self.what)
             return finish()
-        work = _NcclWork(self.comm, ev, time.monotonic() + self.timeout, self.what, self.gpu.watch)
         if not nonblocking:
-            work.wait(self.timeout)
+            # A small op passes within microseconds of being queued: asking the event alone for
+            # that long answers sooner than the deadline-keeping wait, whose polls each go
+            # through the communicator's lock and NCCL's error state.
+            spin_end = time.perf_counter() + _SPIN_S
+            query = ev.query
+            while not query():
+                if time.perf_counter() > spin_end:
+                    _NcclWork(self.comm, ev, time.monotonic() + self.timeout, self.what, gpu.watch).wait(self.timeout)
+                    break
+            gpu.recycle(ev)
             return finish()
+        work = _NcclWork(self.comm, ev, time.monotonic() + self.timeout, self.what, gpu.watch)
 
         def on_stream():
             # Handle.wait() may run under another current stream than the call's.

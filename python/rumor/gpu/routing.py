@@ -220,6 +220,9 @@ class PinnedCache:
             self._bytes = 0
 
 
+_EVENT_POOL = 64  # passed events a group keeps for reuse
+
+
 class GpuGroup:
     """What a Group keeps for the GPU path: its device, the agreed transport (None until the
     group's first CUDA collective), the NCCL communicator, the watch of its ops queued without a
@@ -227,14 +230,31 @@ class GpuGroup:
 
     def __init__(self, device: int):
         self.device = int(device)
+        self._torch_device = torch.device(CUDA, self.device)
         self.transport: Optional[str] = None
         self.comm = None
         self.watch = None
         self.pinned = PinnedCache()
+        # Passed events of NCCL ops, recorded again by later ops: creating a CUDA event costs
+        # about as much as queueing a small op (list pop/append are atomic, so the watch's
+        # thread may give events back).
+        self._events: list = []
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(CUDA, self.device)
+        return self._torch_device
+
+    def event(self):
+        """A torch.cuda.Event to record after an op: a passed one from the pool, else a new one."""
+        try:
+            return self._events.pop()
+        except IndexError:
+            return torch.cuda.Event()
+
+    def recycle(self, event) -> None:
+        """Gives back an event that has passed and that nothing will ask again."""
+        if len(self._events) < _EVENT_POOL:
+            self._events.append(event)
 
     def close(self, timeout: float = 60.0) -> None:
         """Waits (at most timeout seconds) for the ops queued without a host wait, then closes
@@ -325,7 +345,7 @@ def _setup(g, gpu: GpuGroup, what: str) -> None:
         from .watch import StreamWatch
 
         gpu.comm = nccl.communicator(g, device=gpu.device)
-        gpu.watch = StreamWatch(gpu.comm, f"{g!r} on cuda:{gpu.device}")
+        gpu.watch = StreamWatch(gpu.comm, f"{g!r} on cuda:{gpu.device}", recycle=gpu.recycle)
     gpu.transport = transport
 
 

@@ -42,8 +42,10 @@ class StreamWatch:
     comm: has check(op) (raises on NCCL's asynchronous error, after aborting) and abort(); the
     events have query(). name says whose ops these are, in the errors."""
 
-    def __init__(self, comm, name: str, min_pause: float = _MIN_PAUSE, max_pause: float = _MAX_PAUSE):
+    def __init__(self, comm, name: str, min_pause: float = _MIN_PAUSE, max_pause: float = _MAX_PAUSE,
+                 recycle=None):
         self._comm, self.name = comm, name
+        self._recycle = recycle  # given each passed event, for reuse (GpuGroup.recycle)
         self._min_pause, self._max_pause = min_pause, max_pause
         self._cv = threading.Condition()
         self._streams: Dict[object, _Queue] = {}  # stream key -> its pending ops
@@ -155,10 +157,16 @@ class StreamWatch:
             if q.ops[-1][_EVENT].query():
                 retired += len(q.ops)
                 del self._streams[key]
+                if self._recycle is not None:
+                    for op in q.ops:
+                        self._recycle(op[_EVENT])
                 continue
             while q.ops[0][_EVENT].query():
+                event = q.ops[0][_EVENT]
                 q.pop()
                 retired += 1
+                if self._recycle is not None:
+                    self._recycle(event)
             _, deadline, what, t0 = q.soonest()
             if now > deadline:  # _keep() forgets every pending op
                 raise CommTimeoutError(
