@@ -447,37 +447,46 @@ def _algorithm(name, model):
     return opt, algo
 
 
-def trained_with(name, store_path):
+ALGORITHMS = ["GradientAllReduce", "ByteGrad", "PowerSGD", "OneBitAdam", "LowPrecisionDecentralized",
+              "AsyncModelAverage", "LocalSGD", "DiLoCo"]
+
+
+def trained_with_each(store_path):
+    """Every algorithm in turn, in one launch (a launch per algorithm cost more than the training)."""
     import rumor
     from rumor.parallel import DistributedDataParallel
 
     rumor.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    opt, algo = _algorithm(name, model)
-    ddp = DistributedDataParallel(model, optimizer=opt, algorithm=algo)
-    _train_steps(ddp, opt, torch.Generator().manual_seed(100 + rumor.rank()), 4)
-    if name == "AsyncModelAverage":
-        algo.finish(timeout=60)  # the averaging thread no longer writes the weights
-    ref, _ = _reference(store_path, model, opt)
-    rep = rumor.elastic.verify(ddp, opt, repair=False)
-    return dict(replicas=rep.replicas, mismatches=[str(m) for m in rep.mismatches], reference=sorted(ref),
-                names=rep.entries)
+    out = {}
+    for name in ALGORITHMS:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        opt, algo = _algorithm(name, model)
+        ddp = DistributedDataParallel(model, optimizer=opt, algorithm=algo)
+        _train_steps(ddp, opt, torch.Generator().manual_seed(100 + rumor.rank()), 4)
+        if name == "AsyncModelAverage":
+            algo.finish(timeout=60)  # the averaging thread no longer writes the weights
+        ref, _ = _reference(store_path, model, opt)
+        rep = rumor.elastic.verify(ddp, opt, repair=False)
+        out[name] = dict(replicas=rep.replicas, mismatches=[str(m) for m in rep.mismatches], reference=sorted(ref),
+                         names=rep.entries)
+        ddp.remove_hooks()
+    return out
 
 
-@pytest.mark.parametrize("name", ["GradientAllReduce", "ByteGrad", "PowerSGD", "OneBitAdam",
-                                  "LowPrecisionDecentralized", "AsyncModelAverage", "LocalSGD", "DiLoCo"])
-def test_trained_replicas_verify_equal_under_every_algorithm(tmp_path, name):
-    res = harness.run(trained_with, 3, timeout=TIMEOUT, args=(name, str(tmp_path / "gloo")))
-    differ = name in ("LowPrecisionDecentralized", "AsyncModelAverage", "LocalSGD", "DiLoCo")
-    for out in res:
-        assert out["replicas"] == ("differ" if differ else "identical"), out
-        assert out["mismatches"] == [], out
-        if differ:  # the reference sees what verify must not report (weights or momenta)
-            assert out["reference"], out
-        else:
-            # 1-bit Adam's error feedback is each rank's own (parity_own_keys); nothing else differs.
-            assert all(n.endswith(("worker_error", "server_error")) for n in out["reference"]), out
+def test_trained_replicas_verify_equal_under_every_algorithm(tmp_path):
+    res = harness.run(trained_with_each, 3, timeout=TIMEOUT, args=(str(tmp_path / "gloo"),))
+    for name in ALGORITHMS:
+        differ = name in ("LowPrecisionDecentralized", "AsyncModelAverage", "LocalSGD", "DiLoCo")
+        for rank_out in res:
+            out = rank_out[name]
+            assert out["replicas"] == ("differ" if differ else "identical"), (name, out)
+            assert out["mismatches"] == [], (name, out)
+            if differ:  # the reference sees what verify must not report (weights or momenta)
+                assert out["reference"], (name, out)
+            else:
+                # 1-bit Adam's error feedback is each rank's own (parity_own_keys); nothing else differs.
+                assert all(n.endswith(("worker_error", "server_error")) for n in out["reference"]), (name, out)
 
 
 def extra_and_arguments(store_path):
