@@ -30,9 +30,9 @@ echo "== Python tests"
 # Tests marked slow (more ddp_cnn algorithms, elastic churn, Ray Train: another launch each, with nothing a
 # faster test leaves unchecked) run with RUMOR_TEST_SLOW=1; CI leaves them out to stay in time.
 if [ "${RUMOR_TEST_SLOW:-0}" = 1 ]; then
-  $PY -m pytest tests/python -q -p no:cacheprovider
+  $PY -m pytest tests/python -q -p no:cacheprovider --durations=30
 else
-  $PY -m pytest tests/python -q -p no:cacheprovider -m "not slow"
+  $PY -m pytest tests/python -q -p no:cacheprovider -m "not slow" --durations=30
 fi
 
 echo "== Install check (sdist -> wheel -> fresh venv -> import rumor and a 2-rank allreduce)"
