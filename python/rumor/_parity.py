@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .errors import RumorError
+
 _DIGEST = 16  # bytes per entry: 2**-128 odds that different contents compare equal
 # CUDA tensors reach the host in pieces of this many bytes (one pinned buffer, reused).
 _PIECE = 64 << 20
@@ -449,18 +451,45 @@ def _value_mismatches(entries: List[_Entry], every: torch.Tensor, ranks: Sequenc
     return out
 
 
-def _compare(entries: List[_Entry], group, ranks, source) -> Tuple[List[Mismatch], int]:
-    """Collective: the mismatches across the group, and the bytes this rank hashed."""
+def _compare(entries: Optional[List[_Entry]], group, ranks, source,
+             failed: Optional[BaseException] = None) -> Tuple[List[Mismatch], int]:
+    """Collective: the mismatches across the group, and the bytes this rank hashed. A rank whose
+    own entries could not be made (failed) still takes part in the first exchange, so that every
+    rank raises at once instead of its peers waiting for it until their deadline."""
     from . import collectives
 
-    sig = _layout_signature(entries)
+    sig, digests, nbytes = b"", None, 0
+    if failed is None:
+        try:  # hashed before the first exchange: a value only this rank cannot hash fails here too
+            sig = _layout_signature(entries)
+            digests, nbytes = _digests(entries)
+        except (TypeError, ValueError) as e:
+            failed = e
     sig_digest = torch.frombuffer(bytearray(hashlib.sha256(sig).digest()), dtype=torch.int64).reshape(1, -1)
-    sigs = collectives.allgather(sig_digest, group)
+    row = torch.cat([torch.tensor([[int(failed is not None)]], dtype=torch.int64), sig_digest], dim=1)
+    sigs = collectives.allgather(row, group)
+    if bool(sigs[:, 0].any()):
+        _raise_local_failures(failed, [int(f) for f in sigs[:, 0]], group, ranks)
+    sigs = sigs[:, 1:]
     if not bool((sigs == sigs[0:1]).all()):
         return _layout_mismatches(_gather_bytes(sig, group), ranks), 0
-    digests, nbytes = _digests(entries)
     every = collectives.allgather(digests.reshape(1, -1), group).reshape(len(ranks), len(entries), -1)
     return _value_mismatches(entries, every, ranks, source), nbytes
+
+
+def _raise_local_failures(failed: Optional[BaseException], flags: List[int], group, ranks) -> None:
+    """Every rank raises: a rank that failed its own error, the others the first failed rank's
+    error text, naming that rank, as the same type where it is TypeError or ValueError."""
+    text = f"{type(failed).__name__}: {failed}" if failed is not None else ""
+    texts = _gather_bytes(text.encode(), group)
+    if failed is not None:
+        raise failed
+    first = flags.index(1)
+    kind, _, message = texts[first].decode(errors="replace").partition(": ")
+    others = [r for r, f in zip(ranks, flags) if f][1:]
+    more = f" (and ranks {others} failed too)" if others else ""
+    err_type = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RumorError)
+    raise err_type(f"rumor.elastic.verify: rank {ranks[first]} could not take part{more}: {kind}: {message}")
 
 
 def _broadcast_into(t: torch.Tensor, root: int, group) -> None:
@@ -567,12 +596,16 @@ def verify(model, optimizer=None, *, extra: Optional[Dict[str, Any]] = None, rep
     module, algorithm, ddp_group = _unwrap(model)
     if group is None:
         group = ddp_group
-    mode = _replicas_mode(replicas, algorithm)
     ranks = tuple(group.ranks) if group is not None else tuple(range(_runtime.size()))
-    if source is not None and (isinstance(source, bool) or not isinstance(source, int) or source not in ranks):
-        raise ValueError(f"rumor.elastic.verify: source must be a rank of the group {list(ranks)}, got {source!r}")
-    entries = _entries(module, optimizer, algorithm, extra, mode == "differ")
-    found, nbytes = _compare(entries, group, ranks, source)
+    entries, failed = None, None
+    try:
+        mode = _replicas_mode(replicas, algorithm)
+        if source is not None and (isinstance(source, bool) or not isinstance(source, int) or source not in ranks):
+            raise ValueError(f"rumor.elastic.verify: source must be a rank of the group {list(ranks)}, got {source!r}")
+        entries = _entries(module, optimizer, algorithm, extra, mode == "differ")
+    except (TypeError, ValueError) as e:
+        failed = e  # raised by _compare on every rank, after telling the others
+    found, nbytes = _compare(entries, group, ranks, source, failed)
     report = ParityReport(not found, ranks, mode, len(entries), nbytes, mismatches=found)
     if found and repair:
         _repair(entries, found, group, report)

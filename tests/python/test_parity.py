@@ -519,6 +519,16 @@ def extra_and_arguments(store_path):
         rumor.elastic.verify(model, extra={"o": object()})
     except TypeError as e:
         out["object"] = str(e)
+    # One rank alone with a bad argument: every rank raises at once (before, the others waited in
+    # the first allgather until their deadline and raised CommTimeoutError).
+    rumor.set_timeout(60)
+    for mine, others in (({"extra": {"o": {object()}}}, {"extra": {"o": {1}}}), ({"replicas": "some"}, {})):
+        try:
+            rumor.elastic.verify(model, **(mine if r == 1 else others))
+            out.setdefault("alone", []).append(None)
+        except Exception as e:  # noqa: BLE001 - the type is what the test checks
+            out.setdefault("alone", []).append((type(e).__name__, str(e)))
+    out["after"] = rumor.elastic.verify(model, extra={"seed": 11}).equal  # the group goes on
     return out
 
 
@@ -531,3 +541,10 @@ def test_extra_tensors_are_repaired_plain_values_are_reported(tmp_path):
         assert found == [("extra:seed", [1])] and "not tensors" in msg and "extra:seed" in msg, out
         assert out["bad"] == ["ValueError", "ValueError", "ValueError", "TypeError"], out
         assert "extra:o is a builtins.object" in out["object"], out
+        (t1, m1), (t2, m2) = out["alone"]
+        assert t1 == "TypeError" and "is a builtins.object" in m1, out
+        assert t2 == "ValueError" and "replicas must be" in m2, out
+        if "rank 1 could not take part" not in m1:  # rank 1 raises its own error, the others name it
+            assert "could not take part" not in m1 and "could not take part" not in m2, out
+        assert out["after"] is True, out
+    assert sum("rank 1 could not take part" in out["alone"][0][1] for out in res) == 2, res
