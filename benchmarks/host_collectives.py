@@ -44,10 +44,13 @@ run this script twice, once with an older build of rumor's extension on PYTHONPA
 from __future__ import annotations
 
 import argparse
+import glob
 import math
 import os
+import stat
 import statistics
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import _common
@@ -308,6 +311,19 @@ def plot(path: str, cells: List[Dict], C: float) -> Optional[str]:
     return None
 
 
+def _remove_deepspeed_segments(since: float) -> None:
+    """DeepSpeed's shared-memory allreduce leaves its segments in /dev/shm when its ranks exit
+    (they are os._exit()ed here): removes this user's that the run made (not older ones, which
+    another job of this user may still be using)."""
+    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer*"):
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_ctime >= since - 1:
+                os.unlink(path)
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="one-host collectives vs the memory bound (module docstring)",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -357,7 +373,11 @@ def main(argv=None) -> int:
         result["copy_rate"].append(coll.measure_memcpy(args.copy_bytes, 10, threads))
         one = coll.measure_memcpy(64 * MiB, 10, 1)
         jobs = [Job(args, P, sizes, drv.workdir, progress, k * per_job) for k, P in enumerate(worlds)]
-        rc = _common.run_jobs(jobs, result, progress)
+        started = time.time()
+        try:
+            rc = _common.run_jobs(jobs, result, progress)
+        finally:
+            _remove_deepspeed_segments(started)
         result["copy_rate"].append(coll.measure_memcpy(args.copy_bytes, 10, threads))
         progress.clear()
         # The fastest copy rate the run saw: on a shared machine a measurement can only come out
