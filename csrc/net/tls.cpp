@@ -119,6 +119,63 @@ std::string describe_bytes(const std::vector<uint8_t>& b) {
 
 }  // namespace
 
+// The BIO under every session: two byte queues in the session itself. Not BIO_s_mem(): its
+// buffer zeroes every byte it is about to be written (BUF_MEM_grow_clean), a pass over the
+// ciphertext on top of the copy, on both sides; here a write is one copy and a read another.
+struct TlsBuffers {
+  static TlsSession* of(BIO* b) { return static_cast<TlsSession*>(BIO_get_data(b)); }
+  static int write(BIO* b, const char* data, int len) {
+    BIO_clear_retry_flags(b);
+    if (len <= 0) return 0;
+    std::vector<uint8_t>& out = of(b)->out_;
+    out.insert(out.end(), reinterpret_cast<const uint8_t*>(data), reinterpret_cast<const uint8_t*>(data) + len);
+    return len;
+  }
+  static int read(BIO* b, char* dst, int len) {
+    BIO_clear_retry_flags(b);
+    TlsSession* s = of(b);
+    const size_t avail = s->in_.size() - s->in_read_;
+    if (avail == 0) {
+      BIO_set_retry_read(b);  // nothing yet: OpenSSL reports SSL_ERROR_WANT_READ
+      return -1;
+    }
+    const size_t n = std::min(avail, static_cast<size_t>(std::max(len, 0)));
+    std::memcpy(dst, s->in_.data() + s->in_read_, n);
+    s->in_read_ += n;
+    if (s->in_read_ == s->in_.size()) {
+      s->in_.clear();
+      s->in_read_ = 0;
+    }
+    return static_cast<int>(n);
+  }
+  static long ctrl(BIO* b, int cmd, long, void*) {
+    const TlsSession* s = of(b);
+    switch (cmd) {
+      case BIO_CTRL_FLUSH:
+        return 1;
+      case BIO_CTRL_PENDING:
+        return static_cast<long>(s->in_.size() - s->in_read_);
+      case BIO_CTRL_WPENDING:
+        return static_cast<long>(s->out_.size() - s->out_sent_);
+      default:
+        return 0;
+    }
+  }
+  static int create(BIO* b) {
+    BIO_set_init(b, 1);
+    return 1;
+  }
+  static BIO_METHOD* method() {
+    BIO_METHOD* m = BIO_meth_new(BIO_TYPE_SOURCE_SINK, "rumor tls buffers");
+    if (m == nullptr || BIO_meth_set_write(m, write) != 1 || BIO_meth_set_read(m, read) != 1 ||
+        BIO_meth_set_ctrl(m, ctrl) != 1 || BIO_meth_set_create(m, create) != 1) {
+      BIO_meth_free(m);
+      return nullptr;
+    }
+    return m;
+  }
+};
+
 // ---- configuration and context --------------------------------------------------------------------------
 
 TlsConfig TlsConfig::from_files(const std::string& cert_path, const std::string& key_path,
@@ -132,11 +189,14 @@ TlsConfig TlsConfig::from_files(const std::string& cert_path, const std::string&
 }
 
 void TlsContext::Free::operator()(ssl_ctx_st* p) const { SSL_CTX_free(p); }
+void TlsContext::MethodFree::operator()(bio_method_st* p) const { BIO_meth_free(p); }
 
 TlsContext::TlsContext(const TlsConfig& config) : expected_peer_name_(config.expected_peer_name) {
   ERR_clear_error();
   ctx_.reset(SSL_CTX_new(TLS_method()));
   if (!ctx_) pki_fail("SSL_CTX_new");
+  bio_method_.reset(TlsBuffers::method());
+  if (!bio_method_) pki_fail("BIO_meth_new");
   SSL_CTX* c = ctx_.get();
   if (SSL_CTX_set_min_proto_version(c, TLS1_3_VERSION) != 1 || SSL_CTX_set_max_proto_version(c, TLS1_3_VERSION) != 1)
     pki_fail("this OpenSSL cannot be limited to TLS 1.3");
@@ -182,14 +242,10 @@ TlsSession::TlsSession(std::shared_ptr<const TlsContext> ctx, TlsRole role, std:
   ERR_clear_error();
   ssl_.reset(SSL_new(ctx_->native()));
   if (!ssl_) fail("setup");
-  BIO* in = BIO_new(BIO_s_mem());
-  BIO* out = BIO_new(BIO_s_mem());
-  if (in == nullptr || out == nullptr) {
-    BIO_free(in);
-    BIO_free(out);
-    fail("setup");
-  }
-  SSL_set_bio(ssl_.get(), in, out);  // the SSL owns both from here
+  BIO* bio = BIO_new(ctx_->buffer_bio());
+  if (bio == nullptr) fail("setup");
+  BIO_set_data(bio, this);
+  SSL_set_bio(ssl_.get(), bio, bio);  // the SSL owns it from here
   // The session is neither copied nor moved, so the SSL can point back at it.
   SSL_set_app_data(ssl_.get(), this);
   SSL_set_verify(ssl_.get(), SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, &TlsSession::on_verify);
@@ -206,7 +262,7 @@ TlsSession::TlsSession(std::shared_ptr<const TlsContext> ctx, TlsRole role, std:
     SSL_set_accept_state(ssl_.get());
 }
 
-TlsSession::~TlsSession() = default;
+TlsSession::~TlsSession() { ssl_.reset(); }  // before the buffers its BIO points into
 
 int TlsSession::on_verify(int ok, x509_store_ctx_st* store) {
   if (ok != 1) {
@@ -277,12 +333,11 @@ void TlsSession::feed(std::span<const uint8_t> ciphertext) {
   check_alive("read");
   constexpr size_t kShown = 8;
   for (size_t i = 0; i < ciphertext.size() && first_bytes_.size() < kShown; ++i) first_bytes_.push_back(ciphertext[i]);
-  BIO* in = SSL_get_rbio(ssl_.get());
-  while (!ciphertext.empty()) {
-    const int n = static_cast<int>(std::min<size_t>(ciphertext.size(), INT_MAX));
-    if (BIO_write(in, ciphertext.data(), n) != n) fail("read (buffering ciphertext)");
-    ciphertext = ciphertext.subspan(static_cast<size_t>(n));
+  if (in_read_ > 0 && in_read_ >= in_.size() / 2) {  // amortized: drop what OpenSSL has read
+    in_.erase(in_.begin(), in_.begin() + static_cast<long>(in_read_));
+    in_read_ = 0;
   }
+  in_.insert(in_.end(), ciphertext.begin(), ciphertext.end());
 }
 
 bool TlsSession::handshake_step() {
@@ -341,35 +396,17 @@ void TlsSession::close() {
   ERR_clear_error();
 }
 
-size_t TlsSession::pending_out() const {
-  return out_.size() - out_sent_ + BIO_ctrl_pending(SSL_get_wbio(ssl_.get()));
-}
+size_t TlsSession::pending_out() const { return out_.size() - out_sent_; }
 
-std::span<const uint8_t> TlsSession::peek_out() {
-  BIO* wb = SSL_get_wbio(ssl_.get());
-  const size_t more = BIO_ctrl_pending(wb);
-  if (more > 0) {
-    if (out_sent_ == out_.size()) {
-      out_.clear();
-      out_sent_ = 0;
-    }
-    const size_t at = out_.size();
-    out_.resize(at + more);
-    size_t got = 0;
-    while (got < more) {
-      const int n = BIO_read(wb, out_.data() + at + got, static_cast<int>(std::min<size_t>(more - got, INT_MAX)));
-      if (n <= 0) break;
-      got += static_cast<size_t>(n);
-    }
-    out_.resize(at + got);
-  }
-  return std::span<const uint8_t>(out_).subspan(out_sent_);
-}
+std::span<const uint8_t> TlsSession::peek_out() { return std::span<const uint8_t>(out_).subspan(out_sent_); }
 
 void TlsSession::consume_out(size_t n) {
   out_sent_ = std::min(out_.size(), out_sent_ + n);
   if (out_sent_ == out_.size()) {
     out_.clear();
+    out_sent_ = 0;
+  } else if (out_sent_ >= (size_t{1} << 20) && out_sent_ >= out_.size() / 2) {
+    out_.erase(out_.begin(), out_.begin() + static_cast<long>(out_sent_));
     out_sent_ = 0;
   }
 }

@@ -1,5 +1,5 @@
 // TLS 1.3 with mutual certificates (issue 46), as a layer of its own: nothing here owns a socket.
-// A TlsSession runs OpenSSL over two memory BIOs: the caller feeds it the ciphertext its socket
+// A TlsSession runs OpenSSL over an in-memory BIO (two byte queues): the caller feeds it the ciphertext its socket
 // read and sends the ciphertext the session produced, and gets plaintext in between. So the poll
 // loops that own the sockets today (the listener's, the channels') keep owning IO and deadlines,
 // and one session never blocks a thread. Not yet used by the channels: see docs/architecture.md.
@@ -28,6 +28,7 @@
 struct ssl_st;
 struct ssl_ctx_st;
 struct x509_store_ctx_st;
+struct bio_method_st;
 
 namespace rumor::net {
 
@@ -60,6 +61,7 @@ class TlsContext {
   TlsContext& operator=(const TlsContext&) = delete;
 
   ssl_ctx_st* native() const { return ctx_.get(); }
+  bio_method_st* buffer_bio() const { return bio_method_.get(); }
   const std::string& expected_peer_name() const { return expected_peer_name_; }
 
  private:
@@ -67,6 +69,10 @@ class TlsContext {
     void operator()(ssl_ctx_st* p) const;
   };
   std::unique_ptr<ssl_ctx_st, Free> ctx_;
+  struct MethodFree {
+    void operator()(bio_method_st* p) const;
+  };
+  std::unique_ptr<bio_method_st, MethodFree> bio_method_;
   std::string expected_peer_name_;
 };
 
@@ -126,6 +132,7 @@ class TlsSession {
   // OpenSSL's verify callback: keeps the subject of a refused certificate for the error (the
   // server does not keep a client certificate that failed).
   static int on_verify(int ok, x509_store_ctx_st* store);
+  friend struct TlsBuffers;  // the BIO callbacks over in_ and out_
 
   struct Free {
     void operator()(ssl_st* p) const;
@@ -142,7 +149,10 @@ class TlsSession {
   std::vector<uint8_t> first_bytes_;
   std::string failure_;
   std::string refused_subject_;
-  // Ciphertext moved out of the write BIO by peek_out(), sent up to out_sent_.
+  // The session's BIO: ciphertext fed and not yet read by OpenSSL (from in_read_), and
+  // ciphertext OpenSSL wrote and the caller did not send yet (from out_sent_).
+  std::vector<uint8_t> in_;
+  size_t in_read_ = 0;
   std::vector<uint8_t> out_;
   size_t out_sent_ = 0;
 };
