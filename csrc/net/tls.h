@@ -1,8 +1,9 @@
 // TLS 1.3 with mutual certificates (issue 46), as a layer of its own: nothing here owns a socket.
-// A TlsSession runs OpenSSL over an in-memory BIO (two byte queues): the caller feeds it the ciphertext its socket
-// read and sends the ciphertext the session produced, and gets plaintext in between. So the poll
-// loops that own the sockets today (the listener's, the channels') keep owning IO and deadlines,
-// and one session never blocks a thread. Not yet used by the channels: see docs/architecture.md.
+// A TlsSession runs OpenSSL over an in-memory BIO (two byte queues): the caller feeds it the
+// ciphertext its socket read and sends the ciphertext the session produced, and gets plaintext in
+// between. So the poll loops that own the sockets today (the listener's, the channels') keep
+// owning IO and deadlines, and one session never blocks a thread. Not yet used by the channels:
+// see docs/architecture.md.
 //
 // Policy, fixed: TLS 1.3 only; AEAD suites only; both ends present a certificate and verify the
 // peer's against the job's CA (and optionally an expected name); no session tickets, resumption,

@@ -248,7 +248,12 @@ std::pair<Outcome, std::string> try_raw_client(const ContextPtr& server, int max
   return {s, client};
 }
 
-#define EXPECT_HAS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
+// Also records the text in the test's XML report (--gtest_output=xml): the messages users read.
+#define EXPECT_HAS(text, part)                                              \
+  do {                                                                      \
+    ::testing::Test::RecordProperty("error_" + std::to_string(__LINE__), text); \
+    EXPECT_NE(std::string(text).find(part), std::string::npos) << (text);   \
+  } while (0)
 
 TEST(Tls, MutualHandshakeThenBytesBothWaysBitForBit) {
   Pki pki;
@@ -360,52 +365,45 @@ TEST(Tls, ClientWithoutCertificateRefused) {
   expect_accepts_good_peer(server, pki);
 }
 
+// The server refuses a client presenting `cert` (it trusts the right CA, so it gets as far as
+// presenting it) with `why`; the client learns it on its first read; the server's context then
+// accepts a good client.
+void expect_refused(const Pki& pki, const PemCredentials& cert, const std::string& why) {
+  auto server = context(pki.server, pki.ca, "rank-1.job-a");
+  auto [s, c] = try_client(server, context(cert, pki.ca));
+  EXPECT_EQ(s.kind, ErrorKind::kProtocol);
+  EXPECT_HAS(s.error, "tls handshake with 127.0.0.1:41234 (rank 1): peer certificate refused: " + why);
+  EXPECT_HAS(s.error, "its subject: /CN=rank-1");
+  EXPECT_HAS(c.error, "with 127.0.0.1:29500 (rank 0): ");
+  expect_accepts_good_peer(server, pki);
+}
+
 TEST(Tls, CertificateFromAnotherCaRefused) {
   Pki pki;
-  auto server = context(pki.server, pki.ca);
-  const PemCredentials foreign =
-      net::issue_certificate(pki.other_ca, "rank-1", {"rank-1.job-a"}, hours_from_now(-1), hours_from_now(24));
-  // It trusts the right CA (so it gets as far as presenting its certificate), but its own was
-  // issued by another.
-  auto [s, c] = try_client(server, context(foreign, pki.ca));
-  EXPECT_HAS(s.error, "tls handshake with 127.0.0.1:41234 (rank 1): peer certificate refused: ");
-  EXPECT_HAS(s.error, "unable to get local issuer certificate");
-  EXPECT_HAS(c.error, "127.0.0.1:29500 (rank 0)");
-  EXPECT_FALSE(c.ok());
-  expect_accepts_good_peer(server, pki);
+  expect_refused(pki,
+                 net::issue_certificate(pki.other_ca, "rank-1", {"rank-1.job-a"}, hours_from_now(-1),
+                                        hours_from_now(24)),
+                 "unable to get local issuer certificate");
 }
 
 TEST(Tls, ExpiredCertificateRefused) {
   Pki pki;
-  auto server = context(pki.server, pki.ca);
-  auto [s, c] = try_client(server, context(pki.leaf("rank-1", {"rank-1.job-a"}, -48, -1), pki.ca));
-  EXPECT_HAS(s.error, "peer certificate refused: certificate has expired");
-  EXPECT_FALSE(c.ok());
-  expect_accepts_good_peer(server, pki);
+  expect_refused(pki, pki.leaf("rank-1", {"rank-1.job-a"}, -48, -1), "certificate has expired");
 }
 
 TEST(Tls, NotYetValidCertificateRefused) {
   Pki pki;
-  auto server = context(pki.server, pki.ca);
-  auto [s, c] = try_client(server, context(pki.leaf("rank-1", {"rank-1.job-a"}, 24, 48), pki.ca));
-  EXPECT_HAS(s.error, "peer certificate refused: certificate is not yet valid");
-  EXPECT_FALSE(c.ok());
-  expect_accepts_good_peer(server, pki);
+  expect_refused(pki, pki.leaf("rank-1", {"rank-1.job-a"}, 24, 48), "certificate is not yet valid");
 }
 
 TEST(Tls, WrongPeerNameRefused) {
   Pki pki;
-  auto server = context(pki.server, pki.ca, "rank-1.job-a");
   // Same CA, another job's name: refused by name.
-  auto [s, c] = try_client(server, context(pki.leaf("rank-1", {"rank-1.job-b"}), pki.ca));
-  EXPECT_HAS(s.error, "peer certificate refused: hostname mismatch (expected the name 'rank-1.job-a')");
-  EXPECT_HAS(s.error, "CN=rank-1");
-  EXPECT_FALSE(c.ok());
-  // The client side checks names too: a server expected under another name is refused there.
-  auto [s2, c2] = try_client(context(pki.server, pki.ca), context(pki.client, pki.ca, "rank-7.job-a"));
-  EXPECT_HAS(c2.error, "peer certificate refused: hostname mismatch (expected the name 'rank-7.job-a')");
-  EXPECT_FALSE(s2.ok());
-  expect_accepts_good_peer(server, pki);
+  expect_refused(pki, pki.leaf("rank-1", {"rank-1.job-b"}), "hostname mismatch (expected the name 'rank-1.job-a')");
+  // The client checks names too: a server expected under another name is refused there.
+  auto [s, c] = try_client(context(pki.server, pki.ca), context(pki.client, pki.ca, "rank-7.job-a"));
+  EXPECT_HAS(c.error, "peer certificate refused: hostname mismatch (expected the name 'rank-7.job-a')");
+  EXPECT_FALSE(s.ok());
 }
 
 TEST(Tls, PlaintextClientRefusedAsNotTls) {
