@@ -157,18 +157,18 @@ def gather_shapes(t: torch.Tensor, tag: int, g: Group, what: str) -> List[tuple]
         raise ValueError(f"{what}: tensors of more than {MAX_DIMS} dims are not supported")
     n = g.size()
     meta = torch.zeros(n, MAX_DIMS + 2, dtype=torch.int64)
-    mine = meta[g._comm.rank]
-    mine[0] = t.dim()
-    mine[1] = tag
-    mine[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    # Written and read through a numpy view: a torch indexing op per field cost ~150 us a call,
+    # ten times the small allgather itself.
+    view = meta.numpy()
+    view[g._comm.rank, : 2 + t.dim()] = (t.dim(), tag, *t.shape)
     g._comm.allgather(address(meta), [MAX_DIMS + 2] * n, 5, False)
     shapes = []
-    for r in range(n):
-        d, c = int(meta[r, 0]), int(meta[r, 1])
+    for r, row in enumerate(view.tolist()):
+        d, c = row[0], row[1]
         if c != tag:
             raise TypeError(f"{what}: rank {g.ranks[r]} passed a tensor of another dtype than {t.dtype} "
                             f"(dtype tag {c} vs {tag})")
-        shapes.append(tuple(int(x) for x in meta[r, 2 : 2 + d]))
+        shapes.append(tuple(row[2 : 2 + d]))
     return shapes
 
 
