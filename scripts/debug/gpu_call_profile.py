@@ -197,8 +197,6 @@ def ddp(args, out: dict) -> None:
             out.setdefault("ddp", {})[f"{name}/{v}"] = dict(step_s=wall, profiler=table, cprofile=ptext)
             if v == "rumor" and name == args.models[0] and args.out:
                 p.export_chrome_trace(os.path.join(args.out, f"trace_{name}_rumor.json"))
-            if v == "rumor":
-                m.close() if hasattr(m, "close") else None
             del m, model, opt
             torch.cuda.empty_cache()
 

@@ -174,6 +174,9 @@ class _Nccl:
             with torch.cuda.device(self.gpu.device):
                 fn(*args, self.handle)
 
+    def _work(self, ev) -> _NcclWork:
+        return _NcclWork(self.comm, ev, time.monotonic() + self.timeout, self.what, self.gpu.watch)
+
     def done(self, nonblocking: bool, keep: tuple, finish):
         gpu = self.gpu
         ev = gpu.event()
@@ -192,11 +195,11 @@ class _Nccl:
             query = ev.query
             while not query():
                 if time.perf_counter() > spin_end:
-                    _NcclWork(self.comm, ev, time.monotonic() + self.timeout, self.what, gpu.watch).wait(self.timeout)
+                    self._work(ev).wait(self.timeout)
                     break
             gpu.recycle(ev)
             return finish()
-        work = _NcclWork(self.comm, ev, time.monotonic() + self.timeout, self.what, gpu.watch)
+        work = self._work(ev)
 
         def on_stream():
             # Handle.wait() may run under another current stream than the call's.
