@@ -180,6 +180,37 @@ def test_a_stream_costs_two_queries_a_look_however_many_ops_it_has():
         w.close()
 
 
+class _PassesWhenAsked(Event):
+    """The newest event of a stream, which passes right after its first query: the older ones
+    are then asked next and every one of them has passed."""
+
+    def query(self) -> bool:
+        self.queries += 1
+        passed, self.passed = self.passed, True
+        return passed
+
+
+def test_the_newest_op_passing_during_a_look_retires_the_whole_stream():
+    # The queue emptied inside the look raised IndexError in the watch thread, which aborted the
+    # communicator (CI, 2026-11-29: "deque index out of range" over the fake NCCL).
+    comm = Comm()
+    recycled = []
+    w = gpu_watch.StreamWatch(comm, "group", recycle=recycled.append, **FAST)
+    try:
+        older = [Event(passed=True) for _ in range(3)]
+        newest = _PassesWhenAsked()
+        for ev in older:
+            w.add("s", ev, 30.0, "allreduce")
+        w.add("s", newest, 30.0, "allreduce")
+        _until(lambda: w.pending() == 0)
+        w.add("s", Event(passed=True), 30.0, "broadcast")  # the stream's key is usable again
+        _until(lambda: w.pending() == 0)
+        assert w.error is None and comm.aborts == 0
+        assert recycled[:4] == older + [newest] and len(recycled) == 5
+    finally:
+        w.close()
+
+
 def test_drain_has_a_deadline_of_its_own():
     comm = Comm()
     w = gpu_watch.StreamWatch(comm, "group 3", **FAST)

@@ -161,12 +161,16 @@ class StreamWatch:
                     for op in q.ops:
                         self._recycle(op[_EVENT])
                 continue
-            while q.ops[0][_EVENT].query():
+            # The newest may pass while the older ones are asked: then the queue empties here.
+            while q.ops and q.ops[0][_EVENT].query():
                 event = q.ops[0][_EVENT]
                 q.pop()
                 retired += 1
                 if self._recycle is not None:
                     self._recycle(event)
+            if not q.ops:
+                del self._streams[key]
+                continue
             _, deadline, what, t0 = q.soonest()
             if now > deadline:  # _keep() forgets every pending op
                 raise CommTimeoutError(
