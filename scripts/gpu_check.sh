@@ -33,6 +33,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 DEPS=build/gpu-deps
+mkdir -p build  # a fresh checkout on the GPU machine has none (it is ignored, so not carried)
 OUT_DIR=${OUT:-build/gpu-check}
 JOBS=${JOBS:-$(nproc)}
 

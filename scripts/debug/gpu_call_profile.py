@@ -201,6 +201,63 @@ def ddp(args, out: dict) -> None:
             torch.cuda.empty_cache()
 
 
+def timing(args, out: dict) -> None:
+    """Step times only, interleaved rounds (medians), for variants that each test one suspect:
+    the model alone (the floor), torch DDP, rumor DDP as is, with a 0.1 ms GIL switch interval
+    (a thread holding the GIL delays the autograd thread's return from each op), and with every
+    bucket handed to the worker thread (no inline launch)."""
+    import statistics
+
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import rumor
+    from rumor.engine import device as engine_device
+    from rumor.testing import models
+
+    dev = torch.device("cuda", 0)
+    variants = ["alone", "torch", "rumor", "rumor-switch1e-4", "rumor-worker"]
+    for name in args.models:
+        batch = models.BATCH[name]
+        data = [tuple(x.to(dev) for x in models.batch(name, batch, step=i, shard=0, seed=0)) for i in range(4)]
+        runs = {}
+        for v in variants:
+            model = models.build(name, seed=0).to(dev)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            if v == "alone":
+                m = model
+            elif v == "torch":
+                m = TorchDDP(model, device_ids=[0])
+            else:
+                m = rumor.DistributedDataParallel(model, optimizer=opt)
+            runs[v] = (m, opt, model)
+        times = {v: [] for v in variants}
+        default_switch = sys.getswitchinterval()
+        for rnd in range(args.rounds + 1):
+            for v in variants:
+                m, opt, _ = runs[v]
+                sys.setswitchinterval(1e-4 if v == "rumor-switch1e-4" else default_switch)
+                engine_device.INLINE_LAUNCH = v != "rumor-worker"
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(args.steps):
+                    x, y = data[i % 4]
+                    opt.zero_grad()
+                    models.loss(m(x), y).backward()
+                    opt.step()
+                torch.cuda.synchronize()
+                if rnd:  # round 0 warms up
+                    times[v].append((time.perf_counter() - t0) / args.steps)
+        sys.setswitchinterval(default_switch)
+        engine_device.INLINE_LAUNCH = True
+        med = {v: statistics.median(t) for v, t in times.items()}
+        line = "  ".join(f"{v} {med[v] * 1e3:.3f}" for v in variants)
+        print(f"== timing {name} (ms/step, median of {args.rounds} rounds of {args.steps}): {line}; "
+              f"torch/rumor {med['torch'] / med['rumor']:.2f}x", flush=True)
+        out.setdefault("timing", {})[name] = {v: t for v, t in times.items()}
+        del runs
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
@@ -208,6 +265,9 @@ def main() -> int:
     p.add_argument("--models", nargs="*", default=["mlp25m", "cnn", "transformer"])
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--no-calls", action="store_true")
+    p.add_argument("--timing", action="store_true", help="step times of DDP variants only (see timing())")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
     torch.cuda.set_device(0)
     import rumor
@@ -215,9 +275,11 @@ def main() -> int:
     rumor.init()
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     out: dict = {"torch": torch.__version__}
-    if not args.no_calls:
+    if args.timing:
+        timing(args, out)
+    elif not args.no_calls:
         calls(args, out)
-    if not args.no_ddp:
+    if not args.no_ddp and not args.timing:
         ddp(args, out)
     if args.out:
         with open(os.path.join(args.out, "gpu_call_profile.json"), "w") as f:

@@ -398,9 +398,10 @@ def _nccl_past_deadline():
         torch.cuda.synchronize()
     try:
         rumor.allreduce_(x)
-        chk.check(False, "the aborted communicator refuses later calls")
-    except rumor.RumorError:
-        pass
+        refused = ""
+    except rumor.RumorError as e:
+        refused = str(e)
+    chk.check(refused != "", "the aborted communicator refuses later calls")
     rumor.shutdown()
     return chk.failures, chk.count
 

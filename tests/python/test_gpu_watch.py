@@ -251,6 +251,40 @@ def test_close_stops_the_thread_and_refuses_new_ops():
         w.add(0, Event(), 30.0, "allreduce")
 
 
+class _SlowAbortComm(Comm):
+    """NCCL's abort ends the kernels at once and returns later: meanwhile a synchronize has
+    returned and the caller's next call finds the communicator aborted."""
+
+    def __init__(self):
+        super().__init__()
+        self.aborting, self.release = threading.Event(), threading.Event()
+
+    def abort(self) -> None:
+        super().abort()
+        self.aborting.set()
+        assert self.release.wait(30.0)
+
+
+def test_a_call_made_while_the_abort_runs_raises_the_reason():
+    # On the H200 (2026-11-29) the call after the synchronize raised "the NCCL communicator is no
+    # longer usable (abort() was called)" without the op that had passed its deadline.
+    comm = _SlowAbortComm()
+    w = gpu_watch.StreamWatch(comm, "group", **FAST)
+    try:
+        w.add(0, Event(), 0.05, "allreduce of 8 float32")
+        assert comm.aborting.wait(10.0)
+        assert w.error is None  # kept only once the abort returned (drain and close wait for it)
+        with pytest.raises(CommTimeoutError, match=r"^broadcast: an earlier op queued on the GPU failed: "
+                           r"allreduce of 8 float32: not finished"):
+            w.raise_error("broadcast")
+        comm.release.set()
+        _until(lambda: w.error is not None)
+        assert comm.aborts == 1
+    finally:
+        comm.release.set()
+        w.close()
+
+
 def test_a_failing_abort_still_keeps_the_error():
     class BadAbort(Comm):
         def abort(self):

@@ -51,6 +51,7 @@ class StreamWatch:
         self._streams: Dict[object, _Queue] = {}  # stream key -> its pending ops
         self._count = 0
         self._error: Optional[BaseException] = None
+        self._failing: Optional[BaseException] = None  # being aborted for; kept once the abort returns
         self._stop = False
         self._thread: Optional[threading.Thread] = None
 
@@ -76,7 +77,7 @@ class StreamWatch:
 
     def raise_error(self, what: str) -> None:
         """Raises the error the watch met (an op past its deadline, an NCCL error), if any."""
-        err = self._error
+        err = self._error if self._error is not None else self._failing
         if err is not None:
             raise _later(err, what) from err
 
@@ -142,7 +143,12 @@ class StreamWatch:
                     pause = self._min_pause if retired else min(pause * 2, self._max_pause)
             if failed is not None:
                 # Aborted outside the lock (an abort may take a while; add() must not wait for
-                # it), and before the error is kept: whoever sees the error finds NCCL stopped.
+                # it), and before the error is kept: drain() and close() find NCCL stopped. The
+                # abort ends the kernels first, so a call made meanwhile (after a synchronize that
+                # just returned) finds the communicator aborted: it must raise this error, the
+                # reason, not the bare abort.
+                with self._cv:
+                    self._failing = failed
                 self._abort(failed)
                 with self._cv:
                     self._keep(failed)
