@@ -159,6 +159,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("port", &Context::port)
       .def_property_readonly("rejected_connections", &Context::rejected_connections)
       .def_property_readonly("pending_connections", &Context::pending_connections)
+      .def("set_sites", &Context::set_sites, py::arg("site_ids"),
+           "Every rank's site (RUMOR_SITE): hierarchical collectives group ranks by site, not host.")
       .def("set_peers", &Context::set_peers, py::arg("addresses"), py::arg("host_ids"),
            py::arg("owner_tags") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shm_tag", &Context::shm_tag)

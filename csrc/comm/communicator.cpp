@@ -49,6 +49,7 @@ constexpr size_t kRingMinPieceBytes = 64 * 1024;
 // Sub-communicators used by the hierarchical allreduce get ids that group ids never reach.
 constexpr uint64_t kLocalCommBit = 1ull << 48;
 constexpr uint64_t kLeaderCommBit = 2ull << 48;
+constexpr uint64_t kCrossCommBit = 4ull << 48;
 
 }  // namespace
 
@@ -67,17 +68,24 @@ Communicator::Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::strin
   shm_prefix_ = ctx_->shm_prefix() + "-c" + std::to_string(id_);
   channels_.resize(world_ranks_.size());
   if (!ctx_->host_ids().empty()) {
-    std::vector<std::string> hosts;
-    bool shared_host = false;
-    for (uint32_t w : world_ranks_) {
-      const std::string& h = ctx_->host_ids()[w];
-      if (std::find(hosts.begin(), hosts.end(), h) != hosts.end())
-        shared_host = true;
-      else
-        hosts.push_back(h);
-    }
-    all_local_ = hosts.size() == 1;
-    hierarchical_ = hosts.size() > 1 && shared_host;
+    // Distinct values of key(w) over the members, and whether one of them is shared.
+    auto groups = [this](auto key) {
+      std::vector<std::string> seen;
+      bool shared = false;
+      for (uint32_t w : world_ranks_) {
+        const std::string& k = key(w);
+        if (std::find(seen.begin(), seen.end(), k) != seen.end())
+          shared = true;
+        else
+          seen.push_back(k);
+      }
+      return std::pair{seen.size(), shared};
+    };
+    const auto [hosts, shared_host] = groups([this](uint32_t w) -> const std::string& { return ctx_->host_ids()[w]; });
+    all_local_ = hosts == 1;
+    // Hierarchical collectives group by site where sites are set (Context::group_key).
+    const auto [keys, shared_key] = groups([this](uint32_t w) -> const std::string& { return ctx_->group_key(w); });
+    hierarchical_ = keys > 1 && shared_key;
   }
   p2p_sent_.assign(world_ranks_.size(), 0);
   p2p_recv_.assign(world_ranks_.size(), 0);
@@ -425,21 +433,35 @@ size_t Communicator::small_bytes() const {
 void Communicator::ensure_hierarchy() {
   if (hierarchy_built_) return;
   hierarchy_built_ = true;
-  const auto& hosts = ctx_->host_ids();
-  const std::string& mine = hosts.at(ctx_->rank());
+  const std::string& mine = ctx_->group_key(ctx_->rank());
   std::vector<uint32_t> local, leaders;
+  std::vector<std::vector<uint32_t>> groups;  // members by host (or site), in order of first member
   std::vector<std::string> seen;
   for (uint32_t w : world_ranks_) {
-    if (hosts.at(w) == mine) local.push_back(w);
-    if (std::find(seen.begin(), seen.end(), hosts.at(w)) == seen.end()) {
-      seen.push_back(hosts.at(w));
+    const std::string& key = ctx_->group_key(w);
+    if (key == mine) local.push_back(w);
+    auto it = std::find(seen.begin(), seen.end(), key);
+    if (it == seen.end()) {
+      seen.push_back(key);
       leaders.push_back(w);
+      groups.push_back({w});
+    } else {
+      groups[static_cast<size_t>(it - seen.begin())].push_back(w);
     }
   }
   local_ = std::make_unique<Communicator>(ctx_, id_ | kLocalCommBit, name_ + "/local", local);
   is_leader_ = local.front() == ctx_->rank();
   if (is_leader_)
     leaders_ = std::make_unique<Communicator>(ctx_, id_ | kLeaderCommBit, name_ + "/leaders", leaders);
+  // Between sites every member can use its own slow link (allreduce_2d) when the sites are the
+  // same size; between hosts of one machine room the leaders' scheme stays (shared memory inside).
+  if (!ctx_->has_sites()) return;
+  for (const auto& g : groups)
+    if (g.size() != local.size()) return;
+  const size_t index = static_cast<size_t>(std::find(local.begin(), local.end(), ctx_->rank()) - local.begin());
+  std::vector<uint32_t> cross;
+  for (const auto& g : groups) cross.push_back(g[index]);
+  cross_ = std::make_unique<Communicator>(ctx_, id_ | kCrossCommBit, name_ + "/cross", cross);
 }
 
 Communicator& Communicator::local_comm() {
@@ -456,6 +478,7 @@ Communicator* Communicator::leaders_comm() {
 // broadcast inside the host. The network carries each byte once per host instead of per rank.
 void Communicator::allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op) {
   ensure_hierarchy();
+  if (cross_ && count >= local_->size()) return allreduce_2d(buf, count, dtype, op);
   const ReduceOp partial = op == ReduceOp::AVG ? ReduceOp::SUM : op;
   local_->reduce(buf, count, dtype, partial, 0);
   if (is_leader_) {
@@ -463,6 +486,26 @@ void Communicator::allreduce_hier(std::byte* buf, size_t count, DType dtype, Red
     if (op == ReduceOp::AVG) finish_average(buf, count, dtype, size());
   }
   local_->broadcast(buf, count, dtype, 0);
+}
+
+// Sites of m members each: reduce-scatter inside the site, allreduce each 1/m block with the
+// members of the same index in the other sites, allgather inside the site. Each member's own
+// slow link carries S/m (the leaders' scheme sends all S over one), and the fast links move
+// about what a ring would.
+void Communicator::allreduce_2d(std::byte* buf, size_t count, DType dtype, ReduceOp op) {
+  const ReduceOp partial = op == ReduceOp::AVG ? ReduceOp::SUM : op;
+  const uint32_t m = local_->size(), mine = local_->rank();
+  const size_t es = dtype_size(dtype);
+  std::vector<size_t> counts(m, count / m);
+  for (uint32_t i = 0; i < count % m; ++i) ++counts[i];
+  size_t offset = 0;
+  for (uint32_t i = 0; i < mine; ++i) offset += counts[i];
+  std::vector<std::byte> block(counts[mine] * es);
+  local_->reduce_scatter(buf, block.data(), counts, dtype, partial);
+  cross_->allreduce(block.data(), counts[mine], dtype, partial, AllreduceAlgo::kAuto);
+  if (op == ReduceOp::AVG) finish_average(block.data(), counts[mine], dtype, size());
+  std::memcpy(buf + offset * es, block.data(), block.size());
+  local_->allgather(buf, counts, dtype);
 }
 
 // ---- reduce_scatter / allgather --------------------------------------------------------------

@@ -138,6 +138,7 @@ class Communicator {
   void allreduce_ring(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
   void allreduce_rd(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
   void allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op);
+  void allreduce_2d(std::byte* buf, size_t count, DType dtype, ReduceOp op);
   void ring_reduce_scatter(std::byte* buf, std::span<const size_t> counts, DType dtype, ReduceOp op,
                            const net::OpInfo& info);
   void ring_allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);
@@ -175,6 +176,8 @@ class Communicator {
   // inside this communicator's operations, so they need no worker of their own.
   std::unique_ptr<Communicator> local_;
   std::unique_ptr<Communicator> leaders_;
+  // Sites only, when every site has as many members: the i-th member of each site (allreduce_2d).
+  std::unique_ptr<Communicator> cross_;
   bool hierarchy_built_ = false;
   std::string shm_prefix_;
   uint64_t next_arena_id_ = 0;

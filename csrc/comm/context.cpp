@@ -102,6 +102,16 @@ std::string Context::owned_name(const std::string& base, std::initializer_list<u
   return name;
 }
 
+void Context::set_sites(std::vector<std::string> site_ids) {
+  if (!site_ids.empty() && site_ids.size() != size_)
+    throw Error(ErrorKind::kInvalidArgument, "set_sites: expected " + std::to_string(size_) + " site ids, got " +
+                                                 std::to_string(site_ids.size()));
+  for (size_t r = 0; r < site_ids.size(); ++r)
+    if (site_ids[r].empty())
+      throw Error(ErrorKind::kInvalidArgument, "set_sites: rank " + std::to_string(r) + " has no site");
+  site_ids_ = std::move(site_ids);
+}
+
 void Context::set_peers(std::vector<std::string> addresses, std::vector<std::string> host_ids,
                         std::vector<std::string> owner_tags) {
   if (addresses.size() != size_ || host_ids.size() != size_ ||

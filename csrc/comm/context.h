@@ -85,6 +85,13 @@ class Context {
   void seal();
   const std::vector<std::string>& host_ids() const { return host_ids_; }
   bool same_host(uint32_t a, uint32_t b) const { return host_ids_.at(a) == host_ids_.at(b); }
+  // Sites (RUMOR_SITE): groups of hosts joined by fast links and set apart by slow ones, e.g. two
+  // datacenters. Where given, hierarchical collectives group ranks by site rather than by host,
+  // so a slow link carries each byte once per site. Empty (the default): no sites.
+  void set_sites(std::vector<std::string> site_ids);
+  bool has_sites() const { return !site_ids_.empty(); }
+  // What hierarchical collectives group rank r by: its site where sites are set, else its host.
+  const std::string& group_key(uint32_t r) const { return site_ids_.empty() ? host_ids_.at(r) : site_ids_.at(r); }
 
   // Builds the channel of communicator `comm_id` to world rank `peer`, blocking until the
   // peer's side exists or the deadline passes.
@@ -120,6 +127,7 @@ class Context {
   std::unique_ptr<net::Listener> listener_;
   std::vector<std::string> addresses_;
   std::vector<std::string> host_ids_;
+  std::vector<std::string> site_ids_;
   std::string own_tag_;
   std::vector<std::string> owner_tags_;
   net::ShmSegment own_bell_seg_;

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass
+from typing import Optional
 
 from . import _secret
 from ._env import env_int
@@ -90,6 +91,34 @@ def host_id() -> str:
     except OSError:
         netns = ""
     return f"{socket.gethostname()}|{netns}"
+
+
+_MAX_SITE = 256
+
+
+def site_id() -> str:
+    """This rank's site (RUMOR_SITE; "" when unset): hosts that share fast links, e.g. one
+    datacenter. Hierarchical collectives then group ranks by site (docs/wan.md)."""
+    site = os.environ.get("RUMOR_SITE", "").strip()
+    if len(site) > _MAX_SITE or "\0" in site:
+        raise ValueError(f"RUMOR_SITE must be at most {_MAX_SITE} characters, without NUL; got {len(site)} characters")
+    return site
+
+
+def apply_sites(ctx, entries, what: str = "rumor.init()") -> Optional[str]:
+    """Gives the context every rank's site, if any rank has one; all of them or none must, else
+    the error to raise, which every rank finds alike in the table. The caller raises it only
+    after its first barrier: rank 0 may hold the store, and the others still read the table."""
+    sites = [e[4] for e in entries]
+    if not any(sites):
+        return None
+    missing = [r for r, s in enumerate(sites) if not s]
+    if missing:
+        have = [r for r, s in enumerate(sites) if s]
+        return (f"{what}: RUMOR_SITE is set on rank(s) {have[:8]} but not on rank(s) {missing[:8]}: "
+                "set it on every rank or on none")
+    ctx.set_sites(sites)
+    return None
 
 
 def fault_point(point: str) -> None:
@@ -176,7 +205,7 @@ class _Stale(Exception):
     """The token this rank read belongs to an earlier attempt; read it again."""
 
 
-_PEER_FIELDS = 4  # nonce, "address:port", host id, shm tag
+_PEER_FIELDS = 5  # nonce, "address:port", host id, shm tag, site ("" for none)
 
 
 _UNAUTH_WARNED = False
@@ -216,8 +245,9 @@ def valid_entry(e, rank: int) -> bool:
     a port in range, no path separator in the shm tag (it becomes part of a file name)."""
     if not isinstance(e, list) or len(e) != _PEER_FIELDS or not all(isinstance(x, str) for x in e):
         return False
-    nonce, addr, host, tag = e
-    if len(nonce) > 64 or len(host) > 1024 or len(tag) > 256 or "/" in tag or "\0" in tag:
+    nonce, addr, host, tag, site = e
+    if (len(nonce) > 64 or len(host) > 1024 or len(tag) > 256 or "/" in tag or "\0" in tag
+            or len(site) > _MAX_SITE):
         return False
     h, sep, port = addr.rpartition(":")
     return bool(sep) and bool(h) and len(h) <= 255 and port.isdigit() and 0 < int(port) < 65536
@@ -267,7 +297,7 @@ def exchange(store, env: Env, timeout: float, make_ctx, host: str, advertise: st
         fault_point("init:context")
         store.set("token", t)
         keys = [f"{t}/peer/{r}" for r in range(env.size)]
-        entries = [["", f"{advertise}:{ctx.port}", host, ctx.shm_tag]]
+        entries = [["", f"{advertise}:{ctx.port}", host, ctx.shm_tag, site_id()]]
         for r in range(1, env.size):
             wait_key(store, keys[r], deadline, f"waiting for rank {r} of {env.size} to join")
         for r, raw in enumerate(store.multi_get(keys[1:]), start=1):
@@ -292,7 +322,7 @@ def exchange(store, env: Env, timeout: float, make_ctx, host: str, advertise: st
         nonce = os.urandom(8).hex()
         fault_point("init:context")
         store.set(f"{t}/peer/{env.rank}",
-                  seal(skey, f"peer/{env.rank}", [nonce, f"{advertise}:{ctx.port}", host, ctx.shm_tag]))
+                  seal(skey, f"peer/{env.rank}", [nonce, f"{advertise}:{ctx.port}", host, ctx.shm_tag, site_id()]))
 
         def token_changed(t=t):
             if store.get("token").decode() != t:

@@ -161,10 +161,12 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
 
         ctx, token, entries = _rendezvous.exchange(store, env, timeout, make_ctx, host, advertise, js)
         addresses, hosts = [e[1] for e in entries], [e[2] for e in entries]
+    site_error = None
     if env.size == 1:
         ctx.set_peers(addresses, hosts)
     else:
         ctx.set_peers(addresses, hosts, [e[3] for e in entries])
+        site_error = _rendezvous.apply_sites(ctx, entries)
     _rendezvous.fault_point("init:peers")
 
     order: List[str] = []
@@ -176,6 +178,8 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     # Once every rank has mapped its local peers' doorbells (set_peers), the names can go.
     world_comm.barrier(False)
     ctx.seal()
+    if site_error:
+        raise ValueError(site_error)
     _state = _State(
         env=env,
         ctx=ctx,

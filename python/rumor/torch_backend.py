@@ -1159,6 +1159,7 @@ def _create(opts, backend_options=None):
     env = _rendezvous.Env(rank, size, master, 0, source)
     copts = _core_options(timeout)
     host = _rendezvous.host_id()
+    site_error = None
     if size == 1:
         ctx = _C.Context(0, 1, os.urandom(16), copts, 0)
         ctx.set_peers([f"127.0.0.1:{ctx.port}"], [host])
@@ -1174,10 +1175,13 @@ def _create(opts, backend_options=None):
 
         ctx, _token, entries = _rendezvous.exchange(store, env, timeout, make_ctx, host, advertise, js)
         ctx.set_peers([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries])
+        site_error = _rendezvous.apply_sites(ctx, entries, "init_process_group(backend='rumor')")
     pg = RumorProcessGroup(ctx, rank, size, timeout, list(opts.global_ranks_in_group or []), store=store)
     # Every rank must have mapped its local peers' shared memory before the names can go.
     pg._comm.barrier(False)
     ctx.seal()
+    if site_error:
+        raise ValueError(site_error)
     return pg
 
 

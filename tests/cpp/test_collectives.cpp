@@ -63,6 +63,49 @@ TEST_P(Collectives, AllreduceAllAlgorithmsAndSizes) {
   expect_all_ok(errs);
 }
 
+// Sites (RUMOR_SITE) group hosts for the hierarchical allreduce: equal sites take the 2-D path
+// (reduce-scatter in the site, allreduce across, allgather), here over mixed shared memory and
+// TCP inside a site; counts below the site size, and unequal sites, take one leader per site.
+TEST(Sites, HierarchicalAllreduceGroupsBySite) {
+  struct Case {
+    std::vector<std::string> hosts, sites;
+  };
+  for (const Case& cs : {Case{{"h0", "h0", "h1", "h2", "h3", "h3"}, {"x", "x", "x", "y", "y", "y"}},
+                         Case{{"h0", "h1", "h2", "h3"}, {"x", "y", "x", "y"}},
+                         Case{{"h0", "h0", "h1", "h2"}, {"x", "x", "x", "y"}}}) {
+    auto w = make_world(cs.hosts, quick_options(true));
+    for (auto& c : w.ctx) c->set_sites(cs.sites);
+    const uint32_t size = static_cast<uint32_t>(cs.hosts.size());
+    auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+      for (size_t count : {size_t{1}, size_t{2}, size_t{7}, size_t{1023}, size_t{100003}}) {
+        for (ReduceOp op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
+          std::vector<float> buf(count);
+          for (size_t i = 0; i < count; ++i) buf[i] = input(r, i) * static_cast<float>(size);
+          c.allreduce(buf.data(), count, DType::F32, op, AllreduceAlgo::kHierarchical);
+          for (size_t i = 0; i < count; ++i) {
+            float want = 0.0f;
+            for (uint32_t q = 0; q < size; ++q) {
+              const float v = input(q, i) * static_cast<float>(size);
+              want = op == ReduceOp::MAX ? (q == 0 ? v : std::max(want, v)) : want + v;
+            }
+            if (op == ReduceOp::AVG) want /= static_cast<float>(size);
+            ASSERT_EQ(buf[i], want) << "count " << count << " i " << i << " op " << op_name(op) << " rank " << r;
+          }
+        }
+      }
+    });
+    expect_all_ok(errs);
+  }
+}
+
+TEST(Sites, RefusesAWrongCountOrAnEmptySite) {
+  auto w = make_world(one_host(2), quick_options(false));
+  EXPECT_THROW(w.ctx[0]->set_sites({"x"}), Error);
+  EXPECT_THROW(w.ctx[0]->set_sites({"x", ""}), Error);
+  EXPECT_NO_THROW(w.ctx[0]->set_sites({}));
+  EXPECT_FALSE(w.ctx[0]->has_sites());
+}
+
 // Large enough that the ring sends each block in several pieces (quick_options' striping
 // threshold is 256 KiB), with an odd count so blocks and pieces are uneven; AVG divides each
 // piece of the owner's block once.

@@ -407,6 +407,66 @@ def test_allreduce_algorithms_emulated_hosts(hosts):
     harness.assert_no_failures(res)
 
 
+def sites_rank(key: str, hosts, sites):
+    import rumor
+    import torch
+    from rumor import timeline
+
+    failures, count = algorithms_rank(key, hosts)
+    chk = Checker()
+    n, r = rumor.size(), rumor.rank()
+    x = torch.full((100003,), float(r))
+    rumor.allreduce_(x, rumor.ReduceOp.AVG, algorithm="hierarchical")
+    chk.equal(x, torch.full_like(x, sum(range(n)) / n), f"[{key}] hierarchical AVG over sites")
+    steps = [(rec["name"], rec["comm"]) for rec in timeline.flight_records()]
+    steps = steps[max(i for i, s in enumerate(steps) if s == ("allreduce", "world")) + 1:]
+    mine = sites[r]
+    equal = len({sites.count(s) for s in sites}) == 1
+    if equal:  # every member carries its own block across: reduce-scatter, cross allreduce, allgather
+        want = [("reduce_scatter", "world/local"), ("allreduce", "world/cross"), ("allgather", "world/local")]
+    else:  # one leader per site
+        leader = sites.index(mine) == r
+        alone = sites.count(mine) == 1  # a group of one records no op of its own
+        want = [("reduce", "world/local")] + ([("allreduce", "world/leaders")] if leader else []) + [
+            ("broadcast", "world/local")]
+        if alone:
+            want = [w for w in want if w[1] != "world/local"]
+    chk.check(steps == want, f"[{key}] rank {r} of site {mine}: the hierarchical allreduce ran {steps}, expected {want}")
+    return failures + chk.failures, count + chk.count
+
+
+@pytest.mark.parametrize("sites", [["a", "a", "b", "b"], ["a", "b", "a", "b"], ["a", "a", "a", "b"]],
+                         ids=["2x2", "interleaved", "3+1"])
+def test_allreduce_algorithms_over_sites(sites):
+    """RUMOR_SITE groups hosts (one rank each here, so every link is TCP) joined by fast links:
+    hierarchical allreduce then groups by site instead of host. Sites of equal size reduce-scatter
+    inside the site, allreduce each block with the same member of the other sites, and allgather;
+    otherwise one leader per site carries the whole buffer."""
+    n = len(sites)
+    hosts = [f"h{r}" for r in range(n)]
+    res = harness.run(sites_rank, n, timeout=240, env={"RUMOR_TIMEOUT": "15"},
+                      rank_env=[{"RUMOR_HOST_ID": h, "RUMOR_SITE": s} for h, s in zip(hosts, sites)],
+                      args=(f"sites{''.join(sites)}", hosts, sites))
+    harness.assert_no_failures(res)
+
+
+def _site_on_some_ranks():
+    import rumor
+
+    try:
+        rumor.init()
+    except ValueError as e:
+        return str(e)
+    rumor.shutdown()
+    return "init succeeded"
+
+
+def test_a_site_on_some_ranks_only_is_refused_by_every_rank():
+    res = harness.run(_site_on_some_ranks, 3, timeout=120, rank_env=[{"RUMOR_SITE": "a"}, {}, {"RUMOR_SITE": "b"}])
+    for msg in res:
+        assert "RUMOR_SITE is set on rank(s) [0, 2] but not on rank(s) [1]" in msg, msg
+
+
 # ---- non-contiguous tensors ----------------------------------------------------------------------
 
 def noncontiguous_rank(key: str):

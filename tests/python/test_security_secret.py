@@ -255,7 +255,7 @@ def test_a_tampered_table_is_refused():
             if "token" in store.d and not any("/peer/1" in k for k in store.d):
                 t = store.d["token"].decode()
                 key = js.key("store", bytes.fromhex(t))
-                store.set(f"{t}/peer/1", rdv.seal(key, "peer/1", ["ab", "127.0.0.1:40001", "h1", "1.2"]))
+                store.set(f"{t}/peer/1", rdv.seal(key, "peer/1", ["ab", "127.0.0.1:40001", "h1", "1.2", ""]))
             time.sleep(0.01)
         t = store.d["token"].decode()
         body, mac = json.loads(store.d[f"{t}/table"])
@@ -269,10 +269,11 @@ def test_a_tampered_table_is_refused():
 
 
 @pytest.mark.parametrize("entry", [
-    ["n", "nohost", "h", "t"], ["n", "h:99999", "h", "t"], ["n", "h:1", "h", "../../x"], ["n", "h:1", "h"],
-    ["n", "h:1", "h", 5], "x",
-], ids=["no-port", "port-range", "tag-path", "short", "not-str", "not-list"])
+    ["n", "nohost", "h", "t", ""], ["n", "h:99999", "h", "t", ""], ["n", "h:1", "h", "../../x", ""],
+    ["n", "h:1", "h", "t"], ["n", "h:1", "h", 5, ""], ["n", "h:1", "h", "t", "s" * 257], "x",
+], ids=["no-port", "port-range", "tag-path", "short", "not-str", "site-too-long", "not-list"])
 def test_malformed_entries_are_refused(entry):
+    assert rdv.valid_entry(["n", "h:1", "h", "t", "site-a"], 1)
     assert not rdv.valid_entry(entry, 1)
 
 
