@@ -4,13 +4,21 @@
 // gets a TUN device (created here by entering the namespace with setns, the fd kept by this
 // process, which itself stays in the namespace it was started in), the host routes its peers'
 // addresses through it, and this process holds each packet until its departure time before
-// writing it into the destination host's TUN, or drops it. Rate shaping stays with tc (a tbf on
-// the TUN's egress inside the host), so a link can have both.
+// writing it into the destination host's TUN, or drops it. A host's own rate stays with tc (a tbf
+// on the TUN's egress inside the host), so a link can have both. Links whose rates differ per
+// pair (two sites: fast inside, slow between) are --rate-bps: each pair is a wire of its own
+// that sends one packet after the other at its rate, behind a queue of its own.
 //
 // Usage (rumor.testing.netns builds this command line):
 //   rumor-wanem --host /run/netns/A=10.213.0.1 --host /run/netns/B=10.213.0.2 ...
 //               --delay-us D00,D01,...   one-way delay per (src,dst), row-major, N*N values
 //               [--jitter-us J00,...] [--loss P00,...] [--jitter-dist uniform|normal] [--reorder]
+//               [--rate-bps R00,...]     per-pair link rate in bits/s (0: none), with a drop-tail
+//               [--rate-queue-bytes Q00,...]  queue per pair (default: its bandwidth-delay product,
+//                                        256 KiB at least)
+//               [--wire-of W00,...]      per pair: the wire it goes over (default: its own); pairs
+//                                        given one wire share its rate and queue, e.g. a host's
+//                                        one uplink to every host of another site
 //               [--ifname wan0] [--seed S] [--max-queue-bytes B] [--parent-pid PID] [--no-realtime]
 //               [--spin-us US]
 // Prints "ready" on stdout once every TUN exists; on SIGUSR1 prints one JSON line of counters;
@@ -74,6 +82,9 @@ struct Options {
   std::vector<uint32_t> ips;       // host addresses, network byte order
   std::vector<int64_t> delay_ns, jitter_ns;
   std::vector<double> loss;
+  std::vector<double> rate_bps;        // per pair; 0: no wire of its own
+  std::vector<int64_t> rate_queue;     // per pair: bytes its wire may hold waiting
+  std::vector<int64_t> wire_of;        // per pair: its wire (pairs may share one)
   bool normal = false;
   bool reorder = false;
   std::string ifname = "wan0";
@@ -128,6 +139,12 @@ Options parse_args(int argc, char** argv) {
       delay_us = parse_list<int64_t>(a, value(), to_i64);
     } else if (a == "--jitter-us") {
       jitter_us = parse_list<int64_t>(a, value(), to_i64);
+    } else if (a == "--rate-bps") {
+      o.rate_bps = parse_list<double>(a, value(), to_f64);
+    } else if (a == "--wire-of") {
+      o.wire_of = parse_list<int64_t>(a, value(), to_i64);
+    } else if (a == "--rate-queue-bytes") {
+      o.rate_queue = parse_list<int64_t>(a, value(), to_i64);
     } else if (a == "--loss") {
       o.loss = parse_list<double>(a, value(), to_f64);
     } else if (a == "--jitter-dist") {
@@ -160,6 +177,7 @@ Options parse_args(int argc, char** argv) {
   if (delay_us.empty()) delay_us.assign(nn, 0);
   if (jitter_us.empty()) jitter_us.assign(nn, 0);
   if (o.loss.empty()) o.loss.assign(nn, 0.0);
+  if (o.rate_bps.empty()) o.rate_bps.assign(nn, 0.0);
   auto check_size = [&](const char* flag, size_t got) {
     if (got != nn)
       die(std::string(flag) + ": expected " + std::to_string(nn) + " values (" + std::to_string(n) + " hosts squared), got " +
@@ -168,11 +186,40 @@ Options parse_args(int argc, char** argv) {
   check_size("--delay-us", delay_us.size());
   check_size("--jitter-us", jitter_us.size());
   check_size("--loss", o.loss.size());
+  check_size("--rate-bps", o.rate_bps.size());
+  if (!o.rate_queue.empty()) check_size("--rate-queue-bytes", o.rate_queue.size());
+  if (o.wire_of.empty())
+    for (size_t k = 0; k < nn; ++k) o.wire_of.push_back(static_cast<int64_t>(k));
+  check_size("--wire-of", o.wire_of.size());
   for (size_t k = 0; k < nn; ++k) {
     if (delay_us[k] < 0 || jitter_us[k] < 0) die("delays and jitters must be >= 0");
     if (!(o.loss[k] >= 0.0 && o.loss[k] <= 1.0)) die("--loss values must be in [0, 1]");
+    if (!(o.rate_bps[k] >= 0.0)) die("--rate-bps values must be >= 0");
     o.delay_ns.push_back(delay_us[k] * 1000);
     o.jitter_ns.push_back(jitter_us[k] * 1000);
+  }
+  if (o.rate_queue.empty()) {
+    // A router's buffer of one bandwidth-delay product (the round trip of the pair), and at least
+    // four of the largest packets (the TUN's MTU may be 64 KiB: one packet must not fill it).
+    for (size_t k = 0; k < nn; ++k) {
+      const size_t back = (k % n) * n + k / n;
+      const double rtt_s = static_cast<double>(o.delay_ns[k] + o.delay_ns[back]) * 1e-9;
+      o.rate_queue.push_back(std::max<int64_t>(256 * 1024, static_cast<int64_t>(o.rate_bps[k] / 8 * rtt_s)));
+    }
+    // A shared wire has one queue: the largest its pairs would have had.
+    for (size_t k = 0; k < nn; ++k)
+      for (size_t j = 0; j < nn; ++j)
+        if (o.wire_of[j] == o.wire_of[k]) o.rate_queue[k] = std::max(o.rate_queue[k], o.rate_queue[j]);
+  }
+  for (int64_t q : o.rate_queue)
+    if (q <= 0) die("--rate-queue-bytes values must be > 0");
+  for (size_t k = 0; k < nn; ++k) {
+    if (o.wire_of[k] < 0 || o.wire_of[k] >= static_cast<int64_t>(nn))
+      die("--wire-of values must be in 0..hosts^2-1");
+    for (size_t j = 0; j < k; ++j)
+      if (o.wire_of[j] == o.wire_of[k] && (o.rate_bps[j] != o.rate_bps[k] || o.rate_queue[j] != o.rate_queue[k]))
+        die("--wire-of: pairs " + std::to_string(j) + " and " + std::to_string(k) +
+            " share a wire but not its rate and queue");
   }
   return o;
 }
@@ -218,7 +265,8 @@ class Forwarder {
  public:
   Forwarder(Options opt, std::vector<Fd> tuns)
       : o_(std::move(opt)), n_(static_cast<int>(o_.ips.size())), tuns_(std::move(tuns)), rng_(o_.seed),
-        last_due_(static_cast<size_t>(n_) * n_, 0), forwarded_(last_due_.size(), 0), lost_(last_due_.size(), 0) {}
+        last_due_(static_cast<size_t>(n_) * n_, 0), wire_free_(last_due_.size(), 0), forwarded_(last_due_.size(), 0),
+        lost_(last_due_.size(), 0), rate_drops_(last_due_.size(), 0) {}
 
   // Reads up to kBatch packets waiting on host src's TUN and queues (or drops) them. Bounded:
   // a sender that keeps the TUN busy must not hold back the release of due packets.
@@ -250,7 +298,22 @@ class Forwarder {
         give_buffer(std::move(buf));
         continue;
       }
-      int64_t due = now_ns() + delay_of(pair);
+      const int64_t now = now_ns();
+      int64_t sent = now;  // when its last bit has left (the pair's wire, if it has one)
+      if (o_.rate_bps[pair] > 0.0) {
+        const double bps = o_.rate_bps[pair];
+        int64_t& wire_free = wire_free_[static_cast<size_t>(o_.wire_of[pair])];
+        const int64_t backlog_ns = std::max<int64_t>(0, wire_free - now);
+        if (static_cast<double>(backlog_ns) * 1e-9 * bps / 8 + static_cast<double>(len) >
+            static_cast<double>(o_.rate_queue[pair])) {
+          ++rate_drops_[pair];  // the pair's queue is full: tail drop, as its router would
+          give_buffer(std::move(buf));
+          continue;
+        }
+        sent = std::max(now, wire_free) + static_cast<int64_t>(static_cast<double>(len) * 8e9 / bps);
+        wire_free = sent;
+      }
+      int64_t due = sent + delay_of(pair);
       // Without --reorder a packet never overtakes an earlier one of the same pair (jitter then
       // delays a burst's tail instead of shuffling it, as TCP would see on a real path).
       if (!o_.reorder) due = std::max(due, last_due_[pair]);
@@ -295,7 +358,8 @@ class Forwarder {
 
   void print_stats() const {
     std::string s = "{\"hosts\": " + std::to_string(n_) + ", \"forwarded\": " + matrix(forwarded_) +
-                    ", \"lost\": " + matrix(lost_) + ", \"overflow\": " + std::to_string(overflow_) +
+                    ", \"lost\": " + matrix(lost_) + ", \"rate_drops\": " + matrix(rate_drops_) +
+                    ", \"overflow\": " + std::to_string(overflow_) +
                     ", \"unroutable\": " + std::to_string(unroutable_) + ", \"write_errors\": " +
                     std::to_string(write_errors_) + ", \"queued\": " + std::to_string(queue_.size()) +
                     ", \"released\": " + std::to_string(released_) + ", \"late_mean_us\": " +
@@ -351,7 +415,8 @@ class Forwarder {
   std::priority_queue<Packet, std::vector<Packet>, Later> queue_;
   std::vector<std::vector<uint8_t>> pool_;
   std::vector<int64_t> last_due_;
-  std::vector<uint64_t> forwarded_, lost_;
+  std::vector<int64_t> wire_free_;  // per wire: when it has sent everything queued on it
+  std::vector<uint64_t> forwarded_, lost_, rate_drops_;
   uint64_t seq_ = 0, overflow_ = 0, unroutable_ = 0, write_errors_ = 0, released_ = 0;
   size_t queued_bytes_ = 0;
   int64_t late_sum_ns_ = 0, late_max_ns_ = 0;

@@ -143,6 +143,66 @@ def test_tcp_through_delay_jitter_loss_and_rate_is_intact():
     assert st["lost"][0][1] + st["lost"][1][0] > 0  # the transfer did go through losses
 
 
+def test_parse_rate_bps():
+    assert netns.parse_rate_bps("100mbit") == 100e6 and netns.parse_rate_bps("1gbit") == 1e9
+    assert netns.parse_rate_bps(5e6) == 5e6 and netns.parse_rate_bps("512kbit") == 512e3
+    for bad in ("fast", "-1mbit", -5):
+        with pytest.raises(ValueError):
+            netns.parse_rate_bps(bad)
+    c = netns.Cluster(3, link_rate=lambda i, j: "1gbit" if i // 2 == j // 2 else "100mbit")
+    assert c.wan and c.link_rates[0][1] == 1e9 and c.link_rates[0][2] == 100e6 and c.link_rates[1][1] == 0.0
+    # Host 0's pairs to 1 and 2 share one wire; every other pair has its own.
+    c = netns.Cluster(3, link_rate="10mbit", link_wire=lambda i, j: ("up", i) if i == 0 else (i, j))
+    assert c.link_wires[0 * 3 + 2] == c.link_wires[0 * 3 + 1] == 1
+    assert len(set(c.link_wires)) == 9 - 1
+    with pytest.raises(ValueError, match="share wire"):
+        netns.Cluster(3, link_rate=[[0, 1e6, 2e6], [0, 0, 0], [0, 0, 0]], link_wire=lambda i, j: i)
+
+
+def test_a_pair_link_rate_paces_that_pair_only():
+    """Host 0 -> 1 has a 20 Mbit/s wire of its own: 2 MiB cannot arrive sooner than the wire
+    sends it (a bound that holds on any machine), every byte arrives, and the way back (no rate)
+    is untouched."""
+    _need_netns()
+    size = 2 << 20
+    want = hashlib.sha256(random.Random(7).randbytes(size)).hexdigest()
+    with netns.Cluster(2, delay="1ms", link_rate=[[0, "20mbit"], [0, 0]], wan_mtu=1500) as c:
+        sink = c.popen(1, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+        assert netns.read_line(sink, 30) == "ready"
+        t0 = time.monotonic()
+        c.run(0, [sys.executable, "-c", _SOURCE, c.ip(1), str(size)], timeout=60, check=True)
+        out, _ = sink.communicate(timeout=60)
+        took = time.monotonic() - t0
+        st = c.wan_stats()
+    n, digest = out.split()
+    assert int(n) == size and digest == want
+    assert took >= 0.95 * size * 8 / 20e6, took
+    assert st["rate_drops"][1][0] == 0 and st["lost"] == [[0, 0], [0, 0]]
+
+
+def test_pairs_on_one_wire_share_its_rate():
+    """Host 0 reaches hosts 1 and 2 over one 20 Mbit/s wire (an uplink): 1 MiB to each at once
+    cannot arrive sooner than the wire sends both; the forwarder drops nothing else."""
+    _need_netns()
+    size = 1 << 20
+    want = hashlib.sha256(random.Random(7).randbytes(size)).hexdigest()
+    with netns.Cluster(3, delay="1ms", link_rate=lambda i, j: "20mbit" if i == 0 else 0,
+                       link_wire=lambda i, j: "up" if i == 0 else (i, j), wan_mtu=1500) as c:
+        sinks = [c.popen(h, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True) for h in (1, 2)]
+        assert all(netns.read_line(s, 30) == "ready" for s in sinks)
+        t0 = time.monotonic()
+        sources = [c.popen(0, [sys.executable, "-c", _SOURCE, c.ip(h), str(size)]) for h in (1, 2)]
+        outs = [s.communicate(timeout=60)[0] for s in sinks]
+        took = time.monotonic() - t0
+        assert [p.wait(timeout=60) for p in sources] == [0, 0]
+        st = c.wan_stats()
+    for out in outs:
+        n, digest = out.split()
+        assert int(n) == size and digest == want
+    assert took >= 0.95 * 2 * size * 8 / 20e6, took
+    assert st["lost"] == [[0] * 3] * 3
+
+
 _LONG_LINK_RANK = r"""
 import os, torch, rumor
 rumor.init(timeout=60)

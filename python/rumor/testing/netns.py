@@ -165,6 +165,24 @@ def _pair_matrix(name: str, v: PairValue, n: int, conv: Callable[[Any], float]) 
     return [[0.0 if i == j else conv(get(i, j)) for j in range(n)] for i in range(n)]
 
 
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(bit|kbit|mbit|gbit)?\s*$", re.IGNORECASE)
+
+
+def parse_rate_bps(v: Union[float, int, str]) -> float:
+    """A link rate in bits/s: a number is bits/s, a str may carry tc's units ("100mbit",
+    "1gbit", "512kbit"). 0 means no rate of its own; negative rates are refused."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        r = float(v)
+    else:
+        m = _RATE_RE.match(str(v))
+        if not m:
+            raise ValueError(f"bad link rate {v!r} (examples: 100mbit, 1gbit, or bits/s as a number)")
+        r = float(m.group(1)) * {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[(m.group(2) or "bit").lower()]
+    if r < 0:
+        raise ValueError(f"a link rate must be >= 0, got {v!r}")
+    return r
+
+
 def _probability(v: Any) -> float:
     p = float(v)
     if not 0.0 <= p <= 1.0:
@@ -215,12 +233,19 @@ class Cluster:
     subnet:  the first three octets of the private /24; host i gets <subnet>.<i+1>.
     mtu:     MTU of the veth links.
     delay:   one-way delay of every pair ("50ms", 0.05), an H x H matrix of them (row = sender),
-             or a function (src, dst) -> delay. Any of delay / jitter / loss turns the WAN
+             or a function (src, dst) -> delay. Any of delay / jitter / loss / link_rate turns the WAN
              element on (module docstring); with none of them the cluster is as before.
     jitter:  added to each packet's delay, drawn per packet: uniform in `[-jitter, +jitter]` or
              normal with that standard deviation (jitter_dist), never making a delay negative.
              Same forms as delay.
     loss:    probability in `[0, 1]` that a packet of the pair is dropped; same forms as delay.
+    link_rate: the pair's own wire ("100mbit", bits/s as a number; 0 or None: none), same forms
+             as delay: links of different speeds, e.g. two sites, fast inside and slow between.
+             Each pair's packets leave one after the other at its rate, behind a drop-tail queue
+             of one bandwidth-delay product (256 KiB at least); `rate` (tbf) still shapes the host.
+    link_wire: which pairs share one wire (and its link_rate and queue): a label per pair, same
+             forms as delay (pairs with equal labels share; None: every pair its own), e.g. each
+             host's one uplink to every host of another site.
     jitter_dist: "uniform" (default) or "normal".
     reorder: let jitter reorder a pair's packets (default False: a packet leaves no earlier than
              the one sent before it on the same pair).
@@ -235,15 +260,19 @@ class Cluster:
     def __init__(self, hosts: int, rate: Optional[str] = None, *, burst: str = "256kb",
                  latency: str = "20ms", shape_switch_side: bool = False, subnet: str = "10.213.0",
                  mtu: int = 1500, delay: PairValue = None, jitter: PairValue = None,
-                 loss: PairValue = None, jitter_dist: str = "uniform", reorder: bool = False,
+                 loss: PairValue = None, link_rate: PairValue = None, link_wire: PairValue = None,
+                 jitter_dist: str = "uniform",
+                 reorder: bool = False,
                  wan_mtu: int = 65000, seed: int = 1, wan_spin_us: int = 50):
         if not 1 <= int(hosts) <= 250:
             raise ValueError(f"Cluster: hosts must be in 1..250, got {hosts}")
         self.n = int(hosts)
-        self.wan = any(v is not None for v in (delay, jitter, loss))
+        self.wan = any(v is not None for v in (delay, jitter, loss, link_rate))
         self.delays = _pair_matrix("delay", delay, self.n, parse_time)
         self.jitters = _pair_matrix("jitter", jitter, self.n, parse_time)
         self.losses = _pair_matrix("loss", loss, self.n, _probability)
+        self.link_rates = _pair_matrix("link_rate", link_rate, self.n, parse_rate_bps)
+        self.link_wires = self._wires(link_wire)
         if jitter_dist not in ("uniform", "normal"):
             raise ValueError(f"Cluster: jitter_dist must be 'uniform' or 'normal', got {jitter_dist!r}")
         if self.wan and shape_switch_side:
@@ -275,6 +304,25 @@ class Cluster:
         self._started = False
         self._closed = False
         self._old_handlers: Dict[int, object] = {}
+
+    def _wires(self, link_wire: PairValue) -> List[int]:
+        """Row-major wire index per pair: pairs with equal labels share the first one's index."""
+        n = self.n
+        if link_wire is None:
+            return list(range(n * n))
+        labels = _pair_matrix("link_wire", link_wire, n, lambda v: v)
+        first: Dict[Any, int] = {}
+        out = []
+        for i in range(n):
+            for j in range(n):
+                k = i * n + j
+                label = ("self", i) if i == j else labels[i][j]
+                idx = first.setdefault(label, k)
+                if self.link_rates[i][j] != self.link_rates[idx // n][idx % n]:
+                    raise ValueError(f"Cluster: pairs ({idx // n}, {idx % n}) and ({i}, {j}) share wire {label!r} "
+                                     "but not its link_rate")
+                out.append(idx)
+        return out
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -357,7 +405,9 @@ class Cluster:
         argv = [wanem_path(), "--ifname", self.wan_ifname, "--parent-pid", str(os.getpid()),
                 "--seed", str(self.seed), "--jitter-dist", self.jitter_dist, "--spin-us", str(self.wan_spin_us),
                 "--delay-us", us(self.delays), "--jitter-us", us(self.jitters),
-                "--loss", ",".join(repr(v) for row in self.losses for v in row)]
+                "--loss", ",".join(repr(v) for row in self.losses for v in row),
+                "--rate-bps", ",".join(repr(v) for row in self.link_rates for v in row),
+                "--wire-of", ",".join(str(w) for w in self.link_wires)]
         if self.reorder:
             argv.append("--reorder")
         for h in self.hosts:
