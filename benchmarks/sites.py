@@ -122,6 +122,9 @@ def main() -> int:
     ap.add_argument("--size", default="64MiB")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--no-slow-start-after-idle", action="store_true",
+                    help="set net.ipv4.tcp_slow_start_after_idle=0 in every emulated host (all variants): "
+                         "a connection idle between two allreduces then keeps its window, as WAN-tuned hosts do")
     _common.add_run_args(ap)
     args = ap.parse_args()
     if args.worker:
@@ -154,6 +157,9 @@ def main() -> int:
             print(f"sites: emulated hosts unavailable: {why}")
             return 1
         driver.cluster = netns.Cluster(n, **wan).start()
+        if args.no_slow_start_after_idle:
+            for h in range(n):
+                driver.cluster.run(h, ["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
         jobs = [SitesJob(args, on, os.path.abspath(__file__), args, n, driver.workdir, progress, i,
                          cluster=driver.cluster) for i, on in enumerate((True, False))]
         rc = _common.run_jobs(jobs, result, progress)
@@ -164,7 +170,8 @@ def main() -> int:
     _common.finish_meta(meta)
     med = {c["variant"]: statistics.median(c["samples"]) for c in result["cells"]}
     print(f"\n{k} sites x {m} hosts (1 rank each): inside {args.fast}/{args.fast_rtt}, between "
-          f"{args.slow}/{args.slow_rtt} per host uplink; allreduce {args.size} float32, {args.iters} iters")
+          f"{args.slow}/{args.slow_rtt} per host uplink; allreduce {args.size} float32, {args.iters} iters"
+          + ("; tcp_slow_start_after_idle=0" if args.no_slow_start_after_idle else ""))
     print(f"bounds: best schedule {best:.2f} s, flat ring {ring:.2f} s")
     print(f"{'variant':>12} | {'median s':>9} {'[min-max]':>15} | {'best/time':>9} | {'vs ring':>7} {'vs gloo':>7}")
     for c in result["cells"]:
