@@ -122,6 +122,8 @@ def main() -> int:
     ap.add_argument("--size", default="64MiB")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--jobs", default="sites,ring", help="which jobs: sites (RUMOR_SITE set), ring (rumor's "
+                    "flat ring and gloo), comma-separated")
     ap.add_argument("--no-slow-start-after-idle", action="store_true",
                     help="set net.ipv4.tcp_slow_start_after_idle=0 in every emulated host (all variants): "
                          "a connection idle between two allreduces then keeps its window, as WAN-tuned hosts do")
@@ -143,6 +145,9 @@ def main() -> int:
     wan = dict(delay=lambda i, j: fast_d if site(i) == site(j) else slow_d,
                link_rate=lambda i, j: args.fast if site(i) == site(j) else args.slow,
                link_wire=lambda i, j: (i, j) if site(i) == site(j) else ("uplink", i))
+    want_jobs = set(args.jobs.split(","))
+    if not want_jobs or not want_jobs <= {"sites", "ring"}:
+        ap.error(f"--jobs takes sites and/or ring, got {args.jobs!r}")
     S = args.size_bytes
     best = 2 * (k - 1) / k * S * 8 / (m * slow_bps)
     ring = 2 * (n - 1) / n * S * 8 / slow_bps
@@ -161,7 +166,8 @@ def main() -> int:
             for h in range(n):
                 driver.cluster.run(h, ["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
         jobs = [SitesJob(args, on, os.path.abspath(__file__), args, n, driver.workdir, progress, i,
-                         cluster=driver.cluster) for i, on in enumerate((True, False))]
+                         cluster=driver.cluster)
+                for i, on in enumerate(on for on, name in ((True, "sites"), (False, "ring")) if name in want_jobs)]
         rc = _common.run_jobs(jobs, result, progress)
         result["wan_stats"] = driver.cluster.wan_stats()
         return rc
