@@ -78,6 +78,26 @@ def rank_allreduce_once():
         rumor.shutdown()
 
 
+def rank_torch_backend_allreduce():
+    """The same settings through torch.distributed's "rumor" backend (torch_backend.py)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import harness
+    import rumor  # noqa: F401 (registers the backend)
+
+    dist.init_process_group("rumor", rank=harness.env_rank(), world_size=harness.env_world(),
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        t = torch.arange(5 * 1024 * 1024, dtype=torch.float32) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        return _digest(t)
+    finally:
+        dist.destroy_process_group()
+
+
 # ==== test side ===================================================================================
 
 def _pki(tmp_path):
@@ -131,6 +151,18 @@ def test_certificate_of_another_ca_fails_every_rank_naming_tls(tmp_path, foreign
     # The rank that checked the foreign certificate says so.
     checker = res[1 - foreign_rank]
     assert "certificate refused" in checker.error, checker.error
+
+
+def test_torch_backend_takes_the_tls_settings(tmp_path):
+    files = _pki(tmp_path)
+    plain = harness.run(rank_torch_backend_allreduce, 2, timeout=90, env=TCP)
+    tls = harness.run(rank_torch_backend_allreduce, 2, timeout=90, env=TCP,
+                      rank_env=[_tls_env(files, r) for r in range(2)])
+    assert tls == plain
+    # Proof that the backend's channels do run TLS: a foreign certificate is refused.
+    res = harness.run(rank_torch_backend_allreduce, 2, timeout=90, env=dict(TCP, RUMOR_TIMEOUT="10"), raw=True,
+                      rank_env=[_tls_env(files, r, foreign=r == 1) for r in range(2)])
+    assert not res[0].ok and "certificate refused" in res[0].error, res[0].error
 
 
 def test_incomplete_tls_settings_are_a_value_error(tmp_path):
