@@ -368,6 +368,7 @@ bool TcpChannel::progress_recv_tls(Part& p, Transfer& t, const OpInfo& op) {
 
 bool TcpChannel::progress(Transfer& t, const OpInfo& op) {
   bool moved = false;
+  const size_t done_before = t.bytes_done();
   for (size_t i = 0; i < t.nparts; ++i) {
     Part& p = t.parts[i];
     if (p.finished()) continue;
@@ -376,7 +377,9 @@ bool TcpChannel::progress(Transfer& t, const OpInfo& op) {
     else
       moved |= t.send ? progress_send(p, t, op) : progress_recv(p, t, op);
   }
-  if (moved) note_moved(t);
+  // Over TLS, handshake bytes and ciphertext not yet opened move too: they keep the op alive,
+  // but only bytes of the message say the peer has begun it (the progress deadline's start).
+  if (moved && (tls_.empty() || t.bytes_done() != done_before)) note_moved(t);
   return moved;
 }
 

@@ -326,5 +326,83 @@ TEST(TlsChannel, AlteredRecordFailsTheReceiveAsIntegrityAndDeliversNoAlteredByte
   EXPECT_LT(delivered, kLen);
 }
 
+struct TlsPair {
+  std::unique_ptr<net::TcpChannel> client, server;
+};
+
+TlsPair tls_pair(const Pki& pki) {
+  auto [c, s] = socket_pair();
+  auto make = [&](net::Fd fd, uint32_t rank, net::TlsRole role) {
+    net::TlsConfig cfg;
+    const auto me = pki.leaf(pki.ca, rank);
+    cfg.cert_pem = me.cert_pem;
+    cfg.key_pem = me.key_pem;
+    cfg.ca_pem = pki.ca.cert_pem;
+    std::vector<net::Fd> streams;
+    streams.push_back(std::move(fd));
+    std::vector<std::unique_ptr<net::TlsSession>> tls;
+    tls.push_back(std::make_unique<net::TlsSession>(std::make_shared<const net::TlsContext>(cfg), role,
+                                                    "rank " + std::to_string(1 - rank)));
+    return std::make_unique<net::TcpChannel>(std::move(streams), "rank " + std::to_string(1 - rank),
+                                             size_t{1} << 40, std::move(tls));
+  };
+  return {make(std::move(c), 1, net::TlsRole::kClient), make(std::move(s), 0, net::TlsRole::kServer)};
+}
+
+// The handshake's bytes are no part of a message: a receive during which only the handshake
+// moved has not begun, and a peer slow to start sending is not "stopped in the middle".
+TEST(TlsChannel, HandshakeAloneDoesNotStartTheProgressDeadline) {
+  Pki pki;
+  TlsPair ch = tls_pair(pki);
+  net::OpInfo op;
+  op.name = "recv";
+  op.comm = "world";
+  op.opcode = 9;
+  op.tag = 1;
+  op.timeout_s = 20;
+  op.stall_floor_s = 0.05;  // the limit is then ~1 s (net/stall.h, rate not measured yet)
+  const Deadline deadline = Deadline::after(20);
+  constexpr size_t kLen = 4 << 20;
+  std::vector<uint8_t> sent(kLen, 0x5a), got(kLen, 0);
+  std::string client_err;
+  std::thread client([&] {
+    // The client's side of the handshake runs under a receive that the server never sends
+    // (300 ms: a socketpair handshake takes milliseconds), then it waits past the stall limit
+    // before it sends its message: a peer slow to start.
+    std::vector<uint8_t> never(16);
+    net::Transfer idle = net::make_recv(0, never.data(), never.size());
+    ch.client->begin(idle, op);
+    const Deadline shaken = Deadline::after(0.3);
+    while (!shaken.expired()) {
+      if (ch.client->progress(idle, op)) continue;
+      std::vector<pollfd> fds;
+      ch.client->want(idle, fds);
+      ::poll(fds.data(), fds.size(), 10);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    net::Transfer t = net::make_send(0, sent.data(), kLen);
+    client_err = drive(*ch.client, t, op, deadline);
+  });
+  net::Transfer t = net::make_recv(1, got.data(), kLen);
+  std::string err;
+  try {
+    ch.server->begin(t, op);
+    while (!t.finished() && !deadline.expired()) {
+      ch.server->progress(t, op);
+      ch.server->check_stall(t, op, Clock::now());
+      std::vector<pollfd> fds;
+      ch.server->want(t, fds);
+      ::poll(fds.data(), fds.size(), 20);
+    }
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  client.join();
+  EXPECT_EQ(err, "");
+  EXPECT_EQ(client_err, "");
+  EXPECT_TRUE(t.finished());
+  EXPECT_EQ(got, sent);
+}
+
 }  // namespace
 }  // namespace rumor
