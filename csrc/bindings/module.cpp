@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "net/dial.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "net/tls.h"
 
 namespace py = pybind11;
 using namespace rumor;
@@ -133,7 +135,39 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("host_direct", &Options::host_direct)
       .def_readwrite("adaptive_deadline", &Options::adaptive_deadline)
       .def_readwrite("deadline_floor", &Options::deadline_floor_s)
-      .def_readwrite("flight_records", &Options::flight_records);
+      .def_readwrite("flight_records", &Options::flight_records)
+      .def_readwrite("tls_cert_pem", &Options::tls_cert_pem)
+      .def_readwrite("tls_key_pem", &Options::tls_key_pem)
+      .def_readwrite("tls_ca_pem", &Options::tls_ca_pem)
+      .def_readwrite("tls_peer_name", &Options::tls_peer_name);
+
+  // The PKI helpers of net/tls.h, for tests and for a launcher that makes a job's certificates.
+  // Valid from 5 minutes ago (clocks of a job's hosts differ a little) for valid_s seconds.
+  auto validity = [](double valid_s) {
+    const auto now = std::chrono::system_clock::now();
+    return std::pair{now - std::chrono::minutes(5),
+                     now + std::chrono::duration_cast<std::chrono::seconds>(std::chrono::duration<double>(valid_s))};
+  };
+  m.def(
+      "tls_make_ca",
+      [validity](const std::string& cn, double valid_s) {
+        const auto [from, to] = validity(valid_s);
+        auto c = net::make_ca(cn, from, to);
+        return py::make_tuple(py::bytes(c.cert_pem), py::bytes(c.key_pem));
+      },
+      py::arg("common_name"), py::arg("valid_s") = 86400.0,
+      "A self-signed EC P-256 CA: (cert_pem, key_pem) as bytes.");
+  m.def(
+      "tls_issue_certificate",
+      [validity](const py::bytes& ca_cert, const py::bytes& ca_key, const std::string& cn,
+                 const std::vector<std::string>& sans, double valid_s) {
+        const auto [from, to] = validity(valid_s);
+        auto c = net::issue_certificate({std::string(ca_cert), std::string(ca_key)}, cn, sans, from, to);
+        return py::make_tuple(py::bytes(c.cert_pem), py::bytes(c.key_pem));
+      },
+      py::arg("ca_cert"), py::arg("ca_key"), py::arg("common_name"), py::arg("sans"), py::arg("valid_s") = 86400.0,
+      "A leaf certificate signed by the CA (serverAuth and clientAuth; a subjectAltName per entry of sans): "
+      "(cert_pem, key_pem) as bytes.");
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("done", &Work::done)

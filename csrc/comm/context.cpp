@@ -69,6 +69,22 @@ Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options 
                                                  std::to_string(net::kMaxStreams) + "], got " +
                                                  std::to_string(options_.streams));
   if (options_.timeout_s <= 0) throw Error(ErrorKind::kInvalidArgument, "timeout must be positive");
+  if (options_.tls()) {
+    std::string missing;
+    for (auto [pem, name] : {std::pair{&options_.tls_cert_pem, "certificate (RUMOR_TLS_CERT)"},
+                             std::pair{&options_.tls_key_pem, "private key (RUMOR_TLS_KEY)"},
+                             std::pair{&options_.tls_ca_pem, "CA certificate (RUMOR_TLS_CA)"}})
+      if (pem->empty()) missing += std::string(missing.empty() ? "" : ", ") + name;
+    if (!missing.empty())
+      throw Error(ErrorKind::kInvalidArgument, "TLS needs this rank's certificate, its private key and the CA "
+                                               "certificate; missing: " + missing);
+    net::TlsConfig cfg;
+    cfg.cert_pem = options_.tls_cert_pem;
+    cfg.key_pem = options_.tls_key_pem;
+    cfg.ca_pem = options_.tls_ca_pem;
+    cfg.expected_peer_name = options_.tls_peer_name;
+    tls_ = std::make_shared<const net::TlsContext>(cfg);
+  }
   listener_ = std::make_unique<net::Listener>(key_, rank_, size_, port, bind);
   own_tag_ = process_tag();
   owner_tags_.assign(size_, own_tag_);
@@ -175,7 +191,19 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
                                              peer_doorbell(peer, deadline), desc, deadline);
   }
   std::vector<net::Fd> streams = sized_tcp_streams(comm_id, peer, deadline);
-  return std::make_unique<net::TcpChannel>(std::move(streams), desc, options_.stripe_min);
+  std::vector<std::unique_ptr<net::TlsSession>> sessions;
+  if (tls_) {
+    // Two proofs, both required: the HMAC handshake (net::dial / the listener) proved the job
+    // secret before any TLS byte; TLS proves the peer's certificate against the job's CA and
+    // encrypts and authenticates every byte after it. The channel runs the TLS handshakes inside
+    // its progress (see TcpChannel for why not here); the stream count sized_tcp_streams sent is
+    // the only payload byte outside TLS, behind the HMAC.
+    const std::string where = desc + " at " + addresses_[peer];
+    for (size_t s = 0; s < streams.size(); ++s)
+      sessions.push_back(std::make_unique<net::TlsSession>(
+          tls_, rank_ > peer ? net::TlsRole::kClient : net::TlsRole::kServer, where + " stream " + std::to_string(s)));
+  }
+  return std::make_unique<net::TcpChannel>(std::move(streams), desc, options_.stripe_min, std::move(sessions));
 }
 
 // The dialer measures the pair's round trip on the first stream (the kernel's sample of the

@@ -18,6 +18,7 @@
 #include "net/handshake.h"
 #include "net/listener.h"
 #include "net/shm.h"
+#include "net/tls.h"
 #include "trace/recorder.h"
 
 namespace rumor {
@@ -49,6 +50,14 @@ struct Options {
   bool host_direct = true;
   int spin_us = 20;                           // busy-poll this long before sleeping (latency vs. CPU)
   size_t flight_records = 64;                 // operations the flight recorder keeps (RUMOR_FLIGHT_RECORDER)
+  // TLS 1.3 on the TCP data channels between ranks (net/tls.h; RUMOR_TLS_CERT, RUMOR_TLS_KEY,
+  // RUMOR_TLS_CA name the PEM files, RUMOR_TLS_PEER_NAME the name every peer's certificate must
+  // carry). All three PEMs empty: TLS off. Shared memory within a host is not affected.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
+  std::string tls_ca_pem;
+  std::string tls_peer_name;
+  bool tls() const { return !tls_ca_pem.empty() || !tls_cert_pem.empty() || !tls_key_pem.empty(); }
 };
 
 class Context {
@@ -135,6 +144,8 @@ class Context {
   std::mutex bells_mu_;
   std::map<uint32_t, net::ShmSegment> peer_bells_;
   trace::Recorder recorder_;
+  // Built once from options_ when TLS is on; every channel's sessions share it.
+  std::shared_ptr<const net::TlsContext> tls_;
 };
 
 }  // namespace rumor

@@ -57,7 +57,13 @@ void check_header(const FrameHeader& h, const Part& p, const Transfer& t, const 
   auto fail = [&](const std::string& why) {
     throw Error(ErrorKind::kProtocol, op.where() + ": message from " + peer_desc + " " + why);
   };
-  if (h.magic != kFrameMagic) fail("has a corrupt frame header");
+  if (h.magic != kFrameMagic) {
+    // A TLS record starts with its type (handshake 22, alert 21, data 23) and version 3.x.
+    const auto* b = reinterpret_cast<const uint8_t*>(&h);
+    if (b[0] >= 21 && b[0] <= 23 && b[1] == 3)
+      fail("is a TLS record: that rank has TLS on and this one off (RUMOR_TLS_* must be set on every rank or none)");
+    fail("has a corrupt frame header");
+  }
   if (h.tag != op.tag || h.opcode != op.opcode)
     fail("belongs to op #" + std::to_string(h.tag) + " (opcode " + std::to_string(h.opcode) +
          "), but this rank is at op #" + std::to_string(op.tag) + " (opcode " + std::to_string(op.opcode) +

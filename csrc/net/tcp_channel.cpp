@@ -19,6 +19,9 @@ namespace {
 constexpr size_t kStageBytes = 256 * 1024;
 // Stripe boundaries stay multiples of this so that no element straddles two streams.
 constexpr size_t kStripeAlign = 64;
+// TLS: plaintext sealed per step (64 records of 16 KiB at most), and ciphertext read per recv().
+constexpr size_t kSealBytes = 1024 * 1024;
+constexpr size_t kTlsReadBytes = 256 * 1024;
 
 std::string fmt(const char* f, double v) {
   char b[64];
@@ -29,11 +32,17 @@ std::string fmt(const char* f, double v) {
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 }  // namespace
 
-TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min)
-    : streams_(std::move(streams)), peer_desc_(std::move(peer_desc)), stripe_min_(stripe_min) {
+TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min,
+                       std::vector<std::unique_ptr<TlsSession>> tls)
+    : streams_(std::move(streams)), peer_desc_(std::move(peer_desc)), stripe_min_(stripe_min), tls_(std::move(tls)) {
+  if (!tls_.empty() && tls_.size() != streams_.size())
+    throw Error(ErrorKind::kInvalidArgument, "TcpChannel to " + peer_desc_ + ": " + std::to_string(tls_.size()) +
+                                                 " TLS sessions for " + std::to_string(streams_.size()) + " streams");
   for (auto& s : streams_) set_nonblocking(s.get(), true);
   stage_.resize(streams_.size());
   staged_.assign(streams_.size(), 0);
+  sealed_hdr_.assign(streams_.size(), 0);
+  sealed_len_.assign(streams_.size(), 0);
   // The handshake (TCP's and the authentication's round trips) has just given the kernel its
   // first samples.
   connect_rtt_s_ = rtt_s();
@@ -131,6 +140,9 @@ void TcpChannel::fail_io(const Transfer& t, const OpInfo& op, int err, bool clos
                      (closed ? " closed the connection" : " connection failed (" + errno_string(err) + ")") +
                      " while this rank was " + (t.send ? "sending " : "receiving ") + std::to_string(t.len) +
                      " bytes (" + std::to_string(t.bytes_done()) + " done)";
+  // TLS 1.3 lets a client finish its handshake before the server has checked its certificate:
+  // a refusal can reach this end as a reset rather than as the server's alert.
+  if (!tls_.empty()) what += "; over TLS, so the peer may have refused this rank's certificate (see its error)";
   throw Error(ErrorKind::kPeerGone, what);
 }
 
@@ -177,17 +189,11 @@ bool TcpChannel::progress_recv(Part& p, Transfer& t, const OpInfo& op) {
     } else {
       auto& stage = stage_[p.stream];
       if (stage.empty()) stage.resize(kStageBytes);
-      size_t& staged = staged_[p.stream];
+      const size_t staged = staged_[p.stream];
       size_t want = std::min(kStageBytes - staged, p.len - p.done - staged);
       n = ::recv(fd, stage.data() + staged, want, MSG_DONTWAIT);
       if (n > 0) {
-        staged += static_cast<size_t>(n);
-        const size_t es = dtype_size(t.dtype);
-        size_t whole = staged / es * es;
-        reduce_into(t.data + p.offset + p.done, stage.data(), whole / es, t.dtype, t.op);
-        p.done += whole;
-        if (staged > whole) std::memmove(stage.data(), stage.data() + whole, staged - whole);
-        staged -= whole;
+        fold_staged(p, t, static_cast<size_t>(n));
         moved = true;
         continue;
       }
@@ -209,14 +215,171 @@ bool TcpChannel::progress_recv(Part& p, Transfer& t, const OpInfo& op) {
   return moved;
 }
 
+void TcpChannel::fold_staged(Part& p, Transfer& t, size_t n) {
+  auto& stage = stage_[p.stream];
+  size_t& staged = staged_[p.stream];
+  staged += n;
+  const size_t es = dtype_size(t.dtype);
+  size_t whole = staged / es * es;
+  reduce_into(t.data + p.offset + p.done, stage.data(), whole / es, t.dtype, t.op);
+  p.done += whole;
+  if (staged > whole) std::memmove(stage.data(), stage.data() + whole, staged - whole);
+  staged -= whole;
+}
+
+void TcpChannel::fail_tls(const Error& e, const OpInfo& op, size_t i) {
+  // A failed session may hold an alert that tells the peer why; it goes if the socket takes it now.
+  if (tls_[i]->pending_out() > 0) {
+    auto out = tls_[i]->peek_out();
+    [[maybe_unused]] ssize_t n = ::send(streams_[i].get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+  throw Error(e.kind(), op.where() + ": " + e.what());
+}
+
+bool TcpChannel::tls_flush_some(size_t i, const Transfer& t, const OpInfo& op, bool& moved) {
+  TlsSession& s = *tls_[i];
+  while (s.pending_out() > 0) {
+    auto out = s.peek_out();
+    ssize_t n = ::send(streams_[i].get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      if (errno == EINTR) continue;
+      fail_io(t, op, errno, errno == EPIPE || errno == ECONNRESET);
+    }
+    s.consume_out(static_cast<size_t>(n));
+    moved = true;
+  }
+  return true;
+}
+
+bool TcpChannel::tls_fill(size_t i, const Transfer& t, const OpInfo& op) {
+  if (rx_.empty()) rx_.resize(kTlsReadBytes);
+  while (true) {
+    ssize_t n = ::recv(streams_[i].get(), rx_.data(), rx_.size(), MSG_DONTWAIT);
+    if (n > 0) {
+      tls_[i]->feed(std::span<const uint8_t>(rx_.data(), static_cast<size_t>(n)));
+      return true;
+    }
+    if (n == 0) {
+      if (!tls_[i]->handshake_done())
+        throw Error(ErrorKind::kPeerGone,
+                    op.where() + ": " + peer_desc_ + " closed the connection during the TLS handshake (" +
+                        tls_[i]->waiting_for() + "): it refused this rank, or it has TLS off (RUMOR_TLS_* must be "
+                        "set on every rank or on none)");
+      fail_io(t, op, 0, true);
+    }
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+    if (errno == EINTR) continue;
+    fail_io(t, op, errno, errno == ECONNRESET);
+  }
+}
+
+bool TcpChannel::tls_ready(size_t i, const Transfer& t, const OpInfo& op, bool& moved) {
+  TlsSession& s = *tls_[i];
+  try {
+    while (true) {
+      if (!s.handshake_done()) s.handshake_step();
+      if (!tls_flush_some(i, t, op, moved)) return false;
+      if (s.handshake_done()) return true;
+      if (!tls_fill(i, t, op)) return false;
+      moved = true;
+    }
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::kProtocol) fail_tls(e, op, i);
+    throw;
+  }
+}
+
+bool TcpChannel::progress_send_tls(Part& p, Transfer& t, const OpInfo& op) {
+  const size_t i = p.stream;
+  TlsSession& s = *tls_[i];
+  bool moved = false;
+  if (!tls_ready(i, t, op, moved)) return moved;
+  while (!p.finished()) {
+    if (!tls_flush_some(i, t, op, moved)) return moved;
+    if (sealed_hdr_[i] + sealed_len_[i] > 0) {
+      // Their ciphertext has left: only now do these bytes count as sent.
+      p.hdr_done += sealed_hdr_[i];
+      p.done += sealed_len_[i];
+      sealed_hdr_[i] = sealed_len_[i] = 0;
+      continue;
+    }
+    try {
+      if (p.hdr_done < sizeof(FrameHeader)) {
+        sealed_hdr_[i] = sizeof(FrameHeader) - p.hdr_done;
+        s.write({reinterpret_cast<const uint8_t*>(&p.hdr) + p.hdr_done, sealed_hdr_[i]});
+      }
+      sealed_len_[i] = std::min(kSealBytes, p.len - p.done);
+      if (sealed_len_[i] > 0) s.write({reinterpret_cast<const uint8_t*>(t.data + p.offset + p.done), sealed_len_[i]});
+    } catch (const Error& e) {
+      fail_tls(e, op, i);
+    }
+  }
+  return moved;
+}
+
+bool TcpChannel::progress_recv_tls(Part& p, Transfer& t, const OpInfo& op) {
+  const size_t i = p.stream;
+  TlsSession& s = *tls_[i];
+  bool moved = false;
+  if (!tls_ready(i, t, op, moved)) return moved;
+  // Nothing is due after the handshake, but a session may still answer a peer's message.
+  tls_flush_some(i, t, op, moved);
+  while (!p.finished()) {
+    const bool hdr = p.hdr_done < sizeof(FrameHeader);
+    uint8_t* dst = nullptr;
+    size_t room = 0;
+    if (hdr) {
+      dst = reinterpret_cast<uint8_t*>(&p.hdr) + p.hdr_done;
+      room = sizeof(FrameHeader) - p.hdr_done;
+    } else if (!t.reduce) {
+      dst = reinterpret_cast<uint8_t*>(t.data + p.offset + p.done);
+      room = p.len - p.done;
+    } else {
+      auto& stage = stage_[i];
+      if (stage.empty()) stage.resize(kStageBytes);
+      dst = reinterpret_cast<uint8_t*>(stage.data() + staged_[i]);
+      room = std::min(kStageBytes - staged_[i], p.len - p.done - staged_[i]);
+    }
+    size_t n = 0;
+    try {
+      n = s.read({dst, room});
+    } catch (const Error& e) {
+      fail_tls(e, op, i);
+    }
+    if (hdr) {
+      p.hdr_done += n;
+      if (n > 0 && p.hdr_done == sizeof(FrameHeader)) check_header(p.hdr, p, t, op, peer_desc_);
+    } else if (!t.reduce) {
+      p.done += n;
+    } else if (n > 0) {
+      fold_staged(p, t, n);
+    }
+    if (n > 0) {
+      moved = true;
+      continue;
+    }
+    if (s.peer_closed()) fail_io(t, op, 0, true);
+    if (!tls_fill(i, t, op)) return moved;
+    moved = true;
+  }
+  return moved;
+}
+
 bool TcpChannel::progress(Transfer& t, const OpInfo& op) {
   bool moved = false;
+  const size_t done_before = t.bytes_done();
   for (size_t i = 0; i < t.nparts; ++i) {
     Part& p = t.parts[i];
     if (p.finished()) continue;
-    moved |= t.send ? progress_send(p, t, op) : progress_recv(p, t, op);
+    if (!tls_.empty())
+      moved |= t.send ? progress_send_tls(p, t, op) : progress_recv_tls(p, t, op);
+    else
+      moved |= t.send ? progress_send(p, t, op) : progress_recv(p, t, op);
   }
-  if (moved) note_moved(t);
+  // Over TLS, handshake bytes and ciphertext not yet opened move too: they keep the op alive,
+  // but only bytes of the message say the peer has begun it (the progress deadline's start).
+  if (moved && (tls_.empty() || t.bytes_done() != done_before)) note_moved(t);
   return moved;
 }
 
@@ -224,7 +387,15 @@ void TcpChannel::want(const Transfer& t, std::vector<pollfd>& fds) const {
   for (size_t i = 0; i < t.nparts; ++i) {
     const Part& p = t.parts[i];
     if (p.finished()) continue;
-    fds.push_back({streams_[p.stream].get(), static_cast<short>(t.send ? POLLOUT : POLLIN), 0});
+    short ev = t.send ? POLLOUT : POLLIN;
+    if (!tls_.empty()) {
+      const TlsSession& s = *tls_[p.stream];
+      // A handshake waits for the peer's flight whichever way the part goes, and ciphertext
+      // waiting to leave needs POLLOUT.
+      if (!s.handshake_done()) ev = POLLIN;
+      if (s.pending_out() > 0) ev |= POLLOUT;
+    }
+    fds.push_back({streams_[p.stream].get(), ev, 0});
   }
 }
 

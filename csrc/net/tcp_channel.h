@@ -5,15 +5,27 @@
 
 #include "net/channel.h"
 #include "net/socket.h"
+#include "net/tls.h"
 
 namespace rumor::net {
 
 // Messages of at least stripe_min bytes are split into one part per stream; smaller ones go
 // whole on stream 0. Both ends derive the split from the length alone, so no extra negotiation
 // travels.
+//
+// With TLS (issue 46) every stream has a TlsSession, one per stream in `tls`, not yet shaken
+// hands: the handshake runs inside progress(), nonblocking, like any other bytes. A blocking
+// handshake in Context::connect() would make the dialer (higher rank) wait for the acceptor's
+// thread to reach the same connect(), a wait from a higher to a lower rank, and channels are
+// connected lazily in whatever order the ops need them: three ranks could wait in a cycle.
+// Sends are sealed a chunk at a time and a part counts its bytes only once their ciphertext is
+// on the wire, so a finished transfer never leaves bytes behind in a session. Receives read
+// plaintext straight into the destination (or the reduce stage) and no byte of a record that
+// fails authentication reaches it. Without sessions the zero-copy path is unchanged.
 class TcpChannel final : public Channel {
  public:
-  TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min);
+  TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min,
+             std::vector<std::unique_ptr<TlsSession>> tls = {});
   bool is_shm() const override { return false; }
   void begin(Transfer& t, const OpInfo& op) override;
   bool progress(Transfer& t, const OpInfo& op) override;
@@ -26,6 +38,19 @@ class TcpChannel final : public Channel {
  private:
   bool progress_send(Part& p, Transfer& t, const OpInfo& op);
   bool progress_recv(Part& p, Transfer& t, const OpInfo& op);
+  // Adds n bytes received into the stream's reduce stage and folds the whole elements.
+  void fold_staged(Part& p, Transfer& t, size_t n);
+  // TLS: the handshake of stream i, advanced as far as the socket allows; true once it is done
+  // and this end's last handshake bytes are on the wire.
+  bool tls_ready(size_t i, const Transfer& t, const OpInfo& op, bool& moved);
+  // Sends what the socket takes of stream i's ciphertext; true once none is pending.
+  bool tls_flush_some(size_t i, const Transfer& t, const OpInfo& op, bool& moved);
+  // Reads the ciphertext the socket holds for stream i into its session; false if none.
+  bool tls_fill(size_t i, const Transfer& t, const OpInfo& op);
+  bool progress_send_tls(Part& p, Transfer& t, const OpInfo& op);
+  bool progress_recv_tls(Part& p, Transfer& t, const OpInfo& op);
+  // A session's error (refused certificate, failed integrity check) with the op in front.
+  [[noreturn]] void fail_tls(const Error& e, const OpInfo& op, size_t i);
   [[noreturn]] void fail_io(const Transfer& t, const OpInfo& op, int err, bool closed);
   // "link to rank 3: 12.5 MB/s received, RTT 101 ms" for error messages; `how` follows the rate.
   std::string describe_link(double rate, const char* how, double rtt) const;
@@ -40,6 +65,12 @@ class TcpChannel final : public Channel {
   // Per stream: where reduce-receives land before being folded into the destination.
   std::vector<std::vector<std::byte>> stage_;
   std::vector<size_t> staged_;
+  // TLS (empty when off): a session per stream; per stream, the header and payload bytes of the
+  // current send part sealed into the session and not yet on the wire; scratch for ciphertext.
+  std::vector<std::unique_ptr<TlsSession>> tls_;
+  std::vector<size_t> sealed_hdr_;
+  std::vector<size_t> sealed_len_;
+  std::vector<uint8_t> rx_;
   // The link as measured (net/stall.h): round trip at connect time, and the receive rate of
   // recent messages (a moving average; 0 until one big enough has arrived).
   double connect_rtt_s_ = 0;

@@ -111,3 +111,35 @@ def _range(what: str, lo, hi) -> str:
     if hi is not None:
         return f"{what} <= {hi}"
     return what
+
+
+TLS_FILE_VARS = (("RUMOR_TLS_CERT", "this rank's certificate"), ("RUMOR_TLS_KEY", "its private key"),
+                 ("RUMOR_TLS_CA", "the CA certificate"))
+
+
+def tls_options_from_env(opts, env: Optional[Mapping[str, str]] = None) -> None:
+    """TLS 1.3 on the TCP data channels (docs/security.md): RUMOR_TLS_CERT, RUMOR_TLS_KEY and
+    RUMOR_TLS_CA name PEM files, all three or none; RUMOR_TLS_PEER_NAME, optional, is the name
+    every peer's certificate must carry. Reads the files into opts' tls_* fields."""
+    env = os.environ if env is None else env
+    given = {name: env.get(name, "") for name, _ in TLS_FILE_VARS}
+    if not any(given.values()):
+        if env.get("RUMOR_TLS_PEER_NAME"):
+            raise ValueError("RUMOR_TLS_PEER_NAME is set but TLS is off: set RUMOR_TLS_CERT, RUMOR_TLS_KEY "
+                             "and RUMOR_TLS_CA too")
+        return
+    missing = [f"{name} ({what})" for name, what in TLS_FILE_VARS if not given[name]]
+    if missing:
+        raise ValueError("TLS needs RUMOR_TLS_CERT, RUMOR_TLS_KEY and RUMOR_TLS_CA together; missing: "
+                         + ", ".join(missing))
+    pem = {}
+    for name, what in TLS_FILE_VARS:
+        try:
+            with open(given[name], encoding="ascii") as f:
+                pem[name] = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}={given[name]!r} ({what}) cannot be read: {e}") from e
+    opts.tls_cert_pem = pem["RUMOR_TLS_CERT"]
+    opts.tls_key_pem = pem["RUMOR_TLS_KEY"]
+    opts.tls_ca_pem = pem["RUMOR_TLS_CA"]
+    opts.tls_peer_name = env.get("RUMOR_TLS_PEER_NAME", "")

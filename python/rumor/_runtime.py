@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 
 from . import _C, _rendezvous, _secret, _shm
 from ._env import check_core_env, env_bool, env_choice, env_float, env_int  # noqa: F401 (the runtime's API)
+from ._env import tls_options_from_env
 
 DEFAULT_TIMEOUT = 300.0
 _log = logging.getLogger("rumor")
@@ -138,6 +139,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     opts.adaptive_deadline = env_bool("RUMOR_ADAPTIVE_DEADLINE", True)
     opts.deadline_floor = env_float("RUMOR_DEADLINE_FLOOR", opts.deadline_floor, positive=True)
     opts.flight_records = flight_records_from_env()
+    tls_options_from_env(opts)
 
     host = _rendezvous.host_id()
     if env.size == 1:

@@ -287,6 +287,7 @@ class RumorWork(dist._Work):
 
 
 def _core_options(timeout: float) -> "_C.Options":
+    from ._env import tls_options_from_env
     from ._runtime import MAX_SOCKET_STREAMS, flight_records_from_env
 
     opts = _C.Options()
@@ -298,6 +299,7 @@ def _core_options(timeout: float) -> "_C.Options":
     opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
     opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
     opts.flight_records = flight_records_from_env()
+    tls_options_from_env(opts)
     return opts
 
 
