@@ -97,7 +97,7 @@ def worker(cfg_path: str) -> int:
 # ---- the driver --------------------------------------------------------------------------------
 
 class SitesJob(_common.Job):
-    def __init__(self, args, sites_on: bool, *a, **kw):
+    def __init__(self, sites_on: bool, *a, **kw):
         super().__init__(*a, **kw)
         self.sites_on = sites_on
 
@@ -165,7 +165,7 @@ def main() -> int:
         if args.no_slow_start_after_idle:
             for h in range(n):
                 driver.cluster.run(h, ["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
-        jobs = [SitesJob(args, on, os.path.abspath(__file__), args, n, driver.workdir, progress, i,
+        jobs = [SitesJob(on, os.path.abspath(__file__), args, n, driver.workdir, progress, i,
                          cluster=driver.cluster)
                 for i, on in enumerate(on for on, name in ((True, "sites"), (False, "ring")) if name in want_jobs)]
         rc = _common.run_jobs(jobs, result, progress)

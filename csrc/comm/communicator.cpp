@@ -500,11 +500,14 @@ void Communicator::allreduce_2d(std::byte* buf, size_t count, DType dtype, Reduc
   for (uint32_t i = 0; i < count % m; ++i) ++counts[i];
   size_t offset = 0;
   for (uint32_t i = 0; i < mine; ++i) offset += counts[i];
-  std::vector<std::byte> block(counts[mine] * es);
-  local_->reduce_scatter(buf, block.data(), counts, dtype, partial);
-  cross_->allreduce(block.data(), counts[mine], dtype, partial, AllreduceAlgo::kAuto);
-  if (op == ReduceOp::AVG) finish_average(block.data(), counts[mine], dtype, size());
-  std::memcpy(buf + offset * es, block.data(), block.size());
+  // The outer communicator's scratch: the sub-communicators' ops below use their own.
+  const size_t block_bytes = counts[mine] * es;
+  scratch_.resize(block_bytes);
+  std::byte* block = scratch_.data();
+  local_->reduce_scatter(buf, block, counts, dtype, partial);
+  cross_->allreduce(block, counts[mine], dtype, partial, AllreduceAlgo::kAuto);
+  if (op == ReduceOp::AVG) finish_average(block, counts[mine], dtype, size());
+  std::memcpy(buf + offset * es, block, block_bytes);
   local_->allgather(buf, counts, dtype);
 }
 

@@ -106,17 +106,9 @@ def contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def writeback(target: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Tensor]:
-    def finish():
-        if buf.data_ptr() != target.data_ptr() or not target.is_contiguous():
-            target.copy_(buf)
-        return target
-
-    return finish
-
-
 def blocking_result(t: torch.Tensor, buf: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """What a blocking call returns once buf holds the result (writeback's finish, inline)."""
+    """What a call returns once buf holds the result: t itself when in place (a non-contiguous t
+    gets buf's values back), else buf."""
     if not inplace:
         return buf
     if buf is not t:  # t was not contiguous: buf is its contiguous copy
@@ -137,7 +129,7 @@ def allreduce(t, op, group, inplace, nonblocking, algorithm, what):
         g._comm.allreduce(address(buf), buf.numel(), code, o, ALGORITHMS[algorithm], False)
         return blocking_result(t, buf, inplace)
     issue = lambda nb: g._comm.allreduce(address(buf), buf.numel(), code, o, ALGORITHMS[algorithm], nb)
-    finish = writeback(t, buf) if inplace else (lambda: buf)
+    finish = lambda: blocking_result(t, buf, inplace)
     return run(nonblocking, issue, (buf, t), finish)
 
 
@@ -150,7 +142,7 @@ def broadcast(t, root, group, inplace, nonblocking, what):
         g._comm.broadcast(address(buf), buf.numel() * per, code, r, False)
         return blocking_result(t, buf, inplace)
     issue = lambda nb: g._comm.broadcast(address(buf), buf.numel() * per, code, r, nb)
-    finish = writeback(t, buf) if inplace else (lambda: buf)
+    finish = lambda: blocking_result(t, buf, inplace)
     return run(nonblocking, issue, (buf, t), finish)
 
 
