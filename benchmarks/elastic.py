@@ -17,6 +17,12 @@ clock events to a file; the driver splits the recovery into
   first step:     -> the first training step after the restore finished
 and prints the total as a ratio to the floor. JSON and PNG go to benchmarks/results/elastic.*.
 The steady step time and the cost of one commit are reported beside it.
+
+In the same repeat (unless --no-live) the same worker runs under `rumor-run --live`: no process
+is restarted but the killed one, which comes back as a newcomer. Printed beside the restart path:
+recovery (the kill -> every survivor finished a training step again), rejoin (the newcomer's
+process started -> its first step with the others finished, split into imports, admitted and
+connected, model built, state received), and whether every step was applied exactly once.
 """
 from __future__ import annotations
 
@@ -46,10 +52,15 @@ WORKER = textwrap.dedent(
 
     log, model_mb, steps, commit_every, kill_step = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    # Under rumor-run --live the processes keep their ids (r<rank>, j<n> for newcomers).
+    me = os.environ.get("RUMOR_LIVE_ID", "")
+    live = bool(me)
+    nproc = int(os.environ["WORLD_SIZE"])
 
     def event(name, **kw):
         with open(log, "a") as f:
-            f.write(json.dumps(dict(ev=name, t=time.time(), rank=int(os.environ["RANK"]), attempt=attempt, **kw)) + "\\n")
+            f.write(json.dumps(dict(ev=name, t=time.time(), rank=int(os.environ["RANK"]), attempt=attempt, id=me,
+                                    **kw)) + "\\n")
 
     event("start", t_start=T_START)
     event("imported")
@@ -65,12 +76,23 @@ WORKER = textwrap.dedent(
     x = torch.randn(32, width)
     event("built")
 
+    # Live: the step the newcomer joined at, the same on every member (the members hear of it
+    # through on_change, the newcomer when it enters train()).
+    rejoined = []
+    if live:
+        rumor.elastic.on_change(lambda c: rejoined.append(state.step) if c.joined else None)
+
     @rumor.elastic.run
     def train(state):
         event("restored", step=state.restored_step)
+        if me.startswith("j") and not rejoined:
+            rejoined.append(state.step)
         first = True
-        while state.step < steps:
-            if attempt == 0 and state.step == kill_step and rumor.rank() == rumor.size() - 1:
+        # Live: on until the newcomer trained 3 steps with the others.
+        while state.step < steps or live and (not rejoined or state.step < rejoined[-1] + 3) \
+                and state.step < 20 * steps:
+            victim = me == f"r{nproc - 1}" if live else (attempt == 0 and rumor.rank() == rumor.size() - 1)
+            if victim and state.step == kill_step:
                 event("kill")
                 os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.time()
@@ -91,18 +113,23 @@ WORKER = textwrap.dedent(
 )
 
 
-def one_run(args, tmp: str, i: int):
+def _write_worker(tmp: str) -> str:
     script = os.path.join(tmp, "worker.py")
     with open(script, "w") as f:
         f.write(WORKER)
-    log = os.path.join(tmp, f"events-{i}.jsonl")
+    return script
+
+
+def _launch(args, tmp: str, log: str, i: int, live: bool) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    how = ["--live"] if live else ["--monitor-interval", str(args.monitor_interval), "--master-addr", "127.0.0.1",
+                                   "--master-port", str(port), "--rdzv-id", f"elastic-bench-{os.getpid()}-{i}"]
     cmd = [sys.executable, "-m", "rumor.run", "--nproc-per-node", str(args.ranks), "--max-restarts", "1",
-           "--monitor-interval", str(args.monitor_interval), "--nnodes", "1", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "--rdzv-id", f"elastic-bench-{os.getpid()}-{i}",
-           script, log, str(args.model_mb), str(args.steps), str(args.commit_every), str(args.kill_step)]
+           "--nnodes", "1", *how, _write_worker(tmp), log, str(args.model_mb), str(args.steps),
+           str(args.commit_every), str(args.kill_step)]
+    what = "live" if live else "restart"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -110,9 +137,39 @@ def one_run(args, tmp: str, i: int):
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
-        raise RuntimeError(f"run {i} did not finish within {args.timeout} s:\n{out.decode(errors='replace')[-3000:]}")
+        raise RuntimeError(f"{what} run {i} did not finish within {args.timeout} s:\n"
+                           f"{out.decode(errors='replace')[-3000:]}")
     if p.returncode != 0:
-        raise RuntimeError(f"run {i} exited with {p.returncode}:\n{out.decode(errors='replace')[-3000:]}")
+        raise RuntimeError(f"{what} run {i} exited with {p.returncode}:\n{out.decode(errors='replace')[-3000:]}")
+
+
+def live_run(args, tmp: str, i: int):
+    """rumor-run --live: the survivors' recovery (the kill -> every survivor finished a step
+    again) and the newcomer's rejoin (its process started -> its first step with the others)."""
+    log = os.path.join(tmp, f"live-{i}.jsonl")
+    _launch(args, tmp, log, i, True)
+    ev = [json.loads(line) for line in open(log)]
+    kill = min(e["t"] for e in ev if e["ev"] == "kill")
+    victim = next(e["id"] for e in ev if e["ev"] == "kill")
+    survivors = {e["id"] for e in ev if e["id"].startswith("r") and e["id"] != victim}
+    back = [min(e["t"] for e in ev if e["ev"] == "step" and e["id"] == m and e["t"] > kill) for m in survivors]
+    new = [e for e in ev if e["id"].startswith("j")]
+    start = min(e["t_start"] for e in new if e["ev"] == "start")
+
+    def at(name):
+        return max(e["t"] for e in new if e["ev"] == name) - start
+
+    applied = [e["step"] for e in ev if e["ev"] == "step" and e["id"] == min(survivors)]
+    return dict(recovery=max(back) - kill, rejoin=min(e["t"] for e in new if e["ev"] == "step") - start,
+                rejoin_imports=at("imported"), rejoin_admitted=at("init"), rejoin_built=at("built"),
+                rejoin_state=at("restored"), steps_once=applied == list(range(1, len(applied) + 1)),
+                steady_step=statistics.median(e["dt"] for e in ev if e["ev"] == "step" and e["t"] < kill
+                                              and not e["first"]))
+
+
+def one_run(args, tmp: str, i: int):
+    log = os.path.join(tmp, f"events-{i}.jsonl")
+    _launch(args, tmp, log, i, False)
     ev = [json.loads(line) for line in open(log)]
     kill = min(e["t"] for e in ev if e["ev"] == "kill")
     a1 = [e for e in ev if e["attempt"] == 1]
@@ -164,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-live", action="store_true", help="only the restart path, not rumor-run --live beside it")
     args = ap.parse_args(argv)
     if not 0 < args.kill_step < args.steps:
         ap.error("--kill-step must be inside (0, --steps)")
@@ -182,6 +240,21 @@ def main(argv=None) -> int:
                   f"+ imports {r['imports']:.2f} + init {r['init']:.2f} + model/DDP {r['build']:.2f} + restore {r['restore']:.3f} + first step {r['first_step']:.3f} "
                   f"(steady step {r['steady_step'] * 1e3:.0f} ms, commit {r['commit'] * 1e3:.0f} ms, "
                   f"restored step {r['restored_step']})")
+            if args.no_live:
+                continue
+            try:
+                lr = live_run(args, tmp, i)
+            except RuntimeError as e:
+                print(f"live run {i}: {e}")
+                result["errors"].append(str(e))
+                continue
+            result.setdefault("live", []).append(lr)
+            print(f"live run {i}: killed -> every survivor trained a step again {lr['recovery']:.2f} s "
+                  f"(restart path {r['total']:.2f} s: {r['total'] / lr['recovery']:.1f}x); newcomer started -> "
+                  f"its first step {lr['rejoin']:.2f} s (imports {lr['rejoin_imports']:.2f}, admitted and "
+                  f"connected {lr['rejoin_admitted']:.2f}, built {lr['rejoin_built']:.2f}, state received "
+                  f"{lr['rejoin_state']:.2f}); every step applied once: {lr['steps_once']}; steady step "
+                  f"{lr['steady_step'] * 1e3:.0f} ms (restart path {r['steady_step'] * 1e3:.0f} ms)")
     _common.finish_meta(meta)
     os.makedirs(args.out, exist_ok=True)
     json_path, png_path = os.path.join(args.out, "elastic.json"), os.path.join(args.out, "elastic.png")
@@ -196,6 +269,15 @@ def main(argv=None) -> int:
                     f"the torchrun restart floor ({med['detect_restart']:.2f} s); rumor's part (init + restore + "
                     f"first step) {rumor_part:.2f} s = {rumor_part / med['steady_step']:.1f} steady steps; "
                     f"imports {med['imports']:.2f} s, model/DDP {med['build']:.2f} s")
+        if result.get("live"):
+            rec = statistics.median(c["recovery"] for c in result["live"])
+            rej = statistics.median(c["rejoin"] for c in result["live"])
+            result["live_median"] = dict(recovery=rec, rejoin=rej)
+            ok = rec <= 1.0
+            result["targets"].append(dict(name="live recovery <= 1 s", value=rec, met=ok))
+            headline += (f"; LIVE (rumor-run --live): kill -> survivors training again {rec:.2f} s = "
+                         f"{med['total'] / rec:.1f}x faster than the restart path [target <= 1 s: "
+                         f"{'MET' if ok else 'NOT MET'}], newcomer start -> first step {rej:.2f} s")
     draw = None if args.no_plot else (lambda: plot(png_path, result["cells"]))
     _common.write_results(result, headline, "headline: n/a (no run finished)", json_path, png_path, draw)
     return 1 if result["errors"] else 0

@@ -8,7 +8,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from . import _secret
 from ._env import env_int
@@ -185,12 +185,19 @@ def listen_port(env: Env) -> int:
     return port
 
 
+# Set by live membership (rumor._live): raises when the membership being formed lost a member,
+# so that an init() waiting for it gives up at once instead of at its deadline.
+interrupt: Optional[Callable[[], None]] = None
+
+
 def wait_key(store, key: str, deadline: float, what: str, on_idle=None) -> None:
     """Polls for key until the deadline; on_idle() runs between polls and may raise to retry."""
     import time
 
     pause = 0.002
     while not store.check([key]):
+        if interrupt is not None:
+            interrupt()
         if on_idle is not None:
             on_idle()
         if time.monotonic() > deadline:

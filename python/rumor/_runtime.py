@@ -80,6 +80,7 @@ _state: Optional[_State] = None
 # register here, so that the runtime does not import them and imports point down.
 _init_hooks: list = []
 _shutdown_hooks: list = []
+_before_init_hooks: list = []
 _generation = 0
 # The TCPStore of the last init() outlives shutdown(): a peer that re-initialises before this
 # rank has shut down may still be talking to the server rank 0 hosts. A later init() in this
@@ -105,6 +106,8 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     global _state, _generation, _store_keepalive
     if _state is not None:
         raise RuntimeError("rumor.init() was already called; call rumor.shutdown() first")
+    for hook in list(_before_init_hooks):
+        hook()
     if gpu_wait is None:
         wait_mode = gpu_wait_mode(os.environ.get(GPU_WAIT_ENV), f"rumor.init(): {GPU_WAIT_ENV}")
     else:
@@ -240,6 +243,13 @@ def on_init(fn) -> None:
     """fn() runs at the end of every init()."""
     if fn not in _init_hooks:
         _init_hooks.append(fn)
+
+
+def before_init(fn) -> None:
+    """fn() runs at the start of every init(), before the launcher's variables are read: live
+    membership (rumor._live) sets them there for a newcomer."""
+    if fn not in _before_init_hooks:
+        _before_init_hooks.append(fn)
 
 
 def on_shutdown(fn) -> None:

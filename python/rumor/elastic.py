@@ -54,7 +54,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from . import _secret
+from . import _live, _secret
 from ._parity import Mismatch, ParityError, ParityReport, verify
 
 _PREFIX = "rumor_elastic-"  # not a swept rumor- name: commits must outlive their writer
@@ -577,6 +577,42 @@ class State:
         if self.sampler is not None:
             _reshard(self.sampler, _runtime.size(), _runtime.rank())
 
+    # ---- live membership ------------------------------------------------------------------------
+
+    def _live_sync(self) -> None:
+        """After a membership change (collective over the new world): when the epoch admitted
+        newcomers, rank 0 (a survivor) sends them the whole state by broadcast, at link speed;
+        then every member proves it holds the same state (verify, repaired from the majority)."""
+        from . import _live, _runtime, collectives
+
+        live = _live.current()
+        if live.new:
+            if _runtime.rank() == 0:
+                data = torch.frombuffer(bytearray(self._payload()), dtype=torch.uint8)
+                length = torch.tensor([data.numel()], dtype=torch.int64)
+            else:
+                length = torch.zeros(1, dtype=torch.int64)
+            collectives.broadcast_(length, 0)
+            if _runtime.rank() != 0:
+                data = torch.empty(int(length[0]), dtype=torch.uint8)
+            collectives.broadcast_(data, 0)
+            if live.me in live.new:
+                snap = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+                self._apply(snap)
+            else:
+                self._reshard_sampler()
+        else:
+            self._reshard_sampler()
+        live.joined_fresh = False
+        self._verify_restored()
+
+    def _live_rebind(self) -> None:
+        from .parallel import DistributedDataParallel
+
+        if isinstance(self.model, DistributedDataParallel):
+            self.model._live_rebind()
+        self._live_sync()
+
     def _finish(self) -> None:
         from . import _runtime, collectives
 
@@ -630,6 +666,8 @@ def run(train_fn: Optional[Callable] = None, state: Optional[State] = None):
                             f"got {type(st).__name__}")
         if not _runtime.is_initialized():
             raise RuntimeError("rumor.elastic.run: call rumor.init() first")
+        if _live.current() is not None:
+            return _run_live(train_fn, st, args, kwargs)
         st.restore()
         out = train_fn(st, *args, **kwargs)
         st._finish()
@@ -639,8 +677,68 @@ def run(train_fn: Optional[Callable] = None, state: Optional[State] = None):
         return wrapper(state)
     return wrapper
 
+def _run_live(train_fn, st: State, args, kwargs):
+    """run() under rumor-run --live: the step in flight when a member fails (or newcomers wait)
+    is given up on every member, the job re-forms in these same processes, and train_fn is
+    called again from the state every member kept, the step where it stopped."""
+    if getattr(st.model, "overlap_optimizer", False):
+        raise ValueError("rumor.elastic: live membership votes before optimizer.step(); overlap_optimizer=True "
+                         "steps during backward, before the vote, so it cannot be used live")
+    alg = st._algorithm
+    if alg is not None and not getattr(alg, "elastic_replicated", False):
+        raise NotImplementedError(
+            f"rumor.elastic: live membership runs algorithms whose ranks hold identical replicas and no state "
+            f"of their own (GradientAllReduce, ByteGrad); {type(alg).__name__} is not one yet: run it without "
+            "--live (restarts from commits)")
+    live = _live.current()
+    if live.joined_fresh:
+        st._live_sync()  # the survivors send the state from their re-forming
+    else:
+        st.restore()
+    hook = st.optimizer.register_step_pre_hook(lambda *_: _live.vote())
+    ended = None  # why the last epoch ended, while the next one is being formed
+    try:
+        while True:
+            try:
+                if ended is not None:
+                    change = _live.reform(ended)
+                    ended = None
+                    st._live_rebind()  # a failure in here ends that epoch too, and the loop goes again
+                    _live.notify(change)
+                out = train_fn(st, *args, **kwargs)
+                st._finish()
+                break
+            except Exception as e:
+                if not _live.is_membership_failure(e):
+                    raise
+                ended = f"{type(e).__name__}: {e}"
+    finally:
+        hook.remove()
+    _live.finish()
+    return out
+
+
+def on_change(fn: Callable) -> None:
+    """Under rumor-run --live, fn(change) runs on every member after each membership change,
+    before training goes on: change.epoch, .size, .rank (this process's new rank), .left and
+    .joined (member ids), .reason and .degraded_s (seconds without a group). Use it to rescale
+    the learning rate or re-shard data of your own (State's sampler is re-sharded already)."""
+    _live.on_change(fn)
+
+
+def wait_for_members(n: int, timeout: float = 300.0) -> None:
+    """Under rumor-run --live, inside the training function and at a step boundary (after
+    ``state.step`` was advanced), on every member: when fewer than n members train, waits for
+    newcomers (started by the launcher after failures) and re-forms the job with them; the
+    training function is then called again from the same step. Returns at once with n members
+    or more. Raises TimeoutError after timeout seconds without enough newcomers."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"rumor.elastic.wait_for_members: n must be an int >= 1, got {n!r}")
+    _live.wait_for_members(n, float(timeout))
+
+
 # The public names; everything else here is this module's own business.
 __all__ = [
-    "CommitRefused", "Mismatch", "ParityError", "ParityReport", "State", "remove_snapshots", "run",
-    "snapshot_dir", "verify",
+    "CommitRefused", "Mismatch", "ParityError", "ParityReport", "State", "on_change", "remove_snapshots", "run",
+    "snapshot_dir", "verify", "wait_for_members",
 ]

@@ -141,6 +141,14 @@ class DistributedDataParallel(torch.nn.Module):
                  autotune=None, *, device_ids=None, output_device=None, process_group=None,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False):
         super().__init__()
+        # What _live_rebind() builds the wrapper again from, after live membership re-formed the job.
+        self._ctor_args = dict(
+            module=module, optimizer=optimizer, algorithm=algorithm, bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb, find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers, group=group, overlap_optimizer=overlap_optimizer,
+            bucket_clip_norm=bucket_clip_norm, bucket_split_gap_ms=bucket_split_gap_ms,
+            shared_buckets=shared_buckets, autotune=autotune, device_ids=device_ids, output_device=output_device,
+            process_group=process_group, gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
         if not _runtime.is_initialized():
             raise RuntimeError("rumor.DistributedDataParallel: call rumor.init() before wrapping a model")
         if not isinstance(module, torch.nn.Module):
@@ -835,6 +843,18 @@ class DistributedDataParallel(torch.nn.Module):
             for p, view in zip(self._params, self._views):
                 if p.grad is not None and view is not None and p.grad.data_ptr() == view.data_ptr():
                     p.grad = p.grad.clone()
+
+    def _live_rebind(self) -> None:
+        """Live membership (rumor.elastic, docs/elastic.md): the job re-formed with other
+        members, so the wrapper is built again over the new world from the arguments it was made
+        with, keeping the module, the optimizer and the algorithm object. Its collectives (the
+        model check, the parameter broadcast) meet a newcomer's construction of its wrapper."""
+        a = self._ctor_args
+        if a["group"] is not None or a["process_group"] is not None:
+            raise ValueError("rumor.DistributedDataParallel: live membership re-forms the world; a wrapper "
+                             "over a group of its own cannot follow it (leave group= unset)")
+        self.remove_hooks()
+        DistributedDataParallel.__init__(self, **a)
 
     @contextlib.contextmanager
     def no_sync(self):

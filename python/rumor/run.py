@@ -44,6 +44,13 @@ def _parser():
                        help="NCCL sends through rumor's multi-stream TCP net plugin: sets NCCL_NET_PLUGIN to "
                             "libnccl-net-rumor.so and puts its folder on LD_LIBRARY_PATH "
                             "(RUMOR_NCCL_NET_PLUGIN=1 does the same; docs/netplugin.md)")
+    group.add_argument("--live", dest="rumor_live", action="store_true",
+                       help="live membership on one host: a worker that fails leaves, the others keep training "
+                            "in the same processes, and it is started again as a newcomer that joins at a step "
+                            "boundary (--max-restarts times; rumor.elastic.run scripts; docs/elastic.md)")
+    group.add_argument("--live-min", dest="rumor_live_min", default=None,
+                       help="with --live: the fewest workers training goes on with; below it the job waits "
+                            "for newcomers (default 1)")
     return parser
 
 
@@ -97,6 +104,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             os.environ[var] = str(value)
     if args.rumor_autotune:
         os.environ["RUMOR_AUTOTUNE"] = "1"
+    if args.rumor_live:
+        from . import _live_launch
+
+        return _live_launch.main(args)
+    if args.rumor_live_min is not None:
+        raise SystemExit("rumor-run: --live-min is for --live")
     from . import netplugin
 
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")

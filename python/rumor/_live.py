@@ -1,0 +1,487 @@
+"""Live membership: a rank that dies leaves the job, the survivors go on in the same processes,
+a newcomer joins at a step boundary (docs/elastic.md, "Live membership").
+
+Started by ``rumor-run --live`` (RUMOR_LIVE=1). Everything the members must agree on goes through
+the launcher's store (rumor-run hosts it, as torchrun's agent does), which orders concurrent
+writers: the first value a compare_set writes is everyone's. Under the store's key prefix
+``rumor/<run id>/live/``:
+
+- ``e<E>/members``: the members of epoch E in rank order, sealed with the job secret's MAC (a
+  stranger who can write to the store cannot add a member). A member's id is ``r<rank>`` for
+  the launcher's first workers and ``j<n>`` for the n-th newcomer; ``epoch`` is the newest E.
+- ``e<E>/v<k>/n`` and ``e<E>/v<k>/d``: the vote before the k-th optimizer step of epoch E. Each
+  member adds one to ``n``; the last one writes the decision ``d`` ("commit", or "join" while
+  newcomers wait). A member that learns of a failure writes "abort:<why>" instead. Whatever was
+  written first is the decision: a step is applied by every member or by none, even when a rank
+  died after some members had finished its allreduce.
+- ``e<E>/abort``: the first failure anybody saw in epoch E. Every member's watcher thread reads
+  it and aborts its communicators, so collectives blocked on a member that is gone fail at once
+  instead of waiting out their deadline.
+- ``hb/<id>``: each process's heartbeat counter (its watcher adds one every beat); a member whose
+  counter stands still for RUMOR_LIVE_HEARTBEAT seconds (SIGSTOP, a lost host) is gone.
+  ``dead/<id>``: set by the launcher when the process exits.
+- ``joinseq``, ``ready/j<n>``, ``done/j<n>``: newcomers are numbered by joinseq (the launcher
+  draws the number when it starts one); a newcomer sets ready once it can join, and the epoch
+  that admits (or skips) it sets done.
+
+A new epoch gets new connections: rumor.init() runs again with the epoch as its generation, and
+connections are keyed by that rendezvous, so nothing a rank of an older epoch sends is accepted.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from . import _rendezvous, _runtime
+from ._env import env_float, env_int
+from .errors import RumorError
+
+_log = logging.getLogger("rumor.elastic")
+
+LIVE_ENV = "RUMOR_LIVE"
+ID_ENV = "RUMOR_LIVE_ID"  # set by the launcher: r<rank> or j<n>
+JOIN_ENV = "RUMOR_LIVE_JOIN"  # 1: this process is a newcomer
+MIN_ENV = "RUMOR_LIVE_MIN"  # fewest members training goes on with (rumor-run --live-min)
+HEARTBEAT_ENV = "RUMOR_LIVE_HEARTBEAT"  # seconds of silence after which a member is gone
+_BEAT_S = 0.1  # the watcher's period: a failure is seen within about this, a silence within the heartbeat
+_MEMBERS_MAC = "live-members"
+
+
+class LiveRestart(RumorError):
+    """The step in flight is given up and redone with a new membership (raised by the vote
+    before an optimizer step; rumor.elastic.run catches it)."""
+
+
+class LiveDropped(RumorError):
+    """This process was dropped from the job (silent past the heartbeat, or too late for the new
+    epoch). It exits; the launcher starts it again as a newcomer."""
+
+
+@dataclass
+class Change:
+    """What rumor.elastic.on_change() callbacks receive after each membership change."""
+
+    epoch: int
+    size: int  # the new world size
+    rank: int  # this process's new rank
+    left: List[str]  # ids of the members that left
+    joined: List[str]  # ids of the newcomers admitted
+    reason: str  # why the previous membership ended
+    degraded_s: float  # from the failure (or the vote that admitted newcomers) to the new group
+
+
+@dataclass
+class _Live:
+    store: object  # the launcher's store, under the live prefix
+    watch_store: object  # a second client for the watcher thread
+    me: str
+    min_size: int
+    heartbeat_s: float
+    epoch: int = 0
+    members: List[str] = field(default_factory=list)
+    new: List[str] = field(default_factory=list)  # members admitted by this epoch
+    votes: int = 0
+    trouble: Optional[str] = None  # set by the watcher: why this epoch is over
+    trouble_t: Optional[float] = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: Optional[threading.Thread] = None
+    joined_fresh: bool = False  # a newcomer until its state arrived
+    jscan: int = 0  # newcomers below this number are settled (admitted, gone or done)
+    changes: List[Change] = field(default_factory=list)
+
+
+_live: Optional[_Live] = None
+_callbacks: List[Callable[[Change], None]] = []
+
+
+def enabled() -> bool:
+    return os.environ.get(LIVE_ENV, "").strip() == "1"
+
+
+def current() -> Optional[_Live]:
+    return _live
+
+
+def _prefix() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"rumor/{run_id}/live/" if run_id else "rumor/live/"
+
+
+def _client(timeout: float):
+    import torch.distributed as dist
+
+    env = _rendezvous.read_env()
+    base = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    return dist.PrefixStore(_prefix(), base)
+
+
+def _count(store, key: str) -> int:
+    return int(store.add(key, 0))
+
+
+def _members_key() -> bytes:
+    return _runtime.job_secret().key(_MEMBERS_MAC) if _runtime.is_initialized() else \
+        _rendezvous.job_secret_for(_rendezvous.read_env()).key(_MEMBERS_MAC)
+
+
+def _read_members(store, epoch: int) -> dict:
+    raw = store.get(f"e{epoch}/members")
+    return _rendezvous.unseal(_members_key(), f"{_MEMBERS_MAC}/{epoch}", raw, f"the members of epoch {epoch}")
+
+
+# ---- before the first init() ------------------------------------------------------------------
+
+def _before_init() -> None:
+    """rumor.init() calls this first: in live mode the first init sets up this process's part
+    of the membership; a newcomer waits here until an epoch admits it, and init then joins that
+    epoch's rendezvous as the rank it was given."""
+    global _live
+    if not enabled() or _live is not None:
+        return
+    env = _rendezvous.read_env()
+    timeout = env_float("RUMOR_TIMEOUT", _runtime.DEFAULT_TIMEOUT, positive=True)
+    joiner = os.environ.get(JOIN_ENV, "").strip() == "1"
+    store = _client(timeout)
+    me = os.environ.get(ID_ENV, "").strip()
+    if not me:
+        me = f"j{int(store.add('joinseq', 1))}" if joiner else f"r{env.rank}"
+    live = _Live(store=store, watch_store=_client(timeout), me=me,
+                 min_size=env_int(MIN_ENV, 1, minimum=1),
+                 heartbeat_s=env_float(HEARTBEAT_ENV, 2.0, positive=True))
+    if joiner:
+        live.joined_fresh = True
+        _start_watcher(live)
+        store.set(f"ready/{me}", "1")
+        _log.warning("rumor.elastic: newcomer %s is waiting to be admitted", me)
+        epoch, sealed = _await_admission(live, timeout)
+        live.epoch, live.members, live.new = epoch, sealed["members"], sealed["new"]
+        _enter_epoch(live)
+    else:
+        live.members = [f"r{r}" for r in range(env.size)]
+        _start_watcher(live)
+    _live = live
+
+
+def _await_admission(live: _Live, timeout: float):
+    deadline = time.monotonic() + timeout
+    seen = -1
+    while True:
+        if live.store.check([f"done/{live.me}"]):
+            why = live.store.get(f"done/{live.me}").decode()
+            if why != "admitted":
+                raise LiveDropped(f"rumor.elastic: newcomer {live.me} was not admitted: {why}")
+        epoch = _count(live.store, "epoch")
+        if epoch != seen:
+            seen = epoch
+            if epoch > 0:
+                sealed = _read_members(live.store, epoch)
+                if live.me in sealed["members"]:
+                    return epoch, sealed
+        if live.store.check(["job_done"]):
+            raise LiveDropped(f"rumor.elastic: newcomer {live.me}: the job finished before it was admitted")
+        if time.monotonic() > deadline:
+            raise LiveDropped(f"rumor.elastic: newcomer {live.me} was not admitted within {timeout:g} s "
+                              "(RUMOR_TIMEOUT): no member reached a step boundary")
+        time.sleep(0.02)
+
+
+def _enter_epoch(live: _Live) -> None:
+    """Sets the launcher variables rumor.init() reads to this process's place in the epoch."""
+    rank = live.members.index(live.me)
+    e = os.environ
+    if e.get("LOCAL_WORLD_SIZE") == e.get("WORLD_SIZE"):  # one host: it still is
+        e["LOCAL_WORLD_SIZE"] = str(len(live.members))
+    e["RANK"] = str(rank)
+    e["WORLD_SIZE"] = str(len(live.members))
+    # Every member of an epoch counts the same generation: the rendezvous keys are the epoch's.
+    _runtime.set_generation(live.epoch)
+    live.votes = 0
+    live.trouble = live.trouble_t = None
+
+
+# ---- the watcher -------------------------------------------------------------------------------
+
+def _start_watcher(live: _Live) -> None:
+    live.thread = threading.Thread(target=_watch, args=(live,), name="rumor-live-watch", daemon=True)
+    live.thread.start()
+
+
+def _watch(live: _Live) -> None:
+    store = live.watch_store
+    last = {}  # member -> (its heartbeat counter, the local time it last moved)
+    deaths = 0
+    tick = 0
+    while not live.stop.wait(_BEAT_S):
+        tick += 1
+        try:
+            store.add(f"hb/{live.me}", 1)
+            with live.lock:
+                epoch, members = live.epoch, list(live.members)
+            if live.trouble is not None or live.joined_fresh and epoch == 0:
+                continue
+            why = None
+            if store.check([f"e{epoch}/abort"]):
+                why = store.get(f"e{epoch}/abort").decode()
+            # The launcher counts exits in "deaths" as well: one read per beat, the members'
+            # own keys only when it moved.
+            d = _count(store, "deaths")
+            if why is None and d != deaths:
+                deaths = d
+                gone = [m for m in members if m != live.me and _count(store, f"dead/{m}") > 0]
+                if gone:
+                    why = f"member {gone[0]} exited"
+            if why is None and tick % 5 == 0:
+                now = time.monotonic()
+                for m in members:
+                    if m == live.me:
+                        continue
+                    c = _count(store, f"hb/{m}")
+                    prev = last.get(m)
+                    if prev is None or prev[0] != c:
+                        last[m] = (c, now)
+                    elif now - prev[1] > live.heartbeat_s:
+                        why = f"member {m} was silent for {now - prev[1]:.1f} s (heartbeat {live.heartbeat_s:g} s)"
+                        break
+            if why is not None:
+                _fail_epoch(live, epoch, why, store)
+        except Exception as e:  # the store gone: the launcher ended; the main thread will see it too
+            _log.debug("rumor.elastic: live watcher: %s", e)
+
+
+def _fail_epoch(live: _Live, epoch: int, why: str, store=None) -> None:
+    """Marks epoch as over (once, here and in the store) and aborts this process's communicators,
+    so that a collective blocked on a member that is gone fails now."""
+    store = store or live.store
+    with live.lock:
+        if live.epoch != epoch or live.trouble is not None:
+            return
+        live.trouble, live.trouble_t = why, time.monotonic()
+    try:
+        store.compare_set(f"e{epoch}/abort", "", why)
+    except Exception:
+        pass
+    if _runtime.is_initialized():
+        st = _runtime.state()
+        for g in [st.world] + list(st.groups):
+            comm = getattr(g, "_comm", None)
+            if comm is not None:
+                try:
+                    comm.abort(f"live membership: {why}")
+                except Exception:
+                    pass
+
+
+# ---- the vote before each optimizer step -------------------------------------------------------
+
+def _pending_newcomers(live: _Live) -> List[str]:
+    """Newcomers that are ready and not settled, in number order."""
+    n = _count(live.store, "joinseq")
+    out = []
+    for j in range(live.jscan + 1, n + 1):
+        jid = f"j{j}"
+        if live.store.check([f"done/{jid}"]):
+            if j == live.jscan + 1:
+                live.jscan = j
+            continue
+        if _count(live.store, f"dead/{jid}") > 0:
+            continue
+        if live.store.check([f"ready/{jid}"]):
+            out.append(jid)
+    return out
+
+
+def vote() -> None:
+    """Before each optimizer step: returns when every member has arrived and no one failed (the
+    step is applied everywhere); raises LiveRestart when the step must be redone in a new epoch."""
+    live = _live
+    if live is None:
+        return
+    epoch, k = live.epoch, live.votes
+    live.votes += 1
+    key = f"e{epoch}/v{k}"
+    store = live.store
+    decision = None
+    if live.trouble is None and int(store.add(f"{key}/n", 1)) == len(live.members):
+        d = "join" if _pending_newcomers(live) else "commit"
+        decision = store.compare_set(f"{key}/d", "", d).decode()
+    wait = datetime.timedelta(seconds=_BEAT_S)
+    while decision is None:
+        if live.trouble is not None:
+            decision = store.compare_set(f"{key}/d", "", f"abort:{live.trouble}").decode()
+            break
+        try:
+            store.wait([f"{key}/d"], wait)
+            decision = store.get(f"{key}/d").decode()
+        except Exception:  # the wait's timeout: look at the watcher's news again
+            if store.check([f"{key}/d"]):
+                decision = store.get(f"{key}/d").decode()
+    if decision == "commit":
+        return
+    if decision == "join":
+        with live.lock:
+            if live.trouble is None:
+                live.trouble, live.trouble_t = "newcomers are waiting", time.monotonic()
+        raise LiveRestart("rumor.elastic: the step is redone with the newcomers")
+    why = decision[len("abort:"):]
+    _fail_epoch(live, epoch, why)
+    raise LiveRestart(f"rumor.elastic: the step was given up: {why}")
+
+
+def wait_for_members(n: int, timeout: float) -> None:
+    """Between steps, on every member: returns at once when the epoch has n members or more;
+    otherwise waits until enough newcomers are ready, then raises LiveRestart so that the job
+    re-forms with them (rumor.elastic.run calls the training function again from the same step).
+    Raises TimeoutError when they are not there within timeout seconds."""
+    live = _live
+    if live is None:
+        raise RuntimeError("rumor.elastic.wait_for_members: the job does not run live (rumor-run --live)")
+    if len(live.members) >= n:
+        return
+    deadline = time.monotonic() + timeout
+    while live.trouble is None and len(live.members) + len(_pending_newcomers(live)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rumor.elastic.wait_for_members: {len(live.members)} member(s) and "
+                               f"{len(_pending_newcomers(live))} newcomer(s) after {timeout:g} s, {n} wanted")
+        time.sleep(0.02)
+    with live.lock:
+        if live.trouble is None:
+            live.trouble, live.trouble_t = f"growing to {n} members", time.monotonic()
+    raise LiveRestart(f"rumor.elastic: re-forming with the newcomers ({n} members wanted)")
+
+
+def is_membership_failure(e: BaseException) -> bool:
+    """Whether e ends the epoch (a peer gone, a collective aborted, a vote that gave up) rather
+    than being the script's own error."""
+    return isinstance(e, RumorError) and not isinstance(e, (LiveDropped, ValueError))
+
+
+# ---- a new epoch -------------------------------------------------------------------------------
+
+def _alive(live: _Live, m: str, seen: dict, now: float) -> bool:
+    if _count(live.store, f"dead/{m}") > 0:
+        return False
+    c = _count(live.store, f"hb/{m}")
+    prev = seen.get(m)
+    if prev is None or prev[0] != c:
+        seen[m] = (c, now)
+        return True
+    return now - prev[1] <= live.heartbeat_s
+
+
+def reform(reason: str) -> Change:
+    """After a failure or a vote for newcomers: leaves the epoch, agrees on the next one's
+    members (the survivors that register, then the ready newcomers), and joins it through a
+    fresh rumor.init(). Raises LiveDropped when this process is not among them."""
+    live = _live
+    assert live is not None
+    t0 = live.trouble_t or time.monotonic()
+    old_epoch, old = live.epoch, list(live.members)
+    _fail_epoch(live, old_epoch, reason)
+    timeout = _runtime.get_timeout() if _runtime.is_initialized() else 300.0
+    _runtime.shutdown()
+    store, nxt = live.store, old_epoch + 1
+    store.set(f"e{nxt}/reg/{live.me}", "1")
+    deadline = time.monotonic() + timeout
+    seen: dict = {}
+    sealed = None
+    said_short = False
+    while sealed is None:
+        if store.check([f"e{nxt}/members"]):
+            sealed = _read_members(store, nxt)
+            break
+        now = time.monotonic()
+        waiting, survivors = [], []
+        for m in old:
+            if store.check([f"e{nxt}/reg/{m}"]):
+                survivors.append(m)
+            elif _alive(live, m, seen, now):
+                waiting.append(m)
+        newcomers = _pending_newcomers(live)
+        size = len(survivors) + len(newcomers)
+        if not waiting and size >= live.min_size and survivors and survivors[0] == live.me:
+            body = {"members": survivors + newcomers, "new": newcomers, "reason": reason}
+            store.compare_set(f"e{nxt}/members", "", _rendezvous.seal(_members_key(), f"{_MEMBERS_MAC}/{nxt}", body))
+            sealed = _read_members(store, nxt)
+            for j in newcomers:
+                store.set(f"done/{j}", "admitted")
+            store.set("epoch", str(nxt))  # newcomers look here for the epoch that admits them
+            break
+        if not waiting and size < live.min_size and not said_short:
+            said_short = True
+            _log.warning("rumor.elastic: %d member(s) left, fewer than RUMOR_LIVE_MIN=%d: waiting up to %g s "
+                         "for newcomers", size, live.min_size, timeout)
+        if now > deadline:
+            have = len(survivors) + len(newcomers)
+            raise LiveDropped(f"rumor.elastic: epoch {nxt} did not form within {timeout:g} s: {have} member(s) "
+                              f"{survivors + newcomers}, at least {live.min_size} wanted (RUMOR_LIVE_MIN); "
+                              f"still waiting for {waiting or 'newcomers'}")
+        time.sleep(0.005)
+    if live.me not in sealed["members"]:
+        raise LiveDropped(f"rumor.elastic: {live.me} was left out of epoch {nxt} (it registered too late); "
+                          "it ends here and its launcher starts it again as a newcomer")
+    with live.lock:
+        live.epoch, live.members, live.new = nxt, sealed["members"], sealed["new"]
+    _enter_epoch(live)
+    _runtime.init(timeout)
+    change = Change(epoch=nxt, size=len(live.members), rank=live.members.index(live.me),
+                    left=[m for m in old if m not in live.members], joined=list(live.new),
+                    reason=sealed.get("reason", reason), degraded_s=time.monotonic() - t0)
+    live.changes.append(change)
+    _log.warning("rumor.elastic: epoch %d: %d member(s), rank %d; left %s, joined %s (%s); %.2f s without a group",
+                 nxt, change.size, change.rank, change.left or "none", change.joined or "none", change.reason,
+                 change.degraded_s)
+    return change
+
+
+def on_change(fn: Callable[[Change], None]) -> None:
+    if not callable(fn):
+        raise TypeError(f"rumor.elastic.on_change: expected a callable taking a Change, got {type(fn).__name__}")
+    if fn not in _callbacks:
+        _callbacks.append(fn)
+
+
+def notify(change: Change) -> None:
+    for fn in list(_callbacks):
+        fn(change)
+
+
+def finish() -> None:
+    """The job's training ended on this member: newcomers still waiting are told so."""
+    live = _live
+    if live is None:
+        return
+    try:
+        live.store.set("job_done", "1")
+    except Exception:
+        pass
+    _stop_watcher()
+
+
+def _stop_watcher() -> None:
+    # Before the interpreter ends: a daemon thread still inside a store call while the process
+    # tears down its C++ objects ends it with std::terminate.
+    live = _live
+    if live is not None and live.thread is not None:
+        live.stop.set()
+        live.thread.join(timeout=5)
+        live.thread = None
+
+
+def _interrupt() -> None:
+    live = _live
+    if live is not None and live.trouble is not None and not live.joined_fresh:
+        raise LiveRestart(f"rumor.elastic: epoch {live.epoch} lost a member while it formed: {live.trouble}")
+
+
+_runtime.before_init(_before_init)
+_rendezvous.interrupt = _interrupt
+atexit.register(_stop_watcher)

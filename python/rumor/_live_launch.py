@@ -1,0 +1,125 @@
+"""rumor-run --live: one host's workers under live membership (rumor._live, docs/elastic.md).
+
+torchrun's agent stops every worker when one fails and starts them all again; here a failed
+worker is the only one started again, as a newcomer, while the others keep training. The
+launcher hosts the job's store (the survivors agree through it, so it must outlive any
+worker), tells the store at once when a worker exits (the members learn it within a beat, before
+any heartbeat could), and ends when the job's training has ended on its members.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Dict, List
+
+_POLL_S = 0.02
+
+
+def _command(args) -> List[str]:
+    if getattr(args, "no_python", False):
+        return [args.training_script, *args.training_script_args]
+    if getattr(args, "module", False):
+        return [sys.executable, "-u", "-m", args.training_script, *args.training_script_args]
+    return [sys.executable, "-u", args.training_script, *args.training_script_args]
+
+
+def main(args) -> None:
+    import torch.distributed as dist
+
+    from . import _live, _secret, _shm
+
+    min_nodes, _, max_nodes = str(args.nnodes).partition(":")
+    if (max_nodes or min_nodes) != "1":
+        raise SystemExit("rumor-run: --live runs the workers of one host in this version (--nnodes 1); a job "
+                         "over several hosts restarts through torchrun (without --live)")
+    n = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 0
+    if n < 1:
+        raise SystemExit(f"rumor-run: --live needs --nproc-per-node as a number >= 1, got {args.nproc_per_node!r}")
+    least = args.rumor_live_min
+    if least is None:
+        least = 1
+    elif not str(least).isdigit() or not 1 <= int(least) <= n:
+        raise SystemExit(f"rumor-run: --live-min must be a number in [1, {n}], got {least!r}")
+    restarts = int(args.max_restarts)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    run_id = f"live-{uuid.uuid4().hex[:12]}"
+    live = dist.PrefixStore(f"rumor/{run_id}/live/", store)
+    base_env = dict(os.environ)
+    base_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(n),
+                    LOCAL_WORLD_SIZE=str(n), GROUP_RANK="0", ROLE_RANK="0", TORCHELASTIC_USE_AGENT_STORE="true",
+                    TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0", **{_live.LIVE_ENV: "1",
+                                                                                   _live.MIN_ENV: str(least)})
+    base_env.pop(_live.JOIN_ENV, None)
+    if _secret.given() is None:  # one host: this user's secret, as rumor-run gives torchrun's workers
+        _secret.user_secret()
+        base_env[_secret.SECRET_FILE_ENV] = _secret.user_secret_path()
+    procs: Dict[str, subprocess.Popen] = {}
+    slots: Dict[str, int] = {}
+    cmd = _command(args)
+
+    def start(member: str, slot: int, newcomer: bool) -> None:
+        env = dict(base_env, RANK=str(slot), LOCAL_RANK=str(slot), **{_live.ID_ENV: member})
+        if newcomer:
+            env[_live.JOIN_ENV] = "1"
+        procs[member] = subprocess.Popen(cmd, env=env)
+        slots[member] = slot
+
+    def stop_all(sig) -> None:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    for r in range(n):
+        start(f"r{r}", r, False)
+    print(f"rumor-run --live: {n} workers, at least {least} to train on, {restarts} restart(s) "
+          f"(store 127.0.0.1:{store.port}, run {run_id})", file=sys.stderr, flush=True)
+    failed_after_end = False
+
+    def on_signal(signum, _frame):
+        stop_all(signum)
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            for member, p in list(procs.items()):
+                code = p.poll()
+                if code is None or member.startswith("~"):
+                    continue
+                procs[f"~{member}"] = procs.pop(member)  # reported once
+                live.add(f"dead/{member}", 1)
+                live.add("deaths", 1)
+                done = live.check(["job_done"])
+                if code != 0:
+                    how = f"signal {-code}" if code < 0 else f"exit status {code}"
+                    print(f"rumor-run --live: worker {member} (pid {p.pid}) ended with {how}", file=sys.stderr,
+                          flush=True)
+                    if done:
+                        failed_after_end = failed_after_end or not member.startswith("j") or \
+                            live.check([f"done/{member}"])
+                    elif restarts > 0:
+                        restarts -= 1
+                        j = int(live.add("joinseq", 1))
+                        start(f"j{j}", slots[member], True)
+                        print(f"rumor-run --live: started newcomer j{j} in slot {slots[member]} "
+                              f"({restarts} restart(s) left)", file=sys.stderr, flush=True)
+            members_left = [m for m, p in procs.items() if not m.startswith("~") and p.poll() is None
+                            and (m.startswith("r") or live.check([f"done/{m}"]))]
+            if not members_left and not live.check(["job_done"]):
+                print("rumor-run --live: no member is left to admit the newcomers; the job ends", file=sys.stderr,
+                      flush=True)
+                break
+            time.sleep(_POLL_S)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        stop_all(signal.SIGKILL)
+        _shm.sweep()
+    if not live.check(["job_done"]) or failed_after_end:
+        raise SystemExit(1)

@@ -1,0 +1,200 @@
+"""Live membership (rumor-run --live): survivors keep training in the same processes.
+
+* a worker SIGKILLed before its step 4: the three others give that step up, re-form and go on
+  with three; the launcher starts a newcomer, which the members admit at step 8
+  (rumor.elastic.wait_for_members), receiving the whole state from a survivor;
+* a worker SIGSTOPped: the others find it silent past the heartbeat and go on without it; when
+  it is continued it learns it was dropped, exits, and comes back as a newcomer.
+In both, the survivors' pids never change, every step is applied exactly once, the members'
+final parameters are bitwise equal, and they equal a float64 run of the same membership
+timeline (which ranks averaged their gradients at each step) to float32 rounding.
+Every launcher run has a deadline; on timeout its whole process group is killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import harness
+
+DEADLINE_S = 150
+STEPS, GROW = 14, 8
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import torch
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    victim, fault_step, grow_step, total, out, fault = sys.argv[1:7]
+    fault_step, grow_step, total = int(fault_step), int(grow_step), int(total)
+    me, pid = os.environ["RUMOR_LIVE_ID"], os.getpid()
+    rumor.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = rumor.elastic.State(ddp, opt)
+    log = open(os.path.join(out, f"{me}.log"), "a")
+    changes = []
+    rumor.elastic.on_change(lambda c: changes.append([c.epoch, c.size, c.left, c.joined]))
+
+
+    def batch(step, rank):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        return torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+
+
+    @rumor.elastic.run
+    def train(state):
+        while state.step < total:
+            if me == victim and state.step == fault_step:
+                os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            if state.step == grow_step:
+                rumor.elastic.wait_for_members(4, timeout=100)
+            x, y = batch(state.step, rumor.rank())
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            log.write(json.dumps({"step": state.step, "size": rumor.size(), "pid": pid}) + "\\n")
+            log.flush()
+            state.step += 1
+
+
+    train(state)
+    with open(os.path.join(out, f"{me}.final.json"), "w") as f:
+        json.dump({"pid": pid, "changes": changes,
+                   "params": [p.detach().double().flatten().tolist() for p in model.parameters()]}, f)
+    """
+)
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(harness._SCRUB_PREFIXES) and k not in harness._SCRUB_NAMES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_TIMEOUT="60")
+    return env
+
+
+def _read_log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait_for(cond, p, what, deadline):
+    while not cond():
+        if p.poll() is not None or time.monotonic() > deadline:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            pytest.fail(f"{what} did not happen:\n{out.decode(errors='replace')[-6000:]}")
+        time.sleep(0.05)
+
+
+def _simulate(sizes):
+    """float64: at step s, the gradients of ranks 0..sizes[s]-1 averaged, then SGD with momentum."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step, n in enumerate(sizes):
+        opt.zero_grad()
+        for r in range(n):
+            g = torch.Generator().manual_seed(1000 * step + r)
+            x, y = torch.randn(6, 8, generator=g).double(), torch.randn(6, 1, generator=g).double()
+            (torch.nn.functional.mse_loss(model(x), y) / n).backward()
+        opt.step()
+    return [p.detach().flatten() for p in model.parameters()]
+
+
+def _run_live(tmp_path, victim, fault_step, fault, on_progress=None):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "rumor.run", "--live", "--nproc-per-node", "4", "--max-restarts", "1",
+           "--live-min", "3", str(script), victim, str(fault_step), str(GROW), str(STEPS), str(tmp_path), fault]
+    p = subprocess.Popen(cmd, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + DEADLINE_S
+    if on_progress is not None:
+        on_progress(p, deadline)
+    try:
+        out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"rumor-run --live did not finish within {DEADLINE_S} s:\n{out.decode(errors='replace')[-8000:]}")
+    text = out.decode(errors="replace")
+    assert p.returncode == 0, text[-8000:]
+    return text
+
+
+def _check(tmp_path, victim, text):
+    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
+    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
+              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
+    survivors = sorted(m for m in ("r0", "r1", "r2", "r3") if m != victim)
+    assert sorted(finals) == sorted(survivors + ["j1"]), text[-6000:]
+    # The survivors trained every step exactly once, in their first process.
+    sizes = None
+    for m in survivors:
+        steps = [e["step"] for e in logs[m]]
+        assert steps == list(range(STEPS)), (m, steps)
+        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
+        mine = [e["size"] for e in logs[m]]
+        assert sizes is None or mine == sizes, (m, mine, sizes)
+        sizes = mine
+    # The victim's steps before its fault, the newcomer's from its admission, agree with them.
+    assert [e["step"] for e in logs[victim]] == list(range(len(logs[victim])))
+    assert all(sizes[e["step"]] == e["size"] == 4 for e in logs[victim])
+    first = logs["j1"][0]["step"]
+    assert [e["step"] for e in logs["j1"]] == list(range(first, STEPS))
+    assert all(sizes[e["step"]] == e["size"] == 4 for e in logs["j1"])
+    # The membership timeline: 4 until the fault, 3 from the step it hit (given up and redone),
+    # 4 again from the newcomer's admission (at the latest the step that waited for it).
+    fault = len(logs[victim])
+    assert sizes[:fault] == [4] * fault and sizes[fault] == 3 and first <= GROW, sizes
+    assert sizes[first:] == [4] * (STEPS - first) and set(sizes[fault:first]) == {3}, sizes
+    # Each member saw two changes: the victim left, then the newcomer joined.
+    for m in survivors:
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(3, [victim], []), (4, [], ["j1"])], finals[m]
+    # Every member ends bitwise equal, and equal to the float64 run of this timeline.
+    ref = finals[survivors[0]]["params"]
+    for m, f in finals.items():
+        assert f["params"] == ref, f"{m} differs from {survivors[0]}"
+    expect = _simulate(sizes)
+    for got, want in zip(ref, expect):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
+    # Against the run where every rank always trained: the averaging followed the membership.
+    full = _simulate([4] * STEPS)
+    assert any(not torch.allclose(torch.tensor(g, dtype=torch.float64), w, rtol=1e-3, atol=1e-4)
+               for g, w in zip(ref, full))
+
+
+def test_a_killed_worker_leaves_and_a_newcomer_joins(tmp_path):
+    text = _run_live(tmp_path, "r2", 4, "kill")
+    _check(tmp_path, "r2", text)
+    assert "worker r2" in text and "signal 9" in text
+
+
+def test_a_stopped_worker_is_dropped_and_comes_back_as_a_newcomer(tmp_path):
+    victim_log = tmp_path / "r1.log"
+    r0_log = tmp_path / "r0.log"
+
+    def resume_after_the_others_went_on(p, deadline):
+        # The victim stopped itself at step 3; once the others trained a step without it, it is
+        # continued: it must find itself dropped, exit, and come back as newcomer j1.
+        _wait_for(lambda: r0_log.exists() and any(e["size"] == 3 for e in _read_log(r0_log)), p,
+                  "the survivors training without the stopped worker", deadline)
+        os.kill(_read_log(victim_log)[0]["pid"], signal.SIGCONT)
+
+    text = _run_live(tmp_path, "r1", 3, "stop", resume_after_the_others_went_on)
+    _check(tmp_path, "r1", text)
+    assert "silent" in text and "worker r1" in text
