@@ -89,7 +89,7 @@ WORKER = textwrap.dedent(
             rejoined.append(state.step)
         first = True
         # Live: on until the newcomer trained 3 steps with the others.
-        while state.step < steps or live and (not rejoined or state.step < rejoined[-1] + 3) \
+        while state.step < steps or live and kill_step >= 0 and (not rejoined or state.step < rejoined[-1] + 3) \
                 and state.step < 20 * steps:
             victim = me == f"r{nproc - 1}" if live else (attempt == 0 and rumor.rank() == rumor.size() - 1)
             if victim and state.step == kill_step:
@@ -167,6 +167,19 @@ def live_run(args, tmp: str, i: int):
                                               and not e["first"]))
 
 
+def overhead_run(args, tmp: str, i: int, live: bool) -> float:
+    """Failure-free: the median step (all ranks) with no kill, under --live or plain."""
+    log = os.path.join(tmp, f"overhead-{'live' if live else 'plain'}-{i}.jsonl")
+    saved = args.kill_step, args.steps
+    args.kill_step, args.steps = -1, args.overhead_steps
+    try:
+        _launch(args, tmp, log, i, live)
+    finally:
+        args.kill_step, args.steps = saved
+    ev = [json.loads(line) for line in open(log)]
+    return statistics.median(e["dt"] for e in ev if e["ev"] == "step" and not e["first"])
+
+
 def one_run(args, tmp: str, i: int):
     log = os.path.join(tmp, f"events-{i}.jsonl")
     _launch(args, tmp, log, i, False)
@@ -222,12 +235,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-live", action="store_true", help="only the restart path, not rumor-run --live beside it")
+    ap.add_argument("--overhead-repeats", type=int, default=2,
+                    help="failure-free runs, plain and --live alternately, for the live machinery's cost")
+    ap.add_argument("--overhead-steps", type=int, default=30)
     args = ap.parse_args(argv)
     if not 0 < args.kill_step < args.steps:
         ap.error("--kill-step must be inside (0, --steps)")
     meta = _common.run_meta(args)
     result = dict(meta=meta, cells=[], errors=[], targets=[])
     with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.overhead_repeats):
+            # Alternating, so that a load change on the shared machine hits both.
+            plain, live = overhead_run(args, tmp, i, False), overhead_run(args, tmp, i, True)
+            result.setdefault("overhead", []).append(dict(plain=plain, live=live))
+            print(f"failure-free step, run {i}: plain {plain * 1e3:.1f} ms, --live {live * 1e3:.1f} ms "
+                  f"({(live / plain - 1) * 100:+.1f}%)")
         for i in range(args.repeats):
             try:
                 r = one_run(args, tmp, i)
@@ -269,6 +291,12 @@ def main(argv=None) -> int:
                     f"the torchrun restart floor ({med['detect_restart']:.2f} s); rumor's part (init + restore + "
                     f"first step) {rumor_part:.2f} s = {rumor_part / med['steady_step']:.1f} steady steps; "
                     f"imports {med['imports']:.2f} s, model/DDP {med['build']:.2f} s")
+        if result.get("overhead"):
+            ratio = statistics.median(c["live"] / c["plain"] for c in result["overhead"])
+            result["targets"].append(dict(name="live failure-free overhead <= 1%", value=ratio - 1,
+                                          met=ratio - 1 <= 0.01))
+            headline += (f"; failure-free step under --live {(ratio - 1) * 100:+.1f}% vs plain [target <= +1%: "
+                         f"{'MET' if ratio - 1 <= 0.01 else 'NOT MET'}]")
         if result.get("live"):
             rec = statistics.median(c["recovery"] for c in result["live"])
             rej = statistics.median(c["rejoin"] for c in result["live"])

@@ -9,17 +9,19 @@ writers: the first value a compare_set writes is everyone's. Under the store's k
 - ``e<E>/members``: the members of epoch E in rank order, sealed with the job secret's MAC (a
   stranger who can write to the store cannot add a member). A member's id is ``r<rank>`` for
   the launcher's first workers and ``j<n>`` for the n-th newcomer; ``epoch`` is the newest E.
-- ``e<E>/v<k>/n`` and ``e<E>/v<k>/d``: the vote before the k-th optimizer step of epoch E. Each
-  member adds one to ``n``; the last one writes the decision ``d`` ("commit", or "join" while
-  newcomers wait). A member that learns of a failure writes "abort:<why>" instead. Whatever was
-  written first is the decision: a step is applied by every member or by none, even when a rank
-  died after some members had finished its allreduce.
+- ``e<E>/reg/<id>``: a member's registration for epoch E, with how many optimizer steps it has
+  applied. A step is applied by a member whose allreduce completed, which needs every rank's
+  contribution: so when a member fails in the middle of a step, some members may have applied it
+  and others not. The new epoch starts from the state of a member that applied the most (its
+  "source"), sent to every member that is behind and to the newcomers: nobody loses more than
+  the step in flight, and nothing is agreed on per step while nothing fails.
 - ``e<E>/abort``: the first failure anybody saw in epoch E. Every member's watcher thread reads
   it and aborts its communicators, so collectives blocked on a member that is gone fail at once
   instead of waiting out their deadline.
 - ``hb/<id>``: each process's heartbeat counter (its watcher adds one every beat); a member whose
   counter stands still for RUMOR_LIVE_HEARTBEAT seconds (SIGSTOP, a lost host) is gone.
-  ``dead/<id>``: set by the launcher when the process exits.
+  ``dead/<id>``: set by the launcher when the process exits; ``events`` counts exits and
+  aborts, so that a watcher reads one key per beat and the others only when it moved.
 - ``joinseq``, ``ready/j<n>``, ``done/j<n>``: newcomers are numbered by joinseq (the launcher
   draws the number when it starts one); a newcomer sets ready once it can join, and the epoch
   that admits (or skips) it sets done.
@@ -55,8 +57,8 @@ _MEMBERS_MAC = "live-members"
 
 
 class LiveRestart(RumorError):
-    """The step in flight is given up and redone with a new membership (raised by the vote
-    before an optimizer step; rumor.elastic.run catches it)."""
+    """The step in flight is given up and redone with a new membership (raised before an
+    optimizer step to admit newcomers, or to grow the group; rumor.elastic.run catches it)."""
 
 
 class LiveDropped(RumorError):
@@ -74,7 +76,7 @@ class Change:
     left: List[str]  # ids of the members that left
     joined: List[str]  # ids of the newcomers admitted
     reason: str  # why the previous membership ended
-    degraded_s: float  # from the failure (or the vote that admitted newcomers) to the new group
+    degraded_s: float  # from the failure (or the step that admitted newcomers) to the new group
 
 
 @dataclass
@@ -87,7 +89,11 @@ class _Live:
     epoch: int = 0
     members: List[str] = field(default_factory=list)
     new: List[str] = field(default_factory=list)  # members admitted by this epoch
-    votes: int = 0
+    applied: int = 0  # optimizer steps this process's state has seen (the source's, for a newcomer)
+    source: int = 0  # the rank whose state the epoch started from
+    sync: bool = False  # whether the epoch starts with the source's state sent (newcomers, or someone behind)
+    join_pending: bool = False  # set by the watcher: newcomers are ready
+    behind: bool = False  # this process's state is older than the source's: it receives the source's
     trouble: Optional[str] = None  # set by the watcher: why this epoch is over
     trouble_t: Optional[float] = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -164,6 +170,7 @@ def _before_init() -> None:
         _log.warning("rumor.elastic: newcomer %s is waiting to be admitted", me)
         epoch, sealed = _await_admission(live, timeout)
         live.epoch, live.members, live.new = epoch, sealed["members"], sealed["new"]
+        live.source, live.sync, live.applied, live.behind = sealed["source"], True, sealed["applied"], True
         _enter_epoch(live)
     else:
         live.members = [f"r{r}" for r in range(env.size)]
@@ -204,8 +211,8 @@ def _enter_epoch(live: _Live) -> None:
     e["WORLD_SIZE"] = str(len(live.members))
     # Every member of an epoch counts the same generation: the rendezvous keys are the epoch's.
     _runtime.set_generation(live.epoch)
-    live.votes = 0
     live.trouble = live.trouble_t = None
+    live.join_pending = False
 
 
 # ---- the watcher -------------------------------------------------------------------------------
@@ -218,7 +225,7 @@ def _start_watcher(live: _Live) -> None:
 def _watch(live: _Live) -> None:
     store = live.watch_store
     last = {}  # member -> (its heartbeat counter, the local time it last moved)
-    deaths = 0
+    events = 0
     tick = 0
     while not live.stop.wait(_BEAT_S):
         tick += 1
@@ -229,16 +236,15 @@ def _watch(live: _Live) -> None:
             if live.trouble is not None or live.joined_fresh and epoch == 0:
                 continue
             why = None
-            if store.check([f"e{epoch}/abort"]):
-                why = store.get(f"e{epoch}/abort").decode()
-            # The launcher counts exits in "deaths" as well: one read per beat, the members'
-            # own keys only when it moved.
-            d = _count(store, "deaths")
-            if why is None and d != deaths:
-                deaths = d
-                gone = [m for m in members if m != live.me and _count(store, f"dead/{m}") > 0]
-                if gone:
-                    why = f"member {gone[0]} exited"
+            e = _count(store, "events")  # exits and aborts: one read per beat, the details when it moved
+            if e != events:
+                events = e
+                if store.check([f"e{epoch}/abort"]):
+                    why = store.get(f"e{epoch}/abort").decode()
+                else:
+                    gone = [m for m in members if m != live.me and _count(store, f"dead/{m}") > 0]
+                    if gone:
+                        why = f"member {gone[0]} exited"
             if why is None and tick % 5 == 0:
                 now = time.monotonic()
                 for m in members:
@@ -251,6 +257,8 @@ def _watch(live: _Live) -> None:
                     elif now - prev[1] > live.heartbeat_s:
                         why = f"member {m} was silent for {now - prev[1]:.1f} s (heartbeat {live.heartbeat_s:g} s)"
                         break
+                if why is None and not live.join_pending and _pending_newcomers(live, store):
+                    live.join_pending = True  # the next optimizer step ends the epoch
             if why is not None:
                 _fail_epoch(live, epoch, why, store)
         except Exception as e:  # the store gone: the launcher ended; the main thread will see it too
@@ -266,7 +274,8 @@ def _fail_epoch(live: _Live, epoch: int, why: str, store=None) -> None:
             return
         live.trouble, live.trouble_t = why, time.monotonic()
     try:
-        store.compare_set(f"e{epoch}/abort", "", why)
+        if store.compare_set(f"e{epoch}/abort", "", why).decode() == why:
+            store.add("events", 1)
     except Exception:
         pass
     if _runtime.is_initialized():
@@ -280,60 +289,41 @@ def _fail_epoch(live: _Live, epoch: int, why: str, store=None) -> None:
                     pass
 
 
-# ---- the vote before each optimizer step -------------------------------------------------------
+# ---- newcomers and steps -----------------------------------------------------------------------
 
-def _pending_newcomers(live: _Live) -> List[str]:
+def _pending_newcomers(live: _Live, store=None) -> List[str]:
     """Newcomers that are ready and not settled, in number order."""
-    n = _count(live.store, "joinseq")
+    store = store or live.store
+    n = _count(store, "joinseq")
     out = []
     for j in range(live.jscan + 1, n + 1):
         jid = f"j{j}"
-        if live.store.check([f"done/{jid}"]):
+        if store.check([f"done/{jid}"]):
             if j == live.jscan + 1:
                 live.jscan = j
             continue
-        if _count(live.store, f"dead/{jid}") > 0:
+        if _count(store, f"dead/{jid}") > 0:
             continue
-        if live.store.check([f"ready/{jid}"]):
+        if store.check([f"ready/{jid}"]):
             out.append(jid)
     return out
 
 
-def vote() -> None:
-    """Before each optimizer step: returns when every member has arrived and no one failed (the
-    step is applied everywhere); raises LiveRestart when the step must be redone in a new epoch."""
+def before_step() -> None:
+    """Before each optimizer step (a hook rumor.elastic.run installs): newcomers are admitted
+    here. The members need not reach this at the same step: one that stops here makes the
+    others' next collective fail, and the new epoch starts from the state of the member that
+    applied the most steps."""
     live = _live
-    if live is None:
-        return
-    epoch, k = live.epoch, live.votes
-    live.votes += 1
-    key = f"e{epoch}/v{k}"
-    store = live.store
-    decision = None
-    if live.trouble is None and int(store.add(f"{key}/n", 1)) == len(live.members):
-        d = "join" if _pending_newcomers(live) else "commit"
-        decision = store.compare_set(f"{key}/d", "", d).decode()
-    wait = datetime.timedelta(seconds=_BEAT_S)
-    while decision is None:
-        if live.trouble is not None:
-            decision = store.compare_set(f"{key}/d", "", f"abort:{live.trouble}").decode()
-            break
-        try:
-            store.wait([f"{key}/d"], wait)
-            decision = store.get(f"{key}/d").decode()
-        except Exception:  # the wait's timeout: look at the watcher's news again
-            if store.check([f"{key}/d"]):
-                decision = store.get(f"{key}/d").decode()
-    if decision == "commit":
-        return
-    if decision == "join":
-        with live.lock:
-            if live.trouble is None:
-                live.trouble, live.trouble_t = "newcomers are waiting", time.monotonic()
-        raise LiveRestart("rumor.elastic: the step is redone with the newcomers")
-    why = decision[len("abort:"):]
-    _fail_epoch(live, epoch, why)
-    raise LiveRestart(f"rumor.elastic: the step was given up: {why}")
+    if live is not None and live.join_pending:
+        _fail_epoch(live, live.epoch, "newcomers are waiting")
+        raise LiveRestart("rumor.elastic: the group re-forms to admit newcomers")
+
+
+def after_step() -> None:
+    live = _live
+    if live is not None:
+        live.applied += 1
 
 
 def wait_for_members(n: int, timeout: float) -> None:
@@ -352,14 +342,12 @@ def wait_for_members(n: int, timeout: float) -> None:
             raise TimeoutError(f"rumor.elastic.wait_for_members: {len(live.members)} member(s) and "
                                f"{len(_pending_newcomers(live))} newcomer(s) after {timeout:g} s, {n} wanted")
         time.sleep(0.02)
-    with live.lock:
-        if live.trouble is None:
-            live.trouble, live.trouble_t = f"growing to {n} members", time.monotonic()
+    _fail_epoch(live, live.epoch, f"growing to {n} members")
     raise LiveRestart(f"rumor.elastic: re-forming with the newcomers ({n} members wanted)")
 
 
 def is_membership_failure(e: BaseException) -> bool:
-    """Whether e ends the epoch (a peer gone, a collective aborted, a vote that gave up) rather
+    """Whether e ends the epoch (a peer gone, a collective aborted, a re-forming asked for) rather
     than being the script's own error."""
     return isinstance(e, RumorError) and not isinstance(e, (LiveDropped, ValueError))
 
@@ -378,7 +366,7 @@ def _alive(live: _Live, m: str, seen: dict, now: float) -> bool:
 
 
 def reform(reason: str) -> Change:
-    """After a failure or a vote for newcomers: leaves the epoch, agrees on the next one's
+    """After a failure, or to admit newcomers: leaves the epoch, agrees on the next one's
     members (the survivors that register, then the ready newcomers), and joins it through a
     fresh rumor.init(). Raises LiveDropped when this process is not among them."""
     live = _live
@@ -389,7 +377,7 @@ def reform(reason: str) -> Change:
     timeout = _runtime.get_timeout() if _runtime.is_initialized() else 300.0
     _runtime.shutdown()
     store, nxt = live.store, old_epoch + 1
-    store.set(f"e{nxt}/reg/{live.me}", "1")
+    store.set(f"e{nxt}/reg/{live.me}", str(live.applied))
     deadline = time.monotonic() + timeout
     seen: dict = {}
     sealed = None
@@ -408,7 +396,11 @@ def reform(reason: str) -> Change:
         newcomers = _pending_newcomers(live)
         size = len(survivors) + len(newcomers)
         if not waiting and size >= live.min_size and survivors and survivors[0] == live.me:
-            body = {"members": survivors + newcomers, "new": newcomers, "reason": reason}
+            applied = [int(store.get(f"e{nxt}/reg/{m}")) for m in survivors]
+            top = max(applied)
+            body = {"members": survivors + newcomers, "new": newcomers, "reason": reason,
+                    "source": applied.index(top), "applied": top,
+                    "sync": bool(newcomers) or min(applied) != top}
             store.compare_set(f"e{nxt}/members", "", _rendezvous.seal(_members_key(), f"{_MEMBERS_MAC}/{nxt}", body))
             sealed = _read_members(store, nxt)
             for j in newcomers:
@@ -430,6 +422,9 @@ def reform(reason: str) -> Change:
                           "it ends here and its launcher starts it again as a newcomer")
     with live.lock:
         live.epoch, live.members, live.new = nxt, sealed["members"], sealed["new"]
+    live.source, live.sync = sealed["source"], sealed["sync"]
+    live.behind = live.applied < sealed["applied"]
+    live.applied = sealed["applied"]
     _enter_epoch(live)
     _runtime.init(timeout)
     change = Change(epoch=nxt, size=len(live.members), rank=live.members.index(live.me),

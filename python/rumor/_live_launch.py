@@ -94,7 +94,7 @@ def main(args) -> None:
                     continue
                 procs[f"~{member}"] = procs.pop(member)  # reported once
                 live.add(f"dead/{member}", 1)
-                live.add("deaths", 1)
+                live.add("events", 1)
                 done = live.check(["job_done"])
                 if code != 0:
                     how = f"signal {-code}" if code < 0 else f"exit status {code}"

@@ -580,30 +580,31 @@ class State:
     # ---- live membership ------------------------------------------------------------------------
 
     def _live_sync(self) -> None:
-        """After a membership change (collective over the new world): when the epoch admitted
-        newcomers, rank 0 (a survivor) sends them the whole state by broadcast, at link speed;
-        then every member proves it holds the same state (verify, repaired from the majority)."""
+        """After a membership change (collective over the new world): when some member is behind
+        (it failed a step others applied) or newcomers came, the source (a member that applied
+        the most steps) sends its whole state by broadcast, at link speed; then every member
+        proves it holds the same state (verify, repaired from the majority)."""
         from . import _live, _runtime, collectives
 
         live = _live.current()
-        if live.new:
-            if _runtime.rank() == 0:
+        if live.sync:
+            src = live.source
+            if _runtime.rank() == src:
                 data = torch.frombuffer(bytearray(self._payload()), dtype=torch.uint8)
                 length = torch.tensor([data.numel()], dtype=torch.int64)
             else:
                 length = torch.zeros(1, dtype=torch.int64)
-            collectives.broadcast_(length, 0)
-            if _runtime.rank() != 0:
+            collectives.broadcast_(length, src)
+            if _runtime.rank() != src:
                 data = torch.empty(int(length[0]), dtype=torch.uint8)
-            collectives.broadcast_(data, 0)
-            if live.me in live.new:
-                snap = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-                self._apply(snap)
+            collectives.broadcast_(data, src)
+            if live.behind:
+                self._apply(torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True))
             else:
                 self._reshard_sampler()
         else:
             self._reshard_sampler()
-        live.joined_fresh = False
+        live.joined_fresh = live.behind = False
         self._verify_restored()
 
     def _live_rebind(self) -> None:
@@ -678,12 +679,12 @@ def run(train_fn: Optional[Callable] = None, state: Optional[State] = None):
     return wrapper
 
 def _run_live(train_fn, st: State, args, kwargs):
-    """run() under rumor-run --live: the step in flight when a member fails (or newcomers wait)
-    is given up on every member, the job re-forms in these same processes, and train_fn is
-    called again from the state every member kept, the step where it stopped."""
+    """run() under rumor-run --live: when a member fails (or newcomers wait) the step in flight
+    is given up, the job re-forms in these same processes from the state of the member that
+    applied the most steps, and train_fn is called again from there."""
     if getattr(st.model, "overlap_optimizer", False):
-        raise ValueError("rumor.elastic: live membership votes before optimizer.step(); overlap_optimizer=True "
-                         "steps during backward, before the vote, so it cannot be used live")
+        raise ValueError("rumor.elastic: live membership counts the steps each member applied in optimizer.step(); "
+                         "overlap_optimizer=True applies them during backward, so it cannot be used live")
     alg = st._algorithm
     if alg is not None and not getattr(alg, "elastic_replicated", False):
         raise NotImplementedError(
@@ -695,7 +696,8 @@ def _run_live(train_fn, st: State, args, kwargs):
         st._live_sync()  # the survivors send the state from their re-forming
     else:
         st.restore()
-    hook = st.optimizer.register_step_pre_hook(lambda *_: _live.vote())
+    hooks = (st.optimizer.register_step_pre_hook(lambda *_: _live.before_step()),
+             st.optimizer.register_step_post_hook(lambda *_: _live.after_step()))
     ended = None  # why the last epoch ended, while the next one is being formed
     try:
         while True:
@@ -713,7 +715,8 @@ def _run_live(train_fn, st: State, args, kwargs):
                     raise
                 ended = f"{type(e).__name__}: {e}"
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
     _live.finish()
     return out
 

@@ -5,8 +5,8 @@
   (rumor.elastic.wait_for_members), receiving the whole state from a survivor;
 * a worker SIGSTOPped: the others find it silent past the heartbeat and go on without it; when
   it is continued it learns it was dropped, exits, and comes back as a newcomer.
-In both, the survivors' pids never change, every step is applied exactly once, the members'
-final parameters are bitwise equal, and they equal a float64 run of the same membership
+In both, the survivors' pids never change, every step is applied (no process applies one twice;
+a member behind the others receives their state), the members' final parameters are bitwise equal, and they equal a float64 run of the same membership
 timeline (which ranks averaged their gradients at each step) to float32 rounding.
 Every launcher run has a deadline; on timeout its whole process group is killed.
 """
@@ -142,24 +142,27 @@ def _check(tmp_path, victim, text):
               for f in os.listdir(tmp_path) if f.endswith(".final.json")}
     survivors = sorted(m for m in ("r0", "r1", "r2", "r3") if m != victim)
     assert sorted(finals) == sorted(survivors + ["j1"]), text[-6000:]
-    # The survivors trained every step exactly once, in their first process.
-    sizes = None
+    # No process applied a step twice; a member that failed a step another member applied gets
+    # that member's state and goes on after it, so it may skip that one.
+    for m, entries in logs.items():
+        steps = [e["step"] for e in entries]
+        assert steps == sorted(set(steps)), (m, steps)
+    # The survivors trained to the end in their first process.
     for m in survivors:
-        steps = [e["step"] for e in logs[m]]
-        assert steps == list(range(STEPS)), (m, steps)
         assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
-        mine = [e["size"] for e in logs[m]]
-        assert sizes is None or mine == sizes, (m, mine, sizes)
-        sizes = mine
-    # The victim's steps before its fault, the newcomer's from its admission, agree with them.
-    assert [e["step"] for e in logs[victim]] == list(range(len(logs[victim])))
-    assert all(sizes[e["step"]] == e["size"] == 4 for e in logs[victim])
-    first = logs["j1"][0]["step"]
-    assert [e["step"] for e in logs["j1"]] == list(range(first, STEPS))
-    assert all(sizes[e["step"]] == e["size"] == 4 for e in logs["j1"])
+        assert logs[m][-1]["step"] == STEPS - 1, m
+    # Every step was applied, by members that agree on how many averaged it.
+    by_step = {}
+    for entries in logs.values():
+        for e in entries:
+            by_step.setdefault(e["step"], set()).add(e["size"])
+    assert sorted(by_step) == list(range(STEPS)) and all(len(v) == 1 for v in by_step.values()), by_step
+    sizes = [by_step[s].pop() for s in range(STEPS)]
     # The membership timeline: 4 until the fault, 3 from the step it hit (given up and redone),
     # 4 again from the newcomer's admission (at the latest the step that waited for it).
     fault = len(logs[victim])
+    first = logs["j1"][0]["step"]
+    assert [e["step"] for e in logs["j1"]] == list(range(first, STEPS))
     assert sizes[:fault] == [4] * fault and sizes[fault] == 3 and first <= GROW, sizes
     assert sizes[first:] == [4] * (STEPS - first) and set(sizes[fault:first]) == {3}, sizes
     # Each member saw two changes: the victim left, then the newcomer joined.
