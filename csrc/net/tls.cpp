@@ -45,6 +45,24 @@ struct BnFree {
 struct ExtFree {
   void operator()(X509_EXTENSION* p) const { X509_EXTENSION_free(p); }
 };
+struct GroupFree {
+  void operator()(EC_GROUP* p) const { EC_GROUP_free(p); }
+};
+struct PointFree {
+  void operator()(EC_POINT* p) const { EC_POINT_free(p); }
+};
+struct SecretBnFree {
+  void operator()(BIGNUM* p) const { BN_clear_free(p); }
+};
+struct ParamBldFree {
+  void operator()(OSSL_PARAM_BLD* p) const { OSSL_PARAM_BLD_free(p); }
+};
+struct ParamFree {
+  void operator()(OSSL_PARAM* p) const { OSSL_PARAM_free(p); }
+};
+struct PkeyCtxFree {
+  void operator()(EVP_PKEY_CTX* p) const { EVP_PKEY_CTX_free(p); }
+};
 using BioPtr = std::unique_ptr<BIO, BioFree>;
 using X509Ptr = std::unique_ptr<X509, X509Free>;
 using PkeyPtr = std::unique_ptr<EVP_PKEY, PkeyFree>;
@@ -534,25 +552,6 @@ PkeyPtr new_p256_key() {
   if (!k) pki_fail("EC P-256 key generation");
   return k;
 }
-
-struct GroupFree {
-  void operator()(EC_GROUP* p) const { EC_GROUP_free(p); }
-};
-struct PointFree {
-  void operator()(EC_POINT* p) const { EC_POINT_free(p); }
-};
-struct SecretBnFree {
-  void operator()(BIGNUM* p) const { BN_clear_free(p); }
-};
-struct ParamBldFree {
-  void operator()(OSSL_PARAM_BLD* p) const { OSSL_PARAM_BLD_free(p); }
-};
-struct ParamFree {
-  void operator()(OSSL_PARAM* p) const { OSSL_PARAM_free(p); }
-};
-struct PkeyCtxFree {
-  void operator()(EVP_PKEY_CTX* p) const { EVP_PKEY_CTX_free(p); }
-};
 
 // The key pair of a given private scalar d: the public point d*G computed here, because
 // EVP_PKEY_fromdata takes a key pair as given and does not derive one half from the other.

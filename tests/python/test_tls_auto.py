@@ -127,10 +127,11 @@ class Launcher:
     def _read(self, timeout):
         for _ in self._sel.select(timeout):
             chunk = self.p.stdout.read()
-            if chunk:
-                self.text += chunk.decode(errors="replace")
+            if chunk is None:  # nothing after all (non-blocking read)
                 return True
-            return False  # end of output
+            if not chunk:
+                return False  # end of output
+            self.text += chunk.decode(errors="replace")
         return True
 
     def wait_for(self, needle, count=1):
