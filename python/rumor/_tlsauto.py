@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import os
 import socket
+import sys
 from typing import Dict, List, Optional
 
 from . import _secret
@@ -71,8 +72,9 @@ def ca_name(secret: Optional[bytes], job_id: str) -> str:
 
 def make_credentials(secret: Optional[bytes], job_id: str, host: Optional[str] = None,
                      valid_s: float = VALID_S) -> Dict[str, bytes]:
-    """{"cert", "key", "ca"}: this host's certificate and key, and the CA certificate (PEM).
-    secret None: a CA with a random key (one node); else the CA derived from it (see above)."""
+    """{"cert", "key", "ca"}: this host's certificate and key, and the CA certificate (PEM); and
+    "name", the CA's subject. secret None: a CA with a random key (one node); else the CA derived
+    from it (see above)."""
     from . import _C
 
     name = ca_name(secret, job_id)
@@ -82,7 +84,7 @@ def make_credentials(secret: Optional[bytes], job_id: str, host: Optional[str] =
         ca_cert, ca_key = _C.tls_make_ca(name, valid_s, ca_scalar(secret, job_id))
     host = (host or socket.gethostname() or "host")[:48]
     cert, key = _C.tls_issue_certificate(ca_cert, ca_key, f"rumor host {host}", [], valid_s)
-    return {"cert": cert, "key": key, "ca": ca_cert}
+    return {"cert": cert, "key": key, "ca": ca_cert, "name": name.encode()}
 
 
 def _owner_tag() -> str:
@@ -139,6 +141,10 @@ class AutoTls:
         for var, path in self.paths.items():
             self._saved[var] = self.env.get(var)
             self.env[var] = path
+        # Every node of a job prints the same name; a node that differs has another secret or
+        # rendezvous id, and its ranks' handshakes fail with "unknown ca".
+        how = "its key derived from the job secret" if self._secret is not None else "a random key, one node"
+        print(f"rumor-run: TLS on the data channels: job CA '{creds['name'].decode()}' ({how})", file=sys.stderr)
         return dict(self.paths)
 
     def close(self) -> List[str]:

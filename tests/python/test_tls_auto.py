@@ -163,6 +163,8 @@ def test_tls_auto_two_workers_allreduce_over_tls_then_files_are_gone(tmp_path):
     assert [r["rank"] for r in reports] == [0, 1], text[-6000:]
     assert all(r["tls"] for r in reports)
     assert reports[0]["paths"] == reports[1]["paths"]  # one host: one certificate
+    assert text.count("rumor-run: TLS on the data channels: job CA 'rumor job CA ") == 1, text[-6000:]
+    assert "(a random key, one node)" in text
     for path in reports[0]["paths"].values():
         assert os.path.dirname(path) == str(priv)
         assert not os.path.lexists(path), f"{path} outlived the job"
@@ -319,6 +321,8 @@ def test_tls_auto_two_launchers_as_two_nodes(tmp_path):
     assert [r["rank"] for r in reports] == [0, 1], text[-8000:]
     assert all(r["tls"] for r in reports)
     assert reports[0]["ca_sha256"] != reports[1]["ca_sha256"]  # made apart: no file was shared
+    names = [line.split("job CA ", 1)[1] for j in jobs for line in j.text.splitlines() if "job CA " in line]
+    assert len(names) == 2 and names[0] == names[1] and "derived from the job secret" in names[0], names
     for r in reports:
         for path in r["paths"].values():
             assert not os.path.lexists(path)
