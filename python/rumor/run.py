@@ -43,9 +43,10 @@ def _parser():
     group.add_argument("--tls", dest="rumor_tls", choices=("off", "auto"), default="off",
                        help="auto: TLS 1.3 with mutual certificates on the data channels between ranks, with a job CA "
                             "this launcher makes (one node: a random key; several nodes: a key derived from "
-                            "RUMOR_JOB_SECRET, which every node must share). The workers get the paths of 0600 files "
-                            "in this user's private directory, removed when the job ends. off (default): TLS only "
-                            "where you set RUMOR_TLS_CERT/KEY/CA yourself (docs/security.md)")
+                            "RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE, which every node must share). The workers get "
+                            "the paths of 0600 files in this user's private directory, removed when the job ends; it "
+                            "refuses to start if RUMOR_TLS_* is set. off (default): TLS only where you set "
+                            "RUMOR_TLS_CERT/KEY/CA yourself (docs/security.md)")
     group.add_argument("--nccl-net-plugin", dest="rumor_nccl_net_plugin", action="store_true",
                        help="NCCL sends through rumor's multi-stream TCP net plugin: sets NCCL_NET_PLUGIN to "
                             "libnccl-net-rumor.so and puts its folder on LD_LIBRARY_PATH "
