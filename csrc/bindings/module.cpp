@@ -150,13 +150,19 @@ PYBIND11_MODULE(_C, m) {
   };
   m.def(
       "tls_make_ca",
-      [validity](const std::string& cn, double valid_s) {
+      [validity](const std::string& cn, double valid_s, const std::optional<py::bytes>& private_scalar) {
         const auto [from, to] = validity(valid_s);
-        auto c = net::make_ca(cn, from, to);
+        if (!private_scalar) {
+          auto c = net::make_ca(cn, from, to);
+          return py::make_tuple(py::bytes(c.cert_pem), py::bytes(c.key_pem));
+        }
+        const std::string d(*private_scalar);
+        auto c = net::make_ca(cn, from, to, std::span(reinterpret_cast<const uint8_t*>(d.data()), d.size()));
         return py::make_tuple(py::bytes(c.cert_pem), py::bytes(c.key_pem));
       },
-      py::arg("common_name"), py::arg("valid_s") = 86400.0,
-      "A self-signed EC P-256 CA: (cert_pem, key_pem) as bytes.");
+      py::arg("common_name"), py::arg("valid_s") = 86400.0, py::arg("private_scalar") = py::none(),
+      "A self-signed EC P-256 CA: (cert_pem, key_pem) as bytes. private_scalar: its key as 32 big-endian bytes "
+      "in [1, n-1] (the same scalar gives the same public key on every host); None: a random key.");
   m.def(
       "tls_issue_certificate",
       [validity](const py::bytes& ca_cert, const py::bytes& ca_key, const std::string& cn,
@@ -193,6 +199,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("port", &Context::port)
       .def_property_readonly("rejected_connections", &Context::rejected_connections)
       .def_property_readonly("pending_connections", &Context::pending_connections)
+      .def_property_readonly(
+          "tls", [](const Context& c) { return c.options().tls(); },
+          "True when the TCP channels of this context run TLS 1.3 (RUMOR_TLS_*).")
       .def("set_sites", &Context::set_sites, py::arg("site_ids"),
            "Every rank's site (RUMOR_SITE): hierarchical collectives group ranks by site, not host.")
       .def("set_peers", &Context::set_peers, py::arg("addresses"), py::arg("host_ids"),

@@ -3,8 +3,11 @@
 #include <arpa/inet.h>
 #include <openssl/bio.h>
 #include <openssl/bn.h>
+#include <openssl/core_names.h>
+#include <openssl/ec.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
+#include <openssl/param_build.h>
 #include <openssl/pem.h>
 #include <openssl/rand.h>
 #include <openssl/ssl.h>
@@ -41,6 +44,24 @@ struct BnFree {
 };
 struct ExtFree {
   void operator()(X509_EXTENSION* p) const { X509_EXTENSION_free(p); }
+};
+struct GroupFree {
+  void operator()(EC_GROUP* p) const { EC_GROUP_free(p); }
+};
+struct PointFree {
+  void operator()(EC_POINT* p) const { EC_POINT_free(p); }
+};
+struct SecretBnFree {
+  void operator()(BIGNUM* p) const { BN_clear_free(p); }
+};
+struct ParamBldFree {
+  void operator()(OSSL_PARAM_BLD* p) const { OSSL_PARAM_BLD_free(p); }
+};
+struct ParamFree {
+  void operator()(OSSL_PARAM* p) const { OSSL_PARAM_free(p); }
+};
+struct PkeyCtxFree {
+  void operator()(EVP_PKEY_CTX* p) const { EVP_PKEY_CTX_free(p); }
 };
 using BioPtr = std::unique_ptr<BIO, BioFree>;
 using X509Ptr = std::unique_ptr<X509, X509Free>;
@@ -532,6 +553,40 @@ PkeyPtr new_p256_key() {
   return k;
 }
 
+// The key pair of a given private scalar d: the public point d*G computed here, because
+// EVP_PKEY_fromdata takes a key pair as given and does not derive one half from the other.
+PkeyPtr p256_key_from_scalar(std::span<const uint8_t> scalar) {
+  if (scalar.size() != 32)
+    throw Error(ErrorKind::kInvalidArgument,
+                "tls: a P-256 private scalar is 32 bytes, got " + std::to_string(scalar.size()));
+  std::unique_ptr<EC_GROUP, GroupFree> group(EC_GROUP_new_by_curve_name(NID_X9_62_prime256v1));
+  if (!group) pki_fail("the P-256 group");
+  std::unique_ptr<BIGNUM, SecretBnFree> d(BN_bin2bn(scalar.data(), static_cast<int>(scalar.size()), nullptr));
+  if (!d) pki_fail("BN_bin2bn");
+  if (BN_is_zero(d.get()) || BN_cmp(d.get(), EC_GROUP_get0_order(group.get())) >= 0)
+    throw Error(ErrorKind::kInvalidArgument, "tls: the private scalar is not in [1, n-1] for P-256");
+  std::unique_ptr<EC_POINT, PointFree> pub(EC_POINT_new(group.get()));
+  if (!pub || EC_POINT_mul(group.get(), pub.get(), d.get(), nullptr, nullptr, nullptr) != 1)
+    pki_fail("the public point of a P-256 private scalar");
+  std::vector<unsigned char> point(
+      EC_POINT_point2oct(group.get(), pub.get(), POINT_CONVERSION_UNCOMPRESSED, nullptr, 0, nullptr));
+  if (point.empty() || EC_POINT_point2oct(group.get(), pub.get(), POINT_CONVERSION_UNCOMPRESSED, point.data(),
+                                          point.size(), nullptr) != point.size())
+    pki_fail("encoding a P-256 public point");
+  std::unique_ptr<OSSL_PARAM_BLD, ParamBldFree> bld(OSSL_PARAM_BLD_new());
+  if (!bld || OSSL_PARAM_BLD_push_utf8_string(bld.get(), OSSL_PKEY_PARAM_GROUP_NAME, SN_X9_62_prime256v1, 0) != 1 ||
+      OSSL_PARAM_BLD_push_BN(bld.get(), OSSL_PKEY_PARAM_PRIV_KEY, d.get()) != 1 ||
+      OSSL_PARAM_BLD_push_octet_string(bld.get(), OSSL_PKEY_PARAM_PUB_KEY, point.data(), point.size()) != 1)
+    pki_fail("P-256 key parameters");
+  std::unique_ptr<OSSL_PARAM, ParamFree> params(OSSL_PARAM_BLD_to_param(bld.get()));
+  std::unique_ptr<EVP_PKEY_CTX, PkeyCtxFree> ctx(EVP_PKEY_CTX_new_from_name(nullptr, "EC", nullptr));
+  EVP_PKEY* key = nullptr;
+  if (!params || !ctx || EVP_PKEY_fromdata_init(ctx.get()) <= 0 ||
+      EVP_PKEY_fromdata(ctx.get(), &key, EVP_PKEY_KEYPAIR, params.get()) <= 0)
+    pki_fail("a P-256 key from its private scalar");
+  return PkeyPtr(key);
+}
+
 void add_ext(X509* cert, X509* issuer, int nid, const std::string& value) {
   X509V3_CTX v3;
   X509V3_set_ctx_nodb(&v3);
@@ -578,11 +633,9 @@ PemCredentials to_pem(X509* cert, EVP_PKEY* key) {
   return {text(c.get()), text(k.get())};
 }
 
-}  // namespace
-
-PemCredentials make_ca(const std::string& common_name, CertTime not_before, CertTime not_after) {
-  ERR_clear_error();
-  PkeyPtr key = new_p256_key();
+// The CA's certificate for its key (see make_ca).
+PemCredentials self_signed_ca(const std::string& common_name, PkeyPtr key, CertTime not_before,
+                              CertTime not_after) {
   X509Ptr x = new_cert(common_name, key.get(), not_before, not_after);
   if (X509_set_issuer_name(x.get(), X509_get_subject_name(x.get())) != 1) pki_fail("issuer name");
   add_ext(x.get(), x.get(), NID_basic_constraints, "critical,CA:TRUE");
@@ -591,6 +644,19 @@ PemCredentials make_ca(const std::string& common_name, CertTime not_before, Cert
   add_ext(x.get(), x.get(), NID_authority_key_identifier, "keyid:always");
   if (X509_sign(x.get(), key.get(), EVP_sha256()) <= 0) pki_fail("signing CA '" + common_name + "'");
   return to_pem(x.get(), key.get());
+}
+
+}  // namespace
+
+PemCredentials make_ca(const std::string& common_name, CertTime not_before, CertTime not_after) {
+  ERR_clear_error();
+  return self_signed_ca(common_name, new_p256_key(), not_before, not_after);
+}
+
+PemCredentials make_ca(const std::string& common_name, CertTime not_before, CertTime not_after,
+                       std::span<const uint8_t> private_scalar) {
+  ERR_clear_error();
+  return self_signed_ca(common_name, p256_key_from_scalar(private_scalar), not_before, not_after);
 }
 
 PemCredentials issue_certificate(const PemCredentials& ca, const std::string& common_name,

@@ -179,6 +179,12 @@ using CertTime = std::chrono::system_clock::time_point;
 
 // A self-signed CA (basicConstraints CA:TRUE, keyUsage keyCertSign+cRLSign).
 PemCredentials make_ca(const std::string& common_name, CertTime not_before, CertTime not_after);
+// The same with its key given, not made: `private_scalar` is the P-256 private key as 32 big-endian
+// bytes in [1, n-1] (else Error kInvalidArgument). Hosts that derive one scalar from the job's secret
+// make CA certificates with the same subject and public key, so each trusts the leaves every other
+// one issues with no file copied between them (rumor-run --tls auto).
+PemCredentials make_ca(const std::string& common_name, CertTime not_before, CertTime not_after,
+                       std::span<const uint8_t> private_scalar);
 // A leaf signed by `ca`: CA:FALSE, keyUsage digitalSignature, extendedKeyUsage serverAuth and
 // clientAuth (every end is both), a subjectAltName per entry of `sans` (an IP address where one
 // parses, a DNS name otherwise). The serial number is 127 random bits.

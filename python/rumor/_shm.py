@@ -7,8 +7,9 @@ them unpredictable to other local users) of the processes that own it; a name wh
 all gone is garbage. Only names owned by this user (and regular files, not links) are ever
 removed. The launcher (rumor.run) sweeps when its workers have exited, and rumor.init()
 sweeps before it creates its own names, so a restarted job starts on a clean /dev/shm.
-rumor.elastic's commits live in this user's private directory (rumor._secret.private_dir()),
-swept by the same rule, with the temporary files a killed writer left there.
+rumor.elastic's commits and rumor-run --tls auto's certificates live in this user's private
+directory (rumor._secret.private_dir()), swept by the same rule, with the temporary files a
+killed writer left there.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from . import _secret
 
 SHM_DIR = "/dev/shm"
 # rumor-<token>-...: the core's segments; rumor_elastic-...: rumor.elastic's commits, owned by
-# the launcher's agent (they outlive the workers on purpose, not the job).
+# the launcher's agent (they outlive the workers on purpose, not the job); rumor_tls-...: the
+# certificates of rumor-run --tls auto, owned by the launcher (rumor._tlsauto).
 _TAG = r"\d+\.\d+(?:\.[0-9a-f]+)?"
-_NAME = re.compile(r"^rumor(?:-[0-9a-f]+|_elastic)-.+@(" + _TAG + r"(?:\+" + _TAG + r")*)$")
+_NAME = re.compile(r"^rumor(?:-[0-9a-f]+|_elastic|_tls)-.+@(" + _TAG + r"(?:\+" + _TAG + r")*)$")
 # rumor._secret.write_private's temporary names: ".<name>.<writer pid>.<random hex>.tmp".
 TMP_NAME = re.compile(r"^\.(.+)\.\d+\.[0-9a-f]+\.tmp$")
 

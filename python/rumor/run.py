@@ -40,6 +40,13 @@ def _parser():
     group.add_argument("--autotune", dest="rumor_autotune", action="store_true",
                        help="DistributedDataParallel tunes its settings during the first steps (RUMOR_AUTOTUNE=1, "
                             "docs/autotune.md)")
+    group.add_argument("--tls", dest="rumor_tls", choices=("off", "auto"), default="off",
+                       help="auto: TLS 1.3 with mutual certificates on the data channels between ranks, with a job CA "
+                            "this launcher makes (one node: a random key; several nodes: a key derived from "
+                            "RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE, which every node must share). The workers get "
+                            "the paths of 0600 files in this user's private directory, removed when the job ends; it "
+                            "refuses to start if RUMOR_TLS_* is set. off (default): TLS only where you set "
+                            "RUMOR_TLS_CERT/KEY/CA yourself (docs/security.md)")
     group.add_argument("--nccl-net-plugin", dest="rumor_nccl_net_plugin", action="store_true",
                        help="NCCL sends through rumor's multi-stream TCP net plugin: sets NCCL_NET_PLUGIN to "
                             "libnccl-net-rumor.so and puts its folder on LD_LIBRARY_PATH "
@@ -113,6 +120,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     from . import netplugin
 
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
+    tls = None
+    if args.rumor_tls == "auto":
+        from ._tlsauto import AutoTls
+
+        tls = AutoTls(multi_node=(max_nodes or min_nodes) != "1", job_id=str(args.rdzv_id))
+        tls.prepare()  # refuses before anything is made
     _warn_without_secret(min_nodes, max_nodes)
     if args.rumor_nccl_net_plugin or netplugin.enabled_by_env():
         try:
@@ -132,8 +145,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         # workers wait forever; a store per round, hosted by the rank 0 worker, has no such gap.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
+        if tls is not None:
+            tls.write()
         run(args)
     finally:
+        if tls is not None:
+            tls.close()
         # Workers killed before they could unlink their shared memory (SIGKILL in init, the
         # agent's SIGTERM to the survivors of a failure) leave names only a sweep removes.
         from . import _shm, elastic

@@ -566,5 +566,87 @@ TEST(Tls, PkiCertificatesCarryThePolicy) {
   EXPECT_THROW(net::issue_certificate(pki.ca, "x", {"a,DNS:evil"}, hours_from_now(-1), hours_from_now(1)), Error);
 }
 
+// The uncompressed public point of a certificate's key (04 || x || y).
+std::vector<uint8_t> public_point(const std::string& cert_pem) {
+  std::unique_ptr<BIO, decltype(&BIO_free)> b(BIO_new_mem_buf(cert_pem.data(), -1), &BIO_free);
+  std::unique_ptr<X509, decltype(&X509_free)> x(PEM_read_bio_X509(b.get(), nullptr, nullptr, nullptr), &X509_free);
+  if (!x) throw Error(ErrorKind::kInvalidArgument, "public_point: not a PEM certificate");
+  unsigned char* raw = nullptr;
+  const size_t n = EVP_PKEY_get1_encoded_public_key(X509_get0_pubkey(x.get()), &raw);
+  std::vector<uint8_t> out(raw, raw + n);
+  OPENSSL_free(raw);
+  return out;
+}
+
+std::vector<uint8_t> from_hex(const std::string& hex) {
+  std::vector<uint8_t> out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<uint8_t>(std::stoul(hex.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+// P-256's group order n (SEC 2) and its base point G, uncompressed.
+const std::string kP256Order = "ffffffff00000000ffffffffffffffffbce6faada7179e84f3b9cac2fc632551";
+const std::string kP256Generator =
+    "04"
+    "6b17d1f2e12c4247f8bce6e563a440f277037d812deb33a0f4a13945d898c296"
+    "4fe342e2fe1a7f9b8ee7eb4a7c0f9e162bce33576b315ececbb6406837bf51f5";
+
+TEST(Tls, CaFromAGivenScalarHasThatKey) {
+  // d = 1: the public key is G itself, an answer known without OpenSSL.
+  std::vector<uint8_t> one(32, 0);
+  one[31] = 1;
+  const PemCredentials ca = net::make_ca("rumor scalar one", hours_from_now(-1), hours_from_now(1), one);
+  EXPECT_EQ(public_point(ca.cert_pem), from_hex(kP256Generator));
+  // The key PEM holds the scalar: a leaf it signs verifies against the certificate.
+  EXPECT_NO_THROW(net::issue_certificate(ca, "leaf", {}, hours_from_now(-1), hours_from_now(1)));
+  std::vector<uint8_t> n = from_hex(kP256Order);
+  std::vector<uint8_t> n_minus_1 = n;
+  n_minus_1[31] -= 1;
+  EXPECT_NO_THROW(net::make_ca("rumor n-1", hours_from_now(-1), hours_from_now(1), n_minus_1));
+  for (const auto& bad : {std::vector<uint8_t>(32, 0), n, std::vector<uint8_t>(32, 0xff)}) {
+    try {
+      net::make_ca("rumor bad", hours_from_now(-1), hours_from_now(1), bad);
+      ADD_FAILURE() << "a scalar outside [1, n-1] was taken";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_HAS(std::string(e.what()), "not in [1, n-1] for P-256");
+    }
+  }
+  try {
+    net::make_ca("rumor short", hours_from_now(-1), hours_from_now(1), std::vector<uint8_t>(31, 1));
+    ADD_FAILURE() << "a 31-byte scalar was taken";
+  } catch (const Error& e) {
+    EXPECT_HAS(std::string(e.what()), "a P-256 private scalar is 32 bytes, got 31");
+  }
+}
+
+// Two hosts, each with its own CA certificate (own serial, own validity) made from one scalar:
+// a leaf of either is trusted by the other. A CA of the same name from another scalar is not.
+TEST(Tls, CasFromOneScalarTrustEachOthersLeaves) {
+  const std::vector<uint8_t> scalar = random_bytes(32, 7);  // below n: its first byte is not 0xff
+  ASSERT_LT(scalar[0], 0xff);
+  const std::string name = "rumor job CA 0123";
+  const PemCredentials ca_a = net::make_ca(name, hours_from_now(-1), hours_from_now(24), scalar);
+  const PemCredentials ca_b = net::make_ca(name, hours_from_now(-2), hours_from_now(25), scalar);
+  EXPECT_NE(ca_a.cert_pem, ca_b.cert_pem);
+  EXPECT_EQ(public_point(ca_a.cert_pem), public_point(ca_b.cert_pem));
+  const PemCredentials leaf_a = net::issue_certificate(ca_a, "host a", {}, hours_from_now(-1), hours_from_now(24));
+  const PemCredentials leaf_b = net::issue_certificate(ca_b, "host b", {}, hours_from_now(-1), hours_from_now(24));
+  auto [s, c] = try_client(context(leaf_a, ca_a), context(leaf_b, ca_b));
+  EXPECT_TRUE(s.ok()) << s.error;
+  EXPECT_TRUE(c.ok()) << c.error;
+
+  std::vector<uint8_t> other = scalar;
+  other[31] ^= 1;
+  const PemCredentials ca_x = net::make_ca(name, hours_from_now(-1), hours_from_now(24), other);
+  EXPECT_NE(public_point(ca_x.cert_pem), public_point(ca_a.cert_pem));
+  const PemCredentials leaf_x = net::issue_certificate(ca_x, "host x", {}, hours_from_now(-1), hours_from_now(24));
+  auto [s2, c2] = try_client(context(leaf_a, ca_a), context(leaf_x, ca_x));
+  // The client checks the server's certificate first and refuses it; the server hears why.
+  EXPECT_HAS(c2.error, "peer certificate refused: ");
+  EXPECT_HAS(s2.error, "the peer refused this end: tlsv1 alert unknown ca");
+}
+
 }  // namespace
 }  // namespace rumor

@@ -637,6 +637,15 @@ def file_barrier_wait(directory: str, name: str, ranks, timeout: float = 60.0) -
 LAUNCH_DEADLINE_S = 120
 
 
+def launcher_env(env_extra=None) -> Dict[str, str]:
+    """A launcher's environment: this one scrubbed like a rank's, then env_extra."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_TIMEOUT="30")
+    if env_extra:
+        env.update(env_extra)
+    return env
+
+
 def launch(cmd, cwd, env_extra=None, deadline_s: float = LAUNCH_DEADLINE_S) -> str:
     """Runs a launcher command (rumor.run, rumor-run, torchrun) with a deadline (the whole process
     group is killed when it passes, and the test fails) in an environment scrubbed like a rank's;
@@ -644,11 +653,7 @@ def launch(cmd, cwd, env_extra=None, deadline_s: float = LAUNCH_DEADLINE_S) -> s
     __tracebackhide__ = True
     import pytest
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_TIMEOUT="30")
-    if env_extra:
-        env.update(env_extra)
-    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    p = subprocess.Popen(cmd, env=launcher_env(env_extra), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=deadline_s)
