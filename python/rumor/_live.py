@@ -346,6 +346,22 @@ def wait_for_members(n: int, timeout: float) -> None:
     raise LiveRestart(f"rumor.elastic: re-forming with the newcomers ({n} members wanted)")
 
 
+def refuse_ranks(ranks: List[int], why: str) -> bool:
+    """Refuses the newcomers at these ranks of the epoch (they exit; the members re-form
+    without them). False when one of them is not a newcomer of this epoch."""
+    live = _live
+    if live is None:
+        return False
+    ids = [live.members[r] for r in ranks]
+    if not ids or any(m not in live.new for m in ids):
+        return False
+    for m in ids:
+        live.store.set(f"done/{m}", f"refused: {why}")
+    _log.warning("rumor.elastic: newcomer(s) %s refused: %s", ids, why)
+    _fail_epoch(live, live.epoch, f"newcomer(s) {ids} refused")
+    return True
+
+
 def is_membership_failure(e: BaseException) -> bool:
     """Whether e ends the epoch (a peer gone, a collective aborted, a re-forming asked for) rather
     than being the script's own error."""
@@ -363,6 +379,10 @@ def _alive(live: _Live, m: str, seen: dict, now: float) -> bool:
         seen[m] = (c, now)
         return True
     return now - prev[1] <= live.heartbeat_s
+
+
+def _refused(store, m: str) -> bool:
+    return store.check([f"done/{m}"]) and store.get(f"done/{m}").decode().startswith("refused")
 
 
 def reform(reason: str) -> Change:
@@ -391,7 +411,7 @@ def reform(reason: str) -> Change:
         for m in old:
             if store.check([f"e{nxt}/reg/{m}"]):
                 survivors.append(m)
-            elif _alive(live, m, seen, now):
+            elif _alive(live, m, seen, now) and not _refused(store, m):
                 waiting.append(m)
         newcomers = _pending_newcomers(live)
         size = len(survivors) + len(newcomers)

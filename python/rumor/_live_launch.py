@@ -100,9 +100,9 @@ def main(args) -> None:
                     how = f"signal {-code}" if code < 0 else f"exit status {code}"
                     print(f"rumor-run --live: worker {member} (pid {p.pid}) ended with {how}", file=sys.stderr,
                           flush=True)
-                    if done:
-                        failed_after_end = failed_after_end or not member.startswith("j") or \
-                            live.check([f"done/{member}"])
+                    if done:  # a member failing at the end fails the job; a newcomer never admitted does not
+                        admitted = live.check([f"done/{member}"]) and live.get(f"done/{member}") == b"admitted"
+                        failed_after_end = failed_after_end or not member.startswith("j") or admitted
                     elif restarts > 0:
                         restarts -= 1
                         j = int(live.add("joinseq", 1))

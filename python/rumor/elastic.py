@@ -611,7 +611,14 @@ class State:
         from .parallel import DistributedDataParallel
 
         if isinstance(self.model, DistributedDataParallel):
-            self.model._live_rebind()
+            try:
+                self.model._live_rebind()
+            except ValueError as e:
+                # A newcomer whose model differs: refused (it raises the same error itself), and
+                # the members re-form without it.
+                if not getattr(e, "ranks_differing", None) or not _live.refuse_ranks(e.ranks_differing, str(e)):
+                    raise
+                raise _live.LiveRestart(f"rumor.elastic: newcomer(s) refused: {e}") from e
         self._live_sync()
 
     def _finish(self) -> None:

@@ -313,8 +313,12 @@ class DistributedDataParallel(torch.nn.Module):
         if not bool((every == every[0]).all()):
             rows = ", ".join(f"rank {self.group.ranks[i]}: {int(every[i, 0])} parameters (signature {int(every[i, 1]) & 0xffffffff:08x})"
                              for i in range(every.shape[0]))
-            raise ValueError("rumor.DistributedDataParallel: the wrapped models differ across ranks "
+            err = ValueError("rumor.DistributedDataParallel: the wrapped models differ across ranks "
                              f"(parameter names, shapes, dtypes or requires_grad): {rows}")
+            # Which ranks differ from the group's first (live membership refuses those newcomers).
+            err.ranks_differing = [self.group.ranks[i] for i in range(every.shape[0])
+                                   if not bool((every[i] == every[0]).all())]
+            raise err
 
     def _choose_device_mode(self, named, autotune) -> Optional[str]:
         """None for the C++ engine (CPU parameters), else the DeviceEngine's mode: "direct"

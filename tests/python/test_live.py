@@ -35,18 +35,20 @@ WORKER = textwrap.dedent(
     import rumor
     from rumor.parallel import DistributedDataParallel
 
-    victim, fault_step, grow_step, total, out, fault = sys.argv[1:7]
+    victim, fault_step, grow_step, total, out, fault, newcomer = sys.argv[1:8]
     fault_step, grow_step, total = int(fault_step), int(grow_step), int(total)
     me, pid = os.environ["RUMOR_LIVE_ID"], os.getpid()
     rumor.init()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    width = 33 if newcomer == "wrong-model" and me.startswith("j") else 32
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = rumor.elastic.State(ddp, opt)
     log = open(os.path.join(out, f"{me}.log"), "a")
     changes = []
     rumor.elastic.on_change(lambda c: changes.append([c.epoch, c.size, c.left, c.joined]))
+    refused = lambda: any(m.startswith("j") for c in changes for m in c[2])
 
 
     def batch(step, rank):
@@ -59,7 +61,7 @@ WORKER = textwrap.dedent(
         while state.step < total:
             if me == victim and state.step == fault_step:
                 os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-            if state.step == grow_step:
+            if state.step == grow_step and not refused():
                 rumor.elastic.wait_for_members(4, timeout=100)
             x, y = batch(state.step, rumor.rank())
             loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -115,11 +117,11 @@ def _simulate(sizes):
     return [p.detach().flatten() for p in model.parameters()]
 
 
-def _run_live(tmp_path, victim, fault_step, fault, on_progress=None):
+def _run_live(tmp_path, victim, fault_step, fault, on_progress=None, newcomer="same-model"):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "rumor.run", "--live", "--nproc-per-node", "4", "--max-restarts", "1",
-           "--live-min", "3", str(script), victim, str(fault_step), str(GROW), str(STEPS), str(tmp_path), fault]
+           "--live-min", "3", str(script), victim, str(fault_step), str(GROW), str(STEPS), str(tmp_path), fault, newcomer]
     p = subprocess.Popen(cmd, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
@@ -201,3 +203,21 @@ def test_a_stopped_worker_is_dropped_and_comes_back_as_a_newcomer(tmp_path):
     text = _run_live(tmp_path, "r1", 3, "stop", resume_after_the_others_went_on)
     _check(tmp_path, "r1", text)
     assert "silent" in text and "worker r1" in text
+
+
+def test_a_newcomer_with_another_model_is_refused_and_the_others_go_on(tmp_path):
+    text = _run_live(tmp_path, "r2", 4, "kill", newcomer="wrong-model")
+    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
+              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
+    assert sorted(finals) == ["r0", "r1", "r3"], text[-6000:]
+    # The newcomer got the model check's error; the members re-formed without it.
+    assert "the wrapped models differ across ranks" in text and "refused" in text, text[-6000:]
+    for m, f in finals.items():
+        assert [(c[1], c[2], c[3]) for c in f["changes"]] == [(3, ["r2"], []), (3, ["j1"], [])], (m, f["changes"])
+    sizes = [4] * 4 + [3] * (STEPS - 4)
+    for m in finals:
+        log = _read_log(tmp_path / f"{m}.log")
+        assert [e["step"] for e in log] == list(range(STEPS)) and [e["size"] for e in log] == sizes, m
+        assert finals[m]["params"] == finals["r0"]["params"], m
+    for got, want in zip(finals["r0"]["params"], _simulate(sizes)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
