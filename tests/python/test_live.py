@@ -228,3 +228,45 @@ def test_a_newcomer_with_another_model_is_refused_and_the_others_go_on(tmp_path)
         assert finals[m]["params"] == finals["r0"]["params"], m
     for got, want in zip(finals["r0"]["params"], _simulate(sizes)):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
+
+
+def test_live_on_two_emulated_hosts(tmp_path):
+    """Two hosts (network namespaces) x two workers, one launcher per host; node 0's launcher
+    hosts the store. r3 (host 1) is killed; the newcomer host 1's launcher starts joins."""
+    import secrets
+
+    from rumor.testing import netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(f"emulated hosts need Linux network namespaces: {why}")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = dict(_env(), RUMOR_JOB_SECRET=secrets.token_hex(32))
+    procs, outs = [], []
+    with netns.Cluster(2) as cluster:
+        try:
+            for node in range(2):
+                out = open(tmp_path / f"launcher{node}.txt", "w+b")
+                outs.append(out)
+                procs.append(cluster.popen(node, [
+                    sys.executable, "-m", "rumor.run", "--live", "--nnodes", "2", "--node-rank", str(node),
+                    "--nproc-per-node", "2", "--max-restarts", "1", "--live-min", "3", "--master-addr",
+                    cluster.ip(0), "--master-port", "29500", "--rdzv-id", "live-test", str(script), "r3", "4",
+                    str(GROW), str(STEPS), str(tmp_path), "kill", "same-model", "GradientAllReduce"],
+                    env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            deadline = time.monotonic() + DEADLINE_S
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    text = ""
+    for node, out in enumerate(outs):
+        out.seek(0)
+        text += f"\n===== launcher {node} =====\n" + out.read().decode(errors="replace")[-6000:]
+        out.close()
+    assert [p.returncode for p in procs] == [0, 0], text
+    _check(tmp_path, "r3", text)
