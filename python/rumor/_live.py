@@ -273,20 +273,22 @@ def _fail_epoch(live: _Live, epoch: int, why: str, store=None) -> None:
         if live.epoch != epoch or live.trouble is not None:
             return
         live.trouble, live.trouble_t = why, time.monotonic()
+        # Under the lock: the main thread moves to the next epoch under it too, so these are
+        # never the next epoch's communicators.
+        if _runtime.is_initialized():
+            st = _runtime.state()
+            for g in [st.world] + list(st.groups):
+                comm = getattr(g, "_comm", None)
+                if comm is not None:
+                    try:
+                        comm.abort(f"live membership: {why}")
+                    except Exception:
+                        pass
     try:
         if store.compare_set(f"e{epoch}/abort", "", why).decode() == why:
             store.add("events", 1)
     except Exception:
         pass
-    if _runtime.is_initialized():
-        st = _runtime.state()
-        for g in [st.world] + list(st.groups):
-            comm = getattr(g, "_comm", None)
-            if comm is not None:
-                try:
-                    comm.abort(f"live membership: {why}")
-                except Exception:
-                    pass
 
 
 # ---- newcomers and steps -----------------------------------------------------------------------
@@ -395,7 +397,8 @@ def reform(reason: str) -> Change:
     old_epoch, old = live.epoch, list(live.members)
     _fail_epoch(live, old_epoch, reason)
     timeout = _runtime.get_timeout() if _runtime.is_initialized() else 300.0
-    _runtime.shutdown()
+    with live.lock:  # not while the watcher aborts these communicators
+        _runtime.shutdown()
     store, nxt = live.store, old_epoch + 1
     store.set(f"e{nxt}/reg/{live.me}", str(live.applied))
     deadline = time.monotonic() + timeout
