@@ -22,7 +22,8 @@ In the same repeat (unless --no-live) the same worker runs under `rumor-run --li
 is restarted but the killed one, which comes back as a newcomer. Printed beside the restart path:
 recovery (the kill -> every survivor finished a training step again), rejoin (the newcomer's
 process started -> its first step with the others finished, split into imports, admitted and
-connected, model built, state received), and whether every step was applied exactly once.
+connected, model built, state received), and whether every step was applied (by some member)
+and none twice (by any process).
 """
 from __future__ import annotations
 
@@ -159,10 +160,17 @@ def live_run(args, tmp: str, i: int):
     def at(name):
         return max(e["t"] for e in new if e["ev"] == name) - start
 
-    applied = [e["step"] for e in ev if e["ev"] == "step" and e["id"] == min(survivors)]
+    # No process applied a step twice, and every step was applied by some member (a member that
+    # failed a step another applied receives that member's state and skips it).
+    per = {}
+    for e in ev:
+        if e["ev"] == "step":
+            per.setdefault(e["id"], []).append(e["step"])
+    everyone = set().union(*per.values())
+    once = all(v == sorted(set(v)) for v in per.values()) and everyone == set(range(1, max(everyone) + 1))
     return dict(recovery=max(back) - kill, rejoin=min(e["t"] for e in new if e["ev"] == "step") - start,
                 rejoin_imports=at("imported"), rejoin_admitted=at("init"), rejoin_built=at("built"),
-                rejoin_state=at("restored"), steps_once=applied == list(range(1, len(applied) + 1)),
+                rejoin_state=at("restored"), steps_once=once,
                 steady_step=statistics.median(e["dt"] for e in ev if e["ev"] == "step" and e["t"] < kill
                                               and not e["first"]))
 
@@ -275,7 +283,7 @@ def main(argv=None) -> int:
                   f"(restart path {r['total']:.2f} s: {r['total'] / lr['recovery']:.1f}x); newcomer started -> "
                   f"its first step {lr['rejoin']:.2f} s (imports {lr['rejoin_imports']:.2f}, admitted and "
                   f"connected {lr['rejoin_admitted']:.2f}, built {lr['rejoin_built']:.2f}, state received "
-                  f"{lr['rejoin_state']:.2f}); every step applied once: {lr['steps_once']}; steady step "
+                  f"{lr['rejoin_state']:.2f}); no step applied twice, none missing: {lr['steps_once']}; steady step "
                   f"{lr['steady_step'] * 1e3:.0f} ms (restart path {r['steady_step'] * 1e3:.0f} ms)")
     _common.finish_meta(meta)
     os.makedirs(args.out, exist_ok=True)
