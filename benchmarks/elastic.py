@@ -258,25 +258,25 @@ def main(argv=None) -> int:
             result.setdefault("overhead", []).append(dict(plain=plain, live=live))
             print(f"failure-free step, run {i}: plain {plain * 1e3:.1f} ms, --live {live * 1e3:.1f} ms "
                   f"({(live / plain - 1) * 100:+.1f}%)")
-        for i in range(args.repeats):
+        def attempt(fn, label):
             try:
-                r = one_run(args, tmp, i)
-            except RuntimeError as e:
-                print(f"run {i}: {e}")
+                return fn(args, tmp, i)
+            except RuntimeError as e:  # a run that failed is reported and counted, the others go on
+                print(f"{label} {i}: {e}")
                 result["errors"].append(str(e))
+                return None
+
+        for i in range(args.repeats):
+            r = attempt(one_run, "run")
+            if r is None:
                 continue
             result["cells"].append(r)
             print(f"run {i}: killed -> training again {r['total']:.2f} s = detect+restart {r['detect_restart']:.2f} "
                   f"+ imports {r['imports']:.2f} + init {r['init']:.2f} + model/DDP {r['build']:.2f} + restore {r['restore']:.3f} + first step {r['first_step']:.3f} "
                   f"(steady step {r['steady_step'] * 1e3:.0f} ms, commit {r['commit'] * 1e3:.0f} ms, "
                   f"restored step {r['restored_step']})")
-            if args.no_live:
-                continue
-            try:
-                lr = live_run(args, tmp, i)
-            except RuntimeError as e:
-                print(f"live run {i}: {e}")
-                result["errors"].append(str(e))
+            lr = None if args.no_live else attempt(live_run, "live run")
+            if lr is None:
                 continue
             result.setdefault("live", []).append(lr)
             print(f"live run {i}: killed -> every survivor trained a step again {lr['recovery']:.2f} s "
