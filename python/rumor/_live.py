@@ -86,6 +86,7 @@ class _Live:
     me: str
     min_size: int
     heartbeat_s: float
+    timeout: float  # RUMOR_TIMEOUT: how long forming an epoch (or waiting to be admitted) may take
     epoch: int = 0
     members: List[str] = field(default_factory=list)
     new: List[str] = field(default_factory=list)  # members admitted by this epoch
@@ -162,7 +163,7 @@ def _before_init() -> None:
         me = f"j{int(store.add('joinseq', 1))}" if joiner else f"r{env.rank}"
     live = _Live(store=store, watch_store=_client(timeout), me=me,
                  min_size=env_int(MIN_ENV, 1, minimum=1),
-                 heartbeat_s=env_float(HEARTBEAT_ENV, 2.0, positive=True))
+                 heartbeat_s=env_float(HEARTBEAT_ENV, 2.0, positive=True), timeout=timeout)
     if joiner:
         live.joined_fresh = True
         _start_watcher(live)
@@ -396,7 +397,9 @@ def reform(reason: str) -> Change:
     t0 = live.trouble_t or time.monotonic()
     old_epoch, old = live.epoch, list(live.members)
     _fail_epoch(live, old_epoch, reason)
-    timeout = _runtime.get_timeout() if _runtime.is_initialized() else 300.0
+    if _runtime.is_initialized():
+        live.timeout = _runtime.get_timeout()  # rumor.init(timeout=) or rumor.set_timeout() may have changed it
+    timeout = live.timeout
     with live.lock:  # not while the watcher aborts these communicators
         _runtime.shutdown()
     store, nxt = live.store, old_epoch + 1
