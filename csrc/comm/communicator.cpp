@@ -1021,6 +1021,15 @@ void Communicator::alltoall(const void* in, std::span<const size_t> send_counts,
   });
 }
 
+std::vector<double> Communicator::peer_rtts() {
+  const std::vector<size_t> none(size(), 0);
+  alltoall(nullptr, none, nullptr, none, DType::U8);
+  std::vector<double> rtt(size(), 0.0);
+  for (uint32_t p = 0; p < size(); ++p)
+    if (channels_[p]) rtt[p] = channels_[p]->min_rtt_s();
+  return rtt;
+}
+
 void Communicator::barrier() {
   net::OpInfo info = begin("barrier", Opcode::kBarrier);
   if (size() == 1) return;

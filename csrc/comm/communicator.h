@@ -72,6 +72,9 @@ class Communicator {
   void barrier_within(const net::OpInfo& op);
   void send(const void* buf, size_t bytes, uint32_t dst);
   void recv(void* buf, size_t bytes, uint32_t src);
+  // Connects to every member (an alltoall of nothing) and returns each one's smallest round trip
+  // in seconds as the kernel sampled it on the TCP channel: 0 for this rank and shared memory.
+  std::vector<double> peer_rtts();
 
   bool all_local() const { return all_local_; }
   bool uses_shm() const { return ctx_->options().shm; }

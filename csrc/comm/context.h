@@ -102,6 +102,7 @@ class Context {
   // so a slow link carries each byte once per site. Empty (the default): no sites.
   void set_sites(std::vector<std::string> site_ids);
   bool has_sites() const { return !site_ids_.empty(); }
+  const std::vector<std::string>& site_ids() const { return site_ids_; }
   // What hierarchical collectives group rank r by: its site where sites are set, else its host.
   const std::string& group_key(uint32_t r) const { return site_ids_.empty() ? host_ids_.at(r) : site_ids_.at(r); }
 
