@@ -162,6 +162,53 @@ TEST(Sites, OverlappedAllreduceGivesTheSequentialBits) {
   }
 }
 
+// A failure while the two threads of the overlapped allreduce run: one rank brings a different
+// count, so its site's reduce-scatter and its cross-site ring both meet frames of the wrong size.
+// Every rank must fail (none hangs with its cross-site thread still running), and the next
+// operation on the broken communicator says so.
+TEST(Sites, OverlappedAllreduceFailsOnEveryRank) {
+  Options opts = quick_options(true);
+  opts.timeout_s = 10;
+  auto w = make_world({"h0", "h1", "h2", "h3"}, opts);
+  for (auto& c : w.ctx) c->set_sites({"x", "x", "y", "y"});
+  std::vector<std::string> second(4);
+  auto errs = run_ranks(w, [&](Communicator& c, uint32_t r) {
+    const size_t count = r == 3 ? 400000 : 400003;
+    std::vector<float> buf(count, 1.0f);
+    try {
+      c.allreduce(buf.data(), count, DType::F32, ReduceOp::SUM, AllreduceAlgo::kHierarchical);
+    } catch (const Error&) {
+      try {
+        c.allreduce(buf.data(), count, DType::F32, ReduceOp::SUM, AllreduceAlgo::kHierarchical);
+      } catch (const Error& e) {
+        second[r] = e.what();
+      }
+      throw;
+    }
+  });
+  for (uint32_t r = 0; r < 4; ++r) {
+    EXPECT_TRUE(errs[r] != nullptr) << "rank " << r << " did not fail";
+    EXPECT_NE(second[r].find("unusable after an earlier failure"), std::string::npos) << second[r];
+  }
+}
+
+// peer_rtts (RUMOR_SITE=auto) connects every pair and reads the kernel's round trip: positive
+// over TCP, 0 for the rank itself and over shared memory.
+TEST(Sites, PeerRoundTrips) {
+  auto w = make_world({"h0", "h0", "h1"}, quick_options(true));
+  std::vector<std::vector<double>> rtts(3);
+  expect_all_ok(run_ranks(w, [&](Communicator& c, uint32_t r) { rtts[r] = c.peer_rtts(); }));
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_EQ(rtts[r].size(), 3u);
+    for (uint32_t p = 0; p < 3; ++p) {
+      if (p == r || (p < 2 && r < 2))
+        EXPECT_EQ(rtts[r][p], 0.0) << r << " -> " << p;
+      else
+        EXPECT_GT(rtts[r][p], 0.0) << r << " -> " << p;
+    }
+  }
+}
+
 TEST(Sites, RefusesAWrongCountOrAnEmptySite) {
   auto w = make_world(one_host(2), quick_options(false));
   EXPECT_THROW(w.ctx[0]->set_sites({"x"}), Error);
