@@ -213,7 +213,8 @@ def main() -> int:
             return "no matplotlib: no plot"
         fig, ax = plt.subplots(figsize=(6, 3.5))
         names = [c["variant"] for c in result["cells"]]
-        colors = {"rumor sites": "tab:green", "rumor sites seq": "tab:olive", "rumor ring": "tab:blue", "gloo": "tab:gray"}
+        colors = {"rumor sites": "tab:green", "rumor sites seq": "tab:olive", "rumor ring": "tab:blue",
+                  "gloo": "tab:gray"}
         ax.bar(names, [med[v] for v in names], color=[colors[v] for v in names])
         ax.axhline(best, color="k", ls="--", label=f"best schedule {best:.2f} s")
         ax.axhline(ring, color="tab:red", ls=":", label=f"flat ring {ring:.2f} s")

@@ -136,6 +136,13 @@ struct Communicator::SitePipe {
     cv.notify_all();
   }
   void publish_ready(size_t n) { publish(ready, n); }
+  void stop_job() {
+    {
+      std::lock_guard lk(mu);
+      cancel = true;
+    }
+    cv.notify_all();
+  }
   void publish_done(size_t n) { publish(done, n); }
   void check(const net::OpInfo& info) const {
     if (cancel.load())
@@ -143,7 +150,8 @@ struct Communicator::SitePipe {
   }
   // Waits until counter passes `above`, or the cross ring ended (waiting for done) or gave up
   // (waiting for ready); RUMOR_TIMEOUT with the counter standing still is an error.
-  void wait_past(const std::atomic<size_t>& counter, size_t above, const std::function<std::string()>& what) {
+  template <typename What>  // () -> std::string, called only to word a timeout
+  void wait_past(const std::atomic<size_t>& counter, size_t above, const What& what) {
     std::unique_lock lk(mu);
     size_t seen = counter.load();
     auto until = Deadline::after(timeout_s);
@@ -666,7 +674,7 @@ void Communicator::allreduce_2d(std::byte* buf, size_t count, DType dtype, Reduc
   const ReduceOp partial = op == ReduceOp::AVG ? ReduceOp::SUM : op;
   const uint32_t m = local_->size(), mine = local_->rank();
   const size_t es = dtype_size(dtype);
-  // Pieces as allreduce_overlapped cuts them, from the largest cross-site block (the same on
+  // Pieces as allreduce_2d_overlapped cuts them, from the largest cross-site block (the same on
   // every rank). Across one host the cross allreduce would take the direct path, whose bits the
   // pipeline's ring would not reproduce.
   const size_t largest = (count / m + (count % m != 0) + cross_->size() - 1) / cross_->size();
@@ -776,8 +784,7 @@ void Communicator::allreduce_2d_overlapped(std::byte* buf, size_t count, DType d
     pipe.wait_idle();
   } catch (...) {
     // The cross ring reads and writes scratch_: it must have stopped before this call returns.
-    pipe.cancel = true;
-    pipe.cv.notify_all();
+    pipe.stop_job();
     pipe.wait_idle();
     throw;
   }
