@@ -173,7 +173,8 @@ struct Communicator::SitePipe {
   }
   void wait_idle() {
     std::unique_lock lk(mu);
-    // Bounded: the cross ring ends by its own deadlines, at once when its channels were aborted.
+    // Bounded: the cross ring ends by its own deadlines, and after stop_job() at its next round
+    // of progress (exchange() sleeps at most 100 ms at a time).
     cv.wait(lk, [this] { return !running; });
   }
 };
