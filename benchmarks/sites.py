@@ -11,7 +11,10 @@ has one uplink at --slow (its traffic to every host of the other sites shares it
 Per job, --iters timed allreduces of --size bytes of float32 (after --warmup), SUM:
 
   rumor sites   RUMOR_SITE set: reduce-scatter inside the site, allreduce of each 1/m block with
-                the same member of the other sites, allgather inside (equal sites)
+                the same member of the other sites, allgather inside (equal sites), the three
+                phases overlapped piece by piece
+  rumor sites seq  the same with RUMOR_SITE_OVERLAP=0: the phases one after the other (at best
+                (2 (m-1)/m S/F + the slow part) for fast links of rate F: 0.83 of the bound here)
   rumor ring    no RUMOR_SITE: rumor's default for this size (the ring, in rank order = site order)
   gloo          torch.distributed on gloo in the same processes as "rumor ring"
 
@@ -38,7 +41,7 @@ sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
 
-VARIANTS = ("rumor sites", "rumor ring", "gloo")
+VARIANTS = ("rumor sites", "rumor sites seq", "rumor ring", "gloo")
 
 
 def _size(text: str) -> int:
@@ -60,7 +63,8 @@ def _body(cfg, rank: int, n: int) -> None:
     count = cfg["size"] // 4
     x = torch.full((count,), float(rank + 1))
     want = float(n * (n + 1) // 2)
-    runs = {"rumor sites": lambda: rumor.allreduce_(x, rumor.ReduceOp.SUM, algorithm="hierarchical")} \
+    sites_name = "rumor sites" if cfg["overlap"] else "rumor sites seq"
+    runs = {sites_name: lambda: rumor.allreduce_(x, rumor.ReduceOp.SUM, algorithm="hierarchical")} \
         if cfg["sites_on"] else {"rumor ring": lambda: rumor.allreduce_(x, rumor.ReduceOp.SUM),
                                  "gloo": lambda: dist.all_reduce(x)}
     for name, fn in runs.items():
@@ -91,23 +95,26 @@ def worker(cfg_path: str) -> int:
         cfg = json.load(f)
     if cfg["sites_on"]:
         os.environ["RUMOR_SITE"] = cfg["sites"][int(os.environ["RANK"])]
+        os.environ["RUMOR_SITE_OVERLAP"] = "1" if cfg["overlap"] else "0"
     return _common.worker_main(cfg_path, _describe, _body)
 
 
 # ---- the driver --------------------------------------------------------------------------------
 
 class SitesJob(_common.Job):
-    def __init__(self, sites_on: bool, *a, **kw):
+    def __init__(self, sites_on: bool, overlap: bool, *a, **kw):
         super().__init__(*a, **kw)
         self.sites_on = sites_on
+        self.overlap = overlap
 
     @property
     def label(self) -> str:
-        return f"{self.n} emulated hosts, " + ("RUMOR_SITE set" if self.sites_on else "no RUMOR_SITE")
+        return f"{self.n} emulated hosts, " + (("RUMOR_SITE set" + ("" if self.overlap else ", phases in sequence"))
+                                               if self.sites_on else "no RUMOR_SITE")
 
     def config(self):
         a = self.args
-        return dict(size=a.size_bytes, iters=a.iters, warmup=a.warmup, sites_on=self.sites_on,
+        return dict(size=a.size_bytes, iters=a.iters, warmup=a.warmup, sites_on=self.sites_on, overlap=self.overlap,
                     sites=[f"site{h // a.hosts_per_site}" for h in range(self.n)])
 
 
@@ -122,8 +129,8 @@ def main() -> int:
     ap.add_argument("--size", default="64MiB")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--jobs", default="sites,ring", help="which jobs: sites (RUMOR_SITE set), ring (rumor's "
-                    "flat ring and gloo), comma-separated")
+    ap.add_argument("--jobs", default="sites,seq,ring", help="which jobs: sites (RUMOR_SITE set), seq (RUMOR_SITE "
+                    "set, RUMOR_SITE_OVERLAP=0), ring (rumor's flat ring and gloo), comma-separated")
     ap.add_argument("--no-slow-start-after-idle", action="store_true",
                     help="set net.ipv4.tcp_slow_start_after_idle=0 in every emulated host (all variants): "
                          "a connection idle between two allreduces then keeps its window, as WAN-tuned hosts do")
@@ -146,14 +153,14 @@ def main() -> int:
                link_rate=lambda i, j: args.fast if site(i) == site(j) else args.slow,
                link_wire=lambda i, j: (i, j) if site(i) == site(j) else ("uplink", i))
     want_jobs = set(args.jobs.split(","))
-    if not want_jobs or not want_jobs <= {"sites", "ring"}:
-        ap.error(f"--jobs takes sites and/or ring, got {args.jobs!r}")
+    if not want_jobs or not want_jobs <= {"sites", "seq", "ring"}:
+        ap.error(f"--jobs takes sites, seq and/or ring, got {args.jobs!r}")
     S = args.size_bytes
     best = 2 * (k - 1) / k * S * 8 / (m * slow_bps)
     ring = 2 * (n - 1) / n * S * 8 / slow_bps
     meta = _common.run_meta(args)
     result = dict(meta=meta, bounds=dict(best_s=best, ring_s=ring), cells=[], jobs=[], errors=[])
-    progress = _common.Progress(2)
+    progress = _common.Progress(len(want_jobs))
     driver = _common.Driver("rumor-sites-", progress, True)
 
     def body() -> int:
@@ -165,9 +172,11 @@ def main() -> int:
         if args.no_slow_start_after_idle:
             for h in range(n):
                 driver.cluster.run(h, ["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
-        jobs = [SitesJob(on, os.path.abspath(__file__), args, n, driver.workdir, progress, i,
+        wanted = [(on, overlap) for on, overlap, name in ((True, True, "sites"), (True, False, "seq"),
+                                                          (False, True, "ring")) if name in want_jobs]
+        jobs = [SitesJob(on, overlap, os.path.abspath(__file__), args, n, driver.workdir, progress, i,
                          cluster=driver.cluster)
-                for i, on in enumerate(on for on, name in ((True, "sites"), (False, "ring")) if name in want_jobs)]
+                for i, (on, overlap) in enumerate(wanted)]
         rc = _common.run_jobs(jobs, result, progress)
         result["wan_stats"] = driver.cluster.wan_stats()
         return rc
@@ -179,17 +188,19 @@ def main() -> int:
           f"{args.slow}/{args.slow_rtt} per host uplink; allreduce {args.size} float32, {args.iters} iters"
           + ("; tcp_slow_start_after_idle=0" if args.no_slow_start_after_idle else ""))
     print(f"bounds: best schedule {best:.2f} s, flat ring {ring:.2f} s")
-    print(f"{'variant':>12} | {'median s':>9} {'[min-max]':>15} | {'best/time':>9} | {'vs ring':>7} {'vs gloo':>7}")
+    print(f"{'variant':>15} | {'median s':>9} {'[min-max]':>15} | {'best/time':>9} | {'vs ring':>7} {'vs gloo':>7}")
     for c in result["cells"]:
         v, t = c["variant"], med[c["variant"]]
         lo, hi = min(c["samples"]), max(c["samples"])
         vs = lambda o: f"{med[o] / t:6.2f}x" if o in med else "    n/a"  # noqa: E731
-        print(f"{v:>12} | {t:9.2f} [{lo:6.2f}-{hi:6.2f}] | {best / t:9.2f} | {vs('rumor ring')} {vs('gloo')}")
+        print(f"{v:>15} | {t:9.2f} [{lo:6.2f}-{hi:6.2f}] | {best / t:9.2f} | {vs('rumor ring')} {vs('gloo')}")
         c.update(median_s=t, fraction_of_best=best / t)
     headline = None
     if "rumor sites" in med:
         headline = (f"headline: rumor sites {med['rumor sites']:.2f} s = {best / med['rumor sites']:.2f} of the best "
                     f"schedule's bound ({best:.2f} s)" +
+                    (f"; phases in sequence {best / med['rumor sites seq']:.2f} of it"
+                     if "rumor sites seq" in med else "") +
                     (f"; {med['rumor ring'] / med['rumor sites']:.2f}x rumor's ring" if "rumor ring" in med else "") +
                     (f", {med['gloo'] / med['rumor sites']:.2f}x gloo" if "gloo" in med else ""))
     os.makedirs(args.out, exist_ok=True)
@@ -202,7 +213,9 @@ def main() -> int:
             return "no matplotlib: no plot"
         fig, ax = plt.subplots(figsize=(6, 3.5))
         names = [c["variant"] for c in result["cells"]]
-        ax.bar(names, [med[v] for v in names], color=["tab:green", "tab:blue", "tab:gray"][: len(names)])
+        colors = {"rumor sites": "tab:green", "rumor sites seq": "tab:olive", "rumor ring": "tab:blue",
+                  "gloo": "tab:gray"}
+        ax.bar(names, [med[v] for v in names], color=[colors[v] for v in names])
         ax.axhline(best, color="k", ls="--", label=f"best schedule {best:.2f} s")
         ax.axhline(ring, color="tab:red", ls=":", label=f"flat ring {ring:.2f} s")
         ax.set_ylabel("allreduce time (s)")

@@ -133,6 +133,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("large_broadcast_bytes", &Options::large_broadcast_bytes)
       .def_readwrite("spin_us", &Options::spin_us)
       .def_readwrite("host_direct", &Options::host_direct)
+      .def_readwrite("site_overlap", &Options::site_overlap)
       .def_readwrite("adaptive_deadline", &Options::adaptive_deadline)
       .def_readwrite("deadline_floor", &Options::deadline_floor_s)
       .def_readwrite("flight_records", &Options::flight_records)
@@ -204,6 +205,7 @@ PYBIND11_MODULE(_C, m) {
           "True when the TCP channels of this context run TLS 1.3 (RUMOR_TLS_*).")
       .def("set_sites", &Context::set_sites, py::arg("site_ids"),
            "Every rank's site (RUMOR_SITE): hierarchical collectives group ranks by site, not host.")
+      .def_property_readonly("sites", &Context::site_ids, "Every rank's site; empty when none are set.")
       .def("set_peers", &Context::set_peers, py::arg("addresses"), py::arg("host_ids"),
            py::arg("owner_tags") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shm_tag", &Context::shm_tag)
@@ -263,6 +265,8 @@ PYBIND11_MODULE(_C, m) {
              });
            })
       .def("barrier", [](C& c, bool nb) { return dispatch(c, nb, [&c] { c.barrier(); }); })
+      .def("peer_rtts", &C::peer_rtts, py::call_guard<py::gil_scoped_release>(),
+           "Connects to every member; each one's round trip in seconds (TCP_INFO; 0: self, shared memory).")
       .def("send",
            [](C& c, uintptr_t buf, size_t bytes, uint32_t dst, bool nb) {
              return dispatch(c, nb, [&c, buf, bytes, dst] { c.send(ptr(buf), bytes, dst); });

@@ -3,7 +3,10 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <thread>
 #include <utility>
 
 #include "comm/direct.h"
@@ -51,7 +54,130 @@ constexpr uint64_t kLocalCommBit = 1ull << 48;
 constexpr uint64_t kLeaderCommBit = 2ull << 48;
 constexpr uint64_t kCrossCommBit = 4ull << 48;
 
+// Below this the overlapped 2-D allreduce's pieces would not pay for their operations.
+constexpr size_t kPipeMinPieceBytes = 64 * 1024;
+
 }  // namespace
+
+// allreduce_2d_overlapped's two threads: the caller's runs the site's reduce-scatters and
+// allgathers (local_), this one the ring across sites (cross_, allreduce_gated), whose peers and
+// channels are its own. `ready` and `done` count pieces and carry the data's hand-over.
+struct Communicator::SitePipe {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::atomic<size_t> ready{0};     // pieces the site has reduced into the cross ring's buffer
+  std::atomic<size_t> done{0};      // pieces whose cross-site allreduce is complete
+  std::atomic<bool> cancel{false};  // the caller's side failed: the cross ring gives up
+  // The job, under mu.
+  Communicator* cross = nullptr;
+  size_t pieces = 0;
+  DType dtype = DType::F32;
+  ReduceOp op = ReduceOp::SUM;
+  bool job = false, running = false, stop = false;
+  std::exception_ptr error;
+  double timeout_s = 0;
+  // The caller's layout, kept between calls so that sizing it allocates only once.
+  std::vector<size_t> sub;     // sub[j * k + q]: elements of member j's block in cross block q
+  std::vector<size_t> counts;  // one piece's elements per site member
+  std::thread thread;  // last: starts once everything above exists
+
+  SitePipe() : thread([this] { loop(); }) {}
+  ~SitePipe() {
+    {
+      std::lock_guard lk(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    thread.join();
+  }
+  SitePipe(const SitePipe&) = delete;
+  SitePipe& operator=(const SitePipe&) = delete;
+
+  void loop() {
+    std::unique_lock lk(mu);
+    while (true) {
+      cv.wait(lk, [this] { return job || stop; });  // idle between operations, no deadline to keep
+      if (stop) return;
+      job = false;
+      lk.unlock();
+      std::exception_ptr err;
+      try {
+        cross->allreduce_gated(pieces, dtype, op, *this);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      lk.lock();
+      error = err;
+      running = false;
+      cv.notify_all();
+    }
+  }
+  void start(Communicator* c, size_t n, DType dt, ReduceOp o, double timeout) {
+    {
+      std::lock_guard lk(mu);
+      cross = c;
+      pieces = n;
+      dtype = dt;
+      op = o;
+      timeout_s = timeout;
+      ready = 0;
+      done = 0;
+      cancel = false;
+      error = nullptr;
+      job = running = true;
+    }
+    cv.notify_all();
+  }
+  void publish(std::atomic<size_t>& counter, size_t n) {
+    {
+      std::lock_guard lk(mu);  // a waiter between its check and its sleep must not miss this
+      counter = n;
+    }
+    cv.notify_all();
+  }
+  void publish_ready(size_t n) { publish(ready, n); }
+  void stop_job() {
+    {
+      std::lock_guard lk(mu);
+      cancel = true;
+    }
+    cv.notify_all();
+  }
+  void publish_done(size_t n) { publish(done, n); }
+  void check(const net::OpInfo& info) const {
+    if (cancel.load())
+      throw Error(ErrorKind::kAborted, info.where() + ": the site's own part of the 2-D allreduce failed");
+  }
+  // Waits until counter passes `above`, or the cross ring ended (waiting for done) or gave up
+  // (waiting for ready); RUMOR_TIMEOUT with the counter standing still is an error.
+  template <typename What>  // () -> std::string, called only to word a timeout
+  void wait_past(const std::atomic<size_t>& counter, size_t above, const What& what) {
+    std::unique_lock lk(mu);
+    size_t seen = counter.load();
+    auto until = Deadline::after(timeout_s);
+    const bool for_done = &counter == &done;
+    while (counter.load() <= above && !(for_done ? !running : cancel.load())) {
+      if (cv.wait_until(lk, until.at()) == std::cv_status::no_timeout) continue;
+      if (counter.load() == seen)
+        throw Error(ErrorKind::kTimeout, what() + ": nothing for " + std::to_string(timeout_s) + " s (RUMOR_TIMEOUT)");
+      seen = counter.load();
+      until = Deadline::after(timeout_s);
+    }
+  }
+  void wait_ready(size_t above, const net::OpInfo& info) {
+    wait_past(ready, above, [&] {
+      return info.where() + ": waiting for this site's reduce-scatter of piece " + std::to_string(above + 1) +
+             " of " + std::to_string(pieces);
+    });
+    check(info);
+  }
+  void wait_idle() {
+    std::unique_lock lk(mu);
+    // Bounded: the cross ring ends by its own deadlines, and after stop_job() at its next round
+    // of progress (exchange() sleeps at most 100 ms at a time).
+    cv.wait(lk, [this] { return !running; });
+  }
+};
 
 Communicator::Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::string name,
                            std::vector<uint32_t> world_ranks)
@@ -134,6 +260,7 @@ void Communicator::abort(const std::string& why) {
     if (c) c->abort();
   if (local_) local_->abort(why);
   if (leaders_) leaders_->abort(why);
+  if (cross_) cross_->abort(why);
 }
 
 net::Channel& Communicator::channel(uint32_t peer, const net::OpInfo& op) {
@@ -317,7 +444,7 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
 // still reduced along the same path in the same order, so the bits are those of the stepwise ring.
 void Communicator::allreduce_ring(std::byte* buf, size_t count, DType dtype, ReduceOp op,
                                   const net::OpInfo& info) {
-  const uint32_t n = size(), r = rank_;
+  const uint32_t n = size();
   const size_t es = dtype_size(dtype);
   const auto counts = even_split(count, n);
   const auto off = byte_offsets(counts, es);
@@ -326,10 +453,18 @@ void Communicator::allreduce_ring(std::byte* buf, size_t count, DType dtype, Red
   // sender does), so every rank cuts the same pieces.
   const size_t piece_min = std::max(ctx_->options().stripe_min, kRingMinPieceBytes);
   const size_t pieces = std::clamp<size_t>(counts[0] * es / piece_min, 1, kRingMaxPieces);
-  auto piece = [&](uint32_t block, size_t c) {
-    const size_t lo = counts[block] * c / pieces, hi = counts[block] * (c + 1) / pieces;
-    return std::pair{buf + off[block] + lo * es, (hi - lo) * es};
-  };
+  ring_at_.clear();
+  for (uint32_t b = 0; b < n; ++b)
+    for (size_t c = 0; c < pieces; ++c) {
+      const size_t lo = counts[b] * c / pieces, hi = counts[b] * (c + 1) / pieces;
+      ring_at_.emplace_back(buf + off[b] + lo * es, (hi - lo) * es);
+    }
+  ring_run(pieces, dtype, op, info, nullptr);
+}
+
+void Communicator::ring_run(size_t pieces, DType dtype, ReduceOp op, const net::OpInfo& info, SitePipe* pipe) {
+  const uint32_t n = size(), r = rank_;
+  const size_t es = dtype_size(dtype);
   const uint32_t next = (r + 1) % n, prev = (r + n - 1) % n;
   const uint32_t steps = 2 * (n - 1);
   std::vector<Transfer>& ts = ring_ts_;
@@ -341,26 +476,60 @@ void Communicator::allreduce_ring(std::byte* buf, size_t count, DType dtype, Red
     const uint32_t sb = rs ? (r + 2 * n - 1 - s) % n : (r + 2 * n - (s - (n - 1))) % n;
     const uint32_t rb = rs ? (r + 2 * n - 2 - s) % n : (r + 2 * n - (s - (n - 1)) - 1) % n;
     for (size_t c = 0; c < pieces; ++c) {
-      auto [sp, sl] = piece(sb, c);
-      auto [rp, rl] = piece(rb, c);
+      auto [sp, sl] = ring_at_[sb * pieces + c];
+      auto [rp, rl] = ring_at_[rb * pieces + c];
       ts.push_back(make_send(next, sp, sl));
-      ts.back().held = s > 0;
+      // Behind a pipe the first step's pieces, received into as well as sent, are not there yet.
+      ts.back().held = s > 0 || pipe != nullptr;
       ts.push_back(rs ? make_recv_reduce(prev, rp, rl, dtype, op) : make_recv(prev, rp, rl));
+      ts.back().held = s == 0 && pipe != nullptr;
     }
   }
   const size_t total = steps * pieces;
   size_t released = pieces;  // the first step's pieces are the rank's own data
+  size_t opened = pipe != nullptr ? 0 : pieces;  // first-step pieces let go
+  size_t announced = 0;                           // pieces the pipe was told are complete
+  // Whether the first unfinished send and receive are both held (or none is left): then nothing
+  // can move, as transfers to one peer in one direction go in order.
+  size_t first_send = 0, first_recv = 0;
+  auto stuck = [&] {
+    while (first_send < total && ts[2 * first_send].finished()) ++first_send;
+    while (first_recv < total && ts[2 * first_recv + 1].finished()) ++first_recv;
+    return (first_send == total || ts[2 * first_send].held) && (first_recv == total || ts[2 * first_recv + 1].held);
+  };
   exchange(ts, info, [&] {
     bool any = false;
+    auto open = [&] {
+      bool opened_any = false;
+      for (const size_t ready = pipe->ready.load(); opened < std::min(ready, pieces); ++opened) {
+        ts[2 * opened].held = ts[2 * opened + 1].held = false;
+        opened_any = true;
+      }
+      return opened_any;
+    };
+    if (pipe != nullptr) {
+      pipe->check(info);
+      any = open();
+    }
     for (; released < total && ts[2 * (released - pieces) + 1].finished(); ++released) {
       // The owner's block is complete after the last reduce-scatter step: divide it once, by the
       // owner, before it is sent on, so every rank receives identical bits.
       if (op == ReduceOp::AVG && released / pieces == n - 1) {
-        auto [p, len] = piece(r, released % pieces);
+        auto [p, len] = ring_at_[r * pieces + released % pieces];
         finish_average(p, len / es, dtype, n);
       }
       ts[2 * released].held = false;
       any = true;
+    }
+    if (pipe == nullptr) return any;
+    // Receives from one peer finish in order, so a piece whose last step has arrived is complete
+    // in every block.
+    const size_t before = announced;
+    while (announced < pieces && ts[2 * ((steps - 1) * pieces + announced) + 1].finished()) ++announced;
+    if (announced != before) pipe->publish_done(announced);
+    if (!any && opened < pieces && stuck()) {
+      pipe->wait_ready(opened, info);  // nothing in flight: only the site's next piece moves it on
+      any = open();
     }
     return any;
   });
@@ -492,10 +661,27 @@ void Communicator::allreduce_hier(std::byte* buf, size_t count, DType dtype, Red
 // members of the same index in the other sites, allgather inside the site. Each member's own
 // slow link carries S/m (the leaders' scheme sends all S over one), and the fast links move
 // about what a ring would.
+void Communicator::allreduce_gated(size_t pieces, DType dtype, ReduceOp op, SitePipe& pipe) {
+  net::OpInfo info = begin("allreduce", Opcode::kAllreduce);
+  size_t bytes = 0;
+  for (const auto& p : ring_at_) bytes += p.second;
+  info.bytes = static_cast<int64_t>(bytes);
+  info.algo = "ring, overlapped with the site's phases";
+  guarded(info, [&] { ring_run(pieces, dtype, op, info, &pipe); });
+  pipe.publish_done(pieces);
+}
+
 void Communicator::allreduce_2d(std::byte* buf, size_t count, DType dtype, ReduceOp op) {
   const ReduceOp partial = op == ReduceOp::AVG ? ReduceOp::SUM : op;
   const uint32_t m = local_->size(), mine = local_->rank();
   const size_t es = dtype_size(dtype);
+  // Pieces as allreduce_2d_overlapped cuts them, from the largest cross-site block (the same on
+  // every rank). Across one host the cross allreduce would take the direct path, whose bits the
+  // pipeline's ring would not reproduce.
+  const size_t largest = (count / m + (count % m != 0) + cross_->size() - 1) / cross_->size();
+  const size_t pieces = std::min(kRingMaxPieces, largest * es / kPipeMinPieceBytes);
+  if (ctx_->options().site_overlap && pieces >= 2 && !cross_->all_local_)
+    return allreduce_2d_overlapped(buf, count, dtype, op, pieces);
   std::vector<size_t> counts(m, count / m);
   for (uint32_t i = 0; i < count % m; ++i) ++counts[i];
   size_t offset = 0;
@@ -509,6 +695,101 @@ void Communicator::allreduce_2d(std::byte* buf, size_t count, DType dtype, Reduc
   if (op == ReduceOp::AVG) finish_average(block, counts[mine], dtype, size());
   std::memcpy(buf + offset * es, block, block_bytes);
   local_->allgather(buf, counts, dtype);
+}
+
+// allreduce_2d with its phases overlapped. Piece c holds the c-th of `pieces` slices of every
+// cross-site block of every member's block, so that the site's reduce-scatter of piece c gives the
+// cross ring (one ring over the whole block, run by pipe_'s thread with the site's peers out of
+// its way) the c-th piece of each of its blocks at once: the ring starts after the first piece
+// and takes each next one as it comes, and the site allgathers piece c as soon as the ring has
+// finished it. Each element meets the same operations in the same order as in allreduce_2d (its
+// site block and its cross block are the same), so the bits are the same; the price is a copy of
+// the buffer in piece order (scratch, kept) and two memory copies per byte.
+void Communicator::allreduce_2d_overlapped(std::byte* buf, size_t count, DType dtype, ReduceOp op,
+                                           size_t pieces) {
+  const ReduceOp partial = op == ReduceOp::AVG ? ReduceOp::SUM : op;
+  const uint32_t m = local_->size(), mine = local_->rank(), k = cross_->size();
+  const size_t es = dtype_size(dtype);
+  if (!pipe_) pipe_ = std::make_unique<SitePipe>();
+  SitePipe& pipe = *pipe_;
+  pipe.sub.resize(size_t{m} * k);
+  pipe.counts.resize(m);
+  for (uint32_t j = 0; j < m; ++j) {
+    const size_t block = count / m + (j < count % m);
+    for (uint32_t q = 0; q < k; ++q) pipe.sub[j * k + q] = block / k + (q < block % k);
+  }
+  const size_t own_count = count / m + (mine < count % m);
+  // Elements before slice c of (member j, cross block q): within the block, and summed over all.
+  auto lo = [&](uint32_t j, uint32_t q, size_t c) { return pipe.sub[j * k + q] * c / pieces; };
+  auto before = [&](size_t c, uint32_t only_j, bool one) {
+    size_t t = 0;
+    for (uint32_t j = one ? only_j : 0; j < (one ? only_j + 1 : m); ++j)
+      for (uint32_t q = 0; q < k; ++q) t += lo(j, q, c);
+    return t;
+  };
+  scratch_.resize((count + own_count) * es);
+  std::byte* const gathered = scratch_.data();  // the buffer in piece order
+  std::byte* const own = gathered + count * es;  // this member's block in piece order
+  cross_->ring_at_.clear();
+  for (uint32_t q = 0; q < k; ++q)
+    for (size_t c = 0; c < pieces; ++c) {
+      size_t at = before(c, mine, true);
+      for (uint32_t p = 0; p < q; ++p) at += lo(mine, p, c + 1) - lo(mine, p, c);
+      cross_->ring_at_.emplace_back(own + at * es, (lo(mine, q, c + 1) - lo(mine, q, c)) * es);
+    }
+  // Piece c's elements per member into pipe.counts; kIn copies it from buf to its place in
+  // `gathered`, kOut back.
+  enum class Copy { kNone, kIn, kOut };
+  auto piece = [&](size_t c, Copy copy) {
+    std::byte* at = gathered + before(c, 0, false) * es;
+    size_t block_at = 0;
+    for (uint32_t j = 0; j < m; ++j) {
+      pipe.counts[j] = 0;
+      size_t sub_at = block_at;
+      for (uint32_t q = 0; q < k; ++q) {
+        const size_t n = lo(j, q, c + 1) - lo(j, q, c);
+        std::byte* in_buf = buf + (sub_at + lo(j, q, c)) * es;
+        if (n > 0 && copy != Copy::kNone)
+          std::memcpy(copy == Copy::kIn ? at : in_buf, copy == Copy::kIn ? in_buf : at, n * es);
+        at += n * es;
+        pipe.counts[j] += n;
+        sub_at += pipe.sub[j * k + q];
+      }
+      block_at = sub_at;
+    }
+  };
+  pipe.start(cross_.get(), pieces, dtype, partial, timeout_s());
+  try {
+    for (size_t c = 0; c < pieces; ++c) {
+      piece(c, Copy::kIn);
+      local_->reduce_scatter(gathered + before(c, 0, false) * es, own + before(c, mine, true) * es, pipe.counts,
+                             dtype, partial);
+      pipe.publish_ready(c + 1);
+    }
+    for (size_t c = 0; c < pieces; ++c) {
+      pipe.wait_past(pipe.done, c, [&] {
+        return "allreduce on " + name_ + " (2-D over sites): waiting for the cross-site allreduce of piece " +
+               std::to_string(c + 1) + " of " + std::to_string(pieces);
+      });
+      if (pipe.done.load() <= c) break;  // the cross ring failed: its error is rethrown below
+      piece(c, Copy::kNone);
+      std::byte* const start = gathered + before(c, 0, false) * es;
+      std::byte* mine_at = start;
+      for (uint32_t j = 0; j < mine; ++j) mine_at += pipe.counts[j] * es;
+      // Copied before dividing: the cross ring may still be sending from `own`.
+      std::memcpy(mine_at, own + before(c, mine, true) * es, pipe.counts[mine] * es);
+      if (op == ReduceOp::AVG) finish_average(mine_at, pipe.counts[mine], dtype, size());
+      local_->allgather(start, pipe.counts, dtype);
+      piece(c, Copy::kOut);
+    }
+    pipe.wait_idle();
+  } catch (...) {
+    // The cross ring reads and writes scratch_: it must have stopped before this call returns.
+    pipe.stop_job();
+    pipe.wait_idle();
+    throw;
+  }
+  if (pipe.error) std::rethrow_exception(pipe.error);
 }
 
 // ---- reduce_scatter / allgather --------------------------------------------------------------
@@ -746,6 +1027,15 @@ void Communicator::alltoall(const void* in, std::span<const size_t> send_counts,
     }
     exchange(ts, info);
   });
+}
+
+std::vector<double> Communicator::peer_rtts() {
+  const std::vector<size_t> none(size(), 0);
+  alltoall(nullptr, none, nullptr, none, DType::U8);
+  std::vector<double> rtt(size(), 0.0);
+  for (uint32_t p = 0; p < size(); ++p)
+    if (channels_[p]) rtt[p] = channels_[p]->min_rtt_s();
+  return rtt;
 }
 
 void Communicator::barrier() {

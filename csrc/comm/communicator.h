@@ -72,6 +72,9 @@ class Communicator {
   void barrier_within(const net::OpInfo& op);
   void send(const void* buf, size_t bytes, uint32_t dst);
   void recv(void* buf, size_t bytes, uint32_t src);
+  // Connects to every member (an alltoall of nothing) and returns each one's smallest round trip
+  // in seconds as the kernel sampled it on the TCP channel: 0 for this rank and shared memory.
+  std::vector<double> peer_rtts();
 
   bool all_local() const { return all_local_; }
   bool uses_shm() const { return ctx_->options().shm; }
@@ -107,6 +110,7 @@ class Communicator {
 
  private:
   struct Op;
+  struct SitePipe;  // the overlapped 2-D allreduce's cross-site thread (communicator.cpp)
   net::OpInfo begin(const char* name, Opcode code);
   // Runs an operation body; any error aborts the communicator (peers then fail promptly).
   // Every operation is also recorded here (flight recorder, and the timeline when one is on).
@@ -139,6 +143,13 @@ class Communicator {
   void allreduce_rd(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
   void allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op);
   void allreduce_2d(std::byte* buf, size_t count, DType dtype, ReduceOp op);
+  void allreduce_2d_overlapped(std::byte* buf, size_t count, DType dtype, ReduceOp op, size_t pieces);
+  // The ring of allreduce_ring over ring_at_ (piece c of block b at ring_at_[b * pieces + c]).
+  // With a pipe, the first step's pieces wait for the pipe's local reduce-scatter, and pieces
+  // whose last transfer arrived are announced to it (allreduce_2d_overlapped).
+  void ring_run(size_t pieces, DType dtype, ReduceOp op, const net::OpInfo& info, SitePipe* pipe);
+  // On the cross communicator, from the pipe's thread: one operation running ring_run.
+  void allreduce_gated(size_t pieces, DType dtype, ReduceOp op, SitePipe& pipe);
   void ring_reduce_scatter(std::byte* buf, std::span<const size_t> counts, DType dtype, ReduceOp op,
                            const net::OpInfo& info);
   void ring_allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);
@@ -167,6 +178,7 @@ class Communicator {
   // allreduce_ring's transfers, kept between operations: hundreds of them (about 1.4 KB each)
   // for a large buffer, an allocation big enough to be mapped and unmapped per operation.
   std::vector<net::Transfer> ring_ts_;
+  std::vector<std::pair<std::byte*, size_t>> ring_at_;  // where ring_run finds each piece
   std::atomic<bool> broken_{false};
   std::string broken_why_;
   std::mutex broken_mu_;
@@ -178,6 +190,7 @@ class Communicator {
   std::unique_ptr<Communicator> leaders_;
   // Sites only, when every site has as many members: the i-th member of each site (allreduce_2d).
   std::unique_ptr<Communicator> cross_;
+  std::unique_ptr<SitePipe> pipe_;  // after cross_: its thread stops before cross_ goes away
   bool hierarchy_built_ = false;
   std::string shm_prefix_;
   uint64_t next_arena_id_ = 0;

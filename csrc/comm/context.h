@@ -48,6 +48,9 @@ struct Options {
   // One host: allreduce by reading and writing the peers' buffers in place (process_vm_readv;
   // RUMOR_HOST_DIRECT=0 turns it off). Where the kernel refuses, the ring is used.
   bool host_direct = true;
+  // Sites of equal size: the 2-D allreduce overlaps its three phases piece by piece, the slow
+  // cross-site ring on a thread of its own (RUMOR_SITE_OVERLAP=0 runs them one after the other).
+  bool site_overlap = true;
   int spin_us = 20;                           // busy-poll this long before sleeping (latency vs. CPU)
   size_t flight_records = 64;                 // operations the flight recorder keeps (RUMOR_FLIGHT_RECORDER)
   // TLS 1.3 on the TCP data channels between ranks (net/tls.h; RUMOR_TLS_CERT, RUMOR_TLS_KEY,
@@ -99,6 +102,7 @@ class Context {
   // so a slow link carries each byte once per site. Empty (the default): no sites.
   void set_sites(std::vector<std::string> site_ids);
   bool has_sites() const { return !site_ids_.empty(); }
+  const std::vector<std::string>& site_ids() const { return site_ids_; }
   // What hierarchical collectives group rank r by: its site where sites are set, else its host.
   const std::string& group_key(uint32_t r) const { return site_ids_.empty() ? host_ids_.at(r) : site_ids_.at(r); }
 

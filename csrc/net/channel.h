@@ -108,6 +108,9 @@ class Channel {
   virtual void check_stall(const Transfer&, const OpInfo&, Clock::time_point) {}
   // For error messages: the link's measured figures ("" where none are kept).
   virtual std::string link_desc() const { return {}; }
+  // The smallest round trip in seconds the kernel has seen on the link (TCP_INFO); 0 where there
+  // is none (shared memory).
+  virtual double min_rtt_s() const { return 0; }
   // Makes the peer's pending and future operations on this channel fail promptly.
   virtual void abort() = 0;
 };

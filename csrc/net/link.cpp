@@ -1,11 +1,12 @@
 #include "net/link.h"
 
+#include <linux/tcp.h>  // not netinet/tcp.h: glibc's tcp_info stops before tcpi_min_rtt
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <fstream>
 
 namespace rumor::net {
@@ -41,6 +42,15 @@ double measured_rtt_s(int fd) {
   socklen_t len = sizeof(info);
   if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return 0;
   return std::max(info.tcpi_rtt, info.tcpi_rcv_rtt) * 1e-6;
+}
+
+double measured_min_rtt_s(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return 0;
+  // An older kernel fills less of the struct; ~0 is "no sample yet".
+  if (len < offsetof(tcp_info, tcpi_min_rtt) + sizeof(info.tcpi_min_rtt) || info.tcpi_min_rtt == ~0u) return 0;
+  return info.tcpi_min_rtt * 1e-6;
 }
 
 int streams_for_link(double rtt_s, double rate, size_t window, int min_streams, int max_streams) {

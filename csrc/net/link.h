@@ -27,6 +27,9 @@ WindowLimits window_limits();
 // The connected socket's smoothed round trip as the kernel measured it (TCP_INFO: the larger of
 // the sender's and the receiver's estimates), in seconds; 0 when unknown.
 double measured_rtt_s(int fd);
+// The smallest round trip the kernel has sampled on the socket (TCP_INFO's tcpi_min_rtt: the
+// handshake's first, free of queues and of the peer's scheduling), in seconds; 0 when unknown.
+double measured_min_rtt_s(int fd);
 
 // Streams that keep `rate` bytes/s in flight over a round trip of `rtt_s` with `window` payload
 // bytes per stream: ceil(rate * rtt / window), within [min_streams, max_streams].

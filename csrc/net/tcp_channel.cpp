@@ -54,6 +54,15 @@ double TcpChannel::rtt_s() const {
   return rtt > 0 ? rtt : connect_rtt_s_;
 }
 
+double TcpChannel::min_rtt_s() const {
+  double rtt = 0;
+  for (const auto& s : streams_) {
+    const double r = measured_min_rtt_s(s.get());
+    if (r > 0 && (rtt == 0 || r < rtt)) rtt = r;
+  }
+  return rtt;
+}
+
 void TcpChannel::note_moved(Transfer& t) {
   const auto now = Clock::now();
   if (t.first_moved == Clock::time_point{}) t.first_moved = now;

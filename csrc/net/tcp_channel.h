@@ -34,6 +34,7 @@ class TcpChannel final : public Channel {
   void check_stall(const Transfer& t, const OpInfo& op, Clock::time_point now) override;
   std::string link_desc() const override;
   void abort() override;
+  double min_rtt_s() const override;
 
  private:
   bool progress_send(Part& p, Transfer& t, const OpInfo& op);

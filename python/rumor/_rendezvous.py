@@ -3,12 +3,14 @@ and the authenticated exchange of addresses (docs/security.md). Below the runtim
 here holds state between init() calls except the once-only warning of an unauthenticated job."""
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
+import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 from . import _secret
 from ._env import env_int
@@ -108,7 +110,8 @@ def site_id() -> str:
 def apply_sites(ctx, entries, what: str = "rumor.init()") -> Optional[str]:
     """Gives the context every rank's site, if any rank has one; all of them or none must, else
     the error to raise, which every rank finds alike in the table. The caller raises it only
-    after its first barrier: rank 0 may hold the store, and the others still read the table."""
+    after its first barrier: rank 0 may hold the store, and the others still read the table.
+    RUMOR_SITE=auto on every rank: the sites come from the hosts' round trips (find_sites)."""
     sites = [e[4] for e in entries]
     if not any(sites):
         return None
@@ -117,8 +120,90 @@ def apply_sites(ctx, entries, what: str = "rumor.init()") -> Optional[str]:
         have = [r for r, s in enumerate(sites) if s]
         return (f"{what}: RUMOR_SITE is set on rank(s) {have[:8]} but not on rank(s) {missing[:8]}: "
                 "set it on every rank or on none")
+    auto = [r for r, s in enumerate(sites) if s == AUTO_SITE]
+    if auto and len(auto) != len(sites):
+        named = [r for r, s in enumerate(sites) if s != AUTO_SITE]
+        return (f"{what}: RUMOR_SITE is auto on rank(s) {auto[:8]} but names a site on rank(s) {named[:8]}: "
+                "set auto on every rank or name every rank's site")
+    if auto:
+        sites = find_sites(ctx, [e[2] for e in entries])
+        if sites is None:
+            return None
     ctx.set_sites(sites)
     return None
+
+
+AUTO_SITE = "auto"
+# RUMOR_SITE=auto: two hosts share a site when a chain of host pairs joins them whose round trips
+# are each at most this many times the smallest round trip between two hosts, or at most the
+# floor (docs/wan.md, "Sites found by themselves").
+AUTO_SITE_FACTOR = 4.0
+AUTO_SITE_FLOOR_S = 0.002
+# The measurement's communicators: apart from group ids (counted up from 1) and the torch
+# backend's point-to-point ids (1 << 47 and up).
+_AUTO_SITE_LEADERS_ID = (1 << 46) + 1
+_AUTO_SITE_ALL_ID = (1 << 46) + 2
+_F64 = 3  # DType::F64
+
+
+def sites_from_rtts(rtt: Sequence[Sequence[float]], factor: float = AUTO_SITE_FACTOR,
+                    floor_s: float = AUTO_SITE_FLOOR_S) -> List[int]:
+    """Single linkage over a symmetric matrix of round trips (seconds) between hosts: each host's
+    site, numbered in order of each site's first host. A pair measured as 0 (no sample) counts
+    as near: a missing figure must not split a site."""
+    h = len(rtt)
+    measured = [rtt[a][b] for a in range(h) for b in range(a + 1, h) if rtt[a][b] > 0]
+    limit = max(factor * min(measured), floor_s) if measured else floor_s
+    parent = list(range(h))
+
+    def root(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for a in range(h):
+        for b in range(a + 1, h):
+            if rtt[a][b] <= limit:
+                parent[max(root(a), root(b))] = min(root(a), root(b))
+    index: dict = {}
+    return [index.setdefault(root(a), len(index)) for a in range(h)]
+
+
+def find_sites(ctx, hosts: Sequence[str]) -> Optional[List[str]]:
+    """RUMOR_SITE=auto: one rank per host (the lowest) connects to the other hosts' and reads each
+    connection's round trip from the kernel (TCP_INFO, sampled by the handshakes); every rank
+    receives the whole matrix and groups the hosts alike (sites_from_rtts). Every rank's site,
+    or None when that finds one site or one per host: hosts then group ranks as without
+    RUMOR_SITE. Two hosts or fewer are not measured (they can only make one of those)."""
+    from . import _C
+
+    order = list(dict.fromkeys(hosts))
+    n, h = len(hosts), len(order)
+    if h < 3:
+        return None
+    leaders = [hosts.index(x) for x in order]
+    rows = (ctypes.c_double * (n * h))()
+    if ctx.rank in leaders:
+        comm = _C.Communicator(ctx, _AUTO_SITE_LEADERS_ID, "RUMOR_SITE=auto (one rank per host)", leaders)
+        for b, v in enumerate(comm.peer_rtts()):
+            rows[ctx.rank * h + b] = v
+        del comm
+    comm = _C.Communicator(ctx, _AUTO_SITE_ALL_ID, "RUMOR_SITE=auto", list(range(n)))
+    comm.allgather(ctypes.addressof(rows), [h] * n, _F64, False)
+    del comm
+    row = lambda a: rows[leaders[a] * h:(leaders[a] + 1) * h]  # noqa: E731
+    rtt = [[max(row(a)[b], row(b)[a]) for b in range(h)] for a in range(h)]
+    site_of_host = sites_from_rtts(rtt)
+    found = max(site_of_host) + 1
+    if ctx.rank == 0:
+        ms = [[round(v * 1e3, 2) for v in r] for r in rtt]
+        logging.getLogger("rumor").info(
+            "RUMOR_SITE=auto: %d site(s) among %d hosts %s, round trips (ms) %s%s", found, h, order, ms,
+            "" if 1 < found < h else "; hosts group ranks as without RUMOR_SITE")
+    if not 1 < found < h:
+        return None
+    return [f"auto-{site_of_host[order.index(x)]}" for x in hosts]
 
 
 def fault_point(point: str) -> None:

@@ -298,6 +298,7 @@ def _core_options(timeout: float) -> "_C.Options":
     opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
     opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
     opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
+    opts.site_overlap = env_bool("RUMOR_SITE_OVERLAP", True)
     opts.flight_records = flight_records_from_env()
     tls_options_from_env(opts)
     return opts

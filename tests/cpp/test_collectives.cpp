@@ -98,6 +98,117 @@ TEST(Sites, HierarchicalAllreduceGroupsBySite) {
   }
 }
 
+// Large buffers overlap the 2-D allreduce's phases (allreduce_2d_overlapped: the site's
+// reduce-scatter and allgather piece by piece on the caller's thread, the ring across sites on its
+// own). Every element must meet the same additions in the same order as one phase after the
+// other: floats whose sums round differently in another order, compared bit for bit with
+// RUMOR_SITE_OVERLAP=0, on 3 sites (where the cross ring's order matters) and on a site of one
+// host (the host's direct path inside), plus integers against the exact sums.
+TEST(Sites, OverlappedAllreduceGivesTheSequentialBits) {
+  struct Case {
+    std::vector<std::string> hosts, sites;
+  };
+  const size_t count = 300001;  // 3 pieces in both cases (64 KiB and up per cross block piece)
+  auto value = [](uint32_t r, size_t i) {
+    const uint64_t h = (r + 1) * 0x9E3779B97F4A7C15ull ^ (i * 0xBF58476D1CE4E5B9ull);
+    return static_cast<float>(static_cast<int64_t>(h % 2000001) - 1000000) / 977.0f;
+  };
+  for (const Case& cs : {Case{{"h0", "h0", "h1", "h2", "h3", "h4"}, {"x", "x", "y", "y", "z", "z"}},
+                         Case{{"h0", "h0", "h0", "h1", "h2", "h3"}, {"x", "x", "x", "y", "y", "y"}}}) {
+    const uint32_t size = static_cast<uint32_t>(cs.hosts.size());
+    // results[overlap][rank]: SUM, AVG, MAX of the floats, one after the other.
+    std::vector<std::vector<std::vector<float>>> results(2, std::vector<std::vector<float>>(size));
+    std::vector<size_t> scatters(2), allreduces(2);
+    for (int overlap = 0; overlap < 2; ++overlap) {
+      Options opts = quick_options(true);
+      opts.site_overlap = overlap == 1;
+      opts.flight_records = 4096;
+      auto w = make_world(cs.hosts, opts);
+      for (auto& c : w.ctx) c->set_sites(cs.sites);
+      auto errs = run_ranks(w, [&](Communicator& c, uint32_t r) {
+        for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX}) {
+          std::vector<float> buf(count);
+          for (size_t i = 0; i < count; ++i) buf[i] = value(r, i);
+          c.allreduce(buf.data(), count, DType::F32, op, AllreduceAlgo::kHierarchical);
+          results[overlap][r].insert(results[overlap][r].end(), buf.begin(), buf.end());
+        }
+        std::vector<int32_t> ints(count);
+        for (size_t i = 0; i < count; ++i) ints[i] = static_cast<int32_t>((r * 7919 + i * 31) % 100003) - 50000;
+        c.allreduce(ints.data(), count, DType::I32, ReduceOp::SUM, AllreduceAlgo::kHierarchical);
+        for (size_t i = 0; i < count; ++i) {
+          int32_t want = 0;
+          for (uint32_t q = 0; q < size; ++q) want += static_cast<int32_t>((q * 7919 + i * 31) % 100003) - 50000;
+          ASSERT_EQ(ints[i], want) << "i " << i << " rank " << r;
+        }
+      });
+      expect_all_ok(errs);
+      for (const auto& rec : w.ctx[0]->recorder().flight_records()) {
+        scatters[overlap] += rec.name == "reduce_scatter";
+        allreduces[overlap] += rec.name == "allreduce" && rec.comm == "world";
+      }
+    }
+    // One reduce-scatter per allreduce one phase after the other, one per piece overlapped.
+    EXPECT_EQ(allreduces[0], 4u);
+    EXPECT_EQ(scatters[0], 4u);
+    EXPECT_EQ(allreduces[1], 4u);
+    EXPECT_EQ(scatters[1], 12u);
+    for (uint32_t r = 0; r < size; ++r) {
+      ASSERT_EQ(results[1][r].size(), 3 * count);
+      EXPECT_EQ(std::memcmp(results[1][r].data(), results[0][r].data(), 3 * count * sizeof(float)), 0)
+          << "rank " << r << ": overlapped bits differ from the sequential ones";
+      EXPECT_EQ(std::memcmp(results[1][r].data(), results[1][0].data(), 3 * count * sizeof(float)), 0)
+          << "rank " << r << " differs from rank 0";
+    }
+  }
+}
+
+// A failure while the two threads of the overlapped allreduce run: one rank brings a different
+// count, so its site's reduce-scatter and its cross-site ring both meet frames of the wrong size.
+// Every rank must fail (none hangs with its cross-site thread still running), and the next
+// operation on the broken communicator says so.
+TEST(Sites, OverlappedAllreduceFailsOnEveryRank) {
+  Options opts = quick_options(true);
+  opts.timeout_s = 10;
+  auto w = make_world({"h0", "h1", "h2", "h3"}, opts);
+  for (auto& c : w.ctx) c->set_sites({"x", "x", "y", "y"});
+  std::vector<std::string> second(4);
+  auto errs = run_ranks(w, [&](Communicator& c, uint32_t r) {
+    const size_t count = r == 3 ? 400000 : 400003;
+    std::vector<float> buf(count, 1.0f);
+    try {
+      c.allreduce(buf.data(), count, DType::F32, ReduceOp::SUM, AllreduceAlgo::kHierarchical);
+    } catch (const Error&) {
+      try {
+        c.allreduce(buf.data(), count, DType::F32, ReduceOp::SUM, AllreduceAlgo::kHierarchical);
+      } catch (const Error& e) {
+        second[r] = e.what();
+      }
+      throw;
+    }
+  });
+  for (uint32_t r = 0; r < 4; ++r) {
+    EXPECT_TRUE(errs[r] != nullptr) << "rank " << r << " did not fail";
+    EXPECT_NE(second[r].find("unusable after an earlier failure"), std::string::npos) << second[r];
+  }
+}
+
+// peer_rtts (RUMOR_SITE=auto) connects every pair and reads the kernel's round trip: positive
+// over TCP, 0 for the rank itself and over shared memory.
+TEST(Sites, PeerRoundTrips) {
+  auto w = make_world({"h0", "h0", "h1"}, quick_options(true));
+  std::vector<std::vector<double>> rtts(3);
+  expect_all_ok(run_ranks(w, [&](Communicator& c, uint32_t r) { rtts[r] = c.peer_rtts(); }));
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_EQ(rtts[r].size(), 3u);
+    for (uint32_t p = 0; p < 3; ++p) {
+      if (p == r || (p < 2 && r < 2))
+        EXPECT_EQ(rtts[r][p], 0.0) << r << " -> " << p;
+      else
+        EXPECT_GT(rtts[r][p], 0.0) << r << " -> " << p;
+    }
+  }
+}
+
 TEST(Sites, RefusesAWrongCountOrAnEmptySite) {
   auto w = make_world(one_host(2), quick_options(false));
   EXPECT_THROW(w.ctx[0]->set_sites({"x"}), Error);

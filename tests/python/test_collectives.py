@@ -467,6 +467,39 @@ def test_a_site_on_some_ranks_only_is_refused_by_every_rank():
         assert "RUMOR_SITE is set on rank(s) [0, 2] but not on rank(s) [1]" in msg, msg
 
 
+def _auto_sites_rank():
+    import rumor
+    import torch
+    from rumor import _runtime
+
+    try:
+        rumor.init()
+    except ValueError as e:
+        return str(e)
+    sites = list(_runtime.state().ctx.sites)
+    x = torch.full((1000,), float(rumor.rank()))
+    rumor.allreduce_(x, rumor.ReduceOp.SUM, algorithm="hierarchical")
+    ok = bool(torch.equal(x, torch.full_like(x, float(sum(range(rumor.size()))))))
+    rumor.shutdown()
+    return sites, ok
+
+
+def test_site_auto_over_loopback_finds_one_site():
+    """RUMOR_SITE=auto on 4 'hosts' of one machine: the round trips measured are all under the
+    2 ms floor, so the hosts make one site and no sites are set (hosts group ranks as before)."""
+    res = harness.run(_auto_sites_rank, 4, timeout=120,
+                      rank_env=[{"RUMOR_SITE": "auto", "RUMOR_HOST_ID": f"h{r}"} for r in range(4)])
+    for r, got in enumerate(res):
+        assert got == ([], True), f"rank {r}: {got}"
+
+
+def test_site_auto_on_some_ranks_only_is_refused_by_every_rank():
+    res = harness.run(_auto_sites_rank, 3, timeout=120,
+                      rank_env=[{"RUMOR_SITE": "auto"}, {"RUMOR_SITE": "a"}, {"RUMOR_SITE": "auto"}])
+    for msg in res:
+        assert "RUMOR_SITE is auto on rank(s) [0, 2] but names a site on rank(s) [1]" in msg, msg
+
+
 # ---- non-contiguous tensors ----------------------------------------------------------------------
 
 def noncontiguous_rank(key: str):
