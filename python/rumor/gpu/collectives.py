@@ -229,7 +229,7 @@ def allreduce(gpu, g, t, op, group, inplace, nonblocking, algorithm, what):
     n.uses(t)
     if src.numel():
         n.call(n.comm.allreduce, address(src), address(out), src.numel(), code, o)
-    finish = C.writeback(t, out) if inplace else (lambda: out)
+    finish = (lambda: C.blocking_result(t, out, True)) if inplace else (lambda: out)
     return n.done(nonblocking, (src, out, t), finish)
 
 
@@ -248,7 +248,7 @@ def broadcast(gpu, g, t, root, group, inplace, nonblocking, what):
     n.uses(t)
     if src.numel():
         n.call(n.comm.broadcast, address(src), address(out), src.numel() * per, code, r)
-    finish = C.writeback(t, out) if inplace else (lambda: out)
+    finish = (lambda: C.blocking_result(t, out, True)) if inplace else (lambda: out)
     return n.done(nonblocking, (src, out, t), finish)
 
 
@@ -401,7 +401,7 @@ def recv(gpu, g, t, src, group, what):
     n.uses(t)
     if buf.numel():
         n.call(n.comm.recv, address(buf), buf.numel() * per, code, p)
-    return n.done(False, (buf, t), C.writeback(t, buf))
+    return n.done(False, (buf, t), lambda: C.blocking_result(t, buf, True))
 
 
 def staged(gpu, t, nonblocking, what, cpu_call):
