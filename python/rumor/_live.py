@@ -103,6 +103,7 @@ class _Live:
     joined_fresh: bool = False  # a newcomer until its state arrived
     jscan: int = 0  # newcomers below this number are settled (admitted, gone or done)
     changes: List[Change] = field(default_factory=list)
+    timeline: Optional[str] = None  # RUMOR_TIMELINE as the job was started with
 
 
 _live: Optional[_Live] = None
@@ -212,6 +213,13 @@ def _enter_epoch(live: _Live) -> None:
     e["WORLD_SIZE"] = str(len(live.members))
     # Every member of an epoch counts the same generation: the rendezvous keys are the epoch's.
     _runtime.set_generation(live.epoch)
+    # RUMOR_TIMELINE: each epoch records to files of its own (trace.json -> trace.epoch2.rank0.json),
+    # since a rank of one epoch may be another rank of the next.
+    if live.timeline is None:
+        live.timeline = e.get("RUMOR_TIMELINE", "")
+    if live.timeline and live.epoch > 0:
+        base = live.timeline[:-5] if live.timeline.endswith(".json") else live.timeline
+        e["RUMOR_TIMELINE"] = f"{base}.epoch{live.epoch}.json"
     live.trouble = live.trouble_t = None
     live.join_pending = False
 

@@ -45,6 +45,7 @@ import errno
 import functools
 import hashlib
 import io
+import json
 import math
 import operator
 import os
@@ -54,7 +55,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from . import _live, _secret
+from . import _live, _secret, timeline
 from ._parity import Mismatch, ParityError, ParityReport, verify
 
 _PREFIX = "rumor_elastic-"  # not a swept rumor- name: commits must outlive their writer
@@ -701,6 +702,8 @@ def _run_live(train_fn, st: State, args, kwargs):
     live = _live.current()
     if live.joined_fresh:
         st._live_sync()  # the survivors send the state from their re-forming
+        _mark_change(_live.Change(epoch=live.epoch, size=len(live.members), rank=live.members.index(live.me),
+                                  left=[], joined=list(live.new), reason="admitted", degraded_s=0.0))
     else:
         st.restore()
     hooks = (st.optimizer.register_step_pre_hook(lambda *_: _live.before_step()),
@@ -713,6 +716,7 @@ def _run_live(train_fn, st: State, args, kwargs):
                     change = _live.reform(ended)
                     ended = None
                     st._live_rebind()  # a failure in here ends that epoch too, and the loop goes again
+                    _mark_change(change)
                     _live.notify(change)
                 out = train_fn(st, *args, **kwargs)
                 st._finish()
@@ -726,6 +730,17 @@ def _run_live(train_fn, st: State, args, kwargs):
             h.remove()
     _live.finish()
     return out
+
+
+def _mark_change(change) -> None:
+    """The change as the first event of the epoch's timeline (RUMOR_TIMELINE), when one records.
+    An event's args hold about 110 characters: past that, counts stand for the lists of ids (the
+    log names them all, and the reason)."""
+    args = dict(size=change.size, rank=change.rank, left=change.left, joined=change.joined,
+                degraded_s=round(change.degraded_s, 4))
+    if len(json.dumps(args)) > 100:
+        args.update(left=len(change.left), joined=len(change.joined))
+    timeline.instant(f"rumor.elastic: epoch {change.epoch}", **args)
 
 
 def on_change(fn: Callable) -> None:

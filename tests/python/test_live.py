@@ -120,13 +120,13 @@ def _simulate(sizes):
 
 
 def _run_live(tmp_path, victim, fault_step, fault, on_progress=None, newcomer="same-model",
-              algorithm="GradientAllReduce"):
+              algorithm="GradientAllReduce", env=None):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "rumor.run", "--live", "--nproc-per-node", "4", "--max-restarts", "1",
            "--live-min", "3", str(script), victim, str(fault_step), str(GROW), str(STEPS), str(tmp_path), fault, newcomer,
            algorithm]
-    p = subprocess.Popen(cmd, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    p = subprocess.Popen(cmd, env=dict(_env(), **(env or {})), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     if on_progress is not None:
@@ -191,9 +191,21 @@ def _check(tmp_path, victim, text, exact=True):
 
 @pytest.mark.parametrize("algorithm", ["GradientAllReduce", "ByteGrad"])
 def test_a_killed_worker_leaves_and_a_newcomer_joins(tmp_path, algorithm):
-    text = _run_live(tmp_path, "r2", 4, "kill", algorithm=algorithm)
+    trace = tmp_path / "trace.json"
+    text = _run_live(tmp_path, "r2", 4, "kill", algorithm=algorithm, env={"RUMOR_TIMELINE": str(trace)})
     _check(tmp_path, "r2", text, exact=algorithm == "GradientAllReduce")
     assert "worker r2" in text and "signal 9" in text
+    # The timeline: every epoch records to files of its own, which begin with the change.
+    from rumor import timeline
+
+    assert os.path.exists(tmp_path / "trace.rank0.json")
+    for epoch, size, left, joined in ((1, 3, ["r2"], []), (2, 4, [], ["j1"])):
+        for rank in range(size):
+            marks = [e for e in timeline.load(tmp_path / f"trace.epoch{epoch}.rank{rank}.json")
+                     if e.get("name") == f"rumor.elastic: epoch {epoch}"]
+            assert len(marks) == 1, (epoch, rank, marks)
+            a = marks[0]["args"]
+            assert (a["size"], a["rank"], a["left"], a["joined"]) == (size, rank, left, joined), a
 
 
 def test_a_stopped_worker_is_dropped_and_comes_back_as_a_newcomer(tmp_path):
