@@ -5,7 +5,9 @@
   at step 8 (rumor.elastic.wait_for_members), receiving the whole state from a survivor;
 * a worker SIGSTOPped: the others find it silent past the heartbeat and go on without it; when
   it is continued it learns it was dropped, exits, and comes back as a newcomer;
-* a newcomer whose model differs is refused, and the others go on without it.
+* a newcomer whose model differs is refused, and the others go on without it;
+* a second member dies while the job recovers from the first: the two left go on, then admit
+  two newcomers.
 The survivors' pids never change, every step is applied (no process applies one twice; a member
 behind the others receives their state), the members' final parameters are bitwise equal, and
 with GradientAllReduce they equal a float64 run of the same membership timeline (which ranks
@@ -38,6 +40,7 @@ WORKER = textwrap.dedent(
     from rumor.parallel import DistributedDataParallel
 
     victim, fault_step, grow_step, total, out, fault, newcomer, algorithm = sys.argv[1:9]
+    also = sys.argv[9] if len(sys.argv) > 9 else ""  # a member that dies once the first change is made
     fault_step, grow_step, total = int(fault_step), int(grow_step), int(total)
     me, pid = os.environ["RUMOR_LIVE_ID"], os.getpid()
     rumor.init()
@@ -51,6 +54,7 @@ WORKER = textwrap.dedent(
     changes = []
     rumor.elastic.on_change(lambda c: changes.append([c.epoch, c.size, c.left, c.joined]))
     refused = lambda: any(m.startswith("j") for c in changes for m in c[2])
+    rumor.elastic.on_change(lambda c: os.kill(pid, signal.SIGKILL) if me == also and c.epoch == 1 else None)
 
 
     def batch(step, rank):
@@ -120,12 +124,12 @@ def _simulate(sizes):
 
 
 def _run_live(tmp_path, victim, fault_step, fault, on_progress=None, newcomer="same-model",
-              algorithm="GradientAllReduce", env=None):
+              algorithm="GradientAllReduce", env=None, restarts=1, least=3, also=""):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "rumor.run", "--live", "--nproc-per-node", "4", "--max-restarts", "1",
-           "--live-min", "3", str(script), victim, str(fault_step), str(GROW), str(STEPS), str(tmp_path), fault, newcomer,
-           algorithm]
+    cmd = [sys.executable, "-m", "rumor.run", "--live", "--nproc-per-node", "4", "--max-restarts", str(restarts),
+           "--live-min", str(least), str(script), victim, str(fault_step), str(GROW), str(STEPS), str(tmp_path), fault, newcomer,
+           algorithm, also]
     p = subprocess.Popen(cmd, env=dict(_env(), **(env or {})), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
@@ -282,3 +286,34 @@ def test_live_on_two_emulated_hosts(tmp_path):
         out.close()
     assert [p.returncode for p in procs] == [0, 0], text
     _check(tmp_path, "r3", text)
+
+
+def test_a_second_failure_while_the_job_recovers_from_the_first(tmp_path):
+    """r1 is killed before its step 4; r3 dies as soon as the three re-formed (in its change
+    callback, before the group's first step): the two left re-form again, then admit both
+    newcomers. Training goes on throughout and ends equal to the float64 run of its timeline."""
+    text = _run_live(tmp_path, "r1", 4, "kill", restarts=2, least=2, also="r3")
+    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
+    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
+              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
+    assert sorted(finals) == ["j1", "j2", "r0", "r2"], text[-6000:]
+    for m, entries in logs.items():
+        steps = [e["step"] for e in entries]
+        assert steps == sorted(set(steps)), (m, steps)
+    by_step = {}
+    for entries in logs.values():
+        for e in entries:
+            by_step.setdefault(e["step"], set()).add(e["size"])
+    assert sorted(by_step) == list(range(STEPS)) and all(len(v) == 1 for v in by_step.values()), by_step
+    sizes = [by_step[s].pop() for s in range(STEPS)]
+    # 4 until r1's fault; step 4 applied by the two left (the three never finished a step: r3
+    # died first); then growing back to 4 (one newcomer may come a little before the other).
+    assert sizes[:4] == [4] * 4 and sizes[4] == 2 and sizes[-1] == 4, sizes
+    assert sizes[4:] == sorted(sizes[4:]), sizes
+    for m in ("r0", "r2"):
+        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
+        assert [(c[1], c[2]) for c in finals[m]["changes"][:2]] == [(3, ["r1"]), (2, ["r3"])], finals[m]["changes"]
+    ref = finals["r0"]["params"]
+    assert all(f["params"] == ref for f in finals.values())
+    for got, want in zip(ref, _simulate(sizes)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
