@@ -222,6 +222,8 @@ if r == 1:
             ports = {int(local.split(":")[1], 16), int(remote.split(":")[1], 16)}
             count += state == "01" and store not in ports
     print("established", count, flush=True)
+# Rank 0 must not close the pair's streams before rank 1 has counted them.
+rumor.barrier()
 rumor.shutdown()
 """
 
