@@ -108,6 +108,17 @@ def _wait_for(cond, p, what, deadline):
         time.sleep(0.05)
 
 
+def _sizes_applied(logs):
+    """The world size of every step 0..STEPS-1, asserting each was applied by some process and
+    that all who applied it agree on how many averaged it."""
+    by_step = {}
+    for entries in logs.values():
+        for e in entries:
+            by_step.setdefault(e["step"], set()).add(e["size"])
+    assert sorted(by_step) == list(range(STEPS)) and all(len(v) == 1 for v in by_step.values()), by_step
+    return [by_step[s].pop() for s in range(STEPS)]
+
+
 def _simulate(sizes):
     """float64: at step s, the gradients of ranks 0..sizes[s]-1 averaged, then SGD with momentum."""
     torch.manual_seed(0)
@@ -162,12 +173,7 @@ def _check(tmp_path, victim, text, exact=True):
         assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
         assert logs[m][-1]["step"] == STEPS - 1, m
     # Every step was applied, by members that agree on how many averaged it.
-    by_step = {}
-    for entries in logs.values():
-        for e in entries:
-            by_step.setdefault(e["step"], set()).add(e["size"])
-    assert sorted(by_step) == list(range(STEPS)) and all(len(v) == 1 for v in by_step.values()), by_step
-    sizes = [by_step[s].pop() for s in range(STEPS)]
+    sizes = _sizes_applied(logs)
     # The membership timeline: 4 until the fault, 3 from the step it hit (given up and redone),
     # 4 again from the newcomer's admission (at the latest the step that waited for it).
     fault = len(logs[victim])
@@ -300,12 +306,7 @@ def test_a_second_failure_while_the_job_recovers_from_the_first(tmp_path):
     for m, entries in logs.items():
         steps = [e["step"] for e in entries]
         assert steps == sorted(set(steps)), (m, steps)
-    by_step = {}
-    for entries in logs.values():
-        for e in entries:
-            by_step.setdefault(e["step"], set()).add(e["size"])
-    assert sorted(by_step) == list(range(STEPS)) and all(len(v) == 1 for v in by_step.values()), by_step
-    sizes = [by_step[s].pop() for s in range(STEPS)]
+    sizes = _sizes_applied(logs)
     # 4 until r1's fault; step 4 applied by the two left (the three never finished a step: r3
     # died first); then growing back to 4 (one newcomer may come a little before the other).
     assert sizes[:4] == [4] * 4 and sizes[4] == 2 and sizes[-1] == 4, sizes
