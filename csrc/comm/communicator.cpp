@@ -238,7 +238,7 @@ net::OpInfo Communicator::begin(const char* name, Opcode code) {
   op.opcode = static_cast<uint8_t>(code);
   op.tag = next_tag_++;
   op.timeout_s = ctx_->timeout_s();
-  op.deadline = Deadline::after(op.timeout_s);
+  op.deadline = Deadline::after(op.timeout_s).cancelled_by(&broken_);
   if (ctx_->options().adaptive_deadline) op.stall_floor_s = ctx_->options().deadline_floor_s;
   if (broken_.load()) {
     std::lock_guard lk(broken_mu_);
@@ -268,9 +268,15 @@ net::Channel& Communicator::channel(uint32_t peer, const net::OpInfo& op) {
     try {
       // With progress deadlines an op may outlast its start's deadline while bytes move; a
       // channel first needed late in it (a later step's peer) gets a full RUMOR_TIMEOUT to set up.
-      const Deadline setup = op.stall_floor_s > 0 ? Deadline::after(op.timeout_s) : op.deadline;
+      const Deadline setup =
+          op.stall_floor_s > 0 ? Deadline::after(op.timeout_s).cancelled_by(&broken_) : op.deadline;
       channels_[peer] = ctx_->connect(id_, world_ranks_[peer], setup);
     } catch (const Error& e) {
+      if (broken_.load()) {
+        std::lock_guard lk(broken_mu_);
+        throw Error(ErrorKind::kAborted, op.where() + ": setting up the channel to " + peer_desc(peer) +
+                                             ": the communicator was aborted: " + broken_why_);
+      }
       throw Error(e.kind(), op.where() + ": setting up the channel to " + peer_desc(peer) + ": " + e.what());
     }
   }

@@ -45,6 +45,7 @@ std::string_view op_name(ReduceOp op) {
 }
 
 int Deadline::ms_left(int cap_ms) const {
+  if (cancelled()) return 0;
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(at_ - Clock::now()).count();
   return static_cast<int>(std::clamp<long long>(left, 0, cap_ms));
 }

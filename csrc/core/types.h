@@ -1,6 +1,8 @@
 // Element types, reduction ops and the error type shared by every layer.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -66,13 +68,27 @@ class Deadline {
     return Deadline(Clock::now() +
                     std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds)));
   }
-  bool expired() const { return Clock::now() >= at_; }
+  // A wait that has no progress of its own to watch (a peer's shared memory appearing, a
+  // connection being set up) must also end when its communicator is aborted, or a peer that
+  // died mid-setup holds every other rank until the deadline. The flag must outlive the copy.
+  Deadline cancelled_by(const std::atomic<bool>* flag) const {
+    Deadline d = *this;
+    d.cancel_ = flag;
+    return d;
+  }
+  bool cancelled() const { return cancel_ != nullptr && cancel_->load(std::memory_order_relaxed); }
+  // A condition-variable wait cannot see the flag: it waits in slices of this when there is one.
+  Clock::time_point wake_by(std::chrono::milliseconds slice = std::chrono::milliseconds(20)) const {
+    return cancel_ == nullptr ? at_ : std::min(at_, Clock::now() + slice);
+  }
+  bool expired() const { return cancelled() || Clock::now() >= at_; }
   // Milliseconds left, clamped to [0, cap_ms]; used as a poll() timeout.
   int ms_left(int cap_ms) const;
   Clock::time_point at() const { return at_; }
 
  private:
   Clock::time_point at_;
+  const std::atomic<bool>* cancel_ = nullptr;
 };
 
 }  // namespace rumor

@@ -105,7 +105,13 @@ Fd Listener::take(uint64_t comm_id, uint32_t from_rank, uint32_t stream, const D
       ready_.erase(it);
       return fd;
     }
-    if (cv_.wait_until(lk, deadline.at()) == std::cv_status::timeout && !ready_.count(key))
+    cv_.wait_until(lk, deadline.wake_by());
+    if (ready_.count(key)) continue;
+    if (deadline.cancelled())
+      throw Error(ErrorKind::kAborted, "connection setup: waiting for rank " + std::to_string(from_rank) +
+                                           " to connect (comm " + std::to_string(comm_id) + ", stream " +
+                                           std::to_string(stream) + "): the operation was aborted");
+    if (deadline.expired())
       throw Error(ErrorKind::kTimeout, "connection setup: rank " + std::to_string(from_rank) +
                                            " did not connect (comm " + std::to_string(comm_id) + ", stream " +
                                            std::to_string(stream) + ") before the deadline");

@@ -90,7 +90,10 @@ class _Live:
     epoch: int = 0
     members: List[str] = field(default_factory=list)
     new: List[str] = field(default_factory=list)  # members admitted by this epoch
-    applied: int = 0  # optimizer steps this process's state has seen (the source's, for a newcomer)
+    applied: int = 0  # optimizer steps this process's state has seen
+    # The steps of the epoch's source: this process's count once its state was sent (until then
+    # it is not up to date; if the sending fails, the next epoch must not take it for a source).
+    target: int = 0
     source: int = 0  # the rank whose state the epoch started from
     sync: bool = False  # whether the epoch starts with the source's state sent (newcomers, or someone behind)
     join_pending: bool = False  # set by the watcher: newcomers are ready
@@ -103,6 +106,9 @@ class _Live:
     joined_fresh: bool = False  # a newcomer until its state arrived
     jscan: int = 0  # newcomers below this number are settled (admitted, gone or done)
     changes: List[Change] = field(default_factory=list)
+    # The members of the last epoch that trained here (the change callbacks' view): an epoch
+    # that failed while it formed is not a change anyone saw, so the next one is told against this.
+    seen: List[str] = field(default_factory=list)
     timeline: Optional[str] = None  # RUMOR_TIMELINE as the job was started with
 
 
@@ -172,10 +178,12 @@ def _before_init() -> None:
         _log.warning("rumor.elastic: newcomer %s is waiting to be admitted", me)
         epoch, sealed = _await_admission(live, timeout)
         live.epoch, live.members, live.new = epoch, sealed["members"], sealed["new"]
-        live.source, live.sync, live.applied, live.behind = sealed["source"], True, sealed["applied"], True
+        live.source, live.sync, live.target, live.behind = sealed["source"], True, sealed["applied"], True
+        live.seen = list(live.members)
         _enter_epoch(live)
     else:
         live.members = [f"r{r}" for r in range(env.size)]
+        live.seen = list(live.members)
         _start_watcher(live)
     _live = live
 
@@ -293,6 +301,8 @@ def _fail_epoch(live: _Live, epoch: int, why: str, store=None) -> None:
                         comm.abort(f"live membership: {why}")
                     except Exception:
                         pass
+        else:  # the epoch's init() may be connecting its members: a dead one would hold it
+            _runtime.abort_forming(f"live membership: {why}")
     try:
         if store.compare_set(f"e{epoch}/abort", "", why).decode() == why:
             store.add("events", 1)
@@ -458,11 +468,15 @@ def reform(reason: str) -> Change:
         live.epoch, live.members, live.new = nxt, sealed["members"], sealed["new"]
     live.source, live.sync = sealed["source"], sealed["sync"]
     live.behind = live.applied < sealed["applied"]
-    live.applied = sealed["applied"]
+    live.target = sealed["applied"]
     _enter_epoch(live)
     _runtime.init(timeout)
+    # Told against the last epoch that trained here; who was admitted to a failed one and is
+    # gone again (a refused newcomer) is told as leaving.
+    base = live.seen or old
     change = Change(epoch=nxt, size=len(live.members), rank=live.members.index(live.me),
-                    left=[m for m in old if m not in live.members], joined=list(live.new),
+                    left=[m for m in base + [m for m in old if m not in base] if m not in live.members],
+                    joined=[m for m in live.members if m not in base],
                     reason=sealed.get("reason", reason), degraded_s=time.monotonic() - t0)
     live.changes.append(change)
     _log.warning("rumor.elastic: epoch %d: %d member(s), rank %d; left %s, joined %s (%s); %.2f s without a group",
@@ -479,6 +493,8 @@ def on_change(fn: Callable[[Change], None]) -> None:
 
 
 def notify(change: Change) -> None:
+    if _live is not None:
+        _live.seen = list(_live.members)
     for fn in list(_callbacks):
         fn(change)
 

@@ -206,14 +206,23 @@ def find_sites(ctx, hosts: Sequence[str]) -> Optional[List[str]]:
     return [f"auto-{site_of_host[order.index(x)]}" for x in hosts]
 
 
-def fault_point(point: str) -> None:
-    # Fault injection for tests of what a crash leaves behind: RUMOR_TEST_DIE_AT=<point>[:<rank>]
-    # SIGKILLs the process (of that rank, or every rank) when init reaches the point.
+def fault_point(point: str, generation: Optional[int] = None) -> None:
+    # Fault injection for tests of what a crash leaves behind:
+    # RUMOR_TEST_DIE_AT=<point>[:<who>][@<generation>] SIGKILLs the process when it reaches the
+    # point: who is a rank (RANK) or a live member id (RUMOR_LIVE_ID, e.g. j1), absent for every
+    # process; with @<generation>, only in that init() generation (a live epoch), where the
+    # caller passes one.
     spec = os.environ.get("RUMOR_TEST_DIE_AT")
     if not spec:
         return
+    spec, at, gen = spec.partition("@")
+    if at and (generation is None or int(gen) != generation):
+        return
     where, _, who = spec.rpartition(":") if spec.count(":") > 1 else (spec, "", "")
-    if where == point and (not who or int(who) == int(os.environ.get("RANK", "-1"))):
+    if where != point:
+        return
+    if not who or (who == os.environ.get("RUMOR_LIVE_ID") if not who.isdigit()
+                   else int(who) == int(os.environ.get("RANK", "-1"))):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)

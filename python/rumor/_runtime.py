@@ -86,6 +86,10 @@ _generation = 0
 # rank has shut down may still be talking to the server rank 0 hosts. A later init() in this
 # process shares the same server (multi_tenant) under a new key prefix.
 _store_keepalive = None
+# The world communicator while init() sets it up (its first barrier connects every pair): live
+# membership aborts it when a member dies mid-init, so that the others need not wait out the
+# deadline for a peer that will never connect (abort_forming).
+_forming = None
 
 
 def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = None,
@@ -103,7 +107,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
       "host" (default) once the op finished on the GPU, "stream" once it is queued on the current
       stream, as in torch.distributed (see rumor.set_gpu_wait).
     """
-    global _state, _generation, _store_keepalive
+    global _state, _generation, _store_keepalive, _forming
     if _state is not None:
         raise RuntimeError("rumor.init() was already called; call rumor.shutdown() first")
     for hook in list(_before_init_hooks):
@@ -173,7 +177,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     else:
         ctx.set_peers(addresses, hosts, [e[3] for e in entries])
         site_error = _rendezvous.apply_sites(ctx, entries)
-    _rendezvous.fault_point("init:peers")
+    _rendezvous.fault_point("init:peers", _generation)
 
     order: List[str] = []
     for h in hosts:
@@ -181,8 +185,12 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
             order.append(h)
     local = [r for r in range(env.size) if hosts[r] == hosts[env.rank]]
     world_comm = _C.Communicator(ctx, 0, "world", list(range(env.size)))
-    # Once every rank has mapped its local peers' doorbells (set_peers), the names can go.
-    world_comm.barrier(False)
+    _forming = world_comm
+    try:
+        # Once every rank has mapped its local peers' doorbells (set_peers), the names can go.
+        world_comm.barrier(False)
+    finally:
+        _forming = None
     ctx.seal()
     if site_error:
         raise ValueError(site_error)
@@ -238,6 +246,16 @@ def shutdown() -> None:
 
 # Release shared memory names and sockets at interpreter exit even if shutdown() was not called.
 atexit.register(shutdown)
+
+
+def abort_forming(why: str) -> bool:
+    """Aborts the world communicator an init() in progress is connecting, if there is one; its
+    waits then fail at once. Returns whether there was one."""
+    comm = _forming
+    if comm is None:
+        return False
+    comm.abort(why)
+    return True
 
 
 def on_init(fn) -> None:

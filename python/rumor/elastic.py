@@ -585,7 +585,7 @@ class State:
         (it failed a step others applied) or newcomers came, the source (a member that applied
         the most steps) sends its whole state by broadcast, at link speed; then every member
         proves it holds the same state (verify, repaired from the majority)."""
-        from . import _live, _runtime, collectives
+        from . import _live, _rendezvous, _runtime, collectives
 
         live = _live.current()
         if live.sync:
@@ -596,6 +596,7 @@ class State:
             else:
                 length = torch.zeros(1, dtype=torch.int64)
             collectives.broadcast_(length, src)
+            _rendezvous.fault_point("live:transfer", live.epoch)  # tests: a death mid-transfer
             if _runtime.rank() != src:
                 data = torch.empty(int(length[0]), dtype=torch.uint8)
             collectives.broadcast_(data, src)
@@ -606,6 +607,7 @@ class State:
         else:
             self._reshard_sampler()
         live.joined_fresh = live.behind = False
+        live.applied = live.target
         self._verify_restored()
 
     def _live_rebind(self) -> None:
@@ -700,11 +702,8 @@ def _run_live(train_fn, st: State, args, kwargs):
             f"of their own (GradientAllReduce, ByteGrad); {type(alg).__name__} is not one yet: run it without "
             "--live (restarts from commits)")
     live = _live.current()
-    if live.joined_fresh:
-        st._live_sync()  # the survivors send the state from their re-forming
-        _mark_change(_live.Change(epoch=live.epoch, size=len(live.members), rank=live.members.index(live.me),
-                                  left=[], joined=list(live.new), reason="admitted", degraded_s=0.0))
-    else:
+    fresh = live.joined_fresh
+    if not fresh:
         st.restore()
     hooks = (st.optimizer.register_step_pre_hook(lambda *_: _live.before_step()),
              st.optimizer.register_step_post_hook(lambda *_: _live.after_step()))
@@ -712,7 +711,13 @@ def _run_live(train_fn, st: State, args, kwargs):
     try:
         while True:
             try:
-                if ended is not None:
+                if fresh:  # a newcomer: the survivors send the state from their re-forming
+                    fresh = live.joined_fresh = False  # from here a failure re-forms, as on the members
+                    st._live_sync()
+                    _mark_change(_live.Change(epoch=live.epoch, size=len(live.members),
+                                              rank=live.members.index(live.me), left=[], joined=list(live.new),
+                                              reason="admitted", degraded_s=0.0))
+                elif ended is not None:
                     change = _live.reform(ended)
                     ended = None
                     st._live_rebind()  # a failure in here ends that epoch too, and the loop goes again

@@ -791,6 +791,45 @@ TEST(HostSmall, MismatchedBlocksAreReportedEverywhere) {
   }
 }
 
+// A member that never connects (it died while the group formed) holds the others in the channel
+// setup of their first operation until the deadline, unless the communicator is aborted: live
+// membership aborts it when the member's death is known, and every wait must end then. The
+// deadline here is far beyond ctest's, so waiting it out fails the test.
+TEST(Abort, EndsAWaitForAPeerThatNeverConnects) {
+  for (bool shm : {true, false}) {
+    Options o = testing::quick_options(shm);
+    o.timeout_s = 3600;
+    auto w = testing::make_world(testing::one_host(3), o);
+    std::atomic<int> finished{0};
+    auto errs = testing::run_ranks_shared(w, [&](std::shared_ptr<Communicator> c, uint32_t r) {
+      if (r == 2) {  // never enters the barrier; stays alive until the others are done
+        while (finished.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        return;
+      }
+      std::thread aborter([c] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        c->abort("test: rank 2 died while the group formed");
+      });
+      try {
+        c->barrier();
+      } catch (...) {
+        aborter.join();
+        finished.fetch_add(1);
+        throw;
+      }
+      aborter.join();
+      finished.fetch_add(1);
+    });
+    for (uint32_t r = 0; r < 2; ++r) {
+      ASSERT_TRUE(errs[r]) << "shm " << shm << ": rank " << r << " passed a barrier rank 2 never entered";
+      const std::string got = testing::describe(errs[r]);
+      EXPECT_NE(got.find("test: rank 2 died while the group formed"), std::string::npos)
+          << "shm " << shm << ": rank " << r << ": " << got;
+    }
+    EXPECT_FALSE(errs[2]);
+  }
+}
+
 TEST(Hierarchical, TwoHostsOfTwoAndUnevenHosts) {
   for (auto hosts : {testing::hosts_of(4, 2), std::vector<std::string>{"a", "a", "a", "b", "c"}}) {
     auto w = make_world(hosts, quick_options(true));

@@ -6,8 +6,11 @@
 * a worker SIGSTOPped: the others find it silent past the heartbeat and go on without it; when
   it is continued it learns it was dropped, exits, and comes back as a newcomer;
 * a newcomer whose model differs is refused, and the others go on without it;
-* a second member dies while the job recovers from the first: the two left go on, then admit
-  two newcomers.
+* a second member dies while the job recovers from the first (after the group re-formed, or
+  inside its rumor.init()): the two left go on, then admit two newcomers;
+* the newcomer, or the member sending it the state, dies in the middle of the transfer: the
+  others re-form without the dead one, and the newcomer that never got the state receives it
+  in the next epoch (it is not taken for up to date).
 The survivors' pids never change, every step is applied (no process applies one twice; a member
 behind the others receives their state), the members' final parameters are bitwise equal, and
 with GradientAllReduce they equal a float64 run of the same membership timeline (which ranks
@@ -52,8 +55,8 @@ WORKER = textwrap.dedent(
     state = rumor.elastic.State(ddp, opt)
     log = open(os.path.join(out, f"{me}.log"), "a")
     changes = []
-    rumor.elastic.on_change(lambda c: changes.append([c.epoch, c.size, c.left, c.joined]))
-    refused = lambda: any(m.startswith("j") for c in changes for m in c[2])
+    rumor.elastic.on_change(lambda c: changes.append([c.epoch, c.size, c.left, c.joined, c.reason]))
+    refused = lambda: any("refused" in c[4] for c in changes)
     rumor.elastic.on_change(lambda c: os.kill(pid, signal.SIGKILL) if me == also and c.epoch == 1 else None)
 
 
@@ -294,27 +297,74 @@ def test_live_on_two_emulated_hosts(tmp_path):
     _check(tmp_path, "r3", text)
 
 
+def _check_timeline(tmp_path, text, members, stayed):
+    """The end of a run with several changes: members are the processes that end training,
+    stayed those that must have trained from start to end in their first process. Returns the
+    logs, the finals and the world size of each step; every step was applied by members that
+    agree on its size, and the members end bitwise equal to each other and to the float64 run
+    of that timeline."""
+    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
+    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
+              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
+    assert sorted(finals) == sorted(members), text[-6000:]
+    for m, entries in logs.items():
+        steps = [e["step"] for e in entries]
+        assert steps == sorted(set(steps)), (m, steps)
+    for m in stayed:
+        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
+        assert [e["step"] for e in logs[m]] == list(range(STEPS)), m
+    sizes = _sizes_applied(logs)
+    ref = finals[members[0]]["params"]
+    assert all(f["params"] == ref for f in finals.values())
+    for got, want in zip(ref, _simulate(sizes)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
+    return logs, finals, sizes
+
+
 def test_a_second_failure_while_the_job_recovers_from_the_first(tmp_path):
     """r1 is killed before its step 4; r3 dies as soon as the three re-formed (in its change
     callback, before the group's first step): the two left re-form again, then admit both
     newcomers. Training goes on throughout and ends equal to the float64 run of its timeline."""
     text = _run_live(tmp_path, "r1", 4, "kill", restarts=2, least=2, also="r3")
-    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
-    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
-              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
-    assert sorted(finals) == ["j1", "j2", "r0", "r2"], text[-6000:]
-    for m, entries in logs.items():
-        steps = [e["step"] for e in entries]
-        assert steps == sorted(set(steps)), (m, steps)
-    sizes = _sizes_applied(logs)
+    _, finals, sizes = _check_timeline(tmp_path, text, ["r0", "r2", "j1", "j2"], ["r0", "r2"])
     # 4 until r1's fault; step 4 applied by the two left (the three never finished a step: r3
     # died first); then growing back to 4 (one newcomer may come a little before the other).
     assert sizes[:4] == [4] * 4 and sizes[4] == 2 and sizes[-1] == 4, sizes
     assert sizes[4:] == sorted(sizes[4:]), sizes
     for m in ("r0", "r2"):
-        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
         assert [(c[1], c[2]) for c in finals[m]["changes"][:2]] == [(3, ["r1"]), (2, ["r3"])], finals[m]["changes"]
-    ref = finals["r0"]["params"]
-    assert all(f["params"] == ref for f in finals.values())
-    for got, want in zip(ref, _simulate(sizes)):
-        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
+
+
+def test_a_member_killed_inside_the_next_epochs_init(tmp_path):
+    """r2 is killed before its step 4; r3 dies inside the three's rumor.init() of epoch 1 (its
+    peers known, the group's first barrier not yet passed): the init fails on the other two at
+    once, they form epoch 2 and admit both newcomers later."""
+    text = _run_live(tmp_path, "r2", 4, "kill", restarts=2, least=2, env={"RUMOR_TEST_DIE_AT": "init:peers:r3@1"})
+    _, finals, sizes = _check_timeline(tmp_path, text, ["r0", "r1", "j1", "j2"], ["r0", "r1"])
+    assert "worker r3" in text and text.count("signal 9") == 2, text[-6000:]
+    # Epoch 1 never trained: step 4 was applied by the two left.
+    assert sizes[:4] == [4] * 4 and sizes[4] == 2 and sizes[-1] == 4 and sizes[4:] == sorted(sizes[4:]), sizes
+    for m in ("r0", "r1"):
+        # epoch 1 never trained (its init failed), so the callbacks hear of both leaving at once
+        first = finals[m]["changes"][0]
+        assert (first[1], first[2], first[3]) == (2, ["r2", "r3"], []), finals[m]["changes"]
+
+
+@pytest.mark.parametrize("who", ["j1", "r0"])
+def test_a_death_during_the_state_transfer_to_a_newcomer(tmp_path, who):
+    """The newcomer j1 is admitted at step 8; while the state is being sent to it (the length
+    broadcast, the payload not), j1 itself dies, or r0, the member sending it. The others re-form
+    without the dead one; the one who never received the state is not taken for up to date."""
+    text = _run_live(tmp_path, "r2", 4, "kill", restarts=2, env={"RUMOR_TEST_DIE_AT": f"live:transfer:{who}"})
+    if who == "j1":
+        members, stayed = ["r0", "r1", "r3", "j2"], ["r0", "r1", "r3"]
+    else:
+        members, stayed = ["r1", "r3", "j1", "j2"], ["r1", "r3"]
+    _, finals, sizes = _check_timeline(tmp_path, text, members, stayed)
+    assert f"worker {who}" in text and text.count("signal 9") == 2, text[-6000:]
+    assert sizes[:4] == [4] * 4 and sizes[4] == 3 and sizes[-1] == 4, sizes
+    # The epoch that admitted j1 never trained: the callbacks are told against the one before it.
+    told = [(3, ["r2"], []), (3, ["j1"], []), (4, [], ["j2"])] if who == "j1" else \
+        [(3, ["r2"], []), (3, ["r0"], ["j1"]), (4, [], ["j2"])]
+    for m in stayed:
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == told, (m, finals[m]["changes"])
