@@ -272,9 +272,7 @@ bool TcpChannel::tls_fill(size_t i, const Transfer& t, const OpInfo& op) {
     if (n == 0) {
       if (!tls_[i]->handshake_done())
         throw Error(ErrorKind::kPeerGone,
-                    op.where() + ": " + peer_desc_ + " closed the connection during the TLS handshake (" +
-                        tls_[i]->waiting_for() + "): it refused this rank, or it has TLS off (RUMOR_TLS_* must be "
-                        "set on every rank or on none)");
+                    op.where() + ": " + peer_desc_ + ": " + closed_during_handshake(*tls_[i]));
       fail_io(t, op, 0, true);
     }
     if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
