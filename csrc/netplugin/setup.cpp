@@ -204,7 +204,11 @@ std::vector<DeviceInfo> discover(const char* spec, bool want_loopback) {
 // RUMOR_NET_PLUGIN_TLS=1: the certificates rumor's own channels use (RUMOR_TLS_CERT, RUMOR_TLS_KEY,
 // RUMOR_TLS_CA, RUMOR_TLS_PEER_NAME). Null when off; throws Error naming what is missing or bad.
 std::shared_ptr<const net::TlsContext> read_tls() {
-  if (env_long("RUMOR_NET_PLUGIN_TLS", 0, 0, 1) == 0) return nullptr;
+  // Strict, unlike the numbers above: a value that is not understood must not mean "in clear".
+  const char* on = std::getenv("RUMOR_NET_PLUGIN_TLS");
+  if (on == nullptr || *on == '\0' || std::strcmp(on, "0") == 0) return nullptr;
+  if (std::strcmp(on, "1") != 0)
+    throw Error(ErrorKind::kInvalidArgument, std::string("RUMOR_NET_PLUGIN_TLS=") + on + " (expected 0 or 1)");
   auto var = [](const char* name) {
     const char* v = std::getenv(name);
     return std::string(v != nullptr ? v : "");

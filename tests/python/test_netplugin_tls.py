@@ -156,3 +156,19 @@ def test_flipped_byte_fails_both_ends_and_delivers_nothing_altered(tmp_path):
     assert "integrity check failed" in rerr, rerr[-3000:]
     assert "differs at byte" not in rerr, rerr[-3000:]
     assert "ERROR:" in serr, serr[-3000:]
+
+
+@pytest.mark.parametrize("setting,named", [
+    (dict(RUMOR_NET_PLUGIN_TLS="yes"), "RUMOR_NET_PLUGIN_TLS=yes"),
+    (dict(RUMOR_NET_PLUGIN_TLS="1", RUMOR_TLS_CA=""), "RUMOR_TLS_CA"),
+    (dict(RUMOR_NET_PLUGIN_TLS="1", RUMOR_TLS_KEY="/nonexistent/key.pem"), "/nonexistent/key.pem")])
+def test_tls_asked_for_but_unusable_refuses_to_start(tmp_path, setting, named):
+    """Never a silent fall back to clear text: init fails, naming what is wrong."""
+    exe = _peer_binary()
+    if exe is None:
+        pytest.skip("netplugin_peer is not built (cmake -DRUMOR_BUILD_TESTS=ON; or set RUMOR_NETPLUGIN_PEER)")
+    env = dict(_env(make_pki(tmp_path), 0), **setting)
+    p = subprocess.run([exe, "--recv", *COMMON], env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "refusing to start" in p.stderr and "ERROR: init" in p.stderr, p.stderr[-2000:]
+    assert named in p.stderr, p.stderr[-2000:]
