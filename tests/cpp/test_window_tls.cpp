@@ -178,3 +178,31 @@ TEST(WindowTls, AlteredByteFailsTheOperationOnBothEndsAndIsNeverApplied) {
 
 }  // namespace
 }  // namespace rumor
+
+namespace rumor {
+namespace {
+
+// Window links over TLS beside the ranks' TLS channels: a large exchange on a channel after the
+// window link shook hands goes through, bit for bit.
+TEST(WindowTls, ChannelsBesideTlsWindowLinksCarryLargeMessages) {
+  Pki pki;
+  World w = testing::tls_world(pki, {Mode::kOn, Mode::kOn});
+  constexpr size_t kCount = 16u << 20;  // 64 MiB of float32: striped
+  testing::expect_all_ok(testing::run_ranks(w, [&](Communicator& c, uint32_t r) {
+    WindowHub hub(w.ctx[r]);
+    std::vector<float> x(1000, 1.0f);
+    hub.create(1, "w", x.data(), x.size(), DType::F32, false, dl());
+    c.barrier();
+    hub.attach(1, dl());
+    c.barrier();
+    hub.seal(1);
+    // Both ways at once on one channel, as neighbor_allreduce and the ring do.
+    std::vector<float> v(kCount, static_cast<float>(r + 1));
+    c.allreduce(v.data(), kCount, DType::F32, ReduceOp::SUM);
+    for (size_t i = 0; i < kCount; i += 4099) ASSERT_EQ(v[i], 3.0f) << i;
+    c.barrier();
+  }));
+}
+
+}  // namespace
+}  // namespace rumor
