@@ -286,8 +286,12 @@ bool TcpChannel::tls_ready(size_t i, const Transfer& t, const OpInfo& op, bool& 
   try {
     while (true) {
       if (!s.handshake_done()) s.handshake_step();
-      if (!tls_flush_some(i, t, op, moved)) return false;
+      const bool flushed = tls_flush_some(i, t, op, moved);
+      // After the handshake, ciphertext still waiting is a send's, which flushes it itself: a
+      // receive on the same stream must go on reading, or two ranks sending to each other at
+      // once, their sockets full, each wait for the other to read (a deadlock).
       if (s.handshake_done()) return true;
+      if (!flushed) return false;
       if (!tls_fill(i, t, op)) return false;
       moved = true;
     }

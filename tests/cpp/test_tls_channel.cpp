@@ -346,3 +346,34 @@ TEST(TlsChannel, HandshakeAloneDoesNotStartTheProgressDeadline) {
 
 }  // namespace
 }  // namespace rumor
+
+namespace rumor {
+namespace {
+
+// A send and a receive to the same peer at once (neighbor_allreduce's exchange), large enough
+// that both sockets fill: each rank's receive must go on reading while its own send's ciphertext
+// waits for the socket, or the two ranks wait for each other until the deadline.
+TEST(TlsChannel, SendAndReceiveAtOnceBothWaysDoNotWaitForEachOther) {
+  Pki pki;
+  World w = tls_world(pki, {Mode::kOn, Mode::kOn});
+  constexpr size_t kBytes = 64u << 20;  // striped, many times the sockets' buffers
+  testing::expect_all_ok(testing::run_ranks(w, [&](Communicator& c, uint32_t r) {
+    std::vector<uint8_t> out(kBytes), in(kBytes, 0);
+    for (size_t i = 0; i < kBytes; ++i) out[i] = static_cast<uint8_t>(i * 13 + r * 101 + i / 65521);
+    c.barrier();
+    std::vector<net::Transfer> ts;
+    ts.push_back(net::make_recv(1 - r, in.data(), kBytes));
+    ts.push_back(net::make_send(1 - r, out.data(), kBytes));
+    net::OpInfo op;
+    op.name = "exchange";
+    op.comm = "world";
+    op.timeout_s = 20;
+    op.deadline = Deadline::after(20);
+    c.exchange(ts, op);
+    for (size_t i = 0; i < kBytes; ++i)
+      ASSERT_EQ(in[i], static_cast<uint8_t>(i * 13 + (1 - r) * 101 + i / 65521)) << "byte " << i;
+  }));
+}
+
+}  // namespace
+}  // namespace rumor
