@@ -198,12 +198,16 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
     // encrypts and authenticates every byte after it. The channel runs the TLS handshakes inside
     // its progress (see TcpChannel for why not here); the stream count sized_tcp_streams sent is
     // the only payload byte outside TLS, behind the HMAC.
-    const std::string where = desc + " at " + addresses_[peer];
-    for (size_t s = 0; s < streams.size(); ++s)
-      sessions.push_back(std::make_unique<net::TlsSession>(
-          tls_, rank_ > peer ? net::TlsRole::kClient : net::TlsRole::kServer, where + " stream " + std::to_string(s)));
+    for (size_t s = 0; s < streams.size(); ++s) sessions.push_back(tls_session(peer, "stream " + std::to_string(s)));
   }
   return std::make_unique<net::TcpChannel>(std::move(streams), desc, options_.stripe_min, std::move(sessions));
+}
+
+std::unique_ptr<net::TlsSession> Context::tls_session(uint32_t peer, const std::string& stream) const {
+  if (!tls_) return nullptr;
+  return std::make_unique<net::TlsSession>(tls_, rank_ > peer ? net::TlsRole::kClient : net::TlsRole::kServer,
+                                           "rank " + std::to_string(peer) + " at " + addresses_.at(peer) + " " +
+                                               stream);
 }
 
 // The dialer measures the pair's round trip on the first stream (the kernel's sample of the

@@ -114,6 +114,10 @@ class Context {
   // TcpChannel from these; the window hub (comm/window.h) uses one as its link.
   std::vector<net::Fd> tcp_streams(uint64_t comm_id, uint32_t peer, int count, const Deadline& deadline,
                                    int first = 0);
+  // A TLS session for a stream to world rank `peer` (the dialer, the higher rank, is the client),
+  // not yet shaken hands; null when TLS is off. `stream` names the stream in errors, after the
+  // peer's rank and address. Every TCP stream between ranks runs one: channels and window links.
+  std::unique_ptr<net::TlsSession> tls_session(uint32_t peer, const std::string& stream) const;
   net::Doorbell* doorbell() const { return own_bell_; }
   // Prefix of every shared-memory name of this job ("/rumor-<token bits>").
   std::string shm_prefix() const;

@@ -12,6 +12,7 @@
 
 #include "comm/window.h"
 #include "core/log.h"
+#include "net/tls_stream.h"
 
 namespace rumor {
 
@@ -40,6 +41,8 @@ struct WindowProgress::OutMsg {
 struct WindowProgress::Link {
   uint32_t peer = 0;
   net::Fd fd;
+  // With TLS on (Context::tls_session) every byte of the link goes through it; null when off.
+  std::unique_ptr<net::TlsStream> tls;
   bool dead = false;
   bool abort_requested = false;
   std::string why;
@@ -96,6 +99,8 @@ void WindowProgress::connect(const std::vector<uint32_t>& remote, const Deadline
     l->fd = std::move(fds.at(0));
     net::set_nonblocking(l->fd.get(), true);
     net::tune_stream_socket(l->fd.get());
+    if (auto session = ctx_->tls_session(r, "window link"))
+      l->tls = std::make_unique<net::TlsStream>(l->fd.get(), std::move(session));
     std::lock_guard lk(mu_);
     links_[r] = std::move(l);
   }
@@ -170,7 +175,7 @@ void WindowProgress::finish_inflight(uint64_t op_id, uint32_t peer, std::excepti
   op->complete(peer, std::move(err));
 }
 
-void WindowProgress::fail_link(Link& l, const std::string& why) {
+void WindowProgress::fail_link(Link& l, const std::string& why, bool news) {
   std::vector<std::pair<std::shared_ptr<WinOp>, uint32_t>> failed;
   {
     std::lock_guard lk(mu_);
@@ -194,7 +199,7 @@ void WindowProgress::fail_link(Link& l, const std::string& why) {
   }
   std::erase_if(mutex_waiters_, [&](const auto& t) { return std::get<0>(t) == l.peer; });
   // A peer that shut down cleanly closes its link too; only a link that still had work is news.
-  if (!failed.empty()) RUMOR_LOG(kWarn, "window link to rank " << l.peer << " failed: " << why);
+  if (!failed.empty() || news) RUMOR_LOG(kWarn, "window link to rank " << l.peer << " failed: " << why);
   // One exception per operation: see WinOp::complete.
   for (auto& [op, peer] : failed)
     op->complete(peer, std::make_exception_ptr(
@@ -337,18 +342,25 @@ void WindowProgress::handle_frame(Link& l) {
   }
 }
 
+size_t WindowProgress::receive(Link& l, std::byte* into, size_t n) {
+  if (l.tls) return l.tls->recv({into, n});
+  while (true) {
+    const ssize_t got = ::recv(l.fd.get(), into, n, 0);
+    if (got > 0) return static_cast<size_t>(got);
+    if (got == 0) throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
+    if (errno == EINTR) continue;
+    if (would_block()) return 0;
+    throw Error(ErrorKind::kPeerGone, "recv: " + net::errno_string(errno));
+  }
+}
+
 void WindowProgress::read_frames(Link& l) {
   // Read as much as is there: frames, and their payloads.
   for (;;) {
     if (l.in_hdr < sizeof(WinFrame)) {
-      ssize_t n =
-          ::recv(l.fd.get(), reinterpret_cast<char*>(&l.in) + l.in_hdr, sizeof(WinFrame) - l.in_hdr, 0);
-      if (n == 0) throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
-      if (n < 0) {
-        if (would_block()) return;
-        throw Error(ErrorKind::kPeerGone, "recv: " + net::errno_string(errno));
-      }
-      l.in_hdr += static_cast<size_t>(n);
+      const size_t n = receive(l, reinterpret_cast<std::byte*>(&l.in) + l.in_hdr, sizeof(WinFrame) - l.in_hdr);
+      if (n == 0) return;
+      l.in_hdr += n;
       if (l.in_hdr < sizeof(WinFrame)) continue;
       // Every size in the frame is checked against the named window before a byte is allocated
       // for it.
@@ -365,13 +377,9 @@ void WindowProgress::read_frames(Link& l) {
       const size_t want =
           l.draining ? std::min<size_t>(l.in.bytes - l.in_got, l.payload.size()) : l.in.bytes - l.in_got;
       std::byte* into = l.draining ? l.payload.data() : l.payload.data() + l.in_got;
-      ssize_t n = ::recv(l.fd.get(), into, want, 0);
-      if (n == 0) throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
-      if (n < 0) {
-        if (would_block()) return;
-        throw Error(ErrorKind::kPeerGone, "recv: " + net::errno_string(errno));
-      }
-      l.in_got += static_cast<size_t>(n);
+      const size_t n = receive(l, into, want);
+      if (n == 0) return;
+      l.in_got += n;
       if (l.in_got < l.in.bytes) continue;
     }
     handle_frame(l);
@@ -381,7 +389,9 @@ void WindowProgress::read_frames(Link& l) {
 }
 
 void WindowProgress::write_frames(Link& l) {
-  // Write queued frames until the socket is full.
+  // Write queued frames until the socket is full. Over TLS, the handshake and ciphertext sealed
+  // earlier go first, whether or not a frame waits.
+  if (l.tls && !l.tls->pump()) return;
   for (;;) {
     OutMsg* m = nullptr;
     {
@@ -398,15 +408,26 @@ void WindowProgress::write_frames(Link& l) {
     size_t pay_off = l.out_off > sizeof(WinFrame) ? l.out_off - sizeof(WinFrame) : 0;
     if (m->hdr.bytes > pay_off)
       iov[niov++] = {const_cast<std::byte*>(payload) + pay_off, m->hdr.bytes - pay_off};
-    msghdr mh{};
-    mh.msg_iov = iov;
-    mh.msg_iovlen = static_cast<size_t>(niov);
-    ssize_t n = ::sendmsg(l.fd.get(), &mh, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (would_block()) return;
-      throw Error(ErrorKind::kPeerGone, "send: " + net::errno_string(errno));
+    size_t n = 0;
+    if (l.tls) {
+      // Sealed bytes are copied into the session: the frame's buffers are free once taken.
+      std::span<const std::byte> parts[2];
+      for (int i = 0; i < niov; ++i)
+        parts[i] = {static_cast<const std::byte*>(iov[i].iov_base), iov[i].iov_len};
+      n = l.tls->send({parts, static_cast<size_t>(niov)});
+      if (n == 0) return;
+    } else {
+      msghdr mh{};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = static_cast<size_t>(niov);
+      const ssize_t sent = ::sendmsg(l.fd.get(), &mh, MSG_NOSIGNAL);
+      if (sent < 0) {
+        if (would_block()) return;
+        throw Error(ErrorKind::kPeerGone, "send: " + net::errno_string(errno));
+      }
+      n = static_cast<size_t>(sent);
     }
-    l.out_off += static_cast<size_t>(n);
+    l.out_off += n;
     if (l.out_off == total) {
       std::lock_guard lk(mu_);
       if (!l.out.empty()) {
@@ -434,7 +455,10 @@ void WindowProgress::loop() {
         if (!lp || lp->dead) continue;
         if (lp->abort_requested) continue;
         short ev = POLLIN;
-        if (!lp->out.empty()) ev |= POLLOUT;
+        // Over TLS frames wait for the handshake (which needs POLLIN): asking for POLLOUT before
+        // it is done would spin.
+        const bool can_send = !lp->out.empty() && (!lp->tls || lp->tls->handshake_done());
+        if (can_send || (lp->tls && lp->tls->wants_write())) ev |= POLLOUT;
         fds.push_back(pollfd{lp->fd.get(), ev, 0});
         order.push_back(lp.get());
       }
@@ -464,8 +488,14 @@ void WindowProgress::loop() {
       Link& l = *order[i];
       short re = fds[i + 1].revents;
       try {
-        if (re & (POLLIN | POLLHUP | POLLERR)) read_frames(l);
+        // Over TLS every pass reads: a handshake step may have taken the peer's first frames off
+        // the socket along with its last handshake bytes, and poll() would not say so.
+        if (l.tls || (re & (POLLIN | POLLHUP | POLLERR))) read_frames(l);
         write_frames(l);
+      } catch (const Error& e) {
+        // A TLS failure (a refused certificate, an altered record) is news even on a link with
+        // no operation waiting: the peer's next operation will fail with it too.
+        fail_link(l, e.what(), l.tls && e.kind() == ErrorKind::kProtocol);
       } catch (const std::exception& e) {
         fail_link(l, e.what());
       }

@@ -1,6 +1,7 @@
-// The TCP side of one-sided windows (comm/window.h): one link per peer on another host, and the
-// progress thread that reads their frames (window_wire.h), does what a peer asks of this rank's
-// windows and completes this rank's operations when the peers' replies arrive. Kept apart from
+// The TCP side of one-sided windows (comm/window.h): one link per peer on another host (over TLS
+// when the Context has it on: net/tls_stream.h), and the progress thread that reads their frames
+// (window_wire.h), does what a peer asks of this rank's windows and completes this rank's
+// operations when the peers' replies arrive. Kept apart from
 // WindowHub so that the hub holds window state and shared-memory access only, and everything a
 // remote peer can make this process do goes through the narrow WindowTarget below.
 #pragma once
@@ -102,7 +103,10 @@ class WindowProgress {
   void handle_frame(Link& l);
   void reply(Link& l, const window_wire::WinFrame& req, uint8_t kind, uint32_t status, double p,
              std::shared_ptr<std::vector<std::byte>> payload);
-  void fail_link(Link& l, const std::string& why);
+  // `news`: log it even when no operation waited on the link.
+  void fail_link(Link& l, const std::string& why, bool news = false);
+  // Up to n bytes of the link's stream (plaintext, over TLS); 0 when none can be read now.
+  size_t receive(Link& l, std::byte* into, size_t n);
   void retry_remote_mutexes();
   void finish_inflight(uint64_t op_id, uint32_t peer, std::exception_ptr err);
 

@@ -272,9 +272,7 @@ bool TcpChannel::tls_fill(size_t i, const Transfer& t, const OpInfo& op) {
     if (n == 0) {
       if (!tls_[i]->handshake_done())
         throw Error(ErrorKind::kPeerGone,
-                    op.where() + ": " + peer_desc_ + " closed the connection during the TLS handshake (" +
-                        tls_[i]->waiting_for() + "): it refused this rank, or it has TLS off (RUMOR_TLS_* must be "
-                        "set on every rank or on none)");
+                    op.where() + ": " + peer_desc_ + ": " + closed_during_handshake(*tls_[i]));
       fail_io(t, op, 0, true);
     }
     if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
@@ -288,8 +286,12 @@ bool TcpChannel::tls_ready(size_t i, const Transfer& t, const OpInfo& op, bool& 
   try {
     while (true) {
       if (!s.handshake_done()) s.handshake_step();
-      if (!tls_flush_some(i, t, op, moved)) return false;
+      const bool flushed = tls_flush_some(i, t, op, moved);
+      // After the handshake, ciphertext still waiting is a send's, which flushes it itself: a
+      // receive on the same stream must go on reading, or two ranks sending to each other at
+      // once, their sockets full, each wait for the other to read (a deadlock).
       if (s.handshake_done()) return true;
+      if (!flushed) return false;
       if (!tls_fill(i, t, op)) return false;
       moved = true;
     }

@@ -461,6 +461,11 @@ std::string TlsSession::waiting_for() const {
   return std::string("the peer's next handshake message (state: ") + SSL_state_string_long(ssl_.get()) + ")";
 }
 
+std::string closed_during_handshake(const TlsSession& s) {
+  return "the peer closed the connection during the TLS handshake (this end waited for " + s.waiting_for() +
+         "): it refused this rank, or it has TLS off (RUMOR_TLS_* must be set on every rank or on none)";
+}
+
 // ---- blocking helpers over a nonblocking socket --------------------------------------------------------------
 
 namespace {

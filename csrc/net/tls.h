@@ -164,6 +164,10 @@ class TlsSession {
 // socket errors. A failed handshake's alert is sent when the socket takes it at once.
 void tls_handshake(int fd, TlsSession& session, const Deadline& deadline);
 
+// Why a connection that closed while `session`'s handshake waited probably closed, in words, for
+// the error of whoever saw the close.
+std::string closed_during_handshake(const TlsSession& session);
+
 // Sends what a nonblocking socket takes now of session.pending_out(); true once all of it is sent.
 bool tls_send_some(int fd, TlsSession& session);
 

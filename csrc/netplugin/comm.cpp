@@ -6,6 +6,11 @@
 // recv()), and each send comm has one watcher thread blocked in poll() that notices the peer
 // closing. Nothing spins while idle; every lock is the comm's own.
 //
+// TLS (RUMOR_NET_PLUGIN_TLS=1): each stream runs a TlsSession (the connector is the client), its
+// handshake done by the stream's own thread before its first chunk, with blocking I/O like the
+// rest of that thread; chunks are sealed and opened through it. connect() and accept() are
+// unchanged: the HMAC proof comes first, as for rumor's channels.
+//
 // Errors: the first I/O error fails the comm: every socket is shut down (which wakes the other
 // threads), outstanding and later requests complete with the error. test() reports it only once
 // all stream threads have left, so no thread still reads or writes a buffer NCCL gets back.
@@ -18,6 +23,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
@@ -33,6 +39,7 @@
 
 #include "core/types.h"
 #include "net/socket.h"
+#include "net/tls.h"
 #include "netplugin/plugin.h"
 #include "netplugin/wire.h"
 
@@ -184,12 +191,19 @@ struct Request {
 // member functions).
 class CommBase {
  public:
-  CommBase(std::vector<Fd> fds, std::string what) : fds_(std::move(fds)), what_(std::move(what)) {
+  CommBase(std::vector<Fd> fds, std::string what, net::TlsRole role) : fds_(std::move(fds)), what_(std::move(what)) {
     for (auto& fd : fds_) {
       net::set_nonblocking(fd.get(), false);
       net::tune_stream_socket(fd.get());
     }
     peer_ = peer_name(fds_.at(0).get());
+    if (auto ctx = tls_context()) {
+      streams_tls_.resize(fds_.size());
+      for (size_t s = 0; s < fds_.size(); ++s) {
+        streams_tls_[s].session =
+            std::make_unique<net::TlsSession>(ctx, role, peer_ + " stream " + std::to_string(s));
+      }
+    }
   }
   CommBase(const CommBase&) = delete;
   CommBase& operator=(const CommBase&) = delete;
@@ -242,7 +256,8 @@ class CommBase {
 
   // Caller holds mu_. The first failure wins; the sockets are shut down so every thread blocked
   // on one returns, and waiters on cv_ wake up.
-  void fail(abi::Result code, const std::string& why) {
+  // `news`: a warning even with no work lost (a TLS refusal or integrity failure).
+  void fail(abi::Result code, const std::string& why, bool news = false) {
     if (failed_ || stop_) return;
     failed_ = true;
     error_code_ = code;
@@ -252,7 +267,7 @@ class CommBase {
     bool pending = false;
     for (auto& [p, r] : requests_) pending |= !r->done;
     // A peer closing an idle connection is how NCCL tears down; only lost work is a warning.
-    log(pending ? abi::kLogWarn : abi::kLogInfo,
+    log(pending || news ? abi::kLogWarn : abi::kLogInfo,
         "NET/rumor: " + what_ + " with " + peer_ + " failed: " + why);
   }
   virtual void on_fail() {}
@@ -281,6 +296,84 @@ class CommBase {
       if (t.joinable()) t.join();
   }
 
+  // ---- stream I/O, over TLS when it is on; called by stream s's thread only ----
+  // False on EOF or error, errno kept (0 for EOF, EPROTO for a TLS failure: see io_why).
+
+  // Stream s's TLS handshake, before its first chunk (true at once when TLS is off).
+  bool start_stream(size_t s) {
+    if (streams_tls_.empty()) return true;
+    try {
+      net::tls_handshake(fds_[s].get(), *streams_tls_[s].session, Deadline::after(config().timeout_s));
+      streams_shaken_.fetch_add(1);
+      return true;
+    } catch (const Error& e) {
+      return tls_failed(s, e);
+    }
+  }
+
+  bool read_full(size_t s, void* data, size_t len, size_t* got = nullptr) {
+    if (streams_tls_.empty()) return recv_full(fds_[s].get(), data, len, got);
+    StreamTls& t = streams_tls_[s];
+    char* p = static_cast<char*>(data);
+    if (got != nullptr) *got = 0;
+    if (t.rx.empty()) t.rx.resize(kTlsReadBytes);
+    while (len > 0) {
+      size_t n = 0;
+      try {
+        n = t.session->read({reinterpret_cast<uint8_t*>(p), len});
+      } catch (const Error& e) {
+        return tls_failed(s, e);
+      }
+      if (n > 0) {
+        p += n;
+        len -= n;
+        if (got != nullptr) *got += n;
+        continue;
+      }
+      if (t.session->peer_closed()) {
+        errno = 0;
+        return false;
+      }
+      const ssize_t r = ::recv(fds_[s].get(), t.rx.data(), t.rx.size(), 0);
+      if (r == 0) errno = 0;
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) return false;
+      t.session->feed({t.rx.data(), static_cast<size_t>(r)});
+    }
+    return true;
+  }
+
+  bool write_chunk(size_t s, const ChunkHeader& h, const char* payload) {
+    if (streams_tls_.empty()) return send_chunk(fds_[s].get(), h, payload);
+    net::TlsSession& t = *streams_tls_[s].session;
+    try {
+      // Sealed a piece at a time: a 16 MiB chunk never sits whole in the session as ciphertext.
+      t.write({reinterpret_cast<const uint8_t*>(&h), sizeof(h)});
+      size_t off = 0;
+      do {
+        const size_t n = std::min<size_t>(kTlsSealBytes, h.len - off);
+        if (n > 0) t.write({reinterpret_cast<const uint8_t*>(payload) + off, n});
+        off += n;
+        while (t.pending_out() > 0) {
+          auto out = t.peek_out();
+          const ssize_t sent = ::send(fds_[s].get(), out.data(), out.size(), MSG_NOSIGNAL);
+          if (sent < 0 && errno == EINTR) continue;
+          if (sent < 0) return false;
+          t.consume_out(static_cast<size_t>(sent));
+        }
+      } while (off < h.len);
+    } catch (const Error& e) {
+      return tls_failed(s, e);
+    }
+    return true;
+  }
+
+  // What failed on stream s, for an error: the TLS failure if that was it, else errno's words.
+  std::string io_why(size_t s, int err) const {
+    if (err == EPROTO && !streams_tls_.empty() && !streams_tls_[s].failure.empty()) return streams_tls_[s].failure;
+    return describe_errno(err);
+  }
+
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Fd> fds_;
@@ -292,12 +385,39 @@ class CommBase {
   abi::Result error_code_ = abi::kSuccess;
   std::string what_;
   std::string peer_;
+
+ private:
+  static constexpr size_t kTlsReadBytes = 256 * 1024;
+  static constexpr size_t kTlsSealBytes = 256 * 1024;
+  struct StreamTls {
+    std::unique_ptr<net::TlsSession> session;
+    std::vector<uint8_t> rx;  // ciphertext read, before the session takes it
+    std::string failure;      // the TLS error that failed the stream
+  };
+
+  bool tls_failed(size_t s, const Error& e) {
+    StreamTls& t = streams_tls_[s];
+    // A failed session may hold an alert that tells the peer why; it goes if the socket takes it now.
+    if (t.session->pending_out() > 0) {
+      auto out = t.session->peek_out();
+      [[maybe_unused]] ssize_t n = ::send(fds_[s].get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    t.failure = e.what();
+    errno = EPROTO;
+    return false;
+  }
+
+  std::vector<StreamTls> streams_tls_;  // one per stream with TLS on; empty when off
+
+ protected:
+  // Streams whose TLS handshake completed (the watcher reads it: a close before that is news).
+  std::atomic<size_t> streams_shaken_{0};
 };
 
 class SendComm : public CommBase {
  public:
   explicit SendComm(std::vector<Fd> fds)
-      : CommBase(std::move(fds), "send connection"), chunk_(config().chunk) {
+      : CommBase(std::move(fds), "send connection", net::TlsRole::kClient), chunk_(config().chunk) {
     wake_ = Fd(::eventfd(0, EFD_CLOEXEC));
     start_threads([this](size_t s) { stream_loop(s); });
     watcher_ = std::thread(&SendComm::watch_loop, this);
@@ -342,7 +462,15 @@ class SendComm : public CommBase {
 
   // Takes the next chunk of the oldest message: whichever stream is free sends it.
   void stream_loop(size_t s) {
-    int fd = fds_[s].get();
+    if (!start_stream(s)) {
+      const int err = errno;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        fail(abi::kRemoteError, "TLS on stream " + std::to_string(s) + ": " + io_why(s, err), true);
+      }
+      thread_exit();
+      return;
+    }
     while (true) {
       ChunkHeader h{};
       const char* payload = nullptr;
@@ -359,12 +487,12 @@ class SendComm : public CommBase {
         m.next += len;
         if (m.next >= m.size) queue_.pop_front();
       }
-      bool ok = send_chunk(fd, h, payload);
+      bool ok = write_chunk(s, h, payload);
       int err = errno;
       std::lock_guard<std::mutex> lk(mu_);
       if (!ok) {
-        fail(err == EPIPE || err == ECONNRESET ? abi::kRemoteError : abi::kSystemError,
-             "send on stream " + std::to_string(s) + ": " + describe_errno(err));
+        fail(err == EPIPE || err == ECONNRESET || err == EPROTO ? abi::kRemoteError : abi::kSystemError,
+             "send on stream " + std::to_string(s) + ": " + io_why(s, err), err == EPROTO);
         break;
       }
       // The chunk is with the kernel: it counts even if the peer closed meanwhile (it may have
@@ -397,7 +525,13 @@ class SendComm : public CommBase {
       }
       for (size_t i = 0; i + 1 < pfds.size(); ++i)
         if (pfds[i].revents != 0) {
-          fail(abi::kRemoteError, "peer closed stream " + std::to_string(i) + " (process exited?)");
+          const bool in_handshake = tls_context() && streams_shaken_.load() < fds_.size();
+          fail(abi::kRemoteError,
+               "peer closed stream " + std::to_string(i) +
+                   (in_handshake ? " during the TLS handshakes: it refused this end's certificate, or it has TLS off "
+                                   "(RUMOR_NET_PLUGIN_TLS must be set on both sides)"
+                                 : " (process exited?)"),
+               in_handshake);
           return;
         }
     }
@@ -412,7 +546,8 @@ class SendComm : public CommBase {
 
 class RecvComm : public CommBase {
  public:
-  explicit RecvComm(std::vector<Fd> fds) : CommBase(std::move(fds), "receive connection") {
+  explicit RecvComm(std::vector<Fd> fds)
+      : CommBase(std::move(fds), "receive connection", net::TlsRole::kServer) {
     start_threads([this](size_t s) { stream_loop(s); });
   }
   ~RecvComm() override { stop_threads(); }
@@ -478,17 +613,21 @@ class RecvComm : public CommBase {
   }
 
   void stream_loop(size_t s) {
-    int fd = fds_[s].get();
     std::vector<char> scratch;  // drain buffer for truncated messages
     auto io_error = [&](const std::string& what, int err) {
       std::lock_guard<std::mutex> lk(mu_);
-      fail(err == 0 || err == ECONNRESET ? abi::kRemoteError : abi::kSystemError,
-           what + " on stream " + std::to_string(s) + ": " + describe_errno(err));
+      fail(err == 0 || err == ECONNRESET || err == EPROTO ? abi::kRemoteError : abi::kSystemError,
+           what + " on stream " + std::to_string(s) + ": " + io_why(s, err), err == EPROTO);
     };
+    if (!start_stream(s)) {
+      io_error("TLS", errno);
+      thread_exit();
+      return;
+    }
     while (true) {
       ChunkHeader h{};
       size_t got = 0;
-      if (!recv_full(fd, &h, sizeof(h), &got)) {
+      if (!read_full(s, &h, sizeof(h), &got)) {
         if (errno == 0 && got == 0) {
           // A clean end between chunks: the sender closed after its last send. The other streams
           // may still carry data, so only the last stream to end fails what is left.
@@ -535,12 +674,12 @@ class RecvComm : public CommBase {
       }
       bool ok = true;
       if (dest != nullptr) {
-        ok = recv_full(fd, dest, h.len);
+        ok = read_full(s, dest, h.len);
       } else {
         scratch.resize(std::min<size_t>(h.len, 1 << 16));
         for (uint64_t left = h.len; ok && left > 0;) {
           size_t n = std::min<uint64_t>(left, scratch.size());
-          ok = recv_full(fd, scratch.data(), n);
+          ok = read_full(s, scratch.data(), n);
           left -= n;
         }
       }

@@ -10,7 +10,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+
+#include "net/tls.h"
 
 #include "netplugin/nccl_net_api.h"
 #include "netplugin/wire.h"
@@ -51,6 +54,9 @@ const Config& config();
 // The job key (RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE, read at init); null when the plugin runs
 // unauthenticated (no secret given: one warning at init).
 const wire::Key* auth_key();
+// RUMOR_NET_PLUGIN_TLS=1: the TLS context every stream's session uses (read at init from
+// RUMOR_TLS_CERT / _KEY / _CA / _PEER_NAME); null when TLS is off.
+std::shared_ptr<const net::TlsContext> tls_context();
 // Through NCCL's logger (stderr for warnings when init() got none).
 void log(abi::LogLevel level, const std::string& msg);
 // True while RUMOR_NET_PLUGIN_TRACE's budget of lines lasts (each true answer spends one).

@@ -23,6 +23,7 @@
 #include <sstream>
 #include <vector>
 
+#include "net/tls.h"
 #include "netplugin/plugin.h"
 
 namespace rumor::netplugin {
@@ -35,6 +36,7 @@ struct State {
   std::vector<DeviceInfo> devices;
   std::string error;                 // why no device could be offered
   std::optional<wire::Key> key;      // the job key; none: unauthenticated
+  std::shared_ptr<const net::TlsContext> tls;  // RUMOR_NET_PLUGIN_TLS=1: every stream's TLS; else null
   std::atomic<long> trace_spent{0};  // lines of RUMOR_NET_PLUGIN_TRACE's budget used
 };
 
@@ -199,6 +201,27 @@ std::vector<DeviceInfo> discover(const char* spec, bool want_loopback) {
   return out;
 }
 
+// RUMOR_NET_PLUGIN_TLS=1: the certificates rumor's own channels use (RUMOR_TLS_CERT, RUMOR_TLS_KEY,
+// RUMOR_TLS_CA, RUMOR_TLS_PEER_NAME). Null when off; throws Error naming what is missing or bad.
+std::shared_ptr<const net::TlsContext> read_tls() {
+  // Strict, unlike the numbers above: a value that is not understood must not mean "in clear".
+  const char* on = std::getenv("RUMOR_NET_PLUGIN_TLS");
+  if (on == nullptr || *on == '\0' || std::strcmp(on, "0") == 0) return nullptr;
+  if (std::strcmp(on, "1") != 0)
+    throw Error(ErrorKind::kInvalidArgument, std::string("RUMOR_NET_PLUGIN_TLS=") + on + " (expected 0 or 1)");
+  auto var = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v != nullptr ? v : "");
+  };
+  std::string missing;
+  for (const char* name : {"RUMOR_TLS_CERT", "RUMOR_TLS_KEY", "RUMOR_TLS_CA"})
+    if (var(name).empty()) missing += (missing.empty() ? "" : ", ") + std::string(name);
+  if (!missing.empty())
+    throw Error(ErrorKind::kInvalidArgument, "RUMOR_NET_PLUGIN_TLS=1 needs " + missing + " (PEM files)");
+  return std::make_shared<const net::TlsContext>(net::TlsConfig::from_files(
+      var("RUMOR_TLS_CERT"), var("RUMOR_TLS_KEY"), var("RUMOR_TLS_CA"), var("RUMOR_TLS_PEER_NAME")));
+}
+
 void setup_once() {
   auto st = std::make_unique<State>();
   const Config defaults;
@@ -218,6 +241,15 @@ void setup_once() {
   if (!key_error.empty()) {
     // A secret was meant to protect the job: running without it would be a silent downgrade.
     st->error = "refusing to start: " + key_error;
+    g_state = std::move(st);
+    log(abi::kLogWarn, "NET/rumor: " + g_state->error);
+    return;
+  }
+  try {
+    st->tls = read_tls();
+  } catch (const Error& e) {
+    // TLS was asked for: running in clear instead would be a silent downgrade.
+    st->error = std::string("refusing to start: ") + e.what();
     g_state = std::move(st);
     log(abi::kLogWarn, "NET/rumor: " + g_state->error);
     return;
@@ -253,7 +285,8 @@ void setup_once() {
                          std::to_string(g_state->cfg.streams) + " streams per connection, " +
                          std::to_string(g_state->cfg.chunk >> 10) + " KiB chunks, setup timeout " +
                          std::to_string(static_cast<int>(g_state->cfg.timeout_s)) + " s, " +
-                         (g_state->key ? "authenticated (job secret)" : "unauthenticated"));
+                         (g_state->key ? "authenticated (job secret)" : "unauthenticated") +
+                         (g_state->tls ? ", TLS 1.3" : ""));
 }
 
 }  // namespace
@@ -275,6 +308,7 @@ abi::Result init(abi::Logger logger) {
 
 const Config& config() { return g_state->cfg; }
 const wire::Key* auth_key() { return g_state && g_state->key ? &*g_state->key : nullptr; }
+std::shared_ptr<const net::TlsContext> tls_context() { return g_state ? g_state->tls : nullptr; }
 
 bool tracing() {
   if (!g_state || g_state->cfg.trace_lines <= 0) return false;

@@ -23,7 +23,7 @@ ISA_VARS = ("RUMOR_CODEC_ISA", "RUMOR_OPTIM_ISA", "RUMOR_POWERSGD_ISA")
 # inside NCCL and can only log a bad value and use its default; a rumor process checks first.
 NET_PLUGIN_INTS = {"RUMOR_NET_PLUGIN_STREAMS": (1, 16), "RUMOR_NET_PLUGIN_CHUNK_KB": (4, 16384),
                    "RUMOR_NET_PLUGIN_TIMEOUT": (1, 86400), "RUMOR_NET_PLUGIN_HELLO_TIMEOUT": (1, 86400),
-                   "RUMOR_NET_PLUGIN_TRACE": (0, 1000000)}
+                   "RUMOR_NET_PLUGIN_TRACE": (0, 1000000), "RUMOR_NET_PLUGIN_TLS": (0, 1)}
 
 
 def _raw(name: str, env: Optional[Mapping[str, str]]) -> Optional[str]:

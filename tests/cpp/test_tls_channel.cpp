@@ -15,6 +15,7 @@
 #include "net/tcp_channel.h"
 #include "net/tls.h"
 #include "ranks.h"
+#include "tls_pki.h"
 
 namespace rumor {
 namespace {
@@ -24,46 +25,9 @@ using testing::hosts_of;
 using testing::random_token;
 using testing::World;
 
-net::CertTime hours_from_now(int h) { return std::chrono::system_clock::now() + std::chrono::hours(h); }
-
-struct Pki {
-  net::PemCredentials ca = net::make_ca("rumor test job", hours_from_now(-1), hours_from_now(24));
-  net::PemCredentials other_ca = net::make_ca("another job", hours_from_now(-1), hours_from_now(24));
-  net::PemCredentials leaf(const net::PemCredentials& issuer, uint32_t rank) const {
-    return net::issue_certificate(issuer, "rank-" + std::to_string(rank), {"job.rumor.test", "127.0.0.1"},
-                                  hours_from_now(-1), hours_from_now(24));
-  }
-};
-
-enum class Mode { kOff, kOn, kForeignCa };
-
-Options tls_options(const Pki& pki, uint32_t rank, Mode mode, double timeout_s) {
-  Options o = testing::quick_options(false);
-  o.timeout_s = timeout_s;
-  o.deadline_floor_s = timeout_s;
-  if (mode == Mode::kOff) return o;
-  const auto me = pki.leaf(mode == Mode::kForeignCa ? pki.other_ca : pki.ca, rank);
-  o.tls_cert_pem = me.cert_pem;
-  o.tls_key_pem = me.key_pem;
-  o.tls_ca_pem = pki.ca.cert_pem;
-  o.tls_peer_name = "job.rumor.test";
-  return o;
-}
-
-// modes[r]: rank r's TLS configuration. Every rank on its own host: all channels are TCP.
-World tls_world(const Pki& pki, const std::vector<Mode>& modes, double timeout_s = 20) {
-  const uint32_t n = static_cast<uint32_t>(modes.size());
-  const net::Token token = random_token();
-  World w;
-  std::vector<std::string> addrs;
-  for (uint32_t r = 0; r < n; ++r) {
-    w.ctx.push_back(std::make_shared<Context>(r, n, token, tls_options(pki, r, modes[r], timeout_s), 0));
-    addrs.push_back("127.0.0.1:" + std::to_string(w.ctx.back()->port()));
-  }
-  for (auto& c : w.ctx) c->set_peers(addrs, hosts_of(n, 1));
-  for (auto& c : w.ctx) c->seal();
-  return w;
-}
+using testing::Mode;
+using testing::Pki;
+using testing::tls_world;
 
 // Floats with every mantissa bit in use, so a reduction in another order or a single flipped
 // bit shows.
@@ -217,32 +181,8 @@ TEST(TlsChannel, IncompleteConfigurationNamesWhatIsMissing) {
 
 // ---- One channel pair through a relay that flips a byte of the data ----------------------------
 
-std::pair<net::Fd, net::Fd> socket_pair() {
-  int fds[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
-  return {net::Fd(fds[0]), net::Fd(fds[1])};
-}
-
-// Forwards a <-> b until either end closes or the deadline passes; the byte at offset
-// `flip_at` of the a -> b direction (counted from the first byte) is XORed with 0x80.
-void relay(int a, int b, size_t flip_at, const Deadline& deadline) {
-  size_t forwarded = 0;
-  std::vector<uint8_t> buf(64 * 1024);
-  while (!deadline.expired()) {
-    pollfd p[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
-    if (::poll(p, 2, 50) <= 0) continue;
-    for (int i = 0; i < 2; ++i) {
-      if (!(p[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      ssize_t n = ::recv(p[i].fd, buf.data(), buf.size(), MSG_DONTWAIT);
-      if (n <= 0) return;
-      if (i == 0) {
-        if (flip_at >= forwarded && flip_at < forwarded + static_cast<size_t>(n)) buf[flip_at - forwarded] ^= 0x80;
-        forwarded += static_cast<size_t>(n);
-      }
-      if (::send(i == 0 ? b : a, buf.data(), static_cast<size_t>(n), MSG_NOSIGNAL) != n) return;
-    }
-  }
-}
+using testing::relay;
+using testing::socket_pair;
 
 // Drives t on ch until it finishes, throws, or the deadline passes; the error text or "".
 std::string drive(net::TcpChannel& ch, net::Transfer& t, const net::OpInfo& op, const Deadline& deadline) {
@@ -402,6 +342,37 @@ TEST(TlsChannel, HandshakeAloneDoesNotStartTheProgressDeadline) {
   EXPECT_EQ(client_err, "");
   EXPECT_TRUE(t.finished());
   EXPECT_EQ(got, sent);
+}
+
+}  // namespace
+}  // namespace rumor
+
+namespace rumor {
+namespace {
+
+// A send and a receive to the same peer at once (neighbor_allreduce's exchange), large enough
+// that both sockets fill: each rank's receive must go on reading while its own send's ciphertext
+// waits for the socket, or the two ranks wait for each other until the deadline.
+TEST(TlsChannel, SendAndReceiveAtOnceBothWaysDoNotWaitForEachOther) {
+  Pki pki;
+  World w = tls_world(pki, {Mode::kOn, Mode::kOn});
+  constexpr size_t kBytes = 64u << 20;  // striped, many times the sockets' buffers
+  testing::expect_all_ok(testing::run_ranks(w, [&](Communicator& c, uint32_t r) {
+    std::vector<uint8_t> out(kBytes), in(kBytes, 0);
+    for (size_t i = 0; i < kBytes; ++i) out[i] = static_cast<uint8_t>(i * 13 + r * 101 + i / 65521);
+    c.barrier();
+    std::vector<net::Transfer> ts;
+    ts.push_back(net::make_recv(1 - r, in.data(), kBytes));
+    ts.push_back(net::make_send(1 - r, out.data(), kBytes));
+    net::OpInfo op;
+    op.name = "exchange";
+    op.comm = "world";
+    op.timeout_s = 20;
+    op.deadline = Deadline::after(20);
+    c.exchange(ts, op);
+    for (size_t i = 0; i < kBytes; ++i)
+      ASSERT_EQ(in[i], static_cast<uint8_t>(i * 13 + (1 - r) * 101 + i / 65521)) << "byte " << i;
+  }));
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "comm/window_wire.h"
 #include "core/half.h"
 #include "ranks.h"
+#include "tls_pki.h"
 
 namespace rumor {
 namespace {
@@ -37,9 +38,11 @@ void create(WindowHub& hub, Communicator& c, uint64_t id, void* data, size_t cou
 
 class WindowTest : public ::testing::TestWithParam<std::tuple<uint32_t, int>> {
  protected:
-  // mode 0: one host, shared memory; 1: TCP only; 2: two hosts (shm inside, TCP across).
+  // mode 0: one host, shared memory; 1: TCP only; 2: two hosts (shm inside, TCP across); 3: TCP
+  // only with TLS on (every link and channel).
   World world() {
     auto [n, mode] = GetParam();
+    if (mode == 3) return testing::tls_world(testing::Pki(), std::vector<testing::Mode>(n, testing::Mode::kOn));
     return testing::make_world(mode == 2 ? testing::hosts_of(n, (n + 1) / 2) : testing::one_host(n),
                                testing::quick_options(mode != 1));
   }
@@ -258,12 +261,14 @@ TEST_P(WindowTest, MutexExcludes) {
 }
 
 std::string param_name(const ::testing::TestParamInfo<std::tuple<uint32_t, int>>& info) {
-  static const char* modes[] = {"shm", "tcp", "twohosts"};
+  static const char* modes[] = {"shm", "tcp", "twohosts", "tls"};
   return std::to_string(std::get<0>(info.param)) + "ranks_" + modes[std::get<1>(info.param)];
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, WindowTest,
                          ::testing::Combine(::testing::Values(1u, 2u, 3u, 5u), ::testing::Values(0, 1, 2)),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(Tls, WindowTest, ::testing::Combine(::testing::Values(2u, 3u), ::testing::Values(3)),
                          param_name);
 
 TEST(Window, HalfTypesCombineInFloat) {

@@ -8,14 +8,15 @@ and an incomplete RUMOR_TLS_* setting is a ValueError naming what is missing.
 from __future__ import annotations
 
 import hashlib
-import os
 
 import pytest
 
 import harness
+from tls_pki import PEER_NAME
+from tls_pki import make_pki as _pki
+from tls_pki import tls_env as _tls_env
 
 TCP = {"RUMOR_SHM": "0", "RUMOR_HOST_DIRECT": "0", "RUMOR_STRIPE_MIN_BYTES": str(256 * 1024)}
-PEER_NAME = "job.rumor.test"
 
 
 def _digest(t) -> str:
@@ -99,37 +100,6 @@ def rank_torch_backend_allreduce():
 
 
 # ==== test side ===================================================================================
-
-def _pki(tmp_path):
-    """The job's CA, a certificate per rank, and one from another CA; PEM file paths."""
-    from rumor import _C
-
-    ca_cert, ca_key = _C.tls_make_ca("rumor test job")
-    other_cert, other_key = _C.tls_make_ca("another job")
-    files = {}
-
-    def write(name, data):
-        path = tmp_path / name
-        path.write_bytes(data)
-        os.chmod(path, 0o600)
-        files[name] = str(path)
-
-    write("ca.pem", ca_cert)
-    for r in range(2):
-        cert, key = _C.tls_issue_certificate(ca_cert, ca_key, f"rank-{r}", [PEER_NAME, "127.0.0.1"])
-        write(f"cert{r}.pem", cert)
-        write(f"key{r}.pem", key)
-    cert, key = _C.tls_issue_certificate(other_cert, other_key, "intruder", [PEER_NAME, "127.0.0.1"])
-    write("foreign.pem", cert)
-    write("foreign.key", key)
-    return files
-
-
-def _tls_env(files, rank, foreign=False):
-    return {"RUMOR_TLS_CERT": files["foreign.pem" if foreign else f"cert{rank}.pem"],
-            "RUMOR_TLS_KEY": files["foreign.key" if foreign else f"key{rank}.pem"],
-            "RUMOR_TLS_CA": files["ca.pem"], "RUMOR_TLS_PEER_NAME": PEER_NAME}
-
 
 def test_tls_results_are_bit_identical_to_plaintext(tmp_path):
     files = _pki(tmp_path)

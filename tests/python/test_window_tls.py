@@ -1,0 +1,103 @@
+"""Windows (rumor.win_*) over TLS (RUMOR_TLS_*, docs/security.md): three ranks on their own TCP
+links (RUMOR_SHM=0, so every window byte takes the remote path: the window hub's TCP links).
+
+put / accumulate / get with TLS on give exactly the bytes of the same run without TLS; a rank whose
+certificate another CA issued fails every rank with an error that says TLS and names the peer (here
+at rumor.init()'s barrier, the first connection between the ranks: the window link's own refusal
+and a byte altered in flight on a window link are tests/cpp/test_window_tls.cpp's, where ranks
+meet without a communicator).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import harness
+from tls_pki import make_pki, tls_env
+
+TCP = {"RUMOR_SHM": "0", "RUMOR_HOST_DIRECT": "0"}
+
+
+def _digest(t) -> str:
+    import torch
+
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def rank_window_ops():
+    """put, accumulate, get and update on a ring, with floats that use every mantissa bit; the
+    digest of every result, and the number of frames the TCP links applied."""
+    import torch
+
+    import rumor
+    from rumor.neighbor.window import registry
+
+    torch.set_num_threads(1)
+    rumor.init()
+    try:
+        n, r = rumor.size(), rumor.rank()
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        g = torch.Generator().manual_seed(300 + r)
+        out = {}
+        x = torch.randn(100_003, generator=g, dtype=torch.float64)
+        rumor.win_create(x, "x")
+        rumor.barrier()
+        rumor.win_put(x, "x", dst_weights={nxt: 0.3})
+        rumor.barrier()
+        out["put"] = _digest(rumor.win_update("x", self_weight=0.5, neighbor_weights={prv: 1.0}, clone=True))
+        y = torch.randn(3 * 1024 * 1024 + 5, generator=g, dtype=torch.float32)  # past one seal (256 KiB)
+        rumor.win_create(y, "y", zero_init=True)
+        rumor.barrier()
+        for j in range(n):
+            if j != r:
+                rumor.win_accumulate(y, "y", dst_weights={j: 0.25 + j})
+        rumor.barrier()
+        out["accumulate"] = _digest(rumor.win_update("y", self_weight=1.0,
+                                                     neighbor_weights={j: 1.0 for j in range(n) if j != r},
+                                                     clone=True))
+        rumor.barrier()
+        rumor.win_get("x", src_weights={prv: 2.0})
+        out["get"] = _digest(rumor.win_update("x", self_weight=0.0, neighbor_weights={prv: 1.0}, clone=True))
+        rumor.barrier()
+        frames = registry().hub.frames_applied
+        rumor.win_free()
+        return out, frames
+    finally:
+        rumor.shutdown()
+
+
+def test_window_ops_over_tls_are_bit_identical_to_plaintext(tmp_path):
+    files = make_pki(tmp_path, 3)
+    plain = harness.run(rank_window_ops, 3, timeout=120, env=TCP)
+    tls = harness.run(rank_window_ops, 3, timeout=120, env=TCP, rank_env=[tls_env(files, r) for r in range(3)])
+    for r in range(3):
+        assert plain[r][1] > 0 and tls[r][1] > 0, f"rank {r}: no frame went over a window link"
+        assert tls[r][0] == plain[r][0], f"rank {r}"
+    assert len({d["put"] for d, _ in plain}) == 3  # each rank's result is its own
+
+
+def rank_window_put_once():
+    import torch
+
+    import rumor
+
+    rumor.init()
+    try:
+        x = torch.ones(1000)
+        rumor.win_create(x, "x")
+        rumor.win_put(x, "x")
+        rumor.barrier()
+        return True
+    finally:
+        rumor.shutdown()
+
+
+def test_rank_with_certificate_of_another_ca_is_refused_naming_the_peer(tmp_path):
+    files = make_pki(tmp_path, 3)
+    res = harness.run(rank_window_put_once, 3, timeout=60, env=dict(TCP, RUMOR_TIMEOUT="10"), raw=True,
+                      rank_env=[tls_env(files, r, foreign=r == 2) for r in range(3)])
+    for r in res:
+        assert not r.ok, f"rank {r.rank} succeeded"
+        assert "tls" in r.error.lower(), f"rank {r.rank}: {r.error}"
+    # Rank 2 dials ranks 0 and 1, which check its certificate and name it.
+    refusals = [r for r in res if "certificate refused" in r.error and "rank 2 at 127.0.0.1:" in r.error]
+    assert refusals, [r.error for r in res]
