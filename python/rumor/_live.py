@@ -32,7 +32,6 @@ connections are keyed by that rendezvous, so nothing a rank of an older epoch se
 from __future__ import annotations
 
 import atexit
-import datetime
 import json
 import logging
 import os
@@ -126,10 +125,7 @@ def _prefix() -> str:
 def _client(timeout: float):
     import torch.distributed as dist
 
-    env = _rendezvous.read_env()
-    base = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
-    return dist.PrefixStore(_prefix(), base)
+    return dist.PrefixStore(_prefix(), _rendezvous.shared_store(_rendezvous.read_env(), timeout))
 
 
 def _count(store, key: str) -> int:

@@ -18,6 +18,7 @@ import uuid
 from typing import Dict, List
 
 _POLL_S = 0.02
+_BEAT_S = 0.5  # a launcher's beat in the store (--store etcd): how its peers know it still runs
 
 
 def _command(args) -> List[str]:
@@ -32,6 +33,7 @@ def main(args) -> None:
     import torch.distributed as dist
 
     from . import _live, _secret, _shm
+    from ._etcd_store import ENDPOINTS_ENV
 
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
     if not min_nodes.isdigit() or (max_nodes and max_nodes != min_nodes) or int(min_nodes) < 1:
@@ -54,21 +56,46 @@ def main(args) -> None:
         raise SystemExit(f"rumor-run: --live on several hosts needs the same job secret on each "
                          f"({_secret.SECRET_ENV} or {_secret.SECRET_FILE_ENV}; docs/security.md)")
     restarts = int(args.max_restarts)
-    # Node 0's launcher hosts the store every member agrees through; the others connect to it.
-    addr = "127.0.0.1" if nodes == 1 else args.master_addr
-    port = 0 if nodes == 1 else int(args.master_port or 29500)
-    store = dist.TCPStore(addr, port, is_master=node == 0, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
     rdzv = str(getattr(args, "rdzv_id", None) or "none")
     if nodes == 1 and rdzv == "none":
         rdzv = uuid.uuid4().hex[:12]
     run_id = f"live-{rdzv}"
+    kind = str(getattr(args, "rumor_store", None) or "tcp")
+    member = None
+    if kind == "tcp":
+        if getattr(args, "rumor_store_hosts", None):
+            raise SystemExit("rumor-run: --store-hosts is for --store etcd")
+        # Node 0's launcher hosts the store every member agrees through; the others connect to it.
+        addr = "127.0.0.1" if nodes == 1 else args.master_addr
+        port = 0 if nodes == 1 else int(args.master_port or 29500)
+        store = dist.TCPStore(addr, port, is_master=node == 0, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        port = store.port
+        where = f"store {addr}:{port}"
+        store_env = {}
+    else:
+        from . import _etcd_member
+        from ._etcd_store import EtcdStore
+
+        endpoints, member = _etcd(args, kind, nodes, node, run_id)
+        store = EtcdStore(endpoints, 60.0)
+        try:
+            _etcd_member.wait_ready(store, [member] if member else [], _env_timeout())
+        except BaseException:
+            if member is not None:
+                member.stop()
+            raise
+        addr, port = store.endpoints[0].split("://", 1)[1].rsplit(":", 1)
+        where = f"etcd {','.join(endpoints)}" + (f", member rumor{node} here" if member else "")
+        store_env = {ENDPOINTS_ENV: ",".join(endpoints)}
     live = dist.PrefixStore(f"rumor/{run_id}/live/", store)
     base_env = dict(os.environ)
-    base_env.update(MASTER_ADDR=addr, MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
+    base_env.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(n), GROUP_RANK=str(node), ROLE_RANK=str(node),
                     TORCHELASTIC_USE_AGENT_STORE="true", TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0",
-                    **{_live.LIVE_ENV: "1", _live.MIN_ENV: str(least)})
+                    **{_live.LIVE_ENV: "1", _live.MIN_ENV: str(least)}, **store_env)
+    if not store_env:  # a TCP store: workers must not find an etcd this shell happened to name
+        base_env.pop(ENDPOINTS_ENV, None)
     base_env.pop(_live.JOIN_ENV, None)
     if _secret.given() is None:  # one host: this user's secret, as rumor-run gives torchrun's workers
         _secret.user_secret()
@@ -92,7 +119,7 @@ def main(args) -> None:
     for r in range(n):
         start(f"r{node * n + r}", r, False)
     print(f"rumor-run --live: node {node} of {nodes}: {n} workers, at least {least} of {world} to train on, "
-          f"{restarts} restart(s) (store {addr}:{store.port}, run {run_id})", file=sys.stderr, flush=True)
+          f"{restarts} restart(s) ({where}, run {run_id})", file=sys.stderr, flush=True)
     failed_after_end = False
 
     def on_signal(signum, _frame):
@@ -100,8 +127,13 @@ def main(args) -> None:
         raise SystemExit(128 + signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    next_beat = 0.0
+    finished = False
     try:
         while any(p.poll() is None for p in procs.values()):
+            if kind != "tcp" and time.monotonic() >= next_beat:  # _leave_etcd: this launcher still runs
+                _beat(live, node)
+                next_beat = time.monotonic() + _BEAT_S
             for member, p in list(procs.items()):
                 code = p.poll()
                 if code is None or member.startswith("~"):
@@ -133,17 +165,118 @@ def main(args) -> None:
                 break
             time.sleep(_POLL_S)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        stop_all(signal.SIGKILL)
-        _shm.sweep()
-        # The store lives in node 0's launcher: it stays until every launcher is done with it.
         try:
-            live.add("launchers_done", 1)
-            deadline = time.monotonic() + 30
-            while node == 0 and int(live.add("launchers_done", 0)) < nodes and time.monotonic() < deadline:
-                time.sleep(0.05)
-        except Exception:
-            pass
-    if not live.check(["job_done"]) or failed_after_end:
+            stop_all(signal.SIGKILL)
+            _shm.sweep()
+            try:
+                finished = live.check(["job_done"])
+            except Exception:
+                finished = False
+            if kind == "tcp":
+                # The store lives in node 0's launcher: it stays until every launcher is done with it.
+                try:
+                    live.add("launchers_done", 1)
+                    deadline = time.monotonic() + 30
+                    while node == 0 and int(live.add("launchers_done", 0)) < nodes and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                except Exception:
+                    pass
+            else:
+                _leave_etcd(store, live, nodes, node, member)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    if not finished or failed_after_end:
         raise SystemExit(1)
+
+
+def _etcd(args, kind: str, nodes: int, node: int, run_id: str):
+    """The endpoints of the job's etcd cluster, this host's first, and the member this launcher
+    runs (None: an external cluster, or a host past the first three)."""
+    import atexit
+
+    from ._etcd_member import MAX_MEMBERS, Member, free_port
+    from ._etcd_store import parse_endpoints
+
+    hosts_arg = str(getattr(args, "rumor_store_hosts", None) or "")
+    if kind.startswith("etcd://"):
+        if hosts_arg:
+            raise SystemExit("rumor-run: --store-hosts names the hosts rumor-run starts etcd on; with an external "
+                             "cluster (--store etcd://...) leave it out")
+        try:
+            return parse_endpoints(kind), None
+        except ValueError as e:
+            raise SystemExit(f"rumor-run: --store: {e}") from None
+    if kind != "etcd":
+        raise SystemExit(f"rumor-run: --store takes tcp, etcd or etcd://host:port[,host:port...], got {kind!r}")
+    k = min(MAX_MEMBERS, nodes)
+    if nodes == 1:
+        peers = [("127.0.0.1", free_port("127.0.0.1"), free_port("127.0.0.1"))]
+    else:
+        hosts = [h.strip() for h in hosts_arg.split(",") if h.strip()]
+        if len(hosts) != k:
+            raise SystemExit(f"rumor-run: --store etcd on {nodes} hosts runs an etcd member on nodes 0..{k - 1}: give "
+                             f"their addresses in that order, the same on every node, with --store-hosts "
+                             f"(e.g. --store-hosts {','.join(f'10.0.0.{i + 1}' for i in range(k))}); got "
+                             f"{hosts_arg or 'none'}")
+        port = int(args.master_port or 29500)  # clients on --master-port, peers on the next one
+        peers = [(h, port, port + 1) for h in hosts]
+    member = None
+    if node < k:
+        member = Member(node, peers, token=run_id)
+        atexit.register(member.stop)  # whatever way this launcher ends short of SIGKILL
+        member.start()
+    endpoints = [f"http://{h}:{c}" for h, c, _ in peers]
+    if member is not None:  # this host's member first: the traffic stays local while it is up
+        endpoints = endpoints[node:] + endpoints[:node]
+    return endpoints, member
+
+
+def _env_timeout() -> float:
+    from ._env import env_float
+
+    return env_float("RUMOR_TIMEOUT", 300.0, positive=True)
+
+
+def _beat(live, node: int) -> None:
+    live.add(f"launcher/{node}/beat", 1)
+
+
+def _leave_etcd(store, live, nodes: int, node: int, member) -> None:
+    """With etcd every member launcher is needed for the majority, not only node 0's: a launcher
+    that is done keeps its member up while another launcher still runs (its beat moves) and is
+    not done, then stops it. A launcher that is gone (its beat stood still past the silence) is
+    not waited for; neither is anyone once the store stops answering (a majority already lost)."""
+    import datetime
+
+    from . import _live
+    from ._env import env_float
+
+    silence_s = 2 * env_float(_live.HEARTBEAT_ENV, 2.0, positive=True)
+    store.set_timeout(datetime.timedelta(seconds=5))
+    try:
+        live.set(f"launcher/{node}/done", "1")
+        seen: Dict[int, tuple] = {}
+        while member is not None:
+            now = time.monotonic()
+            waiting = []
+            for i in range(nodes):
+                if i == node or live.check([f"launcher/{i}/done"]):
+                    continue
+                c = int(live.add(f"launcher/{i}/beat", 0))
+                prev = seen.get(i)
+                if prev is None or prev[0] != c:
+                    seen[i] = (c, now)
+                if now - seen[i][1] <= silence_s:
+                    waiting.append(i)
+            if not waiting:
+                break
+            _beat(live, node)
+            time.sleep(0.1)
+    except Exception as e:
+        print(f"rumor-run --live: the etcd store stopped answering while this launcher left: {e}",
+              file=sys.stderr, flush=True)
+    finally:
+        if member is not None:
+            member.stop()
+        store.close()
