@@ -5,7 +5,9 @@ Each member binds its client and peer URLs to its host's address (never 0.0.0.0)
 in a private temporary directory removed when it stops, and dies with its launcher
 (PR_SET_PDEATHSIG): a launcher killed with SIGKILL leaves no member behind. The data is for this
 job only: a member that fails is never started again with it, so nothing is lost by keeping it
-in memory (/dev/shm) rather than paying a disk's fsync on every write.
+in memory (/dev/shm, or RUMOR_ETCD_DIR) rather than paying a disk's fsync on every write. A
+launcher killed with SIGKILL cannot remove its member's directory: a host lost takes it along,
+and on a host that lives on it is left in /dev/shm.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import List, Optional, Sequence
 from ._etcd_store import EtcdStore, EtcdStoreError
 
 ETCD_ENV = "RUMOR_ETCD_BIN"  # the etcd binary (default: etcd on PATH)
+DIR_ENV = "RUMOR_ETCD_DIR"  # where members make their data directories (default /dev/shm)
 MAX_MEMBERS = 3
 # Revisions kept: every put makes one (heartbeats are puts), and etcd keeps them all unless told.
 _KEEP_REVISIONS = "1000"
@@ -60,6 +63,11 @@ class Member:
         self.log_path = ""
 
     @property
+    def count(self) -> int:
+        """The cluster's members (this one's peers and itself)."""
+        return len(self.peers)
+
+    @property
     def client_url(self) -> str:
         host, cport, _ = self.peers[self.index]
         return f"http://{host}:{cport}"
@@ -68,7 +76,7 @@ class Member:
         binary = etcd_binary()
         host, cport, pport = self.peers[self.index]
         cluster = ",".join(f"rumor{i}=http://{h}:{p}" for i, (h, _, p) in enumerate(self.peers))
-        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        base = os.environ.get(DIR_ENV) or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
         self.dir = tempfile.mkdtemp(prefix="rumor-etcd-", dir=base)
         self.log_path = os.path.join(self.dir, "etcd.log")
         argv = [binary, "--name", f"rumor{self.index}", "--data-dir", os.path.join(self.dir, "data"),

@@ -99,7 +99,34 @@ class EtcdStore(dist.Store):
         self._cur = 0
         self._conn: Optional[http.client.HTTPConnection] = None
         self._lock = threading.Lock()
+        self._prefix = ""
+        self._read: dict = {}  # extra fields of every range request
         self.set_timeout(datetime.timedelta(seconds=float(timeout)))
+
+    def with_prefix(self, prefix: str) -> "EtcdStore":
+        """A store of its own (its own connection) whose keys are under prefix, laid out as a
+        torch PrefixStore lays them out. Use it instead of wrapping this store in a PrefixStore:
+        torch's PrefixStore keeps only the C++ side of a Python store alive, and the store's
+        methods are gone once the last Python reference to it is."""
+        s = self._copy()
+        s._prefix = f"{self._prefix}{prefix}/"
+        return s
+
+    def local_reads(self) -> "EtcdStore":
+        """A copy whose reads are serializable: answered by the first member that answers, from
+        what it has applied, without asking the majority; so they are answered where a majority
+        is gone too, and may miss the latest writes by a heartbeat. Writes are as ever."""
+        s = self._copy()
+        s._read = {"serializable": True}
+        return s
+
+    def _copy(self) -> "EtcdStore":
+        s = EtcdStore(self.endpoints, self.timeout.total_seconds(), self._ssl)
+        s._prefix, s._read = self._prefix, dict(self._read)
+        return s
+
+    def _key(self, key: str) -> str:
+        return _b64(self._prefix + key)
 
     # ---- transport ------------------------------------------------------------------------
 
@@ -170,12 +197,12 @@ class EtcdStore(dist.Store):
                 pause = min(pause * 2, 0.2)
 
     def _range(self, key: str, op: str) -> Optional[dict]:
-        kvs = self._call("kv/range", {"key": _b64(key)}, op).get("kvs") or []
+        kvs = self._call("kv/range", {"key": self._key(key), **self._read}, op).get("kvs") or []
         return kvs[0] if kvs else None
 
     def _exist(self, keys: Sequence[str], op: str, deadline: Optional[float] = None) -> List[bool]:
         # One transaction of count-only ranges: one round trip for any number of keys.
-        r = self._call("kv/txn", {"success": [{"request_range": {"key": _b64(k), "count_only": True}}
+        r = self._call("kv/txn", {"success": [{"request_range": {"key": self._key(k), "count_only": True, **self._read}}
                                               for k in keys]}, op, deadline)
         return [int(x.get("response_range", {}).get("count", 0)) > 0 for x in r.get("responses", [])]
 
@@ -195,7 +222,7 @@ class EtcdStore(dist.Store):
     # ---- the Store interface ---------------------------------------------------------------
 
     def set(self, key: str, value: _Value) -> None:
-        self._call("kv/put", {"key": _b64(key), "value": _b64(value)}, f"set({key!r})")
+        self._call("kv/put", {"key": self._key(key), "value": _b64(value)}, f"set({key!r})")
 
     def get(self, key: str) -> bytes:
         op = f"get({key!r})"
@@ -223,9 +250,9 @@ class EtcdStore(dist.Store):
             # Applied only if nobody wrote the key since it was read (mod_revision 0: it still
             # does not exist); else the failure branch returns the key as it is now, and again.
             r = self._call("kv/txn", {
-                "compare": [{"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(rev)}],
-                "success": [{"request_put": {"key": _b64(key), "value": _b64(str(new))}}],
-                "failure": [{"request_range": {"key": _b64(key)}}]}, op)
+                "compare": [{"key": self._key(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(rev)}],
+                "success": [{"request_put": {"key": self._key(key), "value": _b64(str(new))}}],
+                "failure": [{"request_range": {"key": self._key(key)}}]}, op)
             if r.get("succeeded"):
                 return new
             kvs = r["responses"][0]["response_range"].get("kvs") or []
@@ -238,11 +265,12 @@ class EtcdStore(dist.Store):
         exp = expected_value.encode() if isinstance(expected_value, str) else bytes(expected_value)
         want = desired_value.encode() if isinstance(desired_value, str) else bytes(desired_value)
         if exp:
-            cmp = {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(exp)}
+            cmp = {"key": self._key(key), "target": "VALUE", "result": "EQUAL", "value": _b64(exp)}
         else:
-            cmp = {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        r = self._call("kv/txn", {"compare": [cmp], "success": [{"request_put": {"key": _b64(key), "value": _b64(want)}}],
-                                  "failure": [{"request_range": {"key": _b64(key)}}]}, op)
+            cmp = {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        r = self._call("kv/txn", {"compare": [cmp],
+                                  "success": [{"request_put": {"key": self._key(key), "value": _b64(want)}}],
+                                  "failure": [{"request_range": {"key": self._key(key)}}]}, op)
         if r.get("succeeded"):
             return want
         kvs = r["responses"][0]["response_range"].get("kvs") or []
@@ -258,7 +286,7 @@ class EtcdStore(dist.Store):
     def multi_get(self, keys: List[str]) -> List[bytes]:
         op = f"multi_get({list(keys)!r})"
         self._await(list(keys), op, self._deadline())
-        r = self._call("kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in keys]}, op)
+        r = self._call("kv/txn", {"success": [{"request_range": {"key": self._key(k), **self._read}} for k in keys]}, op)
         out = []
         for k, x in zip(keys, r.get("responses", [])):
             kvs = x.get("response_range", {}).get("kvs") or []
@@ -270,11 +298,11 @@ class EtcdStore(dist.Store):
     def multi_set(self, keys: List[str], values: List[_Value]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"rumor: etcd store: multi_set: {len(keys)} keys but {len(values)} values")
-        self._call("kv/txn", {"success": [{"request_put": {"key": _b64(k), "value": _b64(v)}}
+        self._call("kv/txn", {"success": [{"request_put": {"key": self._key(k), "value": _b64(v)}}
                                           for k, v in zip(keys, values)]}, f"multi_set({list(keys)!r})")
 
     def delete_key(self, key: str) -> bool:
-        r = self._call("kv/deleterange", {"key": _b64(key)}, f"delete_key({key!r})")
+        r = self._call("kv/deleterange", {"key": self._key(key)}, f"delete_key({key!r})")
         return int(r.get("deleted", 0)) > 0
 
     def num_keys(self) -> int:

@@ -123,9 +123,7 @@ def _prefix() -> str:
 
 
 def _client(timeout: float):
-    import torch.distributed as dist
-
-    return dist.PrefixStore(_prefix(), _rendezvous.shared_store(_rendezvous.read_env(), timeout))
+    return _rendezvous.prefixed(_rendezvous.shared_store(_rendezvous.read_env(), timeout), _prefix())
 
 
 def _count(store, key: str) -> int:

@@ -18,6 +18,7 @@ import uuid
 from typing import Dict, List
 
 _POLL_S = 0.02
+_GRACE_S = 1.0  # ten etcd heartbeats: every member learns the last commit before a member stops
 _BEAT_S = 0.5  # a launcher's beat in the store (--store etcd): how its peers know it still runs
 
 
@@ -32,7 +33,7 @@ def _command(args) -> List[str]:
 def main(args) -> None:
     import torch.distributed as dist
 
-    from . import _live, _secret, _shm
+    from . import _live, _rendezvous, _secret, _shm
     from ._etcd_store import ENDPOINTS_ENV
 
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
@@ -61,7 +62,7 @@ def main(args) -> None:
         rdzv = uuid.uuid4().hex[:12]
     run_id = f"live-{rdzv}"
     kind = str(getattr(args, "rumor_store", None) or "tcp")
-    member = None
+    etcd_member = None
     if kind == "tcp":
         if getattr(args, "rumor_store_hosts", None):
             raise SystemExit("rumor-run: --store-hosts is for --store etcd")
@@ -77,18 +78,18 @@ def main(args) -> None:
         from . import _etcd_member
         from ._etcd_store import EtcdStore
 
-        endpoints, member = _etcd(args, kind, nodes, node, run_id)
+        endpoints, etcd_member = _etcd(args, kind, nodes, node, run_id)
         store = EtcdStore(endpoints, 60.0)
         try:
-            _etcd_member.wait_ready(store, [member] if member else [], _env_timeout())
+            _etcd_member.wait_ready(store, [etcd_member] if etcd_member else [], _env_timeout())
         except BaseException:
-            if member is not None:
-                member.stop()
+            if etcd_member is not None:
+                etcd_member.stop()
             raise
         addr, port = store.endpoints[0].split("://", 1)[1].rsplit(":", 1)
-        where = f"etcd {','.join(endpoints)}" + (f", member rumor{node} here" if member else "")
+        where = f"etcd {','.join(endpoints)}" + (f", member rumor{node} here" if etcd_member else "")
         store_env = {ENDPOINTS_ENV: ",".join(endpoints)}
-    live = dist.PrefixStore(f"rumor/{run_id}/live/", store)
+    live = _rendezvous.prefixed(store, f"rumor/{run_id}/live/")
     base_env = dict(os.environ)
     base_env.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(n), GROUP_RANK=str(node), ROLE_RANK=str(node),
@@ -182,7 +183,7 @@ def main(args) -> None:
                 except Exception:
                     pass
             else:
-                _leave_etcd(store, live, nodes, node, member)
+                _leave_etcd(store, live, nodes, node, etcd_member)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -243,40 +244,59 @@ def _beat(live, node: int) -> None:
 
 
 def _leave_etcd(store, live, nodes: int, node: int, member) -> None:
-    """With etcd every member launcher is needed for the majority, not only node 0's: a launcher
-    that is done keeps its member up while another launcher still runs (its beat moves) and is
-    not done, then stops it. A launcher that is gone (its beat stood still past the silence) is
-    not waited for; neither is anyone once the store stops answering (a majority already lost)."""
+    """With etcd every member's launcher is needed for the majority, not only node 0's. A launcher
+    that is done keeps its member up while another launcher still runs (its beat moves) and is not
+    done. Then the member launchers leave together: each says it released its member, and stops
+    it once every other member launcher released (or is gone) and a grace period passed, in which
+    the others' members learn that its last write was committed. Launchers that are gone (their
+    beat stood still past the silence) are not waited for. The waits read this host's member
+    alone (serializable reads), which answers also once the others stopped theirs."""
     import datetime
 
     from . import _live
     from ._env import env_float
 
     silence_s = 2 * env_float(_live.HEARTBEAT_ENV, 2.0, positive=True)
-    store.set_timeout(datetime.timedelta(seconds=5))
+    for s in (store, live):
+        s.set_timeout(datetime.timedelta(seconds=5))
+    local = live.local_reads()
+    released = False
     try:
         live.set(f"launcher/{node}/done", "1")
-        seen: Dict[int, tuple] = {}
-        while member is not None:
-            now = time.monotonic()
-            waiting = []
-            for i in range(nodes):
-                if i == node or live.check([f"launcher/{i}/done"]):
-                    continue
-                c = int(live.add(f"launcher/{i}/beat", 0))
-                prev = seen.get(i)
-                if prev is None or prev[0] != c:
-                    seen[i] = (c, now)
-                if now - seen[i][1] <= silence_s:
-                    waiting.append(i)
-            if not waiting:
-                break
-            _beat(live, node)
-            time.sleep(0.1)
+        if member is not None:
+            _await_launchers(local, live, node, range(nodes), "done", silence_s)
+            live.set(f"launcher/{node}/released", "1")
+            released = True
+            _await_launchers(local, live, node, range(member.count), "released", silence_s)
+            time.sleep(_GRACE_S)
     except Exception as e:
-        print(f"rumor-run --live: the etcd store stopped answering while this launcher left: {e}",
-              file=sys.stderr, flush=True)
+        if not released:  # after it, the others stopped their members: nothing was left to do
+            print(f"rumor-run --live: the etcd store stopped answering while this launcher left: {e}",
+                  file=sys.stderr, flush=True)
     finally:
         if member is not None:
             member.stop()
-        store.close()
+        for s in (store, live, local):
+            s.close()
+
+
+def _await_launchers(local, live, node: int, nodes, mark: str, silence_s: float) -> None:
+    """Until every launcher of nodes but this one set launcher/<i>/<mark> or is silent; this
+    launcher beats meanwhile (it is not gone, only waiting)."""
+    seen: Dict[int, tuple] = {}
+    while True:
+        now = time.monotonic()
+        waiting = []
+        for i in nodes:
+            if i == node or local.check([f"launcher/{i}/{mark}"]):
+                continue
+            key = f"launcher/{i}/beat"
+            c = int(local.get(key)) if local.check([key]) else 0
+            if seen.get(i, (None,))[0] != c:
+                seen[i] = (c, now)
+            if now - seen[i][1] <= silence_s:
+                waiting.append(i)
+        if not waiting:
+            return
+        _beat(live, node)
+        time.sleep(0.1)

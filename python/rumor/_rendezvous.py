@@ -248,7 +248,19 @@ def store_for(env: Env, timeout: float, generation: int):
         # Under torchrun the agent already hosts the store at MASTER_PORT; otherwise rank 0 hosts it.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         base = shared_store(env, timeout, is_master=env.rank == 0 and not agent)
-    return dist.PrefixStore(rendezvous_prefix(generation), base)
+    return prefixed(base, rendezvous_prefix(generation))
+
+
+def prefixed(base, prefix: str):
+    """base's keys under prefix: a torch PrefixStore, or for the etcd store its own prefixed
+    copy (a PrefixStore would not keep a Python store's methods alive)."""
+    import torch.distributed as dist
+
+    from . import _etcd_store
+
+    if isinstance(base, _etcd_store.EtcdStore):
+        return base.with_prefix(prefix)
+    return dist.PrefixStore(prefix, base)
 
 
 def rendezvous_prefix(generation: int) -> str:

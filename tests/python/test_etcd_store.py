@@ -24,7 +24,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from rumor import _etcd_member
+from rumor import _etcd_member, _rendezvous
 from rumor._etcd_store import EtcdStore, EtcdStoreError, parse_endpoints
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd (Debian's etcd-server) is not installed")
@@ -57,8 +57,9 @@ def etcd():
 
 
 def _ops(store, tag):
-    """A sequence of store ops (through a PrefixStore) and what each returned or raised."""
-    p = dist.PrefixStore(f"t/{tag}", store)
+    """A sequence of store ops (under a prefix, as the live protocol and init() use the store)
+    and what each returned or raised."""
+    p = _rendezvous.prefixed(store, f"t/{tag}")
     out = []
 
     def do(name, fn):
@@ -86,8 +87,7 @@ def _ops(store, tag):
     do("wait present", lambda: p.wait(["a", "m1"]))
     do("wait missing", lambda: p.wait(["a", "never"], datetime.timedelta(seconds=0.3)))
     do("get missing", lambda: p.get("never"))
-    # delete_key and num_keys do not pass through a PrefixStore over a Python store (torch's
-    # trampoline lacks them): called on the store itself, with keys of this sequence only.
+    # On the store itself, counting keys of this sequence only (the etcd cluster is the module's).
     base = store.num_keys()
     do("set plain", lambda: store.set(f"plain/{tag}", "v"))
     do("num_keys grew", lambda: store.num_keys() - base)
@@ -121,7 +121,10 @@ _RACER = textwrap.dedent("""
     else:
         from rumor._etcd_store import EtcdStore
         store = EtcdStore(where.split(","), 30.0)
-    p = dist.PrefixStore("race", store)
+    if kind == "tcp":
+        p = dist.PrefixStore("race", store)
+    else:
+        p = store.with_prefix("race")
     p.add("go", 1)
     p.wait(["start"])
     seen = [int(p.add("count", 1)) for _ in range(n)]
@@ -135,7 +138,7 @@ def _race(kind, where, store, procs=3, n=60):
     ps = [subprocess.Popen([sys.executable, "-c", _RACER, kind, where, f"p{i}", str(n)], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(procs)]
     try:
-        p = dist.PrefixStore("race", store)
+        p = _rendezvous.prefixed(store, "race")
         deadline = time.monotonic() + WORKER_DEADLINE_S
         while int(p.add("go", 0)) < procs:  # every racer connected: they start together
             assert time.monotonic() < deadline and all(x.poll() is None for x in ps), [x.communicate() for x in ps]
@@ -166,9 +169,8 @@ def test_concurrent_add_and_compare_set_are_atomic(etcd, kind):
     else:
         store = EtcdStore(etcd, 30.0)
         where = ",".join(etcd)
-        store.delete_key("race/count")  # the module's cluster: earlier runs of this test
-        for k in ("race/go", "race/start", "race/winner"):
-            store.delete_key(k)
+        for k in ("count", "go", "start", "winner"):  # the module's cluster: earlier runs of this test
+            store.delete_key(f"race/{k}")
     results, final, winner = _race(kind, where, store, procs, n)
     assert final == procs * n
     # Every add returned a value nobody else saw: 1..procs*n, each once.
