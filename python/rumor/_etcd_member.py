@@ -12,6 +12,7 @@ and on a host that lives on it is left in /dev/shm.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import os
 import shutil
 import signal
@@ -54,8 +55,11 @@ class Member:
     rumor<i>), the index-th one running here. token separates this job's cluster from others
     (etcd refuses peers with another --initial-cluster-token)."""
 
-    def __init__(self, index: int, peers: Sequence[tuple], token: str):
+    def __init__(self, index: int, peers: Sequence[tuple], token: str, tls: Optional[dict] = None):
+        """tls: {"cert", "key", "ca"} paths: https for clients and peers, and both must show a
+        certificate of that CA (mutual TLS); its certificate must name this host's address."""
         self.index = index
+        self.tls = tls
         self.peers = list(peers)
         self.token = token
         self.proc: Optional[subprocess.Popen] = None
@@ -68,23 +72,33 @@ class Member:
         return len(self.peers)
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
     def client_url(self) -> str:
         host, cport, _ = self.peers[self.index]
-        return f"http://{host}:{cport}"
+        return f"{self.scheme}://{host}:{cport}"
 
     def start(self) -> None:
         binary = etcd_binary()
         host, cport, pport = self.peers[self.index]
-        cluster = ",".join(f"rumor{i}=http://{h}:{p}" for i, (h, _, p) in enumerate(self.peers))
+        cluster = ",".join(f"rumor{i}={self.scheme}://{h}:{p}" for i, (h, _, p) in enumerate(self.peers))
         base = os.environ.get(DIR_ENV) or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
         self.dir = tempfile.mkdtemp(prefix="rumor-etcd-", dir=base)
         self.log_path = os.path.join(self.dir, "etcd.log")
         argv = [binary, "--name", f"rumor{self.index}", "--data-dir", os.path.join(self.dir, "data"),
                 "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
-                "--listen-peer-urls", f"http://{host}:{pport}", "--initial-advertise-peer-urls", f"http://{host}:{pport}",
+                "--listen-peer-urls", f"{self.scheme}://{host}:{pport}",
+                "--initial-advertise-peer-urls", f"{self.scheme}://{host}:{pport}",
                 "--initial-cluster", cluster, "--initial-cluster-token", self.token, "--initial-cluster-state", "new",
                 "--auto-compaction-mode", "revision", "--auto-compaction-retention", _KEEP_REVISIONS,
                 "--logger", "zap", "--log-outputs", "stderr"]
+        if self.tls:
+            t = self.tls
+            argv += ["--cert-file", t["cert"], "--key-file", t["key"], "--trusted-ca-file", t["ca"],
+                     "--client-cert-auth", "--peer-cert-file", t["cert"], "--peer-key-file", t["key"],
+                     "--peer-trusted-ca-file", t["ca"], "--peer-client-cert-auth"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=_die_with_parent)
@@ -116,7 +130,8 @@ def wait_ready(store: EtcdStore, members: List[Member], timeout: float) -> None:
     """Until the cluster answers a write (a majority of the members is up and has a leader).
     Raises SystemExit with the member's log when this host's member exited first."""
     deadline = time.monotonic() + timeout
-    probe = EtcdStore(store.endpoints, 1.0)
+    probe = store.copy()
+    probe.set_timeout(datetime.timedelta(seconds=1))
     try:
         while True:
             for m in members:

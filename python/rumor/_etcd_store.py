@@ -108,7 +108,7 @@ class EtcdStore(dist.Store):
         torch PrefixStore lays them out. Use it instead of wrapping this store in a PrefixStore:
         torch's PrefixStore keeps only the C++ side of a Python store alive, and the store's
         methods are gone once the last Python reference to it is."""
-        s = self._copy()
+        s = self.copy()
         s._prefix = f"{self._prefix}{prefix}/"
         return s
 
@@ -116,11 +116,12 @@ class EtcdStore(dist.Store):
         """A copy whose reads are serializable: answered by the first member that answers, from
         what it has applied, without asking the majority; so they are answered where a majority
         is gone too, and may miss the latest writes by a heartbeat. Writes are as ever."""
-        s = self._copy()
+        s = self.copy()
         s._read = {"serializable": True}
         return s
 
-    def _copy(self) -> "EtcdStore":
+    def copy(self) -> "EtcdStore":
+        """The same store (endpoints, TLS, prefix, timeout) over a connection of its own."""
         s = EtcdStore(self.endpoints, self.timeout.total_seconds(), self._ssl)
         s._prefix, s._read = self._prefix, dict(self._read)
         return s
@@ -311,8 +312,26 @@ class EtcdStore(dist.Store):
         return int(r.get("count", 0))
 
 
+def tls_context_from_env() -> Optional[ssl.SSLContext]:
+    """For https endpoints: the CA in RUMOR_TLS_CA and, when given, this host's certificate and
+    key (RUMOR_TLS_CERT/KEY) for members that ask clients for one (rumor-run --tls auto makes all
+    three); None without RUMOR_TLS_CA (the system's CAs)."""
+    ca = os.environ.get("RUMOR_TLS_CA", "").strip()
+    if not ca:
+        return None
+    ctx = ssl.create_default_context(cafile=ca)
+    cert, key = os.environ.get("RUMOR_TLS_CERT", "").strip(), os.environ.get("RUMOR_TLS_KEY", "").strip()
+    if cert and key:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
 def from_env(timeout: float) -> Optional[EtcdStore]:
     """The store RUMOR_ETCD_ENDPOINTS names (rumor-run --live --store etcd sets it), or None."""
     spec = os.environ.get(ENDPOINTS_ENV, "").strip()
-    return EtcdStore(parse_endpoints(spec), timeout) if spec else None
+    if not spec:
+        return None
+    endpoints = parse_endpoints(spec)
+    tls = tls_context_from_env() if any(e.startswith("https://") for e in endpoints) else None
+    return EtcdStore(endpoints, timeout, tls)
 

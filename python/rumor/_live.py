@@ -2,8 +2,9 @@
 a newcomer joins at a step boundary (docs/elastic.md, "Live membership").
 
 Started by ``rumor-run --live`` (RUMOR_LIVE=1). Everything the members must agree on goes through
-the launcher's store (rumor-run hosts it, as torchrun's agent does), which orders concurrent
-writers: the first value a compare_set writes is everyone's. Under the store's key prefix
+the job's store (node 0's launcher hosts it, as torchrun's agent does; or, with --store etcd, an
+etcd cluster: RUMOR_ETCD_ENDPOINTS), which orders concurrent writers: the first value a
+compare_set writes is everyone's. Under the store's key prefix
 ``rumor/<run id>/live/``:
 
 - ``e<E>/members``: the members of epoch E in rank order, sealed with the job secret's MAC (a

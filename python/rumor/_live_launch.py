@@ -2,9 +2,11 @@
 
 torchrun's agent stops every worker when one fails and starts them all again; here a failed
 worker is the only one started again, as a newcomer, while the others keep training. The
-launcher hosts the job's store (the survivors agree through it, so it must outlive any
-worker), tells the store at once when a worker exits (the members learn it within a beat, before
-any heartbeat could), and ends when the job's training has ended on its members.
+launchers host the job's store (the survivors agree through it, so it must outlive any
+worker): node 0's TCPStore, or with --store etcd an etcd member in each of the first three
+(rumor._etcd_member), so that it outlives any one launcher too. A launcher tells the store at
+once when a worker exits (the members learn it within a beat, before any heartbeat could), and
+ends when the job's training has ended on its members.
 """
 from __future__ import annotations
 
@@ -62,8 +64,22 @@ def main(args) -> None:
         rdzv = uuid.uuid4().hex[:12]
     run_id = f"live-{rdzv}"
     kind = str(getattr(args, "rumor_store", None) or "tcp")
+    tls = None
+    if getattr(args, "rumor_tls", "off") == "auto":
+        import atexit
+
+        from ._tlsauto import AutoTls
+
+        if kind.startswith("etcd://"):
+            raise SystemExit("rumor-run: --tls auto makes a job CA, which cannot vouch for an etcd cluster you run "
+                             "(--store etcd://...): give its https:// endpoints and RUMOR_TLS_CERT/KEY/CA yourself")
+        tls = AutoTls(multi_node=nodes > 1, job_id=rdzv)
+        tls.prepare()
+        atexit.register(tls.close)
     etcd_member = None
     if kind == "tcp":
+        if tls is not None:
+            tls.write()
         if getattr(args, "rumor_store_hosts", None):
             raise SystemExit("rumor-run: --store-hosts is for --store etcd")
         # Node 0's launcher hosts the store every member agrees through; the others connect to it.
@@ -76,10 +92,10 @@ def main(args) -> None:
         store_env = {}
     else:
         from . import _etcd_member
-        from ._etcd_store import EtcdStore
+        from ._etcd_store import EtcdStore, tls_context_from_env
 
-        endpoints, etcd_member = _etcd(args, kind, nodes, node, run_id)
-        store = EtcdStore(endpoints, 60.0)
+        endpoints, etcd_member = _etcd(args, kind, nodes, node, run_id, tls)
+        store = EtcdStore(endpoints, 60.0, tls_context_from_env() if tls is not None else None)
         try:
             _etcd_member.wait_ready(store, [etcd_member] if etcd_member else [], _env_timeout())
         except BaseException:
@@ -191,9 +207,10 @@ def main(args) -> None:
         raise SystemExit(1)
 
 
-def _etcd(args, kind: str, nodes: int, node: int, run_id: str):
+def _etcd(args, kind: str, nodes: int, node: int, run_id: str, tls):
     """The endpoints of the job's etcd cluster, this host's first, and the member this launcher
-    runs (None: an external cluster, or a host past the first three)."""
+    runs (None: an external cluster, or a host past the first three). tls: the launcher's
+    AutoTls (--tls auto), whose host certificate then also names this host's member address."""
     import atexit
 
     from ._etcd_member import MAX_MEMBERS, Member, free_port
@@ -223,11 +240,17 @@ def _etcd(args, kind: str, nodes: int, node: int, run_id: str):
         port = int(args.master_port or 29500)  # clients on --master-port, peers on the next one
         peers = [(h, port, port + 1) for h in hosts]
     member = None
+    paths = None
+    if tls is not None:
+        tls.write(sans=[peers[node][0]] if node < k else [])
+        paths = {name: tls.paths[var] for var, name in (("RUMOR_TLS_CERT", "cert"), ("RUMOR_TLS_KEY", "key"),
+                                                        ("RUMOR_TLS_CA", "ca"))}
     if node < k:
-        member = Member(node, peers, token=run_id)
+        member = Member(node, peers, token=run_id, tls=paths)
         atexit.register(member.stop)  # whatever way this launcher ends short of SIGKILL
         member.start()
-    endpoints = [f"http://{h}:{c}" for h, c, _ in peers]
+    scheme = "https" if tls is not None else "http"
+    endpoints = [f"{scheme}://{h}:{c}" for h, c, _ in peers]
     if member is not None:  # this host's member first: the traffic stays local while it is up
         endpoints = endpoints[node:] + endpoints[:node]
     return endpoints, member

@@ -52,7 +52,7 @@ def _parser():
                             "libnccl-net-rumor.so and puts its folder on LD_LIBRARY_PATH "
                             "(RUMOR_NCCL_NET_PLUGIN=1 does the same; docs/netplugin.md)")
     group.add_argument("--live", dest="rumor_live", action="store_true",
-                       help="live membership on one host: a worker that fails leaves, the others keep training "
+                       help="live membership: a worker that fails leaves, the others keep training "
                             "in the same processes, and it is started again as a newcomer that joins at a step "
                             "boundary (--max-restarts times; rumor.elastic.run scripts; docs/elastic.md)")
     group.add_argument("--live-min", dest="rumor_live_min", default=None,

@@ -209,6 +209,47 @@ def test_a_member_lost_is_not_noticed_and_a_majority_lost_fails_naming_the_endpo
     assert all(m.dir is None for m in members)
 
 
+def test_tls_members_take_only_clients_with_a_certificate_of_the_job_ca(tmp_path):
+    """A member started with the --tls auto credentials (the job CA; the host certificate names
+    127.0.0.1): a client with the host certificate works; one without a client certificate, one
+    that does not trust the job CA, and plain http are refused."""
+    import ssl
+
+    from rumor import _tlsauto
+
+    creds = _tlsauto.make_credentials(None, "test-etcd-tls", sans=["127.0.0.1"])
+    paths = {}
+    for kind in ("cert", "key", "ca"):
+        paths[kind] = str(tmp_path / f"{kind}.pem")
+        with open(os.open(paths[kind], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(creds[kind])
+    peers = [("127.0.0.1", _etcd_member.free_port("127.0.0.1"), _etcd_member.free_port("127.0.0.1"))]
+    member = _etcd_member.Member(0, peers, f"tls-{os.getpid()}", tls=paths)
+    good = ssl.create_default_context(cafile=paths["ca"])
+    good.load_cert_chain(paths["cert"], paths["key"])
+    stores = []
+    try:
+        member.start()
+        assert member.client_url.startswith("https://127.0.0.1:")
+        store = EtcdStore([member.client_url], 30.0, good)
+        stores.append(store)
+        _etcd_member.wait_ready(store, [member], 30.0)
+        store.set("k", "v")
+        assert store.get("k") == b"v" and store.add("n", 4) == 4
+        no_cert = ssl.create_default_context(cafile=paths["ca"])
+        other_ca = ssl.create_default_context()
+        for ctx, url in ((no_cert, member.client_url), (other_ca, member.client_url),
+                         (None, member.client_url.replace("https://", "http://"))):
+            s = EtcdStore([url], 1.0, ctx)
+            stores.append(s)
+            with pytest.raises(EtcdStoreError):
+                s.get("k")
+    finally:
+        for s in stores:
+            s.close()
+        member.stop()
+
+
 def test_parse_endpoints():
     assert parse_endpoints("etcd://h1:2379,h2:2380") == ["http://h1:2379", "http://h2:2380"]
     assert parse_endpoints("https://10.0.0.1:2379, 10.0.0.2:2379") == ["https://10.0.0.1:2379", "https://10.0.0.2:2379"]

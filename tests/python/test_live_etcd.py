@@ -105,3 +105,37 @@ def test_the_job_survives_the_host_that_ran_the_store(tmp_path):
     for got, want in zip(ref, _simulate(sizes)):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
     assert "the etcd store stopped answering" not in text, text
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd (Debian's etcd-server) is not installed")
+@pytest.mark.parametrize("tls", ["off", "auto"])
+def test_one_host_with_its_store_in_etcd(tmp_path, tls):
+    """--store etcd on one host (one member on loopback, no netns needed): r1 is SIGKILLed before
+    its step 4 and r0 goes on alone; the launcher exits 0, its member stopped and its data
+    directory removed. With --tls auto the store is reached over https with the job's
+    certificates (the data channels use them too)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    data = tmp_path / "etcd"
+    data.mkdir()
+    cmd = [sys.executable, "-m", "rumor.run", "--live", "--store", "etcd", "--tls", tls, "--nproc-per-node", "2",
+           "--max-restarts", "0", str(script), "r1", str(FAULT), str(STEPS + 1), str(STEPS), str(tmp_path), "kill",
+           "same-model", "GradientAllReduce"]
+    p = subprocess.Popen(cmd, env=dict(_env(), RUMOR_ETCD_DIR=str(data)), cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"rumor-run --live --store etcd did not finish within {DEADLINE_S} s:\n{out.decode()[-6000:]}")
+    text = out.decode(errors="replace")
+    assert p.returncode == 0, text[-6000:]
+    scheme = "https" if tls == "auto" else "http"
+    assert f"etcd {scheme}://127.0.0.1:" in text and os.listdir(data) == [], text[-6000:]
+    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
+    final = json.loads((tmp_path / "r0.final.json").read_text())
+    sizes = _sizes_applied(logs)
+    assert sizes == [2] * FAULT + [1] * (STEPS - FAULT), sizes
+    for got, want in zip(final["params"], _simulate(sizes)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
