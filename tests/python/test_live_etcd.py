@@ -1,7 +1,9 @@
 """Live membership with its store in etcd (rumor-run --live --store etcd): no single point of
 failure (docs/elastic.md).
 
-Three emulated hosts (network namespaces), one launcher, one etcd member and one worker each.
+Three emulated hosts (network namespaces), one launcher, one etcd member and one worker each,
+with --tls auto: the members' client and peer traffic is https with certificates of the job CA
+each launcher derives from the job secret.
 Node 0's worker stops itself before its step 4; the test then kills node 0's whole host: its
 launcher (which, with --store tcp, would have held the store), its etcd member and its worker.
 The other two hosts go on: their workers find r0 silent, re-form as two through the two etcd
@@ -57,7 +59,7 @@ def test_the_job_survives_the_host_that_ran_the_store(tmp_path):
                 out = open(tmp_path / f"launcher{node}.txt", "w+b")
                 outs.append(out)
                 procs.append(cluster.popen(node, [
-                    sys.executable, "-m", "rumor.run", "--live", "--store", "etcd", "--store-hosts", hosts,
+                    sys.executable, "-m", "rumor.run", "--live", "--store", "etcd", "--store-hosts", hosts, "--tls", "auto",
                     "--nnodes", str(HOSTS), "--node-rank", str(node), "--nproc-per-node", "1", "--max-restarts", "0",
                     "--live-min", "2", "--master-port", "29500", "--rdzv-id", "live-etcd-test", str(script),
                     "r0", str(FAULT), str(STEPS + 1), str(STEPS), str(tmp_path), "stop", "same-model",
@@ -86,6 +88,7 @@ def test_the_job_survives_the_host_that_ran_the_store(tmp_path):
         text += f"\n===== launcher {node} =====\n" + out.read().decode(errors="replace")[-6000:]
         out.close()
     assert [p.returncode for p in procs] == [-signal.SIGKILL, 0, 0], text
+    assert text.count("etcd https://") == HOSTS, text
     # Nothing left running on any host: the survivors' etcd members stopped with their launchers.
     assert left == {i: [] for i in range(HOSTS)}, (left, text)
     # Only the killed host's member left its data directory behind (SIGKILL: no cleanup).
