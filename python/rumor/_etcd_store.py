@@ -287,7 +287,8 @@ class EtcdStore(dist.Store):
     def multi_get(self, keys: List[str]) -> List[bytes]:
         op = f"multi_get({list(keys)!r})"
         self._await(list(keys), op, self._deadline())
-        r = self._call("kv/txn", {"success": [{"request_range": {"key": self._key(k), **self._read}} for k in keys]}, op)
+        ranges = [{"request_range": {"key": self._key(k), **self._read}} for k in keys]
+        r = self._call("kv/txn", {"success": ranges}, op)
         out = []
         for k, x in zip(keys, r.get("responses", [])):
             kvs = x.get("response_range", {}).get("kvs") or []

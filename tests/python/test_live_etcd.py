@@ -26,7 +26,8 @@ import time
 import pytest
 import torch
 
-from test_live import STEPS, WORKER, _env, _read_log, _simulate, _sizes_applied
+import harness
+from test_live import STEPS, WORKER, _env, _read_log, _simulate, _sizes_applied, _stop_and_collect
 
 DEADLINE_S = 120
 HOSTS, FAULT = 3, 4
@@ -59,34 +60,28 @@ def test_the_job_survives_the_host_that_ran_the_store(tmp_path):
                 out = open(tmp_path / f"launcher{node}.txt", "w+b")
                 outs.append(out)
                 procs.append(cluster.popen(node, [
-                    sys.executable, "-m", "rumor.run", "--live", "--store", "etcd", "--store-hosts", hosts, "--tls", "auto",
-                    "--nnodes", str(HOSTS), "--node-rank", str(node), "--nproc-per-node", "1", "--max-restarts", "0",
-                    "--live-min", "2", "--master-port", "29500", "--rdzv-id", "live-etcd-test", str(script),
-                    "r0", str(FAULT), str(STEPS + 1), str(STEPS), str(tmp_path), "stop", "same-model",
+                    sys.executable, "-m", "rumor.run", "--live", "--store", "etcd", "--store-hosts", hosts,
+                    "--tls", "auto", "--nnodes", str(HOSTS), "--node-rank", str(node), "--nproc-per-node", "1",
+                    "--max-restarts", "0", "--live-min", "2", "--master-port", "29500", "--rdzv-id", "live-etcd-test",
+                    str(script), "r0", str(FAULT), str(STEPS + 1), str(STEPS), str(tmp_path), "stop", "same-model",
                     "GradientAllReduce"],
                     env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + DEADLINE_S
             r0_log = tmp_path / "r0.log"
             # r0 logs steps 0..3, then stops itself before step 4: the others wait in step 4 for it.
-            while not (r0_log.exists() and len(_read_log(r0_log)) == FAULT):
-                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                    "the job did not reach step 4 with every launcher running"
+            reached, left = False, None
+            while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not reached:
+                reached = r0_log.exists() and len(_read_log(r0_log)) == FAULT
                 time.sleep(0.05)
-            os.killpg(procs[0].pid, signal.SIGKILL)  # node 0's launcher, etcd member and worker
-            procs[0].wait(10)
-            while any(p.poll() is None for p in procs[1:]) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            left = {i: _ns_pids(cluster.host(i).netns) for i in range(HOSTS)}
+            if reached:
+                os.killpg(procs[0].pid, signal.SIGKILL)  # node 0's launcher, etcd member and worker
+                procs[0].wait(10)
+                while any(p.poll() is None for p in procs[1:]) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                left = {i: _ns_pids(cluster.host(i).netns) for i in range(HOSTS)}
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-    text = ""
-    for node, out in enumerate(outs):
-        out.seek(0)
-        text += f"\n===== launcher {node} =====\n" + out.read().decode(errors="replace")[-6000:]
-        out.close()
+            text = _stop_and_collect(procs, outs)
+    assert reached, f"the job did not reach step {FAULT} with every launcher running:\n{text}"
     assert [p.returncode for p in procs] == [-signal.SIGKILL, 0, 0], text
     assert text.count("etcd https://") == HOSTS, text
     # Nothing left running on any host: the survivors' etcd members stopped with their launchers.
@@ -124,16 +119,7 @@ def test_one_host_with_its_store_in_etcd(tmp_path, tls):
     cmd = [sys.executable, "-m", "rumor.run", "--live", "--store", "etcd", "--tls", tls, "--nproc-per-node", "2",
            "--max-restarts", "0", str(script), "r1", str(FAULT), str(STEPS + 1), str(STEPS), str(tmp_path), "kill",
            "same-model", "GradientAllReduce"]
-    p = subprocess.Popen(cmd, env=dict(_env(), RUMOR_ETCD_DIR=str(data)), cwd=tmp_path, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"rumor-run --live --store etcd did not finish within {DEADLINE_S} s:\n{out.decode()[-6000:]}")
-    text = out.decode(errors="replace")
-    assert p.returncode == 0, text[-6000:]
+    text = harness.launch(cmd, tmp_path, {"RUMOR_ETCD_DIR": str(data), "RUMOR_TIMEOUT": "60"}, DEADLINE_S)
     scheme = "https" if tls == "auto" else "http"
     assert f"etcd {scheme}://127.0.0.1:" in text and os.listdir(data) == [], text[-6000:]
     logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
