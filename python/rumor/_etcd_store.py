@@ -40,6 +40,8 @@ ENDPOINTS_ENV = "RUMOR_ETCD_ENDPOINTS"  # comma-separated http(s)://host:port of
 # answers nothing, not even a reset) and the next one is tried, within the call's deadline.
 _ATTEMPT_S = 3.0
 _Value = Union[str, bytes]
+# How a kept-alive connection the other side closed while idle fails on its next request.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 
 class EtcdStoreError(dist.DistStoreError):
@@ -164,6 +166,7 @@ class EtcdStore(dist.Store):
                     if left <= 0:
                         break
                     attempt = min(left, _ATTEMPT_S)
+                    reused = self._conn is not None
                     try:
                         if self._conn is None:
                             self._conn = self._connect(self._cur, attempt)
@@ -177,6 +180,8 @@ class EtcdStore(dist.Store):
                     except (OSError, http.client.HTTPException) as e:
                         errors.append(f"{self.endpoints[self._cur]}: {type(e).__name__}: {e}")
                         self._drop()
+                        if reused and isinstance(e, _STALE):
+                            continue  # a kept-alive connection the member had closed: once more, anew
                         self._cur = (self._cur + 1) % len(self.endpoints)
                         continue
                     if status == 200:
@@ -191,8 +196,8 @@ class EtcdStore(dist.Store):
                     self._cur = (self._cur + 1) % len(self.endpoints)
                 if time.monotonic() + pause >= deadline:
                     raise EtcdStoreError(
-                        f"rumor: etcd store: {op}: no etcd member answered before the deadline "
-                        f"({self.timeout.total_seconds():g} s; endpoints {', '.join(self.endpoints)}); "
+                        f"rumor: etcd store: {op}: no etcd member answered before the call's deadline "
+                        f"(store timeout {self.timeout.total_seconds():g} s; endpoints {', '.join(self.endpoints)}); "
                         f"last errors: {'; '.join(errors[-len(self.endpoints):]) or 'none (no time left)'}")
                 time.sleep(pause)
                 pause = min(pause * 2, 0.2)
