@@ -106,22 +106,39 @@ def test_the_job_survives_the_host_that_ran_the_store(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd (Debian's etcd-server) is not installed")
-@pytest.mark.parametrize("tls", ["off", "auto"])
-def test_one_host_with_its_store_in_etcd(tmp_path, tls):
-    """--store etcd on one host (one member on loopback, no netns needed): r1 is SIGKILLed before
-    its step 4 and r0 goes on alone; the launcher exits 0, its member stopped and its data
-    directory removed. With --tls auto the store is reached over https with the job's
-    certificates (the data channels use them too)."""
+@pytest.mark.parametrize("how", ["started-tls", "external"])
+def test_one_host_with_its_store_in_etcd(tmp_path, how):
+    """--store etcd on one host (no netns needed): r1 is SIGKILLed before its step 4 and r0 goes
+    on alone; the launcher exits 0. started-tls: the launcher runs one member on loopback, with
+    --tls auto (https, the job's certificates on both sides), stopped at the end with its data
+    directory removed; external: --store etcd://... names a plain-http member this test runs, and
+    the launcher starts none (nor stops it)."""
+    from rumor import _etcd_member
+
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     data = tmp_path / "etcd"
     data.mkdir()
-    cmd = [sys.executable, "-m", "rumor.run", "--live", "--store", "etcd", "--tls", tls, "--nproc-per-node", "2",
-           "--max-restarts", "0", str(script), "r1", str(FAULT), str(STEPS + 1), str(STEPS), str(tmp_path), "kill",
-           "same-model", "GradientAllReduce"]
-    text = harness.launch(cmd, tmp_path, {"RUMOR_ETCD_DIR": str(data), "RUMOR_TIMEOUT": "60"}, DEADLINE_S)
-    scheme = "https" if tls == "auto" else "http"
+    store = ["--store", "etcd", "--tls", "auto"]
+    external = None
+    try:
+        if how == "external":
+            peers = [("127.0.0.1", _etcd_member.free_port("127.0.0.1"), _etcd_member.free_port("127.0.0.1"))]
+            external = _etcd_member.Member(0, peers, f"external-{os.getpid()}")
+            external.start()
+            store = ["--store", f"etcd://127.0.0.1:{peers[0][1]}"]
+        cmd = [sys.executable, "-m", "rumor.run", "--live", *store, "--nproc-per-node", "2", "--max-restarts", "0",
+               str(script), "r1", str(FAULT), str(STEPS + 1), str(STEPS), str(tmp_path), "kill", "same-model",
+               "GradientAllReduce"]
+        text = harness.launch(cmd, tmp_path, {"RUMOR_ETCD_DIR": str(data), "RUMOR_TIMEOUT": "60"}, DEADLINE_S)
+        if external is not None:
+            assert external.alive(), "the launcher stopped a member it did not start"
+    finally:
+        if external is not None:
+            external.stop()
+    scheme = "https" if how == "started-tls" else "http"
     assert f"etcd {scheme}://127.0.0.1:" in text and os.listdir(data) == [], text[-6000:]
+    assert ("member rumor0 here" in text) == (how != "external"), text[-6000:]
     logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
     final = json.loads((tmp_path / "r0.final.json").read_text())
     sizes = _sizes_applied(logs)
