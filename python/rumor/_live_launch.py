@@ -78,10 +78,10 @@ def main(args) -> None:
         atexit.register(tls.close)
     etcd_member = None
     if kind == "tcp":
-        if tls is not None:
-            tls.write()
         if getattr(args, "rumor_store_hosts", None):
             raise SystemExit("rumor-run: --store-hosts is for --store etcd")
+        if tls is not None:
+            tls.write()
         # Node 0's launcher hosts the store every member agrees through; the others connect to it.
         addr = "127.0.0.1" if nodes == 1 else args.master_addr
         port = 0 if nodes == 1 else int(args.master_port or 29500)
