@@ -143,7 +143,9 @@ def wait_ready(store: EtcdStore, members: List[Member], timeout: float) -> None:
                 return
             except EtcdStoreError as e:
                 if time.monotonic() > deadline:
+                    hint = ("are the other store hosts' launchers started?" if members
+                            else "is the cluster running and reachable from here?")
                     raise SystemExit(f"rumor-run: the etcd cluster {', '.join(store.endpoints)} did not answer "
-                                     f"within {timeout:g} s (are the other store hosts' launchers started?): {e}")
+                                     f"within {timeout:g} s ({hint}): {e}")
     finally:
         probe.close()
