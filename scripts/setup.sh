@@ -12,6 +12,9 @@ command -v tc >/dev/null 2>&1 || apt_pkgs+=(iproute2)
 command -v g++ >/dev/null 2>&1 || apt_pkgs+=(g++)
 command -v ccache >/dev/null 2>&1 || apt_pkgs+=(ccache)  # compiler cache: scripts/ccache_env.sh
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)  # rumor.data cache; rumor starts its own
+# rumor-run --live --store etcd: the launchers start their own members (etcd), etcdctl to look inside
+command -v etcd >/dev/null 2>&1 || apt_pkgs+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || apt_pkgs+=(etcd-client)
 # The fuzz targets (scripts/fuzz.sh): clang's libFuzzer with ASan+UBSan.
 command -v clang++-14 >/dev/null 2>&1 || apt_pkgs+=(clang-14)
 compgen -G "/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null || apt_pkgs+=(libfuzzer-14-dev)
@@ -19,13 +22,15 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
   echo "setup: apt-get install ${apt_pkgs[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  # No system redis service: a policy-rc.d (unless one exists) stops the package from starting it.
+  # No system redis or etcd service: a policy-rc.d (unless one exists) stops the packages from starting them.
   rc_policy=""; [ -e /usr/sbin/policy-rc.d ] || { rc_policy=/usr/sbin/policy-rc.d; printf '#!/bin/sh\nexit 101\n' >"$rc_policy"; chmod +x "$rc_policy"; }
   apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
   [ -z "$rc_policy" ] || rm -f "$rc_policy"
-  if [ -d /run/systemd/system ] && systemctl list-unit-files redis-server.service >/dev/null 2>&1; then
-    systemctl disable --now redis-server >/dev/null 2>&1 || true
-  fi
+  for svc in redis-server etcd; do
+    if [ -d /run/systemd/system ] && systemctl list-unit-files "$svc.service" >/dev/null 2>&1; then
+      systemctl disable --now "$svc" >/dev/null 2>&1 || true
+    fi
+  done
 fi
 
 PY=${PYTHON:-python3}

@@ -2,8 +2,9 @@
 a newcomer joins at a step boundary (docs/elastic.md, "Live membership").
 
 Started by ``rumor-run --live`` (RUMOR_LIVE=1). Everything the members must agree on goes through
-the launcher's store (rumor-run hosts it, as torchrun's agent does), which orders concurrent
-writers: the first value a compare_set writes is everyone's. Under the store's key prefix
+the job's store (node 0's launcher hosts it, as torchrun's agent does; or, with --store etcd, an
+etcd cluster: RUMOR_ETCD_ENDPOINTS), which orders concurrent writers: the first value a
+compare_set writes is everyone's. Under the store's key prefix
 ``rumor/<run id>/live/``:
 
 - ``e<E>/members``: the members of epoch E in rank order, sealed with the job secret's MAC (a
@@ -32,7 +33,6 @@ connections are keyed by that rendezvous, so nothing a rank of an older epoch se
 from __future__ import annotations
 
 import atexit
-import datetime
 import json
 import logging
 import os
@@ -130,12 +130,7 @@ def _prefix() -> str:
 
 
 def _client(timeout: float):
-    import torch.distributed as dist
-
-    env = _rendezvous.read_env()
-    base = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
-    return dist.PrefixStore(_prefix(), base)
+    return _rendezvous.prefixed(_rendezvous.shared_store(_rendezvous.read_env(), timeout), _prefix())
 
 
 def _count(store, key: str) -> int:

@@ -2,9 +2,11 @@
 
 torchrun's agent stops every worker when one fails and starts them all again; here a failed
 worker is the only one started again, as a newcomer, while the others keep training. The
-launcher hosts the job's store (the survivors agree through it, so it must outlive any
-worker), tells the store at once when a worker exits (the members learn it within a beat, before
-any heartbeat could), and ends when the job's training has ended on its members.
+launchers host the job's store (the survivors agree through it, so it must outlive any
+worker): node 0's TCPStore, or with --store etcd an etcd member in each of the first three
+(rumor._etcd_member), so that it outlives any one launcher too. A launcher tells the store at
+once when a worker exits (the members learn it within a beat, before any heartbeat could), and
+ends when the job's training has ended on its members.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import uuid
 from typing import Dict, List
 
 _POLL_S = 0.02
+_GRACE_S = 1.0  # ten etcd heartbeats: every member learns the last commit before a member stops
+_BEAT_S = 0.5  # a launcher's beat in the store (--store etcd): how its peers know it still runs
 
 
 def _command(args) -> List[str]:
@@ -31,7 +35,8 @@ def _command(args) -> List[str]:
 def main(args) -> None:
     import torch.distributed as dist
 
-    from . import _live, _secret, _shm
+    from . import _live, _rendezvous, _secret, _shm
+    from ._etcd_store import ENDPOINTS_ENV
 
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
     if not min_nodes.isdigit() or (max_nodes and max_nodes != min_nodes) or int(min_nodes) < 1:
@@ -54,21 +59,60 @@ def main(args) -> None:
         raise SystemExit(f"rumor-run: --live on several hosts needs the same job secret on each "
                          f"({_secret.SECRET_ENV} or {_secret.SECRET_FILE_ENV}; docs/security.md)")
     restarts = int(args.max_restarts)
-    # Node 0's launcher hosts the store every member agrees through; the others connect to it.
-    addr = "127.0.0.1" if nodes == 1 else args.master_addr
-    port = 0 if nodes == 1 else int(args.master_port or 29500)
-    store = dist.TCPStore(addr, port, is_master=node == 0, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
     rdzv = str(getattr(args, "rdzv_id", None) or "none")
     if nodes == 1 and rdzv == "none":
         rdzv = uuid.uuid4().hex[:12]
     run_id = f"live-{rdzv}"
-    live = dist.PrefixStore(f"rumor/{run_id}/live/", store)
+    kind = str(getattr(args, "rumor_store", None) or "tcp")
+    tls = None
+    if getattr(args, "rumor_tls", "off") == "auto":
+        import atexit
+
+        from ._tlsauto import AutoTls
+
+        if kind.startswith("etcd://"):
+            raise SystemExit("rumor-run: --tls auto makes a job CA, which cannot vouch for an etcd cluster you run "
+                             "(--store etcd://...): give its https:// endpoints and RUMOR_TLS_CERT/KEY/CA yourself")
+        tls = AutoTls(multi_node=nodes > 1, job_id=rdzv)
+        tls.prepare()
+        atexit.register(tls.close)
+    etcd_member = None
+    if kind == "tcp":
+        if getattr(args, "rumor_store_hosts", None):
+            raise SystemExit("rumor-run: --store-hosts is for --store etcd")
+        if tls is not None:
+            tls.write()
+        # Node 0's launcher hosts the store every member agrees through; the others connect to it.
+        addr = "127.0.0.1" if nodes == 1 else args.master_addr
+        port = 0 if nodes == 1 else int(args.master_port or 29500)
+        store = dist.TCPStore(addr, port, is_master=node == 0, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        port = store.port
+        where = f"store {addr}:{port}"
+        store_env = {}
+    else:
+        from . import _etcd_member
+        from ._etcd_store import EtcdStore, tls_context_from_env
+
+        endpoints, etcd_member = _etcd(args, kind, nodes, node, run_id, tls)
+        store = EtcdStore(endpoints, 60.0, tls_context_from_env() if tls is not None else None)
+        try:
+            _etcd_member.wait_ready(store, [etcd_member] if etcd_member else [], _env_timeout())
+        except BaseException:
+            if etcd_member is not None:
+                etcd_member.stop()
+            raise
+        addr, port = store.endpoints[0].split("://", 1)[1].rsplit(":", 1)
+        where = f"etcd {','.join(endpoints)}" + (f", member rumor{node} here" if etcd_member else "")
+        store_env = {ENDPOINTS_ENV: ",".join(endpoints)}
+    live = _rendezvous.prefixed(store, f"rumor/{run_id}/live/")
     base_env = dict(os.environ)
-    base_env.update(MASTER_ADDR=addr, MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
+    base_env.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(n), GROUP_RANK=str(node), ROLE_RANK=str(node),
                     TORCHELASTIC_USE_AGENT_STORE="true", TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0",
-                    **{_live.LIVE_ENV: "1", _live.MIN_ENV: str(least)})
+                    **{_live.LIVE_ENV: "1", _live.MIN_ENV: str(least)}, **store_env)
+    if not store_env:  # a TCP store: workers must not find an etcd this shell happened to name
+        base_env.pop(ENDPOINTS_ENV, None)
     base_env.pop(_live.JOIN_ENV, None)
     if _secret.given() is None:  # one host: this user's secret, as rumor-run gives torchrun's workers
         _secret.user_secret()
@@ -92,7 +136,7 @@ def main(args) -> None:
     for r in range(n):
         start(f"r{node * n + r}", r, False)
     print(f"rumor-run --live: node {node} of {nodes}: {n} workers, at least {least} of {world} to train on, "
-          f"{restarts} restart(s) (store {addr}:{store.port}, run {run_id})", file=sys.stderr, flush=True)
+          f"{restarts} restart(s) ({where}, run {run_id})", file=sys.stderr, flush=True)
     failed_after_end = False
 
     def on_signal(signum, _frame):
@@ -100,8 +144,13 @@ def main(args) -> None:
         raise SystemExit(128 + signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    next_beat = 0.0
+    finished = False
     try:
         while any(p.poll() is None for p in procs.values()):
+            if kind != "tcp" and time.monotonic() >= next_beat:  # _leave_etcd: this launcher still runs
+                _beat(live, node)
+                next_beat = time.monotonic() + _BEAT_S
             for member, p in list(procs.items()):
                 code = p.poll()
                 if code is None or member.startswith("~"):
@@ -133,17 +182,144 @@ def main(args) -> None:
                 break
             time.sleep(_POLL_S)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        stop_all(signal.SIGKILL)
-        _shm.sweep()
-        # The store lives in node 0's launcher: it stays until every launcher is done with it.
         try:
-            live.add("launchers_done", 1)
-            deadline = time.monotonic() + 30
-            while node == 0 and int(live.add("launchers_done", 0)) < nodes and time.monotonic() < deadline:
-                time.sleep(0.05)
-        except Exception:
-            pass
-    if not live.check(["job_done"]) or failed_after_end:
+            stop_all(signal.SIGKILL)
+            _shm.sweep()
+            try:
+                finished = live.check(["job_done"])
+            except Exception:
+                finished = False
+            if kind == "tcp":
+                # The store lives in node 0's launcher: it stays until every launcher is done with it.
+                try:
+                    live.add("launchers_done", 1)
+                    deadline = time.monotonic() + 30
+                    while node == 0 and int(live.add("launchers_done", 0)) < nodes and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                except Exception:
+                    pass
+            else:
+                _leave_etcd(store, live, nodes, node, etcd_member)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    if not finished or failed_after_end:
         raise SystemExit(1)
+
+
+def _etcd(args, kind: str, nodes: int, node: int, run_id: str, tls):
+    """The endpoints of the job's etcd cluster, this host's first, and the member this launcher
+    runs (None: an external cluster, or a host past the first three). tls: the launcher's
+    AutoTls (--tls auto), whose host certificate then also names this host's member address."""
+    import atexit
+
+    from ._etcd_member import MAX_MEMBERS, Member, free_port
+    from ._etcd_store import parse_endpoints
+
+    hosts_arg = str(getattr(args, "rumor_store_hosts", None) or "")
+    if kind.startswith("etcd://"):
+        if hosts_arg:
+            raise SystemExit("rumor-run: --store-hosts names the hosts rumor-run starts etcd on; with an external "
+                             "cluster (--store etcd://...) leave it out")
+        try:
+            return parse_endpoints(kind), None
+        except ValueError as e:
+            raise SystemExit(f"rumor-run: --store: {e}") from None
+    if kind != "etcd":
+        raise SystemExit(f"rumor-run: --store takes tcp, etcd or etcd://host:port[,host:port...], got {kind!r}")
+    k = min(MAX_MEMBERS, nodes)
+    if nodes == 1:
+        peers = [("127.0.0.1", free_port("127.0.0.1"), free_port("127.0.0.1"))]
+    else:
+        hosts = [h.strip() for h in hosts_arg.split(",") if h.strip()]
+        if len(hosts) != k:
+            raise SystemExit(f"rumor-run: --store etcd on {nodes} hosts runs an etcd member on nodes 0..{k - 1}: give "
+                             f"their addresses in that order, the same on every node, with --store-hosts "
+                             f"(e.g. --store-hosts {','.join(f'10.0.0.{i + 1}' for i in range(k))}); got "
+                             f"{hosts_arg or 'none'}")
+        port = int(args.master_port or 29500)  # clients on --master-port, peers on the next one
+        peers = [(h, port, port + 1) for h in hosts]
+    member = None
+    paths = None
+    if tls is not None:
+        tls.write(sans=[peers[node][0]] if node < k else [])
+        paths = {name: tls.paths[var] for var, name in (("RUMOR_TLS_CERT", "cert"), ("RUMOR_TLS_KEY", "key"),
+                                                        ("RUMOR_TLS_CA", "ca"))}
+    if node < k:
+        member = Member(node, peers, token=run_id, tls=paths)
+        atexit.register(member.stop)  # whatever way this launcher ends short of SIGKILL
+        member.start()
+    scheme = "https" if tls is not None else "http"
+    endpoints = [f"{scheme}://{h}:{c}" for h, c, _ in peers]
+    if member is not None:  # this host's member first: the traffic stays local while it is up
+        endpoints = endpoints[node:] + endpoints[:node]
+    return endpoints, member
+
+
+def _env_timeout() -> float:
+    from ._env import env_float
+
+    return env_float("RUMOR_TIMEOUT", 300.0, positive=True)
+
+
+def _beat(live, node: int) -> None:
+    live.add(f"launcher/{node}/beat", 1)
+
+
+def _leave_etcd(store, live, nodes: int, node: int, member) -> None:
+    """With etcd every member's launcher is needed for the majority, not only node 0's. A launcher
+    that is done keeps its member up while another launcher still runs (its beat moves) and is not
+    done. Then the member launchers leave together: each says it released its member, and stops
+    it once every other member launcher released (or is gone) and a grace period passed, in which
+    the others' members learn that its last write was committed. Launchers that are gone (their
+    beat stood still past the silence) are not waited for. The waits read this host's member
+    alone (serializable reads), which answers also once the others stopped theirs."""
+    import datetime
+
+    from . import _live
+    from ._env import env_float
+
+    silence_s = 2 * env_float(_live.HEARTBEAT_ENV, 2.0, positive=True)
+    for s in (store, live):
+        s.set_timeout(datetime.timedelta(seconds=5))
+    local = live.local_reads()
+    released = False
+    try:
+        live.set(f"launcher/{node}/done", "1")
+        if member is not None:
+            _await_launchers(local, live, node, range(nodes), "done", silence_s)
+            live.set(f"launcher/{node}/released", "1")
+            released = True
+            _await_launchers(local, live, node, range(member.count), "released", silence_s)
+            time.sleep(_GRACE_S)
+    except Exception as e:
+        if not released:  # after it, the others stopped their members: nothing was left to do
+            print(f"rumor-run --live: the etcd store stopped answering while this launcher left: {e}",
+                  file=sys.stderr, flush=True)
+    finally:
+        if member is not None:
+            member.stop()
+        for s in (store, live, local):
+            s.close()
+
+
+def _await_launchers(local, live, node: int, nodes, mark: str, silence_s: float) -> None:
+    """Until every launcher of nodes but this one set launcher/<i>/<mark> or is silent; this
+    launcher beats meanwhile (it is not gone, only waiting)."""
+    seen: Dict[int, tuple] = {}
+    while True:
+        now = time.monotonic()
+        waiting = []
+        for i in nodes:
+            if i == node or local.check([f"launcher/{i}/{mark}"]):
+                continue
+            key = f"launcher/{i}/beat"
+            c = int(local.get(key)) if local.check([key]) else 0
+            if seen.get(i, (None,))[0] != c:
+                seen[i] = (c, now)
+            if now - seen[i][1] <= silence_s:
+                waiting.append(i)
+        if not waiting:
+            return
+        _beat(live, node)
+        time.sleep(0.1)

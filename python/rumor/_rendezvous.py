@@ -228,27 +228,48 @@ def fault_point(point: str, generation: Optional[int] = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def shared_store(env: Env, timeout: float, is_master: bool = False):
+    """The job's store without a prefix: the etcd cluster RUMOR_ETCD_ENDPOINTS names (rumor-run
+    --live --store etcd), else the TCPStore at MASTER_ADDR:MASTER_PORT (hosted here if is_master)."""
+    import torch.distributed as dist
+
+    from . import _etcd_store
+
+    etcd = _etcd_store.from_env(timeout)
+    if etcd is not None:
+        return etcd
+    # multi_tenant lets a later torch.distributed.init_process_group() in this process share
+    # the same server instead of failing on a busy port.
+    return dist.TCPStore(env.master_addr, env.master_port, env.size, is_master=is_master,
+                         timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False, multi_tenant=True)
+
+
 def store_for(env: Env, timeout: float, generation: int):
     import torch.distributed as dist
 
-    td = datetime.timedelta(seconds=timeout)
-    if dist.is_available() and dist.is_initialized():
+    from . import _etcd_store
+
+    if os.environ.get(_etcd_store.ENDPOINTS_ENV, "").strip():
+        base = shared_store(env, timeout)
+    elif dist.is_available() and dist.is_initialized():
         base = dist.distributed_c10d._get_default_store()
     else:
-        # Under torchrun the agent already hosts the store at MASTER_PORT; otherwise rank 0
-        # hosts it. multi_tenant lets a later torch.distributed.init_process_group() in this
-        # process share the same server instead of failing on a busy port.
+        # Under torchrun the agent already hosts the store at MASTER_PORT; otherwise rank 0 hosts it.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        base = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            env.size,
-            is_master=(env.rank == 0 and not agent),
-            timeout=td,
-            wait_for_workers=False,
-            multi_tenant=True,
-        )
-    return dist.PrefixStore(rendezvous_prefix(generation), base)
+        base = shared_store(env, timeout, is_master=env.rank == 0 and not agent)
+    return prefixed(base, rendezvous_prefix(generation))
+
+
+def prefixed(base, prefix: str):
+    """base's keys under prefix: a torch PrefixStore, or for the etcd store its own prefixed
+    copy (a PrefixStore would not keep a Python store's methods alive)."""
+    import torch.distributed as dist
+
+    from . import _etcd_store
+
+    if isinstance(base, _etcd_store.EtcdStore):
+        return base.with_prefix(prefix)
+    return dist.PrefixStore(prefix, base)
 
 
 def rendezvous_prefix(generation: int) -> str:

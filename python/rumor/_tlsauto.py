@@ -21,7 +21,7 @@ import hmac
 import os
 import socket
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from . import _secret
 
@@ -71,10 +71,11 @@ def ca_name(secret: Optional[bytes], job_id: str) -> str:
 
 
 def make_credentials(secret: Optional[bytes], job_id: str, host: Optional[str] = None,
-                     valid_s: float = VALID_S) -> Dict[str, bytes]:
+                     valid_s: float = VALID_S, sans: Sequence[str] = ()) -> Dict[str, bytes]:
     """{"cert", "key", "ca"}: this host's certificate and key, and the CA certificate (PEM); and
     "name", the CA's subject. secret None: a CA with a random key (one node); else the CA derived
-    from it (see above)."""
+    from it (see above). sans: the names (or addresses) the certificate answers for as a server
+    (the etcd member rumor-run --live --store etcd runs on this host, reached by its address)."""
     from . import _C
 
     name = ca_name(secret, job_id)
@@ -83,7 +84,7 @@ def make_credentials(secret: Optional[bytes], job_id: str, host: Optional[str] =
     else:
         ca_cert, ca_key = _C.tls_make_ca(name, valid_s, ca_scalar(secret, job_id))
     host = (host or socket.gethostname() or "host")[:48]
-    cert, key = _C.tls_issue_certificate(ca_cert, ca_key, f"rumor host {host}", [], valid_s)
+    cert, key = _C.tls_issue_certificate(ca_cert, ca_key, f"rumor host {host}", list(sans), valid_s)
     return {"cert": cert, "key": key, "ca": ca_cert, "name": name.encode()}
 
 
@@ -126,10 +127,10 @@ class AutoTls:
                 "(docs/security.md)")
         self._secret = js.secret
 
-    def write(self) -> Dict[str, str]:
+    def write(self, sans: Sequence[str] = ()) -> Dict[str, str]:
         """Makes the credentials, writes them (0600) and sets RUMOR_TLS_CERT/KEY/CA to their paths;
-        returns {variable: path}."""
-        creds = make_credentials(self._secret, self.job_id)
+        returns {variable: path}. sans: see make_credentials."""
+        creds = make_credentials(self._secret, self.job_id, sans=sans)
         directory = _secret.private_dir()
         token = os.urandom(8).hex()
         tag = _owner_tag()

@@ -52,12 +52,21 @@ def _parser():
                             "libnccl-net-rumor.so and puts its folder on LD_LIBRARY_PATH "
                             "(RUMOR_NCCL_NET_PLUGIN=1 does the same; docs/netplugin.md)")
     group.add_argument("--live", dest="rumor_live", action="store_true",
-                       help="live membership on one host: a worker that fails leaves, the others keep training "
+                       help="live membership: a worker that fails leaves, the others keep training "
                             "in the same processes, and it is started again as a newcomer that joins at a step "
                             "boundary (--max-restarts times; rumor.elastic.run scripts; docs/elastic.md)")
     group.add_argument("--live-min", dest="rumor_live_min", default=None,
                        help="with --live: the fewest workers training goes on with; below it the job waits "
                             "for newcomers (default 1)")
+    group.add_argument("--store", dest="rumor_store", default=None,
+                       help="with --live: where the job's store lives. tcp (default): in node 0's launcher. etcd: an "
+                            "etcd member in each of the first min(3, nnodes) launchers, so that no one host is needed "
+                            "(--store-hosts). etcd://h1:2379,h2:2379,...: an etcd cluster run by you "
+                            "(docs/elastic.md, \"No single point of failure\")")
+    group.add_argument("--store-hosts", dest="rumor_store_hosts", default=None,
+                       help="with --store etcd on several nodes: the addresses of nodes 0, 1, 2 (as many as there are "
+                            "members), comma-separated, the same on every node; each member listens there on "
+                            "--master-port (clients) and the next port (peers)")
     return parser
 
 
@@ -115,8 +124,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         from . import _live_launch
 
         return _live_launch.main(args)
-    if args.rumor_live_min is not None:
-        raise SystemExit("rumor-run: --live-min is for --live")
+    for flag, value in (("--live-min", args.rumor_live_min), ("--store", args.rumor_store),
+                        ("--store-hosts", args.rumor_store_hosts)):
+        if value is not None:
+            raise SystemExit(f"rumor-run: {flag} is for --live")
     from . import netplugin
 
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")

@@ -255,6 +255,20 @@ def test_a_newcomer_with_another_model_is_refused_and_the_others_go_on(tmp_path)
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
 
 
+def _stop_and_collect(procs, outs):
+    """Kills the launchers still running (their whole process groups) and returns their outputs."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    text = ""
+    for node, out in enumerate(outs):
+        out.seek(0)
+        text += f"\n===== launcher {node} =====\n" + out.read().decode(errors="replace")[-6000:]
+        out.close()
+    return text
+
+
 def test_live_on_two_emulated_hosts(tmp_path):
     """Two hosts (network namespaces) x two workers, one launcher per host; node 0's launcher
     hosts the store. r3 (host 1) is killed; the newcomer host 1's launcher starts joins."""
@@ -284,15 +298,7 @@ def test_live_on_two_emulated_hosts(tmp_path):
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 time.sleep(0.1)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-    text = ""
-    for node, out in enumerate(outs):
-        out.seek(0)
-        text += f"\n===== launcher {node} =====\n" + out.read().decode(errors="replace")[-6000:]
-        out.close()
+            text = _stop_and_collect(procs, outs)
     assert [p.returncode for p in procs] == [0, 0], text
     _check(tmp_path, "r3", text)
 
