@@ -694,11 +694,19 @@ def _run_live(train_fn, st: State, args, kwargs):
         raise ValueError("rumor.elastic: live membership counts the steps each member applied in optimizer.step(); "
                          "overlap_optimizer=True applies them during backward, so it cannot be used live")
     alg = st._algorithm
-    if alg is not None and not getattr(alg, "elastic_replicated", False):
+    if alg is not None and not getattr(alg, "elastic_replicated", False) and not getattr(alg, "elastic_live", False):
         raise NotImplementedError(
-            f"rumor.elastic: live membership runs algorithms whose ranks hold identical replicas and no state "
-            f"of their own (GradientAllReduce, ByteGrad); {type(alg).__name__} is not one yet: run it without "
-            "--live (restarts from commits)")
+            f"rumor.elastic: live membership runs algorithms whose ranks hold identical replicas (GradientAllReduce, "
+            f"the compressed allreduces, PowerSGD, 1-bit Adam; docs/elastic.md); {type(alg).__name__} is not one "
+            "yet: run it without --live (restarts from commits)")
+    # What undoes a step given up: the state after the last applied step (elastic_live algorithms).
+    mark = alg.elastic_live_mark if getattr(alg, "elastic_live", False) else (lambda: None)
+    undo = alg.elastic_live_undo if getattr(alg, "elastic_live", False) else (lambda: None)
+
+    def applied(*_):
+        _live.after_step()
+        mark()
+
     live = _live.current()
     if live.joined_fresh:
         st._live_sync()  # the survivors send the state from their re-forming
@@ -706,8 +714,9 @@ def _run_live(train_fn, st: State, args, kwargs):
                                   left=[], joined=list(live.new), reason="admitted", degraded_s=0.0))
     else:
         st.restore()
+    mark()
     hooks = (st.optimizer.register_step_pre_hook(lambda *_: _live.before_step()),
-             st.optimizer.register_step_post_hook(lambda *_: _live.after_step()))
+             st.optimizer.register_step_post_hook(applied))
     ended = None  # why the last epoch ended, while the next one is being formed
     try:
         while True:
@@ -716,6 +725,7 @@ def _run_live(train_fn, st: State, args, kwargs):
                     change = _live.reform(ended)
                     ended = None
                     st._live_rebind()  # a failure in here ends that epoch too, and the loop goes again
+                    mark()
                     _mark_change(change)
                     _live.notify(change)
                 out = train_fn(st, *args, **kwargs)
@@ -725,6 +735,7 @@ def _run_live(train_fn, st: State, args, kwargs):
                 if not _live.is_membership_failure(e):
                     raise
                 ended = f"{type(e).__name__}: {e}"
+                undo()  # before the wrapper is built again: the step in flight is redone from the mark
     finally:
         for h in hooks:
             h.remove()

@@ -1,0 +1,233 @@
+"""Live membership (rumor-run --live) beyond GradientAllReduce: the compressed allreduces
+(LowPrecision, QSGD), PowerSGD and 1-bit Adam. Three workers on one host; r1 is SIGKILLed before
+its step 3, the two others give that step up and go on, and a newcomer is admitted by step 6.
+
+Every run checks what test_live.py checks of GradientAllReduce: the survivors' pids never change,
+every step is applied once, the membership timeline is 3, 2 from the fault, 3 from the admission,
+and the members' final parameters are bitwise equal. Then each algorithm's own rule
+(docs/elastic.md, "Live membership", the table):
+
+* LowPrecision (float16 on the wire, round to nearest): the float64 run of the timeline, within
+  float16's rounding;
+* QSGD (stochastic levels): the float64 run of the timeline within the quantization's spread,
+  and further from the run where all three always trained than from it;
+* PowerSGD (rank 1, compression from step 2, error feedback): a float64 PowerSGD of the timeline,
+  whose error feedback restarts from zero at each change and whose warm-started Q goes on, to
+  float32 rounding;
+* 1-bit Adam (freeze step 2; on one host hierarchical averages the momenta at full precision):
+  a float64 Adam that freezes its variance at step 2 and then averages the preconditioned momenta
+  of the timeline's ranks, to float32 rounding. The given-up steps run the momentum update inside
+  backward, so this fails unless each is undone. Without hierarchical (1-bit on the wire, error
+  feedback): the members agree bitwise.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from test_live import _env, _read_log, _simulate
+from test_powersgd import _Reference
+
+DEADLINE_S = 120
+STEPS, GROW, FAULT, FREEZE = 10, 6, 3, 2
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import torch
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    kind, victim, fault_step, grow_step, total, out = sys.argv[1:7]
+    fault_step, grow_step, total = int(fault_step), int(grow_step), int(total)
+    me, pid = os.environ["RUMOR_LIVE_ID"], os.getpid()
+    rumor.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    A = rumor.algorithms
+    if kind.startswith("OneBitAdam"):
+        opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=0.01, freeze_step=%(freeze)d)
+        alg = A.OneBitAdamAlgorithm(opt, hierarchical=kind == "OneBitAdam-hierarchical")
+        ddp = DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    else:
+        alg = {"LowPrecision": lambda: A.LowPrecision(hierarchical=False),
+               "QSGD": lambda: A.QSGD(levels=256, hierarchical=False),
+               "PowerSGD": lambda: A.PowerSGD(matrix_approximation_rank=1, start_powerSGD_iter=%(freeze)d)}[kind]()
+        ddp = DistributedDataParallel(model, algorithm=alg)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = rumor.elastic.State(ddp, opt)
+    log = open(os.path.join(out, f"{me}.log"), "a")
+    changes = []
+    rumor.elastic.on_change(lambda c: changes.append([c.epoch, c.size, c.left, c.joined]))
+
+
+    @rumor.elastic.run
+    def train(state):
+        while state.step < total:
+            if me == victim and state.step == fault_step:
+                os.kill(pid, signal.SIGKILL)
+            if state.step == grow_step:
+                rumor.elastic.wait_for_members(3, timeout=60)
+            g = torch.Generator().manual_seed(1000 * state.step + rumor.rank())
+            x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            log.write(json.dumps({"step": state.step, "size": rumor.size(), "pid": pid}) + "\\n")
+            log.flush()
+            state.step += 1
+
+
+    train(state)
+    with open(os.path.join(out, f"{me}.final.json"), "w") as f:
+        json.dump({"pid": pid, "changes": changes,
+                   "params": [p.detach().double().flatten().tolist() for p in model.parameters()]}, f)
+    """
+) % {"freeze": FREEZE}
+
+
+def _run(tmp_path, kind):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "rumor.run", "--live", "--nproc-per-node", "3", "--max-restarts", "1",
+           "--live-min", "2", str(script), kind, "r1", str(FAULT), str(GROW), str(STEPS), str(tmp_path)]
+    p = subprocess.Popen(cmd, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"rumor-run --live did not finish within {DEADLINE_S} s:\n{out.decode(errors='replace')[-8000:]}")
+    text = out.decode(errors="replace")
+    assert p.returncode == 0, text[-8000:]
+    return text
+
+
+def _timeline(tmp_path, text):
+    """Checks the run's membership and returns (the world size of every step, the members' final
+    parameters, bitwise equal across members)."""
+    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
+    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
+              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
+    survivors = ["r0", "r2"]
+    assert sorted(finals) == sorted(survivors + ["j1"]), text[-6000:]
+    for m, entries in logs.items():
+        steps = [e["step"] for e in entries]
+        assert steps == sorted(set(steps)), (m, steps)
+    for m in survivors:
+        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
+        assert [e["step"] for e in logs[m]] == list(range(STEPS)), m
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(2, ["r1"], []), (3, [], ["j1"])], finals[m]
+    sizes = [e["size"] for e in logs["r0"]]
+    for m, entries in logs.items():
+        assert all(sizes[e["step"]] == e["size"] for e in entries), (m, entries)
+    first = logs["j1"][0]["step"]
+    assert [e["step"] for e in logs["j1"]] == list(range(first, STEPS))
+    assert sizes == [3] * FAULT + [2] * (first - FAULT) + [3] * (STEPS - first) and FAULT < first <= GROW, sizes
+    ref = finals["r0"]["params"]
+    for m, f in finals.items():
+        assert f["params"] == ref, f"{m} differs from r0"
+    return sizes, [torch.tensor(p, dtype=torch.float64) for p in ref]
+
+
+def _model64():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+
+
+def _grads(model, step, n):
+    """name -> gradient of each of the ranks 0..n-1 at this step (float64)."""
+    out = []
+    for r in range(n):
+        g = torch.Generator().manual_seed(1000 * step + r)
+        x, y = torch.randn(6, 8, generator=g).double(), torch.randn(6, 1, generator=g).double()
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        out.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    return out
+
+
+def _simulate_powersgd(sizes):
+    """SGD with momentum on PowerSGD's average (test_powersgd's float64 reference), the world
+    following the timeline; at each change the error feedback restarts from zero."""
+    model = _model64()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref = _Reference(sizes[0], rank=1, start=FREEZE)
+    bucket = [[(name, tuple(p.shape)) for name, p in model.named_parameters()]]
+    for step, n in enumerate(sizes):
+        if n != ref.world:
+            ref.world, ref.err = n, [dict() for _ in range(n)]
+        avg = ref.step(bucket, _grads(model, step, n))
+        for name, p in model.named_parameters():
+            p.grad = avg[name].reshape(p.shape)
+        opt.step()
+    return [p.detach().flatten() for p in model.parameters()]
+
+
+def _simulate_onebit_adam(sizes, lr=0.01, betas=(0.9, 0.999), eps=1e-8):
+    """Adam on the averaged gradients up to the freeze step; then the variance stays, and the
+    preconditioned momentum u = beta1 u + (1 - beta1) avg(g) / denom drives p -= lr u / (1 - beta1^t)."""
+    model = _model64()
+    params = dict(model.named_parameters())
+    m = {k: torch.zeros_like(p) for k, p in params.items()}
+    v = {k: torch.zeros_like(p) for k, p in params.items()}
+    b1, b2 = betas
+    for step, n in enumerate(sizes):
+        grads = _grads(model, step, n)
+        t = step + 1
+        with torch.no_grad():
+            for k, p in params.items():
+                g = sum(gr[k] for gr in grads) / n
+                if t <= FREEZE:
+                    m[k].lerp_(g, 1 - b1)
+                    v[k].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    denom = (v[k].sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+                    p.addcdiv_(m[k], denom, value=-lr / (1 - b1 ** t))
+                    if t == FREEZE:
+                        m[k].div_(denom)
+                    continue
+                inv = 1 / ((v[k].sqrt() / math.sqrt(1 - b2 ** FREEZE)) + eps)
+                m[k].mul_(b1).add_(g * inv, alpha=1 - b1)
+                p.add_(m[k], alpha=-lr / (1 - b1 ** t))
+    return [p.detach().flatten() for p in model.parameters()]
+
+
+def _close(got, want, rtol, atol):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+
+
+def _far(got, want, rtol, atol):
+    return any(not torch.allclose(g, w, rtol=rtol, atol=atol) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("kind", ["LowPrecision", "QSGD", "PowerSGD", "OneBitAdam-hierarchical", "OneBitAdam"])
+def test_a_killed_worker_leaves_and_a_newcomer_joins(tmp_path, kind):
+    text = _run(tmp_path, kind)
+    assert "worker r1" in text and "signal 9" in text
+    sizes, got = _timeline(tmp_path, text)
+    full = [3] * STEPS
+    if kind == "LowPrecision":
+        _close(got, _simulate(sizes), rtol=2e-3, atol=2e-4)
+        assert _far(got, _simulate(full), rtol=2e-3, atol=2e-4)
+    elif kind == "QSGD":
+        want, other = _simulate(sizes), _simulate(full)
+        dist = lambda a: sum(float((g - w).norm() ** 2) for g, w in zip(got, a)) ** 0.5
+        assert dist(want) < 0.5 * dist(other), (dist(want), dist(other))
+    elif kind == "PowerSGD":
+        _close(got, _simulate_powersgd(sizes), rtol=2e-5, atol=2e-6)
+        assert _far(got, _simulate_powersgd(full), rtol=1e-3, atol=1e-4)
+    elif kind == "OneBitAdam-hierarchical":
+        _close(got, _simulate_onebit_adam(sizes), rtol=2e-5, atol=2e-6)
+        assert _far(got, _simulate_onebit_adam(full), rtol=1e-3, atol=1e-4)
