@@ -694,20 +694,43 @@ def _run_live(train_fn, st: State, args, kwargs):
         raise ValueError("rumor.elastic: live membership counts the steps each member applied in optimizer.step(); "
                          "overlap_optimizer=True applies them during backward, so it cannot be used live")
     alg = st._algorithm
-    if alg is not None and not getattr(alg, "elastic_replicated", False) and not getattr(alg, "elastic_live", False):
+    step_wise = getattr(alg, "elastic_live", False)
+    rounds = getattr(alg, "elastic_live_rounds", False)
+    if alg is not None and not getattr(alg, "elastic_replicated", False) and not step_wise and not rounds:
         raise NotImplementedError(
-            f"rumor.elastic: live membership runs algorithms whose ranks hold identical replicas (GradientAllReduce, "
-            f"the compressed allreduces, PowerSGD, 1-bit Adam; docs/elastic.md); {type(alg).__name__} is not one "
-            "yet: run it without --live (restarts from commits)")
-    # What undoes a step given up: the state after the last applied step (elastic_live algorithms).
-    mark = alg.elastic_live_mark if getattr(alg, "elastic_live", False) else (lambda: None)
-    undo = alg.elastic_live_undo if getattr(alg, "elastic_live", False) else (lambda: None)
+            f"rumor.elastic: live membership runs algorithms whose ranks end every step, or every round, with "
+            f"identical weights (GradientAllReduce, the compressed allreduces, PowerSGD, 1-bit Adam, LocalSGD; "
+            f"docs/elastic.md); {type(alg).__name__} is not one yet: run it without --live (restarts from commits)")
+    live = _live.current()
+    kept = []  # rounds: the State's bytes at the start of the round, and the steps applied then
+
+    def mark():
+        """What undoes the step (the round) in flight: elastic_live algorithms keep their own state
+        of the last applied step; with rounds, the whole State at the round's start is kept."""
+        if step_wise:
+            alg.elastic_live_mark()
+        elif rounds:
+            kept[:] = [st._payload(), live.applied]
+
+    def undo():
+        if step_wise:
+            alg.elastic_live_undo()
+        elif rounds and kept and not alg.elastic_live_at_boundary():  # between rounds nothing is given up
+            st._apply(torch.load(io.BytesIO(kept[0]), weights_only=True))
+            live.applied = kept[1]
+
+    def before_step(*_):
+        if rounds:
+            if not alg.elastic_live_at_boundary():
+                return  # inside a round the ranks train alone: newcomers wait for its end
+            mark()
+        _live.before_step()
 
     def applied(*_):
         _live.after_step()
-        mark()
+        if step_wise:
+            mark()
 
-    live = _live.current()
     if live.joined_fresh:
         st._live_sync()  # the survivors send the state from their re-forming
         _mark_change(_live.Change(epoch=live.epoch, size=len(live.members), rank=live.members.index(live.me),
@@ -715,8 +738,7 @@ def _run_live(train_fn, st: State, args, kwargs):
     else:
         st.restore()
     mark()
-    hooks = (st.optimizer.register_step_pre_hook(lambda *_: _live.before_step()),
-             st.optimizer.register_step_post_hook(applied))
+    hooks = (st.optimizer.register_step_pre_hook(before_step), st.optimizer.register_step_post_hook(applied))
     ended = None  # why the last epoch ended, while the next one is being formed
     try:
         while True:
@@ -735,7 +757,7 @@ def _run_live(train_fn, st: State, args, kwargs):
                 if not _live.is_membership_failure(e):
                     raise
                 ended = f"{type(e).__name__}: {e}"
-                undo()  # before the wrapper is built again: the step in flight is redone from the mark
+                undo()  # before the wrapper is built again: the step (round) in flight is redone from the mark
     finally:
         for h in hooks:
             h.remove()

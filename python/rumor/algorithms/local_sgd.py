@@ -134,6 +134,7 @@ class LocalSGD(WarmupThenLocal, Algorithm):
         self.backward_passes = 0  # synchronized backward passes so far (warm-up counts these)
         self.averages = 0         # averaging points so far (within a host or global)
         self.global_averages = 0  # of which over every rank
+        self._synced_at = 0  # self.steps when the replicas were last made identical (live membership)
         self._ddp = None
 
     def __repr__(self) -> str:
@@ -146,7 +147,7 @@ class LocalSGD(WarmupThenLocal, Algorithm):
         return self.backward_passes >= self.warmup_steps
 
     def init(self, ddp) -> None:
-        if self._ddp is not None:
+        if self._ddp is not None and self._ddp is not ddp:  # the same wrapper: rebuilt by live membership
             raise RuntimeError("LocalSGD: this algorithm object already serves a DistributedDataParallel; "
                                "create one per wrapper")
         _need_optimizer(ddp, "LocalSGD")
@@ -168,7 +169,10 @@ class LocalSGD(WarmupThenLocal, Algorithm):
     def after_step(self, ddp) -> None:
         s = self.steps
         self.steps += 1
-        if s < self.warmup_steps or (s - self.warmup_steps) % self.sync_every:
+        if s < self.warmup_steps:
+            self._synced_at = self.steps  # the warm-up averages gradients: the replicas stay identical
+            return
+        if (s - self.warmup_steps) % self.sync_every:
             return
         k = (s - self.warmup_steps) // self.sync_every
         self._flat.ensure_views()
@@ -181,6 +185,7 @@ class LocalSGD(WarmupThenLocal, Algorithm):
             for f in self._flat.flats:
                 _allreduce_avg(ddp.group, f, algo)
             self.global_averages += 1
+            self._synced_at = self.steps
         self.averages += 1
 
     def state_dict(self) -> dict:
@@ -196,6 +201,22 @@ class LocalSGD(WarmupThenLocal, Algorithm):
 
     # rumor.elastic: between averages the replicas differ; a commit keeps their average.
     elastic_consensus = True
+    # Live membership (rumor-run --live) goes by rounds: each average is one quorum of the
+    # epoch's ranks. A round that a failure interrupts is given up: every member goes back to the
+    # round's start (the last average, and its own optimizer state) and trains it again with the
+    # new world; newcomers are admitted only between rounds, with the state a member holds there.
+    elastic_live_rounds = True
+
+    def elastic_live_at_boundary(self) -> bool:
+        """Whether the replicas are at a round boundary (the warm-up, or the last step ended with
+        an average over every rank that completed): live membership keeps the State there and
+        admits newcomers there.
+
+        Returns:
+            True before the first step, during the warm-up and right after such an average.
+        """
+        # Across several hosts, hierarchical: only the averages over every rank end a round.
+        return self._synced_at == self.steps
 
     def elastic_state_dict(self) -> dict:
         """The algorithm's own part of a rumor.elastic commit: state_dict().
@@ -231,6 +252,7 @@ class LocalSGD(WarmupThenLocal, Algorithm):
         was_local = self._local
         for k in ("steps", "backward_passes", "averages", "global_averages"):
             setattr(self, k, int(sd[k]))
+        self._synced_at = self.steps  # saved at a round boundary (live) or as the ranks' average (commit)
         if self._ddp is not None and self._local != was_local:
             self._ddp._refresh_bucket_ops()
 
