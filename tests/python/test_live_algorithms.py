@@ -39,9 +39,12 @@ from test_powersgd import _Reference
 
 DEADLINE_S = 120
 STEPS, GROW, FAULT, FREEZE = 10, 6, 3, 2
-# LocalSGD: averages after steps 0, 3, 6, 9; r1 dies inside the round of steps 4-6, the newcomer
-# is admitted at the round that starts at step 7.
-EVERY, ROUND_FAULT, ROUND_START, ROUND_GROW = 3, 5, 4, 7
+# Rounds of 3 steps. LocalSGD averages after steps 0, 3, 6, 9 (torch's PeriodicModelAverager):
+# r1 dies inside the round of steps 4-6, the newcomer is admitted at the round that starts at
+# step 7. DiLoCo takes its outer step after steps 2, 5, 8: r1 dies inside the round of steps
+# 3-5, the newcomer is admitted at step 6. (kind, steps, round ends, fault, its round's start, grow)
+EVERY = 3
+ROUNDS = {"LocalSGD": (10, [0, 3, 6, 9], 5, 4, 7), "DiLoCo": (9, [2, 5, 8], 4, 3, 6)}
 
 WORKER = textwrap.dedent(
     """
@@ -61,9 +64,10 @@ WORKER = textwrap.dedent(
         opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=0.01, freeze_step=%(freeze)d)
         alg = A.OneBitAdamAlgorithm(opt, hierarchical=kind == "OneBitAdam-hierarchical")
         ddp = DistributedDataParallel(model, optimizer=opt, algorithm=alg)
-    elif kind == "LocalSGD":
+    elif kind in ("LocalSGD", "DiLoCo"):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ddp = DistributedDataParallel(model, optimizer=opt, algorithm=A.LocalSGD(sync_every=%(every)d))
+        alg = A.LocalSGD(sync_every=%(every)d) if kind == "LocalSGD" else A.DiLoCo(inner_steps=%(every)d)
+        ddp = DistributedDataParallel(model, optimizer=opt, algorithm=alg)
     else:
         alg = {"LowPrecision": lambda: A.LowPrecision(hierarchical=False),
                "QSGD": lambda: A.QSGD(levels=256, hierarchical=False),
@@ -102,11 +106,11 @@ WORKER = textwrap.dedent(
 ) % {"freeze": FREEZE, "every": EVERY}
 
 
-def _run(tmp_path, kind, fault=FAULT, grow=GROW):
+def _run(tmp_path, kind, fault=FAULT, grow=GROW, steps=STEPS):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "rumor.run", "--live", "--nproc-per-node", "3", "--max-restarts", "1",
-           "--live-min", "2", str(script), kind, "r1", str(fault), str(grow), str(STEPS), str(tmp_path)]
+           "--live-min", "2", str(script), kind, "r1", str(fault), str(grow), str(steps), str(tmp_path)]
     p = subprocess.Popen(cmd, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -239,15 +243,16 @@ def test_a_killed_worker_leaves_and_a_newcomer_joins(tmp_path, kind):
         assert _far(got, _simulate_onebit_adam(full), rtol=1e-3, atol=1e-4)
 
 
-def _simulate_local_sgd(sizes):
-    """float64 local SGD: each round (one step, then EVERY steps) the timeline's ranks train
-    copies of the model alone, then their parameters are averaged."""
+def _simulate_rounds(kind, sizes, ends):
+    """float64: each round (the steps up to each of ends) the timeline's ranks train copies of
+    the model alone (SGD, lr 0.1), then LocalSGD sets the model to their average; DiLoCo steps
+    its outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9) with the average of outer - copy."""
     import copy
 
     model = _model64()
-    ends = [s for s in range(STEPS) if s % EVERY == 0] + [STEPS - 1]
+    outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     start = 0
-    for end in sorted(set(ends)):
+    for end in ends:
         steps = list(range(start, end + 1))
         n = sizes[start]
         assert all(sizes[s] == n for s in steps), (steps, sizes)
@@ -265,36 +270,44 @@ def _simulate_local_sgd(sizes):
             replicas.append(list(m.parameters()))
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):
-                p.copy_(sum(rep[i] for rep in replicas) / n)
+                avg = sum(rep[i] for rep in replicas) / n
+                if kind == "LocalSGD":
+                    p.copy_(avg)
+                else:
+                    p.grad = p - avg
+        if kind == "DiLoCo":
+            outer_opt.step()
         start = end + 1
     return [p.detach().flatten() for p in model.parameters()]
 
 
-def test_local_sgd_gives_up_the_round_a_failure_interrupts_and_admits_newcomers_between_rounds(tmp_path):
-    """LocalSGD(sync_every=3): r1 dies before step 5, inside the round of steps 4-6; the two
-    others train steps 5 and 6 alone, fail at the round's average, go back to the round's start
-    and train it again with two. The newcomer enters at the next round, at step 7 (or at step 4,
-    should it be ready that early). The result equals a float64 local SGD of those rounds."""
-    text = _run(tmp_path, "LocalSGD", fault=ROUND_FAULT, grow=ROUND_GROW)
+@pytest.mark.parametrize("kind", sorted(ROUNDS))
+def test_a_round_a_failure_interrupts_is_given_up_and_newcomers_enter_between_rounds(tmp_path, kind):
+    """LocalSGD(sync_every=3), DiLoCo(inner_steps=3): r1 dies inside a round; the two others
+    train its remaining local steps alone, fail at the round's average, go back to the round's
+    start and train it again with two. The newcomer enters at the next round (or at the round
+    given up, should it be ready that early). The result equals a float64 run of those rounds."""
+    steps, ends, fault, start, grow = ROUNDS[kind]
+    text = _run(tmp_path, kind, fault=fault, grow=grow, steps=steps)
     assert "worker r1" in text and "signal 9" in text
     logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
     finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
               for f in os.listdir(tmp_path) if f.endswith(".final.json")}
     assert sorted(finals) == ["j1", "r0", "r2"], text[-6000:]
+    redone = steps - start
     for m in ("r0", "r2"):
         assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
         # The round the failure interrupted is trained again from its start; no other step twice.
-        assert [e["step"] for e in logs[m]] == list(range(ROUND_FAULT + 1)) + list(range(ROUND_START, STEPS)), m
+        assert [e["step"] for e in logs[m]] == list(range(fault + 1)) + list(range(start, steps)), m
         assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(2, ["r1"], []), (3, [], ["j1"])], finals[m]
     first = logs["j1"][0]["step"]
-    assert first in (ROUND_START, ROUND_GROW) and [e["step"] for e in logs["j1"]] == list(range(first, STEPS))
-    sizes = [e["size"] for e in logs["r0"]][-(STEPS - ROUND_START):]
-    sizes = [3] * ROUND_START + sizes
-    assert sizes == [3] * ROUND_START + [2] * (first - ROUND_START) + [3] * (STEPS - first), sizes
-    assert all(sizes[e["step"]] == e["size"] for e in logs["r2"][-(STEPS - ROUND_START):] + logs["j1"])
+    assert first in (start, grow) and [e["step"] for e in logs["j1"]] == list(range(first, steps))
+    sizes = [3] * start + [e["size"] for e in logs["r0"]][-redone:]
+    assert sizes == [3] * start + [2] * (first - start) + [3] * (steps - first), sizes
+    assert all(sizes[e["step"]] == e["size"] for e in logs["r2"][-redone:] + logs["j1"])
     # The last average leaves every member with the same parameters.
     ref = finals["r0"]["params"]
     assert all(f["params"] == ref for f in finals.values())
     got = [torch.tensor(p, dtype=torch.float64) for p in ref]
-    _close(got, _simulate_local_sgd(sizes), rtol=2e-5, atol=2e-6)
-    assert _far(got, _simulate_local_sgd([3] * STEPS), rtol=1e-3, atol=1e-4)
+    _close(got, _simulate_rounds(kind, sizes, ends), rtol=2e-5, atol=2e-6)
+    assert _far(got, _simulate_rounds(kind, [3] * steps, ends), rtol=1e-3, atol=1e-4)

@@ -41,6 +41,12 @@ class Algorithm:
     # how a step given up is undone, and what becomes of each rank's own state (error feedback)
     # when the world changes. docs/elastic.md has the rule of each algorithm.
     elastic_live = False
+    # An algorithm whose ranks train alone between averages (LocalSGD, DiLoCo) runs live by
+    # rounds instead: elastic_live_rounds, and elastic_live_at_boundary() says whether the last
+    # step ended with an average over every rank. rumor.elastic keeps the whole State at each
+    # round's start, gives up a round a failure interrupts (every member goes back to its start)
+    # and admits newcomers only between rounds.
+    elastic_live_rounds = False
     # rumor.elastic.verify compares the replicas' state; keys named here (of the optimizer's
     # per-parameter state and of elastic_state_dict()) are each rank's own, e.g. error feedback,
     # and are left out of the comparison.
@@ -63,6 +69,15 @@ class Algorithm:
         elastic_live_mark() and applies its rule for each rank's own state on a change (see
         docs/elastic.md); nothing on the base class. Called again, it does the same.
         """
+
+    def elastic_live_at_boundary(self) -> bool:
+        """Live membership, on algorithms with elastic_live_rounds: whether the replicas are at a
+        round boundary (the last step ended with an average over every rank).
+
+        Returns:
+            True on the base class (every step is a round).
+        """
+        return True
 
     def init(self, ddp: "DistributedDataParallel") -> None:
         """Called once, after parameters were broadcast and buckets built.

@@ -373,6 +373,7 @@ class DiLoCo(Algorithm):
         self._ddp = None
         self.fragments: List[_Fragment] = []
         self.outer_optimizer: Optional[torch.optim.Optimizer] = None
+        self._synced_at = 0  # self.steps when the last outer step was applied (live membership)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(inner_steps={self.inner_steps}, num_fragments={self.num_fragments}, "
@@ -382,9 +383,11 @@ class DiLoCo(Algorithm):
     # ---- Algorithm hooks ----------------------------------------------------------------------
 
     def init(self, ddp) -> None:
-        if self._ddp is not None:
+        if self._ddp is not None and self._ddp is not ddp:
             raise RuntimeError(f"{type(self).__name__}: this algorithm object already serves a "
                                "DistributedDataParallel; create one per wrapper")
+        # The same wrapper built again over a new world (live membership): the round state goes on.
+        carry = self.state_dict() if self._ddp is ddp else None
         _need_optimizer(ddp, type(self).__name__)
         self._ddp = ddp
         params = list(ddp._params)
@@ -420,6 +423,8 @@ class DiLoCo(Algorithm):
             device = None if emulated() is not None else params[0].device
             self._device_avg = GroupAverager(self._group, device, self._codec, self.hierarchical,
                                              lambda: ddp._timeout)
+        if carry is not None:
+            self.load_state_dict(carry)
 
     def bucket_op(self, ddp, bucket):
         return _C.local_op()
@@ -512,6 +517,7 @@ class DiLoCo(Algorithm):
                 else:
                     s.x.copy_(torch.lerp(s.outer.data, s.x.to(s.outer.dtype), alpha))
         self.log.append(("apply", self.steps, f.index))
+        self._synced_at = self.steps
 
     def __del__(self):
         # The comm thread may still read or write the send buffers, which this object owns: let
@@ -544,6 +550,25 @@ class DiLoCo(Algorithm):
     # every rank): the next average sees outer - x̄, the mean of the ranks' pseudo-gradients at
     # the commit, whatever the new world size.
     elastic_consensus = True
+
+    # Live membership (rumor-run --live) goes by outer steps, as torchft's DiLoCo: each outer step
+    # averages over the epoch's ranks; a round that a failure interrupts is given up (every member
+    # goes back to its start and trains it again with the new world), and a newcomer enters at
+    # the next outer step with the outer parameters and optimizer. Streaming DiLoCo (fragments
+    # averaged at different steps, or in the background) has no step where every replica is
+    # the global model: not yet.
+    @property
+    def elastic_live_rounds(self) -> bool:
+        return self.num_fragments == 1 and self.fragment_sync_delay == 0
+
+    def elastic_live_at_boundary(self) -> bool:
+        """Whether the last inner step ended with the outer step (every replica is then the
+        global model): live membership keeps the State there and admits newcomers there.
+
+        Returns:
+            True before the first step and right after an outer step.
+        """
+        return self._synced_at == self.steps
 
     def elastic_state_dict(self) -> dict:
         """The algorithm's own part of a rumor.elastic commit: state_dict() (the outer parameters
@@ -627,6 +652,7 @@ class DiLoCo(Algorithm):
             raise ValueError(f"{type(self).__name__}.load_state_dict(): the outer parameters do not match this model")
         self.wait()
         self.steps = int(sd["steps"])
+        self._synced_at = self.steps  # a round boundary (live) or the ranks' average (commit)
         self.wire_bytes = float(sd["wire_bytes"])
         with torch.no_grad():
             for f, o, sent, pend in zip(self.fragments, outer, sd["sent"], sd["pending"]):
