@@ -358,11 +358,17 @@ class State:
 
     # ---- saving -----------------------------------------------------------------------------------
 
-    def _consensus(self):
+    def _consensus(self, weight: Optional[float] = None):
         """Collective over the wrapper's group: this rank's model and optimizer state dicts with
         every floating-point tensor replaced by its average over the ranks (one allreduce per
-        dtype). Integer tensors and the optimizers' step counts stay this rank's."""
+        dtype). Integer tensors and the optimizers' step counts stay this rank's. With weight,
+        the average counts each rank's state with its weight (live membership: 0 for a copy)."""
         from . import collectives
+
+        total = None
+        if weight is not None:
+            w = torch.tensor([float(weight)], dtype=torch.float64)
+            total = float(collectives.allreduce(w, collectives.ReduceOp.SUM, self.model.group)[0])
 
         if hasattr(self._algorithm, "synchronize"):
             self._algorithm.synchronize(self.model)  # no exchange may still write the replicas
@@ -378,7 +384,10 @@ class State:
         for dtype in sorted(by_dtype, key=str):  # the same order on every rank
             entries = by_dtype[dtype]
             flat = torch.cat([d[k].detach().reshape(-1) for d, k in entries])
-            avg = collectives.allreduce(flat, collectives.ReduceOp.AVG, self.model.group)
+            if total is None:
+                avg = collectives.allreduce(flat, collectives.ReduceOp.AVG, self.model.group)
+            else:
+                avg = collectives.allreduce(flat * weight, collectives.ReduceOp.SUM, self.model.group) / total
             off = 0
             for d, k in entries:
                 n = d[k].numel()
@@ -588,6 +597,7 @@ class State:
         from . import _live, _runtime, collectives
 
         live = _live.current()
+        copy = live.behind  # this member's state is about to be the source's (a newcomer's too)
         if live.sync:
             src = live.source
             if _runtime.rank() == src:
@@ -606,14 +616,29 @@ class State:
         else:
             self._reshard_sampler()
         live.joined_fresh = live.behind = False
+        alg = self._algorithm
+        if getattr(alg, "elastic_consensus", False) and getattr(alg, "elastic_live", False):
+            # Replicas that differ: the epoch starts from the average of those of the members
+            # that applied the most steps, each counted once (not the copies just sent).
+            model_sd, opt_sd = self._consensus(0.0 if copy else 1.0)
+            self._module.load_state_dict(model_sd)
+            _load_optimizer(self.optimizer, opt_sd)
         self._verify_restored()
 
     def _live_rebind(self) -> None:
         from .parallel import DistributedDataParallel
 
         if isinstance(self.model, DistributedDataParallel):
+            alg = self._algorithm
+            own = None
+            if getattr(alg, "elastic_consensus", False) and getattr(alg, "elastic_live", False):
+                # Building the wrapper broadcasts rank 0's weights; each replica must reach the
+                # average that follows (_live_sync) as it is.
+                own = {k: v.detach().clone() for k, v in self._module.state_dict().items()}
             try:
                 self.model._live_rebind()
+                if own is not None:
+                    self._module.load_state_dict(own)
             except ValueError as e:
                 # A newcomer whose model differs: refused (it raises the same error itself), and
                 # the members re-form without it.

@@ -64,6 +64,9 @@ WORKER = textwrap.dedent(
         opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=0.01, freeze_step=%(freeze)d)
         alg = A.OneBitAdamAlgorithm(opt, hierarchical=kind == "OneBitAdam-hierarchical")
         ddp = DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    elif kind == "Decentralized":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp = DistributedDataParallel(model, algorithm=A.Decentralized(peer_selection="exp2", hierarchical=False))
     elif kind in ("LocalSGD", "DiLoCo"):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         alg = A.LocalSGD(sync_every=%(every)d) if kind == "LocalSGD" else A.DiLoCo(inner_steps=%(every)d)
@@ -93,7 +96,7 @@ WORKER = textwrap.dedent(
             opt.zero_grad()
             loss.backward()
             opt.step()
-            log.write(json.dumps({"step": state.step, "size": rumor.size(), "pid": pid}) + "\\n")
+            log.write(json.dumps({"step": state.step, "size": rumor.size(), "rank": rumor.rank(), "pid": pid}) + "\\n")
             log.flush()
             state.step += 1
 
@@ -311,3 +314,69 @@ def test_a_round_a_failure_interrupts_is_given_up_and_newcomers_enter_between_ro
     got = [torch.tensor(p, dtype=torch.float64) for p in ref]
     _close(got, _simulate_rounds(kind, sizes, ends), rtol=2e-5, atol=2e-6)
     assert _far(got, _simulate_rounds(kind, [3] * steps, ends), rtol=1e-3, atol=1e-4)
+
+
+def _simulate_decentralized(logs, steps):
+    """float64 decentralized SGD over the exp2 graph of each step's world (rumor's own schedule,
+    mixing_matrix): x_{t+1}^i = sum_j W[j, i] x_t^j - 0.1 g^i(x_t^i). Where the world changed
+    between steps s - 1 and s, every replica becomes the average of those of the members that
+    applied step s - 1 and go on (a member behind received a copy; the departed and newcomers
+    are not counted). Returns the replicas of the last step, by rank."""
+    from rumor.algorithms.decentralized import mixing_matrix
+
+    by_step = {}
+    for entries in logs.values():
+        for e in entries:
+            by_step.setdefault(e["step"], set()).add(e["size"])
+    assert sorted(by_step) == list(range(steps)) and all(len(v) == 1 for v in by_step.values()), by_step
+    sizes = [by_step[s].pop() for s in range(steps)]
+    model = _model64()
+    x = [[p.detach().clone() for p in model.parameters()] for _ in range(sizes[0])]
+    for s, n in enumerate(sizes):
+        if s and n != sizes[s - 1]:
+            keep = [e["rank"] for entries in logs.values() for e in entries
+                    if e["step"] == s - 1 and entries[-1]["step"] >= s]
+            assert keep, (s, logs)
+            avg = [sum(x[r][i] for r in keep) / len(keep) for i in range(len(x[0]))]
+            x = [[t.clone() for t in avg] for _ in range(n)]
+        grads = []
+        for r in range(n):
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), x[r]):
+                    p.copy_(t)
+            g = torch.Generator().manual_seed(1000 * s + r)
+            xb, yb = torch.randn(6, 8, generator=g).double(), torch.randn(6, 1, generator=g).double()
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        w = mixing_matrix("exp2", n, s)
+        x = [[sum(float(w[j, i]) * x[j][k] for j in range(n)) - 0.1 * grads[i][k] for k in range(len(x[0]))]
+             for i in range(n)]
+    return [[t.flatten() for t in rep] for rep in x]
+
+
+def test_decentralized_exp2_rebuilds_its_graph_over_the_live_ranks(tmp_path):
+    """Decentralized(exp2): r1 dies before its step 3; the step in flight is undone (weights,
+    schedule position), the members left start the new epoch from the average of the replicas
+    of those that applied the most steps, and mix over the exp2 graph of two ranks; the newcomer
+    receives that average too when it is admitted. Each member's final replica equals its
+    rank's in a float64 run of the timeline."""
+    text = _run(tmp_path, "Decentralized")
+    assert "worker r1" in text and "signal 9" in text
+    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
+    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
+              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
+    assert sorted(finals) == ["j1", "r0", "r2"], text[-6000:]
+    for m, entries in logs.items():
+        steps = [e["step"] for e in entries]
+        assert steps == sorted(set(steps)), (m, steps)
+    for m in ("r0", "r2"):
+        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
+        assert logs[m][-1]["step"] == STEPS - 1, m
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(2, ["r1"], []), (3, [], ["j1"])], finals[m]
+    want = _simulate_decentralized(logs, STEPS)
+    # The replicas differ (exp2 over three ranks mixes one peer a step) and each follows its rank.
+    assert finals["r0"]["params"] != finals["r2"]["params"]
+    for m, f in finals.items():
+        got = [torch.tensor(p, dtype=torch.float64) for p in f["params"]]
+        _close(got, want[logs[m][-1]["rank"]], rtol=2e-5, atol=2e-6)
