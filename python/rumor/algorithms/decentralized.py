@@ -276,8 +276,13 @@ class Decentralized(Algorithm):
     # the schedule's position of the last applied step. At a change the members start from the
     # average of their replicas (rumor.elastic), and init() lays the same graph family over the
     # new world's ranks; its weights (1/2, 1/3, ...) keep W doubly stochastic, so the replicas
-    # still converge to their average.
-    elastic_live = True
+    # still converge to their average. A topology given as a matrix has a fixed size: not live.
+    @property
+    def elastic_live(self) -> bool:
+        """Whether live membership can run this Decentralized: with a named peer selection
+        ('all', 'shift_one', 'exp2', 'ring'), which is laid again over each new world; not with a
+        topology, whose size is fixed."""
+        return self._matrix is None
 
     def elastic_live_mark(self) -> None:
         """Keeps a copy of the weights and the schedule's position."""

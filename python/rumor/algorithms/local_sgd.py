@@ -559,6 +559,8 @@ class DiLoCo(Algorithm):
     # the global model: not yet.
     @property
     def elastic_live_rounds(self) -> bool:
+        """Whether live membership runs this DiLoCo by outer steps: with one fragment and no
+        sync delay (every replica is the global model after each outer step)."""
         return self.num_fragments == 1 and self.fragment_sync_delay == 0
 
     def elastic_live_at_boundary(self) -> bool:
