@@ -1,8 +1,11 @@
 """Live membership (rumor-run --live) beyond GradientAllReduce: the compressed allreduces
-(LowPrecision, QSGD), PowerSGD and 1-bit Adam. Three workers on one host; r1 is SIGKILLed before
-its step 3, the two others give that step up and go on, and a newcomer is admitted by step 6.
+(LowPrecision, QSGD), PowerSGD, 1-bit Adam, LocalSGD, DiLoCo and Decentralized (exp2). Three
+workers on one host; r1 is SIGKILLed in the middle of training, the two others go on, and a
+newcomer is admitted. Every launcher run has a deadline (harness.launch).
 
-Every run checks what test_live.py checks of GradientAllReduce: the survivors' pids never change,
+LocalSGD and DiLoCo go by rounds and Decentralized's replicas differ: their tests below say what
+they check. The step-wise algorithms (r1 killed before its step 3, the newcomer admitted by step
+6) check what test_live.py checks of GradientAllReduce: the survivors' pids never change,
 every step is applied once, the membership timeline is 3, 2 from the fault, 3 from the admission,
 and the members' final parameters are bitwise equal. Then each algorithm's own rule
 (docs/elastic.md, "Live membership", the table):
@@ -25,16 +28,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
-from test_live import _env, _read_log, _simulate
+import harness
+from test_live import _read_log, _simulate
 from test_powersgd import _Reference
 
 DEADLINE_S = 120
@@ -114,17 +115,7 @@ def _run(tmp_path, kind, fault=FAULT, grow=GROW, steps=STEPS):
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "rumor.run", "--live", "--nproc-per-node", "3", "--max-restarts", "1",
            "--live-min", "2", str(script), kind, "r1", str(fault), str(grow), str(steps), str(tmp_path)]
-    p = subprocess.Popen(cmd, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"rumor-run --live did not finish within {DEADLINE_S} s:\n{out.decode(errors='replace')[-8000:]}")
-    text = out.decode(errors="replace")
-    assert p.returncode == 0, text[-8000:]
-    return text
+    return harness.launch(cmd, tmp_path, env_extra={"RUMOR_TIMEOUT": "60"}, deadline_s=DEADLINE_S)
 
 
 def _timeline(tmp_path, text):
