@@ -623,6 +623,8 @@ class State:
             model_sd, opt_sd = self._consensus(0.0 if copy else 1.0)
             self._module.load_state_dict(model_sd)
             _load_optimizer(self.optimizer, opt_sd)
+            if hasattr(alg, "load_elastic_state_dict"):  # what it derives from the weights starts over from these
+                alg.load_elastic_state_dict(alg.elastic_state_dict())
         self._verify_restored()
 
     def _live_rebind(self) -> None:
@@ -763,7 +765,11 @@ def _run_live(train_fn, st: State, args, kwargs):
     else:
         st.restore()
     mark()
-    hooks = (st.optimizer.register_step_pre_hook(before_step), st.optimizer.register_step_post_hook(applied))
+
+    def install():
+        return (st.optimizer.register_step_pre_hook(before_step), st.optimizer.register_step_post_hook(applied))
+
+    hooks = install()
     ended = None  # why the last epoch ended, while the next one is being formed
     try:
         while True:
@@ -772,6 +778,9 @@ def _run_live(train_fn, st: State, args, kwargs):
                     change = _live.reform(ended)
                     ended = None
                     st._live_rebind()  # a failure in here ends that epoch too, and the loop goes again
+                    for h in hooks:  # again after the rebuilt wrapper's: a mark sees the algorithm's after_step
+                        h.remove()
+                    hooks = install()
                     mark()
                     _mark_change(change)
                     _live.notify(change)

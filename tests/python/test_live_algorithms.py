@@ -1,10 +1,11 @@
 """Live membership (rumor-run --live) beyond GradientAllReduce: the compressed allreduces
-(LowPrecision, QSGD), PowerSGD, 1-bit Adam, LocalSGD, DiLoCo and Decentralized (exp2). Three
-workers on one host; r1 is SIGKILLed in the middle of training, the two others go on, and a
-newcomer is admitted. Every launcher run has a deadline (harness.launch).
+(LowPrecision, QSGD), PowerSGD, 1-bit Adam, LocalSGD, DiLoCo, Decentralized (exp2) and
+LowPrecisionDecentralized. Three workers on one host; r1 is SIGKILLed in the middle of training,
+the two others go on, and a newcomer is admitted. Every launcher run has a deadline
+(harness.launch).
 
-LocalSGD and DiLoCo go by rounds and Decentralized's replicas differ: their tests below say what
-they check. The step-wise algorithms (r1 killed before its step 3, the newcomer admitted by step
+LocalSGD and DiLoCo go by rounds and the decentralized replicas differ: their tests below say
+what they check. The step-wise algorithms (r1 killed before its step 3, the newcomer admitted by step
 6) check what test_live.py checks of GradientAllReduce: the survivors' pids never change,
 every step is applied once, the membership timeline is 3, 2 from the fault, 3 from the admission,
 and the members' final parameters are bitwise equal. Then each algorithm's own rule
@@ -68,6 +69,10 @@ WORKER = textwrap.dedent(
     elif kind == "Decentralized":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ddp = DistributedDataParallel(model, algorithm=A.Decentralized(peer_selection="exp2", hierarchical=False))
+    elif kind == "LowPrecisionDecentralized":  # float64: the simulation quantizes the same values
+        model.double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp = DistributedDataParallel(model, optimizer=opt, algorithm=A.LowPrecisionDecentralized(hierarchical=False))
     elif kind in ("LocalSGD", "DiLoCo"):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         alg = A.LocalSGD(sync_every=%(every)d) if kind == "LocalSGD" else A.DiLoCo(inner_steps=%(every)d)
@@ -93,6 +98,8 @@ WORKER = textwrap.dedent(
                 rumor.elastic.wait_for_members(3, timeout=60)
             g = torch.Generator().manual_seed(1000 * state.step + rumor.rank())
             x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+            if kind == "LowPrecisionDecentralized":
+                x, y = x.double(), y.double()
             loss = torch.nn.functional.mse_loss(ddp(x), y)
             opt.zero_grad()
             loss.backward()
@@ -312,13 +319,19 @@ def test_a_round_a_failure_interrupts_is_given_up_and_newcomers_enter_between_ro
     assert _far(got, _simulate_rounds(kind, [3] * steps, ends), rtol=1e-3, atol=1e-4)
 
 
-def _simulate_decentralized(logs, steps):
+def _simulate_decentralized(logs, steps, kind="Decentralized"):
     """float64 decentralized SGD over the exp2 graph of each step's world (rumor's own schedule,
-    mixing_matrix): x_{t+1}^i = sum_j W[j, i] x_t^j - 0.1 g^i(x_t^i). Where the world changed
-    between steps s - 1 and s, every replica becomes the average of those of the members that
-    applied step s - 1 and go on (a member behind received a copy; the departed and newcomers
-    are not counted). Returns the replicas of the last step, by rank."""
+    mixing_matrix): x_{t+1}^i = sum_j W[j, i] x_t^j - 0.1 g^i(x_t^i); or LowPrecisionDecentralized's
+    documented ring rule (test_decentralized's reference), quantizing with rumor's MinMaxU8 codec:
+    y = x - 0.1 g, x = y + w (xh_left + xh_right - 2 xh), xh += decode(encode(x - xh)). Where the
+    world changed between steps s - 1 and s, every replica (and every tracked copy) becomes the
+    average of those of the members that applied step s - 1 and go on (a member behind received
+    a copy; the departed and newcomers are not counted). Returns the replicas of the last step,
+    by rank."""
     from rumor.algorithms.decentralized import mixing_matrix
+    from rumor.compression import MinMaxUInt8
+
+    codec = MinMaxUInt8()
 
     by_step = {}
     for entries in logs.values():
@@ -328,6 +341,8 @@ def _simulate_decentralized(logs, steps):
     sizes = [by_step[s].pop() for s in range(steps)]
     model = _model64()
     x = [[p.detach().clone() for p in model.parameters()] for _ in range(sizes[0])]
+    flat = lambda rep: torch.cat([t.flatten() for t in rep])  # noqa: E731
+    xh = [flat(rep) for rep in x]  # the tracked copies (LowPrecisionDecentralized)
     for s, n in enumerate(sizes):
         if s and n != sizes[s - 1]:
             keep = [e["rank"] for entries in logs.values() for e in entries
@@ -335,6 +350,7 @@ def _simulate_decentralized(logs, steps):
             assert keep, (s, logs)
             avg = [sum(x[r][i] for r in keep) / len(keep) for i in range(len(x[0]))]
             x = [[t.clone() for t in avg] for _ in range(n)]
+            xh = [flat(rep) for rep in x]
         grads = []
         for r in range(n):
             with torch.no_grad():
@@ -345,19 +361,32 @@ def _simulate_decentralized(logs, steps):
             model.zero_grad()
             torch.nn.functional.mse_loss(model(xb), yb).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
-        w = mixing_matrix("exp2", n, s)
-        x = [[sum(float(w[j, i]) * x[j][k] for j in range(n)) - 0.1 * grads[i][k] for k in range(len(x[0]))]
-             for i in range(n)]
+        if kind == "Decentralized":
+            w = mixing_matrix("exp2", n, s)
+            x = [[sum(float(w[j, i]) * x[j][k] for j in range(n)) - 0.1 * grads[i][k] for k in range(len(x[0]))]
+                 for i in range(n)]
+            continue
+        ys = [flat(x[i]) - 0.1 * flat(grads[i]) for i in range(n)]
+        if n == 2:
+            new = [ys[j] + 0.5 * (xh[1 - j] - xh[j]) for j in range(n)]
+        else:
+            new = [ys[j] + (1 / 3) * (xh[(j - 1) % n] + xh[(j + 1) % n] - 2 * xh[j]) for j in range(n)]
+        for j in range(n):  # one buffer of one chunk: the codec's min and max are the whole difference's
+            codec.decode(codec.encode((new[j] - xh[j]).contiguous()), xh[j].shape, out=xh[j], accumulate=True)
+        shapes = [t.shape for t in x[0]]
+        x = [[t.view(sh) for t, sh in zip(torch.split(v, [sh.numel() for sh in shapes]), shapes)] for v in new]
     return [[t.flatten() for t in rep] for rep in x]
 
 
-def test_decentralized_exp2_rebuilds_its_graph_over_the_live_ranks(tmp_path):
-    """Decentralized(exp2): r1 dies before its step 3; the step in flight is undone (weights,
-    schedule position), the members left start the new epoch from the average of the replicas
-    of those that applied the most steps, and mix over the exp2 graph of two ranks; the newcomer
+@pytest.mark.parametrize("kind", ["Decentralized", "LowPrecisionDecentralized"])
+def test_decentralized_rebuilds_its_graph_over_the_live_ranks(tmp_path, kind):
+    """Decentralized(exp2), LowPrecisionDecentralized (ring): r1 dies before its step 3; the step
+    in flight is undone (weights, schedule position), the members left start the new epoch from
+    the average of the replicas of those that applied the most steps (LowPrecisionDecentralized's
+    tracked copies start over from it), and mix over the graph of two ranks; the newcomer
     receives that average too when it is admitted. Each member's final replica equals its
     rank's in a float64 run of the timeline."""
-    text = _run(tmp_path, "Decentralized")
+    text = _run(tmp_path, kind)
     assert "worker r1" in text and "signal 9" in text
     logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
     finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
@@ -370,9 +399,10 @@ def test_decentralized_exp2_rebuilds_its_graph_over_the_live_ranks(tmp_path):
         assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
         assert logs[m][-1]["step"] == STEPS - 1, m
         assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(2, ["r1"], []), (3, [], ["j1"])], finals[m]
-    want = _simulate_decentralized(logs, STEPS)
-    # The replicas differ (exp2 over three ranks mixes one peer a step) and each follows its rank.
+    want = _simulate_decentralized(logs, STEPS, kind)
+    # The replicas differ (three ranks mix with one or two peers a step) and each follows its rank.
     assert finals["r0"]["params"] != finals["r2"]["params"]
+    tol = dict(rtol=2e-5, atol=2e-6) if kind == "Decentralized" else dict(rtol=1e-9, atol=1e-12)  # float32 / 64
     for m, f in finals.items():
         got = [torch.tensor(p, dtype=torch.float64) for p in f["params"]]
-        _close(got, want[logs[m][-1]["rank"]], rtol=2e-5, atol=2e-6)
+        _close(got, want[logs[m][-1]["rank"]], **tol)
