@@ -223,9 +223,9 @@ def _far(got, want, rtol, atol):
     return any(not torch.allclose(g, w, rtol=rtol, atol=atol) for g, w in zip(got, want))
 
 
-# ~25 s each on an idle 2-core machine. The compressed allreduces need no live code of their own
-# (test_live.py runs ByteGrad live) and 1-bit Adam over the wire is checked for agreement only:
-# those three run with the slow scenarios.
+# ~10 s each on an idle 2-core machine (40-50 s when it is loaded). The compressed allreduces
+# need no live code of their own (test_live.py runs ByteGrad live) and 1-bit Adam over the wire
+# is checked for agreement only: those three run with the slow scenarios.
 @pytest.mark.parametrize("kind", [pytest.param("LowPrecision", marks=pytest.mark.slow),
                                   pytest.param("QSGD", marks=pytest.mark.slow), "PowerSGD",
                                   "OneBitAdam-hierarchical", pytest.param("OneBitAdam", marks=pytest.mark.slow)])
