@@ -358,11 +358,17 @@ class State:
 
     # ---- saving -----------------------------------------------------------------------------------
 
-    def _consensus(self):
+    def _consensus(self, weight: Optional[float] = None):
         """Collective over the wrapper's group: this rank's model and optimizer state dicts with
         every floating-point tensor replaced by its average over the ranks (one allreduce per
-        dtype). Integer tensors and the optimizers' step counts stay this rank's."""
+        dtype). Integer tensors and the optimizers' step counts stay this rank's. With weight,
+        the average counts each rank's state with its weight (live membership: 0 for a copy)."""
         from . import collectives
+
+        total = None
+        if weight is not None:
+            w = torch.tensor([float(weight)], dtype=torch.float64)
+            total = float(collectives.allreduce(w, collectives.ReduceOp.SUM, self.model.group)[0])
 
         if hasattr(self._algorithm, "synchronize"):
             self._algorithm.synchronize(self.model)  # no exchange may still write the replicas
@@ -378,7 +384,10 @@ class State:
         for dtype in sorted(by_dtype, key=str):  # the same order on every rank
             entries = by_dtype[dtype]
             flat = torch.cat([d[k].detach().reshape(-1) for d, k in entries])
-            avg = collectives.allreduce(flat, collectives.ReduceOp.AVG, self.model.group)
+            if total is None:
+                avg = collectives.allreduce(flat, collectives.ReduceOp.AVG, self.model.group)
+            else:
+                avg = collectives.allreduce(flat * weight, collectives.ReduceOp.SUM, self.model.group) / total
             off = 0
             for d, k in entries:
                 n = d[k].numel()
@@ -588,6 +597,7 @@ class State:
         from . import _live, _rendezvous, _runtime, collectives
 
         live = _live.current()
+        copy = live.behind  # this member's state is about to be the source's (a newcomer's too)
         if live.sync:
             src = live.source
             if _runtime.rank() == src:
@@ -608,14 +618,31 @@ class State:
             self._reshard_sampler()
         live.joined_fresh = live.behind = False
         live.applied = live.target
+        alg = self._algorithm
+        if getattr(alg, "elastic_consensus", False) and getattr(alg, "elastic_live", False):
+            # Replicas that differ: the epoch starts from the average of those of the members
+            # that applied the most steps, each counted once (not the copies just sent).
+            model_sd, opt_sd = self._consensus(0.0 if copy else 1.0)
+            self._module.load_state_dict(model_sd)
+            _load_optimizer(self.optimizer, opt_sd)
+            if hasattr(alg, "load_elastic_state_dict"):  # what it derives from the weights starts over from these
+                alg.load_elastic_state_dict(alg.elastic_state_dict())
         self._verify_restored()
 
     def _live_rebind(self) -> None:
         from .parallel import DistributedDataParallel
 
         if isinstance(self.model, DistributedDataParallel):
+            alg = self._algorithm
+            own = None
+            if getattr(alg, "elastic_consensus", False) and getattr(alg, "elastic_live", False):
+                # Building the wrapper broadcasts rank 0's weights; each replica must reach the
+                # average that follows (_live_sync) as it is.
+                own = {k: v.detach().clone() for k, v in self._module.state_dict().items()}
             try:
                 self.model._live_rebind()
+                if own is not None:
+                    self._module.load_state_dict(own)
             except ValueError as e:
                 # A newcomer whose model differs: refused (it raises the same error itself), and
                 # the members re-form without it.
@@ -696,17 +723,52 @@ def _run_live(train_fn, st: State, args, kwargs):
         raise ValueError("rumor.elastic: live membership counts the steps each member applied in optimizer.step(); "
                          "overlap_optimizer=True applies them during backward, so it cannot be used live")
     alg = st._algorithm
-    if alg is not None and not getattr(alg, "elastic_replicated", False):
+    step_wise = getattr(alg, "elastic_live", False)
+    rounds = getattr(alg, "elastic_live_rounds", False)
+    if alg is not None and not getattr(alg, "elastic_replicated", False) and not step_wise and not rounds:
         raise NotImplementedError(
-            f"rumor.elastic: live membership runs algorithms whose ranks hold identical replicas and no state "
-            f"of their own (GradientAllReduce, ByteGrad); {type(alg).__name__} is not one yet: run it without "
-            "--live (restarts from commits)")
+            f"rumor.elastic: live membership runs algorithms whose ranks end every step, or every round, with "
+            f"identical weights (GradientAllReduce, the compressed allreduces, PowerSGD, 1-bit Adam, LocalSGD; "
+            f"docs/elastic.md); {type(alg).__name__} is not one yet: run it without --live (restarts from commits)")
     live = _live.current()
     fresh = live.joined_fresh
+    kept = []  # rounds: the State's bytes at the start of the round, and the steps applied then
+
+    def mark():
+        """What undoes the step (the round) in flight: elastic_live algorithms keep their own state
+        of the last applied step; with rounds, the whole State at the round's start is kept."""
+        if step_wise:
+            alg.elastic_live_mark()
+        elif rounds:
+            kept[:] = [st._payload(), live.applied]
+
+    def undo():
+        if step_wise:
+            alg.elastic_live_undo()
+        elif rounds and kept and not alg.elastic_live_at_boundary():  # between rounds nothing is given up
+            st._apply(torch.load(io.BytesIO(kept[0]), weights_only=True))
+            live.applied = kept[1]
+
+    def before_step(*_):
+        if rounds:
+            if not alg.elastic_live_at_boundary():
+                return  # inside a round the ranks train alone: newcomers wait for its end
+            mark()
+        _live.before_step()
+
+    def applied(*_):
+        _live.after_step()
+        if step_wise:
+            mark()
+
     if not fresh:
         st.restore()
-    hooks = (st.optimizer.register_step_pre_hook(lambda *_: _live.before_step()),
-             st.optimizer.register_step_post_hook(lambda *_: _live.after_step()))
+    mark()
+
+    def install():
+        return (st.optimizer.register_step_pre_hook(before_step), st.optimizer.register_step_post_hook(applied))
+
+    hooks = install()
     ended = None  # why the last epoch ended, while the next one is being formed
     try:
         while True:
@@ -714,6 +776,7 @@ def _run_live(train_fn, st: State, args, kwargs):
                 if fresh:  # a newcomer: the survivors send the state from their re-forming
                     fresh = live.joined_fresh = False  # from here a failure re-forms, as on the members
                     st._live_sync()
+                    mark()
                     _mark_change(_live.Change(epoch=live.epoch, size=len(live.members),
                                               rank=live.members.index(live.me), left=[], joined=list(live.new),
                                               reason="admitted", degraded_s=0.0))
@@ -721,6 +784,10 @@ def _run_live(train_fn, st: State, args, kwargs):
                     change = _live.reform(ended)
                     ended = None
                     st._live_rebind()  # a failure in here ends that epoch too, and the loop goes again
+                    for h in hooks:  # again after the rebuilt wrapper's: a mark sees the algorithm's after_step
+                        h.remove()
+                    hooks = install()
+                    mark()
                     _mark_change(change)
                     _live.notify(change)
                 out = train_fn(st, *args, **kwargs)
@@ -730,6 +797,7 @@ def _run_live(train_fn, st: State, args, kwargs):
                 if not _live.is_membership_failure(e):
                     raise
                 ended = f"{type(e).__name__}: {e}"
+                undo()  # before the wrapper is built again: the step (round) in flight is redone from the mark
     finally:
         for h in hooks:
             h.remove()

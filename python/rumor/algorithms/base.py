@@ -35,6 +35,18 @@ class Algorithm:
     # and optimizer were loaded. Algorithms with none of these are refused by rumor.elastic.State.
     elastic_replicated = False
     elastic_consensus = False
+    # Live membership (rumor-run --live) runs an algorithm whose ranks end every step with the
+    # same weights: one with elastic_replicated, or one with elastic_live that also keeps state
+    # across steps (1-bit Adam's momenta, PowerSGD's P/Q) and implements the two hooks below:
+    # how a step given up is undone, and what becomes of each rank's own state (error feedback)
+    # when the world changes. docs/elastic.md has the rule of each algorithm.
+    elastic_live = False
+    # An algorithm whose ranks train alone between averages (LocalSGD, DiLoCo) runs live by
+    # rounds instead: elastic_live_rounds, and elastic_live_at_boundary() says whether the last
+    # step ended with an average over every rank. rumor.elastic keeps the whole State at each
+    # round's start, gives up a round a failure interrupts (every member goes back to its start)
+    # and admits newcomers only between rounds.
+    elastic_live_rounds = False
     # rumor.elastic.verify compares the replicas' state; keys named here (of the optimizer's
     # per-parameter state and of elastic_state_dict()) are each rank's own, e.g. error feedback,
     # and are left out of the comparison.
@@ -43,6 +55,29 @@ class Algorithm:
     # algorithm whose every step is one synchronous exchange of the gradient buckets: then the
     # step time is what its knobs change, and rebuilding the buckets is all a new setting needs.
     tunable_buckets = False
+
+    def elastic_live_mark(self) -> None:
+        """Live membership, on algorithms with elastic_live: called after every optimizer step a
+        member applied, and once the state of a new epoch is in place. The algorithm keeps what
+        elastic_live_undo() needs to put its state back as it is now; nothing on the base class.
+        """
+
+    def elastic_live_undo(self) -> None:
+        """Live membership, on algorithms with elastic_live: called on every surviving member when
+        its epoch ends, before the wrapper is built again over the new world. The step in flight
+        is given up (and redone), so the algorithm puts back the state of the last
+        elastic_live_mark() and applies its rule for each rank's own state on a change (see
+        docs/elastic.md); nothing on the base class. Called again, it does the same.
+        """
+
+    def elastic_live_at_boundary(self) -> bool:
+        """Live membership, on algorithms with elastic_live_rounds: whether the replicas are at a
+        round boundary (the last step ended with an average over every rank).
+
+        Returns:
+            True on the base class (every step is a round).
+        """
+        return True
 
     def init(self, ddp: "DistributedDataParallel") -> None:
         """Called once, after parameters were broadcast and buckets built.

@@ -198,6 +198,7 @@ class Decentralized(Algorithm):
         self.step = 0       # backward passes so far
         self.rounds = 0     # communications so far
         self._pending = None
+        self._live_mark = None  # (weights, step, rounds) after the last applied step, under rumor-run --live
 
     # The communicator that runs the schedule: hosts when hierarchical, else ranks.
     def _layout(self, ddp) -> Tuple[int, int]:
@@ -269,6 +270,36 @@ class Decentralized(Algorithm):
             KeyError: sd lacks ``step`` or ``rounds``.
         """
         self.step, self.rounds = int(sd["step"]), int(sd["rounds"])
+
+    # Live membership (rumor-run --live): the exchange starts before forward and its result
+    # replaces the weights at the end of backward, so a step given up puts back the weights and
+    # the schedule's position of the last applied step. At a change the members start from the
+    # average of their replicas (rumor.elastic), and init() lays the same graph family over the
+    # new world's ranks; its weights (1/2, 1/3, ...) keep W doubly stochastic, so the replicas
+    # still converge to their average. A topology given as a matrix has a fixed size: not live.
+    @property
+    def elastic_live(self) -> bool:
+        """Whether live membership can run this Decentralized: with a named peer selection
+        ('all', 'shift_one', 'exp2', 'ring'), which is laid again over each new world; not with a
+        topology, whose size is fixed."""
+        return self._matrix is None
+
+    def elastic_live_mark(self) -> None:
+        """Keeps a copy of the weights and the schedule's position."""
+        self._flat.ensure_views()
+        self._live_mark = ([f.clone() for f in self._flat.flats], self.step, self.rounds)
+
+    def elastic_live_undo(self) -> None:
+        """Puts back the weights and the schedule's position of the last mark; the exchange in
+        flight is dropped (its communicator is being shut down)."""
+        if self._live_mark is None:
+            return
+        flats, self.step, self.rounds = self._live_mark
+        self._pending = None
+        self._flat.ensure_views()
+        with torch.no_grad():
+            for f, m in zip(self._flat.flats, flats):
+                f.copy_(m)
 
     def plan(self, ddp, round_: int) -> Plan:
         """What this rank (or, when hierarchical, this rank's host) does in one communication

@@ -134,6 +134,7 @@ class LocalSGD(WarmupThenLocal, Algorithm):
         self.backward_passes = 0  # synchronized backward passes so far (warm-up counts these)
         self.averages = 0         # averaging points so far (within a host or global)
         self.global_averages = 0  # of which over every rank
+        self._synced_at = 0  # self.steps when the replicas were last made identical (live membership)
         self._ddp = None
 
     def __repr__(self) -> str:
@@ -146,7 +147,7 @@ class LocalSGD(WarmupThenLocal, Algorithm):
         return self.backward_passes >= self.warmup_steps
 
     def init(self, ddp) -> None:
-        if self._ddp is not None:
+        if self._ddp is not None and self._ddp is not ddp:  # the same wrapper: rebuilt by live membership
             raise RuntimeError("LocalSGD: this algorithm object already serves a DistributedDataParallel; "
                                "create one per wrapper")
         _need_optimizer(ddp, "LocalSGD")
@@ -168,7 +169,10 @@ class LocalSGD(WarmupThenLocal, Algorithm):
     def after_step(self, ddp) -> None:
         s = self.steps
         self.steps += 1
-        if s < self.warmup_steps or (s - self.warmup_steps) % self.sync_every:
+        if s < self.warmup_steps:
+            self._synced_at = self.steps  # the warm-up averages gradients: the replicas stay identical
+            return
+        if (s - self.warmup_steps) % self.sync_every:
             return
         k = (s - self.warmup_steps) // self.sync_every
         self._flat.ensure_views()
@@ -181,6 +185,7 @@ class LocalSGD(WarmupThenLocal, Algorithm):
             for f in self._flat.flats:
                 _allreduce_avg(ddp.group, f, algo)
             self.global_averages += 1
+            self._synced_at = self.steps
         self.averages += 1
 
     def state_dict(self) -> dict:
@@ -196,6 +201,22 @@ class LocalSGD(WarmupThenLocal, Algorithm):
 
     # rumor.elastic: between averages the replicas differ; a commit keeps their average.
     elastic_consensus = True
+    # Live membership (rumor-run --live) goes by rounds: each average is one quorum of the
+    # epoch's ranks. A round that a failure interrupts is given up: every member goes back to the
+    # round's start (the last average, and its own optimizer state) and trains it again with the
+    # new world; newcomers are admitted only between rounds, with the state a member holds there.
+    elastic_live_rounds = True
+
+    def elastic_live_at_boundary(self) -> bool:
+        """Whether the replicas are at a round boundary (the warm-up, or the last step ended with
+        an average over every rank that completed): live membership keeps the State there and
+        admits newcomers there.
+
+        Returns:
+            True before the first step, during the warm-up and right after such an average.
+        """
+        # Across several hosts, hierarchical: only the averages over every rank end a round.
+        return self._synced_at == self.steps
 
     def elastic_state_dict(self) -> dict:
         """The algorithm's own part of a rumor.elastic commit: state_dict().
@@ -231,6 +252,7 @@ class LocalSGD(WarmupThenLocal, Algorithm):
         was_local = self._local
         for k in ("steps", "backward_passes", "averages", "global_averages"):
             setattr(self, k, int(sd[k]))
+        self._synced_at = self.steps  # saved at a round boundary (live) or as the ranks' average (commit)
         if self._ddp is not None and self._local != was_local:
             self._ddp._refresh_bucket_ops()
 
@@ -351,6 +373,7 @@ class DiLoCo(Algorithm):
         self._ddp = None
         self.fragments: List[_Fragment] = []
         self.outer_optimizer: Optional[torch.optim.Optimizer] = None
+        self._synced_at = 0  # self.steps when the last outer step was applied (live membership)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(inner_steps={self.inner_steps}, num_fragments={self.num_fragments}, "
@@ -360,9 +383,11 @@ class DiLoCo(Algorithm):
     # ---- Algorithm hooks ----------------------------------------------------------------------
 
     def init(self, ddp) -> None:
-        if self._ddp is not None:
+        if self._ddp is not None and self._ddp is not ddp:
             raise RuntimeError(f"{type(self).__name__}: this algorithm object already serves a "
                                "DistributedDataParallel; create one per wrapper")
+        # The same wrapper built again over a new world (live membership): the round state goes on.
+        carry = self.state_dict() if self._ddp is ddp else None
         _need_optimizer(ddp, type(self).__name__)
         self._ddp = ddp
         params = list(ddp._params)
@@ -398,6 +423,8 @@ class DiLoCo(Algorithm):
             device = None if emulated() is not None else params[0].device
             self._device_avg = GroupAverager(self._group, device, self._codec, self.hierarchical,
                                              lambda: ddp._timeout)
+        if carry is not None:
+            self.load_state_dict(carry)
 
     def bucket_op(self, ddp, bucket):
         return _C.local_op()
@@ -490,6 +517,7 @@ class DiLoCo(Algorithm):
                 else:
                     s.x.copy_(torch.lerp(s.outer.data, s.x.to(s.outer.dtype), alpha))
         self.log.append(("apply", self.steps, f.index))
+        self._synced_at = self.steps
 
     def __del__(self):
         # The comm thread may still read or write the send buffers, which this object owns: let
@@ -522,6 +550,27 @@ class DiLoCo(Algorithm):
     # every rank): the next average sees outer - x̄, the mean of the ranks' pseudo-gradients at
     # the commit, whatever the new world size.
     elastic_consensus = True
+
+    # Live membership (rumor-run --live) goes by outer steps, as torchft's DiLoCo: each outer step
+    # averages over the epoch's ranks; a round that a failure interrupts is given up (every member
+    # goes back to its start and trains it again with the new world), and a newcomer enters at
+    # the next outer step with the outer parameters and optimizer. Streaming DiLoCo (fragments
+    # averaged at different steps, or in the background) has no step where every replica is
+    # the global model: not yet.
+    @property
+    def elastic_live_rounds(self) -> bool:
+        """Whether live membership runs this DiLoCo by outer steps: with one fragment and no
+        sync delay (every replica is the global model after each outer step)."""
+        return self.num_fragments == 1 and self.fragment_sync_delay == 0
+
+    def elastic_live_at_boundary(self) -> bool:
+        """Whether the last inner step ended with the outer step (every replica is then the
+        global model): live membership keeps the State there and admits newcomers there.
+
+        Returns:
+            True before the first step and right after an outer step.
+        """
+        return self._synced_at == self.steps
 
     def elastic_state_dict(self) -> dict:
         """The algorithm's own part of a rumor.elastic commit: state_dict() (the outer parameters
@@ -605,6 +654,7 @@ class DiLoCo(Algorithm):
             raise ValueError(f"{type(self).__name__}.load_state_dict(): the outer parameters do not match this model")
         self.wait()
         self.steps = int(sd["steps"])
+        self._synced_at = self.steps  # a round boundary (live) or the ranks' average (commit)
         self.wire_bytes = float(sd["wire_bytes"])
         with torch.no_grad():
             for f, o, sent, pend in zip(self.fragments, outer, sd["sent"], sd["pending"]):

@@ -69,6 +69,32 @@ class LowPrecisionDecentralized(Algorithm):
         self.chunk = chunk
         self.step = 0
         self._pending = None
+        self._live_mark = None  # (weights, step) after the last applied step, under rumor-run --live
+
+    # Live membership (rumor-run --live): a step's mix runs in after_step and its exchange is
+    # waited for in the next backward, so a failure there gives up that next step: the weights and
+    # the step count go back to the last applied step. At a change the members start from the
+    # average of their replicas (rumor.elastic), the ring is laid over the new world's ranks (1/3
+    # each; two ranks: 1/2), and the tracked copies and the neighbours' replicas start over from
+    # that average (load_elastic_state_dict), as at the start of training.
+    elastic_live = True
+
+    def elastic_live_mark(self) -> None:
+        """Keeps a copy of the weights (mixed by the step just applied) and the step count."""
+        self._flat.ensure_views()
+        self._live_mark = ([f.clone() for f in self._flat.flats], self.step)
+
+    def elastic_live_undo(self) -> None:
+        """Puts back the weights and the step count of the last mark; the exchange in flight is
+        dropped (its communicator is being shut down)."""
+        if self._live_mark is None:
+            return
+        flats, self.step = self._live_mark
+        self._pending = None
+        self._flat.ensure_views()
+        with torch.no_grad():
+            for f, m in zip(self._flat.flats, flats):
+                f.copy_(m)
 
     def init(self, ddp) -> None:
         if ddp.optimizer is None:

@@ -70,6 +70,7 @@ class OneBitAdamAlgorithm(Algorithm):
         self.hierarchical = bool(hierarchical)
         self._states: Dict[int, _BucketState] = {}
         self._compressed_last = False
+        self._live_mark = None  # (parameter, momentum) at the last applied step, under rumor-run --live
 
     # ---- elastic (rumor.elastic) ---------------------------------------------------------------
 
@@ -96,6 +97,33 @@ class OneBitAdamAlgorithm(Algorithm):
         Args:
             sd: the dict elastic_state_dict() returned (empty; not read).
         """
+        self._zero_errors()
+
+    # Live membership (rumor-run --live): past the warm-up each backward updates the momenta in
+    # place (the bucket ops, before optimizer.step): a step given up must find them as the last
+    # applied step left them. The error feedback restarts from zero on every member at a change:
+    # the server side's chunks change owners with the world size, and the step given up has
+    # already folded this rank's gradient into both buffers.
+    elastic_live = True
+
+    def elastic_live_mark(self) -> None:
+        """Keeps a copy of the momenta when the next backward updates them (the compression
+        stage); the warm-up's backward leaves them alone, so nothing is kept then."""
+        if not self.optimizer.compressing():
+            self._live_mark = None
+            return
+        st = self.optimizer.state
+        self._live_mark = [(p, st[p]["exp_avg"].clone()) for s in self._states.values() for p in s.bucket.params]
+
+    def elastic_live_undo(self) -> None:
+        """Puts back the momenta of the last mark (through the optimizer's state, which holds
+        views of the flat buffers whatever the bucket layout) and zeroes the error feedback."""
+        for p, m in self._live_mark or ():
+            self.optimizer.state[p]["exp_avg"].copy_(m)
+        self._zero_errors()
+        self._compressed_last = False
+
+    def _zero_errors(self) -> None:
         for s in self._states.values():
             s.flats["worker_error"].zero_()
             s.flats["server_error"].zero_()

@@ -150,6 +150,7 @@ class PowerSGD(Algorithm):
         self._retired: List[_BucketState] = []
         self._owner = None  # weak reference to the wrapper whose buckets these are
         self._prepared_iter: Optional[int] = None
+        self._live_mark = None  # (iter, generator state, name -> (P, Q, initialized)) under rumor-run --live
 
     # ---- layout ---------------------------------------------------------------------------------
 
@@ -308,6 +309,39 @@ class PowerSGD(Algorithm):
                     if st["p"] is not None and st["p"].shape == p.shape:
                         p.copy_(st["p"])
         s.initialized = initialized
+
+    # Live membership (rumor-run --live): a backward moves the iteration count, may draw from the
+    # random generator, and writes P, Q and the error feedback in place, so a step given up puts
+    # back what the last applied step left (the error feedback excepted: it restarts from zero on
+    # every member at a change, as in a restore, because the step given up has already folded
+    # this rank's gradient into it).
+    elastic_live = True
+
+    def elastic_live_mark(self) -> None:
+        """Keeps the iteration count, the random generator's state and every parameter's P and
+        Q (by name, so a rebuilt bucket layout finds them)."""
+        pq = {}
+        for s in self._states.values():
+            for name, (_, p, q) in s.views().items():
+                pq[name] = (None if p is None else p.clone(), None if q is None else q.clone(), s.initialized)
+        self._live_mark = (self.iter, self.rng.get_state(), pq)
+
+    def elastic_live_undo(self) -> None:
+        """Puts back the state of the last mark and zeroes the error feedback."""
+        if self._live_mark is None:
+            return
+        self.iter, rng, pq = self._live_mark
+        self.rng.set_state(rng)
+        for s in self._states.values():
+            if s.error is not None:
+                s.error.zero_()
+            views = s.views()
+            s.initialized = all(name in pq and pq[name][2] for name in views)
+            for name, (_, p, q) in views.items():
+                if q is not None and name in pq and pq[name][1] is not None:
+                    p.copy_(pq[name][0])
+                    q.copy_(pq[name][1])
+        self._prepared_iter = None  # the next forward prepares the ops again, drawing as the step given up did
 
     # rumor.elastic: weights, P and Q (averaged) are the same on every rank; the error feedback
     # is each rank's own, so a restored job keeps the commit's P/Q and iteration and starts its
