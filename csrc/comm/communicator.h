@@ -128,6 +128,18 @@ class Communicator {
       fn();
     } catch (const Error& e) {
       rec.op_end(tok, trace_desc(op), false, e.what());
+      // Already broken: another thread aborted this communicator while the op ran, and what the
+      // op then saw (a timeout it never reached, a peer "aborting" by the flag this rank set on
+      // their shared ring) is not the cause: the abort's reason is.
+      if (broken_.load()) {
+        std::string why;
+        {
+          std::lock_guard lk(broken_mu_);
+          why = broken_why_;
+        }
+        throw Error(ErrorKind::kAborted, op.where() + ": the communicator was aborted while it ran: " + why +
+                                             " (the operation then saw: " + e.what() + ")");
+      }
       abort(e.what());
       throw;
     } catch (const std::exception& e) {

@@ -796,13 +796,16 @@ TEST(HostSmall, MismatchedBlocksAreReportedEverywhere) {
 // membership aborts it when the member's death is known, and every wait must end then. The
 // deadline here is far beyond ctest's, so waiting it out fails the test.
 TEST(Abort, EndsAWaitForAPeerThatNeverConnects) {
+  for (int op = 0; op < 2; ++op)
   for (bool shm : {true, false}) {
     Options o = testing::quick_options(shm);
     o.timeout_s = 3600;
     auto w = testing::make_world(testing::one_host(3), o);
     std::atomic<int> finished{0};
-    auto errs = testing::run_ranks_shared(w, [&](std::shared_ptr<Communicator> c, uint32_t r) {
-      if (r == 2) {  // never enters the barrier; stays alive until the others are done
+    auto errs = testing::run_ranks_shared(w, [&, op](std::shared_ptr<Communicator> c, uint32_t r) {
+      std::vector<float> x(3 * HostDirect::kChunkBytes / sizeof(float), 1.0f);
+      if (op == 1) c->allreduce(x.data(), x.size(), DType::F32, ReduceOp::SUM);  // set up, all three
+      if (r == 2) {  // never enters the op; stays alive until the others are done
         while (finished.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
         return;
       }
@@ -811,7 +814,9 @@ TEST(Abort, EndsAWaitForAPeerThatNeverConnects) {
         c->abort("test: rank 2 died while the group formed");
       });
       try {
-        c->barrier();
+        if (op == 0) c->barrier();
+        // The second: once set up, the host's direct path waits in timed slices, not woken by the abort.
+        if (op == 1) c->allreduce(x.data(), x.size(), DType::F32, ReduceOp::SUM);
       } catch (...) {
         aborter.join();
         finished.fetch_add(1);
@@ -820,12 +825,18 @@ TEST(Abort, EndsAWaitForAPeerThatNeverConnects) {
       aborter.join();
       finished.fetch_add(1);
     });
+    // Each rank fails on its own abort or, if that reached it first, on the other's; none
+    // reports a timeout it never reached.
+    int named = 0;
     for (uint32_t r = 0; r < 2; ++r) {
-      ASSERT_TRUE(errs[r]) << "shm " << shm << ": rank " << r << " passed a barrier rank 2 never entered";
+      ASSERT_TRUE(errs[r]) << "op " << op << ", shm " << shm << ": rank " << r << " passed an op rank 2 never entered";
       const std::string got = testing::describe(errs[r]);
-      EXPECT_NE(got.find("test: rank 2 died while the group formed"), std::string::npos)
-          << "shm " << shm << ": rank " << r << ": " << got;
+      named += got.find("test: rank 2 died while the group formed") != std::string::npos ? 1 : 0;
+      EXPECT_EQ(got.find("timed out"), std::string::npos) << "op " << op << ", shm " << shm << ": " << got;
+      EXPECT_EQ(got.find("before the deadline"), std::string::npos) << "op " << op << ", shm " << shm << ": " << got;
     }
+    EXPECT_GE(named, 1) << "op " << op << ", shm " << shm << ": no rank named the abort's reason: "
+                        << testing::describe(errs[0]) << " / " << testing::describe(errs[1]);
     EXPECT_FALSE(errs[2]);
   }
 }
