@@ -150,7 +150,7 @@ void Context::set_peers(std::vector<std::string> addresses, std::vector<std::str
     int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
     uint32_t local = 0;
     for (uint32_t r = 0; r < size_; ++r) local += same_host(r, rank_) ? 1 : 0;
-    options_.spin_us = static_cast<int>(local) > cpus ? 0 : 20;
+    options_.spin_us = static_cast<int>(local) > cpus ? 0 : Options::kDefaultSpinUs;
   }
   if (options_.shm) {
     Deadline deadline = Deadline::after(options_.timeout_s);

@@ -51,7 +51,12 @@ struct Options {
   // Sites of equal size: the 2-D allreduce overlaps its three phases piece by piece, the slow
   // cross-site ring on a thread of its own (RUMOR_SITE_OVERLAP=0 runs them one after the other).
   bool site_overlap = true;
-  int spin_us = 20;                           // busy-poll this long before sleeping (latency vs. CPU)
+  // Busy-poll this long before sleeping (latency vs. CPU). -1, the default: 20, or 0 where this
+  // host has more ranks than this process may run on; there a spinning rank holds the core a
+  // descheduled peer needs to arrive, and the op waits for the scheduler's time slice (4 ranks on
+  // 2 cores: 4 KiB allreduce 132-200 us spinning, 63 us sleeping at once). Resolved in set_peers.
+  int spin_us = -1;
+  static constexpr int kDefaultSpinUs = 20;
   size_t flight_records = 64;                 // operations the flight recorder keeps (RUMOR_FLIGHT_RECORDER)
   // TLS 1.3 on the TCP data channels between ranks (net/tls.h; RUMOR_TLS_CERT, RUMOR_TLS_KEY,
   // RUMOR_TLS_CA name the PEM files, RUMOR_TLS_PEER_NAME the name every peer's certificate must

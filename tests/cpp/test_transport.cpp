@@ -2,6 +2,7 @@
 // the job, and every failure becomes an error on every rank instead of a hang.
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 
 #include <cerrno>
@@ -172,6 +173,36 @@ TEST(Failures, PeerThatLeavesMidStreamFailsOthersPromptly) {
       }
     }
     EXPECT_LT(took, 15.0) << "peers waited for the deadline instead of seeing the abort";
+  }
+}
+// A rank spins before sleeping only where every rank of its host can have a core: the rule is
+// decided in set_peers from this thread's CPU affinity, and an explicit setting is kept.
+TEST(Context, SpinsOnlyWhereEveryLocalRankHasACore) {
+  cpu_set_t saved;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(saved), &saved), 0);
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &saved)) {
+      CPU_SET(c, &one);
+      break;
+    }
+  auto spin_after_setup = [](const std::vector<std::string>& hosts, int spin_us) {
+    Options o = testing::quick_options(false);
+    o.spin_us = spin_us;
+    testing::World w = testing::make_world(hosts, o);
+    return w.ctx.front()->options().spin_us;
+  };
+  ASSERT_EQ(::sched_setaffinity(0, sizeof(one), &one), 0);  // this thread: one core
+  const int two_ranks_one_core = spin_after_setup(testing::one_host(2), -1);
+  const int two_hosts_one_core = spin_after_setup({"a", "b"}, -1);
+  const int explicit_setting = spin_after_setup(testing::one_host(2), 7);
+  ASSERT_EQ(::sched_setaffinity(0, sizeof(saved), &saved), 0);
+  EXPECT_EQ(two_ranks_one_core, 0);
+  EXPECT_EQ(two_hosts_one_core, Options::kDefaultSpinUs);  // one rank of this host: its core is its own
+  EXPECT_EQ(explicit_setting, 7);
+  if (CPU_COUNT(&saved) >= 2) {
+    EXPECT_EQ(spin_after_setup(testing::one_host(2), -1), Options::kDefaultSpinUs);
   }
 }
 
