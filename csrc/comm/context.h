@@ -41,6 +41,9 @@ struct Options {
   // slower through a 100 Mbit link (a message waits for its slowest stripe), and gained nothing
   // at 1 Gbit: only messages big enough to keep several streams busy are split.
   size_t stripe_min = 4 * 1024 * 1024;
+  // Striped messages are cut into pieces the free streams take in turn (net/tcp_channel.h);
+  // false: one fixed stripe per stream (RUMOR_STRIPE_STEAL=0).
+  bool stripe_steal = true;
   bool shm = true;  // shared memory between ranks of one host (RUMOR_SHM)
   size_t shm_ring_bytes = 1 << 20;
   size_t small_allreduce_bytes = 64 * 1024;   // below: recursive doubling, above: ring

@@ -5,7 +5,7 @@ namespace rumor::net {
 std::string OpInfo::where() const { return name + " (op #" + std::to_string(tag) + ", " + comm + ")"; }
 
 size_t Transfer::bytes_done() const {
-  size_t d = 0;
+  size_t d = pieces_bytes;
   for (size_t i = 0; i < nparts; ++i) d += parts[i].done;
   return d;
 }

@@ -24,12 +24,16 @@ constexpr size_t kMaxStreams = 16;
 struct FrameHeader {
   uint32_t magic;
   uint8_t opcode;
-  uint8_t reserved[3];
+  // TCP, a message striped over several streams: each stream carries pieces (kFramePiece, the
+  // piece's index below) taken by whichever stream is free, then an end marker (kFrameEnd).
+  uint8_t flags;
+  uint16_t piece;
   uint64_t tag;
   uint64_t total_len;
   uint64_t part_len;
 };
 static_assert(sizeof(FrameHeader) == 32);
+inline constexpr uint8_t kFramePiece = 1, kFrameEnd = 2;
 
 // What the running collective is; used for frame checks and error messages.
 struct OpInfo {
@@ -59,7 +63,10 @@ struct Part {
   size_t done = 0;
   size_t pad_left = 0;  // shm only: alignment bytes after the payload
   FrameHeader hdr{};
-  bool finished() const { return hdr_done == sizeof(FrameHeader) && done == len && pad_left == 0; }
+  // TCP, striped: the stream goes on after this piece, with another piece or its end marker.
+  bool more = false;
+  bool piece_done() const { return hdr_done == sizeof(FrameHeader) && done == len && pad_left == 0; }
+  bool finished() const { return !more && piece_done(); }
 };
 
 struct Transfer {
@@ -83,6 +90,12 @@ struct Transfer {
   Clock::time_point last_moved{};
   size_t nparts = 0;
   std::array<Part, kMaxStreams> parts{};
+  // TCP, striped: the next piece to hand out (send), the bytes of the pieces already finished,
+  // the streams whose end marker arrived and which pieces have (recv).
+  size_t next_piece = 0;
+  size_t pieces_bytes = 0;
+  size_t streams_ended = 0;
+  std::vector<bool> got;
   size_t bytes_done() const;
   bool finished() const;
 };

@@ -19,6 +19,10 @@ namespace {
 constexpr size_t kStageBytes = 256 * 1024;
 // Stripe boundaries stay multiples of this so that no element straddles two streams.
 constexpr size_t kStripeAlign = 64;
+// Striped pieces: small enough that a slow stream holds back little of a message, big enough
+// that a header per piece and the switch between streams cost nothing measurable.
+constexpr size_t kPieceMin = 256 * 1024, kPieceMax = 4 * 1024 * 1024;
+constexpr size_t kMaxPieces = 65535;  // FrameHeader::piece
 // TLS: plaintext sealed per step (64 records of 16 KiB at most), and ciphertext read per recv().
 constexpr size_t kSealBytes = 1024 * 1024;
 constexpr size_t kTlsReadBytes = 256 * 1024;
@@ -33,8 +37,12 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 }  // namespace
 
 TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min,
-                       std::vector<std::unique_ptr<TlsSession>> tls)
-    : streams_(std::move(streams)), peer_desc_(std::move(peer_desc)), stripe_min_(stripe_min), tls_(std::move(tls)) {
+                       std::vector<std::unique_ptr<TlsSession>> tls, bool steal)
+    : streams_(std::move(streams)),
+      peer_desc_(std::move(peer_desc)),
+      stripe_min_(stripe_min),
+      steal_(steal),
+      tls_(std::move(tls)) {
   if (!tls_.empty() && tls_.size() != streams_.size())
     throw Error(ErrorKind::kInvalidArgument, "TcpChannel to " + peer_desc_ + ": " + std::to_string(tls_.size()) +
                                                  " TLS sessions for " + std::to_string(streams_.size()) + " streams");
@@ -115,8 +123,91 @@ void TcpChannel::check_stall(const Transfer& t, const OpInfo& op, Clock::time_po
                   fmt("%g", op.timeout_s) + " s RUMOR_TIMEOUT; RUMOR_ADAPTIVE_DEADLINE=0 restores fixed deadlines)");
 }
 
+size_t TcpChannel::piece_bytes(size_t len, size_t streams) {
+  // About 8 pieces per stream, within [kPieceMin, kPieceMax], and never more than the header
+  // can number.
+  auto align = [](size_t b) { return (b + kStripeAlign - 1) / kStripeAlign * kStripeAlign; };
+  size_t piece = std::clamp(align(len / (8 * std::max<size_t>(streams, 1))), kPieceMin, kPieceMax);
+  return std::max(piece, align((len + kMaxPieces - 1) / kMaxPieces));
+}
+
+void TcpChannel::take_piece(Part& p, Transfer& t, const OpInfo& op) {
+  const size_t piece = piece_bytes(t.len, t.nparts), count = (t.len + piece - 1) / piece;
+  p.hdr_done = p.done = 0;
+  if (t.next_piece < count) {
+    const size_t i = t.next_piece++;
+    p.offset = i * piece;
+    p.len = std::min(piece, t.len - p.offset);
+    p.hdr = make_header(p, t, op);
+    p.hdr.flags = kFramePiece;
+    p.hdr.piece = static_cast<uint16_t>(i);
+    p.more = true;
+  } else {
+    p.offset = p.len = 0;
+    p.hdr = make_header(p, t, op);
+    p.hdr.flags = kFrameEnd;
+    p.more = false;
+  }
+}
+
+void TcpChannel::on_header(Part& p, Transfer& t, const OpInfo& op) {
+  if (!striped(t)) {
+    check_header(p.hdr, p, t, op, peer_desc_);
+    return;
+  }
+  // The header's own piece length first: check_header reports a corrupt or foreign frame, a
+  // different op or a different total size, whichever it is, before the piece fields are read.
+  Part probe = p;
+  probe.len = p.hdr.part_len;
+  check_header(p.hdr, probe, t, op, peer_desc_);
+  const size_t piece = piece_bytes(t.len, t.nparts), count = (t.len + piece - 1) / piece;
+  auto fail = [&](const std::string& why) {
+    throw Error(ErrorKind::kProtocol, op.where() + ": message from " + peer_desc_ + " on stream " +
+                                          std::to_string(p.stream) + " " + why);
+  };
+  if (p.hdr.flags == kFrameEnd && p.hdr.part_len == 0) {
+    p.offset = p.len = 0;
+    p.more = false;
+    if (++t.streams_ended == t.nparts && t.bytes_done() != t.len)
+      fail("ended the striped message after " + std::to_string(t.bytes_done()) + " of " + std::to_string(t.len) +
+           " bytes");
+    return;
+  }
+  const size_t i = p.hdr.piece;
+  if (p.hdr.flags != kFramePiece || i >= count)
+    fail("is not a piece of a striped message (flags " + std::to_string(p.hdr.flags) + ", piece " +
+         std::to_string(i) + " of " + std::to_string(count) + "): ranks run different versions of rumor?");
+  const size_t offset = i * piece, len = std::min(piece, t.len - offset);
+  if (p.hdr.part_len != len || t.got[i])
+    fail("carries piece " + std::to_string(i) + (t.got[i] ? " a second time" : " with a wrong length"));
+  t.got[i] = true;
+  p.offset = offset;
+  p.len = len;
+}
+
+void TcpChannel::next_header(Part& p, Transfer& t) {
+  t.pieces_bytes += p.len;
+  p.offset = p.len = p.hdr_done = p.done = 0;
+}
+
 void TcpChannel::begin(Transfer& t, const OpInfo& op) {
   const size_t k = streams_.size();
+  if (t.len >= stripe_min_ && k > 1 && steal_) {
+    t.nparts = k;
+    t.next_piece = t.pieces_bytes = t.streams_ended = 0;
+    if (!t.send) t.got.assign((t.len + piece_bytes(t.len, k) - 1) / piece_bytes(t.len, k), false);
+    for (size_t i = 0; i < k; ++i) {
+      Part& p = t.parts[i];
+      p = Part{};
+      p.stream = static_cast<uint32_t>(i);
+      if (t.send)
+        take_piece(p, t, op);
+      else
+        p.more = true;  // until its end marker arrives
+    }
+    t.begun = true;
+    return;
+  }
   if (t.len >= stripe_min_ && k > 1) {
     size_t per = (t.len / k) / kStripeAlign * kStripeAlign;
     size_t off = 0;
@@ -159,6 +250,11 @@ bool TcpChannel::progress_send(Part& p, Transfer& t, const OpInfo& op) {
   int fd = streams_[p.stream].get();
   bool moved = false;
   while (!p.finished()) {
+    if (p.piece_done()) {  // striped: this stream is free for the next piece
+      t.pieces_bytes += p.len;
+      take_piece(p, t, op);
+      continue;
+    }
     iovec iov[2];
     int n_iov = 0;
     if (p.hdr_done < sizeof(FrameHeader)) {
@@ -188,6 +284,10 @@ bool TcpChannel::progress_recv(Part& p, Transfer& t, const OpInfo& op) {
   int fd = streams_[p.stream].get();
   bool moved = false;
   while (!p.finished()) {
+    if (p.piece_done()) {
+      next_header(p, t);
+      continue;
+    }
     ssize_t n;
     if (p.hdr_done < sizeof(FrameHeader)) {
       // Header alone first: the payload must not touch the destination before it is checked.
@@ -216,7 +316,7 @@ bool TcpChannel::progress_recv(Part& p, Transfer& t, const OpInfo& op) {
     moved = true;
     if (p.hdr_done < sizeof(FrameHeader)) {
       p.hdr_done += static_cast<size_t>(n);
-      if (p.hdr_done == sizeof(FrameHeader)) check_header(p.hdr, p, t, op, peer_desc_);
+      if (p.hdr_done == sizeof(FrameHeader)) on_header(p, t, op);
     } else {
       p.done += static_cast<size_t>(n);
     }
@@ -315,6 +415,11 @@ bool TcpChannel::progress_send_tls(Part& p, Transfer& t, const OpInfo& op) {
       sealed_hdr_[i] = sealed_len_[i] = 0;
       continue;
     }
+    if (p.piece_done()) {
+      t.pieces_bytes += p.len;
+      take_piece(p, t, op);
+      continue;
+    }
     try {
       if (p.hdr_done < sizeof(FrameHeader)) {
         sealed_hdr_[i] = sizeof(FrameHeader) - p.hdr_done;
@@ -337,6 +442,10 @@ bool TcpChannel::progress_recv_tls(Part& p, Transfer& t, const OpInfo& op) {
   // Nothing is due after the handshake, but a session may still answer a peer's message.
   tls_flush_some(i, t, op, moved);
   while (!p.finished()) {
+    if (p.piece_done()) {
+      next_header(p, t);
+      continue;
+    }
     const bool hdr = p.hdr_done < sizeof(FrameHeader);
     uint8_t* dst = nullptr;
     size_t room = 0;
@@ -360,7 +469,7 @@ bool TcpChannel::progress_recv_tls(Part& p, Transfer& t, const OpInfo& op) {
     }
     if (hdr) {
       p.hdr_done += n;
-      if (n > 0 && p.hdr_done == sizeof(FrameHeader)) check_header(p.hdr, p, t, op, peer_desc_);
+      if (n > 0 && p.hdr_done == sizeof(FrameHeader)) on_header(p, t, op);
     } else if (!t.reduce) {
       p.done += n;
     } else if (n > 0) {

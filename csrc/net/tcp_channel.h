@@ -9,9 +9,14 @@
 
 namespace rumor::net {
 
-// Messages of at least stripe_min bytes are split into one part per stream; smaller ones go
-// whole on stream 0. Both ends derive the split from the length alone, so no extra negotiation
-// travels.
+// Messages of at least stripe_min bytes are striped over every stream; smaller ones go whole on
+// stream 0. A striped message is cut into pieces (piece_bytes(): both ends derive the cut from
+// the length alone), and a stream that has finished sending its piece takes the next one not yet
+// taken: a stream slowed by loss, or by a smaller congestion window, carries fewer pieces instead
+// of holding the whole message back (the message used to wait for its slowest fixed 1/k stripe).
+// Each piece carries its index; once no piece is left a stream sends an end marker, so a receiver
+// never reads into the next message on a stream that carried nothing more of this one.
+// RUMOR_STRIPE_STEAL=0 restores fixed stripes (one per stream), for comparison.
 //
 // With TLS (issue 46) every stream has a TlsSession, one per stream in `tls`, not yet shaken
 // hands: the handshake runs inside progress(), nonblocking, like any other bytes. A blocking
@@ -25,7 +30,9 @@ namespace rumor::net {
 class TcpChannel final : public Channel {
  public:
   TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min,
-             std::vector<std::unique_ptr<TlsSession>> tls = {});
+             std::vector<std::unique_ptr<TlsSession>> tls = {}, bool steal = true);
+  // The piece size of a striped message of `len` bytes over `streams` streams (stealing on).
+  static size_t piece_bytes(size_t len, size_t streams);
   bool is_shm() const override { return false; }
   void begin(Transfer& t, const OpInfo& op) override;
   bool progress(Transfer& t, const OpInfo& op) override;
@@ -37,6 +44,14 @@ class TcpChannel final : public Channel {
   double min_rtt_s() const override;
 
  private:
+  bool striped(const Transfer& t) const { return t.nparts > 1 && steal_; }
+  // Send, striped: the stream's next piece, or its end marker once every piece is taken.
+  void take_piece(Part& p, Transfer& t, const OpInfo& op);
+  // Receive: checks a header that has fully arrived, and for a striped message learns from it
+  // where the piece goes, or that the stream is done.
+  void on_header(Part& p, Transfer& t, const OpInfo& op);
+  // Receive, striped: a finished piece is counted and the stream reads its next header.
+  void next_header(Part& p, Transfer& t);
   bool progress_send(Part& p, Transfer& t, const OpInfo& op);
   bool progress_recv(Part& p, Transfer& t, const OpInfo& op);
   // Adds n bytes received into the stream's reduce stage and folds the whole elements.
@@ -63,6 +78,7 @@ class TcpChannel final : public Channel {
   std::vector<Fd> streams_;
   std::string peer_desc_;
   size_t stripe_min_;
+  bool steal_;
   // Per stream: where reduce-receives land before being folded into the destination.
   std::vector<std::vector<std::byte>> stage_;
   std::vector<size_t> staged_;

@@ -296,6 +296,7 @@ def _core_options(timeout: float) -> "_C.Options":
     opts.shm = env_bool("RUMOR_SHM", True)
     opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
     opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
+    opts.stripe_steal = env_bool("RUMOR_STRIPE_STEAL", True)
     opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
     opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
     opts.site_overlap = env_bool("RUMOR_SITE_OVERLAP", True)

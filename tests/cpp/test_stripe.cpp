@@ -1,0 +1,291 @@
+// Striped messages over several TCP streams: pieces go to whichever stream is free (work
+// stealing), each stream closes its share with an end marker, and a receiver refuses pieces that
+// are out of range, repeated, or missing when every stream has ended.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "net/socket.h"
+#include "net/tcp_channel.h"
+
+namespace {
+using rumor::Clock;
+using rumor::Deadline;
+using rumor::Error;
+using rumor::ErrorKind;
+using namespace rumor::net;
+
+struct Pair {
+  Fd ours, theirs;
+};
+
+Pair loopback_pair() {
+  auto [lfd, port] = listen_tcp(0, "127.0.0.1");
+  Fd theirs = connect_tcp(HostPort{"127.0.0.1", port}, Deadline::after(10), "test connect");
+  Fd ours(::accept(lfd.get(), nullptr, nullptr));
+  if (!ours.valid()) throw std::runtime_error("accept failed");
+  return {std::move(ours), std::move(theirs)};
+}
+
+OpInfo test_op() {
+  OpInfo op;
+  op.name = "allgather";
+  op.comm = "world";
+  op.opcode = 2;
+  op.tag = 5;
+  op.timeout_s = 30;
+  op.deadline = Deadline::after(30);
+  return op;
+}
+
+std::vector<std::byte> pattern(size_t len) {
+  std::vector<std::byte> v(len);
+  for (size_t i = 0; i < len; ++i) v[i] = static_cast<std::byte>((i * 131 + i / 4096) & 0xff);
+  return v;
+}
+
+// Reads one frame (header and payload) from a blocking socket as a receiver would.
+FrameHeader read_frame(int fd, std::vector<std::byte>& payload) {
+  FrameHeader h{};
+  read_all(fd, &h, sizeof(h), Deadline::after(20), "test header");
+  payload.resize(h.part_len);
+  if (h.part_len > 0) read_all(fd, payload.data(), h.part_len, Deadline::after(20), "test payload");
+  return h;
+}
+
+// A stream that is not read (standing for one slowed by loss) does not hold the message back:
+// the free stream takes every piece after the first one the stuck stream took.
+TEST(Stripe, AFreeStreamTakesThePiecesAStuckStreamCannot) {
+  Pair a = loopback_pair(), b = loopback_pair();
+  // Small buffers on stream 1, so that what its kernel takes is far less than one piece.
+  const int small = 16 * 1024;
+  ASSERT_EQ(::setsockopt(b.ours.get(), SOL_SOCKET, SO_SNDBUF, &small, sizeof(small)), 0);
+  ASSERT_EQ(::setsockopt(b.theirs.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof(small)), 0);
+  std::vector<Fd> streams;
+  streams.push_back(std::move(a.ours));
+  streams.push_back(std::move(b.ours));
+  TcpChannel ch(std::move(streams), "rank 1", 1 << 20);
+  const OpInfo op = test_op();
+  constexpr size_t kLen = 24 << 20;
+  const size_t piece = TcpChannel::piece_bytes(kLen, 2), count = (kLen + piece - 1) / piece;
+  ASSERT_GE(count, 8u);
+  const auto data = pattern(kLen);
+  Transfer t = make_send(1, data.data(), kLen);
+  ch.begin(t, op);
+  // Stream 0's reader runs on a thread; stream 1 is read only once stream 0 has ended.
+  std::vector<std::byte> got(kLen);
+  std::vector<size_t> on_stream0;
+  std::string reader_error;
+  std::thread reader([&] {
+    try {
+      std::vector<std::byte> payload;
+      while (true) {
+        FrameHeader h = read_frame(a.theirs.get(), payload);
+        if (h.flags == kFrameEnd) break;
+        on_stream0.push_back(h.piece);
+        std::memcpy(got.data() + h.piece * piece, payload.data(), payload.size());
+      }
+    } catch (const std::exception& e) {
+      reader_error = e.what();
+    }
+  });
+  const auto guard = Clock::now() + std::chrono::seconds(20);
+  // Stream 0 is finished once every piece has been taken and its own and its end marker are out.
+  while (!t.parts[0].finished() && Clock::now() < guard) {
+    ch.progress(t, op);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  reader.join();
+  ASSERT_EQ(reader_error, "");
+  ASSERT_TRUE(t.parts[0].finished()) << "stream 0 never finished while stream 1 was not read";
+  // Stream 1 took one piece at the start and could never finish it: every other went on stream 0.
+  EXPECT_EQ(on_stream0.size(), count - 1);
+  EXPECT_EQ(std::find(on_stream0.begin(), on_stream0.end(), size_t{1}), on_stream0.end());
+  std::vector<std::byte> payload;
+  FrameHeader first{}, last{};
+  std::thread reader1([&] {
+    try {
+      first = read_frame(b.theirs.get(), payload);
+      std::memcpy(got.data() + first.piece * piece, payload.data(), payload.size());
+      std::vector<std::byte> end;
+      last = read_frame(b.theirs.get(), end);
+    } catch (const std::exception& e) {
+      reader_error = e.what();
+    }
+  });
+  while (!t.finished() && Clock::now() < guard) {
+    ch.progress(t, op);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  reader1.join();
+  ASSERT_EQ(reader_error, "");
+  EXPECT_EQ(first.flags, kFramePiece);
+  EXPECT_EQ(first.piece, 1);
+  EXPECT_EQ(last.flags, kFrameEnd);
+  ASSERT_TRUE(t.finished());
+  EXPECT_EQ(t.bytes_done(), kLen);
+  EXPECT_TRUE(got == data);
+}
+
+// A receiving channel fed by hand: pieces in any order over either stream land in place.
+struct Receiver {
+  Pair a = loopback_pair(), b = loopback_pair();
+  std::unique_ptr<TcpChannel> ch;
+  OpInfo op = test_op();
+  Receiver() {
+    std::vector<Fd> streams;
+    streams.push_back(std::move(a.ours));
+    streams.push_back(std::move(b.ours));
+    ch = std::make_unique<TcpChannel>(std::move(streams), "rank 2", 1 << 20);
+  }
+  int peer_fd(size_t stream) { return (stream == 0 ? a.theirs : b.theirs).get(); }
+  void send_piece(size_t stream, const Transfer& like, size_t index, size_t len, const std::byte* payload) {
+    Part p;
+    p.len = len;
+    FrameHeader h = make_header(p, like, op);
+    h.flags = kFramePiece;
+    h.piece = static_cast<uint16_t>(index);
+    write_all(peer_fd(stream), &h, sizeof(h), Deadline::after(10), "test header");
+    if (len > 0) write_all(peer_fd(stream), payload, len, Deadline::after(10), "test payload");
+  }
+  void send_end(size_t stream, const Transfer& like) {
+    Part p;
+    FrameHeader h = make_header(p, like, op);
+    h.flags = kFrameEnd;
+    write_all(peer_fd(stream), &h, sizeof(h), Deadline::after(10), "test end");
+  }
+  // Sends on a thread of their own (a socket takes only so much unread) while the transfer is
+  // driven here; returns drive()'s text.
+  std::string drive_while(Transfer& t, const std::function<void()>& sends) {
+    std::string send_error;
+    std::thread sender([&] {
+      try {
+        sends();
+      } catch (const std::exception& e) {
+        send_error = e.what();
+      }
+    });
+    std::string err = drive(t);
+    if (!err.empty()) ch->abort();  // a sender blocked on a full socket sees the reset
+    sender.join();
+    return err;
+  }
+  // Progresses until the transfer finishes or fails; returns the error text ("" if it finished).
+  std::string drive(Transfer& t) {
+    const auto guard = Clock::now() + std::chrono::seconds(20);
+    try {
+      while (!t.finished() && Clock::now() < guard) {
+        ch->progress(t, op);
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+      return e.what();
+    }
+    return t.finished() ? "" : "not finished";
+  }
+};
+
+TEST(Stripe, PiecesInAnyOrderOnAnyStreamLandInPlace) {
+  Receiver r;
+  constexpr size_t kLen = (8 << 20) + 4096;  // the last piece is short
+  const size_t piece = TcpChannel::piece_bytes(kLen, 2), count = (kLen + piece - 1) / piece;
+  const auto data = pattern(kLen);
+  std::vector<std::byte> out(kLen);
+  Transfer t = make_recv(2, out.data(), kLen);
+  r.ch->begin(t, r.op);
+  std::string sender_error;
+  std::thread sender([&] {
+    try {
+      for (size_t k = 0; k < count; ++k) {
+        const size_t i = count - 1 - k;  // backwards, alternating streams
+        r.send_piece(k % 2, t, i, std::min(piece, kLen - i * piece), data.data() + i * piece);
+      }
+      r.send_end(0, t);
+      r.send_end(1, t);
+    } catch (const std::exception& e) {
+      sender_error = e.what();
+    }
+  });
+  const std::string err = r.drive(t);
+  sender.join();
+  EXPECT_EQ(sender_error, "");
+  EXPECT_EQ(err, "");
+  EXPECT_TRUE(out == data);
+}
+
+TEST(Stripe, ARepeatedPieceIsRefused) {
+  Receiver r;
+  constexpr size_t kLen = 8 << 20;
+  const size_t piece = TcpChannel::piece_bytes(kLen, 2);
+  const auto data = pattern(kLen);
+  std::vector<std::byte> out(kLen);
+  Transfer t = make_recv(2, out.data(), kLen);
+  r.ch->begin(t, r.op);
+  const std::string err = r.drive_while(t, [&] {
+    r.send_piece(0, t, 0, piece, data.data());
+    r.send_piece(1, t, 0, piece, data.data());
+  });
+  EXPECT_NE(err.find("carries piece 0 a second time"), std::string::npos) << err;
+  EXPECT_NE(err.find("allgather (op #5, world): message from rank 2"), std::string::npos) << err;
+}
+
+TEST(Stripe, StreamsEndingWithAPieceMissingAreRefused) {
+  Receiver r;
+  constexpr size_t kLen = 8 << 20;
+  const size_t piece = TcpChannel::piece_bytes(kLen, 2), count = (kLen + piece - 1) / piece;
+  const auto data = pattern(kLen);
+  std::vector<std::byte> out(kLen);
+  Transfer t = make_recv(2, out.data(), kLen);
+  r.ch->begin(t, r.op);
+  const std::string err = r.drive_while(t, [&] {
+    for (size_t i = 0; i + 1 < count; ++i) r.send_piece(i % 2, t, i, piece, data.data() + i * piece);
+    r.send_end(0, t);
+    r.send_end(1, t);
+  });
+  EXPECT_NE(err.find("ended the striped message after " + std::to_string(kLen - piece) + " of " +
+                     std::to_string(kLen) + " bytes"),
+            std::string::npos)
+      << err;
+}
+
+TEST(Stripe, APieceOutOfRangeOrOfTheWrongLengthIsRefused) {
+  for (bool out_of_range : {true, false}) {
+    Receiver r;
+    constexpr size_t kLen = 8 << 20;
+    const size_t piece = TcpChannel::piece_bytes(kLen, 2), count = (kLen + piece - 1) / piece;
+    const auto data = pattern(kLen);
+    std::vector<std::byte> out(kLen, std::byte{0x5a});
+    Transfer t = make_recv(2, out.data(), kLen);
+    r.ch->begin(t, r.op);
+    const std::string err = r.drive_while(t, [&] {
+      if (out_of_range)
+        r.send_piece(0, t, count, 64, data.data());
+      else
+        r.send_piece(0, t, 0, piece - 64, data.data());
+    });
+    EXPECT_NE(err.find(out_of_range ? "is not a piece of a striped message" : "carries piece 0 with a wrong length"),
+              std::string::npos)
+        << err;
+    // Nothing of a refused piece reached the destination.
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](std::byte b) { return b == std::byte{0x5a}; }));
+  }
+}
+
+TEST(Stripe, PieceSizeStaysWithinItsBoundsAndTheHeadersNumbering) {
+  EXPECT_EQ(TcpChannel::piece_bytes(4 << 20, 2), 256u * 1024);
+  EXPECT_EQ(TcpChannel::piece_bytes(64 << 20, 2), 4u << 20);
+  EXPECT_EQ(TcpChannel::piece_bytes(16 << 20, 4), 512u * 1024);
+  const size_t huge = size_t{1} << 40;  // 1 TiB: pieces grow so that at most 65535 are numbered
+  const size_t piece = TcpChannel::piece_bytes(huge, 2);
+  EXPECT_LE((huge + piece - 1) / piece, 65535u);
+  EXPECT_EQ(piece % 64, 0u);
+}
+
+}  // namespace
