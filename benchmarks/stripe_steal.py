@@ -31,16 +31,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
+from collectives import parse_size  # noqa: E402
 
 MODES = ("steal", "fixed")
-
-
-def _size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for u, f in units.items():
-        if text.endswith(u):
-            return int(float(text[: -len(u)]) * f)
-    return int(text)
 
 
 def _body(cfg, rank: int, n: int) -> None:
@@ -113,7 +106,7 @@ def main() -> int:
         return worker(args.worker)
     from rumor.testing import netns
 
-    args.size_bytes = _size(args.size)
+    args.size_bytes = parse_size(args.size)
     args.hosts, args.ranks_per_host = 2, 1
     args.rate_label = f"{args.rate}, RTT {args.rtt}, loss {args.loss:g}"
     bound = args.size_bytes * 8 / netns.parse_rate_bps(args.rate)

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "loopback.h"
 #include "net/socket.h"
 #include "net/stall.h"
 #include "net/tcp_channel.h"
@@ -90,17 +91,8 @@ using rumor::Error;
 using rumor::ErrorKind;
 using namespace rumor::net;
 
-struct Pair {
-  Fd ours, theirs;
-};
-
-Pair loopback_pair() {
-  auto [lfd, port] = listen_tcp(0, "127.0.0.1");
-  Fd theirs = connect_tcp(HostPort{"127.0.0.1", port}, rumor::Deadline::after(10), "test connect");
-  Fd ours(::accept(lfd.get(), nullptr, nullptr));
-  if (!ours.valid()) throw std::runtime_error("accept failed");
-  return {std::move(ours), std::move(theirs)};
-}
+using Pair = rumor::testing::LoopbackPair;
+using rumor::testing::loopback_pair;
 
 OpInfo test_op(double floor_s, double timeout_s) {
   OpInfo op;
