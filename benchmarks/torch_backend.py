@@ -488,12 +488,17 @@ def summarize_coll(c: Dict) -> None:
     c["backend_over_gloo_bw"] = g["median_s"] / b["median_s"]
 
 
-def summarize_train(c: Dict) -> None:
+def _step_stats(c: Dict) -> Dict:
+    """Each variant's median, min, max step and samples/s; returns the variants."""
     for v, d in c["variants"].items():
         d["median_s"] = statistics.median(d["step_s"])
         d["min_s"], d["max_s"] = min(d["step_s"]), max(d["step_s"])
         d["samples_per_s"] = c["global_batch"] / d["median_s"]
-    V = c["variants"]
+    return c["variants"]
+
+
+def summarize_train(c: Dict) -> None:
+    V = _step_stats(c)
     c["ceiling"] = V["ddp_gloo"]["median_s"] / V["compute"]["median_s"]
     c["ddp_rumor_over_gloo"] = V["ddp_gloo"]["median_s"] / V["ddp_rumor"]["median_s"]
     c["ddp_rumor_of_ceiling"] = c["ddp_rumor_over_gloo"] / c["ceiling"]
@@ -507,33 +512,41 @@ def summarize_train(c: Dict) -> None:
 
 
 def summarize_lightning(c: Dict) -> None:
-    for v, d in c["variants"].items():
-        d["median_s"] = statistics.median(d["step_s"])
-        d["min_s"], d["max_s"] = min(d["step_s"]), max(d["step_s"])
-        d["samples_per_s"] = c["global_batch"] / d["median_s"]
-    V = c["variants"]
+    V = _step_stats(c)
     c["ceiling"] = V["lt_gloo"]["median_s"] / V["compute"]["median_s"]
     c["rumor_over_gloo"] = V["lt_gloo"]["median_s"] / V["lt_rumor"]["median_s"]
     c["rumor_of_ceiling"] = c["rumor_over_gloo"] / c["ceiling"]
 
 
+def _step_table(cells: List[Dict], labels: Dict, names: List[str], width: int):
+    """A step-time table's head and each cell's row (model, parameters, batch, then each variant's
+    median [min-max] ms and samples/s, '-' where the cell has no such variant)."""
+    head = f"{'model':<12} {'params':>7} {'batch':>6} |"
+    for v in names:
+        head += f" {labels[v] + ' ms':>{width}} {'smp/s':>6} |"
+    rows = []
+    for c in cells:
+        row = f"{c['model']:<12} {c['params'] / 1e6:>6.1f}M {str(c['batch']) + 'x' + str(c['n']):>6} |"
+        for v in names:
+            d = c["variants"].get(v)
+            if d is None:
+                row += f" {'-':>{width}} {'-':>6} |"
+                continue
+            ms = f"{d['median_s'] * 1e3:.0f} [{d['min_s'] * 1e3:.0f}-{d['max_s'] * 1e3:.0f}]"
+            row += f" {ms:>{width}} {d['samples_per_s']:>6.1f} |"
+        rows.append(row)
+    return head, rows
+
+
 def print_lightning(cells: List[Dict], title: str, iters: int) -> None:
     print(f"\n{title}: Lightning Trainer   (step time: median [min-max] ms of {iters} steps, slowest rank, "
           f"batch start to batch end; samples/s = global batch / median step)")
-    head = f"{'model':<12} {'params':>7} {'batch':>6} |"
-    for v in LIGHTNING_LABEL:
-        head += f" {LIGHTNING_LABEL[v] + ' ms':>22} {'smp/s':>6} |"
+    head, rows = _step_table(cells, LIGHTNING_LABEL, list(LIGHTNING_LABEL), 22)
     head += f" {'r/g':>6} {'ceiling':>7} {'of ceil':>7}"
     print(head)
     print("-" * len(head))
-    for c in cells:
-        row = f"{c['model']:<12} {c['params'] / 1e6:>6.1f}M {str(c['batch']) + 'x' + str(c['n']):>6} |"
-        for v in LIGHTNING_LABEL:
-            d = c["variants"][v]
-            ms = f"{d['median_s'] * 1e3:.0f} [{d['min_s'] * 1e3:.0f}-{d['max_s'] * 1e3:.0f}]"
-            row += f" {ms:>22} {d['samples_per_s']:>6.1f} |"
-        row += f" {c['rumor_over_gloo']:>5.2f}x {c['ceiling']:>6.2f}x {100 * c['rumor_of_ceiling']:>6.0f}%"
-        print(row)
+    for c, row in zip(cells, rows):
+        print(row + f" {c['rumor_over_gloo']:>5.2f}x {c['ceiling']:>6.2f}x {100 * c['rumor_of_ceiling']:>6.0f}%")
     for c in cells:
         last = ", ".join(f"{LIGHTNING_LABEL[v]} {c['variants'][v]['loss'][-1]:.4f}" for v in LIGHTNING_LABEL)
         print(f"  {c['model']}: last step's loss, mean over ranks: {last} (ByteGrad quantizes gradients to 8 "
@@ -568,21 +581,11 @@ def print_train(cells: List[Dict], title: str, iters: int) -> None:
     print(f"\n{title}   (step time: median [min-max] ms of {iters} steps, slowest rank; "
           f"samples/s = global batch / median step)")
     names = [v for v in TRAIN_LABEL if any(v in c["variants"] for c in cells)]
-    head = f"{'model':<12} {'params':>7} {'batch':>6} |"
-    for v in names:
-        head += f" {TRAIN_LABEL[v] + ' ms':>20} {'smp/s':>6} |"
+    head, rows = _step_table(cells, TRAIN_LABEL, names, 20)
     head += f" {'DDP r/g':>7} {'ceiling':>7} {'of ceil':>7} {'FSDP r/g':>8}"
     print(head)
     print("-" * len(head))
-    for c in cells:
-        row = f"{c['model']:<12} {c['params'] / 1e6:>6.1f}M {str(c['batch']) + 'x' + str(c['n']):>6} |"
-        for v in names:
-            d = c["variants"].get(v)
-            if d is None:
-                row += f" {'-':>20} {'-':>6} |"
-                continue
-            ms = f"{d['median_s'] * 1e3:.0f} [{d['min_s'] * 1e3:.0f}-{d['max_s'] * 1e3:.0f}]"
-            row += f" {ms:>20} {d['samples_per_s']:>6.1f} |"
+    for c, row in zip(cells, rows):
         fs = f"{c['fsdp_rumor_over_gloo']:.2f}x" if "fsdp_rumor_over_gloo" in c else "-"
         row += (f" {c['ddp_rumor_over_gloo']:>6.2f}x {c['ceiling']:>6.2f}x "
                 f"{100 * c['ddp_rumor_of_ceiling']:>6.0f}% {fs:>8}")
