@@ -451,13 +451,17 @@ class RumorProcessGroup(dist.ProcessGroup):
     def _work(self, what, peer, works, keep, finish) -> RumorWork:
         return RumorWork(self, what, peer, works, keep, finish)
 
-    def _collective(self, what: str, peer: str, nbytes: int, fn) -> list:
-        """Issues a collective (fn(nonblocking) calls the core) and returns the works for _work. One of at most
-        RUMOR_TORCH_INLINE_BYTES runs here and now, which spares the hand-off to the
-        communicator's thread and back (most of a small op's time when ranks outnumber cores);
-        every rank issues collectives in the same order, so running one early changes no result.
-        Its error still surfaces at wait(), as an asynchronous op's does."""
-        if nbytes > self._inline_bytes:
+    def _collective(self, opts, what: str, peer: str, nbytes: int, fn) -> list:
+        """Issues a collective (fn(nonblocking) calls the core) and returns the works for _work.
+
+        It runs here and now, on the caller's thread, when torch will wait for it at once
+        (opts.asyncOp False: a call without async_op=True) or when it is at most
+        RUMOR_TORCH_INLINE_BYTES; that spares the hand-off to the communicator's thread and back
+        (most of a small op's time when ranks outnumber cores, a fifth of a 1 MiB allreduce's).
+        The others (DDP's buckets, FSDP's prefetches, async_op=True) go to that thread and
+        overlap with the caller. The core runs a communicator's ops in issue order either way,
+        and an error of an op run here still surfaces at wait(), as an asynchronous op's does."""
+        if nbytes > self._inline_bytes and getattr(opts, "asyncOp", True):
             return [self._issue(what, peer, lambda: fn(True))]
         try:
             fn(False)
@@ -510,7 +514,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 t.copy_(buf)
             return [t]
 
-        ws = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allreduce(
+        ws = self._collective(opts, what, self._all(), _nbytes(buf), lambda nb: self._comm.allreduce(
             buf.data_ptr(), buf.numel(), code, op, 0, nb))
         return self._work(what, self._all(), ws, (buf, t), finish)
 
@@ -542,7 +546,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += t.numel()
             return list(tensors)
 
-        ws = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allreduce(
+        ws = self._collective(opts, what, self._all(), _nbytes(flat), lambda nb: self._comm.allreduce(
             flat.data_ptr(), flat.numel(), code, op, 0, nb))
         return self._work(what, self._all(), ws, (flat,), finish)
 
@@ -574,7 +578,7 @@ class RumorProcessGroup(dist.ProcessGroup):
             return [t]
 
         peer = f"root {self._peer(root)}"
-        ws = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.reduce(
+        ws = self._collective(opts, what, peer, _nbytes(buf), lambda nb: self._comm.reduce(
             buf.data_ptr(), buf.numel(), code, op, root, nb))
         return self._work(what, peer, ws, (buf, t), finish)
 
@@ -636,7 +640,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 out.copy_(res)
             return [out]
 
-        ws = self._collective(what, self._all(), _nbytes(src), lambda nb: self._comm.reduce_scatter(
+        ws = self._collective(opts, what, self._all(), _nbytes(src), lambda nb: self._comm.reduce_scatter(
             src.data_ptr(), res.data_ptr(), counts, code, op, nb))
         return self._work(what, self._all(), ws, (src, res, out), finish)
 
@@ -664,7 +668,7 @@ class RumorProcessGroup(dist.ProcessGroup):
             return [t]
 
         peer = f"root {self._peer(root)}"
-        ws = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.broadcast(
+        ws = self._collective(opts, what, peer, _nbytes(buf), lambda nb: self._comm.broadcast(
             buf.data_ptr(), buf.numel() * per, code, root, nb))
         return self._work(what, peer, ws, (buf, t), finish)
 
@@ -689,9 +693,9 @@ class RumorProcessGroup(dist.ProcessGroup):
         if outs[self._rank].numel() != t.numel():
             raise ValueError(f"{_where(what)}: tensor_list[{self._rank}] has {outs[self._rank].numel()} elements "
                              f"but the input has {t.numel()}")
-        return self._allgather_blocks(what, [[o] for o in outs], [t])
+        return self._allgather_blocks(what, [[o] for o in outs], [t], opts)
 
-    def _allgather_blocks(self, what: str, blocks, inputs):
+    def _allgather_blocks(self, what: str, blocks, inputs, opts=None):
         """Gathers every rank's tensors as one message: blocks[r] are the tensors that receive
         rank r's inputs (blocks[own rank] has this rank's inputs' sizes); one flat buffer, then
         copied out at wait()."""
@@ -709,7 +713,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += o.numel()
             return outs
 
-        ws = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allgather(
+        ws = self._collective(opts, what, self._all(), _nbytes(flat), lambda nb: self._comm.allgather(
             flat.data_ptr(), [c * per for c in counts], code, nb))
         return self._work(what, self._all(), ws, (flat,), finish)
 
@@ -741,7 +745,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 output.copy_(buf)
             return [output]
 
-        ws = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allgather(
+        ws = self._collective(opts, what, self._all(), _nbytes(buf), lambda nb: self._comm.allgather(
             buf.data_ptr(), [n * per] * self._size, code, nb))
         return self._work(what, self._all(), ws, (buf, output), finish)
 
@@ -778,7 +782,7 @@ class RumorProcessGroup(dist.ProcessGroup):
             if outs[self._rank][i].numel() != t.numel():
                 raise ValueError(f"{_where(what)}: output_tensor_lists[{self._rank}][{i}] has "
                                  f"{outs[self._rank][i].numel()} elements but input_tensor_list[{i}] has {t.numel()}")
-        return self._allgather_blocks(what, outs, list(input_tensors))
+        return self._allgather_blocks(what, outs, list(input_tensors), opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """Several all_gather_into_tensor calls as one work (torch's coalescing manager).
@@ -854,7 +858,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 output.copy_(dst)
             return [output]
 
-        ws = self._collective(what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
+        ws = self._collective(opts, what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
             src.data_ptr(), [s * per_row * per for s in send], dst.data_ptr(),
             [r * per_row * per for r in recv], code, nb))
         del n
@@ -907,7 +911,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += o.numel()
             return list(output_tensors)
 
-        ws = self._collective(what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
+        ws = self._collective(opts, what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
             src.data_ptr(), [t.numel() * per for t in input_tensors], dst.data_ptr(),
             [t.numel() * per for t in output_tensors], code, nb))
         return self._work(what, self._all(), ws, (src, dst), finish)
@@ -1011,7 +1015,7 @@ class RumorProcessGroup(dist.ProcessGroup):
             A RumorWork.
         """
         what = "barrier"
-        ws = self._collective(what, self._all(), 0, lambda nb: self._comm.barrier(nb))
+        ws = self._collective(opts, what, self._all(), 0, lambda nb: self._comm.barrier(nb))
         return self._work(what, self._all(), ws, (), lambda: [])
 
     def monitored_barrier(self, timeout: Optional[datetime.timedelta] = None, wait_all_ranks: bool = False) -> None:

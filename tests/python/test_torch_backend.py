@@ -748,6 +748,32 @@ def _inline_work_rank():
                          result_is_t=w.result()[0] is t, exact=torch.allclose(t, want, rtol=1e-12, atol=0),
                          error=w.exception())
     pg = dist.distributed_c10d._get_default_group()
+    # Above the inline size, what torch waits for at once (no async_op) also runs on the
+    # caller's thread; DDP's and async_op=True's calls go to the communicator's thread.
+    real, calls = pg._comm, []
+
+    class Spy:
+        def __getattr__(self, name):
+            def call(*a):
+                calls.append((name, a[-1]))  # the core's last argument: nonblocking
+                return getattr(real, name)(*a)
+            return call
+
+    big = (64 << 10) // 8 + 3
+    pg._comm = Spy()
+    try:
+        a, b, c = (_data(r + k, (big,), torch.float64) for k in (1, 2, 3))
+        dist.all_reduce(a)
+        dist.all_reduce(b, async_op=True).wait()
+        dist.broadcast(c, src=1)
+    finally:
+        pg._comm = real
+    a2, b2, c2 = (_data(r + k, (big,), torch.float64) for k in (1, 2, 3))
+    dist.all_reduce(a2, group=gloo)
+    dist.all_reduce(b2, group=gloo)
+    dist.broadcast(c2, src=1, group=gloo)
+    out["nonblocking"] = calls
+    out["sync_exact"] = [torch.allclose(x, y, rtol=1e-12, atol=0) for x, y in ((a, a2), (b, b2))] + [torch.equal(c, c2)]
     if r == 0:
         out["wrapped"] = sorted(k for k, f in vars(type(pg)).items() if hasattr(f, "_torchdynamo_disable"))
     dist.barrier(group=gloo)
@@ -775,6 +801,8 @@ def test_inline_and_queued_works_complete_and_fail_at_wait():
             d = got[name]
             assert d["success"] and d["same"] and d["result_is_t"] and d["exact"] and d["error"] is None, (name, d)
         assert got["small"]["done_at_issue"] is True
+        assert got["nonblocking"] == [("allreduce", False), ("allreduce", True), ("broadcast", False)], got
+        assert got["sync_exact"] == [True, True, True]
         for name in ("small", "large"):
             e = got["aborted"][name]
             assert e[0] in ("issue", "wait") and e[1] == "DistBackendError" and "all_reduce" in e[2], (name, e)
