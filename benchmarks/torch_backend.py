@@ -29,6 +29,14 @@ Parts (--parts, default both)
       ceiling = ddp_gloo's step / compute-only's step: the most ddp_rumor/ddp_gloo this run allowed.
       The losses of ddp_rumor and ddp_gloo (and fsdp_*) are compared as a sanity check.
 
+  lightning  Lightning's Trainer (pip install 'rumor[lightning]') on the same models (--lightning-models,
+      default mlp25m) and batches, joining the groups every rank already has:
+        compute     the plain loop of the training part, no Lightning, no communication (the ceiling)
+        lt_rumor    Trainer(strategy=rumor.lightning.RumorStrategy("bytegrad"))
+        lt_gloo     Trainer(strategy=DDPStrategy(process_group_backend="gloo"))
+      --warmup + --train-iters steps each, every step after a gloo barrier, timed from batch start
+      to batch end (optimizer step included). ceiling = lt_gloo's step / compute's step.
+
 Modes
   one host (default): --ranks ranks (default 4) on this machine.
   --hosts H: H emulated hosts (network namespaces, tbf --rate per link; needs root).
@@ -39,6 +47,7 @@ rumor-backend group with new_group(backend="rumor"): all three run in the same p
   python benchmarks/torch_backend.py                          # one host, 4 ranks, both parts
   python benchmarks/torch_backend.py --parts collectives --max-size 16MiB
   sudo python benchmarks/torch_backend.py --hosts 4 --parts collectives
+  sudo python benchmarks/torch_backend.py --hosts 4 --parts training,lightning --fsdp-models ''
 
 Output: tables, the issue's targets (MET / NOT MET), JSON and a PNG in --out; the last line is
 the headline.
@@ -64,6 +73,7 @@ OP_CALL = {"allreduce": "all_reduce", "allgather": "all_gather_into_tensor",
            "reduce_scatter": "reduce_scatter_tensor"}
 KiB, MiB = C.KiB, C.MiB
 MODELS = ("mlp25m", "transformer")
+LIGHTNING_LABEL = {"compute": "compute-only", "lt_rumor": "L rumor ByteGrad", "lt_gloo": "L DDP gloo"}
 TRAIN_LABEL = {"compute": "compute-only", "ddp_rumor": "DDP rumor", "ddp_gloo": "DDP gloo",
                "fsdp_rumor": "FSDP2 rumor", "fsdp_gloo": "FSDP2 gloo"}
 
@@ -93,6 +103,9 @@ def _body(cfg: Dict, rank: int, n: int) -> None:
     if "training" in cfg["parts"]:
         for name in cfg["models"]:
             _train(cfg, groups, name, rank, n)
+    if "lightning" in cfg["parts"]:
+        for name in cfg["lightning_models"]:
+            _lightning(cfg, name, rank, n)
 
 
 def _cell(cfg: Dict, groups: Dict, op: str, size: int, index: int, rank: int, n: int) -> None:
@@ -191,6 +204,72 @@ def _shard(model, mesh):
     return model
 
 
+class _BucketProfile:
+    """Where a torch DDP step on the rumor group spends its time, per bucket: when the Reducer
+    handed the bucket to the group (the allreduce call and its return) and when the group set
+    the bucket's future (which the Reducer waits for at the end of backward), in ms from the
+    step's start. Measured on ddp_rumor's steps only, by wrapping two methods of the backend in
+    this process (two clock reads per bucket)."""
+
+    def __init__(self):
+        from rumor import torch_backend as tb
+
+        self.tb, self.steps, self.cur, self.t0 = tb, [], None, 0.0
+        self.saved = (tb.RumorProcessGroup.allreduce, tb.RumorWork._settle_future)
+        allreduce, settle = self.saved
+        prof = self
+
+        def timed_allreduce(pg, tensors, opts=None):
+            a = prof.now()
+            w = allreduce(pg, tensors, opts)
+            if prof.cur is not None:
+                w._bench_bucket = [tensors[0].numel() * tensors[0].element_size(), a, prof.now(), None]
+                prof.cur["buckets"].append(w._bench_bucket)
+            return w
+
+        def timed_settle(w):
+            settle(w)
+            b = getattr(w, "_bench_bucket", None)
+            if b is not None:
+                b[3] = prof.now()
+
+        tb.RumorProcessGroup.allreduce, tb.RumorWork._settle_future = timed_allreduce, timed_settle
+
+    def now(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e3
+
+    def begin(self, on: bool) -> None:
+        self.t0 = time.perf_counter()
+        self.cur = {"buckets": []} if on else None
+
+    def mark(self, what: str) -> None:
+        if self.cur is not None:
+            self.cur[what] = self.now()
+
+    def end(self) -> None:
+        if self.cur is not None:
+            self.cur["step"] = self.now()
+            self.steps.append(self.cur)
+            self.cur = None
+
+    def stop(self) -> None:
+        self.tb.RumorProcessGroup.allreduce, self.tb.RumorWork._settle_future = self.saved
+
+
+def bucket_summary(steps: List[Dict]) -> Optional[Dict]:
+    """Medians over the measured steps of rank 0's bucket timings (ms)."""
+    steps = [s for s in steps if s["buckets"] and all(b[3] is not None for b in s["buckets"])]
+    if not steps:
+        return None
+    med = lambda f: statistics.median(f(s) for s in steps)  # noqa: E731
+    return dict(buckets=len(steps[0]["buckets"]), mib=[b[0] / MiB for b in steps[0]["buckets"]],
+                backward=med(lambda s: s["backward_end"] - s["backward"]),
+                issue_calls=med(lambda s: sum(b[2] - b[1] for b in s["buckets"])),
+                last_ready=med(lambda s: s["buckets"][-1][1] - s["backward"]),
+                last_ready_to_settled=med(lambda s: max(b[3] for b in s["buckets"]) - s["buckets"][-1][1]),
+                settled_to_backward_end=med(lambda s: s["backward_end"] - max(b[3] for b in s["buckets"])))
+
+
 def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
     import torch
     import torch.distributed as dist
@@ -214,14 +293,19 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
         variants[v] = (model, torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9))
     nparams = sum(p.numel() for p in variants["compute"][0].parameters())
     data = [models.batch(name, batch, step=i, shard=rank, seed=cfg["seed"]) for i in range(4)]
+    prof = _BucketProfile()
 
     def step(v, i):
         model, opt = variants[v]
         x, y = data[i % len(data)]
+        prof.begin(v == "ddp_rumor")
         opt.zero_grad()
         loss = models.loss(model(x), y)
+        prof.mark("backward")
         loss.backward()
+        prof.mark("backward_end")
         opt.step()
+        prof.end()
         return float(loss.detach())
 
     counts = {v: 0 for v in names}
@@ -251,6 +335,7 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
             if rank == 0:
                 emit("progress", {"model": name, "done": done, "total": total,
                                    "what": f"{v} {times[v][-1] * 1e3:.0f} ms/step"})
+    prof.stop()
     per_rank = _common.gather_samples(times)
     # every variant took the same steps on the same batches: their mean losses over ranks agree
     # up to float32 rounding if the groups computed the same reductions
@@ -265,8 +350,108 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
                                                for i in range(len(times[v]))],
                                        per_rank_step_s=per_rank[v], warmup_s=warm[v],
                                        loss=(loss_t[v] / n).tolist())
+        cell["bucket_profile"] = prof.steps[cfg["warmup"]:]
         emit("cell", cell)
     del variants, data
+    gc.collect()
+
+
+def _lightning(cfg: Dict, name: str, rank: int, n: int) -> None:
+    """Lightning's Trainer on the same model and batches: RumorStrategy(ByteGrad) against
+    Lightning's DDPStrategy on gloo, beside the plain compute-only loop (the ceiling). The
+    Trainer joins the groups worker_main made (torch.distributed's gloo group, rumor.init()):
+    both strategies skip their own rendezvous when one exists."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    import rumor.lightning
+    from rumor.testing import models
+
+    batch = models.BATCH[name]
+    steps = cfg["warmup"] + cfg["train_iters"]
+    data = [models.batch(name, batch, step=i, shard=rank, seed=cfg["seed"]) for i in range(4)]
+    # An outside launcher: Lightning's environment reads the node from NODE_RANK.
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    os.environ["NODE_RANK"] = str(rank // per_host)
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = models.build(name, seed=cfg["seed"])
+            self.losses: List[float] = []
+
+        def training_step(self, b, i):
+            loss = models.loss(self.model(b[0]), b[1])
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=cfg["lr"], momentum=0.9)
+
+    class Steps(L.Callback):
+        """Each step after a gloo barrier (as in the training part), timed to its batch's end
+        (the optimizer step included)."""
+
+        def __init__(self):
+            self.times: List[float] = []
+            self.t0 = 0.0
+
+        def on_train_batch_start(self, trainer, module, b, i):
+            dist.barrier()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, out, b, i):
+            self.times.append(time.perf_counter() - self.t0)
+
+    def fit(strategy):
+        net, steps_cb = Net(), Steps()
+        loader = torch.utils.data.DataLoader([data[i % len(data)] for i in range(steps)], batch_size=None)
+        trainer = L.Trainer(accelerator="cpu", devices=per_host, num_nodes=n // per_host, strategy=strategy,
+                            max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                            use_distributed_sampler=False, callbacks=[steps_cb])
+        trainer.fit(net, loader)
+        return steps_cb.times, net.losses
+
+    def compute():
+        model = models.build(name, seed=cfg["seed"])
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        times, losses = [], []
+        for i in range(steps):
+            x, y = data[i % len(data)]
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = models.loss(model(x), y)
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+        return times, losses
+
+    runs = {"compute": compute,
+            "lt_rumor": lambda: fit(rumor.lightning.RumorStrategy("bytegrad")),
+            "lt_gloo": lambda: fit(L.pytorch.strategies.DDPStrategy(process_group_backend="gloo"))}
+    times, losses, warm = {}, {}, {}
+    for v, run in runs.items():
+        t, losses[v] = run()
+        warm[v], times[v] = t[:cfg["warmup"]], t[cfg["warmup"]:]
+        if rank == 0:
+            emit("progress", {"model": name, "done": 0, "total": 0,
+                              "what": f"lightning {v} {statistics.median(times[v]) * 1e3:.0f} ms/step"})
+    per_rank = _common.gather_samples(times)
+    loss_t = {v: torch.tensor(losses[v], dtype=torch.float64) for v in runs}
+    for v in runs:
+        dist.all_reduce(loss_t[v])
+    if rank == 0:
+        cell = dict(part="lightning", model=name, n=n, batch=batch, global_batch=batch * n,
+                    params=sum(p.numel() for p in models.build(name, seed=cfg["seed"]).parameters()), variants={})
+        for v in runs:
+            cell["variants"][v] = dict(step_s=[max(per_rank[v][r][i] for r in range(n))
+                                               for i in range(len(times[v]))],
+                                       per_rank_step_s=per_rank[v], warmup_s=warm[v], loss=(loss_t[v] / n).tolist())
+        emit("cell", cell)
     gc.collect()
 
 
@@ -280,6 +465,7 @@ class Job(_common.Job):
         a = self.args
         return dict(parts=a.parts, ops=a.ops, sizes=a.size_list, iters=a.iters, warmup=a.warmup,
                     target_s=a.target_ms / 1e3, max_reps=a.max_reps, models=a.models, fsdp_models=a.fsdp_models,
+                    lightning_models=a.lightning_models,
                     train_iters=a.train_iters, block=a.block, lr=a.lr, seed=a.seed)
 
     def on_message(self, kind: str, data) -> None:
@@ -302,21 +488,71 @@ def summarize_coll(c: Dict) -> None:
     c["backend_over_gloo_bw"] = g["median_s"] / b["median_s"]
 
 
-def summarize_train(c: Dict) -> None:
+def _step_stats(c: Dict) -> Dict:
+    """Each variant's median, min, max step and samples/s; returns the variants."""
     for v, d in c["variants"].items():
         d["median_s"] = statistics.median(d["step_s"])
         d["min_s"], d["max_s"] = min(d["step_s"]), max(d["step_s"])
         d["samples_per_s"] = c["global_batch"] / d["median_s"]
-    V = c["variants"]
+    return c["variants"]
+
+
+def summarize_train(c: Dict) -> None:
+    V = _step_stats(c)
     c["ceiling"] = V["ddp_gloo"]["median_s"] / V["compute"]["median_s"]
     c["ddp_rumor_over_gloo"] = V["ddp_gloo"]["median_s"] / V["ddp_rumor"]["median_s"]
     c["ddp_rumor_of_ceiling"] = c["ddp_rumor_over_gloo"] / c["ceiling"]
+    c["bucket_summary"] = bucket_summary(c.get("bucket_profile", []))
     c["loss_max_abs_diff"] = {"ddp": max(abs(a - b) for a, b in zip(V["ddp_rumor"]["loss"], V["ddp_gloo"]["loss"]))}
     if "fsdp_rumor" in V:
         c["fsdp_rumor_over_gloo"] = V["fsdp_gloo"]["median_s"] / V["fsdp_rumor"]["median_s"]
         c["fsdp_ceiling"] = V["fsdp_gloo"]["median_s"] / V["compute"]["median_s"]
         c["loss_max_abs_diff"]["fsdp"] = max(abs(a - b) for a, b in zip(V["fsdp_rumor"]["loss"],
                                                                          V["fsdp_gloo"]["loss"]))
+
+
+def summarize_lightning(c: Dict) -> None:
+    V = _step_stats(c)
+    c["ceiling"] = V["lt_gloo"]["median_s"] / V["compute"]["median_s"]
+    c["rumor_over_gloo"] = V["lt_gloo"]["median_s"] / V["lt_rumor"]["median_s"]
+    c["rumor_of_ceiling"] = c["rumor_over_gloo"] / c["ceiling"]
+
+
+def _step_table(cells: List[Dict], labels: Dict, names: List[str], width: int):
+    """A step-time table's head and each cell's row (model, parameters, batch, then each variant's
+    median [min-max] ms and samples/s, '-' where the cell has no such variant)."""
+    head = f"{'model':<12} {'params':>7} {'batch':>6} |"
+    for v in names:
+        head += f" {labels[v] + ' ms':>{width}} {'smp/s':>6} |"
+    rows = []
+    for c in cells:
+        row = f"{c['model']:<12} {c['params'] / 1e6:>6.1f}M {str(c['batch']) + 'x' + str(c['n']):>6} |"
+        for v in names:
+            d = c["variants"].get(v)
+            if d is None:
+                row += f" {'-':>{width}} {'-':>6} |"
+                continue
+            ms = f"{d['median_s'] * 1e3:.0f} [{d['min_s'] * 1e3:.0f}-{d['max_s'] * 1e3:.0f}]"
+            row += f" {ms:>{width}} {d['samples_per_s']:>6.1f} |"
+        rows.append(row)
+    return head, rows
+
+
+def print_lightning(cells: List[Dict], title: str, iters: int) -> None:
+    print(f"\n{title}: Lightning Trainer   (step time: median [min-max] ms of {iters} steps, slowest rank, "
+          f"batch start to batch end; samples/s = global batch / median step)")
+    head, rows = _step_table(cells, LIGHTNING_LABEL, list(LIGHTNING_LABEL), 22)
+    head += f" {'r/g':>6} {'ceiling':>7} {'of ceil':>7}"
+    print(head)
+    print("-" * len(head))
+    for c, row in zip(cells, rows):
+        print(row + f" {c['rumor_over_gloo']:>5.2f}x {c['ceiling']:>6.2f}x {100 * c['rumor_of_ceiling']:>6.0f}%")
+    for c in cells:
+        last = ", ".join(f"{LIGHTNING_LABEL[v]} {c['variants'][v]['loss'][-1]:.4f}" for v in LIGHTNING_LABEL)
+        print(f"  {c['model']}: last step's loss, mean over ranks: {last} (ByteGrad quantizes gradients to 8 "
+              "bits: close to, not equal to, DDP's)")
+    print("  ceiling = Lightning DDP gloo's step / compute-only's step (a plain loop, no Lightning); "
+          "of ceil = (r/g) / ceiling")
 
 
 def print_coll(cells: List[Dict], title: str, iters: int) -> None:
@@ -345,21 +581,11 @@ def print_train(cells: List[Dict], title: str, iters: int) -> None:
     print(f"\n{title}   (step time: median [min-max] ms of {iters} steps, slowest rank; "
           f"samples/s = global batch / median step)")
     names = [v for v in TRAIN_LABEL if any(v in c["variants"] for c in cells)]
-    head = f"{'model':<12} {'params':>7} {'batch':>6} |"
-    for v in names:
-        head += f" {TRAIN_LABEL[v] + ' ms':>20} {'smp/s':>6} |"
+    head, rows = _step_table(cells, TRAIN_LABEL, names, 20)
     head += f" {'DDP r/g':>7} {'ceiling':>7} {'of ceil':>7} {'FSDP r/g':>8}"
     print(head)
     print("-" * len(head))
-    for c in cells:
-        row = f"{c['model']:<12} {c['params'] / 1e6:>6.1f}M {str(c['batch']) + 'x' + str(c['n']):>6} |"
-        for v in names:
-            d = c["variants"].get(v)
-            if d is None:
-                row += f" {'-':>20} {'-':>6} |"
-                continue
-            ms = f"{d['median_s'] * 1e3:.0f} [{d['min_s'] * 1e3:.0f}-{d['max_s'] * 1e3:.0f}]"
-            row += f" {ms:>20} {d['samples_per_s']:>6.1f} |"
+    for c, row in zip(cells, rows):
         fs = f"{c['fsdp_rumor_over_gloo']:.2f}x" if "fsdp_rumor_over_gloo" in c else "-"
         row += (f" {c['ddp_rumor_over_gloo']:>6.2f}x {c['ceiling']:>6.2f}x "
                 f"{100 * c['ddp_rumor_of_ceiling']:>6.0f}% {fs:>8}")
@@ -369,6 +595,14 @@ def print_train(cells: List[Dict], title: str, iters: int) -> None:
         print(f"  {c['model']}: max |loss(rumor) - loss(gloo)| over the steps, mean over ranks: {diffs}")
     print("  ceiling = DDP gloo's step / compute-only's step: the most DDP rumor/gloo this run allowed; "
           "of ceil = (DDP r/g) / ceiling")
+    for c in cells:
+        p = c.get("bucket_summary")
+        if p:
+            print(f"  {c['model']} DDP rumor, rank 0, median ms of the steps: backward {p['backward']:.0f}; "
+                  f"{p['buckets']} buckets ({', '.join(f'{m:.1f}' for m in p['mib'])} MiB), allreduce calls "
+                  f"{p['issue_calls']:.1f} in all; last bucket handed over {p['last_ready']:.0f} into backward, "
+                  f"every future set {p['last_ready_to_settled']:.0f} after it, backward returned "
+                  f"{p['settled_to_backward_end']:.0f} after that")
 
 
 def plot(path: str, result: Dict) -> Optional[str]:
@@ -377,8 +611,9 @@ def plot(path: str, result: Dict) -> Optional[str]:
         return _common.NO_MATPLOTLIB
     coll = [c for c in result["cells"] if c["part"] == "collectives"]
     train = [c for c in result["cells"] if c["part"] == "training"]
+    light = [c for c in result["cells"] if c["part"] == "lightning"]
     ops = [o for o in OPS if any(c["op"] == o for c in coll)]
-    ncol = len(ops) + (1 if train else 0)
+    ncol = len(ops) + (1 if train else 0) + (1 if light else 0)
     fig, axes = plt.subplots(1, max(1, ncol), figsize=(5.5 * max(1, ncol), 4.5), squeeze=False)
     styles = {"backend": ("-", "rumor backend"), "gloo": ("--", "gloo"), "api": (":", "rumor API")}
     for j, op in enumerate(ops):
@@ -394,18 +629,19 @@ def plot(path: str, result: Dict) -> Optional[str]:
         ax.set_title(f"{OP_CALL[op]}, n={cs[0]['n']}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    if train:
-        ax = axes[0][len(ops)]
-        names = [v for v in TRAIN_LABEL if any(v in c["variants"] for c in train)]
+    for j, (cells, labels, title) in enumerate(x for x in ((train, TRAIN_LABEL, "training"),
+                                                           (light, LIGHTNING_LABEL, "Lightning")) if x[0]):
+        ax = axes[0][len(ops) + j]
+        names = [v for v in labels if any(v in c["variants"] for c in cells)]
         w = 0.8 / len(names)
         for k, v in enumerate(names):
-            xs = [i + k * w for i, c in enumerate(train) if v in c["variants"]]
-            ys = [c["variants"][v]["samples_per_s"] for c in train if v in c["variants"]]
-            ax.bar(xs, ys, w, label=TRAIN_LABEL[v])
-        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(train))])
-        ax.set_xticklabels([c["model"] for c in train])
+            xs = [i + k * w for i, c in enumerate(cells) if v in c["variants"]]
+            ys = [c["variants"][v]["samples_per_s"] for c in cells if v in c["variants"]]
+            ax.bar(xs, ys, w, label=labels[v])
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(cells))])
+        ax.set_xticklabels([c["model"] for c in cells])
         ax.set_ylabel("samples/s")
-        ax.set_title(f"training, n={train[0]['n']}")
+        ax.set_title(f"{title}, n={cells[0]['n']}")
         ax.legend(fontsize=8)
     fig.suptitle(result["title"])
     _common.save_figure(plt, fig, path)
@@ -424,7 +660,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=4, help="one-host mode: ranks")
     ap.add_argument("--ranks-per-host", type=int, default=1, help="--hosts mode: ranks per emulated host")
     ap.add_argument("--rate", default="1gbit", help="--hosts mode: tbf rate of each host's link")
-    ap.add_argument("--parts", default="collectives,training", help="comma list of collectives,training")
+    ap.add_argument("--parts", default="collectives,training",
+                    help="comma list of collectives,training,lightning (lightning: pip install 'rumor[lightning]')")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {','.join(OPS)}")
     ap.add_argument("--min-size", type=C.parse_size, default=4 * KiB)
     ap.add_argument("--max-size", type=C.parse_size, default=64 * MiB)
@@ -435,6 +672,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-reps", type=int, default=64)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {','.join(MODELS)}")
     ap.add_argument("--fsdp-models", default="mlp25m", help="models also run under FSDP2 fully_shard ('' for none)")
+    ap.add_argument("--lightning-models", default="mlp25m",
+                    help="lightning part: models trained with Lightning's Trainer (comma list)")
     ap.add_argument("--train-iters", type=int, default=10, help="training: measured steps per variant")
     ap.add_argument("--block", type=int, default=1, help="training: steps per variant before rotating")
     ap.add_argument("--lr", type=float, default=0.01)
@@ -449,8 +688,10 @@ def main(argv=None) -> int:
     args.ops = [o for o in args.ops.split(",") if o]
     args.models = [m for m in args.models.split(",") if m]
     args.fsdp_models = [m for m in args.fsdp_models.split(",") if m]
-    for what, got, ok in (("--parts", args.parts, ("collectives", "training")), ("--ops", args.ops, OPS),
-                          ("--models", args.models, MODELS), ("--fsdp-models", args.fsdp_models, MODELS)):
+    args.lightning_models = [m for m in args.lightning_models.split(",") if m]
+    for what, got, ok in (("--parts", args.parts, ("collectives", "training", "lightning")), ("--ops", args.ops, OPS),
+                          ("--models", args.models, MODELS), ("--fsdp-models", args.fsdp_models, MODELS),
+                          ("--lightning-models", args.lightning_models, MODELS)):
         bad = [x for x in got if x not in ok]
         if bad:
             ap.error(f"{what}: unknown {bad}; choose from {list(ok)}")
@@ -488,7 +729,8 @@ def main(argv=None) -> int:
           f"{C.fmt_size(args.size_list[-1])} iters {args.iters} | models {','.join(args.models)} "
           f"(FSDP2: {','.join(args.fsdp_models) or 'none'}) train-iters {args.train_iters} | warmup {args.warmup}")
     cells_total = (len(args.ops) * len(args.size_list) if "collectives" in args.parts else 0) + \
-        (len(args.models) if "training" in args.parts else 0)
+        (len(args.models) if "training" in args.parts else 0) + \
+        (len(args.lightning_models) if "lightning" in args.parts else 0)
     progress = Progress(cells_total, "cells", quiet_s=30)
     drv = _common.Driver("rumor-bench-tb-", progress, hosts_mode)
 
@@ -508,16 +750,21 @@ def main(argv=None) -> int:
         _common.finish_meta(meta)
         coll = [c for c in result["cells"] if c["part"] == "collectives"]
         train = [c for c in result["cells"] if c["part"] == "training"]
+        light = [c for c in result["cells"] if c["part"] == "lightning"]
         for c in coll:
             summarize_coll(c)
         for c in train:
             summarize_train(c)
+        for c in light:
+            summarize_lightning(c)
         for op in args.ops:
             cs = sorted((c for c in coll if c["op"] == op), key=lambda c: c["size"])
             if cs:
                 print_coll(cs, job.label, args.iters)
         if train:
             print_train(train, job.label, args.train_iters)
+        if light:
+            print_lightning(light, job.label, args.train_iters)
         print()
         if meta["loadavg_start"][0] > 1.0 or meta["loadavg_end"][0] > 1.0:
             print(f"machine load (1-min average) at start / end: {meta['loadavg_start'][0]:.2f} / "
@@ -562,6 +809,12 @@ def main(argv=None) -> int:
             if c["model"] == "mlp25m":
                 headline = (headline + "; " if headline else "headline: ") + \
                     f"mlp25m DDP rumor/gloo = {c['ddp_rumor_over_gloo']:.2f}x samples/s"
+        for c in light:
+            _target(result, f"{where}: {c['model']} Lightning RumorStrategy(ByteGrad) vs Lightning DDP gloo "
+                            ">= 0.95 of the ceiling", c["rumor_of_ceiling"], c["rumor_of_ceiling"] >= 0.95,
+                    f"{100 * c['rumor_of_ceiling']:.0f}% ({c['rumor_over_gloo']:.2f}x of {c['ceiling']:.2f}x)")
+            headline = (headline + "; " if headline else "headline: ") + \
+                f"{c['model']} Lightning ByteGrad/DDP-gloo = {c['rumor_over_gloo']:.2f}x samples/s"
         wrong = [(c["op"], c["size"], v) for c in coll for v, d in c["variants"].items() if not d["correct"]]
         if wrong:
             print("WRONG RESULTS: " + ", ".join(f"{v} {o} {C.fmt_size(s)}" for o, s, v in wrong))

@@ -25,13 +25,16 @@ import torch.distributed as dist
 
 from . import _C, _rendezvous, _shm
 from ._env import env_bool, env_int
-from ._tensor import dtype_code, movable_code
+from ._tensor import _DTYPE_CODES, dtype_code, movable_code
 
 BACKEND_NAME = "rumor"
 
 # The core's reduce codes (rumor.ReduceOp); PREMUL_SUM becomes a local scale and a SUM.
 _RED = dist.ReduceOp.RedOpType
 _OPS = {_RED.SUM: 0, _RED.AVG: 1, _RED.MIN: 2, _RED.MAX: 3, _RED.PRODUCT: 4}
+# The same keyed by the enum's int: hashing or comparing pybind's enum costs ~1-2 us, a fair part
+# of a 4 KiB op's whole time through this backend.
+_OP_CODES = {int(k.value): v for k, v in _OPS.items()}
 # Point-to-point messages run on one communicator per (source, destination, tag) so that each
 # such stream is matched in order on its own and an unmatched irecv holds up nothing else.
 # Their ids live above the group's own communicator (0) and below the core's reserved bits.
@@ -46,6 +49,10 @@ def _where(what: str) -> str:
 
 def _check_cpu(tensors: Sequence[torch.Tensor], what: str, arg: str) -> None:
     for t in tensors:
+        # The common case in a few attribute reads (t.device builds an object: ~0.4 us); anything
+        # else falls through to the checks that say what is wrong.
+        if isinstance(t, torch.Tensor) and t.is_cpu and t.layout == torch.strided:
+            continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_where(what)}: {arg} must hold torch.Tensor values, got {type(t).__name__}")
         if t.device.type != "cpu":
@@ -67,12 +74,16 @@ def _same_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype, what: str, 
 
 
 def _reduce_code(t: torch.Tensor, what: str) -> int:
-    return dtype_code(t.dtype, _where(what))
+    code = _DTYPE_CODES.get(t.dtype)
+    return code if code is not None else dtype_code(t.dtype, _where(what))
 
 
 def _op(opts_op, what: str):
     """(core op code, premultiplier or None) of torch's ReduceOp."""
     kind = opts_op.op
+    code = _OP_CODES.get(kind.value)
+    if code is not None:
+        return code, None
     if kind == _RED.PREMUL_SUM:
         factor = getattr(opts_op, "factor", None)
         if isinstance(factor, torch.Tensor):
@@ -114,6 +125,11 @@ class _Ran:
     def wait(self, timeout: float) -> None:
         if self._error is not None:
             raise self._error
+
+
+# works= for an op that already ran on the caller's thread, successfully: the work is complete
+# when made (an op that failed there passes [_Ran(error)], so that wait() raises it).
+_RAN_OK: list = []
 
 
 class _Waiter:
@@ -175,6 +191,16 @@ class RumorWork(dist._Work):
         self._result: List[torch.Tensor] = []
         self._error: Optional[BaseException] = None
         self._future: Optional[torch.futures.Future] = None
+        if works is _RAN_OK:
+            # Nothing to wait for, and nobody else holds this work yet: the result is set now,
+            # as _complete would, and a small op's wait() is two attribute reads.
+            self._works = []
+            self._keep = ()
+            try:
+                self._result = finish()
+            except BaseException as e:  # noqa: BLE001 (as in _complete)
+                self._error = _as_error(e, what, peer)
+            self._done = True
 
     def _complete(self) -> None:
         with self._lock:
@@ -206,7 +232,11 @@ class RumorWork(dist._Work):
             torch.distributed.DistBackendError: the operation failed or passed a deadline; the
                 message names the operation and the peer.
         """
-        if timeout is not None and timeout > datetime.timedelta(0) and not self._done:
+        if self._done:
+            if self._error is not None:
+                raise self._error
+            return True
+        if timeout is not None and timeout > datetime.timedelta(0):
             limit = timeout.total_seconds()
             try:
                 for w in list(self._works):
@@ -343,6 +373,7 @@ class RumorProcessGroup(dist.ProcessGroup):
         self._size = size
         self._timeout = float(timeout)
         self._global = list(global_ranks) or list(range(size))
+        self._all_ranks = f"ranks {self._global}"
         self._comm = _C.Communicator(ctx, 0, "torch.distributed group", list(range(size)))
         self._p2p: dict = {}
         self._p2p_lock = threading.Lock()
@@ -416,26 +447,30 @@ class RumorProcessGroup(dist.ProcessGroup):
         return f"rank {self._global[group_rank]}"
 
     def _all(self) -> str:
-        return f"ranks {self._global}"
+        return self._all_ranks
 
     def _work(self, what, peer, works, keep, finish) -> RumorWork:
         return RumorWork(self, what, peer, works, keep, finish)
 
-    def _collective(self, what: str, peer: str, nbytes: int, fn):
-        """Issues a collective: fn(nonblocking) calls the core. One of at most
-        RUMOR_TORCH_INLINE_BYTES runs here and now, which spares the hand-off to the
-        communicator's thread and back (most of a small op's time when ranks outnumber cores);
-        every rank issues collectives in the same order, so running one early changes no result.
-        Its error still surfaces at wait(), as an asynchronous op's does."""
-        if nbytes > self._inline_bytes:
-            return self._issue(what, peer, lambda: fn(True))
+    def _collective(self, opts, what: str, peer: str, nbytes: int, fn) -> list:
+        """Issues a collective (fn(nonblocking) calls the core) and returns the works for _work.
+
+        It runs here and now, on the caller's thread, when torch will wait for it at once
+        (opts.asyncOp False: a call without async_op=True) or when it is at most
+        RUMOR_TORCH_INLINE_BYTES; that spares the hand-off to the communicator's thread and back
+        (most of a small op's time when ranks outnumber cores, a fifth of a 1 MiB allreduce's).
+        The others (DDP's buckets, FSDP's prefetches, async_op=True) go to that thread and
+        overlap with the caller. The core runs a communicator's ops in issue order either way,
+        and an error of an op run here still surfaces at wait(), as an asynchronous op's does."""
+        if nbytes > self._inline_bytes and getattr(opts, "asyncOp", True):
+            return [self._issue(what, peer, lambda: fn(True))]
         try:
             fn(False)
         except (TypeError, ValueError):
             raise
         except Exception as e:  # noqa: BLE001 (reported at wait(), as for an asynchronous op)
-            return _Ran(e)
-        return _Ran(None)
+            return [_Ran(e)]
+        return _RAN_OK
 
     def _issue(self, what: str, peer: str, fn):
         try:
@@ -480,9 +515,9 @@ class RumorProcessGroup(dist.ProcessGroup):
                 t.copy_(buf)
             return [t]
 
-        w = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allreduce(
+        ws = self._collective(opts, what, self._all(), _nbytes(buf), lambda nb: self._comm.allreduce(
             buf.data_ptr(), buf.numel(), code, op, 0, nb))
-        return self._work(what, self._all(), [w], (buf, t), finish)
+        return self._work(what, self._all(), ws, (buf, t), finish)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """allreduce of several CPU tensors of one dtype as one message (dist.all_reduce_coalesced).
@@ -512,9 +547,9 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += t.numel()
             return list(tensors)
 
-        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allreduce(
+        ws = self._collective(opts, what, self._all(), _nbytes(flat), lambda nb: self._comm.allreduce(
             flat.data_ptr(), flat.numel(), code, op, 0, nb))
-        return self._work(what, self._all(), [w], (flat,), finish)
+        return self._work(what, self._all(), ws, (flat,), finish)
 
     def reduce(self, tensors, opts=None):
         """reduce of one CPU tensor onto the root (dist.reduce); other ranks' tensors are left as
@@ -544,9 +579,9 @@ class RumorProcessGroup(dist.ProcessGroup):
             return [t]
 
         peer = f"root {self._peer(root)}"
-        w = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.reduce(
+        ws = self._collective(opts, what, peer, _nbytes(buf), lambda nb: self._comm.reduce(
             buf.data_ptr(), buf.numel(), code, op, root, nb))
-        return self._work(what, peer, [w], (buf, t), finish)
+        return self._work(what, peer, ws, (buf, t), finish)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """reduce_scatter of lists of CPU tensors (dist.reduce_scatter).
@@ -606,9 +641,9 @@ class RumorProcessGroup(dist.ProcessGroup):
                 out.copy_(res)
             return [out]
 
-        w = self._collective(what, self._all(), _nbytes(src), lambda nb: self._comm.reduce_scatter(
+        ws = self._collective(opts, what, self._all(), _nbytes(src), lambda nb: self._comm.reduce_scatter(
             src.data_ptr(), res.data_ptr(), counts, code, op, nb))
-        return self._work(what, self._all(), [w], (src, res, out), finish)
+        return self._work(what, self._all(), ws, (src, res, out), finish)
 
     # ---- data movement --------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -634,9 +669,9 @@ class RumorProcessGroup(dist.ProcessGroup):
             return [t]
 
         peer = f"root {self._peer(root)}"
-        w = self._collective(what, peer, _nbytes(buf), lambda nb: self._comm.broadcast(
+        ws = self._collective(opts, what, peer, _nbytes(buf), lambda nb: self._comm.broadcast(
             buf.data_ptr(), buf.numel() * per, code, root, nb))
-        return self._work(what, peer, [w], (buf, t), finish)
+        return self._work(what, peer, ws, (buf, t), finish)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """all_gather into a list of CPU tensors (dist.all_gather); blocks may differ in size.
@@ -659,9 +694,9 @@ class RumorProcessGroup(dist.ProcessGroup):
         if outs[self._rank].numel() != t.numel():
             raise ValueError(f"{_where(what)}: tensor_list[{self._rank}] has {outs[self._rank].numel()} elements "
                              f"but the input has {t.numel()}")
-        return self._allgather_blocks(what, [[o] for o in outs], [t])
+        return self._allgather_blocks(what, [[o] for o in outs], [t], opts)
 
-    def _allgather_blocks(self, what: str, blocks, inputs):
+    def _allgather_blocks(self, what: str, blocks, inputs, opts=None):
         """Gathers every rank's tensors as one message: blocks[r] are the tensors that receive
         rank r's inputs (blocks[own rank] has this rank's inputs' sizes); one flat buffer, then
         copied out at wait()."""
@@ -679,9 +714,9 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += o.numel()
             return outs
 
-        w = self._collective(what, self._all(), _nbytes(flat), lambda nb: self._comm.allgather(
+        ws = self._collective(opts, what, self._all(), _nbytes(flat), lambda nb: self._comm.allgather(
             flat.data_ptr(), [c * per for c in counts], code, nb))
-        return self._work(what, self._all(), [w], (flat,), finish)
+        return self._work(what, self._all(), ws, (flat,), finish)
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 (torch's name)
         """all_gather_into_tensor of CPU tensors (dist.all_gather_into_tensor).
@@ -711,9 +746,9 @@ class RumorProcessGroup(dist.ProcessGroup):
                 output.copy_(buf)
             return [output]
 
-        w = self._collective(what, self._all(), _nbytes(buf), lambda nb: self._comm.allgather(
+        ws = self._collective(opts, what, self._all(), _nbytes(buf), lambda nb: self._comm.allgather(
             buf.data_ptr(), [n * per] * self._size, code, nb))
-        return self._work(what, self._all(), [w], (buf, output), finish)
+        return self._work(what, self._all(), ws, (buf, output), finish)
 
     _allgather_base = all_gather_single
 
@@ -748,7 +783,7 @@ class RumorProcessGroup(dist.ProcessGroup):
             if outs[self._rank][i].numel() != t.numel():
                 raise ValueError(f"{_where(what)}: output_tensor_lists[{self._rank}][{i}] has "
                                  f"{outs[self._rank][i].numel()} elements but input_tensor_list[{i}] has {t.numel()}")
-        return self._allgather_blocks(what, outs, list(input_tensors))
+        return self._allgather_blocks(what, outs, list(input_tensors), opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """Several all_gather_into_tensor calls as one work (torch's coalescing manager).
@@ -824,11 +859,11 @@ class RumorProcessGroup(dist.ProcessGroup):
                 output.copy_(dst)
             return [output]
 
-        w = self._collective(what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
+        ws = self._collective(opts, what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
             src.data_ptr(), [s * per_row * per for s in send], dst.data_ptr(),
             [r * per_row * per for r in recv], code, nb))
         del n
-        return self._work(what, self._all(), [w], (src, dst, output), finish)
+        return self._work(what, self._all(), ws, (src, dst, output), finish)
 
     alltoall_base = all_to_all_single
 
@@ -877,10 +912,10 @@ class RumorProcessGroup(dist.ProcessGroup):
                 off += o.numel()
             return list(output_tensors)
 
-        w = self._collective(what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
+        ws = self._collective(opts, what, self._all(), _nbytes(src), lambda nb: self._comm.alltoall(
             src.data_ptr(), [t.numel() * per for t in input_tensors], dst.data_ptr(),
             [t.numel() * per for t in output_tensors], code, nb))
-        return self._work(what, self._all(), [w], (src, dst), finish)
+        return self._work(what, self._all(), ws, (src, dst), finish)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         """gather of one CPU tensor per rank onto the root (dist.gather).
@@ -981,8 +1016,8 @@ class RumorProcessGroup(dist.ProcessGroup):
             A RumorWork.
         """
         what = "barrier"
-        w = self._collective(what, self._all(), 0, lambda nb: self._comm.barrier(nb))
-        return self._work(what, self._all(), [w], (), lambda: [])
+        ws = self._collective(opts, what, self._all(), 0, lambda nb: self._comm.barrier(nb))
+        return self._work(what, self._all(), ws, (), lambda: [])
 
     def monitored_barrier(self, timeout: Optional[datetime.timedelta] = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored_barrier on this group (torch's dist.monitored_barrier refuses every
@@ -1127,6 +1162,8 @@ class RumorProcessGroup(dist.ProcessGroup):
 
 
 _DYNAMO_HIDDEN = False
+# Methods with a leading underscore that torch itself calls on a process group.
+_TORCH_PRIVATE = frozenset({"_allgather_base", "_reduce_scatter_base"})
 
 
 def _hide_from_dynamo() -> None:
@@ -1142,9 +1179,11 @@ def _hide_from_dynamo() -> None:
         from torch._dynamo import disable
     except Exception:  # noqa: BLE001 (a torch without dynamo has nothing to hide from)
         return
+    # Only what torch calls: a disabled frame runs everything it calls eagerly, and each wrapper
+    # costs ~0.5 us, which on the helpers of every op added up to a third of a 4 KiB op's time.
     for cls in (RumorProcessGroup, RumorWork):
         for name, fn in list(vars(cls).items()):
-            if callable(fn) and not name.startswith("__"):
+            if callable(fn) and (not name.startswith("_") or name in _TORCH_PRIVATE):
                 setattr(cls, name, disable(fn, recursive=True))
 
 

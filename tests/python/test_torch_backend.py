@@ -725,3 +725,92 @@ def _gather_coalesced_rank():
 def test_all_gather_coalesced_matches_gloo():
     for rank_bad in harness.run(_gather_coalesced_rank, 3, timeout=TIMEOUT):
         assert rank_bad == []
+
+
+def _inline_work_rank():
+    """Ops at most RUMOR_TORCH_INLINE_BYTES run on the caller's thread and come back complete;
+    larger ones go through the communicator's thread; a failure of either surfaces at wait()."""
+    dist = _init()
+    r, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, numel in (("small", 16), ("large", (64 << 10) // 4 + 1)):
+        # non-contiguous: the result is copied back into the caller's tensor by finish()
+        base = _data(r + 7, (2, numel), torch.float64)
+        t, want = base.t(), base.t().clone()
+        w = dist.all_reduce(t, async_op=True)
+        done_at_issue = w.is_completed() if name == "small" else None
+        fut = w.get_future()
+        val = fut.wait()
+        w.wait()
+        dist.all_reduce(want, group=gloo)
+        out[name] = dict(done_at_issue=done_at_issue, success=w.is_success(), same=val[0] is t,
+                         result_is_t=w.result()[0] is t, exact=torch.allclose(t, want, rtol=1e-12, atol=0),
+                         error=w.exception())
+    pg = dist.distributed_c10d._get_default_group()
+    # Above the inline size, what torch waits for at once (no async_op) also runs on the
+    # caller's thread; DDP's and async_op=True's calls go to the communicator's thread.
+    real, calls = pg._comm, []
+
+    class Spy:
+        def __getattr__(self, name):
+            def call(*a):
+                calls.append((name, a[-1]))  # the core's last argument: nonblocking
+                return getattr(real, name)(*a)
+            return call
+
+    big = (64 << 10) // 8 + 3
+    pg._comm = Spy()
+    try:
+        a, b, c = (_data(r + k, (big,), torch.float64) for k in (1, 2, 3))
+        dist.all_reduce(a)
+        dist.all_reduce(b, async_op=True).wait()
+        dist.broadcast(c, src=1)
+    finally:
+        pg._comm = real
+    a2, b2, c2 = (_data(r + k, (big,), torch.float64) for k in (1, 2, 3))
+    dist.all_reduce(a2, group=gloo)
+    dist.all_reduce(b2, group=gloo)
+    dist.broadcast(c2, src=1, group=gloo)
+    out["nonblocking"] = calls
+    out["sync_exact"] = [torch.allclose(x, y, rtol=1e-12, atol=0) for x, y in ((a, a2), (b, b2))] + [torch.equal(c, c2)]
+    if r == 0:
+        out["wrapped"] = sorted(k for k, f in vars(type(pg)).items() if hasattr(f, "_torchdynamo_disable"))
+    dist.barrier(group=gloo)
+    pg.abort()
+    errs = {}
+    for name, numel in (("small", 4), ("large", 1 << 16)):
+        try:
+            w = dist.all_reduce(torch.ones(numel), async_op=True)
+        except Exception as e:  # noqa: BLE001 (a large op may be refused at issue)
+            errs[name] = ("issue", type(e).__name__, str(e))
+            continue
+        try:
+            w.wait()
+            errs[name] = ("none",)
+        except Exception as e:  # noqa: BLE001
+            errs[name] = ("wait", type(e).__name__, str(e))
+    out["aborted"] = errs
+    dist.barrier(group=gloo)
+    return out
+
+
+def test_inline_and_queued_works_complete_and_fail_at_wait():
+    for r, got in enumerate(harness.run(_inline_work_rank, 2, timeout=TIMEOUT)):
+        for name in ("small", "large"):
+            d = got[name]
+            assert d["success"] and d["same"] and d["result_is_t"] and d["exact"] and d["error"] is None, (name, d)
+        assert got["small"]["done_at_issue"] is True
+        assert got["nonblocking"] == [("allreduce", False), ("allreduce", True), ("broadcast", False)], got
+        assert got["sync_exact"] == [True, True, True]
+        for name in ("small", "large"):
+            e = got["aborted"][name]
+            assert e[0] in ("issue", "wait") and e[1] == "DistBackendError" and "all_reduce" in e[2], (name, e)
+        # the small op's failure waits for wait(), as an asynchronous op's does
+        assert got["aborted"]["small"][0] == "wait"
+        if r == 0:
+            # what torch calls is hidden from dynamo; the helpers, called from inside, are not
+            wrapped = got["wrapped"]
+            assert {"allreduce", "broadcast", "_allgather_base", "_reduce_scatter_base"} <= set(wrapped), wrapped
+            assert not any(k.startswith("_") and k not in ("_allgather_base", "_reduce_scatter_base")
+                           for k in wrapped), wrapped
