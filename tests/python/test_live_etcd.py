@@ -14,7 +14,6 @@ host's namespace (etcd included) and the survivors' members removed their data d
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -27,7 +26,8 @@ import pytest
 import torch
 
 import harness
-from test_live import STEPS, WORKER, _env, _read_log, _simulate, _sizes_applied, _stop_and_collect
+import live_runs
+from test_live import STEPS, WORKER, _env, _simulate, _sizes_applied, _stop_and_collect
 
 DEADLINE_S = 120
 HOSTS, FAULT = 3, 4
@@ -71,7 +71,7 @@ def test_the_job_survives_the_host_that_ran_the_store(tmp_path):
             # r0 logs steps 0..3, then stops itself before step 4: the others wait in step 4 for it.
             reached, left = False, None
             while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not reached:
-                reached = r0_log.exists() and len(_read_log(r0_log)) == FAULT
+                reached = r0_log.exists() and len(live_runs.read_log(r0_log)) == FAULT
                 time.sleep(0.05)
             if reached:
                 os.killpg(procs[0].pid, signal.SIGKILL)  # node 0's launcher, etcd member and worker
@@ -89,9 +89,7 @@ def test_the_job_survives_the_host_that_ran_the_store(tmp_path):
     # Only the killed host's member left its data directory behind (SIGKILL: no cleanup).
     assert len(os.listdir(data)) == 1, (os.listdir(data), text)
 
-    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
-    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
-              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
+    logs, finals = live_runs.load(tmp_path)
     assert sorted(finals) == ["r1", "r2"], text
     sizes = _sizes_applied(logs)
     assert sizes == [3] * FAULT + [2] * (STEPS - FAULT), sizes
@@ -139,8 +137,8 @@ def test_one_host_with_its_store_in_etcd(tmp_path, how):
     scheme = "https" if how == "started-tls" else "http"
     assert f"etcd {scheme}://127.0.0.1:" in text and os.listdir(data) == [], text[-6000:]
     assert ("member rumor0 here" in text) == (how != "external"), text[-6000:]
-    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
-    final = json.loads((tmp_path / "r0.final.json").read_text())
+    logs, finals = live_runs.load(tmp_path)
+    final = finals["r0"]
     sizes = _sizes_applied(logs)
     assert sizes == [2] * FAULT + [1] * (STEPS - FAULT), sizes
     for got, want in zip(final["params"], _simulate(sizes)):
