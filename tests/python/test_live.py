@@ -48,6 +48,8 @@ WORKER = textwrap.dedent(
     fault_step, grow_step, total = int(fault_step), int(grow_step), int(total)
     me, pid = os.environ["RUMOR_LIVE_ID"], os.getpid()
     pace = float(os.environ.get("LIVE_TEST_STEP_S", "0"))
+    # "<id>:<step>:<file>": that member waits before that step until the test makes the file, then stops itself
+    hold = os.environ.get("LIVE_TEST_HOLD", "::").split(":", 2)
     rumor.init()
     torch.manual_seed(0)
     width = 33 if newcomer == "wrong-model" and me.startswith("j") else 32
@@ -72,6 +74,11 @@ WORKER = textwrap.dedent(
         while state.step < total:
             if me == victim and state.step == fault_step:
                 os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            if me == hold[0] and str(state.step) == hold[1]:
+                until = time.monotonic() + 60
+                while not os.path.exists(hold[2]) and time.monotonic() < until:
+                    time.sleep(0.05)
+                os.kill(pid, signal.SIGSTOP)
             if state.step == grow_step and not refused():
                 rumor.elastic.wait_for_members(4, timeout=100)
             x, y = batch(state.step, rumor.rank())
