@@ -1,5 +1,7 @@
 """An etcd member started by rumor-run --live --store etcd (docs/elastic.md, "No single point of
-failure"): the first min(3, nnodes) launchers each run one, as a static cluster.
+failure"): the first min(3, nnodes) launchers each run one, as a static cluster; a launcher past
+them runs one that replaces a lost member (join: added through etcd's cluster API, then started
+to join the running cluster).
 
 Each member binds its client and peer URLs to its host's address (never 0.0.0.0), keeps its data
 in a private temporary directory removed when it stops, and dies with its launcher

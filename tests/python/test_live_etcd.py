@@ -64,6 +64,15 @@ def _until(cond, procs, deadline):
     return False
 
 
+def _kill_host_then_await_the_rest(procs, i, deadline):
+    """Kills host i whole (its launcher's process group: the launcher, its etcd member and its
+    worker), then waits, up to the deadline, for the launchers after it to end."""
+    os.killpg(procs[i].pid, signal.SIGKILL)
+    procs[i].wait(10)
+    while any(p.poll() is None for p in procs[i + 1:]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _ns_pids(ns):
     r = subprocess.run(["ip", "netns", "pids", ns], stdout=subprocess.PIPE, text=True, timeout=10)
     return [int(t) for t in r.stdout.split()]
@@ -88,10 +97,7 @@ def test_the_job_survives_the_host_that_ran_the_store(tmp_path):
             left = None
             reached = _until(lambda: r0_log.exists() and len(live_runs.read_log(r0_log)) == FAULT, procs, deadline)
             if reached:
-                os.killpg(procs[0].pid, signal.SIGKILL)  # node 0's launcher, etcd member and worker
-                procs[0].wait(10)
-                while any(p.poll() is None for p in procs[1:]) and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                _kill_host_then_await_the_rest(procs, 0, deadline)
                 left = {i: _ns_pids(cluster.host(i).netns) for i in range(HOSTS)}
         finally:
             text = _stop_and_collect(procs, outs)
@@ -165,10 +171,7 @@ def test_a_lost_member_is_replaced_so_a_second_host_loss_is_survived(tmp_path):
                 flag.touch()
             if len(steps) == 2 and _until(lambda: stopped("r1"), procs[1:], deadline):
                 steps.append("r1 stopped")
-                os.killpg(procs[1].pid, signal.SIGKILL)  # host 1
-                procs[1].wait(10)
-                while any(p.poll() is None for p in procs[2:]) and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                _kill_host_then_await_the_rest(procs, 1, deadline)
             left = {i: _ns_pids(cluster.host(i).netns) for i in range(hosts)}
         finally:
             text = _stop_and_collect(procs, outs)
