@@ -123,7 +123,7 @@ def test_the_job_survives_the_host_that_ran_the_store(tmp_path):
     assert "the etcd store stopped answering" not in text, text
 
 
-# 62 s on the shared 2-core machine under load (four hosts of three processes each, a 4 s heartbeat).
+# 47-62 s on the shared 2-core machine under load (load average 6-9): four hosts of three processes each.
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd (Debian's etcd-server) is not installed")
 def test_a_lost_member_is_replaced_so_a_second_host_loss_is_survived(tmp_path):
@@ -156,10 +156,8 @@ def test_a_lost_member_is_replaced_so_a_second_host_loss_is_survived(tmp_path):
 
     with netns.Cluster(hosts) as cluster:
         try:
-            # A heartbeat of 4 s, not 2: eight processes and three etcd members starting at once
-            # on a small shared machine can leave a worker silent for 2 s before its first step.
-            _start(cluster, hosts, tmp_path, procs, outs, {"RUMOR_ETCD_DIR": str(data), "RUMOR_LIVE_HEARTBEAT": "4",
-                                                           "LIVE_TEST_HOLD": f"r1:{second}:{flag}"})
+            _start(cluster, hosts, tmp_path, procs, outs,
+                   {"RUMOR_ETCD_DIR": str(data), "LIVE_TEST_HOLD": f"r1:{second}:{flag}"})
             deadline = time.monotonic() + DEADLINE_S
             steps = []
             if _until(lambda: len(log("r0")) == FAULT, procs, deadline):
