@@ -1,5 +1,7 @@
 """An etcd member started by rumor-run --live --store etcd (docs/elastic.md, "No single point of
-failure"): the first min(3, nnodes) launchers each run one, as a static cluster.
+failure"): the first min(3, nnodes) launchers each run one, as a static cluster; a launcher past
+them runs one that replaces a lost member (join: added through etcd's cluster API, then started
+to join the running cluster).
 
 Each member binds its client and peer URLs to its host's address (never 0.0.0.0), keeps its data
 in a private temporary directory removed when it stops, and dies with its launcher
@@ -55,21 +57,26 @@ class Member:
     rumor<i>), the index-th one running here. token separates this job's cluster from others
     (etcd refuses peers with another --initial-cluster-token)."""
 
-    def __init__(self, index: int, peers: Sequence[tuple], token: str, tls: Optional[dict] = None):
+    def __init__(self, index: int, peers: Sequence[tuple], token: str, tls: Optional[dict] = None,
+                 cluster: Optional[Sequence[tuple]] = None):
         """tls: {"cert", "key", "ca"} paths: https for clients and peers, and both must show a
-        certificate of that CA (mutual TLS); its certificate must name this host's address."""
+        certificate of that CA (mutual TLS); its certificate must name this host's address.
+        cluster: [(name, peer URL)] of a running cluster this member was added to (member add),
+        itself included: it joins it (--initial-cluster-state existing) rather than forming one
+        with peers; peers[index] is then its own address and ports."""
         self.index = index
         self.tls = tls
-        self.peers = list(peers)
+        self.peers = list(peers) if cluster is None else {index: peers[index]}
+        self.cluster = None if cluster is None else list(cluster)
         self.token = token
         self.proc: Optional[subprocess.Popen] = None
         self.dir: Optional[str] = None
         self.log_path = ""
 
     @property
-    def count(self) -> int:
-        """The cluster's members (this one's peers and itself)."""
-        return len(self.peers)
+    def peer_url(self) -> str:
+        host, _, pport = self.peers[self.index]
+        return f"{self.scheme}://{host}:{pport}"
 
     @property
     def scheme(self) -> str:
@@ -83,7 +90,10 @@ class Member:
     def start(self) -> None:
         binary = etcd_binary()
         host, cport, pport = self.peers[self.index]
-        cluster = ",".join(f"rumor{i}={self.scheme}://{h}:{p}" for i, (h, _, p) in enumerate(self.peers))
+        if self.cluster is None:
+            cluster = ",".join(f"rumor{i}={self.scheme}://{h}:{p}" for i, (h, _, p) in enumerate(self.peers))
+        else:
+            cluster = ",".join(f"{name}={url}" for name, url in self.cluster)
         base = os.environ.get(DIR_ENV) or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
         self.dir = tempfile.mkdtemp(prefix="rumor-etcd-", dir=base)
         self.log_path = os.path.join(self.dir, "etcd.log")
@@ -91,7 +101,8 @@ class Member:
                 "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
                 "--listen-peer-urls", f"{self.scheme}://{host}:{pport}",
                 "--initial-advertise-peer-urls", f"{self.scheme}://{host}:{pport}",
-                "--initial-cluster", cluster, "--initial-cluster-token", self.token, "--initial-cluster-state", "new",
+                "--initial-cluster", cluster, "--initial-cluster-token", self.token,
+                "--initial-cluster-state", "new" if self.cluster is None else "existing",
                 "--auto-compaction-mode", "revision", "--auto-compaction-retention", _KEEP_REVISIONS,
                 "--logger", "zap", "--log-outputs", "stderr"]
         if self.tls:
@@ -149,3 +160,48 @@ def wait_ready(store: EtcdStore, members: List[Member], timeout: float) -> None:
                                      f"within {timeout:g} s ({hint}): {e}")
     finally:
         probe.close()
+
+
+def own_address(toward: str, port: int) -> str:
+    """This host's address on the route to toward (a UDP socket's connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((toward, port))
+        return s.getsockname()[0]
+
+
+def join(store: EtcdStore, index: int, addr: tuple, token: str, tls: Optional[dict], ssl_context,
+         timeout: float) -> Member:
+    """Adds a member named rumor<index> at addr (host, client port, peer port) to the cluster
+    store reaches, starts it here to join it, and returns it once a write through it alone was
+    answered. On failure it is stopped and removed from the cluster again (an added member that
+    never starts counts against the majority), and the error raised."""
+    member = Member(index, {index: tuple(addr)}, token, tls=tls, cluster=[])
+    url = member.peer_url
+    try:
+        new_id, members = store.add_member(url)
+    except EtcdStoreError:
+        # A retried add whose first attempt was applied is refused: the member is there already.
+        members = store.members()
+        mine = [m for m in members if url in (m.get("peerURLs") or [])]
+        if not mine:
+            raise
+        new_id = str(mine[0]["ID"])
+    member.cluster = [(f"rumor{index}" if str(m["ID"]) == new_id else m.get("name", ""), u)
+                      for m in members for u in m.get("peerURLs") or []]
+    try:
+        member.start()
+        alone = EtcdStore([member.client_url], timeout, ssl_context)
+        try:
+            wait_ready(alone, [member], timeout)
+        finally:
+            alone.close()
+    except BaseException as e:
+        member.stop()
+        try:
+            store.remove_member(new_id)
+        except EtcdStoreError:
+            pass
+        if isinstance(e, SystemExit):  # wait_ready's way of saying it: an error here, not an exit
+            raise EtcdStoreError(str(e)) from None
+        raise
+    return member

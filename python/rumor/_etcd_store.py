@@ -30,15 +30,19 @@ import os
 import ssl
 import threading
 import time
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
 ENDPOINTS_ENV = "RUMOR_ETCD_ENDPOINTS"  # comma-separated http(s)://host:port of the store's etcd members
+# 1: the endpoints are those of a cluster rumor-run runs, whose members may be replaced: a client
+# that had to move on from one learns the current members' client URLs from the cluster.
+FOLLOW_ENV = "RUMOR_ETCD_FOLLOW"
 # One attempt at one member: past this the member counts as unreachable (a host that vanished
 # answers nothing, not even a reset) and the next one is tried, within the call's deadline.
 _ATTEMPT_S = 3.0
+_RELEARN_S = 0.5
 _Value = Union[str, bytes]
 # How a kept-alive connection the other side closed while idle fails on its next request.
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
@@ -93,8 +97,13 @@ class EtcdStore(dist.Store):
     certificate for mutual TLS); None: the system's defaults."""
 
     def __init__(self, endpoints: Sequence[str], timeout: float = 300.0,
-                 ssl_context: Optional[ssl.SSLContext] = None):
+                 ssl_context: Optional[ssl.SSLContext] = None, follow: bool = False):
+        """follow: after a call that had to move on from an endpoint, replace the endpoints by the
+        client URLs of the cluster's members (the one that answered first): a member that replaced
+        a lost one is found. Only for a cluster whose members advertise URLs every client can
+        reach (the ones rumor-run starts do)."""
         super().__init__()
+        self.follow = follow
         eps = parse_endpoints(",".join(endpoints)) if not isinstance(endpoints, str) else parse_endpoints(endpoints)
         self.endpoints: List[str] = eps
         self._ssl = ssl_context
@@ -103,6 +112,7 @@ class EtcdStore(dist.Store):
         self._lock = threading.Lock()
         self._prefix = ""
         self._read: dict = {}  # extra fields of every range request
+        self._relearn: Optional[float] = None  # follow: when to ask for the members again
         self.set_timeout(datetime.timedelta(seconds=float(timeout)))
 
     def with_prefix(self, prefix: str) -> "EtcdStore":
@@ -124,9 +134,16 @@ class EtcdStore(dist.Store):
 
     def copy(self) -> "EtcdStore":
         """The same store (endpoints, TLS, prefix, timeout) over a connection of its own."""
-        s = EtcdStore(self.endpoints, self.timeout.total_seconds(), self._ssl)
+        s = EtcdStore(self.endpoints, self.timeout.total_seconds(), self._ssl, self.follow)
         s._prefix, s._read = self._prefix, dict(self._read)
         return s
+
+    def prefer(self, endpoint: str) -> None:
+        """endpoint (one of the cluster's members) is tried first from the next call on."""
+        with self._lock:
+            self.endpoints = [endpoint] + [e for e in self.endpoints if e != endpoint]
+            self._cur = 0
+            self._drop()
 
     def _key(self, key: str) -> str:
         return _b64(self._prefix + key)
@@ -156,51 +173,77 @@ class EtcdStore(dist.Store):
         """POSTs body to /v3/<path> on the first member that answers; retries over the members
         (pausing after each full round) until the deadline."""
         deadline = self._deadline() if deadline is None else deadline
-        data = json.dumps(body).encode()
-        errors: List[str] = []
-        pause = 0.01
         with self._lock:
-            while True:
-                for _ in range(len(self.endpoints)):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    attempt = min(left, _ATTEMPT_S)
-                    reused = self._conn is not None
-                    try:
-                        if self._conn is None:
-                            self._conn = self._connect(self._cur, attempt)
-                        self._conn.timeout = attempt
-                        if self._conn.sock is not None:
-                            self._conn.sock.settimeout(attempt)
-                        self._conn.request("POST", f"/v3/{path}", data, {"Content-Type": "application/json"})
-                        resp = self._conn.getresponse()
-                        raw = resp.read()
-                        status = resp.status
-                    except (OSError, http.client.HTTPException) as e:
-                        errors.append(f"{self.endpoints[self._cur]}: {type(e).__name__}: {e}")
-                        self._drop()
-                        if reused and isinstance(e, _STALE):
-                            continue  # a kept-alive connection the member had closed: once more, anew
-                        self._cur = (self._cur + 1) % len(self.endpoints)
-                        continue
-                    if status == 200:
-                        return json.loads(raw) if raw else {}
-                    msg = raw.decode(errors="replace")[:300]
-                    if status < 500:  # the request itself is wrong: another member would say the same
-                        raise EtcdStoreError(f"rumor: etcd store: {op}: {self.endpoints[self._cur]} refused the "
-                                             f"request (HTTP {status}): {msg}")
-                    # 5xx: no leader, leader changed, a member cut off from the majority: try another
-                    errors.append(f"{self.endpoints[self._cur]}: HTTP {status}: {msg}")
+            out, moved = self._post(path, json.dumps(body).encode(), op, deadline)
+            if self.follow and (moved or (self._relearn is not None and time.monotonic() >= self._relearn)):
+                self._learn_members(deadline)
+            return out
+
+    def _learn_members(self, deadline: float) -> None:
+        """The endpoints become the members' client URLs, the one that just answered first (a
+        member added but not started yet has none). On no answer they stay as they were."""
+        try:
+            r, _ = self._post("cluster/member/list", b"{}", "member list", min(deadline, time.monotonic() + _ATTEMPT_S))
+        except EtcdStoreError:
+            return
+        members = r.get("members") or []
+        urls = [u.rstrip("/") for m in members for u in m.get("clientURLs") or []]
+        # A member added but not started yet (one replacing a lost one) gets its URL when it
+        # starts: asked again shortly, so that it is not missed until the next failure.
+        self._relearn = time.monotonic() + _RELEARN_S if any(not m.get("clientURLs") for m in members) else None
+        here = self.endpoints[self._cur]
+        if urls and here in urls:
+            self.endpoints = [here] + [u for u in urls if u != here]
+            self._cur = 0
+
+    def _post(self, path: str, data: bytes, op: str, deadline: float):
+        """_call's transport, under the lock: (the answer, whether an endpoint failed first)."""
+        errors: List[str] = []
+        moved = False
+        pause = 0.01
+        while True:
+            for _ in range(len(self.endpoints)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                attempt = min(left, _ATTEMPT_S)
+                reused = self._conn is not None
+                try:
+                    if self._conn is None:
+                        self._conn = self._connect(self._cur, attempt)
+                    self._conn.timeout = attempt
+                    if self._conn.sock is not None:
+                        self._conn.sock.settimeout(attempt)
+                    self._conn.request("POST", f"/v3/{path}", data, {"Content-Type": "application/json"})
+                    resp = self._conn.getresponse()
+                    raw = resp.read()
+                    status = resp.status
+                except (OSError, http.client.HTTPException) as e:
+                    errors.append(f"{self.endpoints[self._cur]}: {type(e).__name__}: {e}")
                     self._drop()
+                    if reused and isinstance(e, _STALE):
+                        continue  # a kept-alive connection the member had closed: once more, anew
                     self._cur = (self._cur + 1) % len(self.endpoints)
-                if time.monotonic() + pause >= deadline:
-                    raise EtcdStoreError(
-                        f"rumor: etcd store: {op}: no etcd member answered before the call's deadline "
-                        f"(store timeout {self.timeout.total_seconds():g} s; endpoints {', '.join(self.endpoints)}); "
-                        f"last errors: {'; '.join(errors[-len(self.endpoints):]) or 'none (no time left)'}")
-                time.sleep(pause)
-                pause = min(pause * 2, 0.2)
+                    moved = True
+                    continue
+                if status == 200:
+                    return (json.loads(raw) if raw else {}), moved
+                msg = raw.decode(errors="replace")[:300]
+                if status < 500:  # the request itself is wrong: another member would say the same
+                    raise EtcdStoreError(f"rumor: etcd store: {op}: {self.endpoints[self._cur]} refused the "
+                                         f"request (HTTP {status}): {msg}")
+                # 5xx: no leader, leader changed, a member cut off from the majority: try another
+                errors.append(f"{self.endpoints[self._cur]}: HTTP {status}: {msg}")
+                self._drop()
+                self._cur = (self._cur + 1) % len(self.endpoints)
+                moved = True
+            if time.monotonic() + pause >= deadline:
+                raise EtcdStoreError(
+                    f"rumor: etcd store: {op}: no etcd member answered before the call's deadline "
+                    f"(store timeout {self.timeout.total_seconds():g} s; endpoints {', '.join(self.endpoints)}); "
+                    f"last errors: {'; '.join(errors[-len(self.endpoints):]) or 'none (no time left)'}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
     def _range(self, key: str, op: str) -> Optional[dict]:
         kvs = self._call("kv/range", {"key": self._key(key), **self._read}, op).get("kvs") or []
@@ -317,6 +360,51 @@ class EtcdStore(dist.Store):
         r = self._call("kv/range", {"key": _b64(b"\0"), "range_end": _b64(b"\0"), "count_only": True}, "num_keys()")
         return int(r.get("count", 0))
 
+    # ---- beyond the Store interface: what rumor-run's launchers use ---------------------------
+
+    def scan(self, prefix: str) -> Dict[str, bytes]:
+        """Every key under prefix (within this store's own prefix), with its value, in one call."""
+        start = (self._prefix + prefix).encode()
+        if not start:  # every key: etcd's range from \0 to \0
+            start = end = b"\0"
+        else:  # keys of rumor's prefixes are text: their last byte is below 0xff
+            end = start[:-1] + bytes([start[-1] + 1])
+        r = self._call("kv/range", {"key": _b64(start), "range_end": _b64(end), **self._read}, f"scan({prefix!r})")
+        cut = len(self._prefix)
+        return {_unb64(kv["key"]).decode()[cut:]: _unb64(kv.get("value")) for kv in r.get("kvs") or []}
+
+    def members(self) -> List[dict]:
+        """The cluster's members: {"ID", "name", "peerURLs", "clientURLs"} each; a member added but
+        not started yet has no name and no client URLs."""
+        return self._call("cluster/member/list", {}, "member list").get("members") or []
+
+    def add_member(self, peer_url: str) -> Tuple[str, List[dict]]:
+        """Adds a member that will listen for peers at peer_url (started afterwards, with
+        --initial-cluster-state existing). Returns its ID and the members, it among them."""
+        r = self._call("cluster/member/add", {"peerURLs": [peer_url]}, f"member add({peer_url})")
+        return str(r["member"]["ID"]), r.get("members") or []
+
+    def remove_member(self, member_id: str) -> None:
+        self._call("cluster/member/remove", {"ID": member_id}, f"member remove({member_id})")
+
+    def try_lock(self, key: str, ttl_s: int) -> Optional[str]:
+        """key is created for a lease of ttl_s seconds unless it exists: returns the lease (pass
+        it to unlock), or None when another holder has the key. A holder that dies loses it
+        when its lease runs out, as it then renews it no more."""
+        lease = str(self._call("lease/grant", {"TTL": int(ttl_s)}, f"lease grant({ttl_s} s)")["ID"])
+        r = self._call("kv/txn", {
+            "compare": [{"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+            "success": [{"request_put": {"key": self._key(key), "value": _b64(lease), "lease": lease}}]},
+            f"lock({key!r})")
+        if r.get("succeeded"):
+            return lease
+        self.unlock(lease)
+        return None
+
+    def unlock(self, lease: str) -> None:
+        """Ends the lease try_lock returned, and with it the key it holds."""
+        self._call("lease/revoke", {"ID": lease}, f"lease revoke({lease})")
+
 
 def tls_context_from_env() -> Optional[ssl.SSLContext]:
     """For https endpoints: the CA in RUMOR_TLS_CA and, when given, this host's certificate and
@@ -339,5 +427,5 @@ def from_env(timeout: float) -> Optional[EtcdStore]:
         return None
     endpoints = parse_endpoints(spec)
     tls = tls_context_from_env() if any(e.startswith("https://") for e in endpoints) else None
-    return EtcdStore(endpoints, timeout, tls)
+    return EtcdStore(endpoints, timeout, tls, follow=os.environ.get(FOLLOW_ENV, "").strip() == "1")
 

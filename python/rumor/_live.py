@@ -263,6 +263,11 @@ def _watch(live: _Live) -> None:
                     if m == live.me:
                         continue
                     c = _count(store, f"hb/{m}")
+                    if c == 0:
+                        # Not beating yet (a process still importing on a loaded host starts
+                        # seconds after the others): not silent. One that dies first is
+                        # reported by its launcher; a host lost first, by init's deadline.
+                        continue
                     prev = last.get(m)
                     if prev is None or prev[0] != c:
                         last[m] = (c, now)

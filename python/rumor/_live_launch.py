@@ -10,6 +10,7 @@ ends when the job's training has ended on its members.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 _POLL_S = 0.02
 _GRACE_S = 1.0  # ten etcd heartbeats: every member learns the last commit before a member stops
@@ -36,7 +37,7 @@ def main(args) -> None:
     import torch.distributed as dist
 
     from . import _live, _rendezvous, _secret, _shm
-    from ._etcd_store import ENDPOINTS_ENV
+    from ._etcd_store import ENDPOINTS_ENV, FOLLOW_ENV
 
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
     if not min_nodes.isdigit() or (max_nodes and max_nodes != min_nodes) or int(min_nodes) < 1:
@@ -66,8 +67,6 @@ def main(args) -> None:
     kind = str(getattr(args, "rumor_store", None) or "tcp")
     tls = None
     if getattr(args, "rumor_tls", "off") == "auto":
-        import atexit
-
         from ._tlsauto import AutoTls
 
         if kind.startswith("etcd://"):
@@ -94,8 +93,9 @@ def main(args) -> None:
         from . import _etcd_member
         from ._etcd_store import EtcdStore, tls_context_from_env
 
-        endpoints, etcd_member = _etcd(args, kind, nodes, node, run_id, tls)
-        store = EtcdStore(endpoints, 60.0, tls_context_from_env() if tls is not None else None)
+        endpoints, etcd_member, own = _etcd(args, kind, nodes, node, run_id, tls)
+        follow = kind == "etcd"  # members rumor-run runs: one lost is replaced (_Replacer)
+        store = EtcdStore(endpoints, 60.0, tls_context_from_env() if tls is not None else None, follow=follow)
         try:
             _etcd_member.wait_ready(store, [etcd_member] if etcd_member else [], _env_timeout())
         except BaseException:
@@ -104,15 +104,19 @@ def main(args) -> None:
             raise
         addr, port = store.endpoints[0].split("://", 1)[1].rsplit(":", 1)
         where = f"etcd {','.join(endpoints)}" + (f", member rumor{node} here" if etcd_member else "")
-        store_env = {ENDPOINTS_ENV: ",".join(endpoints)}
+        store_env = {ENDPOINTS_ENV: ",".join(endpoints), **({FOLLOW_ENV: "1"} if follow else {})}
     live = _rendezvous.prefixed(store, f"rumor/{run_id}/live/")
+    replacer = None
+    if kind == "etcd" and etcd_member is None and own is not None:
+        replacer = _Replacer(live, node, nodes, own, run_id, tls, _env_timeout())
     base_env = dict(os.environ)
     base_env.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(n), GROUP_RANK=str(node), ROLE_RANK=str(node),
                     TORCHELASTIC_USE_AGENT_STORE="true", TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0",
                     **{_live.LIVE_ENV: "1", _live.MIN_ENV: str(least)}, **store_env)
-    if not store_env:  # a TCP store: workers must not find an etcd this shell happened to name
-        base_env.pop(ENDPOINTS_ENV, None)
+    for var in (ENDPOINTS_ENV, FOLLOW_ENV):  # what this shell happened to name is not the job's
+        if var not in store_env:
+            base_env.pop(var, None)
     base_env.pop(_live.JOIN_ENV, None)
     if _secret.given() is None:  # one host: this user's secret, as rumor-run gives torchrun's workers
         _secret.user_secret()
@@ -123,6 +127,8 @@ def main(args) -> None:
 
     def start(member: str, slot: int, newcomer: bool) -> None:
         env = dict(base_env, RANK=str(node * n + slot), LOCAL_RANK=str(slot), **{_live.ID_ENV: member})
+        if kind != "tcp":  # the members as this launcher knows them now (one may have been replaced)
+            env[ENDPOINTS_ENV] = ",".join(store.endpoints)
         if newcomer:
             env[_live.JOIN_ENV] = "1"
         procs[member] = subprocess.Popen(cmd, env=env)
@@ -151,6 +157,12 @@ def main(args) -> None:
             if kind != "tcp" and time.monotonic() >= next_beat:  # _leave_etcd: this launcher still runs
                 _beat(live, node)
                 next_beat = time.monotonic() + _BEAT_S
+                if replacer is not None and replacer.tick() is not None:
+                    etcd_member = replacer.member
+                    atexit.register(etcd_member.stop)  # whatever way this launcher ends short of SIGKILL
+                    replacer = None  # a launcher runs one member at most
+                    for st in (store, live):  # this host's member first, as for the first ones
+                        st.prefer(etcd_member.client_url)
             for member, p in list(procs.items()):
                 code = p.poll()
                 if code is None or member.startswith("~"):
@@ -208,12 +220,12 @@ def main(args) -> None:
 
 
 def _etcd(args, kind: str, nodes: int, node: int, run_id: str, tls):
-    """The endpoints of the job's etcd cluster, this host's first, and the member this launcher
-    runs (None: an external cluster, or a host past the first three). tls: the launcher's
-    AutoTls (--tls auto), whose host certificate then also names this host's member address."""
-    import atexit
-
-    from ._etcd_member import MAX_MEMBERS, Member, free_port
+    """The endpoints of the job's etcd cluster, this host's first; the member this launcher runs
+    (None: an external cluster, or a host past the first three); and for a host past the first
+    three, where a member replacing a lost one would run here ((address, client port, peer
+    port); else None). tls: the launcher's AutoTls (--tls auto), whose host certificate then
+    also names this host's member address."""
+    from ._etcd_member import MAX_MEMBERS, Member, free_port, own_address
     from ._etcd_store import parse_endpoints
 
     hosts_arg = str(getattr(args, "rumor_store_hosts", None) or "")
@@ -222,7 +234,7 @@ def _etcd(args, kind: str, nodes: int, node: int, run_id: str, tls):
             raise SystemExit("rumor-run: --store-hosts names the hosts rumor-run starts etcd on; with an external "
                              "cluster (--store etcd://...) leave it out")
         try:
-            return parse_endpoints(kind), None
+            return parse_endpoints(kind), None, None
         except ValueError as e:
             raise SystemExit(f"rumor-run: --store: {e}") from None
     if kind != "etcd":
@@ -239,12 +251,14 @@ def _etcd(args, kind: str, nodes: int, node: int, run_id: str, tls):
                              f"{hosts_arg or 'none'}")
         port = int(args.master_port or 29500)  # clients on --master-port, peers on the next one
         peers = [(h, port, port + 1) for h in hosts]
+    own = None
+    if node >= k:  # the address the store hosts see this host at
+        own = (own_address(peers[0][0], peers[0][1]), peers[0][1], peers[0][2])
     member = None
     paths = None
     if tls is not None:
-        tls.write(sans=[peers[node][0]] if node < k else [])
-        paths = {name: tls.paths[var] for var, name in (("RUMOR_TLS_CERT", "cert"), ("RUMOR_TLS_KEY", "key"),
-                                                        ("RUMOR_TLS_CA", "ca"))}
+        tls.write(sans=[(peers[node] if node < k else own)[0]])
+        paths = _tls_paths(tls)
     if node < k:
         member = Member(node, peers, token=run_id, tls=paths)
         atexit.register(member.stop)  # whatever way this launcher ends short of SIGKILL
@@ -253,7 +267,100 @@ def _etcd(args, kind: str, nodes: int, node: int, run_id: str, tls):
     endpoints = [f"{scheme}://{h}:{c}" for h, c, _ in peers]
     if member is not None:  # this host's member first: the traffic stays local while it is up
         endpoints = endpoints[node:] + endpoints[:node]
-    return endpoints, member
+    return endpoints, member, own
+
+
+def _tls_paths(tls) -> Dict[str, str]:
+    """An etcd member's TLS files ({"cert", "key", "ca"}) from the launcher's AutoTls."""
+    return {name: tls.paths[var] for var, name in (("RUMOR_TLS_CERT", "cert"), ("RUMOR_TLS_KEY", "key"),
+                                                   ("RUMOR_TLS_CA", "ca"))}
+
+
+class _Replacer:
+    """--store etcd, on a host that runs no member: replaces a member whose host is gone.
+
+    A member's host is gone when its launcher's beat (launcher/<i>/beat; member rumor<i> runs
+    with launcher i) stood still for twice RUMOR_LIVE_HEARTBEAT while the launcher had not said
+    it is done. The lowest-ranked launcher whose beat moves and that runs no member then takes
+    the lock etcd/replace (a lease: a holder that dies loses it), removes the lost member, adds
+    its own and starts it to join the cluster (_etcd_member.join). Clients learn the new member
+    when they next move on from one that failed (EtcdStore's follow)."""
+
+    _LOCK_TTL_S = 60  # past the join's deadline: only a holder that died loses the lock to time
+
+    def __init__(self, live, node: int, nodes: int, own: tuple, token: str, tls, timeout: float):
+        from . import _live
+        from ._env import env_float
+
+        self.live = live.copy()  # its own connection, with a short deadline: the loop must go on
+        self.live.set_timeout(datetime.timedelta(seconds=5))
+        self.node, self.nodes, self.own, self.token = node, nodes, own, token
+        self.tls = None if tls is None else _tls_paths(tls)
+        self.join_s = min(timeout, 30.0)
+        self.silence_s = 2 * env_float(_live.HEARTBEAT_ENV, 2.0, positive=True)
+        self.seen: Dict[int, tuple] = {}  # launcher -> (its beat, when it last moved as seen here)
+        self.retry_at = 0.0
+        self.member = None
+
+    def tick(self):
+        """Called every beat: the member started here when this call replaced one, else None."""
+        from ._etcd_member import MAX_MEMBERS, join
+        from ._etcd_store import EtcdStoreError, tls_context_from_env
+
+        now = time.monotonic()
+        if now < self.retry_at:
+            return None
+        try:
+            keys = self.live.scan("launcher/")
+            beats = {int(k.split("/")[1]): int(v) for k, v in keys.items() if k.endswith("/beat")}
+            done = {int(k.split("/")[1]) for k in keys if k.endswith("/done")}
+            for i, c in beats.items():
+                if self.seen.get(i, (None,))[0] != c:
+                    self.seen[i] = (c, now)
+            # Only a launcher seen beating and then silent is gone (one not started yet is not).
+            silent = {i for i, (_, t) in self.seen.items() if now - t > self.silence_s and i not in done}
+            if not silent or self.live.check(["job_done"]):
+                return None
+            on = _member_nodes(self.live, None)
+            if on is None or (not silent & set(on) and len(on) >= min(MAX_MEMBERS, self.nodes)):
+                return None  # no member lost (or one lost and removed, but none added since)
+            free = sorted(i for i in self.seen if i not in silent and i not in done and i not in on)
+            if not free or free[0] != self.node:
+                return None  # not this launcher's turn
+            lease = self.live.try_lock("etcd/replace", self._LOCK_TTL_S)
+            if lease is None:
+                return None
+            try:
+                t0 = time.monotonic()
+                # Under the lock, nobody else is adding a member: one without a name is a join
+                # that failed midway, and counts against the majority as a lost one does.
+                members = self.live.members()
+                lost = [m for m in members if not m.get("name") or _node_of(m) in silent]
+                for m in lost:
+                    self.live.remove_member(str(m["ID"]))
+                self.member = join(self.live, self.node, self.own, self.token, self.tls,
+                                   tls_context_from_env() if self.tls else None, self.join_s)
+            finally:
+                try:
+                    self.live.unlock(lease)
+                except EtcdStoreError:
+                    pass  # the lease runs out by itself
+        except Exception as e:  # whatever failed, this launcher goes on with its workers
+            self.retry_at = time.monotonic() + self.silence_s
+            print(f"rumor-run --live: replacing a lost etcd member failed (tried again in {self.silence_s:g} s): {e}",
+                  file=sys.stderr, flush=True)
+            return None
+        names = ", ".join(str(m.get("name") or m["ID"]) for m in lost) or "none"
+        print(f"rumor-run --live: etcd member rumor{self.node} started here ({self.member.client_url}) in "
+              f"{time.monotonic() - t0:.1f} s, replacing {names} (launcher silent past {self.silence_s:g} s)",
+              file=sys.stderr, flush=True)
+        return self.member
+
+
+def _node_of(member: dict):
+    """The launcher that runs an etcd member (rumor<i>: launcher i), or None."""
+    name = str(member.get("name", ""))
+    return int(name[5:]) if name.startswith("rumor") and name[5:].isdigit() else None
 
 
 def _env_timeout() -> float:
@@ -290,7 +397,7 @@ def _leave_etcd(store, live, nodes: int, node: int, member) -> None:
             _await_launchers(local, live, node, range(nodes), "done", silence_s)
             live.set(f"launcher/{node}/released", "1")
             released = True
-            _await_launchers(local, live, node, range(member.count), "released", silence_s)
+            _await_launchers(local, live, node, _member_nodes(local, nodes), "released", silence_s)
             time.sleep(_GRACE_S)
     except Exception as e:
         if not released:  # after it, the others stopped their members: nothing was left to do
@@ -301,6 +408,19 @@ def _leave_etcd(store, live, nodes: int, node: int, member) -> None:
             member.stop()
         for s in (store, live, local):
             s.close()
+
+
+def _member_nodes(store, nodes: Optional[int]):
+    """The launchers that run the cluster's members (member rumor<i> runs with launcher i; the
+    first ones, or those that replaced a lost one); if the cluster does not answer, every
+    launcher (range(nodes)), or None when nodes is None."""
+    from ._etcd_store import EtcdStoreError
+
+    try:
+        members = store.members()
+    except EtcdStoreError:
+        return None if nodes is None else range(nodes)
+    return sorted(i for i in map(_node_of, members) if i is not None)
 
 
 def _await_launchers(local, live, node: int, nodes, mark: str, silence_s: float) -> None:

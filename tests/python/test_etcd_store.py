@@ -209,6 +209,47 @@ def test_a_member_lost_is_not_noticed_and_a_majority_lost_fails_naming_the_endpo
     assert all(m.dir is None for m in members)
 
 
+def test_a_member_replaced_through_the_cluster_api_is_found_by_a_client_that_follows():
+    """Three members; member 0 is killed, removed and replaced by a member 3 that joins the
+    running cluster (_etcd_member.join). Two clients knew only members 0 and 1: once member 1 is
+    killed too, the one that follows the membership (it learned members 2 and 3 when it moved
+    on from member 0) still reads and writes; the other fails at its deadline naming its
+    endpoints. The replacement lock is held by one holder at a time."""
+    members, endpoints = _cluster(3)
+    store = EtcdStore(endpoints, 20.0)
+    following = EtcdStore(endpoints[:2], 20.0, follow=True)
+    fixed = EtcdStore(endpoints[:2], 20.0)
+    try:
+        lease = store.try_lock("lock", 30)
+        assert lease is not None and following.try_lock("lock", 30) is None
+        store.unlock(lease)
+        lease = following.try_lock("lock", 30)
+        assert lease is not None
+        following.set("k", "before")
+        members[0].proc.send_signal(signal.SIGKILL)
+        members[0].proc.wait(10)
+        assert following.get("k") == b"before" and fixed.get("k") == b"before"
+        store.remove_member(next(str(m["ID"]) for m in store.members() if m["name"] == "rumor0"))
+        h = "127.0.0.1"
+        members.append(_etcd_member.join(store, 3, (h, _etcd_member.free_port(h), _etcd_member.free_port(h)),
+                                         members[0].token, None, None, 30.0))
+        assert sorted(m["name"] for m in store.members()) == ["rumor1", "rumor2", "rumor3"]
+        members[1].stop()
+        assert following.add("n", 2) == 2 and following.get("k") == b"before"
+        assert following.scan("") == {"k": b"before", "n": b"2", "lock": lease.encode(),
+                                      "rumor/etcd-ready": b"1"}
+        assert members[3].client_url in following.endpoints and endpoints[0] not in following.endpoints
+        fixed.set_timeout(datetime.timedelta(seconds=2))
+        with pytest.raises(EtcdStoreError) as e:
+            fixed.get("k")
+        assert "get('k')" in str(e.value) and all(ep in str(e.value) for ep in endpoints[:2]), str(e.value)
+    finally:
+        for s in (store, following, fixed):
+            s.close()
+        for m in members:
+            m.stop()
+
+
 def test_tls_members_take_only_clients_with_a_certificate_of_the_job_ca(tmp_path):
     """A member started with the --tls auto credentials (the job CA; the host certificate names
     127.0.0.1): a client with the host certificate works; one without a client certificate, one

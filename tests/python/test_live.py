@@ -20,7 +20,6 @@ Every launcher run has a deadline; on timeout its whole process group is killed.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 import harness
+import live_runs
 
 DEADLINE_S = 150
 STEPS, GROW = 14, 8
@@ -48,6 +48,8 @@ WORKER = textwrap.dedent(
     fault_step, grow_step, total = int(fault_step), int(grow_step), int(total)
     me, pid = os.environ["RUMOR_LIVE_ID"], os.getpid()
     pace = float(os.environ.get("LIVE_TEST_STEP_S", "0"))
+    # "<id>:<step>:<file>": that member waits before that step until the test makes the file, then stops itself
+    hold = os.environ.get("LIVE_TEST_HOLD", "::").split(":", 2)
     rumor.init()
     torch.manual_seed(0)
     width = 33 if newcomer == "wrong-model" and me.startswith("j") else 32
@@ -72,6 +74,11 @@ WORKER = textwrap.dedent(
         while state.step < total:
             if me == victim and state.step == fault_step:
                 os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            if me == hold[0] and str(state.step) == hold[1]:
+                until = time.monotonic() + 60
+                while not os.path.exists(hold[2]) and time.monotonic() < until:
+                    time.sleep(0.05)
+                os.kill(pid, signal.SIGSTOP)
             if state.step == grow_step and not refused():
                 rumor.elastic.wait_for_members(4, timeout=100)
             x, y = batch(state.step, rumor.rank())
@@ -98,11 +105,6 @@ def _env():
            if not k.startswith(harness._SCRUB_PREFIXES) and k not in harness._SCRUB_NAMES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_TIMEOUT="60")
     return env
-
-
-def _read_log(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _wait_for(cond, p, what, deadline):
@@ -164,20 +166,9 @@ def _run_live(tmp_path, victim, fault_step, fault, on_progress=None, newcomer="s
 
 
 def _check(tmp_path, victim, text, exact=True):
-    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
-    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
-              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
     survivors = sorted(m for m in ("r0", "r1", "r2", "r3") if m != victim)
-    assert sorted(finals) == sorted(survivors + ["j1"]), text[-6000:]
-    # No process applied a step twice; a member that failed a step another member applied gets
-    # that member's state and goes on after it, so it may skip that one.
-    for m, entries in logs.items():
-        steps = [e["step"] for e in entries]
-        assert steps == sorted(set(steps)), (m, steps)
-    # The survivors trained to the end in their first process.
-    for m in survivors:
-        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
-        assert logs[m][-1]["step"] == STEPS - 1, m
+    # No process applied a step twice; the survivors trained to the end in their first process.
+    logs, finals = live_runs.load_and_check(tmp_path, text, survivors + ["j1"], survivors, STEPS, every_step=False)
     # Every step was applied, by members that agree on how many averaged it.
     sizes = _sizes_applied(logs)
     # The membership timeline: 4 until the fault, 3 from the step it hit (given up and redone),
@@ -231,9 +222,9 @@ def test_a_stopped_worker_is_dropped_and_comes_back_as_a_newcomer(tmp_path):
     def resume_after_the_others_went_on(p, deadline):
         # The victim stopped itself at step 3; once the others trained a step without it, it is
         # continued: it must find itself dropped, exit, and come back as newcomer j1.
-        _wait_for(lambda: r0_log.exists() and any(e["size"] == 3 for e in _read_log(r0_log)), p,
+        _wait_for(lambda: r0_log.exists() and any(e["size"] == 3 for e in live_runs.read_log(r0_log)), p,
                   "the survivors training without the stopped worker", deadline)
-        os.kill(_read_log(victim_log)[0]["pid"], signal.SIGCONT)
+        os.kill(live_runs.read_log(victim_log)[0]["pid"], signal.SIGCONT)
 
     text = _run_live(tmp_path, "r1", 3, "stop", resume_after_the_others_went_on)
     _check(tmp_path, "r1", text)
@@ -242,8 +233,7 @@ def test_a_stopped_worker_is_dropped_and_comes_back_as_a_newcomer(tmp_path):
 
 def test_a_newcomer_with_another_model_is_refused_and_the_others_go_on(tmp_path):
     text = _run_live(tmp_path, "r2", 4, "kill", newcomer="wrong-model")
-    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
-              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
+    _, finals = live_runs.load(tmp_path)
     assert sorted(finals) == ["r0", "r1", "r3"], text[-6000:]
     # The newcomer got the model check's error; the members re-formed without it.
     assert "the wrapped models differ across ranks" in text and "refused" in text, text[-6000:]
@@ -251,7 +241,7 @@ def test_a_newcomer_with_another_model_is_refused_and_the_others_go_on(tmp_path)
         assert [(c[1], c[2], c[3]) for c in f["changes"]] == [(3, ["r2"], []), (3, ["j1"], [])], (m, f["changes"])
     sizes = [4] * 4 + [3] * (STEPS - 4)
     for m in finals:
-        log = _read_log(tmp_path / f"{m}.log")
+        log = live_runs.read_log(tmp_path / f"{m}.log")
         assert [e["step"] for e in log] == list(range(STEPS)) and [e["size"] for e in log] == sizes, m
         assert finals[m]["params"] == finals["r0"]["params"], m
     for got, want in zip(finals["r0"]["params"], _simulate(sizes)):
@@ -322,7 +312,7 @@ def test_a_link_that_flaps_is_survived(tmp_path):
     r0_log = tmp_path / "r0.log"
 
     def flap(cluster, procs, deadline):
-        _wait_for(lambda: r0_log.exists() and len(_read_log(r0_log)) >= 3, procs[0], "r0's third step", deadline)
+        _wait_for(lambda: r0_log.exists() and len(live_runs.read_log(r0_log)) >= 3, procs[0], "r0's third step", deadline)
         port = cluster.host(1).switch_port
         for state in ("down", "up"):
             r = cluster.exec_run_ns(cluster.switch, ["ip", "link", "set", port, state])
@@ -343,16 +333,7 @@ def _check_timeline(tmp_path, text, members, stayed):
     logs, the finals and the world size of each step; every step was applied by members that
     agree on its size, and the members end bitwise equal to each other and to the float64 run
     of that timeline."""
-    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
-    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
-              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
-    assert sorted(finals) == sorted(members), text[-6000:]
-    for m, entries in logs.items():
-        steps = [e["step"] for e in entries]
-        assert steps == sorted(set(steps)), (m, steps)
-    for m in stayed:
-        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
-        assert [e["step"] for e in logs[m]] == list(range(STEPS)), m
+    logs, finals = live_runs.load_and_check(tmp_path, text, members, stayed, STEPS)
     sizes = _sizes_applied(logs)
     ref = finals[members[0]]["params"]
     assert all(f["params"] == ref for f in finals.values())

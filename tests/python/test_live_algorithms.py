@@ -26,9 +26,7 @@ and the members' final parameters are bitwise equal. Then each algorithm's own r
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import textwrap
 
@@ -36,7 +34,8 @@ import pytest
 import torch
 
 import harness
-from test_live import _read_log, _simulate
+import live_runs
+from test_live import _simulate
 from test_powersgd import _Reference
 
 DEADLINE_S = 120
@@ -128,17 +127,9 @@ def _run(tmp_path, kind, fault=FAULT, grow=GROW, steps=STEPS):
 def _timeline(tmp_path, text):
     """Checks the run's membership and returns (the world size of every step, the members' final
     parameters, bitwise equal across members)."""
-    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
-    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
-              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
     survivors = ["r0", "r2"]
-    assert sorted(finals) == sorted(survivors + ["j1"]), text[-6000:]
-    for m, entries in logs.items():
-        steps = [e["step"] for e in entries]
-        assert steps == sorted(set(steps)), (m, steps)
+    logs, finals = live_runs.load_and_check(tmp_path, text, survivors + ["j1"], survivors, STEPS)
     for m in survivors:
-        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
-        assert [e["step"] for e in logs[m]] == list(range(STEPS)), m
         assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(2, ["r1"], []), (3, [], ["j1"])], finals[m]
     sizes = [e["size"] for e in logs["r0"]]
     for m, entries in logs.items():
@@ -296,9 +287,7 @@ def test_a_round_a_failure_interrupts_is_given_up_and_newcomers_enter_between_ro
     steps, ends, fault, start, grow = ROUNDS[kind]
     text = _run(tmp_path, kind, fault=fault, grow=grow, steps=steps)
     assert "worker r1" in text and "signal 9" in text
-    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
-    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
-              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
+    logs, finals = live_runs.load(tmp_path)
     assert sorted(finals) == ["j1", "r0", "r2"], text[-6000:]
     redone = steps - start
     for m in ("r0", "r2"):
@@ -388,16 +377,8 @@ def test_decentralized_rebuilds_its_graph_over_the_live_ranks(tmp_path, kind):
     rank's in a float64 run of the timeline."""
     text = _run(tmp_path, kind)
     assert "worker r1" in text and "signal 9" in text
-    logs = {f[:-4]: _read_log(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".log")}
-    finals = {f[:-len(".final.json")]: json.loads((tmp_path / f).read_text())
-              for f in os.listdir(tmp_path) if f.endswith(".final.json")}
-    assert sorted(finals) == ["j1", "r0", "r2"], text[-6000:]
-    for m, entries in logs.items():
-        steps = [e["step"] for e in entries]
-        assert steps == sorted(set(steps)), (m, steps)
+    logs, finals = live_runs.load_and_check(tmp_path, text, ["j1", "r0", "r2"], ["r0", "r2"], STEPS, every_step=False)
     for m in ("r0", "r2"):
-        assert {e["pid"] for e in logs[m]} == {finals[m]["pid"]}, m
-        assert logs[m][-1]["step"] == STEPS - 1, m
         assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(2, ["r1"], []), (3, [], ["j1"])], finals[m]
     want = _simulate_decentralized(logs, STEPS, kind)
     # The replicas differ (three ranks mix with one or two peers a step) and each follows its rank.
