@@ -155,11 +155,19 @@ def main(argv: Optional[List[str]] = None) -> None:
         # joins in a later round no MASTER_ADDR (only a node without one publishes it) and its
         # workers wait forever; a store per round, hosted by the rank 0 worker, has no such gap.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    store_tls = None
     try:
         if tls is not None:
             tls.write()
+        from . import _storetls
+
+        # Several nodes with TLS files (--tls auto's or the user's): the store's traffic
+        # through TLS tunnels run by the launchers (python/rumor/_storetls.py).
+        store_tls = _storetls.for_launch(args)
         run(args)
     finally:
+        if store_tls is not None:
+            store_tls.close()
         if tls is not None:
             tls.close()
         # Workers killed before they could unlink their shared memory (SIGKILL in init, the
