@@ -304,6 +304,8 @@ class _Tunnel:
 
 def _fmt(addr) -> str:
     host, port = addr[0], addr[1]
+    if host.startswith("::ffff:") and "." in host:
+        host = host[len("::ffff:"):]  # an IPv4 peer of a dual-stack listener
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -385,8 +387,9 @@ class Forwarder(_Tunnel):
             _check_name(tls, self.peer_name)
         except (ssl.SSLError, OSError) as e:
             if not self.stop.is_set():
+                hint = " (the same job CA on every node?)" if isinstance(e, ssl.SSLError) else ""
                 self._log(f"{self.name}: the TLS handshake with the store at {_fmt(self.remote)} failed: "
-                          f"{getattr(e, 'reason', None) or e} (same job CA on every node?)")
+                          f"{getattr(e, 'reason', None) or e}{hint}")
             return
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tls.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -84,6 +84,7 @@ class Relay:
                 return
             try:
                 b = socket.create_connection(self.target, timeout=10)
+                b.settimeout(None)  # a connection may idle for long: only the relay's deadline ends it
             except OSError:
                 a.close()
                 continue
