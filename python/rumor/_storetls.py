@@ -223,6 +223,7 @@ class _Tunnel:
         self._log = _Limiter()
         self._lock = threading.Lock()
         self._live: dict = {}  # thread -> the sockets it holds
+        self._threads: List[threading.Thread] = []
         self._wake_r, self._wake_w = socket.socketpair()
         self._acceptor = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
         self._acceptor.start()
@@ -248,6 +249,8 @@ class _Tunnel:
                     t = threading.Thread(target=self._run, args=(conn, peer), name=f"{self.name}-conn", daemon=True)
                     with self._lock:
                         self._live[t] = [conn]
+                        # Every thread until it has ended, for close() to join (past its _live entry).
+                        self._threads = [x for x in self._threads if x.is_alive()] + [t]
                     t.start()
 
     def _hold(self, sock: socket.socket) -> None:
@@ -283,14 +286,14 @@ class _Tunnel:
         self._acceptor.join(timeout)
         self.listener.close()
         with self._lock:
-            live = dict(self._live)
+            live, threads = dict(self._live), list(self._threads)
         for socks in live.values():
             for s in list(socks):
                 try:
                     s.shutdown(socket.SHUT_RDWR)  # wakes its thread
                 except OSError:
                     pass
-        for t in live:
+        for t in threads:
             t.join(timeout)
         self._wake_r.close()
         self._wake_w.close()

@@ -119,7 +119,11 @@ class Relay:
                     return
 
     def _pipe(self, src, dst, n, way, state):
-        records, offset = _Records(), 0
+        """One direction. Its end (FIN) is passed on as a FIN, the other direction going on, as
+        through one real connection: a TLS alert the other side sends as it closes still arrives.
+        A destination that is gone makes the rest of this direction's bytes vanish, as a network's
+        would, until the source ends."""
+        records, offset, delivering = _Records(), 0, True
         out = open(os.path.join(self.record, f"conn{n}.{way}"), "wb") if self.record else None
         try:
             while time.monotonic() < self.deadline:
@@ -135,19 +139,18 @@ class Relay:
                 if out:
                     out.write(data)
                     out.flush()
-                try:
-                    dst.sendall(data)
-                except OSError:
-                    break
+                if delivering:
+                    try:
+                        dst.sendall(data)
+                    except OSError:
+                        delivering = False
         finally:
             if out:
                 out.close()
-            # One end gone: the other sees it at once, as through one real connection.
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
 
     def close(self):
         self._stop.set()
