@@ -45,7 +45,9 @@ def _parser():
                             "this launcher makes (one node: a random key; several nodes: a key derived from "
                             "RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE, which every node must share). The workers get "
                             "the paths of 0600 files in this user's private directory, removed when the job ends; it "
-                            "refuses to start if RUMOR_TLS_* is set. off (default): TLS only where you set "
+                            "refuses to start if RUMOR_TLS_* is set. With several nodes and --master-addr/--master-port "
+                            "(static rendezvous) the store's traffic goes through TLS tunnels too, as it does with your "
+                            "own RUMOR_TLS_CERT/KEY/CA set for the launcher. off (default): TLS only where you set "
                             "RUMOR_TLS_CERT/KEY/CA yourself (docs/security.md)")
     group.add_argument("--nccl-net-plugin", dest="rumor_nccl_net_plugin", action="store_true",
                        help="NCCL sends through rumor's multi-stream TCP net plugin: sets NCCL_NET_PLUGIN to "

@@ -4,8 +4,9 @@ links (RUMOR_SHM=0, so every window byte takes the remote path: the window hub's
 put / accumulate / get with TLS on give exactly the bytes of the same run without TLS; a rank whose
 certificate another CA issued fails every rank with an error that says TLS and names the peer (here
 at rumor.init()'s barrier, the first connection between the ranks: the window link's own refusal
-and a byte altered in flight on a window link are tests/cpp/test_window_tls.cpp's, where ranks
-meet without a communicator).
+is tests/cpp/test_window_tls.cpp's, where ranks meet without a communicator). A relay that alters
+one byte of a put or an accumulate on its way fails the op on both ends, naming the integrity
+check, and changes no slot (as tests/cpp/test_window_tls.cpp checks on the hub alone).
 """
 from __future__ import annotations
 
