@@ -452,6 +452,7 @@ class StoreTls:
         sock.detach()  # the store's server owns the descriptor now
 
     def close(self) -> None:
+        """Idempotent."""
         if self.tunnel is not None:
             self.tunnel.close()
             self.tunnel = None
@@ -491,7 +492,12 @@ def for_launch(args, env=os.environ) -> Optional[StoreTls]:
         raise SystemExit(f"rumor-run: the store's address {endpoint!r} is not host:port")
     st = StoreTls(int(args.node_rank), int(min_nodes), host, int(port), *files,
                   peer_name=env.get("RUMOR_TLS_PEER_NAME"))
-    local = st.start()
+    try:
+        local = st.start()
+    except (OSError, ssl.SSLError) as e:
+        st.close()
+        raise SystemExit(f"rumor-run: store TLS: node {args.node_rank} cannot open its end of the store's tunnel "
+                         f"({_fmt((host, int(port)))}): {e}") from None
     args.master_addr, args.master_port = "127.0.0.1", local
     args.rdzv_endpoint = f"127.0.0.1:{local}"
     env.setdefault(ROUTE_ENV, host)

@@ -224,3 +224,48 @@ def test_files_from_env_takes_all_three_or_none():
     assert _storetls.files_from_env({"RUMOR_TLS_CERT": "c", "RUMOR_TLS_KEY": "k", "RUMOR_TLS_CA": "a"}) == ("c", "k", "a")
     with pytest.raises(SystemExit, match="RUMOR_TLS_KEY, RUMOR_TLS_CA not set"):
         _storetls.files_from_env({"RUMOR_TLS_CERT": "c"})
+
+
+def _args(**kw):
+    import argparse
+
+    base = dict(nnodes="2", node_rank=1, rdzv_backend="static", rdzv_endpoint="", master_addr="10.9.8.7",
+                master_port=29500)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_for_launch_points_a_static_multi_node_job_at_its_tunnel(pki, capfd):
+    from rumor import _storetls
+
+    files = {"RUMOR_TLS_CERT": pki["cert1.pem"], "RUMOR_TLS_KEY": pki["key1.pem"], "RUMOR_TLS_CA": pki["ca.pem"]}
+    # Not for one node, nor without TLS files.
+    assert _storetls.for_launch(_args(nnodes="1"), dict(files)) is None
+    assert _storetls.for_launch(_args(), {}) is None
+    # c10d and an elastic node count: none, and it says the store stays in clear.
+    assert _storetls.for_launch(_args(rdzv_backend="c10d", rdzv_endpoint="10.9.8.7:29400"), dict(files)) is None
+    assert _storetls.for_launch(_args(nnodes="1:4"), dict(files)) is None
+    assert capfd.readouterr().err.count("travels in clear") == 2
+    # Node 1 of a static job: torchrun (and so its workers) get the forwarder's loopback end,
+    # the workers' route the public host.
+    env = dict(files)
+    args = _args()
+    st = _storetls.for_launch(args, env)
+    try:
+        assert isinstance(st.tunnel, _storetls.Forwarder)
+        assert (args.master_addr, args.master_port) == ("127.0.0.1", st.tunnel.port)
+        assert args.rdzv_endpoint == f"127.0.0.1:{st.tunnel.port}"
+        assert env["RUMOR_ROUTE_ADDR"] == "10.9.8.7" and st.tunnel.remote == ("10.9.8.7", 29500)
+    finally:
+        st.close()
+    assert _tunnel_threads() == []
+
+
+def test_route_addr_picks_the_advertised_interface(monkeypatch):
+    from rumor import _rendezvous
+
+    monkeypatch.delenv("RUMOR_ADVERTISE_ADDR", raising=False)
+    monkeypatch.setenv("RUMOR_ROUTE_ADDR", "127.0.0.2")
+    assert _rendezvous.advertise_address("192.0.2.1", 29500) == "127.0.0.1"  # loopback's route, not 192.0.2.1's
+    monkeypatch.delenv("RUMOR_ROUTE_ADDR")
+    assert _rendezvous.advertise_address("127.0.0.1", 29500) == "127.0.0.1"
