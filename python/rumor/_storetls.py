@@ -25,6 +25,7 @@ checks nobody); what rumor reads from it is MAC'd with the job secret either way
 """
 from __future__ import annotations
 
+import collections
 import ipaddress
 import os
 import selectors
@@ -43,6 +44,9 @@ HANDSHAKE_S = 15.0   # from accept (or connect) to the end of the TLS handshake
 CONNECT_S = 300.0    # a forwarder dials the store this long (the store's host may start later)
 FLUSH_S = 10.0       # once one side ended: the most time given to deliver what it sent
 MAX_CONNECTIONS = 512
+# Connections still in their handshake: past this many, the oldest is dropped, so that strangers
+# holding connections open cannot keep the job's own from being served.
+MAX_PENDING = 64
 _TAG = "rumor-run: store TLS"
 
 
@@ -186,11 +190,12 @@ def pump(plain: socket.socket, tls: socket.socket, stop: threading.Event) -> Opt
                 flush_until = flush_until or time.monotonic() + FLUSH_S
                 if time.monotonic() > flush_until:
                     return f"the other side read nothing for {FLUSH_S:.0f} s after this one ended"
-            if progressed or getattr(tls, "pending", lambda: 0)():
+            # Bytes OpenSSL already decrypted wake no selector: read them first, when there is room.
+            if progressed or (open_[1] and len(bufs[1]) < CAP and getattr(tls, "pending", lambda: 0)()):
                 continue
             for i, s in enumerate(socks):
                 ev = (selectors.EVENT_READ if open_[i] and len(bufs[i]) < CAP else 0) | \
-                     (selectors.EVENT_WRITE if bufs[1 - i] else 0)
+                     (selectors.EVENT_WRITE if bufs[1 - i] and open_[i] else 0)
                 # TLS may need to read to write (and the other way): ask for both while it has work.
                 if i == 1 and ev and open_[1]:
                     ev |= selectors.EVENT_READ
@@ -224,6 +229,8 @@ class _Tunnel:
         self._lock = threading.Lock()
         self._live: dict = {}  # thread -> the sockets it holds
         self._threads: List[threading.Thread] = []
+        self._pending: "collections.OrderedDict[threading.Thread, Tuple[socket.socket, Tuple]]" = \
+            collections.OrderedDict()
         self._wake_r, self._wake_w = socket.socketpair()
         self._acceptor = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
         self._acceptor.start()
@@ -242,6 +249,13 @@ class _Tunnel:
                         continue
                     with self._lock:
                         full = len(self._live) >= MAX_CONNECTIONS
+                        oldest = self._pending.popitem(last=False)[1] if len(self._pending) >= MAX_PENDING else None
+                    if oldest is not None:
+                        self._refuse(oldest[1], f"dropped: the oldest of {MAX_PENDING} connections in their handshake")
+                        try:
+                            oldest[0].shutdown(socket.SHUT_RDWR)  # ends its handshake at once
+                        except OSError:
+                            pass
                     if full:
                         self._refuse(peer, f"already {MAX_CONNECTIONS} connections")
                         conn.close()
@@ -259,8 +273,17 @@ class _Tunnel:
         if self.stop.is_set():
             raise OSError("the tunnel was closed")
 
+    def _handshaking(self, conn: Optional[socket.socket], peer=None) -> None:
+        """Marks this thread's connection as in its handshake (conn), or past it (None)."""
+        with self._lock:
+            if conn is None:
+                self._pending.pop(threading.current_thread(), None)
+            else:
+                self._pending[threading.current_thread()] = (conn, peer)
+
     def _refuse(self, peer, why: str) -> None:
-        self.refused += 1
+        with self._lock:
+            self.refused += 1
         self._log(f"{self.name}: refused the connection from {_fmt(peer)}: {why}")
 
     def _run(self, conn: socket.socket, peer) -> None:
@@ -272,6 +295,7 @@ class _Tunnel:
         finally:
             with self._lock:
                 socks = self._live.pop(threading.current_thread(), [])
+                self._pending.pop(threading.current_thread(), None)
             for s in socks:
                 _end(s)
 
@@ -333,12 +357,16 @@ class Terminator(_Tunnel):
         try:
             tls = self.ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
             self._hold(tls)
+            self._handshaking(tls, peer)
             tls.do_handshake()
             _check_name(tls, self.peer_name)
         except (ssl.SSLError, OSError) as e:
-            if not self.stop.is_set():
+            with self._lock:
+                dropped = threading.current_thread() not in self._pending
+            if not self.stop.is_set() and not dropped:
                 self._refuse(peer, f"TLS handshake: {getattr(e, 'reason', None) or e}")
             return
+        self._handshaking(None)
         try:
             store = socket.create_connection(self.target, timeout=HANDSHAKE_S)
         except OSError as e:

@@ -11,6 +11,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 
 import pytest
 
@@ -269,3 +270,33 @@ def test_route_addr_picks_the_advertised_interface(monkeypatch):
     assert _rendezvous.advertise_address("192.0.2.1", 29500) == "127.0.0.1"  # loopback's route, not 192.0.2.1's
     monkeypatch.delenv("RUMOR_ROUTE_ADDR")
     assert _rendezvous.advertise_address("127.0.0.1", 29500) == "127.0.0.1"
+
+
+def test_strangers_holding_handshakes_open_do_not_keep_the_job_out(pki, monkeypatch):
+    """MAX_PENDING idle connections (strangers that never speak): the next connection drops the
+    oldest of them at once, so the job's own client is served without waiting out their deadline."""
+    from rumor import _storetls
+
+    monkeypatch.setattr(_storetls, "MAX_PENDING", 4)
+    # Their own deadline cannot be what ends them here: only the drop can.
+    monkeypatch.setattr(_storetls, "HANDSHAKE_S", 10 * DEADLINE_S)
+    store, port = _store_server()
+    store.set("k", b"v")
+    idle = []
+    try:
+        with _storetls.Terminator("127.0.0.1", 0, ("127.0.0.1", port), _ctx(pki, True, 0)) as term, \
+                _storetls.Forwarder(("127.0.0.1", term.port), _ctx(pki, False, 1)) as fwd:
+            for _ in range(4):
+                idle.append(socket.create_connection(("127.0.0.1", term.port), timeout=DEADLINE_S))
+            deadline = time.monotonic() + DEADLINE_S
+            while len(term._pending) < 4:  # every one of them in its handshake
+                assert time.monotonic() < deadline, len(term._pending)
+                time.sleep(0.01)
+            assert _client(fwd.port).get("k") == b"v"
+            # The first idle stranger was dropped: it sees its connection end, unanswered.
+            assert idle[0].recv(16) == b""
+            assert term.refused >= 1
+    finally:
+        for s in idle:
+            s.close()
+    assert _tunnel_threads() == []
