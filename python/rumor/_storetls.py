@@ -457,7 +457,7 @@ class StoreTls:
             self.tunnel = Forwarder((self.host, self.port), _context(False, *self.files), self.peer_name)
             self.local_port = self.tunnel.port
             what = f"the store at {_fmt((self.host, self.port))} is reached over TLS"
-        _log(f"{what} (TLS 1.3, certificates of the job CA both ways)")
+        _log(f"{what} (TLS 1.3, mutual certificates)")
         return self.local_port
 
     def _host_store(self) -> None:
