@@ -406,7 +406,8 @@ class Forwarder(_Tunnel):
     def serve(self, conn: socket.socket, peer) -> None:
         uid = self.uid_of(conn)
         if uid != os.geteuid():
-            self._refuse(peer, f"it belongs to uid {uid}, not to this launcher's uid {os.geteuid()}")
+            whose = "no socket of this host's" if uid is None else f"uid {uid}"
+            self._refuse(peer, f"it belongs to {whose}, not to this launcher's uid {os.geteuid()}")
             return
         raw = self._dial(peer)
         self._hold(raw)
