@@ -70,10 +70,15 @@ def _missing(name: str) -> int:
 
 
 def advertise_address(master_addr: str, master_port: int) -> str:
-    """The local IP other ranks should dial: the one on the route to rank 0's host."""
+    """The local IP other ranks should dial: the one on the route to rank 0's host. Where the
+    store is reached through a local tunnel (rumor-run's store TLS: MASTER_ADDR is loopback),
+    RUMOR_ROUTE_ADDR names the store's public host, whose route is the one that counts."""
     explicit = os.environ.get("RUMOR_ADVERTISE_ADDR")
     if explicit:
         return explicit
+    route = os.environ.get("RUMOR_ROUTE_ADDR", "").strip()
+    if route:
+        master_addr = route
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((master_addr, master_port or 9))  # UDP connect sends nothing

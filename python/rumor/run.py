@@ -45,7 +45,9 @@ def _parser():
                             "this launcher makes (one node: a random key; several nodes: a key derived from "
                             "RUMOR_JOB_SECRET or RUMOR_JOB_SECRET_FILE, which every node must share). The workers get "
                             "the paths of 0600 files in this user's private directory, removed when the job ends; it "
-                            "refuses to start if RUMOR_TLS_* is set. off (default): TLS only where you set "
+                            "refuses to start if RUMOR_TLS_* is set. With several nodes and --master-addr/--master-port "
+                            "(static rendezvous) the store's traffic goes through TLS tunnels too, as it does with your "
+                            "own RUMOR_TLS_CERT/KEY/CA set for the launcher. off (default): TLS only where you set "
                             "RUMOR_TLS_CERT/KEY/CA yourself (docs/security.md)")
     group.add_argument("--nccl-net-plugin", dest="rumor_nccl_net_plugin", action="store_true",
                        help="NCCL sends through rumor's multi-stream TCP net plugin: sets NCCL_NET_PLUGIN to "
@@ -155,11 +157,19 @@ def main(argv: Optional[List[str]] = None) -> None:
         # joins in a later round no MASTER_ADDR (only a node without one publishes it) and its
         # workers wait forever; a store per round, hosted by the rank 0 worker, has no such gap.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    store_tls = None
     try:
         if tls is not None:
             tls.write()
+        from . import _storetls
+
+        # Several nodes with TLS files (--tls auto's or the user's): the store's traffic
+        # through TLS tunnels run by the launchers (python/rumor/_storetls.py).
+        store_tls = _storetls.for_launch(args)
         run(args)
     finally:
+        if store_tls is not None:
+            store_tls.close()
         if tls is not None:
             tls.close()
         # Workers killed before they could unlink their shared memory (SIGKILL in init, the

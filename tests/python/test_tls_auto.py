@@ -323,6 +323,9 @@ def test_tls_auto_two_launchers_as_two_nodes(tmp_path):
     assert reports[0]["ca_sha256"] != reports[1]["ca_sha256"]  # made apart: no file was shared
     names = [line.split("job CA ", 1)[1] for j in jobs for line in j.text.splitlines() if "job CA " in line]
     assert len(names) == 2 and names[0] == names[1] and "derived from the job secret" in names[0], names
+    # The store's traffic went through the launchers' TLS tunnel (test_store_tls_hosts.py looks at the wire).
+    assert "store TLS: node 0 serves the store on port" in jobs[0].text, jobs[0].text[-4000:]
+    assert "store TLS: the store at 127.0.0.1:" in jobs[1].text, jobs[1].text[-4000:]
     for r in reports:
         for path in r["paths"].values():
             assert not os.path.lexists(path)
