@@ -160,7 +160,7 @@ def main() -> int:
             return "no matplotlib: no plot"
         fig, ax = plt.subplots(figsize=(5, 3.5))
         names = [m for m in MODES if m in med]
-        ax.boxplot([samples[m] for m in names], labels=names)
+        ax.boxplot([samples[m] for m in names], tick_labels=names)
         ax.axhline(bound, color="k", ls="--", label=f"wire bound {bound:.2f} s")
         ax.set_ylabel("allreduce time (s)")
         ax.set_title(f"{args.size}, {args.rate}/{args.rtt}/loss {args.loss:g}, {args.streams} streams")

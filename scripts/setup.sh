@@ -42,9 +42,10 @@ $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
 $PY -m pip install -q "scikit-build-core>=0.11" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib \
   networkx tqdm build redis "ipyparallel>=8" nbclient nbformat ipykernel optuna atheris \
   mkdocs mkdocs-material "mkdocstrings[python]"
-# The integrations' tests (test_lightning.py, test_hf.py, test_ray.py), with torch pinned to the
-# one installed so that pip never swaps it for another build.
-$PY -m pip install -q "lightning>=2.0" accelerate transformers "ray[train]>=2.9" \
+# The integrations' tests (test_lightning.py, test_hf.py, test_ray.py), and deepspeed, the peer
+# of benchmarks/host_collectives.py (its shared-memory allreduce), with torch pinned to the one
+# installed so that pip never swaps it for another build.
+$PY -m pip install -q "lightning>=2.0" accelerate transformers "ray[train]>=2.9" deepspeed \
   "torch==$($PY -c 'import torch; print(torch.__version__.split("+")[0])')"
 # The project's own build: warnings are errors (RUMOR_WERROR, off for users' builds).
 source scripts/ccache_env.sh
