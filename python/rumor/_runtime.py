@@ -92,6 +92,33 @@ _store_keepalive = None
 _forming = None
 
 
+def core_options(timeout: float, socket_streams: Optional[int] = None, shm: Optional[bool] = None) -> "_C.Options":
+    """The core's options from rumor's environment variables (docs/environment.md): one builder for
+    rumor.init() and the torch.distributed backend's groups, so that both honour every setting."""
+    opts = _C.Options()
+    opts.timeout = float(timeout)
+    if socket_streams is None:
+        socket_streams = env_int("RUMOR_SOCKET_STREAMS", opts.streams, minimum=1, maximum=MAX_SOCKET_STREAMS)
+    opts.streams = int(socket_streams)
+    opts.shm = env_bool("RUMOR_SHM", True) if shm is None else bool(shm)
+    opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
+    opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
+    opts.stripe_steal = env_bool("RUMOR_STRIPE_STEAL", True)
+    # A pair on a long link gets enough streams for this rate over its round trip (docs/environment.md).
+    opts.link_rate = env_float("RUMOR_LINK_GBIT", opts.link_rate * 8e-9, positive=True) * 1.25e8
+    opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
+    opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
+    opts.site_overlap = env_bool("RUMOR_SITE_OVERLAP", True)
+    # Progress deadlines over TCP (issue 46, csrc/net/stall.h): RUMOR_TIMEOUT bounds silence, a
+    # peer stopped mid-message is reported after a deadline derived from the link, never sooner
+    # than the floor.
+    opts.adaptive_deadline = env_bool("RUMOR_ADAPTIVE_DEADLINE", True)
+    opts.deadline_floor = env_float("RUMOR_DEADLINE_FLOOR", opts.deadline_floor, positive=True)
+    opts.flight_records = flight_records_from_env()
+    tls_options_from_env(opts)
+    return opts
+
+
 def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = None,
          shm: Optional[bool] = None, gpu_wait: Optional[str] = None) -> None:
     """Joins the job described by the launcher's environment (torchrun, mpirun or Slurm).
@@ -128,27 +155,7 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     if not 0 <= env.rank < env.size:
         raise ValueError(f"rumor.init(): rank {env.rank} is outside a world of size {env.size} ({env.source})")
 
-    opts = _C.Options()
-    opts.timeout = float(timeout)
-    if socket_streams is None:
-        socket_streams = env_int("RUMOR_SOCKET_STREAMS", opts.streams, minimum=1, maximum=MAX_SOCKET_STREAMS)
-    opts.streams = int(socket_streams)
-    opts.shm = env_bool("RUMOR_SHM", True) if shm is None else bool(shm)
-    opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
-    opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
-    opts.stripe_steal = env_bool("RUMOR_STRIPE_STEAL", True)
-    # A pair on a long link gets enough streams for this rate over its round trip (docs/environment.md).
-    opts.link_rate = env_float("RUMOR_LINK_GBIT", opts.link_rate * 8e-9, positive=True) * 1.25e8
-    opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
-    opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
-    opts.site_overlap = env_bool("RUMOR_SITE_OVERLAP", True)
-    # Progress deadlines over TCP (issue 46, csrc/net/stall.h): RUMOR_TIMEOUT bounds silence, a
-    # peer stopped mid-message is reported after a deadline derived from the link, never sooner
-    # than the floor.
-    opts.adaptive_deadline = env_bool("RUMOR_ADAPTIVE_DEADLINE", True)
-    opts.deadline_floor = env_float("RUMOR_DEADLINE_FLOOR", opts.deadline_floor, positive=True)
-    opts.flight_records = flight_records_from_env()
-    tls_options_from_env(opts)
+    opts = core_options(timeout, socket_streams, shm)
 
     host = _rendezvous.host_id()
     if env.size == 1:

@@ -317,22 +317,9 @@ class RumorWork(dist._Work):
 
 
 def _core_options(timeout: float) -> "_C.Options":
-    from ._env import tls_options_from_env
-    from ._runtime import MAX_SOCKET_STREAMS, flight_records_from_env
+    from ._runtime import core_options
 
-    opts = _C.Options()
-    opts.timeout = float(timeout)
-    opts.streams = env_int("RUMOR_SOCKET_STREAMS", opts.streams, minimum=1, maximum=MAX_SOCKET_STREAMS)
-    opts.shm = env_bool("RUMOR_SHM", True)
-    opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
-    opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
-    opts.stripe_steal = env_bool("RUMOR_STRIPE_STEAL", True)
-    opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
-    opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
-    opts.site_overlap = env_bool("RUMOR_SITE_OVERLAP", True)
-    opts.flight_records = flight_records_from_env()
-    tls_options_from_env(opts)
-    return opts
+    return core_options(timeout)
 
 
 def _store_host(store) -> str:
