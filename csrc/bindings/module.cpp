@@ -224,6 +224,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("aborted", &C::aborted)
       .def_property_readonly("all_local", &C::all_local)
       .def_property_readonly("uses_shm", &C::uses_shm)
+      .def(
+          "allgather_checks_blocks",
+          [](const C& c, const std::vector<size_t>& counts, int dtype) {
+            return c.allgather_checks_blocks(counts, to_dtype(dtype));
+          },
+          py::arg("counts"), py::arg("dtype"))
       .def("allreduce",
            [](C& c, uintptr_t buf, size_t count, int dtype, int op, int algo, bool nb) {
              DType dt = to_dtype(dtype);

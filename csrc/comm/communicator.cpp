@@ -877,6 +877,10 @@ void Communicator::reduce_scatter(const void* in, void* out, std::span<const siz
   });
 }
 
+bool Communicator::allgather_checks_blocks(std::span<const size_t> counts, DType dtype) const {
+  return size() == 1 || (use_small() && HostSmall::fits_allgather(counts, dtype));
+}
+
 void Communicator::allgather(void* buf, std::span<const size_t> counts, DType dtype) {
   if (counts.size() != size())
     throw Error(ErrorKind::kInvalidArgument, "allgather: " + std::to_string(counts.size()) +
@@ -886,7 +890,7 @@ void Communicator::allgather(void* buf, std::span<const size_t> counts, DType dt
   const size_t bytes = byte_offsets(counts, dtype_size(dtype)).back();
   info.bytes = static_cast<int64_t>(bytes);
   // One wait through the shared slots where every rank's block fits its slot (comm/direct.h).
-  const bool small = use_small() && HostSmall::fits_allgather(counts, dtype);
+  const bool small = allgather_checks_blocks(counts, dtype);
   const bool direct = !small && use_direct(bytes);
   info.algo = small ? "shared slots" : direct ? "direct" : "ring";
   guarded(info, [&] {

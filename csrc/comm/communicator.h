@@ -61,6 +61,10 @@ class Communicator {
   void reduce_scatter(const void* in, void* out, std::span<const size_t> counts, DType dtype, ReduceOp op);
   // buf holds size() blocks of counts[i] elements; this rank's block must be filled in.
   void allgather(void* buf, std::span<const size_t> counts, DType dtype);
+  // Whether an allgather of these blocks refuses, on every rank and before any buffer is touched,
+  // ranks that passed other block sizes or another dtype: one rank, or the shared slots (the
+  // other paths compare sizes only). The Python API then needs no round of its own to check shapes.
+  bool allgather_checks_blocks(std::span<const size_t> counts, DType dtype) const;
   void broadcast(void* buf, size_t count, DType dtype, uint32_t root);
   // Reduction lands in buf on root; other ranks' buf is scratch afterwards.
   void reduce(void* buf, size_t count, DType dtype, ReduceOp op, uint32_t root);

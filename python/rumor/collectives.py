@@ -319,7 +319,9 @@ def allgather(t, group=None, *, out=None):
         t: this rank's tensor; the dims after the first and the dtype match on every rank.
         group: the Group to run over (rumor.new_group()); None (the default) means every rank.
         out: a contiguous tensor of the concatenated shape that receives the result; None (the
-            default) allocates a new one.
+            default) allocates a new one. An out of size() times t's rows on a host's shared
+            memory skips the round that compares the ranks' shapes (a small allgather then
+            takes one wait); ranks that disagree are still refused on every rank (ProtocolError).
 
     Returns:
         The concatenation, in rank order (out when given).
