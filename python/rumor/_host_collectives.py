@@ -203,7 +203,7 @@ def even_rows(t, out, g: Group, code: int, per: int) -> Optional[List[int]]:
     then costs one wait, not two. None: gather the shapes first."""
     # A dtype without its own code (bool, complex...) moves as bytes: the slots could not tell it
     # from uint8.
-    if out is None or per != 1 or t.dtype not in SUPPORTED_DTYPES or out.dtype != t.dtype:
+    if not isinstance(out, torch.Tensor) or per != 1 or t.dtype not in SUPPORTED_DTYPES or out.dtype != t.dtype:
         return None
     n, d = g.size(), t.dim()
     if d != out.dim() or t.numel() == 0:

@@ -321,7 +321,8 @@ def allgather(t, group=None, *, out=None):
         out: a contiguous tensor of the concatenated shape that receives the result; None (the
             default) allocates a new one. An out of size() times t's rows on a host's shared
             memory skips the round that compares the ranks' shapes (a small allgather then
-            takes one wait); ranks that disagree are still refused on every rank (ProtocolError).
+            takes one wait); ranks that disagree are still refused on every rank (ProtocolError),
+            out then holding this rank's own block and nothing of the others'.
 
     Returns:
         The concatenation, in rank order (out when given).
