@@ -195,7 +195,10 @@ void TcpChannel::begin(Transfer& t, const OpInfo& op) {
   if (t.len >= stripe_min_ && k > 1 && steal_) {
     t.nparts = k;
     t.next_piece = t.pieces_bytes = t.streams_ended = 0;
-    if (!t.send) t.got.assign((t.len + piece_bytes(t.len, k) - 1) / piece_bytes(t.len, k), false);
+    if (!t.send) {
+      const size_t piece = piece_bytes(t.len, k);
+      t.got.assign((t.len + piece - 1) / piece, false);
+    }
     for (size_t i = 0; i < k; ++i) {
       Part& p = t.parts[i];
       p = Part{};

@@ -117,18 +117,26 @@ TLS_FILE_VARS = (("RUMOR_TLS_CERT", "this rank's certificate"), ("RUMOR_TLS_KEY"
                  ("RUMOR_TLS_CA", "the CA certificate"))
 
 
+def tls_files(env: Optional[Mapping[str, str]] = None):
+    """The paths RUMOR_TLS_CERT, RUMOR_TLS_KEY and RUMOR_TLS_CA name, {variable: path}, and the
+    variables not set: valid are all three or none (each caller says so in its own words)."""
+    env = os.environ if env is None else env
+    given = {name: env.get(name, "") for name, _ in TLS_FILE_VARS}
+    return given, [name for name, _ in TLS_FILE_VARS if not given[name]]
+
+
 def tls_options_from_env(opts, env: Optional[Mapping[str, str]] = None) -> None:
     """TLS 1.3 on the TCP data channels (docs/security.md): RUMOR_TLS_CERT, RUMOR_TLS_KEY and
     RUMOR_TLS_CA name PEM files, all three or none; RUMOR_TLS_PEER_NAME, optional, is the name
     every peer's certificate must carry. Reads the files into opts' tls_* fields."""
     env = os.environ if env is None else env
-    given = {name: env.get(name, "") for name, _ in TLS_FILE_VARS}
+    given, unset = tls_files(env)
     if not any(given.values()):
         if env.get("RUMOR_TLS_PEER_NAME"):
             raise ValueError("RUMOR_TLS_PEER_NAME is set but TLS is off: set RUMOR_TLS_CERT, RUMOR_TLS_KEY "
                              "and RUMOR_TLS_CA too")
         return
-    missing = [f"{name} ({what})" for name, what in TLS_FILE_VARS if not given[name]]
+    missing = [f"{name} ({what})" for name, what in TLS_FILE_VARS if name in unset]
     if missing:
         raise ValueError("TLS needs RUMOR_TLS_CERT, RUMOR_TLS_KEY and RUMOR_TLS_CA together; missing: "
                          + ", ".join(missing))

@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Callable, List, Optional, Tuple
 
+from ._env import tls_files
+
 # Bytes read from one side per call: large, so a big value crosses in few records.
 CHUNK = 256 * 1024
 # Bytes held for a side that does not read before the other side is not read any more.
@@ -490,15 +492,13 @@ class StoreTls:
 
 def files_from_env(env=os.environ) -> Optional[Tuple[str, str, str]]:
     """RUMOR_TLS_CERT/KEY/CA when all three are set; None when none is; SystemExit for a part."""
-    names = ("RUMOR_TLS_CERT", "RUMOR_TLS_KEY", "RUMOR_TLS_CA")
-    got = [env.get(n) for n in names]
-    if not any(got):
+    given, missing = tls_files(env)
+    if not any(given.values()):
         return None
-    if not all(got):
-        missing = [n for n, v in zip(names, got) if not v]
+    if missing:
         raise SystemExit(f"rumor-run: TLS needs RUMOR_TLS_CERT, RUMOR_TLS_KEY and RUMOR_TLS_CA together; "
                          f"{', '.join(missing)} not set (docs/security.md)")
-    return got[0], got[1], got[2]
+    return given["RUMOR_TLS_CERT"], given["RUMOR_TLS_KEY"], given["RUMOR_TLS_CA"]
 
 
 def for_launch(args, env=os.environ) -> Optional[StoreTls]:

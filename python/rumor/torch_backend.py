@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C, _rendezvous, _shm
+from . import _C, _rendezvous, _runtime, _shm
 from ._env import env_bool, env_int
 from ._tensor import _DTYPE_CODES, dtype_code, movable_code
 
@@ -314,12 +314,6 @@ class RumorWork(dist._Work):
             fut.set_exception(self._error)
         else:
             fut.set_result(self._result)
-
-
-def _core_options(timeout: float) -> "_C.Options":
-    from ._runtime import core_options
-
-    return core_options(timeout)
 
 
 def _store_host(store) -> str:
@@ -1187,7 +1181,7 @@ def _create(opts, backend_options=None):
     # decides whether a job secret is required, as for rumor.init()).
     source = "torchrun" if os.environ.get("LOCAL_WORLD_SIZE") and os.environ.get("WORLD_SIZE") else "torch.distributed"
     env = _rendezvous.Env(rank, size, master, 0, source)
-    copts = _core_options(timeout)
+    copts = _runtime.core_options(timeout)
     host = _rendezvous.host_id()
     site_error = None
     if size == 1:
