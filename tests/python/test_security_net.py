@@ -23,9 +23,10 @@ HALF_OPEN = 2000
 CONNECT_CLOSE = 1000
 
 
-def _thread_cpu(tid: int) -> float:
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+def _thread_cpu(stat_fd: int) -> float:
+    # Read through a descriptor opened before the flood: at the fd limit, open() fails with EMFILE
+    # (seen in CI when the loop ended while the listener still held the limit's last descriptors).
+    fields = os.pread(stat_fd, 4096, 0).decode().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
@@ -83,12 +84,12 @@ def train_under_flood(workdir: str):
     rumor.barrier()
     out = {}
     if r == 0:
-        tid = _listener_tid()
+        stat_fd = os.open(f"/proc/self/task/{_listener_tid()}/stat", os.O_RDONLY)
         fds_before = _fd_count()
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         # Room for 48 more descriptors: the flood runs the listener into EMFILE.
         resource.setrlimit(resource.RLIMIT_NOFILE, (fds_before + 48, hard))
-        cpu0, t0 = _thread_cpu(tid), time.monotonic()
+        cpu0, t0 = _thread_cpu(stat_fd), time.monotonic()
         tmp = os.path.join(workdir, "port.tmp")
         with open(tmp, "w") as f:
             f.write(str(_runtime.state().ctx.port))
@@ -107,8 +108,9 @@ def train_under_flood(workdir: str):
         if time.monotonic() > deadline:
             raise TimeoutError("the flood did not end within 120 s")
     if r == 0:
-        wall, cpu = time.monotonic() - t0, _thread_cpu(tid) - cpu0
+        wall, cpu = time.monotonic() - t0, _thread_cpu(stat_fd) - cpu0
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        os.close(stat_fd)
         # The flooder closed everything: the listener drops what it held within its handshake
         # deadline, so the count comes back.
         back = time.monotonic() + 30
