@@ -18,7 +18,8 @@ How it measures
   rumor.init() and then torch.distributed.init_process_group("gloo") (sharing rumor's TCPStore),
   so both libraries run in the same processes on the same data. Per (op, size): warm-up, then
   --iters measured samples per library, alternating which library goes first. A sample starts
-  after a gloo barrier and times `reps` back-to-back ops (reps > 1 only for small sizes, the
+  after a gloo barrier and one untimed op of the library timed (which lines the ranks up the
+  way that library does), then times `reps` back-to-back ops (reps > 1 only for small sizes, the
   same for both libraries, so a sample lasts >= --target-ms); its time is the slowest rank's
   elapsed time / reps. Reported: median over samples and min-max.
   Both libraries are called through their public APIs, in place where the API allows:
@@ -261,6 +262,10 @@ def _measure(cfg: Dict, rank: int, n: int, peers: Optional[Dict] = None) -> None
             for v in variants[k:] + variants[:k]:  # rotate who goes first
                 refill(v)
                 dist.barrier()
+                # One untimed op of the library being timed: ranks leave gloo's barrier up to a
+                # few ms apart on an oversubscribed host, and that skew is the harness's, not the
+                # op's (4 ranks on 2 cores, 4 KiB: 90 us a rep with it in 64 reps, 46 us in 512).
+                fns[v]()
                 t0 = time.perf_counter()
                 for _ in range(reps):
                     fns[v]()
@@ -474,7 +479,8 @@ def main(argv=None) -> int:
 
     meta = _common.run_meta(args)
     meta.update(ops=ops, sizes=sizes, worlds=worlds,
-                sample_time="slowest rank's elapsed time for `reps` back-to-back ops / reps, after a gloo barrier",
+                sample_time="slowest rank's elapsed time for `reps` back-to-back ops / reps, after a gloo barrier "
+                            "and one untimed op of the library timed",
                 busbw="allreduce: algbw*2(n-1)/n; allgather, reduce_scatter: algbw*(n-1)/n",
                 size_meaning="allreduce: buffer; allgather: gathered output; reduce_scatter: input")
     result = dict(meta=meta, cells=[], jobs=[], targets=[], errors=[])

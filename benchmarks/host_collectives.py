@@ -110,8 +110,12 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
         rounds = int(math.log2(p2))
         t = 7 * S * p2 * rounds + 9 * S * (P - p2)
         return t, t, f"recursive doubling ({rounds} rounds)"
-    # The direct path: from 3 ranks on, unless RUMOR_HOST_DIRECT=0 (Communicator::use_direct).
-    direct = P > 2 and S > SMALL_ALLREDUCE and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0"
+    # The direct path: from 3 ranks on, unless RUMOR_HOST_DIRECT=0, and where the ranks share
+    # cores from 8 MiB only (Communicator::use_direct, Options::host_direct_min_bytes).
+    shared_cores = P > len(os.sched_getaffinity(0))
+    direct_min = int(os.environ.get("RUMOR_HOST_DIRECT_MIN_BYTES", 8 * MiB if shared_cores else 0))
+    direct = (P > 2 and S > SMALL_ALLREDUCE and S >= direct_min
+              and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0")
     if op == "allreduce" and variant == "rumor" and direct:
         # Direct (csrc/comm/direct.h): per chunk c the taker reads P-1 peers' chunks into its
         # cache (2c each), folds the P chunks into its own buffer in one pass ((P+1)c), writes the

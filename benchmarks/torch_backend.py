@@ -13,7 +13,8 @@ Parts (--parts, default both)
       Printed per size: time and busbw of each, backend/api and backend/gloo busbw ratios.
       Sizes are the full buffer (allreduce input, allgather output, reduce_scatter input);
       busbw = size/time * 2(n-1)/n for allreduce, * (n-1)/n for the other two. Each cell is
-      checked once against exact expected values (benchmarks/collectives.py's inputs).
+      checked once against exact expected values (benchmarks/collectives.py's inputs). A sample
+      is `reps` back-to-back ops after a gloo barrier and one untimed op of the variant.
   training  one torch script per model (rumor.testing.models: mlp25m [32 per rank], transformer
       [16 per rank]); variants differ only in the process group the wrapper is handed:
         compute     the plain model, no communication (the ceiling: every rank computes at once,
@@ -173,6 +174,7 @@ def _cell(cfg: Dict, groups: Dict, op: str, size: int, index: int, rank: int, n:
         for v in variants[k:] + variants[:k]:  # rotate who goes first
             refill(v)
             dist.barrier()
+            fns[v]()  # untimed: the ranks leave gloo's barrier apart, as in collectives.py
             t0 = time.perf_counter()
             for _ in range(reps):
                 fns[v]()
@@ -718,7 +720,8 @@ def main(argv=None) -> int:
     meta.update(variants_collectives="backend: dist.<op>(group=new_group(backend='rumor')); gloo: dist.<op> on "
                                      "the gloo default group; api: rumor.allreduce_/allgather/reduce_scatter",
                 variants_training=TRAIN_LABEL,
-                sample_time="slowest rank's elapsed time for `reps` back-to-back ops / reps, after a gloo barrier",
+                sample_time="slowest rank's elapsed time for `reps` back-to-back ops / reps, after a gloo barrier "
+                            "and one untimed op of the variant",
                 busbw="allreduce: algbw*2(n-1)/n; allgather, reduce_scatter: algbw*(n-1)/n")
     result = dict(meta=meta, cells=[], jobs=[], targets=[], errors=[],
                   title=f"torch.distributed: backend 'rumor' vs 'gloo' vs rumor's API, {n} ranks"

@@ -582,8 +582,10 @@ bool Communicator::use_direct(size_t bytes) const {
   // benchmarks/host_collectives.py (2 cores) the ring stayed as fast or 10-40% faster than the
   // direct path's system calls from 1 to 64 MiB, while from 3 ranks on the direct path won
   // (4 ranks, 64 MiB: allreduce 1.43x, reduce_scatter 1.25x, allgather 1.28x).
+  // Where cores are shared, from a few MiB only (Options::host_direct_min_bytes).
   return all_local_ && uses_shm() && ctx_->options().host_direct && size() > 2 &&
-         bytes > ctx_->options().small_allreduce_bytes;
+         bytes > ctx_->options().small_allreduce_bytes &&
+         static_cast<int64_t>(bytes) >= ctx_->options().host_direct_min_bytes;
 }
 
 bool Communicator::use_small() const {

@@ -144,13 +144,16 @@ void Context::set_peers(std::vector<std::string> addresses, std::vector<std::str
   }
   addresses_ = std::move(addresses);
   host_ids_ = std::move(host_ids);
-  if (options_.spin_us < 0) {
+  if (options_.spin_us < 0 || options_.host_direct_min_bytes < 0) {
     cpu_set_t set;
     CPU_ZERO(&set);
     int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
     uint32_t local = 0;
     for (uint32_t r = 0; r < size_; ++r) local += same_host(r, rank_) ? 1 : 0;
-    options_.spin_us = static_cast<int>(local) > cpus ? 0 : Options::kDefaultSpinUs;
+    const bool shared_cores = static_cast<int>(local) > cpus;
+    if (options_.spin_us < 0) options_.spin_us = shared_cores ? 0 : Options::kDefaultSpinUs;
+    if (options_.host_direct_min_bytes < 0)
+      options_.host_direct_min_bytes = shared_cores ? Options::kSharedCoresDirectMinBytes : 0;
   }
   if (options_.shm) {
     Deadline deadline = Deadline::after(options_.timeout_s);

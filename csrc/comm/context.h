@@ -51,6 +51,15 @@ struct Options {
   // One host: allreduce by reading and writing the peers' buffers in place (process_vm_readv;
   // RUMOR_HOST_DIRECT=0 turns it off). Where the kernel refuses, the ring is used.
   bool host_direct = true;
+  // Bytes from which an op of a group all on this host takes the direct path (with host_direct).
+  // -1, the default: past small_allreduce_bytes, or 8 MiB where this host has more ranks than
+  // this process may run on. There a rank descheduled while it holds a chunk stalls every
+  // other's copy-out, and the rings' one-step pipeline hides it better up to several MiB (4 ranks
+  // on 2 cores, fraction of the memory bound, ring / direct: allreduce 1 MiB 0.49-0.53 / 0.32-0.34,
+  // 4 MiB 0.42-0.46 / 0.34; reduce_scatter 1 MiB 0.34 / 0.26; from 16 MiB on, direct is as
+  // fast or faster). Resolved in set_peers.
+  int64_t host_direct_min_bytes = -1;
+  static constexpr int64_t kSharedCoresDirectMinBytes = 8 << 20;
   // Sites of equal size: the 2-D allreduce overlaps its three phases piece by piece, the slow
   // cross-site ring on a thread of its own (RUMOR_SITE_OVERLAP=0 runs them one after the other).
   bool site_overlap = true;

@@ -130,6 +130,7 @@ class _Ran:
 # works= for an op that already ran on the caller's thread, successfully: the work is complete
 # when made (an op that failed there passes [_Ran(error)], so that wait() raises it).
 _RAN_OK: list = []
+_FINISHED_LOCK = threading.Lock()
 
 
 class _Waiter:
@@ -177,30 +178,37 @@ class RumorWork(dist._Work):
         finish: runs once after the works finished and returns the list of result tensors.
     """
 
+    # What a work made finished (works=_RAN_OK, most ops) keeps: __init__ sets only what differs,
+    # since a small op's whole Python budget is a few microseconds. A finished work's future
+    # needs no lock of its own: the module's one serves them all.
+    _works: list = []
+    _keep: tuple = ()
+    _error: Optional[BaseException] = None
+    _future: Optional[torch.futures.Future] = None
+    _done = False
+    _lock = _FINISHED_LOCK
+
     def __init__(self, pg: "RumorProcessGroup", what: str, peer: str, works: list, keep: tuple,
                  finish: Callable[[], List[torch.Tensor]]):
         super().__init__()
         self._pg = pg
         self._what = what
         self._peer = peer
+        if works is _RAN_OK:
+            # Nothing to wait for, and nobody else holds this work yet: the result is set now,
+            # as _complete would.
+            try:
+                self._result = finish()
+            except BaseException as e:  # noqa: BLE001 (as in _complete)
+                self._result = []
+                self._error = _as_error(e, what, peer)
+            self._done = True
+            return
         self._works = works
         self._keep = keep
         self._finish = finish
         self._lock = threading.Lock()
-        self._done = False
         self._result: List[torch.Tensor] = []
-        self._error: Optional[BaseException] = None
-        self._future: Optional[torch.futures.Future] = None
-        if works is _RAN_OK:
-            # Nothing to wait for, and nobody else holds this work yet: the result is set now,
-            # as _complete would, and a small op's wait() is two attribute reads.
-            self._works = []
-            self._keep = ()
-            try:
-                self._result = finish()
-            except BaseException as e:  # noqa: BLE001 (as in _complete)
-                self._error = _as_error(e, what, peer)
-            self._done = True
 
     def _complete(self) -> None:
         with self._lock:

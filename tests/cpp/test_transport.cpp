@@ -175,35 +175,58 @@ TEST(Failures, PeerThatLeavesMidStreamFailsOthersPromptly) {
     EXPECT_LT(took, 15.0) << "peers waited for the deadline instead of seeing the abort";
   }
 }
+// The options of a world's first context once set_peers resolved them, the world made while
+// this thread may run on `cpus` of its CPUs only (0: all of them).
+Options resolved(const std::vector<std::string>& hosts, const Options& o, int cpus) {
+  cpu_set_t saved;
+  EXPECT_EQ(::sched_getaffinity(0, sizeof(saved), &saved), 0);
+  cpu_set_t some;
+  CPU_ZERO(&some);
+  for (int c = 0, kept = 0; c < CPU_SETSIZE && (cpus == 0 || kept < cpus); ++c)
+    if (CPU_ISSET(c, &saved)) {
+      CPU_SET(c, &some);
+      ++kept;
+    }
+  EXPECT_EQ(::sched_setaffinity(0, sizeof(some), &some), 0);
+  Options got;
+  {
+    testing::World w = testing::make_world(hosts, o);
+    got = w.ctx.front()->options();
+  }
+  EXPECT_EQ(::sched_setaffinity(0, sizeof(saved), &saved), 0);
+  return got;
+}
+
+int machine_cpus() {
+  cpu_set_t set;
+  return ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+}
+
 // A rank spins before sleeping only where every rank of its host can have a core: the rule is
 // decided in set_peers from this thread's CPU affinity, and an explicit setting is kept.
 TEST(Context, SpinsOnlyWhereEveryLocalRankHasACore) {
-  cpu_set_t saved;
-  ASSERT_EQ(::sched_getaffinity(0, sizeof(saved), &saved), 0);
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  for (int c = 0; c < CPU_SETSIZE; ++c)
-    if (CPU_ISSET(c, &saved)) {
-      CPU_SET(c, &one);
-      break;
-    }
-  auto spin_after_setup = [](const std::vector<std::string>& hosts, int spin_us) {
-    Options o = testing::quick_options(false);
-    o.spin_us = spin_us;
-    testing::World w = testing::make_world(hosts, o);
-    return w.ctx.front()->options().spin_us;
-  };
-  ASSERT_EQ(::sched_setaffinity(0, sizeof(one), &one), 0);  // this thread: one core
-  const int two_ranks_one_core = spin_after_setup(testing::one_host(2), -1);
-  const int two_hosts_one_core = spin_after_setup({"a", "b"}, -1);
-  const int explicit_setting = spin_after_setup(testing::one_host(2), 7);
-  ASSERT_EQ(::sched_setaffinity(0, sizeof(saved), &saved), 0);
-  EXPECT_EQ(two_ranks_one_core, 0);
-  EXPECT_EQ(two_hosts_one_core, Options::kDefaultSpinUs);  // one rank of this host: its core is its own
-  EXPECT_EQ(explicit_setting, 7);
-  if (CPU_COUNT(&saved) >= 2) {
-    EXPECT_EQ(spin_after_setup(testing::one_host(2), -1), Options::kDefaultSpinUs);
+  Options o = testing::quick_options(false);
+  EXPECT_EQ(resolved(testing::one_host(2), o, 1).spin_us, 0);
+  // One rank of this host: its core is its own.
+  EXPECT_EQ(resolved({"a", "b"}, o, 1).spin_us, Options::kDefaultSpinUs);
+  if (machine_cpus() >= 2) {
+    EXPECT_EQ(resolved(testing::one_host(2), o, 2).spin_us, Options::kDefaultSpinUs);
   }
+  o.spin_us = 7;
+  EXPECT_EQ(resolved(testing::one_host(2), o, 1).spin_us, 7);
+}
+
+// The direct path starts at the small-message limit where each rank has a core, at several MiB
+// where they share cores; set explicitly, the setting stands.
+TEST(Context, DirectPathThresholdFollowsTheCores) {
+  Options o = testing::quick_options(false);
+  o.host_direct_min_bytes = -1;
+  EXPECT_EQ(resolved(testing::one_host(3), o, 1).host_direct_min_bytes, Options::kSharedCoresDirectMinBytes);
+  if (machine_cpus() >= 3) {
+    EXPECT_EQ(resolved(testing::one_host(3), o, 3).host_direct_min_bytes, 0);
+  }
+  o.host_direct_min_bytes = 4096;
+  EXPECT_EQ(resolved(testing::one_host(3), o, 1).host_direct_min_bytes, 4096);
 }
 
 }  // namespace
