@@ -421,6 +421,7 @@ struct HostSmall::Shape {
 
 struct HostSmall::Slot {
   Shape shape;
+  std::atomic<uint64_t> stamp;  // the operation (1, 2, ...) whose data the slot holds
   alignas(64) std::byte data[kMaxBytes];
 };
 
@@ -474,6 +475,18 @@ void HostSmall::setup(const net::OpInfo& info) {
   // Everyone has mapped it once every pid has arrived everywhere; the pids are kept for the
   // liveness checks while waiting.
   const std::vector<int32_t> pids = share_all(comm_, static_cast<int32_t>(::getpid()), info);
+  {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    int mine = -1;
+    if (::sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) == 1)
+      for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) mine = c;
+    cpus_ = share_all(comm_, static_cast<int32_t>(mine), info);
+    my_cpu_ = mine;  // -1 unless every rank is bound to one CPU
+    for (int32_t c : cpus_)
+      if (c < 0) my_cpu_ = -1;
+  }
   if (r == 0) seg_.unlink_name();
   peers_.open(pids, r);  // without pidfds the wait still ends at the deadline
 }
@@ -487,13 +500,25 @@ uint64_t HostSmall::arrive(const std::byte* data, size_t bytes, const Shape& sha
   Slot& mine = slot(set, r);
   if (bytes > 0) std::memcpy(mine.data, data, bytes);  // data may be null when empty
   mine.shape = shape;
+  mine.stamp.store(ops_, std::memory_order_release);
   // The increment publishes the slot (release); the last arrival wakes everyone who slept.
   // seq_cst on the count and on `sleepers`, here and in the sleeper: either the sleeper sees
   // this arrival before it sleeps, or this rank sees the sleeper and wakes it.
   if (hdr_->arrived.fetch_add(1, std::memory_order_seq_cst) + 1 == target) {
     if (hdr_->sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->arrived);
   } else {
-    const auto spin_until = Clock::now() + std::chrono::microseconds(std::max(0, comm_.context().options().spin_us));
+    int spin_us = std::max(0, comm_.context().options().spin_us);
+    // Ranks sharing cores (spin 0) but each bound to one (rumor-run --bind-cores): sleeping
+    // hands this core to a rank that has yet to arrive only if one is bound here. If none is,
+    // nothing needs this core, and a sleep would only idle it, so that the wake-up has to rouse
+    // an idle CPU (on a VM an exit to the hypervisor and back). Spin then, a while.
+    if (spin_us == 0 && my_cpu_ >= 0) {
+      bool needed_here = false;
+      for (uint32_t q = 0; q < n && !needed_here; ++q)
+        needed_here = q != r && cpus_[q] == my_cpu_ && slot(set, q).stamp.load(std::memory_order_acquire) != ops_;
+      if (!needed_here) spin_us = kBoundSpinUs;
+    }
+    const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us);
     auto next_alive_check = Clock::now() + std::chrono::milliseconds(100);
     while (true) {
       const uint32_t now = hdr_->arrived.load(std::memory_order_acquire);

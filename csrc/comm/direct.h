@@ -95,7 +95,11 @@ class HostSmall {
   Communicator& comm_;
   net::ShmSegment seg_;
   Header* hdr_ = nullptr;
+  // How long a rank bound to a core no late rank needs spins before it sleeps (arrive()).
+  static constexpr int kBoundSpinUs = 200;
   uint64_t ops_ = 0;
+  std::vector<int32_t> cpus_;  // each rank's one CPU, -1 where a rank may run on several
+  int my_cpu_ = -1;
   PeerProcesses peers_;
 };
 

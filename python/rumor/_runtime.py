@@ -187,12 +187,14 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         ctx.set_peers(addresses, hosts, [e[3] for e in entries])
         site_error = _rendezvous.apply_sites(ctx, entries)
     _rendezvous.fault_point("init:peers", _generation)
+    local = [r for r in range(env.size) if hosts[r] == hosts[env.rank]]
+    if env_bool("RUMOR_BIND_CORES", False):
+        _bind_core(local.index(env.rank), len(local))
 
     order: List[str] = []
     for h in hosts:
         if h not in order:
             order.append(h)
-    local = [r for r in range(env.size) if hosts[r] == hosts[env.rank]]
     world_comm = _C.Communicator(ctx, 0, "world", list(range(env.size)))
     _forming = world_comm
     try:
@@ -220,6 +222,18 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
     _generation += 1
     for hook in list(_init_hooks):
         hook()
+
+
+def _bind_core(local_rank: int, local_size: int) -> None:
+    """RUMOR_BIND_CORES=1 (rumor-run --bind-cores): where this host has more ranks than this
+    process may run on, bind local rank i to the i-th of those CPUs (modulo), so the shared slots
+    know which late rank a waiting one would hand its core to (csrc/comm/direct.cpp). After
+    set_peers, which has decided spinning and the direct path from the whole set. Elsewhere it
+    does nothing: a rank with a core of its own gains nothing from being held to it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if local_size <= len(cpus):
+        return
+    os.sched_setaffinity(0, {cpus[local_rank % len(cpus)]})
 
 
 _said_single = False

@@ -40,6 +40,10 @@ def _parser():
     group.add_argument("--autotune", dest="rumor_autotune", action="store_true",
                        help="DistributedDataParallel tunes its settings during the first steps (RUMOR_AUTOTUNE=1, "
                             "docs/autotune.md)")
+    group.add_argument("--bind-cores", dest="rumor_bind_cores", action="store_true",
+                       help="where a host has more workers than CPUs, bind each worker to one CPU (local rank "
+                            "modulo the CPUs), which lets small collectives keep a core busy instead of "
+                            "sleeping (RUMOR_BIND_CORES=1; docs/environment.md)")
     group.add_argument("--tls", dest="rumor_tls", choices=("off", "auto"), default="off",
                        help="auto: TLS 1.3 with mutual certificates on the data channels between ranks, with a job CA "
                             "this launcher makes (one node: a random key; several nodes: a key derived from "
@@ -122,6 +126,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             os.environ[var] = str(value)
     if args.rumor_autotune:
         os.environ["RUMOR_AUTOTUNE"] = "1"
+    if args.rumor_bind_cores:
+        os.environ["RUMOR_BIND_CORES"] = "1"
     if args.rumor_live:
         from . import _live_launch
 

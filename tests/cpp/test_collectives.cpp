@@ -1,6 +1,7 @@
 // Every collective on 1..5 ranks, over TCP and over shared memory, against values computed
 // locally. Inputs are small integers stored as floats, so every result is exact.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -555,6 +556,48 @@ TEST(HostDirect, OffGivesTheSameIntegers) {
   }
   ASSERT_EQ(got[0].size(), count);
   EXPECT_EQ(got[0], got[1]);
+}
+
+// Ranks sharing cores, each bound to one (rumor-run --bind-cores): a waiting rank spins where no
+// late rank is bound to its core and sleeps where one is. Two ranks per CPU here, with more ranks
+// than CPUs as on a bound host; hundreds of operations back to back, each exact, on every rank,
+// whichever of the two ways each rank waited.
+TEST(HostSmall, RanksBoundToCoresStayExact) {
+  cpu_set_t all;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(all), &all), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c)
+    if (CPU_ISSET(c, &all)) cpus.push_back(c);
+  const uint32_t n = 4;
+  Options o = quick_options(true);
+  o.spin_us = 0;  // ranks that share cores, whatever this machine has
+  auto w = make_world(one_host(n), o);
+  auto errs = run_ranks(w, [&](Communicator& c, uint32_t r) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpus[r % cpus.size()], &one);
+    ASSERT_EQ(::sched_setaffinity(0, sizeof(one), &one), 0);  // this rank's thread
+    const size_t count = 1000;
+    std::vector<int64_t> v(count), blocks(count / n);
+    for (int round = 0; round < 300; ++round) {
+      for (size_t i = 0; i < count; ++i) v[i] = round * 100000 + static_cast<int64_t>(r * 1000 + i);
+      if (round % 2 == 0) {
+        c.allreduce(v.data(), count, DType::I64, ReduceOp::SUM);
+        for (size_t i = 0; i < count; ++i)
+          ASSERT_EQ(v[i], n * (round * 100000 + static_cast<int64_t>(i)) + 1000 * (n * (n - 1) / 2))
+              << "round " << round << " i " << i;
+      } else {
+        const std::vector<size_t> counts(n, count / n);
+        c.reduce_scatter(v.data(), blocks.data(), counts, DType::I64, ReduceOp::SUM);
+        for (size_t i = 0; i < count / n; ++i) {
+          const size_t at = r * (count / n) + i;
+          ASSERT_EQ(blocks[i], n * (round * 100000 + static_cast<int64_t>(at)) + 1000 * (n * (n - 1) / 2))
+              << "round " << round << " i " << i;
+        }
+      }
+    }
+  });
+  expect_all_ok(errs);
 }
 
 // Small allreduces through the shared slots (comm/direct.h, HostSmall): many operations in a

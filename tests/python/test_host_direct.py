@@ -56,3 +56,38 @@ def test_stopped_rank_mid_allreduce_three_ranks():
     # RUMOR_TIMEOUT well above the stop: a wait that gave up early would fail the test.
     res = harness.run(stopped_peer_rank, 3, timeout=120, env={"RUMOR_TIMEOUT": "30"}, args=(2,))
     assert res == [True, True, True]
+
+
+def bound_rank():
+    import os
+
+    import torch
+
+    import rumor
+
+    rumor.init()
+    r, n = rumor.rank(), rumor.size()
+    mine = sorted(os.sched_getaffinity(0))
+    for k in range(200):  # small collectives through the shared slots, exact every time
+        x = torch.arange(1000, dtype=torch.int64) + 1000 * r + k
+        rumor.allreduce_(x, op=rumor.ReduceOp.SUM)
+        want = n * (torch.arange(1000, dtype=torch.int64) + k) + 1000 * (n * (n - 1) // 2)
+        assert torch.equal(x, want), f"op {k}: rank {r}: allreduce differs"
+    return rumor.local_rank(), mine
+
+
+def test_bind_cores_binds_only_where_ranks_outnumber_the_cpus():
+    import os
+
+    saved = os.sched_getaffinity(0)
+    two = set(sorted(saved)[:2])
+    os.sched_setaffinity(0, two)  # the ranks inherit it: 4 ranks on at most 2 CPUs
+    try:
+        crowded = harness.run(bound_rank, 4, timeout=120, env={"RUMOR_BIND_CORES": "1"})
+        roomy = harness.run(bound_rank, len(two), timeout=120, env={"RUMOR_BIND_CORES": "1"})
+    finally:
+        os.sched_setaffinity(0, saved)
+    cpus = sorted(two)
+    assert [mine for _, mine in crowded] == [[cpus[lr % len(cpus)]] for lr, _ in crowded]
+    # As many ranks as CPUs: each has a core to itself already, and nothing is bound.
+    assert [mine for _, mine in roomy] == [cpus] * len(two)
