@@ -456,6 +456,18 @@ bool HostSmall::fits_allgather(std::span<const size_t> counts, DType dtype) {
   return true;
 }
 
+namespace {
+// The one CPU this thread may run on, or -1 where it may run on several.
+int32_t bound_cpu() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0 || CPU_COUNT(&set) != 1) return -1;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) return c;
+  return -1;
+}
+}  // namespace
+
 HostSmall::Slot& HostSmall::slot(uint64_t set, uint32_t rank) const {
   auto* base = reinterpret_cast<std::byte*>(hdr_) + 4096;
   return *reinterpret_cast<Slot*>(base + (set * comm_.size() + rank) * sizeof(Slot));
@@ -472,20 +484,19 @@ void HostSmall::setup(const net::OpInfo& info) {
   } else {
     hdr_ = open_block<Header>(seg_, name, bytes, kSmallMagic, n, info, "small-message slots");
   }
-  // Everyone has mapped it once every pid has arrived everywhere; the pids are kept for the
-  // liveness checks while waiting.
-  const std::vector<int32_t> pids = share_all(comm_, static_cast<int32_t>(::getpid()), info);
-  {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    int mine = -1;
-    if (::sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) == 1)
-      for (int c = 0; c < CPU_SETSIZE; ++c)
-        if (CPU_ISSET(c, &set)) mine = c;
-    cpus_ = share_all(comm_, static_cast<int32_t>(mine), info);
-    my_cpu_ = mine;  // -1 unless every rank is bound to one CPU
-    for (int32_t c : cpus_)
-      if (c < 0) my_cpu_ = -1;
+  // Everyone has mapped it once every rank's pid and CPU have arrived everywhere (one round); the
+  // pids are kept for the liveness checks while waiting, the CPUs for the bound waits (arrive).
+  struct Who {
+    int32_t pid, cpu;
+  };
+  const std::vector<Who> all = share_all(comm_, Who{static_cast<int32_t>(::getpid()), bound_cpu()}, info);
+  std::vector<int32_t> pids(n);
+  cpus_.resize(n);
+  my_cpu_ = all[r].cpu;  // -1 unless every rank is bound to one CPU
+  for (uint32_t q = 0; q < n; ++q) {
+    pids[q] = all[q].pid;
+    cpus_[q] = all[q].cpu;
+    if (all[q].cpu < 0) my_cpu_ = -1;
   }
   if (r == 0) seg_.unlink_name();
   peers_.open(pids, r);  // without pidfds the wait still ends at the deadline
