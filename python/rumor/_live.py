@@ -330,12 +330,15 @@ def _pending_newcomers(live: _Live, store=None) -> List[str]:
     return out
 
 
-def before_step() -> None:
+def before_step(quiet: bool = False) -> None:
     """Before each optimizer step (a hook rumor.elastic.run installs): newcomers are admitted
     here. The members need not reach this at the same step: one that stops here makes the
     others' next collective fail, and the new epoch starts from the state of the member that
-    applied the most steps."""
+    applied the most steps. With quiet (an algorithm whose steps may not communicate), an epoch
+    the watcher ended ends the step here too, before the optimizer changes the weights."""
     live = _live
+    if live is not None and quiet and live.trouble is not None:
+        raise LiveRestart(f"rumor.elastic: epoch {live.epoch} is over: {live.trouble}")
     if live is not None and live.join_pending:
         _fail_epoch(live, live.epoch, "newcomers are waiting")
         raise LiveRestart("rumor.elastic: the group re-forms to admit newcomers")

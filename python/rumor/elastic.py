@@ -725,11 +725,12 @@ def _run_live(train_fn, st: State, args, kwargs):
     alg = st._algorithm
     step_wise = getattr(alg, "elastic_live", False)
     rounds = getattr(alg, "elastic_live_rounds", False)
+    quiet = step_wise and getattr(alg, "elastic_live_quiet", False)
     if alg is not None and not getattr(alg, "elastic_replicated", False) and not step_wise and not rounds:
         raise NotImplementedError(
-            f"rumor.elastic: live membership runs algorithms whose ranks end every step, or every round, with "
-            f"identical weights (GradientAllReduce, the compressed allreduces, PowerSGD, 1-bit Adam, LocalSGD; "
-            f"docs/elastic.md); {type(alg).__name__} is not one yet: run it without --live (restarts from commits)")
+            f"rumor.elastic: live membership runs the algorithms of docs/elastic.md's table (every one of "
+            f"rumor.algorithms but DiLoCo with fragments, i.e. Streaming DiLoCo, and Decentralized over a fixed "
+            f"topology); this {type(alg).__name__} is not one: run it without --live (restarts from commits)")
     live = _live.current()
     fresh = live.joined_fresh
     kept = []  # rounds: the State's bytes at the start of the round, and the steps applied then
@@ -754,7 +755,7 @@ def _run_live(train_fn, st: State, args, kwargs):
             if not alg.elastic_live_at_boundary():
                 return  # inside a round the ranks train alone: newcomers wait for its end
             mark()
-        _live.before_step()
+        _live.before_step(quiet)
 
     def applied(*_):
         _live.after_step()

@@ -56,3 +56,14 @@ def load_and_check(out, text: str, members: Iterable[str], stayed: Iterable[str]
     check_steps_unique(logs)
     check_stayed(logs, finals, stayed, total, every_step)
     return logs, finals
+
+
+def sizes_by_step(logs: Dict[str, List[dict]], total: int) -> List[int]:
+    """The world size of every step 0..total-1, asserting each was applied by some process and
+    that all who applied it agree on how many averaged it."""
+    by_step: Dict[int, set] = {}
+    for entries in logs.values():
+        for e in entries:
+            by_step.setdefault(e["step"], set()).add(e["size"])
+    assert sorted(by_step) == list(range(total)) and all(len(v) == 1 for v in by_step.values()), by_step
+    return [by_step[s].pop() for s in range(total)]

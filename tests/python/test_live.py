@@ -117,14 +117,7 @@ def _wait_for(cond, p, what, deadline):
 
 
 def _sizes_applied(logs):
-    """The world size of every step 0..STEPS-1, asserting each was applied by some process and
-    that all who applied it agree on how many averaged it."""
-    by_step = {}
-    for entries in logs.values():
-        for e in entries:
-            by_step.setdefault(e["step"], set()).add(e["size"])
-    assert sorted(by_step) == list(range(STEPS)) and all(len(v) == 1 for v in by_step.values()), by_step
-    return [by_step[s].pop() for s in range(STEPS)]
+    return live_runs.sizes_by_step(logs, STEPS)
 
 
 def _simulate(sizes):

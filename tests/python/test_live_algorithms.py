@@ -1,6 +1,6 @@
 """Live membership (rumor-run --live) beyond GradientAllReduce: the compressed allreduces
-(LowPrecision, QSGD), PowerSGD, 1-bit Adam, LocalSGD, DiLoCo, Decentralized (exp2) and
-LowPrecisionDecentralized. Three workers on one host; r1 is SIGKILLed in the middle of training,
+(LowPrecision, QSGD), PowerSGD, 1-bit Adam, LocalSGD, DiLoCo, Decentralized (exp2),
+LowPrecisionDecentralized and AsyncModelAverage. Three workers on one host; r1 is SIGKILLed in the middle of training,
 the two others go on, and a newcomer is admitted. Every launcher run has a deadline
 (harness.launch).
 
@@ -49,7 +49,7 @@ ROUNDS = {"LocalSGD": (10, [0, 3, 6, 9], 5, 4, 7), "DiLoCo": (9, [2, 5, 8], 4, 3
 
 WORKER = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     import torch
     import rumor
     from rumor.parallel import DistributedDataParallel
@@ -72,6 +72,14 @@ WORKER = textwrap.dedent(
         model.double()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ddp = DistributedDataParallel(model, optimizer=opt, algorithm=A.LowPrecisionDecentralized(hierarchical=False))
+    elif kind.startswith("AsyncModelAverage"):
+        # -all, -ring: no round of its own (an hour apart), so the replicas meet only at the
+        # changes and in finish(); -rounds: rounds every 20 ms.
+        sel = "ring" if kind.endswith("ring") else "all"
+        alg = A.AsyncModelAverage(peer_selection=sel, warmup_steps=%(freeze)d,
+                                  sync_interval_ms=20 if kind.endswith("rounds") else 3_600_000)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp = DistributedDataParallel(model, optimizer=opt, algorithm=alg)
     elif kind in ("LocalSGD", "DiLoCo"):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         alg = A.LocalSGD(sync_every=%(every)d) if kind == "LocalSGD" else A.DiLoCo(inner_steps=%(every)d)
@@ -93,6 +101,14 @@ WORKER = textwrap.dedent(
         while state.step < total:
             if me == victim and state.step == fault_step:
                 os.kill(pid, signal.SIGKILL)
+            if kind.startswith("AsyncModelAverage") and state.step == fault_step and not changes:
+                # The members train alone and would run on past the fault: the survivors wait
+                # here until the watcher has seen it, so that both give up this step.
+                from rumor import _live
+                deadline = time.monotonic() + 30
+                while _live.current().trouble is None:
+                    assert time.monotonic() < deadline, "the fault was not seen within 30 s"
+                    time.sleep(0.005)
             if state.step == grow_step:
                 rumor.elastic.wait_for_members(3, timeout=60)
             g = torch.Generator().manual_seed(1000 * state.step + rumor.rank())
@@ -106,11 +122,13 @@ WORKER = textwrap.dedent(
             log.write(json.dumps({"step": state.step, "size": rumor.size(), "rank": rumor.rank(), "pid": pid}) + "\\n")
             log.flush()
             state.step += 1
+        if kind.startswith("AsyncModelAverage"):
+            alg.finish(timeout=60)
 
 
     train(state)
     with open(os.path.join(out, f"{me}.final.json"), "w") as f:
-        json.dump({"pid": pid, "changes": changes,
+        json.dump({"pid": pid, "changes": changes, "rounds": getattr(ddp.algorithm, "rounds", None),
                    "params": [p.detach().double().flatten().tolist() for p in model.parameters()]}, f)
     """
 ) % {"freeze": FREEZE, "every": EVERY}
@@ -308,6 +326,17 @@ def test_a_round_a_failure_interrupts_is_given_up_and_newcomers_enter_between_ro
     assert _far(got, _simulate_rounds(kind, [3] * steps, ends), rtol=1e-3, atol=1e-4)
 
 
+def _average_at_change(logs, x, s, n):
+    """The live rule where the world changed between steps s - 1 and s: every one of the n new
+    replicas is the average of those of the members that applied step s - 1 and go on (a member
+    behind received a copy; the departed and newcomers are not counted)."""
+    keep = [e["rank"] for entries in logs.values() for e in entries
+            if e["step"] == s - 1 and entries[-1]["step"] >= s]
+    assert keep, (s, logs)
+    avg = [sum(x[r][i] for r in keep) / len(keep) for i in range(len(x[0]))]
+    return [[t.clone() for t in avg] for _ in range(n)]
+
+
 def _simulate_decentralized(logs, steps, kind="Decentralized"):
     """float64 decentralized SGD over the exp2 graph of each step's world (rumor's own schedule,
     mixing_matrix): x_{t+1}^i = sum_j W[j, i] x_t^j - 0.1 g^i(x_t^i); or LowPrecisionDecentralized's
@@ -322,23 +351,14 @@ def _simulate_decentralized(logs, steps, kind="Decentralized"):
 
     codec = MinMaxUInt8()
 
-    by_step = {}
-    for entries in logs.values():
-        for e in entries:
-            by_step.setdefault(e["step"], set()).add(e["size"])
-    assert sorted(by_step) == list(range(steps)) and all(len(v) == 1 for v in by_step.values()), by_step
-    sizes = [by_step[s].pop() for s in range(steps)]
+    sizes = live_runs.sizes_by_step(logs, steps)
     model = _model64()
     x = [[p.detach().clone() for p in model.parameters()] for _ in range(sizes[0])]
     flat = lambda rep: torch.cat([t.flatten() for t in rep])  # noqa: E731
     xh = [flat(rep) for rep in x]  # the tracked copies (LowPrecisionDecentralized)
     for s, n in enumerate(sizes):
         if s and n != sizes[s - 1]:
-            keep = [e["rank"] for entries in logs.values() for e in entries
-                    if e["step"] == s - 1 and entries[-1]["step"] >= s]
-            assert keep, (s, logs)
-            avg = [sum(x[r][i] for r in keep) / len(keep) for i in range(len(x[0]))]
-            x = [[t.clone() for t in avg] for _ in range(n)]
+            x = _average_at_change(logs, x, s, n)
             xh = [flat(rep) for rep in x]
         grads = []
         for r in range(n):
@@ -387,3 +407,60 @@ def test_decentralized_rebuilds_its_graph_over_the_live_ranks(tmp_path, kind):
     for m, f in finals.items():
         got = [torch.tensor(p, dtype=torch.float64) for p in f["params"]]
         _close(got, want[logs[m][-1]["rank"]], **tol)
+
+
+def _simulate_async(logs, steps):
+    """float64 AsyncModelAverage whose rounds never come (rounds an hour apart): the warm-up's
+    steps are SGD on the average of the step's ranks' gradients; then each rank trains its replica
+    alone (SGD, lr 0.1); where the world changed between steps s - 1 and s, every replica becomes
+    the average of those of the members that applied step s - 1 and go on (the live rule,
+    docs/elastic.md); finish() averages the last step's replicas."""
+    sizes = live_runs.sizes_by_step(logs, steps)
+    model = _model64()
+    x = [[p.detach().clone() for p in model.parameters()] for _ in range(sizes[0])]
+    for s, n in enumerate(sizes):
+        if s and n != sizes[s - 1]:
+            x = _average_at_change(logs, x, s, n)
+        grads = []
+        for r in range(n):
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), x[r]):
+                    p.copy_(t)
+            grads.append(list(_grads(model, s, r + 1)[r].values()))
+        if s < FREEZE:  # warm-up: GradientAllReduce, the replicas stay equal
+            grads = [[sum(g[k] for g in grads) / n for k in range(len(x[0]))]] * n
+        x = [[t - 0.1 * g for t, g in zip(x[r], grads[r])] for r in range(n)]
+    return [sum(x[r][i] for r in range(len(x))) / len(x) for i in range(len(x[0]))]
+
+
+@pytest.mark.parametrize("kind", ["AsyncModelAverage-all", pytest.param("AsyncModelAverage-ring", marks=pytest.mark.slow),
+                                  "AsyncModelAverage-rounds"])
+def test_async_model_average_starts_each_epoch_from_the_average_and_ends_equal(tmp_path, kind):
+    """AsyncModelAverage(warmup_steps=2): r1 dies before its step 3, after the warm-up, where the
+    training threads communicate nothing; the survivors find it at their next optimizer step
+    (live membership's watcher), give that step up, start the new epoch from the average of
+    their replicas and go on with an averaging thread over two ranks; the newcomer receives
+    that state at step 6 and finish() gives every member the average of the three. -all and
+    -ring (no rounds of their own): the final parameters equal a float64 run of that timeline,
+    to float32 rounding. -rounds (a round every 20 ms): the members agree bitwise at the end
+    and the last epoch's threads averaged."""
+    text = _run(tmp_path, kind)
+    assert "worker r1" in text and "signal 9" in text
+    logs, finals = live_runs.load_and_check(tmp_path, text, ["j1", "r0", "r2"], ["r0", "r2"], STEPS)
+    for m in ("r0", "r2"):
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(2, ["r1"], []), (3, [], ["j1"])], finals[m]
+    assert live_runs.sizes_by_step(logs, STEPS) == [3] * FAULT + [2] * (GROW - FAULT) + [3] * (STEPS - GROW)
+    ref = finals["r0"]["params"]
+    for m, f in finals.items():
+        assert f["params"] == ref, f"{m} differs from r0"
+    got = [torch.tensor(p, dtype=torch.float64) for p in ref]
+    if kind.endswith("rounds"):
+        assert all(f["rounds"] > 0 for f in finals.values()), finals
+        assert all(math.isfinite(v) for p in ref for v in p)
+        return
+    want = [t.flatten() for t in _simulate_async(logs, STEPS)]
+    _close(got, want, rtol=2e-5, atol=2e-6)
+    # Not the run where nobody failed, nor one where the survivors kept their own replicas.
+    assert _far(got, [t.flatten() for t in _simulate_async({"r0": [{"step": s, "size": 3, "rank": 0}
+                                                                    for s in range(STEPS)]}, STEPS)],
+                rtol=1e-3, atol=1e-4)

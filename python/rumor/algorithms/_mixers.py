@@ -192,10 +192,11 @@ class _GossipMixer(_Mixer):
         self.comm = self.group._comm
         self._win = window
         self.names = []
-        serial = _GossipMixer._serial = getattr(_GossipMixer, "_serial", 0) + 1
         for k, s in enumerate(slots):
             # The window's value is ``work``: what a round sends and where its average lands.
-            name = f"rumor.async_model_average.{serial}.{k}"
+            # Named by the group, whose id every rank agrees on (a process-wide count would not
+            # be: a member that re-formed under live membership has made more than a newcomer).
+            name = f"rumor.async_model_average.{self.group.id}.{k}"
             window.win_create(s.work, name, zero_init=True)
             self.names.append(name)
 

@@ -219,13 +219,19 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
         self._final_works = None
         self._leaving = threading.Event()  # gossip: the thread took the final weights
         self._stop = threading.Event()     # gossip: the final average is done
+        self._halt = threading.Event()     # live membership: the epoch ended, the thread stops
+        self._start_due = False  # the thread starts at the next forward (or finish())
+        self._rebind = False     # live membership: init() may serve the rebuilt wrapper
+        self._live_steps = 0     # live membership: ``steps`` after the last applied step
 
     # ---- Algorithm hooks ----------------------------------------------------------------------
 
     def init(self, ddp) -> None:
-        if self._ddp is not None:
+        if self._ddp is not None and not self._rebind:
             raise RuntimeError("AsyncModelAverage: this algorithm object already serves a DistributedDataParallel; "
                                "create one per wrapper")
+        defer = self._rebind or _runtime.env_bool("RUMOR_LIVE", False)
+        self._rebind = False
         self._ddp = ddp
         self._flat = FlatWeights(ddp._params, _ONE_FLAT, "AsyncModelAverage")
         self._device = ddp._device_mode is not None
@@ -249,10 +255,70 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
             self._flat.flats = [s.x for s in self._slots]
             self._flat.repoint(copy=True)
         if self._async:
-            self._start_async(ddp)
+            # Under live membership (rumor-run --live sets RUMOR_LIVE) the thread starts at the
+            # first forward: the state a newcomer receives, and the average every member of a new
+            # epoch starts from, are loaded on some members only, while no round reads the weights.
+            # Otherwise now, so that a rank that does not train yet still answers the rounds.
+            self._start_async(ddp, defer=defer)
 
     # The ranks' replicas differ: a commit (rumor.elastic) keeps their average.
     elastic_consensus = True
+
+    # Live membership (rumor-run --live, docs/elastic.md): after the warm-up a step communicates
+    # nothing on the training thread, so the failure of a member is found by the averaging
+    # thread (its next round fails) or by live membership's watcher, whose verdict the step
+    # checks before the optimizer runs (elastic_live_quiet). Either way the weights have not
+    # changed in the step given up: a failure surfaces before the optimizer step, and a result
+    # applied at the step's forward came from a round that completed. So the mark keeps only the
+    # count of synchronized backward passes (the warm-up's steps may be given up after their
+    # backward); the undo stops the thread and drops a result not applied yet. The members then
+    # start the epoch from the average of the replicas of those that applied the most steps,
+    # and the rebuilt wrapper's thread averages over the new world's ranks.
+    elastic_live = True
+    elastic_live_quiet = True
+
+    def elastic_live_mark(self) -> None:
+        """Keeps the count of synchronized backward passes of the last applied step."""
+        self._live_steps = self.steps
+
+    def elastic_live_undo(self) -> None:
+        """Stops the averaging thread of the epoch that ended (its round in flight and a result
+        not applied yet are dropped), puts back the step count of the last mark and readies
+        init() for the wrapper built over the new world. Called again, it does the same."""
+        thread = self._thread
+        self._halt.set()
+        self._wake.set()
+        if thread is not None and thread.is_alive():
+            thread.join(1.0)
+            if thread.is_alive() and self._mixer is not None:
+                # A round blocked on a member that is gone: its communicator is this epoch's.
+                try:
+                    self._mixer.comm.abort("AsyncModelAverage: the live membership epoch ended")
+                except Exception:  # noqa: BLE001 - already torn down
+                    pass
+                thread.join(_runtime.state().timeout if _runtime.is_initialized() else 30.0)
+            if thread.is_alive():
+                warnings.warn("AsyncModelAverage: the averaging thread of the ended epoch did not stop; "
+                              "it is left behind (daemon)", RuntimeWarning, stacklevel=2)
+        with self._lock:
+            self._thread = None
+            self._halt.clear()
+            self._wake.clear()
+            self._error = None
+            self._pending = False
+            self._discard = False
+            self._round_state = None
+            self._start_due = False
+            self._finished = False
+            self._buffers_synced = False
+            self._final_works = None
+            self._leaving.clear()
+            self._stop.clear()
+            if self._state == LEAVING:
+                self._state = ACTIVE  # finish() given up: the training function runs again and calls it
+            self.steps = self._live_steps
+            self._async = self.steps >= self.warmup_steps  # bucket_op is asked before init()
+            self._rebind = True
 
     @property
     def peer_selection_mode(self) -> str:
@@ -315,7 +381,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
             # A commit taken after warm-up is not warmed up again; every rank restores together.
             self._async = True
             self._ddp._refresh_bucket_ops()
-            self._start_async(self._ddp)
+            self._start_async(self._ddp, defer=_runtime.env_bool("RUMOR_LIVE", False))
 
     @property
     def _local(self) -> bool:
@@ -324,6 +390,8 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
 
     def before_forward(self, ddp) -> None:
         self._raise_if_failed()
+        if self._start_due:
+            self._launch()
         if self._thread is None:
             return
         self._flat.ensure_views()
@@ -418,6 +486,8 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
         ranks are in step then; every rank must get through the warm-up steps)."""
         if self._ddp is None:
             raise RuntimeError("AsyncModelAverage.finish(): the algorithm is not wrapped in a DistributedDataParallel")
+        if self._start_due and not self._finished:
+            self._launch()  # no forward since the wrapper was built: the last round still needs the thread
         thread = self._thread
         with self._lock:
             if not self._finished:
@@ -539,13 +609,22 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
         """x <- x + (average - snapshot) for a slot's pending result (caller holds the lock)."""
         apply_delta(s.x, s.delta)
 
-    def _start_async(self, ddp, thread: bool = True) -> None:
+    def _start_async(self, ddp, defer: bool = False) -> None:
         # Buffers (e.g. BatchNorm statistics) are broadcast before every forward only while the
         # ranks are in step: afterwards each rank keeps its own (a collective per forward would
         # put the ranks back in lockstep).
         self._saved_broadcast_buffers = ddp.broadcast_buffers
         ddp.broadcast_buffers = False
-        if self._finished or not thread:
+        if self._finished:
+            return
+        if defer:
+            self._start_due = True
+            return
+        self._launch()
+
+    def _launch(self) -> None:
+        self._start_due = False
+        if self._thread is not None:
             return
         loop = self._loop if self._mixer.collective else self._gossip_loop
         self._thread = threading.Thread(target=loop, name="rumor-async-model-average", daemon=True)
@@ -559,12 +638,12 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
         try:
             next_round = time.monotonic() + self._interval
             leaving = False
-            while not self._stop.is_set():
+            while not (self._stop.is_set() or self._halt.is_set()):
                 delay = next_round - time.monotonic()
                 if delay > 0:
                     self._wake.wait(delay)
                 self._wake.clear()
-                if self._stop.is_set():
+                if self._stop.is_set() or self._halt.is_set():
                     return
                 with self._lock:
                     state = self._round_state = self._state
@@ -595,6 +674,8 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                 if delay > 0:
                     self._wake.wait(delay)
                 self._wake.clear()
+                if self._halt.is_set():
+                    return
                 with self._lock:
                     state = self._round_state = self._state
                     role = 0

@@ -47,6 +47,11 @@ class Algorithm:
     # round's start, gives up a round a failure interrupts (every member goes back to its start)
     # and admits newcomers only between rounds.
     elastic_live_rounds = False
+    # An elastic_live algorithm whose steps may communicate nothing on the training thread
+    # (AsyncModelAverage after its warm-up) sets elastic_live_quiet: every optimizer step then
+    # checks whether live membership's watcher ended the epoch, since no collective of the
+    # step would fail to say so.
+    elastic_live_quiet = False
     # rumor.elastic.verify compares the replicas' state; keys named here (of the optimizer's
     # per-parameter state and of elastic_state_dict()) are each rank's own, e.g. error feedback,
     # and are left out of the comparison.
