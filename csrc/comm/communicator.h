@@ -170,6 +170,9 @@ class Communicator {
                            const net::OpInfo& info);
   void ring_allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);
   void binomial_broadcast(std::byte* buf, size_t bytes, uint32_t root, const net::OpInfo& info);
+  // Across hosts: the ranks from the root on form a chain and each forwards chunk k to the next
+  // while it receives chunk k + 1, so every link carries the buffer once.
+  void chain_broadcast(std::byte* buf, size_t bytes, uint32_t root, const net::OpInfo& info);
   void ensure_hierarchy();
   // Below this many bytes allreduce uses recursive doubling. Lower across hosts, where each
   // extra full-buffer round costs link time rather than memory bandwidth.

@@ -110,6 +110,7 @@ class _Live:
     # that failed while it formed is not a change anyone saw, so the next one is told against this.
     seen: List[str] = field(default_factory=list)
     timeline: Optional[str] = None  # RUMOR_TIMELINE as the job was started with
+    transfer: Optional[tuple] = None  # the last state received or sent: (bytes, seconds of its broadcast)
 
 
 _live: Optional[_Live] = None
@@ -486,6 +487,12 @@ def reform(reason: str) -> Change:
                  nxt, change.size, change.rank, change.left or "none", change.joined or "none", change.reason,
                  change.degraded_s)
     return change
+
+
+def log_transfer(live: _Live, src: int) -> None:
+    n, dt = live.transfer
+    _log.warning("rumor.elastic: epoch %d: received the state (%.1f MB) from rank %d in %.3f s (%.2f Gbit/s)",
+                 live.epoch, n / 1e6, src, dt, n * 8 / dt / 1e9 if dt > 0 else float("inf"))
 
 
 def on_change(fn: Callable[[Change], None]) -> None:

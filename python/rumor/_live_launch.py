@@ -153,7 +153,9 @@ def main(args) -> None:
     next_beat = 0.0
     finished = False
     try:
-        while any(p.poll() is None for p in procs.values()):
+        # Until every worker's end was seen below (not until none runs: the last one to die must
+        # still be reported to the others, and started again as a newcomer).
+        while not all(m.startswith("~") for m in procs):
             if kind != "tcp" and time.monotonic() >= next_beat:  # _leave_etcd: this launcher still runs
                 _beat(live, node)
                 next_beat = time.monotonic() + _BEAT_S

@@ -50,6 +50,7 @@ import math
 import operator
 import os
 import struct
+import time
 import warnings
 from typing import Any, Callable, Optional, Tuple
 
@@ -605,11 +606,18 @@ class State:
                 length = torch.tensor([data.numel()], dtype=torch.int64)
             else:
                 length = torch.zeros(1, dtype=torch.int64)
-            collectives.broadcast_(length, src)
+            # An allreduce rather than a broadcast: nobody leaves it before every member entered,
+            # so the broadcast that follows starts together and its time is the transfer's alone.
+            collectives.allreduce_(length, collectives.ReduceOp.MAX)
             _rendezvous.fault_point("live:transfer", live.epoch)  # tests: a death mid-transfer
             if _runtime.rank() != src:
                 data = torch.empty(int(length[0]), dtype=torch.uint8)
+            t = time.monotonic()
             collectives.broadcast_(data, src)
+            # What the state's broadcast took, for the log and benchmarks/elastic.py.
+            live.transfer = (data.numel(), time.monotonic() - t)
+            if live.behind:
+                _live.log_transfer(live, src)
             if live.behind:
                 self._apply(torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True))
             else:

@@ -20,6 +20,7 @@ from ._tensor import address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
 from .collectives import ReduceOp, allgather, broadcast_
 from .engine.buckets import Bucket, coalesced_broadcast
+from .errors import AbortedError
 
 _MB = 1024 * 1024
 # The optimizer state a host-shared update keeps per element, by kernel (Adam: with amsgrad).
@@ -250,6 +251,10 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             self._engine = self._make_device_engine()
         self._require_sync = True
+        # Checked by every gradient hook: once a bucket's collective failed (a peer gone) or the
+        # communicator was aborted (live membership), backward stops at the next gradient
+        # instead of computing the rest for buckets that cannot be sent.
+        self._hook_comm = self.group._comm
         # time.monotonic() when the last forward began, when the module began (after the buffer
         # broadcast and the algorithm's before_forward, e.g. decentralized weight mixing), and its end
         self._forward_times = (None, None, None)
@@ -590,9 +595,11 @@ class DistributedDataParallel(torch.nn.Module):
 
         return check
 
-    def _abandon_iteration(self) -> None:
+    def _abandon_iteration(self, reraise: bool = False) -> None:
         """An error stops this backward on every rank alike: complete the buckets already begun
-        (the same ones everywhere) so that the next iteration starts clean."""
+        (the same ones everywhere) so that the next iteration starts clean. With reraise, the
+        buckets' own error is raised (otherwise the error being raised is the one the user needs
+        to see)."""
         self._marked = [False] * len(self._params)
         self._callback_queued = False
         if not self._rebuilt:
@@ -601,8 +608,18 @@ class DistributedDataParallel(torch.nn.Module):
             self._engine.launch_all()
         try:
             self._engine.finish(self._finish_guard)
-        except Exception:  # the error being raised is the one the user needs to see
-            pass
+        except Exception:
+            if reraise:
+                raise
+
+    def _stop_backward(self) -> None:
+        """The buckets' communicator is broken: ends this iteration and raises the collective's
+        own error (naming the op and the peer), so that autograd unwinds the rest of backward."""
+        # A bucket begun failed: its error is raised (finish() of an engine that began nothing
+        # complains only of the buckets never filled, which is not what went wrong).
+        self._abandon_iteration(reraise=not self._engine.idle())
+        raise AbortedError("rumor.DistributedDataParallel: backward stopped: the communicator of the gradient "
+                           "buckets is broken (a peer failed or the group was aborted)")
 
     def _make_hook(self, i: int):
         ref = weakref.ref(self)
@@ -611,6 +628,8 @@ class DistributedDataParallel(torch.nn.Module):
             self = ref()
             if self is None or not self._require_sync:
                 return
+            if self._hook_comm.aborted:
+                self._stop_backward()
             grad = p.grad
             view = self._views[i]
             if grad.data_ptr() != view.data_ptr() and self._carries[self._bucket_of[i]]:

@@ -99,6 +99,29 @@ TEST(Sites, HierarchicalAllreduceGroupsBySite) {
   }
 }
 
+// Across hosts a large broadcast runs down a chain from the root (chain_broadcast): every root,
+// the chain's ends and middles, chunk counts that do not divide the buffer (300001 floats is
+// five 256 KiB chunks, the last short), a buffer of many chunks (16 MiB: 64 chunks of 256 KiB),
+// and hosts of several ranks (shared memory and TCP in one chain).
+TEST(Collectives, ChainBroadcastAcrossHostsFromEveryRoot) {
+  for (const auto& hosts : {std::vector<std::string>{"h0", "h1", "h2"},
+                            std::vector<std::string>{"h0", "h0", "h1", "h1", "h2"}}) {
+    auto w = make_world(hosts, quick_options(true));
+    const uint32_t size = static_cast<uint32_t>(hosts.size());
+    auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
+      for (uint32_t root = 0; root < size; ++root) {
+        for (size_t count : {size_t{300001}, size_t{4} << 20}) {
+          std::vector<float> b(count);
+          for (size_t i = 0; i < count; ++i) b[i] = input(r, i);
+          c.broadcast(b.data(), count, DType::F32, root);
+          for (size_t i = 0; i < count; ++i) ASSERT_EQ(b[i], input(root, i)) << "root " << root << " i " << i;
+        }
+      }
+    });
+    expect_all_ok(errs);
+  }
+}
+
 // Large buffers overlap the 2-D allreduce's phases (allreduce_2d_overlapped: the site's
 // reduce-scatter and allgather piece by piece on the caller's thread, the ring across sites on its
 // own). Every element must meet the same additions in the same order as one phase after the

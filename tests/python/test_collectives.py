@@ -21,7 +21,7 @@ from harness import Checker, check_reduced, dname, gen, reference
 
 OPS = harness.OP_NAMES
 SMALL_ALLREDUCE_BYTES = 64 * 1024      # at or below: recursive doubling (Options::small_allreduce_bytes)
-LARGE_BROADCAST_BYTES = 512 * 1024     # at or above: scatter + ring allgather
+LARGE_BROADCAST_BYTES = 512 * 1024     # at or above: scatter + ring allgather (a chain across hosts)
 STRIPE_BYTES = 256 * 1024              # the TCP tests stripe messages at least this big over all streams
 TCP = {"RUMOR_SHM": "0", "RUMOR_STRIPE_MIN_BYTES": str(STRIPE_BYTES)}  # (the default stripes from 4 MiB)
 LARGE = 3 * 1024 * 1024 + 5            # elements: ring path, striping, shm ring wrap-around

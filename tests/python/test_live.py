@@ -243,22 +243,15 @@ def test_a_newcomer_with_another_model_is_refused_and_the_others_go_on(tmp_path)
 
 def _stop_and_collect(procs, outs):
     """Kills the launchers still running (their whole process groups) and returns their outputs."""
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    text = ""
-    for node, out in enumerate(outs):
-        out.seek(0)
-        text += f"\n===== launcher {node} =====\n" + out.read().decode(errors="replace")[-6000:]
-        out.close()
-    return text
+    from rumor.testing import launch
+
+    return launch.stop_and_collect(procs, outs)
 
 
-def _two_hosts(tmp_path, victim, restarts=1, least=3, env=None, during=None):
-    """Two hosts (network namespaces) x two workers, one launcher per host; node 0's launcher
-    hosts the store. during(cluster, deadline), if given, acts while they train. Returns the
-    launchers' output."""
+def _two_hosts(tmp_path, victim, restarts=1, least=3, env=None, during=None, hosts=2):
+    """Two hosts (network namespaces) x two workers (or four hosts x one), one launcher per host;
+    node 0's launcher hosts the store. during(cluster, deadline), if given, acts while they
+    train. Returns the launchers' output."""
     import secrets
 
     from rumor.testing import netns
@@ -270,14 +263,15 @@ def _two_hosts(tmp_path, victim, restarts=1, least=3, env=None, during=None):
     script.write_text(WORKER)
     env = dict(_env(), RUMOR_JOB_SECRET=secrets.token_hex(32), **(env or {}))
     procs, outs = [], []
-    with netns.Cluster(2) as cluster:
+    per = 4 // hosts
+    with netns.Cluster(hosts) as cluster:
         try:
-            for node in range(2):
+            for node in range(hosts):
                 out = open(tmp_path / f"launcher{node}.txt", "w+b")
                 outs.append(out)
                 procs.append(cluster.popen(node, [
-                    sys.executable, "-m", "rumor.run", "--live", "--nnodes", "2", "--node-rank", str(node),
-                    "--nproc-per-node", "2", "--max-restarts", str(restarts), "--live-min", str(least),
+                    sys.executable, "-m", "rumor.run", "--live", "--nnodes", str(hosts), "--node-rank", str(node),
+                    "--nproc-per-node", str(per), "--max-restarts", str(restarts), "--live-min", str(least),
                     "--master-addr", cluster.ip(0), "--master-port", "29500", "--rdzv-id", "live-test", str(script),
                     victim, "4", str(GROW), str(STEPS), str(tmp_path), "kill", "same-model", "GradientAllReduce"],
                     env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
@@ -288,13 +282,23 @@ def _two_hosts(tmp_path, victim, restarts=1, least=3, env=None, during=None):
                 time.sleep(0.1)
         finally:
             text = _stop_and_collect(procs, outs)
-    assert [p.returncode for p in procs] == [0, 0], text
+    assert [p.returncode for p in procs] == [0] * hosts, text
     return text
 
 
 def test_live_on_two_emulated_hosts(tmp_path):
     """r3 (host 1) is killed; the newcomer host 1's launcher starts joins."""
     _check(tmp_path, "r3", _two_hosts(tmp_path, "r3"))
+
+
+def test_a_launcher_whose_only_worker_died_starts_the_newcomer(tmp_path):
+    """Four hosts of one worker each; r3, host 3's only worker, is killed. Its launcher, left with
+    no worker running, still reports the death to the others and starts the newcomer, which
+    joins (a launcher that stopped watching once none of its workers ran left the others to find
+    the death by its silence, and never started the newcomer)."""
+    text = _two_hosts(tmp_path, "r3", hosts=4)
+    assert "worker r3" in text and "started newcomer j1" in text, text[-6000:]
+    _check(tmp_path, "r3", text)
 
 
 def test_a_link_that_flaps_is_survived(tmp_path):

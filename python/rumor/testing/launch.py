@@ -70,6 +70,21 @@ def kill_process_group(p, wait: bool = True) -> None:
             pass
 
 
+def stop_and_collect(procs, outs, label: str = "launcher", tail: int = 6000) -> str:
+    """Kills the processes of procs still running (kill_process_group) and returns the last
+    tail characters of each output file in outs (binary files open for reading and writing,
+    one per process, closed here), each under a header naming label and its index."""
+    for p in procs:
+        if p.poll() is None:
+            kill_process_group(p)
+    text = ""
+    for i, out in enumerate(outs):
+        out.seek(0)
+        text += f"\n===== {label} {i} =====\n" + out.read().decode(errors="replace")[-tail:]
+        out.close()
+    return text
+
+
 class Ranks:
     """`world` processes running argv (the same for every rank), started at construction.
 
