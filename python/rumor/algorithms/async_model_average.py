@@ -204,25 +204,38 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
         self._lock = threading.Lock()
         # Notified (under _lock) when the thread ends an iteration: abort() waits on it.
         self._idle = threading.Condition(self._lock)
-        self._round_state: Optional[int] = None  # the state the thread's iteration in flight read
-        self._discard = False  # an abort() timed out: a result arriving after it is dropped
         self._wake = threading.Event()
         self._state = ACTIVE   # the state the next census reports (abort/resume/finish change it)
+        self._ddp = None
+        self._slots: List[_Slot] = []
+        self._mixer: Optional[_Mixer] = None
+        self._leaving = threading.Event()  # gossip: the thread took the final weights
+        # The thread ends: gossip's final average is done, or (live membership) the epoch ended.
+        self._stop = threading.Event()
+        self._rebind = False     # live membership: init() may serve the rebuilt wrapper
+        self._fresh_run()
+        self._live_steps = 0     # live membership: ``steps`` after the last applied step
+
+    def _fresh_run(self) -> None:
+        """What one averaging thread's life keeps, as before its first start (the constructor,
+        and live membership's undo for the wrapper built over the new world)."""
+        self._round_state: Optional[int] = None  # the state the thread's iteration in flight read
+        self._discard = False  # an abort() timed out: a result arriving after it is dropped
         self._pending = False  # a round's result waits for the training thread to apply it
         self._finished = False
         self._buffers_synced = False
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-        self._ddp = None
-        self._slots: List[_Slot] = []
-        self._mixer: Optional[_Mixer] = None
         self._final_works = None
-        self._leaving = threading.Event()  # gossip: the thread took the final weights
-        self._stop = threading.Event()     # gossip: the final average is done
-        self._halt = threading.Event()     # live membership: the epoch ended, the thread stops
         self._start_due = False  # the thread starts at the next forward (or finish())
-        self._rebind = False     # live membership: init() may serve the rebuilt wrapper
-        self._live_steps = 0     # live membership: ``steps`` after the last applied step
+        self._leaving.clear()
+        self._stop.clear()
+        self._wake.clear()
+
+    @staticmethod
+    def _live_mode() -> bool:
+        # rumor-run --live sets RUMOR_LIVE (rumor._live, a layer above, reads the same variable).
+        return _runtime.env_bool("RUMOR_LIVE", False)
 
     # ---- Algorithm hooks ----------------------------------------------------------------------
 
@@ -230,7 +243,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
         if self._ddp is not None and not self._rebind:
             raise RuntimeError("AsyncModelAverage: this algorithm object already serves a DistributedDataParallel; "
                                "create one per wrapper")
-        defer = self._rebind or _runtime.env_bool("RUMOR_LIVE", False)
+        defer = self._rebind or self._live_mode()
         self._rebind = False
         self._ddp = ddp
         self._flat = FlatWeights(ddp._params, _ONE_FLAT, "AsyncModelAverage")
@@ -286,7 +299,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
         not applied yet are dropped), puts back the step count of the last mark and readies
         init() for the wrapper built over the new world. Called again, it does the same."""
         thread = self._thread
-        self._halt.set()
+        self._stop.set()
         self._wake.set()
         if thread is not None and thread.is_alive():
             thread.join(1.0)
@@ -301,19 +314,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                 warnings.warn("AsyncModelAverage: the averaging thread of the ended epoch did not stop; "
                               "it is left behind (daemon)", RuntimeWarning, stacklevel=2)
         with self._lock:
-            self._thread = None
-            self._halt.clear()
-            self._wake.clear()
-            self._error = None
-            self._pending = False
-            self._discard = False
-            self._round_state = None
-            self._start_due = False
-            self._finished = False
-            self._buffers_synced = False
-            self._final_works = None
-            self._leaving.clear()
-            self._stop.clear()
+            self._fresh_run()
             if self._state == LEAVING:
                 self._state = ACTIVE  # finish() given up: the training function runs again and calls it
             self.steps = self._live_steps
@@ -381,7 +382,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
             # A commit taken after warm-up is not warmed up again; every rank restores together.
             self._async = True
             self._ddp._refresh_bucket_ops()
-            self._start_async(self._ddp, defer=_runtime.env_bool("RUMOR_LIVE", False))
+            self._start_async(self._ddp, defer=self._live_mode())
 
     @property
     def _local(self) -> bool:
@@ -638,12 +639,12 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
         try:
             next_round = time.monotonic() + self._interval
             leaving = False
-            while not (self._stop.is_set() or self._halt.is_set()):
+            while not self._stop.is_set():
                 delay = next_round - time.monotonic()
                 if delay > 0:
                     self._wake.wait(delay)
                 self._wake.clear()
-                if self._stop.is_set() or self._halt.is_set():
+                if self._stop.is_set():
                     return
                 with self._lock:
                     state = self._round_state = self._state
@@ -674,7 +675,7 @@ class AsyncModelAverage(WarmupThenLocal, Algorithm):
                 if delay > 0:
                     self._wake.wait(delay)
                 self._wake.clear()
-                if self._halt.is_set():
+                if self._stop.is_set():
                     return
                 with self._lock:
                     state = self._round_state = self._state
