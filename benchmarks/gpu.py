@@ -19,6 +19,10 @@ What it measures. One GPU allows two set-ups (NCCL refuses two ranks on one devi
   2 ranks  two processes sharing cuda:0: rumor staging through page-locked host memory
            (RUMOR_GPU_TRANSPORT=host) vs torch.distributed gloo, which takes CUDA tensors and
            stages them too.
+  Both     a third variant, "backend": torch.distributed.all_reduce on a group of torch's rumor
+           backend (new_group(backend="cpu:rumor,cuda:nccl") with 1 rank: the rumor group hands
+           CUDA tensors to its own NCCL backend; backend="rumor" with 2 ranks: it stages them
+           through host memory). backend/torch is its speed next to torch's group of the job.
 
 Each job (one per world size) starts its ranks with a deadline (rumor.testing.launch); each rank
 sets cuda:0, calls rumor.init() and then torch.distributed.init_process_group (nccl for 1 rank,
@@ -91,7 +95,10 @@ MODELS = ("mlp25m", "cnn", "transformer")
 DEFAULT_OUT = os.path.join(_common.HERE, "..", "docs", "benchmarks", "gpu.json")
 BOUND_BYTES = 64 * MiB  # size of the pinned-copy and memcpy measurements
 LABEL = {"rumor": "rumor", "rumor-stream": "rumor (gpu_wait=stream)", "torch": "torch", "copy": "D2D copy",
-         "compute": "compute-only"}
+         "compute": "compute-only", "backend": "torch on rumor's backend"}
+# The torch.distributed group of the "backend" variant: CUDA tensors on the rumor backend, handed to
+# NCCL by its device map with one rank, staged through host memory with two (NCCL: one rank per GPU).
+BACKEND_SPELLING = {1: "cpu:rumor,cuda:nccl", 2: "rumor"}
 
 
 def setup(n: int, device: str) -> Dict[str, str]:
@@ -115,6 +122,7 @@ class Rank:
         import torch.distributed as dist
 
         self.cfg, self.rank, self.n = cfg, rank, n
+        self.backend_group = None  # the "backend" variant's group (worker_main makes it)
         self.cuda = cfg["device"] == "cuda"
         self.dev = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         self._dist = dist
@@ -311,6 +319,9 @@ def _allreduce_cell(ctx: Rank, size: int, dead: Dict[str, str]) -> Dict:
         # The same call with rumor.set_gpu_wait("stream"): returns once queued, as torch's does.
         bufs["rumor-stream"] = torch.empty_like(base)
         fns["rumor-stream"] = lambda: rumor.allreduce_(bufs["rumor-stream"], op=rumor.ReduceOp.SUM)
+    if ctx.backend_group is not None:
+        bufs["backend"] = torch.empty_like(base)
+        fns["backend"] = lambda: dist.all_reduce(bufs["backend"], op=dist.ReduceOp.SUM, group=ctx.backend_group)
     if n == 1:
         # The one-rank bound: what an out-of-place allreduce must move (base == want at n = 1).
         bufs["copy"] = torch.empty_like(base)
@@ -518,6 +529,8 @@ def worker_main(cfg_path: str) -> int:
         assert dist.get_world_size() == n and dist.get_rank() == rank == rumor.rank()
         assert n == 1 or cfg["backend"] == "gloo", "Rank's barriers and gathers are CPU ops: gloo with n > 1"
         ctx = Rank(cfg, rank, n)
+        if "allreduce" in cfg["parts"] and n in BACKEND_SPELLING:
+            ctx.backend_group = dist.new_group(backend=BACKEND_SPELLING[n])
         infos = [_describe(ctx)]
         if n > 1:
             infos = [None] * n
@@ -646,6 +659,8 @@ def summarize(cell: Dict, bounds: Optional[Dict]) -> None:
             cell["rumor_over_torch"] = v["torch"]["median_s"] / v["rumor"]["median_s"]
         if "rumor-stream" in v and "torch" in v:
             cell["stream_over_torch"] = v["torch"]["median_s"] / v["rumor-stream"]["median_s"]
+        if "backend" in v and "torch" in v:
+            cell["backend_over_torch"] = v["torch"]["median_s"] / v["backend"]["median_s"]
         if n == 1 and "copy" in v:
             cell["bound"] = dict(kind="device copy", algbw=v["copy"]["algbw"])
         elif n > 1 and bounds:
@@ -693,10 +708,12 @@ def print_allreduce(cells: List[Dict], job: Dict) -> None:
           f"{next((c['rumor_transport'] for c in cells if c.get('rumor_transport')), '?')})")
     head = f"{'size':>9} {'reps':>4} |"
     stream = any("rumor-stream" in c["variants"] or "rumor-stream" in c["errors"] for c in cells)
-    shown = ["rumor"] + (["rumor-stream"] if stream else []) + ["torch"]
-    for name in ["rumor"] + (["rumor stream"] if stream else []) + [peer]:
+    backend = any("backend" in c["variants"] or "backend" in c["errors"] for c in cells)
+    shown = ["rumor"] + (["rumor-stream"] if stream else []) + ["torch"] + (["backend"] if backend else [])
+    for name in ["rumor"] + (["rumor stream"] if stream else []) + [peer] + (["backend"] if backend else []):
         head += f" {name + ' time':>27} {'algbw':>7} {'busbw':>7} |"
     head += f" {'rumor/torch':>11} |" + (f" {'stream/torch':>12} |" if stream else "")
+    head += f" {'backend/torch':>13} |" if backend else ""
     head += (f" {'D2D copy time':>15} {'algbw':>7} {'rumor/copy':>10}" if n == 1 else
              f" {'staged bound':>12} {'rumor/staged':>12} {'piped':>7} {'rumor/piped':>11}")
     print(head)
@@ -716,6 +733,9 @@ def print_allreduce(cells: List[Dict], job: Dict) -> None:
         if stream:
             r = c.get("stream_over_torch")
             row += f" {f'{r:.2f}x' if r else '-':>12} |"
+        if backend:
+            r = c.get("backend_over_torch")
+            row += f" {f'{r:.2f}x' if r else '-':>13} |"
         b = c.get("bound")
         if n == 1:
             cp = c["variants"].get("copy")
@@ -738,11 +758,19 @@ def print_allreduce(cells: List[Dict], job: Dict) -> None:
         print(_wrap("bound: a device-to-device copy of the same size (torch copy_), timed alongside: what a "
                     "one-rank out-of-place allreduce moves, one kernel launch at small sizes. In place NCCL "
                     "need move nothing, so rumor/copy may exceed 1: at n = 1 this is per-call overhead."))
+        if backend:
+            print(_wrap(f"backend: torch.distributed.all_reduce on a group made with new_group(backend="
+                        f"\"{BACKEND_SPELLING[1]}\"): the rumor group hands CUDA tensors to its own NCCL backend; "
+                        "backend/torch = the cost of that hop next to torch's NCCL group."))
         if stream:
             print(_wrap("rumor stream: the same call under rumor.set_gpu_wait(\"stream\"): it returns once queued "
                         "(as torch's does) and a watch thread keeps the deadline; plain rumor (gpu_wait=host, the "
                         "default) waits on the host for each op's event."))
     else:
+        if backend:
+            print(_wrap(f"backend: torch.distributed.all_reduce on a group made with new_group(backend="
+                        f"\"{BACKEND_SPELLING[2]}\"): the rumor group stages CUDA tensors through host memory "
+                        "around its CPU allreduce; backend/torch = next to gloo, which stages them too."))
         b = job_bounds(job)
         if b:
             print(_wrap(f"bound: the staging both libraries do, with pinned H2D {b['h2d_bw'] / 1e9:.1f} GB/s, "
@@ -808,7 +836,7 @@ def plot(path: str, cells: List[Dict], jobs: List[Dict]) -> Optional[str]:
                 if not cs:
                     continue
                 col = colors[j % len(colors)]
-                for v, style in (("rumor", "-"), ("rumor-stream", "-."), ("torch", "--")):
+                for v, style in (("rumor", "-"), ("rumor-stream", "-."), ("torch", "--"), ("backend", ":")):
                     pts = [(c["size"], c["variants"][v]) for c in cs if v in c["variants"]]
                     if not pts:
                         continue

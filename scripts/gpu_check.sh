@@ -154,8 +154,10 @@ python_tests() {
   # test_cuda_collectives.py: CUDA tensors in the collectives, host staging (2 ranks on one GPU)
   # and NCCL (a 1-rank group); it loads the real libnccl (RUMOR_NCCL_LIBRARY or torch's wheel).
   # test_ddp_device.py: DistributedDataParallel on a CUDA model, every algorithm, against the
-  # CPU, and against torch's DDP; test_window.py: staged windows of CUDA tensors; test_nccl.py: the real libnccl.
+  # CPU, and against torch's DDP; test_window.py: staged windows of CUDA tensors; test_nccl.py: the real libnccl;
+  # test_torch_backend_cuda.py: CUDA tensors on torch.distributed's "rumor" backend (staged, and its NCCL map).
   local files=(tests/python/test_cuda_codecs.py tests/python/test_cuda_collectives.py tests/python/test_nccl.py
+    tests/python/test_torch_backend_cuda.py
     tests/python/test_ddp_device.py::test_cuda_model_matches_cpu tests/python/test_ddp_device.py::test_cuda_model_matches_torch_ddp
     tests/python/test_ddp_device.py::test_cuda_buckets_overlap_backward
     tests/python/test_window.py::test_windows_of_cuda_tensors)

@@ -7,8 +7,11 @@ launcher torch supports and never needs rumor.init() (nor disturbs it).
 
 torch only lets Python implement a whole ProcessGroup (its Backend class has no Python
 constructor), so when torch sees a Python process group it takes it in place of the group it
-was building: a device map such as "cpu:rumor,cuda:nccl" therefore yields rumor's group for
-every device, and CUDA tensors are refused with a message saying what to do instead.
+was building, for every device of the device map. The group therefore serves every device
+itself: CPU tensors run on rumor's core, and CUDA tensors go where the map sends them. With
+"cuda:rumor" (what backend="rumor" alone means) they are staged through host memory around
+rumor's CPU collectives; with "cuda:nccl" ("cpu:rumor,cuda:nccl") the group makes torch's own
+NCCL backend, on its own store prefix, and hands it every call whose tensors are on a GPU.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import datetime
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from typing import Callable, List, Optional, Sequence
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from . import _C, _rendezvous, _runtime, _shm
 from ._env import env_bool, env_int
 from ._tensor import _DTYPE_CODES, dtype_code, movable_code
+from .gpu.staging import host_like, to_host
 
 BACKEND_NAME = "rumor"
 
@@ -56,15 +61,93 @@ def _check_cpu(tensors: Sequence[torch.Tensor], what: str, arg: str) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_where(what)}: {arg} must hold torch.Tensor values, got {type(t).__name__}")
         if t.device.type != "cpu":
-            raise ValueError(
-                f"{_where(what)}: {arg} is on {t.device}, and rumor's torch.distributed backend runs CPU "
-                "tensors only (torch gives a Python backend every device of a device map, so "
-                "'cpu:rumor,cuda:nccl' does not send CUDA tensors to NCCL). Keep CUDA tensors on a "
-                "group of their own: init_process_group(backend='nccl') and "
-                "dist.new_group(backend='rumor') for the CPU tensors, or the reverse with "
-                "dist.new_group(backend='nccl') (docs/torch_backend.md)")
+            raise ValueError(f"{_where(what)}: {arg} is on {t.device} {_DEVICES}")
         if t.layout != torch.strided:
             raise TypeError(f"{_where(what)}: {arg} must be a dense (strided) tensor, got layout {t.layout}")
+
+
+_DEVICES = ("but the call's other tensors are not: the rumor backend takes CPU tensors, and CUDA tensors "
+            "where its device map sends them (backend='rumor' stages them through host memory, "
+            "'cpu:rumor,cuda:nccl' hands them to NCCL); the tensors of one call must all be on one device "
+            "(docs/torch_backend.md)")
+# Supported targets for CUDA tensors in a device map ("cuda:<name>").
+_CUDA_TARGETS = ("rumor", "nccl")
+# Calls whose first argument (the output) is also read: its staged copy starts from the tensor's data.
+_READS_OUTPUT = frozenset({"allreduce", "allreduce_coalesced", "reduce", "broadcast"})
+# The method of torch's C++ backends (ProcessGroupNCCL) for each of this group's methods whose
+# name differs; the coalesced pairs run as one NCCL group of calls.
+_NCCL_NAMES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
+               "all_to_all_single": "alltoall_base"}
+_NCCL_COALESCED = {"allgather_into_tensor_coalesced": "_allgather_base",
+                   "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
+# torch.distributed's names of the calls, for messages.
+_CALLS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced",
+          "reduce_scatter_single": "reduce_scatter_tensor", "allgather": "all_gather",
+          "all_gather_single": "all_gather_into_tensor", "allgather_coalesced": "all_gather_coalesced",
+          "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced", "alltoall": "all_to_all"}
+
+
+def _off_cpu(*args) -> bool:
+    """Whether any tensor in args (tensors, lists of them, lists of lists) is not a CPU tensor."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not a.is_cpu:
+                return True
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    if not b.is_cpu:
+                        return True
+                elif isinstance(b, (list, tuple)):
+                    for c in b:
+                        if isinstance(c, torch.Tensor) and not c.is_cpu:
+                            return True
+    return False
+
+
+def _leaves(x) -> List[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _leaves(y)]
+    return []
+
+
+def _device_map() -> Optional[dict]:
+    """The device map torch is building a group from ({"cpu": "rumor", "cuda": "nccl"}), read
+    from torch's group-making frame: the creator it calls is not told the map. None where that
+    frame is not found (a torch that builds groups differently): then CUDA tensors are staged."""
+    f = sys._getframe(1)
+    for _ in range(16):
+        if f is None:
+            return None
+        if f.f_code.co_name == "_new_process_group_helper":
+            cfg = f.f_locals.get("backend_config")
+            try:
+                return {str(d).lower(): str(b).lower() for d, b in cfg.get_device_backend_map().items()}
+            except Exception:  # noqa: BLE001 (a torch without this attribute: staging, as documented)
+                return None
+        f = f.f_back
+    return None
+
+
+def _cuda_target(device_map: Optional[dict]) -> str:
+    """Where CUDA tensors go for this device map ('rumor': staged; 'nccl'); refuses the maps
+    this group cannot honour."""
+    if not device_map:
+        return "rumor"
+    where = "init_process_group(backend='" + ",".join(f"{d}:{b}" for d, b in device_map.items()) + "')"
+    cpu = device_map.get("cpu", BACKEND_NAME)
+    if cpu != BACKEND_NAME:
+        raise ValueError(f"{where}: the rumor group serves every device of its device map (torch takes a "
+                         f"Python process group whole), so CPU tensors cannot go to {cpu!r} beside it; use "
+                         f"'cpu:rumor,cuda:<backend>', or keep the other backend on a group of its own "
+                         f"(dist.new_group(backend={cpu!r}))")
+    target = device_map.get("cuda", BACKEND_NAME)
+    if target not in _CUDA_TARGETS:
+        raise ValueError(f"{where}: CUDA tensors can go to 'rumor' (staged through host memory) or 'nccl' "
+                         f"beside the rumor backend, not {target!r}")
+    return target
 
 
 def _same_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype, what: str, arg: str) -> None:
@@ -131,6 +214,22 @@ class _Ran:
 # when made (an op that failed there passes [_Ran(error)], so that wait() raises it).
 _RAN_OK: list = []
 _FINISHED_LOCK = threading.Lock()
+
+
+class _Part:
+    """One call of a coalesced work, seen as a core work item (done / wait), so that the
+    coalesced work is finished exactly when all of its calls are."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: "RumorWork"):
+        self._work = work
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self, timeout: float) -> None:
+        self._work.wait(datetime.timedelta(seconds=timeout))
 
 
 class _Waiter:
@@ -266,7 +365,14 @@ class RumorWork(dist._Work):
         Returns:
             A bool.
         """
-        return self._done or all(w.done() for w in self._works)
+        if self._done:
+            return True
+        if not all(w.done() for w in self._works):
+            return False
+        # Finished: the results are copied into the caller's tensors now, so that a caller who
+        # polls and then reads them (without wait()) sees them, as with gloo's work.
+        self._complete()
+        return True
 
     def is_success(self) -> bool:
         """Whether the operation finished without error (False while it runs).
@@ -324,6 +430,114 @@ class RumorWork(dist._Work):
             fut.set_result(self._result)
 
 
+class _StagedWork(dist._Work):
+    """A call on CUDA tensors staged through host memory: `inner` is the same call on host
+    copies (already taken on the caller's stream); the results are copied back into the CUDA
+    tensors once it finished, on the stream of whoever waits (wait()) or, for the future, on
+    the device's current stream of the thread that completes it, which the future's CUDA
+    events then order before its users (DDP's comm hooks chain on it)."""
+
+    def __init__(self, inner: RumorWork, pairs, outputs: List[torch.Tensor], device: torch.device):
+        super().__init__()
+        self._inner = inner
+        self._pairs = pairs  # (CUDA tensor, its host copy) for every tensor the call writes
+        self._outputs = outputs
+        self._device = device
+        self._lock = threading.Lock()
+        self._copied = False
+        self._future: Optional[torch.futures.Future] = None
+
+    def _copy_back(self) -> None:
+        with self._lock:
+            if self._copied:
+                return
+            for dst, src in self._pairs:
+                # Queued on the stream; torch keeps the page-locked source until the copy ran.
+                dst.copy_(src, non_blocking=True)
+            self._copied = True
+            self._pairs = ()
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        """Waits for the staged call (as RumorWork.wait) and copies its results to the GPU on
+        the current stream.
+
+        Args:
+            timeout: torch's per-call limit (the group's timeout bounds the call too).
+
+        Returns:
+            True.
+        """
+        self._inner.wait(timeout)
+        self._copy_back()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the staged call finished; once it did, its results are queued back to the GPU
+        on the current stream.
+
+        Returns:
+            A bool.
+        """
+        if not self._inner.is_completed():
+            return False
+        if self._inner.is_success():
+            self._copy_back()  # on the polling thread's stream, as wait() would
+        return True
+
+    def is_success(self) -> bool:
+        """Whether the staged call finished without error.
+
+        Returns:
+            A bool.
+        """
+        return self._inner.is_success()
+
+    def exception(self) -> Optional[BaseException]:
+        """The staged call's error, or None.
+
+        Returns:
+            A DistBackendError or None.
+        """
+        return self._inner.exception()
+
+    def result(self) -> List[torch.Tensor]:
+        """The call's CUDA output tensors, after wait().
+
+        Returns:
+            A list of tensors.
+        """
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        """A CUDA-aware future set to the output tensors once they are back on the GPU.
+
+        Returns:
+            A torch.futures.Future.
+        """
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            cuda = self._device.type == "cuda"
+            self._future = fut = torch.futures.Future(devices=[self._device] if cuda else None)
+
+        def settle(f):
+            try:
+                f.value()
+                if cuda:
+                    with torch.cuda.device(self._device):
+                        self._copy_back()
+                        fut.set_result(self._outputs)
+                else:
+                    self._copy_back()
+                    fut.set_result(self._outputs)
+            except BaseException as e:  # noqa: BLE001 (the call's error is the future's)
+                fut.set_exception(e)
+
+        self._inner.get_future().add_done_callback(settle)
+        return fut
+
+
 def _store_host(store) -> str:
     """The address of the TCPStore under torch's prefix stores (the host other ranks reached),
     else MASTER_ADDR, else loopback (FileStore and HashStore jobs on one host)."""
@@ -339,7 +553,8 @@ def _store_host(store) -> str:
 
 
 class RumorProcessGroup(dist.ProcessGroup):
-    """A torch.distributed process group whose collectives run on rumor's core (CPU tensors).
+    """A torch.distributed process group whose collectives run on rumor's core (CPU tensors;
+    CUDA tensors staged through host memory or handed to NCCL, as the device map says).
 
     torch makes it: pass backend="rumor" to init_process_group or new_group. Ranks in the
     calls torch forwards here are group ranks.
@@ -351,10 +566,18 @@ class RumorProcessGroup(dist.ProcessGroup):
         timeout: seconds every operation may take (init_process_group's timeout).
         global_ranks: the group's members as global ranks (empty for the default group).
         store: the group's store (monitored_barrier meets there, off the data path).
+        cuda: where CUDA tensors go: "rumor" (staged through host memory) or "nccl" (torch's
+            NCCL backend, made by this group at its first such call).
     """
 
-    def __init__(self, ctx, rank: int, size: int, timeout: float, global_ranks: Sequence[int], store=None):
+    def __init__(self, ctx, rank: int, size: int, timeout: float, global_ranks: Sequence[int], store=None,
+                 cuda: str = BACKEND_NAME):
         super().__init__(rank, size)
+        if cuda not in _CUDA_TARGETS:
+            raise ValueError(f"RumorProcessGroup: cuda must be one of {_CUDA_TARGETS}, got {cuda!r}")
+        self._cuda = cuda
+        self._nccl = None
+        self._nccl_lock = threading.Lock()
         self._store = store
         self._monitored = 0  # monitored_barrier calls so far: each one's keys are its own
         self._ctx = ctx
@@ -426,10 +649,91 @@ class RumorProcessGroup(dist.ProcessGroup):
         self._comm.abort("aborted through torch.distributed")
         for c in list(self._p2p.values()):
             c.abort("aborted through torch.distributed")
+        if self._nccl is not None:
+            self._nccl.abort()
 
     def shutdown(self) -> None:
-        """Stops the thread that completes futures; the connections close with the group."""
+        """Stops the thread that completes futures, and the NCCL backend of CUDA tensors if one
+        was made; the connections close with the group."""
         self._waiter.stop()
+        if self._nccl is not None:
+            self._nccl.shutdown()
+
+    # ---- tensors off the CPU ----------------------------------------------------------------
+    def _device_call(self, name: str, args: tuple):
+        """A call some of whose tensors are not on the CPU: all of them must be on one CUDA
+        device; then staged or handed to NCCL, as the group's device map says."""
+        what = _CALLS.get(name, name)
+        devices = {t.device for a in args for t in _leaves(a)}
+        if len(devices) > 1:
+            where = ", ".join(sorted(str(d) for d in devices))
+            raise ValueError(f"{_where(what)}: tensors on different devices ({where}); the tensors of one call "
+                             "must all be CPU tensors or all on one CUDA device")
+        (device,) = devices
+        if device.type != "cuda":
+            raise ValueError(f"{_where(what)}: a tensor is on {device}; the rumor backend takes CPU tensors, "
+                             "and CUDA tensors where its device map sends them (backend='rumor' stages them "
+                             "through host memory, 'cpu:rumor,cuda:nccl' hands them to NCCL)")
+        if self._cuda == "nccl":
+            return self._on_nccl(name, args)
+        return self._staged(name, args, device)
+
+    def _staged(self, name: str, args: tuple, device: torch.device) -> _StagedWork:
+        """The call on page-locked host copies of its tensors; the outputs return at wait() or
+        with the future. The copies to the host run on the caller's current stream, so they see
+        the work queued before the call, and are waited for with the group's deadline."""
+        reads = name in _READS_OUTPUT
+        what = _where(_CALLS.get(name, name))
+        pairs: list = []
+
+        def host(x, output: bool):
+            if isinstance(x, torch.Tensor):
+                h = host_like(x)  # page-locked: torch's caching host allocator keeps such buffers
+                if reads or not output:
+                    to_host(x, h, what, self._timeout)
+                if output:
+                    pairs.append((x, h))
+                return h
+            if isinstance(x, (list, tuple)):
+                return [host(y, output) for y in x]
+            return x
+
+        # Every call's first argument holds what it writes, except send's.
+        writes = name != "send"
+        staged = [host(a, writes and i == 0) for i, a in enumerate(args)]
+        inner = getattr(self, name)(*staged)
+        return _StagedWork(inner, pairs, _leaves(args[0]), device)
+
+    def _nccl_backend(self, what: str):
+        with self._nccl_lock:
+            if self._nccl is not None:
+                return self._nccl
+            if not dist.is_nccl_available():
+                raise ValueError(f"{_where(what)}: the device map sends CUDA tensors to NCCL ('cuda:nccl'), but "
+                                 "this torch has no NCCL; use 'cpu:rumor,cuda:rumor' (staged through host memory)")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = datetime.timedelta(seconds=self._timeout)
+            if hasattr(opts, "global_ranks_in_group"):
+                opts.global_ranks_in_group = list(self._global)
+            if hasattr(opts, "group_name"):
+                opts.group_name = f"{self.getGroupName()}:cuda"
+            # Its own prefix under the group's store: NCCL's ids never meet rumor's keys.
+            self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", self._store), self._rank, self._size,
+                                               opts)
+            return self._nccl
+
+    def _on_nccl(self, name: str, args: tuple):
+        backend = self._nccl_backend(_CALLS.get(name, name))
+        if args and args[-1] is None and name not in ("send", "recv"):
+            args = args[:-1]  # torch's C++ backends take their defaults for a missing options object
+        pair = _NCCL_COALESCED.get(name)
+        if pair is None:
+            return getattr(backend, _NCCL_NAMES.get(name, name))(*args)
+        outputs, inputs = args[0], args[1]
+        backend._start_coalescing()
+        for o, i in zip(outputs, inputs):
+            getattr(backend, pair)(o, i, *args[2:])
+        return backend._end_coalescing()
 
     # ---- helpers --------------------------------------------------------------------------
     def _peer(self, group_rank: int) -> str:
@@ -491,6 +795,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(tensors):
+            return self._device_call('allreduce', (tensors, opts))
         what = "all_reduce"
         t = self._one(tensors, what)
         code = _reduce_code(t, what)
@@ -518,6 +824,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(tensors):
+            return self._device_call('allreduce_coalesced', (tensors, opts))
         what = "all_reduce_coalesced"
         if not tensors:
             raise ValueError(f"{_where(what)}: tensors must not be empty")
@@ -551,6 +859,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(tensors):
+            return self._device_call('reduce', (tensors, opts))
         what = "reduce"
         opts = opts or dist.ReduceOptions()
         t = self._one(tensors, what)
@@ -583,6 +893,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(output_tensors, input_tensors):
+            return self._device_call('reduce_scatter', (output_tensors, input_tensors, opts))
         what = "reduce_scatter"
         out = self._one(output_tensors, what, "output tensor")
         if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
@@ -607,6 +919,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(output, input):
+            return self._device_call('reduce_scatter_single', (output, input, opts))
         what = "reduce_scatter_tensor"
         _check_cpu([output], what, "output")
         _check_cpu([input], what, "input")
@@ -645,6 +959,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(tensors):
+            return self._device_call('broadcast', (tensors, opts))
         what = "broadcast"
         opts = opts or dist.BroadcastOptions()
         t = self._one(tensors, what)
@@ -673,6 +989,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(output_tensors, input_tensors):
+            return self._device_call('allgather', (output_tensors, input_tensors, opts))
         what = "all_gather"
         t = self._one(input_tensors, what)
         if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
@@ -718,6 +1036,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(output, input):
+            return self._device_call('all_gather_single', (output, input, opts))
         what = "all_gather_into_tensor"
         _check_cpu([output], what, "output_tensor")
         _check_cpu([input], what, "input_tensor")
@@ -755,6 +1075,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(output_lists, input_tensors):
+            return self._device_call('allgather_coalesced', (output_lists, input_tensors, opts))
         what = "all_gather_coalesced"
         if len(output_lists) != self._size or any(len(o) != len(input_tensors) for o in output_lists):
             raise ValueError(f"{_where(what)}: output_tensor_lists must hold {self._size} lists (the group size) "
@@ -785,6 +1107,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(outputs, inputs):
+            return self._device_call('allgather_into_tensor_coalesced', (outputs, inputs, opts))
         return self._coalesced("all_gather_into_tensor_coalesced",
                                [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
@@ -801,6 +1125,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(outputs, inputs):
+            return self._device_call('reduce_scatter_tensor_coalesced', (outputs, inputs, opts))
         return self._coalesced("reduce_scatter_tensor_coalesced",
                                [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
@@ -814,7 +1140,7 @@ class RumorProcessGroup(dist.ProcessGroup):
                 out += w._result
             return out
 
-        return self._work(what, self._all(), [], tuple(works), finish)
+        return self._work(what, self._all(), [_Part(w) for w in works], tuple(works), finish)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         """all_to_all_single of CPU tensors with even or uneven splits along dim 0.
@@ -829,6 +1155,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(output, input):
+            return self._device_call('all_to_all_single', (output, input, output_split_sizes, input_split_sizes, opts))
         what = "all_to_all_single"
         _check_cpu([output], what, "output")
         _check_cpu([input], what, "input")
@@ -880,6 +1208,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(output_tensors, input_tensors):
+            return self._device_call('alltoall', (output_tensors, input_tensors, opts))
         what = "all_to_all"
         n = self._size
         if len(output_tensors) != n or len(input_tensors) != n:
@@ -917,6 +1247,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(output_tensors, input_tensors):
+            return self._device_call('gather', (output_tensors, input_tensors, opts))
         what = "gather"
         opts = opts or dist.GatherOptions()
         t = self._one(input_tensors, what)
@@ -962,6 +1294,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(output_tensors, input_tensors):
+            return self._device_call('scatter', (output_tensors, input_tensors, opts))
         what = "scatter"
         opts = opts or dist.ScatterOptions()
         out = self._one(output_tensors, what)
@@ -1104,6 +1438,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(tensors):
+            return self._device_call('send', (tensors, dst_rank, tag))
         what = "send"
         t = self._p2p_check(tensors, dst_rank, what, "dst")
         c = self._p2p_comm(self._rank, dst_rank, tag, what)
@@ -1123,6 +1459,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _off_cpu(tensors):
+            return self._device_call('recv', (tensors, src_rank, tag))
         what = "recv"
         t = self._p2p_check(tensors, src_rank, what, "src")
         c = self._p2p_comm(src_rank, self._rank, tag, what)
@@ -1170,7 +1508,7 @@ def _hide_from_dynamo() -> None:
         return
     # Only what torch calls: a disabled frame runs everything it calls eagerly, and each wrapper
     # costs ~0.5 us, which on the helpers of every op added up to a third of a 4 KiB op's time.
-    for cls in (RumorProcessGroup, RumorWork):
+    for cls in (RumorProcessGroup, RumorWork, _StagedWork):
         for name, fn in list(vars(cls).items()):
             if callable(fn) and (not name.startswith("_") or name in _TORCH_PRIVATE):
                 setattr(cls, name, disable(fn, recursive=True))
@@ -1179,6 +1517,7 @@ def _hide_from_dynamo() -> None:
 def _create(opts, backend_options=None):
     """torch's creator (extended API): one RumorProcessGroup per group, met through its store."""
     _hide_from_dynamo()
+    cuda = _cuda_target(_device_map())
     rank, size = int(opts.group_rank), int(opts.group_size)
     timeout = opts.timeout.total_seconds() if opts.timeout is not None else 1800.0
     if timeout <= 0:
@@ -1208,7 +1547,7 @@ def _create(opts, backend_options=None):
         ctx, _token, entries = _rendezvous.exchange(store, env, timeout, make_ctx, host, advertise, js)
         ctx.set_peers([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries])
         site_error = _rendezvous.apply_sites(ctx, entries, "init_process_group(backend='rumor')")
-    pg = RumorProcessGroup(ctx, rank, size, timeout, list(opts.global_ranks_in_group or []), store=store)
+    pg = RumorProcessGroup(ctx, rank, size, timeout, list(opts.global_ranks_in_group or []), store=store, cuda=cuda)
     # Every rank must have mapped its local peers' shared memory before the names can go.
     pg._comm.barrier(False)
     ctx.seal()
@@ -1222,7 +1561,7 @@ def register() -> None:
     no-op). Cheap: nothing starts until init_process_group(backend="rumor") or new_group."""
     if not dist.is_available() or "RUMOR" in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def monitored_barrier(group: Optional[dist.ProcessGroup] = None, timeout: Optional[datetime.timedelta] = None,

@@ -120,6 +120,7 @@ def test_runs_on_the_current_stream():
 @needs_gpu
 def test_out_buffers_and_odd_offsets():
     c = C.MinMaxUInt8()
+    torch.manual_seed(0)
     x = torch.randn(999, device="cuda")
     n = c.encoded_bytes(999)
     backing = torch.zeros(n + 3, dtype=torch.uint8, device="cuda")
@@ -128,7 +129,10 @@ def test_out_buffers_and_odd_offsets():
     assert torch.equal(out.cpu(), c.encode(x.cpu()))
     dst = torch.empty(999, device="cuda", dtype=torch.float64)
     assert c.decode(out, 999, out=dst) is dst
-    torch.testing.assert_close(dst.cpu(), c.decode(c.encode(x.cpu()), 999, dtype=torch.float64), rtol=1e-6, atol=1e-7)
+    # Decoding computes lo + q * step in float32, unfused on the GPU and fused by the CPU's AVX2
+    # kernels: one float32 rounding of the value apart (a fixed atol of 1e-7 failed on a draw).
+    atol = 4 * torch.finfo(torch.float32).eps * float(x.abs().max())
+    torch.testing.assert_close(dst.cpu(), c.decode(c.encode(x.cpu()), 999, dtype=torch.float64), rtol=0, atol=atol)
 
 
 @needs_gpu

@@ -459,9 +459,10 @@ def test_registration_is_cheap_and_idempotent():
     tb.register()
     assert "RUMOR" in dist.Backend._plugins
     assert dist.Backend("rumor") == "rumor"
-    assert "rumor" in dist.Backend.backend_capability and dist.Backend.backend_capability["rumor"] == ["cpu"]
-    # registering does not take over torch's default for CPU tensors
+    assert "rumor" in dist.Backend.backend_capability and dist.Backend.backend_capability["rumor"] == ["cpu", "cuda"]
+    # registering does not take over torch's defaults for CPU or CUDA tensors
     assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
+    assert dist.Backend.default_device_backend_map["cuda"] == "nccl"
 
 
 def _fsdp_rank():
@@ -814,3 +815,34 @@ def test_inline_and_queued_works_complete_and_fail_at_wait():
             assert {"allreduce", "broadcast", "_allgather_base", "_reduce_scatter_base"} <= set(wrapped), wrapped
             assert not any(k.startswith("_") and k not in ("_allgather_base", "_reduce_scatter_base")
                            for k in wrapped), wrapped
+
+
+def _polling_rank():
+    import time
+
+    dist = _init()
+    r, n = dist.get_rank(), dist.get_world_size()
+    # 512 KiB: past RUMOR_TORCH_INLINE_BYTES, so it runs on the group's thread while this one polls
+    x = torch.full((1 << 17,), float(r + 1))
+    outs = [torch.zeros_like(x) for _ in range(n)]
+    w = dist.all_gather(outs, x, async_op=True)
+    deadline = time.monotonic() + 60
+    while not w.is_completed():
+        assert time.monotonic() < deadline, "all_gather never completed"
+        time.sleep(1e-3)
+    # read without wait(): is_completed() promised the results are there
+    got = sorted({float(v) for o in outs for v in (o[0], o[-1])})
+    a, b = torch.zeros(2 * n), torch.zeros(4 * n)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_gather_into_tensor(a, torch.full((2,), float(r)))
+        dist.all_gather_into_tensor(b, torch.full((4,), float(r)))
+    while not all(w.is_completed() for w in cm.works):
+        assert time.monotonic() < deadline, "the coalesced work never completed"
+        time.sleep(1e-3)
+    return got, a.tolist(), b.tolist()
+
+
+def test_a_polled_work_holds_its_results_once_completed():
+    for got, a, b in harness.run(_polling_rank, 2, timeout=TIMEOUT):
+        assert got == [1.0, 2.0]
+        assert a == [0.0, 0.0, 1.0, 1.0] and b == [0.0] * 4 + [1.0] * 4
