@@ -446,7 +446,11 @@ def reform(reason: str) -> Change:
         if not waiting and size >= live.min_size and survivors and survivors[0] == live.me:
             applied = [int(store.get(f"e{nxt}/reg/{m}")) for m in survivors]
             top = max(applied)
-            body = {"members": survivors + newcomers, "new": newcomers, "reason": reason,
+            # The epoch's first recorded end, which every member's own error follows from (a
+            # member whose peer left to re-form sees only a PeerError).
+            key = f"e{old_epoch}/abort"
+            first = store.get(key).decode() if store.check([key]) else ""
+            body = {"members": survivors + newcomers, "new": newcomers, "reason": first or reason,
                     "source": applied.index(top), "applied": top,
                     "sync": bool(newcomers) or min(applied) != top}
             store.compare_set(f"e{nxt}/members", "", _rendezvous.seal(_members_key(), f"{_MEMBERS_MAC}/{nxt}", body))

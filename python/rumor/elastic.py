@@ -737,8 +737,8 @@ def _run_live(train_fn, st: State, args, kwargs):
     if alg is not None and not getattr(alg, "elastic_replicated", False) and not step_wise and not rounds:
         raise NotImplementedError(
             f"rumor.elastic: live membership runs the algorithms of docs/elastic.md's table (every one of "
-            f"rumor.algorithms but DiLoCo with fragments, i.e. Streaming DiLoCo, and Decentralized over a fixed "
-            f"topology); this {type(alg).__name__} is not one: run it without --live (restarts from commits)")
+            f"rumor.algorithms but Decentralized over a fixed topology); this {type(alg).__name__} is not one: "
+            f"run it without --live (restarts from commits)")
     live = _live.current()
     fresh = live.joined_fresh
     kept = []  # rounds: the State's bytes at the start of the round, and the steps applied then

@@ -1545,8 +1545,14 @@ def _create(opts, backend_options=None):
             return _C.Context(rank, size, tok, copts, 0, key=js.key("connection", tok), bind=bind)
 
         ctx, _token, entries = _rendezvous.exchange(store, env, timeout, make_ctx, host, advertise, js)
-        ctx.set_peers([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries])
+        hosts = [e[2] for e in entries]
+        ctx.set_peers([e[1] for e in entries], hosts, [e[3] for e in entries])
         site_error = _rendezvous.apply_sites(ctx, entries, "init_process_group(backend='rumor')")
+        if env_bool("RUMOR_BIND_CORES", False) and not opts.global_ranks_in_group:
+            # As rumor.init() does (docs/environment.md), by the default group's local ranks only:
+            # a subgroup's would bind the same process elsewhere.
+            local = [r for r in range(size) if hosts[r] == hosts[rank]]
+            _runtime._bind_core(local.index(rank), len(local))
     pg = RumorProcessGroup(ctx, rank, size, timeout, list(opts.global_ranks_in_group or []), store=store, cuda=cuda)
     # Every rank must have mapped its local peers' shared memory before the names can go.
     pg._comm.barrier(False)

@@ -1,6 +1,6 @@
 """Live membership (rumor-run --live) beyond GradientAllReduce: the compressed allreduces
-(LowPrecision, QSGD), PowerSGD, 1-bit Adam, LocalSGD, DiLoCo, Decentralized (exp2),
-LowPrecisionDecentralized and AsyncModelAverage. Three workers on one host; r1 is SIGKILLed in the middle of training,
+(LowPrecision, QSGD), PowerSGD, 1-bit Adam, LocalSGD, DiLoCo, Streaming DiLoCo, Decentralized
+(exp2), LowPrecisionDecentralized and AsyncModelAverage. Three workers on one host; r1 is SIGKILLed in the middle of training,
 the two others go on, and a newcomer is admitted. Every launcher run has a deadline
 (harness.launch).
 
@@ -80,6 +80,14 @@ WORKER = textwrap.dedent(
                                   sync_interval_ms=20 if kind.endswith("rounds") else 3_600_000)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ddp = DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+    elif kind.startswith("StreamingDiLoCo"):
+        # fragments 0 and 1 send after inner steps 4k and 4k + 2; -delay: each average is applied
+        # one inner step later, keeping half of the local progress made meanwhile
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        delay = kind.endswith("delay")
+        alg = A.DiLoCo(inner_steps=4, num_fragments=2, fragment_sync_delay=int(delay),
+                       fragment_update_alpha=0.5 if delay else 0.0)
+        ddp = DistributedDataParallel(model, optimizer=opt, algorithm=alg)
     elif kind in ("LocalSGD", "DiLoCo"):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         alg = A.LocalSGD(sync_every=%(every)d) if kind == "LocalSGD" else A.DiLoCo(inner_steps=%(every)d)
@@ -99,9 +107,14 @@ WORKER = textwrap.dedent(
     @rumor.elastic.run
     def train(state):
         while state.step < total:
+            if kind.startswith("StreamingDiLoCo") and state.step == fault_step and not changes:
+                # Every member has applied the steps before the fault (the inner steps do not
+                # wait for each other), so each survivor gives up the same step.
+                rumor.barrier()
             if me == victim and state.step == fault_step:
                 os.kill(pid, signal.SIGKILL)
-            if kind.startswith("AsyncModelAverage") and state.step == fault_step and not changes:
+            quiet = kind.startswith("StreamingDiLoCo") or kind.startswith("AsyncModelAverage")
+            if quiet and state.step == fault_step and not changes:
                 # The members train alone and would run on past the fault: the survivors wait
                 # here until the watcher has seen it, so that both give up this step.
                 from rumor import _live
@@ -464,3 +477,147 @@ def test_async_model_average_starts_each_epoch_from_the_average_and_ends_equal(t
     assert _far(got, [t.flatten() for t in _simulate_async({"r0": [{"step": s, "size": 3, "rank": 0}
                                                                     for s in range(STEPS)]}, STEPS)],
                 rtol=1e-3, atol=1e-4)
+
+
+def _simulate_streaming(logs, steps, H=4, F=2, tau=0, alpha=0.0):
+    """float64 DiLoCo(inner_steps=H, num_fragments=F, fragment_sync_delay=tau,
+    fragment_update_alpha=alpha) over the timeline's world sizes: each rank trains its replica
+    alone (SGD, lr 0.1); after inner step t (t = step + 1) every fragment with t % H == its offset
+    (p * H // F) sends the mean of outer - replica over its elements (the parameters flattened in
+    order, cut into F equal ranges); tau inner steps later it takes its outer step with it (SGD,
+    lr 0.7, Nesterov momentum 0.9) and every replica's fragment becomes alpha * replica +
+    (1 - alpha) * outer. Where the world changed between steps s - 1 and s, the averages in flight
+    are dropped and every replica becomes the outer parameters of every fragment (the live rule,
+    docs/elastic.md). Returns the replicas after the last step, by rank."""
+    sizes = live_runs.sizes_by_step(logs, steps)
+    model = _model64()
+    shapes = [p.shape for p in model.parameters()]
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    L = flat.numel()
+    cuts = [(L * p // F, L * (p + 1) // F) for p in range(F)]
+    outer = [torch.nn.Parameter(flat[a:b].clone()) for a, b in cuts]
+    opt = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
+
+    def unflat(v):
+        out, i = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            out.append(v[i:i + n].view(shape))
+            i += n
+        return out
+
+    x = [flat.clone() for _ in range(sizes[0])]
+    pending = {}  # fragment -> (inner step after which it applies, the mean pseudo-gradient)
+    for s, n in enumerate(sizes):
+        if s and n != sizes[s - 1]:
+            x = [torch.cat([o.detach() for o in outer]) for _ in range(n)]
+            pending = {}
+        for r in range(n):
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), unflat(x[r])):
+                    p.copy_(t)
+            g = torch.cat([t.flatten() for t in _grads(model, s, r + 1)[r].values()])
+            x[r] = x[r] - 0.1 * g
+        t = s + 1
+
+        def outer_step(p, a, b):
+            with torch.no_grad():
+                outer[p].grad = pending.pop(p)[1]
+                opt.step()
+                outer[p].grad = None
+            for v in x:
+                v[a:b] = torch.lerp(outer[p].detach(), v[a:b], alpha)
+
+        for p, (a, b) in enumerate(cuts):
+            if p in pending and pending[p][0] == t:
+                outer_step(p, a, b)
+        for p, (a, b) in enumerate(cuts):
+            if t % H == (p * H // F) % H:
+                pending[p] = (t + tau, outer[p].detach() - sum(v[a:b] for v in x) / n)
+                if tau == 0:
+                    outer_step(p, a, b)
+    return [[t.flatten() for t in unflat(v)] for v in x]
+
+
+@pytest.mark.parametrize("kind", ["StreamingDiLoCo", "StreamingDiLoCo-delay"])
+def test_streaming_diloco_puts_every_fragment_back_to_the_global_model_at_a_change(tmp_path, kind):
+    """DiLoCo(inner_steps=4, num_fragments=2) runs live step by step: r1 dies before its step 3
+    (after fragment 1's outer step at step 1, before fragment 0's at step 3); the survivors find
+    it at their next optimizer step, give it up, put both fragments back to their outer
+    parameters and train on with two; the newcomer receives that global model and the outer
+    state at step 6, where every member again goes back to the global model. -delay
+    (fragment_sync_delay=1, fragment_update_alpha=0.5): r1 dies before its step 2, while fragment
+    1's average sent at step 1 is still to be applied: it is given up. Each member's final
+    replica (they differ between outer steps) equals a float64 run of that timeline for its rank,
+    to float32 rounding, and not the run where nobody failed."""
+    delay = kind.endswith("delay")
+    fault = 2 if delay else FAULT
+    text = _run(tmp_path, kind, fault=fault)
+    assert "worker r1" in text and "signal 9" in text
+    logs, finals = live_runs.load_and_check(tmp_path, text, ["j1", "r0", "r2"], ["r0", "r2"], STEPS)
+    for m in ("r0", "r2"):
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(2, ["r1"], []), (3, [], ["j1"])], finals[m]
+    sizes = live_runs.sizes_by_step(logs, STEPS)
+    first = logs["j1"][0]["step"]
+    assert sizes == [3] * fault + [2] * (first - fault) + [3] * (STEPS - first) and fault < first <= GROW, sizes
+    rule = dict(tau=1, alpha=0.5) if delay else {}
+    want = _simulate_streaming(logs, STEPS, **rule)
+    full = _simulate_streaming({"r0": [{"step": s, "size": 3, "rank": 0} for s in range(STEPS)]}, STEPS, **rule)
+    for m, f in finals.items():
+        got = [torch.tensor(p, dtype=torch.float64) for p in f["params"]]
+        rank = logs[m][-1]["rank"]
+        _close(got, want[rank], rtol=2e-5, atol=2e-6)
+        assert _far(got, full[rank], rtol=1e-3, atol=1e-4), m
+
+
+def _undo_rank():
+    """One rank: marks DiLoCo(inner_steps=4, num_fragments=2) before a step that takes an outer step,
+    runs that step (inner optimizer with momentum, then fragment 1's outer step), and undoes it
+    as live membership does when that average fails: the step count, the outer parameters, the
+    outer and inner optimizers' states go back to the mark and every fragment to its outer
+    parameters."""
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    rumor.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    alg = rumor.algorithms.DiLoCo(inner_steps=4, num_fragments=2)
+    ddp = DistributedDataParallel(model, optimizer=opt, algorithm=alg)
+
+    def step(s):
+        g = torch.Generator().manual_seed(s)
+        loss = torch.nn.functional.mse_loss(ddp(torch.randn(6, 8, generator=g)), torch.randn(6, 1, generator=g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    step(0)  # inner step 1: local
+    alg.elastic_live_mark()
+    before = dict(steps=alg.steps, sent=[f.sent for f in alg.fragments],
+                  outer=[s.outer.detach().clone() for f in alg.fragments for s in f.slots],
+                  outer_opt=str(alg.outer_optimizer.state_dict()["state"]),
+                  momentum=[opt.state[p]["momentum_buffer"].clone() for p in model.parameters()])
+    step(1)  # inner step 2: fragment 1 (offset 2) takes its outer step
+    changed = (alg.steps != before["steps"], [f.sent for f in alg.fragments] != before["sent"],
+               any(not torch.equal(a, s.outer) for a, s in zip(before["outer"], [s for f in alg.fragments
+                                                                                 for s in f.slots])))
+    alg.elastic_live_undo()
+    after = dict(steps=alg.steps, sent=[f.sent for f in alg.fragments],
+                 outer=all(torch.equal(a, s.outer) for a, s in zip(before["outer"], [s for f in alg.fragments
+                                                                                      for s in f.slots])),
+                 outer_opt=str(alg.outer_optimizer.state_dict()["state"]) == before["outer_opt"],
+                 momentum=all(torch.equal(m, opt.state[p]["momentum_buffer"])
+                              for m, p in zip(before["momentum"], model.parameters())),
+                 global_model=all(torch.equal(s.x, s.outer.data.to(s.x.dtype)) for f in alg.fragments
+                                  for s in f.slots))
+    rumor.shutdown()
+    return changed, before["steps"], before["sent"], after
+
+
+def test_streaming_diloco_undo_puts_back_a_step_whose_average_ran():
+    ((changed, steps, sent, after),) = harness.run(_undo_rank, 1, timeout=DEADLINE_S)
+    assert changed == (True, True, True)  # the step did take fragment 1's outer step
+    assert after["steps"] == steps and after["sent"] == sent
+    assert after["outer"] and after["outer_opt"] and after["momentum"] and after["global_model"], after

@@ -846,3 +846,25 @@ def test_a_polled_work_holds_its_results_once_completed():
     for got, a, b in harness.run(_polling_rank, 2, timeout=TIMEOUT):
         assert got == [1.0, 2.0]
         assert a == [0.0, 0.0, 1.0, 1.0] and b == [0.0] * 4 + [1.0] * 4
+
+
+def _bind_rank():
+    cpus = sorted(os.sched_getaffinity(0))
+    dist = _init()
+    bound = sorted(os.sched_getaffinity(0))
+    sub = dist.new_group([1, 3], backend="rumor")  # a subgroup's local ranks do not bind again
+    t = torch.ones(1)
+    if dist.get_rank() in (1, 3):
+        dist.all_reduce(t, group=sub)
+    dist.barrier()  # rank 0 holds the store the subgroup met through
+    return cpus, bound, sorted(os.sched_getaffinity(0)), t.item()
+
+
+def test_bind_cores_binds_by_the_default_groups_local_rank():
+    """RUMOR_BIND_CORES=1 (rumor-run --bind-cores) binds a backend-only job's ranks as rumor.init()
+    does: where the host has more ranks than CPUs, local rank i to the i-th CPU (modulo)."""
+    res = harness.run(_bind_rank, 4, timeout=TIMEOUT, env={"RUMOR_BIND_CORES": "1"})
+    for rank, (cpus, bound, later, total) in enumerate(res):
+        want = cpus if len(cpus) >= 4 else [cpus[rank % len(cpus)]]
+        assert bound == want and later == want, (rank, cpus, bound, later)
+        assert total == (2.0 if rank in (1, 3) else 1.0)

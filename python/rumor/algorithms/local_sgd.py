@@ -554,14 +554,89 @@ class DiLoCo(Algorithm):
     # Live membership (rumor-run --live) goes by outer steps, as torchft's DiLoCo: each outer step
     # averages over the epoch's ranks; a round that a failure interrupts is given up (every member
     # goes back to its start and trains it again with the new world), and a newcomer enters at
-    # the next outer step with the outer parameters and optimizer. Streaming DiLoCo (fragments
-    # averaged at different steps, or in the background) has no step where every replica is
-    # the global model: not yet.
+    # the next outer step with the outer parameters and optimizer.
+    #
+    # Streaming DiLoCo (fragments averaged at different steps, or in the background) has no step
+    # where every replica is the global model, so it runs live step by step instead: at every
+    # change each member puts every fragment back to its outer parameters (the global model as
+    # of that fragment's last outer step, the same on every member), averages in flight are
+    # given up, and the step in flight is redone; a newcomer receives that global model, the
+    # outer state and a member's inner optimizer. What a change costs is the local progress
+    # made since each fragment's last outer step (at most a round, as for DiLoCo). The inner
+    # steps communicate nothing, so each step first checks live membership's verdict
+    # (elastic_live_quiet); a failure found by an average after the inner optimizer ran puts
+    # back the outer state and the inner optimizer kept before that step (mark, below).
     @property
     def elastic_live_rounds(self) -> bool:
         """Whether live membership runs this DiLoCo by outer steps: with one fragment and no
         sync delay (every replica is the global model after each outer step)."""
         return self.num_fragments == 1 and self.fragment_sync_delay == 0
+
+    @property
+    def elastic_live(self) -> bool:
+        """Whether live membership runs this DiLoCo step by step (Streaming DiLoCo: several
+        fragments, or averages in the background)."""
+        return not self.elastic_live_rounds
+
+    @property
+    def elastic_live_quiet(self) -> bool:
+        """Whether each optimizer step checks live membership's verdict first (step by step: the
+        inner steps communicate nothing)."""
+        return self.elastic_live
+
+    def _communicates(self, t: int) -> bool:
+        """Whether inner step t (the value of ``steps`` after it) sends or applies an average."""
+        return any(f.apply_at == t or t % self.inner_steps == f.offset for f in self.fragments)
+
+    def elastic_live_mark(self) -> None:
+        """Keeps the counters of the last applied step and, when the next step sends or applies
+        an average (which may fail after the inner optimizer ran), copies of the outer
+        parameters, the outer optimizer's state and the inner optimizer's state."""
+        import copy
+
+        self._live_mark = (self.steps, [f.sent for f in self.fragments], self.wire_bytes)
+        self._live_keep = None
+        if self.fragments and self._communicates(self.steps + 1):
+            self._live_keep = ([[s.outer.detach().clone() for s in f.slots] for f in self.fragments],
+                               copy.deepcopy(self.outer_optimizer.state_dict()),
+                               copy.deepcopy(self._ddp.optimizer.state_dict()))
+
+    def elastic_live_undo(self) -> None:
+        """Gives up the averages in flight, puts back the state of the last mark and sets every
+        fragment to its outer parameters (the global model), the same on every member. Called
+        again, it does the same."""
+        pending = [w for f in self.fragments for w in (f.works or ()) if w is not None]
+        if pending:
+            group = getattr(self, "_group", None)
+            if group is not None and self._device_avg is None:
+                try:  # an average blocked on a member that is gone: its communicator is this epoch's
+                    group._comm.abort("DiLoCo: the live membership epoch ended")
+                except Exception:  # noqa: BLE001 - already torn down
+                    pass
+            for w in pending:
+                try:
+                    w.wait(self._ddp._timeout)
+                except Exception:  # noqa: BLE001 - the average of the step given up
+                    pass
+        mark = getattr(self, "_live_mark", None)
+        if mark is None:
+            return
+        keep = self._live_keep
+        self.steps, sent, self.wire_bytes = mark
+        with torch.no_grad():
+            if keep is not None:
+                for f, outer in zip(self.fragments, keep[0]):
+                    for s, o in zip(f.slots, outer):
+                        s.outer.data.copy_(o)
+                self.outer_optimizer.load_state_dict(keep[1])
+                self._ddp.optimizer.load_state_dict(keep[2])
+            for f, n in zip(self.fragments, sent):
+                f.sent = n
+                f.works, f.apply_at = None, None
+                f.flat.ensure_views()
+                for s in f.slots:
+                    s.x.copy_(s.outer.data)
+        self._synced_at = self.steps
 
     def elastic_live_at_boundary(self) -> bool:
         """Whether the last inner step ended with the outer step (every replica is then the
