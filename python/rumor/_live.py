@@ -111,6 +111,9 @@ class _Live:
     seen: List[str] = field(default_factory=list)
     timeline: Optional[str] = None  # RUMOR_TIMELINE as the job was started with
     transfer: Optional[tuple] = None  # the last state received or sent: (bytes, seconds of its broadcast)
+    # The user's topologies and window names of the last world (neighbor.ops.carry_topologies,
+    # neighbor.window.carry_windows)
+    neighbors: Optional[tuple] = None
 
 
 _live: Optional[_Live] = None
@@ -422,6 +425,10 @@ def reform(reason: str) -> Change:
     if _runtime.is_initialized():
         live.timeout = _runtime.get_timeout()  # rumor.init(timeout=) or rumor.set_timeout() may have changed it
     timeout = live.timeout
+    from .neighbor import ops as neighbor_ops, window as neighbor_windows
+
+    if _runtime.is_initialized():  # else a re-forming that failed: what it carried still stands
+        live.neighbors = (neighbor_ops.carry_topologies(), neighbor_windows.carry_windows())
     with live.lock:  # not while the watcher aborts these communicators
         _runtime.shutdown()
     store, nxt = live.store, old_epoch + 1
@@ -479,6 +486,11 @@ def reform(reason: str) -> Change:
     live.target = sealed["applied"]
     _enter_epoch(live)
     _runtime.init(timeout)
+    # The topologies set in the old world, laid over this one (windows are made again by the
+    # training function).
+    if live.neighbors is not None:
+        neighbor_ops.restore_topologies(live.neighbors[0])
+        neighbor_windows.restore_windows(live.neighbors[1])
     # Told against the last epoch that trained here; who was admitted to a failed one and is
     # gone again (a refused newcomer) is told as leaving.
     base = live.seen or old
@@ -542,5 +554,13 @@ def _interrupt() -> None:
 
 
 _runtime.before_init(_before_init)
+
+
+def _after_init() -> None:
+    if _live is not None and _live.joined_fresh:
+        _runtime.state().defer_collective_checks = True
+
+
+_runtime.on_init(_after_init)
 _rendezvous.interrupt = _interrupt
 atexit.register(_stop_watcher)

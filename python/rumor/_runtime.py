@@ -73,6 +73,10 @@ class _State:
     nccl: object = None  # rumor._C.NcclLibrary, loaded on first use by rumor.gpu.nccl.load()
     gpu_wait: str = "host"  # how blocking NCCL calls end (rumor.gpu.watch; docs/gpu.md)
     secret: Optional[_secret.JobSecret] = None  # the job secret (rumor._secret; docs/security.md)
+    # A live newcomer until its state arrived: the members are not where it is (rumor.elastic
+    # re-forming), so checks that every rank passed the same setting (set_topology) are made
+    # later, at the change (rumor.neighbor.ops.check_topologies_agree), not by a collective now.
+    defer_collective_checks: bool = False
 
 
 _state: Optional[_State] = None

@@ -65,7 +65,7 @@ _HEADER = struct.Struct("<8sq")  # magic, committed step
 # read: their magic differs, and they lived in /dev/shm itself, where nothing looks any more.)
 _MAGIC = b"RUMORELM"
 _TAG = 32  # HMAC-SHA256
-_RESERVED = ("model", "optimizer", "sampler", "step", "path", "verify", "verified")
+_RESERVED = ("model", "optimizer", "sampler", "step", "path", "verify", "verified", "replicas")
 _MAC_LABEL = "elastic-commit"
 
 
@@ -303,18 +303,27 @@ class State:
             the state), so each restart proves the replicas equal; what differs is repaired
             from the majority with a RuntimeWarning, or raises ParityError. ``state.verified``
             holds the last ParityReport. False skips it.
+        replicas: ``"auto"`` (the default): a wrapper's algorithm says whether the ranks' replicas
+            differ, and a plain module's are the same everywhere. ``"differ"``: a plain module
+            whose replicas legitimately differ, trained with rumor's neighbor ops or windows
+            directly (BlueFog style); a commit then saves the average of every rank's weights and
+            optimizer state, under live membership every change starts the new world from the
+            average of the replicas of the members that applied the most steps (newcomers
+            included), and verification compares what must agree (shapes, step counts,
+            hyperparameters), not the weights. ``"identical"`` compares everything.
         **fields: user fields, set as attributes (``state.epoch``) and committed with the rest.
 
     Raises:
         TypeError: model, optimizer or sampler is of the wrong kind.
         ValueError: a field name is reserved (a name State itself uses, or one starting
-            with _).
+            with _), or replicas is not one of the three, or not "auto" with a wrapper (whose
+            algorithm decides).
         NotImplementedError: the wrapper's algorithm keeps state a restart would lose and
             implements no elastic_state_dict()/load_elastic_state_dict().
     """
 
     def __init__(self, model, optimizer, sampler=None, *, path: Optional[str] = None, step: int = 0,
-                 verify: bool = True, **fields: Any):
+                 verify: bool = True, replicas: str = "auto", **fields: Any):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"rumor.elastic.State: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -337,6 +346,12 @@ class State:
         if start < 0:
             raise ValueError(f"rumor.elastic.State: step must be >= 0 (the starting step), got {start}")
         module, algorithm = _unwrap(model)
+        if replicas not in ("auto", "identical", "differ"):
+            raise ValueError(f"rumor.elastic.State: replicas must be 'auto', 'identical' or 'differ', got {replicas!r}")
+        if replicas != "auto" and module is not model:
+            raise ValueError("rumor.elastic.State: replicas applies to a plain module; a DistributedDataParallel "
+                             "wrapper's algorithm says whether its replicas differ (leave replicas='auto')")
+        self._replicas = replicas
         if algorithm is not None and not getattr(algorithm, "elastic_replicated", False) \
                 and not getattr(algorithm, "elastic_consensus", False) \
                 and not hasattr(algorithm, "load_elastic_state_dict"):
@@ -366,10 +381,11 @@ class State:
         the average counts each rank's state with its weight (live membership: 0 for a copy)."""
         from . import collectives
 
+        group = getattr(self.model, "group", None)  # a plain module's: the world
         total = None
         if weight is not None:
             w = torch.tensor([float(weight)], dtype=torch.float64)
-            total = float(collectives.allreduce(w, collectives.ReduceOp.SUM, self.model.group)[0])
+            total = float(collectives.allreduce(w, collectives.ReduceOp.SUM, group)[0])
 
         if hasattr(self._algorithm, "synchronize"):
             self._algorithm.synchronize(self.model)  # no exchange may still write the replicas
@@ -386,15 +402,28 @@ class State:
             entries = by_dtype[dtype]
             flat = torch.cat([d[k].detach().reshape(-1) for d, k in entries])
             if total is None:
-                avg = collectives.allreduce(flat, collectives.ReduceOp.AVG, self.model.group)
+                avg = collectives.allreduce(flat, collectives.ReduceOp.AVG, group)
             else:
-                avg = collectives.allreduce(flat * weight, collectives.ReduceOp.SUM, self.model.group) / total
+                avg = collectives.allreduce(flat * weight, collectives.ReduceOp.SUM, group) / total
             off = 0
             for d, k in entries:
                 n = d[k].numel()
                 d[k] = avg[off:off + n].view_as(d[k]).clone()
                 off += n
         return model_sd, opt_sd
+
+    def _differ(self) -> bool:
+        """Whether the ranks' replicas legitimately differ (a commit saves their average)."""
+        if self._algorithm is None:
+            return self._replicas == "differ"
+        return getattr(self._algorithm, "elastic_consensus", False)
+
+    def _live_average(self) -> bool:
+        """Whether a live membership change starts the new world from the replicas' average:
+        algorithms whose replicas differ step by step, and plain modules with replicas="differ"."""
+        if self._algorithm is None:
+            return self._replicas == "differ"
+        return getattr(self._algorithm, "elastic_consensus", False) and getattr(self._algorithm, "elastic_live", False)
 
     def _payload(self, consensus=None) -> bytes:
         model_sd, opt_sd = consensus if consensus is not None else \
@@ -438,7 +467,7 @@ class State:
         writer = not _runtime.is_initialized() or _runtime.local_rank() == 0
         to_disk = self.path is not None and (not _runtime.is_initialized() or _runtime.rank() == 0)
         consensus = None
-        if getattr(self._algorithm, "elastic_consensus", False):
+        if self._differ():
             consensus = self._consensus()  # every rank takes part, writer or not
         if not (writer or to_disk):
             return
@@ -559,7 +588,7 @@ class State:
             v = getattr(self, k)
             if comparable(v):
                 extra[f"field.{k}"] = v
-        report = verify(self.model, self.optimizer, extra=extra, repair=True)
+        report = verify(self.model, self.optimizer, extra=extra, repair=True, replicas=self._replicas)
         if report.repaired:
             warnings.warn(f"rumor.elastic: after the restore of step {self.step} the replicas differed; "
                           f"repaired from the majority: {report}", RuntimeWarning, stacklevel=3)
@@ -627,7 +656,7 @@ class State:
         live.joined_fresh = live.behind = False
         live.applied = live.target
         alg = self._algorithm
-        if getattr(alg, "elastic_consensus", False) and getattr(alg, "elastic_live", False):
+        if self._live_average():
             # Replicas that differ: the epoch starts from the average of those of the members
             # that applied the most steps, each counted once (not the copies just sent).
             model_sd, opt_sd = self._consensus(0.0 if copy else 1.0)
@@ -636,6 +665,9 @@ class State:
             if hasattr(alg, "load_elastic_state_dict"):  # what it derives from the weights starts over from these
                 alg.load_elastic_state_dict(alg.elastic_state_dict())
         self._verify_restored()
+        from .neighbor.ops import check_topologies_agree
+
+        check_topologies_agree("rumor.elastic (a change of live membership)")
 
     def _live_rebind(self) -> None:
         from .parallel import DistributedDataParallel
@@ -742,14 +774,20 @@ def _run_live(train_fn, st: State, args, kwargs):
     live = _live.current()
     fresh = live.joined_fresh
     kept = []  # rounds: the State's bytes at the start of the round, and the steps applied then
+    # A plain module whose replicas differ (neighbor ops or windows used directly) may have had
+    # its weights mixed in place by the step given up: each member keeps them per applied step.
+    own = alg is None and st._replicas == "differ"
 
     def mark():
         """What undoes the step (the round) in flight: elastic_live algorithms keep their own state
-        of the last applied step; with rounds, the whole State at the round's start is kept."""
+        of the last applied step; with rounds, the whole State at the round's start is kept; a
+        plain module whose replicas differ keeps its weights of the last applied step."""
         if step_wise:
             alg.elastic_live_mark()
         elif rounds:
             kept[:] = [st._payload(), live.applied]
+        elif own:
+            kept[:] = [{k: v.detach().clone() for k, v in st._module.state_dict().items()}]
 
     def undo():
         if step_wise:
@@ -757,6 +795,8 @@ def _run_live(train_fn, st: State, args, kwargs):
         elif rounds and kept and not alg.elastic_live_at_boundary():  # between rounds nothing is given up
             st._apply(torch.load(io.BytesIO(kept[0]), weights_only=True))
             live.applied = kept[1]
+        elif own and kept:
+            st._module.load_state_dict(kept[0])
 
     def before_step(*_):
         if rounds:
@@ -767,7 +807,7 @@ def _run_live(train_fn, st: State, args, kwargs):
 
     def applied(*_):
         _live.after_step()
-        if step_wise:
+        if step_wise or own:
             mark()
 
     if not fresh:

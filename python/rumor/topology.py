@@ -120,9 +120,11 @@ class Topology:
 
     def __init__(self, weights, *, name: Optional[str] = None):
         what = "rumor.topology.Topology"
+        family = None
         if isinstance(weights, Topology):
             w = weights.weights
             name = name or weights.name
+            family = weights.family
         elif isinstance(weights, nx.Graph):
             g = weights
             if not g.is_directed():
@@ -156,6 +158,7 @@ class Topology:
         self._in = [tuple(int(j) for j in np.nonzero(off[:, i])[0]) for i in range(n)]
         self._out = [tuple(int(j) for j in np.nonzero(off[i, :])[0]) for i in range(n)]
         self._graph = None
+        self._family = family
 
     # ---- structure ---------------------------------------------------------------------------
 
@@ -288,6 +291,32 @@ class Topology:
 
     # ---- identity ----------------------------------------------------------------------------
 
+    @property
+    def family(self) -> Optional[Tuple[str, Tuple[Tuple[str, object], ...]]]:
+        """The graph family this topology was made by, as (generator name, its keyword
+        arguments other than n), e.g. ("ExponentialGraph", (("base", 2),)); None for a graph
+        given by its edges or weights, which has no version for another number of ranks."""
+        return self._family
+
+    def resized(self, n: int) -> Optional["Topology"]:
+        """The same family over n ranks (live membership lays the topology over each new
+        world this way), or None where the topology has no family or the family has no
+        member of n ranks (e.g. a StarGraph whose center is not below n).
+
+        Args:
+            n: the number of ranks.
+
+        Returns:
+            A Topology or None.
+        """
+        if self._family is None:
+            return None
+        fn, kwargs = _FAMILIES[self._family[0]], dict(self._family[1])
+        try:
+            return fn(n, **kwargs)
+        except ValueError:
+            return None
+
     def fingerprint(self) -> int:
         """A 63-bit hash of the size and the exact weights (used to check that every rank set
         the same topology)."""
@@ -336,13 +365,13 @@ def ExponentialGraph(n: int, base: int = 2) -> Topology:  # noqa: N802 (BlueFog'
     what = "rumor.topology.ExponentialGraph"
     n = _check_size(n, what)
     base = _check_base(base, what)
-    return _from_offsets(n, _powers(base, n), "ExponentialGraph")
+    return _with_family(_from_offsets(n, _powers(base, n), "ExponentialGraph"), "ExponentialGraph", base=base)
 
 
 def ExponentialTwoGraph(n: int) -> Topology:  # noqa: N802 (BlueFog's name)
     """ExponentialGraph(n, base=2) under BlueFog's other name."""
     t = ExponentialGraph(n, 2)
-    return Topology(t.weights, name="ExponentialTwoGraph")
+    return _with_family(Topology(t.weights, name="ExponentialTwoGraph"), "ExponentialTwoGraph")
 
 
 def SymmetricExponentialGraph(n: int, base: int = 4) -> Topology:  # noqa: N802
@@ -352,7 +381,7 @@ def SymmetricExponentialGraph(n: int, base: int = 4) -> Topology:  # noqa: N802
     n = _check_size(n, what)
     base = _check_base(base, what)
     offs = [d for d in range(1, n) if min(d, n - d) in set(_powers(base, n // 2 + 1))]
-    return _from_offsets(n, offs, "SymmetricExponentialGraph")
+    return _with_family(_from_offsets(n, offs, "SymmetricExponentialGraph"), "SymmetricExponentialGraph", base=base)
 
 
 def RingGraph(n: int, style: int = 0) -> Topology:  # noqa: N802
@@ -376,9 +405,9 @@ def RingGraph(n: int, style: int = 0) -> Topology:  # noqa: N802
     if style not in (0, 1, 2) or isinstance(style, bool):
         raise ValueError(f"{what}: style must be 0 (both directions), 1 (to the left) or 2 (to the right), got {style!r}")
     if n == 2:
-        return _from_offsets(n, [1], "RingGraph")
+        return _with_family(_from_offsets(n, [1], "RingGraph"), "RingGraph", style=style)
     offs = {0: [1, -1], 1: [-1], 2: [1]}[style]
-    return _from_offsets(n, offs, "RingGraph")
+    return _with_family(_from_offsets(n, offs, "RingGraph"), "RingGraph", style=style)
 
 
 def StarGraph(n: int, center: int = 0) -> Topology:  # noqa: N802
@@ -400,7 +429,7 @@ def StarGraph(n: int, center: int = 0) -> Topology:  # noqa: N802
     adj = np.zeros((n, n), dtype=bool)
     adj[c, :] = True
     adj[:, c] = True
-    return Topology(uniform_weights(adj), name="StarGraph")
+    return _with_family(Topology(uniform_weights(adj), name="StarGraph"), "StarGraph", center=c)
 
 
 def MeshGrid2DGraph(n: int, shape: Optional[Tuple[int, int]] = None) -> Topology:  # noqa: N802
@@ -409,6 +438,7 @@ def MeshGrid2DGraph(n: int, shape: Optional[Tuple[int, int]] = None) -> Topology
     divisor of n not above sqrt(n) (a prime n gives a 1 x n line)."""
     what = "rumor.topology.MeshGrid2DGraph"
     n = _check_size(n, what)
+    free = shape is None  # a given shape fixes the number of ranks: no family
     if shape is None:
         nrow = int(math.isqrt(n))
         while n % nrow:
@@ -427,13 +457,24 @@ def MeshGrid2DGraph(n: int, shape: Optional[Tuple[int, int]] = None) -> Topology
             adj[i, i + 1] = adj[i + 1, i] = True
         if r + 1 < nrow:
             adj[i, i + ncol] = adj[i + ncol, i] = True
-    return Topology(uniform_weights(adj), name="MeshGrid2DGraph")
+    t = Topology(uniform_weights(adj), name="MeshGrid2DGraph")
+    return _with_family(t, "MeshGrid2DGraph") if free else t
 
 
 def FullyConnectedGraph(n: int) -> Topology:  # noqa: N802
     """Every rank sends to every other; uniform weights 1/n make one step the exact mean."""
     n = _check_size(n, "rumor.topology.FullyConnectedGraph")
-    return Topology(np.full((n, n), 1.0 / n), name="FullyConnectedGraph")
+    return _with_family(Topology(np.full((n, n), 1.0 / n), name="FullyConnectedGraph"), "FullyConnectedGraph")
+
+
+def _with_family(t: Topology, name: str, **kwargs) -> Topology:
+    t._family = (name, tuple(sorted(kwargs.items())))
+    return t
+
+
+_FAMILIES = {"ExponentialGraph": ExponentialGraph, "ExponentialTwoGraph": ExponentialTwoGraph,
+             "SymmetricExponentialGraph": SymmetricExponentialGraph, "RingGraph": RingGraph, "StarGraph": StarGraph,
+             "MeshGrid2DGraph": MeshGrid2DGraph, "FullyConnectedGraph": FullyConnectedGraph}
 
 
 # ---- dynamic schedules ---------------------------------------------------------------------------

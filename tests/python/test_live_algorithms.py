@@ -563,6 +563,12 @@ def test_streaming_diloco_puts_every_fragment_back_to_the_global_model_at_a_chan
     rule = dict(tau=1, alpha=0.5) if delay else {}
     want = _simulate_streaming(logs, STEPS, **rule)
     full = _simulate_streaming({"r0": [{"step": s, "size": 3, "rank": 0} for s in range(STEPS)]}, STEPS, **rule)
+    _each_replica_matches(finals, logs, want, full)
+
+
+def _each_replica_matches(finals, logs, want, full):
+    """Each member's final replica equals want[its last rank] to float32 rounding, and differs
+    from full[that rank] (the run where nobody failed)."""
     for m, f in finals.items():
         got = [torch.tensor(p, dtype=torch.float64) for p in f["params"]]
         rank = logs[m][-1]["rank"]

@@ -55,13 +55,41 @@ class _Topologies:
     """The topologies of one rumor.init() (kept on the runtime state, so shutdown drops them)."""
 
     def __init__(self, size: int, machine_size: int):
-        self.topo = ExponentialGraph(size)
+        self._topo = ExponentialGraph(size)
         self.weighted = False
-        self.machine_topo = ExponentialGraph(machine_size)
+        self._machine_topo = ExponentialGraph(machine_size)
         self.machine_weighted = False
+        # Whether the user set each (set_topology / set_machine_topology): live membership lays
+        # such a topology over the next world; the defaults are made for it anyway.
+        self.topo_set = self.machine_set = False
+        # Why a topology carried over from an earlier live epoch cannot serve this one (a fixed
+        # graph of another world): raised by every use until it is set again.
+        self.stale: Dict[str, str] = {}
         # One reusable receive/scale buffer set per communicator (group id), so repeated calls
         # do not allocate and fault in fresh pages; a communicator runs one operation at a time.
         self.scratch = {}
+
+    @property
+    def topo(self) -> Topology:
+        if "topo" in self.stale:
+            raise ValueError(self.stale["topo"])
+        return self._topo
+
+    @topo.setter
+    def topo(self, t: Topology) -> None:
+        self._topo = t
+        self.stale.pop("topo", None)
+
+    @property
+    def machine_topo(self) -> Topology:
+        if "machine_topo" in self.stale:
+            raise ValueError(self.stale["machine_topo"])
+        return self._machine_topo
+
+    @machine_topo.setter
+    def machine_topo(self, t: Topology) -> None:
+        self._machine_topo = t
+        self.stale.pop("machine_topo", None)
 
     def scratch_for(self, g: Group):
         s = self.scratch.get(g.id)
@@ -92,6 +120,8 @@ def _check_same_everywhere(fingerprint: int, what: str, kind: str) -> None:
     """Every rank must set the same topology: gather the fingerprints and compare (every rank
     sees the same table, so every rank raises the same error)."""
     st = _runtime.state()
+    if st.defer_collective_checks:
+        return  # a live newcomer: checked at the change, check_topologies_agree()
     g = st.world
     n = g.size()
     table = torch.zeros(n, dtype=torch.int64)
@@ -130,7 +160,7 @@ def set_topology(topo=None, is_weighted: bool = False) -> bool:
     """
     t = _verified_topology(topo, is_weighted, _runtime.state().env.size, "ranks", "topology", "rumor.set_topology")
     tops = _topologies()
-    tops.topo, tops.weighted = t, bool(is_weighted)
+    tops.topo, tops.weighted, tops.topo_set = t, bool(is_weighted), True
     return True
 
 
@@ -157,8 +187,88 @@ def set_machine_topology(topo=None, is_weighted: bool = False) -> bool:
     t = _verified_topology(topo, is_weighted, _runtime.state().machine_size, "machines", "machine topology",
                            "rumor.set_machine_topology")
     tops = _topologies()
-    tops.machine_topo, tops.machine_weighted = t, bool(is_weighted)
+    tops.machine_topo, tops.machine_weighted, tops.machine_set = t, bool(is_weighted), True
     return True
+
+
+# Where a live job makes what a change of membership does not carry (error messages).
+LIVE_WHERE = ("the training function, which rumor.elastic.run calls again after every change of membership, "
+              "or in a rumor.elastic.on_change callback")
+
+
+def check_topologies_agree(what: str) -> None:
+    """Collective over the world, on every member after a live membership change: the members'
+    topologies (and machine topologies), with their weighting, must be the same; raises
+    ValueError on every rank naming those that differ. A newcomer's set_topology() made before
+    it joined was not compared when it was made (defer_collective_checks); it is here."""
+    st = _runtime.state()
+    st.defer_collective_checks = False
+    tops = _topologies()
+    g = st.world
+    n = g.size()
+    table = torch.zeros(2 * n, dtype=torch.int64)
+    for i, (attr, weighted) in enumerate((("topo", tops.weighted), ("machine_topo", tops.machine_weighted))):
+        t = getattr(tops, "_" + attr)
+        # -1: a fixed graph of an earlier world, refused at its first use
+        table[g._comm.rank * 2 + i] = -1 if attr in tops.stale else t.fingerprint() ^ (1 if weighted else 0)
+    g._comm.allgather(address(table), [2] * n, 5, False)
+    rows = table.view(n, 2)
+    differ = [r for r in range(n) if not torch.equal(rows[r], rows[0])]
+    if differ:
+        raise ValueError(f"{what}: ranks {differ} hold a different topology (or machine topology) than rank 0; "
+                         f"a newcomer sets the one the members have (a graph family over the new world), or "
+                         f"every member sets it again in {LIVE_WHERE}")
+
+
+class TopologyCarry:
+    """The topologies the user set in one live epoch's rumor.init(), with their weighting, made
+    by carry_topologies() before the old world shuts down and laid over the next one by
+    restore_topologies()."""
+
+    def __init__(self, topo, weighted, machine_topo, machine_weighted):
+        self.topo, self.weighted = topo, weighted
+        self.machine_topo, self.machine_weighted = machine_topo, machine_weighted
+
+
+def carry_topologies() -> Optional[TopologyCarry]:
+    """The topologies the user set in the current rumor.init(), or None where it set none (the
+    next world's defaults then serve)."""
+    tops = getattr(_runtime.state(), "_rumor_topologies", None)
+    if tops is None or not (tops.topo_set or tops.machine_set):
+        return None
+    return TopologyCarry(tops._topo if tops.topo_set else None, tops.weighted,
+                         tops._machine_topo if tops.machine_set else None, tops.machine_weighted)
+
+
+def restore_topologies(carry: Optional[TopologyCarry]) -> None:
+    """Lays the carried topologies over the new world (after rumor.init() of the next live epoch,
+    on every member; deterministic, so no exchange): a topology made by a graph family
+    (ExponentialGraph, RingGraph, ...) becomes the same family over the new number of ranks
+    (machines), with its uniform weights; a graph given by its edges or weights has no version
+    for another world, so every later use raises, saying to set it again in the training
+    function."""
+    if carry is None:
+        return
+    st = _runtime.state()
+    tops = _topologies()
+    for attr, old, weighted, size, unit, setter in (
+            ("topo", carry.topo, carry.weighted, st.env.size, "ranks", "set_topology"),
+            ("machine_topo", carry.machine_topo, carry.machine_weighted, st.machine_size, "machines",
+             "set_machine_topology")):
+        if old is None:
+            continue
+        new = old.resized(size)
+        if new is not None:
+            setattr(tops, attr, new)
+            if attr == "topo":
+                tops.weighted, tops.topo_set = weighted, True
+            else:
+                tops.machine_weighted, tops.machine_set = weighted, True
+            continue
+        tops.stale[attr] = (f"rumor.{setter}: the {old!r} set before the membership changed is a fixed graph of "
+                            f"{old.size} {unit}, and the world now has {size}; call rumor.{setter} again "
+                            f"in {LIVE_WHERE} (a graph family such as ExponentialGraph or RingGraph is laid "
+                            f"over the new world by itself)")
 
 
 def load_machine_topology() -> Topology:

@@ -32,13 +32,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .. import _C, _runtime
 from .._tensor import address, check_dense, check_tensor, dtype_code
-from .ops import _topologies, in_neighbor_ranks, out_neighbor_ranks
+from .ops import LIVE_WHERE, _topologies, in_neighbor_ranks, out_neighbor_ranks
 
 __all__ = [
     "win_create",
@@ -116,6 +116,8 @@ class _Windows:
         self.by_name: Dict[str, _Win] = {}
         self.next_id = 1
         self.with_p = False
+        # name -> why: windows of an earlier live membership epoch (neighbor.ops.restore_neighbors)
+        self.gone: Dict[str, str] = {}
 
 
 def registry() -> _Windows:
@@ -127,6 +129,26 @@ def registry() -> _Windows:
     return w
 
 
+def carry_windows() -> Optional[Tuple[List[str], int]]:
+    """The names of the current rumor.init()'s windows and its world size, or None without any:
+    a live membership change drops them with the old world (restore_windows)."""
+    st = _runtime.state()
+    ws = getattr(st, "_rumor_windows", None)
+    if ws is None or not ws.by_name:
+        return None
+    return sorted(ws.by_name), st.env.size
+
+
+def restore_windows(carry: Optional[Tuple[List[str], int]]) -> None:
+    """In the next live epoch: a use of a window of the old world raises, saying why, until a
+    window of that name is created again."""
+    if carry is None:
+        return
+    names, size = carry
+    registry().gone = {n: (f"window {n!r} was created before the membership changed (a world of {size} ranks) "
+                           f"and is gone with that world; create windows in {LIVE_WHERE}") for n in names}
+
+
 def _timeout() -> float:
     return _runtime.state().timeout
 
@@ -136,6 +158,8 @@ def find_window(name: str, what: str) -> _Win:
     if not isinstance(name, str):
         raise TypeError(f"{what}: name must be a str, got {type(name).__name__}")
     w = ws.by_name.get(name)
+    if w is None and name in ws.gone:
+        raise ValueError(f"{what}: {ws.gone[name]}")
     if w is None:
         known = sorted(ws.by_name)
         raise ValueError(f"{what}: no window named {name!r} (created: {known}); call rumor.win_create first")
@@ -304,6 +328,7 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
     world._comm.barrier(False)
     ws.hub.seal(wid)
     ws.by_name[name] = _Win(wid, name, tensor, code, twin=twin)
+    ws.gone.pop(name, None)
     return True
 
 
