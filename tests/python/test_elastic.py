@@ -379,6 +379,8 @@ def _make_consensus_job(name, seed):
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if name == "Plain-differ":  # a plain module whose ranks train apart (State(replicas="differ"))
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), None, model
     if name == "OneBitAdam":
         opt = rumor.optim.OneBitAdamOptimizer(model.parameters(), lr=0.01, freeze_step=2)
         algo = rumor.algorithms.OneBitAdamAlgorithm(opt)
@@ -420,7 +422,8 @@ def consensus_commit_restores_the_average(name, path):
     rumor.init()
     r, n = rumor.rank(), rumor.size()
     model, opt, algo, ddp = _make_consensus_job(name, 0)
-    state = rumor.elastic.State(ddp, opt, path=path)
+    kw = {"replicas": "differ"} if name == "Plain-differ" else {}
+    state = rumor.elastic.State(ddp, opt, path=path, **kw)
     g = torch.Generator().manual_seed(100 + r)
     _train_steps(ddp, opt, g, 5)
     state.step = 5
@@ -438,7 +441,7 @@ def consensus_commit_restores_the_average(name, path):
     def scalars(sd):
         return {k: v for k, v in sd.items() if isinstance(v, (int, float))}
 
-    counters = scalars(algo.elastic_state_dict())
+    counters = scalars(algo.elastic_state_dict()) if algo is not None else {}
     state.commit()
     # float32 weights and momenta: the gathered copies are exact; their mean is taken in float64.
     every = collectives.allgather(torch.stack([mine, mom]).float().unsqueeze(0)).double()
@@ -447,7 +450,7 @@ def consensus_commit_restores_the_average(name, path):
         algo.finish(timeout=60)
 
     model2, opt2, algo2, ddp2 = _make_consensus_job(name, 1)
-    state2 = rumor.elastic.State(ddp2, opt2, path=path)
+    state2 = rumor.elastic.State(ddp2, opt2, path=path, **kw)
     got_step = state2.restore()
     got_w = torch.cat([p.detach().double().reshape(-1) for p in model2.parameters()])
     got_m = torch.cat([opt2.state[p][key].double().reshape(-1) for p in model2.parameters()])
@@ -456,7 +459,7 @@ def consensus_commit_restores_the_average(name, path):
         "w_err": float((got_w - want_w).abs().max()),
         "m_err": float((got_m - want_m).abs().max()),
         "w_spread": float((every[:, 0] - want_w).abs().max()),
-        "counters": (counters, scalars(algo2.elastic_state_dict())),
+        "counters": (counters, scalars(algo2.elastic_state_dict()) if algo2 is not None else {}),
         "worker_error_before": before["worker_error"],
     }
     if name in ("OneBitAdam", "PowerSGD"):
@@ -471,7 +474,8 @@ def consensus_commit_restores_the_average(name, path):
 
 
 @pytest.mark.parametrize("name", ["Decentralized", "LowPrecisionDecentralized", "AsyncModelAverage",
-                                  "AsyncModelAverage-running", "LocalSGD", "DiLoCo", "OneBitAdam", "PowerSGD"])
+                                  "AsyncModelAverage-running", "LocalSGD", "DiLoCo", "OneBitAdam", "PowerSGD",
+                                  "Plain-differ"])
 def test_commit_of_rank_replicas_restores_their_average(tmp_path, name):
     res = harness.run(consensus_commit_restores_the_average, 3, timeout=90, args=(name, str(tmp_path / "c.pt")),
                       env={"RUMOR_ELASTIC_JOB": f"consensus-{name}-{os.getpid()}"})
@@ -656,3 +660,22 @@ def test_elastic_scale_down_4_to_3_then_up_3_to_4(tmp_path):
         assert torch.equal(v, got["model"][k]), (k, (v - got["model"][k]).abs().max())
     for i, st in ref["opt"]["state"].items():
         assert torch.equal(st["momentum_buffer"], got["opt"]["state"][i]["momentum_buffer"]), i
+
+
+def test_state_replicas_is_checked():
+    import torch
+
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="replicas must be 'auto', 'identical' or 'differ'"):
+        rumor.elastic.State(model, opt, replicas="same")
+    rumor.init()
+    try:
+        ddp = DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.Decentralized(hierarchical=False))
+        with pytest.raises(ValueError, match="replicas applies to a plain module"):
+            rumor.elastic.State(ddp, opt, replicas="differ")
+    finally:
+        rumor.shutdown()
