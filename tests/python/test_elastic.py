@@ -662,20 +662,33 @@ def test_elastic_scale_down_4_to_3_then_up_3_to_4(tmp_path):
         assert torch.equal(st["momentum_buffer"], got["opt"]["state"][i]["momentum_buffer"]), i
 
 
-def test_state_replicas_is_checked():
+def _replicas_with_wrapper_rank():
     import torch
 
     import rumor
     from rumor.parallel import DistributedDataParallel
 
+    rumor.init()
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddp = DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.Decentralized(hierarchical=False))
+    try:
+        rumor.elastic.State(ddp, opt, replicas="differ")
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        rumor.shutdown()
+
+
+def test_state_replicas_is_checked():
+    import torch
+
+    import rumor
+
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="replicas must be 'auto', 'identical' or 'differ'"):
         rumor.elastic.State(model, opt, replicas="same")
-    rumor.init()
-    try:
-        ddp = DistributedDataParallel(model, optimizer=opt, algorithm=rumor.algorithms.Decentralized(hierarchical=False))
-        with pytest.raises(ValueError, match="replicas applies to a plain module"):
-            rumor.elastic.State(ddp, opt, replicas="differ")
-    finally:
-        rumor.shutdown()
+    (msg,) = harness.run(_replicas_with_wrapper_rank, 1, timeout=90)
+    assert msg and "replicas applies to a plain module" in msg, msg
