@@ -813,7 +813,7 @@ def test_advise_script_finds_model_optimizer_and_batch(tmp_path, capsys):
     args, kwargs = seen["batch"]
     assert kwargs == {} and torch.equal(args[0], torch.full((7, 5), 1.0))  # the second step's batch
     assert seen["grads"] == [True] * 4
-    assert "__new__" not in vars(rumor.DistributedDataParallel)
+    _wrapper_constructs_again(rumor)
     out = stand_in_loss(seen["model"], ((torch.ones(2, 5),), {}))
     assert torch.allclose(out, seen["model"](torch.ones(2, 5)).mean())
 
@@ -826,7 +826,18 @@ def test_advise_script_without_the_wrapper(tmp_path):
     script.write_text("import torch\nprint(torch.zeros(1))\n")
     with pytest.raises(SystemExit, match="never wrapped a model in rumor.DistributedDataParallel"):
         advise_script(str(script), [], lambda *a: pytest.fail("advised"))
-    assert "__new__" not in vars(rumor.DistributedDataParallel)
+    _wrapper_constructs_again(rumor)
+
+
+def _wrapper_constructs_again(rumor):
+    """After advise_script the class is as it was and builds itself with its arguments (a __new__
+    assigned and deleted on the class had left object.__new__ refusing them)."""
+    import torch
+
+    ddp = rumor.DistributedDataParallel
+    assert "__new__" not in vars(ddp) and vars(ddp)["__init__"].__qualname__ == "DistributedDataParallel.__init__"
+    made = ddp.__new__(ddp, torch.nn.Linear(2, 1), optimizer=None)
+    assert type(made) is ddp
 
 
 def test_advisor_help():

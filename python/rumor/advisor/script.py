@@ -128,10 +128,18 @@ def advise_script(path: str, argv: Sequence[str], run_advise: Optional[Callable[
             return advise(model, optimizer, batch, loss_fn)
     session = _Session(path, run_advise)
     recorder = type("DistributedDataParallel", (_Recorder,), {"_session": session})
-    original_new = DistributedDataParallel.__dict__.get("__new__")
+    # The script's wrapper becomes the recorder in __init__. (Not by assigning __new__ on the
+    # class: deleting it afterwards leaves CPython's construction slot behind, and every later
+    # DistributedDataParallel(...) in this process fails in object.__new__.) Putting the
+    # original __init__ back restores the class exactly.
+    original_init = DistributedDataParallel.__dict__["__init__"]
 
-    def new(cls, *args, **kwargs):
-        return torch.nn.Module.__new__(recorder if cls is DistributedDataParallel else cls)
+    def init(self, *args, **kwargs):
+        if type(self) is DistributedDataParallel:
+            self.__class__ = recorder
+            recorder.__init__(self, *args, **kwargs)
+        else:
+            original_init(self, *args, **kwargs)
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -140,16 +148,13 @@ def advise_script(path: str, argv: Sequence[str], run_advise: Optional[Callable[
     # As `python script.py` does: the script's folder first on the import path.
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     hook = register_optimizer_step_pre_hook(session.step_pre_hook)
-    DistributedDataParallel.__new__ = staticmethod(new)
+    DistributedDataParallel.__init__ = init
     try:
         runpy.run_path(path, run_name="__main__")
     except AdviceReached:
         pass
     finally:
-        if original_new is None:
-            del DistributedDataParallel.__new__
-        else:
-            DistributedDataParallel.__new__ = original_new
+        DistributedDataParallel.__init__ = original_init
         hook.remove()
         sys.argv = old_argv
         if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(path)):
