@@ -2,18 +2,26 @@
 
     python benchmarks/churn.py                          # 4 emulated hosts at 1 Gbit, 10 min, a kill every 20 s
     python benchmarks/churn.py --minutes 3 --kill-every 15 --restart-minutes 3
+    python benchmarks/churn.py --store etcd --kill-store-host 60 --restart-minutes 0   # no single point of failure
 
 One launcher per emulated host (rumor.testing.netns, each host's egress shaped to --rate), one
 worker each, training a 25 MB MLP with rumor's DistributedDataParallel (GradientAllReduce). Three
 runs, one after the other:
 
   failure-free  `rumor-run --live`, nobody killed, --baseline-minutes long: the goodput to beat;
-  live          `rumor-run --live --max-restarts 1000`: every --kill-every seconds a worker drawn at
-                random (a newcomer as likely as an original) is SIGKILLed; its launcher starts a
-                newcomer, which joins at a step boundary;
+  live          `rumor-run --live --max-restarts 1000 --live-spares 1`: every --kill-every seconds a
+                member drawn at random (a newcomer as likely as an original; not an idle spare) is
+                SIGKILLed; its launcher calls its spare in its place, which the survivors admit as
+                they re-form (with --spares 0 the launcher starts a newcomer from nothing);
   restart       plain `rumor-run` (torchrun's agents, c10d rendezvous on host 0, commits every
                 --commit-every steps through rumor.elastic): the same kills; every worker of every
                 host restarts and resumes from the last commit.
+
+With --store etcd the live runs keep their store in etcd members on hosts 0-2; --kill-store-host T
+kills host 0 whole T seconds into the live run (its launcher, its etcd member, its worker and
+spare; nothing of it is started again), and a failure-free run on three hosts gives the
+capacity left: the live run is then measured against failure-free training on the same hosts
+(all four until T, three after).
 
 Goodput is the samples of the steps that count (each step once, with the world size that trained
 it: a step redone after a restore counts once) over the run's wall time from its first step. The workers stop together
@@ -52,9 +60,11 @@ WORKER = textwrap.dedent(
     live = bool(os.environ.get("RUMOR_LIVE_ID"))
     me = os.environ.get("RUMOR_LIVE_ID") or f"n{os.environ['GROUP_RANK']}a{os.environ['TORCHELASTIC_RESTART_COUNT']}"
     tag = f"{me}-{os.getpid()}"
-    with open(os.path.join(out, "pids", tag), "w") as f:
+    with open(os.path.join(out, "procs", tag), "w") as f:  # every process, a spare too: none may be left
         f.write(str(os.getpid()))
     rumor.init()
+    with open(os.path.join(out, "pids", tag), "w") as f:  # a member (a spare once called): the kills' pool
+        f.write(str(os.getpid()))
     width = 1024
     layers = max(1, int(model_mb * 2**20 / 4 / (width * width)))
     torch.manual_seed(0)
@@ -105,34 +115,45 @@ def _shm_names():
     return set(os.listdir("/dev/shm"))
 
 
-def one_run(args, cluster, kind: str, minutes: float, kills: bool) -> dict:
-    """kind: "live" or "restart". Returns the run's figures."""
+def one_run(args, cluster, kind: str, minutes: float, kills: bool, hosts: int = 0, kill_store_host: float = 0.0) -> dict:
+    """kind: "live" or "restart"; hosts: how many of the cluster's hosts run a launcher (0: all);
+    kill_store_host: seconds into the run at which host 0 is killed whole (its launcher, its
+    etcd member, its worker and spare), never started again. Returns the run's figures."""
+    hosts = hosts or args.hosts
     from rumor.testing import launch
 
     tmp = tempfile.mkdtemp(prefix=f"churn-{kind}-")
     os.makedirs(os.path.join(tmp, "pids"))
+    os.makedirs(os.path.join(tmp, "procs"))
     script = os.path.join(tmp, "churn_worker.py")
     with open(script, "w") as f:
         f.write(WORKER)
     stop = os.path.join(tmp, "stop")
     shm_before = _shm_names()
-    port = launch.free_port()
+    # Below the kernel's ephemeral range: the emulated hosts' own connections take ports from that
+    # range inside their namespaces, where the root namespace's free_port() cannot see them (an
+    # etcd member's peer port, the next one, once collided).
+    port = random.Random().randrange(20000, 32000, 2)
     run_id = f"churn-{os.getpid()}-{kind}-{int(time.time())}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_JOB_SECRET=secrets.token_hex(32))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_JOB_SECRET=secrets.token_hex(32),
+               RUMOR_ETCD_DIR=tmp)  # a killed host's member cannot remove its data: not in /dev/shm
     procs, outs = [], []
     rng = random.Random(args.seed)
     killed = []
+    host_lost = None
     t_start = time.time()
     try:
-        for node in range(args.hosts):
+        for node in range(hosts):
             if kind == "live":
                 how = ["--live", "--master-addr", cluster.ip(0), "--master-port", str(port), "--rdzv-id", run_id,
-                       "--live-min", "2"]
+                       "--live-min", "2", "--live-spares", str(args.spares)]
+                if args.store == "etcd":
+                    how += ["--store", "etcd", "--store-hosts", ",".join(cluster.ip(i) for i in range(min(3, hosts)))]
             else:
                 how = ["--monitor-interval", "0.1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                        f"{cluster.ip(0)}:{port}", "--rdzv-id", run_id, "--local-addr", cluster.ip(node),
                        "--rdzv-conf", f"last_call_timeout=1,join_timeout=120,is_host={str(node == 0).lower()}"]
-            cmd = [sys.executable, "-m", "rumor.run", "--nnodes", str(args.hosts), "--node-rank", str(node),
+            cmd = [sys.executable, "-m", "rumor.run", "--nnodes", str(hosts), "--node-rank", str(node),
                    "--nproc-per-node", "1", "--max-restarts", "1000", *how, script, tmp, str(args.model_mb), stop,
                    str(args.commit_every)]
             out = open(os.path.join(tmp, f"launcher{node}.txt"), "w+b")
@@ -142,8 +163,12 @@ def one_run(args, cluster, kind: str, minutes: float, kills: bool) -> dict:
         end = t_start + 60 * minutes
         next_kill = t_start + args.kill_every
         while time.time() < end:
-            if any(p.poll() is not None for p in procs):
+            if any(p.poll() is not None for i, p in enumerate(procs) if not (host_lost is not None and i == 0)):
                 raise RuntimeError(f"{kind}: a launcher ended during the soak")
+            if kill_store_host and host_lost is None and time.time() >= t_start + kill_store_host:
+                os.killpg(procs[0].pid, 9)  # the host that ran the store's first member, whole
+                host_lost = time.time()
+                killed.append((host_lost - t_start, "host0"))
             if kills and time.time() >= next_kill:
                 pids = [(t, int(open(os.path.join(tmp, "pids", t)).read())) for t in sorted(os.listdir(
                     os.path.join(tmp, "pids")))]
@@ -160,6 +185,8 @@ def one_run(args, cluster, kind: str, minutes: float, kills: bool) -> dict:
         while any(p.poll() is None for p in procs) and time.time() < deadline:
             time.sleep(0.1)
         hung = any(p.poll() is None for p in procs)
+        if host_lost is not None:
+            procs[0].wait()
     finally:
         text = launch.stop_and_collect(procs, outs, "host", tail=3000)
     codes = [p.returncode for p in procs]
@@ -179,15 +206,19 @@ def one_run(args, cluster, kind: str, minutes: float, kills: bool) -> dict:
     last = max((f["step"] for f in finals), default=None)
     hashes = {f["hash"] for f in finals if f["step"] == last}
     time.sleep(1.0)  # the launchers' last sweeps are done when they exit; give the kernel a moment to reap
-    left_procs = [int(open(os.path.join(tmp, "pids", t)).read()) for t in os.listdir(os.path.join(tmp, "pids"))]
+    left_procs = [int(open(os.path.join(tmp, "procs", t)).read()) for t in os.listdir(os.path.join(tmp, "procs"))]
     left_procs = [pid for pid in left_procs if _alive(pid)]
     left_shm = sorted(_shm_names() - shm_before)
     # From the first step (the start-up, the same in every run, is not what the runs compare).
     wall = t_stop - first
     samples = sum(steps.values()) * BATCH
     res = dict(kind=kind, kills=len(killed), killed=killed, wall_s=wall, steps=len(steps), samples=samples,
-               goodput=samples / wall, finals=len(finals), agree=len(hashes) == 1, hung=hung, codes=codes,
-               left_processes=left_procs, left_shm=left_shm)
+               goodput=samples / wall if wall > 0 else 0.0, finals=len(finals), agree=len(hashes) == 1, hung=hung, codes=codes,
+               left_processes=left_procs, left_shm=left_shm, hosts=hosts, store=args.store if kind == "live" else "c10d")
+    if host_lost is not None:
+        # From the first step: how long the job had four hosts, and how long three.
+        res["host_lost_s"] = host_lost - first
+        res["codes"] = codes[1:]  # host 0's launcher was killed (-9); the others must end well
     if hung or len(hashes) != 1:
         res["log_tail"] = text[-6000:]
     return res
@@ -215,6 +246,14 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-minutes", type=float, default=2.0, help="the failure-free run")
     ap.add_argument("--restart-minutes", type=float, default=5.0, help="the restart path's soak (0: none)")
     ap.add_argument("--kill-every", type=float, default=20.0)
+    ap.add_argument("--spares", type=int, default=1,
+                    help="rumor-run --live-spares for the live runs (0: a failed worker's newcomer starts from nothing)")
+    ap.add_argument("--store", choices=["tcp", "etcd"], default="tcp",
+                    help="the live runs' store: node 0's TCPStore, or etcd members on hosts 0-2 (rumor-run --store)")
+    ap.add_argument("--kill-store-host", type=float, default=0.0, metavar="SECONDS",
+                    help="with --store etcd: host 0 (its launcher, etcd member, worker and spare) is killed whole "
+                         "this many seconds into the live run and not started again; a failure-free run on three "
+                         "hosts measures the capacity left")
     ap.add_argument("--commit-every", type=int, default=10, help="the restart path's commits, in steps")
     ap.add_argument("--end-timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=1)
@@ -222,6 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--from-json", help="no runs: the headline and the plot again from a churn.json this wrote")
     args = ap.parse_args(argv)
+    if args.kill_store_host and args.store != "etcd":
+        ap.error("--kill-store-host needs --store etcd (with tcp the store dies with host 0, and the job with it)")
     if args.from_json:
         with open(args.from_json) as f:
             result = json.load(f)
@@ -235,12 +276,15 @@ def main(argv=None) -> int:
     meta = _common.run_meta(args)
     result = dict(meta=meta, runs=[], errors=[], targets=[])
     with netns.Cluster(args.hosts, rate=args.rate) as cluster:
-        plan = [("failure-free", "live", args.baseline_minutes, False), ("live", "live", args.minutes, True)]
+        plan = [("failure-free", "live", args.baseline_minutes, False, 0, 0.0)]
+        if args.kill_store_host:
+            plan.append(("failure-free, three hosts", "live", args.baseline_minutes, False, args.hosts - 1, 0.0))
+        plan.append(("live", "live", args.minutes, True, 0, args.kill_store_host))
         if args.restart_minutes > 0:
-            plan.append(("restart", "restart", args.restart_minutes, True))
-        for label, kind, minutes, kills in plan:
+            plan.append(("restart", "restart", args.restart_minutes, True, 0, 0.0))
+        for label, kind, minutes, kills, hosts, host_kill in plan:
             try:
-                r = one_run(args, cluster, kind, minutes, kills)
+                r = one_run(args, cluster, kind, minutes, kills, hosts, host_kill)
             except RuntimeError as e:
                 print(f"{label}: {e}")
                 result["errors"].append(f"{label}: {e}")
@@ -262,15 +306,26 @@ def _report(args, result) -> int:
     headline = None
     if "failure-free" in by and "live" in by:
         base, live = by["failure-free"], by["live"]
-        frac = live["goodput"] / base["goodput"]
+        want = base["goodput"]
+        if "host_lost_s" in live and "failure-free, three hosts" in by:
+            # What failure-free training would have done with the hosts the job had: all of them
+            # until host 0 was lost, the others after.
+            t = live["host_lost_s"]
+            want = (t * base["goodput"] + (live["wall_s"] - t) * by["failure-free, three hosts"]["goodput"]) \
+                / live["wall_s"]
+            live["failure_free_same_hosts"] = want
+        frac = live["goodput"] / want
         clean = all(r["agree"] and not r["hung"] and not r["left_processes"] and not r["left_shm"]
-                    for r in result["runs"])
+                    and all(c == 0 for c in r["codes"]) for r in result["runs"])
         result["targets"].append(dict(name="live goodput >= 90% of failure-free", value=frac, met=frac >= 0.9))
         result["targets"].append(dict(name="no divergence, no hang, nothing left", value=clean, met=clean))
         a = result["meta"]["args"]
         headline = (f"churn soak, {a['hosts']} emulated hosts at {a['rate']}, {a['model_mb']:g} MB MLP: live "
-                    f"{live['goodput']:.0f} samples/s over {live['wall_s'] / 60:.1f} min with {live['kills']} kills = "
-                    f"{frac:.2f} of failure-free ({base['goodput']:.0f}) [target >= 0.9: "
+                    f"{live['goodput']:.0f} samples/s over {live['wall_s'] / 60:.1f} min with {live['kills']} kills "
+                    f"(--live-spares {a.get('spares', 0)}, --store {a.get('store', 'tcp')}"
+                    + (f", host 0 killed whole at {live['host_lost_s']:.0f} s" if "host_lost_s" in live else "")
+                    + f") = {frac:.2f} of failure-free ({want:.0f}"
+                    + (" with the same hosts" if want != base["goodput"] else "") + ") [target >= 0.9: "
                     f"{'MET' if frac >= 0.9 else 'NOT MET'}]")
         if "restart" in by:
             rs = by["restart"]

@@ -50,6 +50,7 @@ _log = logging.getLogger("rumor.elastic")
 LIVE_ENV = "RUMOR_LIVE"
 ID_ENV = "RUMOR_LIVE_ID"  # set by the launcher: r<rank> or j<n>
 JOIN_ENV = "RUMOR_LIVE_JOIN"  # 1: this process is a newcomer
+SPARE_ENV = "RUMOR_LIVE_SPARE"  # a spare's pipe (fd) from its launcher, which calls it there (rumor-run --live-spares)
 MIN_ENV = "RUMOR_LIVE_MIN"  # fewest members training goes on with (rumor-run --live-min)
 HEARTBEAT_ENV = "RUMOR_LIVE_HEARTBEAT"  # seconds of silence after which a member is gone
 _BEAT_S = 0.1  # the watcher's period: a failure is seen within about this, a silence within the heartbeat
@@ -104,7 +105,9 @@ class _Live:
     stop: threading.Event = field(default_factory=threading.Event)
     thread: Optional[threading.Thread] = None
     joined_fresh: bool = False  # a newcomer until its state arrived
-    jscan: int = 0  # newcomers below this number are settled (admitted, gone or done)
+    # Newcomers' numbers settled for good (admitted, refused, or gone): not read again. Not a
+    # watermark: an idle spare (rumor-run --live-spares) stays unsettled while later ones settle.
+    settled: set = field(default_factory=set)
     changes: List[Change] = field(default_factory=list)
     # The members of the last epoch that trained here (the change callbacks' view): an epoch
     # that failed while it formed is not a change anyone saw, so the next one is told against this.
@@ -114,6 +117,11 @@ class _Live:
     # The user's topologies and window names of the last world (neighbor.ops.carry_topologies,
     # neighbor.window.carry_windows)
     neighbors: Optional[tuple] = None
+    # Inside the job's first restore (rumor.elastic.State.restore from a commit). A failure there
+    # re-forms the survivors, who all restore again, and no newcomer enters that epoch: it would
+    # not take part in the restore's collectives.
+    restoring: bool = False
+    restore_again: bool = False  # the epoch just formed starts with that restore
 
 
 _live: Optional[_Live] = None
@@ -173,6 +181,9 @@ def _before_init() -> None:
     if joiner:
         live.joined_fresh = True
         _start_watcher(live)
+        _warm_up()
+        if os.environ.get(SPARE_ENV, "").strip():
+            _await_call(live, int(os.environ[SPARE_ENV]))
         store.set(f"ready/{me}", "1")
         _log.warning("rumor.elastic: newcomer %s is waiting to be admitted", me)
         epoch, sealed = _await_admission(live, timeout)
@@ -185,6 +196,43 @@ def _before_init() -> None:
         live.seen = list(live.members)
         _start_watcher(live)
     _live = live
+
+
+def _warm_up() -> None:
+    """From a newcomer's admission to its first collective every member waits for it, so what
+    it is sure to load after init is loaded before it asks to be admitted: a live job has an
+    optimizer (rumor.elastic.State needs one), and torch's first optimizer imports torch._dynamo,
+    about a second of one core."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as e:  # a torch without it, or a broken one: the optimizer will say so itself
+        _log.debug("rumor.elastic: newcomer warm-up: %s", e)
+
+
+def _await_call(live: _Live, fd: int) -> None:
+    """A spare, imported and warmed up, waits until its launcher calls it in place of a worker
+    that failed, for as long as the job runs: the launcher writes the slot to the pipe fd (a wait
+    that costs nothing, and wakes at once). The job's end sends it home (exit status 0: it was
+    not needed); so does its launcher's end (the pipe closes)."""
+    import select
+
+    while True:
+        if select.select([fd], [], [], 0.5)[0]:
+            slot = os.read(fd, 64).decode().strip()
+            os.close(fd)
+            if not slot:
+                break  # the launcher is gone
+            env = os.environ
+            env["LOCAL_RANK"] = slot
+            env["RANK"] = str(int(env.get("GROUP_RANK", "0")) * int(env.get("LOCAL_WORLD_SIZE", "1")) + int(slot))
+            env.pop(SPARE_ENV, None)
+            _log.warning("rumor.elastic: spare %s called to slot %s", live.me, slot)
+            return
+        if live.store.check(["job_done"]):
+            break
+    live.stop.set()
+    live.thread.join(timeout=5)
+    raise SystemExit(0)
 
 
 def _await_admission(live: _Live, timeout: float):
@@ -321,15 +369,29 @@ def _pending_newcomers(live: _Live, store=None) -> List[str]:
     store = store or live.store
     n = _count(store, "joinseq")
     out = []
-    for j in range(live.jscan + 1, n + 1):
-        jid = f"j{j}"
-        if store.check([f"done/{jid}"]):
-            if j == live.jscan + 1:
-                live.jscan = j
+    for j in range(1, n + 1):
+        if j in live.settled:
             continue
-        if _count(store, f"dead/{jid}") > 0:
+        jid = f"j{j}"
+        if store.check([f"done/{jid}"]) or _count(store, f"dead/{jid}") > 0:
+            live.settled.add(j)
             continue
         if store.check([f"ready/{jid}"]):
+            out.append(jid)
+    return out
+
+
+def _called_spares(live: _Live, store=None) -> List[str]:
+    """Spares their launcher called in place of a failed worker that are not ready yet: a
+    re-forming waits for them (they are ready within a poll), so that the change that removes
+    the failed worker admits its replacement too."""
+    store = store or live.store
+    out = []
+    for j in range(1, _count(store, "joinseq") + 1):
+        jid = f"j{j}"
+        if j in live.settled or not store.check([f"call/{jid}"]):
+            continue
+        if not store.check([f"ready/{jid}"]) and not store.check([f"done/{jid}"]):
             out.append(jid)
     return out
 
@@ -432,7 +494,7 @@ def reform(reason: str) -> Change:
     with live.lock:  # not while the watcher aborts these communicators
         _runtime.shutdown()
     store, nxt = live.store, old_epoch + 1
-    store.set(f"e{nxt}/reg/{live.me}", str(live.applied))
+    store.set(f"e{nxt}/reg/{live.me}", f"{live.applied}{':restoring' if live.restoring else ''}")
     deadline = time.monotonic() + timeout
     seen: dict = {}
     sealed = None
@@ -448,17 +510,21 @@ def reform(reason: str) -> Change:
                 survivors.append(m)
             elif _alive(live, m, seen, now) and not _refused(store, m):
                 waiting.append(m)
-        newcomers = _pending_newcomers(live)
+        regs = [store.get(f"e{nxt}/reg/{m}").decode().split(":") for m in survivors]
+        restore = any(len(r) > 1 for r in regs)
+        if not restore:
+            waiting += [j for j in _called_spares(live) if _alive(live, j, seen, now)]
+        newcomers = [] if restore else _pending_newcomers(live)
         size = len(survivors) + len(newcomers)
         if not waiting and size >= live.min_size and survivors and survivors[0] == live.me:
-            applied = [int(store.get(f"e{nxt}/reg/{m}")) for m in survivors]
+            applied = [int(r[0]) for r in regs]
             top = max(applied)
             # The epoch's first recorded end, which every member's own error follows from (a
             # member whose peer left to re-form sees only a PeerError).
             key = f"e{old_epoch}/abort"
             first = store.get(key).decode() if store.check([key]) else ""
             body = {"members": survivors + newcomers, "new": newcomers, "reason": first or reason,
-                    "source": applied.index(top), "applied": top,
+                    "source": applied.index(top), "applied": top, "restore": restore,
                     "sync": bool(newcomers) or min(applied) != top}
             store.compare_set(f"e{nxt}/members", "", _rendezvous.seal(_members_key(), f"{_MEMBERS_MAC}/{nxt}", body))
             sealed = _read_members(store, nxt)
@@ -484,6 +550,7 @@ def reform(reason: str) -> Change:
     live.source, live.sync = sealed["source"], sealed["sync"]
     live.behind = live.applied < sealed["applied"]
     live.target = sealed["applied"]
+    live.restore_again = bool(sealed.get("restore"))
     _enter_epoch(live)
     _runtime.init(timeout)
     # The topologies set in the old world, laid over this one (windows are made again by the
@@ -558,7 +625,7 @@ _runtime.before_init(_before_init)
 
 def _after_init() -> None:
     if _live is not None and _live.joined_fresh:
-        _runtime.state().defer_collective_checks = True
+        _runtime.state().awaiting_state = True
 
 
 _runtime.on_init(_after_init)

@@ -59,6 +59,10 @@ def main(args) -> None:
     if nodes > 1 and _secret.given() is None:
         raise SystemExit(f"rumor-run: --live on several hosts needs the same job secret on each "
                          f"({_secret.SECRET_ENV} or {_secret.SECRET_FILE_ENV}; docs/security.md)")
+    spares = getattr(args, "rumor_live_spares", None) or "0"
+    if not str(spares).isdigit():
+        raise SystemExit(f"rumor-run: --live-spares must be a number >= 0, got {spares!r}")
+    spares = int(spares)
     restarts = int(args.max_restarts)
     rdzv = str(getattr(args, "rdzv_id", None) or "none")
     if nodes == 1 and rdzv == "none":
@@ -125,14 +129,54 @@ def main(args) -> None:
     slots: Dict[str, int] = {}
     cmd = _command(args)
 
-    def start(member: str, slot: int, newcomer: bool) -> None:
+    idle: List[str] = []  # spares started and waiting to be called, oldest first
+    calls: Dict[str, int] = {}  # an idle spare's pipe, where the launcher writes the slot it calls it to
+    called: List[str] = []  # spares called in place of a worker: a new spare follows each's admission
+
+    def start(member: str, slot: int, newcomer: bool, spare: bool = False) -> None:
         env = dict(base_env, RANK=str(node * n + slot), LOCAL_RANK=str(slot), **{_live.ID_ENV: member})
         if kind != "tcp":  # the members as this launcher knows them now (one may have been replaced)
             env[ENDPOINTS_ENV] = ",".join(store.endpoints)
         if newcomer:
             env[_live.JOIN_ENV] = "1"
-        procs[member] = subprocess.Popen(cmd, env=env)
+        fds = ()
+        if spare:
+            r, calls[member] = os.pipe()
+            env[_live.SPARE_ENV] = str(r)
+            fds = (r,)
+            idle.append(member)
+        try:
+            procs[member] = subprocess.Popen(cmd, env=env, pass_fds=fds)
+        finally:
+            for r in fds:
+                os.close(r)
         slots[member] = slot
+
+    zygote = _Zygote.start(base_env, args) if spares else None
+
+    def start_spare() -> None:
+        j = int(live.add("joinseq", 1))
+        forked = None
+        if zygote is not None and zygote.ready():
+            env = dict(base_env, RANK=str(node * n), LOCAL_RANK="0", **{_live.ID_ENV: f"j{j}", _live.JOIN_ENV: "1"})
+            if kind != "tcp":
+                env[ENDPOINTS_ENV] = ",".join(store.endpoints)
+            r, w = os.pipe()
+            try:
+                forked = zygote.fork(env, args, r)
+            finally:
+                os.close(r)
+            if forked is None:
+                os.close(w)
+            else:
+                calls[f"j{j}"] = w
+                idle.append(f"j{j}")
+                procs[f"j{j}"] = forked
+                slots[f"j{j}"] = 0
+        if forked is None:
+            start(f"j{j}", 0, True, spare=True)  # its slot is the one it is called to
+        how = ", forked by the zygote" if forked is not None else ""
+        print(f"rumor-run --live: started spare j{j} (pid {procs[f'j{j}'].pid}{how})", file=sys.stderr, flush=True)
 
     def stop_all(sig) -> None:
         for p in procs.values():
@@ -141,6 +185,8 @@ def main(args) -> None:
 
     for r in range(n):
         start(f"r{node * n + r}", r, False)
+    for _ in range(spares):
+        start_spare()
     print(f"rumor-run --live: node {node} of {nodes}: {n} workers, at least {least} of {world} to train on, "
           f"{restarts} restart(s) ({where}, run {run_id})", file=sys.stderr, flush=True)
     failed_after_end = False
@@ -152,6 +198,7 @@ def main(args) -> None:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     next_beat = 0.0
     finished = False
+    zygote_told = False
     try:
         # Until every worker's end was seen below (not until none runs: the last one to die must
         # still be reported to the others, and started again as a newcomer).
@@ -165,14 +212,36 @@ def main(args) -> None:
                     replacer = None  # a launcher runs one member at most
                     for st in (store, live):  # this host's member first, as for the first ones
                         st.prefer(etcd_member.client_url)
+            if zygote is not None and not zygote_told and zygote.ready():
+                zygote_told = True
+                print(f"rumor-run --live: zygote ready (pid {zygote.proc.pid}): spares are forked from it",
+                      file=sys.stderr, flush=True)
             for member, p in list(procs.items()):
                 code = p.poll()
                 if code is None or member.startswith("~"):
                     continue
                 procs[f"~{member}"] = procs.pop(member)  # reported once
+                done = live.check(["job_done"])
+                spare = member in idle  # never called: not a member; the job's end sends spares home
+                if spare:
+                    idle.remove(member)
+                    os.close(calls.pop(member))
+                call = None
+                if code != 0 and not done and not spare and restarts > 0 and idle:
+                    # Called before the death is told: the members that re-form on seeing it wait
+                    # for the spare (rumor._live._called_spares), so one change replaces the worker.
+                    restarts -= 1
+                    call = idle.pop(0)
+                    slots[call] = slots[member]
+                    live.set(f"call/{call}", str(slots[member]))
+                    fd = calls.pop(call)
+                    os.write(fd, f"{slots[member]}\n".encode())
+                    os.close(fd)
+                    called.append(call)
+                    print(f"rumor-run --live: spare {call} takes slot {slots[member]} "
+                          f"({restarts} restart(s) left)", file=sys.stderr, flush=True)
                 live.add(f"dead/{member}", 1)
                 live.add("events", 1)
-                done = live.check(["job_done"])
                 if code != 0:
                     how = f"signal {-code}" if code < 0 else f"exit status {code}"
                     print(f"rumor-run --live: worker {member} (pid {p.pid}) ended with {how}", file=sys.stderr,
@@ -180,12 +249,23 @@ def main(args) -> None:
                     if done:  # a member failing at the end fails the job; a newcomer never admitted does not
                         admitted = live.check([f"done/{member}"]) and live.get(f"done/{member}") == b"admitted"
                         failed_after_end = failed_after_end or not member.startswith("j") or admitted
-                    elif restarts > 0:
+                    elif spare:  # lost before it was called: another takes its place
+                        if restarts > 0:
+                            restarts -= 1
+                            start_spare()
+                    elif call is None and restarts > 0:
                         restarts -= 1
                         j = int(live.add("joinseq", 1))
                         start(f"j{j}", slots[member], True)
                         print(f"rumor-run --live: started newcomer j{j} in slot {slots[member]} "
                               f"({restarts} restart(s) left)", file=sys.stderr, flush=True)
+            # A new spare once the one called is admitted (or gone): not before, since starting one
+            # takes the CPU the newcomer and the survivors need while it joins.
+            for j in list(called):
+                if live.check([f"done/{j}"]) or j not in procs:
+                    called.remove(j)
+                    if not live.check(["job_done"]):
+                        start_spare()
             # One host: with no member left, nobody can admit the newcomers waiting. (With several,
             # the members may be elsewhere: the newcomers' own deadline ends their wait.)
             members_left = [m for m, p in procs.items() if not m.startswith("~") and p.poll() is None
@@ -197,6 +277,8 @@ def main(args) -> None:
             time.sleep(_POLL_S)
     finally:
         try:
+            if zygote is not None:
+                zygote.stop()
             stop_all(signal.SIGKILL)
             _shm.sweep()
             try:
@@ -219,6 +301,99 @@ def main(args) -> None:
                 signal.signal(s, h)
     if not finished or failed_after_end:
         raise SystemExit(1)
+
+
+class _Adopted:
+    """A spare forked by the zygote and adopted by this launcher (a child subreaper): waited for
+    like a subprocess.Popen."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not this launcher's child after all: gone is all it can tell
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:
+                    self.returncode = 1
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class _Zygote:
+    """rumor._zygote, run by this launcher: spares are forked from it once it has imported torch
+    and rumor, instead of each starting Python from nothing. Python scripts only (not
+    --no-python), and only where this launcher can adopt them (Linux's child subreaper)."""
+
+    def __init__(self, proc, sock):
+        self.proc, self.sock, self._ready = proc, sock, False
+
+    @classmethod
+    def start(cls, env: dict, args) -> Optional["_Zygote"]:
+        import ctypes
+        import socket
+
+        if getattr(args, "no_python", False):
+            return None
+        try:
+            if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+                return None
+        except (OSError, AttributeError):
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen([sys.executable, "-u", "-m", "rumor._zygote", str(theirs.fileno())], env=env,
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        return cls(proc, ours)
+
+    def ready(self) -> bool:
+        if not self._ready and self.proc.poll() is None:
+            try:
+                self._ready = self.sock.recv(64) == b"ready\n"
+            except BlockingIOError:
+                pass
+            if self._ready:
+                self.sock.setblocking(True)
+                self.sock.settimeout(10.0)
+        return self._ready and self.proc.poll() is None
+
+    def fork(self, env: dict, args, call_fd: int) -> Optional[_Adopted]:
+        import json
+        import socket
+
+        req = dict(env=env, cwd=os.getcwd(), module=bool(getattr(args, "module", False)),
+                   argv=[args.training_script, *args.training_script_args])
+        try:
+            socket.send_fds(self.sock, [json.dumps(req).encode()], [call_fd])
+            pid = int(self.sock.recv(64).decode())
+        except (OSError, ValueError) as e:
+            print(f"rumor-run --live: the zygote failed ({e}); spares start from nothing", file=sys.stderr, flush=True)
+            self._ready = False
+            self.proc.kill()
+            return None
+        return _Adopted(pid)
+
+    def stop(self) -> None:
+        self.sock.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 def _etcd(args, kind: str, nodes: int, node: int, run_id: str, tls):

@@ -75,8 +75,9 @@ class _State:
     secret: Optional[_secret.JobSecret] = None  # the job secret (rumor._secret; docs/security.md)
     # A live newcomer until its state arrived: the members are not where it is (rumor.elastic
     # re-forming), so checks that every rank passed the same setting (set_topology) are made
-    # later, at the change (rumor.neighbor.ops.check_topologies_agree), not by a collective now.
-    defer_collective_checks: bool = False
+    # later, at the change (rumor.neighbor.ops.check_topologies_agree), not by a collective now,
+    # and its DDP wrapper does not broadcast rank 0's weights (the state brings the source's).
+    awaiting_state: bool = False
 
 
 _state: Optional[_State] = None

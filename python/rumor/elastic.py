@@ -488,7 +488,7 @@ class State:
         rank raise CommitRefused (or UntrustedFileError), none waits for the others. Unless the
         State was made with verify=False, a restore that loaded a commit ends with
         rumor.elastic.verify() (see State), which may raise ParityError."""
-        from . import _runtime, collectives
+        from . import _rendezvous, _runtime, collectives
 
         n, r = _runtime.size(), _runtime.rank()
         key = _key()
@@ -506,6 +506,7 @@ class State:
             except (CommitRefused, OSError) as e:
                 disk_err = e
         mine = local[0] if local else -1
+        _rendezvous.fault_point("elastic:restore")  # tests: a death inside the job's first restore
         info = torch.full([3 + n], -1, dtype=torch.int64)
         info[0], info[1] = mine, disk[0] if disk else -1
         info[2] = 1 if disk_err is not None else 0
@@ -673,16 +674,10 @@ class State:
         from .parallel import DistributedDataParallel
 
         if isinstance(self.model, DistributedDataParallel):
-            alg = self._algorithm
-            own = None
-            if getattr(alg, "elastic_consensus", False) and getattr(alg, "elastic_live", False):
-                # Building the wrapper broadcasts rank 0's weights; each replica must reach the
-                # average that follows (_live_sync) as it is.
-                own = {k: v.detach().clone() for k, v in self._module.state_dict().items()}
             try:
+                # Built again without broadcasting rank 0's weights: each replica reaches the
+                # transfer and the average that follow (_live_sync) as it is.
                 self.model._live_rebind()
-                if own is not None:
-                    self._module.load_state_dict(own)
             except ValueError as e:
                 # A newcomer whose model differs: refused (it raises the same error itself), and
                 # the members re-form without it.
@@ -810,8 +805,8 @@ def _run_live(train_fn, st: State, args, kwargs):
         if step_wise or own:
             mark()
 
-    if not fresh:
-        st.restore()
+    restoring = not fresh  # a newcomer receives the state the members restored
+    live.restoring = restoring
     mark()
 
     def install():
@@ -836,9 +831,14 @@ def _run_live(train_fn, st: State, args, kwargs):
                     for h in hooks:  # again after the rebuilt wrapper's: a mark sees the algorithm's after_step
                         h.remove()
                     hooks = install()
+                    restoring = live.restoring = live.restore_again
                     mark()
                     _mark_change(change)
                     _live.notify(change)
+                if restoring:  # the job's first restore (again, by every member, if a failure cut it)
+                    st.restore()
+                    restoring = live.restoring = False
+                    mark()
                 out = train_fn(st, *args, **kwargs)
                 st._finish()
                 break

@@ -239,7 +239,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._device_mode = self._choose_device_mode(named, autotune)
         self._synced_params = [p for _, p in named]
         self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in ignore]
-        coalesced_broadcast([p.data for p in self._synced_params] + self._buffers_to_sync, self.group)
+        if not self._state_follows():
+            coalesced_broadcast([p.data for p in self._synced_params] + self._buffers_to_sync, self.group)
 
         trainable = [(n, p) for n, p in named if p.requires_grad]
         self._names = [n for n, _ in trainable]
@@ -877,7 +878,19 @@ class DistributedDataParallel(torch.nn.Module):
             raise ValueError("rumor.DistributedDataParallel: live membership re-forms the world; a wrapper "
                              "over a group of its own cannot follow it (leave group= unset)")
         self.remove_hooks()
-        DistributedDataParallel.__init__(self, **a)
+        self._rebinding = True
+        try:
+            DistributedDataParallel.__init__(self, **a)
+        finally:
+            self._rebinding = False
+
+    def _state_follows(self) -> bool:
+        """Live membership: a wrapper built again after a change, or a newcomer's, is followed
+        by the state transfer (rumor.elastic's _live_sync), which sends the source's whole state
+        to every member that is behind and then proves every replica equal. A broadcast of rank
+        0's parameters here would move the model once more across the links, with every survivor
+        waiting for it."""
+        return getattr(self, "_rebinding", False) or _runtime.state().awaiting_state
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -64,6 +64,10 @@ def _parser():
     group.add_argument("--live-min", dest="rumor_live_min", default=None,
                        help="with --live: the fewest workers training goes on with; below it the job waits "
                             "for newcomers (default 1)")
+    group.add_argument("--live-spares", dest="rumor_live_spares", default=None,
+                       help="with --live: how many spare workers each launcher keeps started, imported and "
+                            "waiting before rumor.init(); a worker that fails is replaced by a spare at once instead "
+                            "of a process that starts from nothing (default 0; docs/elastic.md)")
     group.add_argument("--store", dest="rumor_store", default=None,
                        help="with --live: where the job's store lives. tcp (default): in node 0's launcher. etcd: an "
                             "etcd member in each of the first min(3, nnodes) launchers, so that no one host is needed "
@@ -132,7 +136,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         from . import _live_launch
 
         return _live_launch.main(args)
-    for flag, value in (("--live-min", args.rumor_live_min), ("--store", args.rumor_store),
+    for flag, value in (("--live-min", args.rumor_live_min), ("--live-spares", args.rumor_live_spares),
+                        ("--store", args.rumor_store),
                         ("--store-hosts", args.rumor_store_hosts)):
         if value is not None:
             raise SystemExit(f"rumor-run: {flag} is for --live")

@@ -102,3 +102,12 @@ def test_rumor_run_async_example(tmp_path, mode):
     assert text.count("eval loss") == 2, text[-6000:]
     if mode != "pushsum":
         assert text.count("replica spread 0.00e+00") == 2, text[-6000:]
+
+
+def test_rumor_run_checks_live_spares(tmp_path):
+    for args, want in ((["--live", "--live-spares", "abc"], b"--live-spares must be a number"),
+                       (["--live", "--live-spares", "-1"], b"--live-spares must be a number"),
+                       (["--live-spares", "1"], b"--live-spares is for --live")):
+        p = subprocess.run([sys.executable, "-m", "rumor.run", "--nproc-per-node", "1", *args, "x.py"], cwd=tmp_path,
+                           capture_output=True, timeout=DEADLINE_S)
+        assert p.returncode != 0 and want in p.stderr + p.stdout, (args, p.stdout, p.stderr)

@@ -30,7 +30,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("tools", ["rumor.netplugin", "rumor.data", "rumor._parity", "rumor._live", "rumor._live_launch", "rumor._etcd_member", "rumor._tlsauto", "rumor._storetls", "rumor.elastic", "rumor.interactive", "rumor.advisor",
                "rumor.run", "rumor.torch_backend", "rumor.lightning"]),
     ("package", ["rumor"]),
-    ("on top of the package", ["rumor.compat", "rumor.testing"]),
+    ("on top of the package", ["rumor.compat", "rumor.testing", "rumor._zygote"]),
 ]
 
 

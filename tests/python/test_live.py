@@ -50,6 +50,9 @@ WORKER = textwrap.dedent(
     pace = float(os.environ.get("LIVE_TEST_STEP_S", "0"))
     # "<id>:<step>:<file>": that member waits before that step until the test makes the file, then stops itself
     hold = os.environ.get("LIVE_TEST_HOLD", "::").split(":", 2)
+    with open(os.path.join(out, f"{me}.started"), "w") as f:  # a spare: before it waits in init
+        f.write(f"{time.time()!r} {pid}")
+    gate = os.environ.get("LIVE_TEST_GATE", "")  # the victim waits for this file before its fault
     rumor.init()
     torch.manual_seed(0)
     width = 33 if newcomer == "wrong-model" and me.startswith("j") else 32
@@ -73,6 +76,11 @@ WORKER = textwrap.dedent(
     def train(state):
         while state.step < total:
             if me == victim and state.step == fault_step:
+                until = time.monotonic() + 60
+                while gate and not os.path.exists(gate) and time.monotonic() < until:
+                    time.sleep(0.05)
+                with open(os.path.join(out, f"{me}.fault"), "w") as f:
+                    f.write(repr(time.time()))
                 os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             if me == hold[0] and str(state.step) == hold[1]:
                 until = time.monotonic() + 60
@@ -111,7 +119,8 @@ def _wait_for(cond, p, what, deadline):
     while not cond():
         if p.poll() is not None or time.monotonic() > deadline:
             os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
+            path = getattr(p, "out_path", None)  # _run_live's launcher writes to a file
+            out = path.read_bytes() if path is not None else p.communicate()[0]
             pytest.fail(f"{what} did not happen:\n{out.decode(errors='replace')[-6000:]}")
         time.sleep(0.05)
 
@@ -136,29 +145,33 @@ def _simulate(sizes):
 
 
 def _run_live(tmp_path, victim, fault_step, fault, on_progress=None, newcomer="same-model",
-              algorithm="GradientAllReduce", env=None, restarts=1, least=3, also=""):
+              algorithm="GradientAllReduce", env=None, restarts=1, least=3, also="", spares=0):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "rumor.run", "--live", "--nproc-per-node", "4", "--max-restarts", str(restarts),
-           "--live-min", str(least), str(script), victim, str(fault_step), str(GROW), str(STEPS), str(tmp_path), fault, newcomer,
+           "--live-min", str(least), "--live-spares", str(spares), str(script), victim, str(fault_step), str(GROW), str(STEPS), str(tmp_path), fault, newcomer,
            algorithm, also]
-    p = subprocess.Popen(cmd, env=dict(_env(), **(env or {})), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
+    out = tmp_path / "launcher.txt"  # a file, so that on_progress may read what the launcher said so far
+    with open(out, "wb") as f:
+        p = subprocess.Popen(cmd, env=dict(_env(), **(env or {})), cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    p.out_path = out
     deadline = time.monotonic() + DEADLINE_S
-    if on_progress is not None:
-        on_progress(p, deadline)
     try:
-        out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        if on_progress is not None:
+            on_progress(p, deadline)
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"rumor-run --live did not finish within {DEADLINE_S} s:\n{out.decode(errors='replace')[-8000:]}")
-    text = out.decode(errors="replace")
+        p.wait()
+        pytest.fail(f"rumor-run --live did not finish within {DEADLINE_S} s:\n"
+                    f"{out.read_bytes().decode(errors='replace')[-8000:]}")
+    text = out.read_bytes().decode(errors="replace")
     assert p.returncode == 0, text[-8000:]
     return text
 
 
-def _check(tmp_path, victim, text, exact=True):
+def _check(tmp_path, victim, text, exact=True, merged=False):
     survivors = sorted(m for m in ("r0", "r1", "r2", "r3") if m != victim)
     # No process applied a step twice; the survivors trained to the end in their first process.
     logs, finals = live_runs.load_and_check(tmp_path, text, survivors + ["j1"], survivors, STEPS, every_step=False)
@@ -166,14 +179,18 @@ def _check(tmp_path, victim, text, exact=True):
     sizes = _sizes_applied(logs)
     # The membership timeline: 4 until the fault, 3 from the step it hit (given up and redone),
     # 4 again from the newcomer's admission (at the latest the step that waited for it).
-    fault = len(logs[victim])
+    fault = len(logs.get(victim, []))
     first = logs["j1"][0]["step"]
     assert [e["step"] for e in logs["j1"]] == list(range(first, STEPS))
-    assert sizes[:fault] == [4] * fault and sizes[fault] == 3 and first <= GROW, sizes
-    assert sizes[first:] == [4] * (STEPS - first) and set(sizes[fault:first]) == {3}, sizes
-    # Each member saw two changes: the victim left, then the newcomer joined.
+    if merged:  # the newcomer was ready when the others re-formed: one change, and 4 at every step
+        assert first == fault and sizes == [4] * STEPS, (first, fault, sizes)
+    else:
+        assert sizes[:fault] == [4] * fault and sizes[fault] == 3 and first <= GROW, sizes
+        assert sizes[first:] == [4] * (STEPS - first) and set(sizes[fault:first]) == {3}, sizes
+    # Each member saw two changes: the victim left, then the newcomer joined (one, merged).
+    want = [(4, [victim], ["j1"])] if merged else [(3, [victim], []), (4, [], ["j1"])]
     for m in survivors:
-        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(3, [victim], []), (4, [], ["j1"])], finals[m]
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == want, finals[m]
     # Every member ends bitwise equal, and equal to the float64 run of this timeline.
     ref = finals[survivors[0]]["params"]
     for m, f in finals.items():
@@ -183,6 +200,8 @@ def _check(tmp_path, victim, text, exact=True):
     expect = _simulate(sizes)
     for got, want in zip(ref, expect):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
+    if merged:  # four at every step: the same averaging as a run without the failure
+        return
     # Against the run where every rank always trained: the averaging followed the membership.
     full = _simulate([4] * STEPS)
     assert any(not torch.allclose(torch.tensor(g, dtype=torch.float64), w, rtol=1e-3, atol=1e-4)
@@ -206,6 +225,84 @@ def test_a_killed_worker_leaves_and_a_newcomer_joins(tmp_path, algorithm):
             assert len(marks) == 1, (epoch, rank, marks)
             a = marks[0]["args"]
             assert (a["size"], a["rank"], a["left"], a["joined"]) == (size, rank, left, joined), a
+
+
+def test_a_spare_takes_the_place_of_a_killed_worker(tmp_path):
+    """rumor-run --live-spares 1: the launcher starts spare j1 with the workers; it waits, imported,
+    inside rumor.init(). When r2 dies the launcher calls it to r2's slot; it is ready before the
+    three others re-form, so the one change that removes r2 admits j1, and every step is trained
+    by four. The launcher starts spare j2 once j1 is in, and the job's end sends j2 home."""
+    text = _run_live(tmp_path, "r2", 4, "kill", spares=1)
+    assert "spare j1 takes slot 2" in text, text[-6000:]
+    # j1 was started, as a spare, before r2 died: not started by its death.
+    started = float((tmp_path / "j1.started").read_text().split()[0])
+    assert started < float((tmp_path / "r2.fault").read_text())
+    _check(tmp_path, "r2", text, merged=True)
+    assert "started spare j2" in text and not (tmp_path / "j2.final.json").exists(), text[-6000:]
+    # The step r2 died in was given up, not lost: j1 trained it and every step after.
+    logs, _ = live_runs.load(tmp_path)
+    assert [e["step"] for e in logs["j1"]] == list(range(4, STEPS))
+
+
+def test_a_spare_lost_before_its_call_is_replaced_by_another(tmp_path):
+    """The idle spare j1 is SIGKILLed while r2 waits before its fault: the launcher starts spare
+    j2 in its place (no member notices: a spare is not one), and j2 takes r2's slot."""
+    gate = tmp_path / "gate"
+
+    def kill_the_spare(p, deadline):
+        _wait_for(lambda: (tmp_path / "j1.started").exists(), p, "spare j1 started", deadline)
+        os.kill(int((tmp_path / "j1.started").read_text().split()[1]), signal.SIGKILL)
+        _wait_for(lambda: (tmp_path / "j2.started").exists(), p, "spare j2 started", deadline)
+        gate.write_text("")
+
+    text = _run_live(tmp_path, "r2", 4, "kill", spares=1, restarts=2, on_progress=kill_the_spare,
+                     env={"LIVE_TEST_GATE": str(gate)})
+    assert "worker j1" in text and "spare j2 takes slot 2" in text, text[-6000:]
+    logs, finals = live_runs.load_and_check(tmp_path, text, ["r0", "r1", "r3", "j2"], ["r0", "r1", "r3"], STEPS,
+                                            every_step=False)
+    assert live_runs.sizes_by_step(logs, STEPS) == [4] * STEPS
+    for m in ("r0", "r1", "r3"):  # one change: r2 left and j2 joined; j1 was never a member
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(4, ["r2"], ["j2"])], finals[m]
+
+
+def test_a_spare_forked_by_the_zygote_takes_a_place_and_trains(tmp_path):
+    """Once the launcher's zygote has imported torch and rumor, spares are forked from it: r2
+    dies (after the zygote is ready), spare j1 takes its place and the launcher forks j2; r0
+    dies at that change, and j2, a fresh run of the script with its own pid, takes r0's place
+    and trains to the end with the others, as in a run where nobody failed."""
+    gate = tmp_path / "gate"
+    out = tmp_path / "launcher.txt"
+
+    def after_the_zygote(p, deadline):
+        _wait_for(lambda: b"zygote ready" in out.read_bytes(), p, "the zygote ready", deadline)
+        gate.write_text("")
+
+    text = _run_live(tmp_path, "r2", 4, "kill", spares=1, restarts=2, also="r0", on_progress=after_the_zygote,
+                     env={"LIVE_TEST_GATE": str(gate)})
+    assert "spare j2 takes slot 0" in text, text[-6000:]
+    line = next(x for x in text.splitlines() if "started spare j2" in x)
+    assert "forked by the zygote" in line, line
+    pid = int(line.split("(pid ")[1].split(",")[0])
+    members = ["r1", "r3", "j1", "j2"]
+    logs, finals = live_runs.load_and_check(tmp_path, text, members, ["r1", "r3"], STEPS, every_step=False)
+    assert {e["pid"] for e in logs["j2"]} == {pid} and (tmp_path / "j2.started").read_text().split()[1] == str(pid)
+    sizes = live_runs.sizes_by_step(logs, STEPS)
+    assert sizes == [4] * STEPS, sizes
+    ref = finals["r1"]["params"]
+    assert all(f["params"] == ref for f in finals.values())
+    for got, want in zip(ref, _simulate(sizes)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
+    assert [(c[1], c[2], c[3]) for c in finals["r1"]["changes"]] == [(4, ["r2"], ["j1"]), (4, ["r0"], ["j2"])]
+
+
+def test_a_death_inside_the_first_restore(tmp_path):
+    """r2 dies inside the job's first restore (rumor.elastic.State.restore, before its first
+    collective): the three others re-form and restore again, without spare j1, which would not
+    take part in the restore's collectives; j1 enters at the next step boundary. Before, the
+    survivors' restore raised and every one of them ended."""
+    text = _run_live(tmp_path, "none", 0, "kill", spares=1, env={"RUMOR_TEST_DIE_AT": "elastic:restore:r2"})
+    assert "worker r2" in text and "signal 9" in text, text[-6000:]
+    _check(tmp_path, "r2", text)
 
 
 def test_a_stopped_worker_is_dropped_and_comes_back_as_a_newcomer(tmp_path):

@@ -120,7 +120,7 @@ def _check_same_everywhere(fingerprint: int, what: str, kind: str) -> None:
     """Every rank must set the same topology: gather the fingerprints and compare (every rank
     sees the same table, so every rank raises the same error)."""
     st = _runtime.state()
-    if st.defer_collective_checks:
+    if st.awaiting_state:
         return  # a live newcomer: checked at the change, check_topologies_agree()
     g = st.world
     n = g.size()
@@ -200,9 +200,9 @@ def check_topologies_agree(what: str) -> None:
     """Collective over the world, on every member after a live membership change: the members'
     topologies (and machine topologies), with their weighting, must be the same; raises
     ValueError on every rank naming those that differ. A newcomer's set_topology() made before
-    it joined was not compared when it was made (defer_collective_checks); it is here."""
+    it joined was not compared when it was made (awaiting_state); it is here."""
     st = _runtime.state()
-    st.defer_collective_checks = False
+    st.awaiting_state = False
     tops = _topologies()
     g = st.world
     n = g.size()
