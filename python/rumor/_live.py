@@ -222,10 +222,8 @@ def _await_call(live: _Live, fd: int) -> None:
             os.close(fd)
             if not slot:
                 break  # the launcher is gone
-            env = os.environ
-            env["LOCAL_RANK"] = slot
-            env["RANK"] = str(int(env.get("GROUP_RANK", "0")) * int(env.get("LOCAL_WORLD_SIZE", "1")) + int(slot))
-            env.pop(SPARE_ENV, None)
+            os.environ["LOCAL_RANK"] = slot  # RANK is the epoch's, set when it is admitted (_enter_epoch)
+            os.environ.pop(SPARE_ENV, None)
             _log.warning("rumor.elastic: spare %s called to slot %s", live.me, slot)
             return
         if live.store.check(["job_done"]):

@@ -133,50 +133,39 @@ def main(args) -> None:
     calls: Dict[str, int] = {}  # an idle spare's pipe, where the launcher writes the slot it calls it to
     called: List[str] = []  # spares called in place of a worker: a new spare follows each's admission
 
-    def start(member: str, slot: int, newcomer: bool, spare: bool = False) -> None:
+    zygote = _Zygote.start(base_env, args) if spares else None
+
+    def start(member: str, slot: int, newcomer: bool, spare: bool = False) -> bool:
+        """Starts a worker; a spare gets the pipe it is called on, and is forked by the zygote
+        when it is ready. Returns whether the zygote forked it."""
         env = dict(base_env, RANK=str(node * n + slot), LOCAL_RANK=str(slot), **{_live.ID_ENV: member})
         if kind != "tcp":  # the members as this launcher knows them now (one may have been replaced)
             env[ENDPOINTS_ENV] = ",".join(store.endpoints)
         if newcomer:
             env[_live.JOIN_ENV] = "1"
-        fds = ()
-        if spare:
-            r, calls[member] = os.pipe()
-            env[_live.SPARE_ENV] = str(r)
-            fds = (r,)
-            idle.append(member)
+        if not spare:
+            procs[member] = subprocess.Popen(cmd, env=env)
+            slots[member] = slot
+            return False
+        r, w = os.pipe()
         try:
-            procs[member] = subprocess.Popen(cmd, env=env, pass_fds=fds)
+            proc = zygote.fork(env, args, r) if zygote is not None and zygote.ready() else None
+            forked = proc is not None
+            if proc is None:
+                proc = subprocess.Popen(cmd, env=dict(env, **{_live.SPARE_ENV: str(r)}), pass_fds=(r,))
+        except BaseException:
+            os.close(w)
+            raise
         finally:
-            for r in fds:
-                os.close(r)
-        slots[member] = slot
-
-    zygote = _Zygote.start(base_env, args) if spares else None
+            os.close(r)
+        procs[member], slots[member], calls[member] = proc, slot, w
+        idle.append(member)
+        return forked
 
     def start_spare() -> None:
-        j = int(live.add("joinseq", 1))
-        forked = None
-        if zygote is not None and zygote.ready():
-            env = dict(base_env, RANK=str(node * n), LOCAL_RANK="0", **{_live.ID_ENV: f"j{j}", _live.JOIN_ENV: "1"})
-            if kind != "tcp":
-                env[ENDPOINTS_ENV] = ",".join(store.endpoints)
-            r, w = os.pipe()
-            try:
-                forked = zygote.fork(env, args, r)
-            finally:
-                os.close(r)
-            if forked is None:
-                os.close(w)
-            else:
-                calls[f"j{j}"] = w
-                idle.append(f"j{j}")
-                procs[f"j{j}"] = forked
-                slots[f"j{j}"] = 0
-        if forked is None:
-            start(f"j{j}", 0, True, spare=True)  # its slot is the one it is called to
-        how = ", forked by the zygote" if forked is not None else ""
-        print(f"rumor-run --live: started spare j{j} (pid {procs[f'j{j}'].pid}{how})", file=sys.stderr, flush=True)
+        j = f"j{int(live.add('joinseq', 1))}"
+        how = ", forked by the zygote" if start(j, 0, True, spare=True) else ""  # slot: the one it is called to
+        print(f"rumor-run --live: started spare {j} (pid {procs[j].pid}{how})", file=sys.stderr, flush=True)
 
     def stop_all(sig) -> None:
         for p in procs.values():
