@@ -5,8 +5,8 @@ CUDA tensors"): backend="rumor" stages them through host memory around rumor's C
 Anywhere: the device-map rules, the maps torch passes for each spelling, and the staging logic
 itself (every call staged through host copies of CPU tensors, against the direct call). On a GPU
 (skipped without one, failed instead where RUMOR_EXPECT_GPU=1): two ranks sharing the GPU run
-every call on CUDA tensors against gloo on the CPU, and torch DDP on a CUDA model against DDP on
-gloo; one rank runs the NCCL map (one GPU allows one NCCL rank).
+every call on CUDA tensors against gloo on the CPU, and torch DDP and FSDP2 on a CUDA model against
+the same on gloo; one rank runs the NCCL map (one GPU allows one NCCL rank), FSDP2 included.
 """
 from __future__ import annotations
 
@@ -347,3 +347,63 @@ def test_device_map_hands_cuda_tensors_to_nccl(spelling):
     assert kinds["cuda"] not in ("RumorWork", "_StagedWork") and kinds["cpu"] == "RumorWork", kinds
     assert coalesced == [[1.0, 2.0], [3.0, 4.0, 5.0, 6.0]]
     assert diff <= 1e-5, diff
+
+
+def _fsdp_train(dist, group, dev, mp: bool):
+    """Three steps of FSDP2 (`fully_shard` per layer and the root) on `group`'s mesh over `dev`;
+    with `mp`, parameters in bf16 and gradients reduced in float32 (what CUDA users run)."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, torch.device(dev).type)
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mp else {}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(200 + dist.get_rank())
+    for _ in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.to(dev)).float(), y.to(dev)).backward()
+        opt.step()
+    return [p.full_tensor().detach().cpu().clone() for p in model.parameters()]
+
+
+def _fsdp_gpu_rank(spelling):
+    """FSDP2 on a CUDA model over the default group (`spelling`) against FSDP2 on a CPU model over
+    gloo, float32 and bf16 mixed precision."""
+    dist = _init(spelling)
+    pg = dist.distributed_c10d._get_default_group()
+    torch.cuda.set_device(0)
+    gloo = dist.new_group(backend="gloo")
+    diffs = {}
+    for mp in (False, True):
+        on_gpu = _fsdp_train(dist, None, "cuda:0", mp)
+        ref = _fsdp_train(dist, gloo, "cpu", mp)
+        diffs["bf16" if mp else "float32"] = max(float((a - b).abs().max()) for a, b in zip(on_gpu, ref))
+    cuda = pg._cuda
+    dist.destroy_process_group()
+    return cuda, diffs
+
+
+@needs_gpu
+def test_fsdp2_on_cuda_staged_matches_gloo():
+    # two ranks share the GPU: rumor stages FSDP2's all-gathers and reduce-scatters through host memory
+    for cuda, diffs in harness.run(_fsdp_gpu_rank, 2, timeout=TIMEOUT, args=("rumor",)):
+        assert cuda == "rumor"
+        assert diffs["float32"] <= 1e-5, diffs
+        # bf16 matmuls on the GPU and the CPU round differently; the reductions themselves are float32
+        assert diffs["bf16"] <= 2e-2, diffs
+
+
+@needs_gpu
+def test_fsdp2_on_cuda_through_the_nccl_map_matches_gloo():
+    # one GPU allows one NCCL rank: FSDP2's collectives go to the NCCL backend the rumor group made
+    ((cuda, diffs),) = harness.run(_fsdp_gpu_rank, 1, timeout=TIMEOUT, args=("cpu:rumor,cuda:nccl",))
+    assert cuda == "nccl"
+    assert diffs["float32"] <= 1e-5, diffs
+    assert diffs["bf16"] <= 2e-2, diffs
