@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import threading
+import traceback
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -117,11 +118,16 @@ class _Live:
     # The user's topologies and window names of the last world (neighbor.ops.carry_topologies,
     # neighbor.window.carry_windows)
     neighbors: Optional[tuple] = None
-    # Inside the job's first restore (rumor.elastic.State.restore from a commit). A failure there
-    # re-forms the survivors, who all restore again, and no newcomer enters that epoch: it would
-    # not take part in the restore's collectives.
+    # Before the end of the job's first restore (rumor.elastic.State.restore from a commit), from
+    # the first init() on. A failure there re-forms the survivors, who all restore again, and no
+    # newcomer enters that epoch: it would not take part in the restore's collectives.
     restoring: bool = False
     restore_again: bool = False  # the epoch just formed starts with that restore
+    # A member failed while this process built its DDP wrapper, whose construction sends rank 0's
+    # weights: the replicas may differ, so the next epoch starts with the source's state sent to
+    # all (until a transfer completed).
+    unsynced: bool = False
+    reforming: bool = False  # inside reform(): its init() failing is reform's caller's to handle
 
 
 _live: Optional[_Live] = None
@@ -194,6 +200,7 @@ def _before_init() -> None:
     else:
         live.members = [f"r{r}" for r in range(env.size)]
         live.seen = list(live.members)
+        live.restoring = True  # until rumor.elastic.run's first restore: no newcomer before it
         _start_watcher(live)
     _live = live
 
@@ -371,11 +378,13 @@ def _pending_newcomers(live: _Live, store=None) -> List[str]:
         if j in live.settled:
             continue
         jid = f"j{j}"
+        # Ready first: an idle spare (or a newcomer still importing) costs this one read per pass.
+        if not store.check([f"ready/{jid}"]):
+            continue
         if store.check([f"done/{jid}"]) or _count(store, f"dead/{jid}") > 0:
             live.settled.add(j)
             continue
-        if store.check([f"ready/{jid}"]):
-            out.append(jid)
+        out.append(jid)
     return out
 
 
@@ -492,41 +501,66 @@ def reform(reason: str) -> Change:
     with live.lock:  # not while the watcher aborts these communicators
         _runtime.shutdown()
     store, nxt = live.store, old_epoch + 1
-    store.set(f"e{nxt}/reg/{live.me}", f"{live.applied}{':restoring' if live.restoring else ''}")
+    flags = (["restoring"] if live.restoring else []) + (["unsynced"] if live.unsynced else [])
+    store.set(f"e{nxt}/reg/{live.me}", ":".join([str(live.applied)] + flags))
     deadline = time.monotonic() + timeout
     seen: dict = {}
     sealed = None
     said_short = False
+    mine = old.index(live.me)
+    watch_until = 0.0  # while another member is the one to seal: when to look at the others again
+    waiting: List[str] = []
+    survivors: List[str] = []
+    newcomers: List[str] = []
     while sealed is None:
         if store.check([f"e{nxt}/members"]):
             sealed = _read_members(store, nxt)
             break
         now = time.monotonic()
+        if now > deadline:
+            have = len(survivors) + len(newcomers)
+            raise LiveDropped(f"rumor.elastic: epoch {nxt} did not form within {timeout:g} s: {have} member(s) "
+                              f"{survivors + newcomers}, at least {live.min_size} wanted (RUMOR_LIVE_MIN); "
+                              f"still waiting for {waiting or 'newcomers'}")
+        if now < watch_until:
+            time.sleep(0.005)
+            continue
         waiting, survivors = [], []
-        for m in old:
+        for i, m in enumerate(old):
             if store.check([f"e{nxt}/reg/{m}"]):
+                # One ahead of this member that registered and died since would be a sealer that
+                # never seals: left out, and the next in line seals.
+                if i < mine and not _alive(live, m, seen, now):
+                    continue
                 survivors.append(m)
             elif _alive(live, m, seen, now) and not _refused(store, m):
                 waiting.append(m)
+        if survivors[0] != live.me:
+            # The first registered member seals: the others only watch for its result, and look
+            # at the rest again now and then (whether it still lives), so that the store answers
+            # the sealer's reads first (an etcd cluster shares its CPU with the training).
+            watch_until = now + 0.1
+            continue
         regs = [store.get(f"e{nxt}/reg/{m}").decode().split(":") for m in survivors]
-        restore = any(len(r) > 1 for r in regs)
+        restore = any("restoring" in r[1:] for r in regs)
         if not restore:
             waiting += [j for j in _called_spares(live) if _alive(live, j, seen, now)]
         newcomers = [] if restore else _pending_newcomers(live)
         size = len(survivors) + len(newcomers)
-        if not waiting and size >= live.min_size and survivors and survivors[0] == live.me:
+        if not waiting and size >= live.min_size:
             applied = [int(r[0]) for r in regs]
             top = max(applied)
             # The epoch's first recorded end, which every member's own error follows from (a
             # member whose peer left to re-form sees only a PeerError).
             key = f"e{old_epoch}/abort"
             first = store.get(key).decode() if store.check([key]) else ""
+            unsynced = any("unsynced" in r[1:] for r in regs)
             body = {"members": survivors + newcomers, "new": newcomers, "reason": first or reason,
-                    "source": applied.index(top), "applied": top, "restore": restore,
-                    "sync": bool(newcomers) or min(applied) != top}
+                    "source": applied.index(top), "applied": top, "restore": restore, "unsynced": unsynced,
+                    "sync": bool(newcomers) or min(applied) != top or unsynced}
             store.compare_set(f"e{nxt}/members", "", _rendezvous.seal(_members_key(), f"{_MEMBERS_MAC}/{nxt}", body))
             sealed = _read_members(store, nxt)
-            for j in newcomers:
+            for j in sealed["new"]:  # the sealed ones: a member that took the one ahead for dead may have lost the race
                 store.set(f"done/{j}", "admitted")
             store.set("epoch", str(nxt))  # newcomers look here for the epoch that admits them
             break
@@ -534,11 +568,6 @@ def reform(reason: str) -> Change:
             said_short = True
             _log.warning("rumor.elastic: %d member(s) left, fewer than RUMOR_LIVE_MIN=%d: waiting up to %g s "
                          "for newcomers", size, live.min_size, timeout)
-        if now > deadline:
-            have = len(survivors) + len(newcomers)
-            raise LiveDropped(f"rumor.elastic: epoch {nxt} did not form within {timeout:g} s: {have} member(s) "
-                              f"{survivors + newcomers}, at least {live.min_size} wanted (RUMOR_LIVE_MIN); "
-                              f"still waiting for {waiting or 'newcomers'}")
         time.sleep(0.005)
     if live.me not in sealed["members"]:
         raise LiveDropped(f"rumor.elastic: {live.me} was left out of epoch {nxt} (it registered too late); "
@@ -546,11 +575,16 @@ def reform(reason: str) -> Change:
     with live.lock:
         live.epoch, live.members, live.new = nxt, sealed["members"], sealed["new"]
     live.source, live.sync = sealed["source"], sealed["sync"]
-    live.behind = live.applied < sealed["applied"]
+    live.behind = live.applied < sealed["applied"] or (
+        bool(sealed.get("unsynced")) and live.me != sealed["members"][sealed["source"]])
     live.target = sealed["applied"]
     live.restore_again = bool(sealed.get("restore"))
     _enter_epoch(live)
-    _runtime.init(timeout)
+    live.reforming = True
+    try:
+        _runtime.init(timeout)
+    finally:
+        live.reforming = False
     # The topologies set in the old world, laid over this one (windows are made again by the
     # training function).
     if live.neighbors is not None:
@@ -622,10 +656,35 @@ _runtime.before_init(_before_init)
 
 
 def _after_init() -> None:
-    if _live is not None and _live.joined_fresh:
-        _runtime.state().awaiting_state = True
+    if _live is not None:
+        _runtime.state().live = True
+        if _live.joined_fresh:
+            _runtime.state().awaiting_state = True
+
+
+def _init_failed(e: BaseException) -> bool:
+    """The script's own rumor.init() failed (a member died while the first epoch formed): this
+    process re-forms with the members that are left, and that init() returns in the new epoch,
+    so the script goes on as if nothing happened. A newcomer's failure is its own (it exits and
+    its launcher starts another); an init() inside reform() fails to reform's caller."""
+    live = _live
+    if live is None or live.joined_fresh or live.reforming or not is_membership_failure(e):
+        return False
+    why = f"{type(e).__name__}: {e}"
+    # The failed attempt's frames hold its context, whose listening socket the next one may need
+    # (a fixed RUMOR_PORT); the traceback keeps its lines.
+    traceback.clear_frames(e.__traceback__)
+    while True:
+        try:
+            notify(reform(why))  # the callbacks registered before init() (if any) hear of it
+            return True
+        except Exception as again:  # another member lost while this epoch formed: once more
+            if not is_membership_failure(again):
+                raise
+            why = f"{type(again).__name__}: {again}"
 
 
 _runtime.on_init(_after_init)
+_runtime.on_init_failure(_init_failed)
 _rendezvous.interrupt = _interrupt
 atexit.register(_stop_watcher)

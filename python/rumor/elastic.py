@@ -654,7 +654,7 @@ class State:
                 self._reshard_sampler()
         else:
             self._reshard_sampler()
-        live.joined_fresh = live.behind = False
+        live.joined_fresh = live.behind = live.unsynced = False
         live.applied = live.target
         alg = self._algorithm
         if self._live_average():
@@ -805,8 +805,7 @@ def _run_live(train_fn, st: State, args, kwargs):
         if step_wise or own:
             mark()
 
-    restoring = not fresh  # a newcomer receives the state the members restored
-    live.restoring = restoring
+    live.restoring = not fresh  # a newcomer receives the state the members restored
     mark()
 
     def install():
@@ -814,6 +813,12 @@ def _run_live(train_fn, st: State, args, kwargs):
 
     hooks = install()
     ended = None  # why the last epoch ended, while the next one is being formed
+    cut = getattr(st.model, "_construction_cut", None)
+    if cut is not None and not fresh:
+        # A member died while the wrapper was built: its weights broadcast may not have reached
+        # every replica, so the job re-forms first and the source's state goes to all.
+        live.unsynced = True
+        ended = f"a member failed while the DDP wrapper was built: {cut}"
     try:
         while True:
             try:
@@ -831,13 +836,13 @@ def _run_live(train_fn, st: State, args, kwargs):
                     for h in hooks:  # again after the rebuilt wrapper's: a mark sees the algorithm's after_step
                         h.remove()
                     hooks = install()
-                    restoring = live.restoring = live.restore_again
+                    live.restoring = live.restore_again
                     mark()
                     _mark_change(change)
                     _live.notify(change)
-                if restoring:  # the job's first restore (again, by every member, if a failure cut it)
+                if live.restoring:  # the job's first restore (again, by every member, if a failure cut it)
                     st.restore()
-                    restoring = live.restoring = False
+                    live.restoring = False
                     mark()
                 out = train_fn(st, *args, **kwargs)
                 st._finish()

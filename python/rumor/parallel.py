@@ -13,14 +13,14 @@ from typing import Dict, List, Mapping, Optional
 
 import torch
 
-from . import _C, _runtime, timeline
+from . import _C, _rendezvous, _runtime, timeline
 from .engine import device as device_engine
 from ._runtime import Group, communicator
 from ._tensor import address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
 from .collectives import ReduceOp, allgather, broadcast_
 from .engine.buckets import Bucket, coalesced_broadcast
-from .errors import AbortedError
+from .errors import AbortedError, RumorError
 
 _MB = 1024 * 1024
 # The optimizer state a host-shared update keeps per element, by kernel (Adam: with amsgrad).
@@ -233,14 +233,19 @@ class DistributedDataParallel(torch.nn.Module):
         self.device_ids = None if self._input_device is None else [self._input_device.index]
         self.output_device = None if self._input_device is None else self._input_device.index
         self._check_no_sparse(module)
-        self._verify_same_model(named)
+        # Live membership: why a member's loss cut this construction's collectives (then the
+        # first epoch re-forms and starts from one member's state sent to all; rumor.elastic.run).
+        self._construction_cut: Optional[str] = None
+        self._constructing = True
+        self._cut_by_membership("verify", lambda: self._verify_same_model(named))
         # Parameters on a CUDA device (or, in the tests, the emulation of that path on CPU) run
         # on rumor.engine.device.DeviceEngine instead of the C++ engine.
         self._device_mode = self._choose_device_mode(named, autotune)
         self._synced_params = [p for _, p in named]
         self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in ignore]
         if not self._state_follows():
-            coalesced_broadcast([p.data for p in self._synced_params] + self._buffers_to_sync, self.group)
+            self._cut_by_membership("broadcast", lambda: coalesced_broadcast(
+                [p.data for p in self._synced_params] + self._buffers_to_sync, self.group))
 
         trainable = [(n, p) for n, p in named if p.requires_grad]
         self._names = [n for n, _ in trainable]
@@ -296,9 +301,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._step_t0 = None
         self._backward_t0 = None
         self._hooks_removed = False
-        self.algorithm.init(self)
+        self._cut_by_membership("algorithm", lambda: self.algorithm.init(self))
         from .autotune import _make_autotuner
-        self._autotuner = _make_autotuner(self, autotune)
+        self._autotuner = self._cut_by_membership("autotuner", lambda: _make_autotuner(self, autotune))
+        self._constructing = False
 
     # ---- setup ------------------------------------------------------------------------------
 
@@ -413,7 +419,8 @@ class DistributedDataParallel(torch.nn.Module):
                     n_regions = 1 + len(_SHARED_STATE[self._fusion._kernel])
                     self._step_regions[bi] = [arena_bytes + k * _aligned(total * 4) for k in range(n_regions)]
                     arena_bytes += n_regions * _aligned(total * 4)
-        arena = _C.SharedArena(self.group._comm, arena_bytes) if shared else None
+        arena = self._cut_by_membership("arena", lambda: _C.SharedArena(self.group._comm, arena_bytes)) \
+            if shared else None
         buckets, specs = [], []
         for bi, (idx, dtype, total, at) in enumerate(layout):
             if arena is not None:
@@ -883,6 +890,26 @@ class DistributedDataParallel(torch.nn.Module):
             DistributedDataParallel.__init__(self, **a)
         finally:
             self._rebinding = False
+
+    def _cut_by_membership(self, what: str, collective):
+        """Runs a part of the construction that communicates and returns its result. In a live
+        job's first epoch (rumor-run --live) a member may die meanwhile: the failure is recorded
+        instead of raised, the construction's later collectives are skipped (None: buckets of
+        private memory, no algorithm set-up, no autotuner), and rumor.elastic.run re-forms the
+        job before training, builds the wrapper again and sends one member's whole state to the
+        others (weights the broadcast did not finish sending included). Anywhere else, and for
+        the script's own errors (models that differ), it raises."""
+        if self._construction_cut is not None:
+            return None
+        _rendezvous.fault_point(f"ddp:{what}")  # tests: a member dies while the wrappers are built
+        try:
+            return collective()
+        except RumorError as e:
+            if (isinstance(e, ValueError) or not self._constructing or self._state_follows()
+                    or not _runtime.state().live):
+                raise
+            self._construction_cut = f"{type(e).__name__}: {e}"
+            return None
 
     def _state_follows(self) -> bool:
         """Live membership: a wrapper built again after a change, or a newcomer's, is followed

@@ -54,7 +54,9 @@ WORKER = textwrap.dedent(
         f.write(f"{time.time()!r} {pid}")
     gate = os.environ.get("LIVE_TEST_GATE", "")  # the victim waits for this file before its fault
     rumor.init()
-    torch.manual_seed(0)
+    # LIVE_TEST_OWN_SEEDS="r2,r3": those members start from weights of their own (only the
+    # wrapper's broadcast, or the state sent at a change, makes them equal)
+    torch.manual_seed(100 + int(me[1:]) if me in os.environ.get("LIVE_TEST_OWN_SEEDS", "").split(",") else 0)
     width = 33 if newcomer == "wrong-model" and me.startswith("j") else 32
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
     ddp = DistributedDataParallel(model, algorithm=getattr(rumor.algorithms, algorithm)())
@@ -303,6 +305,38 @@ def test_a_death_inside_the_first_restore(tmp_path):
     text = _run_live(tmp_path, "none", 0, "kill", spares=1, env={"RUMOR_TEST_DIE_AT": "elastic:restore:r2"})
     assert "worker r2" in text and "signal 9" in text, text[-6000:]
     _check(tmp_path, "r2", text)
+
+
+def test_a_death_while_the_wrappers_are_built(tmp_path):
+    """r0, the root of the DDP wrapper's weight broadcast, dies as the wrappers are built; r2 and r3
+    initialised their models differently, so only that broadcast would have made them equal. The
+    others record the failed broadcast instead of raising; rumor.elastic.run re-forms them before
+    the first step and sends r1's state to r2 and r3. Before, every survivor's wrapper raised and
+    the job ended."""
+    text = _run_live(tmp_path, "none", 0, "kill",
+                     env={"RUMOR_TEST_DIE_AT": "ddp:broadcast:r0", "LIVE_TEST_OWN_SEEDS": "r2,r3"})
+    assert "worker r0" in text and "signal 9" in text, text[-6000:]
+    _check(tmp_path, "r0", text)
+
+
+def test_a_death_inside_the_first_init(tmp_path):
+    """r2 dies inside the script's rumor.init(), after the rendezvous and before the first barrier:
+    the others' init() re-forms without it and returns in that epoch (rank and size of three), so
+    the script goes on as written; newcomer j1 is admitted at a step boundary. Before, every
+    survivor's init() raised."""
+    text = _run_live(tmp_path, "none", 0, "kill", env={"RUMOR_TEST_DIE_AT": "init:peers:r2"})
+    assert "worker r2" in text and "signal 9" in text, text[-6000:]
+    survivors = ["r0", "r1", "r3"]
+    logs, finals = live_runs.load_and_check(tmp_path, text, survivors + ["j1"], survivors, STEPS, every_step=False)
+    sizes = _sizes_applied(logs)
+    first = logs["j1"][0]["step"]
+    assert 0 < first <= GROW and sizes == [3] * first + [4] * (STEPS - first), sizes
+    for m in survivors:  # the change inside init() came before the script's callbacks
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(4, [], ["j1"])], finals[m]
+    ref = finals["r0"]["params"]
+    assert all(f["params"] == ref for f in finals.values())
+    for got, want in zip(ref, _simulate(sizes)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
 
 
 def test_a_stopped_worker_is_dropped_and_comes_back_as_a_newcomer(tmp_path):
