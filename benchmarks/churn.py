@@ -21,7 +21,9 @@ With --store etcd the live runs keep their store in etcd members on hosts 0-2; -
 kills host 0 whole T seconds into the live run (its launcher, its etcd member, its worker and
 spare; nothing of it is started again), and a failure-free run on three hosts gives the
 capacity left: the live run is then measured against failure-free training on the same hosts
-(all four until T, three after).
+(all four until T, three after). The machine's speed drifts over minutes when it is shared:
+--baseline-after runs the failure-free runs again after the soak and measures it against the mean
+of both.
 
 Goodput is the samples of the steps that count (each step once, with the world size that trained
 it: a step redone after a restore counts once) over the run's wall time from its first step. The workers stop together
@@ -244,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model-mb", type=float, default=25.0)
     ap.add_argument("--minutes", type=float, default=10.0, help="the live soak")
     ap.add_argument("--baseline-minutes", type=float, default=2.0, help="the failure-free run")
+    ap.add_argument("--baseline-after", action="store_true",
+                    help="run the failure-free runs again after the live soak and compare with their mean")
     ap.add_argument("--restart-minutes", type=float, default=5.0, help="the restart path's soak (0: none)")
     ap.add_argument("--kill-every", type=float, default=20.0)
     ap.add_argument("--spares", type=int, default=1,
@@ -280,6 +284,10 @@ def main(argv=None) -> int:
         if args.kill_store_host:
             plan.append(("failure-free, three hosts", "live", args.baseline_minutes, False, args.hosts - 1, 0.0))
         plan.append(("live", "live", args.minutes, True, 0, args.kill_store_host))
+        if args.baseline_after:
+            # The machine's speed drifts over minutes (it is shared): the failure-free runs again
+            # after the soak, and the soak compared with their mean.
+            plan += [(f"{label} (after)", *rest) for label, *rest in plan if label.startswith("failure-free")]
         if args.restart_minutes > 0:
             plan.append(("restart", "restart", args.restart_minutes, True, 0, 0.0))
         for label, kind, minutes, kills, hosts, host_kill in plan:
@@ -304,15 +312,21 @@ def _report(args, result) -> int:
     json_path, png_path = os.path.join(args.out, "churn.json"), os.path.join(args.out, "churn.png")
     by = {r["label"]: r for r in result["runs"]}
     headline = None
+
+    def failure_free(label):
+        """The failure-free goodput: the mean of the runs before and after the soak (if any)."""
+        runs = [by[k]["goodput"] for k in (label, f"{label} (after)") if k in by]
+        return sum(runs) / len(runs)
+
     if "failure-free" in by and "live" in by:
-        base, live = by["failure-free"], by["live"]
-        want = base["goodput"]
+        live = by["live"]
+        want = failure_free("failure-free")
+        bracketed = "failure-free (after)" in by
         if "host_lost_s" in live and "failure-free, three hosts" in by:
             # What failure-free training would have done with the hosts the job had: all of them
             # until host 0 was lost, the others after.
             t = live["host_lost_s"]
-            want = (t * base["goodput"] + (live["wall_s"] - t) * by["failure-free, three hosts"]["goodput"]) \
-                / live["wall_s"]
+            want = (t * want + (live["wall_s"] - t) * failure_free("failure-free, three hosts")) / live["wall_s"]
             live["failure_free_same_hosts"] = want
         frac = live["goodput"] / want
         clean = all(r["agree"] and not r["hung"] and not r["left_processes"] and not r["left_shm"]
@@ -325,12 +339,13 @@ def _report(args, result) -> int:
                     f"(--live-spares {a.get('spares', 0)}, --store {a.get('store', 'tcp')}"
                     + (f", host 0 killed whole at {live['host_lost_s']:.0f} s" if "host_lost_s" in live else "")
                     + f") = {frac:.2f} of failure-free ({want:.0f}"
-                    + (" with the same hosts" if want != base["goodput"] else "") + ") [target >= 0.9: "
+                    + (" with the same hosts" if "failure_free_same_hosts" in live else "")
+                    + (", run before and after the soak" if bracketed else "") + ") [target >= 0.9: "
                     f"{'MET' if frac >= 0.9 else 'NOT MET'}]")
         if "restart" in by:
             rs = by["restart"]
             headline += (f"; torchrun restart path {rs['goodput']:.0f} samples/s with {rs['kills']} kills = "
-                         f"{rs['goodput'] / base['goodput']:.2f} of failure-free")
+                         f"{rs['goodput'] / failure_free('failure-free'):.2f} of failure-free")
         headline += f"; divergence 0, hangs 0, leftovers 0: {'yes' if clean else 'NO'}"
     result["cells"] = result["runs"]  # what _common.write_results looks for
     draw = None if args.no_plot else (lambda: plot(png_path, result["runs"]))

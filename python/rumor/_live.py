@@ -19,8 +19,9 @@ compare_set writes is everyone's. Under the store's key prefix
 - ``e<E>/abort``: the first failure anybody saw in epoch E. Every member's watcher thread reads
   it and aborts its communicators, so collectives blocked on a member that is gone fail at once
   instead of waiting out their deadline.
-- ``hb/<id>``: each process's heartbeat counter (its watcher adds one every beat); a member whose
-  counter stands still for RUMOR_LIVE_HEARTBEAT seconds (SIGSTOP, a lost host) is gone.
+- ``hb/<id>``: each process's heartbeat counter (its watcher writes its next value every other
+  beat; an idle spare's only once called); a member whose counter stands still for
+  RUMOR_LIVE_HEARTBEAT seconds (SIGSTOP, a lost host) is gone.
   ``dead/<id>``: set by the launcher when the process exits; ``events`` counts exits and
   aborts, so that a watcher reads one key per beat and the others only when it moved.
 - ``joinseq``, ``ready/j<n>``, ``done/j<n>``: newcomers are numbered by joinseq (the launcher
@@ -127,6 +128,7 @@ class _Live:
     # weights: the replicas may differ, so the next epoch starts with the source's state sent to
     # all (until a transfer completed).
     unsynced: bool = False
+    idle_spare: bool = False  # a spare its launcher has not called yet
     reforming: bool = False  # inside reform(): its init() failing is reform's caller's to handle
 
 
@@ -189,7 +191,9 @@ def _before_init() -> None:
         _start_watcher(live)
         _warm_up()
         if os.environ.get(SPARE_ENV, "").strip():
+            live.idle_spare = True
             _await_call(live, int(os.environ[SPARE_ENV]))
+            live.idle_spare = False
         store.set(f"ready/{me}", "1")
         _log.warning("rumor.elastic: newcomer %s is waiting to be admitted", me)
         epoch, sealed = _await_admission(live, timeout)
@@ -296,10 +300,17 @@ def _watch(live: _Live) -> None:
     last = {}  # member -> (its heartbeat counter, the local time it last moved)
     events = 0
     tick = 0
+    beats = 0
     while not live.stop.wait(_BEAT_S):
         tick += 1
         try:
-            store.add(f"hb/{live.me}", 1)
+            # The heartbeat moves every other tick (a silence is judged over RUMOR_LIVE_HEARTBEAT,
+            # 2 s), by a plain write of this process's own count: on an etcd store each write is a
+            # Raft entry every member stores, where failures are found by the events read below.
+            # An idle spare beats only once called: nobody waits for it before.
+            if tick % 2 == 1 and not live.idle_spare:
+                beats += 1
+                store.set(f"hb/{live.me}", str(beats))
             with live.lock:
                 epoch, members = live.epoch, list(live.members)
             if live.trouble is not None or live.joined_fresh and epoch == 0:
