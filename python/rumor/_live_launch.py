@@ -14,6 +14,7 @@ import atexit
 import datetime
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ def _command(args) -> List[str]:
 def main(args) -> None:
     import torch.distributed as dist
 
-    from . import _live, _rendezvous, _secret, _shm
+    from . import _live, _rendezvous, _secret, _shm, _storetls
     from ._etcd_store import ENDPOINTS_ENV, FOLLOW_ENV
 
     min_nodes, _, max_nodes = str(args.nnodes).partition(":")
@@ -80,6 +81,7 @@ def main(args) -> None:
         tls.prepare()
         atexit.register(tls.close)
     etcd_member = None
+    store_tls = None
     if kind == "tcp":
         if getattr(args, "rumor_store_hosts", None):
             raise SystemExit("rumor-run: --store-hosts is for --store etcd")
@@ -88,11 +90,24 @@ def main(args) -> None:
         # Node 0's launcher hosts the store every member agrees through; the others connect to it.
         addr = "127.0.0.1" if nodes == 1 else args.master_addr
         port = 0 if nodes == 1 else int(args.master_port or 29500)
-        store = dist.TCPStore(addr, port, is_master=node == 0, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=60))
-        port = store.port
         where = f"store {addr}:{port}"
         store_env = {}
+        store_tls = _store_tls(nodes, node, addr, port)
+        if store_tls is not None:
+            atexit.register(store_tls.close)
+            # The workers' MASTER_ADDR is the tunnel's loopback end: rumor.init() advertises the
+            # interface that reaches this address instead.
+            store_env[_storetls.ROUTE_ENV] = addr
+            addr, port = "127.0.0.1", store_tls.local_port
+            where += " over TLS"
+        if store_tls is not None and node == 0:
+            store = store_tls.store  # the real one, on loopback only, behind the terminator
+        else:
+            store = dist.TCPStore(addr, port, is_master=node == 0, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=60))
+        port = store.port
+        if store_tls is None:
+            where = f"store {addr}:{port}"
     else:
         from . import _etcd_member
         from ._etcd_store import EtcdStore, tls_context_from_env
@@ -286,11 +301,32 @@ def main(args) -> None:
                     pass
             else:
                 _leave_etcd(store, live, nodes, node, etcd_member)
+            if store_tls is not None:
+                store_tls.close()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
     if not finished or failed_after_end:
         raise SystemExit(1)
+
+
+def _store_tls(nodes: int, node: int, host: str, port: int) -> Optional[_storetls.StoreTls]:
+    """The TCP store of a job on several hosts with TLS files set (--tls auto's or the user's):
+    its traffic goes through the launchers' TLS tunnels (python/rumor/_storetls.py), as for
+    torchrun's static rendezvous. Started here, or None."""
+    from . import _storetls
+
+    files = _storetls.files_from_env()
+    if nodes == 1 or files is None:
+        return None
+    st = _storetls.StoreTls(node, nodes, host, port, *files, peer_name=os.environ.get("RUMOR_TLS_PEER_NAME"))
+    try:
+        st.start()
+    except (OSError, ssl.SSLError) as e:
+        st.close()
+        raise SystemExit(f"rumor-run: store TLS: node {node} cannot open its end of the store's tunnel "
+                         f"({host}:{port}): {e}") from None
+    return st
 
 
 class _Adopted:

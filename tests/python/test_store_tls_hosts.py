@@ -55,6 +55,47 @@ WORKER = textwrap.dedent(
     """
 )
 
+# The same under rumor-run --live: r1 kills itself at step 3, node 1's launcher starts newcomer j1
+# (its store connections go through node 1's tunnel too), and the members wait for it at step 6.
+LIVE_WORKER = textwrap.dedent(
+    """
+    import hashlib, json, os, signal
+    import torch
+    import rumor
+    from rumor.parallel import DistributedDataParallel
+
+    rumor.init()
+    me = os.environ["RUMOR_LIVE_ID"]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = rumor.elastic.State(ddp, opt)
+
+
+    @rumor.elastic.run
+    def train(state):
+        while state.step < 8:
+            if me == "r1" and state.step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state.step == 6:
+                rumor.elastic.wait_for_members(2, timeout=60)
+            g = torch.Generator().manual_seed(100 * state.step + rumor.rank())
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.step += 1
+
+
+    train(state)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    print("RESULT " + json.dumps({"rank": rumor.rank(), "me": me, "tls": bool(rumor._runtime._state.ctx.tls),
+                                  "digest": digest}), flush=True)
+    """
+)
+
 # What a stranger on host 1 gets from node 0's store port: "refused: why" per kind of client.
 STRANGER = textwrap.dedent(
     """
@@ -128,11 +169,12 @@ def _wait_file(path, needle: str, proc, deadline: float) -> None:
     raise AssertionError(f"{needle!r} not in {path} before the deadline")
 
 
-def _run_job(tmp_path, cluster, name, tls, relay_args, during=None, timeout_s=20):
+def _run_job(tmp_path, cluster, name, tls, relay_args, during=None, timeout_s=20, live=False):
     """Node 0 on host 0 with the store; node 1 on host 1, reaching it through a relay on host 1.
     Returns (return codes, the launchers' outputs, RESULT reports)."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script = tmp_path / ("live_worker.py" if live else "worker.py")
+    script.write_text(LIVE_WORKER if live else WORKER)
+    how = ["--live", "--max-restarts", "1"] if live else ["--max-restarts", "0", "--rdzv-conf", "timeout=40"]
     priv = tmp_path / f"{name}-private"
     priv.mkdir(mode=0o700)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RUMOR_TIMEOUT=str(timeout_s),
@@ -149,8 +191,8 @@ def _run_job(tmp_path, cluster, name, tls, relay_args, during=None, timeout_s=20
             out = tmp_path / f"{name}-launcher{node}.txt"
             outs.append(out)
             cmd = [sys.executable, "-m", "rumor.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
-                   "1", "--max-restarts", "0", "--master-addr", addr, "--master-port", str(port), "--rdzv-id",
-                   "storetls-job", "--rdzv-conf", "timeout=40", *tls_flag, str(script)]
+                   "1", *how, "--master-addr", addr, "--master-port", str(port), "--rdzv-id", "storetls-job",
+                   *tls_flag, str(script)]
             with open(out, "wb") as sink:
                 procs.append(cluster.popen(node, cmd, env=env, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL))
@@ -234,3 +276,26 @@ def test_an_altered_byte_on_the_store_stream_fails_the_job_clearly(tmp_path):
     # Node 1's forwarder finds the altered record; node 0's terminator hears its alert.
     assert "forwarder: the connection to the store at" in texts[1] and "BAD_RECORD_MAC" in texts[1], text
     assert f"terminator: the connection from {cluster.ip(1)}:" in texts[0] and "BAD_RECORD_MAC" in texts[0], text
+
+
+def test_live_store_traffic_is_tls_only_through_a_change(tmp_path):
+    """rumor-run --live --tls auto on two hosts: the live store (node 0's launcher) is reached
+    through the tunnels. r1 dies at step 3 and node 1's launcher starts newcomer j1, whose store
+    connections cross the relay too; the job trains to the end with j1, whose parameters equal
+    r0's, and every byte the relay carried is a TLS record with none of the live keys in it."""
+    rec = tmp_path / "capture-live"
+    rec.mkdir()
+    with _cluster() as cluster:
+        rcs, text, results, _ = _run_job(tmp_path, cluster, rec.name, True, ["--record", str(rec)], live=True)
+    assert rcs == [0, 0], text
+    assert "over TLS" in text and "worker r1" in text and "signal 9" in text, text
+    assert sorted(r["me"] for r in results) == ["j1", "r0"] and all(r["tls"] for r in results), text
+    assert results[0]["digest"] == results[1]["digest"], results
+    captures = {f.name: f.read_bytes() for f in sorted(rec.iterdir())}
+    # the launcher's, r1's and j1's (each with its watcher's) connections, at least
+    assert len(captures) >= 5 and sum(map(len, captures.values())) > 20000, {k: len(v) for k, v in captures.items()}
+    for name, data in captures.items():
+        kinds = [k for k, _ in tls_records(data)]
+        assert kinds and kinds[0] == 22 and set(kinds[1:]) <= {20, 23}, (name, kinds[:8])
+        for needle in NEEDLES + (b"/live/", b"joinseq", b"hb/"):
+            assert needle not in data, (name, needle)
