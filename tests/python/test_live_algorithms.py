@@ -111,10 +111,15 @@ WORKER = textwrap.dedent(
                 # Every member has applied the steps before the fault (the inner steps do not
                 # wait for each other), so each survivor gives up the same step.
                 rumor.barrier()
-            if me == victim and state.step == fault_step:
+            if me == victim and state.step == fault_step and kind.endswith("-average"):
+                # The others enter this step's average and wait in it; the victim dies inside
+                # its own, so that the survivors learn of it from the average that fails.
+                time.sleep(1.0)
+                os.environ["RUMOR_TEST_DIE_AT"] = "diloco:average"
+            elif me == victim and state.step == fault_step:
                 os.kill(pid, signal.SIGKILL)
             quiet = kind.startswith("StreamingDiLoCo") or kind.startswith("AsyncModelAverage")
-            if quiet and state.step == fault_step and not changes:
+            if quiet and state.step == fault_step and not changes and not kind.endswith("-average"):
                 # The members train alone and would run on past the fault: the survivors wait
                 # here until the watcher has seen it, so that both give up this step.
                 from rumor import _live
@@ -539,7 +544,7 @@ def _simulate_streaming(logs, steps, H=4, F=2, tau=0, alpha=0.0):
     return [[t.flatten() for t in unflat(v)] for v in x]
 
 
-@pytest.mark.parametrize("kind", ["StreamingDiLoCo", "StreamingDiLoCo-delay"])
+@pytest.mark.parametrize("kind", ["StreamingDiLoCo", "StreamingDiLoCo-delay", "StreamingDiLoCo-average"])
 def test_streaming_diloco_puts_every_fragment_back_to_the_global_model_at_a_change(tmp_path, kind):
     """DiLoCo(inner_steps=4, num_fragments=2) runs live step by step: r1 dies before its step 3
     (after fragment 1's outer step at step 1, before fragment 0's at step 3); the survivors find
@@ -547,7 +552,9 @@ def test_streaming_diloco_puts_every_fragment_back_to_the_global_model_at_a_chan
     parameters and train on with two; the newcomer receives that global model and the outer
     state at step 6, where every member again goes back to the global model. -delay
     (fragment_sync_delay=1, fragment_update_alpha=0.5): r1 dies before its step 2, while fragment
-    1's average sent at step 1 is still to be applied: it is given up. Each member's final
+    1's average sent at step 1 is still to be applied: it is given up. -average: r1 dies inside
+    fragment 0's average at step 3, which the survivors entered first: they learn of it from that
+    average failing, after their inner step was applied, and undo the step. Each member's final
     replica (they differ between outer steps) equals a float64 run of that timeline for its rank,
     to float32 rounding, and not the run where nobody failed."""
     delay = kind.endswith("delay")
@@ -564,6 +571,8 @@ def test_streaming_diloco_puts_every_fragment_back_to_the_global_model_at_a_chan
     want = _simulate_streaming(logs, STEPS, **rule)
     full = _simulate_streaming({"r0": [{"step": s, "size": 3, "rank": 0} for s in range(STEPS)]}, STEPS, **rule)
     _each_replica_matches(finals, logs, want, full)
+    if kind.endswith("-average"):  # the survivors' flight recorders: the average failed under them
+        assert "allreduce" in text and "failed bytes=" in text, text[-6000:]
 
 
 def _each_replica_matches(finals, logs, want, full):

@@ -25,7 +25,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _C, _runtime
+from .. import _C, _rendezvous, _runtime
 from .._tensor import address, dtype_code
 from ..collectives import ReduceOp, ALGORITHMS
 from ._warmup import WarmupThenLocal
@@ -468,6 +468,7 @@ class DiLoCo(Algorithm):
         self.log.append(("send", self.steps, f.index))
 
     def _average(self, buf: torch.Tensor, nonblocking: bool, step: int):
+        _rendezvous.fault_point("diloco:average")  # tests: a member dies inside a fragment's average
         self._count_wire(buf)
         if self._device_avg is not None:
             # Both ways a Ticket: blocking averages (fragment_sync_delay == 0) are waited for by
