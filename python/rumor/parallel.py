@@ -421,6 +421,8 @@ class DistributedDataParallel(torch.nn.Module):
                     arena_bytes += n_regions * _aligned(total * 4)
         arena = self._cut_by_membership("arena", lambda: _C.SharedArena(self.group._comm, arena_bytes)) \
             if shared else None
+        if arena is None:  # none was made (a live job's first epoch lost a member meanwhile)
+            self._step_regions = {}
         buckets, specs = [], []
         for bi, (idx, dtype, total, at) in enumerate(layout):
             if arena is not None:
