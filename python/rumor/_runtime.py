@@ -89,7 +89,6 @@ _state: Optional[_State] = None
 _init_hooks: list = []
 _shutdown_hooks: list = []
 _before_init_hooks: list = []
-_init_failure_hooks: list = []
 _generation = 0
 # The TCPStore of the last init() outlives shutdown(): a peer that re-initialises before this
 # rank has shut down may still be talking to the server rank 0 hosts. A later init() in this
@@ -144,23 +143,11 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
       "host" (default) once the op finished on the GPU, "stream" once it is queued on the current
       stream, as in torch.distributed (see rumor.set_gpu_wait).
     """
+    global _state, _generation, _store_keepalive, _forming
     if _state is not None:
         raise RuntimeError("rumor.init() was already called; call rumor.shutdown() first")
     for hook in list(_before_init_hooks):
         hook()
-    try:
-        _join(timeout, socket_streams, shm, gpu_wait)
-    except Exception as e:
-        # Live membership: a member of the world being formed is gone; the hook forms the next
-        # world without it (this init() then returns in that one) or declines.
-        if _state is None and any(hook(e) for hook in list(_init_failure_hooks)):
-            return
-        raise
-
-
-def _join(timeout: Optional[float], socket_streams: Optional[int], shm: Optional[bool],
-          gpu_wait: Optional[str]) -> None:
-    global _state, _generation, _store_keepalive, _forming
     if gpu_wait is None:
         wait_mode = gpu_wait_mode(os.environ.get(GPU_WAIT_ENV), f"rumor.init(): {GPU_WAIT_ENV}")
     else:
@@ -306,13 +293,6 @@ def on_init(fn) -> None:
     """fn() runs at the end of every init()."""
     if fn not in _init_hooks:
         _init_hooks.append(fn)
-
-
-def on_init_failure(fn) -> None:
-    """fn(error) runs when init() fails; returning True means it joined another world in its
-    place (live membership re-forms without the member that left), and init() returns."""
-    if fn not in _init_failure_hooks:
-        _init_failure_hooks.append(fn)
 
 
 def before_init(fn) -> None:
