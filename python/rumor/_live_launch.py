@@ -14,7 +14,6 @@ import atexit
 import datetime
 import os
 import signal
-import ssl
 import subprocess
 import sys
 import time
@@ -90,24 +89,25 @@ def main(args) -> None:
         # Node 0's launcher hosts the store every member agrees through; the others connect to it.
         addr = "127.0.0.1" if nodes == 1 else args.master_addr
         port = 0 if nodes == 1 else int(args.master_port or 29500)
-        where = f"store {addr}:{port}"
+        public = f"{addr}:{port}"
         store_env = {}
-        store_tls = _store_tls(nodes, node, addr, port)
-        if store_tls is not None:
+        # Several hosts with TLS files set (--tls auto's or the user's): the store's traffic
+        # through the launchers' tunnels, as for torchrun's static rendezvous.
+        files = _storetls.files_from_env()
+        if nodes > 1 and files is not None:
+            store_tls = _storetls.open_tunnel(node, nodes, addr, port, files)
             atexit.register(store_tls.close)
             # The workers' MASTER_ADDR is the tunnel's loopback end: rumor.init() advertises the
             # interface that reaches this address instead.
             store_env[_storetls.ROUTE_ENV] = addr
             addr, port = "127.0.0.1", store_tls.local_port
-            where += " over TLS"
         if store_tls is not None and node == 0:
             store = store_tls.store  # the real one, on loopback only, behind the terminator
         else:
             store = dist.TCPStore(addr, port, is_master=node == 0, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=60))
         port = store.port
-        if store_tls is None:
-            where = f"store {addr}:{port}"
+        where = f"store {public} over TLS" if store_tls is not None else f"store {addr}:{port}"
     else:
         from . import _etcd_member
         from ._etcd_store import EtcdStore, tls_context_from_env
@@ -308,25 +308,6 @@ def main(args) -> None:
                 signal.signal(s, h)
     if not finished or failed_after_end:
         raise SystemExit(1)
-
-
-def _store_tls(nodes: int, node: int, host: str, port: int) -> Optional[_storetls.StoreTls]:
-    """The TCP store of a job on several hosts with TLS files set (--tls auto's or the user's):
-    its traffic goes through the launchers' TLS tunnels (python/rumor/_storetls.py), as for
-    torchrun's static rendezvous. Started here, or None."""
-    from . import _storetls
-
-    files = _storetls.files_from_env()
-    if nodes == 1 or files is None:
-        return None
-    st = _storetls.StoreTls(node, nodes, host, port, *files, peer_name=os.environ.get("RUMOR_TLS_PEER_NAME"))
-    try:
-        st.start()
-    except (OSError, ssl.SSLError) as e:
-        st.close()
-        raise SystemExit(f"rumor-run: store TLS: node {node} cannot open its end of the store's tunnel "
-                         f"({host}:{port}): {e}") from None
-    return st
 
 
 class _Adopted:

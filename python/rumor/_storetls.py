@@ -501,6 +501,20 @@ def files_from_env(env=os.environ) -> Optional[Tuple[str, str, str]]:
     return given["RUMOR_TLS_CERT"], given["RUMOR_TLS_KEY"], given["RUMOR_TLS_CA"]
 
 
+def open_tunnel(node_rank: int, nnodes: int, host: str, port: int, files: Tuple[str, str, str],
+                env=os.environ) -> StoreTls:
+    """Starts this node's end of the store's tunnel (the store at host:port); SystemExit naming
+    the node and the address when it cannot."""
+    st = StoreTls(node_rank, nnodes, host, port, *files, peer_name=env.get("RUMOR_TLS_PEER_NAME"))
+    try:
+        st.start()
+    except (OSError, ssl.SSLError) as e:
+        st.close()
+        raise SystemExit(f"rumor-run: store TLS: node {node_rank} cannot open its end of the store's tunnel "
+                         f"({_fmt((host, port))}): {e}") from None
+    return st
+
+
 def for_launch(args, env=os.environ) -> Optional[StoreTls]:
     """When the job's store is to be carried over TLS: torchrun's static rendezvous on several
     nodes, with the TLS files set (by --tls auto or by the user). Starts this node's end, points
@@ -519,14 +533,8 @@ def for_launch(args, env=os.environ) -> Optional[StoreTls]:
     host = host.strip("[]")
     if not host or not port.isdigit():
         raise SystemExit(f"rumor-run: the store's address {endpoint!r} is not host:port")
-    st = StoreTls(int(args.node_rank), int(min_nodes), host, int(port), *files,
-                  peer_name=env.get("RUMOR_TLS_PEER_NAME"))
-    try:
-        local = st.start()
-    except (OSError, ssl.SSLError) as e:
-        st.close()
-        raise SystemExit(f"rumor-run: store TLS: node {args.node_rank} cannot open its end of the store's tunnel "
-                         f"({_fmt((host, int(port)))}): {e}") from None
+    st = open_tunnel(int(args.node_rank), int(min_nodes), host, int(port), files, env)
+    local = st.local_port
     args.master_addr, args.master_port = "127.0.0.1", local
     args.rdzv_endpoint = f"127.0.0.1:{local}"
     env.setdefault(ROUTE_ENV, host)
