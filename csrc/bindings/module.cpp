@@ -212,6 +212,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("owner_tags") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shm_tag", &Context::shm_tag)
       .def("seal", &Context::seal)
+      .def("abort", &Context::abort, py::arg("why"))
       .def("set_timeout", &Context::set_timeout, py::arg("seconds"))
       .def_property_readonly("timeout", &Context::timeout_s);
 

@@ -164,13 +164,24 @@ void Context::set_peers(std::vector<std::string> addresses, std::vector<std::str
 
 void Context::seal() { own_bell_seg_.unlink_name(); }
 
+void Context::abort(const std::string& why) {
+  std::lock_guard lk(abort_mu_);
+  if (!aborted_.load(std::memory_order_relaxed)) abort_why_ = why;
+  aborted_.store(true, std::memory_order_release);
+}
+
 net::Doorbell* Context::peer_doorbell(uint32_t peer, const Deadline& deadline) {
   std::lock_guard lk(bells_mu_);
   auto it = peer_bells_.find(peer);
   if (it == peer_bells_.end()) {
-    auto seg =
-        net::ShmSegment::open(owned_name(shm_prefix() + "-db-" + std::to_string(peer), {peer}),
-                              sizeof(net::Doorbell), deadline, "doorbell of rank " + std::to_string(peer));
+    const std::string what = "doorbell of rank " + std::to_string(peer);
+    auto seg = net::ShmSegment::open(owned_name(shm_prefix() + "-db-" + std::to_string(peer), {peer}),
+                                     sizeof(net::Doorbell), deadline, what, [&] {
+                                       if (!aborted_.load(std::memory_order_acquire)) return;
+                                       std::lock_guard alk(abort_mu_);
+                                       throw Error(ErrorKind::kAborted, "set_peers: waiting for the " + what +
+                                                                            " was aborted: " + abort_why_);
+                                     });
     it = peer_bells_.emplace(peer, std::move(seg)).first;
   }
   return static_cast<net::Doorbell*>(it->second.data());

@@ -112,6 +112,11 @@ class Context {
   // Removes this rank's doorbell name once every local peer has mapped it (the caller runs a
   // barrier after set_peers first), so that a crash later cannot leak it in /dev/shm.
   void seal();
+  // Ends a set_peers still waiting for a local peer's doorbell (kAborted, with why): live
+  // membership calls it when a member of the world being formed is gone. A member that gave up on
+  // that world first has removed its doorbell already, so the wait could only end at the deadline.
+  // Sticky: a set_peers that starts later fails at once.
+  void abort(const std::string& why);
   const std::vector<std::string>& host_ids() const { return host_ids_; }
   bool same_host(uint32_t a, uint32_t b) const { return host_ids_.at(a) == host_ids_.at(b); }
   // Sites (RUMOR_SITE): groups of hosts joined by fast links and set apart by slow ones, e.g. two
@@ -168,6 +173,9 @@ class Context {
   net::Doorbell* own_bell_ = nullptr;
   std::mutex bells_mu_;
   std::map<uint32_t, net::ShmSegment> peer_bells_;
+  std::atomic<bool> aborted_{false};
+  std::mutex abort_mu_;
+  std::string abort_why_;  // under abort_mu_
   trace::Recorder recorder_;
   // Built once from options_ when TLS is on; every channel's sessions share it.
   std::shared_ptr<const net::TlsContext> tls_;

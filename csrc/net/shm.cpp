@@ -96,7 +96,7 @@ ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
 }
 
 ShmSegment ShmSegment::open(const std::string& name, size_t bytes, const Deadline& deadline,
-                            const std::string& what) {
+                            const std::string& what, const std::function<void()>& poll) {
   while (true) {
     int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd >= 0) {
@@ -119,6 +119,7 @@ ShmSegment ShmSegment::open(const std::string& name, size_t bytes, const Deadlin
     if (deadline.expired())
       throw Error(ErrorKind::kTimeout, what + ": the peer did not create shared memory " + name +
                                            " before the deadline (is it running the same operation?)");
+    if (poll) poll();
     std::this_thread::sleep_for(std::chrono::microseconds(500));
   }
 }

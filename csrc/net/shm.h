@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "net/channel.h"
@@ -23,9 +24,10 @@ class ShmSegment {
   // Whether the creator has also filled it in is for the caller to check (each layout marks that
   // in its own header, e.g. a `ready` flag the creator sets last).
   // Refuses (kProtocol, naming the segment and its owner) a segment that is not this euid's or
-  // that grants group/other access, before mapping it.
+  // that grants group/other access, before mapping it. `poll`, where given, runs between tries
+  // and may throw to give up before the deadline (a creator known to be gone).
   static ShmSegment open(const std::string& name, size_t bytes, const Deadline& deadline,
-                         const std::string& what);
+                         const std::string& what, const std::function<void()>& poll = {});
   ShmSegment(ShmSegment&& o) noexcept;
   ShmSegment& operator=(ShmSegment&& o) noexcept;
   ShmSegment(const ShmSegment&) = delete;

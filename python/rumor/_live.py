@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import threading
+import traceback
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -128,6 +129,7 @@ class _Live:
     # all (until a transfer completed).
     unsynced: bool = False
     idle_spare: bool = False  # a spare its launcher has not called yet
+    reforming: bool = False  # inside reform(): its init() failing is reform's caller's to handle
 
 
 _live: Optional[_Live] = None
@@ -589,7 +591,11 @@ def reform(reason: str) -> Change:
     live.target = sealed["applied"]
     live.restore_again = bool(sealed.get("restore"))
     _enter_epoch(live)
-    _runtime.init(timeout)
+    live.reforming = True
+    try:
+        _runtime.init(timeout)
+    finally:
+        live.reforming = False
     # The topologies set in the old world, laid over this one (windows are made again by the
     # training function).
     if live.neighbors is not None:
@@ -667,6 +673,29 @@ def _after_init() -> None:
             _runtime.state().awaiting_state = True
 
 
+def _init_failed(e: BaseException) -> bool:
+    """The script's own rumor.init() failed (a member died while the first epoch formed): this
+    process re-forms with the members that are left, and that init() returns in the new epoch,
+    so the script goes on as if nothing happened. A newcomer's failure is its own (it exits and
+    its launcher starts another); an init() inside reform() fails to reform's caller."""
+    live = _live
+    if live is None or live.joined_fresh or live.reforming or not is_membership_failure(e):
+        return False
+    why = f"{type(e).__name__}: {e}"
+    # The failed attempt's frames hold its context, whose listening socket the next one may need
+    # (a fixed RUMOR_PORT); the traceback keeps its lines.
+    traceback.clear_frames(e.__traceback__)
+    while True:
+        try:
+            notify(reform(why))  # the callbacks registered before init() (if any) hear of it
+            return True
+        except Exception as again:  # another member lost while this epoch formed: once more
+            if not is_membership_failure(again):
+                raise
+            why = f"{type(again).__name__}: {again}"
+
+
 _runtime.on_init(_after_init)
+_runtime.on_init_failure(_init_failed)
 _rendezvous.interrupt = _interrupt
 atexit.register(_stop_watcher)

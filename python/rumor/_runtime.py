@@ -89,14 +89,16 @@ _state: Optional[_State] = None
 _init_hooks: list = []
 _shutdown_hooks: list = []
 _before_init_hooks: list = []
+_init_failure_hooks: list = []
 _generation = 0
 # The TCPStore of the last init() outlives shutdown(): a peer that re-initialises before this
 # rank has shut down may still be talking to the server rank 0 hosts. A later init() in this
 # process shares the same server (multi_tenant) under a new key prefix.
 _store_keepalive = None
-# The world communicator while init() sets it up (its first barrier connects every pair): live
-# membership aborts it when a member dies mid-init, so that the others need not wait out the
-# deadline for a peer that will never connect (abort_forming).
+# What init() is connecting: its Context while set_peers maps the local peers' doorbells, then
+# the world communicator (its first barrier connects every pair). Live membership aborts it when
+# a member dies mid-init, so that the others need not wait out the deadline for a peer that will
+# never connect, or for the doorbell of one that gave up on this world first (abort_forming).
 _forming = None
 
 
@@ -143,11 +145,23 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
       "host" (default) once the op finished on the GPU, "stream" once it is queued on the current
       stream, as in torch.distributed (see rumor.set_gpu_wait).
     """
-    global _state, _generation, _store_keepalive, _forming
     if _state is not None:
         raise RuntimeError("rumor.init() was already called; call rumor.shutdown() first")
     for hook in list(_before_init_hooks):
         hook()
+    try:
+        _join(timeout, socket_streams, shm, gpu_wait)
+    except Exception as e:
+        # Live membership: a member of the world being formed is gone; the hook forms the next
+        # world without it (this init() then returns in that one) or declines.
+        if _state is None and any(hook(e) for hook in list(_init_failure_hooks)):
+            return
+        raise
+
+
+def _join(timeout: Optional[float], socket_streams: Optional[int], shm: Optional[bool],
+          gpu_wait: Optional[str]) -> None:
+    global _state, _generation, _store_keepalive, _forming
     if gpu_wait is None:
         wait_mode = gpu_wait_mode(os.environ.get(GPU_WAIT_ENV), f"rumor.init(): {GPU_WAIT_ENV}")
     else:
@@ -189,23 +203,28 @@ def init(timeout: Optional[float] = None, *, socket_streams: Optional[int] = Non
         ctx, token, entries = _rendezvous.exchange(store, env, timeout, make_ctx, host, advertise, js)
         addresses, hosts = [e[1] for e in entries], [e[2] for e in entries]
     site_error = None
-    if env.size == 1:
-        ctx.set_peers(addresses, hosts)
-    else:
-        ctx.set_peers(addresses, hosts, [e[3] for e in entries])
-        site_error = _rendezvous.apply_sites(ctx, entries)
-    _rendezvous.fault_point("init:peers", _generation)
-    local = [r for r in range(env.size) if hosts[r] == hosts[env.rank]]
-    if env_bool("RUMOR_BIND_CORES", False):
-        _bind_core(local.index(env.rank), len(local))
-
-    order: List[str] = []
-    for h in hosts:
-        if h not in order:
-            order.append(h)
-    world_comm = _C.Communicator(ctx, 0, "world", list(range(env.size)))
-    _forming = world_comm
     try:
+        if env.size == 1:
+            ctx.set_peers(addresses, hosts)
+        else:
+            # Published before the check: live membership's watcher sets its trouble before it
+            # reads _forming, so a loss is seen either here or by the abort.
+            _forming = ctx
+            _check_interrupt()
+            ctx.set_peers(addresses, hosts, [e[3] for e in entries])
+            site_error = _rendezvous.apply_sites(ctx, entries)
+        _rendezvous.fault_point("init:peers", _generation)
+        local = [r for r in range(env.size) if hosts[r] == hosts[env.rank]]
+        if env_bool("RUMOR_BIND_CORES", False):
+            _bind_core(local.index(env.rank), len(local))
+
+        order: List[str] = []
+        for h in hosts:
+            if h not in order:
+                order.append(h)
+        world_comm = _C.Communicator(ctx, 0, "world", list(range(env.size)))
+        _forming = world_comm
+        _check_interrupt()
         # Once every rank has mapped its local peers' doorbells (set_peers), the names can go.
         world_comm.barrier(False)
     finally:
@@ -280,19 +299,32 @@ atexit.register(shutdown)
 
 
 def abort_forming(why: str) -> bool:
-    """Aborts the world communicator an init() in progress is connecting, if there is one; its
-    waits then fail at once. Returns whether there was one."""
-    comm = _forming
-    if comm is None:
+    """Aborts what an init() in progress is connecting (its Context's doorbell waits, then its
+    world communicator), if there is one; its waits then fail at once. Returns whether there was
+    one."""
+    forming = _forming
+    if forming is None:
         return False
-    comm.abort(why)
+    forming.abort(why)
     return True
+
+
+def _check_interrupt() -> None:
+    if _rendezvous.interrupt is not None:
+        _rendezvous.interrupt()
 
 
 def on_init(fn) -> None:
     """fn() runs at the end of every init()."""
     if fn not in _init_hooks:
         _init_hooks.append(fn)
+
+
+def on_init_failure(fn) -> None:
+    """fn(error) runs when init() fails; returning True means it joined another world in its
+    place (live membership re-forms without the member that left), and init() returns."""
+    if fn not in _init_failure_hooks:
+        _init_failure_hooks.append(fn)
 
 
 def before_init(fn) -> None:

@@ -150,6 +150,46 @@ TEST(Failures, AbortedCommunicatorRefusesNewWork) {
   testing::expect_all_ok(errs);
 }
 
+// A local peer whose doorbell never appears (it gave up on this world and removed it) holds
+// set_peers until the deadline; Context::abort ends that wait with the reason, and a set_peers
+// that starts after the abort fails before it waits at all.
+TEST(Failures, ContextAbortEndsSetPeersWaitingForADoorbell) {
+  Options o = quick_options(true);
+  o.timeout_s = 120.0;  // far past ctest's limit: only the abort can end the wait in time
+  auto lone = std::make_shared<Context>(0, 2, testing::random_token(), o, 0);
+  const std::vector<std::string> addrs{"127.0.0.1:" + std::to_string(lone->port()), "127.0.0.1:1"};
+  std::exception_ptr err;
+  std::thread waiter([&] {
+    try {
+      lone->set_peers(addrs, one_host(2));
+    } catch (...) {
+      err = std::current_exception();
+    }
+  });
+  // Usually inside the wait by now; before it or inside, set_peers must fail the same way.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  lone->abort("member r2 exited");
+  waiter.join();
+  ASSERT_TRUE(err) << "set_peers returned without rank 1's doorbell";
+  try {
+    std::rethrow_exception(err);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kAborted) << e.what();
+    EXPECT_NE(std::string(e.what()).find("doorbell of rank 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("member r2 exited"), std::string::npos) << e.what();
+  }
+  auto later = std::make_shared<Context>(0, 2, testing::random_token(), o, 0);
+  later->abort("first");
+  later->abort("second");  // the first reason stands
+  try {
+    later->set_peers(addrs, one_host(2));
+    ADD_FAILURE() << "set_peers after abort returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kAborted);
+    EXPECT_NE(std::string(e.what()).find("first"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Failures, PeerThatLeavesMidStreamFailsOthersPromptly) {
   for (bool shm : {false, true}) {
     auto w = make_world(one_host(3), quick_options(shm));  // 20 s deadline

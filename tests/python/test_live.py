@@ -319,6 +319,29 @@ def test_a_death_while_the_wrappers_are_built(tmp_path):
     _check(tmp_path, "r0", text)
 
 
+def test_a_death_inside_the_first_init(tmp_path):
+    """r2 dies inside the script's rumor.init(), after the rendezvous and before the first barrier:
+    the others' init() re-forms without it and returns in that epoch (rank and size of three), so
+    the script goes on as written; newcomer j1 is admitted at a step boundary. Before, every
+    survivor's init() raised; and one slower to reach set_peers than the others were to give up
+    on that world waited out RUMOR_TIMEOUT for their doorbells, which were gone."""
+    text = _run_live(tmp_path, "none", 0, "kill", env={"RUMOR_TEST_DIE_AT": "init:peers:r2"})
+    assert "worker r2" in text and "signal 9" in text, text[-6000:]
+    survivors = ["r0", "r1", "r3"]
+    logs, finals = live_runs.load_and_check(tmp_path, text, survivors + ["j1"], survivors, STEPS, every_step=False)
+    sizes = _sizes_applied(logs)
+    first = logs["j1"][0]["step"]
+    # j1 (r2's replacement) enters at the first boundary it is ready for: step 0 where the
+    # re-forming took longer than its start.
+    assert 0 <= first <= GROW and sizes == [3] * first + [4] * (STEPS - first), sizes
+    for m in survivors:  # the change inside init() came before the script's callbacks
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == [(4, [], ["j1"])], finals[m]
+    ref = finals["r0"]["params"]
+    assert all(f["params"] == ref for f in finals.values())
+    for got, want in zip(ref, _simulate(sizes)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
+
+
 def test_a_stopped_worker_is_dropped_and_comes_back_as_a_newcomer(tmp_path):
     victim_log = tmp_path / "r1.log"
     r0_log = tmp_path / "r0.log"
