@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import ipaddress
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
-from . import _secret
+from . import _secret, _storetls
 from ._env import env_int
 
 
@@ -261,8 +262,39 @@ def store_for(env: Env, timeout: float, generation: int):
     else:
         # Under torchrun the agent already hosts the store at MASTER_PORT; otherwise rank 0 hosts it.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        base = shared_store(env, timeout, is_master=env.rank == 0 and not agent)
+        files = _storetls.worker_files()
+        if files is not None and not agent:
+            # srun, mpirun, a launcher of the user's: the store is rumor's own, so its traffic
+            # goes through TLS tunnels as rumor-run's launchers carry theirs.
+            base = _storetls.worker_store(env.master_addr, env.master_port, env.size, env.rank == 0, timeout,
+                                          files, os.environ.get("RUMOR_TLS_PEER_NAME") or None)
+        else:
+            if files is not None and env.rank == 0 and not _is_loopback(env.master_addr):
+                _say_store_in_clear(env)
+            base = shared_store(env, timeout, is_master=env.rank == 0 and not agent)
     return prefixed(base, rendezvous_prefix(generation))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+_said_clear = False
+
+
+def _say_store_in_clear(env: Env) -> None:
+    """TLS is on but the store is a torchrun agent's (plain torchrun, or rumor-run with a c10d or
+    elastic rendezvous): rumor cannot carry the agent's connections, so it says so, once."""
+    global _said_clear
+    if not _said_clear:
+        _said_clear = True
+        logging.getLogger("rumor").warning("rumor.init(): TLS is on, but the job's store is torchrun's agent's at %s:%d and its "
+                     "traffic travels in clear (every entry rumor puts there is MAC'd with the job secret); "
+                     "rumor-run with a static rendezvous carries it over TLS (docs/security.md)",
+                     env.master_addr, env.master_port)
 
 
 def prefixed(base, prefix: str):

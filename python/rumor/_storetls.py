@@ -25,8 +25,10 @@ checks nobody); what rumor reads from it is MAC'd with the job secret either way
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import ipaddress
+import logging
 import os
 import selectors
 import socket
@@ -36,7 +38,7 @@ import threading
 import time
 from typing import Callable, List, Optional, Tuple
 
-from ._env import tls_files
+from ._env import env_bool, tls_files
 
 # Bytes read from one side per call: large, so a big value crosses in few records.
 CHUNK = 256 * 1024
@@ -52,15 +54,16 @@ MAX_PENDING = 64
 _TAG = "rumor-run: store TLS"
 
 
-def _log(text: str) -> None:
-    print(f"{_TAG}: {text}", file=sys.stderr, flush=True)
+def _log(text: str, tag: str = _TAG) -> None:
+    print(f"{tag}: {text}", file=sys.stderr, flush=True)
 
 
 class _Limiter:
     """At most `per_s` lines a second, then a count of what was left out."""
 
-    def __init__(self, per_s: int = 5):
+    def __init__(self, per_s: int = 5, tag: str = _TAG):
         self.per_s, self.window, self.n, self.dropped = per_s, 0, 0, 0
+        self.tag = tag
         self.lock = threading.Lock()
 
     def __call__(self, text: str) -> None:
@@ -68,13 +71,13 @@ class _Limiter:
             now = int(time.monotonic())
             if now != self.window:
                 if self.dropped:
-                    _log(f"({self.dropped} more like this left out)")
+                    _log(f"({self.dropped} more like this left out)", self.tag)
                 self.window, self.n, self.dropped = now, 0, 0
             self.n += 1
             if self.n > self.per_s:
                 self.dropped += 1
                 return
-        _log(text)
+        _log(text, self.tag)
 
 
 def _context(server: bool, cert: str, key: str, ca: str) -> ssl.SSLContext:
@@ -221,13 +224,13 @@ class _Tunnel:
     """A listening socket whose every connection is served by `serve(conn, peer)` in a thread of
     its own; close() ends the listener and every connection and joins the threads."""
 
-    def __init__(self, listener: socket.socket, name: str):
+    def __init__(self, listener: socket.socket, name: str, tag: str = _TAG):
         self.listener = listener
         self.name = name
         self.port = listener.getsockname()[1]
         self.stop = threading.Event()
         self.refused = 0
-        self._log = _Limiter()
+        self._log = _Limiter(tag=tag)
         self._lock = threading.Lock()
         self._live: dict = {}  # thread -> the sockets it holds
         self._threads: List[threading.Thread] = []
@@ -350,9 +353,9 @@ class Terminator(_Tunnel):
     certificate of the job's CA within HANDSHAKE_S is closed having learnt nothing."""
 
     def __init__(self, host: str, port: int, target: Tuple[str, int], ctx: ssl.SSLContext,
-                 peer_name: Optional[str] = None):
+                 peer_name: Optional[str] = None, tag: str = _TAG):
         self.target, self.ctx, self.peer_name = target, ctx, peer_name
-        super().__init__(_listen(host, port), "terminator")
+        super().__init__(_listen(host, port), "terminator", tag)
 
     def serve(self, conn: socket.socket, peer) -> None:
         conn.settimeout(HANDSHAKE_S)
@@ -387,10 +390,11 @@ class Forwarder(_Tunnel):
     carries each one over TLS to the store's public (host, port), dialled until CONNECT_S."""
 
     def __init__(self, remote: Tuple[str, int], ctx: ssl.SSLContext, peer_name: Optional[str] = None,
-                 uid_of: Callable[[socket.socket], Optional[int]] = peer_uid, connect_s: float = CONNECT_S):
+                 uid_of: Callable[[socket.socket], Optional[int]] = peer_uid, connect_s: float = CONNECT_S,
+                 tag: str = _TAG):
         self.remote, self.ctx, self.peer_name = remote, ctx, peer_name
         self.uid_of, self.connect_s = uid_of, connect_s
-        super().__init__(_listen("127.0.0.1", 0), "forwarder")
+        super().__init__(_listen("127.0.0.1", 0), "forwarder", tag)
 
     def _dial(self, peer) -> socket.socket:
         deadline = time.monotonic() + self.connect_s
@@ -435,6 +439,25 @@ class Forwarder(_Tunnel):
 ROUTE_ENV = "RUMOR_ROUTE_ADDR"
 
 
+def loopback_store(world_size: int, timeout_s: float):
+    """A TCPStore server listening on loopback only (torch binds every interface unless it is
+    given a listening socket), for a terminator to carry the network's bytes to; (store, port)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = socket.create_server(("127.0.0.1", 0), backlog=512)
+    port = sock.getsockname()[1]
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, True, datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now
+    return store, port
+
+
 class StoreTls:
     """The launcher's side for torchrun's static rendezvous: start() opens this node's end of the
     tunnel and rewrites where torchrun (and so its workers) find the store; close() ends it."""
@@ -464,23 +487,9 @@ class StoreTls:
         return self.local_port
 
     def _host_store(self) -> None:
-        """The real TCPStore, listening on loopback only: torch binds every interface unless it is
-        given a listening socket. torchrun's own multi-tenant TCPStore on the same port then
-        uses this server."""
-        import datetime
-
-        import torch.distributed as dist
-
-        sock = socket.create_server(("127.0.0.1", 0), backlog=512)
-        self.local_port = sock.getsockname()[1]
-        try:
-            self.store = dist.TCPStore("127.0.0.1", self.local_port, self.nnodes, True,
-                                       datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False,
-                                       multi_tenant=True, master_listen_fd=sock.fileno())
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()  # the store's server owns the descriptor now
+        """The real TCPStore on loopback; torchrun's own multi-tenant TCPStore on the same port
+        then uses this server."""
+        self.store, self.local_port = loopback_store(self.nnodes, self.timeout_s)
 
     def close(self) -> None:
         """Idempotent."""
@@ -539,3 +548,76 @@ def for_launch(args, env=os.environ) -> Optional[StoreTls]:
     args.rdzv_endpoint = f"127.0.0.1:{local}"
     env.setdefault(ROUTE_ENV, host)
     return st
+
+
+# ---- workers that host the store themselves (srun, mpirun, RANK and WORLD_SIZE set by hand) ----
+
+WORKER_TAG = "rumor.init(): store TLS"
+STORE_TLS_ENV = "RUMOR_STORE_TLS"  # 0: the store in clear even with the TLS files set
+# One tunnel and store per store address, for the process's life: a later init() (a live epoch,
+# a notebook's next job) reuses them, as torch's multi-tenant TCPStore reuses its server.
+_workers: dict = {}
+_workers_lock = threading.Lock()
+
+
+def worker_files(env=os.environ) -> Optional[Tuple[str, str, str]]:
+    """The TLS files when all three are set and RUMOR_STORE_TLS is not 0, else None (a partial
+    set is refused by the data channels' options, which rumor.init() reads first)."""
+    given, missing = tls_files(env)
+    if missing or not env_bool(STORE_TLS_ENV, True, env):
+        return None
+    return given["RUMOR_TLS_CERT"], given["RUMOR_TLS_KEY"], given["RUMOR_TLS_CA"]
+
+
+def worker_store(addr: str, port: int, world_size: int, is_master: bool, timeout_s: float,
+                 files: Tuple[str, str, str], peer_name: Optional[str] = None):
+    """The job's store with its traffic under TLS where rumor.init() hosts or reaches it itself
+    (no torchrun agent): rank 0 serves it on loopback behind a terminator on `port` of every
+    interface, as node 0's launcher does; the other ranks reach (addr, port) through a forwarder of
+    their own. RuntimeError, naming the address, when this process's end cannot open."""
+    import datetime
+
+    import torch.distributed as dist
+
+    key = (addr, port, is_master)
+    with _workers_lock:
+        have = _workers.get(key)
+        if have is not None:
+            return have[1]
+        tunnel: Optional[_Tunnel] = None
+        try:
+            if is_master:
+                store, local = loopback_store(world_size, timeout_s)
+                tunnel = Terminator("", port, ("127.0.0.1", local), _context(True, *files), peer_name,
+                                    tag=WORKER_TAG)
+            else:
+                tunnel = Forwarder((addr, port), _context(False, *files), peer_name, connect_s=timeout_s,
+                                   tag=WORKER_TAG)
+                store = dist.TCPStore("127.0.0.1", tunnel.port, world_size, False,
+                                      datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        except (OSError, ssl.SSLError) as e:
+            if tunnel is not None:
+                tunnel.close()
+            end = f"serve the store on port {port}" if is_master else f"reach the store at {_fmt((addr, port))}"
+            raise RuntimeError(f"{WORKER_TAG}: this rank cannot {end} over TLS: {e}") from None
+        except BaseException:
+            if tunnel is not None:
+                tunnel.close()
+            raise
+        _workers[key] = (tunnel, store)
+    if is_master:
+        logging.getLogger("rumor").info("%s: rank 0 serves the store on port %d over TLS only (TLS 1.3, "
+                                        "mutual certificates)", WORKER_TAG, port)
+    return store
+
+
+def close_workers() -> None:
+    """Ends this process's tunnels (at exit: after rumor's shutdown, registered later)."""
+    with _workers_lock:
+        ends = [tunnel for tunnel, _ in _workers.values()]
+        _workers.clear()
+    for tunnel in ends:
+        tunnel.close()
+
+
+atexit.register(close_workers)

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[2] / "python" / "rumor"
 # import its own and the layers below it. This list is the one place the order lives.
 LAYERS: List[Tuple[str, List[str]]] = [
     ("ground", ["rumor._C", "rumor._env", "rumor.errors", "rumor._renamed", "rumor._secret", "rumor._shm", "rumor._tensor"]),
-    ("runtime", ["rumor._etcd_store", "rumor._rendezvous", "rumor._runtime"]),
+    ("runtime", ["rumor._etcd_store", "rumor._storetls", "rumor._rendezvous", "rumor._runtime"]),
     ("host collectives", ["rumor._host_collectives"]),
     ("gpu", ["rumor.gpu"]),
     ("collectives", ["rumor.collectives"]),
@@ -27,7 +27,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("algorithms", ["rumor.algorithms"]),
     ("autotune", ["rumor._autotune_cache", "rumor.autotune"]),
     ("wrapper", ["rumor.parallel"]),
-    ("tools", ["rumor.netplugin", "rumor.data", "rumor._parity", "rumor._live", "rumor._live_launch", "rumor._etcd_member", "rumor._tlsauto", "rumor._storetls", "rumor.elastic", "rumor.interactive", "rumor.advisor",
+    ("tools", ["rumor.netplugin", "rumor.data", "rumor._parity", "rumor._live", "rumor._live_launch", "rumor._etcd_member", "rumor._tlsauto", "rumor.elastic", "rumor.interactive", "rumor.advisor",
                "rumor.run", "rumor.torch_backend", "rumor.lightning"]),
     ("package", ["rumor"]),
     ("on top of the package", ["rumor.compat", "rumor.testing", "rumor._zygote"]),

@@ -311,3 +311,66 @@ def test_strangers_holding_handshakes_open_do_not_keep_the_job_out(pki, monkeypa
         for s in idle:
             s.close()
     assert _tunnel_threads() == []
+
+
+# ---- ranks that host the store themselves (no rumor-run: srun, mpirun, variables set by hand) ----
+
+def _store_tls_rank():
+    import torch
+
+    import rumor
+    from rumor import _storetls
+
+    rumor.init()
+    t = rumor.allreduce(torch.full((1000,), float(rumor.rank() + 1)), rumor.ReduceOp.SUM)
+    ends = sorted(type(tunnel).__name__ for tunnel, _ in _storetls._workers.values())
+    rumor.shutdown()
+    return float(t[0]), float(t[-1]), ends
+
+
+def _job_through_a_relay(pki, rec, tls: bool, rank1_foreign: bool = False, timeout_s: int = 30, **kw):
+    """Two ranks as mpirun starts them, rank 1's store traffic through a recording relay."""
+    import harness
+    from tls_pki import tls_env
+
+    port = harness.free_port()
+    with Relay(("127.0.0.1", 0), ("127.0.0.1", port), record=str(rec)) as relay:
+        rank_env = [{"MASTER_PORT": str(port), **(tls_env(pki, 0) if tls else {})},
+                    {"MASTER_PORT": str(relay.port), **(tls_env(pki, 1, foreign=rank1_foreign) if tls else {})}]
+        return harness.run(_store_tls_rank, 2, timeout=90, rank_env=rank_env,
+                           env={"RUMOR_JOB_SECRET": "store-tls-test-secret-0123", "RUMOR_TIMEOUT": str(timeout_s)},
+                           **kw)
+
+
+def test_ranks_that_host_the_store_carry_it_over_tls_only(pki, tmp_path):
+    """Without rumor-run (RANK, WORLD_SIZE and MASTER_* as mpirun or srun give them) and with the
+    TLS files set, rank 0 serves the store behind a terminator on MASTER_PORT and rank 1 reaches it
+    through a forwarder: what crosses is TLS records only, no key of the rendezvous. The same job
+    with TLS off shows its keys to the same capture (so the capture would see them)."""
+    seen = {}
+    for tls in (False, True):
+        rec = tmp_path / f"rec-{tls}"
+        rec.mkdir()
+        results = _job_through_a_relay(pki, rec, tls)
+        assert [r[:2] for r in results] == [(3.0, 3.0), (3.0, 3.0)], results
+        ends = [r[2] for r in results]
+        assert ends == ([["Terminator"], ["Forwarder"]] if tls else [[], []]), ends
+        seen[tls] = [f.read_bytes() for f in sorted(rec.iterdir())]
+        assert sum(len(d) for d in seen[tls]) > 0, "nothing crossed the relay"
+    assert any(b"rumor/" in d for d in seen[False])  # in clear: the rendezvous keys are there
+    for data in seen[True]:
+        kinds = [k for k, _ in tls_records(data)]  # raises at a byte that is not a TLS record
+        assert kinds and kinds[0] == 22 and set(kinds[1:]) <= {20, 21, 23}, kinds[:8]
+        assert b"rumor/" not in data
+
+
+def test_a_rank_with_another_cas_certificate_never_reaches_the_store(pki, tmp_path):
+    """Rank 1's certificate is from another job's CA: its forwarder's handshake fails and says so,
+    its init() fails, and rank 0's fails at its deadline waiting for it; nothing hangs."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    results = _job_through_a_relay(pki, rec, True, rank1_foreign=True, timeout_s=8, raw=True)
+    assert not results[0].ok and not results[1].ok, results
+    assert "the TLS handshake with the store" in results[1].output, results[1].output[-3000:]
+    for f in rec.iterdir():
+        tls_records(f.read_bytes())  # only the refused handshake crossed

@@ -17,6 +17,9 @@ from tls_pki import make_pki as _pki
 from tls_pki import tls_env as _tls_env
 
 TCP = {"RUMOR_SHM": "0", "RUMOR_HOST_DIRECT": "0", "RUMOR_STRIPE_MIN_BYTES": str(256 * 1024)}
+# The store in clear: a foreign certificate would otherwise be refused at the store's tunnel
+# (tests/python/test_store_tls.py) before any data channel checks it.
+DATA_ONLY = {"RUMOR_STORE_TLS": "0"}
 
 
 def _digest(t) -> str:
@@ -112,7 +115,7 @@ def test_tls_results_are_bit_identical_to_plaintext(tmp_path):
 @pytest.mark.parametrize("foreign_rank", [0, 1])
 def test_certificate_of_another_ca_fails_every_rank_naming_tls(tmp_path, foreign_rank):
     files = _pki(tmp_path)
-    env = dict(TCP, RUMOR_TIMEOUT="10")
+    env = dict(TCP, RUMOR_TIMEOUT="10", **DATA_ONLY)
     res = harness.run(rank_allreduce_once, 2, timeout=60, env=env, raw=True,
                       rank_env=[_tls_env(files, r, foreign=r == foreign_rank) for r in range(2)])
     for r in res:
