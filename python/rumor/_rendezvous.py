@@ -263,14 +263,20 @@ def store_for(env: Env, timeout: float, generation: int):
         # Under torchrun the agent already hosts the store at MASTER_PORT; otherwise rank 0 hosts it.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         files = _storetls.worker_files()
+        peer_name = os.environ.get("RUMOR_TLS_PEER_NAME") or None
         if files is not None and not agent:
             # srun, mpirun, a launcher of the user's: the store is rumor's own, so its traffic
             # goes through TLS tunnels as rumor-run's launchers carry theirs.
             base = _storetls.worker_store(env.master_addr, env.master_port, env.size, env.rank == 0, timeout,
-                                          files, os.environ.get("RUMOR_TLS_PEER_NAME") or None)
+                                          files, peer_name)
+        elif files is not None and not _is_loopback(env.master_addr):
+            # A torchrun agent's store across the network (rumor-run's own tunnels would have
+            # made it loopback): it cannot be carried, so rumor's keys leave it for rank 0's.
+            agent_store = prefixed(shared_store(env, timeout), rendezvous_prefix(generation))
+            base = _storetls.rank_store(agent_store, env.rank == 0, env.size,
+                                        advertise_address(env.master_addr, env.master_port), timeout, files,
+                                        peer_name)
         else:
-            if files is not None and env.rank == 0 and not _is_loopback(env.master_addr):
-                _say_store_in_clear(env)
             base = shared_store(env, timeout, is_master=env.rank == 0 and not agent)
     return prefixed(base, rendezvous_prefix(generation))
 
@@ -280,21 +286,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
         return False
-
-
-_said_clear = False
-
-
-def _say_store_in_clear(env: Env) -> None:
-    """TLS is on but the store is a torchrun agent's (plain torchrun, or rumor-run with a c10d or
-    elastic rendezvous): rumor cannot carry the agent's connections, so it says so, once."""
-    global _said_clear
-    if not _said_clear:
-        _said_clear = True
-        logging.getLogger("rumor").warning("rumor.init(): TLS is on, but the job's store is torchrun's agent's at %s:%d and its "
-                     "traffic travels in clear (every entry rumor puts there is MAC'd with the job secret); "
-                     "rumor-run with a static rendezvous carries it over TLS (docs/security.md)",
-                     env.master_addr, env.master_port)
 
 
 def prefixed(base, prefix: str):

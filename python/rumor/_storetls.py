@@ -1,4 +1,4 @@
-"""TLS on the store traffic of a multi-node rumor-run job (docs/security.md, "The rendezvous store").
+"""TLS on the rendezvous store's traffic between hosts (docs/security.md, "The rendezvous store").
 
 torch's TCPStore speaks only clear TCP, and rumor's extension must not include torch headers, so
 the launchers carry the store's bytes through TLS tunnels of their own (Python's ssl: TLS 1.3
@@ -16,6 +16,12 @@ to loopback itself (torch's TCPStore binds every interface unless given a listen
 torch's multi-tenant TCPStore reuses that server on the same port; the other nodes point at their
 forwarder. The workers then get a loopback MASTER_ADDR, so the launcher names the public store
 address in RUMOR_ROUTE_ADDR, from which rumor.init() finds the interface to advertise.
+
+Where no launcher carries the store, rumor.init() opens the same ends itself: with srun or mpirun
+its rank 0 hosts the store (worker_store: the terminator on MASTER_PORT); under a torchrun agent
+whose store is across the network (plain torchrun, or a c10d or elastic rendezvous) rumor's keys
+move to a store rank 0 serves behind a terminator, and the agent's store holds only its address
+(rank_store).
 
 A forwarder listens on loopback, where any local user could connect and be carried to the store
 with this node's certificate; it therefore serves only connections of its own uid, found in
@@ -387,24 +393,30 @@ class Terminator(_Tunnel):
 
 class Forwarder(_Tunnel):
     """On the other hosts: serves this uid's connections on 127.0.0.1 (an ephemeral port) and
-    carries each one over TLS to the store's public (host, port), dialled until CONNECT_S."""
+    carries each one over TLS to the store's public (host, port), dialled until CONNECT_S.
+    `remote` may be a function giving that address, asked again before every try: where the
+    address is itself read from a store, an earlier attempt's may come first (rank_store)."""
 
-    def __init__(self, remote: Tuple[str, int], ctx: ssl.SSLContext, peer_name: Optional[str] = None,
+    def __init__(self, remote, ctx: ssl.SSLContext, peer_name: Optional[str] = None,
                  uid_of: Callable[[socket.socket], Optional[int]] = peer_uid, connect_s: float = CONNECT_S,
                  tag: str = _TAG):
         self.remote, self.ctx, self.peer_name = remote, ctx, peer_name
         self.uid_of, self.connect_s = uid_of, connect_s
         super().__init__(_listen("127.0.0.1", 0), "forwarder", tag)
 
-    def _dial(self, peer) -> socket.socket:
+    def _target(self) -> Tuple[str, int]:
+        return self.remote() if callable(self.remote) else self.remote
+
+    def _dial(self, peer) -> Tuple[socket.socket, Tuple[str, int]]:
         deadline = time.monotonic() + self.connect_s
         pause = 0.05
         while True:
+            target = self._target()
             try:
-                return socket.create_connection(self.remote, timeout=min(HANDSHAKE_S, self.connect_s))
+                return socket.create_connection(target, timeout=min(HANDSHAKE_S, self.connect_s)), target
             except OSError as e:
                 if time.monotonic() + pause > deadline or self.stop.is_set():
-                    raise OSError(f"connecting to the store at {_fmt(self.remote)} for {_fmt(peer)}: "
+                    raise OSError(f"connecting to the store at {_fmt(target)} for {_fmt(peer)}: "
                                   f"{e.strerror or e} (for {self.connect_s:.0f} s)") from None
                 self.stop.wait(pause)
                 pause = min(pause * 2, 1.0)
@@ -415,7 +427,7 @@ class Forwarder(_Tunnel):
             whose = "no socket of this host's" if uid is None else f"uid {uid}"
             self._refuse(peer, f"it belongs to {whose}, not to this launcher's uid {os.geteuid()}")
             return
-        raw = self._dial(peer)
+        raw, target = self._dial(peer)
         self._hold(raw)
         raw.settimeout(HANDSHAKE_S)
         try:
@@ -426,14 +438,14 @@ class Forwarder(_Tunnel):
         except (ssl.SSLError, OSError) as e:
             if not self.stop.is_set():
                 hint = " (the same job CA on every node?)" if isinstance(e, ssl.SSLError) else ""
-                self._log(f"{self.name}: the TLS handshake with the store at {_fmt(self.remote)} failed: "
+                self._log(f"{self.name}: the TLS handshake with the store at {_fmt(target)} failed: "
                           f"{getattr(e, 'reason', None) or e}{hint}")
             return
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tls.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         why = pump(conn, tls, self.stop)
         if why and not self.stop.is_set():
-            self._log(f"{self.name}: the connection to the store at {_fmt(self.remote)} failed: {why}")
+            self._log(f"{self.name}: the connection to the store at {_fmt(target)} failed: {why}")
 
 
 ROUTE_ENV = "RUMOR_ROUTE_ADDR"
@@ -534,8 +546,9 @@ def for_launch(args, env=os.environ) -> Optional[StoreTls]:
         return None
     if args.rdzv_backend != "static" or (max_nodes and max_nodes != min_nodes):
         _log("warning: only torchrun's static rendezvous (--nnodes N --node-rank K --master-addr A "
-             f"--master-port P) has its store traffic under TLS; with --rdzv-backend {args.rdzv_backend} "
-             "it travels in clear (its entries are MAC'd with the job secret; docs/security.md)")
+             f"--master-port P) has all its store traffic under TLS; with --rdzv-backend {args.rdzv_backend} "
+             "torchrun's own keys travel in clear, and rumor's workers keep theirs in a store rank 0 "
+             "serves over TLS (docs/security.md)")
         return None
     endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
     host, _, port = endpoint.rpartition(":")
@@ -569,45 +582,97 @@ def worker_files(env=os.environ) -> Optional[Tuple[str, str, str]]:
     return given["RUMOR_TLS_CERT"], given["RUMOR_TLS_KEY"], given["RUMOR_TLS_CA"]
 
 
+def _open_end(key, is_master: bool, listen_port: int, remote, where: str, world_size: int, timeout_s: float,
+              files: Tuple[str, str, str], peer_name: Optional[str]):
+    """This process's end of a store that ranks reach over TLS, made once per key: rank 0 serves
+    the TCPStore on loopback behind a terminator on listen_port of every interface (0: any free
+    port), another rank gets a client through a forwarder of its own to remote. (tunnel, store);
+    RuntimeError naming `where` when this end cannot open."""
+    import datetime
+
+    import torch.distributed as dist
+
+    with _workers_lock:  # not held while this end opens: that blocks on the network
+        have = _workers.get(key)
+    if have is not None:
+        return have
+    tunnel: Optional[_Tunnel] = None
+    try:
+        if is_master:
+            store, local = loopback_store(world_size, timeout_s)
+            tunnel = Terminator("", listen_port, ("127.0.0.1", local), _context(True, *files), peer_name,
+                                tag=WORKER_TAG)
+        else:
+            tunnel = Forwarder(remote, _context(False, *files), peer_name, connect_s=timeout_s, tag=WORKER_TAG)
+            store = dist.TCPStore("127.0.0.1", tunnel.port, world_size, False,
+                                  datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except (OSError, ssl.SSLError) as e:
+        if tunnel is not None:
+            tunnel.close()
+        end = "serve the store" if is_master else "reach the store"
+        raise RuntimeError(f"{WORKER_TAG}: this rank cannot {end} at {where} over TLS: {e}") from None
+    except BaseException:
+        if tunnel is not None:
+            tunnel.close()
+        raise
+    with _workers_lock:
+        _workers.setdefault(key, (tunnel, store))
+        kept = _workers[key]
+    if kept[0] is not tunnel:  # another thread of this process opened the same end meanwhile
+        tunnel.close()
+    return kept
+
+
 def worker_store(addr: str, port: int, world_size: int, is_master: bool, timeout_s: float,
                  files: Tuple[str, str, str], peer_name: Optional[str] = None):
     """The job's store with its traffic under TLS where rumor.init() hosts or reaches it itself
     (no torchrun agent): rank 0 serves it on loopback behind a terminator on `port` of every
     interface, as node 0's launcher does; the other ranks reach (addr, port) through a forwarder of
-    their own. RuntimeError, naming the address, when this process's end cannot open."""
-    import datetime
-
-    import torch.distributed as dist
-
-    key = (addr, port, is_master)
-    with _workers_lock:
-        have = _workers.get(key)
-        if have is not None:
-            return have[1]
-        tunnel: Optional[_Tunnel] = None
-        try:
-            if is_master:
-                store, local = loopback_store(world_size, timeout_s)
-                tunnel = Terminator("", port, ("127.0.0.1", local), _context(True, *files), peer_name,
-                                    tag=WORKER_TAG)
-            else:
-                tunnel = Forwarder((addr, port), _context(False, *files), peer_name, connect_s=timeout_s,
-                                   tag=WORKER_TAG)
-                store = dist.TCPStore("127.0.0.1", tunnel.port, world_size, False,
-                                      datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-        except (OSError, ssl.SSLError) as e:
-            if tunnel is not None:
-                tunnel.close()
-            end = f"serve the store on port {port}" if is_master else f"reach the store at {_fmt((addr, port))}"
-            raise RuntimeError(f"{WORKER_TAG}: this rank cannot {end} over TLS: {e}") from None
-        except BaseException:
-            if tunnel is not None:
-                tunnel.close()
-            raise
-        _workers[key] = (tunnel, store)
+    their own."""
+    _, store = _open_end(("worker", addr, port, is_master), is_master, port, (addr, port), _fmt((addr, port)),
+                         world_size, timeout_s, files, peer_name)
     if is_master:
         logging.getLogger("rumor").info("%s: rank 0 serves the store on port %d over TLS only (TLS 1.3, "
                                         "mutual certificates)", WORKER_TAG, port)
+    return store
+
+
+POINTER_KEY = "tls-store"
+
+
+def rank_store(agent_store, is_master: bool, world_size: int, advertise: str, timeout_s: float,
+               files: Tuple[str, str, str], peer_name: Optional[str] = None):
+    """Under a torchrun agent whose store is reached over the network (plain torchrun, or
+    rumor-run with a c10d or elastic rendezvous): rumor's rendezvous moves to a store of rank 0's
+    own, reached over TLS, and the agent's store (agent_store, this init()'s prefix of it) holds
+    only where that is. The agent's store outlives the workers, so the address an earlier
+    attempt's rank 0 left may be read first: the forwarder asks the agent's store again before
+    every dial, and a dead address is refused until the new one is there."""
+    if is_master:
+        tunnel, store = _open_end(("rank0",), True, 0, None, "any free port", world_size, timeout_s, files,
+                                  peer_name)
+        agent_store.set(POINTER_KEY, f"{advertise}:{tunnel.port}")
+        return store
+    deadline = time.monotonic() + timeout_s
+    pause = 0.002
+    while not agent_store.check([POINTER_KEY]):
+        if time.monotonic() > deadline:
+            from .errors import CommTimeoutError
+
+            raise CommTimeoutError(f"rumor.init(): rank 0 did not publish its TLS store's address "
+                                   f"({POINTER_KEY!r}) within {timeout_s:g} s (is rank 0 running?)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+    def where() -> Tuple[str, int]:
+        host, _, port = agent_store.get(POINTER_KEY).decode().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise OSError(f"rank 0's TLS store address in the agent's store is malformed: {host}:{port}")
+        return host.strip("[]"), int(port)
+
+    first = where()
+    _, store = _open_end(("rank", first), False, 0, where, f"{_fmt(first)} (rank 0's)", world_size, timeout_s,
+                         files, peer_name)
     return store
 
 

@@ -252,10 +252,10 @@ def test_for_launch_points_a_static_multi_node_job_at_its_tunnel(pki, capfd):
     # Not for one node, nor without TLS files.
     assert _storetls.for_launch(_args(nnodes="1"), dict(files)) is None
     assert _storetls.for_launch(_args(), {}) is None
-    # c10d and an elastic node count: none, and it says the store stays in clear.
+    # c10d and an elastic node count: none, and it says what stays in clear.
     assert _storetls.for_launch(_args(rdzv_backend="c10d", rdzv_endpoint="10.9.8.7:29400"), dict(files)) is None
     assert _storetls.for_launch(_args(nnodes="1:4"), dict(files)) is None
-    assert capfd.readouterr().err.count("travels in clear") == 2
+    assert capfd.readouterr().err.count("torchrun's own keys travel in clear, and rumor's workers keep theirs") == 2
     # Node 1 of a static job: torchrun (and so its workers) get the forwarder's loopback end,
     # the workers' route the public host.
     env = dict(files)
@@ -374,3 +374,64 @@ def test_a_rank_with_another_cas_certificate_never_reaches_the_store(pki, tmp_pa
     assert "the TLS handshake with the store" in results[1].output, results[1].output[-3000:]
     for f in rec.iterdir():
         tls_records(f.read_bytes())  # only the refused handshake crossed
+
+
+class _Pointers:
+    """The part of an agent's store rank_store uses, counting the reads of each key."""
+
+    def __init__(self, values):
+        self.values = {k: v.encode() for k, v in values.items()}
+        self.reads = 0
+        self.cond = threading.Condition()
+
+    def check(self, keys):
+        with self.cond:
+            return all(k in self.values for k in keys)
+
+    def get(self, key):
+        with self.cond:
+            self.reads += 1
+            self.cond.notify_all()
+            return self.values[key]
+
+    def set(self, key, value):
+        with self.cond:
+            self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def wait_reads(self, n, timeout):
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.reads >= n, timeout), f"{self.reads} reads"
+
+
+def test_rank_store_dials_past_the_address_an_earlier_attempt_left(pki, monkeypatch):
+    """Under a torchrun agent the agent's store outlives the workers: a restarted rank 1 may find
+    the address a dead rank 0 published. Its forwarder is refused there and reads the address
+    again before each dial, so once the new rank 0 publishes, rank 1's store reaches it."""
+    import harness
+    from rumor import _storetls
+
+    monkeypatch.setattr(_storetls, "_workers", {})
+    files = [(pki[f"cert{r}.pem"], pki[f"key{r}.pem"], pki["ca.pem"]) for r in range(2)]
+    agent = _Pointers({_storetls.POINTER_KEY: f"127.0.0.1:{harness.free_port()}"})  # nobody listens there
+    got = {}
+
+    def rank1():
+        try:
+            got["store"] = _storetls.rank_store(agent, False, 2, "127.0.0.1", DEADLINE_S, files[1])
+        except BaseException as e:  # noqa: BLE001 (shown by the assertion below)
+            got["error"] = e
+
+    t = threading.Thread(target=rank1, daemon=True)
+    t.start()
+    try:
+        agent.wait_reads(3, DEADLINE_S)  # the first read, and two dials at the dead address
+        store0 = _storetls.rank_store(agent, True, 2, "127.0.0.1", DEADLINE_S, files[0])
+        t.join(DEADLINE_S)
+        assert not t.is_alive() and "error" not in got, got
+        got["store"].set("rumor/k", b"through the new address")
+        assert store0.get("rumor/k") == b"through the new address"
+        assert agent.values[_storetls.POINTER_KEY].decode().startswith("127.0.0.1:")
+    finally:
+        got.pop("store", None)
+        _storetls.close_workers()
+    assert _tunnel_threads() == []

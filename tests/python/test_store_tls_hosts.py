@@ -169,6 +169,24 @@ def _wait_file(path, needle: str, proc, deadline: float) -> None:
     raise AssertionError(f"{needle!r} not in {path} before the deadline")
 
 
+def _wait_all(procs, deadline: float):
+    """Waits for procs until the deadline; returns the indices of those still running."""
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    return [i for i, p in enumerate(procs) if p.poll() is None]
+
+
+def _kill_all(procs, relay) -> None:
+    for p in procs + [relay]:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+    relay.stdout.close()
+
+
 def _run_job(tmp_path, cluster, name, tls, relay_args, during=None, timeout_s=20, live=False):
     """Node 0 on host 0 with the store; node 1 on host 1, reaching it through a relay on host 1.
     Returns (return codes, the launchers' outputs, RESULT reports)."""
@@ -202,18 +220,9 @@ def _run_job(tmp_path, cluster, name, tls, relay_args, during=None, timeout_s=20
                 _wait_file(out, "store TLS: node 0 serves the store", procs[0], deadline)
             if node == 0 and during is not None:
                 during(procs[0], outs[0], deadline)
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        hung = [i for i, p in enumerate(procs) if p.poll() is None]
+        hung = _wait_all(procs, deadline)
     finally:
-        for p in procs + [relay]:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-        relay.stdout.close()
+        _kill_all(procs, relay)
     texts = [o.read_text(errors="replace") for o in outs]
     text = "".join(f"\n===== {o.name} =====\n" + t[-6000:] for o, t in zip(outs, texts))
     assert not hung, f"launcher(s) {hung} still running at the deadline:\n{text}"
@@ -299,3 +308,94 @@ def test_live_store_traffic_is_tls_only_through_a_change(tmp_path):
         assert kinds and kinds[0] == 22 and set(kinds[1:]) <= {20, 23}, (name, kinds[:8])
         for needle in NEEDLES + (b"/live/", b"joinseq", b"hb/"):
             assert needle not in data, (name, needle)
+
+
+# Exits 0 once host:port accepts a connection, 1 at the deadline.
+LISTENING = textwrap.dedent(
+    """
+    import socket, sys, time
+    host, port, deadline = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            sys.exit(0)
+        except OSError:
+            time.sleep(0.05)
+    sys.exit(1)
+    """
+)
+
+# rumor's own rendezvous keys in the store: the session token, each rank's entry, rank 0's table.
+RENDEZVOUS = (b"/token", b"/peer/", b"/table")
+
+
+def _torchrun_job(tmp_path, cluster, name, pki, store_tls: bool, record):
+    """Plain torchrun (no rumor-run) on the two hosts, static rendezvous, TLS files per node;
+    node 1's agent and worker reach node 0's agent store through a recording relay on host 1."""
+    from tls_pki import tls_env
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    deadline = time.monotonic() + DEADLINE_S
+    base = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RUMOR_TIMEOUT="20",
+                RUMOR_JOB_SECRET="0f1e2d3c4b5a69788796a5b4c3d2e1f0" * 2, RUMOR_STORE_TLS=str(int(store_tls)))
+    base.pop("RUMOR_ROUTE_ADDR", None)
+    relay = cluster.popen(1, [sys.executable, os.path.join(HERE, "tls_relay.py"), cluster.ip(1), "0", cluster.ip(0),
+                              str(PORT), str(DEADLINE_S), "--record", str(record)], stdout=subprocess.PIPE, env=base)
+    relay_port = int(_wait_line(relay, "RELAY-READY", deadline).split()[1])
+    outs, procs = [], []
+    try:
+        for node, (addr, port) in enumerate([(cluster.ip(0), PORT), (cluster.ip(1), relay_port)]):
+            out = tmp_path / f"{name}-torchrun{node}.txt"
+            outs.append(out)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "1", "--max-restarts", "0", "--master-addr", addr, "--master-port", str(port),
+                   str(script)]
+            with open(out, "wb") as sink:
+                procs.append(cluster.popen(node, cmd, env=dict(base, **tls_env(pki, node)), cwd=tmp_path, stdout=sink,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            if node == 0:
+                # Node 1's relay would otherwise accept node 1's first dial before node 0's agent
+                # listens and close it (a real network refuses it, and torch dials again).
+                r = cluster.run(1, [sys.executable, "-c", LISTENING, cluster.ip(0), str(PORT), str(DEADLINE_S)],
+                                timeout=DEADLINE_S)
+                assert r.returncode == 0, (r.stdout, r.stderr, out.read_text(errors="replace")[-3000:])
+        hung = _wait_all(procs, deadline)
+    finally:
+        _kill_all(procs, relay)
+    text = "".join(f"\n===== {o.name} =====\n" + o.read_text(errors="replace")[-6000:] for o in outs)
+    assert not hung, f"torchrun(s) {hung} still running at the deadline:\n{text}"
+    assert [p.returncode for p in procs] == [0, 0], text
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in text.splitlines() if "RESULT " in line]
+    return sorted(results, key=lambda d: d["rank"]), text
+
+
+def test_plain_torchrun_moves_rumors_rendezvous_off_the_agents_store(tmp_path):
+    """torchrun's agent hosts the store in clear and rumor cannot carry its connections; with the
+    TLS files set, rumor.init() moves its own rendezvous to a store rank 0 hosts behind a
+    terminator, and the agent's store holds only that store's address. A relay on node 1's path to
+    the agent's store sees the session token, the ranks' entries and the table with
+    RUMOR_STORE_TLS=0 (the control), and none of them with it on; the results are equal."""
+    from tls_pki import make_pki
+
+    pki = make_pki(tmp_path, 2)
+    captures, runs = {}, {}
+    with _cluster() as cluster:
+        for store_tls in (False, True):
+            rec = tmp_path / f"agent-capture-{int(store_tls)}"
+            rec.mkdir()
+            results, text = _torchrun_job(tmp_path, cluster, rec.name, pki, store_tls, rec)
+            assert [r["rank"] for r in results] == [0, 1] and all(r["tls"] for r in results), text
+            runs[store_tls] = results
+            captures[store_tls] = b"".join(f.read_bytes() for f in sorted(rec.iterdir()))
+    for needle in RENDEZVOUS:
+        assert needle in captures[False], f"the control failed: {needle!r} not in the agent store's traffic"
+        assert needle not in captures[True], needle
+    assert _storetls_pointer() in captures[True] and _storetls_pointer() not in captures[False]
+    assert [r["digest"] for r in runs[True]] == [r["digest"] for r in runs[False]]
+
+
+def _storetls_pointer() -> bytes:
+    from rumor import _storetls
+
+    return _storetls.POINTER_KEY.encode()
