@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Callable, List, Optional, Tuple
 
-from ._env import env_bool, tls_files
+from ._env import env_bool, env_int, tls_files
 
 # Bytes read from one side per call: large, so a big value crosses in few records.
 CHUNK = 256 * 1024
@@ -567,6 +567,7 @@ def for_launch(args, env=os.environ) -> Optional[StoreTls]:
 
 WORKER_TAG = "rumor.init(): store TLS"
 STORE_TLS_ENV = "RUMOR_STORE_TLS"  # 0: the store in clear even with the TLS files set
+STORE_PORT_ENV = "RUMOR_STORE_PORT"  # rank_store's port on rank 0 (unset: any free port)
 # One tunnel and store per store address, for the process's life: a later init() (a live epoch,
 # a notebook's next job) reuses them, as torch's multi-tenant TCPStore reuses its server.
 _workers: dict = {}
@@ -649,8 +650,10 @@ def rank_store(agent_store, is_master: bool, world_size: int, advertise: str, ti
     attempt's rank 0 left may be read first: the forwarder asks the agent's store again before
     every dial, and a dead address is refused until the new one is there."""
     if is_master:
-        tunnel, store = _open_end(("rank0",), True, 0, None, "any free port", world_size, timeout_s, files,
-                                  peer_name)
+        # A fixed port where a firewall stands between the hosts; else any free one.
+        port = env_int(STORE_PORT_ENV, 0, minimum=1, maximum=65535)
+        tunnel, store = _open_end(("rank0",), True, port, None, f"port {port}" if port else "any free port",
+                                  world_size, timeout_s, files, peer_name)
         agent_store.set(POINTER_KEY, f"{advertise}:{tunnel.port}")
         return store
     deadline = time.monotonic() + timeout_s

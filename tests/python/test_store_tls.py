@@ -435,3 +435,25 @@ def test_rank_store_dials_past_the_address_an_earlier_attempt_left(pki, monkeypa
         got.pop("store", None)
         _storetls.close_workers()
     assert _tunnel_threads() == []
+
+
+def test_rank_store_takes_its_port_from_rumor_store_port(pki, monkeypatch):
+    """RUMOR_STORE_PORT fixes the port rank 0's store listens on (a firewall between the hosts);
+    a value that is not a port is refused naming the variable."""
+    import harness
+    from rumor import _storetls
+
+    monkeypatch.setattr(_storetls, "_workers", {})
+    files = (pki["cert0.pem"], pki["key0.pem"], pki["ca.pem"])
+    agent = _Pointers({})
+    monkeypatch.setenv("RUMOR_STORE_PORT", "70000")
+    with pytest.raises(ValueError, match="RUMOR_STORE_PORT"):
+        _storetls.rank_store(agent, True, 1, "127.0.0.1", DEADLINE_S, files)
+    port = harness.free_port()
+    monkeypatch.setenv("RUMOR_STORE_PORT", str(port))
+    try:
+        _storetls.rank_store(agent, True, 1, "127.0.0.1", DEADLINE_S, files)
+        assert agent.values[_storetls.POINTER_KEY] == f"127.0.0.1:{port}".encode()
+    finally:
+        _storetls.close_workers()
+    assert _tunnel_threads() == []
