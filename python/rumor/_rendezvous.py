@@ -269,9 +269,11 @@ def store_for(env: Env, timeout: float, generation: int):
             # goes through TLS tunnels as rumor-run's launchers carry theirs.
             base = _storetls.worker_store(env.master_addr, env.master_port, env.size, env.rank == 0, timeout,
                                           files, peer_name)
-        elif files is not None and not _is_loopback(env.master_addr):
+        elif files is not None and not os.environ.get("RUMOR_LIVE") and not _is_loopback(env.master_addr):
             # A torchrun agent's store across the network (rumor-run's own tunnels would have
             # made it loopback): it cannot be carried, so rumor's keys leave it for rank 0's.
+            # Not for a live job, whose launchers carry their store whenever TLS is on and whose
+            # rank 0 changes from one epoch to the next.
             agent_store = prefixed(shared_store(env, timeout), rendezvous_prefix(generation))
             base = _storetls.rank_store(agent_store, env.rank == 0, env.size,
                                         advertise_address(env.master_addr, env.master_port), timeout, files,
