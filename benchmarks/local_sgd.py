@@ -354,6 +354,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="4", help="--hosts 0: world sizes to run")
     ap.add_argument("--ranks-per-host", type=int, default=1)
     ap.add_argument("--rate", default="1gbit,100mbit", help="comma list: tbf rate of each host's link, one job each")
+    ap.add_argument("--link-delay", default=None,
+                    help="--hosts mode: one-way delay of every link, e.g. 50ms (a 100 ms round trip; rumor-wanem)")
+    ap.add_argument("--link-jitter", default=None, help="--hosts mode: per-packet jitter added to --link-delay")
+    ap.add_argument("--link-loss", type=float, default=None, help="--hosts mode: packet loss probability")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
     ap.add_argument("--scale", type=float, default=1.0, help="model width scale (1: the benchmark models)")
@@ -428,7 +432,8 @@ def main(argv=None) -> int:
         for rate in rates:
             link_Bps = None
             if hosts_mode:
-                tcp = drv.start_cluster(args.hosts, rate)
+                tcp = drv.start_cluster(args.hosts, rate, delay=args.link_delay, jitter=args.link_jitter,
+                                        loss=args.link_loss)
                 if tcp is None:
                     return 2
                 link_Bps = parse_rate(rate)
@@ -436,8 +441,11 @@ def main(argv=None) -> int:
                     for i in range(args.hosts):
                         drv.cluster.run(i, ["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
                     meta["tcp_slow_start_after_idle"] = 0
+                wan = ", ".join(f"{k} {v}" for k, v in (("delay", args.link_delay), ("jitter", args.link_jitter),
+                                                         ("loss", args.link_loss)) if v is not None)
                 print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), tbf {rate} = "
-                      f"{link_Bps / 1e6:.1f} MB/s per link; one TCP stream through it: {tcp / 1e6:.1f} MB/s")
+                      f"{link_Bps / 1e6:.1f} MB/s per link{', ' + wan if wan else ''}; one TCP stream through it: "
+                      f"{tcp / 1e6:.1f} MB/s")
             jobs = []
             for n in worlds:
                 jobs.append(Job(args, n, drv.workdir, progress, base, steps_per_model, cluster=drv.cluster, rate=rate))

@@ -7,8 +7,8 @@ Modes
   one host (default): 2 and 4 ranks on this machine (--ranks).
   --hosts H: H emulated hosts (network namespaces on one bridge, rumor.testing.netns), each
       host's link shaped with `tbf rate 1gbit burst 256kb latency 20ms` (--rate), --ranks-per-host
-      ranks each (default 1; 2 with --hierarchical adds rumor GradientAllReduce(hierarchical=True)).
-      Needs root.
+      ranks each (default 1; 2 with --hierarchical adds rumor GradientAllReduce(hierarchical=True)),
+      with --delay, --jitter and --loss on every link (rumor-wanem). Needs root.
 
 How it measures
   Each job starts its ranks (rumor.testing.launch: torchrun's environment, one torch thread per
@@ -580,13 +580,14 @@ def main(argv=None) -> int:
     def body() -> int:
         link_Bps = None
         if hosts_mode:
-            tcp = drv.start_cluster(args.hosts, args.rate)
+            tcp = drv.start_cluster(args.hosts, args.rate, **_common.wan_kwargs(args))
             if tcp is None:
                 return 2
             link_Bps = parse_rate(args.rate)
             result["tcp_single_stream_Bps"] = tcp
             print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), tbf {args.rate} = "
-                  f"{link_Bps / 1e6:.0f} MB/s per link; one TCP stream through a shaped link: {tcp / 1e6:.1f} MB/s")
+                  f"{link_Bps / 1e6:.0f} MB/s per link{_common.wan_label(args)}; one TCP stream through a shaped "
+                  f"link: {tcp / 1e6:.1f} MB/s")
         jobs = [Job(args, n, drv.workdir, progress, k * len(args.models) * steps_per_model, steps_per_model,
                     cluster=drv.cluster) for k, n in enumerate(worlds)]
         rc = _common.run_jobs(jobs, result, progress)
@@ -629,7 +630,8 @@ def main(argv=None) -> int:
             c = next((c for c in result["cells"] if c["model"] == "mlp25m"),
                      result["cells"][0] if result["cells"] else None)
             if c:
-                headline = (f"headline: {c['model']} {args.hosts} emulated hosts x {args.ranks_per_host} @{args.rate}: "
+                headline = (f"headline: {c['model']} {args.hosts} emulated hosts x {args.ranks_per_host} @{args.rate}"
+                            f"{_common.wan_label(args)}: "
                             f"{VARIANT_LABEL[c['main_variant']]}/torch DDP = {c['rumor_over_torch']:.2f}x samples/s "
                             f"(at {100 * c['rumor_over_compute']:.0f}% of compute-only)")
         else:

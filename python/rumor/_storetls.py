@@ -572,6 +572,8 @@ STORE_PORT_ENV = "RUMOR_STORE_PORT"  # rank_store's port on rank 0 (unset: any f
 # a notebook's next job) reuses them, as torch's multi-tenant TCPStore reuses its server.
 _workers: dict = {}
 _workers_lock = threading.Lock()
+# worker_store's local ends, ("127.0.0.1", port) -> the _workers key of the store they lead to.
+_local_ends: dict = {}
 
 
 def worker_files(env=os.environ) -> Optional[Tuple[str, str, str]]:
@@ -629,12 +631,29 @@ def worker_store(addr: str, port: int, world_size: int, is_master: bool, timeout
     """The job's store with its traffic under TLS where rumor.init() hosts or reaches it itself
     (no torchrun agent): rank 0 serves it on loopback behind a terminator on `port` of every
     interface, as node 0's launcher does; the other ranks reach (addr, port) through a forwarder of
-    their own."""
-    _, store = _open_end(("worker", addr, port, is_master), is_master, port, (addr, port), _fmt((addr, port)),
-                         world_size, timeout_s, files, peer_name)
+    their own.
+
+    Then MASTER_ADDR/MASTER_PORT of this process name the local end, and RUMOR_ROUTE_ADDR the
+    public address, as rumor-run's launchers hand them to torchrun's workers: a later
+    torch.distributed.init_process_group() (env://) in this process finds the store where rumor
+    does (rank 0's multi-tenant TCPStore reuses the server; the others go through the forwarder),
+    as it shares rumor's store without TLS, instead of failing on the terminator's port. A later
+    rumor.init() reading those variables is led back to the same end."""
+    with _workers_lock:
+        key = _local_ends.get((addr, port))
+    if key is None:
+        key = ("worker", addr, port, is_master)
+    _, public, public_port, _ = key
+    tunnel, store = _open_end(key, is_master, public_port, (public, public_port), _fmt((public, public_port)),
+                              world_size, timeout_s, files, peer_name)
+    local = tunnel.target[1] if is_master else tunnel.port
+    with _workers_lock:
+        _local_ends[("127.0.0.1", local)] = key
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(local)
+    os.environ.setdefault(ROUTE_ENV, public)
     if is_master:
         logging.getLogger("rumor").info("%s: rank 0 serves the store on port %d over TLS only (TLS 1.3, "
-                                        "mutual certificates)", WORKER_TAG, port)
+                                        "mutual certificates)", WORKER_TAG, public_port)
     return store
 
 
@@ -684,6 +703,7 @@ def close_workers() -> None:
     with _workers_lock:
         ends = [tunnel for tunnel, _ in _workers.values()]
         _workers.clear()
+        _local_ends.clear()
     for tunnel in ends:
         tunnel.close()
 

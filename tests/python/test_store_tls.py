@@ -316,16 +316,28 @@ def test_strangers_holding_handshakes_open_do_not_keep_the_job_out(pki, monkeypa
 # ---- ranks that host the store themselves (no rumor-run: srun, mpirun, variables set by hand) ----
 
 def _store_tls_rank():
+    import datetime
+
     import torch
+    import torch.distributed as dist
 
     import rumor
     from rumor import _storetls
 
     rumor.init()
     t = rumor.allreduce(torch.full((1000,), float(rumor.rank() + 1)), rumor.ReduceOp.SUM)
+    # torch's own env:// rendezvous after rumor's, as scripts that use both do: it finds the store
+    # where rumor does (with TLS, through rumor's end of the tunnel) rather than a busy port.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    g = torch.full((10,), float(rumor.rank() + 1))
+    dist.all_reduce(g)
+    dist.destroy_process_group()
+    rumor.shutdown()
+    rumor.init()  # a second init() in the process: led back to the same end
+    t2 = rumor.allreduce(torch.full((10,), float(rumor.rank() + 2)), rumor.ReduceOp.SUM)
     ends = sorted(type(tunnel).__name__ for tunnel, _ in _storetls._workers.values())
     rumor.shutdown()
-    return float(t[0]), float(t[-1]), ends
+    return float(t[0]), float(t[-1]), ends, float(g[0]), float(t2[0])
 
 
 def _job_through_a_relay(pki, rec, tls: bool, rank1_foreign: bool = False, timeout_s: int = 30, **kw):
@@ -345,14 +357,15 @@ def _job_through_a_relay(pki, rec, tls: bool, rank1_foreign: bool = False, timeo
 def test_ranks_that_host_the_store_carry_it_over_tls_only(pki, tmp_path):
     """Without rumor-run (RANK, WORLD_SIZE and MASTER_* as mpirun or srun give them) and with the
     TLS files set, rank 0 serves the store behind a terminator on MASTER_PORT and rank 1 reaches it
-    through a forwarder: what crosses is TLS records only, no key of the rendezvous. The same job
-    with TLS off shows its keys to the same capture (so the capture would see them)."""
+    through a forwarder: what crosses is TLS records only, no key of the rendezvous, also once
+    torch's own init_process_group() has met there and rumor has initialized a second time. The
+    same job with TLS off shows its keys to the same capture (so the capture would see them)."""
     seen = {}
     for tls in (False, True):
         rec = tmp_path / f"rec-{tls}"
         rec.mkdir()
         results = _job_through_a_relay(pki, rec, tls)
-        assert [r[:2] for r in results] == [(3.0, 3.0), (3.0, 3.0)], results
+        assert [r[:2] + r[3:] for r in results] == [(3.0, 3.0, 3.0, 5.0)] * 2, results
         ends = [r[2] for r in results]
         assert ends == ([["Terminator"], ["Forwarder"]] if tls else [[], []]), ends
         seen[tls] = [f.read_bytes() for f in sorted(rec.iterdir())]
