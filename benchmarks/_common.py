@@ -342,14 +342,14 @@ def add_world_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--loss", type=float, default=None, help="--hosts mode: packet loss probability, e.g. 0.001")
 
 
-def wan_kwargs(args) -> Dict:
-    """netns.Cluster's WAN keywords from add_world_args' options (None: not asked for)."""
-    return dict(delay=args.delay, jitter=args.jitter, loss=args.loss)
+def wan_kwargs(args, prefix: str = "") -> Dict:
+    """netns.Cluster's WAN keywords from add_world_args' options (None: not asked for); `prefix`
+    names options of another spelling (local_sgd.py's --link-delay: "link_")."""
+    return {k: getattr(args, prefix + k) for k in ("delay", "jitter", "loss")}
 
 
-def wan_label(args) -> str:
-    parts = [f"{k} {v}" for k, v in (("delay", args.delay), ("jitter", args.jitter), ("loss", args.loss))
-             if v is not None]
+def wan_label(args, prefix: str = "") -> str:
+    parts = [f"{k} {v}" for k, v in wan_kwargs(args, prefix).items() if v is not None]
     return (", " + ", ".join(parts)) if parts else ""
 
 

@@ -432,8 +432,7 @@ def main(argv=None) -> int:
         for rate in rates:
             link_Bps = None
             if hosts_mode:
-                tcp = drv.start_cluster(args.hosts, rate, delay=args.link_delay, jitter=args.link_jitter,
-                                        loss=args.link_loss)
+                tcp = drv.start_cluster(args.hosts, rate, **_common.wan_kwargs(args, "link_"))
                 if tcp is None:
                     return 2
                 link_Bps = parse_rate(rate)
@@ -441,11 +440,9 @@ def main(argv=None) -> int:
                     for i in range(args.hosts):
                         drv.cluster.run(i, ["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
                     meta["tcp_slow_start_after_idle"] = 0
-                wan = ", ".join(f"{k} {v}" for k, v in (("delay", args.link_delay), ("jitter", args.link_jitter),
-                                                         ("loss", args.link_loss)) if v is not None)
                 print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), tbf {rate} = "
-                      f"{link_Bps / 1e6:.1f} MB/s per link{', ' + wan if wan else ''}; one TCP stream through it: "
-                      f"{tcp / 1e6:.1f} MB/s")
+                      f"{link_Bps / 1e6:.1f} MB/s per link{_common.wan_label(args, 'link_')}; one TCP stream "
+                      f"through it: {tcp / 1e6:.1f} MB/s")
             jobs = []
             for n in worlds:
                 jobs.append(Job(args, n, drv.workdir, progress, base, steps_per_model, cluster=drv.cluster, rate=rate))

@@ -42,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _common import NO_MATPLOTLIB, parse_rate, pyplot, save_figure  # noqa: E402
+from tls_training import _credentials  # noqa: E402  (the job CA's files, as rumor-run --tls auto makes them)
 
 MiB = 1 << 20
 
@@ -52,12 +53,6 @@ def _ms(text: str) -> float:
     if text.endswith("s"):
         return float(text[:-1]) * 1e3
     return float(text)
-
-
-def _credentials(directory: str) -> Dict[str, str]:
-    from tls_training import _credentials as make
-
-    return make(directory)
 
 
 def link_name(rate: str, rtt: str, loss: float) -> str:
