@@ -276,6 +276,16 @@ PYBIND11_MODULE(_C, m) {
       .def("barrier", [](C& c, bool nb) { return dispatch(c, nb, [&c] { c.barrier(); }); })
       .def("peer_rtts", &C::peer_rtts, py::call_guard<py::gil_scoped_release>(),
            "Connects to every member; each one's round trip in seconds (TCP_INFO; 0: self, shared memory).")
+      .def(
+          "link_rtts",
+          [](C& c) {
+            // On the worker, after the operations queued ahead: they are the ones that open channels.
+            std::vector<double> rtt;
+            dispatch(c, false, [&c, &rtt] { rtt = c.link_rtts(); });
+            return rtt;
+          },
+          "Each member's round trip in seconds over a channel already open (TCP_INFO); 0: none, self, "
+          "shared memory.")
       .def("send",
            [](C& c, uintptr_t buf, size_t bytes, uint32_t dst, bool nb) {
              return dispatch(c, nb, [&c, buf, bytes, dst] { c.send(ptr(buf), bytes, dst); });

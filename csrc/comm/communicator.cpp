@@ -1080,6 +1080,10 @@ void Communicator::alltoall(const void* in, std::span<const size_t> send_counts,
 std::vector<double> Communicator::peer_rtts() {
   const std::vector<size_t> none(size(), 0);
   alltoall(nullptr, none, nullptr, none, DType::U8);
+  return link_rtts();
+}
+
+std::vector<double> Communicator::link_rtts() const {
   std::vector<double> rtt(size(), 0.0);
   for (uint32_t p = 0; p < size(); ++p)
     if (channels_[p]) rtt[p] = channels_[p]->min_rtt_s();

@@ -79,6 +79,9 @@ class Communicator {
   // Connects to every member (an alltoall of nothing) and returns each one's smallest round trip
   // in seconds as the kernel sampled it on the TCP channel: 0 for this rank and shared memory.
   std::vector<double> peer_rtts();
+  // The same figure for the channels already open only, connecting none (0 elsewhere): what the
+  // operations so far have used, without an all-pairs mesh a large job's ring never needs.
+  std::vector<double> link_rtts() const;
 
   bool all_local() const { return all_local_; }
   bool uses_shm() const { return ctx_->options().shm; }

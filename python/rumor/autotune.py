@@ -354,7 +354,8 @@ class Autotuner:
         if order is None:  # before the first iteration: its rebuild splits with the new gap
             d._build_buckets(list(reversed(range(len(d._params)))))
         else:
-            breaks = {j for j, g in enumerate(gaps) if g > d._split_gap_s}
+            split = max(d._split_gap_s, d._bucket_latency_s)  # as the wrapper's own rebuild
+            breaks = {j for j, g in enumerate(gaps) if g > split}
             d._build_buckets(order, breaks)
 
     # ---- cache ------------------------------------------------------------------------------

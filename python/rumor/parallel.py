@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import hashlib
 import itertools
+import logging
 import math
 import time
 import weakref
@@ -18,7 +19,7 @@ from .engine import device as device_engine
 from ._runtime import Group, communicator
 from ._tensor import address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
-from .collectives import ReduceOp, allgather, broadcast_
+from .collectives import ReduceOp, allgather, allreduce_, broadcast_
 from .engine.buckets import Bucket, coalesced_broadcast
 from .errors import AbortedError, RumorError
 
@@ -64,7 +65,10 @@ class DistributedDataParallel(torch.nn.Module):
     other buckets' gradients do not exist yet). See docs/optimizer.md for what changes.
 
     After the first iteration buckets follow the observed ready order and a bucket is closed where
-    the next gradient came more than ``bucket_split_gap_ms`` later: a timing decision (the first
+    the next gradient came more than ``bucket_split_gap_ms`` later (across hosts, only where that
+    gap is also longer than one allreduce's round trips: buckets run one after another, and on a
+    long link each costs its round trips whatever its size; there the small first bucket goes
+    alone only when the rest of backward outlasts them too): a timing decision (the first
     rank's), so two runs of one script may get different buckets, and with them different bits
     from compressed algorithms (their blocks and seeds follow the bucket) and, on three or more
     ranks, possibly from allreduce (an element's order of addition can follow its place in the
@@ -104,8 +108,9 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_clip_norm: with overlap_optimizer, the L2 norm each bucket's averaged gradients
             are clipped to before its update; None (the default) clips nothing.
         bucket_split_gap_ms: after the first iteration, a bucket is closed where the next
-            gradient came more than this many milliseconds later; default 5.0, math.inf never
-            splits. Must be positive.
+            gradient came more than this many milliseconds later (across hosts: more than this
+            or than one allreduce's round trips, whichever is longer); default 5.0, math.inf
+            never splits. Must be positive.
         shared_buckets: False keeps buckets out of shared memory when every rank is on this
             host; None (the default) lets rumor decide.
         autotune: True, or a dict of rumor.autotune.AutotuneConfig fields, searches the bucket
@@ -270,6 +275,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._ready_times: Dict[int, float] = {}
         self._callback_queued = False
         self._rebuilt = False
+        # One bucket's latency on this group's links (s), agreed at the first rebuild.
+        self._bucket_latency_s = 0.0
         self.buckets: List[Bucket] = []
         self._bucket_of: List[int] = [0] * len(self._params)
         self._views: List[Optional[torch.Tensor]] = [None] * len(self._params)
@@ -724,19 +731,68 @@ class DistributedDataParallel(torch.nn.Module):
         seen = set(order)
         order += [i for i in range(len(self._params)) if i not in seen]
         # A bucket should not wait for a gradient that arrives much later than the ones before
-        # it: start a new bucket there, so communication begins while backward computes it.
+        # it: start a new bucket there, so communication begins while backward computes it. But
+        # buckets run one after another, and each one pays the group's round trips whatever its
+        # size, so a split must gain more than that: over a 100 ms link, 22 buckets of a small
+        # transformer took 5 s where torch's two took 0.6 s.
+        latency = self._one_more_bucket_s()
+        split = max(self._split_gap_s, latency)
         times = [self._ready_times.get(i) for i in order]
-        gaps = [0] + [int(a is not None and b is not None and b - a > self._split_gap_s)
+        gaps = [0] + [int(a is not None and b is not None and b - a > split)
                       for a, b in zip(times, times[1:])]
-        t = torch.tensor([order, gaps], dtype=torch.int64)
+        merge_first = int(latency > self._split_gap_s and not self._first_bucket_pays(order, times, latency))
+        n = len(order)
+        t = torch.tensor(order + gaps + [merge_first, round(latency * 1e6)], dtype=torch.int64)
         broadcast_(t, self.group.ranks[0], self.group)
         if self._autotuner is not None:
-            self._autotuner.observe_ready_times(order, times, t[0].tolist())
-        order, gaps = t.tolist()
+            self._autotuner.observe_ready_times(order, times, t[:n].tolist())
+        flat = t.tolist()
+        order, gaps, (merge_first, latency_us) = flat[:n], flat[n:2 * n], flat[2 * n:]
+        self._bucket_latency_s = latency_us / 1e6  # the first rank's estimate, on every rank
+        if merge_first:
+            self._first_cap_bytes = max(self._first_cap_bytes, self._cap_bytes)
+        if latency > self._split_gap_s and self.group._comm.rank == 0:
+            logging.getLogger("rumor").info(
+                "rumor.DistributedDataParallel: one allreduce over this group's links costs about %.0f ms "
+                "of round trips, so buckets split only at gaps longer than that%s", latency * 1e3,
+                "; the first bucket is not sent on its own (backward ends sooner than it would return)"
+                if merge_first else "")
         self._ready_order, self._ready_times = [], {}
         breaks = {j for j, g in enumerate(gaps) if g}
-        if order != list(reversed(range(len(self._params)))) or breaks:
+        if order != list(reversed(range(len(self._params)))) or breaks or merge_first:
             self._build_buckets(order, breaks)
+
+    def _one_more_bucket_s(self) -> float:
+        """What one more bucket costs whatever its size, estimated from the links (a collective:
+        every rank of the group calls it): a pipelined ring's first piece crosses 2(H-1) links
+        between H hosts at half a round trip each, so (H-1) times the slowest round trip any
+        rank's kernel sampled on the links the first iteration used (0 within one host, where
+        shared memory has none). Only links already open are read, so that a large job opens
+        no all-pairs mesh for it."""
+        st = _runtime.state()
+        hosts = len({st.hosts[r] for r in self.group.ranks})
+        if hosts < 2:
+            return 0.0
+        slowest = torch.tensor([max(self.group._comm.link_rtts(), default=0.0)], dtype=torch.float64)
+        allreduce_(slowest, op=ReduceOp.MAX, group=self.group)
+        return float(slowest) * (hosts - 1)
+
+    def _first_bucket_pays(self, order: List[int], times: List[Optional[float]], latency: float) -> bool:
+        """Whether sending the first (small) bucket on its own gains more than its round trips
+        cost: with buckets run one after another, it does when the rest of backward, from the
+        moment that bucket is complete, lasts longer than one bucket's latency."""
+        if any(x is None for x in times):
+            return True
+        used, last = 0, None
+        for j, i in enumerate(order):
+            p = self._params[i]
+            used += p.numel() * p.element_size()
+            if used > self._first_cap_bytes and j > 0:
+                break
+            last = j
+        if last is None or last == len(order) - 1:
+            return True  # one bucket either way
+        return max(times) - max(times[:last + 1]) > latency
 
     # ---- user-facing ------------------------------------------------------------------------
 

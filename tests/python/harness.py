@@ -664,3 +664,46 @@ def launch(cmd, cwd, env_extra=None, deadline_s: float = LAUNCH_DEADLINE_S) -> s
     text = out.decode(errors="replace")
     assert p.returncode == 0, f"{' '.join(cmd)} exited with {p.returncode}:\n{text[-6000:]}"
     return text
+
+
+def run_on_hosts(tmp_path, name: str, boot: str, world: int, port: int, deadline_s: float,
+                 env: Optional[Dict[str, str]] = None, **cluster) -> tuple:
+    """Runs `python -c boot` as `world` ranks, one per emulated host (rumor.testing.netns.Cluster
+    with the `cluster` keywords), until all exit or deadline_s passes (then every rank is killed
+    and the test fails with each rank's output). Skips where namespaces cannot be built.
+
+    Returns:
+        (each rank's last "RESULT <json>" line, parsed; the ranks' output tails for messages).
+        A rank that printed none fails the test with everyone's output.
+    """
+    import json
+
+    import pytest
+
+    from rumor.testing import launch, netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(f"emulated hosts need Linux network namespaces: {why}")
+    logdir = tmp_path / name
+    logdir.mkdir()
+    argv = [sys.executable, "-c", boot]
+    with netns.Cluster(world, **cluster) as hosts, \
+            launch.Ranks(argv, world, cluster=hosts, env=env or {}, port=port, logdir=str(logdir)) as ranks:
+        deadline = time.monotonic() + deadline_s
+        while any(p.poll() is None for p in ranks.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        late = [r for r in range(world) if ranks.procs[r].poll() is None]
+        ranks.kill()
+        outputs = [ranks.log(r) for r in range(world)]
+        codes = [p.returncode for p in ranks.procs]
+    dump = "\n".join(f"===== rank {r} =====\n{outputs[r][-4000:]}" for r in range(world))
+    if late:
+        pytest.fail(f"{name}: rank(s) {late} still running after {deadline_s} s\n{dump}", pytrace=False)
+    results = []
+    for r, text in enumerate(outputs):
+        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+        if not lines:
+            pytest.fail(f"{name}: rank {r} reported no result (exit code {codes[r]})\n{dump}", pytrace=False)
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results, dump

@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
-import pytest
+from harness import run_on_hosts
 
 from rumor._rendezvous import sites_from_rtts
 
@@ -87,33 +86,8 @@ def _rank_main() -> None:
 # ---- emulated hosts ------------------------------------------------------------------------------
 
 def _run(tmp_path, name: str, delay):
-    from rumor.testing import launch, netns
-
-    ok, why = netns.available()
-    if not ok:
-        pytest.skip(f"emulated hosts need Linux network namespaces: {why}")
-    logdir = tmp_path / name
-    logdir.mkdir()
-    argv = [sys.executable, "-c", _BOOT.format(here=HERE)]
-    with netns.Cluster(WORLD, delay=delay) as cluster, \
-            launch.Ranks(argv, WORLD, cluster=cluster, env={"RUMOR_SITE": "auto"}, port=PORT,
-                         logdir=str(logdir)) as ranks:
-        deadline = time.monotonic() + RUN_DEADLINE_S
-        while any(p.poll() is None for p in ranks.procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        late = [r for r in range(WORLD) if ranks.procs[r].poll() is None]
-        ranks.kill()
-        outputs = [ranks.log(r) for r in range(WORLD)]
-    dump = "\n".join(f"===== rank {r} =====\n{outputs[r][-4000:]}" for r in range(WORLD))
-    if late:
-        pytest.fail(f"{name}: rank(s) {late} still running after {RUN_DEADLINE_S} s\n{dump}", pytrace=False)
-    results = []
-    for r, text in enumerate(outputs):
-        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-        if not lines:
-            pytest.fail(f"{name}: rank {r} reported no result\n{dump}", pytrace=False)
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-    return results, dump
+    return run_on_hosts(tmp_path, name, _BOOT.format(here=HERE), WORLD, PORT, RUN_DEADLINE_S,
+                        env={"RUMOR_SITE": "auto"}, delay=delay)
 
 
 def test_auto_finds_two_sites_of_two_hosts(tmp_path):
