@@ -234,6 +234,9 @@ def allgather(t, group, out, nonblocking, what):
     else:
         out[start : start + rows[g._comm.rank]].copy_(t)
     counts = [r_ * per_row * per for r_ in rows]
+    if not nonblocking:  # as allreduce's
+        g._comm.allgather(address(out), counts, code, False)
+        return out
     issue = lambda nb: g._comm.allgather(address(out), counts, code, nb)
     return run(nonblocking, issue, (out,), lambda: out)
 
@@ -265,7 +268,11 @@ def reduce_scatter(t, op, group, out, nonblocking, what):
     src = contig(t)
     me = g._comm.rank
     res = check_out(out, t.dtype, (rows[me],) + tuple(t.shape[1:]), what)
-    issue = lambda nb: g._comm.reduce_scatter(address(src), address(res), [r * per_row for r in rows], code, o, nb)
+    counts = [r * per_row for r in rows]
+    if not nonblocking:  # as allreduce's
+        g._comm.reduce_scatter(address(src), address(res), counts, code, o, False)
+        return res
+    issue = lambda nb: g._comm.reduce_scatter(address(src), address(res), counts, code, o, nb)
     return run(nonblocking, issue, (src, res), lambda: res)
 
 
