@@ -15,6 +15,7 @@ import platform
 import re
 import signal
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -327,6 +328,58 @@ class Driver:
             import shutil
 
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class GradReady:
+    """When each gradient of the compute-only model is ready in backward (ms from its start), and
+    when backward returns: what the DDP bound (exposed_allreduce_s below) needs. A post-accumulate-grad
+    hook per parameter, on compute-only's steps only."""
+
+    def __init__(self, model):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.on, self.t0, self.cur, self.steps = False, 0.0, [], []
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._hit(i))
+
+    def _hit(self, i: int) -> None:
+        if self.on:
+            self.cur[i] = (time.perf_counter() - self.t0) * 1e3
+
+    def begin(self, on: bool) -> None:
+        self.on, self.t0, self.cur = on, time.perf_counter(), [None] * len(self.params)
+
+    def end(self) -> None:
+        if self.on:
+            self.steps.append((self.cur, (time.perf_counter() - self.t0) * 1e3))
+        self.on = False
+
+    def summary(self, skip: int) -> Optional[Dict]:
+        """Medians over the measured steps: each parameter's bytes and ready time, and backward."""
+        steps = [s for s in self.steps[skip:] if all(t is not None for t in s[0])]
+        if not steps:
+            return None
+        return dict(bytes=[p.numel() * p.element_size() for p in self.params],
+                    ready_ms=[statistics.median(s[0][i] for s in steps) for i in range(len(self.params))],
+                    backward_ms=statistics.median(s[1] for s in steps))
+
+
+def exposed_allreduce_s(grad_ready: Dict, n: int, copy_rate: float) -> float:
+    """The least time any data-parallel step must add to the compute-only step on one host: the
+    allreduce of the gradients ready last, at the memory bound, past the end of backward.
+
+    An allreduce of S bytes per rank over n ranks of one host reads and writes n*S bytes at least
+    (host_collectives.py's bound: n*S / C, C the all-core copy rate). Gradient j is ready at r_j;
+    at best every allreduce runs at that bound from the moment its gradient is ready, one after
+    another, and costs the computation nothing before backward ends (generous: on a host whose
+    cores all compute, it does cost). The last finishes at max_k (r_k + sum of n*S_j/C over the
+    gradients ready at or after r_k); what lies past backward's end is exposed. Buckets only
+    group gradients, so no bucketing does better."""
+    order = sorted(zip(grad_ready["ready_ms"], grad_ready["bytes"]))
+    finish, tail = 0.0, 0.0
+    for r, b in reversed(order):
+        tail += n * b / copy_rate * 1e3
+        finish = max(finish, r + tail)
+    return max(0.0, finish - grad_ready["backward_ms"]) / 1e3
 
 
 def add_world_args(ap: argparse.ArgumentParser) -> None:

@@ -21,6 +21,8 @@ Parts (--parts, default both)
                     so they share the cores as in the other variants)
         ddp_rumor   torch.nn.parallel.DistributedDataParallel(model, process_group=<rumor group>)
         ddp_gloo    the same on the gloo group
+        ddp_api     rumor.DistributedDataParallel(model) (rumor's own engine, GradientAllReduce, its
+                    defaults): what the backend's door costs against the engine behind it
         fsdp_rumor  FSDP2 fully_shard (per layer, then the model) on DeviceMesh.from_group(<rumor group>)
         fsdp_gloo   the same on the gloo group            (FSDP only for --fsdp-models)
       A step is zero_grad, forward, cross-entropy, backward, SGD(momentum 0.9) on the same
@@ -28,6 +30,10 @@ Parts (--parts, default both)
       variant in blocks of --block, rotating which variant goes first. Each step starts after a
       gloo barrier; its time is the slowest rank's. samples/s = global batch / median step.
       ceiling = ddp_gloo's step / compute-only's step: the most ddp_rumor/ddp_gloo this run allowed.
+      DDP bound (one host): no DDP step is shorter than compute-only's plus the allreduce of the
+      gradients ready last that runs past backward's end even at the memory bound (n*S/C per
+      allreduce of S bytes, C the all-core copy rate measured before and after the jobs; each
+      gradient's ready time from hooks on compute-only's steps): _common.exposed_allreduce_s.
       The losses of ddp_rumor and ddp_gloo (and fsdp_*) are compared as a sanity check.
 
   lightning  Lightning's Trainer (pip install 'rumor[lightning]') on the same models (--lightning-models,
@@ -76,7 +82,7 @@ KiB, MiB = C.KiB, C.MiB
 MODELS = ("mlp25m", "transformer")
 LIGHTNING_LABEL = {"compute": "compute-only", "lt_rumor": "L rumor ByteGrad", "lt_gloo": "L DDP gloo"}
 TRAIN_LABEL = {"compute": "compute-only", "ddp_rumor": "DDP rumor", "ddp_gloo": "DDP gloo",
-               "fsdp_rumor": "FSDP2 rumor", "fsdp_gloo": "FSDP2 gloo"}
+               "ddp_api": "rumor.DDP", "fsdp_rumor": "FSDP2 rumor", "fsdp_gloo": "FSDP2 gloo"}
 
 
 # ==== inside a rank ==================================================================================
@@ -280,13 +286,17 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
     from rumor.testing import models
 
     batch = models.BATCH[name]
-    names = ["compute", "ddp_rumor", "ddp_gloo"]
+    names = ["compute", "ddp_rumor", "ddp_gloo", "ddp_api"]
     if name in cfg["fsdp_models"]:
         names += ["fsdp_rumor", "fsdp_gloo"]
     variants = {}
     for v in names:
         model = models.build(name, seed=cfg["seed"])
-        if v.startswith("ddp_"):
+        if v == "ddp_api":
+            import rumor
+
+            model = rumor.DistributedDataParallel(model)
+        elif v.startswith("ddp_"):
             model = TorchDDP(model, process_group=groups[v[4:]])
         elif v.startswith("fsdp_"):
             from torch.distributed.device_mesh import DeviceMesh
@@ -296,6 +306,7 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
     nparams = sum(p.numel() for p in variants["compute"][0].parameters())
     data = [models.batch(name, batch, step=i, shard=rank, seed=cfg["seed"]) for i in range(4)]
     prof = _BucketProfile()
+    ready = _common.GradReady(variants["compute"][0])
 
     def step(v, i):
         model, opt = variants[v]
@@ -304,7 +315,9 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
         opt.zero_grad()
         loss = models.loss(model(x), y)
         prof.mark("backward")
+        ready.begin(v == "compute")
         loss.backward()
+        ready.end()
         prof.mark("backward_end")
         opt.step()
         prof.end()
@@ -353,6 +366,7 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
                                        per_rank_step_s=per_rank[v], warmup_s=warm[v],
                                        loss=(loss_t[v] / n).tolist())
         cell["bucket_profile"] = prof.steps[cfg["warmup"]:]
+        cell["grad_ready"] = ready.summary(cfg["warmup"])
         emit("cell", cell)
     del variants, data
     gc.collect()
@@ -499,13 +513,25 @@ def _step_stats(c: Dict) -> Dict:
     return c["variants"]
 
 
-def summarize_train(c: Dict) -> None:
+def summarize_train(c: Dict, copy_rate: Optional[float] = None) -> None:
     V = _step_stats(c)
     c["ceiling"] = V["ddp_gloo"]["median_s"] / V["compute"]["median_s"]
+    if copy_rate and c.get("grad_ready"):
+        # The machine's ceiling for any DDP: compute-only's step plus the exposed allreduce at
+        # the memory bound (_common.exposed_allreduce_s); "of bound" is DDP rumor's step against it.
+        c["exposed_allreduce_s"] = _common.exposed_allreduce_s(c["grad_ready"], c["n"], copy_rate)
+        c["bound_step_s"] = V["compute"]["median_s"] + c["exposed_allreduce_s"]
+        c["bound_of_compute"] = V["compute"]["median_s"] / c["bound_step_s"]
+        c["ddp_rumor_of_bound"] = c["bound_step_s"] / V["ddp_rumor"]["median_s"]
     c["ddp_rumor_over_gloo"] = V["ddp_gloo"]["median_s"] / V["ddp_rumor"]["median_s"]
     c["ddp_rumor_of_ceiling"] = c["ddp_rumor_over_gloo"] / c["ceiling"]
+    if "ddp_api" in V:
+        c["ddp_rumor_over_api"] = V["ddp_api"]["median_s"] / V["ddp_rumor"]["median_s"]
     c["bucket_summary"] = bucket_summary(c.get("bucket_profile", []))
     c["loss_max_abs_diff"] = {"ddp": max(abs(a - b) for a, b in zip(V["ddp_rumor"]["loss"], V["ddp_gloo"]["loss"]))}
+    if "ddp_api" in V:
+        c["loss_max_abs_diff"]["rumor.DDP"] = max(abs(a - b) for a, b in zip(V["ddp_api"]["loss"],
+                                                                              V["ddp_gloo"]["loss"]))
     if "fsdp_rumor" in V:
         c["fsdp_rumor_over_gloo"] = V["fsdp_gloo"]["median_s"] / V["fsdp_rumor"]["median_s"]
         c["fsdp_ceiling"] = V["fsdp_gloo"]["median_s"] / V["compute"]["median_s"]
@@ -584,19 +610,27 @@ def print_train(cells: List[Dict], title: str, iters: int) -> None:
           f"samples/s = global batch / median step)")
     names = [v for v in TRAIN_LABEL if any(v in c["variants"] for c in cells)]
     head, rows = _step_table(cells, TRAIN_LABEL, names, 20)
-    head += f" {'DDP r/g':>7} {'ceiling':>7} {'of ceil':>7} {'FSDP r/g':>8}"
+    head += f" {'DDP r/g':>7} {'ceiling':>7} {'of ceil':>7} {'DDP r/api':>9} {'FSDP r/g':>8}"
     print(head)
     print("-" * len(head))
     for c, row in zip(cells, rows):
         fs = f"{c['fsdp_rumor_over_gloo']:.2f}x" if "fsdp_rumor_over_gloo" in c else "-"
+        api = f"{c['ddp_rumor_over_api']:.2f}x" if "ddp_rumor_over_api" in c else "-"
         row += (f" {c['ddp_rumor_over_gloo']:>6.2f}x {c['ceiling']:>6.2f}x "
-                f"{100 * c['ddp_rumor_of_ceiling']:>6.0f}% {fs:>8}")
+                f"{100 * c['ddp_rumor_of_ceiling']:>6.0f}% {api:>9} {fs:>8}")
         print(row)
     for c in cells:
         diffs = ", ".join(f"{k} {v:.2e}" for k, v in c["loss_max_abs_diff"].items())
         print(f"  {c['model']}: max |loss(rumor) - loss(gloo)| over the steps, mean over ranks: {diffs}")
     print("  ceiling = DDP gloo's step / compute-only's step: the most DDP rumor/gloo this run allowed; "
-          "of ceil = (DDP r/g) / ceiling")
+          "of ceil = (DDP r/g) / ceiling; DDP r/api = rumor.DDP's step / DDP rumor's step (torch DDP on the "
+          "backend against rumor's own DDP)")
+    for c in cells:
+        if "bound_step_s" in c:
+            print(f"  {c['model']} DDP bound: compute-only's step + {c['exposed_allreduce_s'] * 1e3:.1f} ms of allreduce "
+                  f"that no DDP can hide (the gradients ready last, at the memory bound) = "
+                  f"{c['bound_step_s'] * 1e3:.0f} ms, {100 * c['bound_of_compute']:.0f}% of compute-only's samples/s; "
+                  f"DDP rumor reaches {100 * c['ddp_rumor_of_bound']:.0f}% of that bound")
     for c in cells:
         p = c.get("bucket_summary")
         if p:
@@ -747,7 +781,16 @@ def main(argv=None) -> int:
             print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), tbf {args.rate} = "
                   f"{B / 1e6:.0f} MB/s per link; one TCP stream through a shaped link: {tcp / 1e6:.1f} MB/s")
         job = Job(args, n, drv.workdir, progress, cluster=drv.cluster)
+        # One host: the all-core copy rate, for the DDP bound (_common.exposed_allreduce_s), before and
+        # after the jobs; the faster counts, since a shared machine can only make it look slower.
+        bound_copy = not hosts_mode and "training" in args.parts
+        threads = os.cpu_count() or 1
+        if bound_copy:
+            result["copy_rate"] = [C.measure_memcpy(256 * MiB, 10, threads)]
         rc = _common.run_jobs([job], result, progress)
+        if bound_copy:
+            result["copy_rate"].append(C.measure_memcpy(256 * MiB, 10, threads))
+            result["C"] = max(r["bw"] for r in result["copy_rate"])
         drv.close_cluster()
         progress.clear()
         _common.finish_meta(meta)
@@ -757,7 +800,7 @@ def main(argv=None) -> int:
         for c in coll:
             summarize_coll(c)
         for c in train:
-            summarize_train(c)
+            summarize_train(c, result.get("C"))
         for c in light:
             summarize_lightning(c)
         for op in args.ops:
@@ -802,9 +845,11 @@ def main(argv=None) -> int:
                 _target(result, "one host: mlp25m DDP samples/s rumor/gloo >= 1.3", c["ddp_rumor_over_gloo"],
                         c["ddp_rumor_over_gloo"] >= 1.3,
                         f"{c['ddp_rumor_over_gloo']:.2f}x (ceiling in this run {c['ceiling']:.2f}x)")
+            bound = (f"; this machine's bound for any DDP is {100 * c['bound_of_compute']:.0f}% of compute-only, "
+                     f"DDP rumor at {100 * c['ddp_rumor_of_bound']:.0f}% of it") if "bound_step_s" in c else ""
             _target(result, f"{where}: {c['model']} DDP rumor/gloo >= 0.95 of the ceiling", c["ddp_rumor_of_ceiling"],
                     c["ddp_rumor_of_ceiling"] >= 0.95,
-                    f"{100 * c['ddp_rumor_of_ceiling']:.0f}% ({c['ddp_rumor_over_gloo']:.2f}x of {c['ceiling']:.2f}x)")
+                    f"{100 * c['ddp_rumor_of_ceiling']:.0f}% ({c['ddp_rumor_over_gloo']:.2f}x of {c['ceiling']:.2f}x){bound}")
             if "fsdp_rumor_over_gloo" in c and c["model"] == "mlp25m":
                 _target(result, f"{where}: mlp25m FSDP2 samples/s rumor/gloo >= 1.3", c["fsdp_rumor_over_gloo"],
                         c["fsdp_rumor_over_gloo"] >= 1.3,

@@ -32,6 +32,11 @@ How it measures
   exposed communication, optimizer, comm-thread busy) and, with emulated hosts of one rank, the
   link-bound step: each bucket over the links at link rate (WIRE_BYTES per element) from its
   measured ready time, one after another, then the optimizer.
+  On one host the memory-bound step bounds the exact-allreduce variants (MEMORY_BOUND_VARIANTS):
+  compute-only's step plus what the allreduce of the gradients ready last leaves past backward's
+  end even at the memory bound (n*S/C for S bytes per rank, C the all-core copy rate measured
+  before and after the jobs; each gradient's ready time from hooks on compute-only's steps;
+  _common.exposed_allreduce_s). It enters their ceiling and prints as "memory-bound step".
 
 Output: a table per job (with a progress bar while it runs), the issue's targets, JSON with
 every raw figure and a PNG in --out (default benchmarks/results/); the last line is the headline
@@ -90,6 +95,11 @@ VARIANT_LABEL = {"compute": "compute-only", "torch": "torch DDP", **{k: v[0] for
 # out, so what they bound stays a lower bound); variants missing here get no link bound.
 WIRE_BYTES = {"rumor": 4.0, "rumor_hier": 4.0, "bytegrad": 1.0, "qsgd": 1.0, "fp16": 2.0, "bf16": 2.0,
               "onebit_adam": 1 / 8, "onebit_adam_hier": 1 / 8}
+
+# One host: the variants whose step includes an exact fp32 allreduce of every gradient and the
+# whole optimizer step after backward, so the memory-bound step (summarize) bounds them. Not the
+# overlapped optimizer (its update runs during backward, once per host) nor the codecs.
+MEMORY_BOUND_VARIANTS = ("rumor", "rumor_hier", "rumor_fused", "rumor_timeline")
 
 # Targets of the algorithm issues (samples/s over torch DDP, 4 emulated hosts at 1 Gbit).
 ALGORITHM_TARGETS = {"bytegrad": 2.5, "onebit_adam": 5.0, "fp16": 1.7, "dec_shift_one": 1.4, "dec_exp2": 1.4,
@@ -200,13 +210,16 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     data = [models.batch(name, batch, step=i, shard=rank, seed=cfg["seed"]) for i in range(4)]
 
     breakdown = {v: [] for v in variants if v not in ("compute", "torch")}
+    ready = _common.GradReady(variants["compute"][0])
 
     def step(v, i, record=False):
         model, opt = variants[v]
         x, y = data[i % len(data)]
         opt.zero_grad()
         loss = models.loss(model(x), y)
+        ready.begin(v == "compute")
         loss.backward()
+        ready.end()
         t = time.perf_counter()
         opt.step()
         if record and v in breakdown:
@@ -277,7 +290,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         dist.all_reduce(loss_t[v], op=dist.ReduceOp.SUM)
     if rank == 0:
         cell = dict(model=name, n=n, batch=batch, global_batch=batch * n, params=nparams,
-                    grad_bytes=nparams * 4, variants={})
+                    grad_bytes=nparams * 4, variants={},
+                    grad_ready=ready.summary(_warmup_steps("compute", cfg)))
         for v in names:
             steps = [max(per_rank[v][r][i] for r in range(n)) for i in range(len(times[v]))]
             cell["variants"][v] = dict(step_s=steps, per_rank_step_s=per_rank[v], warmup_s=warm[v],
@@ -325,7 +339,7 @@ def algorithm_list(args, job) -> List[str]:
     return args.algorithms + extra
 
 
-def summarize(cell: Dict, link_Bps: Optional[float]) -> None:
+def summarize(cell: Dict, link_Bps: Optional[float], copy_rate: Optional[float] = None) -> None:
     gb = cell["global_batch"]
     for v, d in cell["variants"].items():
         s = d["step_s"]
@@ -353,12 +367,21 @@ def summarize(cell: Dict, link_Bps: Optional[float]) -> None:
                         t = max(t, ready) + 2 * (h - 1) / h * elements * WIRE_BYTES[key] / link_Bps
                     bounds.append(t + x["optimizer"])
                 d["rank0_breakdown_s"]["link_bound_step"] = statistics.median(bounds)
+    if copy_rate and not link_Bps and cell.get("grad_ready"):
+        # One host: compute-only's step plus the allreduce of the gradients ready last that runs
+        # past backward's end even at the memory bound (_common.exposed_allreduce_s).
+        cell["exposed_allreduce_s"] = _common.exposed_allreduce_s(cell["grad_ready"], cell["n"], copy_rate)
+        cell["memory_bound_step_s"] = v["compute"]["median_s"] + cell["exposed_allreduce_s"]
     for key, d in v.items():
         if key in ("compute", "torch"):
             continue
         # The most this variant could reach against torch DDP in this run: no step beats the
-        # compute-only step, nor (with emulated hosts of one rank) its link-bound step.
+        # compute-only step, nor (with emulated hosts of one rank) its link-bound step, nor (one
+        # host, exact allreduce) the memory-bound step.
         floor = max(v["compute"]["median_s"], d.get("rank0_breakdown_s", {}).get("link_bound_step", 0.0))
+        if key in MEMORY_BOUND_VARIANTS and "memory_bound_step_s" in cell:
+            floor = max(floor, cell["memory_bound_step_s"])
+            d["of_memory_bound"] = cell["memory_bound_step_s"] / d["median_s"]
         d["ceiling_over_torch"] = v["torch"]["median_s"] / floor
     main = "rumor" if "rumor" in v else next(k for k in v if k not in ("compute", "torch"))
     cell["main_variant"] = main
@@ -590,11 +613,22 @@ def main(argv=None) -> int:
                   f"link: {tcp / 1e6:.1f} MB/s")
         jobs = [Job(args, n, drv.workdir, progress, k * len(args.models) * steps_per_model, steps_per_model,
                     cluster=drv.cluster) for k, n in enumerate(worlds)]
+        # One host: the all-core copy rate for the memory-bound step (summarize), before and after
+        # the jobs; the faster counts, since a shared machine can only make it look slower.
+        copy_rate = None
+        if not hosts_mode:
+            import collectives as coll
+
+            threads = os.cpu_count() or 1
+            result["copy_rate"] = [coll.measure_memcpy(256 * coll.MiB, 10, threads)]
         rc = _common.run_jobs(jobs, result, progress)
         drv.close_cluster()
         progress.clear()
+        if not hosts_mode:
+            result["copy_rate"].append(coll.measure_memcpy(256 * coll.MiB, 10, threads))
+            copy_rate = result["C"] = max(r["bw"] for r in result["copy_rate"])
         for c in result["cells"]:
-            summarize(c, link_Bps)
+            summarize(c, link_Bps, copy_rate)
         _common.finish_meta(meta)
 
         for job in jobs:
@@ -606,6 +640,18 @@ def main(argv=None) -> int:
                   f"relative to it); rumor/bound is vs compute-only")
         print("ceiling = torch DDP's step / the larger of compute-only and (emulated hosts of one rank) rumor's "
               "link-bound step: the most rumor/torch this run allowed")
+        bound_cells = [c for c in result["cells"] if "memory_bound_step_s" in c]
+        if bound_cells:
+            print(f"memory-bound step (one host; exact allreduce variants, whose ceiling it sets): compute-only's step "
+                  f"+ the allreduce of the gradients ready last that runs past backward's end even at the memory "
+                  f"bound (n*S/C, all-core copy rate C = {copy_rate / 1e9:.2f} GB/s):")
+            for c in bound_cells:
+                v = c["variants"]
+                ofb = ", ".join(f"{VARIANT_LABEL[k]} {100 * v[k]['of_memory_bound']:.0f}%"
+                                for k in v if "of_memory_bound" in v[k])
+                print(f"  {c['model']} {c['n']} ranks: +{c['exposed_allreduce_s'] * 1e3:.1f} ms -> "
+                      f"{fmt_ms(c['memory_bound_step_s'])} ms, {100 * v['compute']['median_s'] / c['memory_bound_step_s']:.0f}% "
+                      f"of compute-only's samples/s; of that bound: {ofb}")
         print()
 
         # ---- targets and headline
