@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -247,12 +248,30 @@ PYBIND11_MODULE(_C, m) {
                c.reduce_scatter(ptr(in), ptr(out), counts, dt, o);
              });
            })
-      .def("allgather",
-           [](C& c, uintptr_t buf, std::vector<size_t> counts, int dtype, bool nb) {
-             DType dt = to_dtype(dtype);
-             return dispatch(
-                 c, nb, [&c, buf, counts = std::move(counts), dt] { c.allgather(ptr(buf), counts, dt); });
-           })
+      .def(
+          "allgather",
+          [](C& c, uintptr_t buf, std::vector<size_t> counts, int dtype, bool nb, uintptr_t own) {
+            DType dt = to_dtype(dtype);
+            if (own != 0) {
+              // The caller's own block, copied here rather than by a tensor slice and copy_ in
+              // Python: those cost more than a small allgather when ranks share cores.
+              if (counts.size() != c.size())
+                throw std::invalid_argument("allgather: counts must hold one block per rank (" +
+                                            std::to_string(c.size()) + "), got " +
+                                            std::to_string(counts.size()));
+              size_t off = 0;
+              for (uint32_t q = 0; q < c.rank(); ++q) off += counts[q];
+              const size_t es = dtype_size(dt);
+              std::byte* dst = static_cast<std::byte*>(ptr(buf)) + off * es;
+              const auto* src = reinterpret_cast<const std::byte*>(own);
+              if (src != dst) std::memmove(dst, src, counts[c.rank()] * es);
+            }
+            return dispatch(c, nb,
+                            [&c, buf, counts = std::move(counts), dt] { c.allgather(ptr(buf), counts, dt); });
+          },
+          py::arg("buf"), py::arg("counts"), py::arg("dtype"), py::arg("nb"), py::arg("own") = 0,
+          "In place: buf holds size() blocks of counts[q] elements; own (an address, 0: none) is this "
+          "rank's block, copied into place first.")
       .def("broadcast",
            [](C& c, uintptr_t buf, size_t count, int dtype, uint32_t root, bool nb) {
              DType dt = to_dtype(dtype);

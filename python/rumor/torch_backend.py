@@ -180,6 +180,17 @@ def _op(opts_op, what: str):
     return _OPS[kind], None
 
 
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided
+
+
+def _plain(t) -> bool:
+    """Whether t is a dense, contiguous CPU torch.Tensor (not a subclass): what the fast paths of
+    the common calls take. Anything else takes the general path, which checks it and says what is
+    wrong."""
+    return type(t) is _TENSOR and t.is_cpu and t.layout == _STRIDED and t.is_contiguous()
+
+
 def _contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -765,6 +776,19 @@ class RumorProcessGroup(dist.ProcessGroup):
             return [_Ran(e)]
         return _RAN_OK
 
+    def _ran(self, what: str, out: list, call, *args) -> RumorWork:
+        """The fast paths' blocking core call, call(*args), on the caller's thread, and its work,
+        finished: _collective's inline case without its closures and checks. When ranks share
+        cores every op switches processes, and this Python then runs with cold caches at several
+        times its cost alone (docs/torch_backend.md, "A small op")."""
+        try:
+            call(*args)
+        except (TypeError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 (reported at wait(), as for an asynchronous op)
+            return RumorWork(self, what, self._all_ranks, [_Ran(e)], (), lambda: out)
+        return RumorWork(self, what, self._all_ranks, _RAN_OK, (), lambda: out)
+
     def _issue(self, what: str, peer: str, fn):
         try:
             return fn()
@@ -795,6 +819,12 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if opts is not None and len(tensors) == 1 and _plain(t := tensors[0]):
+            # The fast path: a blocking or small op with a plain op on a plain tensor.
+            code, op, n = _DTYPE_CODES.get(t.dtype), _OP_CODES.get(opts.reduceOp.op.value), t.numel()
+            if code is not None and op is not None and (
+                    n * t.element_size() <= self._inline_bytes or not getattr(opts, "asyncOp", True)):
+                return self._ran("all_reduce", [t], self._comm.allreduce, t.data_ptr(), n, code, op, 0, False)
         if _off_cpu(tensors):
             return self._device_call('allreduce', (tensors, opts))
         what = "all_reduce"
@@ -919,6 +949,15 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if opts is not None and _plain(output) and _plain(input) and output.dtype == input.dtype:
+            # The fast path, as allreduce's.
+            m = output.numel()
+            code, op = _DTYPE_CODES.get(output.dtype), _OP_CODES.get(opts.reduceOp.op.value)
+            if input.numel() == m * self._size and code is not None and op is not None and (
+                    m * self._size * output.element_size() <= self._inline_bytes
+                    or not getattr(opts, "asyncOp", True)):
+                return self._ran("reduce_scatter_tensor", [output], self._comm.reduce_scatter, input.data_ptr(),
+                                 output.data_ptr(), [m] * self._size, code, op, False)
         if _off_cpu(output, input):
             return self._device_call('reduce_scatter_single', (output, input, opts))
         what = "reduce_scatter_tensor"
@@ -1036,6 +1075,15 @@ class RumorProcessGroup(dist.ProcessGroup):
         Returns:
             A RumorWork.
         """
+        if _plain(output) and _plain(input) and output.dtype == input.dtype:
+            # The fast path, as allreduce's; the core copies this rank's block into place.
+            n = input.numel()
+            if output.numel() == n * self._size and (
+                    output.numel() * output.element_size() <= self._inline_bytes
+                    or not getattr(opts, "asyncOp", True)):
+                code, per = movable_code(input)
+                return self._ran("all_gather_into_tensor", [output], self._comm.allgather, output.data_ptr(),
+                                 [n * per] * self._size, code, False, input.data_ptr())
         if _off_cpu(output, input):
             return self._device_call('all_gather_single', (output, input, opts))
         what = "all_gather_into_tensor"

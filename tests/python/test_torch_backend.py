@@ -148,6 +148,14 @@ def _collectives_rank():
         return out
     both("all_gather_into_tensor", agt)
 
+    def agt_in_place(g):
+        # The input is this rank's block of the output, as FSDP passes it.
+        out = torch.zeros(n * 5, dtype=torch.bfloat16)
+        out[r * 5:(r + 1) * 5] = _data(r + 61, (5,), torch.bfloat16)
+        dist.all_gather_into_tensor(out, out[r * 5:(r + 1) * 5], group=g)
+        return out
+    both("all_gather_into_tensor in place", agt_in_place)
+
     def rs(g):
         out = torch.empty(4, dtype=torch.int64)
         dist.reduce_scatter(out, [_data(r * 10 + i, (4,), torch.int64) for i in range(n)], group=g)
@@ -168,6 +176,12 @@ def _collectives_rank():
         dist.reduce_scatter_tensor(out, _data(r + 70, (2 * n, 3), torch.int32), group=g)
         return out
     both("reduce_scatter_tensor", rst)
+
+    def rst_max(g):
+        out = torch.empty(3, dtype=torch.float32)
+        dist.reduce_scatter_tensor(out, _data(r + 71, (3 * n,), torch.float32), op=dist.ReduceOp.MAX, group=g)
+        return out
+    both("reduce_scatter_tensor max", rst_max)
 
     def a2a_uneven(g):
         # Rank r sends i + r + 1 rows to rank i: every pair's count differs.
