@@ -190,14 +190,16 @@ def _staging_on_cpu_rank():
         finally:
             inside[0] -= 1
 
-    off, real = tb._off_cpu, pg._device_call
+    off, plain, real = tb._off_cpu, tb._plain, pg._device_call
     tb._off_cpu = lambda *a: inside[0] == 0
+    # The fast path of plain CPU tensors comes before the device check: off outside the staging.
+    tb._plain = lambda t: inside[0] > 0 and plain(t)
     pg._device_call = staged
     try:
         staged_results = _calls(dist, "cpu")
         kinds = {type(dist.all_reduce(torch.ones(1), async_op=True)).__name__}
     finally:
-        tb._off_cpu, pg._device_call = off, real
+        tb._off_cpu, tb._plain, pg._device_call = off, plain, real
     want = _calls(dist, "cpu", group=gloo)
     dist.destroy_process_group()
     return _compare(staged_results, want), kinds
