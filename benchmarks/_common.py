@@ -363,6 +363,18 @@ class GradReady:
                     backward_ms=statistics.median(s[1] for s in steps))
 
 
+def sample_copy_rate(result: Dict) -> float:
+    """Adds one measurement of the all-core copy rate (collectives.measure_memcpy, 256 MiB) to
+    result["copy_rate"] and returns result["C"], the fastest so far: a shared machine can only
+    make it look slower. Taken before and after a run's jobs."""
+    import collectives  # here: collectives imports this module
+
+    result.setdefault("copy_rate", []).append(
+        collectives.measure_memcpy(256 * collectives.MiB, 10, os.cpu_count() or 1))
+    result["C"] = max(r["bw"] for r in result["copy_rate"])
+    return result["C"]
+
+
 def exposed_allreduce_s(grad_ready: Dict, n: int, copy_rate: float) -> float:
     """The least time any data-parallel step must add to the compute-only step on one host: the
     allreduce of the gradients ready last, at the memory bound, past the end of backward.

@@ -781,16 +781,13 @@ def main(argv=None) -> int:
             print(f"emulated hosts: {args.hosts} x {args.ranks_per_host} rank(s), tbf {args.rate} = "
                   f"{B / 1e6:.0f} MB/s per link; one TCP stream through a shaped link: {tcp / 1e6:.1f} MB/s")
         job = Job(args, n, drv.workdir, progress, cluster=drv.cluster)
-        # One host: the all-core copy rate, for the DDP bound (_common.exposed_allreduce_s), before and
-        # after the jobs; the faster counts, since a shared machine can only make it look slower.
+        # One host: the all-core copy rate for the DDP bound (_common.exposed_allreduce_s).
         bound_copy = not hosts_mode and "training" in args.parts
-        threads = os.cpu_count() or 1
         if bound_copy:
-            result["copy_rate"] = [C.measure_memcpy(256 * MiB, 10, threads)]
+            _common.sample_copy_rate(result)
         rc = _common.run_jobs([job], result, progress)
         if bound_copy:
-            result["copy_rate"].append(C.measure_memcpy(256 * MiB, 10, threads))
-            result["C"] = max(r["bw"] for r in result["copy_rate"])
+            _common.sample_copy_rate(result)
         drv.close_cluster()
         progress.clear()
         _common.finish_meta(meta)

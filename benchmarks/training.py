@@ -613,20 +613,15 @@ def main(argv=None) -> int:
                   f"link: {tcp / 1e6:.1f} MB/s")
         jobs = [Job(args, n, drv.workdir, progress, k * len(args.models) * steps_per_model, steps_per_model,
                     cluster=drv.cluster) for k, n in enumerate(worlds)]
-        # One host: the all-core copy rate for the memory-bound step (summarize), before and after
-        # the jobs; the faster counts, since a shared machine can only make it look slower.
+        # One host: the all-core copy rate for the memory-bound step (summarize).
         copy_rate = None
         if not hosts_mode:
-            import collectives as coll
-
-            threads = os.cpu_count() or 1
-            result["copy_rate"] = [coll.measure_memcpy(256 * coll.MiB, 10, threads)]
+            _common.sample_copy_rate(result)
         rc = _common.run_jobs(jobs, result, progress)
         drv.close_cluster()
         progress.clear()
         if not hosts_mode:
-            result["copy_rate"].append(coll.measure_memcpy(256 * coll.MiB, 10, threads))
-            copy_rate = result["C"] = max(r["bw"] for r in result["copy_rate"])
+            copy_rate = _common.sample_copy_rate(result)
         for c in result["cells"]:
             summarize(c, link_Bps, copy_rate)
         _common.finish_meta(meta)

@@ -766,10 +766,19 @@ class RumorProcessGroup(dist.ProcessGroup):
         The others (DDP's buckets, FSDP's prefetches, async_op=True) go to that thread and
         overlap with the caller. The core runs a communicator's ops in issue order either way,
         and an error of an op run here still surfaces at wait(), as an asynchronous op's does."""
-        if nbytes > self._inline_bytes and getattr(opts, "asyncOp", True):
+        if not self._runs_here(opts, nbytes):
             return [self._issue(what, peer, lambda: fn(True))]
+        return self._inline(fn, False)
+
+    def _runs_here(self, opts, nbytes: int) -> bool:
+        """Whether an op of nbytes runs on the caller's thread (_collective's rule)."""
+        return nbytes <= self._inline_bytes or not getattr(opts, "asyncOp", True)
+
+    @staticmethod
+    def _inline(call, *args) -> list:
+        """Runs a blocking core call, call(*args), here; the works for _work."""
         try:
-            fn(False)
+            call(*args)
         except (TypeError, ValueError):
             raise
         except Exception as e:  # noqa: BLE001 (reported at wait(), as for an asynchronous op)
@@ -781,13 +790,7 @@ class RumorProcessGroup(dist.ProcessGroup):
         finished: _collective's inline case without its closures and checks. When ranks share
         cores every op switches processes, and this Python then runs with cold caches at several
         times its cost alone (docs/torch_backend.md, "A small op")."""
-        try:
-            call(*args)
-        except (TypeError, ValueError):
-            raise
-        except Exception as e:  # noqa: BLE001 (reported at wait(), as for an asynchronous op)
-            return RumorWork(self, what, self._all_ranks, [_Ran(e)], (), lambda: out)
-        return RumorWork(self, what, self._all_ranks, _RAN_OK, (), lambda: out)
+        return RumorWork(self, what, self._all_ranks, self._inline(call, *args), (), lambda: out)
 
     def _issue(self, what: str, peer: str, fn):
         try:
@@ -822,8 +825,7 @@ class RumorProcessGroup(dist.ProcessGroup):
         if opts is not None and len(tensors) == 1 and _plain(t := tensors[0]):
             # The fast path: a blocking or small op with a plain op on a plain tensor.
             code, op, n = _DTYPE_CODES.get(t.dtype), _OP_CODES.get(opts.reduceOp.op.value), t.numel()
-            if code is not None and op is not None and (
-                    n * t.element_size() <= self._inline_bytes or not getattr(opts, "asyncOp", True)):
+            if code is not None and op is not None and self._runs_here(opts, n * t.element_size()):
                 return self._ran("all_reduce", [t], self._comm.allreduce, t.data_ptr(), n, code, op, 0, False)
         if _off_cpu(tensors):
             return self._device_call('allreduce', (tensors, opts))
@@ -953,9 +955,8 @@ class RumorProcessGroup(dist.ProcessGroup):
             # The fast path, as allreduce's.
             m = output.numel()
             code, op = _DTYPE_CODES.get(output.dtype), _OP_CODES.get(opts.reduceOp.op.value)
-            if input.numel() == m * self._size and code is not None and op is not None and (
-                    m * self._size * output.element_size() <= self._inline_bytes
-                    or not getattr(opts, "asyncOp", True)):
+            if input.numel() == m * self._size and code is not None and op is not None and \
+                    self._runs_here(opts, m * self._size * output.element_size()):
                 return self._ran("reduce_scatter_tensor", [output], self._comm.reduce_scatter, input.data_ptr(),
                                  output.data_ptr(), [m] * self._size, code, op, False)
         if _off_cpu(output, input):
@@ -1078,9 +1079,8 @@ class RumorProcessGroup(dist.ProcessGroup):
         if _plain(output) and _plain(input) and output.dtype == input.dtype:
             # The fast path, as allreduce's; the core copies this rank's block into place.
             n = input.numel()
-            if output.numel() == n * self._size and (
-                    output.numel() * output.element_size() <= self._inline_bytes
-                    or not getattr(opts, "asyncOp", True)):
+            if output.numel() == n * self._size and \
+                    self._runs_here(opts, output.numel() * output.element_size()):
                 code, per = movable_code(input)
                 return self._ran("all_gather_into_tensor", [output], self._comm.allgather, output.data_ptr(),
                                  [n * per] * self._size, code, False, input.data_ptr())
