@@ -279,3 +279,45 @@ def test_stop_returns_after_every_process_exited(tmp_path):
     res = json.loads(re.search(r"^RESULT (.*)$", text, re.M).group(1))
     # 2 engines and the controller at least, with whatever they started
     assert res["recorded"] >= 3 and res["running"] == [] and res["unreaped_children"] == [], (res, text[-3000:])
+
+
+def test_the_watchdog_removes_a_directory_its_own_process_still_writes_into(tmp_path):
+    """The controller's watchdog removes the session's profile directory while the controller's
+    own main thread may still write into it (ipyparallel's hub saves its engine state when the
+    engines go): the directory must be gone all the same when the process has ended."""
+    import subprocess
+
+    import rumor.interactive
+
+    profile = tmp_path / "profile"
+    (profile / "log").mkdir(parents=True)
+    proc_dir = os.path.dirname(rumor.interactive.__file__)
+    code = f"""
+import os, sys, threading, time
+sys.path.insert(0, {proc_dir!r})
+import _proc
+log = os.path.join({str(profile)!r}, "log")
+started = threading.Event()
+def write():
+    i = 0
+    while True:
+        try:
+            with open(os.path.join(log, f"engines{{i % 64}}.json"), "w") as f:
+                f.write("{{}}")
+        except OSError:
+            pass
+        i += 1
+        if i == 64:
+            started.set()
+threading.Thread(target=write, daemon=True).start()
+started.wait(30)
+_proc._end_group({str(profile)!r})
+"""
+    for _ in range(5):
+        profile.mkdir(exist_ok=True)
+        (profile / "log").mkdir(exist_ok=True)
+        # not a group leader (no new session): _end_group then kills nothing but itself
+        p = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+        assert p.returncode == 3, p.stderr
+        assert not profile.exists(), sorted(str(q.relative_to(tmp_path)) for q in profile.rglob("*"))
+    assert [q.name for q in tmp_path.iterdir()] == []

@@ -132,10 +132,30 @@ def _end_group(cleanup_dir):
                     pass
             time.sleep(0.02)
     if cleanup_dir:
-        shutil.rmtree(cleanup_dir, ignore_errors=True)
+        _remove_dir(cleanup_dir)
     if leader:
         os.killpg(os.getpid(), 9)  # whatever was forked meanwhile, and this process
     os._exit(3)
+
+
+def _remove_dir(path):
+    """Removes path although this process's other threads may still create files in it (the
+    controller's hub saves its engine state into the profile's log/ as the engines go): renamed
+    first, the directory no longer takes files by its path, so nothing lands in it between
+    rmtree's listing and its rmdir."""
+    parent, name = os.path.split(os.path.abspath(path))
+    for attempt in range(3):
+        gone = os.path.join(parent, f".{name}.removed-{os.getpid()}-{attempt}")
+        try:
+            os.rename(path, gone)
+        except FileNotFoundError:
+            return
+        except OSError:
+            gone = path  # not renamable (another file system's mount point): remove in place
+        shutil.rmtree(gone, ignore_errors=True)
+        if not os.path.exists(path):
+            return
+        time.sleep(0.05)  # recreated meanwhile by a makedirs: once more
 
 
 def _watch_lifeline(fd, controller, cleanup_dir):
