@@ -363,6 +363,42 @@ class GradReady:
                     backward_ms=statistics.median(s[1] for s in steps))
 
 
+class DDPFloor:
+    """A compute-only model plus, in each rank's own thread, the memory traffic a data-parallel
+    step needs with a perfect allreduce: when a gradient is ready, the allreduce at the memory
+    bound (one copy of the gradient: every byte read and written once, host_collectives.py's
+    n*S/C spread over the n ranks) and, with reducer_copies (torch DDP on any backend), the
+    Reducer's copy of the gradient into its bucket before it and, after backward, of the bucket
+    back into .grad (rumor's DDP needs neither: its .grad are views of its buckets). No rank waits
+    for another. Where the ranks' threads keep every core busy (4 ranks on 2 cores), that traffic
+    takes cycles from the computation instead of hiding behind it, so this step is what such a
+    DDP with a perfect allreduce can reach on this host; exposed_allreduce_s assumes idle cores
+    and gives a lower figure. The gradients stay those of compute-only: the losses agree exactly."""
+
+    def __init__(self, model, reducer_copies: bool = True):
+        import torch
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.copies = reducer_copies
+        self.bucket = [torch.empty_like(p) for p in self.params] if reducer_copies else []
+        self.reduced = [torch.empty_like(p) for p in self.params]
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._ready(i, p))
+
+    def _ready(self, i: int, p) -> None:
+        if self.copies:
+            self.bucket[i].copy_(p.grad)
+            self.reduced[i].copy_(self.bucket[i])
+        else:
+            self.reduced[i].copy_(p.grad)
+
+    def finish(self) -> None:
+        """The Reducer's copy back into .grad, at the end of backward (with reducer_copies)."""
+        if self.copies:
+            for p, r in zip(self.params, self.reduced):
+                p.grad.copy_(r)
+
+
 def sample_copy_rate(result: Dict) -> float:
     """Adds one measurement of the all-core copy rate (collectives.measure_memcpy, 256 MiB) to
     result["copy_rate"] and returns result["C"], the fastest so far: a shared machine can only

@@ -19,6 +19,8 @@ Parts (--parts, default both)
       [16 per rank]); variants differ only in the process group the wrapper is handed:
         compute     the plain model, no communication (the ceiling: every rank computes at once,
                     so they share the cores as in the other variants)
+        floor       (one host) compute-only plus torch DDP's memory traffic with a perfect
+                    allreduce, each rank in its own thread: _common.DDPFloor
         ddp_rumor   torch.nn.parallel.DistributedDataParallel(model, process_group=<rumor group>)
         ddp_gloo    the same on the gloo group
         ddp_api     rumor.DistributedDataParallel(model) (rumor's own engine, GradientAllReduce, its
@@ -34,6 +36,8 @@ Parts (--parts, default both)
       gradients ready last that runs past backward's end even at the memory bound (n*S/C per
       allreduce of S bytes, C the all-core copy rate measured before and after the jobs; each
       gradient's ready time from hooks on compute-only's steps): _common.exposed_allreduce_s.
+      That bound lets the allreduce run on idle cores; with more ranks than cores none are idle,
+      and the floor variant measures instead what the copies DDP needs cost those cores.
       The losses of ddp_rumor and ddp_gloo (and fsdp_*) are compared as a sanity check.
 
   lightning  Lightning's Trainer (pip install 'rumor[lightning]') on the same models (--lightning-models,
@@ -81,7 +85,7 @@ OP_CALL = {"allreduce": "all_reduce", "allgather": "all_gather_into_tensor",
 KiB, MiB = C.KiB, C.MiB
 MODELS = ("mlp25m", "transformer")
 LIGHTNING_LABEL = {"compute": "compute-only", "lt_rumor": "L rumor ByteGrad", "lt_gloo": "L DDP gloo"}
-TRAIN_LABEL = {"compute": "compute-only", "ddp_rumor": "DDP rumor", "ddp_gloo": "DDP gloo",
+TRAIN_LABEL = {"compute": "compute-only", "floor": "DDP floor", "ddp_rumor": "DDP rumor", "ddp_gloo": "DDP gloo",
                "ddp_api": "rumor.DDP", "fsdp_rumor": "FSDP2 rumor", "fsdp_gloo": "FSDP2 gloo"}
 
 
@@ -248,7 +252,7 @@ class _BucketProfile:
 
     def begin(self, on: bool) -> None:
         self.t0 = time.perf_counter()
-        self.cur = {"buckets": []} if on else None
+        self.cur = {"buckets": [], "t0": self.t0} if on else None
 
     def mark(self, what: str) -> None:
         if self.cur is not None:
@@ -264,18 +268,28 @@ class _BucketProfile:
         self.tb.RumorProcessGroup.allreduce, self.tb.RumorWork._settle_future = self.saved
 
 
-def bucket_summary(steps: List[Dict]) -> Optional[Dict]:
-    """Medians over the measured steps of rank 0's bucket timings (ms)."""
-    steps = [s for s in steps if s["buckets"] and all(b[3] is not None for b in s["buckets"])]
-    if not steps:
+def bucket_summary(steps: List[Dict], ranks: Optional[List[List[Dict]]] = None) -> Optional[Dict]:
+    """Medians over the measured steps of rank 0's bucket timings (ms); with every rank's steps
+    (ranks[r], the same steps in the same order), also when the last rank handed its last bucket
+    over: no future can be set before that (the clock is the host's, shared by its processes)."""
+    done = lambda s: s["buckets"] and all(b[3] is not None for b in s["buckets"])  # noqa: E731
+    keep = [i for i, s in enumerate(steps) if done(s)]
+    if not keep:
         return None
-    med = lambda f: statistics.median(f(s) for s in steps)  # noqa: E731
-    return dict(buckets=len(steps[0]["buckets"]), mib=[b[0] / MiB for b in steps[0]["buckets"]],
-                backward=med(lambda s: s["backward_end"] - s["backward"]),
-                issue_calls=med(lambda s: sum(b[2] - b[1] for b in s["buckets"])),
-                last_ready=med(lambda s: s["buckets"][-1][1] - s["backward"]),
-                last_ready_to_settled=med(lambda s: max(b[3] for b in s["buckets"]) - s["buckets"][-1][1]),
-                settled_to_backward_end=med(lambda s: s["backward_end"] - max(b[3] for b in s["buckets"])))
+    med = lambda f: statistics.median(f(steps[i]) for i in keep)  # noqa: E731
+    out = dict(buckets=len(steps[keep[0]]["buckets"]), mib=[b[0] / MiB for b in steps[keep[0]]["buckets"]],
+               backward=med(lambda s: s["backward_end"] - s["backward"]),
+               issue_calls=med(lambda s: sum(b[2] - b[1] for b in s["buckets"])),
+               last_ready=med(lambda s: s["buckets"][-1][1] - s["backward"]),
+               last_ready_to_settled=med(lambda s: max(b[3] for b in s["buckets"]) - s["buckets"][-1][1]),
+               settled_to_backward_end=med(lambda s: s["backward_end"] - max(b[3] for b in s["buckets"])))
+    if ranks and all(len(r) == len(steps) and all(r[i]["buckets"] for i in keep) for r in ranks):
+        # absolute ms: a step's t0 (s) plus a time in it (ms from t0)
+        handed = [[r[i]["t0"] * 1e3 + r[i]["buckets"][-1][1] for r in ranks] for i in keep]
+        settled = [steps[i]["t0"] * 1e3 + max(b[3] for b in steps[i]["buckets"]) for i in keep]
+        out["last_rank_handed_to_settled"] = statistics.median(s - max(h) for s, h in zip(settled, handed))
+        out["handover_spread"] = statistics.median(max(h) - min(h) for h in handed)
+    return out
 
 
 def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
@@ -286,13 +300,15 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
     from rumor.testing import models
 
     batch = models.BATCH[name]
-    names = ["compute", "ddp_rumor", "ddp_gloo", "ddp_api"]
+    names = ["compute"] + (["floor"] if cfg["floor"] else []) + ["ddp_rumor", "ddp_gloo", "ddp_api"]
     if name in cfg["fsdp_models"]:
         names += ["fsdp_rumor", "fsdp_gloo"]
     variants = {}
     for v in names:
         model = models.build(name, seed=cfg["seed"])
-        if v == "ddp_api":
+        if v == "floor":
+            floor = _common.DDPFloor(model)
+        elif v == "ddp_api":
             import rumor
 
             model = rumor.DistributedDataParallel(model)
@@ -317,6 +333,8 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
         prof.mark("backward")
         ready.begin(v == "compute")
         loss.backward()
+        if v == "floor":
+            floor.finish()
         ready.end()
         prof.mark("backward_end")
         opt.step()
@@ -351,6 +369,9 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
                 emit("progress", {"model": name, "done": done, "total": total,
                                    "what": f"{v} {times[v][-1] * 1e3:.0f} ms/step"})
     prof.stop()
+    # every rank's bucket timings, for when the last rank handed its buckets over (bucket_summary)
+    prof_ranks = [None] * n
+    dist.all_gather_object(prof_ranks, prof.steps[cfg["warmup"]:])
     per_rank = _common.gather_samples(times)
     # every variant took the same steps on the same batches: their mean losses over ranks agree
     # up to float32 rounding if the groups computed the same reductions
@@ -366,6 +387,7 @@ def _train(cfg: Dict, groups: Dict, name: str, rank: int, n: int) -> None:
                                        per_rank_step_s=per_rank[v], warmup_s=warm[v],
                                        loss=(loss_t[v] / n).tolist())
         cell["bucket_profile"] = prof.steps[cfg["warmup"]:]
+        cell["bucket_profile_ranks"] = prof_ranks
         cell["grad_ready"] = ready.summary(cfg["warmup"])
         emit("cell", cell)
     del variants, data
@@ -482,7 +504,9 @@ class Job(_common.Job):
         return dict(parts=a.parts, ops=a.ops, sizes=a.size_list, iters=a.iters, warmup=a.warmup,
                     target_s=a.target_ms / 1e3, max_reps=a.max_reps, models=a.models, fsdp_models=a.fsdp_models,
                     lightning_models=a.lightning_models,
-                    train_iters=a.train_iters, block=a.block, lr=a.lr, seed=a.seed)
+                    train_iters=a.train_iters, block=a.block, lr=a.lr, seed=a.seed,
+                    # one host only: the floor's allreduce is memory traffic, not a link's
+                    floor=a.hosts == 0)
 
     def on_message(self, kind: str, data) -> None:
         if kind == "cell":
@@ -523,11 +547,17 @@ def summarize_train(c: Dict, copy_rate: Optional[float] = None) -> None:
         c["bound_step_s"] = V["compute"]["median_s"] + c["exposed_allreduce_s"]
         c["bound_of_compute"] = V["compute"]["median_s"] / c["bound_step_s"]
         c["ddp_rumor_of_bound"] = c["bound_step_s"] / V["ddp_rumor"]["median_s"]
+    if "floor" in V:
+        # torch DDP's step with a perfect allreduce on these cores, measured (_common.DDPFloor)
+        c["floor_of_compute"] = V["compute"]["median_s"] / V["floor"]["median_s"]
+        c["ddp_rumor_of_floor"] = V["floor"]["median_s"] / V["ddp_rumor"]["median_s"]
+        c["ddp_gloo_of_floor"] = V["floor"]["median_s"] / V["ddp_gloo"]["median_s"]
+        c["floor_loss_diff"] = max(abs(a - b) for a, b in zip(V["floor"]["loss"], V["compute"]["loss"]))
     c["ddp_rumor_over_gloo"] = V["ddp_gloo"]["median_s"] / V["ddp_rumor"]["median_s"]
     c["ddp_rumor_of_ceiling"] = c["ddp_rumor_over_gloo"] / c["ceiling"]
     if "ddp_api" in V:
         c["ddp_rumor_over_api"] = V["ddp_api"]["median_s"] / V["ddp_rumor"]["median_s"]
-    c["bucket_summary"] = bucket_summary(c.get("bucket_profile", []))
+    c["bucket_summary"] = bucket_summary(c.get("bucket_profile", []), c.get("bucket_profile_ranks"))
     c["loss_max_abs_diff"] = {"ddp": max(abs(a - b) for a, b in zip(V["ddp_rumor"]["loss"], V["ddp_gloo"]["loss"]))}
     if "ddp_api" in V:
         c["loss_max_abs_diff"]["rumor.DDP"] = max(abs(a - b) for a, b in zip(V["ddp_api"]["loss"],
@@ -632,6 +662,13 @@ def print_train(cells: List[Dict], title: str, iters: int) -> None:
                   f"{c['bound_step_s'] * 1e3:.0f} ms, {100 * c['bound_of_compute']:.0f}% of compute-only's samples/s; "
                   f"DDP rumor reaches {100 * c['ddp_rumor_of_bound']:.0f}% of that bound")
     for c in cells:
+        if "floor_of_compute" in c:
+            print(f"  {c['model']} DDP floor: compute-only plus, in each rank's own thread, torch DDP's two copies of "
+                  f"every gradient (into its bucket, back into .grad) and the allreduce at the memory bound as one "
+                  f"more copy, no rank waiting for another: {100 * c['floor_of_compute']:.0f}% of compute-only's "
+                  f"samples/s (loss equal to compute-only's within {c['floor_loss_diff']:.1e}); DDP rumor reaches "
+                  f"{100 * c['ddp_rumor_of_floor']:.0f}% of the floor, DDP gloo {100 * c['ddp_gloo_of_floor']:.0f}%")
+    for c in cells:
         p = c.get("bucket_summary")
         if p:
             print(f"  {c['model']} DDP rumor, rank 0, median ms of the steps: backward {p['backward']:.0f}; "
@@ -639,6 +676,10 @@ def print_train(cells: List[Dict], title: str, iters: int) -> None:
                   f"{p['issue_calls']:.1f} in all; last bucket handed over {p['last_ready']:.0f} into backward, "
                   f"every future set {p['last_ready_to_settled']:.0f} after it, backward returned "
                   f"{p['settled_to_backward_end']:.0f} after that")
+            if "last_rank_handed_to_settled" in p:
+                print(f"  {c['model']} DDP rumor, all ranks: the last bucket's hand-over spread over "
+                      f"{p['handover_spread']:.0f} ms between the first rank and the last; rank 0's last future "
+                      f"was set {p['last_rank_handed_to_settled']:.0f} ms after the last rank's hand-over")
 
 
 def plot(path: str, result: Dict) -> Optional[str]:
@@ -844,6 +885,9 @@ def main(argv=None) -> int:
                         f"{c['ddp_rumor_over_gloo']:.2f}x (ceiling in this run {c['ceiling']:.2f}x)")
             bound = (f"; this machine's bound for any DDP is {100 * c['bound_of_compute']:.0f}% of compute-only, "
                      f"DDP rumor at {100 * c['ddp_rumor_of_bound']:.0f}% of it") if "bound_step_s" in c else ""
+            if "floor_of_compute" in c:
+                bound += (f"; the measured DDP floor on these cores is {100 * c['floor_of_compute']:.0f}% of "
+                          f"compute-only, DDP rumor at {100 * c['ddp_rumor_of_floor']:.0f}% of it")
             _target(result, f"{where}: {c['model']} DDP rumor/gloo >= 0.95 of the ceiling", c["ddp_rumor_of_ceiling"],
                     c["ddp_rumor_of_ceiling"] >= 0.95,
                     f"{100 * c['ddp_rumor_of_ceiling']:.0f}% ({c['ddp_rumor_over_gloo']:.2f}x of {c['ceiling']:.2f}x){bound}")

@@ -37,6 +37,10 @@ How it measures
   end even at the memory bound (n*S/C for S bytes per rank, C the all-core copy rate measured
   before and after the jobs; each gradient's ready time from hooks on compute-only's steps;
   _common.exposed_allreduce_s). It enters their ceiling and prints as "memory-bound step".
+  That bound lets the allreduce run on idle cores; the variant "memory floor" (one host, beside
+  those variants) measures instead compute-only plus the allreduce at the memory bound as one
+  copy of each gradient when it is ready, in each rank's own thread and with no rank waiting for
+  another (_common.DDPFloor): what that traffic costs where every core computes.
 
 Output: a table per job (with a progress bar while it runs), the issue's targets, JSON with
 every raw figure and a PNG in --out (default benchmarks/results/); the last line is the headline
@@ -88,7 +92,7 @@ ALGORITHMS = {
                            "the whole bucket"),
     "rumor_timeline": ("rumor+timeline", "GradientAllReduce(), rumor.timeline recording during its steps"),
 }
-VARIANT_LABEL = {"compute": "compute-only", "torch": "torch DDP", **{k: v[0] for k, v in ALGORITHMS.items()}}
+VARIANT_LABEL = {"compute": "compute-only", "floor": "memory floor", "torch": "torch DDP", **{k: v[0] for k, v in ALGORITHMS.items()}}
 
 
 # Bytes per gradient element on the wire between hosts (codec headers and per-chunk scales left
@@ -100,6 +104,9 @@ WIRE_BYTES = {"rumor": 4.0, "rumor_hier": 4.0, "bytegrad": 1.0, "qsgd": 1.0, "fp
 # whole optimizer step after backward, so the memory-bound step (summarize) bounds them. Not the
 # overlapped optimizer (its update runs during backward, once per host) nor the codecs.
 MEMORY_BOUND_VARIANTS = ("rumor", "rumor_hier", "rumor_fused", "rumor_timeline")
+
+# The variants that are not a data-parallel wrapper of rumor: no timeline, no ceiling of their own.
+NOT_DDP = ("compute", "floor", "torch")
 
 # Targets of the algorithm issues (samples/s over torch DDP, 4 emulated hosts at 1 Gbit).
 ALGORITHM_TARGETS = {"bytegrad": 2.5, "onebit_adam": 5.0, "fp16": 1.7, "dec_shift_one": 1.4, "dec_exp2": 1.4,
@@ -193,6 +200,9 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         variants[v] = (wrap(model, opt), opt)
 
     add("compute", lambda m, o: m)
+    if cfg["floor"]:
+        add("floor", lambda m, o: m)
+        floor = _common.DDPFloor(variants["floor"][0], reducer_copies=False)
     def wrap(m, o, key):
         # read when the wrapper is built
         os.environ["RUMOR_SHARED_OPTIMIZER"] = "0" if key == "rumor_overlap_rank" else "1"
@@ -209,7 +219,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     # A few distinct batches, made before timing; every variant sees the same sequence.
     data = [models.batch(name, batch, step=i, shard=rank, seed=cfg["seed"]) for i in range(4)]
 
-    breakdown = {v: [] for v in variants if v not in ("compute", "torch")}
+    breakdown = {v: [] for v in variants if v not in NOT_DDP}
     ready = _common.GradReady(variants["compute"][0])
 
     def step(v, i, record=False):
@@ -219,6 +229,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         loss = models.loss(model(x), y)
         ready.begin(v == "compute")
         loss.backward()
+        if v == "floor":
+            floor.finish()
         ready.end()
         t = time.perf_counter()
         opt.step()
@@ -319,6 +331,8 @@ class Job(_common.Job):
         a = self.args
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, block=a.block, lr=a.lr,
                     seed=a.seed, algorithms=algorithm_list(a, self), onebit_freeze=a.onebit_freeze,
+                    # one host: the memory floor (_common.DDPFloor) beside the exact-allreduce variants
+                    floor=self.cluster is None and any(k in MEMORY_BOUND_VARIANTS for k in algorithm_list(a, self)),
                     timeline_path=os.path.join(self.workdir, f"timeline-{self.n}ranks.json"),
                     timeline_merged=os.path.join(os.path.abspath(a.out), f"timeline-{re.sub('[^A-Za-z0-9]+', '_', self.label)}.json"))
 
@@ -372,8 +386,10 @@ def summarize(cell: Dict, link_Bps: Optional[float], copy_rate: Optional[float] 
         # past backward's end even at the memory bound (_common.exposed_allreduce_s).
         cell["exposed_allreduce_s"] = _common.exposed_allreduce_s(cell["grad_ready"], cell["n"], copy_rate)
         cell["memory_bound_step_s"] = v["compute"]["median_s"] + cell["exposed_allreduce_s"]
+    if "floor" in v:
+        cell["floor_loss_diff"] = max(abs(a - b) for a, b in zip(v["floor"]["loss"], v["compute"]["loss"]))
     for key, d in v.items():
-        if key in ("compute", "torch"):
+        if key in NOT_DDP:
             continue
         # The most this variant could reach against torch DDP in this run: no step beats the
         # compute-only step, nor (with emulated hosts of one rank) its link-bound step, nor (one
@@ -382,8 +398,10 @@ def summarize(cell: Dict, link_Bps: Optional[float], copy_rate: Optional[float] 
         if key in MEMORY_BOUND_VARIANTS and "memory_bound_step_s" in cell:
             floor = max(floor, cell["memory_bound_step_s"])
             d["of_memory_bound"] = cell["memory_bound_step_s"] / d["median_s"]
+            if "floor" in v:
+                d["of_floor"] = v["floor"]["median_s"] / d["median_s"]
         d["ceiling_over_torch"] = v["torch"]["median_s"] / floor
-    main = "rumor" if "rumor" in v else next(k for k in v if k not in ("compute", "torch"))
+    main = "rumor" if "rumor" in v else next(k for k in v if k not in NOT_DDP)
     cell["main_variant"] = main
     cell["rumor_over_torch"] = v[main]["over_torch"]
     cell["rumor_over_compute"] = v[main]["over_compute"]
@@ -482,7 +500,7 @@ def plot(path: str, jobs: List[Dict]) -> Optional[str]:
     fig, axes = plt.subplots(1, len(jobs), figsize=(5.5 * len(jobs), 4.2), squeeze=False)
     palette = ["#1f77b4", "#6baed6", "#2ca02c", "#98df8a", "#9467bd", "#c5b0d5", "#8c564b", "#e377c2",
                "#17becf", "#bcbd22", "#7f7f7f"]
-    colors = {"compute": "#bbbbbb", "torch": "#ff7f0e",
+    colors = {"compute": "#bbbbbb", "floor": "#dddddd", "torch": "#ff7f0e",
               **{k: palette[i % len(palette)] for i, k in enumerate(ALGORITHMS)}}
     for ax, job in zip(axes[0], jobs):
         cells = job["cells"]
@@ -647,6 +665,17 @@ def main(argv=None) -> int:
                 print(f"  {c['model']} {c['n']} ranks: +{c['exposed_allreduce_s'] * 1e3:.1f} ms -> "
                       f"{fmt_ms(c['memory_bound_step_s'])} ms, {100 * v['compute']['median_s'] / c['memory_bound_step_s']:.0f}% "
                       f"of compute-only's samples/s; of that bound: {ofb}")
+            floor_cells = [c for c in bound_cells if "floor" in c["variants"]]
+            if floor_cells:
+                print("memory floor (measured, one host): compute-only plus the allreduce at the memory bound as one "
+                      "copy of each gradient when it is ready, in each rank's own thread, no rank waiting for "
+                      "another (_common.DDPFloor): on cores that all compute, the traffic any exact allreduce needs")
+            for c in floor_cells:
+                v = c["variants"]
+                off = ", ".join(f"{VARIANT_LABEL[k]} {100 * v[k]['of_floor']:.0f}%" for k in v if "of_floor" in v[k])
+                print(f"  {c['model']} {c['n']} ranks: {fmt_ms(v['floor']['median_s'])} ms, "
+                      f"{100 * v['floor']['over_compute']:.0f}% of compute-only's samples/s (loss equal to "
+                      f"compute-only's within {c['floor_loss_diff']:.1e}); of the floor: {off}")
         print()
 
         # ---- targets and headline

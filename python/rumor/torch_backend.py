@@ -1558,7 +1558,7 @@ def _hide_from_dynamo() -> None:
     entries = [
         (cls, name, fn)
         for cls in (RumorProcessGroup, RumorWork, _StagedWork)
-        for name, fn in list(vars(cls).items())
+        for name, fn in vars(cls).items()
         if callable(fn) and (not name.startswith("_") or name in _TORCH_PRIVATE)
     ]
     try:
