@@ -203,6 +203,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
     if cfg["floor"]:
         add("floor", lambda m, o: m)
         floor = _common.DDPFloor(variants["floor"][0], reducer_copies=False)
+
     def wrap(m, o, key):
         # read when the wrapper is built
         os.environ["RUMOR_SHARED_OPTIMIZER"] = "0" if key == "rumor_overlap_rank" else "1"
@@ -329,10 +330,11 @@ class Job(_common.Job):
 
     def config(self) -> Dict:
         a = self.args
+        algorithms = algorithm_list(a, self)
         return dict(models=a.models, batch=a.batch_map, iters=a.iters, warmup=a.warmup, block=a.block, lr=a.lr,
-                    seed=a.seed, algorithms=algorithm_list(a, self), onebit_freeze=a.onebit_freeze,
+                    seed=a.seed, algorithms=algorithms, onebit_freeze=a.onebit_freeze,
                     # one host: the memory floor (_common.DDPFloor) beside the exact-allreduce variants
-                    floor=self.cluster is None and any(k in MEMORY_BOUND_VARIANTS for k in algorithm_list(a, self)),
+                    floor=self.cluster is None and any(k in MEMORY_BOUND_VARIANTS for k in algorithms),
                     timeline_path=os.path.join(self.workdir, f"timeline-{self.n}ranks.json"),
                     timeline_merged=os.path.join(os.path.abspath(a.out), f"timeline-{re.sub('[^A-Za-z0-9]+', '_', self.label)}.json"))
 
@@ -394,13 +396,13 @@ def summarize(cell: Dict, link_Bps: Optional[float], copy_rate: Optional[float] 
         # The most this variant could reach against torch DDP in this run: no step beats the
         # compute-only step, nor (with emulated hosts of one rank) its link-bound step, nor (one
         # host, exact allreduce) the memory-bound step.
-        floor = max(v["compute"]["median_s"], d.get("rank0_breakdown_s", {}).get("link_bound_step", 0.0))
+        shortest = max(v["compute"]["median_s"], d.get("rank0_breakdown_s", {}).get("link_bound_step", 0.0))
         if key in MEMORY_BOUND_VARIANTS and "memory_bound_step_s" in cell:
-            floor = max(floor, cell["memory_bound_step_s"])
+            shortest = max(shortest, cell["memory_bound_step_s"])
             d["of_memory_bound"] = cell["memory_bound_step_s"] / d["median_s"]
             if "floor" in v:
                 d["of_floor"] = v["floor"]["median_s"] / d["median_s"]
-        d["ceiling_over_torch"] = v["torch"]["median_s"] / floor
+        d["ceiling_over_torch"] = v["torch"]["median_s"] / shortest
     main = "rumor" if "rumor" in v else next(k for k in v if k not in NOT_DDP)
     cell["main_variant"] = main
     cell["rumor_over_torch"] = v[main]["over_torch"]
