@@ -128,6 +128,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("streams", &Options::streams)
       .def_readwrite("stripe_min", &Options::stripe_min)
       .def_readwrite("stripe_steal", &Options::stripe_steal)
+      .def_readwrite("stripe_adapt", &Options::stripe_adapt)
       .def_readwrite("link_rate", &Options::link_rate)
       .def_readwrite("shm", &Options::shm)
       .def_readwrite("shm_ring_bytes", &Options::shm_ring_bytes)

@@ -44,6 +44,9 @@ struct Options {
   // Striped messages are cut into pieces the free streams take in turn (net/tcp_channel.h);
   // false: one fixed stripe per stream (RUMOR_STRIPE_STEAL=0).
   bool stripe_steal = true;
+  // A long link's pair with more streams than `streams` adapts how many of them a striped message
+  // uses (net/tcp_channel.h; RUMOR_STRIPE_ADAPT=0: all of them, always).
+  bool stripe_adapt = true;
   bool shm = true;  // shared memory between ranks of one host (RUMOR_SHM)
   size_t shm_ring_bytes = 1 << 20;
   size_t small_allreduce_bytes = 64 * 1024;   // below: recursive doubling, above: ring

@@ -94,6 +94,9 @@ struct Transfer {
   // the streams whose end marker arrived and which pieces have (recv).
   size_t next_piece = 0;
   size_t pieces_bytes = 0;
+  // Send, striped: streams from this one on carry no piece, only their end marker (the channel's
+  // stripe width when the transfer began).
+  size_t width = 0;
   size_t streams_ended = 0;
   std::vector<bool> got;
   size_t bytes_done() const;

@@ -69,4 +69,45 @@ void set_long_link_buffers(int fd, const WindowLimits& limits) {
   ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
 }
 
+SendCounters& SendCounters::operator+=(const SendCounters& o) {
+  sent += o.sent;
+  resent += o.resent;
+  busy_us += o.busy_us;
+  window_limited_us += o.window_limited_us;
+  return *this;
+}
+
+SendCounters SendCounters::operator-(const SendCounters& o) const {
+  // Counters only grow; a stream that reports less than before (none) contributes nothing.
+  auto d = [](uint64_t a, uint64_t b) { return a > b ? a - b : 0; };
+  return {d(sent, o.sent), d(resent, o.resent), d(busy_us, o.busy_us), d(window_limited_us, o.window_limited_us)};
+}
+
+SendCounters send_counters(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return {};
+  // tcpi_busy_time .. tcpi_sndbuf_limited came with Linux 4.10, tcpi_bytes_sent with 4.19.
+  if (len < offsetof(tcp_info, tcpi_bytes_sent) + sizeof(info.tcpi_bytes_sent)) return {};
+  // In flight: the unacknowledged segments at their full size (the last may be shorter, so the
+  // waste is if anything underestimated by less than a segment).
+  const uint64_t in_flight = static_cast<uint64_t>(info.tcpi_unacked) * info.tcpi_snd_mss;
+  const uint64_t arrived = info.tcpi_bytes_acked + in_flight;
+  return {info.tcpi_bytes_sent, info.tcpi_bytes_sent > arrived ? info.tcpi_bytes_sent - arrived : 0,
+          info.tcpi_busy_time, info.tcpi_rwnd_limited + info.tcpi_sndbuf_limited};
+}
+
+size_t next_stripe_width(size_t width, size_t lo, size_t hi, const SendCounters& since) {
+  lo = std::max<size_t>(lo, 1);
+  hi = std::max(hi, lo);
+  width = std::clamp(width, lo, hi);
+  if (since.sent < kWidthSampleBytes) return width;
+  const double vain = static_cast<double>(since.resent) / static_cast<double>(since.sent);
+  if (vain > kNarrowResent) return std::max(lo, width / 2);
+  const double limited =
+      since.busy_us > 0 ? static_cast<double>(since.window_limited_us) / static_cast<double>(since.busy_us) : 0;
+  if (vain <= kWidenResent && limited > kWidenWindowLimited) return std::min(hi, width + 1);
+  return width;
+}
+
 }  // namespace rumor::net

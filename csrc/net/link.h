@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace rumor::net {
@@ -42,5 +43,39 @@ constexpr double kLongLinkRtt = 0.002;
 // On a long link, asks for the largest send buffer SO_SNDBUF allows when that exceeds what
 // autotuning would reach (the receive side keeps autotuning, whose maximum is usually larger).
 void set_long_link_buffers(int fd, const WindowLimits& limits);
+
+// What one stream has sent since it opened, from TCP_INFO (zeros where the kernel reports less):
+// payload bytes transmitted, and of those the ones sent in vain: sent, yet neither acknowledged
+// nor in flight. That is retransmissions, and also transmissions the sender's own queue dropped,
+// which TCP sends again without counting them as retransmissions (through the emulated WAN's tbf,
+// 8 streams at 100 Mbit had about half of their transmissions dropped so and no retransmission
+// counted). Then microseconds with data outstanding, and of those the ones limited by the peer's
+// receive window or this end's send buffer rather than by the network.
+struct SendCounters {
+  uint64_t sent = 0;
+  uint64_t resent = 0;
+  uint64_t busy_us = 0;
+  uint64_t window_limited_us = 0;
+  SendCounters& operator+=(const SendCounters& o);
+  SendCounters operator-(const SendCounters& o) const;
+};
+SendCounters send_counters(int fd);
+
+// How many of a long link's streams a striped message should use (the stripe width), from what
+// the streams did since the last decision. Sized from RUMOR_LINK_GBIT, a pair may open more
+// streams than its path carries: at 100 Mbit and 100 ms, 8 streams retransmitted about half of
+// what they sent (their congestion controls fight over a shallow bottleneck queue) and a 24 MiB
+// allreduce took 0.49 of the ring bound, where 2-3 streams took 0.93. So: heavy retransmission
+// (kNarrowResent of the bytes sent, far above what a link's own random loss costs) halves the
+// width; streams that spent most of their busy time limited by their windows, with little
+// retransmission, are what more streams are for, and get one more; otherwise it stays.
+// ("Retransmission" here is SendCounters::resent: bytes sent in vain, whatever dropped them.) Decided
+// only over at least kWidthSampleBytes sent, within [lo, hi]; returns `width` unchanged when the
+// sample is smaller (the caller keeps accumulating).
+constexpr double kNarrowResent = 0.03;
+constexpr double kWidenResent = 0.01;
+constexpr double kWidenWindowLimited = 0.5;
+constexpr uint64_t kWidthSampleBytes = 8ull << 20;
+size_t next_stripe_width(size_t width, size_t lo, size_t hi, const SendCounters& since);
 
 }  // namespace rumor::net

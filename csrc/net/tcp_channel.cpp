@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "core/log.h"
 #include "core/reduce.h"
 #include "net/link.h"
 #include "net/stall.h"
@@ -37,11 +38,13 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 }  // namespace
 
 TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min,
-                       std::vector<std::unique_ptr<TlsSession>> tls, bool steal)
+                       std::vector<std::unique_ptr<TlsSession>> tls, bool steal, size_t min_width)
     : streams_(std::move(streams)),
       peer_desc_(std::move(peer_desc)),
       stripe_min_(stripe_min),
       steal_(steal),
+      min_width_(min_width < streams_.size() ? min_width : 0),
+      width_(streams_.size()),
       tls_(std::move(tls)) {
   if (!tls_.empty() && tls_.size() != streams_.size())
     throw Error(ErrorKind::kInvalidArgument, "TcpChannel to " + peer_desc_ + ": " + std::to_string(tls_.size()) +
@@ -131,10 +134,27 @@ size_t TcpChannel::piece_bytes(size_t len, size_t streams) {
   return std::max(piece, align((len + kMaxPieces - 1) / kMaxPieces));
 }
 
+void TcpChannel::adapt_width() {
+  if (min_width_ == 0) return;
+  SendCounters now;
+  for (const auto& s : streams_) now += send_counters(s.get());
+  const SendCounters since = now - width_base_;
+  if (since.sent < kWidthSampleBytes) return;
+  const size_t before = width_;
+  width_ = next_stripe_width(width_, min_width_, streams_.size(), since);
+  width_base_ = now;
+  if (width_ != before)
+    RUMOR_LOG(kDebug, "stripe width to " << peer_desc_ << ": " << before << " -> " << width_ << " of "
+                                         << streams_.size() << " streams (of " << since.sent
+                                         << " bytes sent, " << since.resent << " in vain; window-limited "
+                                         << since.window_limited_us / 1000 << " of " << since.busy_us / 1000
+                                         << " busy ms)");
+}
+
 void TcpChannel::take_piece(Part& p, Transfer& t, const OpInfo& op) {
   const size_t piece = piece_bytes(t.len, t.nparts), count = (t.len + piece - 1) / piece;
   p.hdr_done = p.done = 0;
-  if (t.next_piece < count) {
+  if (t.next_piece < count && p.stream < t.width) {
     const size_t i = t.next_piece++;
     p.offset = i * piece;
     p.len = std::min(piece, t.len - p.offset);
@@ -195,7 +215,10 @@ void TcpChannel::begin(Transfer& t, const OpInfo& op) {
   if (t.len >= stripe_min_ && k > 1 && steal_) {
     t.nparts = k;
     t.next_piece = t.pieces_bytes = t.streams_ended = 0;
-    if (!t.send) {
+    if (t.send) {
+      adapt_width();
+      t.width = width_;
+    } else {
       const size_t piece = piece_bytes(t.len, k);
       t.got.assign((t.len + piece - 1) / piece, false);
     }

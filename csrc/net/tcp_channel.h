@@ -1,9 +1,11 @@
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
 #include "net/channel.h"
+#include "net/link.h"
 #include "net/socket.h"
 #include "net/tls.h"
 
@@ -18,6 +20,13 @@ namespace rumor::net {
 // never reads into the next message on a stream that carried nothing more of this one.
 // RUMOR_STRIPE_STEAL=0 restores fixed stripes (one per stream), for comparison.
 //
+// With min_width > 0 (a long link's pair that opened more streams than that minimum) the sender
+// adapts how many streams take pieces, the stripe width: next_stripe_width() (net/link.h) reads
+// the streams' TCP counters when a striped send begins, narrowing where they send much in vain
+// and widening where their windows limit them. Streams past the width send their end marker at
+// once, so the receiver needs no word of it and the protocol is unchanged. RUMOR_STRIPE_ADAPT=0
+// keeps every stream in use, for comparison.
+//
 // With TLS (issue 46) every stream has a TlsSession, one per stream in `tls`, not yet shaken
 // hands: the handshake runs inside progress(), nonblocking, like any other bytes. A blocking
 // handshake in Context::connect() would make the dialer (higher rank) wait for the acceptor's
@@ -30,7 +39,7 @@ namespace rumor::net {
 class TcpChannel final : public Channel {
  public:
   TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min,
-             std::vector<std::unique_ptr<TlsSession>> tls = {}, bool steal = true);
+             std::vector<std::unique_ptr<TlsSession>> tls = {}, bool steal = true, size_t min_width = 0);
   // The piece size of a striped message of `len` bytes over `streams` streams (stealing on).
   static size_t piece_bytes(size_t len, size_t streams);
   bool is_shm() const override { return false; }
@@ -42,6 +51,9 @@ class TcpChannel final : public Channel {
   std::string link_desc() const override;
   void abort() override;
   double min_rtt_s() const override;
+  // The streams striped sends use now; set_stripe_width() pins it until the next decision (tests).
+  size_t stripe_width() const { return width_; }
+  void set_stripe_width(size_t w) { width_ = std::clamp<size_t>(w, 1, streams_.size()); }
 
  private:
   bool striped(const Transfer& t) const { return t.nparts > 1 && steal_; }
@@ -74,11 +86,16 @@ class TcpChannel final : public Channel {
   // tighter than the slowest stream), or what was measured at connect time if it reports none.
   double rtt_s() const;
   void note_moved(Transfer& t);
+  // Before a striped send: the stripe width from what the streams sent since the last decision.
+  void adapt_width();
 
   std::vector<Fd> streams_;
   std::string peer_desc_;
   size_t stripe_min_;
   bool steal_;
+  size_t min_width_;  // 0: no adaptation
+  size_t width_;
+  SendCounters width_base_;  // the streams' counters (summed) at the last width decision
   // Per stream: where reduce-receives land before being folded into the destination.
   std::vector<std::vector<std::byte>> stage_;
   std::vector<size_t> staged_;

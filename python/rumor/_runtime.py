@@ -114,6 +114,7 @@ def core_options(timeout: float, socket_streams: Optional[int] = None, shm: Opti
     opts.shm_ring_bytes = env_int("RUMOR_SHM_RING_BYTES", opts.shm_ring_bytes, minimum=1)
     opts.stripe_min = env_int("RUMOR_STRIPE_MIN_BYTES", opts.stripe_min, minimum=0)
     opts.stripe_steal = env_bool("RUMOR_STRIPE_STEAL", True)
+    opts.stripe_adapt = env_bool("RUMOR_STRIPE_ADAPT", True)
     # A pair on a long link gets enough streams for this rate over its round trip (docs/environment.md).
     opts.link_rate = env_float("RUMOR_LINK_GBIT", opts.link_rate * 8e-9, positive=True) * 1.25e8
     opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)

@@ -55,5 +55,62 @@ TEST(LinkStreams, WindowLimitsReadThisNamespace) {
   EXPECT_FALSE(w.recv_limit.empty());
 }
 
+// The stripe width rule: heavy retransmission halves it, window-limited streams with little
+// retransmission add one, a link's own random loss changes nothing, and nothing is decided
+// before a sample of kWidthSampleBytes.
+SendCounters sample(uint64_t sent, double retrans, uint64_t busy_us, double limited) {
+  return {sent, static_cast<uint64_t>(static_cast<double>(sent) * retrans), busy_us,
+          static_cast<uint64_t>(static_cast<double>(busy_us) * limited)};
+}
+
+TEST(StripeWidth, HeavyRetransmissionHalvesDownToTheMinimum) {
+  // 8 streams through a 100 Mbit, 100 ms link: about half of what was sent was sent again.
+  const SendCounters fight = sample(64 * MiB, 0.45, 10'000'000, 0.03);
+  EXPECT_EQ(next_stripe_width(8, 2, 8, fight), 4u);
+  EXPECT_EQ(next_stripe_width(4, 2, 8, fight), 2u);
+  EXPECT_EQ(next_stripe_width(2, 2, 8, fight), 2u);
+  EXPECT_EQ(next_stripe_width(3, 2, 8, fight), 2u);
+  // Even while the windows limit them: retransmission decides first.
+  EXPECT_EQ(next_stripe_width(8, 2, 8, sample(64 * MiB, 0.2, 10'000'000, 0.9)), 4u);
+}
+
+TEST(StripeWidth, WindowLimitedStreamsGetOneMore) {
+  const SendCounters windowed = sample(64 * MiB, 0.001, 10'000'000, 0.8);
+  EXPECT_EQ(next_stripe_width(2, 2, 8, windowed), 3u);
+  EXPECT_EQ(next_stripe_width(7, 2, 8, windowed), 8u);
+  EXPECT_EQ(next_stripe_width(8, 2, 8, windowed), 8u);
+  // Between the two thresholds of retransmission, neither: no oscillation on a lossy link.
+  EXPECT_EQ(next_stripe_width(4, 2, 8, sample(64 * MiB, 0.02, 10'000'000, 0.8)), 4u);
+}
+
+TEST(StripeWidth, RandomLossAndANetworkLimitedLinkKeepTheWidth) {
+  // 0.1% loss (the emulated WAN's): BBR retransmits about that much and keeps its rate.
+  EXPECT_EQ(next_stripe_width(8, 2, 8, sample(64 * MiB, 0.001, 10'000'000, 0.1)), 8u);
+  EXPECT_EQ(next_stripe_width(5, 2, 8, sample(64 * MiB, 0.0, 10'000'000, 0.0)), 5u);
+  EXPECT_EQ(next_stripe_width(5, 2, 8, sample(64 * MiB, 0.0, 0, 0.0)), 5u);  // no busy time reported
+}
+
+TEST(StripeWidth, ASmallSampleDecidesNothingAndBoundsHold) {
+  EXPECT_EQ(next_stripe_width(8, 2, 8, sample(kWidthSampleBytes - 1, 0.5, 1'000'000, 0.0)), 8u);
+  EXPECT_EQ(next_stripe_width(2, 2, 8, sample(kWidthSampleBytes - 1, 0.0, 1'000'000, 1.0)), 2u);
+  EXPECT_EQ(next_stripe_width(12, 2, 8, SendCounters{}), 8u);  // clamped into [lo, hi]
+  EXPECT_EQ(next_stripe_width(1, 2, 8, SendCounters{}), 2u);
+  EXPECT_EQ(next_stripe_width(4, 0, 8, sample(64 * MiB, 0.5, 1'000'000, 0.0)), 2u);
+  EXPECT_EQ(next_stripe_width(1, 0, 8, sample(64 * MiB, 0.5, 1'000'000, 0.0)), 1u);  // never below one
+}
+
+TEST(StripeWidth, CountersOnlyGrow) {
+  const SendCounters a{100, 10, 1000, 500}, b{150, 5, 2000, 600};
+  const SendCounters d = b - a;
+  EXPECT_EQ(d.sent, 50u);
+  EXPECT_EQ(d.resent, 0u);  // a stream that reports less than before contributes nothing
+  EXPECT_EQ(d.busy_us, 1000u);
+  EXPECT_EQ(d.window_limited_us, 100u);
+  SendCounters sum = a;
+  sum += b;
+  EXPECT_EQ(sum.sent, 250u);
+  EXPECT_EQ(sum.window_limited_us, 1100u);
+}
+
 }  // namespace
 }  // namespace rumor::net

@@ -270,6 +270,58 @@ TEST(Stripe, APieceOutOfRangeOrOfTheWrongLengthIsRefused) {
   }
 }
 
+// A sender whose stripe width is narrower than its streams: the streams past the width carry only
+// their end marker, every piece goes on the others, and a receiving channel (which knows nothing
+// of the width) reassembles the message.
+TEST(Stripe, StreamsPastTheWidthSendOnlyTheirEndMarker) {
+  constexpr size_t kLen = (12 << 20) + 4096;
+  const auto data = pattern(kLen);
+  std::vector<std::byte> out(kLen);
+  std::vector<Pair> pairs;
+  for (int i = 0; i < 3; ++i) pairs.push_back(loopback_pair());
+  std::vector<Fd> ours, theirs;
+  for (auto& p : pairs) {
+    ours.push_back(std::move(p.ours));
+    theirs.push_back(std::move(p.theirs));
+  }
+  // Adaptation on (minimum 1 of 3), the width pinned to 1 before the first decision could move it.
+  TcpChannel sender(std::move(ours), "rank 1", 1 << 20, {}, true, 1);
+  ASSERT_EQ(sender.stripe_width(), 3u);
+  sender.set_stripe_width(1);
+  TcpChannel receiver(std::move(theirs), "rank 0", 1 << 20);
+  const OpInfo op = test_op();
+  Transfer s = make_send(1, data.data(), kLen), r = make_recv(0, out.data(), kLen);
+  sender.begin(s, op);
+  receiver.begin(r, op);
+  EXPECT_EQ(s.width, 1u);
+  // Streams 1 and 2 start with their end marker, stream 0 with piece 0.
+  EXPECT_EQ(s.parts[0].hdr.flags, kFramePiece);
+  EXPECT_EQ(s.parts[1].hdr.flags, kFrameEnd);
+  EXPECT_EQ(s.parts[2].hdr.flags, kFrameEnd);
+  const auto guard = Clock::now() + std::chrono::seconds(20);
+  while (!(s.finished() && r.finished()) && Clock::now() < guard) {
+    sender.progress(s, op);
+    receiver.progress(r, op);
+  }
+  ASSERT_TRUE(s.finished() && r.finished());
+  EXPECT_EQ(r.streams_ended, 3u);
+  EXPECT_TRUE(out == data);
+  // A clean loopback retransmits nothing: past the sample size, the width never narrows below
+  // where it stands (it widens only where windows limited the streams).
+  sender.set_stripe_width(2);
+  Transfer s2 = make_send(1, data.data(), kLen), r2 = make_recv(0, out.data(), kLen);
+  std::fill(out.begin(), out.end(), std::byte{0});
+  sender.begin(s2, op);
+  receiver.begin(r2, op);
+  EXPECT_GE(s2.width, 2u);
+  while (!(s2.finished() && r2.finished()) && Clock::now() < guard) {
+    sender.progress(s2, op);
+    receiver.progress(r2, op);
+  }
+  ASSERT_TRUE(s2.finished() && r2.finished());
+  EXPECT_TRUE(out == data);
+}
+
 TEST(Stripe, PieceSizeStaysWithinItsBoundsAndTheHeadersNumbering) {
   EXPECT_EQ(TcpChannel::piece_bytes(4 << 20, 2), 256u * 1024);
   EXPECT_EQ(TcpChannel::piece_bytes(64 << 20, 2), 4u << 20);
