@@ -187,12 +187,19 @@ def _check(tmp_path, victim, text, exact=True, merged=False):
     if merged:  # the newcomer was ready when the others re-formed: one change, and 4 at every step
         assert first == fault and sizes == [4] * STEPS, (first, fault, sizes)
     else:
-        assert sizes[:fault] == [4] * fault and sizes[fault] == 3 and first <= GROW, sizes
+        # A fault before the first step (inside the first restore) re-forms before step 0, and a
+        # newcomer ready by then is admitted at that same boundary (CI saw it under load): no step
+        # runs with three. Later faults hit a step, which is redone with three.
+        assert sizes[:fault] == [4] * fault and first <= GROW, sizes
+        assert sizes[fault] == 3 or first == fault == 0, (first, fault, sizes)
         assert sizes[first:] == [4] * (STEPS - first) and set(sizes[fault:first]) == {3}, sizes
     # Each member saw two changes: the victim left, then the newcomer joined (one, merged).
     want = [(4, [victim], ["j1"])] if merged else [(3, [victim], []), (4, [], ["j1"])]
+    # A newcomer at the very boundary of a fault before step 0 may have come with the re-forming
+    # (one change) or right after it (two): the steps are the same.
+    wants = [want, [(4, [victim], ["j1"])]] if first == fault == 0 and not merged else [want]
     for m in survivors:
-        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] == want, finals[m]
+        assert [(c[1], c[2], c[3]) for c in finals[m]["changes"]] in wants, finals[m]
     # Every member ends bitwise equal, and equal to the float64 run of this timeline.
     ref = finals[survivors[0]]["params"]
     for m, f in finals.items():
@@ -202,7 +209,7 @@ def _check(tmp_path, victim, text, exact=True, merged=False):
     expect = _simulate(sizes)
     for got, want in zip(ref, expect):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=2e-5, atol=2e-6)
-    if merged:  # four at every step: the same averaging as a run without the failure
+    if merged or sizes == [4] * STEPS:  # four at every step: the same averaging as a run without the failure
         return
     # Against the run where every rank always trained: the averaging followed the membership.
     full = _simulate([4] * STEPS)
