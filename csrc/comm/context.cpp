@@ -214,10 +214,9 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
     // the only payload byte outside TLS, behind the HMAC.
     for (size_t s = 0; s < streams.size(); ++s) sessions.push_back(tls_session(peer, "stream " + std::to_string(s)));
   }
-  const size_t floor = net::stripe_width_floor(options_.stripe_adapt, streams.size(),
-                                               static_cast<size_t>(std::max(1, options_.streams)));
-  return std::make_unique<net::TcpChannel>(std::move(streams), desc, options_.stripe_min, std::move(sessions),
-                                           options_.stripe_steal, floor);
+  return std::make_unique<net::TcpChannel>(
+      std::move(streams), desc, options_.stripe_min, std::move(sessions), options_.stripe_steal,
+      options_.stripe_adapt ? static_cast<size_t>(std::max(1, options_.streams)) : 0);
 }
 
 std::unique_ptr<net::TlsSession> Context::tls_session(uint32_t peer, const std::string& stream) const {

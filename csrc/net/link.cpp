@@ -110,8 +110,4 @@ size_t next_stripe_width(size_t width, size_t lo, size_t hi, const SendCounters&
   return width;
 }
 
-size_t stripe_width_floor(bool adapt, size_t opened, size_t lan_streams) {
-  return adapt && opened > std::max<size_t>(lan_streams, 1) ? 1 : 0;
-}
-
 }  // namespace rumor::net

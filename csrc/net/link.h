@@ -78,12 +78,4 @@ constexpr double kWidenWindowLimited = 0.5;
 constexpr uint64_t kWidthSampleBytes = 8ull << 20;
 size_t next_stripe_width(size_t width, size_t lo, size_t hi, const SendCounters& since);
 
-// The least stripe width a pair that opened `opened` streams adapts down to, 0 where it does not
-// adapt: only a long link's pair adapts (one that opened more than `lan_streams`,
-// RUMOR_SOCKET_STREAMS, the minimum every pair opens), and it may narrow to one stream.
-// `lan_streams` is there for a LAN's syscall rate, not for the path: at 100 Mbit and 100 ms two
-// streams still dropped each other's packets (mlp25m's three buckets took 13.7 s with a floor of
-// two, 12.8 s with one, gloo's one stream 12.8 s).
-size_t stripe_width_floor(bool adapt, size_t opened, size_t lan_streams);
-
 }  // namespace rumor::net

@@ -20,9 +20,8 @@ namespace rumor::net {
 // never reads into the next message on a stream that carried nothing more of this one.
 // RUMOR_STRIPE_STEAL=0 restores fixed stripes (one per stream), for comparison.
 //
-// With min_width > 0 (Context gives 1 to a long link's pair, one that opened more streams than
-// RUMOR_SOCKET_STREAMS) the sender adapts how many streams take pieces, the stripe width, never
-// below min_width: next_stripe_width() (net/link.h) reads
+// With min_width > 0 (a long link's pair that opened more streams than that minimum) the sender
+// adapts how many streams take pieces, the stripe width: next_stripe_width() (net/link.h) reads
 // the streams' TCP counters when a striped send begins, narrowing where they send much in vain
 // and widening where their windows limit them. Streams past the width send their end marker at
 // once, so the receiver needs no word of it and the protocol is unchanged. RUMOR_STRIPE_ADAPT=0

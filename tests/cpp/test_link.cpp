@@ -99,22 +99,6 @@ TEST(StripeWidth, ASmallSampleDecidesNothingAndBoundsHold) {
   EXPECT_EQ(next_stripe_width(1, 0, 8, sample(64 * MiB, 0.5, 1'000'000, 0.0)), 1u);  // never below one
 }
 
-TEST(StripeWidth, OnlyALongLinksPairAdaptsAndDownToOneStream) {
-  // 8 streams opened for RUMOR_LINK_GBIT over a long link, RUMOR_SOCKET_STREAMS = 2: down to one.
-  EXPECT_EQ(stripe_width_floor(true, 8, 2), 1u);
-  EXPECT_EQ(stripe_width_floor(true, 3, 2), 1u);
-  // A LAN pair opened just the minimum: its streams are for the syscall rate, all of them used.
-  EXPECT_EQ(stripe_width_floor(true, 2, 2), 0u);
-  EXPECT_EQ(stripe_width_floor(true, 1, 1), 0u);
-  EXPECT_EQ(stripe_width_floor(true, 4, 0), 1u);  // a minimum below one counts as one
-  EXPECT_EQ(stripe_width_floor(false, 8, 2), 0u);  // RUMOR_STRIPE_ADAPT=0
-  // From 8 with half sent in vain, a floor of one lets the width reach one stream.
-  const SendCounters fight = sample(64 * MiB, 0.1, 10'000'000, 0.0);
-  size_t w = 8;
-  for (int i = 0; i < 4; ++i) w = next_stripe_width(w, stripe_width_floor(true, 8, 2), 8, fight);
-  EXPECT_EQ(w, 1u);
-}
-
 TEST(StripeWidth, CountersOnlyGrow) {
   const SendCounters a{100, 10, 1000, 500}, b{150, 5, 2000, 600};
   const SendCounters d = b - a;
