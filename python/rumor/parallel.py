@@ -20,7 +20,7 @@ from ._runtime import Group, communicator
 from ._tensor import address, copy_into, dtype_code
 from .algorithms import Algorithm, GradientAllReduce
 from .collectives import ReduceOp, allgather, allreduce_, broadcast_
-from .engine.buckets import Bucket, coalesced_broadcast
+from .engine.buckets import Bucket, coalesced_broadcast, merge_for_link
 from .errors import AbortedError, RumorError
 
 _MB = 1024 * 1024
@@ -391,12 +391,18 @@ class DistributedDataParallel(torch.nn.Module):
             self, dataclasses.replace(bucket, flat=pinned, arena=None)))
         return (flat,) + head + (op,)
 
-    def _build_buckets(self, order: List[int], breaks=frozenset()) -> None:
+    def _build_buckets(self, order: List[int], breaks=frozenset(), link=None) -> None:
         """(Re)creates the flat buffers in the given ready order and points every .grad at its
-        slice, keeping whatever gradient values the parameters hold now."""
+        slice, keeping whatever gradient values the parameters hold now. link: (ready time per
+        position, bytes per second, seconds per bucket) over a slow, far link, where neighbouring
+        buckets merge when one fewer ends the schedule sooner (engine.buckets.merge_for_link)."""
         ordered = [self._params[i] for i in order]
         plan = self.algorithm.plan_buckets(self, ordered, self._cap_bytes, self._first_cap_bytes,
                                            breaks=frozenset(breaks))
+        if link is not None:
+            ready, rate, latency = link
+            plan = merge_for_link(plan, [p.numel() * p.element_size() for p in ordered], ready,
+                                  [p.dtype for p in ordered], rate, latency)
         seen = sorted(j for b in plan for j in b)
         if seen != list(range(len(ordered))):
             raise ValueError("Algorithm.plan_buckets must place every parameter in exactly one bucket")
@@ -742,13 +748,22 @@ class DistributedDataParallel(torch.nn.Module):
                       for a, b in zip(times, times[1:])]
         merge_first = int(latency > self._split_gap_s and not self._first_bucket_pays(order, times, latency))
         n = len(order)
-        t = torch.tensor(order + gaps + [merge_first, round(latency * 1e6)], dtype=torch.int64)
+        t0 = min((x for x in times if x is not None), default=0.0)
+        ready_us = [-1 if x is None else round((x - t0) * 1e6) for x in times]
+        t = torch.tensor(order + gaps + ready_us + [merge_first, round(latency * 1e6), self._link_rate(latency)],
+                         dtype=torch.int64)
         broadcast_(t, self.group.ranks[0], self.group)
         if self._autotuner is not None:
             self._autotuner.observe_ready_times(order, times, t[:n].tolist())
         flat = t.tolist()
-        order, gaps, (merge_first, latency_us) = flat[:n], flat[n:2 * n], flat[2 * n:]
+        order, gaps, ready_us = flat[:n], flat[n:2 * n], flat[2 * n:3 * n]
+        merge_first, latency_us, rate = flat[3 * n:]
         self._bucket_latency_s = latency_us / 1e6  # the first rank's estimate, on every rank
+        # Every rank merges from the first rank's figures, so all build the same buckets.
+        link = None
+        if latency_us / 1e6 > self._split_gap_s and self.algorithm.tunable_buckets:
+            link = ([None if u < 0 else u / 1e6 for u in ready_us], float(rate) if rate > 0 else float("inf"),
+                    latency_us / 1e6)
         if merge_first:
             self._first_cap_bytes = max(self._first_cap_bytes, self._cap_bytes)
         if latency > self._split_gap_s and self.group._comm.rank == 0:
@@ -759,8 +774,19 @@ class DistributedDataParallel(torch.nn.Module):
                 if merge_first else "")
         self._ready_order, self._ready_times = [], {}
         breaks = {j for j, g in enumerate(gaps) if g}
-        if order != list(reversed(range(len(self._params)))) or breaks or merge_first:
-            self._build_buckets(order, breaks)
+        if order != list(reversed(range(len(self._params)))) or breaks or merge_first or link:
+            self._build_buckets(order, breaks, link)
+
+    def _link_rate(self, latency: float) -> int:
+        """Bytes per second a bucket moved at in the first iteration, past its round trips: the
+        fastest of the buckets whose bytes took longer than those round trips (0: none did, so
+        bytes cost next to nothing beside them). Only what the first rank measured is used."""
+        best = 0.0
+        for b, count, _launched, started, ended in self._engine.last_timings():
+            busy = ended - started - latency
+            if b < len(self.buckets) and busy > latency:
+                best = max(best, count * self.buckets[b].flat.element_size() / busy)
+        return round(best)
 
     def _one_more_bucket_s(self) -> float:
         """What one more bucket costs whatever its size, estimated from the links (a collective:

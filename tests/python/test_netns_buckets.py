@@ -6,7 +6,11 @@ backward pauses SLEEP_S between layers (a known gap, longer than the default 5 m
 - without delay, the rebuild after the first iteration splits at every pause (the rule of
   before, unchanged where round trips are short);
 - with a 2 x DELAY_S round trip, one bucket costs more than the whole rest of backward, so
-  there is no split and the small first bucket is not sent on its own either: one bucket.
+  there is no split and the small first bucket is not sent on its own either: one bucket;
+- with that round trip and a cap of one layer's weight (one bucket per weight and per bias,
+  ready within the pauses), neighbouring buckets merge where one fewer ends the link's serial
+  schedule sooner (engine.buckets.merge_for_link): their bytes are nothing beside the round
+  trips, so one bucket again, while without delay the cap's buckets stay.
 In both, the gradients equal a float64 single-process reference. Needs root and network
 namespaces; skipped with the reason otherwise. Every run has a deadline; on it every rank is
 killed and the test fails with each rank's output.
@@ -81,7 +85,8 @@ def _rank_main() -> None:
     rumor.init(timeout=60)
     model = _model()
     # A first bucket of one layer (its weight is 1 KiB): the rest of backward follows it.
-    ddp = rumor.DistributedDataParallel(model, first_bucket_mb=0.001)
+    cap_mb = float(os.environ.get("TEST_BUCKET_CAP_MB", "25"))
+    ddp = rumor.DistributedDataParallel(model, first_bucket_mb=0.001, bucket_cap_mb=cap_mb)
     ref = _model().double()
     errors = []
     for step in range(STEPS):
@@ -102,8 +107,9 @@ def _rank_main() -> None:
 
 # ---- the test (pytest process) -------------------------------------------------------------------
 
-def _run(tmp_path, name: str, delay):
-    results, dump = run_on_hosts(tmp_path, name, _BOOT.format(here=HERE), WORLD, PORT, RUN_DEADLINE_S, delay=delay)
+def _run(tmp_path, name: str, delay, cap_mb: float = 25):
+    results, dump = run_on_hosts(tmp_path, name, _BOOT.format(here=HERE), WORLD, PORT, RUN_DEADLINE_S,
+                                 env={"TEST_BUCKET_CAP_MB": str(cap_mb)}, delay=delay)
     for res in results:
         assert not res["errors"], f"{name}: gradients differ from the float64 reference: {res}\n{dump}"
     assert results[0]["buckets"] == results[1]["buckets"], f"{name}: ranks disagree on buckets: {results}"
@@ -125,3 +131,11 @@ def test_one_bucket_when_a_round_trip_outlasts_the_rest_of_backward(tmp_path):
     assert 2 * DELAY_S * 0.99 <= res["latency_s"] < 2 * DELAY_S * 3, res
     assert res["buckets"] == 1, res
     assert res["first_cap"] == 25 << 20, res  # the first bucket took the others' cap
+
+
+def test_capped_buckets_merge_when_round_trips_dwarf_their_bytes(tmp_path):
+    cap_mb = WIDTH * WIDTH * 4 / (1 << 20)  # one weight per bucket
+    lan = _run(tmp_path, "lan-capped", None, cap_mb)
+    assert lan["buckets"] >= 2 * LAYERS - 1, lan  # the cap's buckets (a bias may share one)
+    wan = _run(tmp_path, "wan-capped", f"{DELAY_S * 1e3:.0f}ms", cap_mb)
+    assert wan["buckets"] == 1, wan
