@@ -110,4 +110,37 @@ size_t next_stripe_width(size_t width, size_t lo, size_t hi, const SendCounters&
   return width;
 }
 
+StripeWidth::StripeWidth(size_t lo, size_t hi)
+    : lo_(std::max<size_t>(lo, 1)), hi_(std::max(hi, lo_)), width_(hi_) {}
+
+double StripeWidth::RecentMean::mean() const {
+  double sum = 0;
+  for (size_t i = 0; i < count(); ++i) sum += v[i];
+  return count() > 0 ? sum / static_cast<double>(count()) : 0;
+}
+
+void StripeWidth::pin(size_t w) { width_ = std::clamp<size_t>(w, 1, hi_); }
+
+size_t StripeWidth::next(const SendCounters& since, uint64_t busiest_us) {
+  if (since.sent < kWidthSampleBytes) return width_;
+  const double delivered = static_cast<double>(since.sent - std::min(since.resent, since.sent));
+  last_rate_ = busiest_us > 0 ? delivered * 1e6 / static_cast<double>(busiest_us) : 0;
+  if (width_ < lo_) {
+    below_.add(last_rate_);
+    if (below_.count() >= 2 && below_.mean() < kKeepNarrowRate * at_floor_.mean()) {
+      below_ok_ = false;
+      return width_ = lo_;
+    }
+    return width_ = next_stripe_width(width_, 1, lo_, since);
+  }
+  if (width_ == lo_) at_floor_.add(last_rate_);
+  const size_t w = next_stripe_width(width_, lo_, hi_, since);
+  const bool fight = static_cast<double>(since.resent) > kNarrowResent * static_cast<double>(since.sent);
+  if (w == lo_ && width_ == lo_ && fight && below_ok_ && lo_ > 1 && at_floor_.count() >= kFloorSamples) {
+    below_ = RecentMean{};
+    return width_ = lo_ / 2;
+  }
+  return width_ = w;
+}
+
 }  // namespace rumor::net

@@ -5,6 +5,8 @@
 // product needs, measured from the connection's own round trip.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -77,5 +79,52 @@ constexpr double kWidenResent = 0.01;
 constexpr double kWidenWindowLimited = 0.5;
 constexpr uint64_t kWidthSampleBytes = 8ull << 20;
 size_t next_stripe_width(size_t width, size_t lo, size_t hi, const SendCounters& since);
+
+// The stripe width of one long link's pair: next_stripe_width() within [lo, hi], and below lo
+// (RUMOR_SOCKET_STREAMS, kept for a LAN's syscall rate) only on trial. lo streams may still be
+// too many for a slow path: at 100 Mbit and 100 ms two streams still dropped each other's
+// packets (mlp25m's three buckets took 13.7 s, 12.8 s on one stream, as gloo's one). But a
+// stream on a lossy path is limited by its congestion window, not by a buffer, so once on one
+// stream the rule that adds streams never fires: with one allowed, 1 Gbit, 50 ms and 0.1% loss
+// fell from 96.5% to 84.6% of the ring bound. So where streams at lo still send much in vain,
+// after kFloorSamples samples there, the width halves below lo, and stays there while its
+// samples deliver on average at least kKeepNarrowRate of what the last samples at lo did (bytes
+// acknowledged per second the busiest stream was busy; one sample's figure varied by +-15% at
+// 100 Mbit, hence means, and one stream's means there came to 0.83-1.1 of two streams'); the
+// first mean of two or more below that returns to lo for good. Where one stream is worse, it is
+// much worse: a stream's rate under random loss falls with the root of the loss rate.
+constexpr double kKeepNarrowRate = 0.75;
+constexpr size_t kFloorSamples = 3;
+class StripeWidth {
+ public:
+  StripeWidth(size_t lo, size_t hi);
+  size_t width() const { return width_; }
+  // Pins the width until the next decision (tests).
+  void pin(size_t w);
+  // Decides from a sample: the streams' counters summed since the last decision, and the most
+  // busy time one stream spent in it (the time the sample took on the wire). Returns the width,
+  // unchanged when the sample is below kWidthSampleBytes (the caller keeps accumulating).
+  size_t next(const SendCounters& since, uint64_t busiest_us);
+  // Whether the width may still go below lo (false once a trial there was slower).
+  bool may_narrow_below_floor() const { return below_ok_; }
+  // The last sample's rate, and the recent mean at lo and below it (bytes/s), for the log.
+  double last_rate() const { return last_rate_; }
+  double floor_rate() const { return at_floor_.mean(); }
+  double below_rate() const { return below_.mean(); }
+
+ private:
+  // The mean of the last four values added.
+  struct RecentMean {
+    std::array<double, 4> v{};
+    size_t n = 0;
+    void add(double x) { v[n++ % v.size()] = x; }
+    size_t count() const { return std::min(n, v.size()); }
+    double mean() const;
+  };
+  size_t lo_, hi_, width_;
+  RecentMean at_floor_, below_;
+  double last_rate_ = 0;
+  bool below_ok_ = true;
+};
 
 }  // namespace rumor::net

@@ -43,8 +43,10 @@ TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t st
       peer_desc_(std::move(peer_desc)),
       stripe_min_(stripe_min),
       steal_(steal),
-      min_width_(min_width < streams_.size() ? min_width : 0),
+      adapt_(min_width > 0 && min_width < streams_.size()),
+      width_rule_(min_width, streams_.size()),
       width_(streams_.size()),
+      width_base_(streams_.size()),
       tls_(std::move(tls)) {
   if (!tls_.empty() && tls_.size() != streams_.size())
     throw Error(ErrorKind::kInvalidArgument, "TcpChannel to " + peer_desc_ + ": " + std::to_string(tls_.size()) +
@@ -135,18 +137,28 @@ size_t TcpChannel::piece_bytes(size_t len, size_t streams) {
 }
 
 void TcpChannel::adapt_width() {
-  if (min_width_ == 0) return;
-  SendCounters now;
-  for (const auto& s : streams_) now += send_counters(s.get());
-  const SendCounters since = now - width_base_;
+  if (!adapt_) return;
+  std::vector<SendCounters> now(streams_.size());
+  SendCounters since;
+  uint64_t busiest_us = 0;
+  for (size_t i = 0; i < streams_.size(); ++i) {
+    now[i] = send_counters(streams_[i].get());
+    const SendCounters d = now[i] - width_base_[i];
+    since += d;
+    busiest_us = std::max(busiest_us, d.busy_us);
+  }
   if (since.sent < kWidthSampleBytes) return;
   const size_t before = width_;
-  width_ = next_stripe_width(width_, min_width_, streams_.size(), since);
-  width_base_ = now;
+  width_ = width_rule_.next(since, busiest_us);
+  width_base_ = std::move(now);
   if (width_ != before)
     RUMOR_LOG(kDebug, "stripe width to " << peer_desc_ << ": " << before << " -> " << width_ << " of "
                                          << streams_.size() << " streams (of " << since.sent
-                                         << " bytes sent, " << since.resent << " in vain; window-limited "
+                                         << " bytes sent, " << since.resent << " in vain, "
+                                         << width_rule_.last_rate() / 1e6 << " MB/s delivered in "
+                                         << busiest_us / 1000 << " busy ms; recent means "
+                                         << width_rule_.floor_rate() / 1e6 << " MB/s at the floor, "
+                                         << width_rule_.below_rate() / 1e6 << " below; window-limited "
                                          << since.window_limited_us / 1000 << " of " << since.busy_us / 1000
                                          << " busy ms)");
 }

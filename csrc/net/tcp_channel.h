@@ -21,9 +21,10 @@ namespace rumor::net {
 // RUMOR_STRIPE_STEAL=0 restores fixed stripes (one per stream), for comparison.
 //
 // With min_width > 0 (a long link's pair that opened more streams than that minimum) the sender
-// adapts how many streams take pieces, the stripe width: next_stripe_width() (net/link.h) reads
-// the streams' TCP counters when a striped send begins, narrowing where they send much in vain
-// and widening where their windows limit them. Streams past the width send their end marker at
+// adapts how many streams take pieces, the stripe width: StripeWidth (net/link.h) reads the
+// streams' TCP counters when a striped send begins, narrowing where they send much in vain
+// (below min_width only on trial, kept while it delivers about as much) and widening where
+// their windows limit them. Streams past the width send their end marker at
 // once, so the receiver needs no word of it and the protocol is unchanged. RUMOR_STRIPE_ADAPT=0
 // keeps every stream in use, for comparison.
 //
@@ -53,7 +54,10 @@ class TcpChannel final : public Channel {
   double min_rtt_s() const override;
   // The streams striped sends use now; set_stripe_width() pins it until the next decision (tests).
   size_t stripe_width() const { return width_; }
-  void set_stripe_width(size_t w) { width_ = std::clamp<size_t>(w, 1, streams_.size()); }
+  void set_stripe_width(size_t w) {
+    width_rule_.pin(w);
+    width_ = width_rule_.width();
+  }
 
  private:
   bool striped(const Transfer& t) const { return t.nparts > 1 && steal_; }
@@ -93,9 +97,10 @@ class TcpChannel final : public Channel {
   std::string peer_desc_;
   size_t stripe_min_;
   bool steal_;
-  size_t min_width_;  // 0: no adaptation
+  bool adapt_;  // a long link's pair, adapting its stripe width
+  StripeWidth width_rule_;
   size_t width_;
-  SendCounters width_base_;  // the streams' counters (summed) at the last width decision
+  std::vector<SendCounters> width_base_;  // per stream: its counters at the last width decision
   // Per stream: where reduce-receives land before being folded into the destination.
   std::vector<std::vector<std::byte>> stage_;
   std::vector<size_t> staged_;

@@ -99,6 +99,61 @@ TEST(StripeWidth, ASmallSampleDecidesNothingAndBoundsHold) {
   EXPECT_EQ(next_stripe_width(1, 0, 8, sample(64 * MiB, 0.5, 1'000'000, 0.0)), 1u);  // never below one
 }
 
+// Busy microseconds of the busiest stream for a sample that took `s` seconds on the wire.
+uint64_t busy_us_for(double s) { return static_cast<uint64_t>(s * 1e6); }
+
+TEST(StripeWidth, BelowTheFloorOnlyWhileOneStreamDeliversAsMuch) {
+  // 100 Mbit and 100 ms: 8 streams, then 4, then 2 fight over the shallow queue; the link
+  // delivers about 12 MB/s whatever the width, so one stream is kept.
+  StripeWidth w(2, 8);
+  EXPECT_EQ(w.width(), 8u);
+  const uint64_t busy = busy_us_for(64.0 * MiB / 12e6);
+  const SendCounters fight = sample(96 * MiB, 0.33, 8 * busy, 0.03);  // 64 MiB delivered
+  EXPECT_EQ(w.next(fight, busy), 4u);
+  EXPECT_EQ(w.next(fight, busy), 2u);
+  for (size_t i = 1; i < kFloorSamples; ++i) EXPECT_EQ(w.next(fight, busy), 2u);  // rates to compare with
+  EXPECT_EQ(w.next(fight, busy), 1u);  // on trial
+  const SendCounters alone = sample(64 * MiB, 0.02, busy + busy / 50, 0.0);  // 2% slower: kept
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(w.next(alone, busy + busy / 50), 1u);
+  EXPECT_TRUE(w.may_narrow_below_floor());
+  // Window-limited on one stream: back up by one, as above the floor.
+  EXPECT_EQ(w.next(sample(64 * MiB, 0.0, busy, 0.8), busy), 2u);
+}
+
+TEST(StripeWidth, ASlowerTrialReturnsToTheFloorForGood) {
+  // 1 Gbit, 100 ms, 0.1% loss: slow start's losses halve 8 streams down to 2 and below, but one
+  // stream, limited by its congestion window, delivers far less: back to 2, and never below again.
+  StripeWidth w(2, 8);
+  const uint64_t busy = busy_us_for(64.0 * MiB / 100e6);
+  const SendCounters start = sample(80 * MiB, 0.2, 8 * busy, 0.1);
+  EXPECT_EQ(w.next(start, busy), 4u);
+  EXPECT_EQ(w.next(start, busy), 2u);
+  for (size_t i = 1; i < kFloorSamples; ++i) EXPECT_EQ(w.next(start, busy), 2u);
+  EXPECT_EQ(w.next(start, busy), 1u);
+  const SendCounters lossy = sample(64 * MiB, 0.001, 2 * busy, 0.05);  // half the rate
+  EXPECT_EQ(w.next(lossy, 2 * busy), 1u);  // one sample is not a mean
+  EXPECT_EQ(w.next(lossy, 2 * busy), 2u);
+  EXPECT_FALSE(w.may_narrow_below_floor());
+  EXPECT_EQ(w.next(start, busy), 2u);  // heavy loss again: stays at the floor
+  // And widens from there as before.
+  EXPECT_EQ(w.next(sample(64 * MiB, 0.001, busy, 0.8), busy), 3u);
+}
+
+TEST(StripeWidth, AFloorOfOneAndSmallSamples) {
+  StripeWidth one(1, 4);
+  const uint64_t busy = busy_us_for(1.0);
+  EXPECT_EQ(one.next(sample(64 * MiB, 0.5, busy, 0.0), busy), 2u);
+  EXPECT_EQ(one.next(sample(64 * MiB, 0.5, busy, 0.0), busy), 1u);
+  EXPECT_EQ(one.next(sample(64 * MiB, 0.5, busy, 0.0), busy), 1u);
+  StripeWidth w(2, 8);
+  w.pin(1);
+  // Nothing is decided on a small sample, however slow; no busy time counts as no rate.
+  EXPECT_EQ(w.next(sample(kWidthSampleBytes - 1, 0.0, busy, 0.0), busy), 1u);
+  EXPECT_EQ(w.next(sample(64 * MiB, 0.0, 0, 0.0), 0), 1u);
+  w.pin(12);
+  EXPECT_EQ(w.width(), 8u);
+}
+
 TEST(StripeWidth, CountersOnlyGrow) {
   const SendCounters a{100, 10, 1000, 500}, b{150, 5, 2000, 600};
   const SendCounters d = b - a;
