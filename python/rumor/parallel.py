@@ -742,11 +742,15 @@ class DistributedDataParallel(torch.nn.Module):
         # size, so a split must gain more than that: over 100 ms links a small transformer's
         # backward was cut into 22 buckets, and trained at half the speed of torch DDP's two.
         latency = self._one_more_bucket_s()
-        split = max(self._split_gap_s, latency)
+        # Where the link's schedule picks the buckets (merge_for_link, below), it starts from every
+        # pause longer than the split gap and merges what does not pay for its round trips.
+        by_link = latency > self._split_gap_s and self.algorithm.tunable_buckets
+        split = self._split_gap_s if by_link else max(self._split_gap_s, latency)
         times = [self._ready_times.get(i) for i in order]
         gaps = [0] + [int(a is not None and b is not None and b - a > split)
                       for a, b in zip(times, times[1:])]
-        merge_first = int(latency > self._split_gap_s and not self._first_bucket_pays(order, times, latency))
+        merge_first = int(latency > self._split_gap_s and not by_link
+                          and not self._first_bucket_pays(order, times, latency))
         n = len(order)
         t0 = min((x for x in times if x is not None), default=0.0)
         ready_us = [-1 if x is None else round((x - t0) * 1e6) for x in times]
