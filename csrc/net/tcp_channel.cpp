@@ -47,6 +47,7 @@ TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t st
       width_rule_(min_width, streams_.size()),
       width_(streams_.size()),
       width_base_(streams_.size()),
+      width_now_(streams_.size()),
       tls_(std::move(tls)) {
   if (!tls_.empty() && tls_.size() != streams_.size())
     throw Error(ErrorKind::kInvalidArgument, "TcpChannel to " + peer_desc_ + ": " + std::to_string(tls_.size()) +
@@ -138,7 +139,7 @@ size_t TcpChannel::piece_bytes(size_t len, size_t streams) {
 
 void TcpChannel::adapt_width() {
   if (!adapt_) return;
-  std::vector<SendCounters> now(streams_.size());
+  std::vector<SendCounters>& now = width_now_;
   SendCounters since;
   uint64_t busiest_us = 0;
   for (size_t i = 0; i < streams_.size(); ++i) {
@@ -150,7 +151,7 @@ void TcpChannel::adapt_width() {
   if (since.sent < kWidthSampleBytes) return;
   const size_t before = width_;
   width_ = width_rule_.next(since, busiest_us);
-  width_base_ = std::move(now);
+  std::swap(width_base_, width_now_);
   if (width_ != before)
     RUMOR_LOG(kDebug, "stripe width to " << peer_desc_ << ": " << before << " -> " << width_ << " of "
                                          << streams_.size() << " streams (of " << since.sent

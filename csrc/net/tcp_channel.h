@@ -101,6 +101,7 @@ class TcpChannel final : public Channel {
   StripeWidth width_rule_;
   size_t width_;
   std::vector<SendCounters> width_base_;  // per stream: its counters at the last width decision
+  std::vector<SendCounters> width_now_;   // scratch, so a striped send allocates nothing
   // Per stream: where reduce-receives land before being folded into the destination.
   std::vector<std::vector<std::byte>> stage_;
   std::vector<size_t> staged_;

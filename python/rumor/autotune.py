@@ -353,10 +353,11 @@ class Autotuner:
             d.algorithm.small_allreduce_kb = setting["small_allreduce_kb"]
         if order is None:  # before the first iteration: its rebuild splits with the new gap
             d._build_buckets(list(reversed(range(len(d._params)))))
-        else:
-            split = max(d._split_gap_s, d._bucket_latency_s)  # as the wrapper's own rebuild
+        else:  # as the wrapper's own rebuild, with this setting's split gap
+            link = d._link_figures if d._link_figures and d._link_picks_buckets(d._bucket_latency_s) else None
+            split = d._split_gap_s if link is not None else max(d._split_gap_s, d._bucket_latency_s)
             breaks = {j for j, g in enumerate(gaps) if g > split}
-            d._build_buckets(order, breaks)
+            d._build_buckets(order, breaks, link)
 
     # ---- cache ------------------------------------------------------------------------------
 

@@ -277,6 +277,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._rebuilt = False
         # One bucket's latency on this group's links (s), agreed at the first rebuild.
         self._bucket_latency_s = 0.0
+        self._link_figures = None  # (ready time per position, bytes/s, s per bucket) from the rebuild
         self.buckets: List[Bucket] = []
         self._bucket_of: List[int] = [0] * len(self._params)
         self._views: List[Optional[torch.Tensor]] = [None] * len(self._params)
@@ -395,7 +396,8 @@ class DistributedDataParallel(torch.nn.Module):
         """(Re)creates the flat buffers in the given ready order and points every .grad at its
         slice, keeping whatever gradient values the parameters hold now. link: (ready time per
         position, bytes per second, seconds per bucket) over a slow, far link, where neighbouring
-        buckets merge when one fewer ends the schedule sooner (engine.buckets.merge_for_link)."""
+        plan's runs of neighbouring buckets merge into the partition whose serial schedule over the
+        link ends soonest (engine.buckets.merge_for_link)."""
         ordered = [self._params[i] for i in order]
         plan = self.algorithm.plan_buckets(self, ordered, self._cap_bytes, self._first_cap_bytes,
                                            breaks=frozenset(breaks))
@@ -741,10 +743,11 @@ class DistributedDataParallel(torch.nn.Module):
         # buckets run one after another, and each one pays the group's round trips whatever its
         # size, so a split must gain more than that: over 100 ms links a small transformer's
         # backward was cut into 22 buckets, and trained at half the speed of torch DDP's two.
-        latency = self._one_more_bucket_s()
+        # In whole microseconds, as broadcast below, so every test of it agrees on every rank.
+        latency = round(self._one_more_bucket_s() * 1e6) / 1e6
         # Where the link's schedule picks the buckets (merge_for_link, below), it starts from every
         # pause longer than the split gap and merges what does not pay for its round trips.
-        by_link = latency > self._split_gap_s and self.algorithm.tunable_buckets
+        by_link = self._link_picks_buckets(latency)
         split = self._split_gap_s if by_link else max(self._split_gap_s, latency)
         times = [self._ready_times.get(i) for i in order]
         gaps = [0] + [int(a is not None and b is not None and b - a > split)
@@ -764,10 +767,10 @@ class DistributedDataParallel(torch.nn.Module):
         merge_first, latency_us, rate = flat[3 * n:]
         self._bucket_latency_s = latency_us / 1e6  # the first rank's estimate, on every rank
         # Every rank merges from the first rank's figures, so all build the same buckets.
-        link = None
-        if latency_us / 1e6 > self._split_gap_s and self.algorithm.tunable_buckets:
-            link = ([None if u < 0 else u / 1e6 for u in ready_us], float(rate) if rate > 0 else float("inf"),
-                    latency_us / 1e6)
+        # Kept for the autotuner, whose bucket_split_gap_ms decides again whether the link picks.
+        self._link_figures = ([None if u < 0 else u / 1e6 for u in ready_us],
+                              float(rate) if rate > 0 else float("inf"), latency_us / 1e6)
+        link = self._link_figures if self._link_picks_buckets(latency_us / 1e6) else None
         if merge_first:
             self._first_cap_bytes = max(self._first_cap_bytes, self._cap_bytes)
         if latency > self._split_gap_s and self.group._comm.rank == 0:
@@ -780,6 +783,11 @@ class DistributedDataParallel(torch.nn.Module):
         breaks = {j for j, g in enumerate(gaps) if g}
         if order != list(reversed(range(len(self._params)))) or breaks or merge_first or link:
             self._build_buckets(order, breaks, link)
+
+    def _link_picks_buckets(self, latency: float) -> bool:
+        """Whether the link's serial schedule (merge_for_link) picks the buckets: where one more
+        bucket costs more than the split gap, and the algorithm lets buckets be re-cut."""
+        return latency > self._split_gap_s and bool(self.algorithm.tunable_buckets)
 
     def _link_rate(self, latency: float) -> int:
         """Bytes per second a bucket moved at in the first iteration, past its round trips: the

@@ -279,6 +279,33 @@ def test_confirmation_keeps_a_setting_only_if_it_still_leads():
     assert verdict([1.00] * 8) == (0, 1.00, 1.00)               # nobody led: no confirmation ran
 
 
+def test_a_trial_over_a_far_link_rebuilds_with_the_link_schedule():
+    """Where the first rebuild let the link's schedule pick the buckets (a round trip longer than
+    the split gap, a tunable algorithm), the autotuner's rebuilds do as well: cut at its own
+    split gap, then merged by merge_for_link; a gap longer than the round trip keeps the old rule."""
+    import types
+    from types import SimpleNamespace
+
+    from rumor.autotune import Autotuner
+    from rumor.parallel import DistributedDataParallel
+
+    calls = []
+    d = SimpleNamespace(_split_gap_s=0.005, _bucket_latency_s=0.3, algorithm=SimpleNamespace(tunable_buckets=True),
+                        _link_figures=([0.0, 0.001, 0.4, 0.41], 8e6, 0.3),
+                        _build_buckets=lambda order, breaks=frozenset(), link=None: calls.append((breaks, link)))
+    d._link_picks_buckets = types.MethodType(DistributedDataParallel._link_picks_buckets, d)
+    tuner = SimpleNamespace(ddp=d)
+    setting = {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0, "bucket_split_gap_ms": 5.0}
+    gaps = [0.0, 0.001, 0.399, 0.01]
+    Autotuner._apply(tuner, setting, [3, 2, 1, 0], gaps)
+    assert calls[-1] == ({2, 3}, d._link_figures)  # cut at every pause over 5 ms, link merges
+    Autotuner._apply(tuner, dict(setting, bucket_split_gap_ms=float("inf")), [3, 2, 1, 0], gaps)
+    assert calls[-1] == (set(), None)  # never split: the round trip is not above the gap
+    d.algorithm.tunable_buckets = False
+    Autotuner._apply(tuner, setting, [3, 2, 1, 0], gaps)
+    assert calls[-1] == ({2}, None)  # not tunable: only pauses longer than the round trip
+
+
 BAD_ARGUMENTS = {  # case: (exception type, a word its message must hold or None)
     "str": ("TypeError", None), "unknown option": ("TypeError", None), "small budget": ("ValueError", "budget_steps"),
     "zero measure": ("ValueError", None), "negative warm": ("ValueError", None), "float budget": ("TypeError", None),
