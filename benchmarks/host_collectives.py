@@ -110,11 +110,13 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
         rounds = int(math.log2(p2))
         t = 7 * S * p2 * rounds + 9 * S * (P - p2)
         return t, t, f"recursive doubling ({rounds} rounds)"
-    # The direct path: from 3 ranks on, unless RUMOR_HOST_DIRECT=0, and where the ranks share
-    # cores from 8 MiB only (Communicator::use_direct, Options::host_direct_min_bytes).
+    # The direct path: from 3 ranks on (2 ranks from 16 MiB with huge pages), unless
+    # RUMOR_HOST_DIRECT=0, and where the ranks share cores from 8 MiB only
+    # (Communicator::use_direct, Options::host_direct_min_bytes, kTwoRankDirectMinBytes).
     shared_cores = P > len(os.sched_getaffinity(0))
     direct_min = int(os.environ.get("RUMOR_HOST_DIRECT_MIN_BYTES", 8 * MiB if shared_cores else 0))
-    direct = (P > 2 and S > SMALL_ALLREDUCE and S >= direct_min
+    huge = os.environ.get("RUMOR_HUGE_PAGES", "1") != "0"
+    direct = ((P > 2 or (huge and S >= 16 * MiB)) and S > SMALL_ALLREDUCE and S >= direct_min
               and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0")
     if op == "allreduce" and variant == "rumor" and direct:
         # Direct (csrc/comm/direct.h): per chunk c the taker reads P-1 peers' chunks into its

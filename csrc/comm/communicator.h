@@ -115,6 +115,10 @@ class Communicator {
   void abort(const std::string& why);
   bool aborted() const { return broken_.load(); }
 
+  // Whether a collective of this many bytes reads and writes the peers' buffers in place
+  // (comm/direct.h): every rank on this host, shared memory on, big enough to pay for it.
+  bool use_direct(size_t bytes) const;
+
  private:
   struct Op;
   struct SitePipe;  // the overlapped 2-D allreduce's cross-site thread (communicator.cpp)
@@ -180,9 +184,6 @@ class Communicator {
   // Below this many bytes allreduce uses recursive doubling. Lower across hosts, where each
   // extra full-buffer round costs link time rather than memory bandwidth.
   size_t small_bytes() const;
-  // Whether a collective of this many bytes reads and writes the peers' buffers in place
-  // (comm/direct.h): every rank on this host, shared memory on, big enough to pay for it.
-  bool use_direct(size_t bytes) const;
   // Every rank on this host, shared memory on: the shared slots (comm/direct.h, HostSmall) can serve.
   bool use_small() const;
   HostDirect& host_direct();

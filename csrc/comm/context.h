@@ -62,6 +62,11 @@ struct Options {
   // 4 MiB 0.42-0.46 / 0.34; reduce_scatter 1 MiB 0.34 / 0.26; from 16 MiB on, direct is as
   // fast or faster). Resolved in set_peers.
   int64_t host_direct_min_bytes = -1;
+  // The direct path asks the kernel to back a buffer it sees again with 2 MiB pages
+  // (core/huge_pages.h; RUMOR_HUGE_PAGES=0: never).
+  bool huge_pages = true;
+  // Two ranks take the direct path from here, and only with huge_pages (Communicator::use_direct).
+  static constexpr int64_t kTwoRankDirectMinBytes = 16 << 20;
   static constexpr int64_t kSharedCoresDirectMinBytes = 8 << 20;
   // Sites of equal size: the 2-D allreduce overlaps its three phases piece by piece, the slow
   // cross-site ring on a thread of its own (RUMOR_SITE_OVERLAP=0 runs them one after the other).

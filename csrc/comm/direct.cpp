@@ -141,6 +141,8 @@ std::vector<T> share_all(Communicator& comm, const T& mine, const net::OpInfo& i
 }
 }  // namespace
 
+HostDirect::HostDirect(Communicator& comm) : comm_(comm), huge_(comm.context().options().huge_pages) {}
+
 HostDirect::Entry HostDirect::announce(uint64_t shape, const void* buf, const void* out) {
   return Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, reinterpret_cast<uint64_t>(out),
                own_pid_ns(), shape};
@@ -307,6 +309,7 @@ struct Pieces {
 bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
   const size_t whole[] = {count};
+  if (state_ != State::kOff) huge_.prepare(buf, count * dtype_size(dtype));
   Slot* slot = enter(announce(shape_hash(1, dtype, op, whole), buf), peers, true, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
@@ -325,6 +328,13 @@ bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp o
 bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
                                 ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
+  if (state_ != State::kOff) {
+    const size_t es = dtype_size(dtype);
+    size_t total = 0;
+    for (size_t c : counts) total += c;
+    huge_.prepare(in, total * es);  // read by every rank
+    if (comm_.rank() < counts.size() && out != in) huge_.prepare(out, counts[comm_.rank()] * es);  // written
+  }
   Slot* slot = enter(announce(shape_hash(2, dtype, op, counts), in, out), peers, true, info);
   if (slot == nullptr) return false;
   const uint32_t r = comm_.rank();
@@ -345,6 +355,11 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
 
 bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
   std::vector<Entry> peers;
+  if (state_ != State::kOff) {
+    size_t total = 0;
+    for (size_t c : counts) total += c;
+    huge_.prepare(buf, total * dtype_size(dtype));
+  }
   Slot* slot = enter(announce(shape_hash(3, dtype, ReduceOp::SUM, counts), buf), peers, false, info);
   if (slot == nullptr) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();

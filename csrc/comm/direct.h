@@ -10,7 +10,9 @@
 // is done, so no peer still reads or writes its buffer afterwards.
 //
 // Bytes moved by an allreduce of S bytes over P ranks: every input read once and every output
-// written once (2 P S, the bound), plus the chunk staging in the taker's cache.
+// written once (2 P S, the bound), plus the chunk staging in the taker's cache. The kernel pins
+// the peer's pages for every copy, which on 4 KiB pages cost more than the bytes: each rank
+// backs a buffer it passes again with 2 MiB pages first (core/huge_pages.h).
 #pragma once
 
 #include <sys/types.h>
@@ -20,6 +22,7 @@
 #include <span>
 #include <vector>
 
+#include "core/huge_pages.h"
 #include "net/channel.h"
 #include "net/shm.h"
 #include "net/socket.h"
@@ -105,7 +108,7 @@ class HostSmall {
 
 class HostDirect {
  public:
-  explicit HostDirect(Communicator& comm) : comm_(comm) {}
+  explicit HostDirect(Communicator& comm);
   HostDirect(const HostDirect&) = delete;
   HostDirect& operator=(const HostDirect&) = delete;
 
@@ -165,6 +168,8 @@ class HostDirect {
   // Opened while every peer was inside the first operation. Checked between a chunk's reads and
   // its writes, so a write never targets a process that has exited.
   PeerProcesses peers_;
+  // This rank's buffers, backed by 2 MiB pages before peers pin them (core/huge_pages.h).
+  HugeBacking huge_;
 };
 
 }  // namespace rumor

@@ -120,6 +120,7 @@ def core_options(timeout: float, socket_streams: Optional[int] = None, shm: Opti
     opts.spin_us = env_int("RUMOR_SPIN_US", opts.spin_us, minimum=0)
     opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
     opts.host_direct_min_bytes = env_int("RUMOR_HOST_DIRECT_MIN_BYTES", opts.host_direct_min_bytes, minimum=0)
+    opts.huge_pages = env_bool("RUMOR_HUGE_PAGES", True)
     opts.site_overlap = env_bool("RUMOR_SITE_OVERLAP", True)
     # Progress deadlines over TCP (issue 46, csrc/net/stall.h): RUMOR_TIMEOUT bounds silence, a
     # peer stopped mid-message is reported after a deadline derived from the link, never sooner

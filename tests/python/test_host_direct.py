@@ -15,7 +15,34 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
-def stopped_peer_rank(rounds: int):
+def _anon_huge_kb(addr: int) -> int:
+    """AnonHugePages of the mapping holding addr (/proc/self/smaps), in kB."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return -1
+
+
+def _collapse_possible() -> bool:
+    """MADV_COLLAPSE exists (Linux 6.1) and transparent huge pages are not "never"."""
+    import os
+
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            never = "[never]" in f.read()
+    except OSError:
+        return False
+    return (major, minor) >= (6, 1) and not never
+
+
+def stopped_peer_rank(rounds: int, same_buffer: bool = False):
     import os
     import signal
     import time
@@ -29,9 +56,13 @@ def stopped_peer_rank(rounds: int):
     pids = rumor.allgather(torch.tensor([os.getpid()], dtype=torch.int64)).tolist()
     base = torch.arange(SIZE, dtype=torch.float64) % 1009
     expected = sum(base + 3 * q for q in range(n)).to(torch.float32)  # integers: exact
+    kept = torch.empty(SIZE, dtype=torch.float32)
     for k in range(rounds):
         x = (base + 3 * r).to(torch.float32)
-        h = rumor.allreduce_nonblocking(x, op=rumor.ReduceOp.SUM)
+        if same_buffer:  # as DDP's buckets: the direct path backs it with 2 MiB pages from round 2
+            h = rumor.allreduce_nonblocking_(kept.copy_(x), op=rumor.ReduceOp.SUM)
+        else:
+            h = rumor.allreduce_nonblocking(x, op=rumor.ReduceOp.SUM)
         if r == 1:
             os.kill(os.getpid(), signal.SIGSTOP)  # stopped with its collective in flight
         elif r == 0:
@@ -49,6 +80,9 @@ def stopped_peer_rank(rounds: int):
         ring = (base + 3 * r).to(torch.float32)
         rumor.allreduce_(ring, op=rumor.ReduceOp.SUM, algorithm="ring")
         assert torch.equal(ring, out), f"round {k}: rank {r}: the ring's result differs from the direct one"
+    if same_buffer and _collapse_possible():
+        huge = _anon_huge_kb(kept.data_ptr())
+        assert huge >= 8 * 1024, f"rank {r}: the buffer holds {huge} kB of huge pages after {rounds} rounds"
     return True
 
 
@@ -56,6 +90,13 @@ def test_stopped_rank_mid_allreduce_three_ranks():
     # RUMOR_TIMEOUT well above the stop: a wait that gave up early would fail the test.
     res = harness.run(stopped_peer_rank, 3, timeout=120, env={"RUMOR_TIMEOUT": "30"}, args=(2,))
     assert res == [True, True, True]
+
+
+def test_stopped_rank_mid_allreduce_two_ranks_on_huge_pages():
+    # Two ranks take the direct path from 16 MiB where buffers go onto huge pages
+    # (Communicator::use_direct); the same buffer three times, so the later rounds run on them.
+    res = harness.run(stopped_peer_rank, 2, timeout=120, env={"RUMOR_TIMEOUT": "30"}, args=(3, True))
+    assert res == [True, True]
 
 
 def bound_rank():
