@@ -143,9 +143,16 @@ std::vector<T> share_all(Communicator& comm, const T& mine, const net::OpInfo& i
 
 HostDirect::HostDirect(Communicator& comm) : comm_(comm), huge_(comm.context().options().huge_pages) {}
 
-HostDirect::Entry HostDirect::announce(uint64_t shape, const void* buf, const void* out) {
+HostDirect::Entry HostDirect::announce(uint64_t shape, bool huge, const void* buf, const void* out) {
   return Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, reinterpret_cast<uint64_t>(out),
-               own_pid_ns(), shape};
+               own_pid_ns(), shape, huge ? 1u : 0u, 0};
+}
+
+bool HostDirect::pays(const std::vector<Entry>& entries) const {
+  if (comm_.size() > 2) return true;
+  for (const Entry& e : entries)
+    if (e.huge == 0) return false;
+  return true;
 }
 
 namespace {
@@ -309,9 +316,9 @@ struct Pieces {
 bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
   const size_t whole[] = {count};
-  if (state_ != State::kOff) huge_.prepare(buf, count * dtype_size(dtype));
-  Slot* slot = enter(announce(shape_hash(1, dtype, op, whole), buf), peers, true, info);
-  if (slot == nullptr) return false;
+  const bool huge = state_ != State::kOff && huge_.prepare(buf, count * dtype_size(dtype));
+  Slot* slot = enter(announce(shape_hash(1, dtype, op, whole), huge, buf), peers, true, info);
+  if (slot == nullptr || !pays(peers)) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype), chunk_elems = kChunkBytes / es;
   work(*slot, (count + chunk_elems - 1) / chunk_elems, info, [&](size_t i) {
@@ -328,15 +335,16 @@ bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp o
 bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
                                 ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
+  bool huge = false;
   if (state_ != State::kOff) {
     const size_t es = dtype_size(dtype);
     size_t total = 0;
     for (size_t c : counts) total += c;
-    huge_.prepare(in, total * es);  // read by every rank
+    huge = huge_.prepare(in, total * es);  // read by every rank: most of the pinning
     if (comm_.rank() < counts.size() && out != in) huge_.prepare(out, counts[comm_.rank()] * es);  // written
   }
-  Slot* slot = enter(announce(shape_hash(2, dtype, op, counts), in, out), peers, true, info);
-  if (slot == nullptr) return false;
+  Slot* slot = enter(announce(shape_hash(2, dtype, op, counts), huge, in, out), peers, true, info);
+  if (slot == nullptr || !pays(peers)) return false;
   const uint32_t r = comm_.rank();
   const size_t es = dtype_size(dtype);
   const Pieces pieces(counts, es);
@@ -355,13 +363,14 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
 
 bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
   std::vector<Entry> peers;
+  bool huge = false;
   if (state_ != State::kOff) {
     size_t total = 0;
     for (size_t c : counts) total += c;
-    huge_.prepare(buf, total * dtype_size(dtype));
+    huge = huge_.prepare(buf, total * dtype_size(dtype));
   }
-  Slot* slot = enter(announce(shape_hash(3, dtype, ReduceOp::SUM, counts), buf), peers, false, info);
-  if (slot == nullptr) return false;
+  Slot* slot = enter(announce(shape_hash(3, dtype, ReduceOp::SUM, counts), huge, buf), peers, false, info);
+  if (slot == nullptr || !pays(peers)) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype);
   const Pieces pieces(counts, es);

@@ -114,8 +114,9 @@ class HostDirect {
 
   // In-place allreduce of `count` elements on every rank (collective). Returns false, before
   // touching any buffer, where the kernel does not let these processes reach each other's memory
-  // (decided together by all ranks on first use, then remembered): the caller then takes
-  // another path for this and every later call.
+  // (decided together by all ranks on first use, then remembered: the caller then takes another
+  // path for this and every later call), or where two ranks' buffers are not all on huge pages
+  // (pays(): the caller takes another path for this call).
   bool allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
   // reduce_scatter: `in` holds size() blocks of counts[q] elements; `out` gets this rank's block
   // reduced. Every input byte is read once, every output byte written once.
@@ -136,12 +137,18 @@ class HostDirect {
     uint64_t out;  // reduce_scatter: the output block
     uint64_t pid_ns;  // first use: a pid means the same process only inside one pid namespace
     uint64_t shape;   // hash of the operation, dtype, op and block sizes: must match everywhere
+    uint32_t huge;    // the buffer (allreduce, allgather) or input (reduce_scatter) is on huge pages
+    uint32_t unused;
   };
   struct Slot;
   struct Control;
 
   // What this rank tells the others: its buffer (and reduce_scatter's output block), its pid.
-  static Entry announce(uint64_t shape, const void* buf, const void* out = nullptr);
+  static Entry announce(uint64_t shape, bool huge, const void* buf, const void* out = nullptr);
+  // Whether the direct path beats the rings for these buffers: from 3 ranks on always; two ranks
+  // only where every buffer is on huge pages (on 4 KiB pages the kernel's pinning made it slower
+  // than the rings, whose bytes stay in cache). All ranks decide alike from the same entries.
+  bool pays(const std::vector<Entry>& entries) const;
   std::vector<Entry> share(const Entry& mine, const net::OpInfo& info);
   bool setup(std::vector<Entry>& entries, const net::OpInfo& info);
   // Announces this rank's buffers; nullptr where the path is off (nothing touched then).

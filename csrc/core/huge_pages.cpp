@@ -3,13 +3,19 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <chrono>
 #include <utility>
+
+#include "core/log.h"
 
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25  // Linux 6.1's value; older headers lack the name, older kernels say EINVAL
 #endif
 
 namespace rumor {
+
+HugeBacking::HugeBacking(bool enabled, Collapse collapse)
+    : enabled_(enabled), collapse_(std::move(collapse)) {}
 
 std::pair<uintptr_t, size_t> HugeBacking::interior(const void* p, size_t len) {
   const auto a = reinterpret_cast<uintptr_t>(p);
@@ -19,26 +25,48 @@ std::pair<uintptr_t, size_t> HugeBacking::interior(const void* p, size_t len) {
   return {first, end - first};
 }
 
+HugeBacking::Outcome HugeBacking::madvise_collapse(void* start, size_t bytes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rc = ::madvise(start, bytes, MADV_COLLAPSE);
+  const int err = rc == 0 ? 0 : errno;
+  return Outcome{err, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
+}
+
 bool HugeBacking::prepare(const void* p, size_t len) {
-  if (!enabled_) return false;
+  if (!enabled_ || removes_ >= kMaxRemoves) return false;
   const auto [start, bytes] = interior(p, len);
   if (bytes == 0) return false;
   const auto a = reinterpret_cast<uintptr_t>(p);
   for (Range& r : recent_) {
     if (r.len == 0 || r.start != a || r.len != len) continue;
-    if (r.refusals >= kMaxRefusals) return false;
+    if (r.refusals >= kMaxRefusals || r.moves >= kMaxMoves) return false;
     ++collapses_;
     // Only this buffer's own whole pages, and no peer touches them now (the caller has not yet
     // announced the buffer): the kernel copies them into huge pages with the same contents.
-    if (::madvise(reinterpret_cast<void*>(start), bytes, MADV_COLLAPSE) != 0) {
+    const Outcome o = collapse_(reinterpret_cast<void*>(start), bytes);
+    if (o.err != 0) {
       // EINVAL (no MADV_COLLAPSE, THP "never", not anonymous memory) will not change; EAGAIN or
       // ENOMEM (a page pinned, no huge page free now) might, once.
-      r.refusals = errno == EAGAIN || errno == ENOMEM ? r.refusals + 1 : kMaxRefusals;
+      r.refusals = o.err == EAGAIN || o.err == ENOMEM ? r.refusals + 1 : kMaxRefusals;
       ++refused_;
+      return false;
     }
+    const bool moved = o.seconds > kNoOpSecondsPerPage * static_cast<double>(bytes / kHugePage);
+    if (moved && r.moves > 0) ++removes_;
+    if (moved) ++r.moves;
+    RUMOR_LOG(
+        kDebug,
+        "huge pages: " << bytes / kHugePage << " of a " << len << "-byte buffer, "
+                       << (moved ? "moved in " : "already huge, ") << o.seconds * 1e6 << " us"
+                       << (r.moves >= kMaxMoves ? " (allocated afresh each time: left alone now)" : ""));
+    if (removes_ == kMaxRemoves)
+      RUMOR_LOG(kInfo, "huge pages: "
+                           << removes_
+                           << " buffers came back on fresh pages after their collapse (allocated afresh for "
+                              "each operation): no more collapses");
     return true;
   }
-  recent_[next_] = Range{a, len, 0};
+  recent_[next_] = Range{a, len, 0, 0};
   next_ = (next_ + 1) % kRecent;
   return false;
 }

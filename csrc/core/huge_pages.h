@@ -6,14 +6,16 @@
 // torch backs its tensors with small pages unless THP_MEM_ALLOC_ENABLE is set, and the system
 // setting here is "madvise", so the owner of a buffer asks the kernel to collapse it
 // (MADV_COLLAPSE, Linux 6.1): once the buffer is seen a second time (DDP's buckets, a training
-// loop's gradients), as a collapse costs about one copy of the buffer and a buffer used once
-// would not earn it back. Only whole 2 MiB pages inside the buffer are collapsed, so memory
-// beside it (another tensor's) is never touched and no page is added; contents stay the same.
+// loop's gradients), as a collapse costs more than a copy of the buffer (64 MiB: 19-136 ms
+// here) and a buffer used once would not earn it back. Only whole 2 MiB pages inside the buffer are
+// collapsed, so memory beside it (another tensor's) is never touched and no page is added; contents stay the
+// same.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <utility>
 
 namespace rumor {
@@ -24,19 +26,43 @@ class HugeBacking {
   // Remembered (start, length) pairs: more than a step's buckets that are large enough.
   static constexpr size_t kRecent = 16;
   static constexpr int kMaxRefusals = 2;
+  // A collapse that found the range huge already took 0.1-1.5 us per 2 MiB page here, one that
+  // moved pages 600-4000 us (64 MiB: 3-46 us against 19-136 ms). Above this per page, a call did
+  // move pages.
+  static constexpr double kNoOpSecondsPerPage = 20e-6;
+  // A range whose pages had to be moved this many times is allocated afresh at the same place
+  // for every operation (glibc maps and unmaps blocks above its mmap threshold, 32 MiB at most,
+  // on every malloc and free: FSDP's gathered parameters): collapsing it would cost more than it
+  // saves, every time, so it is left alone.
+  static constexpr int kMaxMoves = 2;
+  // Ranges whose pages had to be moved again, over all ranges, before no range is collapsed any
+  // more: FSDP's gathers and gradients come back at several places of the same size, each moved
+  // afresh (4 ranks, mlp25m: 122 collapses in 12 steps, 20-190 ms each for 64 MiB, and 8-10%
+  // slower steps), where DDP's buckets stay put and never move twice.
+  static constexpr int kMaxRemoves = 3;
 
-  explicit HugeBacking(bool enabled = true) : enabled_(enabled) {}
+  // What a collapse call did: 0 or the errno it failed with, and how long it took.
+  struct Outcome {
+    int err = 0;
+    double seconds = 0;
+  };
+  using Collapse = std::function<Outcome(void* start, size_t bytes)>;
+
+  // collapse: MADV_COLLAPSE, timed (tests pass their own).
+  explicit HugeBacking(bool enabled = true, Collapse collapse = madvise_collapse);
 
   // Before peers read or write [p, p + len): collapses its whole 2 MiB pages if the same range
-  // was seen before (and again on every later sighting: the kernel returns at once where the
-  // range is huge already, and a buffer freed and allocated again at the same place is not).
-  // Returns whether a collapse was asked for. Failures (an old kernel, THP off, pinned pages, no
-  // huge page free) only cost the speed: a range the kernel refused kMaxRefusals times is not
-  // asked about again.
+  // was seen before, and again on every later sighting (the kernel returns at once where the
+  // range is huge already), until the pages had to be moved kMaxMoves times, or any kMaxRemoves
+  // ranges had theirs moved again. Returns whether the
+  // kernel says the range is on huge pages now (false where nothing was asked). Failures (an old
+  // kernel, THP off, pinned pages, no huge page free) only cost the speed: a range the kernel
+  // refused kMaxRefusals times is not asked about again.
   bool prepare(const void* p, size_t len);
 
   // The 2 MiB pages wholly inside [p, p + len): their start and byte count (0: none).
   static std::pair<uintptr_t, size_t> interior(const void* p, size_t len);
+  static Outcome madvise_collapse(void* start, size_t bytes);
 
   size_t collapses() const { return collapses_; }  // calls made, for tests
   size_t refused() const { return refused_; }      // calls the kernel refused
@@ -46,11 +72,14 @@ class HugeBacking {
     uintptr_t start = 0;
     size_t len = 0;
     int refusals = 0;
+    int moves = 0;  // collapses that moved pages (took longer than a no-op)
   };
   bool enabled_;
+  Collapse collapse_;
   std::array<Range, kRecent> recent_{};
   size_t next_ = 0;  // where the next new range is remembered (the oldest is forgotten)
   size_t collapses_ = 0, refused_ = 0;
+  int removes_ = 0;  // collapses that moved the pages of a range collapsed before
 };
 
 }  // namespace rumor

@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "core/huge_pages.h"
@@ -53,13 +55,73 @@ TEST(HugeBacking, CollapsesOnlyARangeSeenBefore) {
   EXPECT_FALSE(h.prepare(other.p, other.len));
   EXPECT_FALSE(h.prepare(m.p, m.len - 4096));  // another length is another buffer
   EXPECT_EQ(h.collapses(), 0u);
-  EXPECT_TRUE(h.prepare(m.p, m.len));
+  EXPECT_EQ(h.prepare(m.p, m.len), h.refused() == 0);  // huge now, unless the kernel cannot
   EXPECT_EQ(h.collapses(), 1u);
   EXPECT_FALSE(h.prepare(m.p, kMiB));  // too small to hold a huge page: never asked
   HugeBacking off(false);
   EXPECT_FALSE(off.prepare(m.p, m.len));
   EXPECT_FALSE(off.prepare(m.p, m.len));
   EXPECT_EQ(off.collapses(), 0u);
+}
+
+// The policy over what each collapse call did (a fake kernel): a buffer that stays in place is
+// collapsed once for real and then costs only no-op calls, for good; one allocated afresh at the
+// same place every time is left alone after its pages had to be moved kMaxMoves times; refusals.
+TEST(HugeBacking, LeavesAloneABufferAllocatedAfreshEveryTime) {
+  std::vector<HugeBacking::Outcome> script;
+  size_t calls = 0;
+  HugeBacking h(true, [&](void*, size_t bytes) {
+    EXPECT_EQ(bytes, 8 * kMiB);
+    return calls < script.size() ? script[calls++] : HugeBacking::Outcome{};
+  });
+  const auto* at = reinterpret_cast<const void*>(uintptr_t{1} << 32);  // 2 MiB aligned, never touched
+  const double moved = 0.004, noop = 2e-6;                             // seconds for 4 huge pages
+  script = {{0, moved}, {0, noop}, {0, noop}, {0, noop}, {0, noop}, {0, moved}};
+  EXPECT_FALSE(h.prepare(at, 8 * kMiB));
+  // Moved once, then in place (no-ops cost nothing): asked every time.
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(h.prepare(at, 8 * kMiB)) << "call " << i;
+  EXPECT_TRUE(h.prepare(at, 8 * kMiB));   // moved again: it was allocated afresh
+  EXPECT_FALSE(h.prepare(at, 8 * kMiB));  // so not asked again
+  EXPECT_EQ(calls, 6u);
+
+  const auto* other = reinterpret_cast<const void*>((uintptr_t{1} << 32) + 64 * kMiB);
+  script = {{EAGAIN, 0}, {EAGAIN, 0}};
+  calls = 0;
+  h.prepare(other, 8 * kMiB);
+  EXPECT_FALSE(h.prepare(other, 8 * kMiB));  // asked, refused: not on huge pages
+  EXPECT_FALSE(h.prepare(other, 8 * kMiB));
+  EXPECT_EQ(calls, 2u);
+  EXPECT_FALSE(h.prepare(other, 8 * kMiB));  // refused twice for want of a huge page: not asked
+  EXPECT_EQ(calls, 2u);
+  EXPECT_EQ(h.refused(), 2u);
+
+  const auto* third = reinterpret_cast<const void*>((uintptr_t{1} << 32) + 128 * kMiB);
+  script = {{EINVAL, 0}};
+  calls = 0;
+  h.prepare(third, 8 * kMiB);
+  EXPECT_FALSE(h.prepare(third, 8 * kMiB));
+  EXPECT_FALSE(h.prepare(third, 8 * kMiB));  // the kernel cannot: once is enough
+  EXPECT_EQ(calls, 1u);
+}
+
+// Where buffers keep coming back on fresh pages (FSDP's gathers at several places of one size),
+// collapsing stops altogether after kMaxRemoves of them, for every range.
+TEST(HugeBacking, StopsWhereBuffersKeepComingBackOnFreshPages) {
+  size_t calls = 0;
+  HugeBacking h(true, [&](void*, size_t) {
+    ++calls;
+    return HugeBacking::Outcome{0, 0.004};  // every call moves pages
+  });
+  auto at = [](int i) { return reinterpret_cast<const void*>((uintptr_t{1} << 32) + i * 64 * kMiB); };
+  for (int i = 0; i < HugeBacking::kMaxRemoves; ++i) {
+    EXPECT_FALSE(h.prepare(at(i), 8 * kMiB));  // seen
+    EXPECT_TRUE(h.prepare(at(i), 8 * kMiB));   // moved
+    EXPECT_TRUE(h.prepare(at(i), 8 * kMiB));   // moved again
+  }
+  EXPECT_EQ(calls, 2u * HugeBacking::kMaxRemoves);
+  EXPECT_FALSE(h.prepare(at(9), 8 * kMiB));
+  EXPECT_FALSE(h.prepare(at(9), 8 * kMiB));  // a new range is not asked about either
+  EXPECT_EQ(calls, 2u * HugeBacking::kMaxRemoves);
 }
 
 TEST(HugeBacking, ForgetsTheOldestOfMoreRangesThanItKeeps) {
@@ -99,9 +161,10 @@ TEST(HugeBacking, TheBufferEndsOnHugePagesWithTheSameBytes) {
   ASSERT_EQ(anon_huge_kb(m.p), 0) << "the kernel gave this mapping huge pages already (THP \"always\"?)";
   HugeBacking h;
   h.prepare(m.p, m.len);
-  ASSERT_TRUE(h.prepare(m.p, m.len));
+  const bool huge = h.prepare(m.p, m.len);
   if (h.refused() != 0)
     GTEST_SKIP() << "the kernel refused MADV_COLLAPSE (before Linux 6.1, or THP \"never\")";
+  EXPECT_TRUE(huge);
   const auto [start, len] = HugeBacking::interior(m.p, m.len);
   EXPECT_EQ(anon_huge_kb(m.p), static_cast<long>(len / 1024));
   EXPECT_GE(len, 14 * kMiB);
