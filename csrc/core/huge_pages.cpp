@@ -33,13 +33,13 @@ HugeBacking::Outcome HugeBacking::madvise_collapse(void* start, size_t bytes) {
 }
 
 bool HugeBacking::prepare(const void* p, size_t len) {
-  if (!enabled_ || removes_ >= kMaxRemoves) return false;
+  if (!enabled_ || stopped_) return false;
   const auto [start, bytes] = interior(p, len);
   if (bytes == 0) return false;
   const auto a = reinterpret_cast<uintptr_t>(p);
   for (Range& r : recent_) {
     if (r.len == 0 || r.start != a || r.len != len) continue;
-    if (r.refusals >= kMaxRefusals || r.moves >= kMaxMoves) return false;
+    if (r.refusals >= kMaxRefusals || (r.moves >= kMaxMoves && r.moves > r.noops)) return false;
     ++collapses_;
     // Only this buffer's own whole pages, and no peer touches them now (the caller has not yet
     // announced the buffer): the kernel copies them into huge pages with the same contents.
@@ -53,20 +53,27 @@ bool HugeBacking::prepare(const void* p, size_t len) {
     }
     const bool moved = o.seconds > kNoOpSecondsPerPage * static_cast<double>(bytes / kHugePage);
     if (moved && r.moves > 0) ++removes_;
-    if (moved) ++r.moves;
-    RUMOR_LOG(
-        kDebug,
-        "huge pages: " << bytes / kHugePage << " of a " << len << "-byte buffer, "
-                       << (moved ? "moved in " : "already huge, ") << o.seconds * 1e6 << " us"
-                       << (r.moves >= kMaxMoves ? " (allocated afresh each time: left alone now)" : ""));
-    if (removes_ == kMaxRemoves)
+    if (moved) {
+      ++r.moves;
+    } else {
+      ++r.noops;
+      ++noops_;
+    }
+    RUMOR_LOG(kDebug, "huge pages: " << bytes / kHugePage << " of a " << len << "-byte buffer, "
+                                     << (moved ? "moved in " : "already huge, ") << o.seconds * 1e6 << " us"
+                                     << (r.moves >= kMaxMoves && r.moves > r.noops
+                                             ? " (allocated afresh each time: left alone now)"
+                                             : ""));
+    if (removes_ >= kMaxRemoves && static_cast<long>(removes_) * kNoOpsPerRemove > noops_) {
+      stopped_ = true;
       RUMOR_LOG(kInfo, "huge pages: "
-                           << removes_
-                           << " buffers came back on fresh pages after their collapse (allocated afresh for "
-                              "each operation): no more collapses");
+                           << removes_ << " buffers came back on fresh pages after their collapse, against "
+                           << noops_ << " found huge already (buffers allocated afresh for each operation): "
+                           << "no more collapses");
+    }
     return true;
   }
-  recent_[next_] = Range{a, len, 0, 0};
+  recent_[next_] = Range{a, len, 0, 0, 0};
   next_ = (next_ + 1) % kRecent;
   return false;
 }

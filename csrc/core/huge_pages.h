@@ -30,16 +30,19 @@ class HugeBacking {
   // moved pages 600-4000 us (64 MiB: 3-46 us against 19-136 ms). Above this per page, a call did
   // move pages.
   static constexpr double kNoOpSecondsPerPage = 20e-6;
-  // A range whose pages had to be moved this many times is allocated afresh at the same place
-  // for every operation (glibc maps and unmaps blocks above its mmap threshold, 32 MiB at most,
-  // on every malloc and free: FSDP's gathered parameters): collapsing it would cost more than it
-  // saves, every time, so it is left alone.
+  // A range whose pages had to be moved this many times, more often than they were found huge
+  // already, is allocated afresh at the same place for (nearly) every operation (glibc maps and
+  // unmaps blocks above its mmap threshold, 32 MiB at most, on every malloc and free: FSDP's
+  // gathered parameters): collapsing it would cost more than it saves, so it is left alone.
   static constexpr int kMaxMoves = 2;
-  // Ranges whose pages had to be moved again, over all ranges, before no range is collapsed any
-  // more: FSDP's gathers and gradients come back at several places of the same size, each moved
-  // afresh (4 ranks, mlp25m: 122 collapses in 12 steps, 20-190 ms each for 64 MiB, and 8-10%
-  // slower steps), where DDP's buckets stay put and never move twice.
+  // Collapsing stops altogether once kMaxRemoves ranges had their pages moved again and such
+  // re-moves are more than 1 in kNoOpsPerRemove of the calls that found a range huge already (the
+  // calls that paid off): FSDP's gathers and gradients come back at several places of one size,
+  // each on fresh pages (4 ranks, mlp25m: 122 collapses in 12 steps, 20-190 ms each for 64 MiB,
+  // and 8-10% slower steps), where DDP's buckets stay put, and a benchmark's or a job's occasional
+  // fresh buffers are outnumbered by the ones used again and again.
   static constexpr int kMaxRemoves = 3;
+  static constexpr int kNoOpsPerRemove = 4;
 
   // What a collapse call did: 0 or the errno it failed with, and how long it took.
   struct Outcome {
@@ -53,8 +56,8 @@ class HugeBacking {
 
   // Before peers read or write [p, p + len): collapses its whole 2 MiB pages if the same range
   // was seen before, and again on every later sighting (the kernel returns at once where the
-  // range is huge already), until the pages had to be moved kMaxMoves times, or any kMaxRemoves
-  // ranges had theirs moved again. Returns whether the
+  // range is huge already), until its pages keep coming back fresh (kMaxMoves), or until buffers
+  // that come back on fresh pages are common here (kMaxRemoves, kNoOpsPerRemove). Returns whether the
   // kernel says the range is on huge pages now (false where nothing was asked). Failures (an old
   // kernel, THP off, pinned pages, no huge page free) only cost the speed: a range the kernel
   // refused kMaxRefusals times is not asked about again.
@@ -73,6 +76,7 @@ class HugeBacking {
     size_t len = 0;
     int refusals = 0;
     int moves = 0;  // collapses that moved pages (took longer than a no-op)
+    int noops = 0;  // collapses that found the pages huge already
   };
   bool enabled_;
   Collapse collapse_;
@@ -80,6 +84,8 @@ class HugeBacking {
   size_t next_ = 0;  // where the next new range is remembered (the oldest is forgotten)
   size_t collapses_ = 0, refused_ = 0;
   int removes_ = 0;  // collapses that moved the pages of a range collapsed before
+  long noops_ = 0;   // collapses that found the range huge already
+  bool stopped_ = false;
 };
 
 }  // namespace rumor
