@@ -132,9 +132,10 @@ def one_run(args, cluster, kind: str, minutes: float, kills: bool, hosts: int = 
         f.write(WORKER)
     stop = os.path.join(tmp, "stop")
     shm_before = _shm_names()
-    # Below the kernel's ephemeral range: the emulated hosts' own connections take ports from that
-    # range inside their namespaces, where the root namespace's free_port() cannot see them (an
-    # etcd member's peer port, the next one, once collided).
+    # Below the kernel's ephemeral range (as free_port() picks): the emulated hosts' own
+    # connections take ports from that range inside their namespaces, where the root namespace
+    # cannot see them (an etcd member's peer port, the next one, once collided); even, as the
+    # next one is the peer port.
     port = random.Random().randrange(20000, 32000, 2)
     run_id = f"churn-{os.getpid()}-{kind}-{int(time.time())}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUMOR_JOB_SECRET=secrets.token_hex(32),

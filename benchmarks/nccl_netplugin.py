@@ -157,17 +157,13 @@ def _plugin_env(variant: str, ifname: str) -> Dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_pair(variant: str, role: str, args, workdir: str) -> Dict:
     """Two ranks as two NCCL 'hosts'; returns both ranks' results and whether the logs show the
     plugin (NET/rumor lines) where it should run and only there."""
+    from rumor._ports import free_port
+
     env = _plugin_env(variant, args.ifname)
-    env["MASTER_PORT"] = str(_free_port())
+    env["MASTER_PORT"] = str(free_port())
     procs, logs, results = [], [], []
     for rank in range(2):
         result = os.path.join(workdir, f"{variant}-{role}-{rank}.json")

@@ -409,7 +409,8 @@ def _etcd(args, kind: str, nodes: int, node: int, run_id: str, tls):
     three, where a member replacing a lost one would run here ((address, client port, peer
     port); else None). tls: the launcher's AutoTls (--tls auto), whose host certificate then
     also names this host's member address."""
-    from ._etcd_member import MAX_MEMBERS, Member, free_port, own_address
+    from ._etcd_member import MAX_MEMBERS, Member, own_address
+    from ._ports import free_port
     from ._etcd_store import parse_endpoints
 
     hosts_arg = str(getattr(args, "rumor_store_hosts", None) or "")

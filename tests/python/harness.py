@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from rumor._ports import free_port  # noqa: F401  (the tests take it from here)
 from rumor.testing.launch import kill_process_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,13 +54,6 @@ class RankResult:
     error_type: Optional[str] = None     # e.g. "rumor.errors.PeerError"
     returncode: Optional[int] = None
     output: str = ""
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child_env(rank: int, world_size: int, port: int, timeout_s: float, env: Optional[Dict[str, str]],

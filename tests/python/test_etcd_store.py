@@ -24,7 +24,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from rumor import _etcd_member, _rendezvous
+from rumor import _etcd_member, _ports, _rendezvous
 from rumor._etcd_store import EtcdStore, EtcdStoreError, parse_endpoints
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd (Debian's etcd-server) is not installed")
@@ -33,7 +33,7 @@ WORKER_DEADLINE_S = 60
 
 
 def _cluster(n):
-    peers = [("127.0.0.1", _etcd_member.free_port("127.0.0.1"), _etcd_member.free_port("127.0.0.1")) for _ in range(n)]
+    peers = [("127.0.0.1", _ports.free_port("127.0.0.1"), _ports.free_port("127.0.0.1")) for _ in range(n)]
     token = f"test-{os.getpid()}-{time.monotonic_ns()}"
     members = [_etcd_member.Member(i, peers, token) for i in range(n)]
     try:
@@ -231,7 +231,7 @@ def test_a_member_replaced_through_the_cluster_api_is_found_by_a_client_that_fol
         assert following.get("k") == b"before" and fixed.get("k") == b"before"
         store.remove_member(next(str(m["ID"]) for m in store.members() if m["name"] == "rumor0"))
         h = "127.0.0.1"
-        members.append(_etcd_member.join(store, 3, (h, _etcd_member.free_port(h), _etcd_member.free_port(h)),
+        members.append(_etcd_member.join(store, 3, (h, _ports.free_port(h), _ports.free_port(h)),
                                          members[0].token, None, None, 30.0))
         assert sorted(m["name"] for m in store.members()) == ["rumor1", "rumor2", "rumor3"]
         members[1].stop()
@@ -264,7 +264,7 @@ def test_tls_members_take_only_clients_with_a_certificate_of_the_job_ca(tmp_path
         paths[kind] = str(tmp_path / f"{kind}.pem")
         with open(os.open(paths[kind], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(creds[kind])
-    peers = [("127.0.0.1", _etcd_member.free_port("127.0.0.1"), _etcd_member.free_port("127.0.0.1"))]
+    peers = [("127.0.0.1", _ports.free_port("127.0.0.1"), _ports.free_port("127.0.0.1"))]
     member = _etcd_member.Member(0, peers, f"tls-{os.getpid()}", tls=paths)
     good = ssl.create_default_context(cafile=paths["ca"])
     good.load_cert_chain(paths["cert"], paths["key"])

@@ -380,7 +380,9 @@ def test_rumor_run_interactive_hosts_killed_leaves_nothing(cluster, tmp_path):
         assert set(pids[2:]) <= _namespace_pids(cluster.hosts[1].netns)  # ranks 2, 3 run on host 1
     finally:
         # As a notebook kernel (or the shell running rumor-run) is killed: no stop(), no atexit.
-        os.kill(cli.pid, signal.SIGKILL)
+        # (Unless it exited already: then the assertion above says why.)
+        if cli.poll() is None:
+            os.kill(cli.pid, signal.SIGKILL)
         cli.wait(10)
     # The engines read EOF on the stdin the killed process held, the controller's watchdog sees
     # its owner gone; each kills its own process group.

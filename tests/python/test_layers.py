@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[2] / "python" / "rumor"
 # Bottom to top. A name is a module or a folder (the folder's every module). Each layer may
 # import its own and the layers below it. This list is the one place the order lives.
 LAYERS: List[Tuple[str, List[str]]] = [
-    ("ground", ["rumor._C", "rumor._env", "rumor.errors", "rumor._renamed", "rumor._secret", "rumor._shm", "rumor._tensor"]),
+    ("ground", ["rumor._C", "rumor._env", "rumor._ports", "rumor.errors", "rumor._renamed", "rumor._secret", "rumor._shm", "rumor._tensor"]),
     ("runtime", ["rumor._etcd_store", "rumor._storetls", "rumor._rendezvous", "rumor._runtime"]),
     ("host collectives", ["rumor._host_collectives"]),
     ("gpu", ["rumor.gpu"]),

@@ -200,7 +200,7 @@ def test_one_host_with_its_store_in_etcd(tmp_path, how):
     --tls auto (https, the job's certificates on both sides), stopped at the end with its data
     directory removed; external: --store etcd://... names a plain-http member this test runs, and
     the launcher starts none (nor stops it)."""
-    from rumor import _etcd_member
+    from rumor import _etcd_member, _ports
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -210,7 +210,7 @@ def test_one_host_with_its_store_in_etcd(tmp_path, how):
     external = None
     try:
         if how == "external":
-            peers = [("127.0.0.1", _etcd_member.free_port("127.0.0.1"), _etcd_member.free_port("127.0.0.1"))]
+            peers = [("127.0.0.1", _ports.free_port("127.0.0.1"), _ports.free_port("127.0.0.1"))]
             external = _etcd_member.Member(0, peers, f"external-{os.getpid()}")
             external.start()
             store = ["--store", f"etcd://127.0.0.1:{peers[0][1]}"]

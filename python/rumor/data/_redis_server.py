@@ -14,24 +14,19 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 from typing import Optional
 
+from .._ports import free_port
+
 _PR_SET_PDEATHSIG = 1
 
 
 def redis_server_path() -> Optional[str]:
     return os.environ.get("RUMOR_REDIS_SERVER") or shutil.which("redis-server")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with(parent: int):
@@ -74,7 +69,7 @@ class RedisServer:
         deadline = time.monotonic() + self.start_timeout
         last = ""
         for _attempt in range(5):  # a free port can be taken between probing and binding
-            port = self.port or _free_port(self.host)
+            port = self.port or free_port(self.host)
             try:
                 self._spawn(exe, port, deadline)
                 self.port = port

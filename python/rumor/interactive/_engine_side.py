@@ -6,6 +6,7 @@ import socket
 import sys
 
 from .._env import env_int
+from .._ports import free_port
 
 # rumor's /dev/shm name prefixes of the jobs this engine joined: the watchdog of an engine
 # started with hosts= removes them when the session is gone (_proc.py).
@@ -40,9 +41,7 @@ def master_address(toward: str) -> list:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((toward, 9))  # a UDP connect sends nothing
         addr = s.getsockname()[0]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return [addr, s.getsockname()[1]]
+    return [addr, free_port(addr)]
 
 
 def setup(rank: int, size: int, master_port: int, timeout: float, generation: int,

@@ -15,6 +15,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Dict, List, Optional
 
+from .._ports import free_port
 from . import _engine_side, _hosts
 
 if TYPE_CHECKING:
@@ -110,12 +111,6 @@ def _owner_spec() -> str:
 
 def _machine_id() -> str:
     return _engine_side.machine_id()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 
@@ -333,7 +328,7 @@ class LaunchMixin:
         """
         self.generation += 1
         if self.layout is None:
-            port = _free_port()
+            port = free_port()
             ars = [self.client[eid].apply_async(_engine_side.setup, r, self.n, port, self.timeout, self.generation)
                    for r, eid in enumerate(self.engine_ids)]
         else:

@@ -20,24 +20,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
+
+from .._ports import free_port
 
 SCRUB_PREFIXES = ("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_", "PMIX_", "RUMOR_")
 SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
 # Where one process listens and which host it is on: right for one process, wrong when every rank inherits it.
 RUMOR_PER_PROCESS = ("RUMOR_HOST_ID", "RUMOR_ADVERTISE_ADDR", "RUMOR_PORT")
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now on 127.0.0.1 (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(keep_rumor: bool = False) -> Dict[str, str]:
