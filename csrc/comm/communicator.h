@@ -103,7 +103,13 @@ class Communicator {
   // The same, calling work() between rounds of progress so that computation overlaps the
   // transfers in flight: work does one bounded piece (it returns false when it had none ready)
   // and may release held sends. A held send with no work left to release it is a logic error.
-  void exchange(std::span<net::Transfer> ts, const net::OpInfo& op, const std::function<bool()>& work);
+  // With `beside`, a transfer striped over a TCP channel's streams may start on those that the
+  // earlier ones to the same peer in the same direction have finished with (instead of every
+  // stream idling until the slowest is done). Each stream still carries messages in order and a
+  // message that would go whole waits, so transfers still finish in order, but one's bytes can
+  // land before the previous one's last: only for transfers whose destinations do not overlap.
+  void exchange(std::span<net::Transfer> ts, const net::OpInfo& op, const std::function<bool()>& work,
+                bool beside = false);
   std::string peer_desc(uint32_t peer) const;
   net::Channel& channel(uint32_t peer, const net::OpInfo& op);
   // Ranks on this rank's host (in communicator order) and one leader per host (the lowest rank

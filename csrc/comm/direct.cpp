@@ -340,8 +340,8 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
     const size_t es = dtype_size(dtype);
     size_t total = 0;
     for (size_t c : counts) total += c;
-    huge = huge_.prepare(in, total * es);  // read by every rank: most of the pinning
-    if (comm_.rank() < counts.size() && out != in) huge_.prepare(out, counts[comm_.rank()] * es);  // written
+    huge = huge_.prepare(in, total * es);                          // read by every rank: most of the pinning
+    if (out != in) huge_.prepare(out, counts[comm_.rank()] * es);  // written (counts has one per rank)
   }
   Slot* slot = enter(announce(shape_hash(2, dtype, op, counts), huge, in, out), peers, true, info);
   if (slot == nullptr || !pays(peers)) return false;

@@ -18,6 +18,10 @@ namespace rumor::net {
 
 constexpr uint32_t kFrameMagic = 0x524d5246;  // "FRMR"
 constexpr size_t kMaxStreams = 16;
+// A set of a channel's streams, bit i for stream i; all bits: the whole channel.
+using StreamSet = uint32_t;
+inline constexpr StreamSet kAllStreams = ~StreamSet{0};
+static_assert(kMaxStreams <= 32);
 
 // Precedes every message part on the wire. The receiver checks it against what it posted, so
 // ranks that run different collectives, or the same one with different sizes, fail loudly.
@@ -115,6 +119,25 @@ class Channel {
   virtual void begin(Transfer& t, const OpInfo& op) = 0;
   // Moves what it can without blocking; true if any byte moved. Throws Error on failure.
   virtual bool progress(Transfer& t, const OpInfo& op) = 0;
+  // progress() on the streams outside `busy`, those an earlier transfer to the same peer in the
+  // same direction still needs. Where a channel cannot tell its streams apart, nothing moves
+  // until `busy` is empty.
+  virtual bool progress_beside(Transfer& t, const OpInfo& op, StreamSet busy) {
+    return busy == 0 ? progress(t, op) : false;
+  }
+  // begin() beside earlier transfers that still hold the streams in `busy`: a striped send
+  // leaves a busy stream's first piece to be taken once the stream is free, so that a free
+  // stream is not left waiting for a piece reserved on one still busy. It declines (t stays
+  // unbegun, to wait for the earlier ones) unless t uses every stream, so transfers to one peer
+  // in one direction still finish in order: callers count on that.
+  virtual void begin_beside(Transfer& t, const OpInfo& op, StreamSet busy) {
+    if (busy == 0) begin(t, op);
+  }
+  // `busy` and the streams an unfinished t still needs; kAllStreams once that is all of them,
+  // or where the next transfer must wait for the whole of t.
+  virtual StreamSet streams_in_use(const Transfer& t, StreamSet busy) const {
+    return t.finished() ? busy : kAllStreams;
+  }
   // TCP: the descriptors and events that would let t progress.
   virtual void want(const Transfer& t, std::vector<pollfd>& fds) const = 0;
   // Shared memory: throws if the peer process is gone.

@@ -81,6 +81,7 @@ void TcpChannel::note_moved(Transfer& t) {
   const auto now = Clock::now();
   if (t.first_moved == Clock::time_point{}) t.first_moved = now;
   t.last_moved = now;
+  if (!t.send) rx_moved_ = now;
   // A whole message's receive rate, first byte to last, refreshes the estimate: it leaves out
   // the wait for the sender to start, and a message that found its bytes already buffered
   // reads too fast only above the rate that matters (stall_limit_s is at its floor there).
@@ -105,7 +106,7 @@ void TcpChannel::check_stall(const Transfer& t, const OpInfo& op, Clock::time_po
   // Only a receive whose sender has begun it: see net/stall.h for why the other waits keep
   // the ceiling.
   if (op.stall_floor_s <= 0 || t.send || t.first_moved == Clock::time_point{} || t.finished()) return;
-  const double idle = seconds(now - t.last_moved);
+  const double idle = seconds(now - std::max(t.last_moved, rx_moved_));
   if (idle < op.stall_floor_s) return;  // the limit is never below the floor: no syscall here
   const size_t left = t.len - t.bytes_done();
   const double rtt = rtt_s();
@@ -223,8 +224,10 @@ void TcpChannel::next_header(Part& p, Transfer& t) {
   p.offset = p.len = p.hdr_done = p.done = 0;
 }
 
-void TcpChannel::begin(Transfer& t, const OpInfo& op) {
+void TcpChannel::begin_beside(Transfer& t, const OpInfo& op, StreamSet busy) {
   const size_t k = streams_.size();
+  // A message sent whole, on stream 0 alone, could finish before the earlier one still on others.
+  if (busy != 0 && !(t.len >= stripe_min_ && k > 1)) return;
   if (t.len >= stripe_min_ && k > 1 && steal_) {
     t.nparts = k;
     t.next_piece = t.pieces_bytes = t.streams_ended = 0;
@@ -239,10 +242,14 @@ void TcpChannel::begin(Transfer& t, const OpInfo& op) {
       Part& p = t.parts[i];
       p = Part{};
       p.stream = static_cast<uint32_t>(i);
-      if (t.send)
+      if (t.send && (busy >> i & 1u) == 0) {
         take_piece(p, t, op);
-      else
+      } else if (t.send) {
+        p.hdr_done = sizeof(FrameHeader);  // an empty piece, done: the stream takes a real one when free
+        p.more = true;
+      } else {
         p.more = true;  // until its end marker arrives
+      }
     }
     t.begun = true;
     return;
@@ -525,12 +532,12 @@ bool TcpChannel::progress_recv_tls(Part& p, Transfer& t, const OpInfo& op) {
   return moved;
 }
 
-bool TcpChannel::progress(Transfer& t, const OpInfo& op) {
+bool TcpChannel::progress_beside(Transfer& t, const OpInfo& op, StreamSet busy) {
   bool moved = false;
   const size_t done_before = t.bytes_done();
   for (size_t i = 0; i < t.nparts; ++i) {
     Part& p = t.parts[i];
-    if (p.finished()) continue;
+    if (p.finished() || (busy >> p.stream & 1u) != 0) continue;
     if (!tls_.empty())
       moved |= t.send ? progress_send_tls(p, t, op) : progress_recv_tls(p, t, op);
     else
@@ -540,6 +547,15 @@ bool TcpChannel::progress(Transfer& t, const OpInfo& op) {
   // but only bytes of the message say the peer has begun it (the progress deadline's start).
   if (moved && (tls_.empty() || t.bytes_done() != done_before)) note_moved(t);
   return moved;
+}
+
+StreamSet TcpChannel::streams_in_use(const Transfer& t, StreamSet busy) const {
+  if (!t.begun) return kAllStreams;
+  StreamSet in_use = busy;
+  for (size_t i = 0; i < t.nparts; ++i)
+    if (!t.parts[i].finished()) in_use |= StreamSet{1} << t.parts[i].stream;
+  const StreamSet every = streams_.size() >= 32 ? kAllStreams : (StreamSet{1} << streams_.size()) - 1;
+  return (in_use & every) == every ? kAllStreams : in_use;
 }
 
 void TcpChannel::want(const Transfer& t, std::vector<pollfd>& fds) const {

@@ -44,8 +44,11 @@ class TcpChannel final : public Channel {
   // The piece size of a striped message of `len` bytes over `streams` streams (stealing on).
   static size_t piece_bytes(size_t len, size_t streams);
   bool is_shm() const override { return false; }
-  void begin(Transfer& t, const OpInfo& op) override;
-  bool progress(Transfer& t, const OpInfo& op) override;
+  void begin(Transfer& t, const OpInfo& op) override { begin_beside(t, op, 0); }
+  void begin_beside(Transfer& t, const OpInfo& op, StreamSet busy) override;
+  bool progress(Transfer& t, const OpInfo& op) override { return progress_beside(t, op, 0); }
+  bool progress_beside(Transfer& t, const OpInfo& op, StreamSet busy) override;
+  StreamSet streams_in_use(const Transfer& t, StreamSet busy) const override;
   void want(const Transfer& t, std::vector<pollfd>& fds) const override;
   void check_alive(const OpInfo&) override {}
   void check_stall(const Transfer& t, const OpInfo& op, Clock::time_point now) override;
@@ -115,6 +118,9 @@ class TcpChannel final : public Channel {
   // recent messages (a moving average; 0 until one big enough has arrived).
   double connect_rtt_s_ = 0;
   double rx_rate_Bps_ = 0;
+  // When the latest byte of any receive arrived: a message waiting for streams an earlier one
+  // still holds is not stalled while that one's bytes flow.
+  Clock::time_point rx_moved_{};
 };
 
 }  // namespace rumor::net

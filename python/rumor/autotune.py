@@ -354,8 +354,8 @@ class Autotuner:
         if order is None:  # before the first iteration: its rebuild splits with the new gap
             d._build_buckets(list(reversed(range(len(d._params)))))
         else:  # as the wrapper's own rebuild, with this setting's split gap
-            link = d._link_figures if d._link_figures and d._link_picks_buckets(d._bucket_latency_s) else None
-            split = d._split_gap_s if link is not None else max(d._split_gap_s, d._bucket_latency_s)
+            split, by_link = d._bucket_rule(d._bucket_latency_s, d._link_figures is not None)
+            link = d._link_figures if by_link else None
             breaks = {j for j, g in enumerate(gaps) if g > split}
             d._build_buckets(order, breaks, link)
 

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 import weakref
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -745,10 +745,7 @@ class DistributedDataParallel(torch.nn.Module):
         # backward was cut into 22 buckets, and trained at half the speed of torch DDP's two.
         # In whole microseconds, as broadcast below, so every test of it agrees on every rank.
         latency = round(self._one_more_bucket_s() * 1e6) / 1e6
-        # Where the link's schedule picks the buckets (merge_for_link, below), it starts from every
-        # pause longer than the split gap and merges what does not pay for its round trips.
-        by_link = self._link_picks_buckets(latency)
-        split = self._split_gap_s if by_link else max(self._split_gap_s, latency)
+        split, by_link = self._bucket_rule(latency)  # the figures are measured below
         times = [self._ready_times.get(i) for i in order]
         gaps = [0] + [int(a is not None and b is not None and b - a > split)
                       for a, b in zip(times, times[1:])]
@@ -770,7 +767,7 @@ class DistributedDataParallel(torch.nn.Module):
         # Kept for the autotuner, whose bucket_split_gap_ms decides again whether the link picks.
         self._link_figures = ([None if u < 0 else u / 1e6 for u in ready_us],
                               float(rate) if rate > 0 else float("inf"), latency_us / 1e6)
-        link = self._link_figures if self._link_picks_buckets(latency_us / 1e6) else None
+        link = self._link_figures if self._bucket_rule(latency_us / 1e6)[1] else None
         if merge_first:
             self._first_cap_bytes = max(self._first_cap_bytes, self._cap_bytes)
         if latency > self._split_gap_s and self.group._comm.rank == 0:
@@ -784,10 +781,15 @@ class DistributedDataParallel(torch.nn.Module):
         if order != list(reversed(range(len(self._params)))) or breaks or merge_first or link:
             self._build_buckets(order, breaks, link)
 
-    def _link_picks_buckets(self, latency: float) -> bool:
-        """Whether the link's serial schedule (merge_for_link) picks the buckets: where one more
-        bucket costs more than the split gap, and the algorithm lets buckets be re-cut."""
-        return latency > self._split_gap_s and bool(self.algorithm.tunable_buckets)
+    def _bucket_rule(self, latency: float, figures: bool = True) -> Tuple[float, bool]:
+        """(pause, by_link): after the first iteration a bucket closes at every pause in backward
+        longer than `pause`. Where the link's serial schedule picks the buckets (by_link: one more
+        bucket costs `latency`, more than the split gap, the algorithm lets buckets be re-cut, and
+        the first iteration's link figures are known), that is the split gap and merge_for_link
+        merges what does not pay for its round trips; elsewhere a split must gain more than a
+        bucket's round trips. The one rule of the first rebuild and the autotuner's trials."""
+        by_link = figures and latency > self._split_gap_s and bool(self.algorithm.tunable_buckets)
+        return (self._split_gap_s if by_link else max(self._split_gap_s, latency)), by_link
 
     def _link_rate(self, latency: float) -> int:
         """Bytes per second a bucket moved at in the first iteration, past its round trips: the

@@ -322,6 +322,109 @@ TEST(Stripe, StreamsPastTheWidthSendOnlyTheirEndMarker) {
   EXPECT_TRUE(out == data);
 }
 
+// Drives the transfers of one lane (one peer, one direction) as Communicator::exchange does
+// with `beside`: each goes on the streams the earlier ones have finished with. `held` stands for
+// streams that something before the lane still needs.
+bool drive_lane(TcpChannel& ch, const std::vector<Transfer*>& lane, const OpInfo& op, StreamSet held = 0) {
+  StreamSet busy = held;
+  bool moved = false;
+  for (Transfer* t : lane) {
+    if (t->finished()) continue;
+    if (busy == kAllStreams) break;
+    if (!t->begun) ch.begin_beside(*t, op, busy);
+    if (!t->begun) break;  // declined: it waits for the earlier ones
+    moved |= ch.progress_beside(*t, op, busy);
+    busy = ch.streams_in_use(*t, busy);
+  }
+  return moved;
+}
+
+bool all_finished(const std::vector<Transfer*>& lane) {
+  return std::all_of(lane.begin(), lane.end(), [](const Transfer* t) { return t->finished(); });
+}
+
+// Three messages to one peer (striped, striped and reduced, whole) with stream 1 stuck inside
+// the first: stream 0 carries its share of the first and then the whole of the second, which the
+// receiver reduces beside the first's unfinished piece; the third, sent whole, waits, so the
+// messages still finish in order. Once stream 1 moves, everything lands where it belongs.
+TEST(Stripe, LaterMessagesGoBesideOneStuckOnAStream) {
+  Pair a = loopback_pair(), b = loopback_pair();
+  const int small = 16 * 1024;
+  ASSERT_EQ(::setsockopt(b.ours.get(), SOL_SOCKET, SO_SNDBUF, &small, sizeof(small)), 0);
+  ASSERT_EQ(::setsockopt(b.theirs.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof(small)), 0);
+  std::vector<Fd> ours, theirs;
+  ours.push_back(std::move(a.ours));
+  ours.push_back(std::move(b.ours));
+  theirs.push_back(std::move(a.theirs));
+  theirs.push_back(std::move(b.theirs));
+  TcpChannel sender(std::move(ours), "rank 1", 1 << 20), receiver(std::move(theirs), "rank 0", 1 << 20);
+  const OpInfo op = test_op();
+  constexpr size_t kLen1 = 12 << 20, kFloats2 = 2 << 20, kLen3 = 64 << 10;
+  const auto data1 = pattern(kLen1), data3 = pattern(kLen3);
+  std::vector<float> data2(kFloats2), out2(kFloats2);
+  for (size_t i = 0; i < kFloats2; ++i) {
+    data2[i] = static_cast<float>(i % 1000) * 0.25f;
+    out2[i] = static_cast<float>(i % 7);
+  }
+  std::vector<std::byte> out1(kLen1), out3(kLen3);
+  Transfer s1 = make_send(1, data1.data(), kLen1), s2 = make_send(1, data2.data(), kFloats2 * 4),
+           s3 = make_send(1, data3.data(), kLen3);
+  Transfer r1 = make_recv(0, out1.data(), kLen1),
+           r2 = make_recv_reduce(0, out2.data(), kFloats2 * 4, rumor::DType::F32, rumor::ReduceOp::SUM),
+           r3 = make_recv(0, out3.data(), kLen3);
+  const std::vector<Transfer*> sends{&s1, &s2, &s3}, recvs{&r1, &r2, &r3};
+  // The receiver leaves stream 1 unread, so the sender's stream 1 cannot get past the piece it
+  // took first; everything else moves.
+  const auto guard = Clock::now() + std::chrono::seconds(20);
+  while (!(s2.parts[0].finished() && r2.bytes_done() == r2.len) && Clock::now() < guard) {
+    drive_lane(sender, sends, op);
+    drive_lane(receiver, recvs, op, StreamSet{1} << 1);
+  }
+  ASSERT_TRUE(s2.parts[0].finished()) << "stream 0 never carried the second message";
+  ASSERT_EQ(r2.bytes_done(), r2.len);
+  EXPECT_FALSE(s1.finished());
+  EXPECT_FALSE(r1.finished());
+  EXPECT_EQ(s2.parts[1].len, 0u);  // stream 1 took none of the second message's pieces
+  EXPECT_FALSE(r2.finished());     // its end marker on stream 1 is still behind the first message
+  EXPECT_FALSE(s3.begun);          // a message sent whole waits for the striped ones before it
+  EXPECT_FALSE(r3.begun);
+  while (!(all_finished(sends) && all_finished(recvs)) && Clock::now() < guard) {
+    drive_lane(sender, sends, op);
+    drive_lane(receiver, recvs, op);
+  }
+  ASSERT_TRUE(all_finished(sends) && all_finished(recvs));
+  EXPECT_TRUE(out1 == data1);
+  EXPECT_TRUE(out3 == data3);
+  for (size_t i = 0; i < kFloats2; ++i)
+    ASSERT_EQ(out2[i], static_cast<float>(i % 7) + static_cast<float>(i % 1000) * 0.25f) << i;
+}
+
+// A stream begun busy takes its first piece only once free, in order with the others.
+TEST(Stripe, ABusyStreamTakesItsFirstPieceWhenFree) {
+  Pair a = loopback_pair(), b = loopback_pair();
+  std::vector<Fd> streams;
+  streams.push_back(std::move(a.ours));
+  streams.push_back(std::move(b.ours));
+  TcpChannel ch(std::move(streams), "rank 1", 1 << 20);
+  const OpInfo op = test_op();
+  constexpr size_t kLen = 4 << 20;
+  const auto data = pattern(kLen);
+  Transfer t = make_send(1, data.data(), kLen);
+  ch.begin_beside(t, op, StreamSet{1} << 1);
+  EXPECT_EQ(t.parts[0].hdr.piece, 0u);
+  EXPECT_EQ(t.parts[0].hdr.flags, kFramePiece);
+  EXPECT_EQ(t.next_piece, 1u);
+  EXPECT_EQ(ch.streams_in_use(t, 0), kAllStreams);
+  // Nothing goes on the busy stream.
+  ch.progress_beside(t, op, StreamSet{1} << 1);
+  EXPECT_EQ(t.parts[1].len, 0u);
+  EXPECT_FALSE(t.parts[1].finished());
+  // A message too small to stripe is not begun beside a busy stream.
+  Transfer whole = make_send(1, data.data(), 64 << 10);
+  ch.begin_beside(whole, op, StreamSet{1} << 1);
+  EXPECT_FALSE(whole.begun);
+}
+
 TEST(Stripe, PieceSizeStaysWithinItsBoundsAndTheHeadersNumbering) {
   EXPECT_EQ(TcpChannel::piece_bytes(4 << 20, 2), 256u * 1024);
   EXPECT_EQ(TcpChannel::piece_bytes(64 << 20, 2), 4u << 20);

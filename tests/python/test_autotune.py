@@ -293,7 +293,7 @@ def test_a_trial_over_a_far_link_rebuilds_with_the_link_schedule():
     d = SimpleNamespace(_split_gap_s=0.005, _bucket_latency_s=0.3, algorithm=SimpleNamespace(tunable_buckets=True),
                         _link_figures=([0.0, 0.001, 0.4, 0.41], 8e6, 0.3),
                         _build_buckets=lambda order, breaks=frozenset(), link=None: calls.append((breaks, link)))
-    d._link_picks_buckets = types.MethodType(DistributedDataParallel._link_picks_buckets, d)
+    d._bucket_rule = types.MethodType(DistributedDataParallel._bucket_rule, d)
     tuner = SimpleNamespace(ddp=d)
     setting = {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0, "bucket_split_gap_ms": 5.0}
     gaps = [0.0, 0.001, 0.399, 0.01]
