@@ -327,7 +327,11 @@ class Driver:
             signal.signal(signal.SIGTERM, old_term)
             import shutil
 
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            # The ranks' logs (RUMOR_LOG=debug's lines among them) are kept on request.
+            if os.environ.get("RUMOR_BENCH_KEEP"):
+                print(f"rank logs and configs kept in {self.workdir}", file=sys.stderr)
+            else:
+                shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 class GradReady:

@@ -26,10 +26,14 @@ class HugeBacking {
   // Remembered (start, length) pairs: more than a step's buckets that are large enough.
   static constexpr size_t kRecent = 16;
   static constexpr int kMaxRefusals = 2;
-  // A collapse that found the range huge already took 0.1-1.5 us per 2 MiB page here, one that
-  // moved pages 600-4000 us (64 MiB: 3-46 us against 19-136 ms). Above this per page, a call did
-  // move pages.
-  static constexpr double kNoOpSecondsPerPage = 20e-6;
+  // CPU time of a collapse (the calling thread's, kernel included) per 2 MiB page: one that found
+  // the range huge already took 0.1-15 us here, one that moved pages 480-4400 us, 4 ranks on 2
+  // cores. Above this per page, a call did move pages. Not wall time: a rank descheduled among
+  // more ranks than cores took up to 80 us a page of wall time for a no-op (64 MiB: 1.7-2.4 ms),
+  // which counted as a move, and two such left a buffer alone for good: the next one allocated
+  // at its place stayed on small pages (host_collectives.py, 4 ranks: allgather of 64 MiB at
+  // 0.64 of the memory bound in the first cell, 0.40-0.48 in the later ones).
+  static constexpr double kNoOpSecondsPerPage = 100e-6;
   // A range whose pages had to be moved this many times, more often than they were found huge
   // already, is allocated afresh at the same place for (nearly) every operation (glibc maps and
   // unmaps blocks above its mmap threshold, 32 MiB at most, on every malloc and free: FSDP's
@@ -44,14 +48,14 @@ class HugeBacking {
   static constexpr int kMaxRemoves = 3;
   static constexpr int kNoOpsPerRemove = 4;
 
-  // What a collapse call did: 0 or the errno it failed with, and how long it took.
+  // What a collapse call did: 0 or the errno it failed with, and the CPU time it took.
   struct Outcome {
     int err = 0;
     double seconds = 0;
   };
   using Collapse = std::function<Outcome(void* start, size_t bytes)>;
 
-  // collapse: MADV_COLLAPSE, timed (tests pass their own).
+  // collapse: MADV_COLLAPSE, its CPU time measured (tests pass their own).
   explicit HugeBacking(bool enabled = true, Collapse collapse = madvise_collapse);
 
   // Before peers read or write [p, p + len): collapses its whole 2 MiB pages if the same range
@@ -59,8 +63,9 @@ class HugeBacking {
   // range is huge already), until its pages keep coming back fresh (kMaxMoves), or until buffers
   // that come back on fresh pages are common here (kMaxRemoves, kNoOpsPerRemove). Returns whether the
   // kernel says the range is on huge pages now (false where nothing was asked). Failures (an old
-  // kernel, THP off, pinned pages, no huge page free) only cost the speed: a range the kernel
-  // refused kMaxRefusals times is not asked about again.
+  // kernel, THP off, pinned pages, no huge page free, pages never written) only cost the speed:
+  // a range the kernel refused kMaxRefusals times in a row is not asked about again (at once
+  // where the kernel cannot: EINVAL before any collapse succeeded).
   bool prepare(const void* p, size_t len);
 
   // The 2 MiB pages wholly inside [p, p + len): their start and byte count (0: none).
@@ -82,7 +87,7 @@ class HugeBacking {
   Collapse collapse_;
   std::array<Range, kRecent> recent_{};
   size_t next_ = 0;  // where the next new range is remembered (the oldest is forgotten)
-  size_t collapses_ = 0, refused_ = 0;
+  size_t collapses_ = 0, refused_ = 0, succeeded_ = 0;
   int removes_ = 0;  // collapses that moved the pages of a range collapsed before
   long noops_ = 0;   // collapses that found the range huge already
   bool stopped_ = false;

@@ -117,6 +117,23 @@ TEST(HugeBacking, LeavesAloneABufferAllocatedAfreshEveryTime) {
   EXPECT_FALSE(h.prepare(third, 8 * kMiB));
   EXPECT_FALSE(h.prepare(third, 8 * kMiB));  // the kernel cannot: once is enough
   EXPECT_EQ(calls, 1u);
+
+  // Where the kernel has collapsed before, EINVAL is a buffer not written yet (a new one at a
+  // known place, before its first operation): asked again, and a success forgets the refusals.
+  script = {{0, moved}, {0, noop}, {0, noop}, {EINVAL, 0}, {0, moved}, {0, noop}, {EINVAL, 0}, {EINVAL, 0}};
+  h = tracker();
+  EXPECT_FALSE(h.prepare(third, 8 * kMiB));
+  EXPECT_TRUE(h.prepare(third, 8 * kMiB));
+  EXPECT_TRUE(h.prepare(third, 8 * kMiB));
+  EXPECT_TRUE(h.prepare(third, 8 * kMiB));
+  EXPECT_FALSE(h.prepare(third, 8 * kMiB));  // refused
+  EXPECT_TRUE(h.prepare(third, 8 * kMiB));   // written now: moved
+  EXPECT_TRUE(h.prepare(third, 8 * kMiB));
+  EXPECT_FALSE(h.prepare(third, 8 * kMiB));
+  EXPECT_FALSE(h.prepare(third, 8 * kMiB));  // twice in a row: not asked again
+  EXPECT_FALSE(h.prepare(third, 8 * kMiB));
+  EXPECT_EQ(calls, 8u);
+  EXPECT_EQ(h.refused(), 3u);
 }
 
 // Where buffers keep coming back on fresh pages (FSDP's gathers at several places of one size),
