@@ -474,17 +474,41 @@ def world_sizes(ap: argparse.ArgumentParser, args) -> List[int]:
     return [int(x) for x in args.ranks.split(",")]
 
 
+def rumor_origin(rumor) -> str:
+    """Which rumor a run measures: the package's folder, and the checkout's commit where it is one
+    (benchmarks import the installed rumor unless PYTHONPATH points at python/, and an installed
+    copy may be older than the tree beside it)."""
+    import subprocess
+
+    where = os.path.dirname(os.path.abspath(rumor.__file__))
+
+    def git(*a: str) -> str:
+        try:
+            out = subprocess.run(["git", "-C", where, *a], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    # Only a checkout that tracks this very file (site-packages may lie inside some other repository).
+    if not git("ls-files", "--error-unmatch", "__init__.py"):
+        return where
+    commit = git("describe", "--always", "--dirty")
+    return f"{where} (git {commit})" if commit else where
+
+
 def run_meta(args) -> Dict:
-    """Where and with what a run ran, for the JSON."""
+    """Where and with what a run ran, for the JSON; says on stderr which rumor it measures."""
     import torch
 
     import rumor
 
+    origin = rumor_origin(rumor)
+    print(f"rumor from {origin}", file=sys.stderr)
     return dict(started=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv,
                 args={k: v for k, v in vars(args).items() if k != "worker"},
                 python=platform.python_version(), torch=torch.__version__,
-                rumor=getattr(rumor, "__version__", "?"), hostname=socket.gethostname(), cpus=os.cpu_count(),
-                loadavg_start=os.getloadavg(),
+                rumor=getattr(rumor, "__version__", "?"), rumor_from=origin, hostname=socket.gethostname(),
+                cpus=os.cpu_count(), loadavg_start=os.getloadavg(),
                 rumor_env={k: v for k, v in os.environ.items() if k.startswith("RUMOR_")})
 
 
