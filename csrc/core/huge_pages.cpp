@@ -59,7 +59,8 @@ bool HugeBacking::prepare(const void* p, size_t len) {
       // kernel has collapsed before: the kernel also says it for 2 MiB that no byte of was
       // written yet, as a buffer allocated at a known place is before its first operation
       // (host_collectives.py's later cells, left on small pages for good when it counted).
-      const bool may_change = o.err == EAGAIN || o.err == ENOMEM || (o.err == EINVAL && succeeded_ > 0);
+      const bool may_change =
+          o.err == EAGAIN || o.err == ENOMEM || (o.err == EINVAL && collapses_ - 1 > refused_);
       r.refusals = may_change ? r.refusals + 1 : kMaxRefusals;
       ++refused_;
       RUMOR_LOG(kDebug, "huge pages: " << bytes / kHugePage << " of a " << len << "-byte buffer refused ("
@@ -67,7 +68,6 @@ bool HugeBacking::prepare(const void* p, size_t len) {
                                        << (r.refusals >= kMaxRefusals ? ": not asked again" : ""));
       return false;
     }
-    ++succeeded_;
     r.refusals = 0;
     const bool moved = o.seconds > kNoOpSecondsPerPage * static_cast<double>(bytes / kHugePage);
     if (moved && r.moves > 0) ++removes_;

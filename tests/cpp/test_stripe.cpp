@@ -42,6 +42,14 @@ std::vector<std::byte> pattern(size_t len) {
   return v;
 }
 
+// A channel over two loopback connections, as their first ends.
+TcpChannel two_streams(Pair& a, Pair& b, const char* peer) {
+  std::vector<Fd> streams;
+  streams.push_back(std::move(a.ours));
+  streams.push_back(std::move(b.ours));
+  return TcpChannel(std::move(streams), peer, 1 << 20);
+}
+
 // Reads one frame (header and payload) from a blocking socket as a receiver would.
 FrameHeader read_frame(int fd, std::vector<std::byte>& payload) {
   FrameHeader h{};
@@ -59,10 +67,7 @@ TEST(Stripe, AFreeStreamTakesThePiecesAStuckStreamCannot) {
   const int small = 16 * 1024;
   ASSERT_EQ(::setsockopt(b.ours.get(), SOL_SOCKET, SO_SNDBUF, &small, sizeof(small)), 0);
   ASSERT_EQ(::setsockopt(b.theirs.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof(small)), 0);
-  std::vector<Fd> streams;
-  streams.push_back(std::move(a.ours));
-  streams.push_back(std::move(b.ours));
-  TcpChannel ch(std::move(streams), "rank 1", 1 << 20);
+  TcpChannel ch = two_streams(a, b, "rank 1");
   const OpInfo op = test_op();
   constexpr size_t kLen = 24 << 20;
   const size_t piece = TcpChannel::piece_bytes(kLen, 2), count = (kLen + piece - 1) / piece;
@@ -402,10 +407,7 @@ TEST(Stripe, LaterMessagesGoBesideOneStuckOnAStream) {
 // A stream begun busy takes its first piece only once free, in order with the others.
 TEST(Stripe, ABusyStreamTakesItsFirstPieceWhenFree) {
   Pair a = loopback_pair(), b = loopback_pair();
-  std::vector<Fd> streams;
-  streams.push_back(std::move(a.ours));
-  streams.push_back(std::move(b.ours));
-  TcpChannel ch(std::move(streams), "rank 1", 1 << 20);
+  TcpChannel ch = two_streams(a, b, "rank 1");
   const OpInfo op = test_op();
   constexpr size_t kLen = 4 << 20;
   const auto data = pattern(kLen);
