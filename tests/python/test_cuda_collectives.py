@@ -340,12 +340,15 @@ def _nccl_one_rank():
     nc = torch.arange(12.0, device=dev).reshape(3, 4).t()
     rumor.allreduce_(nc, op=rumor.ReduceOp.SUM)
     chk.equal(nc.cpu(), torch.arange(12.0).reshape(3, 4).t(), "non-contiguous allreduce_")
-    # Ordered on the current stream: a side stream's op sees the work queued before it there.
+    # Ordered on the current stream: a side stream's op sees the work queued before it there. Its
+    # result is ordered on that stream only (as torch's NCCL group orders it), so it is read there:
+    # read on the default stream, a stream wait (RUMOR_GPU_WAIT=stream) let the copy overtake it
+    # on the H200 (the output's block still held the freed `ones` in 1440 elements).
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         z = torch.ones(1 << 20, device=dev) * 3
         got = rumor.allreduce(z, op=rumor.ReduceOp.SUM)
-    chk.equal(got.cpu(), torch.full((1 << 20,), 3.0), "side stream")
+        chk.equal(got.cpu(), torch.full((1 << 20,), 3.0), "side stream")
     h = rumor.allreduce_nonblocking(torch.ones(8, device=dev))
     chk.check(isinstance(h.poll(), bool), "poll")
     chk.equal(h.wait().cpu(), torch.ones(8), "handle")
