@@ -417,11 +417,31 @@ void Communicator::exchange(std::span<Transfer> ts, const net::OpInfo& op, const
 // ---- allreduce -------------------------------------------------------------------------------
 
 void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, AllreduceAlgo algo) {
-  net::OpInfo info = begin("allreduce", Opcode::kAllreduce);
-  // An empty buffer still exchanges (empty) frames, so a rank whose size differs is caught.
-  if (size() == 1) return;
   auto* b = static_cast<std::byte*>(buf);
+  allreduce_impl(b, b, count, dtype, op, algo);
+}
+
+void Communicator::allreduce_into(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                                  AllreduceAlgo algo) {
+  const auto* i = static_cast<const std::byte*>(in);
+  auto* o = static_cast<std::byte*>(out);
   const size_t bytes = count * dtype_size(dtype);
+  if (i != o && i < o + bytes && o < i + bytes)
+    throw Error(ErrorKind::kInvalidArgument,
+                "allreduce_into: the output overlaps the input without being it");
+  allreduce_impl(i, o, count, dtype, op, algo);
+}
+
+void Communicator::allreduce_impl(const std::byte* in, std::byte* b, size_t count, DType dtype, ReduceOp op,
+                                  AllreduceAlgo algo) {
+  net::OpInfo info = begin("allreduce", Opcode::kAllreduce);
+  const size_t bytes = count * dtype_size(dtype);
+  // Every path but the direct one reduces `b` in place, from a copy of the input.
+  auto take_input = [&] {
+    if (in != b && bytes > 0) std::memcpy(b, in, bytes);
+  };
+  // An empty buffer still exchanges (empty) frames, so a rank whose size differs is caught.
+  if (size() == 1) return take_input();
   AllreduceAlgo chosen = AllreduceAlgo::kRing;
   // Hierarchical within one host is one level: the host's own paths (direct, shared slots) are
   // that level already, and give the bits of a plain allreduce.
@@ -447,13 +467,15 @@ void Communicator::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, 
               : direct                                      ? "direct"
                                                             : "ring";
   guarded(info, [&] {
+    if (direct && host_direct().allreduce(in, b, count, dtype, op, info)) return;
+    take_input();
     if (chosen == AllreduceAlgo::kHierarchical)
       allreduce_hier(b, count, dtype, op);
     else if (small)
       host_small().allreduce(b, count, dtype, op, info);
     else if (chosen == AllreduceAlgo::kRecursiveDoubling)
       allreduce_rd(b, count, dtype, op, info);
-    else if (!direct || !host_direct().allreduce(b, count, dtype, op, info))
+    else
       allreduce_ring(b, count, dtype, op, info);
   });
 }

@@ -56,6 +56,12 @@ class Communicator {
   // In place on buf (count elements).
   void allreduce(void* buf, size_t count, DType dtype, ReduceOp op,
                  AllreduceAlgo algo = AllreduceAlgo::kAuto);
+  // The same result in `out`, `in` left as it was (the two are the same buffer or do not
+  // overlap). On one host's direct path every rank reads the inputs where they are and writes
+  // the outputs, with no copy of `in` first: that copy alone moved as many bytes as the whole
+  // allreduce's bound. Elsewhere `in` is copied into `out`, which is then reduced in place.
+  void allreduce_into(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                      AllreduceAlgo algo = AllreduceAlgo::kAuto);
   // `in` holds size() blocks of counts[i] elements and is left untouched; `out` receives the
   // reduction of everyone's block rank() (counts[rank()] elements).
   void reduce_scatter(const void* in, void* out, std::span<const size_t> counts, DType dtype, ReduceOp op);
@@ -168,6 +174,8 @@ class Communicator {
   }
   trace::OpDesc trace_desc(const net::OpInfo& op) const;
 
+  void allreduce_impl(const std::byte* in, std::byte* out, size_t count, DType dtype, ReduceOp op,
+                      AllreduceAlgo algo);
   void allreduce_ring(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
   void allreduce_rd(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
   void allreduce_hier(std::byte* buf, size_t count, DType dtype, ReduceOp op);

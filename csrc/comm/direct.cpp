@@ -313,21 +313,30 @@ struct Pieces {
 };
 }  // namespace
 
-bool HostDirect::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
+bool HostDirect::allreduce(const std::byte* in, std::byte* out, size_t count, DType dtype, ReduceOp op,
+                           const net::OpInfo& info) {
   std::vector<Entry> peers;
   const size_t whole[] = {count};
-  const bool huge = state_ != State::kOff && huge_.prepare(buf, count * dtype_size(dtype));
-  Slot* slot = enter(announce(shape_hash(1, dtype, op, whole), huge, buf), peers, true, info);
+  bool huge = false;
+  if (state_ != State::kOff) {
+    const size_t bytes = count * dtype_size(dtype);
+    huge = huge_.prepare(in, bytes);
+    // Out of place, the peers write the output as they read the input: both are pinned alike.
+    if (out != in) huge = huge_.prepare(out, bytes) && huge;
+  }
+  // A rank in place and one out of place may meet: each says where it reads and where it is written.
+  Slot* slot = enter(announce(shape_hash(1, dtype, op, whole), huge, in, out), peers, true, info);
   if (slot == nullptr || !pays(peers)) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype), chunk_elems = kChunkBytes / es;
   work(*slot, (count + chunk_elems - 1) / chunk_elems, info, [&](size_t i) {
     const size_t first = i * chunk_elems, elems = std::min(chunk_elems, count - first);
     const size_t off = first * es, len = elems * es;
-    reduce_chunk(buf + off, off, elems, peers, dtype, op, info, buf + off);  // in place: no copy back
+    // Straight into this rank's output (in place: over the input it has just read), no copy back.
+    reduce_chunk(in + off, off, elems, peers, dtype, op, info, out + off);
     peers_.check_alive(comm_, info, "before writing a reduced chunk");
     for (uint32_t q = 0; q < n; ++q)
-      if (q != r) vm_copy(true, peers[q].pid, buf + off, peers[q].addr + off, len, info, comm_.peer_desc(q));
+      if (q != r) vm_copy(true, peers[q].pid, out + off, peers[q].out + off, len, info, comm_.peer_desc(q));
   });
   return true;
 }

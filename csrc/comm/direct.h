@@ -117,7 +117,12 @@ class HostDirect {
   // (decided together by all ranks on first use, then remembered: the caller then takes another
   // path for this and every later call), or where two ranks' buffers are not all on huge pages
   // (pays(): the caller takes another path for this call).
-  bool allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info);
+  bool allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op, const net::OpInfo& info) {
+    return allreduce(buf, buf, count, dtype, op, info);
+  }
+  // The same into `out` (which is `in` or does not overlap it): the inputs are read where they are.
+  bool allreduce(const std::byte* in, std::byte* out, size_t count, DType dtype, ReduceOp op,
+                 const net::OpInfo& info);
   // reduce_scatter: `in` holds size() blocks of counts[q] elements; `out` gets this rank's block
   // reduced. Every input byte is read once, every output byte written once.
   bool reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,

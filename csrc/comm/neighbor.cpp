@@ -320,10 +320,17 @@ void hierarchical_neighbor_allreduce(Communicator& comm, const void* in, void* o
   // host so that every rank raises the same error (and none waits for a broadcast).
   constexpr size_t kMsg = 256;
   char message[kMsg] = {};
+  // Every rank of the group on one host and a machine mix that keeps the host's weights as they
+  // are (weight 1, no machine edges: what Decentralized's schedules give a single node): the
+  // host's average is the result, already identical on every rank (an allreduce's bits are), so
+  // neither the leader's pass over it nor its broadcast, a second copy of the whole buffer into
+  // every rank, is needed. With 4 ranks on 2 cores those ran beside forward in Decentralized's
+  // default. The ranks of a host pass the same machine arguments (the leader's are the ones used).
+  const bool one_host =
+      local.size() == comm.size() && self_weight == 1.0 && machine_srcs.empty() && machine_dsts.empty();
   comm.run_guarded(op, [&] {
-    const size_t bytes = count * dtype_size(dtype);
-    if (out != in && bytes > 0) std::memcpy(out, in, bytes);
-    local.allreduce(out, count, dtype, ReduceOp::AVG);
+    local.allreduce_into(in, out, count, dtype, ReduceOp::AVG);
+    if (one_host) return;
     if (leaders != nullptr) {
       std::optional<TopologyMismatch> m;
       if (topo_check) m = find_topology_mismatch(*leaders, ranks_of(machine_srcs), ranks_of(machine_dsts));

@@ -69,9 +69,8 @@ WeightMixOp::WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType d
 
 void WeightMixOp::mix(Communicator& comm, const MixPlan& plan) {
   if (plan.average_all) {
-    std::memcpy(out_, weights_, count_ * dtype_size(dtype_));
-    comm.allreduce(out_, count_, dtype_, ReduceOp::AVG,
-                   hierarchical_ ? AllreduceAlgo::kHierarchical : AllreduceAlgo::kAuto);
+    comm.allreduce_into(weights_, out_, count_, dtype_, ReduceOp::AVG,
+                        hierarchical_ ? AllreduceAlgo::kHierarchical : AllreduceAlgo::kAuto);
     return;
   }
   // Every rank derives its lists from the same schedule or matrix, so the collective topology

@@ -429,6 +429,49 @@ TEST(HostDirect, AllreduceMatchesFloat64Reference) {
   }
 }
 
+// allreduce_into: the result in another buffer with the input untouched, the bits of the in-place
+// allreduce on every rank, on the direct path (which reads the inputs where they are) and on the
+// rings (a copy, then in place); ranks in place and out of place may meet in one operation.
+TEST(HostDirect, AllreduceIntoGivesTheInPlaceBitsAndKeepsTheInput) {
+  auto value = [](uint32_t rank, size_t i) {
+    return static_cast<float>(std::sin(0.37 * rank + 0.011 * static_cast<double>(i)) * 3.0);
+  };
+  const size_t chunk = HostDirect::kChunkBytes / sizeof(float);
+  for (const bool shm : {true, false})
+    for (uint32_t n : {3u, 4u}) {
+      auto w = make_world(one_host(n), quick_options(shm));
+      auto errs = run_ranks(w, [&](Communicator& c, uint32_t r) {
+        for (size_t count : {chunk + 1, 5 * chunk + 7}) {
+          for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG}) {
+            std::vector<float> in(count), out(count, -7.0f), want(count);
+            for (size_t i = 0; i < count; ++i) in[i] = value(r, i);
+            want = in;
+            c.allreduce(want.data(), count, DType::F32, op);
+            const std::vector<float> before = in;
+            if (r % 2 == 1) {  // this rank in place, its neighbours out of place
+              out = in;
+              c.allreduce_into(out.data(), out.data(), count, DType::F32, op);
+            } else {
+              c.allreduce_into(in.data(), out.data(), count, DType::F32, op);
+              ASSERT_EQ(std::memcmp(in.data(), before.data(), count * sizeof(float)), 0) << "input changed";
+            }
+            ASSERT_EQ(std::memcmp(out.data(), want.data(), count * sizeof(float)), 0)
+                << (shm ? "shm" : "tcp") << " n " << n << " rank " << r << " count " << count;
+          }
+        }
+        std::vector<float> buf(2 * chunk);
+        try {
+          c.allreduce_into(buf.data(), buf.data() + 1, chunk, DType::F32, ReduceOp::SUM);
+          ADD_FAILURE() << "an overlapping output was taken";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+        }
+        c.allreduce(buf.data(), buf.size(), DType::F32, ReduceOp::SUM);  // and the group goes on
+      });
+      expect_all_ok(errs);
+    }
+}
+
 // reduce_scatter and allgather on the direct path: uneven blocks (one empty, one spanning
 // several chunks with a partial last one), float64 reference for floats, exact for integers.
 TEST(HostDirect, ReduceScatterAndAllgatherUnevenBlocks) {

@@ -324,6 +324,27 @@ TEST(NeighborHierarchical, TwoHostsTwoRanksEach) {
   expect_all_ok(errs);
 }
 
+TEST(NeighborHierarchical, OneHostKeepingItsWeightsGetsTheHostAverage) {
+  // Every rank on one host and a machine mix of weight 1 without edges (what Decentralized's
+  // schedules give one node): the result is the host's allreduce average, the same bits on every
+  // rank, with or without shared memory; a machine mix that scales (self weight 0.75, as a
+  // folded self-loop gives) still applies, on every rank.
+  for (const bool shm : {true, false}) {
+    auto w = make_world(hosts_of(4, 4), quick_options(shm));
+    auto errs = run_ranks(w, [](Communicator& c, uint32_t r) {
+      std::vector<float> x(100003), y(x.size(), -1.0f), want(x.size());
+      for (size_t i = 0; i < x.size(); ++i) x[i] = value(r, i) / 3.0f;
+      want = x;
+      c.allreduce(want.data(), want.size(), DType::F32, ReduceOp::AVG);
+      hierarchical_neighbor_allreduce(c, x.data(), y.data(), x.size(), DType::F32, 1.0, {}, {}, true);
+      for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(y[i], want[i]) << "rank " << r << " i " << i;
+      hierarchical_neighbor_allreduce(c, x.data(), y.data(), x.size(), DType::F32, 0.75, {}, {}, false);
+      for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(y[i], 0.75f * want[i]) << "rank " << r << " i " << i;
+    });
+    expect_all_ok(errs);
+  }
+}
+
 TEST(NeighborHierarchical, UnevenInterleavedHostsOverTcp) {
   // Hosts by rank: A B A B B. Machine 0 = {0, 2}, machine 1 = {1, 3, 4} (first-appearance
   // order); shared memory off, so the local steps run over TCP too.
