@@ -242,6 +242,15 @@ PYBIND11_MODULE(_C, m) {
              auto a = static_cast<AllreduceAlgo>(algo);
              return dispatch(c, nb, [&c, buf, count, dt, o, a] { c.allreduce(ptr(buf), count, dt, o, a); });
            })
+      .def("allreduce_into",
+           [](C& c, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int algo, bool nb) {
+             DType dt = to_dtype(dtype);
+             ReduceOp o = to_op(op);
+             auto a = static_cast<AllreduceAlgo>(algo);
+             return dispatch(c, nb, [&c, in, out, count, dt, o, a] {
+               c.allreduce_into(ptr(in), ptr(out), count, dt, o, a);
+             });
+           })
       .def("reduce_scatter",
            [](C& c, uintptr_t in, uintptr_t out, std::vector<size_t> counts, int dtype, int op, bool nb) {
              DType dt = to_dtype(dtype);

@@ -122,15 +122,26 @@ def allreduce(t, op, group, inplace, nonblocking, algorithm, what):
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{what}: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
     o = op_code(op, what)
-    buf = contig(t) if inplace else t.clone(memory_format=torch.contiguous_format)
+    a = ALGORITHMS[algorithm]
+    if inplace:
+        buf = contig(t)
+        if not nonblocking:
+            # No Handle, no closures: a 4 KiB allreduce on one host takes a few µs in C++, and the
+            # general path's Python doubled it.
+            g._comm.allreduce(address(buf), buf.numel(), code, o, a, False)
+            return blocking_result(t, buf, inplace)
+        issue = lambda nb: g._comm.allreduce(address(buf), buf.numel(), code, o, a, nb)
+        return run(nonblocking, issue, (buf, t), lambda: blocking_result(t, buf, inplace))
+    # Out of place, the core reads the input where it is: on one host's direct path that spares
+    # the copy a clone made first (as many bytes as the allreduce's own bound); elsewhere the core
+    # copies it into the result.
+    src = contig(t)
+    buf = torch.empty_like(src, memory_format=torch.contiguous_format)
     if not nonblocking:
-        # No Handle, no closures: a 4 KiB allreduce on one host takes a few µs in C++, and the
-        # general path's Python doubled it.
-        g._comm.allreduce(address(buf), buf.numel(), code, o, ALGORITHMS[algorithm], False)
-        return blocking_result(t, buf, inplace)
-    issue = lambda nb: g._comm.allreduce(address(buf), buf.numel(), code, o, ALGORITHMS[algorithm], nb)
-    finish = lambda: blocking_result(t, buf, inplace)
-    return run(nonblocking, issue, (buf, t), finish)
+        g._comm.allreduce_into(address(src), address(buf), buf.numel(), code, o, a, False)
+        return buf
+    issue = lambda nb: g._comm.allreduce_into(address(src), address(buf), buf.numel(), code, o, a, nb)
+    return run(nonblocking, issue, (buf, src, t), lambda: buf)
 
 
 def broadcast(t, root, group, inplace, nonblocking, what):
