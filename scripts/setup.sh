@@ -38,10 +38,11 @@ PY=${PYTHON:-python3}
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
 # networkx: rumor.topology; redis: rumor.data's cache client (redis-py); ipyparallel, nbclient,
 # nbformat, ipykernel: rumor.interactive; optuna: the autotuner; matplotlib, tqdm: benchmarks/;
-# build: scripts/check_install.sh; mkdocs*: the documentation site; atheris: scripts/fuzz.sh.
+# build: scripts/check_install.sh; mkdocs*: the documentation site; atheris: scripts/fuzz.sh;
+# clang-format, pinned: scripts/format.sh (another version formats the same config differently).
 $PY -m pip install -q "scikit-build-core>=0.11" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib \
   networkx tqdm build redis "ipyparallel>=8" nbclient nbformat ipykernel optuna atheris \
-  mkdocs mkdocs-material "mkdocstrings[python]"
+  mkdocs mkdocs-material "mkdocstrings[python]" "clang-format==23.1.5"
 # The integrations' tests (test_lightning.py, test_hf.py, test_ray.py), and deepspeed, the peer
 # of benchmarks/host_collectives.py (its shared-memory allreduce), with torch pinned to the one
 # installed so that pip never swaps it for another build.

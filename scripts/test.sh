@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The whole test suite: C++ tests (GoogleTest, built with ASan+UBSan), fuzzing, the docs site in
-# strict mode, the Python tests (examples included), then a clean-venv install from the sdist.
+# The whole test suite: the C/C++ formatting check, C++ tests (GoogleTest, built with ASan+UBSan),
+# fuzzing, the docs site in strict mode, the Python tests (examples included), then a clean-venv
+# install from the sdist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
 source scripts/ccache_env.sh
+
+echo "== Format (clang-format, the version scripts/format.sh pins: a file it would change fails)"
+bash scripts/format.sh --check
 
 echo "== C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
 cmake -S . -B build/asan -G Ninja -DRUMOR_BUILD_PYTHON=OFF -DRUMOR_BUILD_TESTS=ON -DRUMOR_WERROR=ON \

@@ -151,8 +151,8 @@ PYBIND11_MODULE(_C, m) {
   // Valid from 5 minutes ago (clocks of a job's hosts differ a little) for valid_s seconds.
   auto validity = [](double valid_s) {
     const auto now = std::chrono::system_clock::now();
-    return std::pair{now - std::chrono::minutes(5),
-                     now + std::chrono::duration_cast<std::chrono::seconds>(std::chrono::duration<double>(valid_s))};
+    return std::pair{now - std::chrono::minutes(5), now + std::chrono::duration_cast<std::chrono::seconds>(
+                                                              std::chrono::duration<double>(valid_s))};
   };
   m.def(
       "tls_make_ca",
@@ -167,7 +167,8 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(py::bytes(c.cert_pem), py::bytes(c.key_pem));
       },
       py::arg("common_name"), py::arg("valid_s") = 86400.0, py::arg("private_scalar") = py::none(),
-      "A self-signed EC P-256 CA: (cert_pem, key_pem) as bytes. private_scalar: its key as 32 big-endian bytes "
+      "A self-signed EC P-256 CA: (cert_pem, key_pem) as bytes. private_scalar: its key as 32 big-endian "
+      "bytes "
       "in [1, n-1] (the same scalar gives the same public key on every host); None: a random key.");
   m.def(
       "tls_issue_certificate",
@@ -177,7 +178,8 @@ PYBIND11_MODULE(_C, m) {
         auto c = net::issue_certificate({std::string(ca_cert), std::string(ca_key)}, cn, sans, from, to);
         return py::make_tuple(py::bytes(c.cert_pem), py::bytes(c.key_pem));
       },
-      py::arg("ca_cert"), py::arg("ca_key"), py::arg("common_name"), py::arg("sans"), py::arg("valid_s") = 86400.0,
+      py::arg("ca_cert"), py::arg("ca_key"), py::arg("common_name"), py::arg("sans"),
+      py::arg("valid_s") = 86400.0,
       "A leaf certificate signed by the CA (serverAuth and clientAuth; a subjectAltName per entry of sans): "
       "(cert_pem, key_pem) as bytes.");
 
@@ -348,9 +350,7 @@ PYBIND11_MODULE(_C, m) {
       })
       .def(
           "rank_view",
-          [](std::shared_ptr<SharedArena> a, uint32_t rank) {
-            return ArenaRankView{a, a->data_of(rank)};
-          },
+          [](std::shared_ptr<SharedArena> a, uint32_t rank) { return ArenaRankView{a, a->data_of(rank)}; },
           py::arg("rank"),
           "A writable buffer over the arena of communicator rank `rank`, as mapped here (keeps the arena "
           "alive).")

@@ -1,5 +1,7 @@
 // Neighbor exchange over graph topologies (comm/neighbor.h) for python/rumor/neighbor/ops.py.
 // Ranks here are communicator ranks; Python maps global ranks onto them.
+#include "comm/neighbor.h"
+
 #include <pybind11/stl.h>
 
 #include <memory>
@@ -7,7 +9,6 @@
 #include <vector>
 
 #include "bindings/common.h"
-#include "comm/neighbor.h"
 
 namespace rumor::bindings {
 

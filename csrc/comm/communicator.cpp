@@ -79,7 +79,7 @@ struct Communicator::SitePipe {
   // The caller's layout, kept between calls so that sizing it allocates only once.
   std::vector<size_t> sub;     // sub[j * k + q]: elements of member j's block in cross block q
   std::vector<size_t> counts;  // one piece's elements per site member
-  std::thread thread;  // last: starts once everything above exists
+  std::thread thread;          // last: starts once everything above exists
 
   SitePipe() : thread([this] { loop(); }) {}
   ~SitePipe() {
@@ -159,7 +159,8 @@ struct Communicator::SitePipe {
     while (counter.load() <= above && !(for_done ? !running : cancel.load())) {
       if (cv.wait_until(lk, until.at()) == std::cv_status::no_timeout) continue;
       if (counter.load() == seen)
-        throw Error(ErrorKind::kTimeout, what() + ": nothing for " + std::to_string(timeout_s) + " s (RUMOR_TIMEOUT)");
+        throw Error(ErrorKind::kTimeout,
+                    what() + ": nothing for " + std::to_string(timeout_s) + " s (RUMOR_TIMEOUT)");
       seen = counter.load();
       until = Deadline::after(timeout_s);
     }
@@ -207,10 +208,12 @@ Communicator::Communicator(std::shared_ptr<Context> ctx, uint64_t id, std::strin
       }
       return std::pair{seen.size(), shared};
     };
-    const auto [hosts, shared_host] = groups([this](uint32_t w) -> const std::string& { return ctx_->host_ids()[w]; });
+    const auto [hosts, shared_host] =
+        groups([this](uint32_t w) -> const std::string& { return ctx_->host_ids()[w]; });
     all_local_ = hosts == 1;
     // Hierarchical collectives group by site where sites are set (Context::group_key).
-    const auto [keys, shared_key] = groups([this](uint32_t w) -> const std::string& { return ctx_->group_key(w); });
+    const auto [keys, shared_key] =
+        groups([this](uint32_t w) -> const std::string& { return ctx_->group_key(w); });
     hierarchical_ = keys > 1 && shared_key;
   }
   p2p_sent_.assign(world_ranks_.size(), 0);
@@ -461,8 +464,8 @@ void Communicator::allreduce_impl(const std::byte* in, std::byte* b, size_t coun
   const bool small = chosen == AllreduceAlgo::kRecursiveDoubling && algo == AllreduceAlgo::kAuto &&
                      HostSmall::fits(bytes) && use_small();
   info.bytes = static_cast<int64_t>(bytes);
-  info.algo = chosen == AllreduceAlgo::kHierarchical ? "hierarchical"
-              : small                                ? "shared slots"
+  info.algo = chosen == AllreduceAlgo::kHierarchical        ? "hierarchical"
+              : small                                       ? "shared slots"
               : chosen == AllreduceAlgo::kRecursiveDoubling ? "recursive doubling"
               : direct                                      ? "direct"
                                                             : "ring";
@@ -513,7 +516,8 @@ void Communicator::allreduce_ring(std::byte* buf, size_t count, DType dtype, Red
   ring_run(pieces, dtype, op, info, nullptr);
 }
 
-void Communicator::ring_run(size_t pieces, DType dtype, ReduceOp op, const net::OpInfo& info, SitePipe* pipe) {
+void Communicator::ring_run(size_t pieces, DType dtype, ReduceOp op, const net::OpInfo& info,
+                            SitePipe* pipe) {
   const uint32_t n = size(), r = rank_;
   const size_t es = dtype_size(dtype);
   const uint32_t next = (r + 1) % n, prev = (r + n - 1) % n;
@@ -537,16 +541,17 @@ void Communicator::ring_run(size_t pieces, DType dtype, ReduceOp op, const net::
     }
   }
   const size_t total = steps * pieces;
-  size_t released = pieces;  // the first step's pieces are the rank's own data
+  size_t released = pieces;                      // the first step's pieces are the rank's own data
   size_t opened = pipe != nullptr ? 0 : pieces;  // first-step pieces let go
-  size_t announced = 0;                           // pieces the pipe was told are complete
+  size_t announced = 0;                          // pieces the pipe was told are complete
   // Whether the first unfinished send and receive are both held (or none is left): then nothing
   // can move, as transfers to one peer in one direction go in order.
   size_t first_send = 0, first_recv = 0;
   auto stuck = [&] {
     while (first_send < total && ts[2 * first_send].finished()) ++first_send;
     while (first_recv < total && ts[2 * first_recv + 1].finished()) ++first_recv;
-    return (first_send == total || ts[2 * first_send].held) && (first_recv == total || ts[2 * first_recv + 1].held);
+    return (first_send == total || ts[2 * first_send].held) &&
+           (first_recv == total || ts[2 * first_recv + 1].held);
   };
   exchange(
       ts, info,
@@ -687,7 +692,8 @@ void Communicator::ensure_hierarchy() {
   if (!ctx_->has_sites()) return;
   for (const auto& g : groups)
     if (g.size() != local.size()) return;
-  const size_t index = static_cast<size_t>(std::find(local.begin(), local.end(), ctx_->rank()) - local.begin());
+  const size_t index =
+      static_cast<size_t>(std::find(local.begin(), local.end(), ctx_->rank()) - local.begin());
   std::vector<uint32_t> cross;
   for (const auto& g : groups) cross.push_back(g[index]);
   cross_ = std::make_unique<Communicator>(ctx_, id_ | kCrossCommBit, name_ + "/cross", cross);
@@ -788,7 +794,7 @@ void Communicator::allreduce_2d_overlapped(std::byte* buf, size_t count, DType d
     return t;
   };
   scratch_.resize((count + own_count) * es);
-  std::byte* const gathered = scratch_.data();  // the buffer in piece order
+  std::byte* const gathered = scratch_.data();   // the buffer in piece order
   std::byte* const own = gathered + count * es;  // this member's block in piece order
   cross_->ring_at_.clear();
   for (uint32_t q = 0; q < k; ++q)
@@ -822,8 +828,8 @@ void Communicator::allreduce_2d_overlapped(std::byte* buf, size_t count, DType d
   try {
     for (size_t c = 0; c < pieces; ++c) {
       piece(c, Copy::kIn);
-      local_->reduce_scatter(gathered + before(c, 0, false) * es, own + before(c, mine, true) * es, pipe.counts,
-                             dtype, partial);
+      local_->reduce_scatter(gathered + before(c, 0, false) * es, own + before(c, mine, true) * es,
+                             pipe.counts, dtype, partial);
       pipe.publish_ready(c + 1);
     }
     for (size_t c = 0; c < pieces; ++c) {
@@ -1021,7 +1027,7 @@ void Communicator::broadcast(void* buf, size_t count, DType dtype, uint32_t root
   // emulated hosts at 1 Gbit: 0.61 of the link against 0.89, benchmarks/elastic.py --hosts 4).
   // One host keeps scatter + allgather, whose transfers run in parallel over shared memory.
   const bool chain = large && !all_local_ && size() >= 3;
-  info.algo = direct  ? "direct"
+  info.algo = direct   ? "direct"
               : !large ? "binomial tree"
               : chain  ? "pipelined chain"
                        : "scatter + ring allgather";

@@ -76,8 +76,10 @@ Context::Context(uint32_t rank, uint32_t size, const net::Token& token, Options 
                              std::pair{&options_.tls_ca_pem, "CA certificate (RUMOR_TLS_CA)"}})
       if (pem->empty()) missing += std::string(missing.empty() ? "" : ", ") + name;
     if (!missing.empty())
-      throw Error(ErrorKind::kInvalidArgument, "TLS needs this rank's certificate, its private key and the CA "
-                                               "certificate; missing: " + missing);
+      throw Error(ErrorKind::kInvalidArgument,
+                  "TLS needs this rank's certificate, its private key and the CA "
+                  "certificate; missing: " +
+                      missing);
     net::TlsConfig cfg;
     cfg.cert_pem = options_.tls_cert_pem;
     cfg.key_pem = options_.tls_key_pem;
@@ -120,8 +122,8 @@ std::string Context::owned_name(const std::string& base, std::initializer_list<u
 
 void Context::set_sites(std::vector<std::string> site_ids) {
   if (!site_ids.empty() && site_ids.size() != size_)
-    throw Error(ErrorKind::kInvalidArgument, "set_sites: expected " + std::to_string(size_) + " site ids, got " +
-                                                 std::to_string(site_ids.size()));
+    throw Error(ErrorKind::kInvalidArgument, "set_sites: expected " + std::to_string(size_) +
+                                                 " site ids, got " + std::to_string(site_ids.size()));
   for (size_t r = 0; r < site_ids.size(); ++r)
     if (site_ids[r].empty())
       throw Error(ErrorKind::kInvalidArgument, "set_sites: rank " + std::to_string(r) + " has no site");
@@ -212,7 +214,8 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
     // encrypts and authenticates every byte after it. The channel runs the TLS handshakes inside
     // its progress (see TcpChannel for why not here); the stream count sized_tcp_streams sent is
     // the only payload byte outside TLS, behind the HMAC.
-    for (size_t s = 0; s < streams.size(); ++s) sessions.push_back(tls_session(peer, "stream " + std::to_string(s)));
+    for (size_t s = 0; s < streams.size(); ++s)
+      sessions.push_back(tls_session(peer, "stream " + std::to_string(s)));
   }
   return std::make_unique<net::TcpChannel>(
       std::move(streams), desc, options_.stripe_min, std::move(sessions), options_.stripe_steal,
@@ -221,9 +224,9 @@ std::unique_ptr<net::Channel> Context::connect(uint64_t comm_id, uint32_t peer, 
 
 std::unique_ptr<net::TlsSession> Context::tls_session(uint32_t peer, const std::string& stream) const {
   if (!tls_) return nullptr;
-  return std::make_unique<net::TlsSession>(tls_, rank_ > peer ? net::TlsRole::kClient : net::TlsRole::kServer,
-                                           "rank " + std::to_string(peer) + " at " + addresses_.at(peer) + " " +
-                                               stream);
+  return std::make_unique<net::TlsSession>(
+      tls_, rank_ > peer ? net::TlsRole::kClient : net::TlsRole::kServer,
+      "rank " + std::to_string(peer) + " at " + addresses_.at(peer) + " " + stream);
 }
 
 // The dialer measures the pair's round trip on the first stream (the kernel's sample of the
@@ -240,8 +243,9 @@ std::vector<net::Fd> Context::sized_tcp_streams(uint64_t comm_id, uint32_t peer,
   const std::string what = "connection setup with " + desc + ": the stream count";
   if (rank_ > peer) {
     if (long_link)
-      count = static_cast<uint32_t>(net::streams_for_link(rtt, options_.link_rate, limits.per_stream(),
-                                                          options_.streams, static_cast<int>(net::kMaxStreams)));
+      count =
+          static_cast<uint32_t>(net::streams_for_link(rtt, options_.link_rate, limits.per_stream(),
+                                                      options_.streams, static_cast<int>(net::kMaxStreams)));
     net::write_all(fd0, &count, sizeof(count), deadline, what);
   } else {
     net::read_all(fd0, &count, sizeof(count), deadline, what);
@@ -256,8 +260,8 @@ std::vector<net::Fd> Context::sized_tcp_streams(uint64_t comm_id, uint32_t peer,
     const double carry = static_cast<double>(count) * static_cast<double>(limits.per_stream()) / rtt;
     const bool capped = carry < options_.link_rate;
     std::ostringstream msg;
-    msg << "comm " << comm_id << ": " << desc << " is " << rtt * 1e3 << " ms away: " << count << " TCP streams, "
-        << (limits.per_stream() >> 10) << " KiB in flight each";
+    msg << "comm " << comm_id << ": " << desc << " is " << rtt * 1e3 << " ms away: " << count
+        << " TCP streams, " << (limits.per_stream() >> 10) << " KiB in flight each";
     if (capped) {
       msg << " (bounded by " << (limits.send <= limits.recv ? limits.send_limit : limits.recv_limit)
           << "): they carry at most " << carry * 8e-9 << " Gbit/s of the " << options_.link_rate * 8e-9

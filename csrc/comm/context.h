@@ -32,7 +32,7 @@ struct Options {
   // deadline_floor_s (RUMOR_DEADLINE_FLOOR), and an operation lasts as long as bytes keep moving.
   bool adaptive_deadline = true;
   double deadline_floor_s = 10.0;
-  int streams = 2;           // TCP streams per peer pair, at least (RUMOR_SOCKET_STREAMS)
+  int streams = 2;  // TCP streams per peer pair, at least (RUMOR_SOCKET_STREAMS)
   // The rate (bytes/s) a long link's streams should be able to carry (RUMOR_LINK_GBIT): a pair
   // whose round trip is long gets enough streams for this rate times its round trip (net/link.h).
   double link_rate = 312.5e6;
@@ -77,7 +77,7 @@ struct Options {
   // 2 cores: 4 KiB allreduce 132-200 us spinning, 63 us sleeping at once). Resolved in set_peers.
   int spin_us = -1;
   static constexpr int kDefaultSpinUs = 20;
-  size_t flight_records = 64;                 // operations the flight recorder keeps (RUMOR_FLIGHT_RECORDER)
+  size_t flight_records = 64;  // operations the flight recorder keeps (RUMOR_FLIGHT_RECORDER)
   // TLS 1.3 on the TCP data channels between ranks (net/tls.h; RUMOR_TLS_CERT, RUMOR_TLS_KEY,
   // RUMOR_TLS_CA name the PEM files, RUMOR_TLS_PEER_NAME the name every peer's certificate must
   // carry). All three PEMs empty: TLS off. Shared memory within a host is not affected.
@@ -134,7 +134,9 @@ class Context {
   bool has_sites() const { return !site_ids_.empty(); }
   const std::vector<std::string>& site_ids() const { return site_ids_; }
   // What hierarchical collectives group rank r by: its site where sites are set, else its host.
-  const std::string& group_key(uint32_t r) const { return site_ids_.empty() ? host_ids_.at(r) : site_ids_.at(r); }
+  const std::string& group_key(uint32_t r) const {
+    return site_ids_.empty() ? host_ids_.at(r) : site_ids_.at(r);
+  }
 
   // Builds the channel of communicator `comm_id` to world rank `peer`, blocking until the
   // peer's side exists or the deadline passes.

@@ -49,7 +49,7 @@ struct HostDirect::Control {
 
 namespace {
 uint64_t own_pid_ns() {
-  struct stat st {};
+  struct stat st{};
   return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
 }
 
@@ -70,7 +70,8 @@ void cpu_relax() {
 
 // Rank 0's side of a shared block: made under `name`, zeroed, headed and marked ready.
 template <typename Block>
-Block* create_block(net::ShmSegment& seg, const std::string& name, size_t bytes, uint64_t magic, uint32_t ranks) {
+Block* create_block(net::ShmSegment& seg, const std::string& name, size_t bytes, uint64_t magic,
+                    uint32_t ranks) {
   seg = net::ShmSegment::create(name, bytes);
   auto* b = new (seg.data()) Block{};  // placement-new on shared memory, owned by seg
   b->head.magic = magic;
@@ -106,14 +107,16 @@ void vm_copy(bool write, pid_t pid, std::byte* local, uint64_t remote, size_t le
   while (len > 0) {
     iovec l{local, len};
     iovec r{reinterpret_cast<void*>(remote), len};
-    const ssize_t n = write ? ::process_vm_writev(pid, &l, 1, &r, 1, 0) : ::process_vm_readv(pid, &l, 1, &r, 1, 0);
+    const ssize_t n =
+        write ? ::process_vm_writev(pid, &l, 1, &r, 1, 0) : ::process_vm_readv(pid, &l, 1, &r, 1, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const int err = n < 0 ? errno : EIO;
       throw Error(err == ESRCH ? ErrorKind::kPeerGone : ErrorKind::kSystem,
                   info.where() + ": " + (write ? "writing " : "reading ") + std::to_string(len) + " bytes " +
                       (write ? "into " : "of ") + peer + "'s buffer (pid " + std::to_string(pid) +
-                      ") directly: " + net::errno_string(err) + " (expected the buffer it announced for this operation)");
+                      ") directly: " + net::errno_string(err) +
+                      " (expected the buffer it announced for this operation)");
     }
     local += n;
     remote += static_cast<uint64_t>(n);
@@ -144,8 +147,14 @@ std::vector<T> share_all(Communicator& comm, const T& mine, const net::OpInfo& i
 HostDirect::HostDirect(Communicator& comm) : comm_(comm), huge_(comm.context().options().huge_pages) {}
 
 HostDirect::Entry HostDirect::announce(uint64_t shape, bool huge, const void* buf, const void* out) {
-  return Entry{reinterpret_cast<uint64_t>(buf), static_cast<int32_t>(::getpid()), 1, reinterpret_cast<uint64_t>(out),
-               own_pid_ns(), shape, huge ? 1u : 0u, 0};
+  return Entry{reinterpret_cast<uint64_t>(buf),
+               static_cast<int32_t>(::getpid()),
+               1,
+               reinterpret_cast<uint64_t>(out),
+               own_pid_ns(),
+               shape,
+               huge ? 1u : 0u,
+               0};
 }
 
 bool HostDirect::pays(const std::vector<Entry>& entries) const {
@@ -180,7 +189,9 @@ std::vector<HostDirect::Entry> HostDirect::share(const Entry& mine, const net::O
 bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
   const uint32_t n = comm_.size(), r = comm_.rank();
   const std::string name = segment_name(comm_, "direct");
-  if (r != 0) ctl_ = open_block<Control>(seg_, name, sizeof(Control), kControlMagic, n, info, "direct-collective block");
+  if (r != 0)
+    ctl_ =
+        open_block<Control>(seg_, name, sizeof(Control), kControlMagic, n, info, "direct-collective block");
   // Can this process reach every peer's memory? (ptrace rules: Yama, containers without
   // CAP_SYS_PTRACE, a seccomp filter.) Every rank must agree before anyone relies on it.
   uint32_t ok = 1;
@@ -206,11 +217,12 @@ bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
 }
 
 HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entries, bool reduces,
-                                     const net::OpInfo& info) {
+                                    const net::OpInfo& info) {
   if (state_ == State::kOff) return nullptr;
   const uint32_t r = comm_.rank();
   if (state_ == State::kUnknown && r == 0)
-    ctl_ = create_block<Control>(seg_, segment_name(comm_, "direct"), sizeof(Control), kControlMagic, comm_.size());
+    ctl_ = create_block<Control>(seg_, segment_name(comm_, "direct"), sizeof(Control), kControlMagic,
+                                 comm_.size());
   if (r == 0 && state_ == State::kOn) {
     Slot& s = ctl_->slot[ops_ % 2];
     s.next.store(0, std::memory_order_relaxed);
@@ -235,24 +247,27 @@ HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entri
       std::string all;
       for (uint32_t k = 0; k < entries.size(); ++k)
         all += (k ? ", " : "") + comm_.peer_desc(k) + " " + std::to_string(entries[k].shape % 1000000);
-      throw Error(ErrorKind::kProtocol, info.where() + ": the ranks passed different sizes, dtypes or ops "
-                                            "(shape hashes mod 1e6: " + all + ")");
+      throw Error(ErrorKind::kProtocol, info.where() +
+                                            ": the ranks passed different sizes, dtypes or ops "
+                                            "(shape hashes mod 1e6: " +
+                                            all + ")");
     }
   for (uint32_t q = 0; q < entries.size(); ++q)
     if (entries[q].pid != peers_.pids()[q])
       throw Error(ErrorKind::kProtocol, info.where() + ": " + comm_.peer_desc(q) + " announced pid " +
                                             std::to_string(entries[q].pid) + " (expected " +
-                                            std::to_string(peers_.pids()[q]) + ", the process of the first operation)");
+                                            std::to_string(peers_.pids()[q]) +
+                                            ", the process of the first operation)");
   // P peers' chunks and the reduction of a chunk (reduce_chunk).
   if (reduces) scratch_.resize(static_cast<size_t>(comm_.size() + 1) * kChunkBytes);
   return &ctl_->slot[ops_++ % 2];
 }
 
 template <typename Body>
-void HostDirect::work(Slot& slot, size_t total, const net::OpInfo& info,
-                      Body&& body) {
+void HostDirect::work(Slot& slot, size_t total, const net::OpInfo& info, Body&& body) {
   if (total >= UINT32_MAX)
-    throw Error(ErrorKind::kInvalidArgument, info.where() + ": " + std::to_string(total) + " chunks are too many");
+    throw Error(ErrorKind::kInvalidArgument,
+                info.where() + ": " + std::to_string(total) + " chunks are too many");
   try {
     while (true) {
       const uint32_t i = slot.next.fetch_add(1, std::memory_order_acq_rel);
@@ -270,8 +285,9 @@ void HostDirect::work(Slot& slot, size_t total, const net::OpInfo& info,
   }
 }
 
-std::byte* HostDirect::reduce_chunk(const std::byte* mine, size_t off, size_t elems, const std::vector<Entry>& peers,
-                                    DType dtype, ReduceOp op, const net::OpInfo& info, std::byte* dst) {
+std::byte* HostDirect::reduce_chunk(const std::byte* mine, size_t off, size_t elems,
+                                    const std::vector<Entry>& peers, DType dtype, ReduceOp op,
+                                    const net::OpInfo& info, std::byte* dst) {
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t len = elems * dtype_size(dtype);
   auto staged = [&](uint32_t q) { return scratch_.data() + static_cast<size_t>(q) * kChunkBytes; };
@@ -298,7 +314,9 @@ struct Pieces {
   std::vector<size_t> byte_off;  // where each block starts in the buffer
   size_t chunk_elems;
   Pieces(std::span<const size_t> counts, size_t es)
-      : start(counts.size() + 1, 0), byte_off(counts.size() + 1, 0), chunk_elems(HostDirect::kChunkBytes / es) {
+      : start(counts.size() + 1, 0),
+        byte_off(counts.size() + 1, 0),
+        chunk_elems(HostDirect::kChunkBytes / es) {
     for (size_t b = 0; b < counts.size(); ++b) {
       start[b + 1] = start[b] + (counts[b] + chunk_elems - 1) / chunk_elems;
       byte_off[b + 1] = byte_off[b] + counts[b] * es;
@@ -341,8 +359,8 @@ bool HostDirect::allreduce(const std::byte* in, std::byte* out, size_t count, DT
   return true;
 }
 
-bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
-                                ReduceOp op, const net::OpInfo& info) {
+bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts,
+                                DType dtype, ReduceOp op, const net::OpInfo& info) {
   std::vector<Entry> peers;
   bool huge = false;
   if (state_ != State::kOff) {
@@ -365,12 +383,14 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
     if (p.block == r)
       std::memcpy(out + p.first * es, sum, len);
     else
-      vm_copy(true, peers[p.block].pid, sum, peers[p.block].out + p.first * es, len, info, comm_.peer_desc(p.block));
+      vm_copy(true, peers[p.block].pid, sum, peers[p.block].out + p.first * es, len, info,
+              comm_.peer_desc(p.block));
   });
   return true;
 }
 
-bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
+bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype,
+                           const net::OpInfo& info) {
   std::vector<Entry> peers;
   bool huge = false;
   if (state_ != State::kOff) {
@@ -388,8 +408,9 @@ bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType
     const size_t off = pieces.byte_off[p.block] + p.first * es, len = p.elems * es;
     // Read once from the block's owner (into this rank's own copy of the block, which needs it
     // anyway), then write from there into every other rank.
-    if (p.block != r) vm_copy(false, peers[p.block].pid, buf + off, peers[p.block].addr + off, len, info,
-                              comm_.peer_desc(p.block));
+    if (p.block != r)
+      vm_copy(false, peers[p.block].pid, buf + off, peers[p.block].addr + off, len, info,
+              comm_.peer_desc(p.block));
     peers_.check_alive(comm_, info, "before writing a gathered chunk");
     for (uint32_t q = 0; q < n; ++q)
       if (q != r && q != p.block)
@@ -408,7 +429,8 @@ void HostDirect::wait_done(Slot& slot, size_t total, const net::OpInfo& info) {
     if (const uint32_t f = slot.failed.load(std::memory_order_acquire); f != 0)
       throw Error(ErrorKind::kPeerGone, info.where() + ": " + comm_.peer_desc(f - 1) +
                                             " failed while the ranks were reducing each other's buffers (" +
-                                            std::to_string(done) + " of " + std::to_string(total) + " chunks done)");
+                                            std::to_string(done) + " of " + std::to_string(total) +
+                                            " chunks done)");
     const auto now = Clock::now();
     if (now < spin_until) {
       cpu_relax();
@@ -416,7 +438,8 @@ void HostDirect::wait_done(Slot& slot, size_t total, const net::OpInfo& info) {
     }
     if (info.deadline.expired())
       throw Error(ErrorKind::kTimeout, info.where() + ": timed out after " + std::to_string(info.timeout_s) +
-                                           " s with " + std::to_string(done) + " of " + std::to_string(total) +
+                                           " s with " + std::to_string(done) + " of " +
+                                           std::to_string(total) +
                                            " chunks reduced (a rank that took a chunk never finished it)");
     // Only the rank finishing the last chunk wakes the sleepers: one wake-up per operation.
     futex_wait(&slot.done, done, 20 * 1000);
@@ -463,12 +486,18 @@ constexpr uint64_t kSmallMagic = 0x52554d4f52534d4cull;
 
 std::string opcode_name(uint32_t opcode) {
   switch (static_cast<Opcode>(opcode)) {
-    case Opcode::kAllreduce: return "allreduce";
-    case Opcode::kReduceScatter: return "reduce_scatter";
-    case Opcode::kAllgather: return "allgather";
-    case Opcode::kBroadcast: return "broadcast";
-    case Opcode::kReduce: return "reduce";
-    default: return "opcode " + std::to_string(opcode);
+    case Opcode::kAllreduce:
+      return "allreduce";
+    case Opcode::kReduceScatter:
+      return "reduce_scatter";
+    case Opcode::kAllgather:
+      return "allgather";
+    case Opcode::kBroadcast:
+      return "broadcast";
+    case Opcode::kReduce:
+      return "reduce";
+    default:
+      return "opcode " + std::to_string(opcode);
   }
 }
 
@@ -559,7 +588,8 @@ uint64_t HostSmall::arrive(const std::byte* data, size_t bytes, const Shape& sha
     if (spin_us == 0 && my_cpu_ >= 0) {
       bool needed_here = false;
       for (uint32_t q = 0; q < n && !needed_here; ++q)
-        needed_here = q != r && cpus_[q] == my_cpu_ && slot(set, q).stamp.load(std::memory_order_acquire) != ops_;
+        needed_here =
+            q != r && cpus_[q] == my_cpu_ && slot(set, q).stamp.load(std::memory_order_acquire) != ops_;
       if (!needed_here) spin_us = kBoundSpinUs;
     }
     const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us);
@@ -623,8 +653,8 @@ void HostSmall::allreduce(std::byte* buf, size_t count, DType dtype, ReduceOp op
   if (op == ReduceOp::AVG) finish_average(buf, count, dtype, n);
 }
 
-void HostSmall::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
-                               ReduceOp op, const net::OpInfo& info) {
+void HostSmall::reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts,
+                               DType dtype, ReduceOp op, const net::OpInfo& info) {
   const size_t bytes = total_bytes(counts, dtype);
   const uint64_t set = arrive(in, bytes, Shape(info, dtype, op, counts, bytes), info);
   const uint32_t n = comm_.size(), r = comm_.rank();
@@ -636,13 +666,14 @@ void HostSmall::reduce_scatter(const std::byte* in, std::byte* out, std::span<co
   if (op == ReduceOp::AVG) finish_average(out, counts[r], dtype, n);
 }
 
-void HostSmall::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info) {
+void HostSmall::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype,
+                          const net::OpInfo& info) {
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype);
   std::vector<size_t> off(n + 1, 0);
   for (uint32_t q = 0; q < n; ++q) off[q + 1] = off[q] + counts[q] * es;
-  const uint64_t set = arrive(buf + off[r], counts[r] * es,
-                              Shape(info, dtype, ReduceOp::SUM, counts, off[n]), info);
+  const uint64_t set =
+      arrive(buf + off[r], counts[r] * es, Shape(info, dtype, ReduceOp::SUM, counts, off[n]), info);
   for (uint32_t q = 0; q < n; ++q)
     if (q != r && counts[q] > 0) std::memcpy(buf + off[q], slot(set, q).data, counts[q] * es);
 }
@@ -678,7 +709,8 @@ void PeerProcesses::check_alive(const Communicator& comm, const net::OpInfo& inf
     do rc = ::poll(fds, k, 0);
     while (rc < 0 && errno == EINTR);
     if (rc < 0)
-      throw Error(ErrorKind::kSystem, info.where() + ": polling the peers' pidfds: " + net::errno_string(errno));
+      throw Error(ErrorKind::kSystem,
+                  info.where() + ": polling the peers' pidfds: " + net::errno_string(errno));
     for (uint32_t i = 0; i < k && rc > 0; ++i)
       if (fds[i].revents != 0)
         throw Error(ErrorKind::kPeerGone, info.where() + ": " + comm.peer_desc(owner[i]) + " (pid " +

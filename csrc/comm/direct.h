@@ -138,8 +138,8 @@ class HostDirect {
   struct Entry {  // what every rank tells the others at the start of an operation
     uint64_t addr;
     int32_t pid;
-    uint32_t ok;   // first use: whether this rank could read every peer's buffer
-    uint64_t out;  // reduce_scatter: the output block
+    uint32_t ok;      // first use: whether this rank could read every peer's buffer
+    uint64_t out;     // reduce_scatter: the output block
     uint64_t pid_ns;  // first use: a pid means the same process only inside one pid namespace
     uint64_t shape;   // hash of the operation, dtype, op and block sizes: must match everywhere
     uint32_t huge;    // the buffer (allreduce, allgather) or input (reduce_scatter) is on huge pages

@@ -358,7 +358,8 @@ void WindowProgress::read_frames(Link& l) {
   // Read as much as is there: frames, and their payloads.
   for (;;) {
     if (l.in_hdr < sizeof(WinFrame)) {
-      const size_t n = receive(l, reinterpret_cast<std::byte*>(&l.in) + l.in_hdr, sizeof(WinFrame) - l.in_hdr);
+      const size_t n =
+          receive(l, reinterpret_cast<std::byte*>(&l.in) + l.in_hdr, sizeof(WinFrame) - l.in_hdr);
       if (n == 0) return;
       l.in_hdr += n;
       if (l.in_hdr < sizeof(WinFrame)) continue;

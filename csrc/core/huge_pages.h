@@ -86,10 +86,10 @@ class HugeBacking {
   bool enabled_;
   Collapse collapse_;
   std::array<Range, kRecent> recent_{};
-  size_t next_ = 0;  // where the next new range is remembered (the oldest is forgotten)
+  size_t next_ = 0;                     // where the next new range is remembered (the oldest is forgotten)
   size_t collapses_ = 0, refused_ = 0;  // every call but this one either was refused or succeeded
-  int removes_ = 0;  // collapses that moved the pages of a range collapsed before
-  long noops_ = 0;   // collapses that found the range huge already
+  int removes_ = 0;                     // collapses that moved the pages of a range collapsed before
+  long noops_ = 0;                      // collapses that found the range huge already
   bool stopped_ = false;
 };
 

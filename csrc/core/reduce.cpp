@@ -41,8 +41,8 @@ void reduce_many(void* dst, const void* const* srcs, size_t k, size_t count, DTy
   if (count == 0) return;
   if (k == 0 || srcs == nullptr)
     throw Error(ErrorKind::kInvalidArgument, "reduce_many: expected at least one source for " +
-                                                 std::to_string(count) + " " + std::string(dtype_name(dtype)) +
-                                                 " elements, got none");
+                                                 std::to_string(count) + " " +
+                                                 std::string(dtype_name(dtype)) + " elements, got none");
 #ifdef RUMOR_AVX2_KERNELS
   if (cpu_has_avx2()) return avx2::reduce_many(dst, srcs, k, count, dtype, op);
 #endif

@@ -110,7 +110,9 @@ void fold_block(void* dst, const void* const* srcs, size_t k, size_t i, size_t m
 // reduce_avx2_halves.h for the half types, whose conversions the compiler does not vectorize.
 template <class E, template <typename> class Op>
 struct Fold {
-  static void run(void* dst, const void* const* srcs, size_t k, size_t n) { fold_block<E, Op>(dst, srcs, k, 0, n); }
+  static void run(void* dst, const void* const* srcs, size_t k, size_t n) {
+    fold_block<E, Op>(dst, srcs, k, 0, n);
+  }
 };
 
 // The native types through GCC vector types, 4 registers of accumulator per block: written as a

@@ -61,7 +61,9 @@ void check_header(const FrameHeader& h, const Part& p, const Transfer& t, const 
     // A TLS record starts with its type (handshake 22, alert 21, data 23) and version 3.x.
     const auto* b = reinterpret_cast<const uint8_t*>(&h);
     if (b[0] >= 21 && b[0] <= 23 && b[1] == 3)
-      fail("is a TLS record: that rank has TLS on and this one off (RUMOR_TLS_* must be set on every rank or none)");
+      fail(
+          "is a TLS record: that rank has TLS on and this one off (RUMOR_TLS_* must be set on every rank or "
+          "none)");
     fail("has a corrupt frame header");
   }
   if (h.tag != op.tag || h.opcode != op.opcode)

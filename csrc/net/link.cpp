@@ -49,7 +49,8 @@ double measured_min_rtt_s(int fd) {
   socklen_t len = sizeof(info);
   if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return 0;
   // An older kernel fills less of the struct; ~0 is "no sample yet".
-  if (len < offsetof(tcp_info, tcpi_min_rtt) + sizeof(info.tcpi_min_rtt) || info.tcpi_min_rtt == ~0u) return 0;
+  if (len < offsetof(tcp_info, tcpi_min_rtt) + sizeof(info.tcpi_min_rtt) || info.tcpi_min_rtt == ~0u)
+    return 0;
   return info.tcpi_min_rtt * 1e-6;
 }
 
@@ -80,7 +81,8 @@ SendCounters& SendCounters::operator+=(const SendCounters& o) {
 SendCounters SendCounters::operator-(const SendCounters& o) const {
   // Counters only grow; a stream that reports less than before (none) contributes nothing.
   auto d = [](uint64_t a, uint64_t b) { return a > b ? a - b : 0; };
-  return {d(sent, o.sent), d(resent, o.resent), d(busy_us, o.busy_us), d(window_limited_us, o.window_limited_us)};
+  return {d(sent, o.sent), d(resent, o.resent), d(busy_us, o.busy_us),
+          d(window_limited_us, o.window_limited_us)};
 }
 
 SendCounters send_counters(int fd) {
@@ -105,7 +107,8 @@ size_t next_stripe_width(size_t width, size_t lo, size_t hi, const SendCounters&
   const double vain = static_cast<double>(since.resent) / static_cast<double>(since.sent);
   if (vain > kNarrowResent) return std::max(lo, width / 2);
   const double limited =
-      since.busy_us > 0 ? static_cast<double>(since.window_limited_us) / static_cast<double>(since.busy_us) : 0;
+      since.busy_us > 0 ? static_cast<double>(since.window_limited_us) / static_cast<double>(since.busy_us)
+                        : 0;
   if (vain <= kWidenResent && limited > kWidenWindowLimited) return std::min(hi, width + 1);
   return width;
 }

@@ -40,7 +40,7 @@ namespace {
 // Who owns an existing name, for the error when it is not ours (best effort: /dev/shm is where
 // glibc keeps POSIX shared memory).
 std::string owner_of(const std::string& name) {
-  struct stat st {};
+  struct stat st{};
   if (::lstat(("/dev/shm" + name).c_str(), &st) != 0) return "";
   char mode[8];
   std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
@@ -50,7 +50,7 @@ std::string owner_of(const std::string& name) {
 // A segment is trusted only if this user made it and nobody else can open it: another local user
 // could otherwise create the name first and feed this process rings and frames of its choosing.
 void check_private(int fd, const std::string& name, const std::string& what) {
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd, &st) != 0)
     throw Error(ErrorKind::kSystem, what + ": fstat(" + name + "): " + errno_string(errno));
   if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
@@ -102,7 +102,7 @@ ShmSegment ShmSegment::open(const std::string& name, size_t bytes, const Deadlin
     if (fd >= 0) {
       Fd guard(fd);
       check_private(fd, name, what);  // before a byte of it is mapped
-      struct stat st {};
+      struct stat st{};
       // The creator may not have sized it yet; mapping past EOF would SIGBUS.
       if (::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= bytes) {
         void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

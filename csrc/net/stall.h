@@ -35,6 +35,7 @@ constexpr double kUnmeasuredRateBps = 1e6;
 //   clamp(kStallFactor * (rtt + min(bytes_outstanding, kStallPieceBytes) / rate), floor, ceiling)
 // rate <= 0 means unmeasured (kUnmeasuredRateBps). Non-decreasing in bytes_outstanding and rtt,
 // non-increasing in rate; never below floor_s unless the ceiling is lower (the ceiling wins).
-double stall_limit_s(size_t bytes_outstanding, double rate_Bps, double rtt_s, double floor_s, double ceiling_s);
+double stall_limit_s(size_t bytes_outstanding, double rate_Bps, double rtt_s, double floor_s,
+                     double ceiling_s);
 
 }  // namespace rumor::net

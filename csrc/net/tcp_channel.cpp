@@ -50,8 +50,9 @@ TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t st
       width_now_(streams_.size()),
       tls_(std::move(tls)) {
   if (!tls_.empty() && tls_.size() != streams_.size())
-    throw Error(ErrorKind::kInvalidArgument, "TcpChannel to " + peer_desc_ + ": " + std::to_string(tls_.size()) +
-                                                 " TLS sessions for " + std::to_string(streams_.size()) + " streams");
+    throw Error(ErrorKind::kInvalidArgument, "TcpChannel to " + peer_desc_ + ": " +
+                                                 std::to_string(tls_.size()) + " TLS sessions for " +
+                                                 std::to_string(streams_.size()) + " streams");
   for (auto& s : streams_) set_nonblocking(s.get(), true);
   stage_.resize(streams_.size());
   staged_.assign(streams_.size(), 0);
@@ -127,7 +128,8 @@ void TcpChannel::check_stall(const Transfer& t, const OpInfo& op, Clock::time_po
                   " bytes (" + std::to_string(t.bytes_done()) + " done, " + std::to_string(left) +
                   " outstanding); " + rate_desc + ", so the progress deadline was " + fmt("%.3g", limit) +
                   " s (floor " + fmt("%g", op.stall_floor_s) + " s RUMOR_DEADLINE_FLOOR, ceiling " +
-                  fmt("%g", op.timeout_s) + " s RUMOR_TIMEOUT; RUMOR_ADAPTIVE_DEADLINE=0 restores fixed deadlines)");
+                  fmt("%g", op.timeout_s) +
+                  " s RUMOR_TIMEOUT; RUMOR_ADAPTIVE_DEADLINE=0 restores fixed deadlines)");
 }
 
 size_t TcpChannel::piece_bytes(size_t len, size_t streams) {
@@ -154,15 +156,14 @@ void TcpChannel::adapt_width() {
   width_ = width_rule_.next(since, busiest_us);
   std::swap(width_base_, width_now_);
   if (width_ != before)
-    RUMOR_LOG(kDebug, "stripe width to " << peer_desc_ << ": " << before << " -> " << width_ << " of "
-                                         << streams_.size() << " streams (of " << since.sent
-                                         << " bytes sent, " << since.resent << " in vain, "
-                                         << width_rule_.last_rate() / 1e6 << " MB/s delivered in "
-                                         << busiest_us / 1000 << " busy ms; recent means "
-                                         << width_rule_.floor_rate() / 1e6 << " MB/s at the floor, "
-                                         << width_rule_.below_rate() / 1e6 << " below; window-limited "
-                                         << since.window_limited_us / 1000 << " of " << since.busy_us / 1000
-                                         << " busy ms)");
+    RUMOR_LOG(kDebug, "stripe width to "
+                          << peer_desc_ << ": " << before << " -> " << width_ << " of " << streams_.size()
+                          << " streams (of " << since.sent << " bytes sent, " << since.resent << " in vain, "
+                          << width_rule_.last_rate() / 1e6 << " MB/s delivered in " << busiest_us / 1000
+                          << " busy ms; recent means " << width_rule_.floor_rate() / 1e6
+                          << " MB/s at the floor, " << width_rule_.below_rate() / 1e6
+                          << " below; window-limited " << since.window_limited_us / 1000 << " of "
+                          << since.busy_us / 1000 << " busy ms)");
 }
 
 void TcpChannel::take_piece(Part& p, Transfer& t, const OpInfo& op) {
@@ -203,8 +204,8 @@ void TcpChannel::on_header(Part& p, Transfer& t, const OpInfo& op) {
     p.offset = p.len = 0;
     p.more = false;
     if (++t.streams_ended == t.nparts && t.bytes_done() != t.len)
-      fail("ended the striped message after " + std::to_string(t.bytes_done()) + " of " + std::to_string(t.len) +
-           " bytes");
+      fail("ended the striped message after " + std::to_string(t.bytes_done()) + " of " +
+           std::to_string(t.len) + " bytes");
     return;
   }
   const size_t i = p.hdr.piece;
@@ -288,7 +289,8 @@ void TcpChannel::fail_io(const Transfer& t, const OpInfo& op, int err, bool clos
                      " bytes (" + std::to_string(t.bytes_done()) + " done)";
   // TLS 1.3 lets a client finish its handshake before the server has checked its certificate:
   // a refusal can reach this end as a reset rather than as the server's alert.
-  if (!tls_.empty()) what += "; over TLS, so the peer may have refused this rank's certificate (see its error)";
+  if (!tls_.empty())
+    what += "; over TLS, so the peer may have refused this rank's certificate (see its error)";
   throw Error(ErrorKind::kPeerGone, what);
 }
 
@@ -386,7 +388,8 @@ void TcpChannel::fail_tls(const Error& e, const OpInfo& op, size_t i) {
   // A failed session may hold an alert that tells the peer why; it goes if the socket takes it now.
   if (tls_[i]->pending_out() > 0) {
     auto out = tls_[i]->peek_out();
-    [[maybe_unused]] ssize_t n = ::send(streams_[i].get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    [[maybe_unused]] ssize_t n =
+        ::send(streams_[i].get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   }
   throw Error(e.kind(), op.where() + ": " + e.what());
 }
@@ -472,7 +475,8 @@ bool TcpChannel::progress_send_tls(Part& p, Transfer& t, const OpInfo& op) {
         s.write({reinterpret_cast<const uint8_t*>(&p.hdr) + p.hdr_done, sealed_hdr_[i]});
       }
       sealed_len_[i] = std::min(kSealBytes, p.len - p.done);
-      if (sealed_len_[i] > 0) s.write({reinterpret_cast<const uint8_t*>(t.data + p.offset + p.done), sealed_len_[i]});
+      if (sealed_len_[i] > 0)
+        s.write({reinterpret_cast<const uint8_t*>(t.data + p.offset + p.done), sealed_len_[i]});
     } catch (const Error& e) {
       fail_tls(e, op, i);
     }

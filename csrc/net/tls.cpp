@@ -115,7 +115,8 @@ PkeyPtr read_key(const std::string& pem, const std::string& what) {
 std::string read_file(const std::string& path, const char* what) {
   std::ifstream f(path, std::ios::binary);
   if (!f)
-    throw Error(ErrorKind::kInvalidArgument, std::string("tls: cannot read the ") + what + " file '" + path + "'");
+    throw Error(ErrorKind::kInvalidArgument,
+                std::string("tls: cannot read the ") + what + " file '" + path + "'");
   std::ostringstream s;
   s << f.rdbuf();
   return s.str();
@@ -149,7 +150,8 @@ struct TlsBuffers {
     BIO_clear_retry_flags(b);
     if (len <= 0) return 0;
     std::vector<uint8_t>& out = of(b)->out_;
-    out.insert(out.end(), reinterpret_cast<const uint8_t*>(data), reinterpret_cast<const uint8_t*>(data) + len);
+    out.insert(out.end(), reinterpret_cast<const uint8_t*>(data),
+               reinterpret_cast<const uint8_t*>(data) + len);
     return len;
   }
   static int read(BIO* b, char* dst, int len) {
@@ -219,7 +221,8 @@ TlsContext::TlsContext(const TlsConfig& config) : expected_peer_name_(config.exp
   bio_method_.reset(TlsBuffers::method());
   if (!bio_method_) pki_fail("BIO_meth_new");
   SSL_CTX* c = ctx_.get();
-  if (SSL_CTX_set_min_proto_version(c, TLS1_3_VERSION) != 1 || SSL_CTX_set_max_proto_version(c, TLS1_3_VERSION) != 1)
+  if (SSL_CTX_set_min_proto_version(c, TLS1_3_VERSION) != 1 ||
+      SSL_CTX_set_max_proto_version(c, TLS1_3_VERSION) != 1)
     pki_fail("this OpenSSL cannot be limited to TLS 1.3");
   // Only the AEAD suites: a subset the caller names, never a suite from outside the list.
   std::string allowed = std::string(":") + kTlsSuites + ":";
@@ -239,7 +242,8 @@ TlsContext::TlsContext(const TlsConfig& config) : expected_peer_name_(config.exp
   std::vector<X509Ptr> chain = read_certs(config.cert_pem, "the certificate");
   if (SSL_CTX_use_certificate(c, chain[0].get()) != 1) pki_fail("the certificate was not accepted");
   for (size_t i = 1; i < chain.size(); ++i)
-    if (SSL_CTX_add1_chain_cert(c, chain[i].get()) != 1) pki_fail("intermediate certificate " + std::to_string(i));
+    if (SSL_CTX_add1_chain_cert(c, chain[i].get()) != 1)
+      pki_fail("intermediate certificate " + std::to_string(i));
   PkeyPtr key = read_key(config.key_pem, "the private key");
   if (X509_check_private_key(chain[0].get(), key.get()) != 1)
     pki_fail("the private key does not match the certificate");
@@ -257,7 +261,10 @@ void TlsSession::Free::operator()(ssl_st* p) const { SSL_free(p); }
 
 TlsSession::TlsSession(std::shared_ptr<const TlsContext> ctx, TlsRole role, std::string peer,
                        std::string expected_peer_name)
-    : ctx_(std::move(ctx)), role_(role), peer_(std::move(peer)), expected_name_(std::move(expected_peer_name)) {
+    : ctx_(std::move(ctx)),
+      role_(role),
+      peer_(std::move(peer)),
+      expected_name_(std::move(expected_peer_name)) {
   if (!ctx_) throw Error(ErrorKind::kInvalidArgument, "tls session with " + peer_ + ": no context");
   if (expected_name_.empty()) expected_name_ = ctx_->expected_peer_name();
   ERR_clear_error();
@@ -273,8 +280,9 @@ TlsSession::TlsSession(std::shared_ptr<const TlsContext> ctx, TlsRole role, std:
   if (!expected_name_.empty()) {
     X509_VERIFY_PARAM* param = SSL_get0_param(ssl_.get());
     X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
-    const int ok = is_ip_address(expected_name_) ? X509_VERIFY_PARAM_set1_ip_asc(param, expected_name_.c_str())
-                                                 : X509_VERIFY_PARAM_set1_host(param, expected_name_.c_str(), 0);
+    const int ok = is_ip_address(expected_name_)
+                       ? X509_VERIFY_PARAM_set1_ip_asc(param, expected_name_.c_str())
+                       : X509_VERIFY_PARAM_set1_host(param, expected_name_.c_str(), 0);
     if (ok != 1) fail("setup (expected peer name '" + expected_name_ + "')");
   }
   if (role_ == TlsRole::kClient)
@@ -313,12 +321,13 @@ void TlsSession::fail(const std::string& op, unsigned long err) {
   } else if (lib == ERR_LIB_SSL && reason == SSL_R_PEER_DID_NOT_RETURN_A_CERTIFICATE) {
     ERR_clear_error();
     why = "the peer presented no certificate (both ends must)";
-  } else if (lib == ERR_LIB_SSL && (reason == SSL_R_DECRYPTION_FAILED_OR_BAD_RECORD_MAC ||
-                                    reason == SSL_R_DECRYPTION_FAILED)) {
+  } else if (lib == ERR_LIB_SSL &&
+             (reason == SSL_R_DECRYPTION_FAILED_OR_BAD_RECORD_MAC || reason == SSL_R_DECRYPTION_FAILED)) {
     why = "integrity check failed: a record did not authenticate (" + openssl_reason(err) +
           "), its bytes were altered in transit";
-  } else if (lib == ERR_LIB_SSL && (reason == SSL_R_UNSUPPORTED_PROTOCOL || reason == SSL_R_NO_PROTOCOLS_AVAILABLE ||
-                                    reason == SSL_R_WRONG_VERSION_NUMBER)) {
+  } else if (lib == ERR_LIB_SSL &&
+             (reason == SSL_R_UNSUPPORTED_PROTOCOL || reason == SSL_R_NO_PROTOCOLS_AVAILABLE ||
+              reason == SSL_R_WRONG_VERSION_NUMBER)) {
     why = "the peer does not speak TLS 1.3, the only version allowed (" + openssl_reason(err) + ")";
   } else if (lib == ERR_LIB_SSL && reason >= SSL_AD_REASON_OFFSET) {
     // An alert the peer sent: it refused this end (its certificate, name or protocol).
@@ -345,15 +354,17 @@ void TlsSession::check_speaks_tls() {
   const bool type_ok = type == 22 || (role_ == TlsRole::kClient && type == 21);
   if (type_ok && (first_bytes_.size() < 2 || first_bytes_[1] == 3)) return;
   failed_ = true;
-  failure_ = "tls handshake with " + peer_ + ": the peer did not speak TLS (its first bytes: " +
-             describe_bytes(first_bytes_) + "); is it a rumor without TLS, or not rumor at all?";
+  failure_ = "tls handshake with " + peer_ +
+             ": the peer did not speak TLS (its first bytes: " + describe_bytes(first_bytes_) +
+             "); is it a rumor without TLS, or not rumor at all?";
   throw Error(ErrorKind::kProtocol, failure_);
 }
 
 void TlsSession::feed(std::span<const uint8_t> ciphertext) {
   check_alive("read");
   constexpr size_t kShown = 8;
-  for (size_t i = 0; i < ciphertext.size() && first_bytes_.size() < kShown; ++i) first_bytes_.push_back(ciphertext[i]);
+  for (size_t i = 0; i < ciphertext.size() && first_bytes_.size() < kShown; ++i)
+    first_bytes_.push_back(ciphertext[i]);
   if (in_read_ > 0 && in_read_ >= in_.size() / 2) {  // amortized: drop what OpenSSL has read
     in_.erase(in_.begin(), in_.begin() + static_cast<long>(in_read_));
     in_read_ = 0;
@@ -383,7 +394,8 @@ bool TlsSession::handshake_step() {
 
 size_t TlsSession::read(std::span<uint8_t> out) {
   check_alive("read");
-  if (!done_) throw Error(ErrorKind::kInvalidArgument, "tls read with " + peer_ + ": before the handshake completed");
+  if (!done_)
+    throw Error(ErrorKind::kInvalidArgument, "tls read with " + peer_ + ": before the handshake completed");
   if (out.empty() || peer_closed_) return 0;
   ERR_clear_error();
   size_t got = 0;
@@ -400,7 +412,8 @@ size_t TlsSession::read(std::span<uint8_t> out) {
 
 void TlsSession::write(std::span<const uint8_t> plaintext) {
   check_alive("write");
-  if (!done_) throw Error(ErrorKind::kInvalidArgument, "tls write with " + peer_ + ": before the handshake completed");
+  if (!done_)
+    throw Error(ErrorKind::kInvalidArgument, "tls write with " + peer_ + ": before the handshake completed");
   while (!plaintext.empty()) {
     ERR_clear_error();
     size_t put = 0;
@@ -466,7 +479,8 @@ std::string closed_during_handshake(const TlsSession& s) {
          "): it refused this rank, or it has TLS off (RUMOR_TLS_* must be set on every rank or on none)";
 }
 
-// ---- blocking helpers over a nonblocking socket --------------------------------------------------------------
+// ---- blocking helpers over a nonblocking socket
+// --------------------------------------------------------------
 
 namespace {
 
@@ -514,9 +528,10 @@ void tls_handshake(int fd, TlsSession& s, const Deadline& deadline) {
       throw Error(ErrorKind::kSystem, "tls handshake with " + s.peer() + ": poll(): " + errno_string(errno));
     if (rc <= 0) {
       if (deadline.expired())
-        throw Error(ErrorKind::kTimeout, "tls handshake with " + s.peer() + ": deadline passed while waiting for " +
-                                             (done ? std::string("the socket to take this end's last handshake bytes")
-                                                   : s.waiting_for()));
+        throw Error(
+            ErrorKind::kTimeout,
+            "tls handshake with " + s.peer() + ": deadline passed while waiting for " +
+                (done ? std::string("the socket to take this end's last handshake bytes") : s.waiting_for()));
       continue;
     }
     if (done) continue;
@@ -579,7 +594,8 @@ PkeyPtr p256_key_from_scalar(std::span<const uint8_t> scalar) {
                                           point.size(), nullptr) != point.size())
     pki_fail("encoding a P-256 public point");
   std::unique_ptr<OSSL_PARAM_BLD, ParamBldFree> bld(OSSL_PARAM_BLD_new());
-  if (!bld || OSSL_PARAM_BLD_push_utf8_string(bld.get(), OSSL_PKEY_PARAM_GROUP_NAME, SN_X9_62_prime256v1, 0) != 1 ||
+  if (!bld ||
+      OSSL_PARAM_BLD_push_utf8_string(bld.get(), OSSL_PKEY_PARAM_GROUP_NAME, SN_X9_62_prime256v1, 0) != 1 ||
       OSSL_PARAM_BLD_push_BN(bld.get(), OSSL_PKEY_PARAM_PRIV_KEY, d.get()) != 1 ||
       OSSL_PARAM_BLD_push_octet_string(bld.get(), OSSL_PKEY_PARAM_PUB_KEY, point.data(), point.size()) != 1)
     pki_fail("P-256 key parameters");
@@ -613,13 +629,15 @@ X509Ptr new_cert(const std::string& common_name, EVP_PKEY* key, CertTime not_bef
   if (RAND_bytes(serial, sizeof(serial)) != 1) pki_fail("RAND_bytes for a serial number");
   serial[0] &= 0x7f;  // a positive INTEGER
   std::unique_ptr<BIGNUM, BnFree> bn(BN_bin2bn(serial, sizeof(serial), nullptr));
-  if (!bn || BN_to_ASN1_INTEGER(bn.get(), X509_get_serialNumber(x.get())) == nullptr) pki_fail("serial number");
-  if (ASN1_TIME_set(X509_getm_notBefore(x.get()), std::chrono::system_clock::to_time_t(not_before)) == nullptr ||
+  if (!bn || BN_to_ASN1_INTEGER(bn.get(), X509_get_serialNumber(x.get())) == nullptr)
+    pki_fail("serial number");
+  if (ASN1_TIME_set(X509_getm_notBefore(x.get()), std::chrono::system_clock::to_time_t(not_before)) ==
+          nullptr ||
       ASN1_TIME_set(X509_getm_notAfter(x.get()), std::chrono::system_clock::to_time_t(not_after)) == nullptr)
     pki_fail("validity of '" + common_name + "'");
   X509_NAME* name = X509_get_subject_name(x.get());
-  if (X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_UTF8, reinterpret_cast<const unsigned char*>(common_name.c_str()),
-                                 -1, -1, 0) != 1)
+  if (X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_UTF8,
+                                 reinterpret_cast<const unsigned char*>(common_name.c_str()), -1, -1, 0) != 1)
     pki_fail("common name '" + common_name + "'");
   if (X509_set_pubkey(x.get(), key) != 1) pki_fail("X509_set_pubkey");
   return x;
@@ -665,7 +683,8 @@ PemCredentials make_ca(const std::string& common_name, CertTime not_before, Cert
 }
 
 PemCredentials issue_certificate(const PemCredentials& ca, const std::string& common_name,
-                                 const std::vector<std::string>& sans, CertTime not_before, CertTime not_after) {
+                                 const std::vector<std::string>& sans, CertTime not_before,
+                                 CertTime not_after) {
   ERR_clear_error();
   std::vector<X509Ptr> ca_certs = read_certs(ca.cert_pem, "the CA certificate");
   PkeyPtr ca_key = read_key(ca.key_pem, "the CA key");
@@ -676,8 +695,8 @@ PemCredentials issue_certificate(const PemCredentials& ca, const std::string& co
     // Names are joined into OpenSSL's "DNS:a,IP:b" syntax: a separator inside one would add a name.
     const bool ip = is_ip_address(s);
     const bool plain = !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
-      return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-' ||
-             c == '_' || c == '*';
+      return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+             c == '-' || c == '_' || c == '*';
     });
     if (!ip && !plain)
       throw Error(ErrorKind::kInvalidArgument, "tls: '" + s + "' is neither an IP address nor a DNS name");

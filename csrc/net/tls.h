@@ -193,6 +193,7 @@ PemCredentials make_ca(const std::string& common_name, CertTime not_before, Cert
 // clientAuth (every end is both), a subjectAltName per entry of `sans` (an IP address where one
 // parses, a DNS name otherwise). The serial number is 127 random bits.
 PemCredentials issue_certificate(const PemCredentials& ca, const std::string& common_name,
-                                 const std::vector<std::string>& sans, CertTime not_before, CertTime not_after);
+                                 const std::vector<std::string>& sans, CertTime not_before,
+                                 CertTime not_after);
 
 }  // namespace rumor::net

@@ -46,9 +46,10 @@ bool TlsStream::flush() {
       // A peer that refused this end sent its alert before closing: that says why, a broken pipe
       // does not.
       if (err == EPIPE || err == ECONNRESET) surface_alert();
-      throw Error(ErrorKind::kPeerGone, "tls write with " + session_->peer() + ": send(): " + errno_string(err) +
-                                            (session_->handshake_done() ? std::string()
-                                                                        : "; " + closed_during_handshake(*session_)));
+      throw Error(
+          ErrorKind::kPeerGone,
+          "tls write with " + session_->peer() + ": send(): " + errno_string(err) +
+              (session_->handshake_done() ? std::string() : "; " + closed_during_handshake(*session_)));
     }
     session_->consume_out(static_cast<size_t>(n));
   }
@@ -78,8 +79,8 @@ bool TlsStream::fill() {
     }
     if (n == 0) {
       if (!session_->handshake_done())
-        throw Error(ErrorKind::kPeerGone, "tls handshake with " + session_->peer() + ": " +
-                                              closed_during_handshake(*session_));
+        throw Error(ErrorKind::kPeerGone,
+                    "tls handshake with " + session_->peer() + ": " + closed_during_handshake(*session_));
       throw Error(ErrorKind::kPeerGone, "connection closed by the peer");
     }
     if (would_block(errno)) return false;
@@ -110,7 +111,8 @@ size_t TlsStream::recv(std::span<std::byte> out) {
       // Reading may have produced an answer of the session's own (a key update).
       flush();
       if (n > 0) return n;
-      if (session_->peer_closed()) throw Error(ErrorKind::kPeerGone, "connection closed by the peer (TLS close_notify)");
+      if (session_->peer_closed())
+        throw Error(ErrorKind::kPeerGone, "connection closed by the peer (TLS close_notify)");
       if (!fill()) return 0;
     }
   });

@@ -191,7 +191,8 @@ struct Request {
 // member functions).
 class CommBase {
  public:
-  CommBase(std::vector<Fd> fds, std::string what, net::TlsRole role) : fds_(std::move(fds)), what_(std::move(what)) {
+  CommBase(std::vector<Fd> fds, std::string what, net::TlsRole role)
+      : fds_(std::move(fds)), what_(std::move(what)) {
     for (auto& fd : fds_) {
       net::set_nonblocking(fd.get(), false);
       net::tune_stream_socket(fd.get());
@@ -370,7 +371,8 @@ class CommBase {
 
   // What failed on stream s, for an error: the TLS failure if that was it, else errno's words.
   std::string io_why(size_t s, int err) const {
-    if (err == EPROTO && !streams_tls_.empty() && !streams_tls_[s].failure.empty()) return streams_tls_[s].failure;
+    if (err == EPROTO && !streams_tls_.empty() && !streams_tls_[s].failure.empty())
+      return streams_tls_[s].failure;
     return describe_errno(err);
   }
 
@@ -528,9 +530,10 @@ class SendComm : public CommBase {
           const bool in_handshake = tls_context() && streams_shaken_.load() < fds_.size();
           fail(abi::kRemoteError,
                "peer closed stream " + std::to_string(i) +
-                   (in_handshake ? " during the TLS handshakes: it refused this end's certificate, or it has TLS off "
-                                   "(RUMOR_NET_PLUGIN_TLS must be set on both sides)"
-                                 : " (process exited?)"),
+                   (in_handshake
+                        ? " during the TLS handshakes: it refused this end's certificate, or it has TLS off "
+                          "(RUMOR_NET_PLUGIN_TLS must be set on both sides)"
+                        : " (process exited?)"),
                in_handshake);
           return;
         }

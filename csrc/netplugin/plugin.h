@@ -14,7 +14,6 @@
 #include <string>
 
 #include "net/tls.h"
-
 #include "netplugin/nccl_net_api.h"
 #include "netplugin/wire.h"
 

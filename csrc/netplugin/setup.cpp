@@ -34,10 +34,10 @@ constexpr int kMaxDevices = 16;
 struct State {
   Config cfg;
   std::vector<DeviceInfo> devices;
-  std::string error;                 // why no device could be offered
-  std::optional<wire::Key> key;      // the job key; none: unauthenticated
+  std::string error;                           // why no device could be offered
+  std::optional<wire::Key> key;                // the job key; none: unauthenticated
   std::shared_ptr<const net::TlsContext> tls;  // RUMOR_NET_PLUGIN_TLS=1: every stream's TLS; else null
-  std::atomic<long> trace_spent{0};  // lines of RUMOR_NET_PLUGIN_TRACE's budget used
+  std::atomic<long> trace_spent{0};            // lines of RUMOR_NET_PLUGIN_TRACE's budget used
 };
 
 std::atomic<abi::Logger> g_logger{nullptr};
@@ -79,7 +79,7 @@ std::string read_secret_file(const char* path, std::string* error) {
     return {};
   }
   std::unique_ptr<int, void (*)(int*)> guard(&fd, [](int* f) { ::close(*f); });
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd, &st) != 0) {
     *error = what + ": fstat: " + std::strerror(errno);
     return {};
@@ -208,7 +208,8 @@ std::shared_ptr<const net::TlsContext> read_tls() {
   const char* on = std::getenv("RUMOR_NET_PLUGIN_TLS");
   if (on == nullptr || *on == '\0' || std::strcmp(on, "0") == 0) return nullptr;
   if (std::strcmp(on, "1") != 0)
-    throw Error(ErrorKind::kInvalidArgument, std::string("RUMOR_NET_PLUGIN_TLS=") + on + " (expected 0 or 1)");
+    throw Error(ErrorKind::kInvalidArgument,
+                std::string("RUMOR_NET_PLUGIN_TLS=") + on + " (expected 0 or 1)");
   auto var = [](const char* name) {
     const char* v = std::getenv(name);
     return std::string(v != nullptr ? v : "");

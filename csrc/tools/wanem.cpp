@@ -23,6 +23,7 @@
 //               [--spin-us US]
 // Prints "ready" on stdout once every TUN exists; on SIGUSR1 prints one JSON line of counters;
 // exits cleanly on SIGTERM/SIGINT/SIGHUP and when its parent process dies.
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <linux/if.h>
 #include <linux/if_tun.h>
@@ -36,7 +37,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <arpa/inet.h>
 #include <cerrno>
 #include <cinttypes>
 #include <csignal>
@@ -68,8 +68,9 @@ constexpr int kBatch = 16;               // packets read from one TUN before due
   std::exit(2);
 }
 
-std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
-
+std::string errno_text(int err) {
+  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
+}
 
 int64_t now_ns() {
   timespec ts{};
@@ -82,9 +83,9 @@ struct Options {
   std::vector<uint32_t> ips;       // host addresses, network byte order
   std::vector<int64_t> delay_ns, jitter_ns;
   std::vector<double> loss;
-  std::vector<double> rate_bps;        // per pair; 0: no wire of its own
-  std::vector<int64_t> rate_queue;     // per pair: bytes its wire may hold waiting
-  std::vector<int64_t> wire_of;        // per pair: its wire (pairs may share one)
+  std::vector<double> rate_bps;     // per pair; 0: no wire of its own
+  std::vector<int64_t> rate_queue;  // per pair: bytes its wire may hold waiting
+  std::vector<int64_t> wire_of;     // per pair: its wire (pairs may share one)
   bool normal = false;
   bool reorder = false;
   std::string ifname = "wan0";
@@ -149,7 +150,8 @@ Options parse_args(int argc, char** argv) {
       o.loss = parse_list<double>(a, value(), to_f64);
     } else if (a == "--jitter-dist") {
       std::string_view v = value();
-      if (v != "uniform" && v != "normal") die("--jitter-dist is uniform or normal, got '" + std::string(v) + "'");
+      if (v != "uniform" && v != "normal")
+        die("--jitter-dist is uniform or normal, got '" + std::string(v) + "'");
       o.normal = v == "normal";
     } else if (a == "--reorder") {
       o.reorder = true;
@@ -160,7 +162,8 @@ Options parse_args(int argc, char** argv) {
       o.realtime = false;
     } else if (a == "--ifname") {
       o.ifname = value();
-      if (o.ifname.empty() || o.ifname.size() >= IFNAMSIZ) die("--ifname: bad interface name '" + o.ifname + "'");
+      if (o.ifname.empty() || o.ifname.size() >= IFNAMSIZ)
+        die("--ifname: bad interface name '" + o.ifname + "'");
     } else if (a == "--seed") {
       o.seed = static_cast<uint64_t>(parse_list<int64_t>(a, value(), to_i64).at(0));
     } else if (a == "--max-queue-bytes") {
@@ -180,8 +183,8 @@ Options parse_args(int argc, char** argv) {
   if (o.rate_bps.empty()) o.rate_bps.assign(nn, 0.0);
   auto check_size = [&](const char* flag, size_t got) {
     if (got != nn)
-      die(std::string(flag) + ": expected " + std::to_string(nn) + " values (" + std::to_string(n) + " hosts squared), got " +
-          std::to_string(got));
+      die(std::string(flag) + ": expected " + std::to_string(nn) + " values (" + std::to_string(n) +
+          " hosts squared), got " + std::to_string(got));
   };
   check_size("--delay-us", delay_us.size());
   check_size("--jitter-us", jitter_us.size());
@@ -217,7 +220,8 @@ Options parse_args(int argc, char** argv) {
     if (o.wire_of[k] < 0 || o.wire_of[k] >= static_cast<int64_t>(nn))
       die("--wire-of values must be in 0..hosts^2-1");
     for (size_t j = 0; j < k; ++j)
-      if (o.wire_of[j] == o.wire_of[k] && (o.rate_bps[j] != o.rate_bps[k] || o.rate_queue[j] != o.rate_queue[k]))
+      if (o.wire_of[j] == o.wire_of[k] &&
+          (o.rate_bps[j] != o.rate_bps[k] || o.rate_queue[j] != o.rate_queue[k]))
         die("--wire-of: pairs " + std::to_string(j) + " and " + std::to_string(k) +
             " share a wire but not its rate and queue");
   }
@@ -264,9 +268,15 @@ struct Later {
 class Forwarder {
  public:
   Forwarder(Options opt, std::vector<Fd> tuns)
-      : o_(std::move(opt)), n_(static_cast<int>(o_.ips.size())), tuns_(std::move(tuns)), rng_(o_.seed),
-        last_due_(static_cast<size_t>(n_) * n_, 0), wire_free_(last_due_.size(), 0), forwarded_(last_due_.size(), 0),
-        lost_(last_due_.size(), 0), rate_drops_(last_due_.size(), 0) {}
+      : o_(std::move(opt)),
+        n_(static_cast<int>(o_.ips.size())),
+        tuns_(std::move(tuns)),
+        rng_(o_.seed),
+        last_due_(static_cast<size_t>(n_) * n_, 0),
+        wire_free_(last_due_.size(), 0),
+        forwarded_(last_due_.size(), 0),
+        lost_(last_due_.size(), 0),
+        rate_drops_(last_due_.size(), 0) {}
 
   // Reads up to kBatch packets waiting on host src's TUN and queues (or drops) them. Bounded:
   // a sender that keeps the TUN busy must not hold back the release of due packets.
@@ -345,8 +355,9 @@ class Forwarder {
       } while (put < 0 && errno == EINTR);
       if (put < 0) {
         if (write_errors_++ == 0)
-          std::fprintf(stderr, "rumor-wanem: write to the TUN of host %d failed: %s (counted in write_errors)\n", p.dst,
-                       errno_text(errno).c_str());
+          std::fprintf(stderr,
+                       "rumor-wanem: write to the TUN of host %d failed: %s (counted in write_errors)\n",
+                       p.dst, errno_text(errno).c_str());
       } else {
         ++forwarded_[static_cast<size_t>(p.src) * n_ + p.dst];
       }
@@ -360,8 +371,9 @@ class Forwarder {
     std::string s = "{\"hosts\": " + std::to_string(n_) + ", \"forwarded\": " + matrix(forwarded_) +
                     ", \"lost\": " + matrix(lost_) + ", \"rate_drops\": " + matrix(rate_drops_) +
                     ", \"overflow\": " + std::to_string(overflow_) +
-                    ", \"unroutable\": " + std::to_string(unroutable_) + ", \"write_errors\": " +
-                    std::to_string(write_errors_) + ", \"queued\": " + std::to_string(queue_.size()) +
+                    ", \"unroutable\": " + std::to_string(unroutable_) +
+                    ", \"write_errors\": " + std::to_string(write_errors_) +
+                    ", \"queued\": " + std::to_string(queue_.size()) +
                     ", \"released\": " + std::to_string(released_) + ", \"late_mean_us\": " +
                     std::to_string(released_ ? static_cast<double>(late_sum_ns_) / released_ / 1e3 : 0.0) +
                     ", \"late_max_us\": " + std::to_string(static_cast<double>(late_max_ns_) / 1e3) + "}\n";
@@ -383,7 +395,8 @@ class Forwarder {
     const int64_t d = o_.delay_ns[pair], j = o_.jitter_ns[pair];
     if (j == 0) return d;
     double x = o_.normal ? std::normal_distribution<double>(0.0, static_cast<double>(j))(rng_)
-                         : std::uniform_real_distribution<double>(-static_cast<double>(j), static_cast<double>(j))(rng_);
+                         : std::uniform_real_distribution<double>(-static_cast<double>(j),
+                                                                  static_cast<double>(j))(rng_);
     return std::max<int64_t>(0, d + static_cast<int64_t>(x));
   }
 
@@ -449,7 +462,9 @@ int main(int argc, char** argv) {
     if (sched_setscheduler(0, SCHED_FIFO, &sp) != 0) {
       const int err = errno;
       if (setpriority(PRIO_PROCESS, 0, -20) != 0)
-        std::fprintf(stderr, "rumor-wanem: warning: neither SCHED_FIFO (%s) nor nice -20 (%s): delays may run late on a busy machine\n",
+        std::fprintf(stderr,
+                     "rumor-wanem: warning: neither SCHED_FIFO (%s) nor nice -20 (%s): delays may run late "
+                     "on a busy machine\n",
                      errno_text(err).c_str(), errno_text(errno).c_str());
     }
   }
@@ -510,7 +525,8 @@ int main(int argc, char** argv) {
       itimerspec its{};
       its.it_value.tv_sec = next / 1000000000;
       its.it_value.tv_nsec = next % 1000000000;
-      if (timerfd_settime(tfd.get(), TFD_TIMER_ABSTIME, &its, nullptr) != 0) die("timerfd_settime: " + errno_text(errno));
+      if (timerfd_settime(tfd.get(), TFD_TIMER_ABSTIME, &its, nullptr) != 0)
+        die("timerfd_settime: " + errno_text(errno));
       armed = next;
     }
   }

@@ -7,8 +7,8 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <future>
 #include <mutex>
@@ -90,7 +90,8 @@ TEST(Sites, HierarchicalAllreduceGroupsBySite) {
               want = op == ReduceOp::MAX ? (q == 0 ? v : std::max(want, v)) : want + v;
             }
             if (op == ReduceOp::AVG) want /= static_cast<float>(size);
-            ASSERT_EQ(buf[i], want) << "count " << count << " i " << i << " op " << op_name(op) << " rank " << r;
+            ASSERT_EQ(buf[i], want) << "count " << count << " i " << i << " op " << op_name(op) << " rank "
+                                    << r;
           }
         }
       }
@@ -104,8 +105,8 @@ TEST(Sites, HierarchicalAllreduceGroupsBySite) {
 // five 256 KiB chunks, the last short), a buffer of many chunks (16 MiB: 64 chunks of 256 KiB),
 // and hosts of several ranks (shared memory and TCP in one chain).
 TEST(Collectives, ChainBroadcastAcrossHostsFromEveryRoot) {
-  for (const auto& hosts : {std::vector<std::string>{"h0", "h1", "h2"},
-                            std::vector<std::string>{"h0", "h0", "h1", "h1", "h2"}}) {
+  for (const auto& hosts :
+       {std::vector<std::string>{"h0", "h1", "h2"}, std::vector<std::string>{"h0", "h0", "h1", "h1", "h2"}}) {
     auto w = make_world(hosts, quick_options(true));
     const uint32_t size = static_cast<uint32_t>(hosts.size());
     auto errs = run_ranks(w, [size](Communicator& c, uint32_t r) {
@@ -157,11 +158,13 @@ TEST(Sites, OverlappedAllreduceGivesTheSequentialBits) {
           results[overlap][r].insert(results[overlap][r].end(), buf.begin(), buf.end());
         }
         std::vector<int32_t> ints(count);
-        for (size_t i = 0; i < count; ++i) ints[i] = static_cast<int32_t>((r * 7919 + i * 31) % 100003) - 50000;
+        for (size_t i = 0; i < count; ++i)
+          ints[i] = static_cast<int32_t>((r * 7919 + i * 31) % 100003) - 50000;
         c.allreduce(ints.data(), count, DType::I32, ReduceOp::SUM, AllreduceAlgo::kHierarchical);
         for (size_t i = 0; i < count; ++i) {
           int32_t want = 0;
-          for (uint32_t q = 0; q < size; ++q) want += static_cast<int32_t>((q * 7919 + i * 31) % 100003) - 50000;
+          for (uint32_t q = 0; q < size; ++q)
+            want += static_cast<int32_t>((q * 7919 + i * 31) % 100003) - 50000;
           ASSERT_EQ(ints[i], want) << "i " << i << " rank " << r;
         }
       });
@@ -372,7 +375,9 @@ INSTANTIATE_TEST_SUITE_P(Worlds, Collectives,
 // (its counter slots alternate). Every rank must end with the same bits, whichever rank took
 // which chunk.
 TEST(HostDirect, AllreduceMatchesFloat64Reference) {
-  auto value = [](uint32_t rank, size_t i) { return std::sin(0.37 * rank + 0.011 * static_cast<double>(i)) * 3.0; };
+  auto value = [](uint32_t rank, size_t i) {
+    return std::sin(0.37 * rank + 0.011 * static_cast<double>(i)) * 3.0;
+  };
   auto bf16_of = [](float f) {  // small integers only: exact, no rounding needed
     uint32_t bits;
     std::memcpy(&bits, &f, sizeof(bits));
@@ -484,7 +489,9 @@ TEST(HostDirect, ReduceScatterAndAllgatherUnevenBlocks) {
       const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
       std::vector<size_t> at(n + 1, 0);
       for (uint32_t q = 0; q < n; ++q) at[q + 1] = at[q] + counts[q];
-      auto value = [](uint32_t rank, size_t i) { return std::cos(0.29 * rank + 0.007 * static_cast<double>(i)); };
+      auto value = [](uint32_t rank, size_t i) {
+        return std::cos(0.29 * rank + 0.007 * static_cast<double>(i));
+      };
       std::vector<float> in(total);
       std::vector<int32_t> in_i(total);
       for (size_t i = 0; i < total; ++i) {
@@ -502,7 +509,8 @@ TEST(HostDirect, ReduceScatterAndAllgatherUnevenBlocks) {
           want += static_cast<double>(static_cast<float>(value(q, at[r] + j)));
           want_i += static_cast<int64_t>(((at[r] + j) * 5 + q * 11) % 7919);
         }
-        ASSERT_NEAR(out[j], want, 1e-5 * (1.0 + std::abs(want))) << "reduce_scatter f32 rank " << r << " j " << j;
+        ASSERT_NEAR(out[j], want, 1e-5 * (1.0 + std::abs(want)))
+            << "reduce_scatter f32 rank " << r << " j " << j;
         ASSERT_EQ(out_i[j], want_i) << "reduce_scatter i32 rank " << r << " j " << j;
       }
       std::vector<int64_t> g(total, -1);
@@ -510,7 +518,8 @@ TEST(HostDirect, ReduceScatterAndAllgatherUnevenBlocks) {
       c.allgather(g.data(), counts, DType::I64);
       for (uint32_t q = 0; q < n; ++q)
         for (size_t j = 0; j < counts[q]; ++j)
-          ASSERT_EQ(g[at[q] + j], static_cast<int64_t>(q * 1000003 + j)) << "allgather block " << q << " j " << j;
+          ASSERT_EQ(g[at[q] + j], static_cast<int64_t>(q * 1000003 + j))
+              << "allgather block " << q << " j " << j;
     });
     expect_all_ok(errs);
   }
@@ -596,7 +605,8 @@ TEST(HostDirect, MismatchedCountsAreRefusedEverywhere) {
   for (uint32_t r = 0; r < 3; ++r) {
     ASSERT_TRUE(errs[r]) << "rank " << r << " accepted mismatched sizes";
     const std::string what = testing::describe(errs[r]);
-    if (what.find("different sizes") != std::string::npos) ++named;
+    if (what.find("different sizes") != std::string::npos)
+      ++named;
     else
       EXPECT_NE(what.find("aborted"), std::string::npos) << "rank " << r << ": " << what;
   }
@@ -704,7 +714,8 @@ TEST(HostSmall, ManyOperationsMatchTheReference) {
       }
     });
     expect_all_ok(errs);
-    for (uint32_t r = 1; r < n; ++r) EXPECT_EQ(last[r], last[0]) << "rank " << r << " holds other bits than rank 0";
+    for (uint32_t r = 1; r < n; ++r)
+      EXPECT_EQ(last[r], last[0]) << "rank " << r << " holds other bits than rank 0";
   }
 }
 
@@ -746,9 +757,12 @@ int64_t whole(int round, uint32_t rank, size_t i) {
 // Element i of rank `rank`'s input in round `round`, as the dtype's bits.
 template <typename T>
 T input(int round, uint32_t rank, size_t i) {
-  if constexpr (std::is_same_v<T, float>) return static_cast<float>(source(round, rank, i));
-  else if constexpr (std::is_same_v<T, int32_t>) return static_cast<int32_t>(round * 100000 + whole(round, rank, i) * 1000 + rank) - 7;
-  else return bf16_of(static_cast<float>(whole(round, rank, i)));
+  if constexpr (std::is_same_v<T, float>)
+    return static_cast<float>(source(round, rank, i));
+  else if constexpr (std::is_same_v<T, int32_t>)
+    return static_cast<int32_t>(round * 100000 + whole(round, rank, i) * 1000 + rank) - 7;
+  else
+    return bf16_of(static_cast<float>(whole(round, rank, i)));
 }
 // The sum over n ranks of element i, folded in rank order.
 template <typename T>
@@ -802,7 +816,8 @@ void one_round(Communicator& c, DType dt, int round, uint32_t r, size_t pick) {
       const T want = sum<T>(round, n, at + j);
       ASSERT_EQ(std::memcmp(&out[j], &want, sizeof(T)), 0) << "reduce_scatter " << where << " j " << j;
     }
-    ASSERT_EQ(std::memcmp(&out.back(), &guard, sizeof(T)), 0) << "reduce_scatter wrote past its block, " << where;
+    ASSERT_EQ(std::memcmp(&out.back(), &guard, sizeof(T)), 0)
+        << "reduce_scatter wrote past its block, " << where;
     ASSERT_EQ(in, in_before) << "reduce_scatter changed its input, " << where;
   }
   // allgather: each block is at most one slot, so the output may be n slots.
@@ -816,7 +831,8 @@ void one_round(Communicator& c, DType dt, int round, uint32_t r, size_t pick) {
     for (uint32_t q = 0; q < n; ++q)
       for (size_t j = 0; j < counts[q]; ++j) {
         const T want = input<T>(round, q, j);
-        ASSERT_EQ(std::memcmp(&buf[at[q] + j], &want, sizeof(T)), 0) << "allgather " << where << " block " << q;
+        ASSERT_EQ(std::memcmp(&buf[at[q] + j], &want, sizeof(T)), 0)
+            << "allgather " << where << " block " << q;
       }
   }
   // broadcast from every root in turn.
@@ -850,9 +866,15 @@ TEST(HostSmall, AllCollectivesMixedMatchTheReference) {
       for (int round = 0; round < 36; ++round) {
         const auto pick = static_cast<size_t>(round / 3);
         switch (round % 3) {
-          case 0: small_ref::one_round<float>(c, DType::F32, round, r, pick); break;
-          case 1: small_ref::one_round<int32_t>(c, DType::I32, round, r, pick); break;
-          default: small_ref::one_round<uint16_t>(c, DType::BF16, round, r, pick); break;
+          case 0:
+            small_ref::one_round<float>(c, DType::F32, round, r, pick);
+            break;
+          case 1:
+            small_ref::one_round<int32_t>(c, DType::I32, round, r, pick);
+            break;
+          default:
+            small_ref::one_round<uint16_t>(c, DType::BF16, round, r, pick);
+            break;
         }
         if (::testing::Test::HasFatalFailure()) return;
       }
@@ -895,7 +917,8 @@ TEST(HostSmall, MismatchedBlocksAreReportedEverywhere) {
       const std::string got = testing::describe(errs[r]);
       const char* want[2][2] = {{"rank 2 52 bytes (allgather", "rank 0 48 bytes (allgather"},
                                 {"rank 2 52 bytes (reduce_scatter", "rank 1 48 bytes (reduce_scatter"}};
-      for (const char* part : want[what]) EXPECT_NE(got.find(part), std::string::npos) << "rank " << r << ": " << got;
+      for (const char* part : want[what])
+        EXPECT_NE(got.find(part), std::string::npos) << "rank " << r << ": " << got;
     }
   }
 }
@@ -906,48 +929,51 @@ TEST(HostSmall, MismatchedBlocksAreReportedEverywhere) {
 // deadline here is far beyond ctest's, so waiting it out fails the test.
 TEST(Abort, EndsAWaitForAPeerThatNeverConnects) {
   for (int op = 0; op < 2; ++op)
-  for (bool shm : {true, false}) {
-    Options o = testing::quick_options(shm);
-    o.timeout_s = 3600;
-    auto w = testing::make_world(testing::one_host(3), o);
-    std::atomic<int> finished{0};
-    auto errs = testing::run_ranks_shared(w, [&, op](std::shared_ptr<Communicator> c, uint32_t r) {
-      std::vector<float> x(3 * HostDirect::kChunkBytes / sizeof(float), 1.0f);
-      if (op == 1) c->allreduce(x.data(), x.size(), DType::F32, ReduceOp::SUM);  // set up, all three
-      if (r == 2) {  // never enters the op; stays alive until the others are done
-        while (finished.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        return;
-      }
-      std::thread aborter([c] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        c->abort("test: rank 2 died while the group formed");
-      });
-      try {
-        if (op == 0) c->barrier();
-        // The second: once set up, the host's direct path waits in timed slices, not woken by the abort.
-        if (op == 1) c->allreduce(x.data(), x.size(), DType::F32, ReduceOp::SUM);
-      } catch (...) {
+    for (bool shm : {true, false}) {
+      Options o = testing::quick_options(shm);
+      o.timeout_s = 3600;
+      auto w = testing::make_world(testing::one_host(3), o);
+      std::atomic<int> finished{0};
+      auto errs = testing::run_ranks_shared(w, [&, op](std::shared_ptr<Communicator> c, uint32_t r) {
+        std::vector<float> x(3 * HostDirect::kChunkBytes / sizeof(float), 1.0f);
+        if (op == 1) c->allreduce(x.data(), x.size(), DType::F32, ReduceOp::SUM);  // set up, all three
+        if (r == 2) {  // never enters the op; stays alive until the others are done
+          while (finished.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          return;
+        }
+        std::thread aborter([c] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          c->abort("test: rank 2 died while the group formed");
+        });
+        try {
+          if (op == 0) c->barrier();
+          // The second: once set up, the host's direct path waits in timed slices, not woken by the abort.
+          if (op == 1) c->allreduce(x.data(), x.size(), DType::F32, ReduceOp::SUM);
+        } catch (...) {
+          aborter.join();
+          finished.fetch_add(1);
+          throw;
+        }
         aborter.join();
         finished.fetch_add(1);
-        throw;
+      });
+      // Each rank fails on its own abort or, if that reached it first, on the other's; none
+      // reports a timeout it never reached.
+      int named = 0;
+      for (uint32_t r = 0; r < 2; ++r) {
+        ASSERT_TRUE(errs[r]) << "op " << op << ", shm " << shm << ": rank " << r
+                             << " passed an op rank 2 never entered";
+        const std::string got = testing::describe(errs[r]);
+        named += got.find("test: rank 2 died while the group formed") != std::string::npos ? 1 : 0;
+        EXPECT_EQ(got.find("timed out"), std::string::npos) << "op " << op << ", shm " << shm << ": " << got;
+        EXPECT_EQ(got.find("before the deadline"), std::string::npos)
+            << "op " << op << ", shm " << shm << ": " << got;
       }
-      aborter.join();
-      finished.fetch_add(1);
-    });
-    // Each rank fails on its own abort or, if that reached it first, on the other's; none
-    // reports a timeout it never reached.
-    int named = 0;
-    for (uint32_t r = 0; r < 2; ++r) {
-      ASSERT_TRUE(errs[r]) << "op " << op << ", shm " << shm << ": rank " << r << " passed an op rank 2 never entered";
-      const std::string got = testing::describe(errs[r]);
-      named += got.find("test: rank 2 died while the group formed") != std::string::npos ? 1 : 0;
-      EXPECT_EQ(got.find("timed out"), std::string::npos) << "op " << op << ", shm " << shm << ": " << got;
-      EXPECT_EQ(got.find("before the deadline"), std::string::npos) << "op " << op << ", shm " << shm << ": " << got;
+      EXPECT_GE(named, 1) << "op " << op << ", shm " << shm
+                          << ": no rank named the abort's reason: " << testing::describe(errs[0]) << " / "
+                          << testing::describe(errs[1]);
+      EXPECT_FALSE(errs[2]);
     }
-    EXPECT_GE(named, 1) << "op " << op << ", shm " << shm << ": no rank named the abort's reason: "
-                        << testing::describe(errs[0]) << " / " << testing::describe(errs[1]);
-    EXPECT_FALSE(errs[2]);
-  }
 }
 
 TEST(Hierarchical, TwoHostsOfTwoAndUnevenHosts) {

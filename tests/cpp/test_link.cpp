@@ -112,8 +112,8 @@ TEST(StripeWidth, BelowTheFloorOnlyWhileOneStreamDeliversAsMuch) {
   EXPECT_EQ(w.next(fight, busy), 4u);
   EXPECT_EQ(w.next(fight, busy), 2u);
   for (size_t i = 1; i < kFloorSamples; ++i) EXPECT_EQ(w.next(fight, busy), 2u);  // rates to compare with
-  EXPECT_EQ(w.next(fight, busy), 1u);  // on trial
-  const SendCounters alone = sample(64 * MiB, 0.02, busy + busy / 50, 0.0);  // 2% slower: kept
+  EXPECT_EQ(w.next(fight, busy), 1u);                                             // on trial
+  const SendCounters alone = sample(64 * MiB, 0.02, busy + busy / 50, 0.0);       // 2% slower: kept
   for (int i = 0; i < 4; ++i) EXPECT_EQ(w.next(alone, busy + busy / 50), 1u);
   EXPECT_TRUE(w.may_narrow_below_floor());
   // Window-limited on one stream: back up by one, as above the floor.
@@ -131,7 +131,7 @@ TEST(StripeWidth, ASlowerTrialReturnsToTheFloorForGood) {
   for (size_t i = 1; i < kFloorSamples; ++i) EXPECT_EQ(w.next(start, busy), 2u);
   EXPECT_EQ(w.next(start, busy), 1u);
   const SendCounters lossy = sample(64 * MiB, 0.001, 2 * busy, 0.05);  // half the rate
-  EXPECT_EQ(w.next(lossy, 2 * busy), 1u);  // one sample is not a mean
+  EXPECT_EQ(w.next(lossy, 2 * busy), 1u);                              // one sample is not a mean
   EXPECT_EQ(w.next(lossy, 2 * busy), 2u);
   EXPECT_FALSE(w.may_narrow_below_floor());
   EXPECT_EQ(w.next(start, busy), 2u);  // heavy loss again: stays at the floor

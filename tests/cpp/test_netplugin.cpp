@@ -620,8 +620,7 @@ int run_peer_with_secret(const char* handle, const char* secret, Driver<abi::Net
   [[maybe_unused]] ssize_t n = ::write(in[1], hex.data(), hex.size());
   ::close(in[1]);
   int status = 0;
-  bool exited = accept_until(
-      d, lc, [&] { return ::waitpid(pid, &status, WNOHANG) == pid; }, 25);
+  bool exited = accept_until(d, lc, [&] { return ::waitpid(pid, &status, WNOHANG) == pid; }, 25);
   if (!exited) {
     ::kill(pid, SIGKILL);
     ::waitpid(pid, &status, 0);
@@ -639,8 +638,7 @@ TEST(NetPluginSecurity, ConnectionWithWrongKeyIsRefusedAndOtherCommsGoOn) {
   // Another process with another secret: it refuses the listener's proof and exits 1; the
   // listener never hands out a comm for it.
   EXPECT_EQ(run_peer_with_secret(handle, "a-different-secret-0123456789", p.d, lc), 1);
-  EXPECT_TRUE(accept_until(
-      p.d, lc, [] { return log_sink().contains("closed during the handshake"); }, 5));
+  EXPECT_TRUE(accept_until(p.d, lc, [] { return log_sink().contains("closed during the handshake"); }, 5));
   // A connector that sends a wrong proof is dropped by the listener itself.
   {
     AcceptPump pump(p.d, lc);
@@ -669,8 +667,7 @@ TEST(NetPluginSecurity, HalfOpenConnectionIsDroppedAfterTheHelloDeadline) {
   char part[10] = {};
   ASSERT_EQ(::send(half, part, sizeof(part), 0), 10);  // a hello that never completes
   auto t0 = Clock::now();
-  EXPECT_TRUE(accept_until(
-      d, lc, [&] { return closed_by_peer(half); }, 2.5));
+  EXPECT_TRUE(accept_until(d, lc, [&] { return closed_by_peer(half); }, 2.5));
   double waited = std::chrono::duration<double>(Clock::now() - t0).count();
   EXPECT_GT(waited, 0.8);  // RUMOR_NET_PLUGIN_HELLO_TIMEOUT=1
   EXPECT_TRUE(log_sink().contains("did not complete its handshake within 1 s"));
@@ -678,8 +675,7 @@ TEST(NetPluginSecurity, HalfOpenConnectionIsDroppedAfterTheHelloDeadline) {
   // More connections than the cap: the oldest are dropped at once, not kept.
   std::vector<int> flood;
   for (int i = 0; i < 140; ++i) flood.push_back(dial(handle));
-  EXPECT_TRUE(accept_until(
-      d, lc, [&] { return closed_by_peer(flood[0]); }, 0.5));
+  EXPECT_TRUE(accept_until(d, lc, [&] { return closed_by_peer(flood[0]); }, 0.5));
   EXPECT_TRUE(log_sink().contains("more than 128 were pending"));
   for (int fd : flood) ::close(fd);
   d.net()->close_listen(lc);

@@ -95,7 +95,8 @@ std::vector<std::vector<uint8_t>> native_sources(size_t k, size_t n, std::mt1993
 template <typename T>
 bool same_values(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, ReduceOp op) {
   if (a == b) return true;
-  if (!std::is_floating_point_v<T> || op == ReduceOp::MIN || op == ReduceOp::MAX || a.size() != b.size()) return false;
+  if (!std::is_floating_point_v<T> || op == ReduceOp::MIN || op == ReduceOp::MAX || a.size() != b.size())
+    return false;
   for (size_t i = 0; i < a.size(); i += sizeof(T)) {
     T x, y;
     std::memcpy(&x, &a[i], sizeof(T));
@@ -166,7 +167,8 @@ void check_wraps(DType t, T sum_term, T prod_factor, T sum_want, T prod_want) {
 
 TEST(ReduceMany, IntegersWrapAsTheChainDoes) {
   // Overflow wraps modulo 2^bits in every path (under UBSan too: no signed overflow is evaluated).
-  check_wraps<int8_t>(DType::I8, 100, 3, static_cast<int8_t>(800 - 3 * 256), static_cast<int8_t>(6561 % 256 - 256));
+  check_wraps<int8_t>(DType::I8, 100, 3, static_cast<int8_t>(800 - 3 * 256),
+                      static_cast<int8_t>(6561 % 256 - 256));
   check_wraps<int16_t>(DType::I16, 20000, 7, static_cast<int16_t>(160000 - 2 * 65536),
                        static_cast<int16_t>(5764801 % 65536 - 65536));
   check_wraps<int32_t>(DType::I32, 0x40000000, 0x10000, 0, 0);
@@ -231,7 +233,9 @@ struct HalfType {
 const HalfType kHalves[] = {{DType::F16, half::f16_to_f32, half::f32_to_f16, 2048},
                             {DType::BF16, half::bf16_to_f32, half::f32_to_bf16, 256}};
 
-bool is_nan16(DType t, uint16_t h) { return t == DType::F16 ? (h & 0x7fffu) > 0x7c00u : (h & 0x7fffu) > 0x7f80u; }
+bool is_nan16(DType t, uint16_t h) {
+  return t == DType::F16 ? (h & 0x7fffu) > 0x7c00u : (h & 0x7fffu) > 0x7f80u;
+}
 
 // The scalar definition: widen every source, fold in float, round once. Where two or more of the
 // k inputs of an element are NaNs, a sum or product may keep either's payload (x86 keeps its
@@ -266,8 +270,15 @@ TEST(ReduceHalf, EveryPatternAgainstScalarConversions) {
   std::vector<uint16_t> all(65536);
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
   for (const HalfType& h : kHalves) {
-    const uint16_t partners[] = {0x0000, 0x8000, h.narrow(1.0f),   h.narrow(-1.5f), h.narrow(3.0f),
-                                 0x0001, 0x8001, h.narrow(1e-3f),  h.narrow(65504.0f),
+    const uint16_t partners[] = {0x0000,
+                                 0x8000,
+                                 h.narrow(1.0f),
+                                 h.narrow(-1.5f),
+                                 h.narrow(3.0f),
+                                 0x0001,
+                                 0x8001,
+                                 h.narrow(1e-3f),
+                                 h.narrow(65504.0f),
                                  static_cast<uint16_t>(h.dtype == DType::F16 ? 0x7c00 : 0x7f80),
                                  static_cast<uint16_t>(h.dtype == DType::F16 ? 0xfc01 : 0xff81)};  // -sNaN
     {
@@ -281,7 +292,8 @@ TEST(ReduceHalf, EveryPatternAgainstScalarConversions) {
         const std::vector<uint16_t> other(all.size(), p);
         std::vector<uint16_t> into = all;
         reduce_into(into.data(), other.data(), all.size(), h.dtype, op);
-        const std::string what = std::string(dtype_name(h.dtype)) + " " + std::string(op_name(op)) + " partner ";
+        const std::string what =
+            std::string(dtype_name(h.dtype)) + " " + std::string(op_name(op)) + " partner ";
         expect_half_fold(h, op, {all, other}, into, what + std::to_string(p) + " reduce_into");
         // The partner first: the accumulator is then the constant, the NaN rules see the other side.
         std::vector<uint16_t> many(all.size());

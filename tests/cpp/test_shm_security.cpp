@@ -74,7 +74,7 @@ TEST(ShmSecurity, CreatedSegmentIsPrivateWhateverTheUmask) {
   ShmSegment s = ShmSegment::create(u.name, 4096);
   ::umask(old);
   s.keep_name();
-  struct stat st {};
+  struct stat st{};
   ASSERT_EQ(::stat(("/dev/shm" + u.name).c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   EXPECT_EQ(st.st_uid, ::geteuid());

@@ -24,8 +24,15 @@ using rumor::net::stall_limit_s;
 namespace {
 constexpr double kFloor = 2.0;
 constexpr double kCeiling = 300.0;
-const std::vector<size_t> kSizes = {0, 1, 1000, 64 * 1024, kStallPieceBytes - 1, kStallPieceBytes,
-                                    kStallPieceBytes + 1, 64u << 20, size_t{1} << 40};
+const std::vector<size_t> kSizes = {0,
+                                    1,
+                                    1000,
+                                    64 * 1024,
+                                    kStallPieceBytes - 1,
+                                    kStallPieceBytes,
+                                    kStallPieceBytes + 1,
+                                    64u << 20,
+                                    size_t{1} << 40};
 const std::vector<double> kRates = {-1, 0, 1e3, 1.25e5, 1.25e6, 1.25e8, 1.25e9, 1e12};  // <= 0: unmeasured
 const std::vector<double> kRtts = {0, 1e-4, 0.005, 0.1, 0.3, 2.0, 30.0, 1e4};
 }  // namespace
@@ -72,14 +79,17 @@ TEST(StallRule, MonotoneInBytesRttAndRate) {
   for (size_t b : kSizes)
     for (double r : kRates)
       for (size_t i = 1; i < kRtts.size(); ++i)
-        EXPECT_LE(stall_limit_s(b, r, kRtts[i - 1], kFloor, kCeiling), stall_limit_s(b, r, kRtts[i], kFloor, kCeiling));
+        EXPECT_LE(stall_limit_s(b, r, kRtts[i - 1], kFloor, kCeiling),
+                  stall_limit_s(b, r, kRtts[i], kFloor, kCeiling));
   // A faster measured link never earns a longer wait (from the first measured rate on).
   for (size_t b : kSizes)
     for (double t : kRtts)
       for (size_t i = 3; i < kRates.size(); ++i)
-        EXPECT_GE(stall_limit_s(b, kRates[i - 1], t, kFloor, kCeiling), stall_limit_s(b, kRates[i], t, kFloor, kCeiling));
+        EXPECT_GE(stall_limit_s(b, kRates[i - 1], t, kFloor, kCeiling),
+                  stall_limit_s(b, kRates[i], t, kFloor, kCeiling));
   // The floor and the ceiling move the result the way they move.
-  EXPECT_LE(stall_limit_s(1 << 20, 1.25e6, 0.01, 1.0, kCeiling), stall_limit_s(1 << 20, 1.25e6, 0.01, 5.0, kCeiling));
+  EXPECT_LE(stall_limit_s(1 << 20, 1.25e6, 0.01, 1.0, kCeiling),
+            stall_limit_s(1 << 20, 1.25e6, 0.01, 5.0, kCeiling));
   EXPECT_LE(stall_limit_s(1 << 20, 1e3, 1.0, kFloor, 60.0), stall_limit_s(1 << 20, 1e3, 1.0, kFloor, 600.0));
 }
 
@@ -120,7 +130,8 @@ void send_start(int fd, const OpInfo& op, size_t len, size_t first) {
 // Drives the receive until check_stall throws or `guard_s` passes; returns the error text, ""
 // if none came.
 std::string drive(TcpChannel& ch, Transfer& t, const OpInfo& op, double guard_s) {
-  const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(guard_s));
+  const auto end =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(guard_s));
   while (Clock::now() < end) {
     ch.progress(t, op);
     try {
@@ -149,9 +160,9 @@ TEST(StallChannel, PeerSilentMidMessageIsReportedWithTheRulesNumbers) {
   const std::string msg = drive(ch, t, op, 20);  // the guard is the ceiling's order, not a timing bound
   ASSERT_FALSE(msg.empty()) << "a receive silent mid-message was never reported";
   EXPECT_EQ(t.bytes_done(), 1000u);
-  for (const char* part : {"allreduce (op #3, world)", "rank 7 stopped in the middle of a message", "no byte for",
-                           "1048576 bytes (1000 done, 1047576 outstanding)", "link to rank 7", "RTT",
-                           "floor 0.2 s", "ceiling 30 s"})
+  for (const char* part : {"allreduce (op #3, world)", "rank 7 stopped in the middle of a message",
+                           "no byte for", "1048576 bytes (1000 done, 1047576 outstanding)", "link to rank 7",
+                           "RTT", "floor 0.2 s", "ceiling 30 s"})
     EXPECT_NE(msg.find(part), std::string::npos) << part << " missing from: " << msg;
 }
 

@@ -267,7 +267,8 @@ TEST(Stripe, APieceOutOfRangeOrOfTheWrongLengthIsRefused) {
       else
         r.send_piece(0, t, 0, piece - 64, data.data());
     });
-    EXPECT_NE(err.find(out_of_range ? "is not a piece of a striped message" : "carries piece 0 with a wrong length"),
+    EXPECT_NE(err.find(out_of_range ? "is not a piece of a striped message"
+                                    : "carries piece 0 with a wrong length"),
               std::string::npos)
         << err;
     // Nothing of a refused piece reached the destination.

@@ -44,7 +44,8 @@ struct Pki {
   PemCredentials server = leaf("rank-0", {"rank-0.job-a", "127.0.0.1"});
   PemCredentials client = leaf("rank-1", {"rank-1.job-a"});
 
-  PemCredentials leaf(const std::string& cn, const std::vector<std::string>& sans, int from_h = -1, int to_h = 24) {
+  PemCredentials leaf(const std::string& cn, const std::vector<std::string>& sans, int from_h = -1,
+                      int to_h = 24) {
     return net::issue_certificate(ca, cn, sans, hours_from_now(from_h), hours_from_now(to_h));
   }
 };
@@ -222,7 +223,8 @@ std::string raw_client(int fd, int max_version, const PemCredentials* cred) {
   return "";
 }
 
-std::pair<Outcome, std::string> try_raw_client(const ContextPtr& server, int max_version, const PemCredentials* cred) {
+std::pair<Outcome, std::string> try_raw_client(const ContextPtr& server, int max_version,
+                                               const PemCredentials* cred) {
   auto sp = socket_pair();
   std::string client;
   Outcome s;
@@ -249,10 +251,10 @@ std::pair<Outcome, std::string> try_raw_client(const ContextPtr& server, int max
 }
 
 // Also records the text in the test's XML report (--gtest_output=xml): the messages users read.
-#define EXPECT_HAS(text, part)                                              \
-  do {                                                                      \
+#define EXPECT_HAS(text, part)                                                  \
+  do {                                                                          \
     ::testing::Test::RecordProperty("error_" + std::to_string(__LINE__), text); \
-    EXPECT_NE(std::string(text).find(part), std::string::npos) << (text);   \
+    EXPECT_NE(std::string(text).find(part), std::string::npos) << (text);       \
   } while (0)
 
 TEST(Tls, MutualHandshakeThenBytesBothWaysBitForBit) {
@@ -399,7 +401,8 @@ TEST(Tls, NotYetValidCertificateRefused) {
 TEST(Tls, WrongPeerNameRefused) {
   Pki pki;
   // Same CA, another job's name: refused by name.
-  expect_refused(pki, pki.leaf("rank-1", {"rank-1.job-b"}), "hostname mismatch (expected the name 'rank-1.job-a')");
+  expect_refused(pki, pki.leaf("rank-1", {"rank-1.job-b"}),
+                 "hostname mismatch (expected the name 'rank-1.job-a')");
   // The client checks names too: a server expected under another name is refused there.
   auto [s, c] = try_client(context(pki.server, pki.ca), context(pki.client, pki.ca, "rank-7.job-a"));
   EXPECT_HAS(c.error, "peer certificate refused: hostname mismatch (expected the name 'rank-7.job-a')");
@@ -454,7 +457,8 @@ TEST(Tls, StalledPeerFailsAtTheDeadline) {
       ADD_FAILURE() << "handshake with a silent peer returned";
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
-      EXPECT_HAS(e.what(), "tls handshake with silent client: deadline passed while waiting for the client's hello");
+      EXPECT_HAS(e.what(),
+                 "tls handshake with silent client: deadline passed while waiting for the client's hello");
     }
   }
   {
@@ -538,14 +542,16 @@ TEST(Tls, FlippedByteIsAnIntegrityFailureAndNothingCorruptIsDelivered) {
   ASSERT_LT(delivered.size(), data.size());
   EXPECT_GT(delivered.size(), 0u);
   EXPECT_LE(delivered.size(), size_t{19} * 16384);
-  EXPECT_TRUE(std::equal(delivered.begin(), delivered.end(), data.begin())) << "a corrupted byte was delivered";
+  EXPECT_TRUE(std::equal(delivered.begin(), delivered.end(), data.begin()))
+      << "a corrupted byte was delivered";
   (void)c;  // the client may or may not have finished writing before the server gave up
 }
 
 TEST(Tls, PkiCertificatesCarryThePolicy) {
   Pki pki;
   std::unique_ptr<BIO, decltype(&BIO_free)> b(BIO_new_mem_buf(pki.server.cert_pem.data(), -1), &BIO_free);
-  std::unique_ptr<X509, decltype(&X509_free)> x(PEM_read_bio_X509(b.get(), nullptr, nullptr, nullptr), &X509_free);
+  std::unique_ptr<X509, decltype(&X509_free)> x(PEM_read_bio_X509(b.get(), nullptr, nullptr, nullptr),
+                                                &X509_free);
   ASSERT_TRUE(x);
   EXPECT_EQ(X509_get_version(x.get()), X509_VERSION_3);
   EXPECT_EQ(X509_check_ca(x.get()), 0);
@@ -555,21 +561,25 @@ TEST(Tls, PkiCertificatesCarryThePolicy) {
   EXPECT_EQ(X509_check_ip_asc(x.get(), "127.0.0.1", 0), 1);
   EXPECT_EQ(OBJ_obj2nid(X509_get0_tbs_sigalg(x.get())->algorithm), NID_ecdsa_with_SHA256);
   std::unique_ptr<BIO, decltype(&BIO_free)> cb(BIO_new_mem_buf(pki.ca.cert_pem.data(), -1), &BIO_free);
-  std::unique_ptr<X509, decltype(&X509_free)> ca(PEM_read_bio_X509(cb.get(), nullptr, nullptr, nullptr), &X509_free);
+  std::unique_ptr<X509, decltype(&X509_free)> ca(PEM_read_bio_X509(cb.get(), nullptr, nullptr, nullptr),
+                                                 &X509_free);
   ASSERT_TRUE(ca);
   EXPECT_EQ(X509_check_ca(ca.get()), 1);
   // Serial numbers are random: two leaves of one CA differ.
   std::unique_ptr<BIO, decltype(&BIO_free)> b2(BIO_new_mem_buf(pki.client.cert_pem.data(), -1), &BIO_free);
-  std::unique_ptr<X509, decltype(&X509_free)> x2(PEM_read_bio_X509(b2.get(), nullptr, nullptr, nullptr), &X509_free);
+  std::unique_ptr<X509, decltype(&X509_free)> x2(PEM_read_bio_X509(b2.get(), nullptr, nullptr, nullptr),
+                                                 &X509_free);
   ASSERT_TRUE(x2);
   EXPECT_NE(ASN1_INTEGER_cmp(X509_get0_serialNumber(x.get()), X509_get0_serialNumber(x2.get())), 0);
-  EXPECT_THROW(net::issue_certificate(pki.ca, "x", {"a,DNS:evil"}, hours_from_now(-1), hours_from_now(1)), Error);
+  EXPECT_THROW(net::issue_certificate(pki.ca, "x", {"a,DNS:evil"}, hours_from_now(-1), hours_from_now(1)),
+               Error);
 }
 
 // The uncompressed public point of a certificate's key (04 || x || y).
 std::vector<uint8_t> public_point(const std::string& cert_pem) {
   std::unique_ptr<BIO, decltype(&BIO_free)> b(BIO_new_mem_buf(cert_pem.data(), -1), &BIO_free);
-  std::unique_ptr<X509, decltype(&X509_free)> x(PEM_read_bio_X509(b.get(), nullptr, nullptr, nullptr), &X509_free);
+  std::unique_ptr<X509, decltype(&X509_free)> x(PEM_read_bio_X509(b.get(), nullptr, nullptr, nullptr),
+                                                &X509_free);
   if (!x) throw Error(ErrorKind::kInvalidArgument, "public_point: not a PEM certificate");
   unsigned char* raw = nullptr;
   const size_t n = EVP_PKEY_get1_encoded_public_key(X509_get0_pubkey(x.get()), &raw);
@@ -631,8 +641,10 @@ TEST(Tls, CasFromOneScalarTrustEachOthersLeaves) {
   const PemCredentials ca_b = net::make_ca(name, hours_from_now(-2), hours_from_now(25), scalar);
   EXPECT_NE(ca_a.cert_pem, ca_b.cert_pem);
   EXPECT_EQ(public_point(ca_a.cert_pem), public_point(ca_b.cert_pem));
-  const PemCredentials leaf_a = net::issue_certificate(ca_a, "host a", {}, hours_from_now(-1), hours_from_now(24));
-  const PemCredentials leaf_b = net::issue_certificate(ca_b, "host b", {}, hours_from_now(-1), hours_from_now(24));
+  const PemCredentials leaf_a =
+      net::issue_certificate(ca_a, "host a", {}, hours_from_now(-1), hours_from_now(24));
+  const PemCredentials leaf_b =
+      net::issue_certificate(ca_b, "host b", {}, hours_from_now(-1), hours_from_now(24));
   auto [s, c] = try_client(context(leaf_a, ca_a), context(leaf_b, ca_b));
   EXPECT_TRUE(s.ok()) << s.error;
   EXPECT_TRUE(c.ok()) << c.error;
@@ -641,7 +653,8 @@ TEST(Tls, CasFromOneScalarTrustEachOthersLeaves) {
   other[31] ^= 1;
   const PemCredentials ca_x = net::make_ca(name, hours_from_now(-1), hours_from_now(24), other);
   EXPECT_NE(public_point(ca_x.cert_pem), public_point(ca_a.cert_pem));
-  const PemCredentials leaf_x = net::issue_certificate(ca_x, "host x", {}, hours_from_now(-1), hours_from_now(24));
+  const PemCredentials leaf_x =
+      net::issue_certificate(ca_x, "host x", {}, hours_from_now(-1), hours_from_now(24));
   auto [s2, c2] = try_client(context(leaf_a, ca_a), context(leaf_x, ca_x));
   // The client checks the server's certificate first and refuses it; the server hears why.
   EXPECT_HAS(c2.error, "peer certificate refused: ");

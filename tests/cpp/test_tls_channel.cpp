@@ -57,9 +57,9 @@ Results run_workload(World& w) {
   res.bcast.resize(n);
   res.gathered.resize(n);
   res.p2p.resize(n);
-  constexpr size_t kSmall = 1001;                     // recursive doubling
-  constexpr size_t kBig = (9u << 20) / 4 + 3;         // ~9 MiB of float32, ring, striped
-  constexpr size_t kBcast = (8u << 20) + 13;          // scatter + allgather, striped
+  constexpr size_t kSmall = 1001;              // recursive doubling
+  constexpr size_t kBig = (9u << 20) / 4 + 3;  // ~9 MiB of float32, ring, striped
+  constexpr size_t kBcast = (8u << 20) + 13;   // scatter + allgather, striped
   constexpr size_t kP2p = (8u << 20) + 5;
   const std::vector<size_t> counts = [n] {
     std::vector<size_t> c;

@@ -48,7 +48,8 @@ std::string exchange(int fd, net::TlsStream& s, const std::vector<std::byte>& ou
         piece = piece * 7 % 300007 + 1;  // 1 byte to ~300 KiB: records split and joined
         const size_t n = std::min(piece, out.size() - sent);
         // Two parts, as the window hub sends a frame's header and its payload.
-        const std::span<const std::byte> parts[2] = {{out.data() + sent, n / 3}, {out.data() + sent + n / 3, n - n / 3}};
+        const std::span<const std::byte> parts[2] = {{out.data() + sent, n / 3},
+                                                     {out.data() + sent + n / 3, n - n / 3}};
         const size_t taken = s.send(parts);
         sent += taken;
         moved |= taken > 0;
@@ -77,9 +78,10 @@ net::Fd nonblocking(net::Fd fd) {
   return fd;
 }
 
-std::unique_ptr<net::TlsSession> session(const Pki& pki, uint32_t rank, net::TlsRole role, bool foreign = false) {
-  return std::make_unique<net::TlsSession>(std::make_shared<const net::TlsContext>(pki.config(rank, foreign)), role,
-                                           "rank " + std::to_string(1 - rank) + " (test)");
+std::unique_ptr<net::TlsSession> session(const Pki& pki, uint32_t rank, net::TlsRole role,
+                                         bool foreign = false) {
+  return std::make_unique<net::TlsSession>(std::make_shared<const net::TlsContext>(pki.config(rank, foreign)),
+                                           role, "rank " + std::to_string(1 - rank) + " (test)");
 }
 
 struct Outcome {

@@ -42,7 +42,8 @@ class WindowTest : public ::testing::TestWithParam<std::tuple<uint32_t, int>> {
   // only with TLS on (every link and channel).
   World world() {
     auto [n, mode] = GetParam();
-    if (mode == 3) return testing::tls_world(testing::Pki(), std::vector<testing::Mode>(n, testing::Mode::kOn));
+    if (mode == 3)
+      return testing::tls_world(testing::Pki(), std::vector<testing::Mode>(n, testing::Mode::kOn));
     return testing::make_world(mode == 2 ? testing::hosts_of(n, (n + 1) / 2) : testing::one_host(n),
                                testing::quick_options(mode != 1));
   }

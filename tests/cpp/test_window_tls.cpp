@@ -28,7 +28,8 @@ using testing::World;
 Deadline dl() { return Deadline::after(20); }
 
 // Runs fn(hub, rank, barrier) on every rank of w in its own thread; each rank's error text or "".
-std::vector<std::string> run_hubs(World& w, const std::function<void(WindowHub&, uint32_t, std::barrier<>&)>& fn) {
+std::vector<std::string> run_hubs(World& w,
+                                  const std::function<void(WindowHub&, uint32_t, std::barrier<>&)>& fn) {
   const auto n = static_cast<uint32_t>(w.ctx.size());
   std::barrier<> meet(n);
   std::vector<std::string> errs(n);
@@ -85,7 +86,8 @@ TEST(WindowTls, CertificateOfAnotherCaIsRefusedOnBothEndsNamingThePeer) {
     for (uint32_t r = 0; r < 2; ++r) {
       EXPECT_EQ(errs[r], "") << "rank " << r;
       EXPECT_NE(put_err[r], "") << "rank " << r << "'s put succeeded (foreign rank " << foreign << ")";
-      EXPECT_NE(put_err[r].find("window link to rank " + std::to_string(1 - r)), std::string::npos) << put_err[r];
+      EXPECT_NE(put_err[r].find("window link to rank " + std::to_string(1 - r)), std::string::npos)
+          << put_err[r];
     }
     // The rank that checked the foreign certificate says so and names the peer it refused.
     const uint32_t checker = 1 - foreign;
@@ -145,19 +147,21 @@ TEST(WindowTls, AlteredByteFailsTheOperationOnBothEndsAndIsNeverApplied) {
   Pki pki;
   std::unique_ptr<FlipRelay> relay;
   // Rank 1 dials rank 0 (the higher rank dials) through the relay: its one window link.
-  World w = testing::tls_world(pki, {Mode::kOn, Mode::kOn}, 20, [&](uint32_t r, std::vector<std::string> addrs) {
-    if (r == 1) {
-      const uint16_t port0 = static_cast<uint16_t>(std::stoi(addrs[0].substr(addrs[0].rfind(':') + 1)));
-      relay = std::make_unique<FlipRelay>(port0, 400 * 1024);  // inside the put's 1 MiB payload
-      addrs[0] = "127.0.0.1:" + std::to_string(relay->port());
-    }
-    return addrs;
-  });
+  World w =
+      testing::tls_world(pki, {Mode::kOn, Mode::kOn}, 20, [&](uint32_t r, std::vector<std::string> addrs) {
+        if (r == 1) {
+          const uint16_t port0 = static_cast<uint16_t>(std::stoi(addrs[0].substr(addrs[0].rfind(':') + 1)));
+          relay = std::make_unique<FlipRelay>(port0, 400 * 1024);  // inside the put's 1 MiB payload
+          addrs[0] = "127.0.0.1:" + std::to_string(relay->port());
+        }
+        return addrs;
+      });
   constexpr size_t kCount = 1 << 18;  // 1 MiB of float32
   std::string put_err[2];
   auto errs = run_hubs(w, [&](WindowHub& hub, uint32_t r, std::barrier<>& meet) {
     std::vector<float> x(kCount);
-    for (size_t i = 0; i < kCount; ++i) x[i] = static_cast<float>(r * 3 + 1) + static_cast<float>(i % 1013) / 7.0f;
+    for (size_t i = 0; i < kCount; ++i)
+      x[i] = static_cast<float>(r * 3 + 1) + static_cast<float>(i % 1013) / 7.0f;
     create(hub, meet, x);
     if (r == 1) put_err[1] = failed_put(hub, 1, x);  // its bytes are altered on the way
     meet.arrive_and_wait();

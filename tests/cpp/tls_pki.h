@@ -18,7 +18,9 @@
 
 namespace rumor::testing {
 
-inline net::CertTime hours_from_now(int h) { return std::chrono::system_clock::now() + std::chrono::hours(h); }
+inline net::CertTime hours_from_now(int h) {
+  return std::chrono::system_clock::now() + std::chrono::hours(h);
+}
 
 struct Pki {
   net::PemCredentials ca = net::make_ca("rumor test job", hours_from_now(-1), hours_from_now(24));
@@ -57,9 +59,9 @@ inline Options tls_options(const Pki& pki, uint32_t rank, Mode mode, double time
 // modes[r]: rank r's TLS configuration. Every rank on its own host: all channels are TCP.
 // `dial_addrs` (optional): the addresses rank r dials its peers at, per rank, in place of their
 // listeners' (a relay's, say).
-inline World tls_world(const Pki& pki, const std::vector<Mode>& modes, double timeout_s = 20,
-                       const std::function<std::vector<std::string>(uint32_t, std::vector<std::string>)>&
-                           dial_addrs = nullptr) {
+inline World tls_world(
+    const Pki& pki, const std::vector<Mode>& modes, double timeout_s = 20,
+    const std::function<std::vector<std::string>(uint32_t, std::vector<std::string>)>& dial_addrs = nullptr) {
   const uint32_t n = static_cast<uint32_t>(modes.size());
   const net::Token token = random_token();
   World w;
@@ -68,7 +70,8 @@ inline World tls_world(const Pki& pki, const std::vector<Mode>& modes, double ti
     w.ctx.push_back(std::make_shared<Context>(r, n, token, tls_options(pki, r, modes[r], timeout_s), 0));
     addrs.push_back("127.0.0.1:" + std::to_string(w.ctx.back()->port()));
   }
-  for (uint32_t r = 0; r < n; ++r) w.ctx[r]->set_peers(dial_addrs ? dial_addrs(r, addrs) : addrs, hosts_of(n, 1));
+  for (uint32_t r = 0; r < n; ++r)
+    w.ctx[r]->set_peers(dial_addrs ? dial_addrs(r, addrs) : addrs, hosts_of(n, 1));
   for (auto& c : w.ctx) c->seal();
   return w;
 }
@@ -92,7 +95,8 @@ inline void relay(int a, int b, size_t flip_at, const Deadline& deadline) {
       ssize_t n = ::recv(p[i].fd, buf.data(), buf.size(), MSG_DONTWAIT);
       if (n <= 0) return;
       if (i == 0) {
-        if (flip_at >= forwarded && flip_at < forwarded + static_cast<size_t>(n)) buf[flip_at - forwarded] ^= 0x80;
+        if (flip_at >= forwarded && flip_at < forwarded + static_cast<size_t>(n))
+          buf[flip_at - forwarded] ^= 0x80;
         forwarded += static_cast<size_t>(n);
       }
       if (::send(i == 0 ? b : a, buf.data(), static_cast<size_t>(n), MSG_NOSIGNAL) != n) return;

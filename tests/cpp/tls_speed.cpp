@@ -55,7 +55,8 @@ double aead_seconds_cpu(const std::string& suite, const std::vector<uint8_t>& pl
                              : suite == "TLS_AES_256_GCM_SHA384" ? EVP_aes_256_gcm()
                                                                  : EVP_chacha20_poly1305();
   unsigned char key[32] = {1}, iv[12] = {2}, tag[16];
-  std::unique_ptr<EVP_CIPHER_CTX, decltype(&EVP_CIPHER_CTX_free)> ctx(EVP_CIPHER_CTX_new(), &EVP_CIPHER_CTX_free);
+  std::unique_ptr<EVP_CIPHER_CTX, decltype(&EVP_CIPHER_CTX_free)> ctx(EVP_CIPHER_CTX_new(),
+                                                                      &EVP_CIPHER_CTX_free);
   EVP_EncryptInit_ex(ctx.get(), cipher, nullptr, key, nullptr);
   const Clocks t0 = now();
   for (size_t off = 0; off < plain.size(); off += record) {
@@ -112,7 +113,8 @@ Args parse(int argc, char** argv) {
 }
 
 std::string run_suite(const Args& a, const std::string& suite, const rumor::net::PemCredentials& ca,
-                      const rumor::net::PemCredentials& server_cred, const rumor::net::PemCredentials& client_cred) {
+                      const rumor::net::PemCredentials& server_cred,
+                      const rumor::net::PemCredentials& client_cred) {
   auto ctx = [&](const rumor::net::PemCredentials& me) {
     rumor::net::TlsConfig c;
     c.cert_pem = me.cert_pem;
@@ -129,7 +131,8 @@ std::string run_suite(const Args& a, const std::string& suite, const rumor::net:
     server.handshake_step();
     move_out(server, client);
   }
-  if (!client.handshake_done() || !server.handshake_done()) throw std::runtime_error("handshake did not finish");
+  if (!client.handshake_done() || !server.handshake_done())
+    throw std::runtime_error("handshake did not finish");
   if (server.suite() != suite) throw std::runtime_error("negotiated " + server.suite() + ", not " + suite);
 
   const size_t batch = a.batch_kib << 10, batches = (a.mib << 10) / a.batch_kib;
@@ -164,7 +167,8 @@ std::string run_suite(const Args& a, const std::string& suite, const rumor::net:
       open += t2 - t1;
       cp += t3 - t2;
       aead += aead_seconds_cpu(suite, plain, a.record, sealed);
-      if (b == 0 && (std::memcmp(opened.data(), plain.data(), batch) != 0 || copy[batch / 2] != plain[batch / 2]))
+      if (b == 0 &&
+          (std::memcmp(opened.data(), plain.data(), batch) != 0 || copy[batch / 2] != plain[batch / 2]))
         throw std::runtime_error("opened bytes differ from the sealed ones");
     }
     if (r == 0) continue;
@@ -183,11 +187,13 @@ std::string run_suite(const Args& a, const std::string& suite, const rumor::net:
   s += ", \"decrypt_gbs\": " + list(open_w) + ", \"decrypt_cpu_gbs\": " + list(open_c);
   s += ", \"memcpy_gbs\": " + list(copy_w) + ", \"memcpy_cpu_gbs\": " + list(copy_c);
   s += ", \"aead_only_cpu_gbs\": " + list(aead_c);
-  auto field = [](const char* name, double v) { return std::string("\"") + name + "\": " + std::to_string(v); };
-  s += ", \"median\": {" + field("encrypt_gbs", median(seal_w)) + ", " + field("encrypt_cpu_gbs", median(seal_c)) +
-       ", " + field("decrypt_gbs", median(open_w)) + ", " + field("decrypt_cpu_gbs", median(open_c)) + ", " +
-       field("memcpy_gbs", mw) + ", " + field("memcpy_cpu_gbs", mc) + ", " +
-       field("aead_only_cpu_gbs", median(aead_c)) + "}";
+  auto field = [](const char* name, double v) {
+    return std::string("\"") + name + "\": " + std::to_string(v);
+  };
+  s += ", \"median\": {" + field("encrypt_gbs", median(seal_w)) + ", " +
+       field("encrypt_cpu_gbs", median(seal_c)) + ", " + field("decrypt_gbs", median(open_w)) + ", " +
+       field("decrypt_cpu_gbs", median(open_c)) + ", " + field("memcpy_gbs", mw) + ", " +
+       field("memcpy_cpu_gbs", mc) + ", " + field("aead_only_cpu_gbs", median(aead_c)) + "}";
   s += ", \"ratio_to_memcpy\": {" + field("encrypt_cpu", median(seal_c) / mc) + ", " +
        field("decrypt_cpu", median(open_c) / mc) + ", " + field("encrypt", median(seal_w) / mw) + ", " +
        field("decrypt", median(open_w) / mw) + "}}";
@@ -204,11 +210,12 @@ int main(int argc, char** argv) {
     const auto ca = rumor::net::make_ca("speed ca", t0, t1);
     const auto sc = rumor::net::issue_certificate(ca, "server", {"server"}, t0, t1);
     const auto cc = rumor::net::issue_certificate(ca, "client", {"client"}, t0, t1);
-    std::string out = "{\"mib\": " + std::to_string(a.mib) + ", \"record_bytes\": " + std::to_string(a.record) +
-                      ", \"batch_kib\": " + std::to_string(a.batch_kib) + ", \"repeats\": " +
-                      std::to_string(a.repeats) + ", \"openssl\": \"" + OpenSSL_version(OPENSSL_VERSION) +
-                      "\", \"suites\": [";
-    for (size_t i = 0; i < a.suites.size(); ++i) out += (i ? ", " : "") + run_suite(a, a.suites[i], ca, sc, cc);
+    std::string out =
+        "{\"mib\": " + std::to_string(a.mib) + ", \"record_bytes\": " + std::to_string(a.record) +
+        ", \"batch_kib\": " + std::to_string(a.batch_kib) + ", \"repeats\": " + std::to_string(a.repeats) +
+        ", \"openssl\": \"" + OpenSSL_version(OPENSSL_VERSION) + "\", \"suites\": [";
+    for (size_t i = 0; i < a.suites.size(); ++i)
+      out += (i ? ", " : "") + run_suite(a, a.suites[i], ca, sc, cc);
     std::printf("%s]}\n", out.c_str());
     return 0;
   } catch (const std::exception& e) {
