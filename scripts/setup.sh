@@ -39,8 +39,9 @@ $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
 # networkx: rumor.topology; redis: rumor.data's cache client (redis-py); ipyparallel, nbclient,
 # nbformat, ipykernel: rumor.interactive; optuna: the autotuner; matplotlib, tqdm: benchmarks/;
 # build: scripts/check_install.sh; mkdocs*: the documentation site; atheris: scripts/fuzz.sh;
-# clang-format, pinned: scripts/format.sh (another version formats the same config differently).
-$PY -m pip install -q "scikit-build-core>=0.11" "pybind11>=2.12" cmake ninja numpy pytest hypothesis matplotlib \
+# clang-format, pinned: scripts/format.sh (another version formats the same config differently);
+# pytest-xdist: scripts/test.sh runs the Python tests on two workers.
+$PY -m pip install -q "scikit-build-core>=0.11" "pybind11>=2.12" cmake ninja numpy pytest pytest-xdist hypothesis matplotlib \
   networkx tqdm build redis "ipyparallel>=8" nbclient nbformat ipykernel optuna atheris \
   mkdocs mkdocs-material "mkdocstrings[python]" "clang-format==23.1.5"
 # The integrations' tests (test_lightning.py, test_hf.py, test_ray.py), and deepspeed, the peer

@@ -33,10 +33,15 @@ bash scripts/docs.sh
 echo "== Python tests"
 # Tests marked slow (more ddp_cnn algorithms, elastic churn, Ray Train: another launch each, with nothing a
 # faster test leaves unchecked) run with RUMOR_TEST_SLOW=1; CI leaves them out to stay in time.
+# Two workers (pytest-xdist), a test module each at a time (loadfile keeps a module's launch batches
+# in one process): much of a test's time is waiting (process starts, deadlines, a peer's death
+# noticed), which the other worker fills. RUMOR_TEST_WORKERS=0 runs them in this process, one by one.
+WORKERS=${RUMOR_TEST_WORKERS:-2}
+if [ "$WORKERS" = 0 ]; then PAR=(); else PAR=(-n "$WORKERS" --dist loadfile); fi
 if [ "${RUMOR_TEST_SLOW:-0}" = 1 ]; then
-  $PY -m pytest tests/python -q -p no:cacheprovider --durations=30
+  $PY -m pytest tests/python -q -p no:cacheprovider "${PAR[@]}" --durations=30
 else
-  $PY -m pytest tests/python -q -p no:cacheprovider -m "not slow" --durations=30
+  $PY -m pytest tests/python -q -p no:cacheprovider "${PAR[@]}" -m "not slow" --durations=30
 fi
 
 echo "== Install check (sdist -> wheel -> fresh venv -> import rumor and a 2-rank allreduce)"

@@ -134,9 +134,19 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
+# The dataset names of this module's local-backend tests: only their directories are looked at, so
+# another test's cache made at the same time (pytest-xdist runs other modules beside this one) is not
+# taken for a leftover of these.
+_LOCAL_NAMES = ("loc", "loc-ev", "share", "copy")
+
+
 def my_shm_dirs():
     # the cache directories: in the private directory (/dev/shm/rumor-<uid>), or /dev/shm itself before
-    return set(glob.glob("/dev/shm/rumor-cache-*")) | set(glob.glob(f"/dev/shm/rumor-{os.geteuid()}/rumor-cache-*"))
+    found = set()
+    for root in ("/dev/shm", f"/dev/shm/rumor-{os.geteuid()}"):
+        for name in _LOCAL_NAMES:
+            found |= set(glob.glob(f"{root}/rumor-cache-{name}-[0-9]*-*"))
+    return found
 
 
 # ---- value format -----------------------------------------------------------------------------------

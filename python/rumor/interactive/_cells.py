@@ -220,6 +220,25 @@ class CellsMixin:
         return ""
 
     # ---- status -------------------------------------------------------------------------
+    def _busy_engines(self, settle_s: float = 2.0) -> set:
+        """Engine ids the controller counts a queued or running task for.
+
+        The hub learns that a task ended from the engine's own report, which can reach it after
+        the result has reached this client: right after a pull or a push returned, the hub may
+        still count that task. While this client awaits nothing, a count is that lag (or another
+        client's work), so it is asked again until the count clears or settle_s has passed.
+        """
+        deadline = time.monotonic() + settle_s
+        while True:
+            try:
+                qs = self.client.queue_status()
+            except Exception:  # noqa: BLE001  (status is best effort: an unreachable hub shows idle)
+                return set()
+            busy = {eid for eid, q in qs.items() if isinstance(q, dict) and (q.get("queue", 0) or q.get("tasks", 0))}
+            if not busy or self.client.outstanding or time.monotonic() >= deadline:
+                return busy
+            time.sleep(0.05)
+
     def status(self) -> List[dict]:
         """One row per rank, as %rumor_status shows it.
 
@@ -229,12 +248,7 @@ class CellsMixin:
             cell) or "dead".
         """
         rows = []
-        busy_ids = set()
-        try:
-            qs = self.client.queue_status()
-            busy_ids = {eid for eid, q in qs.items() if isinstance(q, dict) and (q.get("queue", 0) or q.get("tasks", 0))}
-        except Exception:  # noqa: BLE001
-            pass
+        busy_ids = self._busy_engines()
         run = self.running
         if run is not None and all(_msg_done(run.ar, i) for i in range(len(run.ranks))):
             self.running = run = None
