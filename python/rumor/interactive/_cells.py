@@ -137,9 +137,10 @@ class CellsMixin:
                     self.interrupt(ranks[i])
                 raise
         flush(True)
-        # The hub may have answered for a dead engine (EngineError) before we saw it die.
-        for r in ranks:
-            if r not in died and not self.rank_alive(r):
+        # The hub may have answered for a dead engine (EngineError) before we saw it die; where a
+        # launcher runs the engine (another host), that process ends a moment after the engine.
+        for i, r in enumerate(ranks):
+            if r not in died and (not self.rank_alive(r) or (self._engine_lost(ar, i) and self._gone_within(r, 5.0))):
                 died[r] = self._died_message(r)
         still = [ranks[i] for i, _ in enumerate(ranks) if not _msg_done(ar, i) and ranks[i] not in died]
         if not still:
@@ -190,6 +191,23 @@ class CellsMixin:
             first = order[0][2]
             raise _rank_error(failures, first, [o[2] for o in order], self.n, self.dead, self.broken)
         return results
+
+    def _engine_lost(self, ar, i: int) -> bool:
+        """Whether the reply for ar's i-th engine is the hub's stand-in for an engine that left:
+        an error with no exception of the cell's own, or ipyparallel's EngineError."""
+        md = ar.metadata[i]
+        if md.get("status") != "error":
+            return False
+        exc = md.get("error") or self.client.results.get(ar.msg_ids[i])
+        return not isinstance(exc, BaseException) or _remote_parts(exc)[0] == "EngineError"
+
+    def _gone_within(self, r: int, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while self.rank_alive(r):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _died_message(self, r: int) -> str:
         where = f" on host {self.host_of(r)!r}" if self.layout is not None else ""
