@@ -29,7 +29,8 @@ How it measures
   For every rumor variant rank 0 also records DistributedDataParallel.last_iteration_timeline()
   each measured step; "where the time goes" prints its medians (before forward: the buffer
   broadcast and the algorithm's before_forward, e.g. decentralized mixing; forward, backward compute,
-  exposed communication, optimizer, comm-thread busy) and, with emulated hosts of one rank, the
+  exposed communication, the algorithm's after_backward hook (a decentralized algorithm's wait for
+  its weight mix), optimizer, comm-thread busy) and, with emulated hosts of one rank, the
   link-bound step: each bucket over the links at link rate (WIRE_BYTES per element) from its
   measured ready time, one after another, then the optimizer.
   On one host the memory-bound step bounds the exact-allreduce variants (MEMORY_BOUND_VARIANTS):
@@ -242,6 +243,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                                          forward=tl["forward_end"] - tl["module_start"],
                                          backward_compute=tl["backward_compute_end"] - tl["forward_end"],
                                          exposed_comm=tl["exposed_comm"], comm_busy=tl["comm_busy"],
+                                         after_backward=tl["after_backward"],
                                          optimizer=time.perf_counter() - t,
                                          buckets=[(b["elements"], b["ready"], b["start"], b["end"])
                                                   for b in tl["buckets"]]))
@@ -458,12 +460,14 @@ def print_breakdown(cells: List[Dict]) -> None:
         return
     bound = any("link_bound_step" in b for _, _, b in rows)
     print(f"\n{'where the time goes (rank 0, median ms)':<40} {'before fwd':>10} {'forward':>8} {'bwd compute':>11} "
-          f"{'exposed comm':>12} {'optimizer':>9} | {'comm busy':>9}" + (f" {'link-bound step':>15}" if bound else ""))
+          f"{'exposed comm':>12} {'after bwd':>9} {'optimizer':>9} | {'comm busy':>9}"
+          + (f" {'link-bound step':>15}" if bound else ""))
     for c, v, b in rows:
         lb = b.get("link_bound_step")
         print(f"{c['model'] + ' ' + VARIANT_LABEL[v]:<40} {b.get('before_forward', 0.0) * 1e3:>10.0f} "
               f"{b['forward'] * 1e3:>8.0f} {b['backward_compute'] * 1e3:>11.0f} "
-              f"{b['exposed_comm'] * 1e3:>12.0f} {b['optimizer'] * 1e3:>9.0f} | {b['comm_busy'] * 1e3:>9.0f}"
+              f"{b['exposed_comm'] * 1e3:>12.0f} {b.get('after_backward', 0.0) * 1e3:>9.0f} "
+              f"{b['optimizer'] * 1e3:>9.0f} | {b['comm_busy'] * 1e3:>9.0f}"
               + (f" {lb * 1e3:>15.0f}" if lb is not None else (f" {'-':>15}" if bound else "")))
     if bound:
         print("link-bound step: every bucket over the links at link rate from the moment it was ready (as "

@@ -35,9 +35,11 @@ echo "== Python tests"
 # faster test leaves unchecked) run with RUMOR_TEST_SLOW=1; CI leaves them out to stay in time.
 # Two workers (pytest-xdist), a test module each at a time (loadfile keeps a module's launch batches
 # in one process): much of a test's time is waiting (process starts, deadlines, a peer's death
-# noticed), which the other worker fills. RUMOR_TEST_WORKERS=0 runs them in this process, one by one.
+# noticed), which the other worker fills. Modules go out longest first (tests/python/conftest.py, from
+# tests/python/module_times.json), so no long module starts last while the other worker has nothing
+# left. RUMOR_TEST_WORKERS=0 runs them in this process, one by one.
 WORKERS=${RUMOR_TEST_WORKERS:-2}
-if [ "$WORKERS" = 0 ]; then PAR=(); else PAR=(-n "$WORKERS" --dist loadfile); fi
+if [ "$WORKERS" = 0 ]; then PAR=(); else PAR=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
 if [ "${RUMOR_TEST_SLOW:-0}" = 1 ]; then
   $PY -m pytest tests/python -q -p no:cacheprovider "${PAR[@]}" --durations=30
 else

@@ -715,7 +715,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._engine.launch_all()
         self._engine.finish(self._finish_guard)
         end = time.monotonic()
-        self._timeline = (self._forward_times, compute_end, end, self._engine.last_timings())
+        self._timeline = (self._forward_times, compute_end, end, self._engine.last_timings(), (end, end))
         if timeline._on and self._backward_t0 is not None:
             # Autograd runs the first gradient hook once the first parameter's gradient exists;
             # the span starts there (the loss and the last layers' backward come just before).
@@ -729,7 +729,14 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 self._rebuilt = True
                 self._ready_order, self._ready_times = [], {}
+        t0 = time.monotonic()
         self.algorithm.after_backward(self)
+        t1 = time.monotonic()
+        # A decentralized algorithm waits there for its weight mix: communication too, which
+        # backward's own span does not show.
+        self._timeline = self._timeline[:4] + ((t0, t1),)
+        if timeline._on and type(self.algorithm).after_backward is not Algorithm.after_backward:
+            timeline._span_s(f"{type(self.algorithm).__name__}.after_backward", "wait", t0, t1)
 
     def _rebuild_in_ready_order(self) -> None:
         """After the first iteration, buckets follow the order in which gradients really became
@@ -906,11 +913,14 @@ class DistributedDataParallel(torch.nn.Module):
           comm thread: its last gradient arrived and every bucket before it had been handed
           over, since buckets go in order on every rank), start and end of its op there;
         - exposed_comm = backward_end - backward_compute_end (communication not hidden behind
-          backward), comm_busy = the sum of the buckets' end - start.
+          backward), comm_busy = the sum of the buckets' end - start;
+        - after_backward_end (when the algorithm's after_backward hook returned and backward()
+          with it) and after_backward, the seconds that hook took: a decentralized algorithm
+          waits there for its weight mix, communication that exposed_comm does not count.
         """
         if self._timeline is None:
             return None
-        (f_start, m_start, f_end), compute_end, end, timings = self._timeline
+        (f_start, m_start, f_end), compute_end, end, timings, (hook_start, hook_end) = self._timeline
         if f_start is None or f_start > compute_end:
             f_start, m_start, f_end = compute_end, None, None
         buckets = [dict(bucket=b, elements=n, ready=ready - f_start, start=t0 - f_start, end=t1 - f_start)
@@ -918,7 +928,8 @@ class DistributedDataParallel(torch.nn.Module):
         return dict(module_start=None if m_start is None else m_start - f_start,
                     forward_end=None if f_end is None else f_end - f_start,
                     backward_compute_end=compute_end - f_start, backward_end=end - f_start, buckets=buckets,
-                    exposed_comm=end - compute_end, comm_busy=sum(b["end"] - b["start"] for b in buckets))
+                    exposed_comm=end - compute_end, comm_busy=sum(b["end"] - b["start"] for b in buckets),
+                    after_backward_end=hook_end - f_start, after_backward=hook_end - hook_start)
 
     def remove_hooks(self) -> None:
         """Gives the module and the optimizer back as they would be without the wrapper.

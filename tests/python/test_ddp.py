@@ -473,6 +473,8 @@ def _check_timeline(chk, ddp, what: str, elements: int) -> None:
                   f"{what}: bucket {b}, timeline {tl}")
     chk.check(abs(tl["exposed_comm"] - (tl["backward_end"] - tl["backward_compute_end"])) < 1e-9
               and abs(tl["comm_busy"] - sum(b["end"] - b["start"] for b in bs)) < 1e-9, f"{what}: {tl}")
+    chk.check(0 <= tl["after_backward"] and tl["backward_end"] <= tl["after_backward_end"] - tl["after_backward"] + 1e-9,
+              f"{what}: {tl}")
 
 
 def _layout_tensor(ddp):

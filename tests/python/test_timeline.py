@@ -5,6 +5,8 @@ Ranks run through harness.run (deadline per test). What is checked:
   inside another ends inside it) and appear in the order they ended on their thread;
 * a DDP step on 4 ranks shows forward, backward, optimizer step, user ranges and every bucket
   of the step (as a span on the thread that ran it and as a ready -> finished async span);
+* an algorithm's after_backward wait (a decentralized weight mix's) shows in the trace and in
+  last_iteration_timeline(), after backward's buckets;
 * the merged file has a process per rank, each moved by exactly its measured clock offset,
   and that offset is within half the round trip it was measured with (the midpoint estimate
   cannot be further off on one host's shared monotonic clock);
@@ -57,6 +59,40 @@ def _ddp_rank(base):
     merged = rumor.timeline.stop(merge=True)
     return dict(file=mine, merged=merged, buckets=len(ddp.buckets), steps=steps,
                 flight=rumor.timeline.flight_records())
+
+
+def _hook_rank(base, pause_s):
+    import time
+
+    import torch
+
+    import rumor
+    from rumor.testing import models
+
+    torch.set_num_threads(1)
+    rumor.init()
+
+    class Pausing(rumor.algorithms.GradientAllReduce):
+        """Waits in after_backward as a decentralized algorithm waits there for its weight mix."""
+
+        def after_backward(self, ddp):
+            super().after_backward(ddp)
+            time.sleep(pause_s)
+
+    model = models.build("mlp25m", seed=0, scale=1 / 64, dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ddp = rumor.DistributedDataParallel(model, optimizer=opt, algorithm=Pausing())
+    mine = rumor.timeline.start(base)
+    seen = []
+    for step in range(2):
+        x, y = models.batch(model, 4, step=step, shard=rumor.rank())
+        t0 = time.monotonic()
+        models.loss(ddp(x), y).backward()
+        seen.append(dict(ddp.last_iteration_timeline(), returned=time.monotonic() - t0))
+        opt.step()
+        opt.zero_grad()
+    rumor.timeline.stop()
+    return dict(file=mine, seen=seen)
 
 
 def _killed_rank():
@@ -173,6 +209,8 @@ def test_ddp_timeline_four_ranks_and_merge(tmp_path):
         names = [e["name"] for e in events]
         for phase in ("forward", "backward", "optimizer step", "wait for buckets"):
             assert names.count(phase) == r["steps"], (phase, names.count(phase))
+        # GradientAllReduce has no after_backward of its own, so no span for it
+        assert not [n for n in names if n.endswith(".after_backward")]
         data = [e for e in events if e["name"] == "data"]
         assert [e["args"]["step"] for e in data] == list(range(r["steps"]))
         assert all(e["cat"] == "user" for e in data)
@@ -221,6 +259,26 @@ def test_ddp_timeline_four_ranks_and_merge(tmp_path):
         mine = [e for e in _events(r["file"]) if e["name"] == "marker"][0]
         there = [e for e in merged if e["name"] == "marker" and e["pid"] == rank][0]
         assert there["ts"] == pytest.approx(mine["ts"] - offsets[rank], abs=0.002)
+
+
+def test_an_algorithms_after_backward_wait_is_in_the_breakdown_and_the_trace(tmp_path):
+    pause = 0.05
+    res = harness.run(_hook_rank, 2, timeout=120, args=(str(tmp_path / "hook.json"), pause))
+    for rank, r in enumerate(res):
+        for tl in r["seen"]:
+            # The hook's time is counted, after backward's buckets and before backward() returned.
+            assert tl["after_backward"] >= pause, tl
+            assert tl["after_backward_end"] - tl["after_backward"] >= tl["backward_end"] - 1e-6, tl
+            assert tl["after_backward_end"] <= tl["returned"] + 1e-6, tl
+        events = _events(r["file"])
+        _check_nesting_and_order(events, f"rank {rank}")
+        hooks = [e for e in events if e["name"] == "Pausing.after_backward"]
+        assert len(hooks) == 2 and all(e["cat"] == "wait" and e["dur"] >= pause * 1e6 for e in hooks), hooks
+        # Each comes after that step's backward span ends (the buckets' wait included).
+        backs = [e for e in events if e["name"] == "backward"]
+        assert len(backs) == 2
+        for b, h in zip(backs, hooks):
+            assert h["ts"] >= b["ts"] + b["dur"] - 1, (b, h)
 
 
 def test_killed_rank_leaves_a_readable_file(tmp_path):
