@@ -715,6 +715,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._engine.launch_all()
         self._engine.finish(self._finish_guard)
         end = time.monotonic()
+        # An empty after_backward span until the hook has run: if it raises, the timeline stays whole.
         self._timeline = (self._forward_times, compute_end, end, self._engine.last_timings(), (end, end))
         if timeline._on and self._backward_t0 is not None:
             # Autograd runs the first gradient hook once the first parameter's gradient exists;
