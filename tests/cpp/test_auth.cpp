@@ -332,7 +332,9 @@ TEST(Auth, FloodOfHalfOpenConnectionsDoesNotStopTheJob) {
   EXPECT_GE(opened.load(), 2500);
   EXPECT_LE(max_pending.load(), 128u);
   EXPECT_LE(w.ctx[0]->pending_connections(), 128u);
-  EXPECT_GE(w.ctx[0]->rejected_connections(), 2000u);
+  // The listener may still be working through the flood's last connections when it ends.
+  EXPECT_TRUE(wait_for([&] { return w.ctx[0]->rejected_connections() >= 2000u; }, 20))
+      << w.ctx[0]->rejected_connections() << " connections refused of " << opened.load();
 
   held.clear();
   // Every connection of the flood closes on the listener's side too (EOF, the cap or the
