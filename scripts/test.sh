@@ -37,13 +37,14 @@ echo "== Python tests"
 # in one process): much of a test's time is waiting (process starts, deadlines, a peer's death
 # noticed), which the other worker fills. Modules go out longest first (tests/python/conftest.py, from
 # tests/python/module_times.json), so no long module starts last while the other worker has nothing
-# left. RUMOR_TEST_WORKERS=0 runs them in this process, one by one.
+# left. RUMOR_TEST_WORKERS=0 runs them in this process, one by one. -rs: the log says why each
+# skipped test was skipped (no GPU, no etcd, ...), so a test that stopped running shows.
 WORKERS=${RUMOR_TEST_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then PAR=(); else PAR=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
 if [ "${RUMOR_TEST_SLOW:-0}" = 1 ]; then
-  $PY -m pytest tests/python -q -p no:cacheprovider "${PAR[@]}" --durations=30
+  $PY -m pytest tests/python -q -p no:cacheprovider "${PAR[@]}" -rs --durations=30
 else
-  $PY -m pytest tests/python -q -p no:cacheprovider "${PAR[@]}" -m "not slow" --durations=30
+  $PY -m pytest tests/python -q -p no:cacheprovider "${PAR[@]}" -m "not slow" -rs --durations=30
 fi
 
 echo "== Install check (sdist -> wheel -> fresh venv -> import rumor and a 2-rank allreduce)"

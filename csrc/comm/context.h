@@ -16,6 +16,7 @@
 #include "net/auth.h"
 #include "net/channel.h"
 #include "net/handshake.h"
+#include "net/link.h"
 #include "net/listener.h"
 #include "net/shm.h"
 #include "net/tls.h"
@@ -183,6 +184,9 @@ class Context {
   net::Doorbell* own_bell_ = nullptr;
   std::mutex bells_mu_;
   std::map<uint32_t, net::ShmSegment> peer_bells_;
+  // Per peer, what its TCP channels (of every communicator) learned of the path (net/link.h).
+  std::mutex paths_mu_;
+  std::map<uint32_t, std::shared_ptr<net::PathMemory>> paths_;
   std::atomic<bool> aborted_{false};
   std::mutex abort_mu_;
   std::string abort_why_;  // under abort_mu_

@@ -124,6 +124,15 @@ double StripeWidth::RecentMean::mean() const {
 
 void StripeWidth::pin(size_t w) { width_ = std::clamp<size_t>(w, 1, hi_); }
 
+void StripeWidth::resume(const StripeWidth& learned) {
+  if (learned.lo_ != lo_) return;
+  at_floor_ = learned.at_floor_;
+  below_ = learned.below_;
+  last_rate_ = learned.last_rate_;
+  below_ok_ = learned.below_ok_;
+  width_ = std::clamp<size_t>(learned.width_, 1, hi_);
+}
+
 size_t StripeWidth::next(const SendCounters& since, uint64_t busiest_us) {
   if (since.sent < kWidthSampleBytes) return width_;
   const double delivered = static_cast<double>(since.sent - std::min(since.resent, since.sent));
@@ -144,6 +153,16 @@ size_t StripeWidth::next(const SendCounters& since, uint64_t busiest_us) {
     return width_ = lo_ / 2;
   }
   return width_ = w;
+}
+
+std::optional<StripeWidth> PathMemory::stripe_width() const {
+  std::lock_guard lk(mu_);
+  return width_;
+}
+
+void PathMemory::remember(const StripeWidth& w) {
+  std::lock_guard lk(mu_);
+  width_ = w;
 }
 
 }  // namespace rumor::net

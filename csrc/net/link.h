@@ -9,6 +9,8 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <optional>
 #include <string>
 
 namespace rumor::net {
@@ -105,6 +107,10 @@ class StripeWidth {
   // busy time one stream spent in it (the time the sample took on the wire). Returns the width,
   // unchanged when the sample is below kWidthSampleBytes (the caller keeps accumulating).
   size_t next(const SendCounters& since, uint64_t busiest_us);
+  // Continues what `learned` (the rule of another channel to the same peer, with the same lo)
+  // decided: its width, within this rule's hi, its recent samples and whether a trial below lo
+  // has failed. A rule with another lo learned on other terms and is ignored.
+  void resume(const StripeWidth& learned);
   // Whether the width may still go below lo (false once a trial there was slower).
   bool may_narrow_below_floor() const { return below_ok_; }
   // The last sample's rate, and the recent mean at lo and below it (bytes/s), for the log.
@@ -125,6 +131,25 @@ class StripeWidth {
   RecentMean at_floor_, below_;
   double last_rate_ = 0;
   bool below_ok_ = true;
+};
+
+// What the channels to one peer learned of the path to it, shared by the channels that every
+// communicator of a process opens to that peer (comm::Context keeps one per peer). Each
+// communicator has streams of its own, and each channel used to start with all of them: DiLoCo
+// averages on a communicator of its own, so its first average of mlp25m (100 MB) at 100 Mbit
+// and 100 ms went out on 8 streams that dropped each other's packets, although the world's
+// communicator had already narrowed to the one or two the path carries. A channel made later
+// starts from the latest decision of any of them (StripeWidth::resume), and goes on deciding
+// for itself.
+class PathMemory {
+ public:
+  // The latest stripe-width rule a channel to the peer decided with; none before the first.
+  std::optional<StripeWidth> stripe_width() const;
+  void remember(const StripeWidth& w);
+
+ private:
+  mutable std::mutex mu_;  // channels of different communicators decide on their own threads
+  std::optional<StripeWidth> width_;
 };
 
 }  // namespace rumor::net

@@ -38,7 +38,8 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 }  // namespace
 
 TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min,
-                       std::vector<std::unique_ptr<TlsSession>> tls, bool steal, size_t min_width)
+                       std::vector<std::unique_ptr<TlsSession>> tls, bool steal, size_t min_width,
+                       std::shared_ptr<PathMemory> path)
     : streams_(std::move(streams)),
       peer_desc_(std::move(peer_desc)),
       stripe_min_(stripe_min),
@@ -46,6 +47,7 @@ TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t st
       adapt_(min_width > 0 && min_width < streams_.size()),
       width_rule_(min_width, streams_.size()),
       width_(streams_.size()),
+      path_(adapt_ ? std::move(path) : nullptr),
       width_base_(streams_.size()),
       width_now_(streams_.size()),
       tls_(std::move(tls)) {
@@ -61,6 +63,15 @@ TcpChannel::TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t st
   // The handshake (TCP's and the authentication's round trips) has just given the kernel its
   // first samples.
   connect_rtt_s_ = rtt_s();
+  if (path_) {
+    if (const auto learned = path_->stripe_width()) {
+      width_rule_.resume(*learned);
+      width_ = width_rule_.width();
+      RUMOR_LOG(kDebug, "stripe width to " << peer_desc_ << ": starts at " << width_ << " of "
+                                           << streams_.size()
+                                           << " streams, as the other channels to it decided last");
+    }
+  }
 }
 
 double TcpChannel::rtt_s() const {
@@ -155,6 +166,7 @@ void TcpChannel::adapt_width() {
   const size_t before = width_;
   width_ = width_rule_.next(since, busiest_us);
   std::swap(width_base_, width_now_);
+  if (path_) path_->remember(width_rule_);
   if (width_ != before)
     RUMOR_LOG(kDebug, "stripe width to "
                           << peer_desc_ << ": " << before << " -> " << width_ << " of " << streams_.size()

@@ -26,7 +26,8 @@ namespace rumor::net {
 // (below min_width only on trial, kept while it delivers about as much) and widening where
 // their windows limit them. Streams past the width send their end marker at
 // once, so the receiver needs no word of it and the protocol is unchanged. RUMOR_STRIPE_ADAPT=0
-// keeps every stream in use, for comparison.
+// keeps every stream in use, for comparison. A channel starts at the width the other channels to
+// the same peer (other communicators') last decided (PathMemory), not at all its streams.
 //
 // With TLS (issue 46) every stream has a TlsSession, one per stream in `tls`, not yet shaken
 // hands: the handshake runs inside progress(), nonblocking, like any other bytes. A blocking
@@ -39,8 +40,11 @@ namespace rumor::net {
 // fails authentication reaches it. Without sessions the zero-copy path is unchanged.
 class TcpChannel final : public Channel {
  public:
+  // path: what the other channels to this peer learned (stripe width), shared with them; none
+  // for a channel on its own.
   TcpChannel(std::vector<Fd> streams, std::string peer_desc, size_t stripe_min,
-             std::vector<std::unique_ptr<TlsSession>> tls = {}, bool steal = true, size_t min_width = 0);
+             std::vector<std::unique_ptr<TlsSession>> tls = {}, bool steal = true, size_t min_width = 0,
+             std::shared_ptr<PathMemory> path = nullptr);
   // The piece size of a striped message of `len` bytes over `streams` streams (stealing on).
   static size_t piece_bytes(size_t len, size_t streams);
   bool is_shm() const override { return false; }
@@ -103,6 +107,7 @@ class TcpChannel final : public Channel {
   bool adapt_;  // a long link's pair, adapting its stripe width
   StripeWidth width_rule_;
   size_t width_;
+  std::shared_ptr<PathMemory> path_;
   std::vector<SendCounters> width_base_;  // per stream: its counters at the last width decision
   std::vector<SendCounters> width_now_;   // scratch, so a striped send allocates nothing
   // Per stream: where reduce-receives land before being folded into the destination.

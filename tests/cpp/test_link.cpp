@@ -154,6 +154,45 @@ TEST(StripeWidth, AFloorOfOneAndSmallSamples) {
   EXPECT_EQ(w.width(), 8u);
 }
 
+TEST(StripeWidth, AChannelMadeLaterGoesOnFromWhatAnotherLearned) {
+  // The world's channel to a peer narrowed to one stream on trial at 100 Mbit and 100 ms; a
+  // channel of another communicator to the same peer starts there, with the floor's samples, so
+  // a slower trial still sends it back to the floor after two samples of its own.
+  StripeWidth world(2, 8);
+  const uint64_t busy = busy_us_for(64.0 * MiB / 12e6);
+  const SendCounters fight = sample(96 * MiB, 0.33, 8 * busy, 0.03);
+  while (world.width() > 1) world.next(fight, busy);
+  PathMemory path;
+  EXPECT_FALSE(path.stripe_width().has_value());
+  path.remember(world);
+  ASSERT_TRUE(path.stripe_width().has_value());
+  StripeWidth later(2, 8);
+  EXPECT_EQ(later.width(), 8u);
+  later.resume(*path.stripe_width());
+  EXPECT_EQ(later.width(), 1u);
+  EXPECT_TRUE(later.may_narrow_below_floor());
+  EXPECT_DOUBLE_EQ(later.floor_rate(), world.floor_rate());
+  const SendCounters slower = sample(64 * MiB, 0.001, 2 * busy, 0.05);
+  EXPECT_EQ(later.next(slower, 2 * busy), 1u);
+  EXPECT_EQ(later.next(slower, 2 * busy), 2u);
+  EXPECT_FALSE(later.may_narrow_below_floor());
+  // What it learned is its own: the world's rule is unchanged.
+  EXPECT_EQ(world.width(), 1u);
+  EXPECT_TRUE(world.may_narrow_below_floor());
+}
+
+TEST(StripeWidth, ResumeKeepsItsOwnBoundsAndIgnoresAnotherFloor) {
+  StripeWidth wide(2, 8);  // never decided: all 8 streams
+  StripeWidth fewer(2, 4);
+  fewer.resume(wide);
+  EXPECT_EQ(fewer.width(), 4u);  // within its own streams
+  StripeWidth other_floor(1, 8);
+  other_floor.pin(1);
+  StripeWidth mine(2, 8);
+  mine.resume(other_floor);  // learned with another RUMOR_SOCKET_STREAMS: not taken
+  EXPECT_EQ(mine.width(), 8u);
+}
+
 TEST(StripeWidth, CountersOnlyGrow) {
   const SendCounters a{100, 10, 1000, 500}, b{150, 5, 2000, 600};
   const SendCounters d = b - a;

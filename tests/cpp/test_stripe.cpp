@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -326,6 +327,59 @@ TEST(Stripe, StreamsPastTheWidthSendOnlyTheirEndMarker) {
   }
   ASSERT_TRUE(s2.finished() && r2.finished());
   EXPECT_TRUE(out == data);
+}
+
+// Channels to one peer share what they learn of the path: one made later starts at the width
+// the others last decided, and a channel's own decision (after a full sample) is remembered.
+TEST(Stripe, ChannelsToOnePeerShareTheirStripeWidth) {
+  auto streams = [](std::vector<Pair>& pairs, std::vector<Fd>& theirs) {
+    std::vector<Fd> ours;
+    for (int i = 0; i < 3; ++i) pairs.push_back(loopback_pair());
+    for (auto& p : pairs) {
+      ours.push_back(std::move(p.ours));
+      theirs.push_back(std::move(p.theirs));
+    }
+    return ours;
+  };
+  auto path = std::make_shared<PathMemory>();
+  StripeWidth learned(1, 3);
+  learned.pin(1);
+  path->remember(learned);
+  std::vector<Pair> p1, p2, p3;
+  std::vector<Fd> t1, t2, t3;
+  TcpChannel later(streams(p1, t1), "rank 1", 1 << 20, {}, true, 1, path);
+  EXPECT_EQ(later.stripe_width(), 1u);
+  TcpChannel alone(streams(p2, t2), "rank 1", 1 << 20, {}, true, 1);
+  EXPECT_EQ(alone.stripe_width(), 3u);
+  // Not adapting (as many streams as the floor, or adaptation off): the memory plays no part.
+  TcpChannel fixed(streams(p3, t3), "rank 1", 1 << 20, {}, true, 3, path);
+  EXPECT_EQ(fixed.stripe_width(), 3u);
+
+  // A channel's decision reaches the memory: two striped messages of 12 MiB over loopback, the
+  // second begun past a full sample of the first.
+  auto fresh = std::make_shared<PathMemory>();
+  std::vector<Pair> p4;
+  std::vector<Fd> t4;
+  TcpChannel sender(streams(p4, t4), "rank 1", 1 << 20, {}, true, 1, fresh);
+  TcpChannel receiver(std::move(t4), "rank 0", 1 << 20);
+  constexpr size_t kLen = 12 << 20;
+  const auto data = pattern(kLen);
+  std::vector<std::byte> out(kLen);
+  const OpInfo op = test_op();
+  const auto guard = Clock::now() + std::chrono::seconds(20);
+  for (int m = 0; m < 2; ++m) {
+    Transfer s = make_send(1, data.data(), kLen), r = make_recv(0, out.data(), kLen);
+    sender.begin(s, op);
+    receiver.begin(r, op);
+    while (!(s.finished() && r.finished()) && Clock::now() < guard) {
+      sender.progress(s, op);
+      receiver.progress(r, op);
+    }
+    ASSERT_TRUE(s.finished() && r.finished());
+    EXPECT_TRUE(out == data);
+    EXPECT_EQ(fresh->stripe_width().has_value(), m == 1) << "message " << m;
+  }
+  EXPECT_EQ(fresh->stripe_width()->width(), sender.stripe_width());
 }
 
 // Drives the transfers of one lane (one peer, one direction) as Communicator::exchange does
