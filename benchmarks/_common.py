@@ -466,6 +466,15 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
 
 
+def parse_size(text: str) -> int:
+    """Bytes from "64MiB", "4KiB", "1GiB" or a plain integer."""
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for u, f in units.items():
+        if text.endswith(u):
+            return int(float(text[: -len(u)]) * f)
+    return int(text)
+
+
 def world_sizes(ap: argparse.ArgumentParser, args) -> List[int]:
     if args.hosts > 0:
         if args.hosts < 2:

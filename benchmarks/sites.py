@@ -44,14 +44,6 @@ import _common  # noqa: E402
 VARIANTS = ("rumor sites", "rumor sites seq", "rumor ring", "gloo")
 
 
-def _size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for u, f in units.items():
-        if text.endswith(u):
-            return int(float(text[: -len(u)]) * f)
-    return int(text)
-
-
 # ---- a rank ------------------------------------------------------------------------------------
 
 def _body(cfg, rank: int, n: int) -> None:
@@ -144,7 +136,7 @@ def main() -> int:
     if k < 2 or m < 1:
         ap.error("--sites must be >= 2 and --hosts-per-site >= 1")
     n = k * m
-    args.size_bytes = _size(args.size)
+    args.size_bytes = _common.parse_size(args.size)
     args.hosts, args.ranks_per_host, args.rate = n, 1, f"{args.fast} inside, {args.slow} between"
     site = lambda h: h // m  # noqa: E731
     fast_d, slow_d = netns.parse_time(args.fast_rtt) / 2, netns.parse_time(args.slow_rtt) / 2
