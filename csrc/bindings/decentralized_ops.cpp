@@ -37,11 +37,15 @@ void bind_decentralized_ops(py::module_& m) {
       "Bucket op that leaves gradients local (for algorithms that communicate weights).");
 
   py::class_<ops::WeightMixOp, BucketOp, std::shared_ptr<ops::WeightMixOp>>(m, "WeightMixOp")
-      .def(py::init([](uintptr_t weights, uintptr_t out, size_t count, int dtype, bool hierarchical) {
-             return std::make_shared<ops::WeightMixOp>(weights, out, count, to_dtype(dtype), hierarchical);
+      .def(py::init([](uintptr_t weights, uintptr_t out, size_t count, int dtype, bool hierarchical,
+                       std::shared_ptr<SharedArena> arena) {
+             return std::make_shared<ops::WeightMixOp>(weights, out, count, to_dtype(dtype), hierarchical,
+                                                       std::move(arena));
            }),
            py::arg("weights"), py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("hierarchical"),
-           "Mixes a flat weight buffer with peers' copies into `out` (same size, not overlapping).")
+           py::arg("arena") = nullptr,
+           "Mixes a flat weight buffer with peers' copies into `out` (same size, not overlapping). With "
+           "`arena` (a SharedArena holding both buffers), a whole-host average reads the peers in place.")
       .def_property_readonly("count", &ops::WeightMixOp::count)
       .def("share_scratch", &ops::WeightMixOp::share_scratch, py::arg("other"),
            "Receive into other's buffer (for ops that never run at the same time).")

@@ -135,42 +135,57 @@ std::byte* SharedArena::data_of(uint32_t q) const {
   return q == comm_->rank() ? data() : static_cast<std::byte*>(peers_[q].data());
 }
 
-void SharedArena::allreduce(void* buf, size_t count, DType dtype, ReduceOp op, const ChunkFn& on_reduced) {
+void SharedArena::allreduce_into(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                                 const ChunkFn& on_reduced) {
   const size_t es = dtype_size(dtype);
-  if (!contains(buf, count * es))
+  const bool in_place = in == out;
+  if (!contains(in, count * es) || !contains(out, count * es))
     throw Error(ErrorKind::kInvalidArgument, "shared-bucket allreduce: buffer is not inside the arena");
+  const auto* ib = static_cast<const std::byte*>(in);
+  auto* ob = static_cast<std::byte*>(out);
+  if (!in_place && ib < ob + count * es && ob < ib + count * es)
+    throw Error(ErrorKind::kInvalidArgument, "shared-bucket allreduce: the input and the output overlap");
   net::OpInfo info = comm_->begin_op("allreduce (shared buckets)", Opcode::kArenaAllreduce);
   info.bytes = static_cast<int64_t>(count * es);
   info.algo = "shared buckets";
   const uint32_t n = comm_->size(), r = comm_->rank();
   if (count == 0) return;
   if (n == 1) {
+    if (!in_place) std::memcpy(ob, ib, count * es);
     if (on_reduced) on_reduced(0, count);
     return;
   }
-  const size_t offset = static_cast<size_t>(static_cast<std::byte*>(buf) - data());
+  const size_t in_off = static_cast<size_t>(ib - data()), out_off = static_cast<size_t>(ob - data());
   comm_->run_guarded(info, [&] {
-    comm_->barrier_within(info);  // everyone's gradients are in place
+    comm_->barrier_within(info);  // everyone's inputs are in place
 
     std::vector<size_t> begin(n + 1, 0);
     for (uint32_t q = 0; q < n; ++q) begin[q + 1] = begin[q] + (count / n + (q < count % n ? 1 : 0));
-    std::byte* mine = data() + offset + begin[r] * es;
+    const size_t block = begin[r] * es;
+    std::byte* mine = data() + out_off + block;
     const size_t my_bytes = (begin[r + 1] - begin[r]) * es;
+    std::vector<const void*> srcs(n);
     // Peers in a fixed order, so a block sums the same way in every run. The owner then writes
-    // its result into every peer's bucket while the chunk is still in cache: pushing costs one
+    // its result into every peer's output while the chunk is still in cache: pushing costs one
     // write per copy where pulling later would cost a read and a write, and only the owner ever
-    // touches block r of any bucket during this call, so the writes race with nothing.
+    // touches block r of any output during this call, so the writes race with nothing.
     for (size_t c = 0; c < my_bytes; c += kChunkBytes) {
       const size_t len = std::min(kChunkBytes, my_bytes - c);
-      for (uint32_t q = 0; q < n; ++q) {
-        if (q == r) continue;
-        const auto* theirs = static_cast<const std::byte*>(peers_[q].data()) + offset + begin[r] * es + c;
-        reduce_into(mine + c, theirs, len / es, dtype, op);
+      if (in_place) {
+        for (uint32_t q = 0; q < n; ++q) {
+          if (q == r) continue;
+          reduce_into(mine + c, data_of(q) + in_off + block + c, len / es, dtype, op);
+        }
+      } else {
+        // Every input read once, in rank order, and the sum written once: no copy of this
+        // rank's input into its output first.
+        for (uint32_t q = 0; q < n; ++q) srcs[q] = data_of(q) + in_off + block + c;
+        reduce_many(mine + c, srcs.data(), n, len / es, dtype, op);
       }
       if (op == ReduceOp::AVG) finish_average(mine + c, len / es, dtype, n);
       for (uint32_t q = 0; q < n; ++q) {
         if (q == r) continue;
-        std::byte* theirs = static_cast<std::byte*>(peers_[q].data()) + offset + begin[r] * es + c;
+        std::byte* theirs = data_of(q) + out_off + block + c;
         // With an update after the average (overlap_optimizer), peers read their gradients
         // only at the next zero_grad: bypass the cache. Otherwise their own update reads them
         // right away, from the cache where a normal store leaves them.

@@ -38,7 +38,15 @@ class SharedArena {
   using ChunkFn = std::function<void(size_t first, size_t count)>;
 
   // In-place allreduce of `count` elements at `data` (inside this arena) on every rank.
-  void allreduce(void* data, size_t count, DType dtype, ReduceOp op, const ChunkFn& on_reduced = {});
+  void allreduce(void* data, size_t count, DType dtype, ReduceOp op, const ChunkFn& on_reduced = {}) {
+    allreduce_into(data, data, count, dtype, op, on_reduced);
+  }
+  // The same from `in` into `out` (both inside the arena, at the same offsets on every rank; `out`
+  // is `in` or does not overlap it): each block's owner reads every rank's input once and writes
+  // the result into every rank's output, so no rank copies its input first. Decentralized's
+  // weights on one host mix this way, from the buffer set the parameters live in into the other.
+  void allreduce_into(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                      const ChunkFn& on_reduced = {});
 
   // What a rank brings to average_into_deltas (the same vector, one entry per rank, on every rank).
   enum Role : uint8_t {

@@ -52,12 +52,14 @@ void mix_toward_replicas(T* x, const T* self, const T* left, const T* right, T* 
 
 // ---- WeightMixOp ----------------------------------------------------------------------------
 
-WeightMixOp::WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType dtype, bool hierarchical)
+WeightMixOp::WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType dtype, bool hierarchical,
+                         std::shared_ptr<SharedArena> arena)
     : weights_(reinterpret_cast<std::byte*>(weights)),
       out_(reinterpret_cast<std::byte*>(out)),
       count_(count),
       dtype_(dtype),
-      hierarchical_(hierarchical) {
+      hierarchical_(hierarchical),
+      arena_(std::move(arena)) {
   if (dtype != DType::F32 && dtype != DType::F64 && dtype != DType::F16 && dtype != DType::BF16)
     throw Error(ErrorKind::kInvalidArgument,
                 "WeightMixOp: weights must be a floating-point type, got " + std::string(dtype_name(dtype)));
@@ -65,9 +67,20 @@ WeightMixOp::WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType d
   const size_t bytes = count * dtype_size(dtype);
   if (weights < out + bytes && out < weights + bytes)
     throw Error(ErrorKind::kInvalidArgument, "WeightMixOp: the output buffer overlaps the weights");
+  if (arena_ && (!arena_->contains(weights_, bytes) || !arena_->contains(out_, bytes)))
+    throw Error(ErrorKind::kInvalidArgument,
+                "WeightMixOp: the weights or the output are not inside the arena");
 }
 
 void WeightMixOp::mix(Communicator& comm, const MixPlan& plan) {
+  // What hierarchical_neighbor_allreduce reduces a single host's schedule to: the host's average.
+  const bool host_average =
+      plan.average_all || (hierarchical_ && comm.local_comm().size() == comm.size() &&
+                           plan.self_weight == 1.0 && plan.srcs.empty() && plan.dsts.empty());
+  if (arena_ && host_average && &arena_->comm() == &comm) {
+    arena_->allreduce_into(weights_, out_, count_, dtype_, ReduceOp::AVG);
+    return;
+  }
   if (plan.average_all) {
     comm.allreduce_into(weights_, out_, count_, dtype_, ReduceOp::AVG,
                         hierarchical_ ? AllreduceAlgo::kHierarchical : AllreduceAlgo::kAuto);

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/arena.h"
 #include "comm/neighbor.h"
 #include "compress/codec.h"
 #include "engine/bucket_engine.h"
@@ -44,7 +45,14 @@ struct MixPlan {
 // comm/neighbor.h's neighbor_allreduce (or its hierarchical form).
 class WeightMixOp final : public BucketOp {
  public:
-  WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType dtype, bool hierarchical);
+  // arena (may be null): the shared arena `weights` and `out` lie in, on the communicator the op
+  // runs on. A mix that is an average over every rank of one host then reads the peers' weights
+  // in place and writes each block's average into every rank's `out` (SharedArena::
+  // allreduce_into): on 4 ranks sharing 2 cores, 100 MB of float32 weights, a round took 20-24 ms
+  // of CPU time per rank against 26-28 ms through private buffers, whose cross-process copies are
+  // system calls that pin every page.
+  WeightMixOp(uintptr_t weights, uintptr_t out, size_t count, DType dtype, bool hierarchical,
+              std::shared_ptr<SharedArena> arena = nullptr);
   // Mixes with plan's peers. Runs on the communicator's worker.
   void mix(Communicator& comm, const MixPlan& plan);
   // As a bucket op (launched when the bucket's gradients are ready) it mixes with the plan
@@ -63,6 +71,7 @@ class WeightMixOp final : public BucketOp {
   size_t count_;
   DType dtype_;
   bool hierarchical_;
+  std::shared_ptr<SharedArena> arena_;
   MixPlan plan_;
   // The peers' weights land here. Kept between steps: a fresh buffer per step cost a zero fill
   // and the page faults of a whole model every step, on the cores that compute uses.

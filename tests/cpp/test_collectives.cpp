@@ -19,6 +19,7 @@
 
 #include "comm/arena.h"
 #include "comm/direct.h"
+#include "core/half.h"
 #include "ranks.h"
 
 namespace rumor {
@@ -1143,6 +1144,52 @@ TEST(SharedArena, AllreduceReadsPeersInPlace) {
       for (size_t i = 0; i < nb; ++i) ASSERT_EQ(b[i], static_cast<int64_t>((n - 1) * 10 + i));
       std::vector<float> outside(4);
       EXPECT_THROW(arena.allreduce(outside.data(), outside.size(), DType::F32, ReduceOp::SUM), Error);
+    });
+    testing::expect_all_ok(errs);
+  }
+}
+
+TEST(SharedArena, AllreduceIntoLeavesTheInputsAndFillsEveryOutput) {
+  // Small integers: every float sum is exact, so the result must match bit for bit; bf16 sums
+  // in float32 and rounds once (values here are exact in bf16 too).
+  for (uint32_t n : {1u, 2u, 3u, 4u}) {
+    auto w = testing::make_world(testing::one_host(n), testing::quick_options(true));
+    auto errs = testing::run_ranks_shared(w, [n](std::shared_ptr<Communicator> comm, uint32_t r) {
+      SharedArena arena(comm, 4 << 20);
+      const size_t count = 100003;  // uneven blocks, several chunks each
+      auto* in = reinterpret_cast<float*>(arena.data());
+      auto* out = reinterpret_cast<float*>(arena.data() + (1 << 20));
+      auto value = [](uint32_t q, size_t i) { return static_cast<float>((i * 7 + q * 13) % 101); };
+      for (int rep = 0; rep < 2; ++rep) {
+        for (size_t i = 0; i < count; ++i) {
+          in[i] = value(r, i) + static_cast<float>(rep);
+          out[i] = -1.0f;
+        }
+        arena.allreduce_into(in, out, count, DType::F32, ReduceOp::SUM);
+        for (size_t i = 0; i < count; ++i) {
+          float want = 0;
+          for (uint32_t q = 0; q < n; ++q) want += value(q, i) + static_cast<float>(rep);
+          ASSERT_EQ(out[i], want) << "n " << n << " rank " << r << " i " << i;
+          ASSERT_EQ(in[i], value(r, i) + static_cast<float>(rep)) << "the input must stay";
+        }
+      }
+      // AVG divides once; the outputs of every rank hold the same bits.
+      for (size_t i = 0; i < count; ++i) in[i] = static_cast<float>(r + 1);
+      arena.allreduce_into(in, out, count, DType::F32, ReduceOp::AVG);
+      for (size_t i = 0; i < count; ++i) ASSERT_EQ(out[i], static_cast<float>(n + 1) / 2.0f) << i;
+      auto* hb = reinterpret_cast<uint16_t*>(arena.data() + (2 << 20));
+      auto* ho = hb + 4096;
+      for (size_t i = 0; i < 1001; ++i) hb[i] = half::f32_to_bf16(static_cast<float>(r + i % 3));
+      arena.allreduce_into(hb, ho, 1001, DType::BF16, ReduceOp::SUM);
+      for (size_t i = 0; i < 1001; ++i) {
+        float want = 0;
+        for (uint32_t q = 0; q < n; ++q) want += static_cast<float>(q + i % 3);
+        ASSERT_EQ(half::bf16_to_f32(ho[i]), want) << i;
+      }
+      std::vector<float> outside(4);
+      EXPECT_THROW(arena.allreduce_into(outside.data(), out, 4, DType::F32, ReduceOp::SUM), Error);
+      EXPECT_THROW(arena.allreduce_into(in, outside.data(), 4, DType::F32, ReduceOp::SUM), Error);
+      EXPECT_THROW(arena.allreduce_into(in, in + 2, 4, DType::F32, ReduceOp::SUM), Error);
     });
     testing::expect_all_ok(errs);
   }

@@ -135,6 +135,8 @@ def rank_train(specs, steps):
             opt.step()
             traj.append(_flat_params(model))
         res = {"traj": traj, "mixed": mixed}
+        if spec["kind"] == "decentralized":
+            res["arena"] = alg._arena is not None
         if spec["kind"] == "lowprec":
             alg.synchronize(ddp)
             res["copies"] = [[torch.tensor(op.copy_state(w), dtype=torch.float64) for w in range(3)]
@@ -338,6 +340,10 @@ def test_decentralized_matches_simulation_4_ranks():
 
     steps = 4
     specs = [dict(kind="decentralized", sel=s, k=k) for s in ("all", "shift_one", "exp2", "ring") for k in (1, 2)]
+    # hierarchical on one host: every round the host's average, through the shared arena
+    one_host = [dict(kind="decentralized", sel=s, hier=True) for s in ("shift_one", "exp2")]
+    one_host.append(dict(kind="decentralized", sel="exp2", hier=True, swap=True))
+    specs += one_host
     specs += [dict(kind="decentralized", sel=RING4), dict(kind="decentralized", sel=SKEW4, k=3),
               dict(kind="decentralized", sel="exp2", swap=True), dict(kind="decentralized", sel=SKEW4, k=2, swap=True)]
     half = [dict(kind="decentralized", sel=s, dtype=d) for s in ("all", "exp2") for d in ("bfloat16", "float16")]
@@ -356,9 +362,16 @@ def test_decentralized_matches_simulation_4_ranks():
                           f"Decentralized(all) {spec['dtype']}: rank {r}'s averaged weights equal rank 0's")
     for si, spec in enumerate(specs):
         got = [res[r][si]["traj"] for r in range(4)]
-        what = f"Decentralized({spec['sel'] if isinstance(spec['sel'], str) else 'matrix'}, k={spec.get('k', 1)})"
-        _check_traj(chk, got, _simulate_decentralized(spec["sel"], 4, steps, spec.get("k", 1)), what)
-        if spec["sel"] == "all":  # identical after every average (then each applies its own gradient)
+        hier = spec.get("hier", False)
+        what = (f"Decentralized({spec['sel'] if isinstance(spec['sel'], str) else 'matrix'}, k={spec.get('k', 1)}"
+                f"{', hierarchical' if hier else ''}{', swap' if spec.get('swap') else ''})")
+        _check_traj(chk, got, _simulate_decentralized(spec["sel"], 4, steps, spec.get("k", 1),
+                                                      hosts=["h"] * 4 if hier else None), what)
+        # Where every round is the host's average, the weights live in the shared arena.
+        in_arena = spec["sel"] == "all" or hier
+        chk.check(all(res[r][si]["arena"] == in_arena for r in range(4)),
+                  f"{what}: weights {'' if in_arena else 'not '}in the shared arena on every rank")
+        if spec["sel"] == "all" or hier:  # identical after every average (then each applies its own gradient)
             for r in range(1, 4):
                 for t in range(0, steps, spec.get("k", 1)):
                     chk.equal(res[r][si]["mixed"][t], res[0][si]["mixed"][t],

@@ -11,7 +11,7 @@ import torch
 from .. import _C, _runtime
 from .._tensor import address, dtype_code
 from ..collectives import ReduceOp
-from .decentralized import exp2_peers, ring_peers, shift_one_peer
+from .decentralized import exp2_peers, ring_peers, shared_arena_possible, shift_one_peer
 
 if TYPE_CHECKING:
     from .async_model_average import _Slot
@@ -63,13 +63,6 @@ class _Mixer:
     def final(self, slots: List[_Slot]) -> None:
         """Every rank is idle in finish(): averages the weights themselves, in place."""
         raise NotImplementedError
-
-
-def shared_arena_possible(comm) -> bool:
-    """Whether "all" rounds on this communicator can keep the weights in a shared arena: several
-    ranks, all on this host, shared memory on (float weights on the host are the caller's part)."""
-    return (comm.size > 1 and comm.all_local and comm.uses_shm
-            and _runtime.env_bool("RUMOR_SHARED_BUCKETS", True))
 
 
 class _AllMixer(_Mixer):

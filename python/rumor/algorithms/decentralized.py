@@ -141,6 +141,14 @@ def mixing_matrix(peer_selection, n: int, round_: int) -> torch.Tensor:
 
 # ---- the algorithm --------------------------------------------------------------------------
 
+def shared_arena_possible(comm) -> bool:
+    """Whether the weights of an average over this communicator can live in a shared arena:
+    several ranks, all on this host, shared memory on (host-memory weights are the caller's part).
+    Decentralized's whole-host mixes and AsyncModelAverage's "all" rounds use it."""
+    return (comm.size > 1 and comm.all_local and comm.uses_shm
+            and _runtime.env_bool("RUMOR_SHARED_BUCKETS", True))
+
+
 def _check_interval(k) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"communication_interval must be an integer >= 1, got {k!r}")
@@ -224,6 +232,7 @@ class Decentralized(Algorithm):
         self._swap = total >= self._SWAP_MIN_MEAN * max(1, len(ddp._params))
         self._cur = 0  # which buffer set holds the parameters
         self._device_mix = None
+        self._arena = None
         if ddp._device_mode is not None:
             # On a CUDA device the mix is a task of the wrapper's DeviceEngine, on its
             # communication stream: on the device over NCCL, else through host memory.
@@ -233,11 +242,37 @@ class Decentralized(Algorithm):
             staged = not ddp._device_nccl or (self.hierarchical and not comm.all_local)
             self._device_mix = WeightMix(comm, self.hierarchical, staged, ddp._engine.layer)
             return
+        self._arena = arena = self._move_to_arena(ddp)
         self._ops = [[_C.WeightMixOp(address(a), address(b), a.numel(), dtype_code(a.dtype, "Decentralized"),
-                                     self.hierarchical) for a, b in zip(self._bufs[c], self._bufs[1 - c])]
+                                     self.hierarchical, arena) for a, b in zip(self._bufs[c], self._bufs[1 - c])]
                      for c in (0, 1)]
         for a, b in zip(*self._ops):  # one mix in flight at a time: one receive buffer
             b.share_scratch(a)
+
+    def _move_to_arena(self, ddp):
+        """Where every round is an average over the host (every rank on it, and hierarchical or
+        'all'), both buffer sets move into a shared arena and the parameters become views into
+        it: the mix then reads the peers' weights in place (WeightMixOp with the arena). Returns
+        the arena, or None where the buffers stay private."""
+        comm = ddp.group._comm
+        if not (shared_arena_possible(comm) and (self.hierarchical or self.peer_selection == "all")
+                and self._matrix is None):
+            return None
+        sizes = [(f.numel() * f.element_size() + 63) // 64 * 64 for f in self._flat.flats]
+        # Collective: every rank has the same model, so the same buffers in the same order.
+        arena = _C.SharedArena(comm, 2 * sum(sizes))
+        at, sets = 0, [[], []]
+        for c in (0, 1):
+            for f, size in zip(self._flat.flats, sizes):
+                sets[c].append(torch.frombuffer(arena, dtype=f.dtype, count=f.numel(), offset=at))
+                at += size
+        with torch.no_grad():
+            for f, a in zip(self._flat.flats, sets[0]):
+                a.copy_(f)
+        self._flat.flats = sets[0]
+        self._flat.repoint(copy=False)
+        self._bufs = sets
+        return arena
 
     def bucket_op(self, ddp, bucket):
         return _C.local_op()
