@@ -86,6 +86,8 @@ ALGORITHMS = {
     "dec_all": ("Dec all", "Decentralized(peer_selection='all')"),
     "dec_shift_one": ("Dec shift_one", "Decentralized(peer_selection='shift_one')"),
     "dec_exp2": ("Dec exp2", "Decentralized(peer_selection='exp2')"),
+    "dec_private": ("Dec private", "Decentralized(peer_selection='shift_one') with RUMOR_SHARED_BUCKETS=0: the "
+                    "weights in private buffers, not the shared arena (one host)"),
     "lp_dec": ("LowPrecDec", "LowPrecisionDecentralized()"),
     "rumor_fused": ("rumor fused", "GradientAllReduce(), optimizer fused (rumor.optim.fuse_optimizer)"),
     "rumor_overlap": ("rumor overlap", "GradientAllReduce(), overlap_optimizer=True (update per bucket in backward; once per host with shared buckets)"),
@@ -131,6 +133,7 @@ def _algorithm(key: str, opt):
         "dec_all": lambda: A.Decentralized(peer_selection="all"),
         "dec_shift_one": lambda: A.Decentralized(peer_selection="shift_one"),
         "dec_exp2": lambda: A.Decentralized(peer_selection="exp2"),
+        "dec_private": lambda: A.Decentralized(peer_selection="shift_one"),
         "lp_dec": lambda: A.LowPrecisionDecentralized(),
         "rumor_fused": lambda: A.GradientAllReduce(),
         "rumor_overlap": lambda: A.GradientAllReduce(),
@@ -206,13 +209,20 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         floor = _common.DDPFloor(variants["floor"][0], reducer_copies=False)
 
     def wrap(m, o, key):
-        # read when the wrapper is built
-        os.environ["RUMOR_SHARED_OPTIMIZER"] = "0" if key == "rumor_overlap_rank" else "1"
+        # read when the wrapper is built; the job's own settings come back afterwards
+        forced = {"RUMOR_SHARED_OPTIMIZER": "0" if key == "rumor_overlap_rank" else None,
+                  "RUMOR_SHARED_BUCKETS": "0" if key == "dec_private" else None}
+        before = {k: os.environ.get(k) for k in forced}
+        os.environ.update({k: v for k, v in forced.items() if v is not None})
         try:
             return rumor.DistributedDataParallel(m, optimizer=o, algorithm=_algorithm(key, o),
                                                  overlap_optimizer=key.startswith("rumor_overlap"))
         finally:
-            del os.environ["RUMOR_SHARED_OPTIMIZER"]
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     for key in cfg["algorithms"]:
         add(key, lambda m, o, key=key: wrap(m, o, key))

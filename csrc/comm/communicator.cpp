@@ -10,12 +10,9 @@
 #include <utility>
 
 #include "comm/direct.h"
+#include "core/futex.h"
 #include "core/log.h"
 #include "core/reduce.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 namespace rumor {
 
@@ -25,12 +22,6 @@ using net::make_send;
 using net::Transfer;
 
 namespace {
-
-void cpu_relax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#endif
-}
 
 // Splits count elements into n blocks whose sizes differ by at most one (larger ones first).
 std::vector<size_t> even_split(size_t count, size_t n) {

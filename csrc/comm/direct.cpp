@@ -12,10 +12,6 @@
 #include <new>
 #include <string>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "comm/communicator.h"
 #include "core/futex.h"
 #include "core/reduce.h"
@@ -60,12 +56,6 @@ constexpr uint64_t kControlMagic = 0x52554d4f52444952ull;
 std::string segment_name(const Communicator& comm, const char* what) {
   const uint32_t first = comm.world_ranks()[0];
   return comm.context().owned_name(comm.shm_prefix() + "-" + what + "-" + std::to_string(first), {first});
-}
-
-void cpu_relax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#endif
 }
 
 // Rank 0's side of a shared block: made under `name`, zeroed, headed and marked ready.

@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <ctime>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace rumor {
 
 inline void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int timeout_us) {
@@ -19,6 +23,13 @@ inline void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int timeo
 
 inline void futex_wake_all(std::atomic<uint32_t>* word) {
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// One beat of a spin before the futex sleep: lets a sibling hyperthread run meanwhile.
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
 }
 
 }  // namespace rumor
