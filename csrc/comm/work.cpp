@@ -55,7 +55,10 @@ void Worker::run(std::function<void()> fn, const Deadline& deadline) {
       }
       lk.lock();
       busy_ = false;
-      cv_.notify_all();
+      // The thread waits only for queued work, so wake it only if some was queued meanwhile. A
+      // wake-up after every inline operation cost each small collective a context switch into a
+      // thread that found nothing to do and slept again.
+      if (!queue_.empty()) cv_.notify_all();
       if (err) std::rethrow_exception(err);
       return;
     }

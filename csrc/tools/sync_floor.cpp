@@ -18,8 +18,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <csignal>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -87,7 +87,8 @@ int main(int argc, char** argv) {
   const long samples = arg(argc, argv, "--samples", 10), batch = arg(argc, argv, "--batch", 1000);
   const long warmup = arg(argc, argv, "--warmup", 1000), deadline_s = arg(argc, argv, "--deadline-s", 60);
   if (procs < 2 || procs > 256 || spin_us < 0 || samples < 1 || batch < 1 || warmup < 0 || deadline_s < 1) {
-    std::fprintf(stderr, "rumor-syncfloor: need --procs in 2..256, --samples and --batch >= 1, the rest >= 0\n");
+    std::fprintf(stderr,
+                 "rumor-syncfloor: need --procs in 2..256, --samples and --batch >= 1, the rest >= 0\n");
     return 2;
   }
   void* mem = ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -108,17 +109,20 @@ int main(int argc, char** argv) {
     }
     if (pid == 0) {
       ::alarm(static_cast<unsigned>(deadline_s));
-      for (uint64_t op = 0; op < ops; ++op) arrive(*s, static_cast<uint32_t>(procs), op, static_cast<int>(spin_us));
+      for (uint64_t op = 0; op < ops; ++op)
+        arrive(*s, static_cast<uint32_t>(procs), op, static_cast<int>(spin_us));
       ::_exit(0);
     }
     children.push_back(pid);
   }
   std::vector<double> per_op_us;
   uint64_t op = 0;
-  for (; op < static_cast<uint64_t>(warmup); ++op) arrive(*s, static_cast<uint32_t>(procs), op, static_cast<int>(spin_us));
+  for (; op < static_cast<uint64_t>(warmup); ++op)
+    arrive(*s, static_cast<uint32_t>(procs), op, static_cast<int>(spin_us));
   for (long k = 0; k < samples; ++k) {
     const auto t0 = Clock::now();
-    for (long b = 0; b < batch; ++b, ++op) arrive(*s, static_cast<uint32_t>(procs), op, static_cast<int>(spin_us));
+    for (long b = 0; b < batch; ++b, ++op)
+      arrive(*s, static_cast<uint32_t>(procs), op, static_cast<int>(spin_us));
     per_op_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / batch);
   }
   int failed = 0;

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 
@@ -1028,6 +1029,30 @@ TEST(Worker, ManyNonblockingOpsInFlight) {
     }
   });
   expect_all_ok(errs);
+}
+
+// run() on an idle worker runs the task on the caller's thread and wakes the worker's thread
+// only if work was queued meanwhile: that work must still run, not wait for a later submit.
+TEST(Worker, WorkQueuedDuringAnInlineRunStillRuns) {
+  Worker worker;
+  worker.submit([] {})->wait(Deadline::after(30));  // the worker's thread exists and is idle
+  std::promise<void> inside, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::thread caller([&] {
+    worker.run(
+        [&] {
+          inside.set_value();
+          released.wait();
+        },
+        Deadline::after(30));
+  });
+  inside.get_future().wait();
+  std::atomic<bool> ran{false};
+  auto queued = worker.submit([&] { ran = true; });
+  release.set_value();
+  caller.join();
+  queued->wait(Deadline::after(30));
+  EXPECT_TRUE(ran.load());
 }
 
 // A task's captures may be the last owner of something whose destructor takes a lock that a
