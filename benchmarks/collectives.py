@@ -19,9 +19,10 @@ How it measures
   so both libraries run in the same processes on the same data. Per (op, size): warm-up, then
   --iters measured samples per library, alternating which library goes first. A sample starts
   after a gloo barrier and one untimed op of the library timed (which lines the ranks up the
-  way that library does), then times `reps` back-to-back ops (reps > 1 only for small sizes, the
-  same for both libraries, so a sample lasts >= --target-ms); its time is the slowest rank's
-  elapsed time / reps. Reported: median over samples and min-max.
+  way that library does), then times `reps` back-to-back ops (reps > 1 only for small sizes, per
+  library, from a burst of ops timed after the warm-up (an eighth of a sample), so that each library's sample lasts
+  >= --target-ms; "reps" in the tables is rumor's); its time is the slowest rank's elapsed time /
+  reps. Reported: median over samples and min-max.
   Both libraries are called through their public APIs, in place where the API allows:
     allreduce       rumor.allreduce_(x, SUM)          dist.all_reduce(x, SUM)
     allgather       rumor.allgather(x, out=out)       dist.all_gather_single(out, x)
@@ -259,11 +260,27 @@ def _measure(cfg: Dict, rank: int, n: int, peers: Optional[Dict] = None) -> None
                     else:
                         correct[v] = True
         del expected
-        # reps: the same on every rank and for every library, so a sample lasts >= target.
-        fastest = min(min(warm[v]) for v in variants)
-        t = torch.tensor([fastest], dtype=torch.float64)
+        # reps, per library and the same on every rank, so that each library's sample lasts >=
+        # target: from a short burst timed as the samples are (a warm-up op alone includes the
+        # ranks' skew leaving the barrier: 4 ranks on 2 cores, 4 KiB, ~360 us against ~40 us a
+        # rep, which sized rumor's samples at ~7 ms, where one hiccup of the VM moved the median).
+        # The burst lasts about an eighth of a sample by the warm-up's (pessimistic) time per op.
+        w = torch.tensor([min(warm[v]) for v in variants], dtype=torch.float64)
+        dist.all_reduce(w, op=dist.ReduceOp.MAX)
+        burst = {}
+        for i, v in enumerate(variants):
+            k = max(4, min(256, math.ceil(cfg["target_s"] / 8 / max(float(w[i]), 1e-7))))
+            refill_timed(v)
+            dist.barrier()
+            fns[v]()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fns[v]()
+            burst[v] = (time.perf_counter() - t0) / k
+        t = torch.tensor([burst[v] for v in variants], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        reps = max(1, min(max_reps, math.ceil(cfg["target_s"] / max(float(t), 1e-7))))
+        reps = {v: max(1, min(max_reps, math.ceil(cfg["target_s"] / max(float(t[i]), 1e-7))))
+                for i, v in enumerate(variants)}
 
         samples = {v: [] for v in variants}
         for i in range(cfg["iters"]):
@@ -276,14 +293,15 @@ def _measure(cfg: Dict, rank: int, n: int, peers: Optional[Dict] = None) -> None
                 # op's (4 ranks on 2 cores, 4 KiB: 90 us a rep with it in 64 reps, 46 us in 512).
                 fns[v]()
                 t0 = time.perf_counter()
-                for _ in range(reps):
+                for _ in range(reps[v]):
                     fns[v]()
-                samples[v].append((time.perf_counter() - t0) / reps)
+                samples[v].append((time.perf_counter() - t0) / reps[v])
         per_rank = _common.gather_samples(samples)  # a sample's time is the slowest rank's
         oks = [None] * n
         dist.all_gather_object(oks, correct)
         if rank == 0:
-            cell = dict(op=op, size=size, n=n, dtype=dtype, reps=reps, warmup_s={v: warm[v] for v in variants},
+            cell = dict(op=op, size=size, n=n, dtype=dtype, reps=reps["rumor"], reps_by_variant=reps,
+                        warmup_s={v: warm[v] for v in variants},
                         variants={})
             for v in variants:
                 sm = [max(per_rank[v][r][i] for r in range(n)) for i in range(cfg["iters"])]

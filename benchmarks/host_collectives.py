@@ -41,8 +41,9 @@ run this script twice, once with an older build of rumor's extension on PYTHONPA
 The floor under the small sizes: with 4 KiB and float32 allreduce in the run, rumor-syncfloor
 (csrc/tools/sync_floor.cpp, shipped as rumor/lib/rumor-syncfloor) times P processes that only
 synchronize, as rumor's small path does without its data: each op every process adds one to a
-shared counter and the last wakes the sleepers with one futex wake-up; the better of sleeping
-at once and spinning 50 us first, measured before and after the jobs. Every rank must run once
+shared counter and the last wakes the sleepers with one futex wake-up; the best of sleeping at
+once, spinning 50 us first and yielding the core a few times first (sched_yield, as rumor's
+small path does where ranks share cores), measured before and after the jobs. Every rank must run once
 after the last arrival in any small collective, so no design beats it here; the 4 KiB targets
 print rumor's time beside it.
 
@@ -78,7 +79,8 @@ SMALL_SLOT = 64 * KiB  # one shared slot (HostSmall::kMaxBytes in csrc/comm/dire
 
 # ==== the floor under small collectives ============================================================
 
-SYNC_SPINS_US = (0, 50)  # the sleeping protocol, and spinning a while before the sleep
+# (spin us, yield): sleeping at once, spinning a while before the sleep, yielding before it
+SYNC_PROTOCOLS = ((0, 0), (50, 0), (0, 1))
 
 
 def syncfloor_path() -> str:
@@ -96,21 +98,23 @@ def syncfloor_path() -> str:
 def sync_floor(P: int) -> Dict:
     """What one synchronization of P processes costs here with nothing else around it (rumor-
     syncfloor: each op every process adds one to a shared counter, the last wakes the sleepers
-    with one futex wake-up), the lower of its medians with and without a spin before the sleep.
+    with one futex wake-up), the lowest of its medians sleeping at once, spinning first and
+    yielding first (SYNC_PROTOCOLS).
     Any small collective among P ranks needs at least that: every rank must run once after the
     last one arrived, and with more ranks than cores that means waking descheduled ones."""
     runs = []
-    for spin in SYNC_SPINS_US:
-        out = subprocess.run([syncfloor_path(), "--procs", str(P), "--spin-us", str(spin), "--samples", "10",
-                              "--batch", "1000", "--warmup", "1000"], capture_output=True, text=True, timeout=120)
+    for spin, yld in SYNC_PROTOCOLS:
+        out = subprocess.run([syncfloor_path(), "--procs", str(P), "--spin-us", str(spin), "--yield", str(yld),
+                              "--samples", "10", "--batch", "1000", "--warmup", "1000"],
+                             capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
-            raise RuntimeError(f"rumor-syncfloor --procs {P} --spin-us {spin}: exit {out.returncode}: "
+            raise RuntimeError(f"rumor-syncfloor --procs {P} --spin-us {spin} --yield {yld}: exit {out.returncode}: "
                                f"{out.stderr.strip()[-500:]}")
         d = json.loads(out.stdout)
         d["median_s"] = statistics.median(d["per_op_us"]) * 1e-6
         runs.append(d)
     best = min(runs, key=lambda d: d["median_s"])
-    return dict(procs=P, median_s=best["median_s"], spin_us=best["spin_us"], runs=runs)
+    return dict(procs=P, median_s=best["median_s"], spin_us=best["spin_us"], yielded=best["yield"], runs=runs)
 
 
 # ==== what the bound and rumor's designs move ========================================================
@@ -476,7 +480,7 @@ def main(argv=None) -> int:
                 f"{f:.2f} ({P} ranks)"
         for P, fl in result["sync_floor"].items():
             print(f"sync floor, {P} processes that only synchronize (rumor-syncfloor, one futex wake-up per op, "
-                  f"the better of spinning {' or '.join(str(x) for x in SYNC_SPINS_US)} us first): " +
+                  "the best of sleeping at once, spinning 50 us or yielding first): " +
                   " / ".join(f"{fmt_time(f['median_s'])}" for f in fl) + " (start / end)")
         for P, limit in ((2, 10e-6), (4, 50e-6)):
             c = next((c for c in result["cells"] if c["op"] == "allreduce" and c["n"] == P

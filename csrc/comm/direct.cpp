@@ -1,6 +1,7 @@
 #include "comm/direct.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -582,6 +583,8 @@ uint64_t HostSmall::arrive(const std::byte* data, size_t bytes, const Shape& sha
             q != r && cpus_[q] == my_cpu_ && slot(set, q).stamp.load(std::memory_order_acquire) != ops_;
       if (!needed_here) spin_us = kBoundSpinUs;
     }
+    // Spin 0: this core is shared with ranks that may not have arrived; hand it over first.
+    int yields = spin_us == 0 ? yields_.begin_wait() : 0;
     const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us);
     auto next_alive_check = Clock::now() + std::chrono::milliseconds(100);
     while (true) {
@@ -589,6 +592,13 @@ uint64_t HostSmall::arrive(const std::byte* data, size_t bytes, const Shape& sha
       if (static_cast<int32_t>(now - target) >= 0) break;
       if (Clock::now() < spin_until) {
         cpu_relax();
+        continue;
+      }
+      if (yields > 0) {
+        --yields;
+        const auto y0 = Clock::now();
+        ::sched_yield();
+        if (!yields_.after_yield(Clock::now() - y0)) yields = 0;
         continue;
       }
       if (info.deadline.expired())

@@ -22,6 +22,7 @@
 #include <span>
 #include <vector>
 
+#include "core/futex.h"
 #include "core/huge_pages.h"
 #include "net/channel.h"
 #include "net/shm.h"
@@ -101,6 +102,7 @@ class HostSmall {
   // How long a rank bound to a core no late rank needs spins before it sleeps (arrive()).
   static constexpr int kBoundSpinUs = 200;
   uint64_t ops_ = 0;
+  YieldBudget yields_;         // with cores shared, yields before a sleep (core/futex.h)
   std::vector<int32_t> cpus_;  // each rank's one CPU, -1 where a rank may run on several
   int my_cpu_ = -1;
   PeerProcesses peers_;

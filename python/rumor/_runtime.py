@@ -433,6 +433,11 @@ def get_gpu_wait() -> str:
     return state().gpu_wait
 
 
+def current() -> Optional[_State]:
+    """The running job's state, or None before rumor.init() (for paths that fall back instead of raising)."""
+    return _state
+
+
 def state() -> _State:
     if _state is None:
         raise RuntimeError("rumor is not initialized: call rumor.init() first")

@@ -34,6 +34,11 @@ def dtype_code(dtype: torch.dtype, what: str) -> int:
         raise TypeError(f"{what}: unsupported dtype {dtype}; expected one of {names}") from None
 
 
+def reduce_code(dtype: torch.dtype):
+    """dtype's code in the C++ core, or None where rumor cannot reduce it."""
+    return _DTYPE_CODES.get(dtype)
+
+
 def dtype_tag(dtype: torch.dtype) -> int:
     """A number naming any torch dtype (its reduce code where it has one)."""
     code = _DTYPE_CODES.get(dtype)

@@ -92,6 +92,10 @@ def allreduce(t, op=ReduceOp.AVG, group=None, *, hierarchical=False, algorithm=N
         CommTimeoutError: a peer did not take part within rumor's timeout.
         PeerError: a peer failed or left.
     """
+    if algorithm is None and not hierarchical:
+        out = host.allreduce_plain(t, op, group, False)
+        if out is not None:
+            return out
     algo = algorithm or ("hierarchical" if hierarchical else "auto")
     return _allreduce(t, op, group, False, False, algo, "rumor.allreduce")
 
@@ -118,6 +122,8 @@ def allreduce_(t, op=ReduceOp.AVG, group=None, *, hierarchical=False, algorithm=
         CommTimeoutError: a peer did not take part within rumor's timeout.
         PeerError: a peer failed or left.
     """
+    if algorithm is None and not hierarchical and host.allreduce_plain(t, op, group, True) is not None:
+        return t
     algo = algorithm or ("hierarchical" if hierarchical else "auto")
     return _allreduce(t, op, group, True, False, algo, "rumor.allreduce_")
 

@@ -678,6 +678,22 @@ TEST(HostSmall, RanksBoundToCoresStayExact) {
   expect_all_ok(errs);
 }
 
+// A waiter sharing its core yields a few times before it sleeps (core/futex.h); a yield that came
+// back late (something else ran a slice there) stops this wait's yields and the next waits'.
+TEST(YieldBudget, ALateYieldPausesTheYieldsOfTheNextWaits) {
+  YieldBudget b;
+  ASSERT_GT(YieldBudget::kYieldsPerWait, 0);
+  EXPECT_EQ(b.begin_wait(), YieldBudget::kYieldsPerWait);
+  EXPECT_TRUE(b.after_yield(std::chrono::microseconds(3)));
+  EXPECT_TRUE(b.after_yield(YieldBudget::kLateYield - std::chrono::microseconds(1)));
+  EXPECT_EQ(b.begin_wait(), YieldBudget::kYieldsPerWait);  // prompt yields keep the budget
+  EXPECT_FALSE(b.after_yield(YieldBudget::kLateYield));
+  for (uint32_t i = 0; i < YieldBudget::kPausedWaits; ++i) ASSERT_EQ(b.begin_wait(), 0) << "wait " << i;
+  EXPECT_EQ(b.begin_wait(), YieldBudget::kYieldsPerWait);
+  EXPECT_FALSE(b.after_yield(std::chrono::milliseconds(3)));  // and again
+  EXPECT_EQ(b.begin_wait(), 0);
+}
+
 // Small allreduces through the shared slots (comm/direct.h, HostSmall): many operations in a
 // row with a different value each time (the two slot sets alternate and the arrival counter
 // carries on), every dtype and op against a float64 / exact reference, sizes from empty up to

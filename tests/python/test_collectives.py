@@ -573,7 +573,48 @@ def noncontiguous_rank(key: str):
                     ret = rumor.recv(dst.t(), 0)
                     chk.equal(dst, bases[0], f"send/recv transposed {case}")
                     chk.equal(ret, bases[0].t(), f"recv {case}: return value")
+    _allreduce_forms(chk, n, r, key)
     return _finish(chk)
+
+
+def _allreduce_forms(chk, n, r, key):
+    """rumor.allreduce_'s and rumor.allreduce's usual call (a plain contiguous CPU tensor, a
+    ReduceOp, the world or a Group) takes a lean path (rumor._host_collectives.allreduce_plain);
+    every other form of the same reduction takes the general one. Each form gives the exact result."""
+    import rumor
+    import torch
+
+    inputs = [gen(key + "forms", q, torch.float32, "SUM", 1000) for q in range(n)]
+    ref = reference(inputs, "SUM")
+    everyone = rumor.new_group(list(range(n)))
+    forms = {
+        "plain": lambda x: rumor.allreduce_(x, rumor.ReduceOp.SUM),
+        "op as an int": lambda x: rumor.allreduce_(x, 0),
+        "group": lambda x: rumor.allreduce_(x, rumor.ReduceOp.SUM, group=everyone),
+        "algorithm auto": lambda x: rumor.allreduce_(x, rumor.ReduceOp.SUM, algorithm="auto"),
+        "parameter": lambda x: rumor.allreduce_(torch.nn.Parameter(x, requires_grad=False), rumor.ReduceOp.SUM),
+        "0-d view": lambda x: [rumor.allreduce_(x[i], rumor.ReduceOp.SUM) for i in range(3)],
+    }
+    for name, call in forms.items():
+        x = inputs[r].clone()
+        ret = call(x)
+        want = ref if name != "0-d view" else torch.cat([ref[:3], inputs[r][3:]])
+        chk.equal(x, want, f"[{key}] allreduce_ ({name})")
+        if name == "plain":
+            chk.check(ret is x, f"[{key}] allreduce_ ({name}): did not return its argument")
+    for name, call in {"plain": lambda x: rumor.allreduce(x, rumor.ReduceOp.SUM),
+                       "op as an int": lambda x: rumor.allreduce(x, 0),
+                       "group": lambda x: rumor.allreduce(x, rumor.ReduceOp.SUM, group=everyone)}.items():
+        x = inputs[r].clone()
+        out = call(x)
+        chk.equal(out, ref, f"[{key}] allreduce ({name})")
+        chk.equal(x, inputs[r], f"[{key}] allreduce ({name}): the input was modified")
+    x = inputs[r].to(torch.complex64)  # no reduction for it: the general path's error
+    try:
+        rumor.allreduce_(x, rumor.ReduceOp.SUM)
+        chk.check(False, f"[{key}] allreduce_ of complex64 did not raise")
+    except TypeError as e:
+        chk.check("unsupported dtype" in str(e), f"[{key}] allreduce_ of complex64: {e}")
 
 
 @pytest.mark.parametrize("world_size,env", [(1, {}), (2, {}), (3, {"RUMOR_SHM": "0"})], ids=["1", "2", "3-tcp"])
