@@ -201,9 +201,11 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
         # block owner's output (2c). From memory: the bound.
         return (3 * P + 1) * S, P * S + S, "direct: chunks taken from a shared counter"
     if op == "allgather" and direct:
-        # Direct: the own block copied into the output first (rumor.allgather, 2 S/P per rank),
-        # then each chunk read once from its owner and written into the P-1 others (2c each).
-        return 2 * S + 2 * (P - 1) * S, 2 * S + P * S, "direct: chunks taken from a shared counter"
+        # Direct: the taker of chunk c reads it once from where its owner holds it (the input
+        # tensor) into its own output (2c), then from its cache into the P-1 other outputs, the
+        # owner's included (2c each). From memory: every input read once and every output
+        # written once, the bound.
+        return 2 * P * S, (P + 1) * S, "direct: chunks taken from a shared counter"
     if op == "reduce_scatter":
         # Ring over two scratch blocks: each step copies the input block into scratch (2), sends
         # (2) and reduce-receives (3), S/P each, P-1 steps per rank; from memory: each input

@@ -265,9 +265,17 @@ PYBIND11_MODULE(_C, m) {
           "allgather",
           [](C& c, uintptr_t buf, std::vector<size_t> counts, int dtype, bool nb, uintptr_t own) {
             DType dt = to_dtype(dtype);
+            if (own != 0 && !nb) {
+              // Blocking: the core reads the caller's block where it is (one host's direct path)
+              // or copies it into place.
+              return dispatch(c, false, [&c, buf, counts = std::move(counts), dt, own] {
+                c.allgather(ptr(buf), counts, dt, ptr(own));
+              });
+            }
             if (own != 0) {
               // The caller's own block, copied here rather than by a tensor slice and copy_ in
-              // Python: those cost more than a small allgather when ranks share cores.
+              // Python: those cost more than a small allgather when ranks share cores. Copied now:
+              // the caller may reuse it once this returns.
               if (counts.size() != c.size())
                 throw std::invalid_argument("allgather: counts must hold one block per rank (" +
                                             std::to_string(c.size()) + "), got " +
@@ -283,8 +291,8 @@ PYBIND11_MODULE(_C, m) {
                             [&c, buf, counts = std::move(counts), dt] { c.allgather(ptr(buf), counts, dt); });
           },
           py::arg("buf"), py::arg("counts"), py::arg("dtype"), py::arg("nb"), py::arg("own") = 0,
-          "In place: buf holds size() blocks of counts[q] elements; own (an address, 0: none) is this "
-          "rank's block, copied into place first.")
+          "buf gets size() blocks of counts[q] elements; own (an address, 0: none) is this rank's block "
+          "(left untouched), else buf holds it in place.")
       .def("broadcast",
            [](C& c, uintptr_t buf, size_t count, int dtype, uint32_t root, bool nb) {
              DType dt = to_dtype(dtype);

@@ -932,23 +932,37 @@ bool Communicator::allgather_checks_blocks(std::span<const size_t> counts, DType
   return size() == 1 || (use_small() && HostSmall::fits_allgather(counts, dtype));
 }
 
-void Communicator::allgather(void* buf, std::span<const size_t> counts, DType dtype) {
+void Communicator::allgather(void* buf, std::span<const size_t> counts, DType dtype, const void* own) {
   if (counts.size() != size())
     throw Error(ErrorKind::kInvalidArgument, "allgather: " + std::to_string(counts.size()) +
                                                  " block counts for a group of " + std::to_string(size()));
   net::OpInfo info = begin("allgather", Opcode::kAllgather);
-  if (size() == 1) return;
-  const size_t bytes = byte_offsets(counts, dtype_size(dtype)).back();
+  const std::vector<size_t> offs = byte_offsets(counts, dtype_size(dtype));
+  const size_t bytes = offs.back(), own_bytes = offs[rank_ + 1] - offs[rank_];
+  auto* b = static_cast<std::byte*>(buf);
+  const auto* mine = static_cast<const std::byte*>(own);
+  // `own` read in place only where it is this rank's block itself or lies outside buf: peers
+  // write all of buf meanwhile.
+  if (mine != nullptr && mine != b + offs[rank_] && mine < b + bytes && b < mine + own_bytes) {
+    std::memmove(b + offs[rank_], mine, own_bytes);
+    mine = nullptr;
+  }
+  if (mine == nullptr) mine = b + offs[rank_];
+  auto place_own = [&] {
+    if (mine != b + offs[rank_] && own_bytes > 0) std::memcpy(b + offs[rank_], mine, own_bytes);
+  };
+  if (size() == 1) return place_own();
   info.bytes = static_cast<int64_t>(bytes);
   // One wait through the shared slots where every rank's block fits its slot (comm/direct.h).
   const bool small = allgather_checks_blocks(counts, dtype);
   const bool direct = !small && use_direct(bytes);
   info.algo = small ? "shared slots" : direct ? "direct" : "ring";
   guarded(info, [&] {
-    auto* b = static_cast<std::byte*>(buf);
+    if (direct && host_direct().allgather(mine, b, counts, dtype, info)) return;
+    place_own();
     if (small)
       host_small().allgather(b, counts, dtype, info);
-    else if (!direct || !host_direct().allgather(b, counts, dtype, info))
+    else
       ring_allgather(b, counts, dtype, info);
   });
 }
@@ -1026,7 +1040,8 @@ void Communicator::broadcast(void* buf, size_t count, DType dtype, uint32_t root
     if (direct) {
       std::vector<size_t> blocks(size(), 0);
       blocks[root] = count * es;
-      if (host_direct().allgather(b, blocks, DType::U8, info)) return;
+      // In place: each rank's (empty but the root's) block is where the buffer has it.
+      if (host_direct().allgather(b + (rank_ > root ? count * es : 0), b, blocks, DType::U8, info)) return;
     }
     if (!large) {
       binomial_broadcast(b, count * es, root, info);

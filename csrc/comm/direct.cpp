@@ -380,32 +380,39 @@ bool HostDirect::reduce_scatter(const std::byte* in, std::byte* out, std::span<c
   return true;
 }
 
-bool HostDirect::allgather(std::byte* buf, std::span<const size_t> counts, DType dtype,
+bool HostDirect::allgather(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
                            const net::OpInfo& info) {
   std::vector<Entry> peers;
-  bool huge = false;
-  if (state_ != State::kOff) {
-    size_t total = 0;
-    for (size_t c : counts) total += c;
-    huge = huge_.prepare(buf, total * dtype_size(dtype));
-  }
-  Slot* slot = enter(announce(shape_hash(3, dtype, ReduceOp::SUM, counts), huge, buf), peers, false, info);
-  if (slot == nullptr || !pays(peers)) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype);
   const Pieces pieces(counts, es);
+  bool huge = false;
+  if (state_ != State::kOff) {
+    huge = huge_.prepare(out, pieces.byte_off.back());
+    if (in != out + pieces.byte_off[r]) huge = huge_.prepare(in, counts[r] * es) && huge;
+  }
+  // Where peers read this rank's block, and where they write its output.
+  Slot* slot =
+      enter(announce(shape_hash(3, dtype, ReduceOp::SUM, counts), huge, in, out), peers, false, info);
+  if (slot == nullptr || !pays(peers)) return false;
+  auto in_place = [&](uint32_t q) { return peers[q].addr == peers[q].out + pieces.byte_off[q]; };
   work(*slot, pieces.total(), info, [&](size_t i) {
     const Piece p = pieces.at(i, counts);
     const size_t off = pieces.byte_off[p.block] + p.first * es, len = p.elems * es;
-    // Read once from the block's owner (into this rank's own copy of the block, which needs it
-    // anyway), then write from there into every other rank.
-    if (p.block != r)
-      vm_copy(false, peers[p.block].pid, buf + off, peers[p.block].addr + off, len, info,
+    // Read once from the block's owner into this rank's output (which needs it anyway), then
+    // written from there, still in cache, into every other rank's (the owner's too, unless the
+    // owner gathers in place).
+    std::byte* from = out + off;
+    if (p.block == r) {
+      if (!in_place(r)) std::memcpy(out + off, in + p.first * es, len);
+    } else {
+      vm_copy(false, peers[p.block].pid, out + off, peers[p.block].addr + p.first * es, len, info,
               comm_.peer_desc(p.block));
+    }
     peers_.check_alive(comm_, info, "before writing a gathered chunk");
     for (uint32_t q = 0; q < n; ++q)
-      if (q != r && q != p.block)
-        vm_copy(true, peers[q].pid, buf + off, peers[q].addr + off, len, info, comm_.peer_desc(q));
+      if (q != r && (q != p.block || !in_place(q)))
+        vm_copy(true, peers[q].pid, from, peers[q].out + off, len, info, comm_.peer_desc(q));
   });
   return true;
 }

@@ -129,9 +129,11 @@ class HostDirect {
   // reduced. Every input byte is read once, every output byte written once.
   bool reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
                       ReduceOp op, const net::OpInfo& info);
-  // allgather in place: buf holds size() blocks, this rank's filled in. Each block is read once
-  // from its owner and written once into every other rank.
-  bool allgather(std::byte* buf, std::span<const size_t> counts, DType dtype, const net::OpInfo& info);
+  // allgather: `out` gets size() blocks, this rank's read from `in` (which may be its own block
+  // of `out`: in place). Each block is read once from where its owner holds it and written once
+  // into every rank's output, the owner's included unless in place.
+  bool allgather(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
+                 const net::OpInfo& info);
 
   // Chunk the takers work on: each of the P chunks it reads stays in L2 while it is reduced.
   static constexpr size_t kChunkBytes = 256 * 1024;

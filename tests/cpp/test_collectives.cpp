@@ -527,6 +527,58 @@ TEST(HostDirect, ReduceScatterAndAllgatherUnevenBlocks) {
   }
 }
 
+// allgather on the direct path with this rank's block passed apart (`own`): read where it is by
+// whichever rank takes each chunk, and written into every output, the owner's included. Ranks mix
+// the four ways to pass it in one operation: filled in place (no own), own apart, own being the
+// block itself, and own lying elsewhere inside the output (copied into place first). Uneven
+// blocks (one empty), exact everywhere, and own left untouched.
+TEST(HostDirect, AllgatherReadsEachOwnBlockWhereItIs) {
+  for (uint32_t n : {3u, 4u}) {
+    auto w = make_world(one_host(n), quick_options(true));
+    auto errs = run_ranks(w, [n](Communicator& c, uint32_t r) {
+      const size_t chunk = HostDirect::kChunkBytes / sizeof(int64_t);
+      std::vector<size_t> counts(n);
+      for (uint32_t q = 0; q < n; ++q) counts[q] = q == 1 ? 0 : (q + 1) * chunk + 5 * q + 3;
+      std::vector<size_t> at(n + 1, 0);
+      for (uint32_t q = 0; q < n; ++q) at[q + 1] = at[q] + counts[q];
+      auto value = [](uint32_t q, size_t j, int round) {
+        return static_cast<int64_t>(q * 1000003 + j * 3 + static_cast<size_t>(round) * 7);
+      };
+      for (int round = 0; round < 3; ++round) {
+        std::vector<int64_t> g(at[n], -1), apart(counts[r]);
+        for (size_t j = 0; j < counts[r]; ++j) apart[j] = value(r, j, round);
+        const int64_t* own = nullptr;
+        switch ((r + static_cast<uint32_t>(round)) % 4) {
+          case 0:  // in place
+            std::copy(apart.begin(), apart.end(), g.begin() + static_cast<ptrdiff_t>(at[r]));
+            break;
+          case 1:  // apart
+            own = apart.data();
+            break;
+          case 2:  // the block itself
+            std::copy(apart.begin(), apart.end(), g.begin() + static_cast<ptrdiff_t>(at[r]));
+            own = g.data() + at[r];
+            break;
+          default:  // elsewhere in the output: overwritten by the others' blocks
+            if (r != 0 && counts[r] <= at[r]) {
+              std::copy(apart.begin(), apart.end(), g.begin());
+              own = g.data();
+            } else {
+              own = apart.data();
+            }
+        }
+        c.allgather(g.data(), counts, DType::I64, own);
+        for (uint32_t q = 0; q < n; ++q)
+          for (size_t j = 0; j < counts[q]; ++j)
+            ASSERT_EQ(g[at[q] + j], value(q, j, round)) << "round " << round << " block " << q << " j " << j;
+        for (size_t j = 0; j < counts[r]; ++j)
+          ASSERT_EQ(apart[j], value(r, j, round)) << "own changed, j " << j;
+      }
+    });
+    expect_all_ok(errs);
+  }
+}
+
 // broadcast on the direct path (an allgather whose only block is the root's): every root, sizes
 // around the chunk boundaries, exact bytes everywhere.
 TEST(HostDirect, BroadcastFromEveryRoot) {
