@@ -226,6 +226,12 @@ def pump(plain: socket.socket, tls: socket.socket, stop: threading.Event) -> Opt
         sel.close()
 
 
+def _refused_certificate(why: str) -> bool:
+    """Whether pump's error is the peer's alert refusing this side's certificate."""
+    return why.startswith("TLS failed:") and "ALERT" in why and \
+        any(w in why for w in ("CERTIFICATE", "UNKNOWN_CA", "ACCESS_DENIED"))
+
+
 class _Tunnel:
     """A listening socket whose every connection is served by `serve(conn, peer)` in a thread of
     its own; close() ends the listener and every connection and joins the threads."""
@@ -445,7 +451,13 @@ class Forwarder(_Tunnel):
         tls.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         why = pump(conn, tls, self.stop)
         if why and not self.stop.is_set():
-            self._log(f"{self.name}: the connection to the store at {_fmt(target)} failed: {why}")
+            if _refused_certificate(why):
+                # TLS 1.3: the client's handshake ends before the server has checked the client's
+                # certificate, so the store's refusal arrives as an alert on the first read.
+                self._log(f"{self.name}: the TLS handshake with the store at {_fmt(target)} failed: the store "
+                          f"refused this node's certificate: {why} (the same job CA on every node?)")
+            else:
+                self._log(f"{self.name}: the connection to the store at {_fmt(target)} failed: {why}")
 
 
 ROUTE_ENV = "RUMOR_ROUTE_ADDR"

@@ -141,6 +141,9 @@ def test_the_forwarder_serves_only_its_own_uid(pki):
     with _storetls.Terminator("127.0.0.1", 0, ("127.0.0.1", port), _ctx(pki, True, 0)) as term, \
             Relay(("127.0.0.1", 0), ("127.0.0.1", term.port)) as relay, \
             _storetls.Forwarder(("127.0.0.1", relay.port), _ctx(pki, False, 1)) as fwd:
+        # Resolving a str host loads the idna codec, which a child dropped to nobody may no longer
+        # read (a Python under /root): load it here, before the fork.
+        "127.0.0.1".encode("idna")
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: only system calls, then _exit
