@@ -165,23 +165,18 @@ void SharedArena::allreduce_into(const void* in, void* out, size_t count, DType 
     std::byte* mine = data() + out_off + block;
     const size_t my_bytes = (begin[r + 1] - begin[r]) * es;
     std::vector<const void*> srcs(n);
-    // Peers in a fixed order, so a block sums the same way in every run. The owner then writes
-    // its result into every peer's output while the chunk is still in cache: pushing costs one
-    // write per copy where pulling later would cost a read and a write, and only the owner ever
-    // touches block r of any output during this call, so the writes race with nothing.
+    // Every input read once and folded in rank order (in place too, where the owner's own input
+    // is also where the sum goes), the sum written once: each element sums as HostSmall and
+    // HostDirect sum it, whichever rank's block it falls in, so a layout cut elsewhere or
+    // another path gives the same bits. The owner then writes its result into every peer's
+    // output while the chunk is still in cache: pushing costs one write per copy where pulling
+    // later would cost a read and a write, and only the owner ever touches block r of any output
+    // during this call, so the writes race with nothing.
     for (size_t c = 0; c < my_bytes; c += kChunkBytes) {
       const size_t len = std::min(kChunkBytes, my_bytes - c);
-      if (in_place) {
-        for (uint32_t q = 0; q < n; ++q) {
-          if (q == r) continue;
-          reduce_into(mine + c, data_of(q) + in_off + block + c, len / es, dtype, op);
-        }
-      } else {
-        // Every input read once, in rank order, and the sum written once: no copy of this
-        // rank's input into its output first.
-        for (uint32_t q = 0; q < n; ++q) srcs[q] = data_of(q) + in_off + block + c;
-        reduce_many(mine + c, srcs.data(), n, len / es, dtype, op);
-      }
+      for (uint32_t q = 0; q < n; ++q)
+        srcs[q] = in_place && q == r ? static_cast<const void*>(mine + c) : data_of(q) + in_off + block + c;
+      reduce_many(mine + c, srcs.data(), n, len / es, dtype, op);
       if (op == ReduceOp::AVG) finish_average(mine + c, len / es, dtype, n);
       for (uint32_t q = 0; q < n; ++q) {
         if (q == r) continue;

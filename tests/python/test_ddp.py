@@ -1186,3 +1186,60 @@ def test_models_module():
     x2, y2 = models.batch(small, 4, step=2, shard=1)
     x3, _ = models.batch(small, 4, step=2, shard=0)
     assert torch.equal(x1, x2) and torch.equal(y1, y2) and not torch.equal(x1, x3)
+
+
+def partition_rank():
+    """The same training steps with one bucket, many small ones, and no shared buckets: the
+    parameters after each must hold the same bits (returned as one sha256 per variant)."""
+    import hashlib
+
+    import torch
+
+    import rumor
+
+    torch.set_num_threads(1)
+    rumor.init()
+    r = rumor.rank()
+    variants = {"one bucket": dict(bucket_cap_mb=25, first_bucket_mb=25),
+                "small buckets": dict(bucket_cap_mb=0.01, first_bucket_mb=0.002),
+                "no shared buckets": dict(shared_buckets=False)}
+    digests, arena = {}, {}
+    for name, kw in variants.items():
+        torch.manual_seed(0)
+        # 160 x 160 weights (100 KiB): past the small-message path, so the direct one runs too.
+        model = torch.nn.Sequential(torch.nn.Linear(24, 160), torch.nn.Tanh(), torch.nn.Linear(160, 160),
+                                    torch.nn.Tanh(), torch.nn.Linear(160, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp = rumor.DistributedDataParallel(model, opt, **kw)
+        g = torch.Generator().manual_seed(100 + r)
+        for _ in range(4):
+            # Inputs of mixed magnitudes: gradients whose float sum depends on its order.
+            x = torch.randn(8, 24, generator=g) * torch.exp2(torch.randint(-12, 12, (8, 1), generator=g).float())
+            y = torch.randn(8, 3, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        arena[name] = [b.arena is not None for b in ddp.buckets]
+        h = hashlib.sha256()
+        for p in model.parameters():
+            h.update(p.detach().numpy().tobytes())
+        digests[name] = h.hexdigest()
+    rumor.barrier()
+    return digests, arena
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_sums_do_not_depend_on_the_buckets(world):
+    """Where the buckets fall (one, many, cut after the first step by backward's timing) and
+    whether they are shared decide which rank sums which elements; on one host's paths (shared
+    buckets, shared slots, direct) each element must still sum over the ranks in rank order, so
+    the replicas are equal and a run that ends up with other buckets (a restart, another
+    timing) equals an uninterrupted one. The direct path from any size: where cores are shared
+    it starts at a few MiB, and below that the shm ring sums each chunk from another rank."""
+    res = harness.run(partition_rank, world, timeout=120, env={"RUMOR_HOST_DIRECT_MIN_BYTES": "0"})
+    arena = res[0][1]
+    assert all(arena["one bucket"]) and all(arena["small buckets"]) and len(arena["small buckets"]) > 2, arena
+    assert not any(arena["no shared buckets"]), arena
+    digests = [d for d, _ in res]
+    assert all(d == digests[0] for d in digests), "the replicas differ"
+    assert len(set(digests[0].values())) == 1, digests[0]
