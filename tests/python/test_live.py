@@ -148,12 +148,13 @@ def _simulate(sizes):
 
 def _run_live(tmp_path, victim, fault_step, fault, on_progress=None, newcomer="same-model",
               algorithm="GradientAllReduce", env=None, restarts=1, least=3, also="", spares=0):
-    # With spares the launcher starts four workers, a spare and the zygote (each importing torch)
-    # at once; on CI's two cores beside another test module a worker's watcher once stood still
-    # 2.1 s there, past the default 2 s heartbeat, and the job re-formed with the same four
-    # members before any fault (a change the checks do not expect). Where the fault is a death
-    # (found by the exit, not the heartbeat) the heartbeat is longer.
-    if spares and fault == "kill":
+    # The launcher starts four workers (with spares also a spare and the zygote), each importing
+    # torch, at once; on CI's two cores beside another test module a worker's watcher stood
+    # still 2.1 s there (with spares, and once without), past the default 2 s heartbeat, and the
+    # job re-formed with the same four members before any fault (a change the checks do not
+    # expect). Where the fault is a death (found by the exit, not the heartbeat) the heartbeat
+    # is longer.
+    if fault == "kill":
         env = {"RUMOR_LIVE_HEARTBEAT": "6", **(env or {})}
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
