@@ -41,7 +41,7 @@ import threading
 import traceback
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import _rendezvous, _runtime
 from ._env import env_float, env_int
@@ -290,6 +290,38 @@ def _enter_epoch(live: _Live) -> None:
 
 # ---- the watcher -------------------------------------------------------------------------------
 
+class _Silences:
+    """How long each member's heartbeat count has stood still, counted in the watcher's own waking
+    time. A watcher that itself did not run for a while (a loaded host, the GIL held through a long
+    import, the store slow to answer) saw nothing in that time; on a shared host the member it
+    judges was most likely stalled by the same load, so that time is nobody's silence. A member
+    stopped while its observer runs is still found after heartbeat_s."""
+
+    def __init__(self, heartbeat_s: float, period_s: float):
+        self.heartbeat_s = heartbeat_s
+        self.period_s = period_s
+        self.moved: Dict[str, Tuple[int, float]] = {}  # member -> (its count, when it last moved)
+        self.last_tick: Optional[float] = None
+
+    def tick(self, now: float) -> None:
+        """Called once per watcher period: a gap past twice the period is the watcher's own stall,
+        and every silence clock is moved forward by the part past one period."""
+        if self.last_tick is not None:
+            stall = now - self.last_tick - self.period_s
+            if stall > self.period_s:
+                self.moved = {m: (c, t + stall) for m, (c, t) in self.moved.items()}
+        self.last_tick = now
+
+    def silent_for(self, member: str, count: int, now: float) -> Optional[float]:
+        """The silence of member (its count read now) when it is past heartbeat_s, else None."""
+        prev = self.moved.get(member)
+        if prev is None or prev[0] != count:
+            self.moved[member] = (count, now)
+            return None
+        quiet = now - prev[1]
+        return quiet if quiet > self.heartbeat_s else None
+
+
 def _start_watcher(live: _Live) -> None:
     live.thread = threading.Thread(target=_watch, args=(live,), name="rumor-live-watch", daemon=True)
     live.thread.start()
@@ -297,12 +329,13 @@ def _start_watcher(live: _Live) -> None:
 
 def _watch(live: _Live) -> None:
     store = live.watch_store
-    last = {}  # member -> (its heartbeat counter, the local time it last moved)
+    silences = _Silences(live.heartbeat_s, _BEAT_S)
     events = 0
     tick = 0
     beats = 0
     while not live.stop.wait(_BEAT_S):
         tick += 1
+        silences.tick(time.monotonic())
         try:
             # The heartbeat moves every other tick (a silence is judged over RUMOR_LIVE_HEARTBEAT,
             # 2 s), by a plain write of this process's own count: on an etcd store each write is a
@@ -336,11 +369,9 @@ def _watch(live: _Live) -> None:
                         # seconds after the others): not silent. One that dies first is
                         # reported by its launcher; a host lost first, by init's deadline.
                         continue
-                    prev = last.get(m)
-                    if prev is None or prev[0] != c:
-                        last[m] = (c, now)
-                    elif now - prev[1] > live.heartbeat_s:
-                        why = f"member {m} was silent for {now - prev[1]:.1f} s (heartbeat {live.heartbeat_s:g} s)"
+                    quiet = silences.silent_for(m, c, now)
+                    if quiet is not None:
+                        why = f"member {m} was silent for {quiet:.1f} s (heartbeat {live.heartbeat_s:g} s)"
                         break
                 if why is None and not live.join_pending and _pending_newcomers(live, store):
                     live.join_pending = True  # the next optimizer step ends the epoch

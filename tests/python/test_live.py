@@ -224,6 +224,37 @@ def _check(tmp_path, victim, text, exact=True, merged=False):
     assert any(not torch.allclose(torch.tensor(g, dtype=torch.float64), w, rtol=1e-3, atol=1e-4)
                for g, w in zip(ref, full))
 
+def test_a_silence_is_counted_in_the_watchers_own_waking_time():
+    from rumor._live import _Silences
+
+    s = _Silences(heartbeat_s=2.0, period_s=0.1)
+
+    def watch(t0, t1, counts):  # the watcher ticks every period from t0 to t1, reading counts(t)
+        t, quiet = t0, None
+        while t < t1 - 1e-9 and quiet is None:
+            t = round(t + 0.1, 6)
+            s.tick(t)
+            quiet = s.silent_for("r1", counts(t), t)
+        return t, quiet
+
+    # A member that beats is never silent.
+    assert watch(0.0, 5.0, lambda t: int(t * 5))[1] is None
+    # A member stopped while its observer runs is found just past the heartbeat.
+    t, quiet = watch(5.0, 10.0, lambda t: 25)
+    assert quiet is not None and 2.0 < quiet <= 2.1 + 1e-9 and t == pytest.approx(7.1)
+    # The observer itself stalled 1.5 s while the member was quiet 2.5 s (one load stalled both):
+    # only the observer's waking time counts, so 1 s, not a silence.
+    s = _Silences(heartbeat_s=2.0, period_s=0.1)
+    watch(0.0, 1.0, lambda t: int(t * 5))
+    s.tick(2.6)  # the watcher woke 1.6 s after its last tick
+    assert s.silent_for("r1", 5, 2.6) is None
+    t, quiet = watch(2.6, 3.5, lambda t: 5)
+    assert quiet is None
+    # ... and it is found once the observer has been awake a heartbeat past the member's last beat.
+    t, quiet = watch(3.5, 10.0, lambda t: 5)
+    assert quiet is not None and t == pytest.approx(4.6)
+
+
 
 @pytest.mark.parametrize("algorithm", ["GradientAllReduce", "ByteGrad"])
 def test_a_killed_worker_leaves_and_a_newcomer_joins(tmp_path, algorithm):
@@ -410,7 +441,9 @@ def _two_hosts(tmp_path, victim, restarts=1, least=3, env=None, during=None, hos
         pytest.skip(f"emulated hosts need Linux network namespaces: {why}")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(_env(), RUMOR_JOB_SECRET=secrets.token_hex(32), **(env or {}))
+    # The victim is killed (found by its exit): the longer heartbeat, as in _run_live (on CI a
+    # loaded start-up stood a worker's watcher still 2.5 s here).
+    env = dict(_env(), RUMOR_JOB_SECRET=secrets.token_hex(32), RUMOR_LIVE_HEARTBEAT="6", **(env or {}))
     procs, outs = [], []
     per = 4 // hosts
     with netns.Cluster(hosts) as cluster:
