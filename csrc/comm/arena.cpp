@@ -19,6 +19,9 @@ namespace {
 constexpr size_t kChunkBytes = 64 * 1024;
 // What average_into_deltas keeps in cache per chunk: one chunk of every rank's weights and the sum.
 constexpr size_t kScratchBytes = 192 * 1024;
+// Behind the buffers of rank 0's arena: the allreduce's two chunk counters, a cache line each.
+constexpr size_t kControlBytes = 128;
+size_t control_offset(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 std::string arena_name(const Communicator& c, uint64_t id, uint32_t rank) {
   const uint32_t world = c.world_ranks().at(rank);
@@ -92,7 +95,8 @@ SharedArena::SharedArena(std::shared_ptr<Communicator> comm, size_t bytes)
   if (!comm_->all_local() || !comm_->uses_shm())
     throw Error(ErrorKind::kInvalidArgument,
                 comm_->name() + ": shared buckets need every rank on one host and shared memory enabled");
-  own_ = net::ShmSegment::create(arena_name(*comm_, id_, comm_->rank()), bytes_);
+  own_ =
+      net::ShmSegment::create(arena_name(*comm_, id_, comm_->rank()), control_offset(bytes_) + kControlBytes);
   peers_.resize(comm_->size());
   // Map every peer's arena now and drop the names once all have mapped them, so that no name
   // outlives construction. Runs through the worker to stay in order with queued operations.
@@ -124,7 +128,7 @@ void SharedArena::map_peers(const net::OpInfo& op) {
   for (uint32_t q = 0; q < comm_->size(); ++q)
     if (q != comm_->rank())
       peers_[q] = net::ShmSegment::open(
-          arena_name(*comm_, id_, q), bytes_, op.deadline,
+          arena_name(*comm_, id_, q), control_offset(bytes_) + kControlBytes, op.deadline,
           op.where() + ": shared buckets of rank " + std::to_string(comm_->world_ranks()[q]));
 }
 
@@ -133,6 +137,11 @@ std::byte* SharedArena::data_of(uint32_t q) const {
     throw Error(ErrorKind::kInvalidArgument, "shared arena: no rank " + std::to_string(q) +
                                                  " in a group of " + std::to_string(peers_.size()));
   return q == comm_->rank() ? data() : static_cast<std::byte*>(peers_[q].data());
+}
+
+std::atomic_ref<uint64_t> SharedArena::claims(uint32_t slot) const {
+  return std::atomic_ref<uint64_t>(
+      *reinterpret_cast<uint64_t*>(data_of(0) + control_offset(bytes_) + slot * (kControlBytes / 2)));
 }
 
 void SharedArena::allreduce_into(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
@@ -156,43 +165,54 @@ void SharedArena::allreduce_into(const void* in, void* out, size_t count, DType 
     return;
   }
   const size_t in_off = static_cast<size_t>(ib - data()), out_off = static_cast<size_t>(ob - data());
+  // Pieces of 64 KiB, smaller where that would leave ranks without one (a 64 KiB bucket on 4
+  // ranks: four of 16 KiB, as fixed blocks split it), in whole pages so a piece holds whole
+  // elements and its streaming stores stay aligned.
+  const size_t total = count * es;
+  const size_t piece = std::clamp<size_t>(((total + n - 1) / n + 4095) / 4096 * 4096, 4096, kChunkBytes);
+  const size_t chunks = (total + piece - 1) / piece;
+  // Op k claims its chunks from counter k % 2. Op k-1's claims all happened before op k's first
+  // barrier, so from there rank 0 may zero that counter for op k+1, whose claims start only after
+  // op k's closing barrier. (A failed op aborts the communicator: no later op runs on it.)
+  const uint32_t slot = static_cast<uint32_t>(allreduces_++ & 1);
   comm_->run_guarded(info, [&] {
     comm_->barrier_within(info);  // everyone's inputs are in place
-
-    std::vector<size_t> begin(n + 1, 0);
-    for (uint32_t q = 0; q < n; ++q) begin[q + 1] = begin[q] + (count / n + (q < count % n ? 1 : 0));
-    const size_t block = begin[r] * es;
-    std::byte* mine = data() + out_off + block;
-    const size_t my_bytes = (begin[r + 1] - begin[r]) * es;
+    if (r == 0) claims(slot ^ 1).store(0, std::memory_order_relaxed);
     std::vector<const void*> srcs(n);
-    // Every input read once and folded in rank order (in place too, where the owner's own input
+    // The chunks go to whichever rank claims them next, not to fixed blocks: with more ranks than
+    // cores a rank descheduled in the middle (its comm thread behind backward's compute) no
+    // longer holds back the chunks it would have owned; the ranks that run take them. Every
+    // input is read once and folded in rank order (in place too, where the claimer's own input
     // is also where the sum goes), the sum written once: each element sums as HostSmall and
-    // HostDirect sum it, whichever rank's block it falls in, so a layout cut elsewhere or
-    // another path gives the same bits. The owner then writes its result into every peer's
-    // output while the chunk is still in cache: pushing costs one write per copy where pulling
-    // later would cost a read and a write, and only the owner ever touches block r of any output
+    // HostDirect sum it, whoever reduces it, so a layout cut elsewhere, another path or another
+    // claimer gives the same bits. The claimer then writes its result into every peer's output
+    // while the chunk is still in cache: pushing costs one write per copy where pulling later
+    // would cost a read and a write, and only the claimer touches that chunk of any output
     // during this call, so the writes race with nothing.
-    for (size_t c = 0; c < my_bytes; c += kChunkBytes) {
-      const size_t len = std::min(kChunkBytes, my_bytes - c);
+    for (;;) {
+      const uint64_t k = claims(slot).fetch_add(1, std::memory_order_relaxed);
+      if (k >= chunks) break;
+      const size_t c = static_cast<size_t>(k) * piece, len = std::min(piece, total - c);
+      std::byte* mine = data() + out_off + c;
       for (uint32_t q = 0; q < n; ++q)
-        srcs[q] = in_place && q == r ? static_cast<const void*>(mine + c) : data_of(q) + in_off + block + c;
-      reduce_many(mine + c, srcs.data(), n, len / es, dtype, op);
-      if (op == ReduceOp::AVG) finish_average(mine + c, len / es, dtype, n);
+        srcs[q] = in_place && q == r ? static_cast<const void*>(mine) : data_of(q) + in_off + c;
+      reduce_many(mine, srcs.data(), n, len / es, dtype, op);
+      if (op == ReduceOp::AVG) finish_average(mine, len / es, dtype, n);
       for (uint32_t q = 0; q < n; ++q) {
         if (q == r) continue;
-        std::byte* theirs = data_of(q) + out_off + block + c;
+        std::byte* theirs = data_of(q) + out_off + c;
         // With an update after the average (overlap_optimizer), peers read their gradients
         // only at the next zero_grad: bypass the cache. Otherwise their own update reads them
         // right away, from the cache where a normal store leaves them.
         if (on_reduced)
-          copy_streaming(theirs, mine + c, len);
+          copy_streaming(theirs, mine, len);
         else
-          std::memcpy(theirs, mine + c, len);
+          std::memcpy(theirs, mine, len);
       }
-      if (on_reduced) on_reduced(begin[r] + c / es, len / es);
+      if (on_reduced) on_reduced(c / es, len / es);
     }
     streaming_fence();
-    comm_->barrier_within(info);  // every block reduced and delivered everywhere
+    comm_->barrier_within(info);  // every chunk reduced and delivered everywhere
   });
 }
 

@@ -1,10 +1,11 @@
 // Shared-memory buffers that every rank of an all-local communicator can read directly. The
 // training engine allocates its gradient buckets here, so that an allreduce of a bucket reads
-// the peers' gradients in place: each rank reduces its block straight from everyone's buffer
-// and writes the result into everyone's buffer. That moves about 2x the bucket size through
-// memory per rank, against 6.75x for a ring through shared-memory queues (4 ranks).
+// the peers' gradients in place: the ranks claim its chunks, and each chunk's claimer reduces it
+// straight from everyone's buffer and writes the result into everyone's buffer. That moves about 2x the
+// bucket size through memory per rank, against 6.75x for a ring through shared-memory queues (4 ranks).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -31,10 +32,11 @@ class SharedArena {
   // The arena of communicator rank q, mapped here (this rank's own for q == rank()).
   std::byte* data_of(uint32_t q) const;
 
-  // Runs on the owner of each chunk of an allreduce once the chunk holds the result on every
-  // rank: `first` counts elements from the start of the buffer. Each element is in exactly one
-  // chunk, and only its owner touches it until the allreduce returns, so work done here on it
-  // (overlap_optimizer's update) races with nothing and is visible to every rank afterwards.
+  // Runs on the rank that reduced a chunk of an allreduce (whichever claimed it first), once
+  // the chunk holds the result on every rank: `first` counts elements from the start of the
+  // buffer. Each element is in exactly one chunk, and only its claimer touches it until the
+  // allreduce returns, so work done here on it (overlap_optimizer's update) races with nothing
+  // and is visible to every rank afterwards. It must therefore not depend on which rank runs it.
   using ChunkFn = std::function<void(size_t first, size_t count)>;
 
   // In-place allreduce of `count` elements at `data` (inside this arena) on every rank.
@@ -42,8 +44,9 @@ class SharedArena {
     allreduce_into(data, data, count, dtype, op, on_reduced);
   }
   // The same from `in` into `out` (both inside the arena, at the same offsets on every rank; `out`
-  // is `in` or does not overlap it): each block's owner reads every rank's input once and writes
-  // the result into every rank's output, so no rank copies its input first. Decentralized's
+  // is `in` or does not overlap it): the ranks claim 64 KiB chunks from a counter they share, and
+  // a chunk's claimer reads every rank's input once and writes the result into every rank's
+  // output, so no rank copies its input first. Decentralized's
   // weights on one host mix this way, from the buffer set the parameters live in into the other.
   void allreduce_into(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                       const ChunkFn& on_reduced = {});
@@ -69,12 +72,15 @@ class SharedArena {
 
  private:
   void map_peers(const net::OpInfo& op);
+  // The allreduce's chunk counter `slot` (0 or 1), in rank 0's arena behind the buffers.
+  std::atomic_ref<uint64_t> claims(uint32_t slot) const;
 
   std::shared_ptr<Communicator> comm_;
   uint64_t id_;
   size_t bytes_;
   net::ShmSegment own_;
   std::vector<net::ShmSegment> peers_;  // by communicator rank; empty for this rank
+  uint64_t allreduces_ = 0;             // allreduce_into calls so far that ran the chunk loop
 };
 
 }  // namespace rumor

@@ -4,10 +4,11 @@
 //
 // Each rank's parameters of the bucket lie in its own arena, laid out like the bucket; the
 // optimizer state lies once, in the arena of the group's rank 0, and every rank's
-// optimizer.state views it. SharedArena::allreduce gives each chunk of the bucket one owner;
-// once the chunk is averaged the owner updates the state and its own parameters over the chunk
-// and copies the new values into every peer's parameters. On 4 ranks sharing 2 cores the ranks
-// each updating the whole bucket was the tail of the step after backward.
+// optimizer.state views it. SharedArena::allreduce gives each chunk of the bucket one owner (the
+// rank that claims it); once the chunk is averaged the owner updates the state and its own
+// parameters over the chunk and copies the new values into every peer's parameters: the same
+// work on whichever rank it falls, since every rank's parameters hold the same values. On 4 ranks sharing 2
+// cores the ranks each updating the whole bucket was the tail of the step after backward.
 //
 // Why writing peers' parameters is safe: a chunk is reduced only after every rank marked the
 // bucket ready, i.e. after its backward produced every gradient of the bucket, which autograd
