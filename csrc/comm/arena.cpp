@@ -178,6 +178,7 @@ void SharedArena::allreduce_into(const void* in, void* out, size_t count, DType 
   comm_->run_guarded(info, [&] {
     comm_->barrier_within(info);  // everyone's inputs are in place
     if (r == 0) claims(slot ^ 1).store(0, std::memory_order_relaxed);
+    const std::atomic_ref<uint64_t> counter = claims(slot);
     std::vector<const void*> srcs(n);
     // The chunks go to whichever rank claims them next, not to fixed blocks: with more ranks than
     // cores a rank descheduled in the middle (its comm thread behind backward's compute) no
@@ -190,7 +191,7 @@ void SharedArena::allreduce_into(const void* in, void* out, size_t count, DType 
     // would cost a read and a write, and only the claimer touches that chunk of any output
     // during this call, so the writes race with nothing.
     for (;;) {
-      const uint64_t k = claims(slot).fetch_add(1, std::memory_order_relaxed);
+      const uint64_t k = counter.fetch_add(1, std::memory_order_relaxed);
       if (k >= chunks) break;
       const size_t c = static_cast<size_t>(k) * piece, len = std::min(piece, total - c);
       std::byte* mine = data() + out_off + c;

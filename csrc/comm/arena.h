@@ -44,7 +44,7 @@ class SharedArena {
     allreduce_into(data, data, count, dtype, op, on_reduced);
   }
   // The same from `in` into `out` (both inside the arena, at the same offsets on every rank; `out`
-  // is `in` or does not overlap it): the ranks claim 64 KiB chunks from a counter they share, and
+  // is `in` or does not overlap it): the ranks claim pieces of up to 64 KiB from a counter they share, and
   // a chunk's claimer reads every rank's input once and writes the result into every rank's
   // output, so no rank copies its input first. Decentralized's
   // weights on one host mix this way, from the buffer set the parameters live in into the other.
