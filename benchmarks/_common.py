@@ -371,36 +371,46 @@ class DDPFloor:
     """A compute-only model plus, in each rank's own thread, the memory traffic a data-parallel
     step needs with a perfect allreduce: when a gradient is ready, the allreduce at the memory
     bound (one copy of the gradient: every byte read and written once, host_collectives.py's
-    n*S/C spread over the n ranks) and, with reducer_copies (torch DDP on any backend), the
-    Reducer's copy of the gradient into its bucket before it and, after backward, of the bucket
-    back into .grad (rumor's DDP needs neither: its .grad are views of its buckets). No rank waits
+    n*S/C spread over the n ranks); with into_bucket, the copy of the gradient into its bucket
+    before it, and with copy_back, after backward, the copy of the bucket back into .grad (torch
+    DDP's Reducer on any backend does both; rumor's DDP only the first: its .grad are views of its
+    buckets, but zero_grad(set_to_none=True), torch's default, makes autograd put each new
+    gradient elsewhere, and from torch's Python-level extension points it cannot be made to write
+    it into the bucket, which peers read in place). Neither copy: the floor of an allreduce that
+    reads the gradients where autograd put them. No rank waits
     for another. Where the ranks' threads keep every core busy (4 ranks on 2 cores), that traffic
     takes cycles from the computation instead of hiding behind it, so this step is what such a
     DDP with a perfect allreduce can reach on this host; exposed_allreduce_s assumes idle cores
     and gives a lower figure. The gradients stay those of compute-only: the losses agree exactly."""
 
-    def __init__(self, model, reducer_copies: bool = True):
+    def __init__(self, model, into_bucket: bool = True, copy_back: bool = True):
         import torch
 
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.copies = reducer_copies
-        self.bucket = [torch.empty_like(p) for p in self.params] if reducer_copies else []
+        self.into_bucket, self.copy_back = into_bucket, copy_back
+        self.bucket = [torch.empty_like(p) for p in self.params] if into_bucket else []
         self.reduced = [torch.empty_like(p) for p in self.params]
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._ready(i, p))
 
     def _ready(self, i: int, p) -> None:
-        if self.copies:
-            self.bucket[i].copy_(p.grad)
-            self.reduced[i].copy_(self.bucket[i])
+        # rumor's copy (it streams large buffers past the cache): the floor takes the fastest
+        # copy this library has, not torch's copy_
+        from rumor._tensor import copy_into
+
+        if self.into_bucket:
+            copy_into(self.bucket[i], p.grad)
+            copy_into(self.reduced[i], self.bucket[i])
         else:
-            self.reduced[i].copy_(p.grad)
+            copy_into(self.reduced[i], p.grad)
 
     def finish(self) -> None:
-        """The Reducer's copy back into .grad, at the end of backward (with reducer_copies)."""
-        if self.copies:
+        """The Reducer's copy back into .grad, at the end of backward (with copy_back)."""
+        if self.copy_back:
+            from rumor._tensor import copy_into
+
             for p, r in zip(self.params, self.reduced):
-                p.grad.copy_(r)
+                copy_into(p.grad, r)
 
 
 def sample_copy_rate(result: Dict) -> float:

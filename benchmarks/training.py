@@ -41,7 +41,12 @@ How it measures
   That bound lets the allreduce run on idle cores; the variant "memory floor" (one host, beside
   those variants) measures instead compute-only plus the allreduce at the memory bound as one
   copy of each gradient when it is ready, in each rank's own thread and with no rank waiting for
-  another (_common.DDPFloor): what that traffic costs where every core computes.
+  another (_common.DDPFloor): what that traffic costs where every core computes. The variant
+  "bucket floor" adds each gradient's copy into its bucket before it: rumor's DDP makes that copy
+  once a step (torch's default zero_grad(set_to_none=True) has autograd put each new gradient
+  in memory of its own, and the peers read the shared bucket), so that is the floor of its design.
+  "CPU per step" sums the CPU time of every thread of every rank during a step: where ranks share
+  cores, a variant loses to compute-only by working more (cpu ms) or by idling cores (busy %).
 
 Output: a table per job (with a progress bar while it runs), the issue's targets, JSON with
 every raw figure and a PNG in --out (default benchmarks/results/); the last line is the headline
@@ -95,7 +100,7 @@ ALGORITHMS = {
                            "the whole bucket"),
     "rumor_timeline": ("rumor+timeline", "GradientAllReduce(), rumor.timeline recording during its steps"),
 }
-VARIANT_LABEL = {"compute": "compute-only", "floor": "memory floor", "torch": "torch DDP", **{k: v[0] for k, v in ALGORITHMS.items()}}
+VARIANT_LABEL = {"compute": "compute-only", "floor": "memory floor", "floor_bucket": "bucket floor", "torch": "torch DDP", **{k: v[0] for k, v in ALGORITHMS.items()}}
 
 
 # Bytes per gradient element on the wire between hosts (codec headers and per-chunk scales left
@@ -109,7 +114,7 @@ WIRE_BYTES = {"rumor": 4.0, "rumor_hier": 4.0, "bytegrad": 1.0, "qsgd": 1.0, "fp
 MEMORY_BOUND_VARIANTS = ("rumor", "rumor_hier", "rumor_fused", "rumor_timeline")
 
 # The variants that are not a data-parallel wrapper of rumor: no timeline, no ceiling of their own.
-NOT_DDP = ("compute", "floor", "torch")
+NOT_DDP = ("compute", "floor", "floor_bucket", "torch")
 
 # Targets of the algorithm issues (samples/s over torch DDP, 4 emulated hosts at 1 Gbit).
 ALGORITHM_TARGETS = {"bytegrad": 2.5, "onebit_adam": 5.0, "fp16": 1.7, "dec_shift_one": 1.4, "dec_exp2": 1.4,
@@ -204,9 +209,12 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         variants[v] = (wrap(model, opt), opt)
 
     add("compute", lambda m, o: m)
+    floors = {}
     if cfg["floor"]:
-        add("floor", lambda m, o: m)
-        floor = _common.DDPFloor(variants["floor"][0], reducer_copies=False)
+        # the allreduce at the memory bound alone, and after each gradient's copy into its bucket
+        for v, into in (("floor", False), ("floor_bucket", True)):
+            add(v, lambda m, o: m)
+            floors[v] = _common.DDPFloor(variants[v][0], into_bucket=into, copy_back=False)
 
     def wrap(m, o, key):
         # read when the wrapper is built; the job's own settings come back afterwards
@@ -241,8 +249,8 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
         loss = models.loss(model(x), y)
         ready.begin(v == "compute")
         loss.backward()
-        if v == "floor":
-            floor.finish()
+        if v in floors:
+            floors[v].finish()
         ready.end()
         t = time.perf_counter()
         opt.step()
@@ -278,6 +286,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
 
     counts = {v: 0 for v in names}
     times = {v: [] for v in names}
+    cpu = {v: [] for v in names}  # CPU seconds of every thread of this rank during the step
     losses = {v: [] for v in names}
     warm = {v: [] for v in names}
     total = sum(_warmup_steps(v, cfg) + cfg["iters"] for v in names)
@@ -300,9 +309,10 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
             with recording(v, merge=b == blocks - 1):
                 for _ in range(min(cfg["block"], cfg["iters"] - b * cfg["block"])):
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     loss = step(v, counts[v], record=rank == 0)
                     times[v].append(time.perf_counter() - t0)
+                    cpu[v].append(time.process_time() - c0)
                     losses[v].append(loss)
                     counts[v] += 1
                     done += 1
@@ -310,6 +320,7 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                 emit("progress", {"model": name, "done": done, "total": total,
                                    "what": f"{v} {times[v][-1] * 1e3:.0f} ms/step"})
     per_rank = _common.gather_samples(times)  # a step's time is the slowest rank's
+    cpu_per_rank = _common.gather_samples(cpu)
     loss_t = {v: torch.tensor(losses[v], dtype=torch.float64) for v in names}
     for v in names:
         dist.all_reduce(loss_t[v], op=dist.ReduceOp.SUM)
@@ -319,7 +330,9 @@ def _run_model(cfg: Dict, name: str, rank: int, n: int) -> None:
                     grad_ready=ready.summary(_warmup_steps("compute", cfg)))
         for v in names:
             steps = [max(per_rank[v][r][i] for r in range(n)) for i in range(len(times[v]))]
-            cell["variants"][v] = dict(step_s=steps, per_rank_step_s=per_rank[v], warmup_s=warm[v],
+            # all ranks' CPU seconds in step i: against (cores x step time), how busy the host was
+            cpus = [sum(cpu_per_rank[v][r][i] for r in range(n)) for i in range(len(times[v]))]
+            cell["variants"][v] = dict(step_s=steps, per_rank_step_s=per_rank[v], warmup_s=warm[v], cpu_s=cpus,
                                        loss=(loss_t[v] / n).tolist())
             if breakdown.get(v):
                 # rank 0's DistributedDataParallel.last_iteration_timeline() of each measured step
@@ -374,6 +387,8 @@ def summarize(cell: Dict, link_Bps: Optional[float], copy_rate: Optional[float] 
         d["median_s"], d["min_s"], d["max_s"] = statistics.median(s), min(s), max(s)
         d["samples_per_s"] = gb / d["median_s"]
         d["samples_per_s_min"], d["samples_per_s_max"] = gb / d["max_s"], gb / d["min_s"]
+        if d.get("cpu_s"):
+            d["cpu_median_s"] = statistics.median(d["cpu_s"])
     v = cell["variants"]
     for k, d in v.items():
         d["over_torch"] = d["samples_per_s"] / v["torch"]["samples_per_s"]
@@ -401,7 +416,8 @@ def summarize(cell: Dict, link_Bps: Optional[float], copy_rate: Optional[float] 
         cell["exposed_allreduce_s"] = _common.exposed_allreduce_s(cell["grad_ready"], cell["n"], copy_rate)
         cell["memory_bound_step_s"] = v["compute"]["median_s"] + cell["exposed_allreduce_s"]
     if "floor" in v:
-        cell["floor_loss_diff"] = max(abs(a - b) for a, b in zip(v["floor"]["loss"], v["compute"]["loss"]))
+        cell["floor_loss_diff"] = max(abs(a - b) for f in ("floor", "floor_bucket") if f in v
+                                      for a, b in zip(v[f]["loss"], v["compute"]["loss"]))
     for key, d in v.items():
         if key in NOT_DDP:
             continue
@@ -414,6 +430,8 @@ def summarize(cell: Dict, link_Bps: Optional[float], copy_rate: Optional[float] 
             d["of_memory_bound"] = cell["memory_bound_step_s"] / d["median_s"]
             if "floor" in v:
                 d["of_floor"] = v["floor"]["median_s"] / d["median_s"]
+            if "floor_bucket" in v:
+                d["of_bucket_floor"] = v["floor_bucket"]["median_s"] / d["median_s"]
         d["ceiling_over_torch"] = v["torch"]["median_s"] / shortest
     main = "rumor" if "rumor" in v else next(k for k in v if k not in NOT_DDP)
     cell["main_variant"] = main
@@ -459,6 +477,22 @@ def print_table(cells: List[Dict], title: str) -> None:
             row += (f" {c['ring_s'] * 1e3:>8.0f} {c['overlap_bound_s'] * 1e3:>9.0f}ms "
                     f"{100 * c['overlap_bound_s'] / c['variants'][c['main_variant']]['median_s']:>8.0f}%")
         print(row)
+
+
+def print_cpu(cells: List[Dict]) -> None:
+    """CPU time of all ranks' threads per step against what the host's cores offered in the
+    step: where ranks share cores, a variant loses to compute-only either by doing more work
+    (CPU ms) or by leaving cores idle while ranks wait for one another (busy %)."""
+    rows = [(c, v, d) for c in cells for v, d in c["variants"].items() if d.get("cpu_median_s")]
+    if not rows:
+        return
+    cores = os.cpu_count() or 1
+    print(f"\n{'CPU per step (all ranks, median)':<40} {'cpu ms':>8} {'vs compute':>10} {'busy':>6}   "
+          f"(busy = cpu / ({cores} cores x median step))")
+    for c, v, d in rows:
+        extra = d["cpu_median_s"] - c["variants"]["compute"].get("cpu_median_s", 0.0)
+        print(f"{c['model'] + ' ' + VARIANT_LABEL[v]:<40} {d['cpu_median_s'] * 1e3:>8.0f} {extra * 1e3:>+10.0f} "
+              f"{100 * d['cpu_median_s'] / (cores * d['median_s']):>5.0f}%")
 
 
 def print_breakdown(cells: List[Dict]) -> None:
@@ -516,7 +550,7 @@ def plot(path: str, jobs: List[Dict]) -> Optional[str]:
     fig, axes = plt.subplots(1, len(jobs), figsize=(5.5 * len(jobs), 4.2), squeeze=False)
     palette = ["#1f77b4", "#6baed6", "#2ca02c", "#98df8a", "#9467bd", "#c5b0d5", "#8c564b", "#e377c2",
                "#17becf", "#bcbd22", "#7f7f7f"]
-    colors = {"compute": "#bbbbbb", "floor": "#dddddd", "torch": "#ff7f0e",
+    colors = {"compute": "#bbbbbb", "floor": "#dddddd", "floor_bucket": "#eeeeee", "torch": "#ff7f0e",
               **{k: palette[i % len(palette)] for i, k in enumerate(ALGORITHMS)}}
     for ax, job in zip(axes[0], jobs):
         cells = job["cells"]
@@ -663,6 +697,7 @@ def main(argv=None) -> int:
         for job in jobs:
             print_table(job.cells, job.label)
             print_breakdown(job.cells)
+            print_cpu(job.cells)
         if link_Bps:
             print(f"\nring ms = 2(n-1)/n x fp32 gradient bytes / link rate (n = {args.hosts} hosts, "
                   f"{args.rate}); max(c,ring) = the step time of perfect overlap (rumor/max: rumor's samples/s "
@@ -692,6 +727,18 @@ def main(argv=None) -> int:
                 print(f"  {c['model']} {c['n']} ranks: {fmt_ms(v['floor']['median_s'])} ms, "
                       f"{100 * v['floor']['over_compute']:.0f}% of compute-only's samples/s (loss equal to "
                       f"compute-only's within {c['floor_loss_diff']:.1e}); of the floor: {off}")
+            bucket_cells = [c for c in floor_cells if "floor_bucket" in c["variants"]]
+            if bucket_cells:
+                print("bucket floor (measured, one host): the memory floor after each gradient's copy into its bucket, "
+                      "which rumor's DDP makes once a step (zero_grad(set_to_none=True) lets autograd put each new "
+                      "gradient outside the shared bucket the peers read; torch's Python-level extension points "
+                      "cannot make it write there): the floor of rumor's design")
+            for c in bucket_cells:
+                v = c["variants"]
+                off = ", ".join(f"{VARIANT_LABEL[k]} {100 * v[k]['of_bucket_floor']:.0f}%"
+                                for k in v if "of_bucket_floor" in v[k])
+                print(f"  {c['model']} {c['n']} ranks: {fmt_ms(v['floor_bucket']['median_s'])} ms, "
+                      f"{100 * v['floor_bucket']['over_compute']:.0f}% of compute-only's samples/s; of that floor: {off}")
         print()
 
         # ---- targets and headline
