@@ -47,6 +47,12 @@ small path does where ranks share cores), measured before and after the jobs. Ev
 after the last arrival in any small collective, so no design beats it here; the 4 KiB targets
 print rumor's time beside it.
 
+The core handoff (with 2 ranks in the run): rumor-syncfloor with 2 processes spinning on one
+counter, 12 short probes 0.25 s apart before and after the jobs (core_handoff()). On this VM it
+reads ~30 ns in one state and ~220 ns in the other (the vCPUs on cores that share a cache or
+not), and the cells of 2 ranks that stay in the caches (1 MiB) are bimodal with it, for every
+library: a 1 MiB median compares whichever state each library's samples fell in.
+
   python benchmarks/host_collectives.py                               # full run (long)
   python benchmarks/host_collectives.py --sizes 4KiB,1MiB,64MiB --iters 10   # quicker
 """
@@ -83,6 +89,12 @@ SMALL_SLOT = 64 * KiB  # one shared slot (HostSmall::kMaxBytes in csrc/comm/dire
 SYNC_PROTOCOLS = ((0, 0), (50, 0), (0, 1))
 
 
+def fmt_fine(s: float) -> str:
+    """fmt_time, in nanoseconds below a microsecond (two processes with a core each synchronize
+    in tens of ns, which fmt_time prints as 0.0us)."""
+    return f"{s * 1e9:.0f}ns" if s < 1e-6 else fmt_time(s)
+
+
 def syncfloor_path() -> str:
     """rumor-syncfloor: $RUMOR_SYNCFLOOR, else rumor/lib/rumor-syncfloor of the installed package
     (built with the extension, csrc/tools/sync_floor.cpp); found without importing rumor here."""
@@ -115,6 +127,30 @@ def sync_floor(P: int) -> Dict:
         runs.append(d)
     best = min(runs, key=lambda d: d["median_s"])
     return dict(procs=P, median_s=best["median_s"], spin_us=best["spin_us"], yielded=best["yield"], runs=runs)
+
+
+def core_handoff(probes: int = 12, gap_s: float = 0.25) -> Dict:
+    """How fast two processes hand a cache line back and forth here right now: rumor-syncfloor
+    with 2 processes spinning on one shared counter (no sleeping), one short batch per probe,
+    probes gap_s apart. On a VM the hypervisor may run the two vCPUs on cores that share a cache
+    or on cores that do not, and move them: this 2-vCPU EPYC VM read 0.04 us a handoff in one
+    state and 0.2 us in the other, switching every second or so. Cells that stay in the caches
+    (two ranks, up to a few MiB) follow that state, every library alike: their samples are
+    bimodal, and a median compares whichever state each library's samples happened to fall in."""
+    per_op = []
+    for k in range(probes):
+        if k:
+            time.sleep(gap_s)
+        out = subprocess.run([syncfloor_path(), "--procs", "2", "--spin-us", "100000", "--yield", "0",
+                              "--samples", "1", "--batch", "20000", "--warmup", "1000"],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"rumor-syncfloor --procs 2 (core handoff): exit {out.returncode}: "
+                               f"{out.stderr.strip()[-500:]}")
+        per_op.append(json.loads(out.stdout)["per_op_us"][0] * 1e-6)
+    fast = min(per_op)
+    return dict(per_op_s=per_op, fastest_s=fast, median_s=statistics.median(per_op),
+                slow_probes=sum(1 for x in per_op if x > 2 * fast))
 
 
 # ==== what the bound and rumor's designs move ========================================================
@@ -435,6 +471,8 @@ def main(argv=None) -> int:
     def floors() -> None:
         for P in result["sync_floor"]:
             result["sync_floor"][P].append(sync_floor(P))
+        if 2 in worlds and threads >= 2:
+            result.setdefault("core_handoff", []).append(core_handoff())
 
     def body() -> int:
         floors()  # before the jobs, and again after them: the machine's load drifts
@@ -483,7 +521,7 @@ def main(argv=None) -> int:
         for P, fl in result["sync_floor"].items():
             print(f"sync floor, {P} processes that only synchronize (rumor-syncfloor, one futex wake-up per op, "
                   "the best of sleeping at once, spinning 50 us or yielding first): " +
-                  " / ".join(f"{fmt_time(f['median_s'])}" for f in fl) + " (start / end)")
+                  " / ".join(f"{fmt_fine(f['median_s'])}" for f in fl) + " (start / end)")
         for P, limit in ((2, 10e-6), (4, 50e-6)):
             c = next((c for c in result["cells"] if c["op"] == "allreduce" and c["n"] == P
                       and c["dtype"] == "float32" and c["size"] == 4 * KiB), None)
@@ -495,10 +533,18 @@ def main(argv=None) -> int:
                 if fl:
                     # The lower of the two: a floor measured while the machine was busier is too high.
                     t["sync_floor_s"] = f = min(x["median_s"] for x in fl)
-                    floor_note = (f" (sync floor in this run {fmt_time(f)}: rumor = floor + {fmt_time(r_t - f)}"
+                    floor_note = (f" (sync floor in this run {fmt_fine(f)}: rumor = floor + {fmt_time(r_t - f)}"
                                   f"{'; the target is below the floor' if f > limit else ''})")
                 result["targets"].append(t)
                 print(f"target: {t['name']}: {fmt_time(r_t)} -> {'MET' if t['met'] else 'NOT MET'}{floor_note}")
+        if result.get("core_handoff"):
+            print("core handoff (2 processes spinning on one shared counter, rumor-syncfloor; 12 probes 0.25 s "
+                  "apart, start / end): " + " / ".join(
+                      f"fastest {h['fastest_s'] * 1e9:.0f} ns, median {h['median_s'] * 1e9:.0f} ns, "
+                      f"{h['slow_probes']} of {len(h['per_op_s'])} probes above twice the fastest"
+                      for h in result["core_handoff"]) +
+                  "; where probes differ several-fold, the vCPUs moved between cores that share a cache and "
+                  "cores that do not, and the in-cache cells of 2 ranks are bimodal with them (core_handoff())")
         slow_ds = [c for c in result["cells"] if c["size"] >= MiB and "deepspeed" in c["variants"]
                    and c["variants"]["deepspeed"]["median_s"] / c["variants"]["rumor"]["median_s"] < 1.2]
         if any("deepspeed" in c["variants"] for c in result["cells"]):
