@@ -385,7 +385,11 @@ class DDPFloor:
 
     def __init__(self, model, into_bucket: bool = True, copy_back: bool = True):
         import torch
+        # rumor's copy (it streams large buffers past the cache): the floor takes the fastest
+        # copy this library has, not torch's copy_
+        from rumor._tensor import copy_into
 
+        self.copy = copy_into
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.into_bucket, self.copy_back = into_bucket, copy_back
         self.bucket = [torch.empty_like(p) for p in self.params] if into_bucket else []
@@ -394,23 +398,17 @@ class DDPFloor:
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._ready(i, p))
 
     def _ready(self, i: int, p) -> None:
-        # rumor's copy (it streams large buffers past the cache): the floor takes the fastest
-        # copy this library has, not torch's copy_
-        from rumor._tensor import copy_into
-
         if self.into_bucket:
-            copy_into(self.bucket[i], p.grad)
-            copy_into(self.reduced[i], self.bucket[i])
+            self.copy(self.bucket[i], p.grad)
+            self.copy(self.reduced[i], self.bucket[i])
         else:
-            copy_into(self.reduced[i], p.grad)
+            self.copy(self.reduced[i], p.grad)
 
     def finish(self) -> None:
         """The Reducer's copy back into .grad, at the end of backward (with copy_back)."""
         if self.copy_back:
-            from rumor._tensor import copy_into
-
             for p, r in zip(self.params, self.reduced):
-                copy_into(p.grad, r)
+                self.copy(p.grad, r)
 
 
 def sample_copy_rate(result: Dict) -> float:

@@ -538,8 +538,8 @@ def main(argv=None) -> int:
                 result["targets"].append(t)
                 print(f"target: {t['name']}: {fmt_time(r_t)} -> {'MET' if t['met'] else 'NOT MET'}{floor_note}")
         if result.get("core_handoff"):
-            print("core handoff (2 processes spinning on one shared counter, rumor-syncfloor; 12 probes 0.25 s "
-                  "apart, start / end): " + " / ".join(
+            print("core handoff (2 processes spinning on one shared counter, rumor-syncfloor; probes 0.25 s apart, "
+                  "start / end): " + " / ".join(
                       f"fastest {h['fastest_s'] * 1e9:.0f} ns, median {h['median_s'] * 1e9:.0f} ns, "
                       f"{h['slow_probes']} of {len(h['per_op_s'])} probes above twice the fastest"
                       for h in result["core_handoff"]) +

@@ -22,6 +22,8 @@ constexpr size_t kScratchBytes = 192 * 1024;
 // Behind the buffers of rank 0's arena: the allreduce's two chunk counters, a cache line each.
 constexpr size_t kControlBytes = 128;
 size_t control_offset(size_t bytes) { return (bytes + 63) / 64 * 64; }
+// Every rank's segment: the buffers and the control tail (only rank 0's is used; one size for all).
+size_t segment_bytes(size_t bytes) { return control_offset(bytes) + kControlBytes; }
 
 std::string arena_name(const Communicator& c, uint64_t id, uint32_t rank) {
   const uint32_t world = c.world_ranks().at(rank);
@@ -95,8 +97,7 @@ SharedArena::SharedArena(std::shared_ptr<Communicator> comm, size_t bytes)
   if (!comm_->all_local() || !comm_->uses_shm())
     throw Error(ErrorKind::kInvalidArgument,
                 comm_->name() + ": shared buckets need every rank on one host and shared memory enabled");
-  own_ =
-      net::ShmSegment::create(arena_name(*comm_, id_, comm_->rank()), control_offset(bytes_) + kControlBytes);
+  own_ = net::ShmSegment::create(arena_name(*comm_, id_, comm_->rank()), segment_bytes(bytes_));
   peers_.resize(comm_->size());
   // Map every peer's arena now and drop the names once all have mapped them, so that no name
   // outlives construction. Runs through the worker to stay in order with queued operations.
@@ -128,7 +129,7 @@ void SharedArena::map_peers(const net::OpInfo& op) {
   for (uint32_t q = 0; q < comm_->size(); ++q)
     if (q != comm_->rank())
       peers_[q] = net::ShmSegment::open(
-          arena_name(*comm_, id_, q), control_offset(bytes_) + kControlBytes, op.deadline,
+          arena_name(*comm_, id_, q), segment_bytes(bytes_), op.deadline,
           op.where() + ": shared buckets of rank " + std::to_string(comm_->world_ranks()[q]));
 }
 
