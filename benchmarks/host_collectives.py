@@ -51,7 +51,9 @@ The core handoff (with 2 ranks in the run): rumor-syncfloor with 2 processes spi
 counter, 12 short probes 0.25 s apart before and after the jobs (core_handoff()). On this VM it
 reads ~30 ns in one state and ~220 ns in the other (the vCPUs on cores that share a cache or
 not), and the cells of 2 ranks that stay in the caches (1 MiB) are bimodal with it, for every
-library: a 1 MiB median compares whichever state each library's samples fell in.
+library: a 1 MiB median compares whichever state each library's samples fell in. rumor's
+allreduce of 2 ranks from 1 to 16 MiB follows the state since rank 0 times the rings and the
+direct path and names the faster (PathChoice, csrc/comm/direct.h; RUMOR_TWO_RANK_PATH fixes it).
 
   python benchmarks/host_collectives.py                               # full run (long)
   python benchmarks/host_collectives.py --sizes 4KiB,1MiB,64MiB --iters 10   # quicker
@@ -212,11 +214,16 @@ def rumor_moved(op: str, P: int, S: int, variant: str = "rumor") -> Tuple[int, i
         # result into the P-1 peers (2c each). From memory: every input read once and every
         # output written once.
         return (5 * P - 3) * S, 2 * P * S, "direct: chunks taken from a shared counter"
+    # Two ranks from 1 MiB to 16 MiB: the rings or the direct path, each operation as rank 0
+    # named it by its recent times of both (Communicator::two_rank_choice, PathChoice).
+    chosen = (variant == "rumor" and op == "allreduce" and P == 2 and MiB <= S < 16 * MiB and S >= direct_min
+              and os.environ.get("RUMOR_HOST_DIRECT", "1") != "0")
     if op == "allreduce":
         # Ring: P-1 reduce-scatter steps of S/P (send 2, reduce-receive 3) and P-1 allgather
         # steps (send 2, receive 2), on every rank; from memory: 3 and 2 of them (the ring's
-        # side stays in cache).
-        return 9 * (P - 1) * S, 5 * (P - 1) * S, "ring via shm rings"
+        # side stays in cache). The figures are the ring's where rank 0 chooses.
+        return 9 * (P - 1) * S, 5 * (P - 1) * S, "ring via shm rings" + (
+            " or direct, as rank 0 timed them" if chosen else "")
     if op == "broadcast" and direct:
         # Direct (an allgather whose only block is the root's): per chunk the taker copies it
         # from the root into its own buffer (2c), then from its cache into the P-2 others (2c

@@ -138,6 +138,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("host_direct", &Options::host_direct)
       .def_readwrite("host_direct_min_bytes", &Options::host_direct_min_bytes)
       .def_readwrite("huge_pages", &Options::huge_pages)
+      .def_readwrite("two_rank_path", &Options::two_rank_path)
       .def_readwrite("site_overlap", &Options::site_overlap)
       .def_readwrite("adaptive_deadline", &Options::adaptive_deadline)
       .def_readwrite("deadline_floor", &Options::deadline_floor_s)

@@ -3,6 +3,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -449,7 +450,11 @@ void Communicator::allreduce_impl(const std::byte* in, std::byte* b, size_t coun
     chosen = AllreduceAlgo::kHierarchical;
   // Every rank of one host: reduce in each other's buffers directly (comm/direct.h) rather than
   // through the rings, unless the kernel refuses it (then the ring, from then on).
-  const bool direct = chosen == AllreduceAlgo::kRing && algo == AllreduceAlgo::kAuto && use_direct(bytes);
+  const bool ring_auto = chosen == AllreduceAlgo::kRing && algo == AllreduceAlgo::kAuto;
+  const bool direct = ring_auto && use_direct(bytes);
+  // Two ranks in the window where neither the rings nor the direct path always win: rank 0
+  // names one, by its own recent times unless RUMOR_TWO_RANK_PATH fixes it.
+  const bool choose = ring_auto && !direct && two_rank_choice(bytes);
   // Small ones: one shared slot per rank and a single wait (comm/direct.h) instead of log2(P)
   // rounds, each of which waits for a peer that may not be running.
   const bool small = chosen == AllreduceAlgo::kRecursiveDoubling && algo == AllreduceAlgo::kAuto &&
@@ -458,10 +463,13 @@ void Communicator::allreduce_impl(const std::byte* in, std::byte* b, size_t coun
   info.algo = chosen == AllreduceAlgo::kHierarchical        ? "hierarchical"
               : small                                       ? "shared slots"
               : chosen == AllreduceAlgo::kRecursiveDoubling ? "recursive doubling"
-              : direct                                      ? "direct"
+              : direct || choose                            ? "direct"
                                                             : "ring";
+  const auto t0 = std::chrono::steady_clock::now();
   guarded(info, [&] {
     if (direct && host_direct().allreduce(in, b, count, dtype, op, info)) return;
+    if (choose && host_direct().allreduce_chosen(in, b, count, dtype, op, info)) return;
+    if (choose) info.algo = "ring";  // rank 0 named the rings
     take_input();
     if (chosen == AllreduceAlgo::kHierarchical)
       allreduce_hier(b, count, dtype, op);
@@ -472,6 +480,10 @@ void Communicator::allreduce_impl(const std::byte* in, std::byte* b, size_t coun
     else
       allreduce_ring(b, count, dtype, op, info);
   });
+  if (choose && rank_ == 0)
+    host_direct().choice().record(
+        bytes, info.algo[0] == 'd',
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 // The ring reduce-scatter and allgather as one pipeline. Each block travels in pieces, and the
@@ -634,6 +646,13 @@ bool Communicator::use_direct(size_t bytes) const {
         static_cast<int64_t>(bytes) >= o.host_direct_min_bytes))
     return false;
   return size() > 2 || (o.huge_pages && static_cast<int64_t>(bytes) >= Options::kTwoRankDirectMinBytes);
+}
+
+bool Communicator::two_rank_choice(size_t bytes) const {
+  const Options& o = ctx_->options();
+  return all_local_ && uses_shm() && o.host_direct && size() == 2 && bytes > o.small_allreduce_bytes &&
+         static_cast<int64_t>(bytes) >= std::max(o.host_direct_min_bytes, Options::kTwoRankChoiceMinBytes) &&
+         static_cast<int64_t>(bytes) < Options::kTwoRankDirectMinBytes;
 }
 
 bool Communicator::use_small() const {

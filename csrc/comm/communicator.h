@@ -133,6 +133,12 @@ class Communicator {
   // Whether a collective of this many bytes reads and writes the peers' buffers in place
   // (comm/direct.h): every rank on this host, shared memory on, big enough to pay for it.
   bool use_direct(size_t bytes) const;
+  // Two ranks on this host, an allreduce of this many bytes: rank 0 chooses between the rings and
+  // the direct path by time, and both ranks take its choice (PathChoice, comm/direct.h).
+  bool two_rank_choice(size_t bytes) const;
+  // The path the last operation that returned took ("ring", "direct", "shared slots", ...): what a
+  // timeline shows for it, for tests and diagnostics.
+  const char* last_algo() const { return last_algo_; }
 
  private:
   struct Op;
@@ -174,6 +180,7 @@ class Communicator {
       throw Error(ErrorKind::kSystem, op.where() + ": " + e.what());
     }
     rec.op_end(tok, trace_desc(op), true);
+    last_algo_ = op.algo;
   }
   trace::OpDesc trace_desc(const net::OpInfo& op) const;
 
@@ -237,7 +244,8 @@ class Communicator {
   bool all_local_ = true;      // every member on this rank's host
   bool hierarchical_ = false;  // several hosts, and at least one with several members
   bool is_leader_ = false;
-  double blocked_us_ = 0;          // slept in exchange() during the current operation (timeline only)
+  double blocked_us_ = 0;  // slept in exchange() during the current operation (timeline only)
+  const char* last_algo_ = nullptr;
   const char* transport_ = "tcp";  // for the timeline: how this communicator's peers are reached
   Worker worker_;                  // last: its thread stops before the members it uses go away
 };

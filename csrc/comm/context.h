@@ -68,6 +68,12 @@ struct Options {
   bool huge_pages = true;
   // Two ranks take the direct path from here, and only with huge_pages (Communicator::use_direct).
   static constexpr int64_t kTwoRankDirectMinBytes = 16 << 20;
+  // Two ranks, allreduce from here up to kTwoRankDirectMinBytes: rank 0 times the rings and the
+  // direct path and every rank takes the one rank 0 names (PathChoice, comm/direct.h).
+  static constexpr int64_t kTwoRankChoiceMinBytes = 1 << 20;
+  // What rank 0 names there (RUMOR_TWO_RANK_PATH): -1 the faster of the two by its recent times,
+  // 0 the rings, 1 the direct path. The other ranks' setting is not read: they follow rank 0.
+  int two_rank_path = -1;
   static constexpr int64_t kSharedCoresDirectMinBytes = 8 << 20;
   // Sites of equal size: the 2-D allreduce overlaps its three phases piece by piece, the slow
   // cross-site ring on a thread of its own (RUMOR_SITE_OVERLAP=0 runs them one after the other).

@@ -42,6 +42,9 @@ struct BlockHead {
 struct HostDirect::Control {
   BlockHead head;
   Slot slot[2];
+  // Two ranks: the path of the chosen allreduce k (allreduce_chosen) in choice[k % 2], 1 direct,
+  // 0 the rings; written by rank 0 during allreduce k - 1.
+  alignas(64) std::atomic<int32_t> choice[2];
 };
 
 namespace {
@@ -135,6 +138,31 @@ std::vector<T> share_all(Communicator& comm, const T& mine, const net::OpInfo& i
 }
 }  // namespace
 
+PathChoice::Size& PathChoice::of(size_t bytes) {
+  size_t k = 0;
+  while (k + 1 < sizes_.size() && bytes >= (size_t{2} << (20 + k))) ++k;
+  return sizes_[k];
+}
+
+bool PathChoice::direct_next(size_t bytes) {
+  Size& s = of(bytes);
+  if (!s.seen[0]) return false;
+  if (!s.seen[1]) return true;
+  const bool faster = s.est[1] < s.est[0];
+  return ++s.ops % kExploreEvery == 0 ? !faster : faster;
+}
+
+void PathChoice::record(size_t bytes, bool direct, double seconds) {
+  Size& s = of(bytes);
+  const int i = direct ? 1 : 0;
+  if (!s.seen[i]) {
+    s.seen[i] = true;
+    s.est[i] = seconds;
+    return;
+  }
+  s.est[i] += kWeight * (std::min(seconds, 2 * s.est[i]) - s.est[i]);
+}
+
 HostDirect::HostDirect(Communicator& comm) : comm_(comm), huge_(comm.context().options().huge_pages) {}
 
 HostDirect::Entry HostDirect::announce(uint64_t shape, bool huge, const void* buf, const void* out) {
@@ -145,11 +173,12 @@ HostDirect::Entry HostDirect::announce(uint64_t shape, bool huge, const void* bu
                own_pid_ns(),
                shape,
                huge ? 1u : 0u,
-               0};
+               -1};
 }
 
 bool HostDirect::pays(const std::vector<Entry>& entries) const {
   if (comm_.size() > 2) return true;
+  if (entries[0].choice >= 0) return entries[0].choice == 1;
   for (const Entry& e : entries)
     if (e.huge == 0) return false;
   return true;
@@ -208,12 +237,13 @@ bool HostDirect::setup(std::vector<Entry>& entries, const net::OpInfo& info) {
 }
 
 HostDirect::Slot* HostDirect::enter(const Entry& mine, std::vector<Entry>& entries, bool reduces,
-                                    const net::OpInfo& info) {
+                                    const net::OpInfo& info, int publish) {
   if (state_ == State::kOff) return nullptr;
   const uint32_t r = comm_.rank();
   if (state_ == State::kUnknown && r == 0)
     ctl_ = create_block<Control>(seg_, segment_name(comm_, "direct"), sizeof(Control), kControlMagic,
                                  comm_.size());
+  if (publish >= 0 && r == 0) publish_choice(publish);
   if (r == 0 && state_ == State::kOn) {
     Slot& s = ctl_->slot[ops_ % 2];
     s.next.store(0, std::memory_order_relaxed);
@@ -322,8 +352,39 @@ struct Pieces {
 };
 }  // namespace
 
+void HostDirect::publish_choice(int direct) {
+  // Before this rank sends anything in this operation: the peer has received something of it by
+  // the time it starts the next one (release here, acquire in its receive), and reads this then.
+  ctl_->choice[chosen_ % 2].store(direct, std::memory_order_release);
+}
+
+bool HostDirect::allreduce_chosen(const std::byte* in, std::byte* out, size_t count, DType dtype, ReduceOp op,
+                                  const net::OpInfo& info) {
+  if (state_ == State::kOff) return false;
+  const bool leader = comm_.rank() == 0;
+  const size_t bytes = count * dtype_size(dtype);
+  auto decide = [&] {
+    const int fixed = comm_.context().options().two_rank_path;
+    return fixed >= 0 ? fixed : choice_.direct_next(bytes) ? 1 : 0;
+  };
+  const uint64_t k = chosen_++;  // publish_choice now writes choice[(k + 1) % 2], the next one's
+  const int next = leader ? decide() : -1;
+  if (k == 0) {
+    // No path was written for the first one: rank 0's travels in its announcement (the path is
+    // set up there where this is its first use), the next one's is written before that.
+    const int take = leader ? decide() : -1;
+    pending_ = next;
+    return allreduce(in, out, count, dtype, op, info, take, next);
+  }
+  const int take = leader ? pending_ : ctl_->choice[k % 2].load(std::memory_order_acquire);
+  pending_ = next;
+  if (take == 1) return allreduce(in, out, count, dtype, op, info, 1, next);
+  if (leader) publish_choice(next);
+  return false;
+}
+
 bool HostDirect::allreduce(const std::byte* in, std::byte* out, size_t count, DType dtype, ReduceOp op,
-                           const net::OpInfo& info) {
+                           const net::OpInfo& info, int choice, int publish) {
   std::vector<Entry> peers;
   const size_t whole[] = {count};
   bool huge = false;
@@ -334,7 +395,9 @@ bool HostDirect::allreduce(const std::byte* in, std::byte* out, size_t count, DT
     if (out != in) huge = huge_.prepare(out, bytes) && huge;
   }
   // A rank in place and one out of place may meet: each says where it reads and where it is written.
-  Slot* slot = enter(announce(shape_hash(1, dtype, op, whole), huge, in, out), peers, true, info);
+  Entry mine = announce(shape_hash(1, dtype, op, whole), huge, in, out);
+  mine.choice = choice;
+  Slot* slot = enter(mine, peers, true, info, publish);
   if (slot == nullptr || !pays(peers)) return false;
   const uint32_t n = comm_.size(), r = comm_.rank();
   const size_t es = dtype_size(dtype), chunk_elems = kChunkBytes / es;

@@ -17,6 +17,7 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -108,6 +109,38 @@ class HostSmall {
   PeerProcesses peers_;
 };
 
+// Two ranks of one host, allreduce of 1 to 16 MiB: the rings stage every byte in cache and win
+// where the two cores hand cache lines to each other quickly; the direct path hands over far fewer
+// lines and wins where that is slow. Which it is can change while a job runs: the two vCPUs of
+// this VM sit on cores that share a cache or not as the hypervisor places them, flipping every
+// second or so (1 MiB: rings 115-125 us or 450-600 us, direct 200-210 us in both). So rank 0
+// times both paths and names one for each operation; its name travels in its announcement, the
+// operation's entry barrier, and every rank takes the path rank 0 named: they cannot disagree.
+class PathChoice {
+ public:
+  // Before an operation of `bytes`: whether to name the direct path. Each path is tried once
+  // first; then the faster by recent times, and the other one every kExploreEvery operations,
+  // so that a change of the slower one's speed is seen.
+  bool direct_next(size_t bytes);
+  // After it: what it took on the path it took.
+  void record(size_t bytes, bool direct, double seconds);
+
+  static constexpr uint32_t kExploreEvery = 16;
+  // Weight of a new time. A time above twice the estimate counts as twice the estimate: a rank
+  // descheduled once should not switch the path for the next hundred operations, while a
+  // path that became slow for good is left within a few operations.
+  static constexpr double kWeight = 0.25;
+
+ private:
+  struct Size {
+    double est[2] = {0, 0};  // seconds: rings, direct
+    bool seen[2] = {false, false};
+    uint32_t ops = 0;
+  };
+  Size& of(size_t bytes);
+  std::array<Size, 4> sizes_;  // by power of two: [1, 2), [2, 4), [4, 8), [8, 16) MiB
+};
+
 class HostDirect {
  public:
   explicit HostDirect(Communicator& comm);
@@ -123,8 +156,18 @@ class HostDirect {
     return allreduce(buf, buf, count, dtype, op, info);
   }
   // The same into `out` (which is `in` or does not overlap it): the inputs are read where they are.
+  // `choice` (two ranks): -1 as pays() decides; otherwise rank 0's value is taken by every rank,
+  // 1 for this path, 0 to return false (the rings). `publish`: rank 0 writes it as the path of
+  // the next chosen allreduce before it announces (allreduce_chosen).
   bool allreduce(const std::byte* in, std::byte* out, size_t count, DType dtype, ReduceOp op,
-                 const net::OpInfo& info);
+                 const net::OpInfo& info, int choice = -1, int publish = -1);
+  // Two ranks (Communicator::two_rank_choice): this path or, returning false, the rings, as rank 0
+  // named (PathChoice). Rank 0 names each operation's path during the one before, in the control
+  // block, before it sends anything there; the peer reads it when it starts the operation, after
+  // it received something of the one before, so both take the same path with no message of its
+  // own. Where the rings are named that costs one cache line, not an announcement round trip.
+  bool allreduce_chosen(const std::byte* in, std::byte* out, size_t count, DType dtype, ReduceOp op,
+                        const net::OpInfo& info);
   // reduce_scatter: `in` holds size() blocks of counts[q] elements; `out` gets this rank's block
   // reduced. Every input byte is read once, every output byte written once.
   bool reduce_scatter(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
@@ -134,6 +177,9 @@ class HostDirect {
   // into every rank's output, the owner's included unless in place.
   bool allgather(const std::byte* in, std::byte* out, std::span<const size_t> counts, DType dtype,
                  const net::OpInfo& info);
+
+  // Rank 0's choice between the rings and this path for two ranks (Communicator::two_rank_choice).
+  PathChoice& choice() { return choice_; }
 
   // Chunk the takers work on: each of the P chunks it reads stays in L2 while it is reduced.
   static constexpr size_t kChunkBytes = 256 * 1024;
@@ -147,7 +193,7 @@ class HostDirect {
     uint64_t pid_ns;  // first use: a pid means the same process only inside one pid namespace
     uint64_t shape;   // hash of the operation, dtype, op and block sizes: must match everywhere
     uint32_t huge;    // the buffer (allreduce, allgather) or input (reduce_scatter) is on huge pages
-    uint32_t unused;
+    int32_t choice;   // rank 0's: the path every rank takes (allreduce's choice), -1 for pays()
   };
   struct Slot;
   struct Control;
@@ -155,15 +201,19 @@ class HostDirect {
   // What this rank tells the others: its buffer (and reduce_scatter's output block), its pid.
   static Entry announce(uint64_t shape, bool huge, const void* buf, const void* out = nullptr);
   // Whether the direct path beats the rings for these buffers: from 3 ranks on always; two ranks
-  // only where every buffer is on huge pages (on 4 KiB pages the kernel's pinning made it slower
-  // than the rings, whose bytes stay in cache). All ranks decide alike from the same entries.
+  // as rank 0 chose, or without a choice only where every buffer is on huge pages (on 4 KiB pages
+  // the kernel's pinning made it slower than the rings, whose bytes stay in cache). All ranks
+  // decide alike from the same entries.
   bool pays(const std::vector<Entry>& entries) const;
   std::vector<Entry> share(const Entry& mine, const net::OpInfo& info);
   bool setup(std::vector<Entry>& entries, const net::OpInfo& info);
   // Announces this rank's buffers; nullptr where the path is off (nothing touched then).
   // `reduces`: the operation stages peers' chunks for reduce_chunk (its scratch is sized here,
   // once per operation).
-  Slot* enter(const Entry& mine, std::vector<Entry>& entries, bool reduces, const net::OpInfo& info);
+  // Rank 0 writes `publish` (>= 0) as the next chosen allreduce's path before it announces.
+  Slot* enter(const Entry& mine, std::vector<Entry>& entries, bool reduces, const net::OpInfo& info,
+              int publish = -1);
+  void publish_choice(int direct);
   // Takes chunks 0..total-1 from the slot's counter and runs body(i) on each, then waits until
   // every rank's chunks are done.
   template <typename Body>
@@ -186,6 +236,9 @@ class HostDirect {
   PeerProcesses peers_;
   // This rank's buffers, backed by 2 MiB pages before peers pin them (core/huge_pages.h).
   HugeBacking huge_;
+  PathChoice choice_;
+  uint64_t chosen_ = 0;  // allreduce_chosen calls so far (the same count on both ranks)
+  int pending_ = -1;     // rank 0: the path it wrote for the next one
 };
 
 }  // namespace rumor

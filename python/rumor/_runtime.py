@@ -121,6 +121,8 @@ def core_options(timeout: float, socket_streams: Optional[int] = None, shm: Opti
     opts.host_direct = env_bool("RUMOR_HOST_DIRECT", True)
     opts.host_direct_min_bytes = env_int("RUMOR_HOST_DIRECT_MIN_BYTES", opts.host_direct_min_bytes, minimum=0)
     opts.huge_pages = env_bool("RUMOR_HUGE_PAGES", True)
+    # Two ranks of one host, allreduce of 1-16 MiB: the path rank 0 names (the others follow it).
+    opts.two_rank_path = {"auto": -1, "ring": 0, "direct": 1}[env_choice("RUMOR_TWO_RANK_PATH", ("auto", "ring", "direct"), "auto")]
     opts.site_overlap = env_bool("RUMOR_SITE_OVERLAP", True)
     # Progress deadlines over TCP (issue 46, csrc/net/stall.h): RUMOR_TIMEOUT bounds silence, a
     # peer stopped mid-message is reported after a deadline derived from the link, never sooner

@@ -60,18 +60,24 @@ inline net::Token random_token() {
   return t;
 }
 
-inline World make_world(const std::vector<std::string>& host_of, const Options& opts,
+// opts[r] for rank r: settings a rank reads only for itself may differ between ranks.
+inline World make_world(const std::vector<std::string>& host_of, const std::vector<Options>& opts,
                         net::Token token = random_token()) {
   const uint32_t n = static_cast<uint32_t>(host_of.size());
   World w;
   std::vector<std::string> addrs;
   for (uint32_t r = 0; r < n; ++r) {
-    w.ctx.push_back(std::make_shared<Context>(r, n, token, opts, 0));
+    w.ctx.push_back(std::make_shared<Context>(r, n, token, opts.at(r), 0));
     addrs.push_back("127.0.0.1:" + std::to_string(w.ctx.back()->port()));
   }
   for (auto& c : w.ctx) c->set_peers(addrs, host_of);
   for (auto& c : w.ctx) c->seal();
   return w;
+}
+
+inline World make_world(const std::vector<std::string>& host_of, const Options& opts,
+                        net::Token token = random_token()) {
+  return make_world(host_of, std::vector<Options>(host_of.size(), opts), token);
 }
 
 inline std::vector<std::string> one_host(uint32_t n) { return std::vector<std::string>(n, "h"); }

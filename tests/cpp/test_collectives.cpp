@@ -673,6 +673,94 @@ TEST(HostDirect, MismatchedCountsAreRefusedEverywhere) {
   EXPECT_GE(named, 1u) << "no rank said the sizes differ";
 }
 
+// Rank 0's choice between the rings and the direct path (two ranks, 1-16 MiB): each path tried
+// once, then the faster, the other every kExploreEvery operations; one slow operation does not
+// switch, a path that stays slow is left within a few.
+TEST(PathChoice, TriesBothThenTakesTheFasterAndLooksAtTheOtherNowAndThen) {
+  PathChoice c;
+  const size_t mib = size_t{1} << 20;
+  ASSERT_FALSE(c.direct_next(mib));  // the rings first
+  c.record(mib, false, 120e-6);
+  ASSERT_TRUE(c.direct_next(mib));  // then the direct path
+  c.record(mib, true, 200e-6);
+  int direct = 0;
+  for (uint32_t i = 0; i < 4 * PathChoice::kExploreEvery; ++i) {
+    const bool d = c.direct_next(mib);
+    direct += d;
+    c.record(mib, d, d ? 200e-6 : 120e-6);
+  }
+  EXPECT_EQ(direct, 4);  // one look at the slower path in every kExploreEvery
+  // Sizes are told apart: 4 MiB has seen nothing yet.
+  EXPECT_FALSE(c.direct_next(4 * mib));
+  // One operation 40x slower (a descheduled rank) leaves the rings chosen.
+  ASSERT_FALSE(c.direct_next(mib));
+  c.record(mib, false, 4800e-6);
+  EXPECT_FALSE(c.direct_next(mib));
+  c.record(mib, false, 120e-6);
+  // The rings become slow for good (500 us): the direct path within a few operations.
+  int until = 0;
+  while (!c.direct_next(mib) && until < 10) {
+    c.record(mib, false, 500e-6);
+    ++until;
+  }
+  EXPECT_LE(until, 6);
+  EXPECT_GE(until, 2);
+  // ... and back to the rings once they are fast again, seen on the looks at them.
+  std::vector<bool> picks;
+  for (uint32_t i = 0; i < 5 * PathChoice::kExploreEvery; ++i) {
+    const bool d = c.direct_next(mib);
+    picks.push_back(d);
+    c.record(mib, d, d ? 200e-6 : 110e-6);
+  }
+  EXPECT_LE(std::count(picks.end() - PathChoice::kExploreEvery, picks.end(), true), 1);
+}
+
+// Two ranks take the path rank 0 names, whatever the other's own setting says (a disagreement
+// would hang, or each would read the other's buffer while it is rewritten), with exact results
+// on both paths, and with rank 0 choosing by time every rank ran the same path each time. Other
+// operations in between (a 4 KiB allreduce, a broadcast from rank 1, which rank 1 can finish
+// before rank 0 starts it) do not shift which operation a written path is for.
+TEST(HostDirect, TwoRanksTakeThePathRankZeroNames) {
+  const size_t count = (size_t{1} << 20) / sizeof(int64_t) + 3;  // 1 MiB and a bit
+  auto run = [&](int rank0, int rank1, int ops) {
+    std::vector<Options> o(2, quick_options(true));
+    o[0].two_rank_path = rank0;
+    o[1].two_rank_path = rank1;
+    auto w = make_world(one_host(2), o);
+    std::vector<std::string> paths[2];
+    auto errs = run_ranks(w, [&](Communicator& c, uint32_t r) {
+      std::vector<int64_t> v(count);
+      for (int k = 0; k < ops; ++k) {
+        for (size_t i = 0; i < count; ++i) v[i] = static_cast<int64_t>(i * (r + 1) + k) - 1000;
+        c.allreduce(v.data(), count, DType::I64, ReduceOp::SUM);
+        for (size_t i = 0; i < count; ++i)
+          ASSERT_EQ(v[i], static_cast<int64_t>(3 * i + 2 * k) - 2000) << "op " << k << " i " << i;
+        paths[r].push_back(c.last_algo());
+        if (k % 3 == 1) {
+          std::vector<float> small(1024, 1.0f);
+          c.allreduce(small.data(), small.size(), DType::F32, ReduceOp::SUM);
+          ASSERT_EQ(small[5], 2.0f);
+          c.broadcast(small.data(), small.size(), DType::F32, 1);
+        }
+      }
+    });
+    expect_all_ok(errs);
+    EXPECT_EQ(paths[0], paths[1]);
+    return paths[0];
+  };
+  EXPECT_EQ(run(1, 0, 3), std::vector<std::string>(3, "direct"));
+  EXPECT_EQ(run(0, 1, 3), std::vector<std::string>(3, "ring"));
+  const auto timed = run(-1, 1, 2 + 2 * PathChoice::kExploreEvery);
+  // The rings first (the first two: the second one's path is named during the first, before any
+  // time is known), then the direct path once.
+  EXPECT_EQ(timed[0], "ring");
+  EXPECT_EQ(timed[1], "ring");
+  EXPECT_EQ(timed[2], "direct");
+  const auto direct = std::count(timed.begin(), timed.end(), "direct");
+  EXPECT_GE(direct, 2);  // the first try, and looks at the slower path from then on
+  EXPECT_LE(direct, static_cast<long>(timed.size()) - 2);
+}
+
 // The same figures with the direct path turned off (the ring): integers must agree exactly.
 TEST(HostDirect, OffGivesTheSameIntegers) {
   const uint32_t n = 3;

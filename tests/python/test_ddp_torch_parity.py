@@ -350,6 +350,7 @@ def _init_with_env():
     ("RUMOR_SHM", "sometimes", "RUMOR_SHM='sometimes'"),
     ("RUMOR_SHM_RING_BYTES", "1MB", "RUMOR_SHM_RING_BYTES='1MB'"),
     ("RUMOR_SPIN_US", "x", "RUMOR_SPIN_US='x'"),
+    ("RUMOR_TWO_RANK_PATH", "fast", "RUMOR_TWO_RANK_PATH='fast'"),
     ("RUMOR_STRIPE_MIN_BYTES", "-4", "RUMOR_STRIPE_MIN_BYTES='-4'"),
     ("RUMOR_FLIGHT_RECORDER", "many", "RUMOR_FLIGHT_RECORDER='many'"),
     ("RUMOR_ADAPTIVE_DEADLINE", "maybe", "RUMOR_ADAPTIVE_DEADLINE='maybe'"),

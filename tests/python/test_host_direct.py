@@ -4,6 +4,8 @@ The running ranks take the stopped rank's share of the work meanwhile; the resul
 exact and nothing may time out early. Also: the ring (algorithm="ring") gives the same bits."""
 from __future__ import annotations
 
+import pytest
+
 import harness
 
 SIZE = (16 << 20) // 4 + 3  # many chunks, and a partial last one
@@ -42,7 +44,7 @@ def _collapse_possible() -> bool:
     return (major, minor) >= (6, 1) and not never
 
 
-def stopped_peer_rank(rounds: int, same_buffer: bool = False):
+def stopped_peer_rank(rounds: int, same_buffer: bool = False, size: int = SIZE):
     import os
     import signal
     import time
@@ -54,9 +56,9 @@ def stopped_peer_rank(rounds: int, same_buffer: bool = False):
     rumor.init()
     r, n = rumor.rank(), rumor.size()
     pids = rumor.allgather(torch.tensor([os.getpid()], dtype=torch.int64)).tolist()
-    base = torch.arange(SIZE, dtype=torch.float64) % 1009
+    base = torch.arange(size, dtype=torch.float64) % 1009
     expected = sum(base + 3 * q for q in range(n)).to(torch.float32)  # integers: exact
-    kept = torch.empty(SIZE, dtype=torch.float32)
+    kept = torch.empty(size, dtype=torch.float32)
     for k in range(rounds):
         x = (base + 3 * r).to(torch.float32)
         if same_buffer:  # as DDP's buckets: the direct path backs it with 2 MiB pages from round 2
@@ -96,6 +98,18 @@ def test_stopped_rank_mid_allreduce_two_ranks_on_huge_pages():
     # Two ranks take the direct path from 16 MiB where buffers go onto huge pages
     # (Communicator::use_direct); the same buffer three times, so the later rounds run on them.
     res = harness.run(stopped_peer_rank, 2, timeout=120, env={"RUMOR_TIMEOUT": "30"}, args=(3, True))
+    assert res == [True, True]
+
+
+@pytest.mark.parametrize("path", ["ring", "direct"])
+def test_stopped_rank_mid_allreduce_two_ranks_on_the_path_rank_0_names(path):
+    # Two ranks from 1 MiB to 16 MiB take the path rank 0 names (PathChoice, csrc/comm/direct.h);
+    # rank 1's own setting says the other one, and is not read.
+    size = (3 << 20) // 4 + 5
+    res = harness.run(stopped_peer_rank, 2, timeout=120, args=(2, False, size),
+                      env={"RUMOR_TIMEOUT": "30"},
+                      rank_env=[{"RUMOR_TWO_RANK_PATH": path},
+                                {"RUMOR_TWO_RANK_PATH": "direct" if path == "ring" else "ring"}])
     assert res == [True, True]
 
 
