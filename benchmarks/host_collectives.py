@@ -558,6 +558,15 @@ def main(argv=None) -> int:
             where = ", ".join(f"{c['n']} ranks {c['dtype']} {fmt_size(c['size'])}" for c in slow_ds)
             print("target: allreduce >= 1.2x deepspeed at every size >= 1 MiB: " +
                   ("MET" if not slow_ds else "NOT MET in " + where))
+            for c in slow_ds:
+                # The libraries' samples alternate, so the two of one index are taken about a
+                # second apart at most: more often in one core handoff state than two medians.
+                pairs = [d / r for r, d in zip(c["variants"]["rumor"]["samples_s"],
+                                               c["variants"]["deepspeed"]["samples_s"])]
+                c["paired_ds_ratio"] = statistics.median(pairs)
+                print(f"  {c['n']} ranks {c['dtype']} {fmt_size(c['size'])}: deepspeed / rumor per sample pair "
+                      f"(the same index, taken one after the other): median {c['paired_ds_ratio']:.2f}x, "
+                      f"range {min(pairs):.2f}x-{max(pairs):.2f}x")
         wrong = [(c["op"], c["n"], c["dtype"], c["size"], v) for c in result["cells"]
                  for v, d in c["variants"].items() if not d["correct"]]
         if wrong:

@@ -146,21 +146,34 @@ PathChoice::Size& PathChoice::of(size_t bytes) {
 
 bool PathChoice::direct_next(size_t bytes) {
   Size& s = of(bytes);
+  if (s.left > 0) {
+    --s.left;
+    return s.exploring == 1;
+  }
   if (!s.seen[0]) return false;
   if (!s.seen[1]) return true;
-  const bool faster = s.est[1] < s.est[0];
-  return ++s.ops % kExploreEvery == 0 ? !faster : faster;
+  const int faster = s.est[1] < s.est[0] ? 1 : 0;
+  const double slower = std::clamp(s.est[1 - faster] / std::max(s.est[faster], 1e-9), 1.0, kMaxSlower);
+  const double wait = std::min(kExploreEvery * slower, kExploreSeconds / std::max(s.est[faster], 1e-9));
+  if (++s.since < wait) return faster == 1;
+  s.since = 0;
+  s.exploring = 1 - faster;
+  s.left = kExploreRun - 1;
+  return s.exploring == 1;
 }
 
 void PathChoice::record(size_t bytes, bool direct, double seconds) {
   Size& s = of(bytes);
   const int i = direct ? 1 : 0;
+  const bool warm = s.last == i;
+  s.last = i;
+  if (!warm) return;
   if (!s.seen[i]) {
     s.seen[i] = true;
     s.est[i] = seconds;
     return;
   }
-  s.est[i] += kWeight * (std::min(seconds, 2 * s.est[i]) - s.est[i]);
+  s.est[i] += (seconds < s.est[i] ? kWeightDown : kWeight) * (std::min(seconds, 2 * s.est[i]) - s.est[i]);
 }
 
 HostDirect::HostDirect(Communicator& comm) : comm_(comm), huge_(comm.context().options().huge_pages) {}

@@ -113,29 +113,49 @@ class HostSmall {
 // where the two cores hand cache lines to each other quickly; the direct path hands over far fewer
 // lines and wins where that is slow. Which it is can change while a job runs: the two vCPUs of
 // this VM sit on cores that share a cache or not as the hypervisor places them, flipping every
-// second or so (1 MiB: rings 115-125 us or 450-600 us, direct 200-210 us in both). So rank 0
-// times both paths and names one for each operation; its name travels in its announcement, the
-// operation's entry barrier, and every rank takes the path rank 0 named: they cannot disagree.
+// second or so (1 MiB: rings 70-150 us or 400-600 us, direct 200-400 us). So rank 0 times both
+// paths and names one for each operation, and every rank takes the path rank 0 named
+// (HostDirect::allreduce_chosen): they cannot disagree.
 class PathChoice {
  public:
-  // Before an operation of `bytes`: whether to name the direct path. Each path is tried once
-  // first; then the faster by recent times, and the other one every kExploreEvery operations,
-  // so that a change of the slower one's speed is seen.
+  // Before an operation of `bytes`: whether to name the direct path. Each path is tried first;
+  // then the faster by recent times, and the other one for kExploreRun operations in a row after
+  // kExploreEvery times (slower / faster estimate) operations (kExploreSeconds at most), so that a change of
+  // the slower one's speed is seen. A run costs in proportion to how much slower that path is, so a far
+  // slower one is looked at as much less often (the rings at 75 us against the direct path at
+  // 300: every 64th operation cost 19% of the rings' time, mostly for nothing: there the direct
+  // path does not get faster, the rings get slower, and the rings' own times show that).
   bool direct_next(size_t bytes);
-  // After it: what it took on the path it took.
+  // After it, in the order the operations ran: what it took on the path it took. Only the times of
+  // operations that follow one on the same path count: the first after a switch finds the
+  // caches as the other path left them (a lone ring operation among direct ones took 220-330 us
+  // where the rings in a row took 100), and counting it kept the rings from ever being chosen back.
   void record(size_t bytes, bool direct, double seconds);
 
-  static constexpr uint32_t kExploreEvery = 16;
-  // Weight of a new time. A time above twice the estimate counts as twice the estimate: a rank
-  // descheduled once should not switch the path for the next hundred operations, while a
-  // path that became slow for good is left within a few operations.
+  static constexpr uint32_t kExploreEvery = 64;
+  static constexpr uint32_t kExploreRun = 2;
+  static constexpr double kMaxSlower = 16;  // the longest wait is kExploreEvery times this
+  // ... and never longer than this much time on the faster path: where an operation takes a
+  // millisecond (4 MiB), 64 of them outlast a state of the VM's cores (bf16 4 MiB: stuck on the
+  // direct path at 0.9-1.5 ms while the rings took 0.7 ms).
+  static constexpr double kExploreSeconds = 0.025;
+  // Weight of a new time above the estimate; one above twice the estimate counts as twice: a
+  // rank descheduled once should not switch the path for the next hundred operations, while a
+  // path that became slow for good is left within a few operations. A faster time weighs more
+  // (nothing makes an operation spuriously fast): a slower path that became the faster one is
+  // taken after the first run on it (with 0.25 alone, the rings sped up 4x were taken back after
+  // two runs, 128 operations, 40 ms).
   static constexpr double kWeight = 0.25;
+  static constexpr double kWeightDown = 0.75;
 
  private:
   struct Size {
     double est[2] = {0, 0};  // seconds: rings, direct
     bool seen[2] = {false, false};
-    uint32_t ops = 0;
+    uint32_t since = 0;  // choices by time since the last run on the slower path
+    uint32_t left = 0;   // operations left of the current run on the slower path
+    int exploring = 0;   // that path
+    int last = -1;       // the path of the last operation recorded
   };
   Size& of(size_t bytes);
   std::array<Size, 4> sizes_;  // by power of two: [1, 2), [2, 4), [4, 8), [8, 16) MiB

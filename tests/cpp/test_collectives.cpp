@@ -674,45 +674,65 @@ TEST(HostDirect, MismatchedCountsAreRefusedEverywhere) {
 }
 
 // Rank 0's choice between the rings and the direct path (two ranks, 1-16 MiB): each path tried
-// once, then the faster, the other every kExploreEvery operations; one slow operation does not
-// switch, a path that stays slow is left within a few.
+// first, then the faster, the other for kExploreRun operations every kExploreEvery; the first
+// operation after a switch does not count; one slow operation does not switch, a path that stays
+// slow is left within a few.
 TEST(PathChoice, TriesBothThenTakesTheFasterAndLooksAtTheOtherNowAndThen) {
   PathChoice c;
   const size_t mib = size_t{1} << 20;
-  ASSERT_FALSE(c.direct_next(mib));  // the rings first
-  c.record(mib, false, 120e-6);
-  ASSERT_TRUE(c.direct_next(mib));  // then the direct path
-  c.record(mib, true, 200e-6);
-  int direct = 0;
-  for (uint32_t i = 0; i < 4 * PathChoice::kExploreEvery; ++i) {
+  double ring = 120e-6, direct = 200e-6;
+  auto op = [&] {
     const bool d = c.direct_next(mib);
-    direct += d;
-    c.record(mib, d, d ? 200e-6 : 120e-6);
-  }
-  EXPECT_EQ(direct, 4);  // one look at the slower path in every kExploreEvery
+    c.record(mib, d, d ? direct : ring);
+    return d;
+  };
+  // The rings until one followed another (its time counts), then the direct path likewise.
+  EXPECT_EQ((std::vector<bool>{op(), op(), op(), op()}), (std::vector<bool>{false, false, true, true}));
+  std::vector<bool> picks;
+  for (uint32_t i = 0; i < 4 * PathChoice::kExploreEvery; ++i) picks.push_back(op());
+  // Runs on the slower path every kExploreEvery x 200/120 operations: two in 256.
+  EXPECT_EQ(std::count(picks.begin(), picks.end(), true), 2 * PathChoice::kExploreRun);
   // Sizes are told apart: 4 MiB has seen nothing yet.
   EXPECT_FALSE(c.direct_next(4 * mib));
+  // Past the next run on the direct path, onto the rings again (the first op there not counted).
+  while (!op()) {
+  }
+  while (op()) {
+  }
   // One operation 40x slower (a descheduled rank) leaves the rings chosen.
+  ASSERT_FALSE(op());
   ASSERT_FALSE(c.direct_next(mib));
-  c.record(mib, false, 4800e-6);
-  EXPECT_FALSE(c.direct_next(mib));
-  c.record(mib, false, 120e-6);
+  c.record(mib, false, 40 * ring);
+  EXPECT_FALSE(op());
+  EXPECT_FALSE(op());
   // The rings become slow for good (500 us): the direct path within a few operations.
+  ring = 500e-6;
   int until = 0;
-  while (!c.direct_next(mib) && until < 10) {
-    c.record(mib, false, 500e-6);
-    ++until;
-  }
+  while (!op() && until < 10) ++until;
   EXPECT_LE(until, 6);
-  EXPECT_GE(until, 2);
-  // ... and back to the rings once they are fast again, seen on the looks at them.
-  std::vector<bool> picks;
-  for (uint32_t i = 0; i < 5 * PathChoice::kExploreEvery; ++i) {
-    const bool d = c.direct_next(mib);
-    picks.push_back(d);
-    c.record(mib, d, d ? 200e-6 : 110e-6);
-  }
-  EXPECT_LE(std::count(picks.end() - PathChoice::kExploreEvery, picks.end(), true), 1);
+  // ... and back to the rings once they are fast again, after the first run on them.
+  ring = 110e-6;
+  picks.clear();
+  while (op()) picks.push_back(true);
+  EXPECT_LE(picks.size(), 2 * PathChoice::kExploreEvery);
+  for (uint32_t i = 0; i < PathChoice::kExploreRun - 1; ++i) EXPECT_FALSE(op());  // the run
+  for (uint32_t i = 0; i + 1 < PathChoice::kExploreEvery; ++i) EXPECT_FALSE(op()) << "op " << i;
+  // Far slower: looked at far less often (16x at most), on short operations.
+  ring = 1e-6;
+  direct = 100 * ring;
+  auto runs_in = [&](uint32_t ops) {
+    picks.clear();
+    for (uint32_t i = 0; i < ops; ++i) picks.push_back(op());
+    return std::count(picks.begin(), picks.end(), true) / static_cast<long>(PathChoice::kExploreRun);
+  };
+  runs_in(PathChoice::kExploreEvery * 40);  // the estimates settle
+  EXPECT_EQ(runs_in(PathChoice::kExploreEvery * 32), 2);
+  // Long ones: at least every kExploreSeconds of them.
+  ring = 1e-3;
+  direct = 10 * ring;
+  runs_in(PathChoice::kExploreEvery * 40);
+  const auto every = static_cast<long>(PathChoice::kExploreSeconds / ring) + PathChoice::kExploreRun;
+  EXPECT_NEAR(runs_in(PathChoice::kExploreEvery * 32), PathChoice::kExploreEvery * 32 / every, 1);
 }
 
 // Two ranks take the path rank 0 names, whatever the other's own setting says (a disagreement
@@ -750,14 +770,13 @@ TEST(HostDirect, TwoRanksTakeThePathRankZeroNames) {
   };
   EXPECT_EQ(run(1, 0, 3), std::vector<std::string>(3, "direct"));
   EXPECT_EQ(run(0, 1, 3), std::vector<std::string>(3, "ring"));
-  const auto timed = run(-1, 1, 2 + 2 * PathChoice::kExploreEvery);
-  // The rings first (the first two: the second one's path is named during the first, before any
-  // time is known), then the direct path once.
-  EXPECT_EQ(timed[0], "ring");
-  EXPECT_EQ(timed[1], "ring");
-  EXPECT_EQ(timed[2], "direct");
+  const auto timed = run(-1, 1, 6 + PathChoice::kExploreEvery + PathChoice::kExploreRun);
+  // The rings first (three: the first one's time does not count, and each path is named during
+  // the operation before, before that one's time is known), then the direct path.
+  EXPECT_EQ(std::vector<std::string>(timed.begin(), timed.begin() + 4),
+            (std::vector<std::string>{"ring", "ring", "ring", "direct"}));
   const auto direct = std::count(timed.begin(), timed.end(), "direct");
-  EXPECT_GE(direct, 2);  // the first try, and looks at the slower path from then on
+  EXPECT_GE(direct, 2);  // the first tries, and runs on the slower path from then on
   EXPECT_LE(direct, static_cast<long>(timed.size()) - 2);
 }
 
